@@ -1,0 +1,170 @@
+"""The `tierflow` command: a thin layer of argument parsing over the library."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(name: str):
+    def register(f: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = f
+        return f
+    return register
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().rstrip("b").rstrip("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pack", help="pack raw files into a tierflow dataset")
+    p.add_argument("sources", nargs="+", help="JSONL (.gz/.zst), Parquet, a directory of files or images")
+    p.add_argument("--out", required=True, help="output dataset directory")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--tokenizer", help="'bytes' or PATH/tokenizer.json")
+    p.add_argument("--eos-token", help="end-of-document token of a tokenizer.json")
+    p.add_argument("--keep-text", action="store_true", help="keep the text column next to the tokens")
+    p.add_argument("--shard-size", type=_size, default=256 << 20, help="target decoded shard size (256MB)")
+    p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
+    p.add_argument("--kind", choices=("auto", "jsonl", "parquet", "files", "images"), default="auto")
+    p.add_argument("--include", action="append", default=[], help="glob of files to take from directories")
+    p.add_argument("--exclude", action="append", default=[], help="glob of files or directories to skip")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
+    p = sub.add_parser("inspect", help="manifest summary and the first samples")
+    p.add_argument("dataset")
+    p.add_argument("-n", type=int, default=3, help="samples to show")
+
+    p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad shard and block")
+    p.add_argument("dataset")
+
+    p = sub.add_parser("demo", help="end-to-end demo on the standard library's source files")
+    p.add_argument("--out", default="demo-out")
+    p.add_argument("--max-files", type=int, default=None, help="a reduced run (CI)")
+
+    p = sub.add_parser("gc", help="remove files of a dataset directory that no manifest references")
+    p.add_argument("dataset")
+    return parser
+
+
+@command("pack")
+def _pack(args: argparse.Namespace) -> int:
+    from tierflow.pack.packer import pack
+
+    pack(args.sources, args.out, workers=args.workers, target_shard_bytes=args.shard_size,
+         compression=args.compression, tokenizer=args.tokenizer, eos_token=args.eos_token,
+         text_field=args.text_field, keep_text=args.keep_text, kind=args.kind, include=args.include,
+         exclude=args.exclude, on_error=args.on_error, overwrite=args.overwrite, progress=not args.quiet)
+    return 0
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    if isinstance(value, np.ndarray):
+        head = np.array2string(value[:12], separator=",")
+        return f"{value.dtype}[{len(value)}] {head}{'…' if len(value) > 12 else ''}"
+    if isinstance(value, bytes):
+        return f"bytes[{len(value)}] {value[:24]!r}{'…' if len(value) > 24 else ''}"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+@command("inspect")
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierflow import open_dataset
+
+    ds = open_dataset(args.dataset)
+    m = ds.manifest
+    console = Console()
+    at_rest = sum(s.bytes for s in m.shards)
+    decoded = sum(s.decoded_bytes for s in m.shards)
+    console.print(f"[bold]{args.dataset}[/]  dataset {m.dataset_id}  format v{m.format_version}")
+    console.print(f"{m.num_samples:,} samples in {len(m.shards)} shards; {at_rest / 1e6:.1f} MB at rest, "
+                  f"{decoded / 1e6:.1f} MB decoded")
+    if m.token_column:
+        console.print(f"{m.num_tokens:,} tokens ({m.token_dtype}), tokenizer {m.tokenizer}")
+    console.print("columns: " + ", ".join(f"{f.name}: {f.type}" for f in m.schema))
+    table = Table("#", *ds.columns)
+    for i in range(min(args.n, len(ds))):
+        sample = ds[i]
+        table.add_row(str(i), *(_short(sample[c]) for c in ds.columns))
+    console.print(table)
+    return 0
+
+
+@command("verify")
+def _verify(args: argparse.Namespace) -> int:
+    from tierflow.format.manifest import Manifest
+    from tierflow.format.shard import verify_shard
+
+    manifest = Manifest.load(args.dataset)
+    problems = []
+    for info in manifest.shards:
+        problems += verify_shard(Path(args.dataset) / info.name, info)
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems:
+        print(f"{args.dataset}: {len(problems)} problem(s) in {len(manifest.shards)} shards", file=sys.stderr)
+        return 1
+    print(f"{args.dataset}: {len(manifest.shards)} shards, {manifest.num_samples:,} samples: all checksums match")
+    return 0
+
+
+@command("gc")
+def _gc(args: argparse.Namespace) -> int:
+    from tierflow.format.manifest import MANIFEST_NAME, Manifest
+    from tierflow.pack.packer import DatasetLock, remove_unreferenced
+
+    root = Path(args.dataset)
+    with DatasetLock(root):
+        manifest = Manifest.load(root) if (root / MANIFEST_NAME).exists() else None
+        removed = remove_unreferenced(root, manifest)
+    print(f"{root}: removed {len(removed)} unreferenced file(s)")
+    return 0
+
+
+@command("demo")
+def _demo(args: argparse.Namespace) -> int:
+    from tierflow.demo import run_demo
+
+    run_demo(args.out, max_files=args.max_files)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from tierflow.format.manifest import ManifestError
+    from tierflow.pack.tokenize import PackInputError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (PackInputError, ManifestError, FileNotFoundError, KeyError) as e:
+        print(f"tierflow {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The manifest: one JSON file that makes a directory of shards a dataset.
+
+It is written last and atomically, so a directory without one holds no dataset. Its
+`dataset_id` hashes what the data *is* (schema, tokenizer, shard hashes), not the manifest's
+bytes, so two packs of the same data share cache entries. Untrusted input: `Manifest.load`
+validates every field a reader relies on and names what is wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import xxhash
+
+from tierflow.format.shard import COMPRESSIONS, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+_SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}[0-9a-f]{{32}}{re.escape(SHARD_SUFFIX)}$")
+_MAX_COUNT = 1 << 48
+
+
+class ManifestError(ValueError):
+    """A manifest is missing, unreadable or unsafe; the message names the file and field."""
+
+
+def schema_to_json(schema: pa.Schema) -> dict:
+    """Both a readable field list and the exact Arrow schema (IPC-serialised, base64)."""
+    return {
+        "fields": [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in schema],
+        "arrow": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
+    }
+
+
+def schema_from_json(d: dict) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["arrow"])))
+
+
+def compute_dataset_id(schema_json: dict, tokenizer: dict | None, shard_checksums: list[str]) -> str:
+    canonical = json.dumps({"schema": schema_json["fields"], "tokenizer": tokenizer,
+                            "shards": shard_checksums}, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(canonical.encode())
+
+
+@dataclass
+class Manifest:
+    schema: pa.Schema
+    shards: list[ShardInfo]
+    tokenizer: dict | None = None
+    token_column: str | None = None
+    token_dtype: str | None = None
+    eos_id: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def dataset_id(self) -> str:
+        return compute_dataset_id(schema_to_json(self.schema), self.tokenizer,
+                                  [s.checksum for s in self.shards])
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def to_json(self) -> dict:
+        schema_json = schema_to_json(self.schema)
+        return {
+            "format": "tierflow",
+            "format_version": self.format_version,
+            "dataset_id": self.dataset_id,
+            "schema": schema_json,
+            "tokenizer": self.tokenizer,
+            "token_column": self.token_column,
+            "token_dtype": self.token_dtype,
+            "eos_id": self.eos_id,
+            "shards": [s.to_json() for s in self.shards],
+            "stats": self.stats,
+        }
+
+    def save(self, directory: str | Path) -> Path:
+        """Atomically publish the manifest (temp file, fsync, rename, fsync directory)."""
+        directory = Path(directory)
+        path = directory / MANIFEST_NAME
+        tmp = directory / f".tmp-{os.getpid()}-{MANIFEST_NAME}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Manifest":
+        path = Path(directory) / MANIFEST_NAME
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
+        return cls.from_bytes(raw, str(path))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
+        try:
+            d = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        return cls.from_json(d, where)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "Manifest":
+        def fail(msg: str) -> ManifestError:
+            return ManifestError(f"{where}: {msg}")
+
+        if not isinstance(d, dict) or d.get("format") != "tierflow":
+            raise fail("not a tierflow manifest (missing \"format\": \"tierflow\")")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise fail(f"unknown format_version {version!r}; this tierflow reads version {FORMAT_VERSION}")
+        try:
+            schema = schema_from_json(d["schema"])
+        except Exception as e:  # noqa: BLE001 - any decoding failure is a bad manifest
+            raise fail(f"schema does not decode ({e})") from None
+        raw_shards = d.get("shards")
+        if not isinstance(raw_shards, list):
+            raise fail("\"shards\" is not a list")
+        shards = []
+        for i, s in enumerate(raw_shards):
+            try:
+                info = ShardInfo.from_json(s)
+            except (KeyError, TypeError, ValueError) as e:
+                raise fail(f"shard #{i} is malformed ({e})") from None
+            if not _SHARD_NAME.match(info.name):
+                raise fail(f"shard #{i} name {info.name!r} is not a shard file inside the dataset "
+                           f"(paths, '..' and URLs are refused)")
+            if info.name != f"{SHARD_PREFIX}{info.checksum}{SHARD_SUFFIX}":
+                raise fail(f"shard #{i} name {info.name!r} does not carry its checksum {info.checksum!r}")
+            for key in ("samples", "bytes", "decoded_bytes", "tokens"):
+                value = getattr(info, key)
+                if not 0 <= value < _MAX_COUNT:
+                    raise fail(f"shard {info.name}: {key} = {value} is negative or absurd")
+            if info.compression not in COMPRESSIONS:
+                raise fail(f"shard {info.name}: unknown compression {info.compression!r}")
+            if sum(b.rows for b in info.blocks) != info.samples:
+                raise fail(f"shard {info.name}: block rows sum to {sum(b.rows for b in info.blocks)}, "
+                           f"not {info.samples} samples")
+            for b in info.blocks:
+                if b.offset < 0 or b.length <= 0 or b.offset + b.length > info.bytes:
+                    raise fail(f"shard {info.name}: block at {b.offset}+{b.length} lies outside the file")
+            shards.append(info)
+        names = [s.name for s in shards]
+        if len(set(names)) != len(names):
+            raise fail("a shard is listed twice")
+        manifest = cls(
+            schema=schema, shards=shards, tokenizer=d.get("tokenizer"),
+            token_column=d.get("token_column"), token_dtype=d.get("token_dtype"),
+            eos_id=d.get("eos_id"), stats=d.get("stats") or {}, format_version=version,
+        )
+        if manifest.token_column is not None and manifest.token_column not in schema.names:
+            raise fail(f"token_column {manifest.token_column!r} is not in the schema")
+        recorded = d.get("dataset_id")
+        if recorded is not None and recorded != manifest.dataset_id:
+            raise fail(f"dataset_id {recorded} does not match its schema, tokenizer and shards "
+                       f"({manifest.dataset_id})")
+        return manifest

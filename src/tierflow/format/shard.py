@@ -1,0 +1,214 @@
+"""The shard: one Arrow IPC file, compressed per buffer at rest, content-addressed.
+
+A shard exists in two forms with the same record batches: *at rest* (zstd/lz4 buffer
+compression, what L4-L2 hold) and *decoded* (uncompressed, what a tier memory-maps for
+zero-copy numpy views). Both forms' sizes and xxh3-128 hashes are in the manifest, and
+every record batch (a *block*) of the at-rest file has its byte range and xxh3-64, so a
+ranged read of one block verifies without reading the shard. See docs/format.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import pyarrow as pa
+
+from tierflow.format.checksum import CHUNK, HashingSink, file_xxh3_128, xxh3_hex
+
+SHARD_PREFIX = "shard-"
+SHARD_SUFFIX = ".arrow"
+COMPRESSIONS = ("zstd", "lz4", "none")
+#: at-rest compression is kept only when it saves at least this fraction of the decoded size
+MIN_SAVING = 0.15
+
+
+class ShardCorruptError(IOError):
+    """Bytes of a shard do not match the manifest; names the shard and, when known, the block."""
+
+
+@dataclass(frozen=True)
+class Block:
+    offset: int
+    length: int
+    rows: int
+    checksum: str  # xxh3-64 hex of bytes [offset, offset + length) of the at-rest file
+
+
+@dataclass
+class ShardInfo:
+    """What the manifest records about one shard."""
+
+    name: str
+    samples: int
+    bytes: int
+    decoded_bytes: int
+    checksum: str
+    decoded_checksum: str
+    compression: str
+    tokens: int = 0
+    blocks: list[Block] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        """The entry key every tier uses for this shard: its at-rest content hash."""
+        return self.checksum
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "samples": self.samples,
+            "bytes": self.bytes,
+            "decoded_bytes": self.decoded_bytes,
+            "checksum": self.checksum,
+            "decoded_checksum": self.decoded_checksum,
+            "compression": self.compression,
+            "tokens": self.tokens,
+            "blocks": {
+                "offset": [b.offset for b in self.blocks],
+                "length": [b.length for b in self.blocks],
+                "rows": [b.rows for b in self.blocks],
+                "checksum": [b.checksum for b in self.blocks],
+            },
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ShardInfo":
+        b = d["blocks"]
+        blocks = [Block(int(o), int(n), int(r), str(c)) for o, n, r, c in
+                  zip(b["offset"], b["length"], b["rows"], b["checksum"], strict=True)]
+        return cls(
+            name=str(d["name"]), samples=int(d["samples"]), bytes=int(d["bytes"]),
+            decoded_bytes=int(d["decoded_bytes"]), checksum=str(d["checksum"]),
+            decoded_checksum=str(d["decoded_checksum"]), compression=str(d["compression"]),
+            tokens=int(d.get("tokens", 0)), blocks=blocks,
+        )
+
+
+def shard_name(checksum: str) -> str:
+    return f"{SHARD_PREFIX}{checksum}{SHARD_SUFFIX}"
+
+
+def _ipc_options(compression: str, level: int | None) -> pa.ipc.IpcWriteOptions:
+    if compression == "none":
+        return pa.ipc.IpcWriteOptions(compression=None)
+    codec = pa.Codec(compression, compression_level=level) if level is not None else compression
+    return pa.ipc.IpcWriteOptions(compression=codec, use_threads=True)
+
+
+def _write_ipc(batches: Sequence[pa.RecordBatch], schema: pa.Schema, sink: HashingSink,
+               options: pa.ipc.IpcWriteOptions) -> list[Block]:
+    """Write an IPC file through `sink`; return each record batch's block."""
+    blocks = []
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=options) as writer:
+        for batch in batches:
+            start = sink.position
+            sink.take_block_digest()
+            writer.write_batch(batch)
+            blocks.append(Block(start, sink.position - start, batch.num_rows, sink.take_block_digest()))
+    return blocks
+
+
+def write_shard(batches: Sequence[pa.RecordBatch], schema: pa.Schema, directory: str | Path,
+                compression: str = "zstd", level: int | None = None, tokens: int = 0) -> ShardInfo:
+    """Write one shard into `directory` under its content name; atomic (temp name, rename).
+
+    Compression is dropped for this shard when it saves less than MIN_SAVING (images,
+    already-compressed bytes): decoding costs CPU on every read for nothing.
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
+    directory = Path(directory)
+    decoded = HashingSink()
+    _write_ipc(batches, schema, decoded, _ipc_options("none", None))
+
+    tmp = directory / f".tmp-{os.getpid()}-{id(batches):x}{SHARD_SUFFIX}"
+    try:
+        chosen = compression
+        with open(tmp, "wb", buffering=CHUNK) as f:
+            sink = HashingSink(f)
+            blocks = _write_ipc(batches, schema, sink, _ipc_options(compression, level))
+        if compression != "none" and sink.position > (1 - MIN_SAVING) * decoded.position:
+            chosen = "none"
+            with open(tmp, "wb", buffering=CHUNK) as f:
+                sink = HashingSink(f)
+                blocks = _write_ipc(batches, schema, sink, _ipc_options("none", None))
+        checksum = sink.hexdigest()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        name = shard_name(checksum)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return ShardInfo(
+        name=name, samples=sum(b.num_rows for b in batches), bytes=sink.position,
+        decoded_bytes=decoded.position, checksum=checksum, decoded_checksum=decoded.hexdigest(),
+        compression=chosen, tokens=tokens, blocks=blocks,
+    )
+
+
+def decode_shard(src: str | Path, dst: str | Path) -> tuple[int, str]:
+    """Write the decoded (uncompressed) form of an at-rest shard to `dst`; return (size, xxh3-128).
+
+    The result is byte-identical to the decoded form measured at pack time, so the manifest's
+    `decoded_checksum` verifies it.
+    """
+    with pa.memory_map(str(src)) as source:
+        reader = pa.ipc.open_file(source)
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        with open(dst, "wb", buffering=CHUNK) as f:
+            sink = HashingSink(f)
+            _write_ipc(batches, reader.schema, sink, _ipc_options("none", None))
+    return sink.position, sink.hexdigest()
+
+
+def read_block(data: bytes | memoryview, schema: pa.Schema, info: ShardInfo, index: int) -> pa.RecordBatch:
+    """Decode one block fetched by a ranged read, after checking its xxh3."""
+    block = info.blocks[index]
+    if len(data) != block.length or xxh3_hex(data) != block.checksum:
+        raise ShardCorruptError(f"shard {info.name}: block {index} (bytes {block.offset}+{block.length}) "
+                                f"fails its checksum")
+    # block 0 also holds the file's magic and schema message, which precede its batch
+    start = 8 if bytes(data[:6]) == b"ARROW1" else 0
+    for message in pa.ipc.MessageReader.open_stream(pa.py_buffer(data)[start:]):
+        if message.type == "record batch":
+            return pa.ipc.read_record_batch(message, schema)
+    raise ShardCorruptError(f"shard {info.name}: block {index} holds no record batch")
+
+
+def read_schema(path: str | Path) -> pa.Schema:
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).schema
+
+
+def verify_shard(path: str | Path, info: ShardInfo, form: str = "at_rest") -> list[str]:
+    """Every problem with a shard file, as sentences naming the shard and block; empty if sound."""
+    path = Path(path)
+    if not path.exists():
+        return [f"shard {info.name}: missing ({path})"]
+    size = path.stat().st_size
+    expected_size = info.bytes if form == "at_rest" else info.decoded_bytes
+    expected_sum = info.checksum if form == "at_rest" else info.decoded_checksum
+    problems = []
+    if size != expected_size:
+        problems.append(f"shard {info.name}: size {size} != {expected_size} in the manifest")
+    if form == "at_rest":
+        with open(path, "rb") as f:
+            for i, block in enumerate(info.blocks):
+                f.seek(block.offset)
+                if xxh3_hex(f.read(block.length)) != block.checksum:
+                    problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
+                                    f"{block.rows} rows) fails its checksum")
+    if not problems and file_xxh3_128(path) != expected_sum:
+        problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
+    return problems
+
+
+def iter_shard_batches(path: str | Path) -> Iterable[pa.RecordBatch]:
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)

@@ -1,0 +1,466 @@
+"""`tierflow.pack`: raw inputs -> content-addressed shards + one manifest, on every core.
+
+Workers parse, map (`fn`) and tokenise units of input and hand back uncompressed Arrow
+files; the parent cuts them into shards of the target size in unit order, compresses and
+hashes them, and publishes the manifest last. Shard boundaries depend only on the data, so
+the output is byte-identical whatever the number of workers, and memory stays bounded
+(a window of units in flight plus the shard being assembled).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, write_shard
+from tierflow.pack.sources import (
+    SourceOptions, Unit, UnitStats, estimate_input_bytes, length_histogram, plan_units, read_unit,
+    rows_to_batch,
+)
+from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
+
+log = logging.getLogger("tierflow.pack")
+MIN_SHARD_BYTES = 256 << 10
+WARN_SHARD_BYTES = 64 << 20
+TMP_DIR = ".tmp-pack"
+LOCK_NAME = ".tierflow.lock"
+
+
+@dataclass
+class PackConfig:
+    """Everything a worker needs; plain data so it crosses the process boundary cheaply."""
+
+    sources: SourceOptions
+    fn: Callable[[dict], dict | None] | None = None
+    tokenizer: str | None = None
+    eos_token: str | None = None
+    keep_text: bool = False
+    block_bytes: int = 1 << 20
+    tmp_dir: str = ""
+
+
+@dataclass
+class UnitResult:
+    index: int
+    parts: list[str]
+    stats: UnitStats
+    input_bytes: int
+    tokens: int = 0
+    histogram: np.ndarray = field(default_factory=lambda: np.zeros(64, np.int64))
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def _apply_fn(batch: pa.RecordBatch, fn: Callable, stats: UnitStats, where: str) -> pa.RecordBatch | None:
+    out = []
+    for row in batch.to_pylist():
+        sample = fn(row)
+        if sample is None:
+            stats.filtered += 1
+            continue
+        out.append(sample)
+    stats.samples -= batch.num_rows - len(out)
+    return rows_to_batch(out, where) if out else None
+
+
+def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, where: str) -> pa.RecordBatch:
+    tokenizer = make_tokenizer(config.tokenizer, config.eos_token)
+    field_name = config.sources.text_field
+    idx = batch.schema.get_field_index(field_name)
+    if idx < 0:
+        raise PackInputError(f"{where}: no text field {field_name!r} to tokenise "
+                             f"(columns: {batch.schema.names}); pass --text-field")
+    texts = batch.column(idx)
+    if "text_bytes" in batch.schema.names and batch.column("text_bytes").null_count < batch.num_rows:
+        raw = batch.column("text_bytes").cast(pa.large_binary())
+        texts = pa.array([t if t is not None else r for t, r in
+                          zip(texts.cast(pa.large_binary()).to_pylist(), raw.to_pylist())], pa.large_binary())
+    offsets, ids = tokenizer.encode_arrow(texts)
+    ids = ids.astype(token_dtype(tokenizer.vocab_size), copy=False)
+    tokens = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(ids))
+    result.tokens += len(ids)
+    result.histogram += length_histogram(np.diff(offsets) - 1)
+    columns = {name: batch.column(name) for name in batch.schema.names
+               if config.keep_text or name not in (field_name, "text_bytes")}
+    columns["tokens"] = tokens
+    return pa.RecordBatch.from_pydict(columns)
+
+
+def _split_blocks(batch: pa.RecordBatch, block_bytes: int) -> Iterable[pa.RecordBatch]:
+    if batch.num_rows == 0:
+        return
+    per_row = max(1, batch.nbytes // batch.num_rows)
+    rows = max(1, block_bytes // per_row)
+    for start in range(0, batch.num_rows, rows):
+        yield batch.slice(start, rows)
+
+
+def pack_unit(unit: Unit, config: PackConfig) -> UnitResult:
+    """Turn one unit into uncompressed Arrow stream files (one per schema run)."""
+    stats = UnitStats()
+    result = UnitResult(unit.index, [], stats, unit.input_bytes)
+    writer, schema, sink_path = None, None, None
+    where = f"{unit.path}" + (f" [bytes {unit.start}..{unit.end}]" if unit.kind == "jsonl" and unit.start else "")
+    try:
+        for batch in read_unit(unit, config.sources, stats):
+            if config.fn is not None:
+                try:
+                    batch = _apply_fn(batch, config.fn, stats, where)
+                except PackInputError:
+                    raise
+                except Exception as e:
+                    raise PackInputError(f"{where}: fn raised {type(e).__name__}: {e}") from e
+                if batch is None:
+                    continue
+            if config.tokenizer is not None:
+                batch = _tokenize(batch, config, result, where)
+            if batch.num_rows == 0:
+                continue
+            if writer is None or batch.schema != schema:
+                if writer is not None:
+                    writer.close()
+                schema = batch.schema
+                sink_path = os.path.join(config.tmp_dir, f"unit-{unit.index:09d}-{len(result.parts)}.arrows")
+                writer = pa.ipc.new_stream(sink_path, schema)
+                result.parts.append(sink_path)
+            for block in _split_blocks(batch, config.block_bytes):
+                writer.write_batch(block)
+    finally:
+        if writer is not None:
+            writer.close()
+    return result
+
+
+def _pack_unit_in_worker(unit: Unit, config: PackConfig) -> UnitResult:
+    return pack_unit(unit, config)
+
+
+# ---------------------------------------------------------------- parent side
+
+
+class ShardAssembler:
+    """Cuts the ordered batch stream into shards of the target size (slicing at row boundaries)."""
+
+    def __init__(self, out: Path, target_bytes: int, compression: str, level: int | None,
+                 token_column: str | None) -> None:
+        self.out = out
+        self.target = target_bytes
+        self.compression = compression
+        self.level = level
+        self.token_column = token_column
+        self.schema: pa.Schema | None = None
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_bytes = 0
+        self.shards: list[ShardInfo] = []
+        self.unified: pa.Schema | None = None
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        batch = self._conform(batch)
+        while batch.num_rows:
+            room = self.target - self.pending_bytes
+            if batch.nbytes <= room:
+                self._append(batch)
+                return
+            rows = min(batch.num_rows, room // max(1, batch.nbytes // batch.num_rows))
+            if rows == 0:
+                if self.pending:
+                    self.flush()
+                    continue
+                rows = 1  # one sample larger than the target is a shard of its own
+            self._append(batch.slice(0, rows))
+            batch = batch.slice(rows)
+            self.flush()
+
+    def _append(self, batch: pa.RecordBatch) -> None:
+        self.pending.append(batch)
+        self.pending_bytes += batch.nbytes
+
+    def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        if self.schema is None:
+            self.schema = self.unified = batch.schema
+            return batch
+        if batch.schema.equals(self.schema):
+            return batch
+        if set(batch.schema.names) <= set(self.schema.names):
+            try:
+                arrays = []
+                for f in self.schema:
+                    idx = batch.schema.get_field_index(f.name)
+                    col = batch.column(idx) if idx >= 0 else pa.nulls(batch.num_rows, f.type)
+                    arrays.append(col if col.type == f.type else col.cast(f.type, safe=True))
+                return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                pass
+        # a new column or a wider type: the schema grows, so the shard being built ends here
+        self.flush()
+        try:
+            self.unified = pa.unify_schemas([self.unified, batch.schema], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise PackInputError(f"columns of incompatible types across the input ({e})") from None
+        self.schema = self.unified
+        return self._conform(batch)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tokens = 0
+        if self.token_column is not None:
+            for b in self.pending:
+                offsets = b.column(self.token_column).offsets
+                tokens += offsets[-1].as_py() - offsets[0].as_py()
+        info = write_shard(self.pending, self.schema, self.out, self.compression, self.level, tokens=tokens)
+        self.shards.append(info)
+        self.pending, self.pending_bytes = [], 0
+
+
+@dataclass
+class PackSummary:
+    manifest: Manifest
+    seconds: float
+    input_bytes: int
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.input_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST_NAME).exists() and not overwrite:
+        raise PackInputError(f"{out} already holds a finished dataset; pass --overwrite to replace it")
+    shutil.rmtree(out / TMP_DIR, ignore_errors=True)
+    for p in out.iterdir():
+        if p.name.startswith(".tmp-") and p.is_file():
+            p.unlink()
+    if not (out / MANIFEST_NAME).exists():
+        for p in out.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"):
+            p.unlink()  # leftovers of a pack that died before publishing its manifest
+
+
+def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
+    """Delete shard files and temporaries the manifest (if any) does not reference (`tierflow gc`)."""
+    keep = {s.name for s in manifest.shards} if manifest is not None else set()
+    removed = []
+    for p in out.iterdir():
+        if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in keep) or \
+                (p.name.startswith(".tmp-") and p.is_file()):
+            p.unlink()
+            removed.append(p)
+    if (out / TMP_DIR).exists():
+        shutil.rmtree(out / TMP_DIR)
+        removed.append(out / TMP_DIR)
+    return removed
+
+
+class DatasetLock:
+    """An exclusive kernel lock on a dataset directory, released if the holder dies."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOCK_NAME
+        self.fd: int | None = None
+
+    def __enter__(self) -> "DatasetLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise PackInputError(f"{self.path.parent}: another tierflow process is writing this dataset") from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self.fd is not None
+        os.close(self.fd)
+
+
+def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None] | None = None, *,
+         workers: int | None = None, target_shard_bytes: int = 256 << 20, compression: str = "zstd",
+         compression_level: int | None = None, tokenizer: str | None = None, eos_token: str | None = None,
+         text_field: str = "text", keep_text: bool = False, kind: str = "auto",
+         include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
+         overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20) -> PackSummary:
+    """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
+
+    `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
+    worker processes, so features computed here are paid once, not every epoch.
+    """
+    if isinstance(sources, (str, os.PathLike)) or isinstance(sources, dict):
+        sources = [sources]
+    elif not isinstance(sources, (list, tuple)):
+        sources = [sources]  # an iterable of records
+    if target_shard_bytes < MIN_SHARD_BYTES:
+        raise ValueError(f"target_shard_bytes {target_shard_bytes} < {MIN_SHARD_BYTES} (256 KB)")
+    if target_shard_bytes < WARN_SHARD_BYTES:
+        log.warning("shards of %d bytes are small: each costs a request and a cache entry; "
+                    "256 MB is the default", target_shard_bytes)
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+    workers = workers or os.cpu_count() or 1
+    out = Path(out)
+    tok = make_tokenizer(tokenizer, eos_token)
+    options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
+                            on_error=on_error, chunk_bytes=chunk_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    with DatasetLock(out):
+        _prepare_out(out, overwrite)
+        tmp_dir = out / TMP_DIR
+        tmp_dir.mkdir()
+        block_bytes = int(min(4 << 20, max(64 << 10, target_shard_bytes // 64)))
+        config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir))
+        assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
+                                   "tokens" if tok is not None else None)
+        totals = UnitStats()
+        tokens = 0
+        histogram = np.zeros(64, np.int64)
+        input_bytes = 0
+        started = time.perf_counter()
+        bar = _PackProgress(estimate_input_bytes(sources, options) if progress else None, progress)
+
+        def consume(result: UnitResult) -> None:
+            nonlocal tokens, histogram, input_bytes
+            for part in result.parts:
+                with pa.memory_map(part) as source:
+                    reader = pa.ipc.open_stream(source)
+                    os.unlink(part)  # the mapping keeps the bytes until the shard is written
+                    for batch in reader:
+                        assembler.add(batch)
+            totals.merge(result.stats)
+            tokens += result.tokens
+            histogram += result.histogram
+            input_bytes += result.input_bytes
+            bar.advance(result, totals, len(assembler.shards))
+
+        try:
+            with bar:
+                if workers == 1:
+                    for unit in plan_units(sources, options):
+                        consume(pack_unit(unit, config))
+                else:
+                    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+                        window: deque[Future] = deque()
+                        try:
+                            for unit in plan_units(sources, options):
+                                window.append(pool.submit(_pack_unit_in_worker, unit, config))
+                                if len(window) >= 2 * workers:
+                                    consume(window.popleft().result())
+                            while window:
+                                consume(window.popleft().result())
+                        except BaseException:
+                            for f in window:
+                                f.cancel()
+                            raise
+                assembler.flush()
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            for info in assembler.shards:
+                if not (out / MANIFEST_NAME).exists():
+                    (out / info.name).unlink(missing_ok=True)
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if not assembler.shards:
+            where = ", ".join(str(s) for s in sources if isinstance(s, (str, os.PathLike))) or "the iterable"
+            raise PackInputError(f"no samples found in {where}")
+        stats = {
+            "samples": sum(s.samples for s in assembler.shards),
+            "tokens": tokens,
+            "files": totals.files,
+            "kept_as_bytes": totals.kept_as_bytes,
+            "skipped_records": totals.skipped_records,
+            "filtered": totals.filtered,
+            "errors": totals.errors,
+            "input_bytes": input_bytes,
+            "length_histogram": {
+                "unit": "tokens" if tok is not None else None,
+                "bucket_upper_bounds": [0] + [1 << b for b in range(63)],
+                "counts": histogram.tolist(),
+            },
+        }
+        ident = tok.identity() if tok is not None else None
+        manifest = Manifest(
+            schema=assembler.unified, shards=assembler.shards, tokenizer=ident,
+            token_column="tokens" if tok is not None else None,
+            token_dtype=str(token_dtype(tok.vocab_size)) if tok is not None else None,
+            eos_id=tok.eos_id if tok is not None else None, stats=stats,
+        )
+        manifest.save(out)
+        remove_unreferenced(out, manifest)
+    summary = PackSummary(manifest, time.perf_counter() - started, input_bytes)
+    if progress:
+        print_summary(summary, out)
+    return summary
+
+
+class _PackProgress:
+    """A rich progress bar (files, samples, MB/s, ETA) or nothing."""
+
+    def __init__(self, total: int | None, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = total
+        self.progress = None
+        self.started = time.perf_counter()
+        self.done = 0
+
+    def __enter__(self) -> "_PackProgress":
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]pack"), BarColumn(), TextColumn("{task.description}"),
+                                     TimeRemainingColumn(), transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task("starting", total=self.total)
+        return self
+
+    def advance(self, result: UnitResult, totals: UnitStats, shards: int) -> None:
+        self.done += result.input_bytes
+        if self.progress is None:
+            return
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.progress.update(self.task, advance=result.input_bytes, description=(
+            f"{totals.files:,} files  {totals.samples:,} samples  {shards} shards  "
+            f"{self.done / 1e6 / elapsed:.1f} MB/s"))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def print_summary(summary: PackSummary, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = summary.manifest
+    at_rest = sum(s.bytes for s in m.shards)
+    decoded = sum(s.decoded_bytes for s in m.shards)
+    table = Table(title=f"packed {out}", show_header=False)
+    rows = [
+        ("dataset id", m.dataset_id),
+        ("samples", f"{m.num_samples:,}"),
+        ("shards", f"{len(m.shards)} (at rest {at_rest / 1e6:.1f} MB, decoded {decoded / 1e6:.1f} MB, "
+                   f"ratio {decoded / max(at_rest, 1):.2f}x)"),
+        ("input", f"{summary.input_bytes / 1e6:.1f} MB, {m.stats.get('files', 0):,} files"),
+        ("time", f"{summary.seconds:.2f} s, {summary.mb_per_s:.1f} MB/s, "
+                 f"{m.stats.get('files', 0) / max(summary.seconds, 1e-9):,.0f} files/s"),
+    ]
+    if m.token_column:
+        rows.append(("tokens", f"{m.num_tokens:,} ({m.token_dtype}, {m.tokenizer['name']})"))
+    if m.stats.get("kept_as_bytes"):
+        rows.append(("kept as bytes", f"{m.stats['kept_as_bytes']:,} (not valid UTF-8)"))
+    if m.stats.get("skipped_records"):
+        rows.append(("skipped", f"{m.stats['skipped_records']:,} malformed records"))
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)

@@ -1,0 +1,35 @@
+"""The shared test rig: an S3 server, a metering and fault-injecting proxy, a directory server.
+
+Tests use it through the fixtures in tests/conftest.py; benchmarks and `tierflow demo` import
+it directly. Nothing here is imported by the core package, and moto loads only in the
+server's child process.
+"""
+
+from tierflow.testing.bandwidth import TokenBucket
+from tierflow.testing.fileserver import DirectoryServer, serve_directory
+from tierflow.testing.proxy import (
+    Fault,
+    FaultRule,
+    LoopbackProxy,
+    PathTraffic,
+    RequestRecord,
+    TrafficSnapshot,
+)
+from tierflow.testing.proxyprocess import ProxyProcess
+from tierflow.testing.s3server import MotoS3Server, S3Endpoint, fake_credentials_env
+
+__all__ = [
+    "DirectoryServer",
+    "Fault",
+    "FaultRule",
+    "LoopbackProxy",
+    "MotoS3Server",
+    "PathTraffic",
+    "ProxyProcess",
+    "RequestRecord",
+    "S3Endpoint",
+    "TokenBucket",
+    "TrafficSnapshot",
+    "fake_credentials_env",
+    "serve_directory",
+]
