@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad shard and block")
     p.add_argument("dataset")
 
+    p = sub.add_parser("cache", help="show, warm, evict or clean a node's tiers")
+    p.add_argument("action", choices=("ls", "warm", "evict", "clean"))
+    p.add_argument("dataset", nargs="?", help="dataset URL (warm) or dataset id (evict)")
+    p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
+                   help="a tier of this node (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
+
     p = sub.add_parser("demo", help="end-to-end demo on the standard library's source files")
     p.add_argument("--out", default="demo-out")
     p.add_argument("--max-files", type=int, default=None, help="a reduced run (CI)")
@@ -144,6 +151,82 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_tiers(specs: list[str]) -> list:
+    """`NAME=PATH[:CAPACITY[:POLICY[:FORM]]]`, e.g. `L2=/nvme/tf:0.8:auto:at_rest`, `L1=/dev/shm/tf:8G`."""
+    import os
+
+    from tierflow.tiers import TierConfig
+
+    if not specs:
+        root = os.environ.get("TIERFLOW_CACHE", os.path.expanduser("~/.cache/tierflow"))
+        specs = [f"L2={root}/L2:0.5"]
+    configs = []
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        parts = rest.split(":")
+        if not name or not parts[0]:
+            raise ValueError(f"--tier {spec!r}: expected NAME=PATH[:CAPACITY[:POLICY[:FORM]]]")
+        capacity = parts[1] if len(parts) > 1 and parts[1] else "0.5"
+        cap = float(capacity) if float_like(capacity) and float(capacity) <= 1 else _size(capacity)
+        configs.append(TierConfig(name, parts[0], cap, policy=parts[2] if len(parts) > 2 else "lru",
+                                  form=parts[3] if len(parts) > 3 else "decoded"))
+    return configs
+
+
+def float_like(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+@command("cache")
+def _cache(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierflow.tiers import build_stack
+
+    configs = parse_tiers(args.tier)
+    console = Console()
+    if args.action == "warm":
+        if not args.dataset:
+            raise ValueError("tierflow cache warm DATASET_URL")
+        stack = build_stack(args.dataset, configs, endpoint_url=args.endpoint_url)
+        manifest = stack.manifest()
+        from rich.progress import Progress
+
+        with Progress(transient=True) as progress:
+            task = progress.add_task(f"warming {args.dataset}", total=len(manifest.shards))
+            for info in manifest.shards:
+                stack.ensure(info).release()
+                progress.advance(task)
+        console.print(f"warmed {len(manifest.shards)} shards of {manifest.dataset_id}")
+    tiers = [c.build() for c in configs]
+    if args.action == "evict":
+        for t in tiers:
+            keys = None
+            if args.dataset:
+                keys = [r.key for r in t.index.entries() if r.dataset == args.dataset]
+            console.print(f"{t.name}: evicted {t.evict(keys)} entries")
+    if args.action == "clean":
+        for t in tiers:
+            console.print(f"{t.name}: removed {t.clean()} leftover files")
+    if args.action in ("ls", "warm"):
+        table = Table("tier", "path", "form", "policy", "dataset", "entries", "bytes", "capacity")
+        for t in tiers:
+            per_dataset: dict[str, list[int]] = {}
+            for r in t.index.entries():
+                per_dataset.setdefault(r.dataset or "-", []).append(r.size)
+            snap = t.snapshot()
+            for dataset, sizes in sorted(per_dataset.items()) or [("-", [])]:
+                table.add_row(t.name, str(t.root), t.form, t.policy_name, dataset, str(len(sizes)),
+                              f"{sum(sizes) / 1e6:.1f} MB", f"{snap['capacity'] / 1e6:.1f} MB")
+        console.print(table)
+    return 0
+
+
 @command("demo")
 def _demo(args: argparse.Namespace) -> int:
     from tierflow.demo import run_demo
@@ -161,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (PackInputError, ManifestError, FileNotFoundError, KeyError) as e:
+    except (PackInputError, ManifestError, FileNotFoundError, KeyError, ValueError, OSError) as e:
+        if args.verbose:
+            raise
         print(f"tierflow {args.command}: {e}", file=sys.stderr)
         return 2
 

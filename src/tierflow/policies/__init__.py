@@ -1,1 +1,25 @@
-"""tierflow.policies"""
+"""Cache policies for tier directories, and a trace simulator that scores them.
+
+A tier composes one `CachePolicy` (by name through `make_policy`) with its byte
+accounting; `Cache` is that composition. `simulate` and `optimum` replay traces from
+`tierflow.policies.traces`. The interface is described in docs/policies.md.
+"""
+
+from tierflow.policies.auto import AutoPolicy, Lifecycle, choose_policy
+from tierflow.policies.base import CachePolicy, EntryStats, NextUseOracle
+from tierflow.policies.cache import Cache
+from tierflow.policies.clairvoyant import ClairvoyantPolicy
+from tierflow.policies.hotscore import HotScorePolicy, hot_score, hotscore_key
+from tierflow.policies.lru import LRUPolicy
+from tierflow.policies.nochurn import NoChurnPolicy
+from tierflow.policies.oracle import IntervalOracle, oracle_from_accesses, oracle_from_intervals
+from tierflow.policies.registry import make_policy, policy_names, register_policy
+from tierflow.policies.simulator import SimResult, optimum, simulate
+from tierflow.policies.stream import StreamPolicy
+
+__all__ = [
+    "AutoPolicy", "Cache", "CachePolicy", "ClairvoyantPolicy", "EntryStats", "HotScorePolicy",
+    "IntervalOracle", "LRUPolicy", "Lifecycle", "NextUseOracle", "NoChurnPolicy", "SimResult",
+    "StreamPolicy", "choose_policy", "hot_score", "hotscore_key", "make_policy", "optimum",
+    "oracle_from_accesses", "oracle_from_intervals", "policy_names", "register_policy", "simulate",
+]

@@ -1,1 +1,52 @@
-"""tierflow.tiers"""
+"""Storage tiers: shards staged from a source (L4/L3) through local disk (L2) and RAM (L1).
+
+    stack = build_stack("s3://bucket/dataset", [
+        TierConfig("L1", "/dev/shm/tierflow", capacity=8 << 30, form="decoded"),
+        TierConfig("L2", "/nvme/tierflow", capacity=0.8, policy="auto", form="at_rest"),
+    ], endpoint_url="http://127.0.0.1:9000")
+    ds = stack.dataset()          # a tierflow Dataset whose shards come through the tiers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from tierflow.telemetry import MetricsRegistry
+from tierflow.tiers.stack import Handle, TierStack
+from tierflow.tiers.tier import Tier
+
+
+@dataclass
+class TierConfig:
+    """One tier: a directory shared by every job on the node, its capacity, policy and form.
+
+    `capacity` is bytes, or a fraction (<= 1) of (free space + the tier's own usage) at start.
+    """
+
+    name: str
+    path: str
+    capacity: float
+    policy: str = "lru"
+    form: str = "decoded"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, registry: MetricsRegistry | None = None) -> Tier:
+        return Tier(self.path, self.capacity, policy=self.policy, form=self.form, name=self.name,
+                    registry=registry, policy_options=self.policy_options)
+
+
+def build_stack(url: str, tiers: Sequence[TierConfig | Tier] = (), *, endpoint_url: str | None = None,
+                bandwidth: float | None = None, registry: MetricsRegistry | None = None) -> TierStack:
+    """A tier stack over the dataset at `url` (a local path, s3://, or another fsspec URL)."""
+    from tierflow.tiers.budget import BandwidthBudget
+    from tierflow.tiers.remote import open_source
+
+    registry = registry or MetricsRegistry()
+    budget = BandwidthBudget(bandwidth) if bandwidth else None
+    source = open_source(url, endpoint_url=endpoint_url, budget=budget, registry=registry)
+    built = [t if isinstance(t, Tier) else t.build(registry) for t in tiers]
+    return TierStack(source, built, registry=registry)
+
+
+__all__ = ["Handle", "Tier", "TierConfig", "TierStack", "build_stack"]

@@ -1,0 +1,83 @@
+"""Benchmark of the sample order: start-up, seek and hot-path cost against dataset size.
+
+Construct + seek (load a mid-epoch cursor) + first 1,000 sample ids, at 1M, 10M, 100M and 1B
+samples over a fixed 4,000 shards: wall time and peak traced memory, and their growth against
+1M (target: <= 10%). Then microseconds per sample id on the hot path (batches of 1,000).
+Run: .venv/bin/python benchmarks/order.py
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+
+from tierflow.order import RankStream, SampleOrder, future_shard_uses
+
+SHARDS = 4000
+SIZES = [1_000_000, 10_000_000, 100_000_000, 1_000_000_000]
+BATCH = 1000
+REPEATS = 5
+
+
+def start_and_first_batch(total: int) -> np.ndarray:
+    order = SampleOrder([total // SHARDS] * SHARDS, dataset_id=f"bench-{total}", seed=1, partitions=64)
+    half = [int(n) // 2 for n in order.layout.partition_sizes]
+    saved = order.cursor([3] * 64, half, [1000] * 64).to_dict()
+    cursor = order.load(saved)
+    stream = RankStream(order, cursor, batch_size=BATCH, node=3, num_nodes=8, rank=5, ranks_per_node=8)
+    return stream.batch(0).sample_ids
+
+
+def measure_start(total: int) -> tuple[float, int]:
+    best = float("inf")
+    for _ in range(REPEATS):
+        began = time.perf_counter()
+        ids = start_and_first_batch(total)
+        best = min(best, time.perf_counter() - began)
+        assert ids.size == BATCH
+    tracemalloc.start()
+    start_and_first_batch(total)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return best, peak
+
+
+def measure_hot_path(total: int, batches: int = 300) -> tuple[float, float, float]:
+    order = SampleOrder([total // SHARDS] * SHARDS, dataset_id=f"bench-{total}", seed=1, partitions=64)
+    stream = RankStream(order, order.start(), batch_size=BATCH, node=0, num_nodes=8, ranks_per_node=8)
+    stream.batch(0)
+    began = time.perf_counter()
+    for j in range(batches):
+        partition, epoch, offset = stream.node_batch(j)
+        order.read(partition, epoch, offset, BATCH)
+    ids_only = (time.perf_counter() - began) / (batches * BATCH) * 1e6
+    began = time.perf_counter()
+    for b in range(batches):
+        stream.batch(b)
+    with_cursor = (time.perf_counter() - began) / (batches * BATCH) * 1e6
+    began = time.perf_counter()
+    future_shard_uses(order, order.start(), node=0, num_nodes=8, batch_size=BATCH, horizon=1_000_000)
+    future_ms = (time.perf_counter() - began) * 1e3
+    return ids_only, with_cursor, future_ms
+
+
+def main() -> None:
+    print(f"start-up: construct + seek + first {BATCH} ids, {SHARDS} shards, 64 partitions, best of {REPEATS}")
+    print(f"{'samples':>14} {'time ms':>9} {'x vs 1M':>8} {'peak KiB':>9} {'x vs 1M':>8}")
+    base = None
+    for total in SIZES:
+        seconds, peak = measure_start(total)
+        base = base or (seconds, peak)
+        print(f"{total:>14,} {seconds * 1e3:>9.2f} {seconds / base[0]:>8.2f} {peak / 1024:>9.0f} {peak / base[1]:>8.2f}")
+    print()
+    print(f"hot path, batches of {BATCH} (node 0 of 8, 8 ranks):")
+    print(f"{'samples':>14} {'us/id ids':>10} {'us/id +cursor':>14} {'future 1M ms':>13}")
+    for total in (SIZES[0], SIZES[-1]):
+        ids_only, with_cursor, future_ms = measure_hot_path(total)
+        print(f"{total:>14,} {ids_only:>10.3f} {with_cursor:>14.3f} {future_ms:>13.1f}")
+
+
+if __name__ == "__main__":
+    main()

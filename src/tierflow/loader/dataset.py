@@ -1,0 +1,269 @@
+"""TieredDataset: an IterableDataset that walks the order and batches inside the dataset.
+
+Each batch carries `tf_cursor`, the JSON state after the training loop has consumed it, so the
+state saved is the state of the last batch consumed, however far the workers ran ahead. Use it
+with `DataLoader(ds, batch_size=None, num_workers=W)`: worker w builds output batches n = w (mod W),
+which is the order DataLoader's in-order round robin hands them out in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from tierflow.format.dataset import Dataset, ShardSource, open_dataset
+from tierflow.format.manifest import Manifest
+from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
+from tierflow.loader.tokens import straddling_shards
+from tierflow.loader.topology import WorldPosition
+from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
+
+CURSOR_VERSION = 1
+
+
+def default_partitions(nonempty_shards: int) -> int:
+    """64, or the largest power of two the dataset's non-empty shards allow."""
+    partitions = 1
+    while partitions * 2 <= min(64, nonempty_shards):
+        partitions *= 2
+    return partitions
+
+
+class CursorError(ValueError):
+    """A saved loader cursor that cannot resume this dataset in this arrangement."""
+
+
+class TieredDataset(IterableDataset):
+    """Batches of a packed dataset in the order's sequence for this rank; endless unless `eval`.
+
+    `data` is a dataset directory or an opened `Dataset`; `shard_source_factory()` makes the
+    per-process shard source (the tier stack) when given. Nothing that opens files or clients is
+    created before iteration, so DataLoader workers build their own after fork.
+    """
+
+    def __init__(
+        self,
+        data: str | Path | Dataset,
+        *,
+        batch_size: int,
+        seq_len: int | None = None,
+        batcher: Batcher | None = None,
+        columns: list[str] | None = None,
+        transform: Transform | None = None,
+        filter: Filter | None = None,
+        seed: int = 0,
+        partitions: int | None = None,
+        window_shards: int = 4,
+        remainder: str = "carry",
+        eval: bool = False,
+        resume: dict[str, Any] | None = None,
+        allow_mismatch: bool = False,
+        world: WorldPosition | None = None,
+        max_batches: int | None = None,
+        shard_source_factory: Callable[[], ShardSource] | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batcher is None:
+            batcher = TokenWindows(seq_len) if seq_len is not None else Samples(select=columns)
+        elif seq_len is not None:
+            raise ValueError("pass either seq_len or batcher, not both")
+        if isinstance(batcher, TokenWindows) and (transform is not None or filter is not None):
+            raise ValueError("token windows are the order's samples one-to-one: filter/transform apply to Samples")
+        if eval and batcher.batches_per_group != 1:
+            raise ValueError("eval mode reads every sample once in stored order; use a batcher without groups")
+        self.batcher = batcher
+        self.batch_size = batch_size
+        self.transform = transform
+        self.filter = filter
+        self.eval = eval
+        self.max_batches = max_batches
+        self.allow_mismatch = allow_mismatch
+        self.shard_source_factory = shard_source_factory
+        self.world = world if world is not None else WorldPosition.from_env()
+        if isinstance(data, Dataset):
+            self._given: Dataset | None = data
+            self.location = data.location
+            manifest = data.manifest
+        else:
+            self._given = None
+            self.location = str(data)
+            manifest = Manifest.load(data)
+        self.manifest = manifest
+        self._columns = batcher.columns(manifest)
+        index = data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
+        counts = batcher.order_counts(index)
+        self._token_starts = index.token_starts
+        self.num_order_samples = int(counts.sum())
+        if self.num_order_samples == 0:
+            raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
+        self.seed = seed
+        self.order = SampleOrder(
+            counts.tolist(),
+            dataset_id=f"{manifest.dataset_id}/{batcher.tag()}",
+            seed=seed,
+            partitions=partitions if partitions is not None else default_partitions(int((counts > 0).sum())),
+            window_shards=window_shards,
+            remainder=remainder,
+        )
+        self._resume: dict[str, Any] | None = None
+        self.load_state_dict(resume)
+        self._context: SampleContext | None = None
+        self._context_pid = -1
+
+    # -- state ---------------------------------------------------------------------------
+    def arrangement(self) -> dict[str, int]:
+        return {"num_nodes": self.world.num_nodes, "ranks_per_node": self.world.ranks_per_node,
+                "batch_size": self.batch_size, "group": self.batcher.batches_per_group}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The cursor iteration starts from (None: the beginning); the Loader's state is the one to save."""
+        return self._resume
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Resume from a batch's `tf_cursor` or a Loader state_dict; checked now, O(partitions)."""
+        if state is not None and "cursor" in state and "kind" not in state:
+            state = state["cursor"]
+        if state is not None:
+            self._check_cursor(state)
+        self._resume = state
+
+    def _check_cursor(self, state: dict[str, Any]) -> None:
+        if state.get("version") != CURSOR_VERSION:
+            raise CursorError(f"{self.location}: loader cursor version {state.get('version')!r}, "
+                              f"this tierflow reads {CURSOR_VERSION}")
+        kind = "eval" if self.eval else "train"
+        if state.get("kind") != kind:
+            raise CursorError(f"{self.location}: a {state.get('kind')!r} cursor cannot resume a {kind} dataset")
+        if kind == "train":
+            self.order.load(state["order"], allow_mismatch=self.allow_mismatch)
+        if state.get("skip", 0) or kind == "eval":
+            saved = state.get("arrangement")
+            if saved != self.arrangement():
+                raise CursorError(
+                    f"{self.location}: cursor stopped inside a group of {saved and saved.get('group')} batches "
+                    f"(or in eval) under {saved}; resuming it needs the same arrangement, not {self.arrangement()} "
+                    f"(change world size or batch size at a group boundary)")
+
+    # -- per-process reading state -------------------------------------------------------
+    def _open(self) -> SampleContext:
+        if self._context is not None and self._context_pid == os.getpid():
+            return self._context
+        if self._given is not None:
+            given = self._given
+            source = self.shard_source_factory() if self.shard_source_factory else given.source
+            dataset = Dataset(given.manifest, source, columns=self._columns, location=given.location)
+        elif self.shard_source_factory is not None:
+            dataset = Dataset(self.manifest, self.shard_source_factory(), columns=self._columns, location=self.location)
+        else:
+            dataset = open_dataset(self.location, columns=self._columns)
+        self._context = SampleContext(dataset, self.seed, self.transform, self.filter)
+        self._context_pid = os.getpid()
+        return self._context
+
+    # -- iteration ------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        ctx = self._open()
+        if self.eval:
+            return self._eval_batches(ctx, worker, workers)
+        return self._train_batches(ctx, worker, workers)
+
+    def _stream(self) -> tuple[RankStream, OrderCursor, int]:
+        if self._resume is None:
+            base, skip = self.order.start(), 0
+        else:
+            base = self.order.load(self._resume["order"], allow_mismatch=self.allow_mismatch)
+            skip = int(self._resume.get("skip", 0))
+        stream = RankStream(
+            self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
+            node=self.world.node, num_nodes=self.world.num_nodes,
+            rank=self.world.local_rank, ranks_per_node=self.world.ranks_per_node,
+        )
+        return stream, base, skip
+
+    def _train_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
+        stream, base, skip = self._stream()
+        per_group = self.batcher.batches_per_group
+        arrangement = self.arrangement()
+        cached: tuple[int, Any] | None = None
+        n = skip + worker
+        while self.max_batches is None or n - skip < self.max_batches:
+            group, sub = divmod(n, per_group)
+            if cached is None or cached[0] != group:
+                cached = (group, stream.batch(group))
+            order_batch = cached[1]
+            batch = self.batcher.build(ctx, group, order_batch.sample_ids, order_batch.epochs, order_batch.mask, sub)
+            if sub + 1 == per_group:
+                cursor = {"order": order_batch.cursor, "skip": 0}
+            else:
+                before = base if group == 0 else stream.cursor_after(group - 1)
+                cursor = {"order": before.to_dict(), "skip": sub + 1}
+            batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "train", **cursor, "arrangement": arrangement}
+            batch["tf_index"] = n - skip
+            yield batch
+            n += workers
+
+    def _eval_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
+        order = EvalOrder(self.num_order_samples, batch_size=self.batch_size, world_size=self.world.world_size)
+        start = int(self._resume["step"]) + 1 if self._resume is not None else 0
+        arrangement = self.arrangement()
+        epochs = np.zeros(self.batch_size, dtype=np.int64)
+        stop = order.steps if self.max_batches is None else min(order.steps, start + self.max_batches)
+        for step in range(start + worker, stop, workers):
+            planned = order.batch(self.world.rank, step)
+            batch = self.batcher.build(ctx, step, planned.sample_ids, epochs, planned.mask, 0)
+            batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "eval", "step": step, "arrangement": arrangement}
+            batch["tf_index"] = step - start
+            yield batch
+
+    # -- hooks for the stager ------------------------------------------------------------
+    def future_shard_uses(self, cursor: dict[str, Any] | None = None, horizon_batches: int = 64) -> list[ShardUse]:
+        """This node's shard uses from `cursor` (default: the resume cursor) for the next
+        `horizon_batches` steps; positions in node samples (docs/order.md). For token windows a
+        window running past its shard also uses the next non-empty shard, listed with the same interval."""
+        state = cursor if cursor is not None else self._resume
+        start = self.order.start() if state is None else self.order.load(state["order"], self.allow_mismatch)
+        per_step = self.batch_size * self.batcher.batches_per_group
+        uses = future_shard_uses(
+            self.order, start, node=self.world.node, num_nodes=self.world.num_nodes,
+            batch_size=per_step, horizon=horizon_batches * self.world.ranks_per_node * per_step)
+        if isinstance(self.batcher, TokenWindows):
+            straddles = straddling_shards(self._token_starts, self.batcher.seq_len)
+            tokens = np.diff(self._token_starts)
+            extra = []
+            for use in uses:
+                if straddles[use.shard]:
+                    following = use.shard + 1
+                    while following < tokens.size and tokens[following] == 0:
+                        following += 1
+                    if following < tokens.size:
+                        extra.append(use._replace(shard=following))
+            uses = sorted(uses + extra, key=lambda u: (u.first_use, u.shard))
+        return uses
+
+    def start_prefetch(self) -> None:
+        """Hook for the stager (not built here): a no-op until the tier stack's stager exists."""
+
+    def __repr__(self) -> str:
+        return (f"TieredDataset({self.location!r}, batch_size={self.batch_size}, batcher={self.batcher!r}, "
+                f"world={self.world}, eval={self.eval})")
+
+
+class _NoShards:
+    """A shard source for the main process's index-only Dataset: opening a shard there is a bug."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+
+    def open_shard(self, index: int, info: Any) -> Any:
+        raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
+
+
+__all__ = ["CursorError", "LengthBuckets", "Samples", "TieredDataset", "TokenWindows", "default_partitions"]

@@ -1,0 +1,469 @@
+"""The device feed (L0): put batch N+1 on the accelerator while step N computes.
+
+On CUDA every array of a batch is copied into a ring of pinned host buffers
+and sent to the device by asynchronous copies on a side stream, from a
+background thread; token ids cross the bus narrow (uint16/int32) and are
+widened on the device. Without a GPU a batch becomes CPU tensors that view
+the source's numpy arrays (no copy); `staged=True` runs the CUDA path's
+structure on the host instead (ring copy, then a copy the batch owns).
+
+Copies and bytes are counted per stage ("contiguous", "ring", "to_device",
+"widen"), and the time the training loop waited in `next()` is recorded, in
+the feed's `MetricsRegistry`.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from tierflow.telemetry.metrics import BoundaryTimer, Counter, MetricsRegistry
+
+COPY_STAGES = ("contiguous", "ring", "to_device", "widen")
+
+# Unsigned ids travel as the signed type of the same width (fully supported by
+# every torch op) and are masked back to their value when widened.
+_UNSIGNED_AS_SIGNED: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.uint16: (torch.int16, 0xFFFF),
+    torch.uint32: (torch.int32, 0xFFFFFFFF),
+}
+_NUMPY_UNSIGNED = {np.dtype(np.uint16): (np.int16, torch.uint16), np.dtype(np.uint32): (np.int32, torch.uint32)}
+_TENSOR_KINDS = "biufc"
+_RING_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class FeedStats:
+    """What the feed did so far: batches, copies and bytes per stage, and the training loop's wait."""
+
+    batches: int
+    copies: dict[str, int]
+    bytes: dict[str, int]
+    wait_s: float
+    wait_p90_s: float
+    wait_p99_s: float
+    source_wait_s: float
+    ring_allocations: int
+
+
+class PinnedRing:
+    """Host staging buffers, one set per slot, reused round-robin and regrown when a shape grows.
+
+    The caller must not refill a slot while a copy out of it may still be
+    running; the device feed waits for the slot's last copy event first.
+    """
+
+    def __init__(self, slots: int, pin: bool) -> None:
+        if slots < 1:
+            raise ValueError(f"pinned ring needs at least one slot, got {slots}")
+        self.slots = slots
+        self.pin = pin
+        self.allocations = 0
+        self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
+
+    def stage(self, slot: int, key: str, source: torch.Tensor) -> torch.Tensor:
+        """Copy `source` into `slot`'s buffer for `key`; returns that buffer viewed with its shape."""
+        nbytes = source.numel() * source.element_size()
+        buffer = self._buffers[slot].get(key)
+        if buffer is None or buffer.numel() < nbytes:
+            size = max(_RING_ALIGN, -(-nbytes // _RING_ALIGN) * _RING_ALIGN)
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            self._buffers[slot][key] = buffer
+            self.allocations += 1
+        staged = buffer[:nbytes].view(source.dtype).view(source.shape)
+        staged.copy_(source)
+        return staged
+
+    def buffer(self, slot: int, key: str) -> torch.Tensor | None:
+        return self._buffers[slot].get(key)
+
+
+def _host_tensor(value: Any) -> tuple[torch.Tensor, torch.dtype | None, int] | None:
+    """A CPU tensor viewing `value`, the unsigned dtype it stands for, and bytes copied to make it.
+
+    None means the value is not an array the feed moves (cursor dicts,
+    strings, object arrays, tensors already on a device): it passes through.
+    """
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in _TENSOR_KINDS:
+            return None
+        copied = 0
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+            copied = value.nbytes
+        elif any(stride < 0 for stride in value.strides):
+            value = np.ascontiguousarray(value)
+            copied = value.nbytes
+        unsigned = None
+        if value.dtype in _NUMPY_UNSIGNED:
+            signed, unsigned = _NUMPY_UNSIGNED[value.dtype]
+            value = value.view(signed)
+        if value.flags.writeable:
+            tensor = torch.from_numpy(value)
+        else:
+            # Read-only views of mapped shards are fine: the feed never writes into them.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(value)
+        return tensor, unsigned, copied
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        if value.dtype in _UNSIGNED_AS_SIGNED:
+            return value.view(_UNSIGNED_AS_SIGNED[value.dtype][0]), value.dtype, 0
+        return value, None, 0
+    return None
+
+
+_EXACT_INTEGER_BITS = {
+    torch.int32: 31, torch.int64: 63, torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53,
+}
+_UNSIGNED_BITS = {torch.uint16: 16, torch.uint32: 32}
+
+
+def _check_widening(key: str, logical: torch.dtype, wide: torch.dtype) -> None:
+    if logical in _UNSIGNED_BITS:  # torch.promote_types refuses the unsigned types
+        lossless = _EXACT_INTEGER_BITS.get(wide, 0) >= _UNSIGNED_BITS[logical]
+    else:
+        try:
+            lossless = torch.promote_types(logical, wide) == wide
+        except RuntimeError:  # e.g. uint64, which torch does not promote
+            lossless = False
+    if not lossless:
+        raise ValueError(f"device feed: cannot widen {key!r} from {logical} to {wide} without loss")
+
+
+class DeviceFeed:
+    """Iterate `batches` (dicts) with their arrays as tensors on `device`, `depth` batches ahead.
+
+    `widen` maps keys to the dtype they take on the device (e.g.
+    {"input_ids": torch.int64}); they cross the bus in their source dtype.
+    Values that are not numeric arrays or CPU tensors pass through unchanged.
+
+    Memory: a CUDA batch owns fresh device memory (the pinned ring is host
+    only), so holding earlier batches is safe. A CPU batch views the source's
+    arrays unless `staged=True`: if the source reuses its arrays, copy or stage.
+
+    State: when `batches` has `state_dict`/`load_state_dict`, so does the feed.
+    The feed reads the source ahead, so it saves the source's state as it was
+    right after producing each batch, and `state_dict()` returns the state of
+    the last batch handed to the training loop. The source's `state_dict()`
+    must return a fresh object (it is kept, not copied). `load_state_dict()`
+    drops batches read ahead and forwards the state.
+    """
+
+    def __init__(
+        self,
+        batches: Iterable[Mapping[str, Any]],
+        device: str | torch.device | None = None,
+        depth: int = 2,
+        widen: Mapping[str, torch.dtype] | None = None,
+        *,
+        staged: bool | None = None,
+        background: bool | None = None,
+        registry: MetricsRegistry | None = None,
+        labels: Mapping[str, Any] | None = None,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"device feed depth must be >= 1, got {depth}")
+        self.device = _resolve_device(device)
+        self._cuda = self.device.type == "cuda"
+        if staged is False and self._cuda:
+            raise ValueError(f"device feed to {self.device} always stages through the pinned ring")
+        self._staged = self._cuda if staged is None else staged
+        self._background = self._cuda if background is None else background
+        self.depth = depth
+        self.widen = dict(widen or {})
+        self._batches = batches
+        self._ring = PinnedRing(depth + 1, pin=self._cuda) if self._staged else None
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._slot_events: list[Any] = [None] * (depth + 1)
+        self._lookahead = depth if self._cuda else 1
+        self._widen_checked: set[tuple[str, torch.dtype]] = set()
+
+        self.registry = registry if registry is not None else MetricsRegistry()
+        base = dict(labels or {})
+        self._copies: dict[str, tuple[Counter, Counter]] = {
+            stage: (
+                self.registry.counter("tierflow_feed_copies_total", {**base, "stage": stage}, "array copies made by the device feed"),
+                self.registry.counter("tierflow_feed_copy_bytes_total", {**base, "stage": stage}, "bytes copied by the device feed"),
+            )
+            for stage in COPY_STAGES
+        }
+        self._batch_count = self.registry.counter("tierflow_feed_batches_total", base, "batches handed to the training loop")
+        self._copy_boundary: BoundaryTimer = self.registry.boundary("device_copy", base)
+        self._loop_boundary: BoundaryTimer = self.registry.boundary("train_loop", base)
+
+        self._iterator: _FeedIterator | None = None
+        self._consumed_state: Any = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.close()
+        self._iterator = _FeedIterator(self)
+        return self._iterator
+
+    def __len__(self) -> int:
+        return len(self._batches)  # type: ignore[arg-type]
+
+    def __enter__(self) -> DeviceFeed:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop reading ahead and end the background thread; a loop that breaks early should call it."""
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
+
+    @property
+    def state_dict(self) -> Callable[[], Any]:
+        if not hasattr(self._batches, "state_dict"):
+            raise AttributeError(f"{type(self._batches).__name__} has no state_dict, so its DeviceFeed has none")
+        return self._state_dict
+
+    @property
+    def load_state_dict(self) -> Callable[[Any], None]:
+        if not hasattr(self._batches, "load_state_dict"):
+            raise AttributeError(f"{type(self._batches).__name__} has no load_state_dict, so its DeviceFeed has none")
+        return self._load_state_dict
+
+    def _state_dict(self) -> Any:
+        if self._consumed_state is None:
+            return self._batches.state_dict()  # type: ignore[attr-defined]
+        return self._consumed_state
+
+    def _load_state_dict(self, state: Any) -> None:
+        self.close()
+        self._consumed_state = None
+        self._batches.load_state_dict(state)  # type: ignore[attr-defined]
+
+    def stats(self) -> FeedStats:
+        wait = self._loop_boundary.get
+        return FeedStats(
+            batches=int(self._batch_count.value),
+            copies={stage: int(counters[0].value) for stage, counters in self._copies.items()},
+            bytes={stage: int(counters[1].value) for stage, counters in self._copies.items()},
+            wait_s=wait.sum,
+            wait_p90_s=wait.quantile(0.9),
+            wait_p99_s=wait.quantile(0.99),
+            source_wait_s=self._copy_boundary.get.sum,
+            ring_allocations=self._ring.allocations if self._ring is not None else 0,
+        )
+
+    def _count(self, tally: dict[str, list[int]]) -> None:
+        """Add one batch's copies to the counters: two updates per stage, not per array."""
+        for stage, (copies, nbytes) in tally.items():
+            if copies:
+                copy_counter, byte_counter = self._copies[stage]
+                copy_counter.inc(copies)
+                byte_counter.inc(nbytes)
+
+    def _prepare(self, batch: Mapping[str, Any], slot: int) -> tuple[dict[str, Any], Any]:
+        """Convert one batch; on CUDA also returns the event its copies and widening complete at."""
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"device feed: a batch must be a dict of arrays, got {type(batch).__name__}")
+        if not self._cuda:
+            return self._convert(batch, slot), None
+        previous = self._slot_events[slot]
+        if previous is not None:
+            previous.synchronize()  # the last copy out of this pinned slot has finished
+        with torch.cuda.stream(self._copy_stream):
+            converted = self._convert(batch, slot)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        self._slot_events[slot] = ready
+        return converted, ready
+
+    def _convert(self, batch: Mapping[str, Any], slot: int) -> dict[str, Any]:
+        converted: dict[str, Any] = {}
+        tally = {stage: [0, 0] for stage in COPY_STAGES}
+        for key, value in batch.items():
+            host = _host_tensor(value)
+            if host is None:
+                converted[key] = value
+                continue
+            tensor, unsigned, contiguous_bytes = host
+            if contiguous_bytes:
+                _add(tally["contiguous"], contiguous_bytes)
+            if self._ring is not None:
+                staged = self._ring.stage(slot, key, tensor)
+                nbytes = staged.numel() * staged.element_size()
+                _add(tally["ring"], nbytes)
+                tensor = staged.to(self.device, non_blocking=True) if self._cuda else staged.clone()
+                _add(tally["to_device"], nbytes)
+            converted[key] = self._on_device_dtype(key, tensor, unsigned, tally["widen"])
+        self._count(tally)
+        return converted
+
+    def _on_device_dtype(
+        self, key: str, tensor: torch.Tensor, unsigned: torch.dtype | None, widen_tally: list[int]
+    ) -> torch.Tensor:
+        wide = self.widen.get(key)
+        logical = unsigned if unsigned is not None else tensor.dtype
+        if wide is None or wide == logical:
+            return tensor.view(unsigned) if unsigned is not None else tensor
+        if (key, logical) not in self._widen_checked:
+            _check_widening(key, logical, wide)
+            self._widen_checked.add((key, logical))
+        if unsigned is not None:
+            mask = _UNSIGNED_AS_SIGNED[unsigned][1]
+            through = torch.int64 if wide == torch.int64 or unsigned == torch.uint32 else torch.int32
+            widened = tensor.to(through).bitwise_and_(mask)
+            if through != wide:
+                widened = widened.to(wide)
+        else:
+            widened = tensor.to(wide)
+        _add(widen_tally, widened.numel() * widened.element_size())
+        return widened
+
+    def _hand_off(self, converted: dict[str, Any], ready: Any) -> dict[str, Any]:
+        """Make the training loop's stream wait for this batch's copies, and keep its memory alive for it."""
+        if ready is None:
+            return converted
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(ready)
+        for value in converted.values():
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                value.record_stream(consumer)
+        return converted
+
+
+def _add(tally: list[int], nbytes: int) -> None:
+    tally[0] += 1
+    tally[1] += nbytes
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device feed: {resolved} was asked for but CUDA is not available")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    elif resolved.type != "cpu":
+        raise ValueError(f"device feed: device {resolved} is not supported (cuda or cpu)")
+    return resolved
+
+
+_END = object()
+
+
+class _FeedIterator:
+    """One pass over the source: reads ahead inline or from a background thread."""
+
+    def __init__(self, feed: DeviceFeed) -> None:
+        self._feed = feed
+        self._source = iter(feed._batches)
+        self._stateful = hasattr(feed._batches, "state_dict")
+        self._slot = 0
+        self._closed = False
+        if self._stateful:
+            feed._consumed_state = feed._batches.state_dict()  # type: ignore[attr-defined]
+        if feed._background:
+            self._queue: queue.Queue[Any] = queue.Queue(maxsize=feed.depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._produce, name="tierflow-device-feed", daemon=True)
+            self._thread.start()
+        else:
+            self._pending: collections.deque[Any] = collections.deque()
+            self._exhausted = False
+
+    def __iter__(self) -> _FeedIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._closed:
+            raise StopIteration
+        started = time.perf_counter()
+        item = self._next_background() if self._feed._background else self._next_inline()
+        converted, ready, state = item
+        batch = self._feed._hand_off(converted, ready)
+        if self._stateful:
+            self._feed._consumed_state = state
+        self._feed._batch_count.inc()
+        self._feed._loop_boundary.blocked_get(time.perf_counter() - started)
+        return batch
+
+    def _pull(self) -> tuple[dict[str, Any], Any, Any]:
+        """Read and convert the next source batch (raises StopIteration at the end)."""
+        started = time.perf_counter()
+        batch = next(self._source)
+        self._feed._copy_boundary.blocked_get(time.perf_counter() - started)
+        state = self._feed._batches.state_dict() if self._stateful else None  # type: ignore[attr-defined]
+        converted, ready = self._feed._prepare(batch, self._slot)
+        self._slot = (self._slot + 1) % (self._feed.depth + 1)
+        return converted, ready, state
+
+    def _next_inline(self) -> tuple[dict[str, Any], Any, Any]:
+        while not self._exhausted and len(self._pending) < self._feed._lookahead:
+            try:
+                self._pending.append(self._pull())
+            except StopIteration:
+                self._exhausted = True
+        if not self._pending:
+            self._closed = True
+            raise StopIteration
+        return self._pending.popleft()
+
+    def _next_background(self) -> tuple[dict[str, Any], Any, Any]:
+        kind, payload = self._queue.get()
+        if kind is _END:
+            self._closed = True
+            self._thread.join()
+            raise StopIteration
+        if kind == "error":
+            self._closed = True
+            self._thread.join()
+            raise payload
+        return payload
+
+    def _produce(self) -> None:
+        try:
+            if self._feed._cuda:
+                torch.cuda.set_device(self._feed.device)
+            while not self._stop.is_set():
+                try:
+                    item = self._pull()
+                except StopIteration:
+                    break
+                if not self._put(("batch", item)):
+                    return
+            self._put((_END, None))
+        except BaseException as error:  # handed to the training loop, which re-raises it
+            self._put(("error", error))
+
+    def _put(self, message: tuple[Any, Any]) -> bool:
+        started = time.perf_counter()
+        while not self._stop.is_set():
+            try:
+                self._queue.put(message, timeout=0.05)
+            except queue.Full:
+                continue
+            self._feed._copy_boundary.blocked_put(time.perf_counter() - started)
+            return True
+        return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._feed._background:
+            self._stop.set()
+            while self._thread.is_alive():
+                try:
+                    self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            self._thread.join()
+        else:
+            self._pending.clear()

@@ -1,0 +1,157 @@
+"""Loader: what the training loop iterates; remembers the cursor of the last batch it handed over.
+
+`Loader(TieredDataset(...), device="cuda", num_workers=2)` builds the DataLoader and the device
+feed (L0); `Loader(DataLoader(ds, batch_size=None, ...))` wraps one you made. `state_dict()` is
+the `tf_cursor` of the last batch the loop consumed (committed when the loop asks for the next
+batch or saves), so it is right however far workers and the feed ran ahead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch.utils.data import DataLoader
+
+from tierflow.loader.dataset import TieredDataset
+from tierflow.loader.device_feed import DeviceFeed
+
+STATE_VERSION = 1
+
+
+class BatchOrderError(RuntimeError):
+    """Batches arrived out of order (e.g. a DataLoader with in_order=False); exact resume would break."""
+
+
+class Loader:
+    """Iterate batches on `device`; `state_dict`/`load_state_dict` (torchdata's Stateful protocol)."""
+
+    def __init__(
+        self,
+        source: TieredDataset | DataLoader,
+        device: str | torch.device | None = None,
+        *,
+        num_workers: int = 0,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        depth: int = 2,
+        widen: Mapping[str, torch.dtype] | None = None,
+        background: bool | None = None,
+    ) -> None:
+        if isinstance(source, DataLoader):
+            if not isinstance(source.dataset, TieredDataset):
+                raise TypeError(f"Loader wraps a DataLoader over a TieredDataset, not {type(source.dataset).__name__}")
+            if source.batch_size is not None:
+                raise ValueError(f"{source.dataset!r} batches itself: build the DataLoader with batch_size=None "
+                                 f"(it has batch_size={source.batch_size})")
+            if getattr(source, "in_order", True) is False:
+                raise ValueError(f"DataLoader over {source.dataset!r} has in_order=False: batches would arrive out "
+                                 f"of order and the saved cursor would skip or repeat batches")
+            self.dataset: TieredDataset = source.dataset
+            self._loader_options = _options_of(source)
+            self._dataloader: DataLoader | None = source
+        else:
+            self.dataset = source
+            self._loader_options = {"num_workers": num_workers, "persistent_workers": persistent_workers and num_workers > 0}
+            if prefetch_factor is not None:
+                self._loader_options["prefetch_factor"] = prefetch_factor
+            self._dataloader = None
+        self.device = device
+        self.depth = depth
+        self.widen = dict(widen or {})
+        # Without workers, a thread builds the next batches while the step runs (numpy and sleep release the GIL).
+        self.background = background if background is not None else self._loader_options.get("num_workers", 0) == 0
+        self._cursor: dict[str, Any] | None = self.dataset.state_dict()
+        self._filtered = 0
+        self._consumed = 0
+        self._feed: DeviceFeed | None = None
+        self._source: Iterator[Any] | None = None
+        self._started_from: dict[str, Any] | None = None
+        self._iterated = False
+
+    def _make_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=None, **self._loader_options)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Start (or continue) from the last consumed batch."""
+        self.close()
+        if self._dataloader is None or self._iterated:
+            self.dataset.load_state_dict(self._cursor)
+            self._dataloader = self._make_dataloader()
+        self._iterated = True
+        self._source = iter(self._dataloader)
+        self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
+                                background=self.background)
+        return self._batches(self._feed)
+
+    def _batches(self, feed: DeviceFeed) -> Iterator[dict[str, Any]]:
+        expected = 0
+        for batch in feed:
+            index = batch.get("tf_index")
+            if index != expected:
+                raise BatchOrderError(f"{self.dataset!r}: got batch {index}, expected {expected} "
+                                      f"(DataLoader in_order=False or a sampler reordering batches?)")
+            expected += 1
+            self._cursor = batch["tf_cursor"]
+            self._filtered += int(batch.get("tf_stats", {}).get("filtered", 0))
+            self._consumed += 1
+            yield batch
+
+    def close(self) -> None:
+        """Stop the feed and the DataLoader's workers (a loop that breaks early may call it)."""
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
+        shutdown = getattr(self._source, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._source = None
+
+    def __del__(self) -> None:
+        if hasattr(self, "_source"):
+            self.close()
+
+    def start_prefetch(self) -> None:
+        """Hook: begins staging the cursor's next window once the stager exists; a no-op today."""
+        self.dataset.start_prefetch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor after the last batch handed to the training loop, plus counts; JSON-able."""
+        return {"version": STATE_VERSION, "cursor": self._cursor, "consumed": self._consumed,
+                "filtered": self._filtered}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Seek to a saved state (O(partitions)); the next iteration starts right after it."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"Loader state version {state.get('version')!r}; this tierflow reads {STATE_VERSION}")
+        self.close()
+        self.dataset.load_state_dict(state["cursor"])
+        self._cursor = state["cursor"]
+        self._consumed = int(state.get("consumed", 0))
+        self._filtered = int(state.get("filtered", 0))
+        self._dataloader = None
+
+
+class _Started:
+    """An already started iterator as an iterable, so the Loader can stop its workers itself."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterator
+
+
+def _options_of(dataloader: DataLoader) -> dict[str, Any]:
+    """The options needed to rebuild a DataLoader after a seek (persistent workers hold old state)."""
+    options: dict[str, Any] = {
+        "num_workers": dataloader.num_workers,
+        "persistent_workers": dataloader.persistent_workers,
+        "pin_memory": dataloader.pin_memory,
+        "timeout": dataloader.timeout,
+        "multiprocessing_context": dataloader.multiprocessing_context,
+        "worker_init_fn": dataloader.worker_init_fn,
+    }
+    if dataloader.num_workers > 0:
+        options["prefetch_factor"] = dataloader.prefetch_factor
+    return options

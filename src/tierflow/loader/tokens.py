@@ -1,0 +1,114 @@
+"""Token windows over the concatenated token stream, and document boundaries inside them.
+
+Window i is tokens[i*L : i*L + L + 1]: L inputs plus the next-token label of the last one. The
+window is the order's sample, so the order gets, per shard, the number of windows *starting*
+in that shard; a window that runs past its shard's end reads (and pins) the next shard too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tierflow.format.dataset import Dataset
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """Windows that fit: each needs L + 1 tokens, consecutive ones share one."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def window_counts(token_starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """Per shard, how many windows start inside it (token_starts: cumulative, length shards + 1)."""
+    token_starts = np.asarray(token_starts, dtype=np.int64)
+    total = num_windows(int(token_starts[-1]), seq_len)
+    first_window = np.minimum(-(-token_starts // seq_len), total)
+    return np.diff(first_window)
+
+
+def straddling_shards(token_starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """Bool per shard: does the last window starting in it need tokens of a later shard."""
+    token_starts = np.asarray(token_starts, dtype=np.int64)
+    counts = window_counts(token_starts, seq_len)
+    first_window = np.minimum(-(-token_starts // seq_len), num_windows(int(token_starts[-1]), seq_len))
+    last_end = (first_window[1:] - 1) * seq_len + seq_len + 1
+    return (counts > 0) & (last_end > token_starts[1:])
+
+
+def document_segments(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """(cu_seqlens int32, max_seqlen, position_ids int32 like inputs) of a (B, L) window batch.
+
+    A document ends with its EOS; each row also starts a segment, so no segment crosses rows.
+    cu_seqlens indexes the flattened batch (row-major), as variable-length attention expects.
+    """
+    rows, length = inputs.shape
+    flat = inputs.reshape(-1)
+    after_eos = np.flatnonzero(flat == eos_id) + 1
+    after_eos = after_eos[after_eos % length != 0]
+    starts = np.union1d(np.arange(0, rows * length, length, dtype=np.int64), after_eos)
+    cu_seqlens = np.append(starts, rows * length).astype(np.int32)
+    positions = np.arange(rows * length, dtype=np.int64)
+    segment_of = np.searchsorted(starts, positions, side="right") - 1
+    position_ids = (positions - starts[segment_of]).astype(np.int32).reshape(rows, length)
+    max_seqlen = int(np.diff(cu_seqlens).max()) if cu_seqlens.size > 1 else 0
+    return cu_seqlens, max_seqlen, position_ids
+
+
+class TokenReader:
+    """Copies token ranges of a dataset straight from its mapped blocks into a caller's buffer.
+
+    One copy per window, also when it spans blocks or shards (Dataset.tokens would concatenate).
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        column = dataset.manifest.token_column
+        if column is None:
+            raise TypeError(f"{dataset.location}: not a token dataset (packed without a tokenizer)")
+        self.dataset = dataset
+        self.column = column
+        self._block_starts: dict[int, np.ndarray] = {}
+        self._parts: dict[tuple[int, int], tuple[int, np.ndarray, object]] = {}
+        self.pieces = 0
+
+    def _blocks(self, shard: int) -> np.ndarray:
+        starts = self._block_starts.get(shard)
+        if starts is None:
+            table = self.dataset.shard(shard)
+            counts = []
+            for b in range(len(table.batches)):
+                offsets, _ = table.list_parts(b, self.column)
+                counts.append(int(offsets[-1] - offsets[0]))
+            starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+            self._block_starts[shard] = starts
+        return starts
+
+    def _values(self, shard: int, block: int) -> tuple[int, np.ndarray]:
+        """(first offset, values view) of one block, kept while the shard stays open."""
+        table = self.dataset.shard(shard)
+        key = (shard, block)
+        found = self._parts.get(key)
+        if found is None or found[2] is not table:
+            offsets, values = table.list_parts(block, self.column)
+            found = (int(offsets[0]), values, table)
+            self._parts[key] = found
+        return found[0], found[1]
+
+    def copy_into(self, out: np.ndarray, start: int) -> None:
+        """out[:] = tokens[start : start + len(out)]."""
+        stop = start + out.shape[0]
+        token_starts = self.dataset.token_starts
+        if stop > int(token_starts[-1]):
+            raise IndexError(f"{self.dataset.location}: tokens [{start}, {stop}) past the stream end {int(token_starts[-1])}")
+        pos = start
+        while pos < stop:
+            shard = int(np.searchsorted(token_starts, pos, side="right")) - 1
+            local = pos - int(token_starts[shard])
+            blocks = self._blocks(shard)
+            b = int(np.searchsorted(blocks, local, side="right")) - 1
+            first, values = self._values(shard, b)
+            begin = first + local - int(blocks[b])
+            take = min(stop - pos, int(blocks[b + 1]) - local)
+            out[pos - start:pos - start + take] = values[begin:begin + take]
+            self.pieces += 1
+            pos += take

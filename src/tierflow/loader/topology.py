@@ -1,0 +1,44 @@
+"""Where this process sits in the job: node, local rank, from torch.distributed's environment variables.
+
+A node is a group of LOCAL_WORLD_SIZE ranks sharing caches; it owns whole canonical partitions of
+the order. Without LOCAL_WORLD_SIZE every rank counts as one node's rank, which is always valid
+(the node only decides locality, never which samples a step reads overall).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class WorldPosition:
+    node: int = 0
+    num_nodes: int = 1
+    local_rank: int = 0
+    ranks_per_node: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.node * self.ranks_per_node + self.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "WorldPosition":
+        """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE when set; a single process otherwise."""
+        env = os.environ if env is None else env
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        per_node = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        if per_node < 1 or world % per_node:
+            raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={per_node}")
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} outside WORLD_SIZE={world}")
+        local = int(env.get("LOCAL_RANK", str(rank % per_node)))
+        if local != rank % per_node:
+            raise ValueError(f"LOCAL_RANK={local} disagrees with RANK={rank} % LOCAL_WORLD_SIZE={per_node}")
+        return cls(node=rank // per_node, num_nodes=world // per_node, local_rank=local, ranks_per_node=per_node)

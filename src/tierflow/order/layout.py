@@ -1,0 +1,101 @@
+"""Canonical partitions: which shards each of the P partitions owns, and which partitions a node owns.
+
+Shards are dealt to partitions by longest-processing-time: heaviest shard first, each to the
+currently lightest partition (ties to the lower index), where a shard's weight is its share of
+the dataset's samples plus, when byte sizes are given, its share of the bytes. The assignment
+depends only on the manifest and P, never on the world size; node n of N owns p = n (mod N).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+
+class PartitionLayout:
+    """Shard -> partition assignment and the global sample id ranges of the shards."""
+
+    def __init__(
+        self,
+        shard_sample_counts: Sequence[int],
+        partitions: int = 64,
+        shard_bytes: Sequence[int] | None = None,
+    ) -> None:
+        counts = np.asarray(shard_sample_counts, dtype=np.int64)
+        if counts.ndim != 1 or counts.size == 0:
+            raise ValueError("shard_sample_counts must be a non-empty list of per-shard sample counts")
+        if (counts < 0).any():
+            bad = int(np.flatnonzero(counts < 0)[0])
+            raise ValueError(f"shard {bad} has a negative sample count {int(counts[bad])}")
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        nonempty = int((counts > 0).sum())
+        if nonempty < partitions:
+            raise ValueError(
+                f"{partitions} partitions need at least {partitions} non-empty shards; "
+                f"the dataset has {nonempty} (choose partitions <= {max(nonempty, 1)})"
+            )
+        self.partitions = partitions
+        self.shard_sample_counts = counts
+        self.shard_offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        self.num_samples = int(self.shard_offsets[-1])
+        self.shard_bytes = None if shard_bytes is None else np.asarray(shard_bytes, dtype=np.int64)
+        if self.shard_bytes is not None and self.shard_bytes.shape != counts.shape:
+            raise ValueError(
+                f"shard_bytes has {self.shard_bytes.size} entries for {counts.size} shards"
+            )
+        self.shard_partition = _assign_longest_first(counts, self.shard_bytes, partitions)
+        order = np.argsort(self.shard_partition, kind="stable")
+        bounds = np.searchsorted(self.shard_partition[order], np.arange(partitions + 1))
+        self.partition_shards = [order[bounds[p] : bounds[p + 1]] for p in range(partitions)]
+        self.partition_sizes = np.bincount(
+            self.shard_partition, weights=counts, minlength=partitions
+        ).astype(np.int64)
+
+    @property
+    def num_shards(self) -> int:
+        return int(self.shard_sample_counts.size)
+
+    def valid_node_counts(self) -> list[int]:
+        return [n for n in range(1, self.partitions + 1) if self.partitions % n == 0]
+
+    def node_partitions(self, node: int, num_nodes: int) -> list[int]:
+        """Partitions owned by `node` of `num_nodes`: p = node (mod num_nodes), ascending."""
+        if num_nodes < 1 or self.partitions % num_nodes:
+            raise ValueError(
+                f"{num_nodes} nodes cannot split {self.partitions} partitions evenly; "
+                f"valid node counts: {self.valid_node_counts()}"
+            )
+        if not 0 <= node < num_nodes:
+            raise ValueError(f"node {node} outside range({num_nodes})")
+        return list(range(node, self.partitions, num_nodes))
+
+    def shard_of(self, sample_ids: np.ndarray) -> np.ndarray:
+        """Shard index holding each global sample id."""
+        return np.searchsorted(self.shard_offsets, sample_ids, side="right") - 1
+
+    def digest(self) -> str:
+        """Hash of what the order depends on: per-shard counts and the partition assignment."""
+        h = hashlib.sha256()
+        h.update(self.shard_sample_counts.astype("<i8").tobytes())
+        h.update(self.shard_partition.astype("<i8").tobytes())
+        return h.hexdigest()
+
+
+def _assign_longest_first(
+    counts: np.ndarray, shard_bytes: np.ndarray | None, partitions: int
+) -> np.ndarray:
+    weight = counts / max(int(counts.sum()), 1)
+    if shard_bytes is not None:
+        weight = weight + shard_bytes / max(int(shard_bytes.sum()), 1)
+    heaviest_first = np.argsort(-weight, kind="stable")
+    loads = [(0.0, p) for p in range(partitions)]
+    assignment = np.empty(counts.size, dtype=np.int64)
+    for shard in heaviest_first.tolist():
+        load, p = heapq.heappop(loads)
+        assignment[shard] = p
+        heapq.heappush(loads, (load + float(weight[shard]), p))
+    return assignment

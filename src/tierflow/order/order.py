@@ -1,0 +1,157 @@
+"""The world-independent sample order of one dataset: layout, per-epoch windows, cursor checks.
+
+`SampleOrder` knows the canonical partitions and how each partition's stream maps positions to
+global sample ids; `RankStream` (stream.py) turns it into the batches one rank consumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderCursor
+from tierflow.order.layout import PartitionLayout
+from tierflow.order.remainder import Remainder, StreamGeometry
+from tierflow.order.windows import EpochWindows
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """B samples from one partition; mask is False on padding repeats."""
+
+    partition: int
+    sample_ids: np.ndarray
+    epochs: np.ndarray
+    mask: np.ndarray
+
+
+class SampleOrder:
+    """Deterministic, seekable order of one dataset over P canonical partitions."""
+
+    def __init__(
+        self,
+        shard_sample_counts: Sequence[int],
+        *,
+        dataset_id: str,
+        seed: int = 0,
+        partitions: int = 64,
+        window_shards: int = 4,
+        remainder: str | Remainder = Remainder.CARRY,
+        shard_bytes: Sequence[int] | None = None,
+    ) -> None:
+        if window_shards < 1:
+            raise ValueError(f"window_shards must be >= 1, got {window_shards}")
+        self.dataset_id = dataset_id
+        self.seed = int(seed)
+        self.window_shards = window_shards
+        self.remainder = Remainder(remainder)
+        self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes)
+        self.config: dict[str, Any] = {
+            "dataset_id": dataset_id,
+            "seed": self.seed,
+            "partitions": self.layout.partitions,
+            "window_shards": window_shards,
+            "remainder": self.remainder.value,
+            "num_shards": self.layout.num_shards,
+            "num_samples": self.layout.num_samples,
+            "layout": self.layout.digest()[:16],
+        }
+        canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
+        self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+        self._windows: OrderedDict[tuple[int, int], EpochWindows] = OrderedDict()
+        self._windows_capacity = 2 * self.layout.partitions + 8
+
+    @property
+    def partitions(self) -> int:
+        return self.layout.partitions
+
+    def start(self) -> OrderCursor:
+        """The cursor before the first sample of epoch 0."""
+        zeros = (0,) * self.partitions
+        return OrderCursor(self.seed, zeros, zeros, zeros, self.config_hash, dict(self.config))
+
+    def load(self, state: dict[str, Any], allow_mismatch: bool = False) -> OrderCursor:
+        """Validate a saved cursor against this order; O(P)."""
+        cursor = OrderCursor.from_dict(state)
+        if cursor.partitions != self.partitions:
+            raise CursorMismatchError(
+                f"cursor has {cursor.partitions} partitions, order of dataset {self.dataset_id!r} "
+                f"has {self.partitions}; partition positions cannot be mapped (not even with allow_mismatch)"
+            )
+        if cursor.config_hash != self.config_hash:
+            differing = [
+                f"{name}: cursor {cursor.config.get(name)!r} vs order {value!r}"
+                for name, value in self.config.items()
+                if cursor.config.get(name) != value
+            ]
+            if not allow_mismatch:
+                raise CursorMismatchError(
+                    f"cursor does not match the order of dataset {self.dataset_id!r}: "
+                    + ("; ".join(differing) or "config hash differs")
+                    + " (pass allow_mismatch=True to resume anyway)"
+                )
+            epochs, offsets = [], []
+            for p in range(self.partitions):
+                size = int(self.layout.partition_sizes[p])
+                past_end = cursor.offsets[p] >= size
+                epochs.append(cursor.epochs[p] + past_end)
+                offsets.append(0 if past_end else cursor.offsets[p])
+            return OrderCursor(
+                self.seed, tuple(epochs), tuple(offsets), cursor.batches, self.config_hash, dict(self.config)
+            )
+        for p, offset in enumerate(cursor.offsets):
+            if offset >= self.layout.partition_sizes[p]:
+                raise CursorFormatError(
+                    f"cursor offset {offset} is past the end of partition {p} "
+                    f"({int(self.layout.partition_sizes[p])} samples) of dataset {self.dataset_id!r}"
+                )
+        return cursor
+
+    def cursor(self, epochs: Sequence[int], offsets: Sequence[int], batches: Sequence[int]) -> OrderCursor:
+        return OrderCursor(
+            self.seed,
+            tuple(int(e) for e in epochs),
+            tuple(int(o) for o in offsets),
+            tuple(int(b) for b in batches),
+            self.config_hash,
+            dict(self.config),
+        )
+
+    def geometry(self, partition: int, batch_size: int) -> StreamGeometry:
+        return StreamGeometry(int(self.layout.partition_sizes[partition]), batch_size, self.remainder)
+
+    def windows(self, partition: int, epoch: int) -> EpochWindows:
+        """The (cached) shuffle of one partition's epoch; O(shards of the partition) to build."""
+        key = (partition, epoch)
+        found = self._windows.get(key)
+        if found is not None:
+            self._windows.move_to_end(key)
+            return found
+        built = EpochWindows(self.layout, partition, epoch, self.seed, self.window_shards)
+        self._windows[key] = built
+        if len(self._windows) > self._windows_capacity:
+            self._windows.popitem(last=False)
+        return built
+
+    def read(self, partition: int, epoch: int, offset: int, batch_size: int) -> MicroBatch:
+        """The micro-batch of `partition` starting at stream position (epoch, offset)."""
+        segments = self.geometry(partition, batch_size).segments(epoch, offset)
+        ids = [
+            self.windows(partition, s.epoch).sample_ids(np.arange(s.start, s.stop, dtype=np.int64))
+            for s in segments
+        ]
+        epochs = [np.full(s.stop - s.start, s.epoch, dtype=np.int64) for s in segments]
+        sample_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
+        sample_epochs = epochs[0] if len(epochs) == 1 else np.concatenate(epochs)
+        real = sample_ids.size
+        mask = np.ones(batch_size, dtype=bool)
+        if real < batch_size:
+            sample_ids = np.resize(sample_ids, batch_size)
+            sample_epochs = np.resize(sample_epochs, batch_size)
+            mask[real:] = False
+        return MicroBatch(partition, sample_ids, sample_epochs, mask)

@@ -1,0 +1,27 @@
+"""Per-sample randomness keyed by (seed, epoch, sample id), the same on every rank and worker.
+
+sample_seed = splitmix64 fold of ("sample", seed, epoch, sample_id) (keys.derive_key): our own
+arithmetic, pinned by golden values. sample_rng wraps it in numpy's PCG64 Generator; numpy keeps
+PCG64's bit stream stable, while a Generator method's output may change with numpy's own stream
+policy, so transforms that must never change should draw from sample_seed(s) directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tierflow.order.keys import derive_key, splitmix64_array
+
+
+def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
+    return derive_key("sample", seed, epoch, sample_id)
+
+
+def sample_seeds(seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:
+    """Vectorised sample_seed: uint64 array, equal element by element."""
+    base = np.uint64(derive_key("sample", seed, epoch))
+    return splitmix64_array(np.asarray(sample_ids).astype(np.uint64) ^ base)
+
+
+def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(sample_seed(seed, epoch, sample_id)))

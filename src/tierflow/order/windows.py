@@ -1,0 +1,83 @@
+"""One partition's epoch: its shards shuffled, then samples shuffled inside windows of k shards.
+
+Epoch offset o of partition p is computed, never stored: find the window holding o (binary
+search over O(shards of p) window starts), permute o inside the window with a Feistel permutation
+keyed by (seed, epoch, p, window), and map the permuted slot back to (shard, row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tierflow.order.keys import derive_key
+from tierflow.order.layout import PartitionLayout
+from tierflow.order.permutation import FeistelPermutation
+
+
+class EpochWindows:
+    """The shuffled shard order and sample windows of (partition, epoch)."""
+
+    def __init__(
+        self, layout: PartitionLayout, partition: int, epoch: int, seed: int, window_shards: int
+    ) -> None:
+        if window_shards < 1:
+            raise ValueError(f"window_shards must be >= 1, got {window_shards}")
+        self.partition = partition
+        self.epoch = epoch
+        self.seed = seed
+        self._layout = layout
+        owned = layout.partition_shards[partition]
+        shuffle = FeistelPermutation(owned.size, derive_key("shards", seed, epoch, partition))
+        self.shard_order = owned[shuffle(np.arange(owned.size))]
+        counts = layout.shard_sample_counts[self.shard_order]
+        self.shard_starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        self.size = int(self.shard_starts[-1])
+        window_edges = np.arange(0, owned.size + window_shards, window_shards)
+        window_edges[-1] = owned.size
+        window_edges = np.unique(np.minimum(window_edges, owned.size))
+        self.window_shard_edges = window_edges
+        self.window_starts = self.shard_starts[window_edges]
+        self._window_permutations: dict[int, FeistelPermutation] = {}
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.window_starts.size - 1)
+
+    def window_shards(self, window: int) -> np.ndarray:
+        """Global shard indices read by `window`."""
+        edges = self.window_shard_edges
+        return self.shard_order[edges[window] : edges[window + 1]]
+
+    def window_of(self, offset: int) -> int:
+        return int(np.searchsorted(self.window_starts, offset, side="right") - 1)
+
+    def _permutation(self, window: int) -> FeistelPermutation:
+        permutation = self._window_permutations.get(window)
+        if permutation is None:
+            size = int(self.window_starts[window + 1] - self.window_starts[window])
+            key = derive_key("window", self.seed, self.epoch, self.partition, window)
+            permutation = FeistelPermutation(size, key)
+            self._window_permutations[window] = permutation
+        return permutation
+
+    def sample_ids(self, offsets: np.ndarray) -> np.ndarray:
+        """Global sample ids at epoch offsets (each in range(size)) of this partition."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if offsets.size and (offsets.min() < 0 or offsets.max() >= self.size):
+            raise IndexError(
+                f"offsets outside partition {self.partition} epoch {self.epoch} (size {self.size})"
+            )
+        windows = np.searchsorted(self.window_starts, offsets, side="right") - 1
+        slots = np.empty_like(offsets)
+        first, last = (int(windows[0]), int(windows[-1])) if offsets.size else (0, -1)
+        if first == last:
+            start = self.window_starts[first]
+            slots[:] = start + self._permutation(first)(offsets - start)
+        else:
+            for window in np.unique(windows).tolist():
+                chosen = windows == window
+                start = self.window_starts[window]
+                slots[chosen] = start + self._permutation(window)(offsets[chosen] - start)
+        rank = np.searchsorted(self.shard_starts, slots, side="right") - 1
+        shards = self.shard_order[rank]
+        return self._layout.shard_offsets[shards] + (slots - self.shard_starts[rank])

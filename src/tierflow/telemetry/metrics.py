@@ -1,0 +1,460 @@
+"""In-process metric primitives cheap enough for the per-batch hot path.
+
+Counters, gauges, log-bucketed histograms and stage-boundary timers live in a
+`MetricsRegistry`; `snapshot()` turns them into plain JSON-able data and
+`merge_snapshots` adds snapshots from several processes together. Names and
+labels follow Prometheus rules so an exporter can map each metric 1:1
+(`tier`, `job`, `node`, `rank` are the labels the rest of tierflow uses).
+
+Thread safety: every update takes the metric's own lock, so concurrent
+updates from several threads never lose a count (this does not rely on the
+GIL, and so also holds on free-threaded Python). Reads are not atomic across
+metrics: a snapshot taken while threads update may show one metric a few
+updates ahead of another.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Literal, Mapping, Union
+
+SNAPSHOT_SCHEMA = 1
+_log2 = math.log2
+
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+LabelKey = tuple[tuple[str, str], ...]
+GaugeAggregate = Literal["sum", "max", "min"]
+
+
+def _label_key(name: str, labels: Mapping[str, Any] | None) -> LabelKey:
+    if not _METRIC_NAME.match(name):
+        raise ValueError(f"metric name {name!r} is not a valid Prometheus metric name")
+    if not labels:
+        return ()
+    for label in labels:
+        if not _LABEL_NAME.match(label) or label.startswith("__"):
+            raise ValueError(f"label {label!r} of metric {name!r} is not a valid Prometheus label name")
+    return tuple(sorted((label, str(value)) for label, value in labels.items()))
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Fixed log-spaced buckets shared by every process, so histograms merge by adding counts.
+
+    Bucket 0 holds values below `lowest` (including zero), bucket i in
+    1..n holds [lowest * g**(i-1), lowest * g**i) with g = 2**(1/per_octave),
+    and the last bucket holds everything from `highest` up. A percentile
+    estimate is off by at most one bucket's width, a factor g (about 19% for
+    the default 4 buckets per octave).
+    """
+
+    lowest: float
+    highest: float
+    per_octave: int
+
+    def __post_init__(self) -> None:
+        if not (0 < self.lowest < self.highest) or self.per_octave < 1:
+            raise ValueError(f"bucket layout {self} needs 0 < lowest < highest and per_octave >= 1")
+
+    @property
+    def finite_buckets(self) -> int:
+        return math.ceil(math.log2(self.highest / self.lowest) * self.per_octave)
+
+    @property
+    def size(self) -> int:
+        return self.finite_buckets + 2
+
+    def lower_bound(self, index: int) -> float:
+        if index <= 0:
+            return 0.0
+        return self.lowest * 2.0 ** ((index - 1) / self.per_octave)
+
+    def upper_bound(self, index: int) -> float:
+        """The Prometheus `le` edge of bucket `index` (inf for the overflow bucket)."""
+        if index >= self.size - 1:
+            return math.inf
+        return self.lowest * 2.0 ** (index / self.per_octave)
+
+    def index(self, value: float) -> int:
+        if value < self.lowest:
+            return 0
+        index = int(_log2(value * (1.0 / self.lowest)) * self.per_octave) + 1
+        return min(index, self.size - 1)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"lowest": self.lowest, "highest": self.highest, "per_octave": self.per_octave}
+
+
+LATENCY_BUCKETS = BucketLayout(lowest=1e-7, highest=1e4, per_octave=4)
+"""Seconds, 100 ns to about 3 hours."""
+
+SIZE_BUCKETS = BucketLayout(lowest=1.0, highest=float(2**44), per_octave=2)
+"""Bytes or counts, 1 to 16 Ti."""
+
+
+class Counter:
+    """A monotonically increasing total (Prometheus counter; name it `..._total`)."""
+
+    kind = "counter"
+    __slots__ = ("name", "labels", "description", "_value", "_lock")
+
+    def __init__(self, name: str, labels: LabelKey = (), description: str = "") -> None:
+        self.name = name
+        self.labels = labels
+        self.description = description
+        self._value: int | float = 0
+        self._lock = threading.Lock()
+
+    def inc(self, amount: int | float = 1) -> None:
+        if amount < 0:
+            raise ValueError(f"counter {self.name} cannot decrease (got {amount})")
+        with self._lock:
+            self._value += amount
+
+    @property
+    def value(self) -> int | float:
+        return self._value
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"name": self.name, "labels": dict(self.labels), "value": self._value}
+
+
+class Gauge:
+    """A value that goes up and down; `aggregate` says how processes' values combine."""
+
+    kind = "gauge"
+    __slots__ = ("name", "labels", "description", "aggregate", "_value", "_lock")
+
+    def __init__(
+        self, name: str, labels: LabelKey = (), description: str = "", aggregate: GaugeAggregate = "sum"
+    ) -> None:
+        if aggregate not in ("sum", "max", "min"):
+            raise ValueError(f"gauge {name}: aggregate must be sum, max or min, not {aggregate!r}")
+        self.name = name
+        self.labels = labels
+        self.description = description
+        self.aggregate = aggregate
+        self._value: int | float = 0
+        self._lock = threading.Lock()
+
+    def set(self, value: int | float) -> None:
+        self._value = value
+
+    def inc(self, amount: int | float = 1) -> None:
+        with self._lock:
+            self._value += amount
+
+    def dec(self, amount: int | float = 1) -> None:
+        with self._lock:
+            self._value -= amount
+
+    @property
+    def value(self) -> int | float:
+        return self._value
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"name": self.name, "labels": dict(self.labels), "value": self._value, "aggregate": self.aggregate}
+
+
+class Histogram:
+    """Counts observations in fixed log-spaced buckets; estimates percentiles from them."""
+
+    kind = "histogram"
+    __slots__ = (
+        "name", "labels", "description", "layout",
+        "_counts", "_count", "_sum", "_min", "_max", "_lock", "_lowest", "_inv_lowest", "_per_octave", "_top",
+    )
+
+    def __init__(
+        self, name: str, labels: LabelKey = (), description: str = "", layout: BucketLayout = LATENCY_BUCKETS
+    ) -> None:
+        self.name = name
+        self.labels = labels
+        self.description = description
+        self.layout = layout
+        self._counts = [0] * layout.size
+        self._count = 0
+        self._sum = 0.0
+        self._min = math.inf
+        self._max = -math.inf
+        self._lock = threading.Lock()
+        self._lowest = layout.lowest
+        self._inv_lowest = 1.0 / layout.lowest
+        self._per_octave = layout.per_octave
+        self._top = layout.size - 1
+
+    def observe(self, value: float) -> None:
+        if value < self._lowest:
+            index = 0
+        else:
+            index = int(_log2(value * self._inv_lowest) * self._per_octave) + 1
+            if index > self._top:
+                index = self._top
+        with self._lock:
+            self._counts[index] += 1
+            self._count += 1
+            self._sum += value
+            if value < self._min:
+                self._min = value
+            if value > self._max:
+                self._max = value
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def sum(self) -> float:
+        return self._sum
+
+    @property
+    def mean(self) -> float:
+        return self._sum / self._count if self._count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """Estimate of the q-quantile (0 <= q <= 1); 0.0 when nothing was observed."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"histogram {self.name}: quantile {q} is outside [0, 1]")
+        with self._lock:
+            counts = list(self._counts)
+            count, low, high = self._count, self._min, self._max
+        return _quantile(self.layout, counts, count, low, high, q)
+
+    def summary(self) -> dict[str, float]:
+        """Mean, p50, p90, p99, count and total: what a stage report prints."""
+        return {
+            "count": self._count,
+            "total": self._sum,
+            "mean": self.mean,
+            "p50": self.quantile(0.5),
+            "p90": self.quantile(0.9),
+            "p99": self.quantile(0.99),
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            buckets = [[i, c] for i, c in enumerate(self._counts) if c]
+            count, total, low, high = self._count, self._sum, self._min, self._max
+        return {
+            "name": self.name,
+            "labels": dict(self.labels),
+            "layout": self.layout.as_dict(),
+            "count": count,
+            "sum": total,
+            "min": low if count else None,
+            "max": high if count else None,
+            "buckets": buckets,
+        }
+
+    @classmethod
+    def from_snapshot(cls, entry: Mapping[str, Any]) -> Histogram:
+        """Rebuild a histogram (for percentiles of merged snapshots)."""
+        histogram = cls(entry["name"], _label_key(entry["name"], entry["labels"]), layout=BucketLayout(**entry["layout"]))
+        for index, count in entry["buckets"]:
+            histogram._counts[index] = count
+        histogram._count = entry["count"]
+        histogram._sum = entry["sum"]
+        histogram._min = entry["min"] if entry["min"] is not None else math.inf
+        histogram._max = entry["max"] if entry["max"] is not None else -math.inf
+        return histogram
+
+
+def _quantile(layout: BucketLayout, counts: list[int], count: int, low: float, high: float, q: float) -> float:
+    if count == 0:
+        return 0.0
+    rank = max(1, math.ceil(q * count))
+    cumulative = 0
+    for index, bucket_count in enumerate(counts):
+        cumulative += bucket_count
+        if cumulative >= rank:
+            break
+    lower, upper = layout.lower_bound(index), layout.upper_bound(index)
+    if index == 0 or math.isinf(upper):
+        estimate = low if index == 0 else high
+    else:
+        estimate = math.sqrt(lower * upper)
+    return min(max(estimate, low), high)
+
+
+class BoundaryTimer:
+    """Time one stage boundary spent blocked: on get (upstream empty) and on put (downstream full).
+
+    A stage that mostly waits on get is starved by its upstream; one that
+    mostly waits on put is faster than its downstream. Reading both sides of
+    every boundary names the bottleneck. Pass seconds measured with
+    `time.perf_counter()`; the timer itself never reads the clock.
+    """
+
+    __slots__ = ("stage", "get", "put")
+
+    def __init__(self, get: Histogram, put: Histogram, stage: str) -> None:
+        self.stage = stage
+        self.get = get
+        self.put = put
+
+    def blocked_get(self, seconds: float) -> None:
+        self.get.observe(seconds)
+
+    def blocked_put(self, seconds: float) -> None:
+        self.put.observe(seconds)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {"get": self.get.summary(), "put": self.put.summary()}
+
+
+Metric = Union[Counter, Gauge, Histogram]
+
+BOUNDARY_METRIC = "tierflow_stage_blocked_seconds"
+
+
+class MetricsRegistry:
+    """Get-or-create metrics by (name, labels); `const_labels` (job, node, rank) go on every metric."""
+
+    def __init__(self, const_labels: Mapping[str, Any] | None = None) -> None:
+        self.const_labels = dict(_label_key("const_labels", const_labels))
+        self._metrics: dict[tuple[str, LabelKey], Metric] = {}
+        self._kinds: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def counter(self, name: str, labels: Mapping[str, Any] | None = None, description: str = "") -> Counter:
+        return self._get_or_create(Counter, name, labels, description=description)  # type: ignore[return-value]
+
+    def gauge(
+        self,
+        name: str,
+        labels: Mapping[str, Any] | None = None,
+        description: str = "",
+        aggregate: GaugeAggregate = "sum",
+    ) -> Gauge:
+        return self._get_or_create(Gauge, name, labels, description=description, aggregate=aggregate)  # type: ignore[return-value]
+
+    def histogram(
+        self,
+        name: str,
+        labels: Mapping[str, Any] | None = None,
+        description: str = "",
+        layout: BucketLayout = LATENCY_BUCKETS,
+    ) -> Histogram:
+        histogram = self._get_or_create(Histogram, name, labels, description=description, layout=layout)
+        if histogram.layout != layout:  # type: ignore[union-attr]
+            raise ValueError(f"histogram {name} already exists with bucket layout {histogram.layout}")  # type: ignore[union-attr]
+        return histogram  # type: ignore[return-value]
+
+    def boundary(self, stage: str, labels: Mapping[str, Any] | None = None) -> BoundaryTimer:
+        """The blocked-on-get/put timer of `stage` (fetch, decode, batch, device_copy, train_loop...)."""
+        base = dict(labels or {})
+        get = self.histogram(BOUNDARY_METRIC, {**base, "stage": stage, "side": "get"}, "time a stage waited on its upstream (get) or downstream (put)")
+        put = self.histogram(BOUNDARY_METRIC, {**base, "stage": stage, "side": "put"})
+        return BoundaryTimer(get, put, stage)
+
+    def _get_or_create(self, cls: type, name: str, labels: Mapping[str, Any] | None, **options: Any) -> Metric:
+        merged = {**self.const_labels, **(labels or {})}
+        key = (name, _label_key(name, merged))
+        metric = self._metrics.get(key)
+        if metric is not None and type(metric) is cls:
+            return metric
+        with self._lock:
+            kind = self._kinds.setdefault(name, cls.kind)
+            if kind != cls.kind:
+                raise ValueError(f"metric {name} is already registered as a {kind}, not a {cls.kind}")
+            metric = self._metrics.get(key)
+            if metric is None:
+                metric = cls(name, key[1], **options)
+                self._metrics[key] = metric
+            return metric
+
+    def metrics(self) -> Iterator[Metric]:
+        with self._lock:
+            metrics = list(self._metrics.values())
+        return iter(metrics)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain JSON-able data: {"schema", "counters", "gauges", "histograms"}, entries sorted by name."""
+        snapshot: dict[str, Any] = {"schema": SNAPSHOT_SCHEMA, "counters": [], "gauges": [], "histograms": []}
+        descriptions: dict[str, str] = {}
+        for metric in sorted(self.metrics(), key=lambda m: (m.name, m.labels)):
+            snapshot[metric.kind + "s"].append(metric.snapshot())
+            if metric.description:
+                descriptions.setdefault(metric.name, metric.description)
+        snapshot["descriptions"] = descriptions
+        return snapshot
+
+
+def merge_snapshots(snapshots: Iterable[Mapping[str, Any]], drop_labels: Iterable[str] = ()) -> dict[str, Any]:
+    """Add snapshots from several processes: counters and histogram buckets sum exactly.
+
+    Entries with equal name and labels combine; `drop_labels` (e.g. ("rank",))
+    removes labels first, so per-rank series add up to a per-node one. Gauges
+    combine by their own `aggregate` rule. Histograms must share a bucket layout.
+    """
+    dropped = set(drop_labels)
+    counters: dict[tuple[str, LabelKey], dict[str, Any]] = {}
+    gauges: dict[tuple[str, LabelKey], dict[str, Any]] = {}
+    histograms: dict[tuple[str, LabelKey], dict[str, Any]] = {}
+    descriptions: dict[str, str] = {}
+
+    def keyed(entry: Mapping[str, Any]) -> tuple[tuple[str, LabelKey], dict[str, str]]:
+        labels = {k: v for k, v in entry["labels"].items() if k not in dropped}
+        return (entry["name"], tuple(sorted(labels.items()))), labels
+
+    for snapshot in snapshots:
+        if snapshot.get("schema") != SNAPSHOT_SCHEMA:
+            raise ValueError(f"metrics snapshot schema {snapshot.get('schema')!r} is not {SNAPSHOT_SCHEMA}")
+        for name, text in snapshot.get("descriptions", {}).items():
+            descriptions.setdefault(name, text)
+        for entry in snapshot["counters"]:
+            key, labels = keyed(entry)
+            if key in counters:
+                counters[key]["value"] += entry["value"]
+            else:
+                counters[key] = {"name": entry["name"], "labels": labels, "value": entry["value"]}
+        for entry in snapshot["gauges"]:
+            key, labels = keyed(entry)
+            if key not in gauges:
+                gauges[key] = {**entry, "labels": labels}
+                continue
+            merged = gauges[key]
+            if merged["aggregate"] != entry["aggregate"]:
+                raise ValueError(f"gauge {entry['name']} {labels} is merged with both {merged['aggregate']} and {entry['aggregate']}")
+            combine = {"sum": lambda a, b: a + b, "max": max, "min": min}[merged["aggregate"]]
+            merged["value"] = combine(merged["value"], entry["value"])
+        for entry in snapshot["histograms"]:
+            key, labels = keyed(entry)
+            if key not in histograms:
+                histograms[key] = {**entry, "labels": labels, "buckets": [list(b) for b in entry["buckets"]]}
+                continue
+            merged = histograms[key]
+            if merged["layout"] != entry["layout"]:
+                raise ValueError(f"histogram {entry['name']} {labels} has bucket layouts {merged['layout']} and {entry['layout']}")
+            buckets = dict((i, c) for i, c in merged["buckets"])
+            for index, count in entry["buckets"]:
+                buckets[index] = buckets.get(index, 0) + count
+            merged["buckets"] = [[i, buckets[i]] for i in sorted(buckets)]
+            merged["count"] += entry["count"]
+            merged["sum"] += entry["sum"]
+            merged["min"] = _optional(min, merged["min"], entry["min"])
+            merged["max"] = _optional(max, merged["max"], entry["max"])
+
+    def ordered(entries: dict[tuple[str, LabelKey], dict[str, Any]]) -> list[dict[str, Any]]:
+        return [entries[key] for key in sorted(entries)]
+
+    return {
+        "schema": SNAPSHOT_SCHEMA,
+        "counters": ordered(counters),
+        "gauges": ordered(gauges),
+        "histograms": ordered(histograms),
+        "descriptions": descriptions,
+    }
+
+
+def _optional(pick: Any, a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return pick(a, b)

@@ -1,0 +1,143 @@
+"""The persistent, shared index of one tier directory (SQLite in WAL mode).
+
+Every process on the node that uses the directory reads and writes the same index, so a
+restarted job finds its cache warm with its heat statistics, and capacity and policy belong
+to the directory, not to a job. Reservations record space promised to fetches in flight; one
+whose process died is reclaimed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS config (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY, size INTEGER NOT NULL, checksum TEXT NOT NULL, dataset TEXT,
+    admitted REAL NOT NULL, last_access REAL NOT NULL, hits INTEGER NOT NULL DEFAULT 0,
+    stats TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS reservations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, size INTEGER NOT NULL,
+    pid INTEGER NOT NULL, created REAL NOT NULL);
+"""
+
+
+@dataclass
+class EntryRow:
+    key: str
+    size: int
+    checksum: str
+    dataset: str | None
+    admitted: float
+    last_access: float
+    hits: int
+    stats: dict[str, Any]
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class TierIndex:
+    """One SQLite connection per process (created lazily, re-created after fork)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._conn: sqlite3.Connection | None = None
+        self._pid = -1
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        if self._conn is None or self._pid != os.getpid():
+            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(SCHEMA)
+            self._conn, self._pid = conn, os.getpid()
+        return self._conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """An IMMEDIATE transaction: the node-wide critical section for space accounting."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def config(self) -> dict[str, str]:
+        return dict(self.conn.execute("SELECT name, value FROM config").fetchall())
+
+    def set_config_if_absent(self, values: dict[str, str]) -> dict[str, str]:
+        with self.transaction() as c:
+            for k, v in values.items():
+                c.execute("INSERT OR IGNORE INTO config VALUES (?, ?)", (k, v))
+            return dict(c.execute("SELECT name, value FROM config").fetchall())
+
+    def get(self, key: str, conn: sqlite3.Connection | None = None) -> EntryRow | None:
+        row = (conn or self.conn).execute(
+            "SELECT key, size, checksum, dataset, admitted, last_access, hits, stats FROM entries WHERE key=?",
+            (key,)).fetchone()
+        return _row(row) if row else None
+
+    def entries(self, conn: sqlite3.Connection | None = None) -> list[EntryRow]:
+        rows = (conn or self.conn).execute(
+            "SELECT key, size, checksum, dataset, admitted, last_access, hits, stats FROM entries").fetchall()
+        return [_row(r) for r in rows]
+
+    def used(self, conn: sqlite3.Connection) -> int:
+        """Bytes of resident entries plus live reservations (dead processes' are reclaimed)."""
+        for rid, pid in conn.execute("SELECT id, pid FROM reservations").fetchall():
+            if not process_alive(pid):
+                conn.execute("DELETE FROM reservations WHERE id=?", (rid,))
+        entries = conn.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
+        reserved = conn.execute("SELECT COALESCE(SUM(size), 0) FROM reservations").fetchone()[0]
+        return int(entries) + int(reserved)
+
+    def occupancy(self) -> tuple[int, int]:
+        """(bytes resident, bytes reserved)."""
+        c = self.conn
+        e = c.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
+        r = c.execute("SELECT COALESCE(SUM(size), 0) FROM reservations").fetchone()[0]
+        return int(e), int(r)
+
+    def reserve(self, conn: sqlite3.Connection, key: str, size: int) -> int:
+        cur = conn.execute("INSERT INTO reservations (key, size, pid, created) VALUES (?, ?, ?, ?)",
+                           (key, size, os.getpid(), time.time()))
+        return int(cur.lastrowid)
+
+    def release(self, reservation: int) -> None:
+        self.conn.execute("DELETE FROM reservations WHERE id=?", (reservation,))
+
+    def admit(self, conn: sqlite3.Connection, row: EntryRow, reservation: int) -> None:
+        conn.execute("DELETE FROM reservations WHERE id=?", (reservation,))
+        conn.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                     (row.key, row.size, row.checksum, row.dataset, row.admitted, row.last_access,
+                      row.hits, json.dumps(row.stats)))
+
+    def remove(self, conn: sqlite3.Connection, key: str) -> None:
+        conn.execute("DELETE FROM entries WHERE key=?", (key,))
+
+    def touch(self, conn: sqlite3.Connection, key: str, now: float, stats: dict[str, Any]) -> None:
+        conn.execute("UPDATE entries SET last_access=?, hits=hits+1, stats=? WHERE key=?",
+                     (now, json.dumps(stats), key))
+
+
+def _row(r: tuple) -> EntryRow:
+    return EntryRow(r[0], int(r[1]), r[2], r[3], float(r[4]), float(r[5]), int(r[6]), json.loads(r[7]))

@@ -1,0 +1,97 @@
+"""Kernel file locks (`flock`): they die with their holder, so no stale-lock logic exists anywhere.
+
+An entry's *fetch lock* makes one process per node fetch it; a *pin* is a shared lock on the
+entry's data file, and eviction takes the exclusive lock without waiting, so an entry in use
+by any process on the node is never evicted under it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from pathlib import Path
+
+
+class FileLock:
+    """An exclusive flock with a timeout; `acquired` says whether it was had or timed out."""
+
+    def __init__(self, path: str | Path, timeout: float) -> None:
+        self.path = Path(path)
+        self.timeout = timeout
+        self.fd: int | None = None
+        self.acquired = False
+
+    def __enter__(self) -> "FileLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout
+        delay = 0.002
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.acquired = True
+                return self
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return self  # the holder is alive but too slow: the caller takes over
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Pin:
+    """A shared lock on an entry's data file, held while a reader uses the entry."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def try_remove_unpinned(path: str | Path) -> bool:
+    """Unlink an entry's file only if no process holds a pin on it; True when removed (or gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+    return True
+
+
+def is_pinned(path: str | Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

@@ -1,0 +1,212 @@
+"""The tier stack: a shard is served from the fastest tier that holds it, promoted up on a miss.
+
+Data moves source (L4, or a remote L3) -> L2 -> L1, each tier storing its own form (at rest
+or decoded); decoding happens once, at the first tier that stores the decoded form. The stack
+is a `ShardSource`, so `Dataset(manifest, source=stack)` reads samples through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+from tierflow.format.checksum import file_xxh3_128
+from tierflow.format.dataset import Dataset, ShardTable
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.shard import ShardCorruptError, ShardInfo, decode_shard
+from tierflow.telemetry import MetricsRegistry
+from tierflow.tiers.lock import Pin
+from tierflow.tiers.tier import Tier
+
+log = logging.getLogger("tierflow.tiers")
+
+
+@dataclass
+class Handle:
+    """A readable copy of a shard: a pinned file in some tier, or verified bytes in memory."""
+
+    form: str
+    served_by: str
+    path: Path | None = None
+    pin: Pin | None = None
+    buffer: bytes | None = None
+
+    def release(self) -> None:
+        if self.pin is not None:
+            self.pin.release()
+
+    def table(self) -> ShardTable:
+        if self.buffer is not None:
+            reader = pa.ipc.open_file(pa.BufferReader(self.buffer))
+            return ShardTable([reader.get_batch(i) for i in range(reader.num_record_batches)], keepalive=self)
+        assert self.path is not None
+        table = ShardTable.from_ipc_file(self.path, memory_map=self.form == "decoded")
+        table._keepalive = (table._keepalive, self)  # the pin lives as long as the views
+        return table
+
+
+def _expected(info: ShardInfo, form: str) -> tuple[int, str]:
+    return (info.bytes, info.checksum) if form == "at_rest" else (info.decoded_bytes, info.decoded_checksum)
+
+
+class TierStack:
+    """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
+
+    def __init__(self, source: Any, tiers: Sequence[Tier] = (), registry: MetricsRegistry | None = None,
+                 max_open: int = 4, fetch_attempts: int = 3) -> None:
+        self.source = source
+        self.tiers = list(tiers)
+        for upper, lower in zip(self.tiers, self.tiers[1:]):
+            if upper.form == "at_rest" and lower.form == "decoded":
+                raise ValueError(f"tier {upper.name} stores at-rest shards above {lower.name}, which stores "
+                                 f"decoded ones: decoded bytes never move down to a compressed form")
+        self.registry = registry or (self.tiers[0].registry if self.tiers else MetricsRegistry())
+        self.max_open = max_open
+        self.dataset_id: str | None = None
+        self.fetch_attempts = fetch_attempts
+        self._open: OrderedDict[int, ShardTable] = OrderedDict()
+        self._lock = threading.Lock()
+        self.m_source_bytes = self.registry.counter("source_bytes", {"tier": "source"}, "bytes fetched from the source")
+        self.m_served = {t.name: self.registry.counter("stack_served", {"tier": t.name}) for t in self.tiers}
+        self.m_served["source"] = self.registry.counter("stack_served", {"tier": "source"})
+        self.m_served["memory"] = self.registry.counter("stack_served", {"tier": "memory"})
+
+    # ------------------------------------------------------------ manifest
+    def manifest(self) -> Manifest:
+        manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
+        self.dataset_id = manifest.dataset_id
+        return manifest
+
+    def dataset(self, columns: Sequence[str] | None = None) -> Dataset:
+        return Dataset(self.manifest(), self, columns=columns, location=self.source.url)
+
+    # ------------------------------------------------------------ ensure
+    def ensure(self, info: ShardInfo, level: int = 0) -> Handle:
+        """A readable copy of the shard from tier `level` or below, filling misses on the way up."""
+        if level == len(self.tiers):
+            return self._from_source(info)
+        tier = self.tiers[level]
+        size, checksum = _expected(info, tier.form)
+
+        def produce(tmp: Path) -> None:
+            self._produce(info, level, tmp)
+
+        pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id)
+        if pin is not None:
+            self.m_served[tier.name].inc()
+            return Handle(tier.form, tier.name, pin.path, pin)
+        return self.ensure(info, level + 1)
+
+    def _produce(self, info: ShardInfo, level: int, tmp: Path) -> None:
+        """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy."""
+        form = self.tiers[level].form
+        if level + 1 < len(self.tiers):
+            lower = self.ensure(info, level + 1)
+        else:
+            lower = None
+        try:
+            if lower is not None and lower.path is not None:
+                if lower.form == form:
+                    shutil.copyfile(lower.path, tmp)
+                else:
+                    decode_shard(lower.path, tmp)
+                return
+            if lower is not None and lower.buffer is not None:
+                self._write_form(lower.buffer, form, tmp)
+                return
+            local = self._source_local_path(info)
+            if local is not None:
+                if form == "at_rest":
+                    shutil.copyfile(local, tmp)
+                else:
+                    decode_shard(local, tmp)
+                return
+            if form == "at_rest":
+                self._download(info, tmp)
+            else:
+                rest = tmp.with_name(tmp.name + ".rest")
+                try:
+                    self._download(info, rest)
+                    decode_shard(rest, tmp)
+                finally:
+                    rest.unlink(missing_ok=True)
+        finally:
+            if lower is not None:
+                lower.release()
+
+    def _write_form(self, at_rest: bytes, form: str, tmp: Path) -> None:
+        rest = tmp.with_name(tmp.name + ".rest")
+        rest.write_bytes(at_rest)
+        try:
+            if form == "at_rest":
+                os.replace(rest, tmp)
+            else:
+                decode_shard(rest, tmp)
+        finally:
+            rest.unlink(missing_ok=True)
+
+    def _source_local_path(self, info: ShardInfo) -> Path | None:
+        local = getattr(self.source, "local_path", None)
+        return Path(local(info.name)) if local is not None else None
+
+    def _download(self, info: ShardInfo, dst: Path) -> None:
+        """Download and verify; a body that does not verify is fetched again, then named."""
+        for attempt in range(self.fetch_attempts):
+            self.source.download(info.name, dst, expected_size=info.bytes)
+            self.m_source_bytes.inc(info.bytes)
+            if dst.stat().st_size == info.bytes and file_xxh3_128(dst) == info.checksum:
+                return
+            log.warning("shard %s from %s failed verification (attempt %d)", info.name, self.source.url, attempt + 1)
+        raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest "
+                                f"after {self.fetch_attempts} attempts")
+
+    def _from_source(self, info: ShardInfo) -> Handle:
+        """No tier could hold it: the source's own file when local, else verified bytes in memory."""
+        local = self._source_local_path(info)
+        if local is not None:
+            if local.stat().st_size != info.bytes or file_xxh3_128(local) != info.checksum:
+                raise ShardCorruptError(f"shard {info.name} at {local}: bytes do not match the manifest")
+            self.m_served["source"].inc()
+            return Handle("at_rest", "source", local)
+        for _ in range(self.fetch_attempts):
+            data = self.source.read_range(info.name, 0, info.bytes)
+            self.m_source_bytes.inc(len(data))
+            if len(data) == info.bytes and _xxh3_128(data) == info.checksum:
+                self.m_served["memory"].inc()
+                return Handle("at_rest", "memory", buffer=data)
+        raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest")
+
+    # ------------------------------------------------------------ ShardSource
+    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
+        with self._lock:
+            table = self._open.get(index)
+            if table is not None:
+                self._open.move_to_end(index)
+                return table
+        table = self.ensure(info).table()
+        with self._lock:
+            self._open[index] = table
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)
+        return table
+
+    def close(self) -> None:
+        with self._lock:
+            self._open.clear()
+
+    def snapshot(self) -> dict:
+        return {"tiers": [t.snapshot() for t in self.tiers], "metrics": self.registry.snapshot()}
+
+
+def _xxh3_128(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)

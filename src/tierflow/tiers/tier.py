@@ -1,0 +1,383 @@
+"""A tier: a directory + a capacity + a policy + the form it stores, shared by every process on a node.
+
+`Tier.ensure(key, ...)` is the one way to get a readable local file of an entry. A hit pins
+and returns it; a miss takes the entry's kernel lock (one fetch per entry per node), reserves
+space (occupancy + reservations <= capacity, evicting unpinned victims named by the policy),
+fetches to a temporary name, verifies size and checksum, renames and admits. When the policy
+declines or no space can be made, `ensure` returns None and the caller serves from the tier
+below without caching. The same code serves a tmpfs L1 and an NVMe L2.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tierflow.format.checksum import file_xxh3_128
+from tierflow.policies import make_policy
+from tierflow.policies.base import CachePolicy, NextUseOracle
+from tierflow.telemetry import MetricsRegistry
+from tierflow.tiers.index import EntryRow, TierIndex, process_alive
+from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
+
+log = logging.getLogger("tierflow.tiers")
+FORMS = ("at_rest", "decoded")
+INDEX_NAME = "tierflow-index.sqlite"
+
+
+class FetchError(IOError):
+    """Bytes produced for an entry did not verify; names the entry and the tier."""
+
+
+@dataclass
+class Capacity:
+    """Bytes, or a fraction of (free space + the tier's own usage) at start."""
+
+    value: float
+
+    def resolve(self, root: Path, own_usage: int) -> int:
+        if self.value > 1:
+            return int(self.value)
+        usage = shutil.disk_usage(root)
+        return int(self.value * (usage.free + own_usage))
+
+
+def memory_headroom() -> int | None:
+    """Bytes the job may still allocate: cgroup v2 limit minus usage, else MemAvailable."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        current = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            return max(0, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def is_tmpfs(path: Path) -> bool:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    best, fstype = "", ""
+    resolved = str(path.resolve())
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 3 and (resolved == parts[1] or resolved.startswith(parts[1].rstrip("/") + "/")):
+            if len(parts[1]) > len(best):
+                best, fstype = parts[1], parts[2]
+    return fstype == "tmpfs"
+
+
+class Tier:
+    """One cache directory. Thread- and process-safe; cheap to construct in every process."""
+
+    def __init__(self, root: str | os.PathLike, capacity: float, policy: str = "lru", form: str = "decoded",
+                 name: str = "L2", lock_timeout: float = 120.0, verify_hits: bool = True,
+                 registry: MetricsRegistry | None = None, policy_options: dict | None = None,
+                 ram: bool | None = None) -> None:
+        if form not in FORMS:
+            raise ValueError(f"tier {name}: form {form!r} is not one of {FORMS}")
+        self.root = Path(root)
+        self.name = name
+        self.lock_timeout = lock_timeout
+        self.verify_hits = verify_hits
+        for sub in ("entries", "locks", "tmp", "quarantine"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.index = TierIndex(self.root / INDEX_NAME)
+        own = self.index.occupancy()[0]
+        requested = {"capacity": str(Capacity(capacity).resolve(self.root, own)), "policy": policy, "form": form}
+        stored = self.index.set_config_if_absent(requested)
+        for k, v in requested.items():
+            if stored[k] != v and not (k == "capacity" and capacity <= 1):
+                log.warning("tier %s (%s): asked for %s=%s but the directory is configured with %s; "
+                            "capacity and policy belong to the directory, keeping %s", name, self.root, k, v,
+                            stored[k], stored[k])
+        self.configured_capacity = int(stored["capacity"])
+        self.policy_name = stored["policy"]
+        self.form = stored["form"]
+        self.policy_options = policy_options or {}
+        self.oracle: NextUseOracle | None = None
+        self._live: CachePolicy | None = None
+        self._live_keys: set[str] = set()
+        self._policy_lock = threading.RLock()
+        self.ram = is_tmpfs(self.root) if ram is None else ram
+        self.registry = registry or MetricsRegistry()
+        labels = {"tier": name}
+        r = self.registry
+        self.m_hits = r.counter("tier_hits", labels, "entry found in this tier")
+        self.m_misses = r.counter("tier_misses", labels, "entry fetched from below")
+        self.m_bytes_in = r.counter("tier_bytes_in", labels, "bytes written into this tier")
+        self.m_bytes_out = r.counter("tier_bytes_out", labels, "bytes served from this tier")
+        self.m_promotions = r.counter("tier_promotions", labels, "entries admitted from a lower tier")
+        self.m_evictions = r.counter("tier_evictions", labels)
+        self.m_evicted_unused = r.counter("tier_evictions_before_use", labels, "evicted before any hit")
+        self.m_corruptions = r.counter("tier_corruptions", labels, "entries that failed verification")
+        self.m_enospc = r.counter("tier_enospc_fallbacks", labels, "served from below: no space")
+        self.m_bypass = r.counter("tier_bypass", labels, "served from below: the policy declined")
+        self.m_takeovers = r.counter("tier_lock_takeovers", labels, "fetch lock timed out; fetched anyway")
+        self.m_latency = r.histogram("tier_fetch_seconds", labels, "time to fill a miss")
+        self.m_occupancy = r.gauge("tier_occupancy_bytes", labels, aggregate="max")
+        self.m_capacity = r.gauge("tier_capacity_bytes", labels, aggregate="max")
+        self._warned_enospc = False
+
+    # ------------------------------------------------------------ capacity
+    @property
+    def capacity(self) -> int:
+        """Usable bytes now. On tmpfs (L1): min(configured, tmpfs free + own, half the memory headroom)."""
+        if not self.ram:
+            return self.configured_capacity
+        own = self.index.occupancy()[0]
+        free = shutil.disk_usage(self.root).free
+        limits = [self.configured_capacity, free + own]
+        headroom = memory_headroom()
+        if headroom is not None:
+            limits.append(own + headroom // 2)
+        return int(min(limits))
+
+    def path_of(self, key: str) -> Path:
+        return self.root / "entries" / f"{key}.arrow"
+
+    # ------------------------------------------------------------ policy
+    def _policy(self) -> CachePolicy:
+        policy = make_policy(self.policy_name, **self.policy_options)
+        if self.oracle is not None:
+            policy.set_oracle(self.oracle)
+        return policy
+
+    def set_oracle(self, oracle: NextUseOracle | None) -> None:
+        """The known future (from the order), for the clairvoyant and auto policies."""
+        self.oracle = oracle
+        if self._live is not None:
+            self._live.set_oracle(oracle)
+
+    def _synced_policy(self, rows: dict[str, EntryRow]) -> CachePolicy:
+        """This process's long-lived policy, made to agree with the shared index.
+
+        It lives as long as the process so policies with memory beyond residents (hotscore's
+        history of evicted keys) keep it; entries other processes admitted or removed are
+        restored from, or dropped to, what the index says.
+        """
+        if self._live is None:
+            self._live = self._policy()
+        policy = self._live
+        for key in [k for k in self._live_keys if k not in rows]:
+            if policy.is_pinned(key):
+                while policy.is_pinned(key):
+                    policy.unpin(key)
+            policy.on_remove(key)
+            self._live_keys.discard(key)
+        for row in rows.values():
+            if row.key not in self._live_keys:
+                policy.restore(row.key, row.size, row.stats)
+                self._live_keys.add(row.key)
+        return policy
+
+    def _touch(self, row: EntryRow, now: float) -> None:
+        with self._policy_lock:
+            if self._live is not None and row.key in self._live_keys:
+                self._live.on_access(row.key, now)
+                stats = self._live.stats(row.key)
+            else:
+                scratch = self._policy()
+                scratch.restore(row.key, row.size, row.stats)
+                scratch.on_access(row.key, now)
+                stats = scratch.stats(row.key)
+        with self.index.transaction() as c:
+            self.index.touch(c, row.key, now, stats)
+
+    # ------------------------------------------------------------ reads
+    def lookup(self, key: str) -> Pin | None:
+        """A pinned, verified resident entry, or None (a miss, or a quarantined corrupt entry)."""
+        row = self.index.get(key)
+        if row is None:
+            return None
+        try:
+            pin = Pin(self.path_of(key))
+        except FileNotFoundError:
+            with self.index.transaction() as c:
+                self.index.remove(c, key)
+            return None
+        if self.verify_hits and (os.fstat(pin.fd).st_size != row.size or file_xxh3_128(pin.path) != row.checksum):
+            pin.release()
+            self._quarantine(key, "failed verification on read")
+            return None
+        self._touch(row, time.time())
+        self.m_hits.inc()
+        self.m_bytes_out.inc(row.size)
+        return pin
+
+    def _quarantine(self, key: str, why: str) -> None:
+        self.m_corruptions.inc()
+        log.warning("tier %s: entry %s %s; quarantined, it will be fetched again", self.name, key, why)
+        try:
+            os.replace(self.path_of(key), self.root / "quarantine" / f"{key}.{secrets.token_hex(4)}")
+        except FileNotFoundError:
+            pass
+        with self.index.transaction() as c:
+            self.index.remove(c, key)
+
+    def ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None],
+               dataset: str | None = None) -> Pin | None:
+        """A pin on the entry, fetching it with `produce(tmp_path)` on a miss; None = serve from below."""
+        pin = self.lookup(key)
+        if pin is not None:
+            return pin
+        with FileLock(self.root / "locks" / f"{key}.lock", self.lock_timeout) as lock:
+            if not lock.acquired:
+                self.m_takeovers.inc()
+            pin = self.lookup(key)
+            if pin is not None:
+                return pin
+            self.m_misses.inc()
+            started = time.perf_counter()
+            for attempt in (0, 1):
+                reservation = self._reserve(key, size, extra=size * attempt)
+                if reservation is None:
+                    return None
+                tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
+                try:
+                    produce(tmp)
+                    self._verify_fetched(tmp, key, size, checksum)
+                    os.replace(tmp, self.path_of(key))
+                except OSError as e:
+                    tmp.unlink(missing_ok=True)
+                    self.index.release(reservation)
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    if attempt == 0:
+                        continue  # evict one entry's worth more and try again
+                    self.m_enospc.inc()
+                    if not self._warned_enospc:
+                        log.warning("tier %s (%s): no space left on the device; serving from the tier "
+                                    "below without caching", self.name, self.root)
+                        self._warned_enospc = True
+                    return None
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    self.index.release(reservation)
+                    raise
+                self._admit(key, size, checksum, dataset, reservation)
+                self.m_latency.observe(time.perf_counter() - started)
+                self.m_promotions.inc()
+                self.m_bytes_in.inc(size)
+                return Pin(self.path_of(key))
+        return None
+
+    def _verify_fetched(self, tmp: Path, key: str, size: int, checksum: str) -> None:
+        got_size = tmp.stat().st_size
+        if got_size != size or file_xxh3_128(tmp) != checksum:
+            self.m_corruptions.inc()
+            raise FetchError(f"tier {self.name}: fetched bytes of {key} do not verify "
+                             f"(size {got_size}, expected {size}); nothing was admitted")
+
+    def _admit(self, key: str, size: int, checksum: str, dataset: str | None, reservation: int) -> None:
+        now = time.time()
+        with self._policy_lock:
+            if self._live is None:
+                self._live = self._policy()
+            self._live.on_insert(key, size, now)
+            self._live_keys.add(key)
+            stats = self._live.stats(key)
+        row = EntryRow(key, size, checksum, dataset, now, now, 0, stats)
+        with self.index.transaction() as c:
+            self.index.admit(c, row, reservation)
+        self.m_occupancy.set(self.index.occupancy()[0])
+
+    # ------------------------------------------------------------ space
+    def _reserve(self, key: str, size: int, extra: int = 0) -> int | None:
+        """Reserve `size` bytes, evicting as the policy says; None when the entry cannot be cached."""
+        capacity = self.capacity
+        self.m_capacity.set(capacity)
+        if size > capacity:
+            self.m_bypass.inc()
+            return None
+        now = time.time()
+        with self.index.transaction() as c, self._policy_lock:
+            used = self.index.used(c)
+            rows = {r.key: r for r in self.index.entries(c)}
+            policy = self._synced_policy(rows)
+            if not policy.admit(key, size, now, capacity - used):
+                self.m_bypass.inc()
+                return None
+            held: list[str] = []
+            try:
+                return self._make_room(c, policy, rows, key, size, extra, used, capacity, now, held)
+            finally:
+                for victim in held:
+                    if policy.is_pinned(victim):
+                        policy.unpin(victim, now)
+
+    def _make_room(self, c, policy: CachePolicy, rows: dict[str, EntryRow], key: str, size: int, extra: int,
+                   used: int, capacity: int, now: float, held: list[str]) -> int | None:
+        """Evict unpinned victims until the entry fits; pinned ones are skipped via `held`."""
+        while used + size + extra > capacity:
+            victim = policy.victim(now)
+            if victim is None:
+                return None  # every resident entry is in use
+            if not try_remove_unpinned(self.path_of(victim)):
+                policy.pin(victim)  # in use by some process: skip it for this decision
+                held.append(victim)
+                continue
+            row = rows[victim]
+            self.index.remove(c, victim)
+            policy.on_remove(victim)
+            self._live_keys.discard(victim)
+            used -= row.size
+            extra = max(0, extra - row.size)
+            self.m_evictions.inc()
+            if row.hits == 0:
+                self.m_evicted_unused.inc()
+        return self.index.reserve(c, key, size)
+
+    def evict(self, keys: list[str] | None = None) -> int:
+        """Drop entries (all when None) that no process is using; returns how many went."""
+        removed = 0
+        with self.index.transaction() as c:
+            for row in self.index.entries(c):
+                if keys is not None and row.key not in keys:
+                    continue
+                if try_remove_unpinned(self.path_of(row.key)):
+                    self.index.remove(c, row.key)
+                    removed += 1
+        return removed
+
+    def clean(self) -> int:
+        """Remove leftovers of dead jobs: temporaries, quarantined files, files the index does not know."""
+        removed = 0
+        known = {r.key for r in self.index.entries()}
+        for p in (self.root / "tmp").iterdir():
+            pid = p.name.split(".")[1] if p.name.count(".") >= 2 else ""
+            if not pid.isdigit() or not process_alive(int(pid)):
+                p.unlink(missing_ok=True)
+                removed += 1
+        for p in (self.root / "quarantine").iterdir():
+            p.unlink(missing_ok=True)
+            removed += 1
+        for p in (self.root / "entries").iterdir():
+            if p.name.removesuffix(".arrow") not in known and not is_pinned(p):
+                p.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def snapshot(self) -> dict:
+        resident, reserved = self.index.occupancy()
+        self.m_occupancy.set(resident)
+        return {"name": self.name, "root": str(self.root), "form": self.form, "policy": self.policy_name,
+                "capacity": self.capacity, "resident_bytes": resident, "reserved_bytes": reserved,
+                "entries": len(self.index.entries())}
+

@@ -1,0 +1,68 @@
+"""Shared fixtures: the test rig of tierflow.testing.
+
+- `s3_server` (session): moto's S3 server in a child process on 127.0.0.1; `.endpoint_url`,
+  `.endpoint` (an `S3Endpoint` with boto3 / s3fs / obstore helpers and `.env()` for child
+  processes), `.create_bucket()`. While it runs, the AWS_* variables hold fake credentials
+  (and nothing points at a real account), so default-constructed boto3, obstore and s3fs
+  clients authenticate; they still need an explicit endpoint.
+- `s3_bucket`: a fresh, empty bucket name for one test, deleted afterwards.
+- `s3_proxy`: a `LoopbackProxy` in front of `s3_server`, fresh per test: clean counters, no
+  throttle, no faults. Point clients at `S3Endpoint(s3_proxy.url)`.
+- `make_proxy(upstream_url, **options)`: a `LoopbackProxy` in front of any HTTP upstream
+  (e.g. `serve_directory(tmp_path).url`), stopped after the test.
+
+The proxy runs as threads of the test process; `tierflow.testing.ProxyProcess` offers the same
+controls from a child process (for benchmarks, so the proxy's CPU stays out of the figures).
+moto's server closes every connection after one response; the proxy keeps clients' connections
+alive regardless.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tierflow.testing import LoopbackProxy, MotoS3Server
+from tierflow.testing.s3server import UNSET_AWS_VARIABLES, fake_credentials_env
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MotoS3Server]:
+    if importlib.util.find_spec("moto") is None:
+        pytest.skip("moto[server] is not installed (it comes with the dev extra)")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in fake_credentials_env().items():
+            env.setenv(name, value)
+        for name in UNSET_AWS_VARIABLES:
+            env.delenv(name, raising=False)
+        with MotoS3Server() as server:
+            yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: MotoS3Server) -> Iterator[str]:
+    name = s3_server.create_bucket()
+    yield name
+    s3_server.delete_bucket(name)
+
+
+@pytest.fixture
+def s3_proxy(s3_server: MotoS3Server) -> Iterator[LoopbackProxy]:
+    with LoopbackProxy(s3_server.endpoint_url) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def make_proxy() -> Iterator[Callable[..., LoopbackProxy]]:
+    proxies: list[LoopbackProxy] = []
+
+    def start(upstream: str, **options: object) -> LoopbackProxy:
+        proxy = LoopbackProxy(upstream, **options).start()  # type: ignore[arg-type]
+        proxies.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        proxy.stop()

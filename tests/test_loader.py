@@ -1,0 +1,335 @@
+"""Specification of the loader: token windows, collation, buckets, cursors and exact resume."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import tierflow
+from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, Samples, TieredDataset,
+                             TokenWindows, WorldPosition, bucket_shapes)
+from tierflow.loader.collate import collate_samples
+from tierflow.loader.tokens import document_segments, num_windows, straddling_shards, window_counts
+
+PARTITIONS = 4
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> str:
+    """Long-tailed document lengths (Pareto), byte tokens, small shards."""
+    root = tmp_path_factory.mktemp("loader")
+    rng = np.random.default_rng(7)
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(5000):
+            n = min(int(rng.pareto(1.3) * 30) + 3, 2500)
+            text = "".join(chr(97 + c) for c in rng.integers(0, 26, n))
+            f.write(json.dumps({"id": i, "text": text, "blob": "x" * (i % 7)}) + "\n")
+    out = root / "ds"
+    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1,
+                  target_shard_bytes=256 << 10)
+    return str(out)
+
+
+def take(iterable, n):
+    out = []
+    for batch in iterable:
+        out.append(batch)
+        if len(out) == n:
+            break
+    return out
+
+
+def ids_of(batches):
+    return [np.asarray(b["tf_sample_ids"]).tolist() for b in batches]
+
+
+# -- token windows --------------------------------------------------------------------------
+
+def test_window_counts_assign_each_window_to_the_shard_it_starts_in():
+    token_starts = np.array([0, 100, 100, 250, 301])
+    counts = window_counts(token_starts, 50)
+    assert counts.sum() == num_windows(301, 50) == 6
+    starts = np.arange(6) * 50
+    expected = [np.count_nonzero((starts >= a) & (starts < b)) for a, b in zip(token_starts[:-1], token_starts[1:])]
+    assert counts.tolist() == expected
+    assert straddling_shards(token_starts, 50).tolist() == [True, False, True, False]
+
+
+def test_document_segments_restart_positions_after_each_eos():
+    eos = 9
+    inputs = np.array([[1, 2, 9, 3, 4, 9], [5, 9, 9, 6, 7, 8]])
+    cu, max_len, positions = document_segments(inputs, eos)
+    assert cu.dtype == np.int32 and cu.tolist() == [0, 3, 6, 8, 9, 12]
+    assert max_len == 3
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 0, 1, 2]]
+
+
+def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
+    length = 64
+    ds = TieredDataset(packed, batch_size=8, seq_len=length, partitions=PARTITIONS)
+    total = num_windows(ds.manifest.num_tokens, length)
+    assert ds.num_order_samples == total
+    seen: dict[int, np.ndarray] = {}
+    for batch in ds:
+        for window, epoch, row in zip(batch["tf_sample_ids"].tolist(), batch["tf_epochs"].tolist(),
+                                      np.concatenate([batch["input_ids"], batch["labels"][:, -1:]], axis=1)):
+            if epoch == 0:
+                assert window not in seen, f"window {window} twice in epoch 0"
+                seen[window] = row
+        if len(seen) == total:
+            break
+    reader = tierflow.open_dataset(packed)
+    stream = reader.tokens(0, total * length + 1)
+    for window in range(total):
+        assert np.array_equal(seen[window], stream[window * length: window * length + length + 1])
+
+
+def test_token_batches_are_narrow_and_labels_are_next_tokens(packed):
+    batch = next(iter(TieredDataset(packed, batch_size=4, seq_len=32, partitions=PARTITIONS)))
+    assert batch["input_ids"].dtype == np.uint16 and batch["labels"].dtype == np.uint16
+    assert np.array_equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+    assert batch["cu_seqlens"].dtype == np.int32 and batch["position_ids"].dtype == np.int32
+    assert batch["tf_stats"]["copied_bytes"] == 4 * 33 * 2
+
+
+def test_cu_seqlens_match_document_boundaries(packed):
+    length = 48
+    reader = tierflow.open_dataset(packed)
+    doc_ends = np.cumsum([len(reader[i]["tokens"]) for i in range(len(reader))])
+    ds = TieredDataset(packed, batch_size=8, seq_len=length, partitions=PARTITIONS, max_batches=20)
+    checked = 0
+    for batch in ds:
+        cu = batch["cu_seqlens"].tolist()
+        assert batch["max_seqlen"] == max(np.diff(cu))
+        for row, window in enumerate(batch["tf_sample_ids"].tolist()):
+            begin = window * length
+            inside = doc_ends[(doc_ends > begin) & (doc_ends < begin + length)] - begin
+            expected = [row * length] + [row * length + int(e) for e in inside]
+            got = [c for c in cu if row * length <= c < (row + 1) * length]
+            assert got == expected
+            positions = batch["position_ids"][row]
+            starts = np.array([0] + inside.tolist())
+            expect_pos = np.arange(length) - starts[np.searchsorted(starts, np.arange(length), side="right") - 1]
+            assert np.array_equal(positions, expect_pos)
+            checked += 1
+    assert checked == 160
+
+
+def test_future_shard_uses_list_the_next_shard_of_straddling_windows(packed):
+    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    uses = ds.future_shard_uses(horizon_batches=2000)
+    straddles = straddling_shards(ds._token_starts, 64)
+    shards = {u.shard for u in uses if u.epoch == 0}
+    assert shards == set(range(len(ds.manifest.shards)))
+    intervals = {(u.shard, u.first_use, u.last_use) for u in uses}
+    owner = ds.order.layout.shard_partition
+    for u in uses:
+        if owner[u.shard] == u.partition and straddles[u.shard]:
+            assert (u.shard + 1, u.first_use, u.last_use) in intervals
+    ds.start_prefetch()  # documented no-op hook until the stager exists
+
+
+# -- samples, collation, projection, transforms, filters --------------------------------------
+
+def test_collation_stacks_equal_shapes_pads_others_and_lists_strings():
+    samples = [{"a": np.array([1, 2], np.uint16), "s": "x", "n": 1},
+               {"a": np.array([3], np.uint16), "s": "y", "n": 2}]
+    batch, copied = collate_samples(samples, ["a", "s", "n"], pad=True, pad_value=0)
+    assert batch["a"].tolist() == [[1, 2], [3, 0]] and batch["a_lengths"].tolist() == [2, 1]
+    assert batch["s"] == ["x", "y"] and batch["n"].tolist() == [1, 2]
+    assert copied == 6
+    unpadded, _ = collate_samples(samples, ["a"], pad=False)
+    assert isinstance(unpadded["a"], list)
+
+
+def test_columns_projection_reads_only_the_selected_columns(packed):
+    ds = TieredDataset(packed, batch_size=4, columns=["id", "text"], partitions=PARTITIONS)
+    batch = next(iter(ds))
+    assert set(k for k in batch if not k.startswith("tf_")) == {"id", "text", "mask"}
+    assert ds._open().dataset.columns == ["id", "text"]
+    reader = tierflow.open_dataset(packed)
+    assert batch["text"] == [reader[i]["text"] for i in batch["tf_sample_ids"].tolist()]
+
+
+def _keep(sample):
+    return sample["id"] % 3 != 0
+
+
+def _noise(sample, rng):
+    return {**sample, "noise": rng.integers(0, 1 << 30)}
+
+
+def test_filters_and_transforms_are_deterministic_across_resume(packed):
+    def make(resume=None):
+        return TieredDataset(packed, batch_size=6, columns=["id"], filter=_keep, transform=_noise,
+                             partitions=PARTITIONS, resume=resume)
+    full = take(Loader(make()), 12)
+    assert all(all(i % 3 for i in b["id"].tolist()) for b in full)
+    assert sum(b["tf_stats"]["filtered"] for b in full) > 0
+    first = Loader(make())
+    head = take(first, 5)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["filtered"] == sum(b["tf_stats"]["filtered"] for b in head)
+    resumed = Loader(make(resume=state))
+    resumed.load_state_dict(state)
+    tail = take(resumed, 7)
+    for a, b in zip(full, head + tail):
+        assert a["id"].tolist() == b["id"].tolist() and a["noise"].tolist() == b["noise"].tolist()
+    assert resumed.state_dict()["filtered"] == sum(b["tf_stats"]["filtered"] for b in full)
+
+
+def test_eval_mode_reads_every_sample_once_with_a_masked_last_batch(packed):
+    n = len(tierflow.open_dataset(packed))
+    world = 3
+    seen = []
+    steps = set()
+    for rank in range(world):
+        ds = TieredDataset(packed, batch_size=64, columns=["id"], eval=True, partitions=PARTITIONS,
+                           world=WorldPosition(0, 1, rank, world))
+        batches = list(DataLoader(ds, batch_size=None))
+        steps.add(len(batches))
+        for b in batches:
+            assert len(b["id"]) == 64
+            seen.extend(b["tf_sample_ids"][b["mask"]].tolist())
+    assert len(steps) == 1
+    assert sorted(seen) == list(range(n))
+
+
+# -- buckets ---------------------------------------------------------------------------------
+
+def test_bucket_shapes_are_bounded_multiples():
+    shapes = bucket_shapes(3000, 64, 6)
+    assert len(shapes) <= 6 and all(s % 64 == 0 for s in shapes) and shapes[-1] == 3008
+    assert bucket_shapes(200, 64, 8).tolist() == [64, 128, 192, 256]
+
+
+def test_bucketing_reduces_padding_against_random_batches_within_the_shape_bound(packed):
+    def waste(group):
+        batcher = LengthBuckets(max_length=2560, pad_to_multiple_of=64, max_shapes=6, group=group)
+        ds = TieredDataset(packed, batch_size=16, batcher=batcher, partitions=PARTITIONS, max_batches=160)
+        real = padded = 0
+        shapes = set()
+        for b in ds:
+            real += b["tf_stats"]["real_tokens"]
+            padded += b["tf_stats"]["padded_tokens"]
+            shapes.add(b["input_ids"].shape[1])
+            assert b["input_ids"].shape[0] == 16
+        assert shapes <= set(batcher.shapes.tolist()) and len(batcher.shapes) <= 6
+        return padded / real
+    bucketed, random_batches = waste(16), waste(1)
+    assert bucketed < 0.5 * random_batches, (bucketed, random_batches)  # padded tokens per real token
+
+
+def test_bucketed_batches_resume_exactly_inside_a_group(packed):
+    def make(resume=None):
+        return TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
+                             partitions=PARTITIONS, resume=resume)
+    full = take(make(), 14)
+    head = take(Loader(make()), 6)
+    state = head[-1]["tf_cursor"]
+    assert state["skip"] == 2
+    tail = take(make(resume=state), 8)
+    assert ids_of(full) == ids_of(head + tail)
+    other_world = TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
+                                partitions=PARTITIONS, world=WorldPosition(0, 1, 0, 2))
+    with pytest.raises(CursorError, match="group"):
+        other_world.load_state_dict(state)
+
+
+# -- cursor, Loader, resume ------------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_from_loader_state_equals_the_uninterrupted_run(packed, workers):
+    rng = random.Random(workers)
+    stop = rng.randint(1, 15)
+
+    def make(resume=None):
+        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, resume=resume)
+    full = take(Loader(make(), num_workers=workers), 20)
+    first = Loader(make(), num_workers=workers)
+    head = take(first, stop)
+    first.close()
+    state = json.loads(json.dumps(first.state_dict()))
+    tail = take(Loader(make(resume=state), num_workers=workers), 20 - stop)
+    assert ids_of(full) == ids_of(head + tail)
+    for a, b in zip(full, head + tail):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+
+
+def test_loader_continues_after_load_state_dict_and_after_a_break(packed):
+    loader = Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS))
+    full = take(Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)), 9)
+    head = take(loader, 3)
+    middle = take(loader, 3)  # a new `for` continues after the last consumed batch
+    saved = loader.state_dict()
+    take(loader, 2)
+    loader.load_state_dict(saved)
+    tail = take(loader, 3)
+    assert ids_of(full) == ids_of(head + middle + tail)
+
+
+def test_cursor_is_identical_on_every_rank_and_resumes_a_smaller_world(packed):
+    """4 ranks of one node, then 2: the node's batch sequence continues exactly."""
+    def rank_ds(rank, ranks, resume=None):
+        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, resume=resume,
+                             world=WorldPosition(0, 1, rank, ranks))
+    single = ids_of(take(rank_ds(0, 1), 4 * 5 + 2 * 6))
+    four = [take(rank_ds(r, 4), 5) for r in range(4)]
+    cursors = {json.dumps(batches[-1]["tf_cursor"], sort_keys=True) for batches in four}
+    assert len(cursors) == 1
+    state = four[0][-1]["tf_cursor"]
+    two = [take(rank_ds(r, 2, resume=state), 6) for r in range(2)]
+    node_sequence = [four[j % 4][j // 4] for j in range(20)] + [two[j % 2][j // 2] for j in range(12)]
+    assert ids_of(node_sequence) == single
+
+
+def test_loader_on_cpu_yields_the_same_batches_as_the_dataloader(packed):
+    def make():
+        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, max_batches=10)
+    plain = list(DataLoader(make(), batch_size=None))
+    fed = list(Loader(make(), device="cpu"))
+    assert len(plain) == len(fed) == 10
+    for a, b in zip(plain, fed):
+        for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "mask"):
+            assert torch.equal(a[key], b[key])
+        assert a["tf_cursor"] == b["tf_cursor"]
+    widened = next(iter(Loader(make(), device="cpu", widen={"input_ids": torch.int64})))
+    assert widened["input_ids"].dtype == torch.int64
+
+
+def test_loader_refuses_dataloaders_that_would_break_exactness(packed):
+    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    with pytest.raises(ValueError, match="batch_size=None"):
+        Loader(DataLoader(ds, batch_size=2))
+    with pytest.raises(ValueError, match="in_order=False"):
+        Loader(DataLoader(ds, batch_size=None, num_workers=2, in_order=False))
+
+
+def test_loader_detects_batches_out_of_order(packed):
+    class Swapped(DataLoader):
+        def __iter__(self):
+            it = super().__iter__()
+            a, b = next(it), next(it)
+            yield b
+            yield a
+    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, max_batches=4)
+    with pytest.raises(BatchOrderError):
+        list(Loader(Swapped(ds, batch_size=None)))
+
+
+def test_loader_is_torchdata_stateful(packed):
+    from torchdata.stateful_dataloader import Stateful
+    loader = Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS))
+    assert isinstance(loader, Stateful)
+
+
+def test_cursor_from_another_dataset_is_refused(packed):
+    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    cursor = next(iter(ds))["tf_cursor"]
+    with pytest.raises(ValueError, match="dataset_id|num_samples"):
+        TieredDataset(packed, batch_size=8, seq_len=32, partitions=PARTITIONS, resume=cursor)

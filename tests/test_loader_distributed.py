@@ -1,0 +1,127 @@
+"""Multi-process specification: a real gloo group of ranks, DataLoader workers, resume in a new process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.loader import TieredDataset
+
+pytestmark = pytest.mark.slow
+
+PARTITIONS = 4
+BATCH = 16
+
+RANK_SCRIPT = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+from tierflow.loader import Loader, TieredDataset
+
+path, out, steps, workers, resume, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+state = json.load(open(resume)) if resume != "-" else None
+ds = TieredDataset(path, batch_size=BATCH, seq_len=seq_len or None, partitions=PARTITIONS, resume=state)
+world = ds.world.world_size
+if world > 1:
+    dist.init_process_group("gloo")
+loader = Loader(ds, device="cpu", num_workers=workers)
+ids, epochs = [], []
+for step, batch in enumerate(loader):
+    ids.append(batch["tf_sample_ids"].tolist())
+    epochs.append(batch["tf_epochs"].tolist())
+    if step + 1 == steps:
+        break
+loader.close()
+local = torch.tensor([ids, epochs], dtype=torch.int64)
+gathered = [torch.zeros_like(local) for _ in range(world)]
+if world > 1:
+    dist.all_gather(gathered, local)
+    dist.destroy_process_group()
+else:
+    gathered = [local]
+if ds.world.rank == 0:
+    json.dump({"ranks": [g.tolist() for g in gathered], "state": loader.state_dict()}, open(out, "w"))
+'''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("loader_mp")
+    rng = np.random.default_rng(3)
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(4000):
+            n = int(rng.integers(20, 200))
+            f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
+    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    (root / "rank.py").write_text(RANK_SCRIPT)
+    return str(root / "ds")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(packed: str, out: Path, *, ranks: int, steps: int, workers: int, resume: dict | None = None,
+              seq_len: int = 0) -> dict:
+    resume_path = "-"
+    if resume is not None:
+        resume_path = str(out) + ".resume.json"
+        Path(resume_path).write_text(json.dumps(resume))
+    port = free_port()
+    script = str(Path(packed).parent / "rank.py")
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, script, packed, str(out), str(steps), str(workers), resume_path, str(seq_len)], env=env))
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+    return json.loads(out.read_text())
+
+
+def node_sequence(result: dict) -> list[list[int]]:
+    """Rank r's step b is node batch b * R + r."""
+    ranks = result["ranks"]
+    return [ranks[j % len(ranks)][0][j // len(ranks)] for j in range(len(ranks) * len(ranks[0][0]))]
+
+
+def test_four_ranks_with_two_workers_read_every_sample_exactly_once_per_epoch(packed, tmp_path):
+    n = len(tierflow.open_dataset(packed))
+    ds = TieredDataset(packed, batch_size=BATCH, partitions=PARTITIONS)
+    longest = int(ds.order.layout.partition_sizes.max())
+    steps = -(-longest // BATCH) * PARTITIONS // 4 + 1
+    result = run_ranks(packed, tmp_path / "out.json", ranks=4, steps=steps, workers=2)
+    seen = []
+    for ids, epochs in result["ranks"]:
+        for batch_ids, batch_epochs in zip(ids, epochs):
+            seen.extend(i for i, e in zip(batch_ids, batch_epochs) if e == 0)
+    assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_in_a_new_process_equals_the_uninterrupted_run(packed, tmp_path, workers):
+    total, stop = 30, int(np.random.default_rng(workers).integers(1, 29))
+    full = run_ranks(packed, tmp_path / "full.json", ranks=1, steps=total, workers=workers, seq_len=64)
+    head = run_ranks(packed, tmp_path / "head.json", ranks=1, steps=stop, workers=workers, seq_len=64)
+    tail = run_ranks(packed, tmp_path / "tail.json", ranks=1, steps=total - stop, workers=workers,
+                     resume=head["state"], seq_len=64)
+    assert node_sequence(head) + node_sequence(tail) == node_sequence(full)
+
+
+def test_resume_from_four_ranks_onto_two_continues_the_same_sequence(packed, tmp_path):
+    full = run_ranks(packed, tmp_path / "full.json", ranks=1, steps=4 * 5 + 2 * 7, workers=0)
+    four = run_ranks(packed, tmp_path / "four.json", ranks=4, steps=5, workers=2)
+    two = run_ranks(packed, tmp_path / "two.json", ranks=2, steps=7, workers=2, resume=four["state"])
+    assert node_sequence(four) + node_sequence(two) == node_sequence(full)

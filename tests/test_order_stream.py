@@ -1,0 +1,179 @@
+"""Specification of the sample order as the loader sees it: exactly-once epochs for any world
+shape, exact resume (also elastic), seek, determinism, cursor checks."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tierflow.order import CursorMismatchError, RankStream, SampleOrder
+
+COUNTS = [int(c) for c in np.random.default_rng(5).integers(5, 41, size=64)]
+
+
+def make_order(remainder="carry", seed=11, partitions=16, window_shards=3, counts=COUNTS):
+    return SampleOrder(
+        counts, dataset_id="synthetic-64", seed=seed, partitions=partitions,
+        window_shards=window_shards, remainder=remainder,
+    )
+
+
+def run_epoch_zero(order, cursor, nodes, ranks, workers, batch_size, max_steps=None):
+    """Synchronous steps from `cursor`; every rank's workers build their batches b = w mod W.
+    Returns epoch-0 real ids seen and the cursor after the last step."""
+    streams = {
+        (n, r): RankStream(order, cursor, batch_size=batch_size, node=n, num_nodes=nodes,
+                           rank=r, ranks_per_node=ranks)
+        for n in range(nodes) for r in range(ranks)
+    }
+    worker_iters = {key: [s.batches(w, workers) for w in range(workers)] for key, s in streams.items()}
+    seen, last_cursor, step = [], cursor.to_dict(), 0
+    while max_steps is None or step < max_steps:
+        for key in streams:
+            batch = next(worker_iters[key][step % workers])
+            assert batch.index == step
+            seen.append(batch.sample_ids[(batch.epochs == 0) & batch.mask])
+            last_cursor = batch.cursor
+        step += 1
+        if max_steps is None and last_cursor["epoch"] >= 1:
+            break
+    return np.concatenate(seen), last_cursor
+
+
+@pytest.mark.parametrize("remainder", ["carry", "pad"])
+@pytest.mark.parametrize("nodes,ranks,workers", [(1, 1, 1), (2, 2, 2), (4, 1, 3), (2, 4, 1), (8, 2, 2)])
+def test_every_sample_exactly_once_per_epoch_for_any_world_shape(remainder, nodes, ranks, workers):
+    order = make_order(remainder)
+    ids, _ = run_epoch_zero(order, order.start(), nodes, ranks, workers, batch_size=7)
+    assert np.array_equal(np.sort(ids), np.arange(sum(COUNTS)))
+
+
+def test_drop_reads_each_sample_at_most_once_and_skips_only_partition_tails():
+    order = make_order("drop")
+    ids, _ = run_epoch_zero(order, order.start(), 2, 2, 2, batch_size=7)
+    assert np.unique(ids).size == ids.size
+    expected = sum((int(n) // 7) * 7 for n in order.layout.partition_sizes)
+    assert ids.size == expected
+
+
+def test_pad_marks_repeats_in_the_mask_and_keeps_batches_full():
+    order = make_order("pad")
+    stream = RankStream(order, order.start(), batch_size=7)
+    batches = [stream.batch(b) for b in range(400)]
+    assert all(b.sample_ids.size == 7 for b in batches)
+    padded = [b for b in batches if not b.mask.all()]
+    assert padded
+    for b in padded:
+        real = b.sample_ids[b.mask]
+        assert set(b.sample_ids[~b.mask].tolist()) <= set(real.tolist())
+
+
+@pytest.mark.parametrize("new_nodes,new_ranks", [(2, 2), (8, 1), (4, 3)])
+def test_elastic_resume_covers_the_epoch_exactly_once(new_nodes, new_ranks):
+    order = make_order()
+    first, cursor = run_epoch_zero(order, order.start(), 4, 2, 2, batch_size=5, max_steps=9)
+    resumed = order.load(json.loads(json.dumps(cursor)))
+    second, _ = run_epoch_zero(order, resumed, new_nodes, new_ranks, 2, batch_size=5)
+    assert np.array_equal(np.sort(np.concatenate([first, second])), np.arange(sum(COUNTS)))
+
+
+@pytest.mark.parametrize("remainder", ["carry", "drop", "pad"])
+def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuation(remainder):
+    order = make_order(remainder)
+    world = dict(num_nodes=2, ranks_per_node=3, batch_size=6)
+    rng = np.random.default_rng(0)
+    for stop in rng.integers(0, 120, size=5).tolist():
+        for node in range(2):
+            for rank in range(3):
+                whole = RankStream(order, order.start(), node=node, rank=rank, **world)
+                saved = whole.batch(stop).cursor
+                again = RankStream(order, make_order(remainder).load(saved), node=node, rank=rank, **world)
+                for k in range(4):
+                    assert np.array_equal(again.batch(k).sample_ids, whole.batch(stop + 1 + k).sample_ids)
+                    assert again.batch(k).cursor == whole.batch(stop + 1 + k).cursor
+
+
+def test_seeking_to_a_batch_equals_iterating_to_it():
+    order = make_order()
+    stream = RankStream(order, order.start(), batch_size=4, num_nodes=4, node=1, ranks_per_node=2, rank=1)
+    iterated = [b.sample_ids for _, b in zip(range(150), stream.batches())]
+    for b in np.random.default_rng(1).integers(0, 150, size=10).tolist():
+        fresh = RankStream(order, order.start(), batch_size=4, num_nodes=4, node=1, ranks_per_node=2, rank=1)
+        assert np.array_equal(fresh.batch(b).sample_ids, iterated[b])
+
+
+def test_cursor_is_world_independent_across_ranks_and_nodes():
+    order = make_order()
+    cursors = {
+        json.dumps(RankStream(order, order.start(), batch_size=5, num_nodes=2, node=n,
+                              ranks_per_node=2, rank=r).batch(13).cursor, sort_keys=True)
+        for n in range(2) for r in range(2)
+    }
+    assert len(cursors) == 1
+
+
+def test_golden_first_batches_for_a_small_config():
+    order = SampleOrder([10] * 20, dataset_id="golden", seed=3, partitions=4, window_shards=2)
+    stream = RankStream(order, order.start(), batch_size=6)
+    got = [stream.batch(b).sample_ids.tolist() for b in range(3)]
+    assert got == GOLDEN
+
+
+GOLDEN = [[40, 8, 46, 43, 9, 1], [176, 97, 95, 90, 173, 93], [143, 148, 69, 65, 140, 146]]
+
+
+def test_same_seed_gives_the_same_order_in_another_process():
+    code = (
+        "import json;from tierflow.order import SampleOrder, RankStream;"
+        f"o=SampleOrder({COUNTS}, dataset_id='synthetic-64', seed=11, partitions=16, window_shards=3);"
+        "s=RankStream(o,o.start(),batch_size=7,num_nodes=2,node=1);"
+        "print(json.dumps([s.batch(b).sample_ids.tolist() for b in range(20)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    order = make_order()
+    stream = RankStream(order, order.start(), batch_size=7, num_nodes=2, node=1)
+    assert json.loads(out) == [stream.batch(b).sample_ids.tolist() for b in range(20)]
+
+
+def test_different_seeds_give_different_orders():
+    a = RankStream(make_order(seed=1), make_order(seed=1).start(), batch_size=50).batch(0).sample_ids
+    b = RankStream(make_order(seed=2), make_order(seed=2).start(), batch_size=50).batch(0).sample_ids
+    assert not np.array_equal(a, b)
+
+
+def test_cursor_from_another_configuration_is_refused_naming_the_fields():
+    saved = RankStream(make_order(), make_order().start(), batch_size=5).batch(3).cursor
+    other = make_order(seed=12, window_shards=4)
+    with pytest.raises(CursorMismatchError, match="seed: cursor 11 vs order 12") as info:
+        other.load(saved)
+    assert "window_shards: cursor 3 vs order 4" in str(info.value)
+    assert "dataset_id" not in str(info.value)
+
+
+def test_allow_mismatch_resumes_positions_under_the_new_configuration():
+    saved = RankStream(make_order(), make_order().start(), batch_size=5).batch(3).cursor
+    other = make_order(seed=12)
+    cursor = other.load(saved, allow_mismatch=True)
+    assert list(cursor.offsets) == saved["offsets"] and cursor.seed == 12
+    assert cursor.config_hash == other.config_hash
+
+
+def test_cursor_with_a_different_partition_count_is_refused_even_when_mismatch_is_allowed():
+    saved = make_order().start().to_dict()
+    with pytest.raises(CursorMismatchError, match="16 partitions"):
+        make_order(partitions=8).load(saved, allow_mismatch=True)
+
+
+def test_cursor_is_small_json():
+    cursor = RankStream(make_order(), make_order().start(), batch_size=5).batch(3).cursor
+    text = json.dumps(cursor)
+    assert json.loads(text) == cursor and len(text) < 2000
+    assert {"version", "seed", "epoch", "partitions", "epochs", "offsets", "config_hash"} <= cursor.keys()
+
+
+def test_node_count_that_does_not_divide_partitions_is_an_error_listing_valid_counts():
+    order = make_order()
+    with pytest.raises(ValueError, match=r"valid node counts: \[1, 2, 4, 8, 16\]"):
+        RankStream(order, order.start(), batch_size=4, num_nodes=3)
