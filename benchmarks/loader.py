@@ -88,8 +88,9 @@ def run_loop(batches, steps: int, step_s: float) -> tuple[float, float]:
     return done / (time.perf_counter() - begin), first
 
 
-def tierflow_round(path: str, workers: int, steps: int, step_s: float) -> tuple[float, float]:
-    loader = Loader(dataset(path), device="cpu", num_workers=workers)
+def tierflow_round(path: str, workers: int, steps: int, step_s: float,
+                   background: bool | None = None) -> tuple[float, float]:
+    loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background)
     try:
         return run_loop(loader, steps, step_s)
     finally:
@@ -107,10 +108,10 @@ def preload(path: str, count: int) -> list:
     return batches
 
 
-def raw_speed(path: str, workers: int, batches: int) -> dict[str, float]:
+def raw_speed(path: str, workers: int, batches: int, background: bool | None = None) -> dict[str, float]:
     self_before = resource.getrusage(resource.RUSAGE_SELF)
     kids_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    loader = Loader(dataset(path), device="cpu", num_workers=workers)
+    loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background)
     iterator = iter(loader)
     next(iterator)
     begin = time.perf_counter()
@@ -135,7 +136,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--feed-thread", action="store_true",
+                        help="with workers, receive batches on the device feed's thread (Loader(background=True))")
     args = parser.parse_args()
+    background = True if args.feed_thread else None
     rounds = 1 if args.quick else args.rounds
     plan = {0.002: 150, 0.010: 60, 0.050: 16}
     if args.quick:
@@ -151,7 +155,7 @@ def main() -> None:
             for step_s, steps in plan.items():
                 ours, dry, firsts = [], [], []
                 for _ in range(rounds):
-                    rate, first = tierflow_round(path, workers, steps, step_s)
+                    rate, first = tierflow_round(path, workers, steps, step_s, background)
                     ours.append(rate)
                     firsts.append(first * 1e3)
                     dry.append(run_loop(preloaded, steps, step_s)[0])
@@ -162,7 +166,7 @@ def main() -> None:
         print()
         print(f"{'workers':>7} {'samples/s':>12} {'us/batch':>10} {'CPU us/batch':>13}  (raw, no step; median of {rounds})")
         for workers in (0, 2):
-            runs = [raw_speed(path, workers, 400 if not args.quick else 100) for _ in range(rounds)]
+            runs = [raw_speed(path, workers, 400 if not args.quick else 100, background) for _ in range(rounds)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             print(f"{workers:>7} {med['samples_per_s']:>12.0f} {med['us_per_batch']:>10.0f} {med['cpu_us_per_batch']:>13.0f}")
 

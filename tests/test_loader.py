@@ -333,3 +333,135 @@ def test_cursor_from_another_dataset_is_refused(packed):
     cursor = next(iter(ds))["tf_cursor"]
     with pytest.raises(ValueError, match="dataset_id|num_samples"):
         TieredDataset(packed, batch_size=8, seq_len=32, partitions=PARTITIONS, resume=cursor)
+
+
+# -- the worker boundary, cursors per batch, shard reuse --------------------------------------
+
+@pytest.mark.parametrize("shared_memory_bytes", [1 << 30, 0], ids=["in-message", "shared-memory"])
+def test_a_worker_batch_unpickles_into_the_plain_batch_with_one_token_storage(shared_memory_bytes):
+    import pickle
+
+    from torch.utils.data._utils.collate import default_convert
+
+    from tierflow.loader.collate import TransferBatch
+
+    tokens = np.arange(4 * 33, dtype=np.uint16).reshape(4, 33)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": np.ones((4, 32), np.int32),
+             "every_other": np.arange(10)[::2], "mask": np.array([True, True, False, True]), "max_seqlen": 32,
+             "half": torch.ones(3, dtype=torch.bfloat16), "text": ["a", "b"], "tf_cursor": {"skip": 0}}
+    sent = default_convert(TransferBatch(batch, shared_memory_bytes=shared_memory_bytes))
+    sent["tf_timing"] = {"produce_s": 0.1}  # a wrapper in the worker may add keys
+    received = pickle.loads(pickle.dumps(sent))
+    assert type(received) is dict
+    assert list(received) == [*batch, "tf_timing"]
+    expected = default_convert(batch)
+    for name, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert received[name].dtype == value.dtype and torch.equal(received[name], value), name
+        else:
+            assert received[name] == value, name
+    assert received["input_ids"].untyped_storage().data_ptr() == received["labels"].untyped_storage().data_ptr()
+    assert received["tf_timing"] == {"produce_s": 0.1}
+
+
+def test_batches_from_workers_equal_batches_built_in_process(packed):
+    def batches(workers):
+        ds = TieredDataset(packed, batch_size=4, seq_len=48, partitions=PARTITIONS, max_batches=6)
+        return list(DataLoader(ds, batch_size=None, num_workers=workers))
+
+    for inline, remote in zip(batches(0), batches(2), strict=True):
+        assert type(remote) is dict and list(remote) == list(inline)
+        for name, value in inline.items():
+            if isinstance(value, torch.Tensor):
+                assert remote[name].dtype == value.dtype and torch.equal(remote[name], value), name
+            else:
+                assert remote[name] == value, name
+
+
+def _reference_cursor_after(order, base, index, *, batch_size, num_nodes, ranks_per_node):
+    """The cursor after batch `index`, partition by partition (the definition the fast path must meet)."""
+    from tierflow.order.interleave import delivered_after
+
+    epochs, offsets, batches = list(base.epochs), list(base.offsets), list(base.batches)
+    for node in range(num_nodes):
+        owned = order.layout.node_partitions(node, num_nodes)
+        before = np.array([base.batches[p] for p in owned], dtype=np.int64)
+        after = delivered_after(before, (index + 1) * ranks_per_node)
+        for p, old, new in zip(owned, before.tolist(), after.tolist()):
+            epochs[p], offsets[p] = order.geometry(p, batch_size).advance(epochs[p], offsets[p], new - old)
+            batches[p] = new
+    return order.cursor(epochs, offsets, batches)
+
+
+@pytest.mark.parametrize("remainder", ["carry", "drop", "pad"])
+@pytest.mark.parametrize("partitions,num_nodes,ranks_per_node", [(16, 1, 1), (16, 4, 2), (8, 2, 3)])
+def test_rank_stream_cursor_after_matches_the_partition_by_partition_definition(
+        remainder, partitions, num_nodes, ranks_per_node):
+    from tierflow.order import RankStream, SampleOrder
+
+    counts = np.random.default_rng(partitions + num_nodes).integers(0, 90, 60).tolist()
+    order = SampleOrder(counts, dataset_id="cursor-spec", seed=5, partitions=partitions, remainder=remainder)
+    node, rank = num_nodes - 1, ranks_per_node - 1
+    start = RankStream(order, order.start(), batch_size=4, node=node, num_nodes=num_nodes, rank=rank,
+                       ranks_per_node=ranks_per_node).cursor_after(22)
+    for base in (order.start(), start):
+        stream = RankStream(order, base, batch_size=4, node=node, num_nodes=num_nodes, rank=rank,
+                            ranks_per_node=ranks_per_node)
+        for index in [*range(40), 517, 4099]:
+            assert stream.cursor_after(index) == _reference_cursor_after(
+                order, base, index, batch_size=4, num_nodes=num_nodes, ranks_per_node=ranks_per_node)
+
+
+def test_node_counts_agree_with_the_interleave_rule_for_any_counts_and_picks():
+    from tierflow.order.interleave import delivered_after
+    from tierflow.order.stream import _NodeCounts
+
+    rng = np.random.default_rng(11)
+    for _ in range(400):
+        base = rng.integers(0, int(rng.choice([1, 3, 40, 10_000])), int(rng.integers(1, 70)))
+        counts = _NodeCounts(base)
+        for picks in [0, 1, *rng.integers(0, 3 * base.size + 5, 4).tolist(), int(rng.integers(0, 10**7))]:
+            assert counts.after(picks).tolist() == delivered_after(base, picks).tolist()
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory) -> dict[str, str]:
+    """The same small documents packed into a dozen-odd shards, zstd at rest and uncompressed."""
+    root = tmp_path_factory.mktemp("many_shards")
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(6000):
+            f.write(json.dumps({"id": i, "text": f"document {i} " * 40}) + "\n")
+    out = {}
+    for compression in ("zstd", "none"):
+        out[compression] = str(root / compression)
+        tierflow.pack([root / "docs.jsonl"], out[compression], workers=1, target_shard_bytes=256 << 10,
+                      compression=compression)
+    return out
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_directory_source_opens_each_shard_once_however_often_the_order_revisits_it(many_shards, compression):
+    from tierflow.format.dataset import DirectorySource
+
+    dataset = tierflow.open_dataset(many_shards[compression])
+    assert isinstance(dataset.source, DirectorySource)
+    shards = len(dataset.manifest.shards)
+    assert shards > 8  # more than the old LRU of 8 shards held
+    for _ in range(3):
+        for s in range(shards):
+            dataset.shard(s)
+    assert dataset.source.opens == shards
+
+
+def test_directory_source_bounds_decoded_shards_by_bytes_and_still_serves_every_row(many_shards):
+    from tierflow.format.dataset import Dataset, DirectorySource
+
+    root = many_shards["zstd"]
+    manifest = tierflow.Manifest.load(root)
+    source = DirectorySource(root, max_decoded_bytes=1)
+    bounded = Dataset(manifest, source, location=root)
+    every_seventh = list(range(0, len(bounded), 7))
+    for _ in range(2):
+        assert [bounded[i]["id"] for i in every_seventh] == every_seventh
+    assert len(source._decoded) == 1
+    assert source.opens == 2 * len(manifest.shards)  # evicted shards are decoded again

@@ -115,7 +115,12 @@ def test_fetcher_killed_with_sigkill_others_take_over(tmp_path, s3_dataset):
     victim = FORK.Process(target=_slow_fetch_then_hang, args=(url, proxy.url, str(tmp_path / "node"), started))
     victim.start()
     assert started.wait(30)
-    time.sleep(1.0)  # it now holds the entry's fetch lock, mid-download
+    tmp_dir = tmp_path / "node" / "l2" / "tmp"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not list(tmp_dir.iterdir()):
+        time.sleep(0.05)
+    assert list(tmp_dir.iterdir()), "the victim never started its download"
+    time.sleep(0.3)  # it now holds the entry's fetch lock, mid-download
     os.kill(victim.pid, signal.SIGKILL)
     victim.join()
     proxy.set_bandwidth(None)

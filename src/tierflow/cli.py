@@ -70,6 +70,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gc", help="remove files of a dataset directory that no manifest references")
     p.add_argument("dataset")
+
+    p = sub.add_parser("bench", help="the loader driving a step vs the dry run (same batches preloaded)")
+    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--step-ms", type=float, default=10.0, help="simulated step time")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None, help="token windows of this length (default: samples)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers (0: a background thread)")
+    p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
+                   help="a tier of this node (default: none, read the source directly)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
+    p.add_argument("--bandwidth", type=_size, default=None, help="node bandwidth budget for the source, bytes/s")
+    p.add_argument("--log", help="write the run's JSONL event log here (for report and top)")
+    p.add_argument("--prometheus-port", type=int, default=None, help="serve metrics on 127.0.0.1:PORT")
+
+    p = sub.add_parser("report", help="plot a run's JSONL event log into a PNG")
+    p.add_argument("log")
+    p.add_argument("--out", default=None, help="PNG path (default: the log's name with .png)")
+
+    p = sub.add_parser("top", help="live view of a running job from its JSONL event log")
+    p.add_argument("log")
+    p.add_argument("--once", action="store_true", help="print the current state and exit")
+    p.add_argument("--refresh", type=float, default=1.0, help="seconds between refreshes")
     return parser
 
 
@@ -232,6 +255,55 @@ def _demo(args: argparse.Namespace) -> int:
     from tierflow.demo import run_demo
 
     run_demo(args.out, max_files=args.max_files)
+    return 0
+
+
+@command("bench")
+def _bench(args: argparse.Namespace) -> int:
+    from tierflow.loader import TieredDataset
+    from tierflow.telemetry import MetricsRegistry
+    from tierflow.telemetry.bench import format_result, run_bench, simulated_step
+    from tierflow.telemetry.eventlog import EventLog
+    from tierflow.tiers import build_stack
+
+    registry = MetricsRegistry()
+    configs = parse_tiers(args.tier) if args.tier else []
+    stack = build_stack(args.dataset, configs, endpoint_url=args.endpoint_url, bandwidth=args.bandwidth,
+                        registry=registry)
+    dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
+    events = EventLog(args.log, registry, name=f"bench {args.dataset}", steps=args.steps,
+                      step_ms=args.step_ms) if args.log else None
+    exporter = None
+    if args.prometheus_port is not None:
+        from tierflow.telemetry.prometheus import PrometheusExporter
+
+        exporter = PrometheusExporter([registry], port=args.prometheus_port).start()
+        print(f"metrics at {exporter.url}")
+    layout = [(t.name, t.capacity, t.form == "decoded") for t in stack.tiers]
+    try:
+        result = run_bench(dataset, args.steps, simulated_step(args.step_ms), num_workers=args.workers,
+                           registry=registry, events=events, tier_layout=layout)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+    print(format_result(result, args.step_ms))
+    return 0
+
+
+@command("report")
+def _report(args: argparse.Namespace) -> int:
+    from tierflow.telemetry.report import write_report
+
+    path, _ = write_report(args.log, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+@command("top")
+def _top(args: argparse.Namespace) -> int:
+    from tierflow.telemetry.top import run_top
+
+    run_top(args.log, refresh_s=args.refresh, once=args.once)
     return 0
 
 

@@ -50,3 +50,128 @@ def collate_samples(
             batch[f"{name}_lengths"] = lengths
         copied += nbytes
     return batch, copied
+
+
+# -- crossing the DataLoader worker boundary ------------------------------------------------
+# DataLoader sends each tensor through its own shared-memory segment, and receiving a segment
+# costs the main process a socket connection and an fd hand-over (~0.7 ms measured): with ~7
+# arrays per batch that alone cost more than building the batch. A `TransferBatch` is an ordinary
+# dict in the worker (wrappers may read and add keys, DataLoader converts arrays to tensors) that
+# pickles as one payload holding every numeric array, and unpickles straight into the plain batch
+# (a dict of CPU tensors), so the training process sees what it would have seen without it.
+
+_ALIGN = 64
+SHARED_MEMORY_BYTES = 8 << 20
+"""Payloads at least this large travel as one shared-memory tensor instead of inside the message."""
+
+Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int], ...]
+
+
+def _owning_base(array: np.ndarray) -> np.ndarray | None:
+    """The contiguous array that owns `array`'s memory, when `array` is a view of one."""
+    base = array.base
+    if isinstance(base, np.ndarray) and base.base is None and base.flags.c_contiguous:
+        return base
+    return None
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _as_array(value: Any) -> np.ndarray | None:
+    """A numeric numpy view of `value` (numpy array or plain CPU tensor), None for anything else."""
+    if isinstance(value, np.ndarray):
+        return value if value.dtype.kind in _NUMERIC + "b" else None
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is the loader's dependency
+        return None
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided \
+            and not value.requires_grad:
+        try:
+            return value.numpy()
+        except TypeError:  # bfloat16 and other dtypes numpy lacks
+            return None
+    return None
+
+
+class TransferBatch(dict):
+    """A batch dict that crosses the DataLoader worker boundary as one message (see above).
+
+    Views of one buffer (`input_ids`, `labels`) are remembered when the batch is made, so their
+    buffer travels once even after DataLoader has turned the views into tensors.
+    """
+
+    def __init__(self, batch: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMORY_BYTES) -> None:
+        super().__init__(batch)
+        self.shared_memory_bytes = shared_memory_bytes
+        self.views: dict[str, tuple[int, np.ndarray]] = {}
+        for name, value in batch.items():
+            if isinstance(value, np.ndarray) and (base := _owning_base(value)) is not None:
+                self.views[name] = (_address(value), base)
+
+    def __copy__(self) -> "TransferBatch":
+        clone = TransferBatch.__new__(TransferBatch)
+        dict.update(clone, self)
+        clone.shared_memory_bytes = self.shared_memory_bytes
+        clone.views = self.views
+        return clone
+
+    def pack(self) -> tuple[Any, Layout, dict[str, Any], tuple[str, ...]]:
+        """(payload, layout, other values, key order): what `unpack_batch` rebuilds the batch from."""
+        placed: dict[int, tuple[np.ndarray, int]] = {}
+        layout = []
+        rest: dict[str, Any] = {}
+        size = 0
+        for name, value in self.items():
+            array = _as_array(value)
+            if array is None:
+                rest[name] = value
+                continue
+            remembered = self.views.get(name)
+            base = remembered[1] if remembered is not None and remembered[0] == _address(array) else _owning_base(array)
+            if base is None or any(s < 0 for s in array.strides):
+                base = array = np.array(array, order="C")
+            if id(base) not in placed:
+                size = -(-size // _ALIGN) * _ALIGN
+                placed[id(base)] = (base, size)
+                size += base.nbytes
+            start = placed[id(base)][1] + _address(array) - _address(base)
+            layout.append((name, array.dtype.str, array.shape, array.strides, start))
+        size = -(-size // _ALIGN) * _ALIGN
+        if size >= self.shared_memory_bytes:
+            import torch
+
+            payload: Any = torch.empty(size, dtype=torch.uint8).share_memory_()
+            view = payload.numpy()
+        else:
+            payload = bytearray(size)
+            view = np.frombuffer(payload, dtype=np.uint8)
+        for base, start in placed.values():
+            view[start:start + base.nbytes] = base.reshape(-1).view(np.uint8)
+        return payload, tuple(layout), rest, tuple(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return unpack_batch, self.pack()
+
+
+def unpack_batch(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The plain batch of a `TransferBatch`: CPU tensors viewing one payload storage (no copy), plus the rest."""
+    import torch
+
+    if isinstance(payload, torch.Tensor):
+        whole = payload
+    else:
+        whole = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    values: dict[str, Any] = dict(rest)
+    for name, dtype_str, shape, strides, start in layout:
+        dtype = np.dtype(dtype_str)
+        size = dtype.itemsize
+        if start % size or any(s % size for s in strides):
+            array = np.ndarray(shape, dtype=dtype, buffer=whole.numpy(), offset=start, strides=strides)
+            values[name] = torch.from_numpy(array)
+            continue
+        typed = whole.view(torch.from_numpy(np.empty(0, dtype=dtype)).dtype)
+        values[name] = typed.as_strided(shape, tuple(s // size for s in strides), start // size)
+    return {key: values[key] for key in keys}

@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
 from tierflow.format.manifest import Manifest
+from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.tokens import straddling_shards
 from tierflow.loader.topology import WorldPosition
@@ -171,9 +172,10 @@ class TieredDataset(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         ctx = self._open()
-        if self.eval:
-            return self._eval_batches(ctx, worker, workers)
-        return self._train_batches(ctx, worker, workers)
+        batches = self._eval_batches(ctx, worker, workers) if self.eval else self._train_batches(ctx, worker, workers)
+        if info is None:
+            return batches
+        return (TransferBatch(batch) for batch in batches)
 
     def _stream(self) -> tuple[RankStream, OrderCursor, int]:
         if self._resume is None:

@@ -8,6 +8,7 @@ batch or saves), so it is right however far workers and the feed ran ahead.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -15,6 +16,9 @@ from torch.utils.data import DataLoader
 
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
+from tierflow.telemetry.attribution import TIMING_KEY, TimedBatches
+from tierflow.telemetry.loader_metrics import LoaderTelemetry
+from tierflow.loader.stager import Stager
 
 STATE_VERSION = 1
 
@@ -37,6 +41,8 @@ class Loader:
         depth: int = 2,
         widen: Mapping[str, torch.dtype] | None = None,
         background: bool | None = None,
+        stager: Stager | None = None,
+        telemetry: LoaderTelemetry | bool = True,
     ) -> None:
         if isinstance(source, DataLoader):
             if not isinstance(source.dataset, TieredDataset):
@@ -57,10 +63,12 @@ class Loader:
                 self._loader_options["prefetch_factor"] = prefetch_factor
             self._dataloader = None
         self.device = device
+        self.stager = stager
         self.depth = depth
         self.widen = dict(widen or {})
-        # Without workers, a thread builds the next batches while the step runs (numpy and sleep release the GIL).
-        self.background = background if background is not None else self._loader_options.get("num_workers", 0) == 0
+        # A thread takes batches off the workers' queue (or builds them, without workers) while the step
+        # runs, so unpacking and the device copy overlap compute (numpy, torch and sleep release the GIL).
+        self.background = True if background is None else background
         self._cursor: dict[str, Any] | None = self.dataset.state_dict()
         self._filtered = 0
         self._consumed = 0
@@ -68,9 +76,13 @@ class Loader:
         self._source: Iterator[Any] | None = None
         self._started_from: dict[str, Any] | None = None
         self._iterated = False
+        # wait in next(), step time, production latency, prefetch depth, stall attribution (docs/observe.md)
+        self.telemetry: LoaderTelemetry | None = (
+            LoaderTelemetry() if telemetry is True else telemetry if isinstance(telemetry, LoaderTelemetry) else None)
 
     def _make_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset, batch_size=None, **self._loader_options)
+        dataset = TimedBatches(self.dataset) if self.telemetry is not None else self.dataset
+        return DataLoader(dataset, batch_size=None, **self._loader_options)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Start (or continue) from the last consumed batch."""
@@ -79,14 +91,26 @@ class Loader:
             self.dataset.load_state_dict(self._cursor)
             self._dataloader = self._make_dataloader()
         self._iterated = True
-        self._source = iter(self._dataloader)
+        self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
+        self.start_prefetch()
         self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
-                                background=self.background)
+                                background=self.background,
+                                registry=self.telemetry.registry if self.telemetry is not None else None)
         return self._batches(self._feed)
 
     def _batches(self, feed: DeviceFeed) -> Iterator[dict[str, Any]]:
         expected = 0
-        for batch in feed:
+        telemetry = self.telemetry
+        batches = iter(feed)
+        handed: float | None = None
+        while True:
+            asked = time.perf_counter()
+            if telemetry is not None and handed is not None:
+                telemetry.on_step(asked - handed)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
             index = batch.get("tf_index")
             if index != expected:
                 raise BatchOrderError(f"{self.dataset!r}: got batch {index}, expected {expected} "
@@ -95,6 +119,11 @@ class Loader:
             self._cursor = batch["tf_cursor"]
             self._filtered += int(batch.get("tf_stats", {}).get("filtered", 0))
             self._consumed += 1
+            if self.stager is not None:
+                self.stager.consumed(self._cursor)
+            if telemetry is not None:
+                handed = time.perf_counter()
+                telemetry.on_batch(handed - asked, batch.get(TIMING_KEY), _ready_ahead(feed))
             yield batch
 
     def close(self) -> None:
@@ -102,6 +131,8 @@ class Loader:
         if self._feed is not None:
             self._feed.close()
             self._feed = None
+        if self.stager is not None:
+            self.stager.close()
         shutdown = getattr(self._source, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
@@ -112,8 +143,9 @@ class Loader:
             self.close()
 
     def start_prefetch(self) -> None:
-        """Hook: begins staging the cursor's next window once the stager exists; a no-op today."""
-        self.dataset.start_prefetch()
+        """Begin staging the cursor's next window now, so staging overlaps model loading."""
+        if self.stager is not None:
+            self.stager.start(self._cursor)
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor after the last batch handed to the training loop, plus counts; JSON-able."""
@@ -130,6 +162,16 @@ class Loader:
         self._consumed = int(state.get("consumed", 0))
         self._filtered = int(state.get("filtered", 0))
         self._dataloader = None
+
+
+def _ready_ahead(feed: DeviceFeed) -> int | None:
+    """Batches the feed holds ready for the loop right now (its queue, or its inline read-ahead)."""
+    iterator = feed._iterator
+    ready = getattr(iterator, "_queue", None)
+    if ready is not None:
+        return ready.qsize()
+    pending = getattr(iterator, "_pending", None)
+    return len(pending) if pending is not None else None
 
 
 class _Started:

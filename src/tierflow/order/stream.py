@@ -18,6 +18,31 @@ import numpy as np
 from tierflow.order.cursor import OrderCursor
 from tierflow.order.interleave import delivered_after, pick_partition
 from tierflow.order.order import SampleOrder
+from tierflow.order.remainder import Remainder
+
+
+class _NodeCounts:
+    """`delivered_after(base, picks)` for one node's fixed starting counts, in O(log P + P) numpy
+    per query instead of a binary search over levels: the counts are sorted once, so the number
+    of picks below level L is piecewise linear in L and its level is found with one searchsorted."""
+
+    def __init__(self, base: np.ndarray) -> None:
+        self.base = np.asarray(base, dtype=np.int64)
+        self.sorted = np.sort(self.base)
+        self.prefix = np.concatenate([[0], np.cumsum(self.sorted)])
+        ranks = np.arange(self.sorted.size, dtype=np.int64)
+        self.picks_at = ranks * self.sorted - self.prefix[:-1]  # picks below level sorted[m]
+
+    def after(self, picks: int) -> np.ndarray:
+        if picks <= 0:
+            return self.base.copy()
+        below = int(np.searchsorted(self.picks_at, picks, side="right"))
+        level = (picks + int(self.prefix[below])) // below
+        after = np.maximum(self.base, level)
+        eligible = np.flatnonzero(self.base <= level)
+        left = picks - (below * level - int(self.prefix[below]))
+        after[eligible[:left]] += 1
+        return after
 
 
 @dataclass(frozen=True)
@@ -61,6 +86,14 @@ class RankStream:
         self._geometries = {
             p: order.geometry(p, batch_size) for p in range(order.partitions)
         }
+        self._base_epochs = np.array(cursor.epochs, dtype=np.int64)
+        self._base_offsets = np.array(cursor.offsets, dtype=np.int64)
+        self._base_batches = np.array(cursor.batches, dtype=np.int64)
+        self._sizes = np.asarray(order.layout.partition_sizes, dtype=np.int64)
+        self._node_counts = []
+        for n in range(num_nodes):
+            owned = np.array(order.layout.node_partitions(n, num_nodes), dtype=np.int64)
+            self._node_counts.append((owned, _NodeCounts(self._base_batches[owned])))
 
     def node_batch(self, pick: int) -> tuple[int, int, int]:
         """(partition, epoch, offset) of node batch `pick` counted from the cursor."""
@@ -88,17 +121,20 @@ class RankStream:
             index += num_workers
 
     def cursor_after(self, index: int) -> OrderCursor:
-        """State once every rank of every node has consumed its batches 0..index."""
+        """State once every rank of every node has consumed its batches 0..index; vectorised
+        over partitions (it is computed for every batch)."""
         picks = (index + 1) * self.ranks_per_node
-        epochs = list(self.base.epochs)
-        offsets = list(self.base.offsets)
-        batches = list(self.base.batches)
-        layout = self.order.layout
-        for node in range(self.num_nodes):
-            owned = layout.node_partitions(node, self.num_nodes)
-            before = np.array([self.base.batches[p] for p in owned], dtype=np.int64)
-            after = delivered_after(before, picks)
-            for p, old, new in zip(owned, before.tolist(), after.tolist()):
-                epochs[p], offsets[p] = self._geometries[p].advance(epochs[p], offsets[p], new - old)
-                batches[p] = new
-        return self.order.cursor(epochs, offsets, batches)
+        batches = self._base_batches.copy()
+        for owned, counts in self._node_counts:
+            batches[owned] = counts.after(picks)
+        moved = batches - self._base_batches
+        epochs = self._base_epochs.copy()
+        offsets = self._base_offsets.copy()
+        if self.order.remainder is Remainder.CARRY:
+            changed = moved > 0
+            position = epochs * self._sizes + offsets + moved * self.batch_size
+            epochs[changed], offsets[changed] = np.divmod(position[changed], self._sizes[changed])
+        else:
+            for p in np.flatnonzero(moved).tolist():
+                epochs[p], offsets[p] = self._geometries[p].advance(int(epochs[p]), int(offsets[p]), int(moved[p]))
+        return self.order.cursor(epochs.tolist(), offsets.tolist(), batches.tolist())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,22 +53,22 @@ def process_alive(pid: int) -> bool:
 
 
 class TierIndex:
-    """One SQLite connection per process (created lazily, re-created after fork)."""
+    """One SQLite connection per thread of each process (created lazily, re-created after fork)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._conn: sqlite3.Connection | None = None
-        self._pid = -1
+        self._local = threading.local()
 
     @property
     def conn(self) -> sqlite3.Connection:
-        if self._conn is None or self._pid != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(SCHEMA)
-            self._conn, self._pid = conn, os.getpid()
-        return self._conn
+            local.conn, local.pid = conn, os.getpid()
+        return local.conn
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

@@ -73,6 +73,7 @@ class TierStack:
         self.dataset_id: str | None = None
         self.fetch_attempts = fetch_attempts
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
+        self._dropped: set[int] = set()
         self._lock = threading.Lock()
         self.m_source_bytes = self.registry.counter("source_bytes", {"tier": "source"}, "bytes fetched from the source")
         self.m_served = {t.name: self.registry.counter("stack_served", {"tier": t.name}) for t in self.tiers}
@@ -89,8 +90,10 @@ class TierStack:
         return Dataset(self.manifest(), self, columns=columns, location=self.source.url)
 
     # ------------------------------------------------------------ ensure
-    def ensure(self, info: ShardInfo, level: int = 0) -> Handle:
-        """A readable copy of the shard from tier `level` or below, filling misses on the way up."""
+    def ensure(self, info: ShardInfo, level: int = 0, prefetch: bool = False) -> Handle:
+        """A readable copy of the shard from tier `level` or below, filling misses on the way up.
+
+        `prefetch` (the stager) marks the top tier's new entry as not yet used."""
         if level == len(self.tiers):
             return self._from_source(info)
         tier = self.tiers[level]
@@ -99,11 +102,11 @@ class TierStack:
         def produce(tmp: Path) -> None:
             self._produce(info, level, tmp)
 
-        pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id)
+        pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch)
         if pin is not None:
             self.m_served[tier.name].inc()
             return Handle(tier.form, tier.name, pin.path, pin)
-        return self.ensure(info, level + 1)
+        return self.ensure(info, level + 1, prefetch)
 
     def _produce(self, info: ShardInfo, level: int, tmp: Path) -> None:
         """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy."""
@@ -193,10 +196,20 @@ class TierStack:
                 return table
         table = self.ensure(info).table()
         with self._lock:
+            if index in self._dropped and self.max_open < self._open_limit(info):
+                self.max_open += 1  # the reader's working set (its shuffle window) is larger: grow
+            self._dropped.discard(index)
             self._open[index] = table
             while len(self._open) > self.max_open:
-                self._open.popitem(last=False)
+                dropped, _ = self._open.popitem(last=False)
+                self._dropped.add(dropped)
         return table
+
+    def _open_limit(self, info: ShardInfo) -> int:
+        """Open shards hold pins: keep them to half the top tier so eviction always has room."""
+        if not self.tiers:
+            return 1 << 10
+        return max(4, self.tiers[0].capacity // (2 * max(info.decoded_bytes, info.bytes, 1)))
 
     def close(self) -> None:
         with self._lock:

@@ -125,7 +125,7 @@ class Tier:
         self.m_bytes_out = r.counter("tier_bytes_out", labels, "bytes served from this tier")
         self.m_promotions = r.counter("tier_promotions", labels, "entries admitted from a lower tier")
         self.m_evictions = r.counter("tier_evictions", labels)
-        self.m_evicted_unused = r.counter("tier_evictions_before_use", labels, "evicted before any hit")
+        self.m_evicted_unused = r.counter("tier_evictions_before_use", labels, "prefetched, evicted before any read")
         self.m_corruptions = r.counter("tier_corruptions", labels, "entries that failed verification")
         self.m_enospc = r.counter("tier_enospc_fallbacks", labels, "served from below: no space")
         self.m_bypass = r.counter("tier_bypass", labels, "served from below: the policy declined")
@@ -232,8 +232,12 @@ class Tier:
             self.index.remove(c, key)
 
     def ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None],
-               dataset: str | None = None) -> Pin | None:
-        """A pin on the entry, fetching it with `produce(tmp_path)` on a miss; None = serve from below."""
+               dataset: str | None = None, prefetch: bool = False) -> Pin | None:
+        """A pin on the entry, fetching it with `produce(tmp_path)` on a miss; None = serve from below.
+
+        `prefetch` marks a fetch ahead of need: the entry is not yet used, so evicting it before
+        a reader asks for it counts as an eviction before use (a demand fetch is its own first use).
+        """
         pin = self.lookup(key)
         if pin is not None:
             return pin
@@ -271,7 +275,7 @@ class Tier:
                     tmp.unlink(missing_ok=True)
                     self.index.release(reservation)
                     raise
-                self._admit(key, size, checksum, dataset, reservation)
+                self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
                 self.m_latency.observe(time.perf_counter() - started)
                 self.m_promotions.inc()
                 self.m_bytes_in.inc(size)
@@ -285,7 +289,8 @@ class Tier:
             raise FetchError(f"tier {self.name}: fetched bytes of {key} do not verify "
                              f"(size {got_size}, expected {size}); nothing was admitted")
 
-    def _admit(self, key: str, size: int, checksum: str, dataset: str | None, reservation: int) -> None:
+    def _admit(self, key: str, size: int, checksum: str, dataset: str | None, reservation: int,
+               used: bool) -> None:
         now = time.time()
         with self._policy_lock:
             if self._live is None:
@@ -293,7 +298,7 @@ class Tier:
             self._live.on_insert(key, size, now)
             self._live_keys.add(key)
             stats = self._live.stats(key)
-        row = EntryRow(key, size, checksum, dataset, now, now, 0, stats)
+        row = EntryRow(key, size, checksum, dataset, now, now, int(used), stats)
         with self.index.transaction() as c:
             self.index.admit(c, row, reservation)
         self.m_occupancy.set(self.index.occupancy()[0])

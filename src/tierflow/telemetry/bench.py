@@ -1,0 +1,141 @@
+"""`tierflow bench`: the real loader driving a step, then the dry run (the same batches, preloaded
+in RAM, driving the same step), side by side, with per-tier figures and the bottleneck verdict.
+
+The dry run is the bound DESIGN.md names: a data path can at best reach the step's own rate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from tierflow.telemetry.attribution import all_accesses
+from tierflow.telemetry.health import HealthFlag, health_flags
+from tierflow.telemetry.loader_metrics import LoaderFigures, LoaderTelemetry, loader_figures
+from tierflow.telemetry.metrics import MetricsRegistry
+from tierflow.telemetry.tier_figures import ByteMissRatio, TierFigures, byte_miss_vs_optimum, tier_figures
+from tierflow.telemetry.verdict import Verdict, judge
+
+Step = Callable[[Any], None]
+
+
+def simulated_step(step_ms: float) -> Step:
+    """A step that holds the loop for `step_ms` without holding the GIL (as a GPU step does)."""
+    seconds = step_ms / 1e3
+
+    def step(batch: Any) -> None:
+        time.sleep(seconds)
+
+    return step
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    steps: int
+    loader_s: float
+    dry_run_s: float
+    loader: LoaderFigures
+    tiers: dict[str, TierFigures]
+    verdict: Verdict
+    health: list[HealthFlag]
+    byte_miss: list[ByteMissRatio] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Batches per second through the real loader."""
+        return self.steps / self.loader_s if self.loader_s > 0 else 0.0
+
+    @property
+    def dry_run_throughput(self) -> float:
+        return self.steps / self.dry_run_s if self.dry_run_s > 0 else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Loader throughput as a share of the dry run's (1.0: the data path costs nothing)."""
+        return self.dry_run_s / self.loader_s if self.loader_s > 0 else 0.0
+
+
+def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_workers: int = 0,
+              registry: MetricsRegistry | None = None, events: Any = None,
+              tier_layout: Sequence[tuple[str, int, bool]] = ()) -> BenchResult:
+    """Run `steps` batches of `dataset` (a TieredDataset) through the Loader, then the dry run.
+
+    `registry` should be the tier stack's, so tier figures land beside the loader's; `tier_layout`
+    lists (name, capacity bytes, stores decoded) fastest first, for the byte miss ratios against the
+    optimum (recorded only when batches are built in this process, num_workers=0).
+    """
+    from tierflow.loader.loader import Loader
+
+    if steps < 1:
+        raise ValueError(f"bench of {dataset!r}: steps must be >= 1, got {steps}")
+    registry = registry if registry is not None else MetricsRegistry()
+    telemetry = LoaderTelemetry(registry, events=events)
+    start = dataset.state_dict()
+    loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry)
+    kept: list[Any] = []
+    accesses_before = len(all_accesses())
+    started = time.perf_counter()
+    for batch in loader:
+        step(batch)
+        kept.append(batch)
+        if len(kept) == steps:
+            break
+    loader_s = time.perf_counter() - started
+    loader.close()
+    accesses = all_accesses()[accesses_before:]
+    dataset.load_state_dict(start)
+
+    started = time.perf_counter()
+    for batch in kept:
+        step(batch)
+    dry_run_s = time.perf_counter() - started
+
+    snapshot = registry.snapshot()
+    figures = loader_figures(snapshot)
+    tiers = tier_figures(snapshot)
+    manifest = getattr(dataset, "manifest", None)
+    dataset_bytes = sum(s.decoded_bytes for s in manifest.shards) if manifest is not None else None
+    shard_bytes = dataset_bytes // max(1, len(manifest.shards)) if manifest is not None and dataset_bytes else None
+    verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / len(kept), dataset_bytes=dataset_bytes,
+                    shard_bytes=shard_bytes)
+    order = [name for name, _, _ in tier_layout]
+    byte_miss = [byte_miss_vs_optimum(accesses, order, name, capacity, decoded)
+                 for name, capacity, decoded in tier_layout] if accesses else []
+    if events is not None:
+        events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)
+    return BenchResult(len(kept), loader_s, dry_run_s, figures, tiers, verdict, health_flags(figures, tiers),
+                       byte_miss)
+
+
+
+
+def format_result(result: BenchResult, step_ms: float | None = None) -> str:
+    """The table `tierflow bench` prints: ours, the bound, the ratio; tiers; stalls; verdict."""
+    lf = result.loader
+    lines = [
+        f"{'':<24}{'loader':>12}{'dry run':>12}{'ratio':>8}",
+        f"{'batches/s':<24}{result.throughput:12.1f}{result.dry_run_throughput:12.1f}{result.ratio:8.2f}",
+        f"{'seconds':<24}{result.loader_s:12.2f}{result.dry_run_s:12.2f}",
+        "",
+        f"bubble rate {lf.bubble_rate:.1%}  wait p90 {lf.wait_p90_s * 1e3:.1f} ms  p99 {lf.wait_p99_s * 1e3:.1f} ms  "
+        f"production p50 {lf.production_p50_s * 1e3:.1f} ms  p99 {lf.production_p99_s * 1e3:.1f} ms  "
+        f"prefetch depth {lf.prefetch_depth_mean:.1f}",
+        "stalls: " + (", ".join(f"{k} {v:.2f}s" for k, v in sorted(lf.stall_s.items())) or "none"),
+    ]
+    if result.tiers:
+        lines += ["", f"{'tier':<8}{'hit ratio':>10}{'hits':>8}{'misses':>8}{'MB in':>9}{'MB out':>9}{'evict':>7}"
+                  f"{'unused':>8}{'occupancy':>12}{'fetch p99':>11}"]
+        for t in result.tiers.values():
+            lines.append(f"{t.tier:<8}{t.demand_hit_ratio:10.1%}{t.hits:8d}{t.misses:8d}{t.bytes_in / 1e6:9.1f}"
+                         f"{t.bytes_out / 1e6:9.1f}{t.evictions:7d}{t.evictions_before_use:8d}"
+                         f"{t.occupancy_bytes / 1e6:7.1f}/{t.capacity_bytes / 1e6:.0f}MB"
+                         f"{t.fetch_p99_s * 1e3:9.1f}ms")
+    for b in result.byte_miss:
+        lines.append(f"{b.tier} byte miss ratio {b.measured:.1%} (optimum {b.optimum:.1%})")
+    v = result.verdict
+    lines += ["", f"verdict: {v.bound} - {v.reason}", f"change: {v.change}",
+              f"recommended L1 {v.l1_bytes / 1e6:.1f} MB, L2 {v.l2_bytes / 1e6:.1f} MB, lookahead "
+              f"{v.lookahead_batches} batches (consumption {v.consumption_bytes_per_s / 1e6:.1f} MB/s)"]
+    lines += [f"[{f.status}] {f.message}" for f in result.health]
+    return "\n".join(lines)

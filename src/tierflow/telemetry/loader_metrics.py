@@ -1,0 +1,172 @@
+"""The loader's own figures: time the training loop waited, step time, bubble rate, production
+latency, prefetch depth, and each stall attributed to a tier (fetch), to preparation, or to the copy.
+
+A batch's wait splits three ways. The part beyond the batch's whole production time went to moving
+it (worker transfer, host-to-device copy): "copy". The rest splits in the proportion of the batch's
+fetch seconds to its production seconds: fetch, charged to the tier that spent the most fetch time
+on it, and "prep" (decode, batching, transforms). The parts always add up to the wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from tierflow.telemetry.metrics import SIZE_BUCKETS, SNAPSHOT_SCHEMA, Histogram, MetricsRegistry, merge_snapshots
+
+TIMING_KEY = "tf_timing"
+MAPPED = "mapped"
+"""Served by a shard the source already held open: no fetch happened."""
+SOURCE = "source"
+
+WAIT = "tierflow_loader_wait_seconds"
+STEP = "tierflow_loader_step_seconds"
+PRODUCTION = "tierflow_loader_production_seconds"
+DEPTH = "tierflow_loader_prefetch_depth"
+STALL = "tierflow_loader_stall_seconds_total"
+STALLS = "tierflow_loader_stalls_total"
+BATCHES = "tierflow_loader_batches_total"
+FETCH = "tierflow_loader_fetch_seconds_total"
+FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
+
+
+def split_wait(wait_s: float, timing: Mapping[str, Any] | None) -> dict[tuple[str, str], float]:
+    """{(cause, tier): seconds} for one batch's wait; tier is "" for prep and copy."""
+    if wait_s <= 0:
+        return {}
+    if timing is None:
+        return {("prep", ""): wait_s}
+    produce = float(timing.get("produce_s", 0.0))
+    fetched = {t: f["seconds"] for t, f in timing.get("fetch", {}).items() if t != MAPPED and f["seconds"] > 0}
+    explained = min(wait_s, produce)
+    parts: dict[tuple[str, str], float] = {}
+    if wait_s > produce:
+        parts[("copy", "")] = wait_s - produce
+    fetch_s = min(sum(fetched.values()), produce)
+    if fetched and produce > 0 and fetch_s > 0:
+        fetch_part = explained * fetch_s / produce
+        parts[("fetch", max(fetched, key=fetched.__getitem__))] = fetch_part
+        if explained - fetch_part > 0:
+            parts[("prep", "")] = explained - fetch_part
+    elif explained > 0:
+        parts[("prep", "")] = explained
+    return parts
+
+
+@dataclass(frozen=True)
+class LoaderFigures:
+    """What the training loop saw, in seconds unless named otherwise."""
+
+    batches: int
+    wait_s: float
+    step_s: float
+    bubble_rate: float
+    wait_p90_s: float
+    wait_p99_s: float
+    production_p50_s: float
+    production_p90_s: float
+    production_p99_s: float
+    step_mean_s: float
+    prefetch_depth_mean: float
+    stall_s: dict[str, float]
+    stalls: int
+    fetch_s: dict[str, float]
+    fetch_bytes: dict[str, int]
+
+
+class LoaderTelemetry:
+    """Records what `Loader` sees per batch into a `MetricsRegistry` (shared with the tiers if you like)."""
+
+    def __init__(self, registry: MetricsRegistry | None = None, labels: Mapping[str, Any] | None = None,
+                 stall_threshold_s: float = 1e-3, events: Any = None) -> None:
+        self.registry = registry if registry is not None else MetricsRegistry()
+        self.labels = dict(labels or {})
+        self.events = events
+        """An `EventLog` that gets one record per batch, or None."""
+        self._last_step: float | None = None
+        self.stall_threshold_s = stall_threshold_s
+        r, base = self.registry, self.labels
+        self.wait = r.histogram(WAIT, base, "time the training loop waited inside next()")
+        self.step = r.histogram(STEP, base, "time the training loop spent between next() calls")
+        self.production = r.histogram(PRODUCTION, base, "request to complete batch, where it was built")
+        self.depth = r.histogram(DEPTH, base, "batches ready ahead when the loop asked", layout=SIZE_BUCKETS)
+        self.depth_now = r.gauge(DEPTH + "_now", base, "batches ready ahead now", aggregate="sum")
+        self.batches = r.counter(BATCHES, base, "batches handed to the training loop")
+        self.stalls = r.counter(STALLS, base, f"batches the loop waited more than {stall_threshold_s}s for")
+        self._stall: dict[tuple[str, str], Any] = {}
+        self._fetch: dict[str, tuple[Any, Any]] = {}
+
+    def on_batch(self, wait_s: float, timing: Mapping[str, Any] | None = None, depth: int | None = None) -> None:
+        """One batch handed over after `wait_s` in next(); `timing` is the batch's `tf_timing`."""
+        if self.events is not None:
+            self.events.batch(int(self.batches.value), wait_s, self._last_step, depth, timing)
+        self.batches.inc()
+        self.wait.observe(wait_s)
+        if depth is not None:
+            self.depth.observe(depth)
+            self.depth_now.set(depth)
+        if timing is not None:
+            self.production.observe(float(timing.get("produce_s", 0.0)))
+            for tier, fetched in timing.get("fetch", {}).items():
+                seconds, nbytes = self._fetch_counters(tier)
+                seconds.inc(fetched["seconds"])
+                nbytes.inc(fetched["bytes"])
+        if wait_s > self.stall_threshold_s:
+            self.stalls.inc()
+        for key, seconds in split_wait(wait_s, timing).items():
+            counter = self._stall.get(key)
+            if counter is None:
+                cause, tier = key
+                labels = {**self.labels, "cause": cause, **({"tier": tier} if tier else {})}
+                counter = self._stall[key] = self.registry.counter(STALL, labels, "loop wait by cause and tier")
+            counter.inc(seconds)
+
+    def on_step(self, step_s: float) -> None:
+        """The training loop's own time for one step (measured between next() calls, or reported)."""
+        self.step.observe(step_s)
+        self._last_step = step_s
+
+    def _fetch_counters(self, tier: str) -> tuple[Any, Any]:
+        pair = self._fetch.get(tier)
+        if pair is None:
+            labels = {**self.labels, "tier": tier}
+            pair = self._fetch[tier] = (
+                self.registry.counter(FETCH, labels, "seconds spent opening shards, by serving tier"),
+                self.registry.counter(FETCH_BYTES, labels, "decoded bytes of shards opened, by serving tier"),
+            )
+        return pair
+
+    def figures(self) -> LoaderFigures:
+        return loader_figures(self.registry.snapshot())
+
+
+def loader_figures(snapshot: Mapping[str, Any]) -> LoaderFigures:
+    """The loader's figures from a registry snapshot (one process's, or merged)."""
+    def histogram(name: str) -> Histogram:
+        entries = [h for h in snapshot["histograms"] if h["name"] == name]
+        if not entries:
+            return Histogram(name)
+        labels = {k for e in entries for k in e["labels"]}
+        only = {"schema": SNAPSHOT_SCHEMA, "counters": [], "gauges": [], "histograms": entries}
+        return Histogram.from_snapshot(merge_snapshots([only], drop_labels=labels)["histograms"][0])
+
+    def by_label(name: str, label: str, key: Any = None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in snapshot["counters"]:
+            if c["name"] == name:
+                k = key(c["labels"]) if key else c["labels"].get(label, "")
+                out[k] = out.get(k, 0) + c["value"]
+        return out
+
+    wait, step, production, depth = histogram(WAIT), histogram(STEP), histogram(PRODUCTION), histogram(DEPTH)
+    busy = wait.sum + step.sum
+    stall = by_label(STALL, "", key=lambda l: l["cause"] + (f":{l['tier']}" if "tier" in l else ""))
+    return LoaderFigures(
+        batches=int(sum(by_label(BATCHES, "").values())),
+        wait_s=wait.sum, step_s=step.sum, bubble_rate=wait.sum / busy if busy > 0 else 0.0,
+        wait_p90_s=wait.quantile(0.9), wait_p99_s=wait.quantile(0.99),
+        production_p50_s=production.quantile(0.5), production_p90_s=production.quantile(0.9),
+        production_p99_s=production.quantile(0.99), step_mean_s=step.mean,
+        prefetch_depth_mean=depth.mean, stall_s=stall, stalls=int(sum(by_label(STALLS, "").values())),
+        fetch_s=by_label(FETCH, "tier"), fetch_bytes={k: int(v) for k, v in by_label(FETCH_BYTES, "tier").items()},
+    )

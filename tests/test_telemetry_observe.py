@@ -1,0 +1,192 @@
+"""Observe: exact tier and loader counters, stall attribution, and the bottleneck verdict on runs
+built to be bound by one thing each (a slow step, a slow transform, a throttled source)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import tierflow
+from tierflow.loader import Loader, TieredDataset
+from tierflow.telemetry import MetricsRegistry
+from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
+from tierflow.telemetry.bench import format_result, run_bench, simulated_step
+from tierflow.telemetry.health import health_flags
+from tierflow.telemetry.loader_metrics import LoaderTelemetry, loader_figures, split_wait
+from tierflow.telemetry.tier_figures import byte_miss_vs_optimum, tier_figures
+from tierflow.telemetry.verdict import judge, stall_shares
+from tierflow.testing.fileserver import serve_directory
+from tierflow.tiers import TierConfig, build_stack
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """About 20 near-equal shards (the 256 KB minimum) of equal-length documents."""
+    root = tmp_path_factory.mktemp("observe")
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(12000):
+            f.write(json.dumps({"text": f"{i:06d} " + "abcdefgh" * 24}) + "\n")
+    out = root / "ds"
+    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10,
+                  compression="none")
+    return out
+
+
+def test_wait_split_adds_up_to_the_wait_and_charges_fetch_to_the_slowest_tier():
+    timing = {"produce_s": 0.010, "fetch": {"L2": {"seconds": 0.002, "opens": 1, "bytes": 1},
+                                            "source": {"seconds": 0.006, "opens": 1, "bytes": 1}}}
+    parts = split_wait(0.015, timing)
+    assert parts == pytest.approx({("copy", ""): 0.005, ("fetch", "source"): 0.008, ("prep", ""): 0.002})
+    assert sum(split_wait(0.004, timing).values()) == pytest.approx(0.004)
+    assert split_wait(0.003, None) == {("prep", ""): 0.003}
+    assert split_wait(0.0, timing) == {}
+
+
+def test_loader_counters_are_exact_on_a_scripted_sequence():
+    telemetry = LoaderTelemetry(MetricsRegistry({"job": "j"}), stall_threshold_s=0.001)
+    fetch = {"L2": {"seconds": 0.004, "opens": 2, "bytes": 300}}
+    script = [(0.0005, 0.010), (0.008, 0.010), (0.002, 0.010), (0.0, 0.010)]
+    for wait, step in script:
+        telemetry.on_batch(wait, {"produce_s": 0.008, "fetch": fetch}, depth=1)
+        telemetry.on_step(step)
+    f = telemetry.figures()
+    assert f.batches == 4 and f.stalls == 2
+    assert f.wait_s == pytest.approx(0.0105)
+    assert f.step_s == pytest.approx(0.040)
+    assert f.bubble_rate == pytest.approx(0.0105 / 0.0505)
+    assert f.fetch_bytes == {"L2": 1200}
+    assert f.fetch_s["L2"] == pytest.approx(0.016)
+    assert f.stall_s["fetch:L2"] == pytest.approx(0.0105 * 0.5)
+    assert f.stall_s["prep"] == pytest.approx(0.0105 * 0.5)
+    assert f.prefetch_depth_mean == 1.0
+
+
+def test_tier_counters_are_exact_on_a_scripted_access_sequence(packed, tmp_path):
+    manifest = tierflow.open_dataset(packed).manifest
+    shards = manifest.shards[:3]
+    sizes = [s.bytes for s in shards]
+    capacity = 2 * max(sizes) + 1
+    assert capacity < 3 * min(sizes), "the scripted sequence needs room for exactly two shards"
+    registry = MetricsRegistry()
+    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity, form="at_rest")],
+                        registry=registry)
+    for i in (0, 1, 0, 2, 1):  # LRU with room for two: miss miss hit miss(evicts 1, unread) miss(evicts 0)
+        stack.ensure(shards[i]).release()
+    l2 = tier_figures(registry.snapshot())["L2"]
+    assert (l2.hits, l2.misses, l2.promotions, l2.evictions, l2.evictions_before_use) == (1, 4, 4, 2, 1)
+    assert l2.bytes_in == sizes[0] + sizes[1] + sizes[2] + sizes[1]
+    assert l2.bytes_out == sizes[0]
+    assert l2.demand_hit_ratio == pytest.approx(0.2)
+    assert l2.occupancy_bytes == sizes[2] + sizes[1]
+
+
+def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, tmp_path):
+    manifest = tierflow.open_dataset(packed).manifest
+    stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
+                                      TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest")])
+    info = manifest.shards[0]
+    ledger = thread_ledger()
+    mark = ledger.mark()
+
+    def open_through_a_fresh_source() -> None:
+        source = AttributedShardSource(stack)
+        source.open_shard(0, info)
+        source.open_shard(0, info)                    # the same table again: not a fetch
+        stack.close()
+
+    open_through_a_fresh_source()                     # cold: L1 and L2 miss, the source directory serves
+    assert stack.tiers[0].evict() == 1
+    open_through_a_fresh_source()                     # L1 emptied: L2 serves
+    open_through_a_fresh_source()                     # L1 serves
+    opened = ledger.since(mark)
+    assert {tier: f["opens"] for tier, f in opened.items()} == {"source": 1, "L2": 1, "L1": 1}
+    assert opened["source"]["bytes"] == info.decoded_bytes
+
+
+def test_byte_miss_ratio_is_compared_with_the_optimum_on_the_same_trace():
+    accesses = [(k, 10, 20, served) for k, served in
+                [("a", "source"), ("b", "source"), ("a", "L2"), ("c", "source"), ("a", "source"), ("b", "source")]]
+    result = byte_miss_vs_optimum(accesses, ["L2"], "L2", capacity_bytes=20, decoded=False)
+    assert result.measured == pytest.approx(5 / 6)
+    assert result.optimum <= result.measured
+    assert result.optimum == pytest.approx(3 / 6)  # MIN keeps a and b and bypasses c: three hits
+    assert result.requested_bytes == 60
+
+
+def samples_dataset(data, transform=None, batch_size=8):
+    return TieredDataset(data, batch_size=batch_size, columns=["tokens"], transform=transform, seed=1)
+
+
+def test_the_loader_records_wait_step_production_and_depth_for_every_batch(packed):
+    registry = MetricsRegistry()
+    loader = Loader(samples_dataset(packed), "cpu", telemetry=LoaderTelemetry(registry))
+    taken = 0
+    for batch in loader:
+        assert "tf_timing" in batch
+        time.sleep(0.002)
+        taken += 1
+        if taken == 12:
+            break
+    loader.close()
+    f = loader_figures(registry.snapshot())
+    assert f.batches == 12
+    assert f.step_s >= 11 * 0.002
+    assert f.production_p50_s > 0
+    assert sum(f.fetch_bytes.values()) > 0
+    assert sum(f.stall_s.values()) == pytest.approx(f.wait_s)
+
+
+def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):
+    loader = Loader(samples_dataset(packed), "cpu", telemetry=False)
+    batch = next(iter(loader))
+    loader.close()
+    assert "tf_timing" not in batch and loader.telemetry is None
+
+
+def test_verdict_names_compute_when_the_step_is_slow(packed):
+    result = run_bench(samples_dataset(packed), 20, simulated_step(40))
+    assert result.verdict.bound == "compute", format_result(result)
+    assert result.ratio > 0.8
+
+
+def test_verdict_names_preprocessing_when_the_transform_is_slow(packed):
+    def slow(sample, rng):
+        time.sleep(0.004)
+        return sample
+
+    result = run_bench(samples_dataset(packed, transform=slow), 12, simulated_step(2))
+    assert result.verdict.bound == "preprocessing", format_result(result)
+    assert "num_workers" in result.verdict.change
+
+
+def test_verdict_names_remote_storage_when_the_source_is_throttled(packed, make_proxy):
+    with serve_directory(packed) as server:
+        proxy = make_proxy(server.url, bandwidth=2_000_000)
+        registry = MetricsRegistry()
+        stack = build_stack(proxy.url, [], registry=registry)
+        result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry)
+    assert result.verdict.bound == "remote storage", format_result(result)
+    assert "L2" in result.verdict.change
+    assert result.verdict.l2_bytes > 0 and result.verdict.lookahead_batches >= 2
+
+
+def test_health_flags_apply_the_thresholds():
+    registry = MetricsRegistry()
+    telemetry = LoaderTelemetry(registry)
+    for _ in range(30):
+        telemetry.on_batch(0.002, {"produce_s": 0.009, "fetch": {}}, depth=0)
+        telemetry.on_step(0.010)
+    for _ in range(30):
+        registry.counter("tier_hits", {"tier": "L1"}).inc()
+    registry.counter("tier_misses", {"tier": "L1"}).inc(10)
+    flags = {f.name: f for f in health_flags(loader_figures(registry.snapshot()), tier_figures(registry.snapshot()),
+                                             bandwidth_use=0.9)}
+    assert flags["L1 demand hit ratio"].status == "warn"  # 75% < 85%
+    assert flags["bandwidth use"].status == "warn"
+    assert flags["production latency"].status == "alarm"  # 90% of the step
+    assert flags["bubble rate"].status == "warn"  # 2/12
+    assert stall_shares({"fetch:L2": 1.0, "prep": 3.0}) == {"local storage": 0.25, "preprocessing": 0.75}
+    assert judge(loader_figures(registry.snapshot())).bound == "preprocessing"
