@@ -73,14 +73,17 @@ def test_tier_counters_are_exact_on_a_scripted_access_sequence(packed, tmp_path)
     registry = MetricsRegistry()
     stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity, form="at_rest")],
                         registry=registry)
-    for i in (0, 1, 0, 2, 1):  # LRU with room for two: miss miss hit miss(evicts 1, unread) miss(evicts 0)
-        stack.ensure(shards[i]).release()
+    # LRU with room for two: miss, miss, hit, prefetch 2 (evicts 1, which was read), miss 1 (evicts 0),
+    # miss 0 (evicts 2: staged ahead and never read, an eviction before use)
+    for i, prefetch in ((0, False), (1, False), (0, False), (2, True), (1, False), (0, False)):
+        stack.ensure(shards[i], prefetch=prefetch).release()
     l2 = tier_figures(registry.snapshot())["L2"]
-    assert (l2.hits, l2.misses, l2.promotions, l2.evictions, l2.evictions_before_use) == (1, 4, 4, 2, 1)
-    assert l2.bytes_in == sizes[0] + sizes[1] + sizes[2] + sizes[1]
+    assert (l2.hits, l2.misses, l2.promotions, l2.evictions, l2.evictions_before_use) == (1, 4, 5, 3, 1)
+    assert registry.counter("tier_prefetches", {"tier": "L2"}).value == 1
+    assert l2.bytes_in == sizes[0] + sizes[1] + sizes[2] + sizes[1] + sizes[0]
     assert l2.bytes_out == sizes[0]
     assert l2.demand_hit_ratio == pytest.approx(0.2)
-    assert l2.occupancy_bytes == sizes[2] + sizes[1]
+    assert l2.occupancy_bytes == sizes[1] + sizes[0]
 
 
 def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import tierflow
+from tierflow.pack.tokenize import PackInputError
 from tierflow.tiers.remote import open_source, upload_dataset
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
@@ -211,7 +212,7 @@ def test_restarted_process_finds_l2_warm_with_its_statistics(tmp_path, s3_datase
     out = subprocess.run([os.sys.executable, "-c", code, str(tmp_path / "node" / "l2"), info.key],
                          capture_output=True, text=True, check=True).stdout
     hits, stats = json.loads(out)
-    assert hits == before.hits == 2 and stats == before.stats and stats
+    assert hits == before.hits == 3 and stats == before.stats and stats  # the demand fetch was the first use
     assert proxy.traffic().requests() == 0
 
 
@@ -248,3 +249,16 @@ def test_full_disk_falls_back_to_the_tier_below_without_a_partial_file(tmp_path,
             assert tier.path_of(row.key).stat().st_size == row.size
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_pack_writes_to_s3_directly_and_the_stack_reads_it_back(tmp_path, s3_server, s3_bucket, s3_proxy):
+    src = tmp_path / "raw.jsonl"
+    with open(src, "w") as f:
+        for i in range(1500):
+            f.write(json.dumps({"text": f"remote {i} " * (i % 13), "i": i}) + "\n")
+    url = f"s3://{s3_bucket}/packed"
+    tierflow.pack([src], url, workers=2, target_shard_bytes=256 << 10, endpoint_url=s3_proxy.url)
+    with pytest.raises(PackInputError, match="--overwrite"):
+        tierflow.pack([src], url, workers=1, target_shard_bytes=256 << 10, endpoint_url=s3_proxy.url)
+    stack = stack_for(url, s3_proxy.url, tmp_path / "node", l1=False)
+    assert [s["i"] for s in stack.dataset()] == list(range(1500))

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", default=[], help="glob of files or directories to skip")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint when --out is s3://")
     p.add_argument("--quiet", action="store_true")
 
     p = sub.add_parser("inspect", help="manifest summary and the first samples")
@@ -103,7 +104,8 @@ def _pack(args: argparse.Namespace) -> int:
     pack(args.sources, args.out, workers=args.workers, target_shard_bytes=args.shard_size,
          compression=args.compression, tokenizer=args.tokenizer, eos_token=args.eos_token,
          text_field=args.text_field, keep_text=args.keep_text, kind=args.kind, include=args.include,
-         exclude=args.exclude, on_error=args.on_error, overwrite=args.overwrite, progress=not args.quiet)
+         exclude=args.exclude, on_error=args.on_error, overwrite=args.overwrite, progress=not args.quiet,
+         endpoint_url=args.endpoint_url)
     return 0
 
 

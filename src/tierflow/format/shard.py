@@ -111,43 +111,99 @@ def _write_ipc(batches: Sequence[pa.RecordBatch], schema: pa.Schema, sink: Hashi
     return blocks
 
 
+class ShardWriter:
+    """Writes one shard a record batch at a time, under its content name once closed.
+
+    Each batch is compressed as it arrives, so the packer's parent compresses while its
+    workers parse instead of in one burst per shard; the decoded form is serialised in the
+    same pass, only to measure its size and xxh3-128. The batches stay referenced until
+    `close` in case compression does not pay and the shard is rewritten uncompressed.
+    """
+
+    def __init__(self, directory: str | Path, schema: pa.Schema, compression: str = "zstd",
+                 level: int | None = None) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
+        self.directory = Path(directory)
+        self.schema = schema
+        self.compression = compression
+        self.level = level
+        self.tmp = self.directory / f".tmp-{os.getpid()}-{id(self):x}{SHARD_SUFFIX}"
+        self._batches: list[pa.RecordBatch] = []
+        self._blocks: list[Block] = []
+        self._decoded = HashingSink()
+        self._decoded_writer = pa.ipc.new_file(pa.PythonFile(self._decoded, mode="w"), schema,
+                                               options=_ipc_options("none", None))
+        self._file = open(self.tmp, "wb", buffering=CHUNK)
+        self._sink = HashingSink(self._file)
+        self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), schema,
+                                       options=_ipc_options(compression, level))
+
+    @property
+    def samples(self) -> int:
+        return sum(b.rows for b in self._blocks)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Append one record batch as the shard's next block."""
+        start = self._sink.position
+        self._sink.take_block_digest()
+        self._writer.write_batch(batch)
+        self._blocks.append(Block(start, self._sink.position - start, batch.num_rows,
+                                  self._sink.take_block_digest()))
+        self._decoded_writer.write_batch(batch)
+        self._batches.append(batch)
+
+    def close(self, tokens: int = 0) -> ShardInfo:
+        """Finish, fsync and rename to `shard-<checksum>.arrow`; atomic.
+
+        Compression is dropped for this shard when it saves less than MIN_SAVING (images,
+        already-compressed bytes): decoding costs CPU on every read for nothing.
+        """
+        try:
+            self._writer.close()
+            self._decoded_writer.close()
+            chosen, sink, blocks = self.compression, self._sink, self._blocks
+            if self.compression != "none" and sink.position > (1 - MIN_SAVING) * self._decoded.position:
+                chosen = "none"
+                self._file.seek(0)
+                self._file.truncate()
+                sink = HashingSink(self._file)
+                blocks = _write_ipc(self._batches, self.schema, sink, _ipc_options("none", None))
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            checksum = sink.hexdigest()
+            name = shard_name(checksum)
+            os.replace(self.tmp, self.directory / name)
+        except BaseException:
+            self.abort()
+            raise
+        self._batches = []
+        return ShardInfo(
+            name=name, samples=sum(b.rows for b in blocks), bytes=sink.position,
+            decoded_bytes=self._decoded.position, checksum=checksum, decoded_checksum=self._decoded.hexdigest(),
+            compression=chosen, tokens=tokens, blocks=blocks,
+        )
+
+    def abort(self) -> None:
+        """Drop the unfinished shard (its temporary file included)."""
+        self._batches = []
+        if not self._file.closed:
+            self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_shard(batches: Sequence[pa.RecordBatch], schema: pa.Schema, directory: str | Path,
                 compression: str = "zstd", level: int | None = None, tokens: int = 0) -> ShardInfo:
-    """Write one shard into `directory` under its content name; atomic (temp name, rename).
-
-    Compression is dropped for this shard when it saves less than MIN_SAVING (images,
-    already-compressed bytes): decoding costs CPU on every read for nothing.
-    """
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
-    directory = Path(directory)
-    decoded = HashingSink()
-    _write_ipc(batches, schema, decoded, _ipc_options("none", None))
-
-    tmp = directory / f".tmp-{os.getpid()}-{id(batches):x}{SHARD_SUFFIX}"
+    """Write one shard into `directory` under its content name; atomic (temp name, rename)."""
+    writer = ShardWriter(directory, schema, compression, level)
     try:
-        chosen = compression
-        with open(tmp, "wb", buffering=CHUNK) as f:
-            sink = HashingSink(f)
-            blocks = _write_ipc(batches, schema, sink, _ipc_options(compression, level))
-        if compression != "none" and sink.position > (1 - MIN_SAVING) * decoded.position:
-            chosen = "none"
-            with open(tmp, "wb", buffering=CHUNK) as f:
-                sink = HashingSink(f)
-                blocks = _write_ipc(batches, schema, sink, _ipc_options("none", None))
-        checksum = sink.hexdigest()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        name = shard_name(checksum)
-        os.replace(tmp, directory / name)
+        for batch in batches:
+            writer.write(batch)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        writer.abort()
         raise
-    return ShardInfo(
-        name=name, samples=sum(b.num_rows for b in batches), bytes=sink.position,
-        decoded_bytes=decoded.position, checksum=checksum, decoded_checksum=decoded.hexdigest(),
-        compression=chosen, tokens=tokens, blocks=blocks,
-    )
+    return writer.close(tokens)
 
 
 def decode_shard(src: str | Path, dst: str | Path) -> tuple[int, str]:

@@ -292,12 +292,45 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
          compression_level: int | None = None, tokenizer: str | None = None, eos_token: str | None = None,
          text_field: str = "text", keep_text: bool = False, kind: str = "auto",
          include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
-         overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20) -> PackSummary:
+         overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20,
+         endpoint_url: str | None = None) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
-    worker processes, so features computed here are paid once, not every epoch.
+    worker processes, so features computed here are paid once, not every epoch. `out` may be
+    an object-store URL (s3://bucket/prefix): the dataset is packed in a local staging
+    directory, then its shards are uploaded and its manifest last.
     """
+    options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
+                   compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
+                   text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,
+                   on_error=on_error, overwrite=overwrite, progress=progress, chunk_bytes=chunk_bytes)
+    if "://" not in str(out) or str(out).startswith("file://"):
+        return _pack_local(sources, Path(str(out).removeprefix("file://")), **options)
+    import tempfile
+
+    from tierflow.tiers.remote import SourceNotFound, open_source, upload_dataset
+
+    url = str(out)
+    remote = open_source(url, endpoint_url=endpoint_url)
+    if not overwrite:
+        try:
+            remote.size(MANIFEST_NAME)
+        except SourceNotFound:
+            pass
+        else:
+            raise PackInputError(f"{url} already holds a finished dataset; pass --overwrite to replace it")
+    with tempfile.TemporaryDirectory(prefix="tierflow-pack-") as staging:
+        summary = _pack_local(sources, Path(staging) / "dataset", **options)
+        upload_dataset(Path(staging) / "dataset", url, endpoint_url=endpoint_url)
+    return summary
+
+
+def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | None, *, workers: int | None,
+                target_shard_bytes: int, compression: str, compression_level: int | None, tokenizer: str | None,
+                eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
+                exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
+                chunk_bytes: int) -> PackSummary:
     if isinstance(sources, (str, os.PathLike)) or isinstance(sources, dict):
         sources = [sources]
     elif not isinstance(sources, (list, tuple)):
@@ -310,7 +343,6 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
     workers = workers or os.cpu_count() or 1
-    out = Path(out)
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
                             on_error=on_error, chunk_bytes=chunk_bytes)

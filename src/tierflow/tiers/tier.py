@@ -120,7 +120,8 @@ class Tier:
         labels = {"tier": name}
         r = self.registry
         self.m_hits = r.counter("tier_hits", labels, "entry found in this tier")
-        self.m_misses = r.counter("tier_misses", labels, "entry fetched from below")
+        self.m_misses = r.counter("tier_misses", labels, "a reader's entry fetched from below (demand miss)")
+        self.m_prefetches = r.counter("tier_prefetches", labels, "entries fetched ahead of need by the stager")
         self.m_bytes_in = r.counter("tier_bytes_in", labels, "bytes written into this tier")
         self.m_bytes_out = r.counter("tier_bytes_out", labels, "bytes served from this tier")
         self.m_promotions = r.counter("tier_promotions", labels, "entries admitted from a lower tier")
@@ -247,7 +248,7 @@ class Tier:
             pin = self.lookup(key)
             if pin is not None:
                 return pin
-            self.m_misses.inc()
+            (self.m_prefetches if prefetch else self.m_misses).inc()
             started = time.perf_counter()
             for attempt in (0, 1):
                 reservation = self._reserve(key, size, extra=size * attempt)

@@ -1,0 +1,315 @@
+"""Benchmark of `tierflow pack`: throughput against the library floor, and peak memory against input size.
+
+Throughput (MB/s of input, files/s) on the standard library's *.py tree (site-/dist-packages
+excluded) and on a synthetic JSONL made in a temp dir, with and without byte tokenisation,
+side by side with the *floor*: the same input read by pyarrow (`pyarrow.json` for JSONL, plain
+file reads into a binary column for the tree) and written as Arrow IPC with the same codec
+(zstd) by the same number of processes, with no tierflow logic (no shards, no hashing, no
+manifest). Target: tierflow >= 0.6x the floor. Rounds alternate the order of the runs; the
+table gives medians and the spread (min-max).
+
+Peak memory: the summed PSS of the packing process tree (psutil `memory_full_info().pss`,
+sampled at 10 Hz) for a small and a 4x larger JSONL; target: within 10% of each other.
+Every run is a fresh child process, so one run's heap never inflates the next one's figures.
+The inputs sit in the page cache (just written), so this measures CPU, not the disk.
+
+Run: .venv/bin/python benchmarks/pack.py            (JSONL 1 GB; memory 1 GB vs 4 GB; 3 rounds)
+     .venv/bin/python benchmarks/pack.py --quick    (JSONL 200 MB; memory 200 MB vs 800 MB; 2 rounds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.json as pajson
+
+STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__")
+CHUNK_BYTES = 16 << 20
+FILES_PER_CHUNK = 2048
+CODEC = "zstd"
+SAMPLE_HZ = 10
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def make_jsonl(path: Path, target_bytes: int, seed: int = 0) -> int:
+    """A JSONL of documents made of words from a 20k-word vocabulary (zstd ratio ~3x, like prose)."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+    vocab = [bytes(letters[rng.integers(0, 26, int(n))]) for n in rng.integers(2, 11, 20_000)]
+    zipf = np.minimum(rng.zipf(1.2, 4_000_000) - 1, len(vocab) - 1)
+    pool = b" ".join(vocab[i] for i in zipf)  # ~25 MB of text; documents are slices of it
+    written, doc = 0, 0
+    with open(path, "wb", buffering=8 << 20) as f:
+        while written < target_bytes:
+            lengths = np.clip(rng.lognormal(7.3, 0.9, 4096), 16, 60_000).astype(np.int64)
+            starts = rng.integers(0, len(pool) - 60_001, 4096)
+            lines = []
+            for start, n in zip(starts.tolist(), lengths.tolist()):
+                lines.append(b'{"id": %d, "source": "synthetic", "score": %d, "text": "%s"}\n'
+                             % (doc, doc % 97, pool[start:start + n]))
+                doc += 1
+            block = b"".join(lines)
+            f.write(block)
+            written += len(block)
+    return written
+
+
+def stdlib_files() -> tuple[Path, list[str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_EXCLUDE)
+        files += [os.path.relpath(os.path.join(dirpath, n), root) for n in sorted(filenames) if n.endswith(".py")]
+    return root, files
+
+
+# ---------------------------------------------------------------- the floor: pyarrow alone
+
+
+def _floor_jsonl_chunk(path: str, start: int, end: int, out: str) -> int:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    table = pajson.read_json(pa.BufferReader(data), read_options=pajson.ReadOptions(
+        use_threads=False, block_size=len(data) + 1))
+    with pa.ipc.new_file(out, table.schema, options=pa.ipc.IpcWriteOptions(compression=CODEC)) as writer:
+        writer.write_table(table, max_chunksize=8192)
+    return table.num_rows
+
+
+def _floor_files_chunk(root: str, members: list[str], out: str) -> int:
+    data = []
+    for rel in members:
+        with open(os.path.join(root, rel), "rb") as f:
+            data.append(f.read())
+    batch = pa.RecordBatch.from_arrays([pa.array(members, pa.string()), pa.array(data, pa.binary())],
+                                       names=["path", "data"])
+    with pa.ipc.new_file(out, batch.schema, options=pa.ipc.IpcWriteOptions(compression=CODEC)) as writer:
+        writer.write_batch(batch)
+    return batch.num_rows
+
+
+def _jsonl_ranges(path: str) -> list[tuple[int, int]]:
+    size = os.path.getsize(path)
+    ranges, start = [], 0
+    with open(path, "rb") as f:
+        while start < size:
+            end = min(start + CHUNK_BYTES, size)
+            if end < size:
+                f.seek(end)
+                f.readline()
+                end = f.tell()
+            ranges.append((start, end))
+            start = end
+    return ranges
+
+
+def run_floor(kind: str, source: str, out: str, workers: int) -> dict:
+    os.makedirs(out, exist_ok=True)
+    started = time.perf_counter()
+    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+        if kind == "jsonl":
+            jobs = [pool.submit(_floor_jsonl_chunk, source, s, e, f"{out}/{i:06d}.arrow")
+                    for i, (s, e) in enumerate(_jsonl_ranges(source))]
+            files = 1
+            input_bytes = os.path.getsize(source)
+        else:
+            root, members = stdlib_files()
+            chunks: list[list[str]] = [[]]
+            chunk_bytes = 0
+            input_bytes = 0
+            for rel in members:
+                size = os.path.getsize(root / rel)
+                if len(chunks[-1]) >= FILES_PER_CHUNK or chunk_bytes >= CHUNK_BYTES:
+                    chunks.append([])
+                    chunk_bytes = 0
+                chunks[-1].append(rel)
+                chunk_bytes += size
+                input_bytes += size
+            jobs = [pool.submit(_floor_files_chunk, str(root), c, f"{out}/{i:06d}.arrow")
+                    for i, c in enumerate(chunks)]
+            files = len(members)
+        samples = sum(j.result() for j in jobs)
+    return {"seconds": time.perf_counter() - started, "input_bytes": input_bytes, "files": files,
+            "samples": samples}
+
+
+def run_tierflow(kind: str, source: str, out: str, workers: int, tokenizer: str | None) -> dict:
+    from tierflow.pack.packer import pack
+
+    started = time.perf_counter()
+    if kind == "jsonl":
+        summary = pack([source], out, workers=workers, tokenizer=tokenizer, overwrite=True)
+    else:
+        summary = pack([source], out, workers=workers, tokenizer=tokenizer, include=("*.py",),
+                       exclude=STDLIB_EXCLUDE, overwrite=True)
+    seconds = time.perf_counter() - started
+    stats = summary.manifest.stats
+    return {"seconds": seconds, "input_bytes": summary.input_bytes, "files": stats["files"],
+            "samples": stats["samples"], "shards": len(summary.manifest.shards)}
+
+
+# ---------------------------------------------------------------- one run in a child, with PSS sampled
+
+
+def tree_pss(proc: psutil.Process) -> int:
+    total = 0
+    try:
+        members = [proc] + proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    for p in members:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def run_child(spec: dict) -> dict:
+    """Run one pack (tierflow or floor) in a fresh process; return its figures and peak tree PSS."""
+    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
+                            stdout=subprocess.PIPE, text=True)
+    watched = psutil.Process(proc.pid)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(1 / SAMPLE_HZ):
+            peak = max(peak, tree_pss(watched))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, _ = proc.communicate()
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child {spec} exited with {proc.returncode}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    result["peak_pss"] = peak
+    return result
+
+
+def child_main(spec: dict) -> None:
+    out = spec["out"]
+    shutil.rmtree(out, ignore_errors=True)
+    if spec["engine"] == "floor":
+        result = run_floor(spec["kind"], spec["source"], out, spec["workers"])
+    else:
+        result = run_tierflow(spec["kind"], spec["source"], out, spec["workers"], spec["tokenizer"])
+    result["out_bytes"] = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
+    shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps(result))
+
+
+# ---------------------------------------------------------------- the report
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="200 MB JSONL, memory at 200 MB vs 800 MB, 2 rounds")
+    parser.add_argument("--jsonl-mb", type=int, default=None, help="JSONL size for throughput (default 1000)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--tmp", default=None, help="where the temp inputs and outputs go")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child_main(json.loads(args.child))
+        return
+    jsonl_mb = args.jsonl_mb or (200 if args.quick else 1000)
+    rounds = args.rounds or (2 if args.quick else 3)
+    memory_mb = (jsonl_mb, 4 * jsonl_mb)
+
+    work = Path(tempfile.mkdtemp(prefix="tierflow-packbench-", dir=args.tmp))
+    try:
+        root, members = stdlib_files()
+        tree_bytes = sum((root / m).stat().st_size for m in members)
+        jsonl = work / "synthetic.jsonl"
+        t = time.perf_counter()
+        size = make_jsonl(jsonl, jsonl_mb * 1_000_000)
+        print(f"inputs: stdlib {root} ({len(members):,} *.py files, {tree_bytes / 1e6:.1f} MB); "
+              f"synthetic JSONL {size / 1e6:.0f} MB (made in {time.perf_counter() - t:.1f} s); "
+              f"{args.workers} processes, codec {CODEC}, {rounds} rounds, {os.cpu_count()} cores")
+        cases = []
+        for kind, source in (("stdlib", str(root)), ("jsonl", str(jsonl))):
+            cases.append((kind, "floor", None, source))
+            cases.append((kind, "tierflow", None, source))
+            cases.append((kind, "tierflow", "bytes", source))
+        results: dict[tuple, list[dict]] = {c[:3]: [] for c in cases}
+        for r in range(rounds):
+            for kind, engine, tok, source in (cases if r % 2 == 0 else cases[::-1]):
+                spec = {"engine": engine, "kind": "jsonl" if kind == "jsonl" else "tree", "source": source,
+                        "out": str(work / "out"), "workers": args.workers, "tokenizer": tok}
+                res = run_child(spec)
+                results[(kind, engine, tok)].append(res)
+                print(f"  round {r + 1} {kind:6} {engine:8} {tok or '-':5} {res['seconds']:6.2f} s  "
+                      f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  "
+                      f"peak PSS {res['peak_pss'] / 2**20:6.0f} MiB", flush=True)
+
+        print()
+        print(f"{'input':7} {'engine':9} {'tokens':7} {'MB/s median (range)':>22} {'files/s':>10} "
+              f"{'x floor':>8} {'out MB':>8} {'peak PSS MiB':>12}")
+        verdicts = []
+        for kind in ("stdlib", "jsonl"):
+            floor_mbs = statistics.median(x["input_bytes"] / 1e6 / x["seconds"] for x in results[(kind, "floor", None)])
+            for engine, tok in (("floor", None), ("tierflow", None), ("tierflow", "bytes")):
+                runs = results[(kind, engine, tok)]
+                mbs = [x["input_bytes"] / 1e6 / x["seconds"] for x in runs]
+                files = statistics.median(x["files"] / x["seconds"] for x in runs)
+                ratio = statistics.median(mbs) / floor_mbs
+                print(f"{kind:7} {engine:9} {tok or '-':7} {spread(mbs):>22} {files:10,.0f} {ratio:8.2f} "
+                      f"{statistics.median(x['out_bytes'] for x in runs) / 1e6:8.1f} "
+                      f"{max(x['peak_pss'] for x in runs) / 2**20:12.0f}")
+                if engine == "tierflow":
+                    verdicts.append((f"{kind} {tok or 'no tokens'}", ratio))
+        print()
+        for label, ratio in verdicts:
+            print(f"target tierflow >= 0.6x floor, {label:18}: {ratio:.2f}x  {'met' if ratio >= 0.6 else 'MISSED'}")
+
+        if not args.skip_memory:
+            print()
+            jsonl.unlink()
+            peaks = []
+            for mb in memory_mb:
+                path = work / f"memory-{mb}.jsonl"
+                make_jsonl(path, mb * 1_000_000, seed=mb)
+                res = run_child({"engine": "tierflow", "kind": "jsonl", "source": str(path),
+                                 "out": str(work / "out"), "workers": args.workers, "tokenizer": None})
+                path.unlink()
+                peaks.append(res["peak_pss"])
+                print(f"memory: JSONL {mb:6,} MB  {res['seconds']:6.1f} s  "
+                      f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  peak PSS {res['peak_pss'] / 2**20:7.0f} MiB")
+            growth = peaks[1] / peaks[0] - 1
+            print(f"target peak PSS at {memory_mb[1]:,} MB within 10% of {memory_mb[0]:,} MB: "
+                  f"{growth:+.1%}  {'met' if abs(growth) <= 0.10 else 'MISSED'}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

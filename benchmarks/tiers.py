@@ -1,0 +1,295 @@
+"""Benchmark of the tier stack: warm reads per tier form, cold staging from a throttled S3, CPU per GB.
+
+It decides whether L1 (decoded shards on tmpfs) is on by default: only if it reads faster than
+"L2 decoded + page cache" on this machine. Everything runs in one process on a dataset this
+script packs itself (synthetic text, byte tokens, zstd shards of ~12 MB decoded), each
+measurement in rounds that alternate between the configurations compared:
+
+1. Warm reads: a fresh stack per round reads every sample of a random subset of shards, in a
+   random order, through `stack.dataset()`, copying each token array into a batch buffer
+   (so every byte is touched). L2 decoded (mapped file on disk, page cache warm), L2 at rest
+   (zstd, decoded on open), L1 decoded on /dev/shm above L2, and the plain page cache
+   (`open_dataset` on an uncompressed pack) as the bound.
+2. Cold staging: moto's S3 behind a `ProxyProcess` throttled to each rate; 2-4 threads of
+   this process call `stack.ensure` on every shard into an empty L2. Achieved rate = at-rest
+   bytes / wall time, against the throttle (target >= 90%).
+3. CPU-seconds per GB staged: `time.process_time()` of this process over the staging (moto
+   and the proxy run in child processes, so their CPU is not counted).
+
+Run: .venv/bin/python benchmarks/tiers.py [--text-mb 150] [--rounds 3] [--throttles 50,200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+import tierflow
+from tierflow.format.dataset import Dataset, DirectorySource, open_dataset
+from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
+from tierflow.tiers import TierConfig, TierStack, build_stack
+from tierflow.tiers.remote import upload_dataset
+
+MB = 1e6
+TIER_CAPACITY = 4 << 30
+
+
+# ---------------------------------------------------------------- dataset
+
+
+def write_corpus(path: Path, text_bytes: int, seed: int = 0) -> int:
+    """Zipf-distributed made-up words in documents of log-normal length; returns the document count."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+    vocab_size = 20_000
+    vocab = np.array([bytes(rng.choice(letters, int(rng.integers(2, 11)))).decode() for _ in range(vocab_size)],
+                     dtype=object)
+    weights = 1.0 / np.arange(1, vocab_size + 1) ** 1.1
+    words_needed = text_bytes // 6 + 1
+    stream = vocab[rng.choice(vocab_size, size=words_needed, p=weights / weights.sum())]
+    lengths = (rng.lognormal(6.3, 0.8, size=words_needed // 100 + 1) + 5).astype(np.int64)
+    documents = 0
+    start = 0
+    with open(path, "w") as out:
+        for length in lengths:
+            if start >= words_needed:
+                break
+            out.write(json.dumps({"text": " ".join(stream[start:start + length])}) + "\n")
+            start += int(length)
+            documents += 1
+    return documents
+
+
+def pack_datasets(root: Path, text_mb: int, shard_mb: int) -> tuple[Path, Path]:
+    """The same corpus packed twice: zstd shards (what tiers stage) and uncompressed (the bound)."""
+    corpus = root / "corpus.jsonl"
+    write_corpus(corpus, text_mb << 20)
+    packed = {}
+    for compression in ("zstd", "none"):
+        out = root / f"packed-{compression}"
+        tierflow.pack([str(corpus)], out, workers=2, target_shard_bytes=shard_mb << 20, tokenizer="bytes",
+                      compression=compression)
+        packed[compression] = out
+    corpus.unlink()
+    return packed["zstd"], packed["none"]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def spread(values: list[float], digits: int = 0) -> str:
+    """median [min-max], so the reader sees how far rounds disagree."""
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def warm_stack(stack: TierStack) -> None:
+    manifest = stack.manifest()
+    for info in manifest.shards:
+        stack.ensure(info).release()
+
+
+def read_every_sample(dataset: Dataset, order: list[int], buffer: np.ndarray) -> tuple[float, float, int]:
+    """(wall s, CPU s, token bytes) to copy the tokens of each sample in `order` into `buffer`."""
+    moved = 0
+    cpu, wall = time.process_time(), time.perf_counter()
+    for index in order:
+        tokens = dataset[index]["tokens"]
+        buffer[:len(tokens)] = tokens
+        moved += tokens.nbytes
+    return time.perf_counter() - wall, time.process_time() - cpu, moved
+
+
+def shard_opens(dataset: Dataset) -> int:
+    """How many times the reader opened (verified, mapped or decoded) a shard."""
+    source = dataset.source
+    if isinstance(source, DirectorySource):
+        return source.opens
+    return int(sum(counter.value for counter in source.m_served.values()))
+
+
+# ---------------------------------------------------------------- 1. warm reads
+
+
+def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: int, subset: int) -> None:
+    l2_decoded, l2_at_rest, l1 = work / "L2-decoded", work / "L2-at-rest", shm / "L1"
+
+    def l2_decoded_stack() -> TierStack:
+        return build_stack(str(zstd_dir), [TierConfig("L2", str(l2_decoded), TIER_CAPACITY, form="decoded")])
+
+    def l2_at_rest_stack() -> TierStack:
+        return build_stack(str(zstd_dir), [TierConfig("L2", str(l2_at_rest), TIER_CAPACITY, form="at_rest")])
+
+    def l1_stack() -> TierStack:
+        return build_stack(str(zstd_dir), [TierConfig("L1", str(l1), TIER_CAPACITY, form="decoded"),
+                                           TierConfig("L2", str(l2_decoded), TIER_CAPACITY, form="decoded")])
+
+    configs: dict[str, Callable[[], Dataset]] = {
+        "L2 decoded (disk, page cache warm)": lambda: l2_decoded_stack().dataset(),
+        "L2 at_rest (zstd, decode on open)": lambda: l2_at_rest_stack().dataset(),
+        "L1 decoded (/dev/shm) over L2": lambda: l1_stack().dataset(),
+        "page cache: open_dataset, no tiers": lambda: open_dataset(plain_dir),
+    }
+    for make in (l2_decoded_stack, l2_at_rest_stack, l1_stack):
+        warm_stack(make())
+    reference = open_dataset(plain_dir)
+    for make_dataset in configs.values():  # every file read once: the page cache is warm
+        dataset = make_dataset()
+        for s in range(len(dataset.manifest.shards)):
+            dataset.shard(s)
+    starts = reference.sample_starts
+    shards = len(reference.manifest.shards)
+    subset = min(subset, shards)
+    largest = max(int(len(reference[i]["tokens"])) for i in range(len(reference)))
+    buffer = np.empty(largest, dtype=reference[0]["tokens"].dtype)
+    rng = random.Random(1)
+    results: dict[str, dict[str, list[float]]] = {name: {"gbs": [], "us": [], "cpu_us": [], "opens": [],
+                                                         "open_ms": []} for name in configs}
+    total_bytes = 0
+    for round_number in range(rounds):
+        chosen = rng.sample(range(shards), subset)
+        order = [i for s in chosen for i in range(int(starts[s]), int(starts[s + 1]))]
+        rng.shuffle(order)
+        names = list(configs)
+        if round_number % 2:
+            names.reverse()
+        for name in names:
+            dataset = configs[name]()
+            wall, cpu, moved = read_every_sample(dataset, order, buffer)
+            r = results[name]
+            r["gbs"].append(moved / wall / 1e9)
+            r["us"].append(wall / len(order) * 1e6)
+            r["cpu_us"].append(cpu / len(order) * 1e6)
+            r["opens"].append(shard_opens(dataset))
+            fresh = configs[name]()
+            began = time.perf_counter()
+            for s in chosen:
+                fresh.shard(s)
+            r["open_ms"].append((time.perf_counter() - began) / len(chosen) * 1e3)
+            total_bytes = moved
+    bound = statistics.median(results["page cache: open_dataset, no tiers"]["gbs"])
+    print(f"\n1. Warm reads: every sample of {subset} random shards of {shards} in random order, tokens copied "
+          f"into a batch buffer ({total_bytes / MB:.0f} MB, {len(order)} samples per round); "
+          f"median [min-max] of {rounds} alternating rounds")
+    print(f"{'configuration':<36} {'GB/s':>18} {'us/sample':>18} {'CPU us/sample':>18} {'vs page cache':>13} "
+          f"{'opens':>6} {'ms/open':>16}")
+    for name, r in results.items():
+        print(f"{name:<36} {spread(r['gbs'], 2):>18} {spread(r['us'], 1):>18} {spread(r['cpu_us'], 1):>18} "
+              f"{statistics.median(r['gbs']) / bound:>13.2f} {statistics.median(r['opens']):>6.0f} "
+              f"{spread(r['open_ms'], 1):>16}")
+    l1_gbs = results["L1 decoded (/dev/shm) over L2"]["gbs"]
+    l2_gbs = results["L2 decoded (disk, page cache warm)"]["gbs"]
+    ratio = statistics.median(l1_gbs) / statistics.median(l2_gbs)
+    beats = min(l1_gbs) > max(l2_gbs)
+    print(f"L1 / L2 decoded = {ratio:.2f} (median); L1 {'beats' if beats else 'does not beat'} "
+          f"'L2 decoded + page cache' outside the spread of rounds -> L1 "
+          f"{'may be on by default' if beats else 'stays opt-in'} on this machine")
+
+
+# ---------------------------------------------------------------- 2 + 3. cold staging
+
+
+def stage_all(stack: TierStack, threads: int) -> None:
+    manifest = stack.manifest()
+
+    def ensure(info) -> None:
+        stack.ensure(info).release()
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="bench-stage") as pool:
+        list(pool.map(ensure, manifest.shards))
+
+
+def cold_staging(zstd_dir: Path, work: Path, throttles_mb: list[float], rounds: int, threads: int) -> None:
+    os.environ.update(fake_credentials_env())
+    manifest = open_dataset(zstd_dir).manifest
+    at_rest_bytes = sum(s.bytes for s in manifest.shards)
+    decoded_bytes = sum(s.decoded_bytes for s in manifest.shards)
+    rows = []
+    with MotoS3Server() as server, ProxyProcess(server.endpoint_url) as proxy:
+        bucket = server.create_bucket("tierbench")
+        url = f"s3://{bucket}/ds"
+        upload_dataset(zstd_dir, url, endpoint_url=server.endpoint_url)
+        for throttle in throttles_mb:
+            proxy.set_bandwidth(throttle * MB)
+            measured: dict[str, dict[str, list[float]]] = {f: {"rate": [], "cpu": [], "wire": []}
+                                                           for f in ("at_rest", "decoded")}
+            for round_number in range(rounds):
+                forms = ["at_rest", "decoded"] if round_number % 2 == 0 else ["decoded", "at_rest"]
+                for form in forms:
+                    root = work / f"stage-{throttle:g}-{round_number}-{form}"
+                    stack = build_stack(url, [TierConfig("L2", str(root), TIER_CAPACITY, form=form)],
+                                        endpoint_url=proxy.url)
+                    stack.manifest()
+                    proxy.reset_counters()
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    stage_all(stack, threads)
+                    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                    wire = proxy.traffic().response_bytes()
+                    m = measured[form]
+                    m["rate"].append(at_rest_bytes / wall / MB)
+                    m["cpu"].append(cpu / (at_rest_bytes / 1e9))
+                    m["wire"].append(wire / at_rest_bytes)
+                    shutil.rmtree(root)
+            rows.append((throttle, measured))
+    print(f"\n2+3. Cold staging of all {len(manifest.shards)} shards ({at_rest_bytes / MB:.0f} MB at rest, "
+          f"{decoded_bytes / MB:.0f} MB decoded) from moto S3 behind a throttled proxy into an empty L2, "
+          f"{threads} threads calling stack.ensure; median [min-max] of {rounds} alternating rounds")
+    print(f"{'throttle MB/s':>13} {'L2 form':>8} {'staged MB/s':>20} {'of throttle':>11} {'target':>6} "
+          f"{'CPU s/GB fetched':>20} {'CPU s/GB decoded':>17} {'wire/shard bytes':>16}")
+    for throttle, measured in rows:
+        for form, m in measured.items():
+            share = statistics.median(m["rate"]) / throttle
+            per_decoded = statistics.median(m["cpu"]) * at_rest_bytes / decoded_bytes
+            print(f"{throttle:>13.0f} {form:>8} {spread(m['rate'], 1):>20} {share:>10.0%} "
+                  f"{'met' if share >= 0.9 else 'MISS':>6} {spread(m['cpu'], 2):>20} {per_decoded:>17.2f} "
+                  f"{statistics.median(m['wire']):>16.3f}")
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text-mb", type=int, default=150, help="synthetic text to pack (decoded ~2x, uint16)")
+    parser.add_argument("--shard-mb", type=int, default=12, help="decoded shard size")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--subset", type=int, default=8, help="shards read per warm-read round")
+    parser.add_argument("--throttles", default="50,200", help="proxy bandwidths, MB/s")
+    parser.add_argument("--threads", type=int, default=3, help="staging threads")
+    parser.add_argument("--skip", choices=("reads", "staging"), help="leave one part out")
+    args = parser.parse_args()
+    logging.getLogger("tierflow").setLevel(logging.ERROR)  # small shards warn at pack time
+
+    began = time.perf_counter()
+    shm_base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="tierbench-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="tierbench-", dir=shm_base) as shm:
+        work = Path(tmp)
+        zstd_dir, plain_dir = pack_datasets(work, args.text_mb, args.shard_mb)
+        reference = open_dataset(zstd_dir)
+        infos = reference.manifest.shards
+        print(f"dataset: {len(infos)} shards, {len(reference)} samples, {reference.num_tokens / 1e6:.0f} M uint16 "
+              f"tokens; {sum(s.decoded_bytes for s in infos) / MB:.0f} MB decoded, "
+              f"{sum(s.bytes for s in infos) / MB:.0f} MB zstd; packed in {time.perf_counter() - began:.0f} s; "
+              f"L1 on {shm}, L2 on {tmp}; {os.cpu_count()} CPUs")
+        if args.skip != "reads":
+            warm_reads(zstd_dir, plain_dir, work, Path(shm), args.rounds, args.subset)
+        if args.skip != "staging":
+            throttles = [float(t) for t in args.throttles.split(",")]
+            cold_staging(zstd_dir, work, throttles, args.rounds, args.threads)
+    print(f"\ntotal {time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
