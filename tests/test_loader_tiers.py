@@ -87,6 +87,26 @@ def test_staged_entries_are_never_evicted_before_use(tmp_path, s3_tokens):
     assert l1.m_evicted_unused.value == 0
 
 
+def test_token_windows_under_a_small_tier_release_what_they_read(tmp_path, s3_tokens):
+    local, url, proxy = s3_tokens
+    manifest = tierflow.open_dataset(local).manifest
+    biggest = max(s.decoded_bytes for s in manifest.shards)
+    tiers = [TierConfig("L2", str(tmp_path / "node" / "l2"), biggest * (2 * len(manifest.shards) // 3),
+                        policy="clairvoyant", form="decoded")]
+    stack = build_stack(url, tiers, endpoint_url=proxy.url)
+    ds = TieredDataset(stack.dataset(), batch_size=8, seq_len=256, partitions=2, window_shards=2)
+    loader = Loader(ds, stager=Stager(ds, stack))
+    steps = 2 * ds.num_order_samples // 8
+    for step, _ in enumerate(loader):
+        if step + 1 == steps:
+            break
+    loader.close()
+    l2 = stack.tiers[0]
+    assert l2.m_evictions.value > 0
+    assert l2.m_in_use.value == 0  # no reader ever found every entry pinned by what it had finished with
+    assert stack.m_served["memory"].value == 0
+
+
 RANK_SCRIPT = r'''
 import json, sys
 import torch

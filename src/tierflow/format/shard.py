@@ -139,10 +139,6 @@ class ShardWriter:
         self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), schema,
                                        options=_ipc_options(compression, level))
 
-    @property
-    def samples(self) -> int:
-        return sum(b.rows for b in self._blocks)
-
     def write(self, batch: pa.RecordBatch) -> None:
         """Append one record batch as the shard's next block."""
         start = self._sink.position

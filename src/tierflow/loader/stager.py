@@ -67,9 +67,19 @@ class Stager:
         per_step_samples = dataset.batch_size * dataset.batcher.batches_per_group * dataset.world.ranks_per_node
         self.bytes_per_step = sum(sizes) / samples * per_step_samples
         self.samples_per_step = per_step_samples
-        window = dataset.order.window_shards if hasattr(dataset.order, "window_shards") else 4
+        window = dataset.order.window_shards
         capacity = min((t.capacity for t in stack.tiers), default=0)
-        cap = capacity - window * self.shard_bytes if capacity else 0
+        self.capacity = capacity
+        partitions_here = max(1, dataset.order.partitions // dataset.world.num_nodes)
+        active = partitions_here * (window + 1) * self.shard_bytes
+        if capacity and active > capacity:
+            log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d partitions x "
+                        "windows of %d, plus one straddling): every window will be fetched again and again; "
+                        "give the tier more room or use fewer partitions or smaller windows",
+                        capacity / 1e6, partitions_here * (window + 1), partitions_here, window)
+        # readers pin the shards of the windows being read (and keep a few more open): staged pins
+        # must leave them room, or a reader would find every entry in use and bypass the tier
+        cap = capacity - 2 * active if capacity else 0
         self.max_bytes = max_bytes if max_bytes is not None else max(cap, self.shard_bytes)
         self.registry = registry or stack.registry
         r = self.registry
@@ -159,14 +169,18 @@ class Stager:
         return min(max(want, self.shard_bytes), self.max_bytes)
 
     def _run(self) -> None:
+        planned_at = -1
         while not self._stop.is_set():
-            try:
-                self._plan_and_fetch()
-            except Exception:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
-                self.m_errors.inc()
-                log.exception("stager planning failed; readers fetch on demand")
-            self._wake.wait(timeout=0.5)
+            steps = self._consumed_steps
+            if planned_at < 0 or steps - planned_at >= max(1, self.min_batches // 2) or not self._wake.is_set():
+                planned_at = steps
+                try:
+                    self._plan_and_fetch()
+                except Exception:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
+                    self.m_errors.inc()
+                    log.exception("stager planning failed; readers fetch on demand")
             self._wake.clear()
+            self._wake.wait(timeout=0.5)
 
     def _plan_and_fetch(self) -> None:
         with self._lock:
@@ -175,9 +189,14 @@ class Stager:
         lookahead = self.lookahead_bytes()
         self.m_lookahead.set(lookahead)
         horizon = max(self.min_batches, math.ceil(lookahead / max(self.bytes_per_step, 1)))
-        uses = self.dataset.future_shard_uses(cursor, horizon_batches=horizon)
+        # the policy's oracle sees further than the stager fetches: beyond its horizon every entry
+        # looks never-needed-again, so it must cover what the tier can hold, twice over
+        seen = max(horizon, math.ceil(2 * self.capacity / max(self.bytes_per_step, 1)))
+        every_use = self.dataset.future_shard_uses(cursor, horizon_batches=seen)
+        limit = horizon * self.samples_per_step
+        uses = [u for u in every_use if u.first_use < limit]
         spans: dict[int, list[tuple[int, int]]] = {}
-        for use in uses:
+        for use in every_use:
             spans.setdefault(use.shard, []).append((use.first_use, use.last_use))
         oracle = PositionOracle(IntervalOracle(
             (self.shards[s].key, f, l) for s, ss in spans.items() for f, l in _merged(ss)), 0.0)

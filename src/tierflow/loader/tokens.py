@@ -7,6 +7,8 @@ in that shard; a window that runs past its shard's end reads (and pins) the next
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from tierflow.format.dataset import Dataset
@@ -68,7 +70,7 @@ class TokenReader:
         self.dataset = dataset
         self.column = column
         self._block_starts: dict[int, np.ndarray] = {}
-        self._parts: dict[tuple[int, int], tuple[int, np.ndarray, object]] = {}
+        self._parts: dict[tuple[int, int], tuple[int, np.ndarray, weakref.ref]] = {}
         self.pieces = 0
 
     def _blocks(self, shard: int) -> np.ndarray:
@@ -88,10 +90,13 @@ class TokenReader:
         table = self.dataset.shard(shard)
         key = (shard, block)
         found = self._parts.get(key)
-        if found is None or found[2] is not table:
+        if found is None or found[2]() is not table:
             offsets, values = table.list_parts(block, self.column)
-            found = (int(offsets[0]), values, table)
+            # weak: holding the table would hold its tier pin, and the tier could never evict it
+            found = (int(offsets[0]), values, weakref.ref(table))
             self._parts[key] = found
+            if len(self._parts) > 4 * len(self._block_starts) + 1024:
+                self._parts = {k: v for k, v in self._parts.items() if v[2]() is not None}
         return found[0], found[1]
 
     def copy_into(self, out: np.ndarray, start: int) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import queue
 import shutil
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, write_shard
+from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardWriter
 from tierflow.pack.sources import (
     SourceOptions, Unit, UnitStats, estimate_input_bytes, length_histogram, plan_units, read_unit,
     rows_to_batch,
@@ -37,6 +38,8 @@ MIN_SHARD_BYTES = 256 << 10
 WARN_SHARD_BYTES = 64 << 20
 TMP_DIR = ".tmp-pack"
 LOCK_NAME = ".tierflow.lock"
+#: shards compressing at once in the parent (each holds its batches until written)
+SHARDS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -152,8 +155,43 @@ def _pack_unit_in_worker(unit: Unit, config: PackConfig) -> UnitResult:
 # ---------------------------------------------------------------- parent side
 
 
+class _ShardInFlight:
+    """One shard written by a thread from a queue of batches.
+
+    zstd releases the GIL, so while one shard is still compressing the next one's batches
+    compress on another thread: the parent is no longer capped at one core of compression.
+    The queue carries batches, then the shard's token count (close) or None (abort).
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, out: Path, schema: pa.Schema, compression: str,
+                 level: int | None) -> None:
+        self.batches: queue.SimpleQueue = queue.SimpleQueue()
+        self.future = pool.submit(self._write, out, schema, compression, level)
+
+    def _write(self, out: Path, schema: pa.Schema, compression: str, level: int | None) -> ShardInfo | None:
+        writer = ShardWriter(out, schema, compression, level)
+        try:
+            while True:
+                item = self.batches.get()
+                if isinstance(item, pa.RecordBatch):
+                    writer.write(item)
+                elif item is None:
+                    writer.abort()
+                    return None
+                else:
+                    return writer.close(tokens=item)
+        except BaseException:
+            writer.abort()
+            raise
+
+
 class ShardAssembler:
-    """Cuts the ordered batch stream into shards of the target size (slicing at row boundaries)."""
+    """Cuts the ordered batch stream into shards of the target size (slicing at row boundaries).
+
+    Each batch goes to its shard's writer thread as it arrives, so compression runs while the
+    workers parse the next units, and up to SHARDS_IN_FLIGHT consecutive shards compress at
+    once. Shard contents and order depend only on the batch stream, never on the threads.
+    """
 
     def __init__(self, out: Path, target_bytes: int, compression: str, level: int | None,
                  token_column: str | None) -> None:
@@ -163,10 +201,14 @@ class ShardAssembler:
         self.level = level
         self.token_column = token_column
         self.schema: pa.Schema | None = None
-        self.pending: list[pa.RecordBatch] = []
         self.pending_bytes = 0
+        self.pending_tokens = 0
         self.shards: list[ShardInfo] = []
+        """Finished shards, in order (those still being written join it as they finish)."""
         self.unified: pa.Schema | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._open: _ShardInFlight | None = None
+        self._closing: deque[_ShardInFlight] = deque()
 
     def add(self, batch: pa.RecordBatch) -> None:
         batch = self._conform(batch)
@@ -177,17 +219,41 @@ class ShardAssembler:
                 return
             rows = min(batch.num_rows, room // max(1, batch.nbytes // batch.num_rows))
             if rows == 0:
-                if self.pending:
-                    self.flush()
+                if self._open is not None:
+                    self._end_shard()
                     continue
                 rows = 1  # one sample larger than the target is a shard of its own
             self._append(batch.slice(0, rows))
             batch = batch.slice(rows)
-            self.flush()
+            self._end_shard()
 
     def _append(self, batch: pa.RecordBatch) -> None:
-        self.pending.append(batch)
+        if self._open is None:
+            while len(self._closing) >= SHARDS_IN_FLIGHT:
+                self._collect_oldest()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="tierflow-shard")
+            self._open = _ShardInFlight(self._pool, self.out, self.schema, self.compression, self.level)
+        self._open.batches.put(batch)
         self.pending_bytes += batch.nbytes
+        if self.token_column is not None:
+            offsets = batch.column(self.token_column).offsets
+            self.pending_tokens += offsets[-1].as_py() - offsets[0].as_py()
+        while self._closing and self._closing[0].future.done():
+            self._collect_oldest()
+
+    def _end_shard(self) -> None:
+        if self._open is None:
+            return
+        self._open.batches.put(self.pending_tokens)
+        self._closing.append(self._open)
+        self._open = None
+        self.pending_bytes = self.pending_tokens = 0
+
+    def _collect_oldest(self) -> None:
+        info = self._closing.popleft().future.result()
+        if info is not None:
+            self.shards.append(info)
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         if self.schema is None:
@@ -206,7 +272,7 @@ class ShardAssembler:
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
                 pass
         # a new column or a wider type: the schema grows, so the shard being built ends here
-        self.flush()
+        self._end_shard()
         try:
             self.unified = pa.unify_schemas([self.unified, batch.schema], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
@@ -215,16 +281,29 @@ class ShardAssembler:
         return self._conform(batch)
 
     def flush(self) -> None:
-        if not self.pending:
-            return
-        tokens = 0
-        if self.token_column is not None:
-            for b in self.pending:
-                offsets = b.column(self.token_column).offsets
-                tokens += offsets[-1].as_py() - offsets[0].as_py()
-        info = write_shard(self.pending, self.schema, self.out, self.compression, self.level, tokens=tokens)
-        self.shards.append(info)
-        self.pending, self.pending_bytes = [], 0
+        """End the shard being assembled and wait until every shard is written."""
+        self._end_shard()
+        while self._closing:
+            self._collect_oldest()
+        self._shutdown()
+
+    def abort(self) -> None:
+        """Drop the shard being assembled; shards that finished meanwhile join `shards` for the caller."""
+        if self._open is not None:
+            self._open.batches.put(None)
+            self._closing.append(self._open)
+            self._open = None
+        while self._closing:
+            try:
+                self._collect_oldest()
+            except Exception:  # noqa: BLE001 - the error that caused the abort is the one to report
+                pass
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 @dataclass
@@ -266,6 +345,26 @@ def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
     return removed
 
 
+_HELD_LOCK_FDS: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child (a pack worker): drop the copies of the parent's lock descriptors.
+
+    An flock belongs to the open file, which fork shares: a worker still holding a copy would
+    keep the dataset locked after its parent died. Closing the copy leaves the parent's lock.
+    """
+    for fd in _HELD_LOCK_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 class DatasetLock:
     """An exclusive kernel lock on a dataset directory, released if the holder dies."""
 
@@ -280,10 +379,12 @@ class DatasetLock:
         except BlockingIOError:
             os.close(self.fd)
             raise PackInputError(f"{self.path.parent}: another tierflow process is writing this dataset") from None
+        _HELD_LOCK_FDS.add(self.fd)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self.fd is not None
+        _HELD_LOCK_FDS.discard(self.fd)
         os.close(self.fd)
 
 
@@ -397,6 +498,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                             raise
                 assembler.flush()
         except BaseException:
+            assembler.abort()
             shutil.rmtree(tmp_dir, ignore_errors=True)
             for info in assembler.shards:
                 if not (out / MANIFEST_NAME).exists():

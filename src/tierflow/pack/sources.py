@@ -13,9 +13,11 @@ import io
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -110,20 +112,56 @@ def source_kind(path: str, options: SourceOptions) -> str:
 
 def walk_files(root: str, options: SourceOptions) -> Iterator[str]:
     """Relative paths of regular files under root, in a sorted, deterministic order."""
-    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise_walk_error):
-        rel_dir = os.path.relpath(dirpath, root)
-        rel_dir = "" if rel_dir == "." else rel_dir
-        dirnames[:] = sorted(d for d in dirnames
-                             if not _excluded(os.path.join(rel_dir, d), options.exclude))
-        for name in sorted(filenames):
-            rel = os.path.join(rel_dir, name)
-            if _excluded(rel, options.exclude):
+    return (rel for rel, _ in walk_file_entries(root, options))
+
+
+def walk_file_entries(root: str, options: SourceOptions) -> Iterator[tuple[str, os.DirEntry]]:
+    """(relative path, directory entry) of regular files under root, in walk_files' order.
+
+    A directory's files come before its subdirectories, each sorted by name; symlinked
+    directories are not entered. Entries carry their type and cache their stat, so a tree
+    of many small files costs one listing per directory and one stat per file.
+    """
+    include = _matcher(tuple(options.include)) if options.include else None
+    exclude = _matcher(tuple(options.exclude)) if options.exclude else None
+
+    def excluded(rel: str, name: str) -> bool:
+        return exclude is not None and bool(exclude(rel) or exclude(name))
+
+    def visit(directory: str, rel_dir: str) -> Iterator[tuple[str, os.DirEntry]]:
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except OSError as e:
+            _raise_walk_error(e)
+        files, dirs = [], []
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            (dirs if is_dir else files).append(entry)
+        for entry in sorted(files, key=lambda e: e.name):
+            rel = os.path.join(rel_dir, entry.name)
+            if excluded(rel, entry.name):
                 continue
-            if options.include and not any(fnmatch.fnmatch(name, g) or fnmatch.fnmatch(rel, g)
-                                           for g in options.include):
+            if include is not None and not (include(entry.name) or include(rel)):
                 continue
-            if os.path.isfile(os.path.join(root, rel)):
-                yield rel
+            if entry.is_file():
+                yield rel, entry
+        for entry in sorted(dirs, key=lambda e: e.name):
+            rel = os.path.join(rel_dir, entry.name)
+            if excluded(rel, entry.name) or entry.is_symlink():
+                continue
+            yield from visit(entry.path, rel)
+
+    return visit(root, "")
+
+
+@lru_cache(maxsize=32)
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
+    """One compiled regex for a set of glob patterns (fnmatch per name per pattern is slow)."""
+    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in patterns)).match
 
 
 def _raise_walk_error(e: OSError) -> None:
@@ -131,8 +169,10 @@ def _raise_walk_error(e: OSError) -> None:
 
 
 def _excluded(rel: str, patterns: Sequence[str]) -> bool:
-    name = os.path.basename(rel)
-    return any(fnmatch.fnmatch(rel, g) or fnmatch.fnmatch(name, g) for g in patterns)
+    if not patterns:
+        return False
+    match = _matcher(tuple(patterns))
+    return bool(match(rel) or match(os.path.basename(rel)))
 
 
 def plan_units(sources: Sequence[Any], options: SourceOptions) -> Iterator[Unit]:
@@ -184,11 +224,11 @@ def _plan_jsonl(path: str, options: SourceOptions, counter) -> Iterator[Unit]:
 def _plan_tree(root: str, kind: str, options: SourceOptions, counter) -> Iterator[Unit]:
     members: list[str] = []
     nbytes = 0
-    for rel in walk_files(root, options):
+    for rel, entry in walk_file_entries(root, options):
         if kind == "images" and not rel.lower().endswith(IMAGE_SUFFIXES):
             continue
         members.append(rel)
-        nbytes += os.path.getsize(os.path.join(root, rel))
+        nbytes += entry.stat().st_size
         if len(members) >= options.files_per_unit or nbytes >= options.chunk_bytes:
             yield Unit(next(counter), kind, root, members=tuple(members), input_bytes=nbytes)
             members, nbytes = [], 0
@@ -220,7 +260,7 @@ def estimate_input_bytes(sources: Sequence[Any], options: SourceOptions) -> int 
             return None
         path = os.fspath(source)
         if os.path.isdir(path):
-            total += sum(os.path.getsize(os.path.join(path, r)) for r in walk_files(path, options))
+            total += sum(entry.stat().st_size for _, entry in walk_file_entries(path, options))
         elif os.path.exists(path):
             total += os.path.getsize(path)
     return total
@@ -309,7 +349,7 @@ def _line_number(unit: Unit, offset_in_chunk_lines: int) -> int:
 
 def _parse_jsonl_chunk(data: bytes, unit: Unit, options: SourceOptions, stats: UnitStats,
                        first_line: int | None = None) -> Iterator[pa.RecordBatch]:
-    if not data.strip():
+    if not data or data.isspace():  # isspace stops at the first non-space; strip() would copy
         return
     try:
         table = pajson.read_json(io.BytesIO(data), read_options=pajson.ReadOptions(

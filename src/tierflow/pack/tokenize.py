@@ -42,10 +42,11 @@ class ByteTokenizer:
         n = len(texts)
         new_offsets = (offsets - offsets[0]) + np.arange(n + 1, dtype=np.int64)
         ids = np.empty(int(new_offsets[-1]), dtype=np.uint16)
+        eos_at = new_offsets[1:] - 1
         is_data = np.ones(len(ids), dtype=bool)
-        is_data[new_offsets[1:] - 1] = False
+        is_data[eos_at] = False
         ids[is_data] = data
-        ids[~is_data] = self.eos_id
+        ids[eos_at] = self.eos_id  # a scatter of one id per document, not a second masked pass
         return new_offsets, ids
 
 

@@ -58,7 +58,8 @@ class BenchResult:
 
 def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_workers: int = 0,
               registry: MetricsRegistry | None = None, events: Any = None,
-              tier_layout: Sequence[tuple[str, int, bool]] = ()) -> BenchResult:
+              tier_layout: Sequence[tuple[str, int, bool]] = (), stager: Any = None,
+              on_batch: Callable[[int, Any], None] | None = None) -> BenchResult:
     """Run `steps` batches of `dataset` (a TieredDataset) through the Loader, then the dry run.
 
     `registry` should be the tier stack's, so tier figures land beside the loader's; `tier_layout`
@@ -72,13 +73,15 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     registry = registry if registry is not None else MetricsRegistry()
     telemetry = LoaderTelemetry(registry, events=events)
     start = dataset.state_dict()
-    loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry)
+    loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager)
     kept: list[Any] = []
     accesses_before = len(all_accesses())
     started = time.perf_counter()
     for batch in loader:
         step(batch)
         kept.append(batch)
+        if on_batch is not None:
+            on_batch(len(kept) - 1, batch)
         if len(kept) == steps:
             break
     loader_s = time.perf_counter() - started

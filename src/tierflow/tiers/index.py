@@ -113,9 +113,9 @@ class TierIndex:
 
     def occupancy(self) -> tuple[int, int]:
         """(bytes resident, bytes reserved)."""
-        c = self.conn
-        e = c.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
-        r = c.execute("SELECT COALESCE(SUM(size), 0) FROM reservations").fetchone()[0]
+        # one statement reads one snapshot: two would see an eviction and the next reservation twice
+        e, r = self.conn.execute("SELECT (SELECT COALESCE(SUM(size), 0) FROM entries), "
+                                 "(SELECT COALESCE(SUM(size), 0) FROM reservations)").fetchone()
         return int(e), int(r)
 
     def reserve(self, conn: sqlite3.Connection, key: str, size: int) -> int:

@@ -24,7 +24,7 @@ from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import ShardCorruptError, ShardInfo, decode_shard
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.lock import Pin
-from tierflow.tiers.tier import Tier
+from tierflow.tiers.tier import FetchError, Tier
 
 log = logging.getLogger("tierflow.tiers")
 
@@ -61,7 +61,7 @@ class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
     def __init__(self, source: Any, tiers: Sequence[Tier] = (), registry: MetricsRegistry | None = None,
-                 max_open: int = 4, fetch_attempts: int = 3) -> None:
+                 max_open: int = 8, fetch_attempts: int = 3) -> None:
         self.source = source
         self.tiers = list(tiers)
         for upper, lower in zip(self.tiers, self.tiers[1:]):
@@ -125,19 +125,14 @@ class TierStack:
             if lower is not None and lower.buffer is not None:
                 self._write_form(lower.buffer, form, tmp)
                 return
-            local = self._source_local_path(info)
-            if local is not None:
-                if form == "at_rest":
-                    shutil.copyfile(local, tmp)
-                else:
-                    decode_shard(local, tmp)
-                return
             if form == "at_rest":
                 self._download(info, tmp)
             else:
                 rest = tmp.with_name(tmp.name + ".rest")
                 try:
                     self._download(info, rest)
+                    if file_xxh3_128(rest) != info.checksum:  # verify before decoding torn bytes
+                        raise FetchError(f"shard {info.name} from {self.source.url}: at-rest bytes do not verify")
                     decode_shard(rest, tmp)
                 finally:
                     rest.unlink(missing_ok=True)
@@ -156,29 +151,13 @@ class TierStack:
         finally:
             rest.unlink(missing_ok=True)
 
-    def _source_local_path(self, info: ShardInfo) -> Path | None:
-        local = getattr(self.source, "local_path", None)
-        return Path(local(info.name)) if local is not None else None
-
     def _download(self, info: ShardInfo, dst: Path) -> None:
-        """Download and verify; a body that does not verify is fetched again, then named."""
-        for attempt in range(self.fetch_attempts):
-            self.source.download(info.name, dst, expected_size=info.bytes)
-            self.m_source_bytes.inc(info.bytes)
-            if dst.stat().st_size == info.bytes and file_xxh3_128(dst) == info.checksum:
-                return
-            log.warning("shard %s from %s failed verification (attempt %d)", info.name, self.source.url, attempt + 1)
-        raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest "
-                                f"after {self.fetch_attempts} attempts")
+        """The at-rest bytes from the source; the tier verifies them (size + xxh3) on admission."""
+        self.source.download(info.name, dst, expected_size=info.bytes)
+        self.m_source_bytes.inc(info.bytes)
 
     def _from_source(self, info: ShardInfo) -> Handle:
-        """No tier could hold it: the source's own file when local, else verified bytes in memory."""
-        local = self._source_local_path(info)
-        if local is not None:
-            if local.stat().st_size != info.bytes or file_xxh3_128(local) != info.checksum:
-                raise ShardCorruptError(f"shard {info.name} at {local}: bytes do not match the manifest")
-            self.m_served["source"].inc()
-            return Handle("at_rest", "source", local)
+        """No tier could hold it: verified bytes in memory."""
         for _ in range(self.fetch_attempts):
             data = self.source.read_range(info.name, 0, info.bytes)
             self.m_source_bytes.inc(len(data))
@@ -196,11 +175,12 @@ class TierStack:
                 return table
         table = self.ensure(info).table()
         with self._lock:
-            if index in self._dropped and self.max_open < self._open_limit(info):
+            limit = self._open_limit(info)
+            if index in self._dropped and self.max_open < limit:
                 self.max_open += 1  # the reader's working set (its shuffle window) is larger: grow
             self._dropped.discard(index)
             self._open[index] = table
-            while len(self._open) > self.max_open:
+            while len(self._open) > min(self.max_open, limit):
                 dropped, _ = self._open.popitem(last=False)
                 self._dropped.add(dropped)
         return table

@@ -89,13 +89,14 @@ class Tier:
     def __init__(self, root: str | os.PathLike, capacity: float, policy: str = "lru", form: str = "decoded",
                  name: str = "L2", lock_timeout: float = 120.0, verify_hits: bool = True,
                  registry: MetricsRegistry | None = None, policy_options: dict | None = None,
-                 ram: bool | None = None) -> None:
+                 ram: bool | None = None, fetch_attempts: int = 3) -> None:
         if form not in FORMS:
             raise ValueError(f"tier {name}: form {form!r} is not one of {FORMS}")
         self.root = Path(root)
         self.name = name
         self.lock_timeout = lock_timeout
         self.verify_hits = verify_hits
+        self.fetch_attempts = fetch_attempts
         for sub in ("entries", "locks", "tmp", "quarantine"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.index = TierIndex(self.root / INDEX_NAME)
@@ -130,6 +131,7 @@ class Tier:
         self.m_corruptions = r.counter("tier_corruptions", labels, "entries that failed verification")
         self.m_enospc = r.counter("tier_enospc_fallbacks", labels, "served from below: no space")
         self.m_bypass = r.counter("tier_bypass", labels, "served from below: the policy declined")
+        self.m_in_use = r.counter("tier_full_in_use", labels, "served from below: every resident entry in use")
         self.m_takeovers = r.counter("tier_lock_takeovers", labels, "fetch lock timed out; fetched anyway")
         self.m_latency = r.histogram("tier_fetch_seconds", labels, "time to fill a miss")
         self.m_occupancy = r.gauge("tier_occupancy_bytes", labels, aggregate="max")
@@ -250,8 +252,10 @@ class Tier:
                 return pin
             (self.m_prefetches if prefetch else self.m_misses).inc()
             started = time.perf_counter()
-            for attempt in (0, 1):
-                reservation = self._reserve(key, size, extra=size * attempt)
+            enospc = 0
+            corrupt = 0
+            while True:
+                reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch)
                 if reservation is None:
                     return None
                 tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -259,12 +263,20 @@ class Tier:
                     produce(tmp)
                     self._verify_fetched(tmp, key, size, checksum)
                     os.replace(tmp, self.path_of(key))
+                except FetchError:
+                    tmp.unlink(missing_ok=True)
+                    self.index.release(reservation)
+                    corrupt += 1
+                    if corrupt < self.fetch_attempts:
+                        continue  # a torn or corrupted transfer: fetch it again
+                    raise
                 except OSError as e:
                     tmp.unlink(missing_ok=True)
                     self.index.release(reservation)
                     if e.errno != errno.ENOSPC:
                         raise
-                    if attempt == 0:
+                    enospc += 1
+                    if enospc == 1:
                         continue  # evict one entry's worth more and try again
                     self.m_enospc.inc()
                     if not self._warned_enospc:
@@ -281,14 +293,13 @@ class Tier:
                 self.m_promotions.inc()
                 self.m_bytes_in.inc(size)
                 return Pin(self.path_of(key))
-        return None
 
     def _verify_fetched(self, tmp: Path, key: str, size: int, checksum: str) -> None:
         got_size = tmp.stat().st_size
         if got_size != size or file_xxh3_128(tmp) != checksum:
             self.m_corruptions.inc()
-            raise FetchError(f"tier {self.name}: fetched bytes of {key} do not verify "
-                             f"(size {got_size}, expected {size}); nothing was admitted")
+            raise FetchError(f"tier {self.name}: fetched bytes of {key} do not verify (size {got_size}, "
+                             f"expected {size}) after {self.fetch_attempts} attempts; nothing was admitted")
 
     def _admit(self, key: str, size: int, checksum: str, dataset: str | None, reservation: int,
                used: bool) -> None:
@@ -305,8 +316,12 @@ class Tier:
         self.m_occupancy.set(self.index.occupancy()[0])
 
     # ------------------------------------------------------------ space
-    def _reserve(self, key: str, size: int, extra: int = 0) -> int | None:
-        """Reserve `size` bytes, evicting as the policy says; None when the entry cannot be cached."""
+    def _reserve(self, key: str, size: int, extra: int = 0, required: bool = True) -> int | None:
+        """Reserve `size` bytes, evicting as the policy says; None when the entry cannot be cached.
+
+        A reader's entry is `required`: it is read now, so it is admitted whatever the policy
+        would say of it (a shuffle window's shards must all be resident while it is read); only
+        a prefetch asks the policy whether it is worth its room."""
         capacity = self.capacity
         self.m_capacity.set(capacity)
         if size > capacity:
@@ -317,7 +332,7 @@ class Tier:
             used = self.index.used(c)
             rows = {r.key: r for r in self.index.entries(c)}
             policy = self._synced_policy(rows)
-            if not policy.admit(key, size, now, capacity - used):
+            if not required and not policy.admit(key, size, now, capacity - used):
                 self.m_bypass.inc()
                 return None
             held: list[str] = []
@@ -334,6 +349,7 @@ class Tier:
         while used + size + extra > capacity:
             victim = policy.victim(now)
             if victim is None:
+                self.m_in_use.inc()
                 return None  # every resident entry is in use
             if not try_remove_unpinned(self.path_of(victim)):
                 policy.pin(victim)  # in use by some process: skip it for this decision
