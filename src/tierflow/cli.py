@@ -283,8 +283,11 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"metrics at {exporter.url}")
     layout = [(t.name, t.capacity, t.form == "decoded") for t in stack.tiers]
     try:
+        from tierflow.loader.stager import Stager
+
+        stager = Stager(dataset, stack) if stack.tiers else None
         result = run_bench(dataset, args.steps, simulated_step(args.step_ms), num_workers=args.workers,
-                           registry=registry, events=events, tier_layout=layout)
+                           registry=registry, events=events, tier_layout=layout, stager=stager)
     finally:
         if exporter is not None:
             exporter.stop()
