@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,17 +49,19 @@ def test_stager_stages_ahead_and_each_shard_crosses_the_network_once(tmp_path, s
     ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
     stager = Stager(ds, stack, min_batches=50)
     loader = Loader(ds, num_workers=0, stager=stager)
-    loader.start_prefetch()
+    loader.start_prefetch()  # staging begins before the first next(), overlapping model loading
+    deadline = time.monotonic() + 30
+    while stager.snapshot()["fetches"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stager.snapshot()["fetches"] > 0
     steps = ds.num_order_samples // BATCH
     seen = []
     for step, batch in enumerate(loader):
         seen.extend(zip(batch["tf_sample_ids"].tolist(), batch["tf_epochs"].tolist()))
         if step + 1 == steps:
             break
-    snapshot = stager.snapshot()
     loader.close()
     assert len(set(seen)) == len(seen) == steps * BATCH
-    assert snapshot["fetches"] > 0
     manifest = tierflow.open_dataset(local).manifest
     traffic = proxy.traffic()
     for info in manifest.shards:

@@ -4,6 +4,7 @@ from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderC
 from tierflow.order.eval_order import EvalBatch, EvalOrder
 from tierflow.order.future import ShardUse, future_shard_uses
 from tierflow.order.layout import PartitionLayout
+from tierflow.order.mixed import MixedBatch, MixedCursor, MixedOrder, MixedRankStream
 from tierflow.order.mixing import MixtureSchedule
 from tierflow.order.order import MicroBatch, SampleOrder
 from tierflow.order.permutation import FeistelPermutation
@@ -19,6 +20,10 @@ __all__ = [
     "EvalOrder",
     "FeistelPermutation",
     "MicroBatch",
+    "MixedBatch",
+    "MixedCursor",
+    "MixedOrder",
+    "MixedRankStream",
     "MixtureSchedule",
     "OrderCursor",
     "PartitionLayout",
