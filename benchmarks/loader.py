@@ -6,16 +6,24 @@ Rounds alternate tierflow / dry run; each figure is the median of the rounds wit
 Also the raw loader speed with no step: samples/s, wall us and CPU us per batch (main process
 plus DataLoader workers, from getrusage after the workers have exited).
 
-    .venv/bin/python benchmarks/loader.py [--quick]
+`--cold` instead measures the first epoch from a throttled object store: moto's S3 behind a
+`ProxyProcess` whose bandwidth is set below the loop's at-rest consumption, then above it, read
+through an empty L2 with the stager running. Below consumption the source is the bound, so the
+achieved at-rest rate should be close to the throttle; above it the step is, so the epoch should
+take about as long as its steps.
+
+    .venv/bin/python benchmarks/loader.py [--quick] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +33,10 @@ import tierflow
 from tierflow.format.dataset import ShardTable
 from tierflow.format.shard import ShardInfo, decode_shard
 from tierflow.loader import Loader, TieredDataset
+from tierflow.loader.stager import Stager
+from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
+from tierflow.tiers import TierConfig, build_stack
+from tierflow.tiers.remote import upload_dataset
 
 SEQ_LEN = 2048
 BATCH = 8
@@ -132,13 +144,158 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
+MB = 1e6
+COLD_BATCH = 8
+COLD_SEQ_LEN = 1024
+COLD_STEP_S = 0.005
+
+
+def make_cold_dataset(root: Path, decoded_bytes: int) -> Path:
+    """Word text drawn from a Zipf-like vocabulary, so zstd compresses it about as much as prose."""
+    rng = np.random.default_rng(1)
+    letters = np.frombuffer(b"etaoinshrdlcumwfgypbvkjxqz", dtype=np.uint8)
+    vocabulary = ["".join(chr(c) for c in rng.choice(letters, int(rng.integers(2, 10)), p=None)) for _ in range(5000)]
+    weights = 1.0 / np.arange(1, len(vocabulary) + 1)
+    weights /= weights.sum()
+    source = root / "cold.jsonl"
+    written = 0
+    tokens_per_byte = 2  # uint16 token ids
+    with open(source, "w") as f:
+        while written < decoded_bytes:
+            words = rng.choice(len(vocabulary), int(rng.integers(40, 800)), p=weights)
+            text = " ".join(vocabulary[w] for w in words)
+            f.write(json.dumps({"text": text}) + "\n")
+            written += (len(text) + 1) * tokens_per_byte
+    tierflow.pack([source], root / "cold", tokenizer="bytes", workers=1, target_shard_bytes=2 << 20)
+    return root / "cold"
+
+
+class SourceActivity:
+    """Samples the proxy's byte count, to time the span in which the source was sending.
+
+    The epoch's rate also counts start-up and the tail after the last byte; the active span
+    shows whether the throttle was saturated while there was something left to fetch.
+    """
+
+    def __init__(self, proxy: ProxyProcess, interval_s: float = 0.25) -> None:
+        self.proxy = proxy
+        self.interval_s = interval_s
+        self.first_byte_s: float | None = None
+        self.last_byte_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="bench-source-activity", daemon=True)
+
+    def __enter__(self) -> SourceActivity:
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        seen = 0
+        while not self._stop.wait(self.interval_s):
+            sent = self.proxy.traffic().response_bytes("GET")
+            now = time.perf_counter() - self._started
+            if sent > seen:
+                if self.first_byte_s is None:
+                    self.first_byte_s = now - self.interval_s
+                self.last_byte_s = now
+                seen = sent
+
+    @property
+    def active_s(self) -> float:
+        return self.last_byte_s - (self.first_byte_s or 0.0)
+
+
+def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path) -> dict[str, float]:
+    """One first epoch through an empty L2; source bytes are what the proxy sent."""
+    stack = build_stack(url, [TierConfig("L2", str(tier_dir), 1 << 30, form="decoded")], endpoint_url=endpoint)
+    ds = TieredDataset(stack.dataset(), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, partitions=4, window_shards=2)
+    steps = ds.num_order_samples // COLD_BATCH
+    proxy.reset_counters()
+    waited = 0.0
+    first = 0.0
+    done = 0
+    with SourceActivity(proxy) as activity:
+        started = time.perf_counter()
+        loader = Loader(ds, stager=Stager(ds, stack))
+        loader.start_prefetch()
+        try:
+            iterator = iter(loader)
+            while done < steps:
+                asked = time.perf_counter()
+                next(iterator)
+                got = time.perf_counter()
+                waited += got - asked
+                if done == 0:
+                    first = got - started
+                time.sleep(COLD_STEP_S)
+                done += 1
+            wall = time.perf_counter() - started
+        finally:
+            loader.close()
+    source_bytes = proxy.traffic().response_bytes("GET")
+    return {"steps": steps, "wall_s": wall, "source_bytes": source_bytes, "first_s": first,
+            "bubble": waited / wall, "step_bound_s": steps * COLD_STEP_S, "active_s": activity.active_s,
+            "last_byte_s": activity.last_byte_s}
+
+
+def cold(work: Path, quick: bool) -> None:
+    os.environ.update(fake_credentials_env())
+    local = make_cold_dataset(work, (16 if quick else 48) << 20)
+    manifest = tierflow.Manifest.load(local)
+    at_rest = sum(s.bytes for s in manifest.shards)
+    decoded = sum(s.decoded_bytes for s in manifest.shards)
+    with MotoS3Server() as server, ProxyProcess(server.endpoint_url) as proxy:
+        url = f"s3://{server.create_bucket('loadercold')}/ds"
+        upload_dataset(local, url, endpoint_url=server.endpoint_url)
+        probe = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, partitions=4, window_shards=2)
+        step_bound_s = probe.num_order_samples // COLD_BATCH * COLD_STEP_S
+        consumption = at_rest / step_bound_s  # at-rest bytes/s the step-bound loop needs
+        rows = []
+        for factor in (0.5, 2.0):
+            throttle = consumption * factor
+            proxy.set_bandwidth(throttle)
+            result = cold_epoch(url, proxy.url, proxy, work / f"l2-{factor:g}")
+            rows.append((factor, throttle, result))
+    print(f"cold first epoch: moto S3 -> throttled ProxyProcess -> empty L2 (decoded), stager on; "
+          f"{len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest, {decoded / MB:.1f} MB decoded; "
+          f"batch {COLD_BATCH} x {COLD_SEQ_LEN + 1} tokens, {COLD_STEP_S * 1e3:.0f} ms step; "
+          f"step-bound epoch {step_bound_s:.1f} s = {consumption / MB:.2f} MB/s at rest consumed")
+    print("  achieved = source bytes / epoch wall (start-up and the tail after the last byte included); "
+          "active = source bytes / the span the source was sending (sampled every 0.25 s)")
+    print(f"{'throttle MB/s':>13} {'x need':>6} {'epoch s':>8} {'step-bound s':>12} {'last byte s':>11} "
+          f"{'source MB':>9} {'achieved MB/s':>13} {'of thr.':>7} {'active MB/s':>11} {'of thr.':>7} "
+          f"{'bubble':>7} {'1st batch s':>11}  target")
+    for factor, throttle, r in rows:
+        achieved = r["source_bytes"] / r["wall_s"]
+        active = r["source_bytes"] / r["active_s"] if r["active_s"] > 0 else float("nan")
+        if factor < 1:
+            target, met = "achieved >= 0.9 x throttle", achieved / throttle >= 0.9
+        else:
+            target, met = "epoch <= 1.1 x step-bound", r["wall_s"] <= 1.1 * r["step_bound_s"]
+        print(f"{throttle / MB:>13.2f} {factor:>6.1f} {r['wall_s']:>8.1f} {r['step_bound_s']:>12.1f} "
+              f"{r['last_byte_s']:>11.1f} {r['source_bytes'] / MB:>9.1f} {achieved / MB:>13.2f} "
+              f"{achieved / throttle:>7.2f} {active / MB:>11.2f} {active / throttle:>7.2f} {r['bubble']:>7.1%} "
+              f"{r['first_s']:>11.2f}  {target}: {'met' if met else 'MISSED'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--feed-thread", action="store_true",
                         help="with workers, receive batches on the device feed's thread (Loader(background=True))")
+    parser.add_argument("--cold", action="store_true",
+                        help="the first epoch from a throttled S3 proxy instead of the warm-cache runs")
     args = parser.parse_args()
+    if args.cold:
+        with tempfile.TemporaryDirectory() as tmp:
+            cold(Path(tmp), args.quick)
+        return
     background = True if args.feed_thread else None
     rounds = 1 if args.quick else args.rounds
     plan = {0.002: 150, 0.010: 60, 0.050: 16}

@@ -79,6 +79,9 @@ class Stager:
                         capacity / 1e6, partitions_here * (window + 1), partitions_here, window)
         # readers pin the shards of the windows being read (and keep a few more open): staged pins
         # must leave them room, or a reader would find every entry in use and bypass the tier
+        # at least the next window of every partition, or each window boundary is a stall
+        self.next_windows_bytes = partitions_here * window * self.shard_bytes
+        self.dataset_bytes = sum(sizes)
         cap = capacity - 2 * active if capacity else 0
         self.max_bytes = max_bytes if max_bytes is not None else max(cap, self.shard_bytes)
         self.registry = registry or stack.registry
@@ -165,15 +168,17 @@ class Stager:
         """Little's law with a 2x margin, at least `min_batches` steps, at most `max_bytes`."""
         p99 = self.m_latency.quantile(0.99) if self.m_latency.count else 1.0
         transfer = self.m_latency.mean if self.m_latency.count else 1.0
-        want = max(self.min_batches * self.bytes_per_step, 2 * self.consumption_rate() * (p99 + transfer))
-        return min(max(want, self.shard_bytes), self.max_bytes)
+        want = max(self.min_batches * self.bytes_per_step, 2 * self.consumption_rate() * (p99 + transfer),
+                   self.next_windows_bytes)
+        return min(want, self.max_bytes)
 
     def _run(self) -> None:
-        planned_at = -1
+        planned_at, planned_time = -1, 0.0
         while not self._stop.is_set():
             steps = self._consumed_steps
-            if planned_at < 0 or steps - planned_at >= max(1, self.min_batches // 2) or not self._wake.is_set():
-                planned_at = steps
+            due = steps - planned_at >= max(1, self.min_batches // 2) and time.monotonic() - planned_time > 0.05
+            if planned_at < 0 or due or not self._wake.is_set():
+                planned_at, planned_time = steps, time.monotonic()
                 try:
                     self._plan_and_fetch()
                 except Exception:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
@@ -191,7 +196,8 @@ class Stager:
         horizon = max(self.min_batches, math.ceil(lookahead / max(self.bytes_per_step, 1)))
         # the policy's oracle sees further than the stager fetches: beyond its horizon every entry
         # looks never-needed-again, so it must cover what the tier can hold, twice over
-        seen = max(horizon, math.ceil(2 * self.capacity / max(self.bytes_per_step, 1)))
+        covered = min(self.capacity, self.dataset_bytes) if self.capacity else self.dataset_bytes
+        seen = max(horizon, math.ceil(2 * covered / max(self.bytes_per_step, 1)))
         every_use = self.dataset.future_shard_uses(cursor, horizon_batches=seen)
         limit = horizon * self.samples_per_step
         uses = [u for u in every_use if u.first_use < limit]
@@ -214,12 +220,13 @@ class Stager:
         with self._lock:
             for shard in [s for s in self._held if s not in wanted_set]:
                 self._held.pop(shard).release()  # its use has passed: evictable again
+        in_use = {u.shard for u in uses if u.first_use <= 0}
         budget = lookahead
         for shard in wanted:
-            size = self.shard_bytes
-            if budget < size and shard not in self._held:
-                break
-            budget -= size
+            if shard not in in_use:  # the windows being read now are needed, not "ahead"
+                if budget < self.shard_bytes:
+                    break
+                budget -= self.shard_bytes
             with self._lock:
                 if shard in self._held or shard in self._inflight:
                     continue

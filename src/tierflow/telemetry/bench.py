@@ -103,7 +103,8 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / len(kept), dataset_bytes=dataset_bytes,
                     shard_bytes=shard_bytes)
     order = [name for name, _, _ in tier_layout]
-    byte_miss = [byte_miss_vs_optimum(accesses, order, name, capacity, decoded)
+    byte_miss = [byte_miss_vs_optimum(accesses, order, name, capacity, decoded,
+                                      fetched=tiers[name].bytes_in if name in tiers else None)
                  for name, capacity, decoded in tier_layout] if accesses else []
     if events is not None:
         events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)

@@ -92,11 +92,13 @@ class ByteMissRatio:
 
 
 def byte_miss_vs_optimum(accesses: Sequence[tuple[str, int, int, str]], tier_order: Sequence[str], tier: str,
-                         capacity_bytes: int, decoded: bool) -> ByteMissRatio:
+                         capacity_bytes: int, decoded: bool, fetched: int | None = None) -> ByteMissRatio:
     """`accesses` are (key, at-rest bytes, decoded bytes, serving tier) in order; `tier_order` fastest first.
 
-    An access served by a tier below `tier` (or by the source) missed in it. The optimum is
-    Belady's MIN with bypass (policies.simulator.optimum) at the same capacity.
+    An access served by a tier below `tier` (or by the source) missed in it. With a stager, reads
+    hit entries it fetched ahead, so pass `fetched` (every byte the tier took in from below,
+    demand and prefetch): the measured ratio is then fetched / requested, comparable with the
+    optimum, Belady's MIN with bypass (policies.simulator.optimum) at the same capacity.
     """
     from tierflow.policies.simulator import optimum
     from tierflow.policies.traces import from_records
@@ -114,4 +116,6 @@ def byte_miss_vs_optimum(accesses: Sequence[tuple[str, int, int, str]], tier_ord
     if not records:
         return ByteMissRatio(tier, 0.0, 0.0, 0)
     best = optimum(from_records(records, name=f"run at {tier}"), capacity_bytes)
+    if fetched is not None:
+        missed = fetched
     return ByteMissRatio(tier, missed / requested if requested else 0.0, best.byte_miss_ratio, requested)
