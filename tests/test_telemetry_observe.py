@@ -176,6 +176,19 @@ def test_verdict_names_remote_storage_when_the_source_is_throttled(packed, make_
     assert result.verdict.l2_bytes > 0 and result.verdict.lookahead_batches >= 2
 
 
+def test_bandwidth_use_against_the_node_budget_is_a_health_flag(packed, tmp_path):
+    from tierflow.tiers.budget import BandwidthBudget
+
+    registry = MetricsRegistry()
+    budget = BandwidthBudget(4e6, path=tmp_path / "budget")
+    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
+                        registry=registry)
+    stack.source.budget = budget
+    result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry, budget=budget)
+    flag = next(f for f in result.health if f.name == "bandwidth use")
+    assert 0.2 < flag.value <= 1.5 and flag.status == "warn"  # cold L2: fetching at the budget's rate
+
+
 def test_health_flags_apply_the_thresholds():
     registry = MetricsRegistry()
     telemetry = LoaderTelemetry(registry)

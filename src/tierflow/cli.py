@@ -287,7 +287,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         stager = Stager(dataset, stack) if stack.tiers else None
         result = run_bench(dataset, args.steps, simulated_step(args.step_ms), num_workers=args.workers,
-                           registry=registry, events=events, tier_layout=layout, stager=stager)
+                           registry=registry, events=events, tier_layout=layout, stager=stager,
+                           budget=getattr(stack.source, "budget", None))
     finally:
         if exporter is not None:
             exporter.stop()

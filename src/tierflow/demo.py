@@ -116,7 +116,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     events = EventLog(log_path, registry, name="tierflow demo", steps=epochs * steps_per_epoch, step_ms=step_ms)
     result = run_bench(ds, epochs * steps_per_epoch, simulated_step(step_ms), registry=registry, events=events,
                        tier_layout=[(t.name, t.capacity, t.form == "decoded") for t in stack.tiers],
-                       stager=stager, on_batch=on_batch)
+                       stager=stager, on_batch=on_batch, budget=getattr(stack.source, "budget", None))
     stack.close()
     console.print(format_result(result, step_ms))
     table = Table("epoch", "bytes from L4 (at rest)", "of the dataset")

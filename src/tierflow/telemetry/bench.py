@@ -59,7 +59,7 @@ class BenchResult:
 def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_workers: int = 0,
               registry: MetricsRegistry | None = None, events: Any = None,
               tier_layout: Sequence[tuple[str, int, bool]] = (), stager: Any = None,
-              on_batch: Callable[[int, Any], None] | None = None) -> BenchResult:
+              on_batch: Callable[[int, Any], None] | None = None, budget: Any = None) -> BenchResult:
     """Run `steps` batches of `dataset` (a TieredDataset) through the Loader, then the dry run.
 
     `registry` should be the tier stack's, so tier figures land beside the loader's; `tier_layout`
@@ -76,6 +76,7 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager)
     kept: list[Any] = []
     accesses_before = len(all_accesses())
+    acquired_before = sum(budget.acquired_bytes.values()) if budget is not None else 0
     started = time.perf_counter()
     for batch in loader:
         step(batch)
@@ -86,6 +87,10 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
             break
     loader_s = time.perf_counter() - started
     loader.close()
+    bandwidth_use = None
+    if budget is not None and budget.rate and loader_s > 0:
+        # this process's fetches against the node budget (all of them when batches are built here)
+        bandwidth_use = (sum(budget.acquired_bytes.values()) - acquired_before) / (budget.rate * loader_s)
     accesses = all_accesses()[accesses_before:]
     dataset.load_state_dict(start)
 
@@ -108,8 +113,8 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
                  for name, capacity, decoded in tier_layout] if accesses else []
     if events is not None:
         events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)
-    return BenchResult(len(kept), loader_s, dry_run_s, figures, tiers, verdict, health_flags(figures, tiers),
-                       byte_miss)
+    return BenchResult(len(kept), loader_s, dry_run_s, figures, tiers, verdict,
+                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), byte_miss)
 
 
 
