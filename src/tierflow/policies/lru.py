@@ -38,11 +38,15 @@ class LRUPolicy(CachePolicy):
         self._order.pop(key, None)
 
     def victim(self, now: float) -> str | None:
+        return next(iter(self._recency()), None)
+
+    def _recency(self) -> OrderedDict[str, None]:
+        """Unpinned entries, least recently used first."""
         if self._order_stale:
             ranked = sorted(self._order, key=self._last_access.__getitem__)
             self._order = OrderedDict.fromkeys(ranked)
             self._order_stale = False
-        return next(iter(self._order), None)
+        return self._order
 
     def stats(self, key: str) -> EntryStats:
         return {"last_access": self._last_access[key]}
