@@ -61,37 +61,34 @@ class Pin:
         self.release()
 
 
-def try_remove_unpinned(path: str | Path) -> bool:
-    """Unlink an entry's file only if no process holds a pin on it; True when removed (or gone)."""
+def _with_exclusive(path: str | Path, action) -> bool | None:
+    """Run `action()` holding an exclusive flock taken without waiting; None if the file is gone,
+    False if some process pins it, else True."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return True
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return False
         raise
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    finally:
-        os.close(fd)
-    return True
-
-
-def is_pinned(path: str | Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
+    else:
+        action()
         return True
     finally:
         os.close(fd)
+
+
+def try_remove_unpinned(path: str | Path) -> bool:
+    """Unlink an entry's file only if no process holds a pin on it; True when removed (or gone)."""
+
+    def unlink() -> None:
+        Path(path).unlink(missing_ok=True)
+
+    return _with_exclusive(path, unlink) is not False
+
+
+def is_pinned(path: str | Path) -> bool:
+    return _with_exclusive(path, lambda: None) is False

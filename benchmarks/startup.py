@@ -1,0 +1,223 @@
+"""Start-up and resume benchmark: time and peak memory to the first batch as the dataset grows.
+
+Issue 6's target: at a fixed shard count, going from 1M to 100M samples grows the time and the
+peak RSS to the first batch by at most 10%, from the start and from a mid-epoch cursor. Each
+measurement runs in a fresh interpreter, so imports, the page cache of Python modules aside,
+and tierflow's in-process caches do not carry over between runs. The datasets (one int64
+column `x`) live in a temporary directory under /tmp and are deleted at the end.
+
+Per run the child reports: import seconds (size-independent, shown apart), seconds from
+`TieredDataset(...)` to the first batch, RSS after imports and peak RSS (getrusage maxrss).
+Figures are medians of `--runs` runs, spread is min-max. Shard files stay in the page cache
+between runs (a warm local start); the cold path belongs to benchmarks/loader.py --cold.
+
+    .venv/bin/python benchmarks/startup.py [--sizes 1M,10M,100M] [--runs 3] [--shards 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BATCH = 256
+CURSOR_STEPS = 50
+PARQUET_ROW_GROUP = 1 << 20
+MIN_SHARD_BYTES = 256 << 10
+TARGET_GROWTH = 1.10
+
+
+def parse_size(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    if text[-1] in scale:
+        return int(float(text[:-1]) * scale[text[-1]])
+    return int(text)
+
+
+def label(samples: int) -> str:
+    return f"{samples // 10**6}M" if samples % 10**6 == 0 else str(samples)
+
+
+# -- building the datasets --------------------------------------------------------------------
+def write_parquet(path: Path, samples: int) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("x", pa.int64())])
+    with pq.ParquetWriter(path, schema, compression="none", use_dictionary=False) as writer:
+        for start in range(0, samples, PARQUET_ROW_GROUP):
+            stop = min(samples, start + PARQUET_ROW_GROUP)
+            column = pa.array(np.arange(start, stop, dtype=np.int64))
+            writer.write_table(pa.table({"x": column}, schema=schema), row_group_size=PARQUET_ROW_GROUP)
+
+
+def build_dataset(root: Path, samples: int, shards: int, compression: str) -> tuple[Path, int, float]:
+    """(dataset directory, shard count, build seconds); shards hold 8 bytes per sample decoded."""
+    import tierflow
+
+    shard_bytes = 8 * math.ceil(samples / shards)  # whole rows, so the last shard is the short one
+    if shard_bytes < MIN_SHARD_BYTES:
+        raise SystemExit(f"{label(samples)} samples in {shards} shards is {shard_bytes} B a shard, below the "
+                         f"packer's 256 KB minimum; use --shards <= {8 * samples // MIN_SHARD_BYTES}")
+    began = time.perf_counter()
+    parquet = root / f"x-{label(samples)}.parquet"
+    write_parquet(parquet, samples)
+    out = root / f"ds-{label(samples)}"
+    tierflow.pack([parquet], out, workers=2, target_shard_bytes=shard_bytes, compression=compression)
+    parquet.unlink()
+    count = len(tierflow.Manifest.load(out).shards)
+    return out, count, time.perf_counter() - began
+
+
+# -- the measured child -----------------------------------------------------------------------
+def child(mode: str, path: str, cursor_file: str | None) -> None:
+    """One measurement in this fresh interpreter; prints one JSON line."""
+    began = time.perf_counter()
+    import psutil
+
+    from tierflow.loader import Loader, TieredDataset
+
+    imported = time.perf_counter()
+    rss_after_import = psutil.Process().memory_info().rss
+    if mode == "cursor":
+        loader = Loader(TieredDataset(path, batch_size=BATCH))
+        for step, batch in enumerate(loader):
+            if step + 1 == CURSOR_STEPS:
+                Path(cursor_file).write_text(json.dumps(batch["tf_cursor"]))
+                break
+        loader.close()
+        print(json.dumps({"steps": CURSOR_STEPS}))
+        return
+    resume = json.loads(Path(cursor_file).read_text()) if mode == "resume" else None
+    start = time.perf_counter()
+    dataset = TieredDataset(path, batch_size=BATCH, resume=resume)
+    constructed = time.perf_counter()
+    loader = Loader(dataset)
+    first = next(iter(loader))
+    arrived = time.perf_counter()
+    if len(first["x"]) != BATCH:
+        raise RuntimeError(f"{path}: first batch has {len(first['x'])} samples, expected {BATCH}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    source = getattr(dataset._open().dataset, "source", None)
+    loader.close()
+    print(json.dumps({
+        "import_s": imported - began,
+        "dataset_s": constructed - start,
+        "first_batch_s": arrived - start,
+        "rss_import": rss_after_import,
+        "peak_rss": peak,
+        "shards_opened": getattr(source, "opens", -1),
+    }))
+
+
+def run_child(mode: str, path: Path, cursor_file: Path) -> dict:
+    command = [sys.executable, __file__, "--child", mode, "--path", str(path), "--cursor-file", str(cursor_file)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} child on {path} exited {done.returncode}:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the table --------------------------------------------------------------------------------
+def summary(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def cell(values: list[float], scale: float, digits: int) -> str:
+    mid, low, high = summary(values)
+    return f"{mid * scale:.{digits}f} ({low * scale:.{digits}f}-{high * scale:.{digits}f})"
+
+
+def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tuple[str, int], list[dict]]) -> None:
+    mb = 1 / 2**20
+    print()
+    print(f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set")
+    header = (f"{'mode':<8}{'samples':>9}{'shards':>7}  {'import s':>18}  {'dataset() ms':>20}  "
+              f"{'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  {'shards read':>11}")
+    print(header)
+    print("-" * len(header))
+    for mode in ("startup", "resume"):
+        for samples in sizes:
+            runs = results[(mode, samples)]
+            print(f"{mode:<8}{label(samples):>9}{shard_counts[samples]:>7}  "
+                  f"{cell([r['import_s'] for r in runs], 1, 2):>18}  "
+                  f"{cell([r['dataset_s'] for r in runs], 1e3, 1):>20}  "
+                  f"{cell([r['first_batch_s'] for r in runs], 1e3, 1):>20}  "
+                  f"{cell([r['rss_import'] for r in runs], mb, 0):>22}  "
+                  f"{cell([r['peak_rss'] for r in runs], mb, 0):>22}  "
+                  f"{statistics.median(r['shards_opened'] for r in runs):>11.0f}")
+    small, large = sizes[0], sizes[-1]
+    print()
+    print(f"growth {label(small)} -> {label(large)} samples (ratio of medians; target <= {TARGET_GROWTH:.2f})")
+    print(f"{'mode':<8}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}  verdict")
+    for mode in ("startup", "resume"):
+        def median_of(samples: int, key: str) -> float:
+            return statistics.median(r[key] for r in results[(mode, samples)])
+
+        time_ratio = median_of(large, "first_batch_s") / median_of(small, "first_batch_s")
+        rss_ratio = median_of(large, "peak_rss") / median_of(small, "peak_rss")
+        added = [statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, s)]) for s in (small, large)]
+        added_ratio = added[1] / added[0] if added[0] > 0 else float("inf")
+        met = time_ratio <= TARGET_GROWTH and rss_ratio <= TARGET_GROWTH
+        print(f"{mode:<8}{time_ratio:>14.2f}{rss_ratio:>10.2f}{added_ratio:>19.2f}  {'met' if met else 'MISSED'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1M,10M,100M", help="comma-separated sample counts (1M, 10M, ...)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--shards", type=int, default=30,
+                        help="fixed shard count (<= 30 so 1M int64 samples fill 256 KB shards)")
+    parser.add_argument("--compression", default="zstd",
+                        help="at-rest shard compression for pack ('none' shards are memory-mapped, like a warm L1)")
+    parser.add_argument("--keep", action="store_true", help="leave the datasets on disk and print where")
+    parser.add_argument("--child", choices=["startup", "resume", "cursor"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--cursor-file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.path, args.cursor_file)
+        return
+
+    sizes = sorted(parse_size(s) for s in args.sizes.split(","))
+    if len(sizes) < 2:
+        parser.error("--sizes needs at least two sizes: the figure is the growth from the smallest to the largest")
+    root = Path(tempfile.mkdtemp(prefix="tierflow-startup-", dir="/tmp"))
+    try:
+        datasets: dict[int, Path] = {}
+        shard_counts: dict[int, int] = {}
+        for samples in sizes:
+            datasets[samples], shard_counts[samples], seconds = build_dataset(root, samples, args.shards, args.compression)
+            print(f"built {label(samples)} samples: {shard_counts[samples]} shards in {seconds:.1f} s", flush=True)
+        if len(set(shard_counts.values())) != 1:
+            print(f"warning: shard counts differ across sizes: {shard_counts}", flush=True)
+        cursors = {samples: root / f"cursor-{label(samples)}.json" for samples in sizes}
+        for samples in sizes:
+            run_child("cursor", datasets[samples], cursors[samples])
+        results: dict[tuple[str, int], list[dict]] = {(m, s): [] for m in ("startup", "resume") for s in sizes}
+        for run in range(args.runs):
+            for samples in sizes:  # interleaved, so drift on a shared machine spreads over every size
+                for mode in ("startup", "resume"):
+                    results[(mode, samples)].append(run_child(mode, datasets[samples], cursors[samples]))
+            print(f"run {run + 1}/{args.runs} done", flush=True)
+        print_table(sizes, shard_counts, results)
+    finally:
+        if args.keep:
+            print(f"datasets kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
