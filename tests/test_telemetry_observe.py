@@ -206,3 +206,15 @@ def test_health_flags_apply_the_thresholds():
     assert flags["bubble rate"].status == "warn"  # 2/12
     assert stall_shares({"fetch:L2": 1.0, "prep": 3.0}) == {"local storage": 0.25, "preprocessing": 0.75}
     assert judge(loader_figures(registry.snapshot())).bound == "preprocessing"
+
+
+def test_tier_figures_include_what_readers_in_workers_fetched(packed, tmp_path):
+    registry = MetricsRegistry()
+    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
+                        registry=registry)
+    ds = TieredDataset(stack.dataset(), batch_size=16, partitions=2)
+    result = run_bench(ds, 40, simulated_step(1), registry=registry, num_workers=2)
+    l2 = result.tiers["L2"]
+    # the readers run in the two workers: their misses reach the main process with the batches
+    assert l2.misses > 0 and l2.bytes_in > 0
+    assert l2.misses <= len(tierflow.open_dataset(packed).manifest.shards)  # the parent's copy not counted twice

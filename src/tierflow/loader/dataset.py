@@ -34,6 +34,11 @@ def default_partitions(nonempty_shards: int) -> int:
     return partitions
 
 
+METRICS_KEY = "tf_metrics"
+METRICS_EVERY = 16
+_RESET_IN: set[int] = set()
+
+
 class CursorError(ValueError):
     """A saved loader cursor that cannot resume this dataset in this arrangement."""
 
@@ -175,7 +180,19 @@ class TieredDataset(IterableDataset):
         batches = self._eval_batches(ctx, worker, workers) if self.eval else self._train_batches(ctx, worker, workers)
         if info is None:
             return batches
-        return (TransferBatch(batch) for batch in batches)
+        return self._from_worker(batches, worker, getattr(ctx.dataset.source, "registry", None))
+
+    @staticmethod
+    def _from_worker(batches: Iterator[dict[str, Any]], worker: int, registry: Any) -> Iterator[dict[str, Any]]:
+        """Batches as one transfer each; every METRICS_EVERY batches the worker's metrics (its tier
+        counters live in this process) ride along, cumulative, for the Loader to merge."""
+        if registry is not None and os.getpid() not in _RESET_IN:
+            registry.reset()  # this worker's copy of the parent's totals must not be counted twice
+            _RESET_IN.add(os.getpid())
+        for n, batch in enumerate(batches):
+            if registry is not None and n % METRICS_EVERY == 0:
+                batch[METRICS_KEY] = {"worker": worker, "snapshot": registry.snapshot()}
+            yield TransferBatch(batch)
 
     def _stream(self) -> tuple[RankStream, OrderCursor, int]:
         if self._resume is None:

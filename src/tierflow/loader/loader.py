@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader
 
-from tierflow.loader.dataset import TieredDataset
+from tierflow.loader.dataset import METRICS_KEY, TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
 from tierflow.telemetry.attribution import TIMING_KEY, TimedBatches
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
@@ -72,6 +72,7 @@ class Loader:
         self._cursor: dict[str, Any] | None = self.dataset.state_dict()
         self._filtered = 0
         self._consumed = 0
+        self._worker_metrics: dict[int, dict[str, Any]] = {}
         self._feed: DeviceFeed | None = None
         self._source: Iterator[Any] | None = None
         self._started_from: dict[str, Any] | None = None
@@ -117,6 +118,9 @@ class Loader:
                                       f"(DataLoader in_order=False or a sampler reordering batches?)")
             expected += 1
             self._cursor = batch["tf_cursor"]
+            shipped = batch.pop(METRICS_KEY, None)
+            if shipped is not None:
+                self._worker_metrics[shipped["worker"]] = shipped["snapshot"]
             self._filtered += int(batch.get("tf_stats", {}).get("filtered", 0))
             self._consumed += 1
             if self.stager is not None:
@@ -146,6 +150,11 @@ class Loader:
         """Begin staging the cursor's next window now, so staging overlaps model loading."""
         if self.stager is not None:
             self.stager.start(self._cursor)
+
+    def worker_snapshots(self) -> list[dict[str, Any]]:
+        """The latest metrics snapshot each DataLoader worker shipped (its tier counters: readers in
+        workers fetch there); merge them with `tierflow.telemetry.merge_snapshots`."""
+        return list(self._worker_metrics.values())
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor after the last batch handed to the training loop, plus counts; JSON-able."""

@@ -123,6 +123,10 @@ class Counter:
     def snapshot(self) -> dict[str, Any]:
         return {"name": self.name, "labels": dict(self.labels), "value": self._value}
 
+    def _reset(self) -> None:
+        self._value = 0
+        self._lock = threading.Lock()
+
 
 class Gauge:
     """A value that goes up and down; `aggregate` says how processes' values combine."""
@@ -157,6 +161,10 @@ class Gauge:
     def value(self) -> int | float:
         return self._value
 
+    def _reset(self) -> None:
+        self._value = 0
+        self._lock = threading.Lock()
+
     def snapshot(self) -> dict[str, Any]:
         return {"name": self.name, "labels": dict(self.labels), "value": self._value, "aggregate": self.aggregate}
 
@@ -187,6 +195,14 @@ class Histogram:
         self._inv_lowest = 1.0 / layout.lowest
         self._per_octave = layout.per_octave
         self._top = layout.size - 1
+
+    def _reset(self) -> None:
+        self._counts = [0] * self.layout.size
+        self._count = 0
+        self._sum = 0.0
+        self._min = math.inf
+        self._max = -math.inf
+        self._lock = threading.Lock()
 
     def observe(self, value: float) -> None:
         if value < self._lowest:
@@ -367,6 +383,13 @@ class MetricsRegistry:
                 metric = cls(name, key[1], **options)
                 self._metrics[key] = metric
             return metric
+
+    def reset(self) -> None:
+        """Zero every metric and renew every lock: for a forked child, whose copies of the parent's
+        totals would otherwise be counted twice when snapshots merge."""
+        self._lock = threading.Lock()
+        for metric in self._metrics.values():
+            metric._reset()
 
     def metrics(self) -> Iterator[Metric]:
         with self._lock:
