@@ -7,7 +7,9 @@ and tierflow's in-process caches do not carry over between runs. The datasets (o
 column `x`) live in a temporary directory under /tmp and are deleted at the end.
 
 Per run the child reports: import seconds (size-independent, shown apart), seconds from
-`TieredDataset(...)` to the first batch, RSS after imports and peak RSS (getrusage maxrss).
+`TieredDataset(...)` to the first batch, RSS after imports, peak RSS (getrusage maxrss), the
+resident split at the first batch (anonymous: heap and decoded shards; file: mapped shards,
+reclaimable page cache) and how many shards the first batch opened.
 Figures are medians of `--runs` runs, spread is min-max. Shard files stay in the page cache
 between runs (a warm local start); the cold path belongs to benchmarks/loader.py --cold.
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import shutil
 import statistics
@@ -80,6 +81,18 @@ def build_dataset(root: Path, samples: int, shards: int, compression: str) -> tu
     return out, count, time.perf_counter() - began
 
 
+def resident_split() -> dict[str, int]:
+    """Resident bytes now, anonymous (heap, decoded shards) apart from file-backed (mapped shards)."""
+    fields = {"RssAnon:": "rss_anon", "RssFile:": "rss_file"}
+    found = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            words = line.split()
+            if words and words[0] in fields:
+                found[fields[words[0]]] = int(words[1]) * 1024
+    return found
+
+
 # -- the measured child -----------------------------------------------------------------------
 def child(mode: str, path: str, cursor_file: str | None) -> None:
     """One measurement in this fresh interpreter; prints one JSON line."""
@@ -109,6 +122,7 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
     if len(first["x"]) != BATCH:
         raise RuntimeError(f"{path}: first batch has {len(first['x'])} samples, expected {BATCH}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    resident = resident_split()
     source = getattr(dataset._open().dataset, "source", None)
     loader.close()
     print(json.dumps({
@@ -118,6 +132,7 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
         "rss_import": rss_after_import,
         "peak_rss": peak,
         "shards_opened": getattr(source, "opens", -1),
+        **resident,
     }))
 
 
@@ -144,7 +159,7 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tu
     print()
     print(f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set")
     header = (f"{'mode':<8}{'samples':>9}{'shards':>7}  {'import s':>18}  {'dataset() ms':>20}  "
-              f"{'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  {'shards read':>11}")
+              f"{'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  {'anon/file MB':>13}  {'shards read':>11}")
     print(header)
     print("-" * len(header))
     for mode in ("startup", "resume"):
@@ -156,6 +171,8 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tu
                   f"{cell([r['first_batch_s'] for r in runs], 1e3, 1):>20}  "
                   f"{cell([r['rss_import'] for r in runs], mb, 0):>22}  "
                   f"{cell([r['peak_rss'] for r in runs], mb, 0):>22}  "
+                  f"{statistics.median(r['rss_anon'] for r in runs) * mb:>6.0f}/"
+                  f"{statistics.median(r['rss_file'] for r in runs) * mb:<6.0f}  "
                   f"{statistics.median(r['shards_opened'] for r in runs):>11.0f}")
     small, large = sizes[0], sizes[-1]
     print()

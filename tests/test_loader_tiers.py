@@ -179,3 +179,23 @@ def test_four_ranks_two_workers_read_every_sample_once_from_s3_through_l2_and_l1
     traffic = proxy.traffic()
     for info in manifest.shards:  # one fetch per shard per node, whichever of 4 ranks x 3 processes asked
         assert traffic.response_bytes("GET", key=info.name) <= info.bytes, info.name
+
+
+def test_the_stager_serves_the_nodes_prometheus_endpoint(tmp_path, s3_tokens):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    local, url, proxy = s3_tokens
+    stack = build_stack(url, node_tiers(tmp_path / "node"), endpoint_url=proxy.url)
+    ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
+    stager = Stager(ds, stack, prometheus_port=0)
+    loader = Loader(ds, stager=stager)
+    for step, _ in enumerate(loader):
+        if step == 20:
+            break
+    text = urllib.request.urlopen(stager.exporter.url, timeout=10).read().decode()
+    loader.close()
+    stager.exporter.stop()
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert any("tier_hits" in n for n in names) and any("stager_fetches" in n for n in names), sorted(names)

@@ -52,7 +52,7 @@ class Stager:
 
     def __init__(self, dataset: Any, stack: TierStack, *, threads: int = 2, min_batches: int = 5,
                  max_bytes: int | None = None, registry: MetricsRegistry | None = None,
-                 enabled: bool | None = None) -> None:
+                 enabled: bool | None = None, prometheus_port: int | None = None) -> None:
         self.dataset = dataset
         self.stack = stack
         self.threads = threads
@@ -105,12 +105,19 @@ class Stager:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self.prometheus_port = prometheus_port
+        self.exporter = None
 
     # ------------------------------------------------------------ control
     def start(self, cursor: dict | None = None) -> None:
         """Begin staging from `cursor` (the loader's state); returns at once."""
         if not self.enabled or self._threads:
             return
+        if self.prometheus_port is not None and self.exporter is None:
+            from tierflow.telemetry.prometheus import PrometheusExporter
+
+            # the node's one exporter lives with its one stager (port 0: any free port, see .url)
+            self.exporter = PrometheusExporter([self.registry], port=self.prometheus_port).start()
         with self._lock:
             self._cursor = cursor
             self._plan_steps = self._consumed_steps
