@@ -209,7 +209,7 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
     print("   per sample: every sample in random order, tokens copied into a batch buffer (opens included)")
     print(f"   windows: the same shards' token stream in {WINDOW_TOKENS >> 20}M-token windows, random order, "
           f"shards opened beforehand (the medium alone)")
-    print(f"   ms/open: first access of each shard on a fresh stack (verify, map or decode)")
+    print("   ms/open: first access of each shard on a fresh stack (verify, map or decode)")
     print(f"{'configuration':<36} {'per sample GB/s':>16} {'us/sample':>17} {'CPU us/sample':>17} {'x page':>6} "
           f"{'opens':>5} {'windows GB/s':>16} {'x page':>6} {'ms/open':>16}")
     for name, r in results.items():

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import tierflow
-from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, Samples, TieredDataset,
-                             TokenWindows, WorldPosition, bucket_shapes)
+from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, TieredDataset, WorldPosition,
+                             bucket_shapes)
 from tierflow.loader.collate import collate_samples
 from tierflow.loader.tokens import document_segments, num_windows, straddling_shards, window_counts
 

@@ -11,7 +11,7 @@ number, so a batch's position alone locates it (no look-back, exact resume).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 

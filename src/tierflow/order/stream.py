@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from tierflow.order.cursor import OrderCursor
-from tierflow.order.interleave import delivered_after, pick_partition
+from tierflow.order.interleave import pick_partition
 from tierflow.order.order import SampleOrder
 from tierflow.order.remainder import Remainder
 

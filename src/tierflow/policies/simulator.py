@@ -11,7 +11,6 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from functools import cache as _memo
 
 import numpy as np
 

@@ -89,7 +89,6 @@ def uniform_reshuffle(n_shards: int, epochs: int, *, window: int = 1, samples_pe
     request is a point; otherwise a shard is in use from its first to its last sample.
     """
     rng = np.random.default_rng(seed)
-    per_window = window * samples_per_shard
     keys, starts, ends = [], [], []
     position = 0
     for _ in range(epochs):

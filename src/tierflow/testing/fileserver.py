@@ -8,65 +8,32 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import TracebackType
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
+
+from tierflow.testing.lifecycle import ThreadedHTTPService
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
-class DirectoryServer:
+class DirectoryServer(ThreadedHTTPService):
     """Serves the files under `root` for GET and HEAD; never lists, writes or leaves `root`."""
+
+    thread_name = "tierflow-dirserver"
 
     def __init__(self, root: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0):
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise NotADirectoryError(f"cannot serve {self.root}: not a directory")
-        self._bind = (host, port)
-        self._server: _DirectoryHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        super().__init__((host, port))
 
-    @property
-    def url(self) -> str:
-        if self._server is None:
-            raise RuntimeError(f"server for {self.root} is not started")
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+    def _make_server(self) -> ThreadingHTTPServer:
+        return _DirectoryHTTPServer(self._bind, _DirectoryHandler, self.root)
 
-    def start(self) -> DirectoryServer:
-        if self._server is None:
-            self._server = _DirectoryHTTPServer(self._bind, _DirectoryHandler, self.root)
-            self._thread = threading.Thread(
-                target=self._server.serve_forever,
-                kwargs={"poll_interval": 0.1},
-                name=f"tierflow-dirserver-{self._server.server_address[1]}",
-                daemon=True,
-            )
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> DirectoryServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    def _not_started(self) -> str:
+        return f"server for {self.root} is not started"
 
 
 def serve_directory(

@@ -21,11 +21,11 @@ from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from urllib.parse import unquote, urlsplit
 from xml.sax.saxutils import escape
 
 from tierflow.testing.bandwidth import TokenBucket
+from tierflow.testing.lifecycle import ThreadedHTTPService
 
 _HOP_BY_HOP = frozenset(
     {
@@ -149,8 +149,10 @@ class TrafficSnapshot:
         )
 
 
-class LoopbackProxy:
+class LoopbackProxy(ThreadedHTTPService):
     """A reverse proxy on 127.0.0.1 in front of `upstream` (an http:// base URL)."""
+
+    thread_name = "tierflow-proxy"
 
     def __init__(
         self,
@@ -171,45 +173,24 @@ class LoopbackProxy:
         self._upstream_port = parts.port or (443 if parts.scheme == "https" else 80)
         self._upstream_prefix = parts.path.rstrip("/")
         self.upstream_timeout = upstream_timeout
-        self._bind = (host, port)
+        super().__init__((host, port))
         self._bucket = TokenBucket(bandwidth)
         self._lock = threading.Lock()
         self._rules: list[FaultRule] = []
         self._totals: dict[tuple[str, str], PathTraffic] = {}
         self._records: deque[RequestRecord] = deque(maxlen=record_limit)
         self._connections: set[socket.socket] = set()
-        self._server: _ProxyServer | None = None
-        self._thread: threading.Thread | None = None
 
     # lifecycle
 
-    @property
-    def url(self) -> str:
-        if self._server is None:
-            raise RuntimeError(f"proxy for {self.upstream} is not started")
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+    def _make_server(self) -> ThreadingHTTPServer:
+        return _ProxyServer(self._bind, _ProxyHandler, self)
 
-    def start(self) -> LoopbackProxy:
-        if self._server is not None:
-            return self
-        self._server = _ProxyServer(self._bind, _ProxyHandler, self)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name=f"tierflow-proxy-{self._server.server_address[1]}",
-            daemon=True,
-        )
-        self._thread.start()
-        return self
+    def _not_started(self) -> str:
+        return f"proxy for {self.upstream} is not started"
 
-    def stop(self) -> None:
-        """Stop accepting, and drop open client connections so their threads end."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
+    def _after_shutdown(self) -> None:
+        """Drop open client connections so their handler threads end."""
         with self._lock:
             connections = list(self._connections)
         for connection in connections:
@@ -217,19 +198,6 @@ class LoopbackProxy:
                 connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self._thread is not None:
-            self._thread.join()
-
-    def __enter__(self) -> LoopbackProxy:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # controls
 

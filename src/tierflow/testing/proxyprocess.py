@@ -14,9 +14,9 @@ import sys
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 
+from tierflow.testing.lifecycle import Startable, stop_child
 from tierflow.testing.proxy import (
     Fault,
     FaultRule,
@@ -27,7 +27,7 @@ from tierflow.testing.proxy import (
 )
 
 
-class ProxyProcess:
+class ProxyProcess(Startable):
     """A `LoopbackProxy` in front of `upstream`, running in a child process."""
 
     def __init__(
@@ -76,28 +76,7 @@ class ProxyProcess:
     def stop(self) -> None:
         process, self._process = self._process, None
         self._url = self._control = None
-        if process is None:
-            return
-        if process.stdin:
-            process.stdin.close()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout:
-            process.stdout.close()
-
-    def __enter__(self) -> ProxyProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        stop_child(process)
 
     def set_bandwidth(self, bytes_per_second: float | None) -> None:
         self._call("PUT", "/bandwidth", {"bytes_per_second": bytes_per_second})

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
+
+from tierflow.testing.lifecycle import Startable, stop_child
 
 FAKE_ACCESS_KEY_ID = "tierflow-test-key"
 FAKE_SECRET_ACCESS_KEY = "tierflow-test-secret"
@@ -96,7 +97,7 @@ class S3Endpoint:
         }
 
 
-class MotoS3Server:
+class MotoS3Server(Startable):
     """moto's S3 server on 127.0.0.1 and a free port, in a child process."""
 
     def __init__(self, host: str = "127.0.0.1", start_timeout: float = 60.0) -> None:
@@ -149,31 +150,10 @@ class MotoS3Server:
     def stop(self) -> None:
         process, self._process = self._process, None
         self._port = None
-        if process is None:
-            return
-        if process.stdin:
-            process.stdin.close()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout:
-            process.stdout.close()
+        stop_child(process)
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def __enter__(self) -> MotoS3Server:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def create_bucket(self, prefix: str = "test") -> str:
         """Create a bucket with a name no other test uses, and return its name."""
