@@ -62,6 +62,9 @@ def test_event_log_records_every_batch_and_snapshots(tmp_path):
     assert [b["wait_s"] for b in batches] == pytest.approx([0.001 * i for i in range(6)])
     assert batches[0]["step_s"] is None  # a batch's record carries the step that ran before its wait
     assert [b["step_s"] for b in batches[1:]] == pytest.approx([0.010 + 0.001 * i for i in range(5)])
+    snapshots = [e for e in events if e["kind"] == "snapshot"]
+    assert snapshots and all({"disk_read_bytes_per_s", "net_recv_bytes_per_s"} <= set(e["machine"])
+                             for e in snapshots)  # the machine's view rides the same timeline
 
 
 def test_report_png_plots_exactly_the_runs_series(tmp_path):

@@ -16,6 +16,11 @@ def xxh3_hex(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def xxh3_128_hex(data: bytes | memoryview) -> str:
+    """128-bit xxh3 of a buffer, as 32 hex digits (whole-shard checksums)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 def file_xxh3_128(path: str | os.PathLike, start: int = 0, length: int | None = None) -> str:
     """128-bit xxh3 of a file or a byte range of it, hashed straight from a memory map."""
     with open(path, "rb") as f:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import pyarrow as pa
 
@@ -189,19 +189,6 @@ class ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def write_shard(batches: Sequence[pa.RecordBatch], schema: pa.Schema, directory: str | Path,
-                compression: str = "zstd", level: int | None = None, tokens: int = 0) -> ShardInfo:
-    """Write one shard into `directory` under its content name; atomic (temp name, rename)."""
-    writer = ShardWriter(directory, schema, compression, level)
-    try:
-        for batch in batches:
-            writer.write(batch)
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.close(tokens)
-
-
 def decode_shard(src: str | Path, dst: str | Path) -> tuple[int, str]:
     """Write the decoded (uncompressed) form of an at-rest shard to `dst`; return (size, xxh3-128).
 
@@ -257,10 +244,3 @@ def verify_shard(path: str | Path, info: ShardInfo, form: str = "at_rest") -> li
     if not problems and file_xxh3_128(path) != expected_sum:
         problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
     return problems
-
-
-def iter_shard_batches(path: str | Path) -> Iterable[pa.RecordBatch]:
-    with pa.memory_map(str(path)) as source:
-        reader = pa.ipc.open_file(source)
-        for i in range(reader.num_record_batches):
-            yield reader.get_batch(i)

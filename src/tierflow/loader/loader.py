@@ -75,7 +75,6 @@ class Loader:
         self._worker_metrics: dict[int, dict[str, Any]] = {}
         self._feed: DeviceFeed | None = None
         self._source: Iterator[Any] | None = None
-        self._started_from: dict[str, Any] | None = None
         self._iterated = False
         # wait in next(), step time, production latency, prefetch depth, stall attribution (docs/observe.md)
         self.telemetry: LoaderTelemetry | None = (

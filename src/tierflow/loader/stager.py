@@ -99,7 +99,6 @@ class Stager:
         self._held: dict[int, Handle] = {}
         self._inflight: set[int] = set()
         self._queue: queue.Queue[int | None] = queue.Queue()
-        self._last_use: dict[int, int] = {}
         self._oracle: PositionOracle | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()

@@ -30,7 +30,6 @@ from tierflow.pack.tokenize import PackInputError
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
-SIDECAR_SUFFIXES = (".txt", ".json")
 KINDS = ("auto", "jsonl", "parquet", "files", "images")
 
 
@@ -166,13 +165,6 @@ def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
 
 def _raise_walk_error(e: OSError) -> None:
     raise PackInputError(f"{e.filename}: cannot list ({e.strerror})")
-
-
-def _excluded(rel: str, patterns: Sequence[str]) -> bool:
-    if not patterns:
-        return False
-    match = _matcher(tuple(patterns))
-    return bool(match(rel) or match(os.path.basename(rel)))
 
 
 def plan_units(sources: Sequence[Any], options: SourceOptions) -> Iterator[Unit]:

@@ -56,10 +56,6 @@ class Trace:
         return bool(np.any(self.end > self.start))
 
     @property
-    def distinct_keys(self) -> int:
-        return int(np.unique(self.keys).size)
-
-    @property
     def data_bytes(self) -> int:
         return int(self.sizes[np.unique(self.keys)].sum())
 

@@ -1,7 +1,8 @@
 """The per-run event log: one JSON object per line, appended as the run goes, read by `report` and `top`.
 
 Events: {"kind": "start", ...run facts}, {"kind": "batch", "i", "t", "wait_s", "step_s",
-"depth", "produce_s", "fetch"} for each batch the loop took, {"kind": "snapshot", "t", "metrics"}
+"depth", "produce_s", "fetch"} for each batch the loop took, {"kind": "snapshot", "t", "metrics",
+"machine"} (disk and network bytes/s, GPU utilisation when NVML is there)
 with the whole metrics snapshot every `snapshot_every_s`, and {"kind": "end", ...summary}. Times are
 seconds since the log started. A line is flushed when written, so a live reader sees it at once.
 """
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from tierflow.telemetry.health import MachineView
 from tierflow.telemetry.metrics import MetricsRegistry
 
 
@@ -30,6 +32,8 @@ class EventLog:
         self._lock = threading.Lock()
         self._started = time.perf_counter()
         self._last_snapshot = -float("inf")
+        self._machine = MachineView()
+        self._machine.sample()  # the baseline the first snapshot's rates are taken against
         self.write("start", wall_time=time.time(), **run_facts)
 
     def elapsed(self) -> float:
@@ -54,7 +58,8 @@ class EventLog:
     def snapshot(self) -> None:
         if self.registry is not None:
             self._last_snapshot = self.elapsed()
-            self.write("snapshot", metrics=self.registry.snapshot())
+            # the machine's own view (disk, network, GPU) on the same timeline as the data path
+            self.write("snapshot", metrics=self.registry.snapshot(), machine=self._machine.sample())
 
     def close(self, **summary: Any) -> None:
         if self._file.closed:

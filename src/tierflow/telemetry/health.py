@@ -79,11 +79,6 @@ def health_flags(loader: LoaderFigures | None, tiers: Mapping[str, TierFigures],
     return flags
 
 
-def worst(flags: list[HealthFlag]) -> Status:
-    order = {"ok": 0, "warn": 1, "alarm": 2}
-    return max((f.status for f in flags), key=order.__getitem__, default="ok")
-
-
 class MachineView:
     """Disk and network bytes/s since the previous `sample()`, and GPU utilisation/memory through NVML."""
 

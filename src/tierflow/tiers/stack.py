@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from tierflow.format.checksum import file_xxh3_128
+from tierflow.format.checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.dataset import Dataset, ShardTable
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import ShardCorruptError, ShardInfo, decode_shard
@@ -161,7 +161,7 @@ class TierStack:
         for _ in range(self.fetch_attempts):
             data = self.source.read_range(info.name, 0, info.bytes)
             self.m_source_bytes.inc(len(data))
-            if len(data) == info.bytes and _xxh3_128(data) == info.checksum:
+            if len(data) == info.bytes and xxh3_128_hex(data) == info.checksum:
                 self.m_served["memory"].inc()
                 return Handle("at_rest", "memory", buffer=data)
         raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest")
@@ -198,8 +198,3 @@ class TierStack:
     def snapshot(self) -> dict:
         return {"tiers": [t.snapshot() for t in self.tiers], "metrics": self.registry.snapshot()}
 
-
-def _xxh3_128(data: bytes) -> str:
-    import xxhash
-
-    return xxhash.xxh3_128_hexdigest(data)
