@@ -250,3 +250,23 @@ def test_dataset_id_depends_on_data_not_manifest_bytes(tmp_path):
     c = tierflow.pack([src], tmp_path / "c", workers=1, target_shard_bytes=256 << 10, tokenizer="bytes").manifest
     assert a.dataset_id == b.dataset_id != c.dataset_id
     assert os.path.exists(tmp_path / "a" / a.shards[0].name)
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_no_dataset(tmp_path):
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("cannot mount a tmpfs for the full-disk test, and CI must not skip it")
+        pytest.skip("mounting a tmpfs is refused here (needs root)")
+    try:
+        src = write_jsonl(tmp_path / "a.jsonl", docs(6000, seed=7))  # several MB: cannot fit
+        with pytest.raises(PackInputError, match=rf"{mount / 'out'}: no space left"):
+            tierflow.pack([src], mount / "out", workers=2, target_shard_bytes=256 << 10, compression="none")
+        assert not (mount / "out" / "manifest.json").exists()
+        assert not [p for p in (mount / "out").iterdir() if p.name != ".tierflow.lock"]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

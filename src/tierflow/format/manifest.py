@@ -93,11 +93,15 @@ class Manifest:
         directory = Path(directory)
         path = directory / MANIFEST_NAME
         tmp = directory / f".tmp-{os.getpid()}-{MANIFEST_NAME}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a torn manifest never lies next to the shards
+            raise
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)

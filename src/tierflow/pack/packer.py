@@ -9,6 +9,7 @@ the output is byte-identical whatever the number of workers, and memory stays bo
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -497,12 +498,15 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                                 f.cancel()
                             raise
                 assembler.flush()
-        except BaseException:
+        except BaseException as e:
             assembler.abort()
             shutil.rmtree(tmp_dir, ignore_errors=True)
             for info in assembler.shards:
                 if not (out / MANIFEST_NAME).exists():
                     (out / info.name).unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise PackInputError(f"{out}: no space left on the device while writing shards; nothing was "
+                                     f"published and this run's files were removed") from e
             raise
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if not assembler.shards:
