@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import tierflow
-from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, TieredDataset, WorldPosition,
-                             bucket_shapes)
+from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, TieredDataset, TokenBudget,
+                             WorldPosition, bucket_shapes)
 from tierflow.loader.collate import collate_samples
 from tierflow.loader.tokens import document_segments, num_windows, straddling_shards, window_counts
 
@@ -465,3 +465,89 @@ def test_directory_source_bounds_decoded_shards_by_bytes_and_still_serves_every_
         assert [bounded[i]["id"] for i in every_seventh] == every_seventh
     assert len(source._decoded) == 1
     assert source.opens == 2 * len(manifest.shards)  # evicted shards are decoded again
+
+
+# -- token budget ----------------------------------------------------------------------------
+
+def budget_ds(packed, resume=None, max_tokens=1024, rank=0, ranks=1, **kw):
+    return TieredDataset(packed, batch_size=16, batcher=TokenBudget(max_tokens, **kw), partitions=PARTITIONS,
+                         resume=resume, world=WorldPosition(0, 1, rank, ranks))
+
+
+def test_token_budget_batches_hold_whole_samples_within_the_budget(packed):
+    ds = tierflow.open_dataset(packed)
+    batches = take(budget_ds(packed), 40)
+    fills = []
+    for batch in batches:
+        cu = batch["cu_seqlens"]
+        assert cu[0] == 0 and cu[-1] == 1024 and batch["input_ids"].shape == (1, 1024)
+        real = int(batch["lengths"].sum())
+        assert real <= 1024
+        fills.append(real / 1024)
+        for k, sample in enumerate(batch["tf_sample_ids"].tolist()):
+            begin, end = int(cu[k]), int(cu[k + 1])
+            tokens = ds[sample]["tokens"][:1024]
+            assert np.array_equal(batch["input_ids"][0, begin:end], tokens)
+            assert np.array_equal(batch["labels"][0, begin:end - 1], tokens[1:])
+            assert batch["labels"][0, end - 1] == -100
+            assert np.array_equal(batch["position_ids"][0, begin:end], np.arange(end - begin))
+        assert (batch["labels"][0, real:] == -100).all()
+    assert np.median(fills) > 0.9  # first-fit from the buffer packs tightly
+
+
+def test_token_budget_reads_each_sample_once_per_epoch_on_every_rank_split(packed):
+    samples = len(tierflow.open_dataset(packed))
+    for ranks in (1, 2):
+        seen = []
+        for rank in range(ranks):
+            for batch in take(budget_ds(packed, max_tokens=4096, rank=rank, ranks=ranks), 400 // ranks):
+                seen += [(e, i) for e, i in zip(batch["tf_epochs"].tolist(), batch["tf_sample_ids"].tolist())]
+        assert len(seen) == len(set(seen))  # nothing twice
+        assert {i for e, i in seen if e == 0} == set(range(samples))  # epoch 0 complete
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_token_budget_resumes_exactly_with_its_pending_samples(packed, workers):
+    stop = random.Random(workers + 5).randint(3, 17)
+    full = take(Loader(budget_ds(packed), num_workers=workers), 24)
+    first = Loader(budget_ds(packed), num_workers=workers)
+    head = take(first, stop)
+    first.close()
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["cursor"]["pending"]["ids"]  # the buffer is carried, not dropped
+    tail = take(Loader(budget_ds(packed, resume=state), num_workers=workers), 24 - stop)
+    assert ids_of(full) == ids_of(head + tail)
+    for a, b in zip(full, head + tail):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+
+
+def test_token_budget_cursor_resumes_only_its_own_rank(packed):
+    state = take(budget_ds(packed, rank=1, ranks=2), 3)[-1]["tf_cursor"]
+    with pytest.raises(CursorError, match="rank 1"):
+        budget_ds(packed, resume=state, rank=0, ranks=2)
+    with pytest.raises(CursorError, match="pending"):
+        TieredDataset(packed, batch_size=16, partitions=PARTITIONS, resume=state, world=WorldPosition(0, 1, 1, 2))
+
+
+def test_budget_planner_takes_the_oldest_first_and_fills_gaps_first_fit():
+    planner = TokenBudget(10, lookahead=1).planner()
+    planner.add(np.arange(6), np.zeros(6, np.int64), np.array([6, 5, 3, 1, 12, 2]))
+    assert planner.take()[0].tolist() == [0, 2, 3]      # 6 + 3 + 1; 5 does not fit after 6
+    assert planner.take()[0].tolist() == [1, 5]         # the oldest (5) leads, 2 fills
+    assert planner.take()[0].tolist() == [4]            # 12 truncated to the budget
+    assert planner.ids.size == 0
+
+
+# -- epochs one `for` at a time --------------------------------------------------------------
+
+def test_epoch_end_ends_each_for_at_the_epoch_edge_and_skips_nothing(packed):
+    loader = Loader(budget_ds(packed, max_tokens=8192), epoch_end="rank")
+    endless = take(Loader(budget_ds(packed, max_tokens=8192)), 10**6 // 8192 * 2)
+    first, second = list(loader), list(loader)
+    assert {b["tf_epoch"] for b in first} == {0} and {b["tf_epoch"] for b in second} == {1}
+    assert ids_of(first + second) == ids_of(endless[:len(first) + len(second)])
+    def of_epoch(batches, epoch):
+        return sorted(i for b in batches for e, i in zip(b["tf_epochs"].tolist(), b["tf_sample_ids"].tolist())
+                      if e == epoch)
+    # partitions reach their epoch ends at different steps, so the edge batch may hold epoch-1 samples too
+    assert of_epoch(first, 0) == list(range(len(tierflow.open_dataset(packed)))) and not of_epoch(second, 0)

@@ -52,6 +52,28 @@ if ds.world.rank == 0:
 '''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
+AGREE_SCRIPT = r'''
+import json, sys
+import torch.distributed as dist
+from tierflow.loader import Loader, TieredDataset, TokenBudget
+
+path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+ds = TieredDataset(path, batch_size=8, batcher=TokenBudget(1024), partitions=4)
+loader = Loader(ds, device="cpu", num_workers=1, epoch_end=mode)
+iterations = []
+for epoch in range(2):
+    iterations.append([[list(zip(b["tf_epochs"].tolist(), b["tf_sample_ids"].tolist())), b["tf_epoch"]]
+                       for b in loader])
+loader.close()
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, iterations)
+if dist.get_rank() == 0:
+    json.dump(gathered, open(out, "w"))
+dist.destroy_process_group()
+'''
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("loader_mp")
@@ -62,6 +84,7 @@ def packed(tmp_path_factory) -> str:
             f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     (root / "rank.py").write_text(RANK_SCRIPT)
+    (root / "agree.py").write_text(AGREE_SCRIPT)
     return str(root / "ds")
 
 
@@ -77,15 +100,18 @@ def run_ranks(packed: str, out: Path, *, ranks: int, steps: int, workers: int, r
     if resume is not None:
         resume_path = str(out) + ".resume.json"
         Path(resume_path).write_text(json.dumps(resume))
+    return run_script(Path(packed).parent / "rank.py", ranks,
+                      [packed, str(out), str(steps), str(workers), resume_path, str(seq_len)], out)
+
+
+def run_script(script: Path, ranks: int, args: list[str], out: Path):
     port = free_port()
-    script = str(Path(packed).parent / "rank.py")
     procs = []
     for rank in range(ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, script, packed, str(out), str(steps), str(workers), resume_path, str(seq_len)], env=env))
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env))
     for proc in procs:
         assert proc.wait(timeout=120) == 0
     return json.loads(out.read_text())
@@ -125,3 +151,19 @@ def test_resume_from_four_ranks_onto_two_continues_the_same_sequence(packed, tmp
     four = run_ranks(packed, tmp_path / "four.json", ranks=4, steps=5, workers=2)
     two = run_ranks(packed, tmp_path / "two.json", ranks=2, steps=7, workers=2, resume=four["state"])
     assert node_sequence(four) + node_sequence(two) == node_sequence(full)
+
+
+def test_ranks_agree_on_the_epoch_end_under_a_token_budget_and_lose_nothing(packed, tmp_path):
+    n = len(tierflow.open_dataset(packed))
+    out = tmp_path / "agree.json"
+    ranks = run_script(Path(packed).parent / "agree.py", 4, [packed, str(out), "agree"], out)
+    for iteration in range(2):
+        steps = {len(rank[iteration]) for rank in ranks}
+        assert len(steps) == 1 and steps.pop() > 0  # every rank stopped at the same step
+    pairs = [tuple(p) for rank in ranks for iteration in rank for batch, _ in iteration for p in batch]
+    assert len(pairs) == len(set(pairs))
+    # an edge batch may already hold epoch-1 samples; whatever a rank had left of epoch 0 when another
+    # rank ran out opens its next iteration, so epoch 0 is complete after two
+    assert sorted(i for e, i in pairs if e == 0) == list(range(n))
+    first = [batch_epoch for rank in ranks for _, batch_epoch in rank[0]]
+    assert set(first) == {0}

@@ -1,6 +1,7 @@
 """tierflow.loader: the batches a training loop iterates, resumable, fed to the device (docs/loader.md)."""
 
 from tierflow.loader.batching import LengthBuckets, SampleContext, Samples, TokenWindows, bucket_shapes
+from tierflow.loader.budget import TokenBudget
 from tierflow.loader.dataset import CursorError, TieredDataset, default_partitions
 from tierflow.loader.loader import BatchOrderError, Loader
 from tierflow.loader.topology import WorldPosition
@@ -13,6 +14,7 @@ __all__ = [
     "SampleContext",
     "Samples",
     "TieredDataset",
+    "TokenBudget",
     "TokenWindows",
     "WorldPosition",
     "bucket_shapes",

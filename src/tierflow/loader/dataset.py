@@ -19,6 +19,7 @@ from tierflow.format.dataset import Dataset, ShardSource, open_dataset
 from tierflow.format.manifest import Manifest
 from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
+from tierflow.loader.budget import SampleLengths, TokenBudget
 from tierflow.loader.tokens import straddling_shards
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
@@ -39,6 +40,13 @@ METRICS_EVERY = 16
 _RESET_IN: set[int] = set()
 
 
+def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
+    """A batch belongs to the oldest epoch among its real samples (a carried-over remainder or a
+    token budget's pending samples keep a batch in the epoch they came from)."""
+    real = epochs[mask] if mask.any() else epochs
+    return int(real.min()) if real.size else 0
+
+
 class CursorError(ValueError):
     """A saved loader cursor that cannot resume this dataset in this arrangement."""
 
@@ -48,7 +56,9 @@ class TieredDataset(IterableDataset):
 
     `data` is a dataset directory or an opened `Dataset`; `shard_source_factory()` makes the
     per-process shard source (the tier stack) when given. Nothing that opens files or clients is
-    created before iteration, so DataLoader workers build their own after fork.
+    created before iteration, so DataLoader workers build their own after fork. `batch_size` is
+    the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
+    samples the rank pulls from its stream at a time.
     """
 
     def __init__(
@@ -57,6 +67,7 @@ class TieredDataset(IterableDataset):
         *,
         batch_size: int,
         seq_len: int | None = None,
+        max_tokens: int | None = None,
         batcher: Batcher | None = None,
         columns: list[str] | None = None,
         transform: Transform | None = None,
@@ -75,13 +86,14 @@ class TieredDataset(IterableDataset):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if sum(x is not None for x in (seq_len, max_tokens, batcher)) > 1:
+            raise ValueError("pass one of seq_len (token windows), max_tokens (token budget) or batcher")
         if batcher is None:
-            batcher = TokenWindows(seq_len) if seq_len is not None else Samples(select=columns)
-        elif seq_len is not None:
-            raise ValueError("pass either seq_len or batcher, not both")
-        if isinstance(batcher, TokenWindows) and (transform is not None or filter is not None):
-            raise ValueError("token windows are the order's samples one-to-one: filter/transform apply to Samples")
-        if eval and batcher.batches_per_group != 1:
+            batcher = (TokenWindows(seq_len) if seq_len is not None else
+                       TokenBudget(max_tokens) if max_tokens is not None else Samples(select=columns))
+        if isinstance(batcher, (TokenWindows, TokenBudget)) and (transform is not None or filter is not None):
+            raise ValueError(f"{type(batcher).__name__} does not run filter/transform (use Samples)")
+        if eval and (batcher.batches_per_group != 1 or isinstance(batcher, TokenBudget)):
             raise ValueError("eval mode reads every sample once in stored order; use a batcher without groups")
         self.batcher = batcher
         self.batch_size = batch_size
@@ -148,7 +160,15 @@ class TieredDataset(IterableDataset):
             raise CursorError(f"{self.location}: a {state.get('kind')!r} cursor cannot resume a {kind} dataset")
         if kind == "train":
             self.order.load(state["order"], allow_mismatch=self.allow_mismatch)
-        if state.get("skip", 0) or kind == "eval":
+        if "pending" in state:
+            if not isinstance(self.batcher, TokenBudget):
+                raise CursorError(f"{self.location}: a token-budget cursor holds {len(state['pending']['ids'])} "
+                                  f"pending samples; resume it with a TokenBudget batcher, not {self.batcher!r}")
+            if state.get("rank") != self.world.rank:
+                raise CursorError(f"{self.location}: this token-budget cursor is rank {state.get('rank')}'s "
+                                  f"(ranks consume their streams at their own pace); rank {self.world.rank} must "
+                                  f"resume from its own saved state")
+        if state.get("skip", 0) or kind == "eval" or "pending" in state:
             saved = state.get("arrangement")
             if saved != self.arrangement():
                 raise CursorError(
@@ -208,6 +228,9 @@ class TieredDataset(IterableDataset):
         return stream, base, skip
 
     def _train_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
+        if isinstance(self.batcher, TokenBudget):
+            yield from self._budget_batches(ctx, worker, workers)
+            return
         stream, base, skip = self._stream()
         per_group = self.batcher.batches_per_group
         arrangement = self.arrangement()
@@ -226,8 +249,40 @@ class TieredDataset(IterableDataset):
                 cursor = {"order": before.to_dict(), "skip": sub + 1}
             batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "train", **cursor, "arrangement": arrangement}
             batch["tf_index"] = n - skip
+            batch["tf_epoch"] = batch_epoch(order_batch.epochs, order_batch.mask)
             yield batch
             n += workers
+
+    def _budget_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
+        """Every worker plans the rank's whole budget stream (lengths only) and builds batches n = w (mod W)."""
+        batcher = self.batcher
+        assert isinstance(batcher, TokenBudget)
+        stream, base, _ = self._stream()
+        planner = batcher.planner(self._resume.get("pending") if self._resume is not None else None)
+        lengths = ctx.cache.get("lengths")
+        if lengths is None:
+            lengths = ctx.cache["lengths"] = SampleLengths(ctx.dataset, batcher.columns(self.manifest)[0])
+        if planner.ids.size:
+            planner.lengths = np.minimum(lengths(planner.ids), batcher.max_tokens)
+        position, pulled = base.to_dict(), 0
+        arrangement = self.arrangement()
+        n = 0
+        while self.max_batches is None or n < self.max_batches:
+            while planner.wants_more():
+                order_batch = stream.batch(pulled)
+                real = order_batch.sample_ids[order_batch.mask]
+                planner.add(real, order_batch.epochs[order_batch.mask], lengths(real))
+                position, pulled = order_batch.cursor, pulled + 1
+            ids, epochs = planner.take()
+            if n % workers == worker:
+                batch = batcher.build(ctx.dataset, ids, epochs)
+                batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "train", "order": position, "skip": 0,
+                                      "pending": planner.state(), "rank": self.world.rank,
+                                      "arrangement": arrangement}
+                batch["tf_index"] = n
+                batch["tf_epoch"] = batch_epoch(epochs, batch["mask"])
+                yield batch
+            n += 1
 
     def _eval_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
         order = EvalOrder(self.num_order_samples, batch_size=self.batch_size, world_size=self.world.world_size)
@@ -240,6 +295,7 @@ class TieredDataset(IterableDataset):
             batch = self.batcher.build(ctx, step, planned.sample_ids, epochs, planned.mask, 0)
             batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "eval", "step": step, "arrangement": arrangement}
             batch["tf_index"] = step - start
+            batch["tf_epoch"] = 0
             yield batch
 
     # -- hooks for the stager ------------------------------------------------------------
@@ -285,4 +341,5 @@ class _NoShards:
         raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
 
 
-__all__ = ["CursorError", "LengthBuckets", "Samples", "TieredDataset", "TokenWindows", "default_partitions"]
+__all__ = ["CursorError", "LengthBuckets", "Samples", "TieredDataset", "TokenBudget", "TokenWindows",
+           "default_partitions"]

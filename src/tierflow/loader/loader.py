@@ -43,6 +43,8 @@ class Loader:
         background: bool | None = None,
         stager: Stager | None = None,
         telemetry: LoaderTelemetry | bool = True,
+        epoch_end: str | None = None,
+        group: Any = None,
     ) -> None:
         if isinstance(source, DataLoader):
             if not isinstance(source.dataset, TieredDataset):
@@ -62,6 +64,13 @@ class Loader:
             if prefetch_factor is not None:
                 self._loader_options["prefetch_factor"] = prefetch_factor
             self._dataloader = None
+        if epoch_end not in (None, "rank", "agree"):
+            raise ValueError(f"epoch_end is None (endless), 'rank' or 'agree', not {epoch_end!r}")
+        self.epoch_end = epoch_end
+        self._epochs = EpochBoundary(agree=epoch_end == "agree", group=group) if epoch_end else None
+        self._held: dict[str, Any] | None = None
+        self._feed_iterator: Iterator[dict[str, Any]] | None = None
+        self._expected = 0
         self.device = device
         self.stager = stager
         self.depth = depth
@@ -85,7 +94,9 @@ class Loader:
         return DataLoader(dataset, batch_size=None, **self._loader_options)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Start (or continue) from the last consumed batch."""
+        """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
+        if self._held is not None and self._feed is not None:
+            return self._batches(self._feed, self._feed_iterator)  # the last `for` stopped at an epoch edge
         self.close()
         if self._dataloader is None or self._iterated:
             self.dataset.load_state_dict(self._cursor)
@@ -96,26 +107,36 @@ class Loader:
         self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
                                 background=self.background,
                                 registry=self.telemetry.registry if self.telemetry is not None else None)
-        return self._batches(self._feed)
+        self._feed_iterator = iter(self._feed)
+        return self._batches(self._feed, self._feed_iterator)
 
-    def _batches(self, feed: DeviceFeed) -> Iterator[dict[str, Any]]:
-        expected = 0
+    def _batches(self, feed: DeviceFeed, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         telemetry = self.telemetry
-        batches = iter(feed)
         handed: float | None = None
+        epochs = self._epochs
+        if epochs is not None:
+            epochs.begin()
         while True:
             asked = time.perf_counter()
             if telemetry is not None and handed is not None:
                 telemetry.on_step(asked - handed)
-            try:
-                batch = next(batches)
-            except StopIteration:
+            if self._held is not None:
+                batch, self._held = self._held, None
+            else:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    if epochs is not None:
+                        epochs.stop_here(None)  # ranks still reading must not wait for this one
+                    return
+                index = batch.get("tf_index")
+                if index != self._expected:
+                    raise BatchOrderError(f"{self.dataset!r}: got batch {index}, expected {self._expected} "
+                                          f"(DataLoader in_order=False or a sampler reordering batches?)")
+                self._expected += 1
+            if epochs is not None and epochs.stop_here(batch.get("tf_epoch", 0)):
+                self._held = batch
                 return
-            index = batch.get("tf_index")
-            if index != expected:
-                raise BatchOrderError(f"{self.dataset!r}: got batch {index}, expected {expected} "
-                                      f"(DataLoader in_order=False or a sampler reordering batches?)")
-            expected += 1
             self._cursor = batch["tf_cursor"]
             shipped = batch.pop(METRICS_KEY, None)
             if shipped is not None:
@@ -131,6 +152,8 @@ class Loader:
 
     def close(self) -> None:
         """Stop the feed and the DataLoader's workers (a loop that breaks early may call it)."""
+        self._held = None
+        self._expected = 0
         if self._feed is not None:
             self._feed.close()
             self._feed = None
@@ -170,6 +193,55 @@ class Loader:
         self._consumed = int(state.get("consumed", 0))
         self._filtered = int(state.get("filtered", 0))
         self._dataloader = None
+
+
+class EpochBoundary:
+    """Where a `for` over the Loader ends when it runs one epoch at a time.
+
+    Iteration k finishes epoch E_k: the epoch of its first batch, and at least one past the epoch
+    the previous iteration finished. A batch of a later epoch ends it and is held for the next
+    one, so nothing is skipped. With `agree`, the ranks of `group` (default: the default process
+    group) all-reduce one flag per step and all stop at the first step where any rank has run
+    past E_k (ranks may hold different numbers of batches of an epoch, e.g. under a token
+    budget); a rank's batches of E_k left over then open its next iteration.
+    """
+
+    def __init__(self, agree: bool, group: Any = None) -> None:
+        self.agree = agree
+        self.group = group
+        self.finished: int | None = None
+        self.target: int | None = None
+
+    def begin(self) -> None:
+        self.target = None
+
+    def stop_here(self, epoch: int | None) -> bool:
+        """True when the batch of `epoch` (None: this rank has no more batches) ends the iteration."""
+        if self.target is None:
+            proposal = epoch if epoch is not None else _NO_EPOCH
+            if self.finished is not None:
+                proposal = max(proposal, self.finished + 1)
+            self.target = self._reduce_min(proposal)
+        go_on = epoch is not None and epoch <= self.target
+        if self._reduce_min(int(go_on)):
+            return False
+        self.finished = self.target
+        return True
+
+    def _reduce_min(self, value: int) -> int:
+        if not self.agree:
+            return value
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
+            return value
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        flag = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return int(flag.item())
+
+
+_NO_EPOCH = 2**62
 
 
 def _ready_ahead(feed: DeviceFeed) -> int | None:

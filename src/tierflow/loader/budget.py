@@ -1,0 +1,190 @@
+"""Token-budget batches: variable-length samples packed into one row of at most `max_tokens` tokens.
+
+This stage is many-to-one: how many samples a batch takes depends on their lengths, so batches no
+longer line up with the order's batches. The rank pulls order batches from its own stream into a
+bounded buffer of pending samples and fills each batch first-fit from it, oldest first (the oldest
+pending sample always fits an empty batch, so none waits forever). The cursor after a batch is
+the order position of the next order batch to pull plus the pending samples' ids and epochs:
+resume is exact, and the state is bounded by the buffer. Every DataLoader worker runs the same
+plan (it needs only lengths, read from the list offsets) and builds its own batches of it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierflow.format.dataset import Dataset
+from tierflow.format.manifest import Manifest
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenBudget:
+    """Batches of whole samples (documents) with at most `max_tokens` tokens in all.
+
+    A batch is one row padded to `max_tokens` (a fixed shape for torch.compile): `input_ids`
+    (1, max_tokens), next-token `labels` int32 with -100 at each sample's last token and on
+    padding, `position_ids` restarting per sample, int32 `cu_seqlens` over the samples plus the
+    padding as a final segment (so it ends at max_tokens), `max_seqlen`, `lengths`. A sample longer
+    than `max_tokens` is truncated to it and counted. The buffer keeps pulling while it holds
+    fewer than `lookahead` x max_tokens tokens and fewer than `max_pending` samples.
+    """
+
+    max_tokens: int
+    lookahead: float = 2.0
+    max_pending: int = 2048
+    pad_id: int = 0
+    column: str | None = None
+    batches_per_group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.lookahead < 1 or self.max_pending < 1:
+            raise ValueError(f"TokenBudget needs lookahead >= 1 and max_pending >= 1, got "
+                             f"{self.lookahead} and {self.max_pending}")
+
+    def tag(self) -> str:
+        return "samples"
+
+    def _column(self, manifest: Manifest) -> str:
+        column = self.column or manifest.token_column
+        if column is None:
+            raise TypeError("TokenBudget needs a list column (column=...) or a token dataset")
+        return column
+
+    def columns(self, manifest: Manifest) -> list[str] | None:
+        return [self._column(manifest)]
+
+    def order_counts(self, dataset: Dataset) -> np.ndarray:
+        return np.array([s.samples for s in dataset.manifest.shards], dtype=np.int64)
+
+    def planner(self, pending: dict[str, Any] | None = None) -> "BudgetPlanner":
+        planner = BudgetPlanner(self.max_tokens, int(self.lookahead * self.max_tokens), self.max_pending)
+        if pending:
+            planner.ids = np.asarray(pending["ids"], dtype=np.int64)
+            planner.epochs = np.asarray(pending["epochs"], dtype=np.int64)
+        return planner
+
+    def build(self, dataset: Dataset, ids: np.ndarray, epochs: np.ndarray) -> dict[str, Any]:
+        column = self._column(dataset.manifest)
+        rows = [dataset[int(i)][column] for i in ids]
+        dtype = rows[0].dtype if rows else np.dtype(dataset.manifest.token_dtype or np.int32)
+        full = np.array([len(r) for r in rows], dtype=np.int64)
+        kept = np.minimum(full, self.max_tokens)
+        real = int(kept.sum())
+        out = np.full((1, self.max_tokens), self.pad_id, dtype=dtype)
+        labels = np.full((1, self.max_tokens), IGNORE_INDEX, dtype=np.int32)
+        position_ids = np.zeros((1, self.max_tokens), dtype=np.int32)
+        at = 0
+        for row, n in zip(rows, kept.tolist()):
+            out[0, at:at + n] = row[:n]
+            labels[0, at:at + n - 1] = out[0, at + 1:at + n]
+            position_ids[0, at:at + n] = np.arange(n, dtype=np.int32)
+            at += n
+        segments = kept.tolist() + ([self.max_tokens - real] if real < self.max_tokens else [])
+        position_ids[0, real:] = np.arange(self.max_tokens - real, dtype=np.int32)
+        cu_seqlens = np.concatenate([[0], np.cumsum(segments)]).astype(np.int32)
+        return {
+            "input_ids": out,
+            "labels": labels,
+            "position_ids": position_ids,
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": int(max(segments)) if segments else 0,
+            "lengths": kept.astype(np.int32),
+            "mask": np.ones(ids.size, dtype=bool),
+            "tf_sample_ids": ids.astype(np.int64),
+            "tf_epochs": epochs.astype(np.int64),
+            "tf_stats": {"copied_bytes": real * out.itemsize, "filtered": 0, "samples": int(ids.size),
+                         "real_tokens": real, "padded_tokens": self.max_tokens,
+                         "truncated": int((full > self.max_tokens).sum())},
+        }
+
+
+class BudgetPlanner:
+    """The pending buffer and the first-fit choice; deterministic in (pending, stream position)."""
+
+    def __init__(self, max_tokens: int, buffer_tokens: int, max_pending: int) -> None:
+        self.max_tokens = max_tokens
+        self.buffer_tokens = buffer_tokens
+        self.max_pending = max_pending
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.epochs = np.zeros(0, dtype=np.int64)
+        self.lengths = np.zeros(0, dtype=np.int64)
+
+    def wants_more(self) -> bool:
+        return int(self.lengths.sum()) < self.buffer_tokens and self.ids.size < self.max_pending
+
+    def add(self, ids: np.ndarray, epochs: np.ndarray, lengths: np.ndarray) -> None:
+        self.ids = np.concatenate([self.ids, ids.astype(np.int64)])
+        self.epochs = np.concatenate([self.epochs, epochs.astype(np.int64)])
+        self.lengths = np.concatenate([self.lengths, np.minimum(lengths.astype(np.int64), self.max_tokens)])
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, epochs) of the next batch, removed from the buffer; first-fit in buffer order."""
+        lengths = self.lengths
+        chosen = np.zeros(lengths.size, dtype=bool)
+        budget = self.max_tokens
+        start = 0
+        while start < lengths.size and budget > 0:
+            # the run of consecutive samples from `start` that fits goes in at once ...
+            run = int(np.searchsorted(np.cumsum(lengths[start:]), budget, side="right"))
+            chosen[start:start + run] = True
+            budget -= int(lengths[start:start + run].sum())
+            # ... then the next sample that still fits, skipping those that do not
+            later = np.flatnonzero(lengths[start + run:] <= budget) if budget > 0 else np.zeros(0, np.int64)
+            if later.size == 0:
+                break
+            start = start + run + int(later[0])
+        ids, epochs = self.ids[chosen], self.epochs[chosen]
+        keep = ~chosen
+        self.ids, self.epochs, self.lengths = self.ids[keep], self.epochs[keep], self.lengths[keep]
+        return ids, epochs
+
+    def state(self) -> dict[str, list[int]]:
+        return {"ids": self.ids.tolist(), "epochs": self.epochs.tolist()}
+
+
+class SampleLengths:
+    """Lengths of one list column by global sample id, from each block's offsets (no values read).
+
+    Per-block lengths are copied out (a view would keep the shard's mapping, and with it its tier
+    pin, alive) and kept in a small LRU.
+    """
+
+    def __init__(self, dataset: Dataset, column: str, blocks: int = 256) -> None:
+        self.dataset = dataset
+        self.column = column
+        self.blocks = blocks
+        self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        out = np.empty(ids.size, dtype=np.int64)
+        starts = self.dataset.sample_starts
+        shards = np.searchsorted(starts, ids, side="right") - 1
+        for shard in np.unique(shards).tolist():
+            in_shard = np.flatnonzero(shards == shard)
+            table = self.dataset.shard(shard)
+            rows = ids[in_shard] - starts[shard]
+            blocks = np.searchsorted(table.row_starts, rows, side="right") - 1
+            for block in np.unique(blocks).tolist():
+                here = blocks == block
+                out[in_shard[here]] = self._block(table, shard, block)[rows[here] - table.row_starts[block]]
+        return out
+
+    def _block(self, table: Any, shard: int, block: int) -> np.ndarray:
+        key = (shard, block)
+        lengths = self._cache.get(key)
+        if lengths is None:
+            offsets, _ = table.list_parts(block, self.column)
+            lengths = self._cache[key] = np.diff(offsets).astype(np.int64)
+            if len(self._cache) > self.blocks:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return lengths
