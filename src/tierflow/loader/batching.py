@@ -123,8 +123,7 @@ class TokenWindows:
         dtype = np.dtype(ctx.dataset.manifest.token_dtype or np.uint16)
         buffer = np.empty((ids.size, length + 1), dtype=dtype)
         pieces_before = reader.pieces
-        for row, window in enumerate(ids.tolist()):
-            reader.copy_into(buffer[row], window * length)
+        reader.copy_windows(buffer, ids.astype(np.int64) * length)
         inputs = buffer[:, :-1]
         eos = ctx.dataset.manifest.eos_id
         if eos is None:

@@ -7,6 +7,7 @@ in that shard; a window that runs past its shard's end reads (and pins) the next
 
 from __future__ import annotations
 
+import bisect
 import weakref
 
 import numpy as np
@@ -45,14 +46,15 @@ def document_segments(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, int,
     cu_seqlens indexes the flattened batch (row-major), as variable-length attention expects.
     """
     rows, length = inputs.shape
-    flat = inputs.reshape(-1)
-    after_eos = np.flatnonzero(flat == eos_id) + 1
-    after_eos = after_eos[after_eos % length != 0]
-    starts = np.union1d(np.arange(0, rows * length, length, dtype=np.int64), after_eos)
-    cu_seqlens = np.append(starts, rows * length).astype(np.int32)
-    positions = np.arange(rows * length, dtype=np.int64)
-    segment_of = np.searchsorted(starts, positions, side="right") - 1
-    position_ids = (positions - starts[segment_of]).astype(np.int32).reshape(rows, length)
+    total = rows * length
+    starts_here = np.zeros(total, dtype=bool)
+    starts_here[1:] = inputs.reshape(-1)[:-1] == eos_id
+    starts_here[::length] = True
+    starts = np.flatnonzero(starts_here)
+    cu_seqlens = np.append(starts, total).astype(np.int32)
+    position_ids = np.arange(total, dtype=np.int32)
+    position_ids -= np.repeat(starts.astype(np.int32), np.diff(cu_seqlens))
+    position_ids = position_ids.reshape(rows, length)
     max_seqlen = int(np.diff(cu_seqlens).max()) if cu_seqlens.size > 1 else 0
     return cu_seqlens, max_seqlen, position_ids
 
@@ -69,11 +71,12 @@ class TokenReader:
             raise TypeError(f"{dataset.location}: not a token dataset (packed without a tokenizer)")
         self.dataset = dataset
         self.column = column
-        self._block_starts: dict[int, np.ndarray] = {}
+        self._block_starts: dict[int, list[int]] = {}
         self._parts: dict[tuple[int, int], tuple[int, np.ndarray, weakref.ref]] = {}
+        self._prune_at = 1024
         self.pieces = 0
 
-    def _blocks(self, shard: int) -> np.ndarray:
+    def _blocks(self, shard: int) -> list[int]:
         starts = self._block_starts.get(shard)
         if starts is None:
             table = self.dataset.shard(shard)
@@ -81,7 +84,7 @@ class TokenReader:
             for b in range(len(table.batches)):
                 offsets, _ = table.list_parts(b, self.column)
                 counts.append(int(offsets[-1] - offsets[0]))
-            starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+            starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
             self._block_starts[shard] = starts
         return starts
 
@@ -95,8 +98,9 @@ class TokenReader:
             # weak: holding the table would hold its tier pin, and the tier could never evict it
             found = (int(offsets[0]), values, weakref.ref(table))
             self._parts[key] = found
-            if len(self._parts) > 4 * len(self._block_starts) + 1024:
+            if len(self._parts) > self._prune_at:
                 self._parts = {k: v for k, v in self._parts.items() if v[2]() is not None}
+                self._prune_at = 2 * len(self._parts) + 1024
         return found[0], found[1]
 
     def copy_into(self, out: np.ndarray, start: int) -> None:
@@ -110,10 +114,31 @@ class TokenReader:
             shard = int(np.searchsorted(token_starts, pos, side="right")) - 1
             local = pos - int(token_starts[shard])
             blocks = self._blocks(shard)
-            b = int(np.searchsorted(blocks, local, side="right")) - 1
+            b = bisect.bisect_right(blocks, local) - 1
             first, values = self._values(shard, b)
-            begin = first + local - int(blocks[b])
-            take = min(stop - pos, int(blocks[b + 1]) - local)
+            begin = first + local - blocks[b]
+            take = min(stop - pos, blocks[b + 1] - local)
             out[pos - start:pos - start + take] = values[begin:begin + take]
             self.pieces += 1
             pos += take
+
+    def copy_windows(self, out: np.ndarray, starts: np.ndarray) -> None:
+        """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row; a row inside one
+        block (almost all of them) is one slice copy, the rest go piece by piece."""
+        width = out.shape[1]
+        token_starts = self.dataset.token_starts
+        if starts.size and int(starts.max()) + width > int(token_starts[-1]):
+            raise IndexError(f"{self.dataset.location}: a window of {width} tokens from {int(starts.max())} "
+                             f"runs past the stream end {int(token_starts[-1])}")
+        shards = np.searchsorted(token_starts, starts, side="right") - 1
+        locals_ = starts - token_starts[shards]
+        for row, (shard, local) in enumerate(zip(shards.tolist(), locals_.tolist())):
+            blocks = self._blocks(shard)
+            b = bisect.bisect_right(blocks, local) - 1
+            if local + width <= blocks[b + 1]:
+                first, values = self._values(shard, b)
+                begin = first + local - blocks[b]
+                out[row] = values[begin:begin + width]
+                self.pieces += 1
+            else:
+                self.copy_into(out[row], int(starts[row]))

@@ -142,7 +142,7 @@ class SampleOrder:
         """The micro-batch of `partition` starting at stream position (epoch, offset)."""
         segments = self.geometry(partition, batch_size).segments(epoch, offset)
         ids = [
-            self.windows(partition, s.epoch).sample_ids(np.arange(s.start, s.stop, dtype=np.int64))
+            self.windows(partition, s.epoch).range_ids(s.start, s.stop)
             for s in segments
         ]
         epochs = [np.full(s.stop - s.start, s.epoch, dtype=np.int64) for s in segments]

@@ -7,11 +7,17 @@ keyed by (seed, epoch, p, window), and map the permuted slot back to (shard, row
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from tierflow.order.keys import derive_key
 from tierflow.order.layout import PartitionLayout
 from tierflow.order.permutation import FeistelPermutation
+
+
+CHUNK = 2048
+CHUNKS_KEPT = 2
 
 
 class EpochWindows:
@@ -38,6 +44,7 @@ class EpochWindows:
         self.window_shard_edges = window_edges
         self.window_starts = self.shard_starts[window_edges]
         self._window_permutations: dict[int, FeistelPermutation] = {}
+        self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
 
     @property
     def num_windows(self) -> int:
@@ -59,6 +66,33 @@ class EpochWindows:
             permutation = FeistelPermutation(size, key)
             self._window_permutations[window] = permutation
         return permutation
+
+    def range_ids(self, start: int, stop: int) -> np.ndarray:
+        """sample_ids(arange(start, stop)), from aligned chunks of CHUNK offsets evaluated at once:
+        a stream reads consecutive offsets a few at a time, and numpy's per-call overhead, not the
+        arithmetic, is what a small batch pays for (~15x less per sample at batch size 8)."""
+        if not 0 <= start <= stop <= self.size:
+            raise IndexError(f"offsets [{start}, {stop}) outside partition {self.partition} epoch {self.epoch} "
+                             f"(size {self.size})")
+        first, last = start // CHUNK, (stop - 1) // CHUNK
+        if stop == start:
+            return np.zeros(0, dtype=np.int64)
+        if first == last:
+            return self._chunk(first)[start - first * CHUNK:stop - first * CHUNK]
+        return np.concatenate([self._chunk(c)[max(start - c * CHUNK, 0):stop - c * CHUNK]
+                               for c in range(first, last + 1)])
+
+    def _chunk(self, index: int) -> np.ndarray:
+        found = self._chunks.get(index)
+        if found is None:
+            found = self._chunks[index] = self.sample_ids(
+                np.arange(index * CHUNK, min((index + 1) * CHUNK, self.size), dtype=np.int64))
+            found.setflags(write=False)
+            if len(self._chunks) > CHUNKS_KEPT:
+                self._chunks.popitem(last=False)
+        else:
+            self._chunks.move_to_end(index)
+        return found
 
     def sample_ids(self, offsets: np.ndarray) -> np.ndarray:
         """Global sample ids at epoch offsets (each in range(size)) of this partition."""
