@@ -47,6 +47,9 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+PLAN_SHARE = 10
+
+
 class Stager:
     """Prefetch for `dataset` (a TieredDataset) through `stack` on this node; threads, not processes."""
 
@@ -91,12 +94,14 @@ class Stager:
         self.m_latency = r.histogram("stager_fetch_seconds", description="time to stage one shard")
         self.m_ahead = r.gauge("stager_ahead_bytes", aggregate="max", description="bytes staged and pinned ahead")
         self.m_lookahead = r.gauge("stager_lookahead_bytes", aggregate="max", description="bytes the stager aims ahead")
+        self.m_plan = r.histogram("stager_plan_seconds", description="time to plan the lookahead once")
         self.m_errors = r.counter("stager_errors", description="fetches that failed (readers fetch on demand)")
         self._cursor: dict | None = None
         self._consumed_steps = 0
         self._plan_steps = 0
         self._rate_started: float | None = None
         self._held: dict[int, Handle] = {}
+        self._held_until: dict[int, int] = {}
         self._inflight: set[int] = set()
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._oracle: PositionOracle | None = None
@@ -179,19 +184,26 @@ class Stager:
         return min(want, self.max_bytes)
 
     def _run(self) -> None:
-        planned_at, planned_time = -1, 0.0
+        planned_at, planned_time, cost = -1, 0.0, 0.0
         while not self._stop.is_set():
             steps = self._consumed_steps
-            due = steps - planned_at >= max(1, self.min_batches // 2) and time.monotonic() - planned_time > 0.05
-            if planned_at < 0 or due or not self._wake.is_set():
+            # a plan holds the GIL for ~1-40 ms (it walks two tier-capacities of future): plan at most
+            # every 10 plans' time, so the stager never takes more than ~10% from the training loop
+            rested = time.monotonic() - planned_time > max(0.05, PLAN_SHARE * cost)
+            due = steps - planned_at >= max(1, self.min_batches // 2) and rested
+            if planned_at < 0 or due or (not self._wake.is_set() and rested):
                 planned_at, planned_time = steps, time.monotonic()
                 try:
                     self._plan_and_fetch()
                 except Exception:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
                     self.m_errors.inc()
                     log.exception("stager planning failed; readers fetch on demand")
+                cost = time.monotonic() - planned_time
+                self.m_plan.observe(cost)
+            else:
+                self._release_passed()
             self._wake.clear()
-            self._wake.wait(timeout=0.5)
+            self._wake.wait(timeout=0.5 if rested else max(0.0, PLAN_SHARE * cost - (time.monotonic() - planned_time)))
 
     def _plan_and_fetch(self) -> None:
         with self._lock:
@@ -222,10 +234,12 @@ class Stager:
         for use in sorted(uses, key=lambda u: u.first_use):
             if use.shard not in wanted:
                 wanted.append(use.shard)
-        wanted_set = set(wanted)
+        until: dict[int, int] = {}
+        for use in uses:
+            until[use.shard] = max(until.get(use.shard, -1), use.last_use)
         with self._lock:
-            for shard in [s for s in self._held if s not in wanted_set]:
-                self._held.pop(shard).release()  # its use has passed: evictable again
+            self._held_until = until
+        self._release_passed()
         in_use = {u.shard for u in uses if u.first_use <= 0}
         budget = lookahead
         for shard in wanted:
@@ -240,6 +254,14 @@ class Stager:
             self._queue.put(shard)
         with self._lock:
             self.m_ahead.set(sum(self._shard_size(s) for s in self._held))
+
+    def _release_passed(self) -> None:
+        """Unpin staged shards whose last planned use the loop has passed (between plans too, so a
+        small tier is not left full of pins of finished windows)."""
+        with self._lock:
+            position = (self._consumed_steps - self._plan_steps) * self.samples_per_step
+            for shard in [s for s in self._held if self._held_until.get(s, -1) < position]:
+                self._held.pop(shard).release()  # its use has passed: evictable again
 
     def _shard_size(self, shard: int) -> int:
         info = self.shards[shard]
