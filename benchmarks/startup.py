@@ -9,7 +9,8 @@ column `x`) live in a temporary directory under /tmp and are deleted at the end.
 Per run the child reports: import seconds (size-independent, shown apart), seconds from
 `TieredDataset(...)` to the first batch, RSS after imports, peak RSS (getrusage maxrss), the
 resident split at the first batch (anonymous: heap and decoded shards; file: mapped shards,
-reclaimable page cache) and how many shards the first batch opened.
+reclaimable page cache), how many shards the first batch opened and how many of their blocks
+it read (each verified, and decoded when compressed, on its own).
 Figures are medians of `--runs` runs, spread is min-max. Shard files stay in the page cache
 between runs (a warm local start); the cold path belongs to benchmarks/loader.py --cold.
 
@@ -132,6 +133,7 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
         "rss_import": rss_after_import,
         "peak_rss": peak,
         "shards_opened": getattr(source, "opens", -1),
+        "blocks_read": getattr(source, "blocks_read", -1),
         **resident,
     }))
 
@@ -173,7 +175,8 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tu
                   f"{cell([r['peak_rss'] for r in runs], mb, 0):>22}  "
                   f"{statistics.median(r['rss_anon'] for r in runs) * mb:>6.0f}/"
                   f"{statistics.median(r['rss_file'] for r in runs) * mb:<6.0f}  "
-                  f"{statistics.median(r['shards_opened'] for r in runs):>11.0f}")
+                  f"{statistics.median(r['shards_opened'] for r in runs):>11.0f}  "
+                  f"{statistics.median(r.get('blocks_read', -1) for r in runs):>11.0f}")
     small, large = sizes[0], sizes[-1]
     print()
     print(f"growth {label(small)} -> {label(large)} samples (ratio of medians; target <= {TARGET_GROWTH:.2f})")

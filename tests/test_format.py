@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tierflow
@@ -56,9 +57,13 @@ def test_flipped_byte_is_named_by_verify_and_caught_when_reading_the_block(tmp_p
     raw = (out / info.name).read_bytes()[block.offset:block.offset + block.length]
     with pytest.raises(ShardCorruptError, match=f"{info.name}: block 2"):
         read_block(raw, ds.manifest.schema, info, 2)
-    with pytest.raises(ShardCorruptError, match=info.name):
-        ds[int(ds.sample_starts[1])]
-    assert ds[0]["i"] == 0  # the sound shards still read
+    in_block_2 = int(ds.sample_starts[1]) + sum(b.rows for b in info.blocks[:2])
+    with pytest.raises(ShardCorruptError, match=f"{info.name}: block 2"):
+        ds[in_block_2]
+    with pytest.raises(ShardCorruptError, match=f"{info.name}: block 2"):
+        ds[in_block_2 + info.blocks[2].rows - 1]  # asked again: still refused, never served
+    assert ds[int(ds.sample_starts[1])]["i"] == int(ds.sample_starts[1])  # the sound blocks still read
+    assert ds[0]["i"] == 0  # and the sound shards
 
 
 def test_every_block_reads_on_its_own(tmp_path):
@@ -72,6 +77,107 @@ def test_every_block_reads_on_its_own(tmp_path):
         assert batch.column("i").to_pylist()[0] == rows
         rows += batch.num_rows
     assert rows == info.samples
+
+
+def _row_in_block(ds, shard: int, block: int) -> int:
+    """The global index of the first row of one block."""
+    info = ds.manifest.shards[shard]
+    return int(ds.sample_starts[shard]) + sum(b.rows for b in info.blocks[:block])
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_reading_a_row_verifies_and_decodes_only_its_block(tmp_path, compression, monkeypatch):
+    import tierflow.format.shard as shard_module
+
+    out = pack_small(tmp_path, n=6000, compression=compression)
+    whole = []
+    monkeypatch.setattr(shard_module, "file_xxh3_128", lambda *a, **k: whole.append(a) or "")
+    ds = tierflow.open_dataset(out)
+    info = ds.manifest.shards[1]
+    assert info.compression == compression and len(info.blocks) >= 4
+    table = ds.shard(1)  # opening costs the manifest's block list: nothing is read yet
+    assert (table.num_rows, table.blocks_loaded, table.blocks_verified) == (info.samples, 0, 0)
+    assert list(table.row_starts) == [0, *np.cumsum([b.rows for b in info.blocks])]
+    i = _row_in_block(ds, 1, 3) + 5
+    assert ds[i]["i"] == i
+    assert (table.blocks_loaded, table.blocks_verified) == (1, 1)  # block 3 only (the schema came from
+    assert ds[i + 1]["i"] == i + 1                                  # block 0's first bytes, not verified)
+    assert (table.blocks_loaded, table.blocks_verified) == (1, 1)
+    assert not whole  # no whole-file hash on the read path
+    assert ds.source.opens == 1
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_a_corrupted_block_is_never_served_while_the_others_are(tmp_path, compression):
+    out = pack_small(tmp_path, n=6000, compression=compression)
+    ds = tierflow.open_dataset(out)
+    info = ds.manifest.shards[0]
+    bad = info.blocks[2]
+    flip_byte(out / info.name, bad.offset + bad.length - 3)  # its last bytes: the end of its values
+    for k in (0, 1, 3):
+        first = _row_in_block(ds, 0, k)
+        rows = range(first, first + info.blocks[k].rows)
+        assert [ds[i]["i"] for i in rows] == list(rows)
+    first = _row_in_block(ds, 0, 2)
+    for r in (0, info.blocks[2].rows - 1, 0):
+        with pytest.raises(ShardCorruptError, match=f"shard {info.name}: block 2 "):
+            ds[first + r]
+    with pytest.raises(ShardCorruptError, match=f"shard {info.name}: block 2 "):
+        list(ds)
+
+
+def test_a_corrupted_schema_in_block_0_is_caught_before_any_row_is_read(tmp_path):
+    out = pack_small(tmp_path, n=6000)
+    ds = tierflow.open_dataset(out)
+    info = ds.manifest.shards[0]
+    flip_byte(out / info.name, 40)  # inside the schema message at the start of block 0
+    with pytest.raises(ShardCorruptError, match=f"shard {info.name}: block 0 "):
+        ds[_row_in_block(ds, 0, 3)]
+
+
+def test_decoded_blocks_stay_within_the_byte_bound_under_concurrent_readers(tmp_path):
+    import random
+    import threading
+
+    from tierflow.format.dataset import Dataset, DirectorySource
+
+    out = pack_small(tmp_path, n=6000)
+    manifest = tierflow.Manifest.load(out)
+    largest = max(b.rows for s in manifest.shards for b in s.blocks)
+    source = DirectorySource(out, max_decoded_bytes=3 * largest * 600, schema=manifest.schema)
+    ds = Dataset(manifest, source, location=str(out))
+    errors = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(3000):
+                i = rng.randrange(len(ds))
+                assert ds[i]["i"] == i
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert source.cache.bytes <= source.max_decoded_bytes or len(source.cache) == 1
+    assert source.cache.evictions > 0 and source.blocks_read > sum(len(s.blocks) for s in manifest.shards)
+
+
+def test_token_blocks_record_their_counts_so_tokens_read_only_their_block(tmp_path):
+    out = pack_small(tmp_path, n=6000, tokenizer="bytes")
+    ds = tierflow.open_dataset(out)
+    info = ds.manifest.shards[1]
+    assert all(b.tokens is not None for b in info.blocks) and sum(b.tokens for b in info.blocks) == info.tokens
+    eager = tierflow.open_dataset(out)
+    start = int(ds.token_starts[1]) + sum(b.tokens for b in info.blocks[:3]) + 7
+    got = ds.tokens(start, start + 100)
+    assert ds.shard(1).blocks_loaded == 1
+    expected = np.concatenate([eager[i]["tokens"] for i in range(len(eager))])[start:start + 100]
+    assert got.tolist() == expected.tolist()
 
 
 def test_inspect_prints_summary_and_samples(tmp_path, capsys):

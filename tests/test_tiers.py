@@ -195,6 +195,113 @@ def test_corrupted_l1_and_l2_entries_are_refetched_and_counted(tmp_path, s3_data
     assert len(list((tmp_path / "node" / "l1" / "quarantine").iterdir())) == 1
 
 
+def _row_in_block(ds, shard: int, block: int) -> int:
+    info = ds.manifest.shards[shard]
+    return int(ds.sample_starts[shard]) + sum(b.rows for b in info.blocks[:block])
+
+
+def test_a_new_process_reads_a_staged_entry_by_block_without_hashing_it_whole(tmp_path, s3_dataset, monkeypatch):
+    import tierflow.tiers.stack as stack_module
+    import tierflow.tiers.tier as tier_module
+
+    local, url, proxy = s3_dataset
+    stack = stack_for(url, proxy.url, tmp_path / "node")
+    for info in stack.manifest().shards:
+        stack.ensure(info).release()
+    info = stack.manifest().shards[1]
+    l1 = stack.tiers[0]
+    assert (l1.root / "blocks" / f"{info.key}.json").exists()  # recorded at admission
+    assert [b.rows for b in l1.blocks_of(info.key)] == [b.rows for b in info.blocks]
+    stack.close()
+    proxy.reset_counters()
+    whole = []
+    for module in (tier_module, stack_module):
+        monkeypatch.setattr(module, "file_xxh3_128", lambda *a, **k: whole.append(a) or "")
+    fresh = stack_for(url, proxy.url, tmp_path / "node")  # a new process's view: nothing in memory
+    ds = fresh.dataset()
+    i = _row_in_block(ds, 1, 2) + 3
+    assert ds[i]["i"] == i
+    table = fresh.open_shard(1, info)
+    assert (table.blocks_loaded, table.blocks_verified) == (1, 1)
+    assert not whole and proxy.traffic().requests("GET", key="shard-") == 0
+    assert fresh.tiers[0].m_hits.value == 1 and fresh.tiers[1].m_hits.value == 0
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled", "tampered"])
+def test_a_staged_entry_whose_block_list_is_unusable_is_verified_whole_and_gets_it_back(tmp_path, s3_dataset, damage):
+    local, url, proxy = s3_dataset
+    stack = stack_for(url, proxy.url, tmp_path / "node")
+    info = stack.manifest().shards[0]
+    stack.ensure(info).release()
+    listed = stack.tiers[0].root / "blocks" / f"{info.key}.json"
+    if damage == "missing":
+        listed.unlink()
+    elif damage == "garbled":
+        listed.write_text("{not json")
+    else:  # a block's checksum changed without its digest: refused, not trusted
+        text = listed.read_text()
+        assert '"checksum": ["' in text
+        listed.write_text(text.replace('"checksum": ["', '"checksum": ["0', 1))
+    fresh = stack_for(url, proxy.url, tmp_path / "node")
+    ds = fresh.dataset()
+    assert [ds[i]["i"] for i in range(info.samples)] == list(range(info.samples))
+    assert fresh.tiers[0].m_corruptions.value == 0 and fresh.tiers[0].m_hits.value == 1
+    assert fresh.tiers[0].blocks_of(info.key) is not None
+    assert stack_for(url, proxy.url, tmp_path / "node").tiers[0].blocks_of(info.key) is not None  # on disk again
+
+
+@pytest.mark.parametrize("layout", ["L1 decoded over L2", "L2 at rest only"])
+def test_a_corrupted_block_of_a_staged_entry_is_never_served(tmp_path, s3_dataset, layout):
+    local, url, proxy = s3_dataset
+    l1 = layout.startswith("L1")
+    stack = stack_for(url, proxy.url, tmp_path / "node", l1=l1)
+    info = stack.manifest().shards[1]
+    stack.ensure(info).release()
+    top = stack.tiers[0]
+    blocks = top.blocks_of(info.key) if l1 else info.blocks
+    bad = blocks[2]
+    path = top.path_of(info.key)
+    data = bytearray(path.read_bytes())
+    data[bad.offset + bad.length - 3] ^= 0x20
+    path.write_bytes(bytes(data))
+    expected = tierflow.open_dataset(local)
+
+    fresh = stack_for(url, proxy.url, tmp_path / "node", l1=l1)
+    ds = fresh.dataset()
+    first = _row_in_block(ds, 1, 0)
+    assert [ds[first + r]["i"] for r in range(info.blocks[0].rows)] == list(range(first, first + info.blocks[0].rows))
+    assert fresh.tiers[0].m_corruptions.value == 0  # the sound blocks read from the damaged entry
+    for k in (2, 3, 1):
+        first = _row_in_block(ds, 1, k)
+        rows = range(first, first + info.blocks[k].rows)
+        got = [ds[i] for i in rows]
+        assert [g["i"] for g in got] == list(rows)
+        assert [g["tokens"].tolist() for g in got] == [expected[i]["tokens"].tolist() for i in rows]
+    assert fresh.tiers[0].m_corruptions.value == 1
+    assert len(list((fresh.tiers[0].root / "quarantine").iterdir())) == 1
+    assert fresh.tiers[0].path_of(info.key).read_bytes() != bytes(data)  # fetched again, sound
+
+
+def test_a_block_corrupt_in_every_copy_raises_naming_shard_and_block(tmp_path):
+    from tierflow.format.shard import ShardCorruptError
+
+    local = make_dataset(tmp_path)
+    tier = Tier(tmp_path / "node" / "l2", 1 << 30, policy="lru", form="at_rest", name="L2")
+    stack = TierStack(open_source(str(local)), [tier])
+    info = stack.manifest().shards[0]
+    stack.ensure(info).release()
+    bad = info.blocks[1]
+    for path in (local / info.name, tier.path_of(info.key)):
+        data = bytearray(path.read_bytes())
+        data[bad.offset + 10] ^= 0x01
+        path.write_bytes(bytes(data))
+    fresh = TierStack(open_source(str(local)), [Tier(tmp_path / "node" / "l2", 1 << 30, name="L2", form="at_rest")])
+    ds = fresh.dataset()
+    assert ds[0]["i"] == 0
+    with pytest.raises(ShardCorruptError, match=f"shard {info.name}: block 1 "):
+        ds[_row_in_block(ds, 0, 1)]
+
+
 def test_restarted_process_finds_l2_warm_with_its_statistics(tmp_path, s3_dataset):
     local, url, proxy = s3_dataset
     stack = stack_for(url, proxy.url, tmp_path / "node", l1=False, l2_policy="hotscore")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import pyarrow as pa
 
@@ -29,12 +29,14 @@ class ShardCorruptError(IOError):
     """Bytes of a shard do not match the manifest; names the shard and, when known, the block."""
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):
+    """One record batch of a shard file (a tuple: a manifest lists thousands, parsed at every start)."""
+
     offset: int
     length: int
     rows: int
-    checksum: str  # xxh3-64 hex of bytes [offset, offset + length) of the at-rest file
+    checksum: str  # xxh3-64 hex of bytes [offset, offset + length) of the file
+    tokens: int | None = None  # values of the token column in this block, when the pack recorded them
 
 
 @dataclass
@@ -57,6 +59,14 @@ class ShardInfo:
         return self.checksum
 
     def to_json(self) -> dict:
+        blocks = {
+            "offset": [b.offset for b in self.blocks],
+            "length": [b.length for b in self.blocks],
+            "rows": [b.rows for b in self.blocks],
+            "checksum": [b.checksum for b in self.blocks],
+        }
+        if self.blocks and all(b.tokens is not None for b in self.blocks):
+            blocks["tokens"] = [b.tokens for b in self.blocks]
         return {
             "name": self.name,
             "samples": self.samples,
@@ -66,19 +76,20 @@ class ShardInfo:
             "decoded_checksum": self.decoded_checksum,
             "compression": self.compression,
             "tokens": self.tokens,
-            "blocks": {
-                "offset": [b.offset for b in self.blocks],
-                "length": [b.length for b in self.blocks],
-                "rows": [b.rows for b in self.blocks],
-                "checksum": [b.checksum for b in self.blocks],
-            },
+            "blocks": blocks,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> "ShardInfo":
         b = d["blocks"]
-        blocks = [Block(int(o), int(n), int(r), str(c)) for o, n, r, c in
-                  zip(b["offset"], b["length"], b["rows"], b["checksum"], strict=True)]
+        tokens = b.get("tokens")
+        columns = [b["offset"], b["length"], b["rows"], b["checksum"]]
+        columns.append(tokens if tokens is not None else [None] * len(columns[0]))
+        for name, column, allowed in zip(("offset", "length", "rows", "checksum", "tokens"), columns,
+                                         ({int}, {int}, {int}, {str}, {int} if tokens is not None else {type(None)})):
+            if not isinstance(column, list) or not set(map(type, column)) <= allowed:  # untrusted JSON
+                raise TypeError(f"blocks.{name} is not a list of {'/'.join(t.__name__ for t in allowed)}")
+        blocks = list(map(Block._make, zip(*columns, strict=True)))
         return cls(
             name=str(d["name"]), samples=int(d["samples"]), bytes=int(d["bytes"]),
             decoded_bytes=int(d["decoded_bytes"]), checksum=str(d["checksum"]),
@@ -98,8 +109,19 @@ def _ipc_options(compression: str, level: int | None) -> pa.ipc.IpcWriteOptions:
     return pa.ipc.IpcWriteOptions(compression=codec, use_threads=True)
 
 
+def _block_tokens(batch: pa.RecordBatch, column: str | None) -> int | None:
+    """Values of the list column `column` in one record batch (its token count), None without one."""
+    if column is None:
+        return None
+    idx = batch.schema.get_field_index(column)
+    if idx < 0:
+        return 0
+    offsets = batch.column(idx).offsets
+    return int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
+
+
 def _write_ipc(batches: Sequence[pa.RecordBatch], schema: pa.Schema, sink: HashingSink,
-               options: pa.ipc.IpcWriteOptions) -> list[Block]:
+               options: pa.ipc.IpcWriteOptions, token_column: str | None = None) -> list[Block]:
     """Write an IPC file through `sink`; return each record batch's block."""
     blocks = []
     with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=options) as writer:
@@ -107,7 +129,8 @@ def _write_ipc(batches: Sequence[pa.RecordBatch], schema: pa.Schema, sink: Hashi
             start = sink.position
             sink.take_block_digest()
             writer.write_batch(batch)
-            blocks.append(Block(start, sink.position - start, batch.num_rows, sink.take_block_digest()))
+            blocks.append(Block(start, sink.position - start, batch.num_rows, sink.take_block_digest(),
+                                _block_tokens(batch, token_column)))
     return blocks
 
 
@@ -118,16 +141,19 @@ class ShardWriter:
     workers parse instead of in one burst per shard; the decoded form is serialised in the
     same pass, only to measure its size and xxh3-128. The batches stay referenced until
     `close` in case compression does not pay and the shard is rewritten uncompressed.
+    With `token_column`, each block also records its token count (readers then locate a token
+    without decoding the blocks before it).
     """
 
     def __init__(self, directory: str | Path, schema: pa.Schema, compression: str = "zstd",
-                 level: int | None = None) -> None:
+                 level: int | None = None, token_column: str | None = None) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
         self.directory = Path(directory)
         self.schema = schema
         self.compression = compression
         self.level = level
+        self.token_column = token_column
         self.tmp = self.directory / f".tmp-{os.getpid()}-{id(self):x}{SHARD_SUFFIX}"
         self._batches: list[pa.RecordBatch] = []
         self._blocks: list[Block] = []
@@ -145,7 +171,7 @@ class ShardWriter:
         self._sink.take_block_digest()
         self._writer.write_batch(batch)
         self._blocks.append(Block(start, self._sink.position - start, batch.num_rows,
-                                  self._sink.take_block_digest()))
+                                  self._sink.take_block_digest(), _block_tokens(batch, self.token_column)))
         self._decoded_writer.write_batch(batch)
         self._batches.append(batch)
 
@@ -164,7 +190,8 @@ class ShardWriter:
                 self._file.seek(0)
                 self._file.truncate()
                 sink = HashingSink(self._file)
-                blocks = _write_ipc(self._batches, self.schema, sink, _ipc_options("none", None))
+                blocks = _write_ipc(self._batches, self.schema, sink, _ipc_options("none", None),
+                                    self.token_column)
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
@@ -204,18 +231,70 @@ def decode_shard(src: str | Path, dst: str | Path) -> tuple[int, str]:
     return sink.position, sink.hexdigest()
 
 
-def read_block(data: bytes | memoryview, schema: pa.Schema, info: ShardInfo, index: int) -> pa.RecordBatch:
-    """Decode one block fetched by a ranged read, after checking its xxh3."""
-    block = info.blocks[index]
+def block_error(name: str, index: int, block: Block, why: str = "fails its checksum") -> ShardCorruptError:
+    return ShardCorruptError(f"shard {name}: block {index} (bytes {block.offset}+{block.length}) {why}")
+
+
+def check_block(data: bytes | memoryview | pa.Buffer, name: str, index: int, block: Block) -> None:
+    """Raise ShardCorruptError (naming shard and block) unless `data` are the block's bytes."""
     if len(data) != block.length or xxh3_hex(data) != block.checksum:
-        raise ShardCorruptError(f"shard {info.name}: block {index} (bytes {block.offset}+{block.length}) "
-                                f"fails its checksum")
-    # block 0 also holds the file's magic and schema message, which precede its batch
-    start = 8 if bytes(data[:6]) == b"ARROW1" else 0
-    for message in pa.ipc.MessageReader.open_stream(pa.py_buffer(data)[start:]):
+        raise block_error(name, index, block)
+
+
+def block_messages(data: pa.Buffer, index: int) -> pa.ipc.MessageReader:
+    """The IPC messages of one block's bytes; block 0 also holds the file's magic (8 bytes) and schema."""
+    return pa.ipc.MessageReader.open_stream(data.slice(8) if index == 0 else data)
+
+
+def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block) -> pa.RecordBatch:
+    """The record batch of one block's (already verified) bytes; zero-copy when uncompressed."""
+    for message in block_messages(data, index):
         if message.type == "record batch":
             return pa.ipc.read_record_batch(message, schema)
-    raise ShardCorruptError(f"shard {info.name}: block {index} holds no record batch")
+    raise block_error(name, index, block, "holds no record batch")
+
+
+def block_schema(data: pa.Buffer, name: str, block: Block) -> pa.Schema:
+    """The shard's own schema, from the start of block 0 (which may be only a prefix of it)."""
+    try:
+        message = block_messages(data, 0).read_next_message()
+        if message.type != "schema":
+            raise ValueError(f"first message is a {message.type}")
+        return pa.ipc.read_schema(message)
+    except (pa.ArrowException, OSError, ValueError, StopIteration) as e:
+        raise block_error(name, 0, block, f"holds no readable schema ({e})") from None
+
+
+def read_block(data: bytes | memoryview | pa.Buffer, schema: pa.Schema, info: ShardInfo, index: int) -> pa.RecordBatch:
+    """Decode one block fetched by a ranged read, after checking its xxh3."""
+    block = info.blocks[index]
+    check_block(data, info.name, index, block)
+    return decode_block(pa.py_buffer(data), schema, info.name, index, block)
+
+
+def scan_blocks(path: str | Path) -> list[Block]:
+    """The blocks of any IPC file (as `_write_ipc` cuts them), found by walking its messages.
+
+    For a file whose blocks the manifest does not list (a tier's decoded form): block 0 runs
+    from byte 0 to the end of the first record batch, each next one to the end of the next
+    batch; each carries its rows and xxh3-64. Reads every byte (call it on verified files).
+    """
+    blocks = []
+    with pa.memory_map(str(path)) as source:
+        mapped = source.read_buffer()
+        source.seek(8)
+        start = 0
+        schema = None
+        for message in pa.ipc.MessageReader.open_stream(source):
+            if message.type == "schema":
+                schema = pa.ipc.read_schema(message)
+            if message.type != "record batch" or schema is None:
+                continue
+            end = source.tell()
+            rows = pa.ipc.read_record_batch(message, schema).num_rows
+            blocks.append(Block(start, end - start, rows, xxh3_hex(mapped.slice(start, end - start))))
+            start = end
+    return blocks
 
 
 def read_schema(path: str | Path) -> pa.Schema:

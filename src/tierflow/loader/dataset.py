@@ -187,7 +187,7 @@ class TieredDataset(IterableDataset):
         elif self.shard_source_factory is not None:
             dataset = Dataset(self.manifest, self.shard_source_factory(), columns=self._columns, location=self.location)
         else:
-            dataset = open_dataset(self.location, columns=self._columns)
+            dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest)
         self._context = SampleContext(dataset, self.seed, self.transform, self.filter)
         self._context_pid = os.getpid()
         return self._context

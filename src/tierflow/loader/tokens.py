@@ -78,13 +78,8 @@ class TokenReader:
 
     def _blocks(self, shard: int) -> list[int]:
         starts = self._block_starts.get(shard)
-        if starts is None:
-            table = self.dataset.shard(shard)
-            counts = []
-            for b in range(len(table.batches)):
-                offsets, _ = table.list_parts(b, self.column)
-                counts.append(int(offsets[-1] - offsets[0]))
-            starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        if starts is None:  # from the manifest's per-block token counts when the pack recorded them
+            starts = self.dataset.block_token_starts(shard).tolist()
             self._block_starts[shard] = starts
         return starts
 

@@ -165,12 +165,13 @@ class _ShardInFlight:
     """
 
     def __init__(self, pool: ThreadPoolExecutor, out: Path, schema: pa.Schema, compression: str,
-                 level: int | None) -> None:
+                 level: int | None, token_column: str | None = None) -> None:
         self.batches: queue.SimpleQueue = queue.SimpleQueue()
-        self.future = pool.submit(self._write, out, schema, compression, level)
+        self.future = pool.submit(self._write, out, schema, compression, level, token_column)
 
-    def _write(self, out: Path, schema: pa.Schema, compression: str, level: int | None) -> ShardInfo | None:
-        writer = ShardWriter(out, schema, compression, level)
+    def _write(self, out: Path, schema: pa.Schema, compression: str, level: int | None,
+               token_column: str | None) -> ShardInfo | None:
+        writer = ShardWriter(out, schema, compression, level, token_column=token_column)
         try:
             while True:
                 item = self.batches.get()
@@ -234,7 +235,8 @@ class ShardAssembler:
                 self._collect_oldest()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="tierflow-shard")
-            self._open = _ShardInFlight(self._pool, self.out, self.schema, self.compression, self.level)
+            self._open = _ShardInFlight(self._pool, self.out, self.schema, self.compression, self.level,
+                                        self.token_column)
         self._open.batches.put(batch)
         self.pending_bytes += batch.nbytes
         if self.token_column is not None:

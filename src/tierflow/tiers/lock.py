@@ -49,8 +49,23 @@ class Pin:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_RDONLY)
-        fcntl.flock(self.fd, fcntl.LOCK_SH)
+        self.fd: int | None = None
+        for _ in range(3):
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                # an evictor may have taken its exclusive lock and unlinked the file between our
+                # open and our flock: then this pin holds a deleted (or replaced) inode
+                held = os.fstat(fd)
+                now = os.stat(self.path)
+            except BaseException:  # gone since the open: FileNotFoundError, a miss for the caller
+                os.close(fd)
+                raise
+            if (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
+                self.fd = fd
+                return
+            os.close(fd)  # replaced by a new copy: pin that one
+        raise FileNotFoundError(errno.ENOENT, "entry kept changing while being pinned", str(self.path))
 
     def release(self) -> None:
         if self.fd is not None:

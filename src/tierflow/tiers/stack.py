@@ -3,6 +3,12 @@
 Data moves source (L4, or a remote L3) -> L2 -> L1, each tier storing its own form (at rest
 or decoded); decoding happens once, at the first tier that stores the decoded form. The stack
 is a `ShardSource`, so `Dataset(manifest, source=stack)` reads samples through it.
+
+Whole files are verified where whole files move (a fetch, a copy or a decode into a tier). A
+reader opening a shard already resident verifies only what it reads, block by block (the
+manifest's block checksums for the at-rest form, the tier's block list for the decoded form);
+a block that fails is quarantined with its entry, fetched again from below and read from the
+new copy, so wrong bytes are never served and a corrupted entry costs one refetch.
 """
 
 from __future__ import annotations
@@ -16,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import pyarrow as pa
-
 from tierflow.format.checksum import file_xxh3_128, xxh3_128_hex
-from tierflow.format.dataset import Dataset, ShardTable
+from tierflow.format.dataset import (
+    BlockBytes, BlockCache, BufferBlocks, Dataset, LazyShardTable, ShardTable, open_blocks,
+)
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import ShardCorruptError, ShardInfo, decode_shard
+from tierflow.format.shard import Block, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.lock import Pin
 from tierflow.tiers.tier import FetchError, Tier
@@ -38,19 +44,18 @@ class Handle:
     path: Path | None = None
     pin: Pin | None = None
     buffer: bytes | None = None
+    blocks: list[Block] | None = None  # the decoded form's block list (the at-rest one is the manifest's)
 
     def release(self) -> None:
         if self.pin is not None:
             self.pin.release()
 
-    def table(self) -> ShardTable:
+    def block_bytes(self, info: ShardInfo) -> BlockBytes:
+        """Where the table reads this copy's blocks from; the pin lives as long as that does."""
         if self.buffer is not None:
-            reader = pa.ipc.open_file(pa.BufferReader(self.buffer))
-            return ShardTable([reader.get_batch(i) for i in range(reader.num_record_batches)], keepalive=self)
+            return BufferBlocks(self.buffer, info.blocks, compressed=info.compression != "none", verified=True)
         assert self.path is not None
-        table = ShardTable.from_ipc_file(self.path, memory_map=self.form == "decoded")
-        table._keepalive = (table._keepalive, self)  # the pin lives as long as the views
-        return table
+        return open_blocks(self.path, info, self.form, self.blocks, keepalive=self)
 
 
 def _expected(info: ShardInfo, form: str) -> tuple[int, str]:
@@ -61,7 +66,7 @@ class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
     def __init__(self, source: Any, tiers: Sequence[Tier] = (), registry: MetricsRegistry | None = None,
-                 max_open: int = 8, fetch_attempts: int = 3) -> None:
+                 max_open: int = 8, fetch_attempts: int = 3, max_decoded_bytes: int = 1 << 30) -> None:
         self.source = source
         self.tiers = list(tiers)
         for upper, lower in zip(self.tiers, self.tiers[1:]):
@@ -72,6 +77,8 @@ class TierStack:
         self.max_open = max_open
         self.dataset_id: str | None = None
         self.fetch_attempts = fetch_attempts
+        self.cache = BlockCache(max_decoded_bytes)  # blocks of at-rest (compressed) copies, decoded
+        self.schema = None
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
         self._dropped: set[int] = set()
         self._lock = threading.Lock()
@@ -84,16 +91,18 @@ class TierStack:
     def manifest(self) -> Manifest:
         manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
         self.dataset_id = manifest.dataset_id
+        self.schema = manifest.schema
         return manifest
 
     def dataset(self, columns: Sequence[str] | None = None) -> Dataset:
         return Dataset(self.manifest(), self, columns=columns, location=self.source.url)
 
     # ------------------------------------------------------------ ensure
-    def ensure(self, info: ShardInfo, level: int = 0, prefetch: bool = False) -> Handle:
+    def ensure(self, info: ShardInfo, level: int = 0, prefetch: bool = False, read: bool = False) -> Handle:
         """A readable copy of the shard from tier `level` or below, filling misses on the way up.
 
-        `prefetch` (the stager) marks the top tier's new entry as not yet used."""
+        `prefetch` (the stager) marks the top tier's new entry as not yet used. `read`: the copy
+        is for a reader that verifies each block before using it, so a hit is not hashed whole."""
         if level == len(self.tiers):
             return self._from_source(info)
         tier = self.tiers[level]
@@ -102,11 +111,15 @@ class TierStack:
         def produce(tmp: Path) -> None:
             self._produce(info, level, tmp)
 
-        pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch)
+        block_list = scan_blocks if tier.form == "decoded" else None
+        pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
+                          verify_hit=False if read else None, block_list=block_list)
         if pin is not None:
             self.m_served[tier.name].inc()
-            return Handle(tier.form, tier.name, pin.path, pin)
-        return self.ensure(info, level + 1, prefetch)
+            # a decoded entry's block list: recorded at admission, or by the hit that found none
+            blocks = tier.blocks_of(info.key, size, checksum) if tier.form == "decoded" else None
+            return Handle(tier.form, tier.name, pin.path, pin, blocks=blocks)
+        return self.ensure(info, level + 1, prefetch, read)
 
     def _produce(self, info: ShardInfo, level: int, tmp: Path) -> None:
         """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy."""
@@ -173,7 +186,12 @@ class TierStack:
             if table is not None:
                 self._open.move_to_end(index)
                 return table
-        table = self.ensure(info).table()
+        handle = self.ensure(info, read=True)
+
+        def recover(block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
+            return self._recover(info, block, error, current)
+
+        table = LazyShardTable(info.name, handle.block_bytes(info), self.schema, self.cache, recover=recover)
         with self._lock:
             limit = self._open_limit(info)
             if index in self._dropped and self.max_open < limit:
@@ -184,6 +202,22 @@ class TierStack:
                 dropped, _ = self._open.popitem(last=False)
                 self._dropped.add(dropped)
         return table
+
+    def _recover(self, info: ShardInfo, block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
+        """A block of a resident entry failed its checksum: quarantine the entry (counted by its
+        tier), fetch the shard again from below and give the reader the new copy."""
+        handle = current.keepalive
+        if not isinstance(handle, Handle):
+            raise error
+        tier = next((t for t in self.tiers if t.name == handle.served_by), None)
+        if tier is None:
+            raise error
+        log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
+        tier.quarantine(info.key, f"failed verification of block {block} on read", pin=handle.pin)
+        try:
+            return self.ensure(info, read=True).block_bytes(info)
+        except (OSError, ValueError) as e:
+            raise ShardCorruptError(f"{error}; fetching it again failed: {e}") from e
 
     def _open_limit(self, info: ShardInfo) -> int:
         """Open shards hold pins: keep them to half the top tier so eviction always has room."""

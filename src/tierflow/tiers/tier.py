@@ -6,11 +6,17 @@ space (occupancy + reservations <= capacity, evicting unpinned victims named by 
 fetches to a temporary name, verifies size and checksum, renames and admits. When the policy
 declines or no space can be made, `ensure` returns None and the caller serves from the tier
 below without caching. The same code serves a tmpfs L1 and an NVMe L2.
+
+A hit is verified whole (xxh3-128) unless the caller verifies by block as it reads
+(`verify_hit=False`, the tier stack's readers): then a hit costs a size check, and the entry's
+block list (byte ranges + xxh3-64, `blocks/<key>.json`, recorded at admission from verified
+bytes for a form whose blocks the manifest does not list) is what the reader checks against.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import secrets
@@ -19,9 +25,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from tierflow.format.checksum import file_xxh3_128
+from tierflow.format.checksum import file_xxh3_128, xxh3_hex
+from tierflow.format.shard import Block
 from tierflow.policies import make_policy
 from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import MetricsRegistry
@@ -97,7 +104,7 @@ class Tier:
         self.lock_timeout = lock_timeout
         self.verify_hits = verify_hits
         self.fetch_attempts = fetch_attempts
-        for sub in ("entries", "locks", "tmp", "quarantine"):
+        for sub in ("entries", "locks", "tmp", "quarantine", "blocks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.index = TierIndex(self.root / INDEX_NAME)
         own = self.index.occupancy()[0]
@@ -137,6 +144,7 @@ class Tier:
         self.m_occupancy = r.gauge("tier_occupancy_bytes", labels, aggregate="max")
         self.m_capacity = r.gauge("tier_capacity_bytes", labels, aggregate="max")
         self._warned_enospc = False
+        self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
 
     # ------------------------------------------------------------ capacity
     @property
@@ -204,8 +212,14 @@ class Tier:
             self.index.touch(c, row.key, now, stats)
 
     # ------------------------------------------------------------ reads
-    def lookup(self, key: str) -> Pin | None:
-        """A pinned, verified resident entry, or None (a miss, or a quarantined corrupt entry)."""
+    def lookup(self, key: str, verify: bool | None = None,
+               block_list: Callable[[Path], Sequence[Block]] | None = None) -> Pin | None:
+        """A pinned, verified resident entry, or None (a miss, or a quarantined corrupt entry).
+
+        `verify=False`: the caller verifies each block before it serves a byte of it, so only the
+        size is checked here; with `block_list` (how to cut a verified file into blocks) the
+        entry must have its block list, which is made now, after one whole-file check, if it
+        has none (an entry admitted without one)."""
         row = self.index.get(key)
         if row is None:
             return None
@@ -215,7 +229,15 @@ class Tier:
             with self.index.transaction() as c:
                 self.index.remove(c, key)
             return None
-        if self.verify_hits and (os.fstat(pin.fd).st_size != row.size or file_xxh3_128(pin.path) != row.checksum):
+        whole = self.verify_hits if verify is None else verify
+        sound = os.fstat(pin.fd).st_size == row.size
+        if sound and not whole and block_list is not None and self.blocks_of(key, row.size, row.checksum) is None:
+            whole = True
+        if sound and whole:
+            sound = file_xxh3_128(pin.path) == row.checksum
+            if sound and block_list is not None and self.blocks_of(key, row.size, row.checksum) is None:
+                self._record_blocks(key, row.size, row.checksum, block_list(pin.path))
+        if not sound:
             pin.release()
             self._quarantine(key, "failed verification on read")
             return None
@@ -223,6 +245,69 @@ class Tier:
         self.m_hits.inc()
         self.m_bytes_out.inc(row.size)
         return pin
+
+    # ------------------------------------------------------------ block lists
+    def _blocks_path(self, key: str) -> Path:
+        return self.root / "blocks" / f"{key}.json"
+
+    def blocks_of(self, key: str, size: int | None = None, checksum: str | None = None) -> list[Block] | None:
+        """The entry's block list (recorded at admission), or None when it has none or it is unsound."""
+        found = self._block_lists.get(key)
+        if found is not None:
+            return found
+        try:
+            d = json.loads(self._blocks_path(key).read_bytes())
+            body = {k: v for k, v in d.items() if k != "digest"}
+            if d["digest"] != xxh3_hex(json.dumps(body, sort_keys=True).encode()) or d["key"] != key:
+                raise ValueError("digest")
+            if (size is not None and d["size"] != size) or (checksum is not None and d["checksum"] != checksum):
+                raise ValueError("another entry")
+            b = d["blocks"]
+            blocks = [Block(int(o), int(n), int(r), str(c))
+                      for o, n, r, c in zip(b["offset"], b["length"], b["rows"], b["checksum"], strict=True)]
+            end = 0
+            for block in blocks:  # contiguous from 0, inside the file
+                if block.offset != end or block.length <= 0 or block.rows < 0:
+                    raise ValueError("layout")
+                end += block.length
+            if end > d["size"]:
+                raise ValueError("layout")
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        self._block_lists[key] = blocks
+        return blocks
+
+    def _record_blocks(self, key: str, size: int, checksum: str, blocks: Sequence[Block]) -> None:
+        """Keep the block list of a verified file (in memory, and beside the entry for other processes)."""
+        blocks = list(blocks)
+        self._block_lists[key] = blocks
+        body = {"key": key, "size": size, "checksum": checksum,
+                "blocks": {"offset": [b.offset for b in blocks], "length": [b.length for b in blocks],
+                           "rows": [b.rows for b in blocks], "checksum": [b.checksum for b in blocks]}}
+        body["digest"] = xxh3_hex(json.dumps(body, sort_keys=True).encode())
+        path = self._blocks_path(key)
+        tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.blocks"
+        try:
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, path)
+        except OSError as e:  # no room for it: this process keeps it; others verify whole
+            tmp.unlink(missing_ok=True)
+            log.warning("tier %s: could not record the block list of %s (%s)", self.name, key, e)
+
+    def _drop_blocks(self, key: str) -> None:
+        self._blocks_path(key).unlink(missing_ok=True)
+
+    def quarantine(self, key: str, why: str, pin: Pin | None = None) -> bool:
+        """Move a corrupt entry aside (it is fetched again on next use); with `pin`, only if the
+        entry is still the file that pin holds (another process may have replaced it already)."""
+        if pin is not None and pin.fd is not None:
+            try:
+                if os.stat(self.path_of(key)).st_ino != os.fstat(pin.fd).st_ino:
+                    return False
+            except FileNotFoundError:
+                return False
+        self._quarantine(key, why)
+        return True
 
     def _quarantine(self, key: str, why: str) -> None:
         self.m_corruptions.inc()
@@ -235,19 +320,22 @@ class Tier:
             self.index.remove(c, key)
 
     def ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None],
-               dataset: str | None = None, prefetch: bool = False) -> Pin | None:
+               dataset: str | None = None, prefetch: bool = False, verify_hit: bool | None = None,
+               block_list: Callable[[Path], Sequence[Block]] | None = None) -> Pin | None:
         """A pin on the entry, fetching it with `produce(tmp_path)` on a miss; None = serve from below.
 
         `prefetch` marks a fetch ahead of need: the entry is not yet used, so evicting it before
         a reader asks for it counts as an eviction before use (a demand fetch is its own first use).
+        `verify_hit=False`: the caller verifies blocks as it reads them (see `lookup`);
+        `block_list` cuts a fetched, verified file into blocks, recorded with the entry.
         """
-        pin = self.lookup(key)
+        pin = self.lookup(key, verify_hit, block_list)
         if pin is not None:
             return pin
         with FileLock(self.root / "locks" / f"{key}.lock", self.lock_timeout) as lock:
             if not lock.acquired:
                 self.m_takeovers.inc()
-            pin = self.lookup(key)
+            pin = self.lookup(key, verify_hit, block_list)
             if pin is not None:
                 return pin
             (self.m_prefetches if prefetch else self.m_misses).inc()
@@ -262,6 +350,8 @@ class Tier:
                 try:
                     produce(tmp)
                     self._verify_fetched(tmp, key, size, checksum)
+                    if block_list is not None:  # before the entry appears: a resident entry has its list
+                        self._record_blocks(key, size, checksum, block_list(tmp))
                     os.replace(tmp, self.path_of(key))
                 except FetchError:
                     tmp.unlink(missing_ok=True)
@@ -356,6 +446,7 @@ class Tier:
                 held.append(victim)
                 continue
             row = rows[victim]
+            self._drop_blocks(victim)
             self.index.remove(c, victim)
             policy.on_remove(victim)
             self._live_keys.discard(victim)
@@ -374,6 +465,7 @@ class Tier:
                 if keys is not None and row.key not in keys:
                     continue
                 if try_remove_unpinned(self.path_of(row.key)):
+                    self._drop_blocks(row.key)
                     self.index.remove(c, row.key)
                     removed += 1
         return removed
@@ -392,6 +484,10 @@ class Tier:
             removed += 1
         for p in (self.root / "entries").iterdir():
             if p.name.removesuffix(".arrow") not in known and not is_pinned(p):
+                p.unlink(missing_ok=True)
+                removed += 1
+        for p in (self.root / "blocks").iterdir():
+            if p.name.removesuffix(".json") not in known and not self.path_of(p.name.removesuffix(".json")).exists():
                 p.unlink(missing_ok=True)
                 removed += 1
         return removed
