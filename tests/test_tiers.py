@@ -369,3 +369,16 @@ def test_pack_writes_to_s3_directly_and_the_stack_reads_it_back(tmp_path, s3_ser
         tierflow.pack([src], url, workers=1, target_shard_bytes=256 << 10, endpoint_url=s3_proxy.url)
     stack = stack_for(url, s3_proxy.url, tmp_path / "node", l1=False)
     assert [s["i"] for s in stack.dataset()] == list(range(1500))
+
+
+def test_cache_warm_stages_every_shard_so_reading_costs_no_request(tmp_path, s3_dataset, capsys):
+    from tierflow.cli import main
+
+    local, url, proxy = s3_dataset
+    shards = tierflow.open_dataset(local).manifest.shards
+    assert main(["cache", "warm", url, "--tier", f"L2={tmp_path / 'l2'}:{1 << 30}", "--endpoint-url", proxy.url]) == 0
+    assert f"warmed {len(shards)} shards" in capsys.readouterr().out
+    proxy.reset_counters()
+    stack = TierStack(open_source(url, endpoint_url=proxy.url), [Tier(tmp_path / "l2", 1 << 30, name="L2")])
+    assert all_samples(stack.dataset()) == all_samples(tierflow.open_dataset(local))
+    assert proxy.traffic().response_bytes("GET") < 64 << 10  # the manifest, no shard

@@ -224,10 +224,16 @@ def _cache(args: argparse.Namespace) -> int:
 
         with Progress(transient=True) as progress:
             task = progress.add_task(f"warming {args.dataset}", total=len(manifest.shards))
+            declined = 0
             for info in manifest.shards:
-                stack.ensure(info).release()
+                handle = stack.ensure(info, prefetch=True)  # a shard no tier takes is not downloaded
+                if handle is None:
+                    declined += 1
+                else:
+                    handle.release()
                 progress.advance(task)
-        console.print(f"warmed {len(manifest.shards)} shards of {manifest.dataset_id}")
+        console.print(f"warmed {len(manifest.shards) - declined} shards of {manifest.dataset_id}"
+                      + (f"; {declined} did not fit (no tier would take them)" if declined else ""))
     tiers = [c.build() for c in configs]
     if args.action == "evict":
         for t in tiers:

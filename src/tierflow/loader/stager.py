@@ -94,6 +94,7 @@ class Stager:
         self.m_latency = r.histogram("stager_fetch_seconds", description="time to stage one shard")
         self.m_ahead = r.gauge("stager_ahead_bytes", aggregate="max", description="bytes staged and pinned ahead")
         self.m_lookahead = r.gauge("stager_lookahead_bytes", aggregate="max", description="bytes the stager aims ahead")
+        self.m_declined = r.counter("stager_declined", description="planned shards no tier would take")
         self.m_plan = r.histogram("stager_plan_seconds", description="time to plan the lookahead once")
         self.m_errors = r.counter("stager_errors", description="fetches that failed (readers fetch on demand)")
         self._cursor: dict | None = None
@@ -288,6 +289,11 @@ class Stager:
             with self._lock:
                 self._inflight.discard(shard)
             return
+        if handle is None:  # every tier declined it (the policy prefers what it holds): nothing to hold
+            self.m_declined.inc()
+            with self._lock:
+                self._inflight.discard(shard)
+            return
         if resident:
             self.m_already.inc()
         else:
@@ -295,7 +301,7 @@ class Stager:
             self.m_fetched.inc()
         with self._lock:
             self._inflight.discard(shard)
-            if self._stop.is_set() or handle.buffer is not None:  # never hold a shard in our own memory
+            if self._stop.is_set():
                 handle.release()
             else:
                 self._held[shard] = handle

@@ -98,13 +98,14 @@ class TierStack:
         return Dataset(self.manifest(), self, columns=columns, location=self.source.url)
 
     # ------------------------------------------------------------ ensure
-    def ensure(self, info: ShardInfo, level: int = 0, prefetch: bool = False, read: bool = False) -> Handle:
+    def ensure(self, info: ShardInfo, level: int = 0, prefetch: bool = False, read: bool = False) -> Handle | None:
         """A readable copy of the shard from tier `level` or below, filling misses on the way up.
 
-        `prefetch` (the stager) marks the top tier's new entry as not yet used. `read`: the copy
-        is for a reader that verifies each block before using it, so a hit is not hashed whole."""
+        `prefetch` (the stager) marks the top tier's new entry as not yet used, and gets None when
+        no tier takes the shard (a copy in memory would be dropped unread). `read`: the copy is
+        for a reader that verifies each block before using it, so a hit is not hashed whole."""
         if level == len(self.tiers):
-            return self._from_source(info)
+            return None if prefetch else self._from_source(info)
         tier = self.tiers[level]
         size, checksum = _expected(info, tier.form)
 
