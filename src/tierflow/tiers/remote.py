@@ -424,7 +424,11 @@ class S3Source(RetryingSource):
                 "'forkserver', or before the first remote read, to keep obstore)",
                 stacklevel=4,
             )
-            storage = {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
+            storage: dict[str, Any] = {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
+            # botocore's own timeouts, as obstore has them: without, a peer that never answers
+            # holds the reader for ever (our retries need an error to act on)
+            storage["config_kwargs"] = {"connect_timeout": self.timeout, "read_timeout": self.timeout,
+                                        "retries": {"max_attempts": 1}}
             self._fallback = FsspecSource(
                 self.url, storage_options=storage, budget=self.budget, timeout=self.timeout,
                 registry=self.registry, retry_policy=self.retry_policy, chunk_bytes=self.chunk_bytes,
