@@ -1,0 +1,215 @@
+"""The markdown table (results/peers.md) and the bar chart (results/peers.png) from run.py's results."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+MB = 1e6
+PEERS = ("streaming", "litdata")
+
+
+def _stats(values: list[float]) -> tuple[float, float, float] | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values), min(values), max(values)
+
+
+def _cell(st: tuple[float, float, float] | None, fmt: str) -> str:
+    if st is None:
+        return "-"
+    mid, low, high = st
+    if low == high:
+        return format(mid, fmt)
+    return f"{format(mid, fmt)} ({format(low, fmt)}-{format(high, fmt)})"
+
+
+class Row:
+    def __init__(self, label: str, unit: str, higher_better: bool, values: dict[str, list[float]], fmt: str,
+                 target: float | None = None, note: str = "", absolute: bool = False) -> None:
+        self.label, self.unit, self.higher_better, self.values, self.fmt = label, unit, higher_better, values, fmt
+        self.target, self.note, self.absolute = target, note, absolute
+
+    def medians(self) -> dict[str, float | None]:
+        return {s: (st[0] if (st := _stats(v)) else None) for s, v in self.values.items()}
+
+    def ratio(self) -> tuple[float | None, str | None]:
+        """tierflow / the better peer's median (what the targets are stated in)."""
+        med = self.medians()
+        peers = {p: med.get(p) for p in PEERS if med.get(p) is not None}
+        if med.get("tierflow") is None or not peers:
+            return None, None
+        best = (max if self.higher_better else min)(peers, key=lambda p: peers[p])
+        if not peers[best]:
+            return None, best
+        return med["tierflow"] / peers[best], best
+
+    def verdict(self) -> str:
+        if self.absolute and self.target is not None:
+            mine = self.medians().get("tierflow")
+            if mine is None:
+                return ""
+            met = mine >= self.target if self.higher_better else mine <= self.target
+            return f"{'met' if met else 'MISSED'} (tierflow {'>=' if self.higher_better else '<='} {self.target:g} {self.unit})"
+        ratio, _ = self.ratio()
+        if ratio is None or self.target is None:
+            return ""
+        met = ratio >= self.target if self.higher_better else ratio <= self.target
+        return f"{'met' if met else 'MISSED'} ({'>=' if self.higher_better else '<='} {self.target:g})"
+
+
+def build_rows(r: dict[str, Any]) -> list[Row]:
+    systems = r["systems"]
+    rows: list[Row] = []
+
+    def per(getter: Callable[[str], list[float]]) -> dict[str, list[float]]:
+        return {s: getter(s) for s in systems}
+
+    conv = r["convert"]
+    if any(conv["seconds"][s]["tokens"] for s in systems):
+        rows.append(Row("convert, tokens", "s", False, per(lambda s: conv["seconds"][s]["tokens"]), ".1f", 1.0))
+        rows.append(Row("convert, documents", "s", False, per(lambda s: conv["seconds"][s]["docs"]), ".1f", 1.0))
+    rows.append(Row("at rest, tokens", "MB", False, per(lambda s: [conv["at_rest"][s]["tokens"] / MB]), ".1f", 1.0))
+    rows.append(Row("at rest, documents", "MB", False, per(lambda s: [conv["at_rest"][s]["docs"] / MB]), ".1f", 1.0))
+    step = r["settings"]["step_ms"]
+    warm = r.get("warm", {})
+    if any(warm.get(s) for s in systems):
+        for key, label, target in (("w0_s0", "warm steps/s, main process, no step", None),
+                                   (f"w0_s{step:g}", f"warm steps/s, main process, {step:g} ms step", 1.0),
+                                   ("w2_s0", "warm steps/s, 2 workers, no step", None),
+                                   (f"w2_s{step:g}", f"warm steps/s, 2 workers, {step:g} ms step", 1.5)):
+            rows.append(Row(label, "steps/s", True, per(lambda s, k=key: [x[k]["steps_per_s"] for x in warm[s]]),
+                            ".0f", target))
+        rows.append(Row("warm peak PSS (main + workers)", "MB", False,
+                        per(lambda s: [x["peak_pss"] / MB for x in warm[s]]), ".0f"))
+    cold = r.get("cold", {})
+    if any(cold.get(s) for s in systems):
+        rows.append(Row("cold epoch from throttled S3: first batch", "s", False,
+                        per(lambda s: [x["first_s"] for x in cold[s]]), ".2f"))
+        rows.append(Row("cold epoch: wall", "s", False, per(lambda s: [x["epoch_s"] for x in cold[s]]), ".1f"))
+        rows.append(Row("cold epoch: fetched", "MB", False, per(lambda s: [x["bytes"] / MB for x in cold[s]]), ".1f"))
+        rows.append(Row("cold epoch: peak PSS", "MB", False, per(lambda s: [x["peak_pss"] / MB for x in cold[s]]), ".0f"))
+        rows.append(Row("cold epoch: peak local disk", "MB", False,
+                        per(lambda s: [x["peak_disk"] / MB for x in cold[s]]), ".0f"))
+    ep = r.get("epochs", {})
+    if any(ep.get(s) for s in systems):
+        for i, label in enumerate(("epoch 1 (cold)", "epoch 2", "epoch 3")):
+            rows.append(Row(f"30% cache: fetched, {label}", "MB", False,
+                            per(lambda s, i=i: [x["per_epoch"][i] / MB for x in ep[s] if len(x["per_epoch"]) > i]),
+                            ".1f"))
+        rows.append(Row("30% cache: fetched per epoch, mean of the epochs run", "MB", False,
+                        per(lambda s: [sum(x["per_epoch"]) / len(x["per_epoch"]) / MB for x in ep[s]
+                                       if x["per_epoch"]]), ".1f", 0.75))
+        rows.append(Row("30% cache: optimum per epoch (Belady, own order)", "MB", False,
+                        per(lambda s: [x["optimum"]["byte_miss_ratio"] * x["optimum"]["used_per_epoch"]
+                                       * r["at_rest_bytes_tokens"][s] / r["cached_form_bytes"][s] / MB
+                                       for x in ep[s] if x.get("optimum")]), ".1f"))
+        rows.append(Row("30% cache: peak PSS", "MB", False, per(lambda s: [x["peak_pss"] / MB for x in ep[s] if x.get("peak_pss")]), ".0f"))
+        rows.append(Row("30% cache: peak local disk", "MB", False,
+                        per(lambda s: [x["peak_disk"] / MB for x in ep[s]]), ".0f"))
+    res = r.get("resume", {})
+    sizes = r.get("resume_sizes", [])
+    if sizes and any(res.get(s) for s in systems):
+        for n in sizes:
+            rows.append(Row(f"resume at 50%, {n:,} samples: to first batch", "ms", False,
+                            per(lambda s, n=n: [x["first_s"] * 1e3 for x in res[s].get(str(n), [])]), ".0f",
+                            1000.0, absolute=True))
+        small, large = str(sizes[0]), str(sizes[-1])
+
+        def growth(s: str) -> list[float]:
+            a, b = _stats([x["first_s"] for x in res[s].get(small, [])]), _stats([x["first_s"] for x in res[s].get(large, [])])
+            return [b[0] / a[0]] if a and b and a[0] else []
+
+        rows.append(Row(f"resume growth {sizes[0]:,} -> {sizes[-1]:,} (ratio)", "x", False, per(growth), ".2f", 1.10,
+                        absolute=True))
+        rows.append(Row(f"resume at {sizes[-1]:,}: peak PSS", "MB", False,
+                        per(lambda s: [x["peak_pss"] / MB for x in res[s].get(large, [])]), ".0f"))
+        rows.append(Row("resume: imports (not in the figure above)", "s", False,
+                        per(lambda s: [x["import_s"] for x in res[s].get(large, [])]), ".2f"))
+    return rows
+
+
+def markdown(r: dict[str, Any], rows: list[Row]) -> str:
+    systems = r["systems"]
+    settings = r["settings"]
+    lines = [
+        "# tierflow vs MosaicML Streaming vs LitData",
+        "",
+        f"Corpus: {r['corpus']}. Shard size {settings['shard_mb']:g} MB (uncompressed) for every system; "
+        f"batch 8 x 2048 tokens; shuffle on, seed {settings['seed']}; {settings['rounds']} round(s), systems "
+        f"alternating within each; median (min-max). Cold epoch throttled to {settings['bandwidth_mb']:g} MB/s at "
+        f"the proxy; 30% cache = {settings['cache_fraction']:.0%} of each system's dataset in its cached "
+        f"(uncompressed) form, 3 epochs, unthrottled, 2 workers. Machine: {r['machine']}; run took "
+        f"{r['wall_s'] / 60:.1f} min.",
+        "",
+        "| measure | unit | " + " | ".join(systems) + " | tierflow / better peer | target |",
+        "|---|---|" + "---|" * len(systems) + "---|---|",
+    ]
+    for row in rows:
+        ratio, best = row.ratio()
+        ratio_text = f"{ratio:.2f} (vs {best})" if ratio is not None else "-"
+        lines.append(f"| {row.label} | {row.unit} | " + " | ".join(_cell(_stats(row.values.get(s, [])), row.fmt)
+                                                               for s in systems)
+                     + f" | {ratio_text} | {row.verdict()} |")
+    stopped = [(s, x["stopped"]) for s in systems for x in r.get("epochs", {}).get(s, []) if x.get("stopped")]
+    if stopped:
+        lines += ["", "Stopped 30%-cache runs (the epoch figure is extrapolated from the part done): " + "; ".join(
+            f"{s}: epoch {st['epoch'] + 1} stopped at "
+            + (f"{st['fraction']:.1%} after {st['bytes'] / MB:.0f} MB" if st.get("fraction") else "its time limit")
+            + (f" (crashed: {st['crashed']})" if st.get("crashed") else "")
+            for s, st in stopped) + "."]
+    if r.get("failures"):
+        lines += ["", "Crashed children (each retried once in a fresh process): " + "; ".join(r["failures"]) + "."]
+    shards = r["convert"]["shards"]
+    lines += ["", "Shards (tokens / documents): " + ", ".join(
+        f"{s} {shards[s]['tokens']} / {shards[s]['docs']}" for s in systems) + "."]
+    if r.get("notes"):
+        lines += ["", r["notes"]]
+    if r.get("reused"):
+        lines += ["", f"Reused: {r['reused']} (this run measured the rest)."]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(r: dict[str, Any], rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = r["systems"]
+    chosen = [row for row in rows if row.target is not None or "first batch" in row.label or "peak PSS" in row.label]
+    chosen = [row for row in chosen if any(_stats(row.values.get(s, [])) for s in systems)]
+    cols = 3
+    nrows = max(1, (len(chosen) + cols - 1) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.8 * nrows), squeeze=False)
+    colors = {"tierflow": "#1f77b4", "streaming": "#ff7f0e", "litdata": "#2ca02c"}
+    for ax, row in zip(axes.flat, chosen):
+        meds, lows, highs = [], [], []
+        for s in systems:
+            st = _stats(row.values.get(s, [])) or (0.0, 0.0, 0.0)
+            meds.append(st[0])
+            lows.append(st[0] - st[1])
+            highs.append(st[2] - st[0])
+        ax.bar(systems, meds, yerr=[lows, highs], color=[colors.get(s, "grey") for s in systems], capsize=3)
+        positive = [m for m in meds if m > 0]
+        if positive and max(positive) / min(positive) > 50:
+            ax.set_yscale("log")
+        better = "higher" if row.higher_better else "lower"
+        ax.set_title(f"{row.label}\n({row.unit}, {better} is better)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(chosen):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(r: dict[str, Any], out_dir: Path) -> str:
+    rows = build_rows(r)
+    text = markdown(r, rows)
+    (Path(out_dir) / "peers.md").write_text(text)
+    chart(r, rows, Path(out_dir) / "peers.png")
+    return text

@@ -1,0 +1,410 @@
+"""One small adapter per system: its own writer, its own loader, its own state and resume.
+
+Each adapter uses the system the way its documentation shows, with its defaults, except what
+the benchmark fixes for everyone: the shard size, the batch size, shuffle on with a fixed seed,
+zstd at rest where the issue names it (Streaming's MDSWriter), the local cache limit where one
+is measured, and the number of DataLoader workers.
+
+- tierflow: `tierflow.pack(..., tokenizer="bytes")`; `TieredDataset(..., seq_len=2048)` over a
+  tier stack (`build_stack` + an L2 `TierConfig`, decoded form) with `Loader` and a `Stager`.
+- MosaicML Streaming: `MDSWriter(columns=..., compression="zstd", size_limit=...)`;
+  `StreamingDataset(local=..., remote=..., shuffle=True, shuffle_seed=..., batch_size=...,
+  cache_limit=...)` with `StreamingDataLoader`; resume through `state_dict(num_samples, ...)`.
+- LitData: `litdata.optimize(fn, inputs, output_dir, chunk_bytes=..., num_workers=2,
+  item_loader=TokensLoader())` (its recipe for LLM pretraining data) and
+  `StreamingDataset(input_dir, item_loader=TokensLoader(block_size=2048), shuffle=True, seed=...,
+  max_cache_size=..., cache_dir=...)` with `StreamingDataLoader`.
+
+A loader here is anything iterable over batches for one epoch; `Reader.epoch()` makes a fresh
+iterator over the next epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from compat import guard_torchvision
+from corpus import SEQ_LEN, byte_tokens, token_samples
+
+TORCHVISION = guard_torchvision()
+
+BATCH = 8  # token batches: 8 x 2048 tokens for every system
+INT_BATCH = 256  # the resume datasets of 8-byte samples
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    out = {}
+    for dist in ("tierflow", "mosaicml-streaming", "litdata", "torch", "numpy", "pyarrow", "boto3", "obstore",
+                 "moto"):
+        try:
+            out[dist] = version(dist)
+        except Exception:  # noqa: BLE001
+            out[dist] = "-"
+    out["torchvision"] = TORCHVISION
+    return out
+
+
+class System:
+    name = ""
+    remote_scheme = "s3"
+
+    # -- conversion ----------------------------------------------------------------------
+    def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        raise NotImplementedError
+
+    def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        raise NotImplementedError
+
+    def convert_ints(self, samples: int, out: Path, shard_bytes: int) -> None:
+        raise NotImplementedError
+
+    # -- reading -------------------------------------------------------------------------
+    def preload(self) -> None:
+        """Import what the reader needs (torch included), so a timed start-up excludes imports."""
+        import torch  # noqa: F401
+
+    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> "Reader":
+        raise NotImplementedError
+
+
+class Reader:
+    """An open dataset + loader of one system."""
+
+    def epoch(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def state_at(self, samples: int) -> Any:
+        """The state this system's loader saves after `samples` samples of the first epoch (JSON-able)."""
+        raise NotImplementedError
+
+    def epoch_samples(self) -> int:
+        raise NotImplementedError
+
+    def shard_uses(self, epochs: int) -> list[tuple[str, int]] | None:
+        """(shard key, cached bytes) in the order the shards are used over `epochs` epochs, when known."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+# ============================================================================ tierflow
+class Tierflow(System):
+    name = "tierflow"
+
+    def preload(self) -> None:
+        import torch  # noqa: F401
+
+        import tierflow.loader.stager  # noqa: F401
+        import tierflow.tiers  # noqa: F401
+        from tierflow.loader import Loader, TieredDataset  # noqa: F401
+
+    def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        import tierflow
+
+        tierflow.pack([files[0].parent], out, tokenizer="bytes", target_shard_bytes=shard_bytes,
+                      compression="zstd", workers=2, overwrite=True)
+
+    def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        import tierflow
+
+        tierflow.pack([files[0].parent], out, target_shard_bytes=shard_bytes, compression="zstd", workers=2,
+                      overwrite=True)
+
+    def convert_ints(self, samples: int, out: Path, shard_bytes: int) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        import tierflow
+
+        out.mkdir(parents=True, exist_ok=True)
+        source = out.parent / f"{out.name}.parquet"
+        pq.write_table(pa.table({"x": np.arange(samples, dtype=np.int64)}), source, compression="none")
+        tierflow.pack([source], out, target_shard_bytes=shard_bytes, compression="zstd", workers=2, overwrite=True)
+        source.unlink()
+
+    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> Reader:
+        return TierflowReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume, stager, small_cache)
+
+
+class TierflowReader(Reader):
+    def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
+                 endpoint: str | None, resume: Any, stager: bool, small_cache: bool = False) -> None:
+        from tierflow.loader import Loader, TieredDataset
+        from tierflow.loader.stager import Stager
+        from tierflow.tiers import TierConfig, build_stack
+
+        self.kind = kind
+        capacity = cache_limit if cache_limit is not None else 1.0
+        self.stack = build_stack(data, [TierConfig("L2", str(cache), capacity, policy="auto", form="decoded")],
+                                 endpoint_url=endpoint)
+        # With a cache far smaller than the dataset, the order's default (up to 64 partitions, each
+        # reading a window of 4 shards) keeps more shards in use at once than the cache holds. As
+        # `tierflow demo` does for its small L2, read 2 partitions x windows of 2 shards then.
+        order = dict(partitions=2, window_shards=2) if small_cache else {}
+        if kind == "tokens":
+            self.ds = TieredDataset(self.stack.dataset(), batch_size=BATCH, seq_len=SEQ_LEN, seed=seed, resume=resume,
+                                    **order)
+        else:
+            self.ds = TieredDataset(self.stack.dataset(), batch_size=INT_BATCH, columns=["x"], seed=seed, resume=resume)
+        self.batch = self.ds.batch_size
+        self.loader = Loader(self.ds, num_workers=workers, stager=Stager(self.ds, self.stack) if stager else None)
+        if stager:
+            self.loader.start_prefetch()
+        self._per_epoch = self.ds.num_order_samples // self.batch
+        self._iterator: Iterator[Any] | None = None
+
+    def warm(self) -> None:
+        for info in self.stack.manifest().shards:
+            self.stack.ensure(info).release()
+
+    def epoch(self) -> Iterator[Any]:
+        # TieredDataset is endless (epochs follow each other, workers kept); an epoch is its share of batches
+        if self._iterator is None:
+            self._iterator = iter(self.loader)
+        for _ in range(self._per_epoch):
+            yield next(self._iterator)
+
+    def epoch_samples(self) -> int:
+        return self._per_epoch * self.batch
+
+    def state_at(self, samples: int) -> Any:
+        from tierflow.loader.dataset import CURSOR_VERSION
+
+        stream, _, _ = self.ds._stream()
+        cursor = stream.cursor_after(samples // self.batch - 1)
+        return {"version": CURSOR_VERSION, "kind": "train", "order": cursor.to_dict(), "skip": 0,
+                "arrangement": self.ds.arrangement()}
+
+    def shard_uses(self, epochs: int) -> list[tuple[str, int]]:
+        shards = self.stack.manifest().shards
+        uses = self.ds.future_shard_uses(None, horizon_batches=epochs * self._per_epoch)
+        return [(shards[u.shard].name, shards[u.shard].decoded_bytes) for u in uses]
+
+    def close(self) -> None:
+        self.loader.close()
+        self.stack.close()
+
+
+# ============================================================================ MosaicML Streaming
+class Streaming(System):
+    name = "streaming"
+
+    def preload(self) -> None:
+        from streaming import StreamingDataLoader, StreamingDataset  # noqa: F401
+
+    def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        from streaming import MDSWriter
+
+        with MDSWriter(out=str(out), columns={"tokens": f"ndarray:uint16:{SEQ_LEN}"}, compression="zstd",
+                       size_limit=shard_bytes, progress_bar=False) as writer:
+            for sample in token_samples(files):
+                writer.write({"tokens": sample})
+
+    def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        from streaming import MDSWriter
+
+        with MDSWriter(out=str(out), columns={"text": "str"}, compression="zstd", size_limit=shard_bytes,
+                       progress_bar=False) as writer:
+            for path in files:
+                writer.write({"text": path.read_text()})
+
+    def convert_ints(self, samples: int, out: Path, shard_bytes: int) -> None:
+        from streaming import MDSWriter
+
+        with MDSWriter(out=str(out), columns={"x": "int64"}, compression="zstd", size_limit=shard_bytes,
+                       progress_bar=False) as writer:
+            for i in range(samples):
+                writer.write({"x": i})
+
+    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> Reader:
+        return StreamingReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
+
+
+class StreamingReader(Reader):
+    def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
+                 endpoint: str | None, resume: Any) -> None:
+        from streaming import StreamingDataLoader, StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        if endpoint:
+            os.environ["S3_ENDPOINT_URL"] = endpoint
+        self.batch = BATCH if kind == "tokens" else INT_BATCH
+        remote = data if "://" in data else None
+        local = str(cache) if remote else data
+        self.ds = StreamingDataset(local=local, remote=remote, shuffle=True, shuffle_seed=seed, batch_size=self.batch,
+                                   cache_limit=cache_limit)
+        self.loader = StreamingDataLoader(self.ds, batch_size=self.batch, num_workers=workers)
+        if resume is not None:
+            self.loader.load_state_dict(resume)
+
+    def warm(self) -> None:
+        for shard in range(self.ds.num_shards):
+            self.ds.prepare_shard(shard)
+
+    def epoch(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def epoch_samples(self) -> int:
+        return self.ds.num_samples // self.batch * self.batch
+
+    def state_at(self, samples: int) -> Any:
+        # what StreamingDataLoader.state_dict() saves after `samples` samples: it calls
+        # dataset.state_dict(num_samples_yielded * world_size, from_beginning=False); the epoch must have begun
+        iterator = iter(self.loader)
+        next(iterator)
+        state = self.ds.state_dict(samples, from_beginning=True)
+        del iterator
+        return state
+
+    def shard_uses(self, epochs: int) -> list[tuple[str, int]] | None:
+        """Shards in the order the sample ids of each epoch reach them (one node, this worker layout)."""
+        uses: list[tuple[str, int]] = []
+        world = self.ds._unique_rank_world if hasattr(self.ds, "_unique_rank_world") else None
+        try:
+            from streaming.base.world import World
+
+            world = world or World.detect()
+            for epoch in range(epochs):
+                ids = np.asarray(self.ds._get_work(epoch, 0)).flatten()  # (nodes, ranks, workers, batches, batch)
+                ids = ids[ids >= 0]
+                ends = np.cumsum(self.ds.samples_per_shard)
+                shards = np.searchsorted(ends, ids, side="right")
+                change = np.flatnonzero(np.diff(shards)) + 1
+                for s in shards[np.r_[0, change]]:
+                    uses.append((f"shard.{int(s):05d}", int(self.ds.shards[int(s)].get_raw_size())))
+        except Exception as e:  # noqa: BLE001 - private API; the optimum is then not shown
+            print(f"streaming shard order unavailable: {e}")
+            return None
+        return uses
+
+    def close(self) -> None:
+        del self.loader
+
+
+# ============================================================================ LitData
+def _litdata_tokens(path: str):
+    import torch
+
+    yield torch.from_numpy(byte_tokens(Path(path).read_bytes()))
+
+
+def _litdata_doc(path: str) -> dict:
+    return {"text": Path(path).read_text()}
+
+
+def _litdata_ints(span: tuple[int, int]):
+    for i in range(*span):
+        yield {"x": i}
+
+
+class LitData(System):
+    name = "litdata"
+
+    def preload(self) -> None:
+        from litdata import StreamingDataLoader, StreamingDataset  # noqa: F401
+
+    def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        from litdata import TokensLoader, optimize
+
+        optimize(fn=_litdata_tokens, inputs=[str(f) for f in files], output_dir=str(out), chunk_bytes=shard_bytes,
+                 item_loader=TokensLoader(), num_workers=2, verbose=False, mode="overwrite")
+
+    def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        from litdata import optimize
+
+        optimize(fn=_litdata_doc, inputs=[str(f) for f in files], output_dir=str(out), chunk_bytes=shard_bytes,
+                 num_workers=2, verbose=False, mode="overwrite")
+
+    def convert_ints(self, samples: int, out: Path, shard_bytes: int) -> None:
+        from litdata import optimize
+
+        step = max(1, samples // 64)
+        spans = [(a, min(samples, a + step)) for a in range(0, samples, step)]
+        optimize(fn=_litdata_ints, inputs=spans, output_dir=str(out), chunk_bytes=shard_bytes, num_workers=2,
+                 verbose=False, mode="overwrite")
+
+    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> Reader:
+        return LitDataReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
+
+
+class LitDataReader(Reader):
+    def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
+                 endpoint: str | None, resume: Any) -> None:
+        from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+
+        self.batch = BATCH if kind == "tokens" else INT_BATCH
+        options: dict[str, Any] = dict(shuffle=True, seed=seed)
+        if kind == "tokens":
+            options["item_loader"] = TokensLoader(block_size=SEQ_LEN)
+        if "://" in data:
+            if endpoint and endpoint.startswith("http://"):
+                # the loopback S3 speaks plain http; LitData's obstore client options do not allow it
+                # (real S3 is https). Allow it, keeping LitData's own fast path (obstore) in use.
+                from litdata.streaming import downloader
+
+                downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+            options["cache_dir"] = str(cache)
+            options["storage_options"] = {"endpoint_url": endpoint} if endpoint else {}
+        if cache_limit is not None:
+            options["max_cache_size"] = int(cache_limit)
+        self.ds = StreamingDataset(data, **options)
+        self.loader = StreamingDataLoader(self.ds, batch_size=self.batch, num_workers=workers)
+        self.workers = workers
+        if resume is not None:
+            self.loader.load_state_dict(resume)
+
+    def warm(self) -> None:
+        pass  # a local input_dir is read in place, uncompressed: warm once the page cache is
+
+    def epoch(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def epoch_samples(self) -> int:
+        return len(self.ds) // self.batch * self.batch
+
+    def state_at(self, samples: int) -> Any:
+        # what StreamingDataLoader.state_dict() saves after `samples` samples
+        iterator = iter(self.loader)
+        next(iterator)
+        state = self.loader.state_dict()
+        state["num_samples_yielded"] = samples
+        state["dataset"] = self.ds.state_dict(samples, self.workers, self.batch)
+        state["dataset"]["num_samples_yielded"] = samples
+        del iterator
+        return state
+
+    def close(self) -> None:
+        del self.loader
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (Tierflow(), Streaming(), LitData())}
+
+
+def prepare_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
