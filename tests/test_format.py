@@ -25,6 +25,7 @@ def pack_small(tmp_path: Path, n: int = 3000, **kw) -> Path:
         for i in range(n):
             f.write(json.dumps({"text": f"sample {i} " * (i % 40), "i": i}) + "\n")
     out = tmp_path / "out"
+    kw.setdefault("block_bytes", 64 << 10)  # several blocks a shard
     tierflow.pack([src], out, workers=1, target_shard_bytes=256 << 10, **kw)
     return out
 

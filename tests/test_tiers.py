@@ -28,7 +28,8 @@ def make_dataset(tmp_path: Path, n: int = 2400, seed: int = 0) -> Path:
         for i in range(n):
             f.write(json.dumps({"text": f"doc {i} {seed} " + "lorem ipsum " * (i % 37), "i": i}) + "\n")
     out = tmp_path / "packed"
-    tierflow.pack([src], out, workers=1, target_shard_bytes=256 << 10, tokenizer="bytes", keep_text=True)
+    tierflow.pack([src], out, workers=1, target_shard_bytes=256 << 10, tokenizer="bytes", keep_text=True,
+                  block_bytes=64 << 10)  # several blocks a shard
     return out
 
 

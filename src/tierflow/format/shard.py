@@ -102,9 +102,15 @@ def shard_name(checksum: str) -> str:
     return f"{SHARD_PREFIX}{checksum}{SHARD_SUFFIX}"
 
 
+DEFAULT_LEVELS = {"zstd": 6}
+"""zstd 6 rather than Arrow's default 1: ~15% fewer bytes at rest for ~30% more pack CPU, and
+decoding costs the same at any level (measured on benchmarks/peers' text corpus)."""
+
+
 def _ipc_options(compression: str, level: int | None) -> pa.ipc.IpcWriteOptions:
     if compression == "none":
         return pa.ipc.IpcWriteOptions(compression=None)
+    level = DEFAULT_LEVELS.get(compression) if level is None else level
     codec = pa.Codec(compression, compression_level=level) if level is not None else compression
     return pa.ipc.IpcWriteOptions(compression=codec, use_threads=True)
 

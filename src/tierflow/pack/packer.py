@@ -397,18 +397,21 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
          text_field: str = "text", keep_text: bool = False, kind: str = "auto",
          include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
          overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20,
-         endpoint_url: str | None = None) -> PackSummary:
+         block_bytes: int | None = None, endpoint_url: str | None = None) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
     worker processes, so features computed here are paid once, not every epoch. `out` may be
     an object-store URL (s3://bucket/prefix): the dataset is packed in a local staging
-    directory, then its shards are uploaded and its manifest last.
+    directory, then its shards are uploaded and its manifest last. `block_bytes` (default: the
+    shard size / 64, within 256 KB-4 MB) sizes the blocks, the unit of compression, checksum and
+    random access: larger ones compress better, and a read decodes a whole block.
     """
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
                    compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
                    text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,
-                   on_error=on_error, overwrite=overwrite, progress=progress, chunk_bytes=chunk_bytes)
+                   on_error=on_error, overwrite=overwrite, progress=progress, chunk_bytes=chunk_bytes,
+                   block_bytes=block_bytes)
     if "://" not in str(out) or str(out).startswith("file://"):
         return _pack_local(sources, Path(str(out).removeprefix("file://")), **options)
     import tempfile
@@ -434,7 +437,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 target_shard_bytes: int, compression: str, compression_level: int | None, tokenizer: str | None,
                 eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
                 exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
-                chunk_bytes: int) -> PackSummary:
+                chunk_bytes: int, block_bytes: int | None) -> PackSummary:
     if isinstance(sources, (str, os.PathLike)) or isinstance(sources, dict):
         sources = [sources]
     elif not isinstance(sources, (list, tuple)):
@@ -455,7 +458,8 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         _prepare_out(out, overwrite)
         tmp_dir = out / TMP_DIR
         tmp_dir.mkdir()
-        block_bytes = int(min(4 << 20, max(64 << 10, target_shard_bytes // 64)))
+        if block_bytes is None:
+            block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
         config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir))
         assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
                                    "tokens" if tok is not None else None)

@@ -139,6 +139,8 @@ class Tier:
         self.m_enospc = r.counter("tier_enospc_fallbacks", labels, "served from below: no space")
         self.m_bypass = r.counter("tier_bypass", labels, "served from below: the policy declined")
         self.m_in_use = r.counter("tier_full_in_use", labels, "served from below: every resident entry in use")
+        self.m_prefetch_no_room = r.counter("tier_prefetch_no_room", labels,
+                                            "prefetches dropped: every resident entry in use")
         self.m_takeovers = r.counter("tier_lock_takeovers", labels, "fetch lock timed out; fetched anyway")
         self.m_latency = r.histogram("tier_fetch_seconds", labels, "time to fill a miss")
         self.m_occupancy = r.gauge("tier_occupancy_bytes", labels, aggregate="max")
@@ -347,12 +349,17 @@ class Tier:
                 if reservation is None:
                     return None
                 tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
+                pin = None
                 try:
                     produce(tmp)
                     self._verify_fetched(tmp, key, size, checksum)
                     if block_list is not None:  # before the entry appears: a resident entry has its list
                         self._record_blocks(key, size, checksum, block_list(tmp))
+                    # pinned before it appears: once admitted, another process could pick it as a
+                    # victim and unlink it before this one had pinned it
+                    pin = Pin(tmp)
                     os.replace(tmp, self.path_of(key))
+                    pin.path = self.path_of(key)
                 except FetchError:
                     tmp.unlink(missing_ok=True)
                     self.index.release(reservation)
@@ -361,6 +368,8 @@ class Tier:
                         continue  # a torn or corrupted transfer: fetch it again
                     raise
                 except OSError as e:
+                    if pin is not None:
+                        pin.release()
                     tmp.unlink(missing_ok=True)
                     self.index.release(reservation)
                     if e.errno != errno.ENOSPC:
@@ -375,14 +384,20 @@ class Tier:
                         self._warned_enospc = True
                     return None
                 except BaseException:
+                    if pin is not None:
+                        pin.release()
                     tmp.unlink(missing_ok=True)
                     self.index.release(reservation)
                     raise
-                self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
+                try:
+                    self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
+                except BaseException:
+                    pin.release()
+                    raise
                 self.m_latency.observe(time.perf_counter() - started)
                 self.m_promotions.inc()
                 self.m_bytes_in.inc(size)
-                return Pin(self.path_of(key))
+                return pin
 
     def _verify_fetched(self, tmp: Path, key: str, size: int, checksum: str) -> None:
         got_size = tmp.stat().st_size
@@ -427,20 +442,20 @@ class Tier:
                 return None
             held: list[str] = []
             try:
-                return self._make_room(c, policy, rows, key, size, extra, used, capacity, now, held)
+                return self._make_room(c, policy, rows, key, size, extra, used, capacity, now, held, required)
             finally:
                 for victim in held:
                     if policy.is_pinned(victim):
                         policy.unpin(victim, now)
 
     def _make_room(self, c, policy: CachePolicy, rows: dict[str, EntryRow], key: str, size: int, extra: int,
-                   used: int, capacity: int, now: float, held: list[str]) -> int | None:
+                   used: int, capacity: int, now: float, held: list[str], required: bool = True) -> int | None:
         """Evict unpinned victims until the entry fits; pinned ones are skipped via `held`."""
         while used + size + extra > capacity:
             victim = policy.victim(now)
-            if victim is None:
-                self.m_in_use.inc()
-                return None  # every resident entry is in use
+            if victim is None:  # every resident entry is in use
+                (self.m_in_use if required else self.m_prefetch_no_room).inc()
+                return None
             if not try_remove_unpinned(self.path_of(victim)):
                 policy.pin(victim)  # in use by some process: skip it for this decision
                 held.append(victim)
