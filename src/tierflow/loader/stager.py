@@ -190,7 +190,7 @@ class Stager:
             steps = self._consumed_steps
             # a plan holds the GIL for ~1-40 ms (it walks two tier-capacities of future): plan at most
             # every 10 plans' time, so the stager never takes more than ~10% from the training loop
-            rested = time.monotonic() - planned_time > max(0.05, PLAN_SHARE * cost)
+            rested = time.monotonic() - planned_time > max(0.05, PLAN_SHARE * cost)  # see the wait below
             due = steps - planned_at >= max(1, self.min_batches // 2) and rested
             if planned_at < 0 or due or (not self._wake.is_set() and rested):
                 planned_at, planned_time = steps, time.monotonic()
@@ -204,7 +204,8 @@ class Stager:
             else:
                 self._release_passed()
             self._wake.clear()
-            self._wake.wait(timeout=0.5 if rested else max(0.0, PLAN_SHARE * cost - (time.monotonic() - planned_time)))
+            gap = max(0.05, PLAN_SHARE * cost)  # the same rest as `rested` above, or this loop spins
+            self._wake.wait(timeout=0.5 if rested else max(0.001, gap - (time.monotonic() - planned_time)))
 
     def _plan_and_fetch(self) -> None:
         with self._lock:
