@@ -34,6 +34,7 @@ from tierflow.format.dataset import ShardTable
 from tierflow.format.shard import ShardInfo, decode_shard
 from tierflow.loader import Loader, TieredDataset
 from tierflow.loader.stager import Stager
+from tierflow.telemetry.bench import steps_per_second
 from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.remote import upload_dataset
@@ -83,28 +84,11 @@ def dataset(path: str) -> TieredDataset:
                          shard_source_factory=lambda: WarmL1Source(decoded))
 
 
-def run_loop(batches, steps: int, step_s: float) -> tuple[float, float]:
-    """(steps/s after the first batch, seconds to the first batch)."""
-    started = time.perf_counter()
-    iterator = iter(batches)
-    next(iterator)
-    first = time.perf_counter() - started
-    begin = time.perf_counter()
-    done = 0
-    for _ in iterator:
-        if step_s:
-            time.sleep(step_s)
-        done += 1
-        if done == steps:
-            break
-    return done / (time.perf_counter() - begin), first
-
-
 def tierflow_round(path: str, workers: int, steps: int, step_s: float,
                    background: bool | None = None) -> tuple[float, float]:
     loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background)
     try:
-        return run_loop(loader, steps, step_s)
+        return steps_per_second(loader, steps, step_s)
     finally:
         loader.close()
 
@@ -315,7 +299,7 @@ def main() -> None:
                     rate, first = tierflow_round(path, workers, steps, step_s, background)
                     ours.append(rate)
                     firsts.append(first * 1e3)
-                    dry.append(run_loop(preloaded, steps, step_s)[0])
+                    dry.append(steps_per_second(preloaded, steps, step_s)[0])
                 ratio = statistics.median(ours) / statistics.median(dry)
                 target = 0.9 if step_s < 0.005 else 0.95
                 print(f"{workers:>7} {step_s * 1e3:>7.0f} {spread(ours):>24} {spread(dry):>24} {ratio:>6.3f} "

@@ -30,6 +30,24 @@ def simulated_step(step_ms: float) -> Step:
     return step
 
 
+def steps_per_second(batches: Any, steps: int, step_s: float) -> tuple[float, float]:
+    """(steps/s after the first batch, seconds to the first batch) of a loop that sleeps `step_s`
+    per batch; the benchmarks' common yardstick, start-up kept apart."""
+    began = time.perf_counter()
+    iterator = iter(batches)
+    next(iterator)
+    first = time.perf_counter() - began
+    start = time.perf_counter()
+    done = 0
+    for _ in iterator:
+        if step_s:
+            time.sleep(step_s)
+        done += 1
+        if done == steps:
+            break
+    return done / (time.perf_counter() - start), first
+
+
 @dataclass(frozen=True)
 class BenchResult:
     steps: int
