@@ -30,14 +30,13 @@ from pathlib import Path
 import numpy as np
 
 import tierflow
-from tierflow.format.dataset import ShardTable
-from tierflow.format.shard import ShardInfo, decode_shard
 from tierflow.loader import Loader, TieredDataset
 from tierflow.loader.stager import Stager
 from tierflow.telemetry.bench import steps_per_second
 from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.remote import upload_dataset
+from warm import WarmL1Source, warm_l1
 
 SEQ_LEN = 2048
 BATCH = 8
@@ -54,28 +53,6 @@ def make_dataset(root: Path, tokens: int) -> str:
             written += n + 1
     tierflow.pack([source], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=4 << 20)
     return str(root / "ds")
-
-
-class WarmL1Source:
-    """Stand-in for a warm L1 until the tier stack lands: decoded shards, memory-mapped, opened once."""
-
-    def __init__(self, decoded: Path) -> None:
-        self.decoded = decoded
-        self._open: dict[int, ShardTable] = {}
-
-    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
-        table = self._open.get(index)
-        if table is None:
-            table = self._open[index] = ShardTable.from_ipc_file(self.decoded / info.name, memory_map=True)
-        return table
-
-
-def warm_l1(path: str) -> Path:
-    decoded = Path(path).parent / "l1"
-    decoded.mkdir(exist_ok=True)
-    for info in tierflow.Manifest.load(path).shards:
-        decode_shard(Path(path) / info.name, decoded / info.name)
-    return decoded
 
 
 def dataset(path: str) -> TieredDataset:

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 import tierflow
-from tierflow.format.dataset import ShardTable
-from tierflow.format.shard import ShardInfo, decode_shard
 from tierflow.loader import Loader, TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
+from tierflow.telemetry.bench import steps_per_second
 from tierflow.telemetry.metrics import MetricsRegistry
+from warm import WarmL1Source, warm_l1
 
 REPEATS = 5
 NUMBER = 200_000
@@ -115,20 +115,6 @@ def main() -> None:
         print(f"{label:<28}{share:16.3%}{'2%':>8}{'yes' if share <= 0.02 else 'NO':>6}")
 
 
-class WarmDecodedShards:
-    """A warm L1: every shard decoded once beforehand, memory-mapped, opened once per loader."""
-
-    def __init__(self, decoded: Path) -> None:
-        self.decoded = decoded
-        self._open: dict[int, ShardTable] = {}
-
-    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
-        table = self._open.get(index)
-        if table is None:
-            table = self._open[index] = ShardTable.from_ipc_file(self.decoded / info.name, memory_map=True)
-        return table
-
-
 def warm_token_dataset(root: Path) -> tuple[Path, Path]:
     """A packed token dataset and its shards decoded next to it (the warm cache)."""
     rng = np.random.default_rng(0)
@@ -137,28 +123,16 @@ def warm_token_dataset(root: Path) -> tuple[Path, Path]:
             n = int(rng.integers(100, 3000))
             f.write(json.dumps({"text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=4 << 20)
-    decoded = root / "l1"
-    decoded.mkdir()
-    for info in tierflow.Manifest.load(root / "ds").shards:
-        decode_shard(root / "ds" / info.name, decoded / info.name)
-    return root / "ds", decoded
+    return root / "ds", warm_l1(root / "ds")
 
 
 def timed_round(path: Path, decoded: Path, telemetry: bool, batches: int, step_s: float) -> float:
     """Batches/s of a loop with a `step_s` sleep, timed from the first batch (start-up excluded)."""
     dataset = TieredDataset(str(path), batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4,
-                            shard_source_factory=lambda: WarmDecodedShards(decoded))
+                            shard_source_factory=lambda: WarmL1Source(decoded))
     loader = Loader(dataset, "cpu", telemetry=telemetry)
     try:
-        iterator = iter(loader)
-        next(iterator)
-        started = time.perf_counter()
-        for n, _ in enumerate(iterator, 1):
-            if step_s:
-                time.sleep(step_s)
-            if n == batches:
-                break
-        return batches / (time.perf_counter() - started)
+        return steps_per_second(loader, batches, step_s)[0]
     finally:
         loader.close()
 
