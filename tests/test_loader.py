@@ -529,6 +529,9 @@ def test_token_budget_cursor_resumes_only_its_own_rank(packed):
         budget_ds(packed, resume=state, rank=0, ranks=2)
     with pytest.raises(CursorError, match="pending"):
         TieredDataset(packed, batch_size=16, partitions=PARTITIONS, resume=state, world=WorldPosition(0, 1, 1, 2))
+    torn = {**state, "pending": {"ids": state["pending"]["ids"] + [10**9], "epochs": state["pending"]["epochs"] + [0]}}
+    with pytest.raises(CursorError, match="pending samples are not"):
+        budget_ds(packed, resume=torn, rank=1, ranks=2)
 
 
 def test_budget_planner_takes_the_oldest_first_and_fills_gaps_first_fit():

@@ -161,8 +161,17 @@ class TieredDataset(IterableDataset):
         if kind == "train":
             self.order.load(state["order"], allow_mismatch=self.allow_mismatch)
         if "pending" in state:
+            pending = state["pending"]
+            ids = pending.get("ids") if isinstance(pending, dict) else None
+            epochs = pending.get("epochs") if isinstance(pending, dict) else None
+            samples = sum(s.samples for s in self.manifest.shards)
+            if (not isinstance(ids, list) or not isinstance(epochs, list) or len(ids) != len(epochs)
+                    or not all(isinstance(i, int) and 0 <= i < samples for i in ids)
+                    or not all(isinstance(e, int) and e >= 0 for e in epochs)):
+                raise CursorError(f"{self.location}: the cursor's pending samples are not two equal lists of "
+                                  f"sample ids in [0, {samples}) and epochs")
             if not isinstance(self.batcher, TokenBudget):
-                raise CursorError(f"{self.location}: a token-budget cursor holds {len(state['pending']['ids'])} "
+                raise CursorError(f"{self.location}: a token-budget cursor holds {len(ids)} "
                                   f"pending samples; resume it with a TokenBudget batcher, not {self.batcher!r}")
             if state.get("rank") != self.world.rank:
                 raise CursorError(f"{self.location}: this token-budget cursor is rank {state.get('rank')}'s "
