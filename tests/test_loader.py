@@ -14,7 +14,9 @@ import tierflow
 from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, TieredDataset, TokenBudget,
                              WorldPosition, bucket_shapes)
 from tierflow.loader.collate import collate_samples
-from tierflow.loader.tokens import document_segments, num_windows, straddling_shards, window_counts
+from tierflow.loader.tokens import (
+    document_segments, num_windows, tokens_outside_windows, window_counts, window_token_starts,
+)
 
 PARTITIONS = 4
 
@@ -50,14 +52,15 @@ def ids_of(batches):
 
 # -- token windows --------------------------------------------------------------------------
 
-def test_window_counts_assign_each_window_to_the_shard_it_starts_in():
+def test_windows_stay_inside_their_shard_and_the_tails_they_leave_are_counted():
     token_starts = np.array([0, 100, 100, 250, 301])
     counts = window_counts(token_starts, 50)
-    assert counts.sum() == num_windows(301, 50) == 6
-    starts = np.arange(6) * 50
-    expected = [np.count_nonzero((starts >= a) & (starts < b)) for a, b in zip(token_starts[:-1], token_starts[1:])]
-    assert counts.tolist() == expected
-    assert straddling_shards(token_starts, 50).tolist() == [True, False, True, False]
+    assert counts.tolist() == [num_windows(100, 50), 0, num_windows(150, 50), num_windows(51, 50)] == [1, 0, 2, 1]
+    starts = window_token_starts(token_starts, 50, np.arange(counts.sum()))
+    assert starts.tolist() == [0, 100, 150, 250]
+    shard_of = np.searchsorted(token_starts, starts, side="right") - 1
+    assert np.all(starts + 50 + 1 <= token_starts[shard_of + 1])  # L + 1 tokens, all in the shard
+    assert tokens_outside_windows(token_starts, 50) == (100 - 51) + (150 - 101) + (51 - 51)
 
 
 def test_document_segments_restart_positions_after_each_eos():
@@ -72,7 +75,7 @@ def test_document_segments_restart_positions_after_each_eos():
 def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
     length = 64
     ds = TieredDataset(packed, batch_size=8, seq_len=length, partitions=PARTITIONS)
-    total = num_windows(ds.manifest.num_tokens, length)
+    total = int(window_counts(ds._token_starts, length).sum())
     assert ds.num_order_samples == total
     seen: dict[int, np.ndarray] = {}
     for batch in ds:
@@ -84,9 +87,10 @@ def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
         if len(seen) == total:
             break
     reader = tierflow.open_dataset(packed)
-    stream = reader.tokens(0, total * length + 1)
-    for window in range(total):
-        assert np.array_equal(seen[window], stream[window * length: window * length + length + 1])
+    stream = reader.tokens(0, reader.manifest.num_tokens)
+    starts = window_token_starts(ds._token_starts, length, np.arange(total))
+    for window, begin in enumerate(starts.tolist()):
+        assert np.array_equal(seen[window], stream[begin: begin + length + 1])
 
 
 def test_token_batches_are_narrow_and_labels_are_next_tokens(packed):
@@ -106,8 +110,8 @@ def test_cu_seqlens_match_document_boundaries(packed):
     for batch in ds:
         cu = batch["cu_seqlens"].tolist()
         assert batch["max_seqlen"] == max(np.diff(cu))
-        for row, window in enumerate(batch["tf_sample_ids"].tolist()):
-            begin = window * length
+        begins = window_token_starts(ds._token_starts, length, batch["tf_sample_ids"]).tolist()
+        for row, begin in enumerate(begins):
             inside = doc_ends[(doc_ends > begin) & (doc_ends < begin + length)] - begin
             expected = [row * length] + [row * length + int(e) for e in inside]
             got = [c for c in cu if row * length <= c < (row + 1) * length]
@@ -120,18 +124,14 @@ def test_cu_seqlens_match_document_boundaries(packed):
     assert checked == 160
 
 
-def test_future_shard_uses_list_the_next_shard_of_straddling_windows(packed):
+def test_future_shard_uses_list_every_shard_holding_windows_once_per_epoch(packed):
     ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
     uses = ds.future_shard_uses(horizon_batches=2000)
-    straddles = straddling_shards(ds._token_starts, 64)
-    shards = {u.shard for u in uses if u.epoch == 0}
-    assert shards == set(range(len(ds.manifest.shards)))
-    intervals = {(u.shard, u.first_use, u.last_use) for u in uses}
+    holding = set(np.flatnonzero(window_counts(ds._token_starts, 64)).tolist())
+    epoch_zero = [u.shard for u in uses if u.epoch == 0]
+    assert sorted(epoch_zero) == sorted(holding)
     owner = ds.order.layout.shard_partition
-    for u in uses:
-        if owner[u.shard] == u.partition and straddles[u.shard]:
-            assert (u.shard + 1, u.first_use, u.last_use) in intervals
-    ds.start_prefetch()  # documented no-op hook until the stager exists
+    assert all(owner[u.shard] == u.partition for u in uses)
 
 
 # -- samples, collation, projection, transforms, filters --------------------------------------
@@ -379,28 +379,27 @@ def test_batches_from_workers_equal_batches_built_in_process(packed):
 
 
 def _reference_cursor_after(order, base, index, *, batch_size, num_nodes, ranks_per_node):
-    """The cursor after batch `index`, partition by partition (the definition the fast path must meet)."""
-    from tierflow.order.interleave import delivered_after
+    """The cursor after batch `index` from a fresh stream (its seek path), node by node."""
+    from tierflow.order.stream import NodeStream
 
-    epochs, offsets, batches = list(base.epochs), list(base.offsets), list(base.batches)
+    epochs, offsets = list(base.epochs), list(base.offsets)
     for node in range(num_nodes):
-        owned = order.layout.node_partitions(node, num_nodes)
-        before = np.array([base.batches[p] for p in owned], dtype=np.int64)
-        after = delivered_after(before, (index + 1) * ranks_per_node)
-        for p, old, new in zip(owned, before.tolist(), after.tolist()):
-            epochs[p], offsets[p] = order.geometry(p, batch_size).advance(epochs[p], offsets[p], new - old)
-            batches[p] = new
-    return order.cursor(epochs, offsets, batches)
+        stream = NodeStream(order, base, node=node, num_nodes=num_nodes, batch_size=batch_size)
+        counts = stream.schedule.counts_after((index + 1) * ranks_per_node)
+        for lane, count in zip(stream._count_at, counts):
+            for p, (e, o) in lane.before(count).items():
+                epochs[p], offsets[p] = e, o
+    return order.cursor(epochs, offsets)
 
 
 @pytest.mark.parametrize("remainder", ["carry", "drop", "pad"])
 @pytest.mark.parametrize("partitions,num_nodes,ranks_per_node", [(16, 1, 1), (16, 4, 2), (8, 2, 3)])
-def test_rank_stream_cursor_after_matches_the_partition_by_partition_definition(
+def test_rank_stream_cursor_after_walked_forward_equals_the_closed_form(
         remainder, partitions, num_nodes, ranks_per_node):
     from tierflow.order import RankStream, SampleOrder
 
     counts = np.random.default_rng(partitions + num_nodes).integers(0, 90, 60).tolist()
-    order = SampleOrder(counts, dataset_id="cursor-spec", seed=5, partitions=partitions, remainder=remainder)
+    order = SampleOrder(counts, dataset_id="cursor-spec", seed=5, partitions=partitions, lanes=3, remainder=remainder)
     node, rank = num_nodes - 1, ranks_per_node - 1
     start = RankStream(order, order.start(), batch_size=4, node=node, num_nodes=num_nodes, rank=rank,
                        ranks_per_node=ranks_per_node).cursor_after(22)
@@ -410,18 +409,6 @@ def test_rank_stream_cursor_after_matches_the_partition_by_partition_definition(
         for index in [*range(40), 517, 4099]:
             assert stream.cursor_after(index) == _reference_cursor_after(
                 order, base, index, batch_size=4, num_nodes=num_nodes, ranks_per_node=ranks_per_node)
-
-
-def test_node_counts_agree_with_the_interleave_rule_for_any_counts_and_picks():
-    from tierflow.order.interleave import delivered_after
-    from tierflow.order.stream import _NodeCounts
-
-    rng = np.random.default_rng(11)
-    for _ in range(400):
-        base = rng.integers(0, int(rng.choice([1, 3, 40, 10_000])), int(rng.integers(1, 70)))
-        counts = _NodeCounts(base)
-        for picks in [0, 1, *rng.integers(0, 3 * base.size + 5, 4).tolist(), int(rng.integers(0, 10**7))]:
-            assert counts.after(picks).tolist() == delivered_after(base, picks).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_staged_entries_are_never_evicted_before_use(tmp_path, s3_tokens):
     # L1 holds about a third of the dataset: the stager must stage within it, and never evict
     # an entry it staged before the loop used it
     tiers = [TierConfig("L1", str(tmp_path / "node" / "l1"), biggest * (len(manifest.shards) // 3 + 4),
-                        form="decoded")]
+                        policy="lru", form="decoded")]
     stack = build_stack(url, tiers, endpoint_url=proxy.url)
     ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=2, window_shards=2)
     stager = Stager(ds, stack, min_batches=8)

@@ -14,8 +14,7 @@ def node_reads(order, cursor, node, num_nodes, batch_size, picks):
     stream = RankStream(order, cursor, batch_size=batch_size, node=node, num_nodes=num_nodes)
     reads = []
     for j in range(picks):
-        partition, epoch, offset = stream.node_batch(j)
-        micro = order.read(partition, epoch, offset, batch_size)
+        micro = stream.node_batch(j)
         shards = order.layout.shard_of(micro.sample_ids[micro.mask])
         for shard, sample_epoch in zip(shards.tolist(), micro.epochs[micro.mask].tolist()):
             reads.append((j * batch_size, shard, sample_epoch))

@@ -1,40 +1,56 @@
-"""Specification of the order's smaller parts: interleave rule, remainder arithmetic, eval order,
+"""Specification of the order's smaller parts: the lane interleave, remainder arithmetic, eval order,
 mixing schedule, per-sample randomness."""
 
 import numpy as np
 import pytest
 
 from tierflow.order import EvalOrder, MixtureSchedule, sample_rng, sample_seed, sample_seeds
-from tierflow.order.interleave import delivered_after, pick_of, pick_partition
+from tierflow.order.interleave import LaneSchedule, ScheduleWalker
+from tierflow.order.lanes import Lane, LaneBatches
+from tierflow.order.layout import PartitionLayout
 from tierflow.order.remainder import Remainder, StreamGeometry
 
 
-def simulate_picks(delivered, picks):
-    counts = list(delivered)
-    out = []
-    for _ in range(picks):
-        index = min(range(len(counts)), key=lambda i: (counts[i], i))
-        out.append(index)
-        counts[index] += 1
-    return out, counts
+def lane_batches(sizes, positions, batch=5, remainder=Remainder.CARRY):
+    """One single-partition lane per size, at the given (epoch, offset) positions."""
+    layout = PartitionLayout([int(n) for n in sizes], partitions=len(sizes))
+    lanes = [Lane(layout, (p,), seed=0) for p in range(len(sizes))]
+    return [LaneBatches(lane, {p: positions[p]}, batch, remainder) for p, lane in enumerate(lanes)]
 
 
-@pytest.mark.parametrize("delivered", [[0, 0, 0, 0], [3, 2, 3, 2], [0, 5, 1, 1, 9], [7]])
-def test_interleave_closed_form_equals_fewest_delivered_first(delivered):
-    start = np.array(delivered)
-    picks, _ = simulate_picks(delivered, 40)
-    nth_seen = {}
-    for j, expected in enumerate(picks):
-        index, nth = pick_partition(start, j)
-        assert index == expected
-        assert nth == nth_seen.get(index, 0)
-        assert pick_of(start, index, nth) == j
-        nth_seen[index] = nth + 1
-        assert delivered_after(start, j + 1).tolist() == simulate_picks(delivered, j + 1)[1]
+def merged_by_key(schedule, picks):
+    """Brute force: every lane's first `picks` batches sorted by (key, lane, number)."""
+    keys = [(schedule.key(m, i), m, i) for m in range(len(schedule.lanes)) for i in range(picks)]
+    return [(m, i) for _, m, i in sorted(keys)[:picks]]
 
 
-def test_fresh_start_interleave_is_round_robin():
-    assert [pick_partition(np.zeros(4, dtype=np.int64), j)[0] for j in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+@pytest.mark.parametrize("remainder", list(Remainder))
+@pytest.mark.parametrize("sizes,positions", [
+    ([40, 40, 40], [(0, 0)] * 3),
+    ([13, 50, 27, 8], [(0, 5), (1, 20), (0, 0), (2, 3)]),
+    ([7], [(0, 0)]),
+])
+def test_interleave_closed_form_equals_the_merge_by_key(remainder, sizes, positions):
+    if remainder is Remainder.DROP:
+        sizes = [max(n, 5) for n in sizes]
+    schedule = LaneSchedule(lane_batches(sizes, positions, remainder=remainder))
+    merged = merged_by_key(schedule, 60)
+    walker = ScheduleWalker(schedule)
+    for j, expected in enumerate(merged):
+        assert schedule.pick(j) == expected
+        assert schedule.pick_of(*expected) == j
+        assert walker.pick(j) == expected
+        counts = [sum(1 for m, _ in merged[: j + 1] if m == lane) for lane in range(len(sizes))]
+        assert schedule.counts_after(j + 1) == counts
+
+
+def test_lanes_advance_at_rates_proportional_to_their_sizes():
+    schedule = LaneSchedule(lane_batches([100, 300, 37], [(0, 0)] * 3, batch=4))
+    sizes = schedule.sizes
+    for picks in (50, 109, 400):
+        counts = schedule.counts_after(picks)
+        epochs = [c * 4 / n for c, n in zip(counts, sizes)]
+        assert max(epochs) - min(epochs) <= max(4 / n for n in sizes) + 1e-9
 
 
 @pytest.mark.parametrize("remainder", list(Remainder))

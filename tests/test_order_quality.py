@@ -17,8 +17,7 @@ def node_epoch_ids(order, node, num_nodes, batch_size):
     picks = -(-node_samples // batch_size) + len(stream.partitions)
     out = []
     for j in range(picks):
-        partition, epoch, offset = stream.node_batch(j)
-        micro = order.read(partition, epoch, offset, batch_size)
+        micro = stream.node_batch(j)
         out.append(micro.sample_ids[(micro.epochs == 0) & micro.mask])
     ids = np.concatenate(out)
     assert ids.size == node_samples

@@ -185,7 +185,8 @@ def test_nochurn_refuses_to_replace_entries_read_this_or_last_epoch():
 # --- auto --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lifecycle, oracle, expected", [
     (Lifecycle(passes=1), False, "stream"),
-    (Lifecycle(passes=6, pattern="reshuffle"), True, "clairvoyant"),
+    (Lifecycle(passes=6, pattern="reshuffle"), True, "nochurn"),
+    (Lifecycle(passes=6, pattern="skewed"), True, "clairvoyant"),
     (Lifecycle(passes=6, pattern="reshuffle"), False, "nochurn"),
     (Lifecycle(pattern="reshuffle", data_bytes=1000, capacity_bytes=5), False, "stream"),
     (Lifecycle(pattern="skewed"), False, "hotscore"),
@@ -198,12 +199,12 @@ def test_auto_picks_by_lifecycle_and_says_why(lifecycle, oracle, expected):
 
 
 def test_auto_moves_residents_and_pins_when_an_oracle_arrives():
-    policy = AutoPolicy(Lifecycle(passes=3, pattern="reshuffle"))
+    policy = AutoPolicy(Lifecycle(passes=3, pattern="skewed"))
     cache = Cache(policy, 3)
     for now, key in enumerate("abc"):
         cache.access(key, 1, float(now))
     cache.pin("a")
-    assert policy.chosen == "nochurn"
+    assert policy.chosen == "hotscore"
     policy.set_oracle(oracle_from_accesses([("b", 10.0), ("c", 11.0)]))
     assert policy.chosen == "clairvoyant" and policy.describe().startswith("clairvoyant: ")
     assert len(policy) == 3 and policy.is_pinned("a")

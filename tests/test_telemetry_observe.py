@@ -71,7 +71,7 @@ def test_tier_counters_are_exact_on_a_scripted_access_sequence(packed, tmp_path)
     capacity = 2 * max(sizes) + 1
     assert capacity < 3 * min(sizes), "the scripted sequence needs room for exactly two shards"
     registry = MetricsRegistry()
-    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity, form="at_rest")],
+    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity, policy="lru", form="at_rest")],
                         registry=registry)
     # LRU with room for two: miss, miss, hit, prefetch 2 (evicts 1, which was read), miss 1 (evicts 0),
     # miss 0 (evicts 2: staged ahead and never read, an eviction before use)

@@ -18,7 +18,7 @@ import numpy as np
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.loader.collate import collate_samples
-from tierflow.loader.tokens import TokenReader, document_segments, window_counts
+from tierflow.loader.tokens import TokenReader, document_segments, window_counts, window_token_starts
 from tierflow.order import sample_rng
 
 Transform = Callable[[dict, np.random.Generator], dict]
@@ -99,7 +99,8 @@ class Samples:
 
 @dataclass
 class TokenWindows:
-    """Window i = tokens[i*L : i*L + L + 1]; input_ids/labels are views of one (B, L+1) buffer."""
+    """Windows of L + 1 tokens inside one shard (tokens.py); input_ids/labels are views of one
+    (B, L+1) buffer."""
 
     seq_len: int
     batches_per_group: int = 1
@@ -123,7 +124,7 @@ class TokenWindows:
         dtype = np.dtype(ctx.dataset.manifest.token_dtype or np.uint16)
         buffer = np.empty((ids.size, length + 1), dtype=dtype)
         pieces_before = reader.pieces
-        reader.copy_windows(buffer, ids.astype(np.int64) * length)
+        reader.copy_windows(buffer, window_token_starts(ctx.dataset.token_starts, length, ids.astype(np.int64)))
         inputs = buffer[:, :-1]
         eos = ctx.dataset.manifest.eos_id
         if eos is None:

@@ -20,9 +20,11 @@ from tierflow.format.manifest import Manifest
 from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import SampleLengths, TokenBudget
-from tierflow.loader.tokens import straddling_shards
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
+from tierflow.policies.auto import Lifecycle
+from tierflow.tiers.tier import memory_headroom
+from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_shards
 
 CURSOR_VERSION = 1
 
@@ -74,7 +76,8 @@ class TieredDataset(IterableDataset):
         filter: Filter | None = None,
         seed: int = 0,
         partitions: int | None = None,
-        window_shards: int = 4,
+        window_shards: int | None = None,
+        lanes: int | None = None,
         remainder: str = "carry",
         eval: bool = False,
         resume: dict[str, Any] | None = None,
@@ -121,18 +124,44 @@ class TieredDataset(IterableDataset):
         if self.num_order_samples == 0:
             raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
         self.seed = seed
+        partitions, window_shards, lanes = _saved_breadth(resume, partitions, window_shards, lanes)
+        if partitions is None:
+            partitions = default_partitions(int((counts > 0).sum()))
+        self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
         self.order = SampleOrder(
             counts.tolist(),
             dataset_id=f"{manifest.dataset_id}/{batcher.tag()}",
             seed=seed,
-            partitions=partitions if partitions is not None else default_partitions(int((counts > 0).sum())),
-            window_shards=window_shards,
+            partitions=partitions,
+            window_shards=self.working_set.window_shards,
+            lanes=self.working_set.lanes,
             remainder=remainder,
         )
+        declare = getattr(getattr(data, "source", None), "declare", None)
+        if callable(declare):
+            sizes = [s.decoded_bytes for s in manifest.shards]
+            declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=sum(sizes)),
+                    self.working_set.bytes,
+                    self.working_set.lanes * self.working_set.window_shards + 1)
         self._resume: dict[str, Any] | None = None
         self.load_state_dict(resume)
         self._context: SampleContext | None = None
         self._context_pid = -1
+
+    def _choose_working_set(self, data: Any, partitions: int, window_shards: int | None,
+                            lanes: int | None) -> WorkingSet:
+        """Lanes and window size: as given, else sized to the top tier of the stack being read."""
+        per_node = max(1, partitions // max(1, self.world.num_nodes))
+        tiers = getattr(getattr(data, "source", None), "tiers", None) or []
+        top = tiers[0] if tiers else None
+        sizes = [s.decoded_bytes if top is not None and top.form == "decoded" else s.bytes for s in self.manifest.shards]
+        chosen = choose_working_set(sizes, per_node, top.capacity if top is not None else None, memory_headroom())
+        if window_shards is None and lanes is None:
+            return chosen
+        lanes = lanes if lanes is not None else (per_node if window_shards is not None else chosen.lanes)
+        window_shards = window_shards if window_shards is not None else chosen.window_shards
+        shards = working_set_shards(min(lanes, per_node), window_shards)
+        return WorkingSet(min(lanes, per_node), window_shards, shards, shards * max(sizes, default=0), "as given")
 
     # -- state ---------------------------------------------------------------------------
     def arrangement(self) -> dict[str, int]:
@@ -310,27 +339,13 @@ class TieredDataset(IterableDataset):
     # -- hooks for the stager ------------------------------------------------------------
     def future_shard_uses(self, cursor: dict[str, Any] | None = None, horizon_batches: int = 64) -> list[ShardUse]:
         """This node's shard uses from `cursor` (default: the resume cursor) for the next
-        `horizon_batches` steps; positions in node samples (docs/order.md). For token windows a
-        window running past its shard also uses the next non-empty shard, listed with the same interval."""
+        `horizon_batches` steps; positions in node samples (docs/order.md)."""
         state = cursor if cursor is not None else self._resume
         start = self.order.start() if state is None else self.order.load(state["order"], self.allow_mismatch)
         per_step = self.batch_size * self.batcher.batches_per_group
-        uses = future_shard_uses(
+        return future_shard_uses(
             self.order, start, node=self.world.node, num_nodes=self.world.num_nodes,
             batch_size=per_step, horizon=horizon_batches * self.world.ranks_per_node * per_step)
-        if isinstance(self.batcher, TokenWindows):
-            straddles = straddling_shards(self._token_starts, self.batcher.seq_len)
-            tokens = np.diff(self._token_starts)
-            extra = []
-            for use in uses:
-                if straddles[use.shard]:
-                    following = use.shard + 1
-                    while following < tokens.size and tokens[following] == 0:
-                        following += 1
-                    if following < tokens.size:
-                        extra.append(use._replace(shard=following))
-            uses = sorted(uses + extra, key=lambda u: (u.first_use, u.shard))
-        return uses
 
     def start_prefetch(self) -> None:
         """Hook for the stager (not built here): a no-op until the tier stack's stager exists."""
@@ -338,6 +353,20 @@ class TieredDataset(IterableDataset):
     def __repr__(self) -> str:
         return (f"TieredDataset({self.location!r}, batch_size={self.batch_size}, batcher={self.batcher!r}, "
                 f"world={self.world}, eval={self.eval})")
+
+
+def _saved_breadth(resume: dict[str, Any] | None, partitions: int | None, window_shards: int | None,
+                   lanes: int | None) -> tuple[int | None, int | None, int | None]:
+    """What a resumed run did not set comes from its cursor, so the order it resumes is the one it saved."""
+    state = resume.get("cursor", resume) if isinstance(resume, dict) and "kind" not in resume else resume
+    order = state.get("order") if isinstance(state, dict) else None
+    config = order.get("config") if isinstance(order, dict) else None
+    if not isinstance(config, dict):
+        return partitions, window_shards, lanes
+    def saved(given: int | None, name: str) -> int | None:
+        value = config.get(name)
+        return given if given is not None or not isinstance(value, int) else value
+    return saved(partitions, "partitions"), saved(window_shards, "window_shards"), saved(lanes, "lanes")
 
 
 class _NoShards:

@@ -36,6 +36,9 @@ class PositionOracle:
     def next_use(self, key: str, now: float) -> float:
         return self.intervals.next_use(key, self.position)
 
+    def use_after_current(self, key: str, now: float) -> float:
+        return self.intervals.use_after_current(key, self.position)
+
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
@@ -70,22 +73,18 @@ class Stager:
         per_step_samples = dataset.batch_size * dataset.batcher.batches_per_group * dataset.world.ranks_per_node
         self.bytes_per_step = sum(sizes) / samples * per_step_samples
         self.samples_per_step = per_step_samples
-        window = dataset.order.window_shards
         capacity = min((t.capacity for t in stack.tiers), default=0)
         self.capacity = capacity
-        partitions_here = max(1, dataset.order.partitions // dataset.world.num_nodes)
-        active = partitions_here * (window + 1) * self.shard_bytes
+        working = dataset.working_set
+        active = working.shards * self.shard_bytes
         if capacity and active > capacity:
-            log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d partitions x "
-                        "windows of %d, plus one straddling): every window will be fetched again and again; "
-                        "give the tier more room or use fewer partitions or smaller windows",
-                        capacity / 1e6, partitions_here * (window + 1), partitions_here, window)
-        # readers pin the shards of the windows being read (and keep a few more open): staged pins
-        # must leave them room, or a reader would find every entry in use and bypass the tier
-        # at least the next window of every partition, or each window boundary is a stall
-        self.next_windows_bytes = partitions_here * window * self.shard_bytes
+            log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d lanes x windows of "
+                        "%d and the next window): shards the tier cannot take are read from below",
+                        capacity / 1e6, working.shards, working.lanes, working.window_shards)
+        # at least the next window of every lane, or each window boundary is a stall
+        self.next_windows_bytes = working.lanes * working.window_shards * self.shard_bytes
         self.dataset_bytes = sum(sizes)
-        cap = capacity - 2 * active if capacity else 0
+        cap = capacity - active if capacity else 0
         self.max_bytes = max_bytes if max_bytes is not None else max(cap, self.shard_bytes)
         self.registry = registry or stack.registry
         r = self.registry

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CURSOR_VERSION = 1
+CURSOR_VERSION = 2
 
 
 class CursorMismatchError(ValueError):
@@ -22,13 +22,12 @@ class CursorFormatError(ValueError):
 
 @dataclass(frozen=True)
 class OrderCursor:
-    """Per partition p: the stream position (epochs[p], offsets[p]) of its next sample and the
-    number of micro-batches it has delivered (batches[p], read by the interleave rule)."""
+    """Per partition p: the stream position (epochs[p], offsets[p]) of its next sample; the
+    lanes and their interleave are derived from these alone."""
 
     seed: int
     epochs: tuple[int, ...]
     offsets: tuple[int, ...]
-    batches: tuple[int, ...]
     config_hash: str
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -49,7 +48,6 @@ class OrderCursor:
             "partitions": self.partitions,
             "epochs": list(self.epochs),
             "offsets": list(self.offsets),
-            "batches": list(self.batches),
             "config_hash": self.config_hash,
             "config": dict(self.config),
         }
@@ -58,7 +56,7 @@ class OrderCursor:
     def from_dict(cls, state: dict[str, Any]) -> "OrderCursor":
         if not isinstance(state, dict):
             raise CursorFormatError(f"an order cursor is a dict, got {type(state).__name__}")
-        missing = [k for k in ("version", "seed", "partitions", "epochs", "offsets", "batches", "config_hash") if k not in state]
+        missing = [k for k in ("version", "seed", "partitions", "epochs", "offsets", "config_hash") if k not in state]
         if missing:
             raise CursorFormatError(f"order cursor lacks fields {missing}")
         if state["version"] != CURSOR_VERSION:
@@ -66,7 +64,7 @@ class OrderCursor:
                 f"order cursor version {state['version']!r}; this tierflow reads version {CURSOR_VERSION}"
             )
         partitions = state["partitions"]
-        for name in ("epochs", "offsets", "batches"):
+        for name in ("epochs", "offsets"):
             values = state[name]
             if not isinstance(values, list) or len(values) != partitions:
                 raise CursorFormatError(f"order cursor field {name!r} must list {partitions} integers")
@@ -76,7 +74,6 @@ class OrderCursor:
             seed=int(state["seed"]),
             epochs=tuple(state["epochs"]),
             offsets=tuple(state["offsets"]),
-            batches=tuple(state["batches"]),
             config_hash=str(state["config_hash"]),
             config=dict(state.get("config", {})),
         )

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from tierflow.order.cursor import OrderCursor
-from tierflow.order.interleave import delivered_after, pick_of
 from tierflow.order.order import SampleOrder
+from tierflow.order.remainder import Remainder
+from tierflow.order.stream import NodeStream
 
 
 class ShardUse(NamedTuple):
@@ -39,44 +38,64 @@ def future_shard_uses(
 ) -> list[ShardUse]:
     """Shard intervals of every window the node starts reading before position `horizon`,
     sorted by first_use then shard."""
-    owned = order.layout.node_partitions(node, num_nodes)
-    delivered = np.array([cursor.batches[p] for p in owned], dtype=np.int64)
+    stream = NodeStream(order, cursor, node=node, num_nodes=num_nodes, batch_size=batch_size)
     picks = -(-horizon // batch_size)
-    last_batch = delivered_after(delivered, picks) - delivered - 1
-    counts = order.layout.shard_sample_counts
+    counts = stream.schedule.counts_after(picks)
+    shard_counts = order.layout.shard_sample_counts
     uses: list[ShardUse] = []
-    for index, partition in enumerate(owned):
-        if last_batch[index] < 0:
+    for lane_index, (lane, batches) in enumerate(zip(stream.lanes, stream.batches)):
+        if counts[lane_index] == 0:
             continue
-        geometry = order.geometry(partition, batch_size)
-        from_epoch, from_offset = geometry.normalize(cursor.epochs[partition], cursor.offsets[partition])
-        epoch = from_epoch
-        windows = order.windows(partition, epoch)
-        window = windows.window_of(from_offset)
-        while True:
-            if window >= windows.num_windows:
-                epoch += 1
-                windows, window = order.windows(partition, epoch), 0
-                continue
-            start = int(windows.window_starts[window])
-            stop = min(int(windows.window_starts[window + 1]), geometry.read_end(from_epoch, from_offset, epoch))
-            if epoch == from_epoch:
-                start = max(start, from_offset)
-            if start >= stop:
-                if stop < int(windows.window_starts[window + 1]):
-                    window = windows.num_windows
+        carry = batches.remainder is Remainder.CARRY
+        base = {p: (cursor.epochs[p], cursor.offsets[p]) for p in lane.members}
+        read = 0  # carry: samples read from the cursor
+        lane_epoch, lane_offset = (0, 0) if carry else (batches.epoch, batches.done)
+        spans = lane.spans(base if carry else _normalized(lane, base, batches))
+        done = False
+        while not done:
+            span = next(spans)
+            if not carry and span.epoch != lane_epoch:
+                lane_epoch, lane_offset = span.epoch, 0
+            windows = order.windows(span.partition, span.epoch)
+            window = windows.window_of(span.start)
+            while window < windows.num_windows and windows.window_starts[window] < span.stop:
+                start = max(int(windows.window_starts[window]), span.start)
+                stop = min(int(windows.window_starts[window + 1]), span.stop)
+                if carry:
+                    first, last = (read + start - span.start) // batch_size, (read + stop - 1 - span.start) // batch_size
                 else:
-                    window += 1
-                continue
-            first = geometry.batch_index(from_epoch, from_offset, epoch, start)
-            if first > last_batch[index]:
-                break
-            last = geometry.batch_index(from_epoch, from_offset, epoch, stop - 1)
-            first_use = pick_of(delivered, index, first) * batch_size
-            last_use = pick_of(delivered, index, last) * batch_size + batch_size - 1
-            for shard in windows.window_shards(window).tolist():
-                if counts[shard]:
-                    uses.append(ShardUse(shard, first_use, last_use, epoch, partition))
-            window += 1
+                    first, last = _batch_range(batches, lane_epoch, lane_offset + start - span.start,
+                                               lane_offset + stop - 1 - span.start)
+                if first >= counts[lane_index]:
+                    done = True
+                    break
+                if first >= 0:
+                    first_use = stream.schedule.pick_of(lane_index, first) * batch_size
+                    last_use = stream.schedule.pick_of(lane_index, last) * batch_size + batch_size - 1
+                    for shard in windows.window_shards(window).tolist():
+                        if shard_counts[shard]:
+                            uses.append(ShardUse(shard, first_use, last_use, span.epoch, span.partition))
+                window += 1
+            read += span.stop - span.start
+            lane_offset += span.stop - span.start
     uses.sort(key=lambda use: (use.first_use, use.shard))
     return uses
+
+
+def _normalized(lane, base, batches):
+    """drop/pad: the positions where the lane's batch 0 really starts (a dropped tail skipped)."""
+    if lane.epoch_position(base) == (batches.epoch, batches.done):
+        return base
+    return {p: (batches.epoch, 0) for p in lane.members}
+
+
+def _batch_range(batches, epoch: int, first_offset: int, last_offset: int) -> tuple[int, int]:
+    """Lane batches reading lane-epoch offsets first..last (drop: a dropped tail reads nothing,
+    (-1, -1) when all of it is dropped)."""
+    geometry = batches.geometry
+    end = geometry.read_end(batches.epoch, batches.done, epoch)
+    if first_offset >= end:
+        return -1, -1
+    first = geometry.batch_index(batches.epoch, batches.done, epoch, first_offset)
+    last = geometry.batch_index(batches.epoch, batches.done, epoch, min(last_offset, end - 1))
+    return first, last

@@ -1,61 +1,114 @@
-"""The rule that interleaves a node's partitions into one stream of micro-batches.
+"""The rule that interleaves a node's lanes into one stream of micro-batches: proportional rates.
 
-A node always takes its next micro-batch from the partition, among its own, that has delivered
-the fewest batches so far; ties go to the lower partition index. From a fresh start this is
-round robin in partition order, and because the rule reads only per-partition counts (which
-the cursor records) it continues exactly after a resume with any world size. Over all P
-partitions it defines the world-independent global order; each node's stream is that order
-restricted to its own partitions.
+Each lane's batch i has a key: the lane position where it starts, in ticks of 1/2^24 of the
+lane's epoch (floor(start * 2^24 / lane size)). The node's stream takes batches in key order,
+ties to the lower lane, so every lane advances at a rate proportional to its size: every sample
+is drawn at the same rate and all lanes end an epoch together (within a batch). Keys depend only
+on positions, which the cursor records, so the rule continues exactly after any resume.
 
-Pick j (0-based) from counts k_i: let C(L) = sum_i max(0, L - k_i) be the number of picks
-below level L; pick j is at the level L with C(L) <= j < C(L + 1), and it is the
-(j - C(L))-th partition, in index order, among those with k_i <= L. O(P log j) per query.
+Pick j from the cursor: the smallest key K with more than j batches at keys <= K (a binary
+search over K, O(lanes) per probe), then lanes in index order at K. Integers throughout.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import heapq
+from typing import Sequence
+
+from tierflow.order.lanes import LaneBatches
+
+TICKS = 1 << 24
 
 
-def _picks_below(delivered: np.ndarray, level: int) -> int:
-    return int(np.maximum(0, level - delivered).sum())
+class LaneSchedule:
+    """Seekable merge of the lanes' batches by key."""
+
+    def __init__(self, lanes: Sequence[LaneBatches]) -> None:
+        self.lanes = list(lanes)
+        self.sizes = [lane.lane.size for lane in self.lanes]
+
+    def key(self, lane: int, i: int) -> int:
+        return self.lanes[lane].start(i) * TICKS // self.sizes[lane]
+
+    def _below(self, key: int) -> list[int]:
+        """Per lane: batches whose key is below `key`."""
+        # start * TICKS // size < key  <=>  start < ceil(key * size / TICKS)
+        return [lane.count_before(-(-key * size // TICKS)) for lane, size in zip(self.lanes, self.sizes)]
+
+    def _key_of_pick(self, j: int) -> int:
+        low = min(self.key(lane, 0) for lane in range(len(self.lanes)))
+        high = min(self.key(lane, j) for lane in range(len(self.lanes)))
+        while low < high:  # smallest K with sum(below(K + 1)) > j
+            mid = (low + high) // 2
+            if sum(self._below(mid + 1)) > j:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    def pick(self, j: int) -> tuple[int, int]:
+        """(lane, its batch number) of the node's batch `j` counted from the cursor."""
+        key = self._key_of_pick(j)
+        before, through = self._below(key), self._below(key + 1)
+        rest = j - sum(before)
+        for lane, (b, t) in enumerate(zip(before, through)):
+            if rest < t - b:
+                return lane, b + rest
+            rest -= t - b
+        raise AssertionError("pick beyond its key")
+
+    def counts_after(self, picks: int) -> list[int]:
+        """Batches each lane has delivered after `picks` node batches."""
+        if picks <= 0:
+            return [0] * len(self.lanes)
+        lane, i = self.pick(picks - 1)
+        key = self.key(lane, i)
+        before, through = self._below(key), self._below(key + 1)
+        return [through[m] if m < lane else i + 1 if m == lane else before[m] for m in range(len(self.lanes))]
+
+    def pick_of(self, lane: int, i: int) -> int:
+        """The node batch at which `lane` delivers its batch i."""
+        key = self.key(lane, i)
+        before, through = self._below(key), self._below(key + 1)
+        return sum(before) + sum(t - b for t, b in zip(through[:lane], before[:lane])) + i - before[lane]
 
 
-def _level_of(delivered: np.ndarray, pick: int) -> int:
-    low = int(delivered.min())
-    high = int(delivered.max()) + pick + 1
-    while high - low > 1:
-        mid = (low + high) // 2
-        if _picks_below(delivered, mid) <= pick:
-            low = mid
-        else:
-            high = mid
-    return low
+class ScheduleWalker:
+    """The same merge walked forward one pick at a time (a heap over lanes): what sequential
+    iteration pays per batch instead of a seek."""
 
+    def __init__(self, schedule: LaneSchedule) -> None:
+        self.schedule = schedule
+        self.picks = 0
+        self.counts = [0] * len(schedule.lanes)
+        self._heap = [(schedule.key(m, 0), m) for m in range(len(schedule.lanes))]
+        heapq.heapify(self._heap)
 
-def pick_partition(delivered: np.ndarray, pick: int) -> tuple[int, int]:
-    """(index into `delivered` of the partition serving pick number `pick`, how many batches
-    that partition delivers before it from here)."""
-    level = _level_of(delivered, pick)
-    eligible = np.flatnonzero(delivered <= level)
-    index = int(eligible[pick - _picks_below(delivered, level)])
-    return index, level - int(delivered[index])
+    def seek(self, picks: int) -> None:
+        schedule = self.schedule
+        self.counts = schedule.counts_after(picks)
+        self.picks = picks
+        self._heap = [(schedule.key(m, c), m) for m, c in enumerate(self.counts)]
+        heapq.heapify(self._heap)
 
+    def advance(self, picks: int) -> tuple[int, int]:
+        """Move to `picks` (forward cheaply, else seek); (lane, batch) of the last pick taken, or
+        (-1, -1) when none was."""
+        if picks < self.picks or picks - self.picks > 4096:
+            self.seek(picks)
+            return -1, -1
+        last = (-1, -1)
+        heap, counts, schedule = self._heap, self.counts, self.schedule
+        while self.picks < picks:
+            _, lane = heapq.heappop(heap)
+            last = (lane, counts[lane])
+            counts[lane] += 1
+            heapq.heappush(heap, (schedule.key(lane, counts[lane]), lane))
+            self.picks += 1
+        return last
 
-def delivered_after(delivered: np.ndarray, picks: int) -> np.ndarray:
-    """Per-partition delivered counts after `picks` more picks."""
-    delivered = np.asarray(delivered, dtype=np.int64)
-    if picks <= 0:
-        return delivered.copy()
-    level = _level_of(delivered, picks)
-    after = np.maximum(delivered, level)
-    eligible = np.flatnonzero(delivered <= level)
-    after[eligible[: picks - _picks_below(delivered, level)]] += 1
-    return after
-
-
-def pick_of(delivered: np.ndarray, index: int, nth: int) -> int:
-    """Pick number at which partition `index` delivers its `nth` (0-based) batch from here."""
-    level = int(delivered[index]) + nth
-    ahead = int(np.count_nonzero(delivered[:index] <= level))
-    return _picks_below(delivered, level) + ahead
+    def pick(self, j: int) -> tuple[int, int]:
+        """(lane, batch) of pick j, leaving the walker just after it."""
+        if j < self.picks or j - self.picks > 4096:
+            self.seek(j)
+        return self.advance(j + 1)

@@ -2,7 +2,7 @@
 
 Each node walks its own mixture draws g = 0, 1, 2, ... (MixtureSchedule, mixing.py): node
 batch g comes from dataset d = schedule.dataset_of(g) and is that dataset's own next node
-batch (its RankStream interleave), so a small dataset is up-sampled by repetition and its epochs
+batch (its RankStream lanes), so a small dataset is up-sampled by repetition and its epochs
 advance with fresh shuffles. Ranks and workers split a node's mixed stream as RankStream does:
 rank r of R takes node batches j = b * R + r, worker w of W builds b = w (mod W). Steps are
 synchronous, so after batch b every node has consumed the same number of draws; the cursor
@@ -20,7 +20,7 @@ import numpy as np
 
 from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderCursor
 from tierflow.order.mixing import MixtureSchedule
-from tierflow.order.order import SampleOrder
+from tierflow.order.order import MicroBatch, SampleOrder
 from tierflow.order.stream import RankStream
 
 MIXED_CURSOR_VERSION = 1
@@ -157,17 +157,15 @@ class MixedRankStream:
         ]
         self._base_counts = mixture.schedule.counts_after(cursor.draws)
 
-    def node_batch(self, pick: int) -> tuple[int, int, int, int]:
-        """(dataset, partition, epoch, offset) of the node's mixed batch `pick` from the cursor."""
+    def node_batch(self, pick: int) -> tuple[int, MicroBatch]:
+        """(dataset, its micro-batch) of the node's mixed batch `pick` from the cursor."""
         dataset, local = self.mixture.schedule.dataset_of(self.base.draws + pick)
-        partition, epoch, offset = self.datasets[dataset].node_batch(local - self._base_counts[dataset])
-        return dataset, partition, epoch, offset
+        return dataset, self.datasets[dataset].node_batch(local - self._base_counts[dataset])
 
     def batch(self, index: int) -> MixedBatch:
-        dataset, partition, epoch, offset = self.node_batch(index * self.ranks_per_node + self.rank)
-        micro = self.mixture.orders[dataset].read(partition, epoch, offset, self.batch_size)
+        dataset, micro = self.node_batch(index * self.ranks_per_node + self.rank)
         cursor = self.cursor_after(index).to_dict()
-        return MixedBatch(index, dataset, partition, micro.sample_ids, micro.epochs, micro.mask, cursor)
+        return MixedBatch(index, dataset, micro.partition, micro.sample_ids, micro.epochs, micro.mask, cursor)
 
     def batches(self, worker: int = 0, num_workers: int = 1, start: int = 0) -> Iterator[MixedBatch]:
         """Endless: the rank's batches b >= start with b = worker (mod num_workers)."""

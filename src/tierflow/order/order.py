@@ -1,7 +1,8 @@
 """The world-independent sample order of one dataset: layout, per-epoch windows, cursor checks.
 
-`SampleOrder` knows the canonical partitions and how each partition's stream maps positions to
-global sample ids; `RankStream` (stream.py) turns it into the batches one rank consumes.
+`SampleOrder` knows the canonical partitions, how each partition's stream maps positions to
+global sample ids, and how many lanes a node reads them through; `RankStream` (stream.py) turns
+it into the batches one rank consumes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderCursor
 from tierflow.order.layout import PartitionLayout
-from tierflow.order.remainder import Remainder, StreamGeometry
+from tierflow.order.remainder import Remainder
 from tierflow.order.windows import EpochWindows
 
 
@@ -41,21 +42,26 @@ class SampleOrder:
         seed: int = 0,
         partitions: int = 64,
         window_shards: int = 4,
+        lanes: int | None = None,
         remainder: str | Remainder = Remainder.CARRY,
         shard_bytes: Sequence[int] | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
+        if lanes is not None and lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {lanes}")
         self.dataset_id = dataset_id
         self.seed = int(seed)
         self.window_shards = window_shards
         self.remainder = Remainder(remainder)
         self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes)
+        self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
         self.config: dict[str, Any] = {
             "dataset_id": dataset_id,
             "seed": self.seed,
             "partitions": self.layout.partitions,
             "window_shards": window_shards,
+            "lanes": self.lanes,
             "remainder": self.remainder.value,
             "num_shards": self.layout.num_shards,
             "num_samples": self.layout.num_samples,
@@ -73,7 +79,7 @@ class SampleOrder:
     def start(self) -> OrderCursor:
         """The cursor before the first sample of epoch 0."""
         zeros = (0,) * self.partitions
-        return OrderCursor(self.seed, zeros, zeros, zeros, self.config_hash, dict(self.config))
+        return OrderCursor(self.seed, zeros, zeros, self.config_hash, dict(self.config))
 
     def load(self, state: dict[str, Any], allow_mismatch: bool = False) -> OrderCursor:
         """Validate a saved cursor against this order; O(P)."""
@@ -101,9 +107,7 @@ class SampleOrder:
                 past_end = cursor.offsets[p] >= size
                 epochs.append(cursor.epochs[p] + past_end)
                 offsets.append(0 if past_end else cursor.offsets[p])
-            return OrderCursor(
-                self.seed, tuple(epochs), tuple(offsets), cursor.batches, self.config_hash, dict(self.config)
-            )
+            return OrderCursor(self.seed, tuple(epochs), tuple(offsets), self.config_hash, dict(self.config))
         for p, offset in enumerate(cursor.offsets):
             if offset >= self.layout.partition_sizes[p]:
                 raise CursorFormatError(
@@ -112,18 +116,9 @@ class SampleOrder:
                 )
         return cursor
 
-    def cursor(self, epochs: Sequence[int], offsets: Sequence[int], batches: Sequence[int]) -> OrderCursor:
-        return OrderCursor(
-            self.seed,
-            tuple(int(e) for e in epochs),
-            tuple(int(o) for o in offsets),
-            tuple(int(b) for b in batches),
-            self.config_hash,
-            dict(self.config),
-        )
-
-    def geometry(self, partition: int, batch_size: int) -> StreamGeometry:
-        return StreamGeometry(int(self.layout.partition_sizes[partition]), batch_size, self.remainder)
+    def cursor(self, epochs: Sequence[int], offsets: Sequence[int]) -> OrderCursor:
+        return OrderCursor(self.seed, tuple(int(e) for e in epochs), tuple(int(o) for o in offsets),
+                           self.config_hash, self.config)
 
     def windows(self, partition: int, epoch: int) -> EpochWindows:
         """The (cached) shuffle of one partition's epoch; O(shards of the partition) to build."""
@@ -137,21 +132,3 @@ class SampleOrder:
         if len(self._windows) > self._windows_capacity:
             self._windows.popitem(last=False)
         return built
-
-    def read(self, partition: int, epoch: int, offset: int, batch_size: int) -> MicroBatch:
-        """The micro-batch of `partition` starting at stream position (epoch, offset)."""
-        segments = self.geometry(partition, batch_size).segments(epoch, offset)
-        ids = [
-            self.windows(partition, s.epoch).range_ids(s.start, s.stop)
-            for s in segments
-        ]
-        epochs = [np.full(s.stop - s.start, s.epoch, dtype=np.int64) for s in segments]
-        sample_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
-        sample_epochs = epochs[0] if len(epochs) == 1 else np.concatenate(epochs)
-        real = sample_ids.size
-        mask = np.ones(batch_size, dtype=bool)
-        if real < batch_size:
-            sample_ids = np.resize(sample_ids, batch_size)
-            sample_epochs = np.resize(sample_epochs, batch_size)
-            mask[real:] = False
-        return MicroBatch(partition, sample_ids, sample_epochs, mask)

@@ -49,7 +49,7 @@ class StreamGeometry:
                 f"of a partition of {self.size} samples"
             )
 
-    def _batches_per_epoch_from(self, offset: int) -> int:
+    def batches_per_epoch_from(self, offset: int) -> int:
         left = self.size - offset
         if self.remainder is Remainder.DROP:
             return left // self.batch_size
@@ -60,7 +60,7 @@ class StreamGeometry:
         if self.remainder is Remainder.CARRY:
             exhausted = offset >= self.size
         else:
-            exhausted = self._batches_per_epoch_from(offset) <= 0
+            exhausted = self.batches_per_epoch_from(offset) <= 0
         return (epoch + 1, 0) if exhausted else (epoch, offset)
 
     def advance(self, epoch: int, offset: int, batches: int) -> tuple[int, int]:
@@ -70,11 +70,11 @@ class StreamGeometry:
         if self.remainder is Remainder.CARRY:
             return divmod(epoch * self.size + offset + batches * self.batch_size, self.size)
         epoch, offset = self.normalize(epoch, offset)
-        first = self._batches_per_epoch_from(offset)
+        first = self.batches_per_epoch_from(offset)
         if batches < first:
             return epoch, offset + batches * self.batch_size
         rest = batches - first
-        per_epoch = self._batches_per_epoch_from(0)
+        per_epoch = self.batches_per_epoch_from(0)
         return epoch + 1 + rest // per_epoch, (rest % per_epoch) * self.batch_size
 
     def segments(self, epoch: int, offset: int) -> list[Segment]:
@@ -98,7 +98,7 @@ class StreamGeometry:
             return self.size
         from_epoch, from_offset = self.normalize(from_epoch, from_offset)
         start = from_offset if epoch == from_epoch else 0
-        return start + self._batches_per_epoch_from(start) * self.batch_size
+        return start + self.batches_per_epoch_from(start) * self.batch_size
 
     def batch_index(self, from_epoch: int, from_offset: int, epoch: int, offset: int) -> int:
         """Index, counted from (from_epoch, from_offset), of the batch reading (epoch, offset);
@@ -111,9 +111,9 @@ class StreamGeometry:
             return -1
         if epoch == from_epoch:
             index = (offset - from_offset) // self.batch_size
-            return index if index < self._batches_per_epoch_from(from_offset) else -1
+            return index if index < self.batches_per_epoch_from(from_offset) else -1
         index = offset // self.batch_size
-        per_epoch = self._batches_per_epoch_from(0)
+        per_epoch = self.batches_per_epoch_from(0)
         if index >= per_epoch:
             return -1
-        return self._batches_per_epoch_from(from_offset) + (epoch - from_epoch - 1) * per_epoch + index
+        return self.batches_per_epoch_from(from_offset) + (epoch - from_epoch - 1) * per_epoch + index

@@ -1,11 +1,12 @@
 """The batches one rank of one node consumes, each with the cursor to resume after it.
 
-World arrangement: node n of N owns partitions p = n (mod N); the node's stream is the
-interleave of those partitions (interleave.py), numbered j = 0, 1, 2, ... from the cursor.
-Local rank r of R takes node batches j = b * R + r as its batches b = 0, 1, 2, ...; a loader
-worker w of W builds the rank's batches b = w (mod W). Training is synchronous: the cursor
-attached to batch b is the state after every rank of every node has consumed its batches
-0..b, so it is the same dict on all ranks and any of them can be saved.
+World arrangement: node n of N owns partitions p = n (mod N), read through a few lanes
+(lanes.py) whose batches interleave at proportional rates (interleave.py) into the node's
+stream, numbered j = 0, 1, 2, ... from the cursor. Local rank r of R takes node batches
+j = b * R + r as its batches b = 0, 1, 2, ...; a loader worker w of W builds the rank's
+batches b = w (mod W). Training is synchronous: the cursor attached to batch b is the state
+after every rank of every node has consumed its batches 0..b, so it is the same dict on all
+ranks and any of them can be saved.
 """
 
 from __future__ import annotations
@@ -16,33 +17,95 @@ from typing import Any, Iterator
 import numpy as np
 
 from tierflow.order.cursor import OrderCursor
-from tierflow.order.interleave import pick_partition
-from tierflow.order.order import SampleOrder
+from tierflow.order.interleave import LaneSchedule, ScheduleWalker
+from tierflow.order.lanes import Lane, LaneBatches, Positions, Span, node_lanes
+from tierflow.order.order import MicroBatch, SampleOrder
 from tierflow.order.remainder import Remainder
 
 
-class _NodeCounts:
-    """`delivered_after(base, picks)` for one node's fixed starting counts, in O(log P + P) numpy
-    per query instead of a binary search over levels: the counts are sorted once, so the number
-    of picks below level L is piecewise linear in L and its level is found with one searchsorted."""
+class _LanePositions:
+    """A lane's positions before its batch i, moved forward from the last one asked for."""
 
-    def __init__(self, base: np.ndarray) -> None:
-        self.base = np.asarray(base, dtype=np.int64)
-        self.sorted = np.sort(self.base)
-        self.prefix = np.concatenate([[0], np.cumsum(self.sorted)])
-        ranks = np.arange(self.sorted.size, dtype=np.int64)
-        self.picks_at = ranks * self.sorted - self.prefix[:-1]  # picks below level sorted[m]
+    def __init__(self, batches: LaneBatches, base: Positions) -> None:
+        self.batches = batches
+        self.lane = batches.lane
+        self.base = base
+        self._state = base
+        self._clock = self._base_clock = self._clock_of(base)
 
-    def after(self, picks: int) -> np.ndarray:
-        if picks <= 0:
-            return self.base.copy()
-        below = int(np.searchsorted(self.picks_at, picks, side="right"))
-        level = (picks + int(self.prefix[below])) // below
-        after = np.maximum(self.base, level)
-        eligible = np.flatnonzero(self.base <= level)
-        left = picks - (below * level - int(self.prefix[below]))
-        after[eligible[:left]] += 1
-        return after
+    def _clock_of(self, state: Positions) -> tuple[int, int]:
+        if self.batches.remainder is Remainder.CARRY:
+            return 0, self.lane.position(state)
+        return self.lane.epoch_position(state)
+
+    def _target(self, i: int) -> tuple[int, int]:
+        if self.batches.remainder is Remainder.CARRY:
+            return 0, self.batches.start(i)
+        return self.batches.lane_epoch_of(i)
+
+    def before(self, i: int) -> Positions:
+        epoch, offset = self._target(i)
+        for start, (have_epoch, have) in ((self._state, self._clock), (self.base, self._base_clock)):
+            if epoch == have_epoch and offset >= have:
+                state = self.lane.take(start, offset - have)[1]
+                break
+        else:  # drop/pad: a later lane epoch starts with every partition fresh
+            state = self.lane.take({p: (epoch, 0) for p in self.lane.members}, offset)[1]
+        self._state, self._clock = state, (epoch, offset)
+        return state
+
+
+class NodeStream:
+    """One node's lanes from a cursor: its batches in order, and its positions after any number."""
+
+    def __init__(self, order: SampleOrder, cursor: OrderCursor, *, node: int, num_nodes: int,
+                 batch_size: int) -> None:
+        self.order = order
+        self.batch_size = batch_size
+        self.lanes = [Lane(order.layout, members, order.seed)
+                      for members in node_lanes(order.layout, node, num_nodes, order.lanes)]
+        bases = [{p: (cursor.epochs[p], cursor.offsets[p]) for p in lane.members} for lane in self.lanes]
+        self.batches = [LaneBatches(lane, base, batch_size, order.remainder) for lane, base in zip(self.lanes, bases)]
+        self.schedule = LaneSchedule(self.batches)
+        self._reading = ScheduleWalker(self.schedule)
+        self._counting = ScheduleWalker(self.schedule)
+        self._read_at = [_LanePositions(b, base) for b, base in zip(self.batches, bases)]
+        self._count_at = [_LanePositions(b, base) for b, base in zip(self.batches, bases)]
+
+    def lane_batch(self, pick: int) -> tuple[int, int]:
+        """(lane, the lane's batch number) of node batch `pick`, counted from the cursor."""
+        return self._reading.pick(pick)
+
+    def spans(self, lane: int, i: int) -> list[Span]:
+        """The runs of samples lane batch i reads (fewer than B samples: pad's last batch)."""
+        batches = self.batches[lane]
+        count = self.batch_size
+        if batches.remainder is Remainder.PAD:
+            count = min(count, self.lanes[lane].size - batches.lane_epoch_of(i)[1])
+        return self.lanes[lane].take(self._read_at[lane].before(i), count)[0]
+
+    def read(self, pick: int) -> MicroBatch:
+        lane, i = self.lane_batch(pick)
+        spans = self.spans(lane, i)
+        ids = [self.order.windows(s.partition, s.epoch).range_ids(s.start, s.stop) for s in spans]
+        epochs = [np.full(s.stop - s.start, s.epoch, dtype=np.int64) for s in spans]
+        sample_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
+        sample_epochs = epochs[0] if len(epochs) == 1 else np.concatenate(epochs)
+        mask = np.ones(self.batch_size, dtype=bool)
+        real = sample_ids.size
+        if real < self.batch_size:
+            sample_ids = np.resize(sample_ids, self.batch_size)
+            sample_epochs = np.resize(sample_epochs, self.batch_size)
+            mask[real:] = False
+        return MicroBatch(spans[0].partition, sample_ids, sample_epochs, mask)
+
+    def positions_after(self, picks: int) -> Positions:
+        """Every partition's position once the node has consumed `picks` batches."""
+        self._counting.advance(picks)
+        out: Positions = {}
+        for lane, count in enumerate(self._counting.counts):
+            out.update(self._count_at[lane].before(count))
+        return out
 
 
 @dataclass(frozen=True)
@@ -59,7 +122,8 @@ class Batch:
 
 
 class RankStream:
-    """Seekable batch sequence of one rank: batch(b) is O(P log b) and touches O(B) samples."""
+    """Seekable batch sequence of one rank; walked forward, a batch costs O(lanes) heap steps and
+    O(B) samples, and its cursor O(P)."""
 
     def __init__(
         self,
@@ -74,6 +138,7 @@ class RankStream:
     ) -> None:
         if not 0 <= rank < ranks_per_node:
             raise ValueError(f"rank {rank} outside range({ranks_per_node}) of node {node}")
+        order.layout.node_partitions(node, num_nodes)  # validates the arrangement
         self.order = order
         self.base = cursor
         self.batch_size = batch_size
@@ -81,35 +146,19 @@ class RankStream:
         self.num_nodes = num_nodes
         self.rank = rank
         self.ranks_per_node = ranks_per_node
+        self.nodes = [NodeStream(order, cursor, node=n, num_nodes=num_nodes, batch_size=batch_size)
+                      for n in range(num_nodes)]
+        self.own = self.nodes[node]
         self.partitions = order.layout.node_partitions(node, num_nodes)
-        self._delivered = np.array([cursor.batches[p] for p in self.partitions], dtype=np.int64)
-        self._geometries = {
-            p: order.geometry(p, batch_size) for p in range(order.partitions)
-        }
-        self._base_epochs = np.array(cursor.epochs, dtype=np.int64)
-        self._base_offsets = np.array(cursor.offsets, dtype=np.int64)
-        self._base_batches = np.array(cursor.batches, dtype=np.int64)
-        self._sizes = np.asarray(order.layout.partition_sizes, dtype=np.int64)
-        self._node_counts = []
-        for n in range(num_nodes):
-            owned = np.array(order.layout.node_partitions(n, num_nodes), dtype=np.int64)
-            self._node_counts.append((owned, _NodeCounts(self._base_batches[owned])))
 
-    def node_batch(self, pick: int) -> tuple[int, int, int]:
-        """(partition, epoch, offset) of node batch `pick` counted from the cursor."""
-        index, nth = pick_partition(self._delivered, pick)
-        partition = self.partitions[index]
-        epoch, offset = self._geometries[partition].advance(
-            self.base.epochs[partition], self.base.offsets[partition], nth
-        )
-        return partition, epoch, offset
+    def node_batch(self, pick: int) -> MicroBatch:
+        """This node's batch `pick` counted from the cursor (all its ranks together)."""
+        return self.own.read(pick)
 
     def batch(self, index: int) -> Batch:
-        partition, epoch, offset = self.node_batch(index * self.ranks_per_node + self.rank)
-        micro = self.order.read(partition, epoch, offset, self.batch_size)
-        return Batch(
-            index, partition, micro.sample_ids, micro.epochs, micro.mask, self.cursor_after(index).to_dict()
-        )
+        micro = self.node_batch(index * self.ranks_per_node + self.rank)
+        return Batch(index, micro.partition, micro.sample_ids, micro.epochs, micro.mask,
+                     self.cursor_after(index).to_dict())
 
     def batches(self, worker: int = 0, num_workers: int = 1, start: int = 0) -> Iterator[Batch]:
         """Endless: the rank's batches b >= start with b = worker (mod num_workers)."""
@@ -121,20 +170,10 @@ class RankStream:
             index += num_workers
 
     def cursor_after(self, index: int) -> OrderCursor:
-        """State once every rank of every node has consumed its batches 0..index; vectorised
-        over partitions (it is computed for every batch)."""
+        """State once every rank of every node has consumed its batches 0..index."""
         picks = (index + 1) * self.ranks_per_node
-        batches = self._base_batches.copy()
-        for owned, counts in self._node_counts:
-            batches[owned] = counts.after(picks)
-        moved = batches - self._base_batches
-        epochs = self._base_epochs.copy()
-        offsets = self._base_offsets.copy()
-        if self.order.remainder is Remainder.CARRY:
-            changed = moved > 0
-            position = epochs * self._sizes + offsets + moved * self.batch_size
-            epochs[changed], offsets[changed] = np.divmod(position[changed], self._sizes[changed])
-        else:
-            for p in np.flatnonzero(moved).tolist():
-                epochs[p], offsets[p] = self._geometries[p].advance(int(epochs[p]), int(offsets[p]), int(moved[p]))
-        return self.order.cursor(epochs.tolist(), offsets.tolist(), batches.tolist())
+        epochs, offsets = list(self.base.epochs), list(self.base.offsets)
+        for node in self.nodes:
+            for p, (e, o) in node.positions_after(picks).items():
+                epochs[p], offsets[p] = e, o
+        return self.order.cursor(epochs, offsets)

@@ -41,13 +41,15 @@ def choose_policy(lifecycle: Lifecycle, has_oracle: bool) -> tuple[str, str]:
         return "hotscore", "shared by several jobs: no single future order, rank by heat"
     if lifecycle.passes == 1:
         return "stream", "single pass: no entry is read twice, drop after use"
-    if has_oracle:
-        return "clairvoyant", "future order known: evict the entry needed furthest ahead"
     if lifecycle.pattern == "reshuffle":
+        # before the oracle: a fresh shuffle makes every non-resident entry equally likely next,
+        # so what a known order can add over keeping the resident set is small, and its churn is not
         data, capacity = lifecycle.data_bytes, lifecycle.capacity_bytes
         if data and capacity and data >= STREAM_DATA_TO_CACHE * capacity:
             return "stream", f"data is {data / capacity:.0f}x the cache: caching buys under 1%"
         return "nochurn", "every entry read once per epoch in a fresh order: keep what is cached"
+    if has_oracle:
+        return "clairvoyant", "future order known: evict the entry needed furthest ahead"
     if lifecycle.pattern == "skewed":
         return "hotscore", "skewed reads without a known order: keep the hottest entries"
     return "hotscore", "unknown future: rank by decayed frequency"
@@ -88,6 +90,11 @@ class AutoPolicy(CachePolicy):
         """'<policy>: <reason>', for telemetry."""
         return f"{self.chosen}: {self.reason}"
 
+    def set_lifecycle(self, lifecycle: Lifecycle) -> None:
+        """What the reader declares about how it reads (the tier stack passes it on)."""
+        self.lifecycle = lifecycle
+        self.set_oracle(self._oracle)
+
     def set_oracle(self, oracle: NextUseOracle | None) -> None:
         self._oracle = oracle
         chosen, reason = choose_policy(self.lifecycle, oracle is not None)
@@ -105,6 +112,9 @@ class AutoPolicy(CachePolicy):
 
     def admit(self, key: str, size: int, now: float, free_bytes: int) -> bool:
         return self.inner.admit(key, size, now, free_bytes)
+
+    def admit_read(self, key: str, size: int, now: float, free_bytes: int) -> bool:
+        return self.inner.admit_read(key, size, now, free_bytes)
 
     def on_insert(self, key: str, size: int, now: float) -> None:
         self._sizes[key] = size

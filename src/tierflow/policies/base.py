@@ -26,6 +26,10 @@ class NextUseOracle(Protocol):
         `math.inf` when it is never used again."""
         ...
 
+    def use_after_current(self, key: str, now: float) -> float:
+        """The start of the next use after the one in progress at `now` (or next_use if none is)."""
+        ...
+
 
 class CachePolicy(ABC):
     """A swappable eviction and admission rule for one cache directory.
@@ -45,6 +49,12 @@ class CachePolicy(ABC):
     # --- what the tier tells the policy -------------------------------------------------
     def admit(self, key: str, size: int, now: float, free_bytes: int) -> bool:
         """Whether a missed entry should be cached; `free_bytes` says if room must be made."""
+        return True
+
+    def admit_read(self, key: str, size: int, now: float, free_bytes: int) -> bool:
+        """Whether an entry a reader needs now should be cached, or read from below this once
+        (the reader holds it in memory for its use). By default it is cached; a policy that
+        knows what it keeps is worth more says no."""
         return True
 
     @abstractmethod

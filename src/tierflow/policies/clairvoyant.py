@@ -75,6 +75,16 @@ class ClairvoyantPolicy(CachePolicy):
         rival = self.victim(now)
         return rival is not None and wanted < -self._ranked[rival][0]
 
+    def admit_read(self, key: str, size: int, now: float, free_bytes: int) -> bool:
+        """A reader's entry is read from below this once unless its next use after this one is
+        sooner than the furthest resident's (Belady with bypass: caching it would cost a hit)."""
+        self._observe(now)
+        if self._oracle is None or size <= free_bytes:
+            return True
+        wanted = self._oracle.use_after_current(key, now)
+        rival = self.victim(now)
+        return rival is not None and wanted < -self._ranked[rival][0]
+
     def on_insert(self, key: str, size: int, now: float) -> None:
         self._observe(now)
         self._last_access[key] = now

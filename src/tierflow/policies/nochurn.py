@@ -48,6 +48,10 @@ class NoChurnPolicy(LRUPolicy):
         oldest = self._oldest()
         return oldest is not None and self.is_stale(oldest)
 
+    def admit_read(self, key: str, size: int, now: float, free_bytes: int) -> bool:
+        """Full of fresh entries, a reader's entry is read from below rather than churned in."""
+        return self.admit(key, size, now, free_bytes)
+
     def on_insert(self, key: str, size: int, now: float) -> None:
         super().on_insert(key, size, now)
         self._stamp[key] = self.epoch

@@ -44,6 +44,13 @@ class IntervalOracle:
             return now
         return firsts[index] if index < len(firsts) else math.inf
 
+    def use_after_current(self, key: str, now: float) -> float:
+        firsts = self._firsts.get(key)
+        if firsts is None:
+            return math.inf
+        index = bisect_right(firsts, now)
+        return firsts[index] if index < len(firsts) else math.inf
+
     def __len__(self) -> int:
         return len(self._firsts)
 

@@ -27,7 +27,7 @@ class TierConfig:
     name: str
     path: str
     capacity: float
-    policy: str = "lru"
+    policy: str = "auto"
     form: str = "decoded"
     policy_options: dict[str, Any] = field(default_factory=dict)
 

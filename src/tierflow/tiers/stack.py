@@ -4,6 +4,12 @@ Data moves source (L4, or a remote L3) -> L2 -> L1, each tier storing its own fo
 or decoded); decoding happens once, at the first tier that stores the decoded form. The stack
 is a `ShardSource`, so `Dataset(manifest, source=stack)` reads samples through it.
 
+A shard no tier will keep (the policy prefers what it holds, or it is larger than the tier)
+is still read once per node: it goes to the stack's staging area, a small LRU tier in host
+RAM (tmpfs) sized to the order's working set, shared by the loader's workers and private to
+the job, removed when the job exits. Only when even that cannot take it is it read into the
+process's memory.
+
 Whole files are verified where whole files move (a fetch, a copy or a decode into a tier). A
 reader opening a shard already resident verifies only what it reads, block by block (the
 manifest's block checksums for the at-rest form, the tier's block list for the decoded form);
@@ -13,9 +19,12 @@ new copy, so wrong bytes are never served and a corrupted entry costs one refetc
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import secrets
 import shutil
+import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +38,8 @@ from tierflow.format.dataset import (
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import Block, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
 from tierflow.telemetry import MetricsRegistry
+from tierflow.policies.auto import Lifecycle
+from tierflow.tiers.index import process_alive
 from tierflow.tiers.lock import Pin
 from tierflow.tiers.tier import FetchError, Tier
 
@@ -62,6 +73,24 @@ def _expected(info: ShardInfo, form: str) -> tuple[int, str]:
     return (info.bytes, info.checksum) if form == "at_rest" else (info.decoded_bytes, info.decoded_checksum)
 
 
+STAGING_NAME = "staging"
+
+
+def staging_root() -> Path:
+    """Where staging areas live: host RAM (/dev/shm) when there is one, else the temp directory."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"tierflow-{os.getuid()}"
+
+
+def _sweep_dead_staging(root: Path) -> None:
+    """Remove staging areas whose job died without its exit hook (a kill), so RAM is not lost."""
+    for path in root.glob("staging-*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
@@ -79,6 +108,9 @@ class TierStack:
         self.fetch_attempts = fetch_attempts
         self.cache = BlockCache(max_decoded_bytes)  # blocks of at-rest (compressed) copies, decoded
         self.schema = None
+        self.staging: Tier | None = None
+        self.staging_bytes = 0
+        self._staging_owner = -1
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
         self._dropped: set[int] = set()
         self._lock = threading.Lock()
@@ -97,6 +129,38 @@ class TierStack:
     def dataset(self, columns: Sequence[str] | None = None) -> Dataset:
         return Dataset(self.manifest(), self, columns=columns, location=self.source.url)
 
+    # ------------------------------------------------------------ reader's declarations
+    def declare(self, lifecycle: Lifecycle, working_bytes: int, open_shards: int) -> None:
+        """What the reader knows before it reads: how (for `auto` policies), how many bytes of
+        shards it needs at once (the staging area's size) and how many it reads at once (kept
+        open, pinned). Call before forking workers."""
+        self.max_open = max(2, open_shards)
+        for tier in self.tiers:
+            tier.set_lifecycle(lifecycle)
+        if self.tiers and working_bytes > self.staging_bytes:
+            self.staging_bytes = working_bytes
+            if self.staging is not None:
+                self.staging = None  # a larger one; the old directory goes with the process
+            self._staging()
+
+    def _staging(self) -> Tier | None:
+        if self.staging is None and self.staging_bytes and self.tiers:
+            root = staging_root()
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                _sweep_dead_staging(root)
+                path = root / f"staging-{os.getpid()}-{secrets.token_hex(4)}"
+                self.staging = Tier(path, self.staging_bytes, policy="lru", form="decoded", name=STAGING_NAME,
+                                    registry=self.registry)
+            except OSError as e:
+                log.warning("no staging area in %s (%s): shards no tier keeps are read into memory", root, e)
+                self.staging_bytes = 0
+                return None
+            self._staging_owner = os.getpid()
+            atexit.register(_remove_staging, path, self._staging_owner)
+            self.m_served[STAGING_NAME] = self.registry.counter("stack_served", {"tier": STAGING_NAME})
+        return self.staging
+
     # ------------------------------------------------------------ ensure
     def ensure(self, info: ShardInfo, level: int = 0, prefetch: bool = False, read: bool = False) -> Handle | None:
         """A readable copy of the shard from tier `level` or below, filling misses on the way up.
@@ -105,7 +169,8 @@ class TierStack:
         no tier takes the shard (a copy in memory would be dropped unread). `read`: the copy is
         for a reader that verifies each block before using it, so a hit is not hashed whole."""
         if level == len(self.tiers):
-            return None if prefetch else self._from_source(info)
+            staged = self._stage(info, prefetch) if level else None
+            return staged if staged is not None or prefetch else self._from_source(info)
         tier = self.tiers[level]
         size, checksum = _expected(info, tier.form)
 
@@ -122,13 +187,26 @@ class TierStack:
             return Handle(tier.form, tier.name, pin.path, pin, blocks=blocks)
         return self.ensure(info, level + 1, prefetch, read)
 
+    def _stage(self, info: ShardInfo, prefetch: bool) -> Handle | None:
+        """The shard in the staging area (fetched once per node from the source), or None."""
+        staging = self._staging()
+        if staging is None:
+            return None
+        size, checksum = _expected(info, staging.form)
+        pin = staging.ensure(info.key, size, checksum, lambda tmp: self._fill(info, staging.form, None, tmp),
+                             dataset=self.dataset_id, prefetch=prefetch, verify_hit=False, block_list=scan_blocks)
+        if pin is None:
+            return None
+        self.m_served[STAGING_NAME].inc()
+        return Handle(staging.form, STAGING_NAME, pin.path, pin, blocks=staging.blocks_of(info.key, size, checksum))
+
     def _produce(self, info: ShardInfo, level: int, tmp: Path) -> None:
         """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy."""
-        form = self.tiers[level].form
-        if level + 1 < len(self.tiers):
-            lower = self.ensure(info, level + 1)
-        else:
-            lower = None
+        lower = self.ensure(info, level + 1) if level + 1 < len(self.tiers) else None
+        self._fill(info, self.tiers[level].form, lower, tmp)
+
+    def _fill(self, info: ShardInfo, form: str, lower: Handle | None, tmp: Path) -> None:
+        """Write `form` of the shard to `tmp` from `lower` (released after), or from the source."""
         try:
             if lower is not None and lower.path is not None:
                 if lower.form == form:
@@ -210,7 +288,7 @@ class TierStack:
         handle = current.keepalive
         if not isinstance(handle, Handle):
             raise error
-        tier = next((t for t in self.tiers if t.name == handle.served_by), None)
+        tier = next((t for t in [*self.tiers, self.staging] if t is not None and t.name == handle.served_by), None)
         if tier is None:
             raise error
         log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
@@ -229,6 +307,11 @@ class TierStack:
     def close(self) -> None:
         with self._lock:
             self._open.clear()
+
+
+def _remove_staging(path: Path, owner: int) -> None:
+    if os.getpid() == owner:  # a forked worker exiting must not remove its parent's area
+        shutil.rmtree(path, ignore_errors=True)
 
     def snapshot(self) -> dict:
         return {"tiers": [t.snapshot() for t in self.tiers], "metrics": self.registry.snapshot()}

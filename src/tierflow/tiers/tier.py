@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 from tierflow.format.checksum import file_xxh3_128, xxh3_hex
 from tierflow.format.shard import Block
 from tierflow.policies import make_policy
+from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.index import EntryRow, TierIndex, process_alive
@@ -177,6 +178,15 @@ class Tier:
         self.oracle = oracle
         if self._live is not None:
             self._live.set_oracle(oracle)
+
+    def set_lifecycle(self, lifecycle: Lifecycle) -> None:
+        """How this process reads the tier (reshuffled epochs, a single pass...), for `auto`."""
+        if self.policy_name != "auto":
+            return
+        self.policy_options = {**self.policy_options, "lifecycle": lifecycle}
+        with self._policy_lock:
+            if self._live is not None:
+                self._live.set_lifecycle(lifecycle)  # type: ignore[attr-defined]
 
     def _synced_policy(self, rows: dict[str, EntryRow]) -> CachePolicy:
         """This process's long-lived policy, made to agree with the shared index.
@@ -424,9 +434,9 @@ class Tier:
     def _reserve(self, key: str, size: int, extra: int = 0, required: bool = True) -> int | None:
         """Reserve `size` bytes, evicting as the policy says; None when the entry cannot be cached.
 
-        A reader's entry is `required`: it is read now, so it is admitted whatever the policy
-        would say of it (a shuffle window's shards must all be resident while it is read); only
-        a prefetch asks the policy whether it is worth its room."""
+        A reader's entry is `required`: it is read now, so the policy says only whether it is worth
+        keeping (`admit_read`; if not, the reader reads it from below this once); a prefetch asks
+        whether it is worth its room (`admit`)."""
         capacity = self.capacity
         self.m_capacity.set(capacity)
         if size > capacity:
@@ -437,7 +447,8 @@ class Tier:
             used = self.index.used(c)
             rows = {r.key: r for r in self.index.entries(c)}
             policy = self._synced_policy(rows)
-            if not required and not policy.admit(key, size, now, capacity - used):
+            decide = policy.admit_read if required else policy.admit
+            if not decide(key, size, now, capacity - used):
                 self.m_bypass.inc()
                 return None
             held: list[str] = []

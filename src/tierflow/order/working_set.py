@@ -1,0 +1,66 @@
+"""How many lanes and how large a window a node reads through, chosen from its top tier.
+
+The shards a node needs at once are, per lane, the window being read and the next one being
+staged: lanes * 2k shards. Those the tier does not keep pass through the
+stack's staging area in host RAM, so the working set takes at most `SHARE` of the top tier (the
+RAM it may use beside it) and `RAM_SHARE` of the memory headroom; within that the widest shuffle wins
+(most shards mixed at once, lanes * k; ties to more lanes, whose partitions differ). With no tier,
+or one that holds the whole dataset, every partition is a lane with windows of 4 shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+SHARE = 0.25
+RAM_SHARE = 0.125
+WIDEST_WINDOW = 4
+
+
+@dataclass(frozen=True)
+class WorkingSet:
+    """The order's reading breadth on one node, and the bytes it keeps in use at once."""
+
+    lanes: int
+    window_shards: int
+    shards: int
+    bytes: int
+    reason: str
+
+
+def working_set_shards(lanes: int, window_shards: int) -> int:
+    return lanes * 2 * window_shards
+
+
+def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
+                       capacity_bytes: int | None, memory_bytes: int | None = None) -> WorkingSet:
+    """The widest (lanes, window_shards) whose working set fits SHARE of `capacity_bytes` and
+    RAM_SHARE of `memory_bytes`."""
+    largest = max(shard_bytes, default=0)
+    widest = WorkingSet(partitions_per_node, WIDEST_WINDOW, working_set_shards(partitions_per_node, WIDEST_WINDOW),
+                        working_set_shards(partitions_per_node, WIDEST_WINDOW) * largest, "")
+    if capacity_bytes is None:
+        return _because(widest, "no tier: every partition is a lane")
+    if capacity_bytes >= sum(shard_bytes) + widest.bytes:
+        return _because(widest, "the top tier holds the dataset and the working set")
+    room = capacity_bytes * SHARE if memory_bytes is None else min(capacity_bytes * SHARE, memory_bytes * RAM_SHARE)
+    budget = int(room) // max(largest, 1)
+    best: tuple[int, int, int] | None = None
+    for k in range(WIDEST_WINDOW, 0, -1):
+        lanes = min(partitions_per_node, budget // (2 * k))
+        if lanes >= 1 and (best is None or (lanes * k, lanes) > (best[0], best[1])):
+            best = (lanes * k, lanes, k)
+    if best is None:
+        lanes, k = 1, 1
+        reason = (f"{room / 1e6:.1f} MB ({SHARE:.0%} of the top tier, at most {RAM_SHARE:.1%} of free memory) "
+                  f"holds less than one lane of single-shard windows")
+    else:
+        _, lanes, k = best
+        reason = f"{room / 1e6:.1f} MB ({SHARE:.0%} of the top tier, at most {RAM_SHARE:.1%} of free memory) holds {budget} shards"
+    shards = working_set_shards(lanes, k)
+    return WorkingSet(lanes, k, shards, shards * largest, reason)
+
+
+def _because(chosen: WorkingSet, reason: str) -> WorkingSet:
+    return WorkingSet(chosen.lanes, chosen.window_shards, chosen.shards, chosen.bytes, reason)
