@@ -141,8 +141,8 @@ class TieredDataset(IterableDataset):
         if callable(declare):
             sizes = [s.decoded_bytes for s in manifest.shards]
             declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=sum(sizes)),
-                    self.working_set.bytes,
-                    self.working_set.lanes * self.working_set.window_shards + 1)
+                    self.working_set.bytes + max(sizes, default=0),
+                    self.working_set.lanes * self.working_set.window_shards)
         self._resume: dict[str, Any] | None = None
         self.load_state_dict(resume)
         self._context: SampleContext | None = None

@@ -83,6 +83,7 @@ class Stager:
                         capacity / 1e6, working.shards, working.lanes, working.window_shards)
         # at least the next window of every lane, or each window boundary is a stall
         self.next_windows_bytes = working.lanes * working.window_shards * self.shard_bytes
+        self.staging_slots = working.lanes * working.window_shards
         self.dataset_bytes = sum(sizes)
         cap = capacity - active if capacity else 0
         self.max_bytes = max_bytes if max_bytes is not None else max(cap, self.shard_bytes)
@@ -243,11 +244,17 @@ class Stager:
         self._release_passed()
         in_use = {u.shard for u in uses if u.first_use <= 0}
         budget = lookahead
+        top = self.stack.tiers[0] if self.stack.tiers else None
+        passing = 0  # shards the top tier does not hold go through the staging area: one window ahead
         for shard in wanted:
             if shard not in in_use:  # the windows being read now are needed, not "ahead"
                 if budget < self.shard_bytes:
                     break
                 budget -= self.shard_bytes
+                if top is not None and top.index.get(self.shards[shard].key) is None:
+                    passing += 1
+                    if passing > self.staging_slots:
+                        break
             with self._lock:
                 if shard in self._held or shard in self._inflight:
                     continue

@@ -108,6 +108,7 @@ class TierStack:
         self.fetch_attempts = fetch_attempts
         self.cache = BlockCache(max_decoded_bytes)  # blocks of at-rest (compressed) copies, decoded
         self.schema = None
+        self._open_declared = False  # a reader that declared what it reads at once: no guessing
         self.staging: Tier | None = None
         self.staging_bytes = 0
         self._staging_owner = -1
@@ -135,6 +136,7 @@ class TierStack:
         shards it needs at once (the staging area's size) and how many it reads at once (kept
         open, pinned). Call before forking workers."""
         self.max_open = max(2, open_shards)
+        self._open_declared = True
         for tier in self.tiers:
             tier.set_lifecycle(lifecycle)
         if self.tiers and working_bytes > self.staging_bytes:
@@ -273,7 +275,7 @@ class TierStack:
         table = LazyShardTable(info.name, handle.block_bytes(info), self.schema, self.cache, recover=recover)
         with self._lock:
             limit = self._open_limit(info)
-            if index in self._dropped and self.max_open < limit:
+            if index in self._dropped and self.max_open < limit and not self._open_declared:
                 self.max_open += 1  # the reader's working set (its shuffle window) is larger: grow
             self._dropped.discard(index)
             self._open[index] = table
