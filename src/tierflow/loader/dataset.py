@@ -24,7 +24,7 @@ from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.tier import memory_headroom
-from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_shards
+from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 
 CURSOR_VERSION = 1
 
@@ -127,26 +127,24 @@ class TieredDataset(IterableDataset):
         partitions, window_shards, lanes = _saved_breadth(resume, partitions, window_shards, lanes)
         if partitions is None:
             partitions = default_partitions(int((counts > 0).sum()))
+        self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
+                            "seed": seed, "partitions": partitions, "remainder": remainder}
         self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
-        self.order = SampleOrder(
-            counts.tolist(),
-            dataset_id=f"{manifest.dataset_id}/{batcher.tag()}",
-            seed=seed,
-            partitions=partitions,
-            window_shards=self.working_set.window_shards,
-            lanes=self.working_set.lanes,
-            remainder=remainder,
-        )
+        self.order = self.order_with(self.working_set)
         declare = getattr(getattr(data, "source", None), "declare", None)
         if callable(declare):
             sizes = [s.decoded_bytes for s in manifest.shards]
             declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=sum(sizes)),
-                    self.working_set.bytes + max(sizes, default=0),
+                    self.working_set.bytes,
                     self.working_set.lanes * self.working_set.window_shards)
         self._resume: dict[str, Any] | None = None
         self.load_state_dict(resume)
         self._context: SampleContext | None = None
         self._context_pid = -1
+
+    def order_with(self, working_set: WorkingSet) -> SampleOrder:
+        """This dataset's order read through another working set (what `plan` compares)."""
+        return SampleOrder(**self._order_args, window_shards=working_set.window_shards, lanes=working_set.lanes)
 
     def _choose_working_set(self, data: Any, partitions: int, window_shards: int | None,
                             lanes: int | None) -> WorkingSet:
@@ -161,7 +159,7 @@ class TieredDataset(IterableDataset):
         lanes = lanes if lanes is not None else (per_node if window_shards is not None else chosen.lanes)
         window_shards = window_shards if window_shards is not None else chosen.window_shards
         shards = working_set_shards(min(lanes, per_node), window_shards)
-        return WorkingSet(min(lanes, per_node), window_shards, shards, shards * max(sizes, default=0), "as given")
+        return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given")
 
     # -- state ---------------------------------------------------------------------------
     def arrangement(self) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """How many lanes and how large a window a node reads through, chosen from its top tier.
 
 The shards a node needs at once are, per lane, the window being read and the next one being
-staged: lanes * 2k shards. Those the tier does not keep pass through the
+staged: lanes * 2k shards (room for that many of the mean size and one of the largest). Those the tier does not keep pass through the
 stack's staging area in host RAM, so the working set takes at most `SHARE` of the top tier (the
 RAM it may use beside it) and `RAM_SHARE` of the memory headroom; within that the widest shuffle wins
 (most shards mixed at once, lanes * k; ties to more lanes, whose partitions differ). With no tier,
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-SHARE = 0.25
+SHARE = 0.0625
 RAM_SHARE = 0.125
 WIDEST_WINDOW = 4
 
@@ -33,19 +33,26 @@ def working_set_shards(lanes: int, window_shards: int) -> int:
     return lanes * 2 * window_shards
 
 
+def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
+    """Room for `shards` shards of the mean size, and one of the largest for the uneven ones."""
+    if not shard_bytes:
+        return 0
+    return int(shards * (sum(shard_bytes) / len(shard_bytes))) + max(shard_bytes)
+
+
 def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
                        capacity_bytes: int | None, memory_bytes: int | None = None) -> WorkingSet:
     """The widest (lanes, window_shards) whose working set fits SHARE of `capacity_bytes` and
     RAM_SHARE of `memory_bytes`."""
-    largest = max(shard_bytes, default=0)
-    widest = WorkingSet(partitions_per_node, WIDEST_WINDOW, working_set_shards(partitions_per_node, WIDEST_WINDOW),
-                        working_set_shards(partitions_per_node, WIDEST_WINDOW) * largest, "")
+    widest_shards = working_set_shards(partitions_per_node, WIDEST_WINDOW)
+    widest = WorkingSet(partitions_per_node, WIDEST_WINDOW, widest_shards, working_set_bytes(widest_shards, shard_bytes), "")
     if capacity_bytes is None:
         return _because(widest, "no tier: every partition is a lane")
     if capacity_bytes >= sum(shard_bytes) + widest.bytes:
         return _because(widest, "the top tier holds the dataset and the working set")
     room = capacity_bytes * SHARE if memory_bytes is None else min(capacity_bytes * SHARE, memory_bytes * RAM_SHARE)
-    budget = int(room) // max(largest, 1)
+    mean = sum(shard_bytes) / max(len(shard_bytes), 1)
+    budget = max(0, int((room - max(shard_bytes, default=0)) // max(mean, 1)))
     best: tuple[int, int, int] | None = None
     for k in range(WIDEST_WINDOW, 0, -1):
         lanes = min(partitions_per_node, budget // (2 * k))
@@ -59,7 +66,7 @@ def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
         _, lanes, k = best
         reason = f"{room / 1e6:.1f} MB ({SHARE:.0%} of the top tier, at most {RAM_SHARE:.1%} of free memory) holds {budget} shards"
     shards = working_set_shards(lanes, k)
-    return WorkingSet(lanes, k, shards, shards * largest, reason)
+    return WorkingSet(lanes, k, shards, working_set_bytes(shards, shard_bytes), reason)
 
 
 def _because(chosen: WorkingSet, reason: str) -> WorkingSet:

@@ -1,0 +1,63 @@
+"""`plan`: what a run will fetch per epoch through its tiers, predicted from its own order.
+
+For a capacity of the top tier, the working set `TieredDataset` would choose for it, this node's
+window uses over the epochs (the order is known), replayed against the tier's policy and the
+staging area (tiers/forecast.py), beside the optimum with the same room. A curve over capacities
+says how much cache buys what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from tierflow.loader.dataset import TieredDataset
+from tierflow.order import future_shard_uses
+from tierflow.order.working_set import WorkingSet, choose_working_set
+from tierflow.tiers.forecast import EpochBytes, optimum, replay
+from tierflow.tiers.tier import memory_headroom
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Predicted and optimal bytes per epoch for one top-tier capacity (in its form's bytes)."""
+
+    capacity: int
+    staging: int
+    working_set: WorkingSet
+    predicted: list[EpochBytes]
+    optimum: list[EpochBytes]
+
+    @property
+    def warm_ratio(self) -> float:
+        """Bytes per warm epoch against the dataset (the mean of epochs after the first)."""
+        warm = self.predicted[1:] or self.predicted
+        return sum(e.ratio for e in warm) / len(warm)
+
+
+def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
+               form: str = "decoded", working_set: WorkingSet | None = None) -> CachePlan:
+    """The plan at `capacity` bytes of the top tier; the working set is the one a fresh run
+    would choose for it unless given."""
+    shards = dataset.manifest.shards
+    tier_sizes = [s.decoded_bytes if form == "decoded" else s.bytes for s in shards]
+    rest_sizes = [s.bytes for s in shards]
+    world = dataset.world
+    per_node = max(1, dataset.order.partitions // world.num_nodes)
+    chosen = working_set or choose_working_set(tier_sizes, per_node, capacity, memory_headroom())
+    order = dataset.order_with(chosen)
+    owned = order.layout.node_partitions(world.node, world.num_nodes)
+    node_samples = int(sum(order.layout.partition_sizes[p] for p in owned))
+    batch = dataset.batch_size * dataset.batcher.batches_per_group
+    uses = future_shard_uses(order, order.start(), node=world.node, num_nodes=world.num_nodes,
+                             batch_size=batch, horizon=epochs * node_samples + batch)
+    staging = chosen.bytes
+    return CachePlan(capacity, staging, chosen, replay(uses, tier_sizes, rest_sizes, capacity, staging, epochs, policy),
+                     optimum(uses, tier_sizes, rest_sizes, capacity + staging, epochs))
+
+
+def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,
+                   form: str = "decoded") -> list[CachePlan]:
+    """Plans at capacities that are `fractions` of the dataset (in the top tier's form)."""
+    total = sum(s.decoded_bytes if form == "decoded" else s.bytes for s in dataset.manifest.shards)
+    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form) for f in fractions]
