@@ -86,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", help="write the run's JSONL event log here (for report and top)")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve metrics on 127.0.0.1:PORT")
 
+    p = sub.add_parser("plan", help="predict bytes per epoch through the tiers before a run, and the curve "
+                                    "of bytes against capacity")
+    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
+                   help="the node's top tier (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None, help="token windows of this length (default: samples)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
+
     p = sub.add_parser("report", help="plot a run's JSONL event log into a PNG")
     p.add_argument("log")
     p.add_argument("--out", default=None, help="PNG path (default: the log's name with .png)")
@@ -193,7 +203,7 @@ def parse_tiers(specs: list[str]) -> list:
             raise ValueError(f"--tier {spec!r}: expected NAME=PATH[:CAPACITY[:POLICY[:FORM]]]")
         capacity = parts[1] if len(parts) > 1 and parts[1] else "0.5"
         cap = float(capacity) if float_like(capacity) and float(capacity) <= 1 else _size(capacity)
-        configs.append(TierConfig(name, parts[0], cap, policy=parts[2] if len(parts) > 2 else "lru",
+        configs.append(TierConfig(name, parts[0], cap, policy=parts[2] if len(parts) > 2 else "auto",
                                   form=parts[3] if len(parts) > 3 else "decoded"))
     return configs
 
@@ -299,6 +309,44 @@ def _bench(args: argparse.Namespace) -> int:
         if exporter is not None:
             exporter.stop()
     print(format_result(result, args.step_ms))
+    return 0
+
+
+@command("plan")
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierflow.loader import TieredDataset
+    from tierflow.loader.plan import CURVE, capacity_curve, plan_cache, recommended
+    from tierflow.tiers import build_stack
+
+    stack = build_stack(args.dataset, parse_tiers(args.tier), endpoint_url=args.endpoint_url)
+    top = stack.tiers[0]
+    dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
+    plan = plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=top.form,
+                      working_set=dataset.working_set)
+    shards = dataset.manifest.shards
+    total = sum(s.decoded_bytes if top.form == "decoded" else s.bytes for s in shards)
+    console = Console()
+    ws = dataset.working_set
+    console.print(f"{args.dataset}: {len(shards)} shards, {sum(s.bytes for s in shards) / 1e6:.1f} MB at rest, "
+                  f"{total / 1e6:.1f} MB in {top.name}'s form ({top.form}); {top.name} {top.capacity / 1e6:.1f} MB "
+                  f"({top.capacity / total:.0%}), policy {top.policy_name}")
+    console.print(f"working set: {ws.lanes} lanes x windows of {ws.window_shards} shards = {ws.shards} shards "
+                  f"({ws.reason}); staging area {plan.staging / 1e6:.1f} MB of RAM")
+    table = Table("epoch", "predicted from below", "of the dataset", "optimum (same room)")
+    for got, best in zip(plan.predicted, plan.optimum):
+        table.add_row(str(got.epoch + 1), f"{got.fetched / 1e6:.2f} MB", f"{got.ratio:.2f}", f"{best.ratio:.2f}")
+    console.print(table)
+    curve = capacity_curve(dataset, CURVE, epochs=args.epochs, form=top.form)
+    table = Table(f"{top.name} capacity", "of the dataset", "lanes x k", "warm epoch from below", "optimum")
+    for point, fraction in zip(curve, CURVE):
+        table.add_row(f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}",
+                      f"{point.working_set.lanes} x {point.working_set.window_shards}",
+                      f"{point.warm_ratio:.2f}", f"{sum(e.ratio for e in point.optimum[1:]) / max(1, len(point.optimum) - 1):.2f}")
+    console.print(table)
+    console.print(recommended(curve, total))
     return 0
 
 

@@ -61,3 +61,15 @@ def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs
     """Plans at capacities that are `fractions` of the dataset (in the top tier's form)."""
     total = sum(s.decoded_bytes if form == "decoded" else s.bytes for s in dataset.manifest.shards)
     return [plan_cache(dataset, int(f * total), epochs=epochs, form=form) for f in fractions]
+
+
+CURVE = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0, 1.2)
+
+
+def recommended(curve: Sequence[CachePlan], dataset_bytes: int, warm_share: float = 0.05) -> str:
+    """The smallest capacity on the curve whose warm epochs fetch at most `warm_share` of the dataset."""
+    for point in curve:
+        if point.warm_ratio <= warm_share:
+            return (f"recommended: {point.capacity / 1e6:.1f} MB ({point.capacity / dataset_bytes:.0%} of the "
+                    f"dataset) fetches {point.warm_ratio:.0%} of it per warm epoch")
+    return f"no capacity up to {curve[-1].capacity / 1e6:.1f} MB brings warm epochs under {warm_share:.0%} of the dataset"

@@ -135,7 +135,7 @@ class TierStack:
         """What the reader knows before it reads: how (for `auto` policies), how many bytes of
         shards it needs at once (the staging area's size) and how many it reads at once (kept
         open, pinned). Call before forking workers."""
-        self.max_open = max(2, open_shards)
+        self.max_open = max(1, open_shards)
         self._open_declared = True
         for tier in self.tiers:
             tier.set_lifecycle(lifecycle)

@@ -1,0 +1,165 @@
+"""Specification of the cache's central promise at default settings: every sample drawn at the same
+rate, one `for` per epoch, exact elastic resume under lanes, and bytes from the object store per
+epoch that never exceed the dataset and come close to the optimum with the same room."""
+
+import json
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.loader import Loader, TieredDataset
+from tierflow.loader.plan import plan_cache
+from tierflow.loader.stager import Stager
+from tierflow.order import RankStream, SampleOrder
+from tierflow.order.working_set import choose_working_set
+from tierflow.tiers import TierConfig, build_stack
+from tierflow.tiers.remote import upload_dataset
+
+COUNTS = [int(c) for c in np.random.default_rng(21).integers(3, 60, size=37)]  # 37 shards, 8 partitions
+
+
+@pytest.mark.parametrize("lanes", [None, 1, 3])
+@pytest.mark.parametrize("remainder", ["carry", "pad"])
+def test_every_sample_is_drawn_at_the_same_rate(lanes, remainder):
+    order = SampleOrder(COUNTS, dataset_id="rate", seed=3, partitions=8, window_shards=2, lanes=lanes,
+                        remainder=remainder)
+    stream = RankStream(order, order.start(), batch_size=7)
+    total = sum(COUNTS)
+    drawn = np.zeros(total, dtype=np.int64)
+    batch = 0
+    for m in range(1, 5):
+        while drawn.sum() < m * total:
+            b = stream.batch(batch)
+            np.add.at(drawn, b.sample_ids[b.mask], 1)
+            batch += 1
+        assert drawn.min() >= m - 1 and drawn.max() <= m + 1, (m, drawn.min(), drawn.max())
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_all_lanes_of_a_node_end_an_epoch_before_any_starts_the_next(nodes):
+    order = SampleOrder(COUNTS, dataset_id="edges", seed=9, partitions=8, window_shards=2, lanes=3)
+    for node in range(nodes):
+        stream = RankStream(order, order.start(), batch_size=5, node=node, num_nodes=nodes)
+        newest_started = 0
+        for index in range(3 * sum(COUNTS) // (5 * nodes)):
+            epochs = stream.batch(index).epochs
+            assert epochs.min() >= newest_started  # no sample of an epoch after a batch of the next
+            newest_started = max(newest_started, int(epochs.min()))
+
+
+def test_elastic_resume_4_to_2_to_8_nodes_reads_each_sample_once_per_epoch():
+    order = SampleOrder(COUNTS, dataset_id="elastic", seed=4, partitions=8, window_shards=2, lanes=2)
+    cursor, seen = order.start(), []
+    for nodes, steps in ((4, 7), (2, 9), (8, None)):
+        streams = [RankStream(order, cursor, batch_size=3, node=n, num_nodes=nodes) for n in range(nodes)]
+        step = 0
+        while steps is None or step < steps:
+            batches = [s.batch(step) for s in streams]
+            seen += [b.sample_ids[b.mask & (b.epochs == 0)] for b in batches]
+            saved = batches[-1].cursor
+            step += 1
+            if steps is None and saved["epoch"] >= 1:
+                break
+        assert all(b.cursor == saved for b in batches)  # the same state on every node
+        cursor = order.load(json.loads(json.dumps(saved)))
+    ids = np.concatenate(seen)
+    assert np.array_equal(np.sort(ids), np.arange(sum(COUNTS)))
+
+
+def test_the_working_set_shrinks_with_the_tier_and_widens_when_the_tier_holds_everything():
+    sizes = [1000] * 400
+    tiny, mid = choose_working_set(sizes, 64, 20_000), choose_working_set(sizes, 64, 200_000)
+    whole = choose_working_set(sizes, 64, 10_000_000)
+    assert (tiny.lanes, tiny.window_shards) == (1, 1)
+    assert tiny.lanes * tiny.window_shards < mid.lanes * mid.window_shards
+    assert mid.bytes <= 200_000 * 0.0625 + 1000 and mid.shards == mid.lanes * 2 * mid.window_shards
+    assert (whole.lanes, whole.window_shards) == (64, 4)
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache-pays")
+    rng = np.random.default_rng(12)
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(60000):
+            n = int(rng.integers(30, 300))
+            f.write(json.dumps({"text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
+    out = root / "ds"
+    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    return out
+
+
+def test_one_for_under_epoch_end_rank_finishes_its_epoch_exactly_once(tokens):
+    """By the end of `for` number e every window of epoch e was read once; of epoch e + 1 at most the
+    carried-over remainders (each lane's last batch of e runs on into e + 1) were read before."""
+    ds = TieredDataset(str(tokens), batch_size=16, seq_len=128)
+    loader = Loader(ds, epoch_end="rank", background=False)
+    seen: dict[int, list[np.ndarray]] = {}
+    for epoch in range(3):
+        for batch in loader:
+            real = batch["mask"].numpy()
+            ids, epochs = batch["tf_sample_ids"].numpy()[real], batch["tf_epochs"].numpy()[real]
+            for e in np.unique(epochs).tolist():
+                seen.setdefault(e, []).append(ids[epochs == e])
+        assert np.array_equal(np.sort(np.concatenate(seen[epoch])), np.arange(ds.num_order_samples)), epoch
+        ahead = sum(a.size for a in seen.get(epoch + 1, []))
+        assert ahead <= ds.working_set.lanes * ds.batch_size
+    loader.close()
+
+
+def test_token_windows_are_drawn_at_the_same_rate(tokens):
+    ds = TieredDataset(str(tokens), batch_size=16, seq_len=128, partitions=4, lanes=2)
+    drawn = np.zeros(ds.num_order_samples, dtype=np.int64)
+    for batch in ds:
+        np.add.at(drawn, batch["tf_sample_ids"][batch["mask"]], 1)
+        if drawn.sum() >= 3 * drawn.size:
+            break
+    assert drawn.min() >= 2 and drawn.max() <= 4
+
+
+def _epochs_through_s3(url, proxy, l2, capacity, epochs=3, **order):
+    stack = build_stack(url, [TierConfig("L2", str(l2), capacity)], endpoint_url=proxy.url)
+    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=512, **order)
+    loader = Loader(ds, stager=Stager(ds, stack), epoch_end="rank")
+    fetched = []
+    for _ in range(epochs):
+        proxy.reset_counters()
+        for _batch in loader:
+            pass
+        fetched.append(proxy.traffic().response_bytes(method="GET"))
+    loader.close()
+    stack.close()
+    return fetched, ds
+
+
+@pytest.fixture
+def tokens_on_s3(tokens, s3_server, s3_bucket, s3_proxy):
+    url = f"s3://{s3_bucket}/ds"
+    upload_dataset(tokens, url, endpoint_url=s3_server.endpoint_url)
+    manifest = tierflow.open_dataset(tokens).manifest
+    return url, s3_proxy, sum(s.bytes for s in manifest.shards), sum(s.decoded_bytes for s in manifest.shards)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", [0.05, 0.10])
+def test_a_small_cache_never_costs_more_than_no_cache(tmp_path, tokens_on_s3, share):
+    url, proxy, at_rest, decoded = tokens_on_s3
+    fetched, ds = _epochs_through_s3(url, proxy, tmp_path / "l2", int(share * decoded))
+    lookahead = ds.working_set.bytes / decoded * at_rest  # the stager's next window, fetched for epoch n + 1
+    assert all(f <= at_rest + lookahead for f in fetched), [f / at_rest for f in fetched]
+    assert sum(fetched) <= len(fetched) * at_rest + lookahead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share,warm_target", [(0.30, 0.75), (0.60, 0.45)])
+def test_warm_epochs_fetch_near_the_optimum_with_the_same_room(tmp_path, tokens_on_s3, share, warm_target):
+    url, proxy, at_rest, decoded = tokens_on_s3
+    capacity = int(share * decoded)
+    fetched, ds = _epochs_through_s3(url, proxy, tmp_path / "l2", capacity)
+    plan = plan_cache(ds, capacity, epochs=3)
+    live = [f / at_rest for f in fetched]
+    predicted, best = [e.ratio for e in plan.predicted], [e.ratio for e in plan.optimum]
+    assert all(live[epoch] <= warm_target for epoch in (1, 2)), live
+    assert sum(live[1:]) / 2 <= sum(best[1:]) / 2 + 0.05, (live, best)
+    assert abs(sum(live) - sum(predicted)) <= 0.1 * sum(predicted), (live, predicted)
