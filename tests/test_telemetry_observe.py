@@ -11,12 +11,13 @@ import pytest
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
+from tierflow.loader.stager import Stager
 from tierflow.telemetry import MetricsRegistry
 from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
 from tierflow.telemetry.bench import format_result, run_bench, simulated_step
 from tierflow.telemetry.health import health_flags
 from tierflow.telemetry.loader_metrics import LoaderTelemetry, loader_figures, split_wait
-from tierflow.telemetry.tier_figures import byte_miss_vs_optimum, tier_figures
+from tierflow.telemetry.tier_figures import tier_figures
 from tierflow.telemetry.verdict import judge, stall_shares
 from tierflow.testing.fileserver import serve_directory
 from tierflow.tiers import TierConfig, build_stack
@@ -107,16 +108,6 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
     opened = ledger.since(mark)
     assert {tier: f["opens"] for tier, f in opened.items()} == {"source": 1, "L2": 1, "L1": 1}
     assert opened["source"]["bytes"] == info.decoded_bytes
-
-
-def test_byte_miss_ratio_is_compared_with_the_optimum_on_the_same_trace():
-    accesses = [(k, 10, 20, served) for k, served in
-                [("a", "source"), ("b", "source"), ("a", "L2"), ("c", "source"), ("a", "source"), ("b", "source")]]
-    result = byte_miss_vs_optimum(accesses, ["L2"], "L2", capacity_bytes=20, decoded=False)
-    assert result.measured == pytest.approx(5 / 6)
-    assert result.optimum <= result.measured
-    assert result.optimum == pytest.approx(3 / 6)  # MIN keeps a and b and bypasses c: three hits
-    assert result.requested_bytes == 60
 
 
 def samples_dataset(data, transform=None, batch_size=8):
@@ -218,3 +209,30 @@ def test_tier_figures_include_what_readers_in_workers_fetched(packed, tmp_path):
     # the readers run in the two workers: their misses reach the main process with the batches
     assert l2.misses > 0 and l2.bytes_in > 0
     assert l2.misses <= len(tierflow.open_dataset(packed).manifest.shards)  # the parent's copy not counted twice
+
+
+def test_bench_sets_bytes_per_epoch_beside_the_plan_and_never_below_the_optimum(packed, tmp_path):
+    registry = MetricsRegistry()
+    shards = tierflow.open_dataset(packed).manifest.shards
+    capacity = int(0.3 * sum(s.decoded_bytes for s in shards))
+    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity)], registry=registry)
+    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=64)
+    per_epoch = ds.num_order_samples // 16
+    result = run_bench(ds, 2 * per_epoch, simulated_step(1), registry=registry, stager=Stager(ds, stack),
+                       tier_layout=[("L2", capacity, True)])
+    b = result.bytes_per_epoch
+    assert b is not None and b.epochs == pytest.approx(2.0, abs=0.01)
+    assert b.optimum <= b.predicted <= 1.0
+    assert b.optimum - 0.02 <= b.measured <= b.predicted + 0.1
+    assert "bytes from below per epoch" in format_result(result)
+
+
+def test_the_verdict_never_recommends_the_worker_count_already_in_use():
+    registry = MetricsRegistry()
+    telemetry = LoaderTelemetry(registry)
+    for _ in range(40):
+        telemetry.on_batch(0.008, {"produce_s": 0.012, "fetch": {}}, depth=0)
+        telemetry.on_step(0.010)
+    figures = loader_figures(registry.snapshot())
+    assert "num_workers=3" in judge(figures, workers=0).change
+    assert "num_workers=" not in judge(figures, workers=3).change

@@ -120,8 +120,7 @@ def epochs(system: str, url: str, endpoint: str, control: str, cache: str, worke
     thrashing cache would take hours); that epoch's figure is then extrapolated from the fraction of
     it done, and flagged."""
     impl = SYSTEMS[system]
-    reader = impl.reader(url, Path(cache), workers=workers, seed=seed, endpoint=endpoint, cache_limit=cache_limit,
-                         small_cache=True)
+    reader = impl.reader(url, Path(cache), workers=workers, seed=seed, endpoint=endpoint, cache_limit=cache_limit)
     per_epoch: list[float] = []
     stopped = None
     mark = proxy_bytes(control, key)

@@ -82,7 +82,7 @@ class System:
         import torch  # noqa: F401
 
     def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> "Reader":
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> "Reader":
         raise NotImplementedError
 
 
@@ -143,28 +143,23 @@ class Tierflow(System):
         source.unlink()
 
     def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> Reader:
-        return TierflowReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume, stager, small_cache)
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
+        return TierflowReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume, stager)
 
 
 class TierflowReader(Reader):
     def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
-                 endpoint: str | None, resume: Any, stager: bool, small_cache: bool = False) -> None:
+                 endpoint: str | None, resume: Any, stager: bool) -> None:
         from tierflow.loader import Loader, TieredDataset
         from tierflow.loader.stager import Stager
         from tierflow.tiers import TierConfig, build_stack
 
         self.kind = kind
         capacity = cache_limit if cache_limit is not None else 1.0
-        self.stack = build_stack(data, [TierConfig("L2", str(cache), capacity, policy="auto", form="decoded")],
-                                 endpoint_url=endpoint)
-        # With a cache far smaller than the dataset, the order's default (up to 64 partitions, each
-        # reading a window of 4 shards) keeps more shards in use at once than the cache holds. As
-        # `tierflow demo` does for its small L2, read 2 partitions x windows of 2 shards then.
-        order = dict(partitions=2, window_shards=2) if small_cache else {}
+        # defaults: the order sizes its working set to the cache
+        self.stack = build_stack(data, [TierConfig("L2", str(cache), capacity)], endpoint_url=endpoint)
         if kind == "tokens":
-            self.ds = TieredDataset(self.stack.dataset(), batch_size=BATCH, seq_len=SEQ_LEN, seed=seed, resume=resume,
-                                    **order)
+            self.ds = TieredDataset(self.stack.dataset(), batch_size=BATCH, seq_len=SEQ_LEN, seed=seed, resume=resume)
         else:
             self.ds = TieredDataset(self.stack.dataset(), batch_size=INT_BATCH, columns=["x"], seed=seed, resume=resume)
         self.batch = self.ds.batch_size
@@ -238,7 +233,7 @@ class Streaming(System):
                 writer.write({"x": i})
 
     def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> Reader:
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
         return StreamingReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
 
 
@@ -347,7 +342,7 @@ class LitData(System):
                  verbose=False, mode="overwrite")
 
     def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True, small_cache: bool = False) -> Reader:
+               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
         return LitDataReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
 
 

@@ -97,10 +97,12 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
                   f"{l2_capacity / 1e6:.1f} of {decoded / 1e6:.1f} MB decoded ({at_rest / 1e6:.1f} MB at rest); "
                   f"step {step_ms:g} ms; batches of {batch_size} x {seq_len + 1} tokens")
     registry = MetricsRegistry()
-    stack = build_stack(str(dataset_dir), [TierConfig("L2", str(node / "L2"), l2_capacity, policy="clairvoyant",
-                                                      form="decoded")], bandwidth=bandwidth, registry=registry)
-    # 2 partitions x windows of 2 shards: the shards being read at once fit the small L2 with room to stage
-    ds = TieredDataset(stack.dataset(), batch_size=batch_size, seq_len=seq_len, partitions=2, window_shards=2)
+    stack = build_stack(str(dataset_dir), [TierConfig("L2", str(node / "L2"), l2_capacity)], bandwidth=bandwidth,
+                        registry=registry)
+    ds = TieredDataset(stack.dataset(), batch_size=batch_size, seq_len=seq_len)  # defaults: sized to the L2
+    ws = ds.working_set
+    console.print(f"order: {ws.lanes} lane(s) x windows of {ws.window_shards} shard(s) ({ws.reason}); "
+                  f"staging area {stack.staging_bytes / 1e6:.1f} MB of RAM")
     stager = Stager(ds, stack)
     steps_per_epoch = max(1, ds.num_order_samples // (batch_size * ds.world.ranks_per_node))
     source_bytes = registry.counter("source_bytes", {"tier": "source"})
@@ -130,7 +132,6 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     total = time.perf_counter() - started
     console.rule("[bold]summary")
     l2 = result.tiers.get("L2")
-    byte_miss = {b.tier: b for b in result.byte_miss}
     lines = [
         f"pack: {manifest.num_samples:,} files -> {len(manifest.shards)} shards in {pack_s:.1f} s",
         f"loader: {result.throughput:.0f} batches/s vs dry run {result.dry_run_throughput:.0f} "
@@ -138,8 +139,9 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     ]
     if l2 is not None:
         lines.append(f"L2 demand hit ratio {l2.demand_hit_ratio:.1%}"
-                     + (f"; byte miss ratio {byte_miss['L2'].measured:.1%} (optimum {byte_miss['L2'].optimum:.1%})"
-                        if "L2" in byte_miss else ""))
+                     + (f"; bytes from L4 {result.bytes_per_epoch.measured:.2f}x the dataset per epoch (plan "
+                        f"{result.bytes_per_epoch.predicted:.2f}x, optimum {result.bytes_per_epoch.optimum:.2f}x)"
+                        if result.bytes_per_epoch is not None else ""))
     lines += [f"verdict: {result.verdict.bound} - {result.verdict.change}",
               f"model: {params:,} parameters, loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps "
               f"({train_s:.1f} s)",
@@ -179,7 +181,7 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
     model = TinyLM()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=seq_len, seed=1, partitions=2, window_shards=2)
+    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=seq_len, seed=1)
     loader = Loader(ds, widen={"input_ids": torch.int64, "labels": torch.int64})
     losses: list[float] = []
     started = time.perf_counter()

@@ -237,9 +237,9 @@ class Stager:
             if use.shard not in wanted:
                 wanted.append(use.shard)
         until: dict[int, int] = {}
-        for use in every_use:  # a shard staged by an earlier plan is held to its use even past this one's horizon
-            if use.first_use <= 0 or use.first_use < limit or use.shard in self._held:
-                until[use.shard] = max(until.get(use.shard, -1), use.last_use)
+        for use in every_use:  # held to the end of its next use, even one past this plan's horizon
+            if use.shard not in until and (use.first_use < limit or use.shard in self._held):
+                until[use.shard] = use.last_use
         with self._lock:
             self._held_until = until
         self._release_passed()

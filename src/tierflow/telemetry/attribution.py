@@ -51,18 +51,6 @@ class FetchLedger:
 
 
 _local = threading.local()
-_accesses: list[tuple[str, int, int, str]] = []
-_accesses_lock = threading.Lock()
-MAX_ACCESSES = 1_000_000
-
-
-def all_accesses() -> list[tuple[str, int, int, str]]:
-    """(shard key, at-rest bytes, decoded bytes, serving tier) of every open in this process that
-    reached the tiers, in order (the run's trace for the byte miss ratio against the optimum)."""
-    with _accesses_lock:
-        return list(_accesses)
-
-
 def thread_ledger() -> FetchLedger:
     """The calling thread's ledger (a DataLoader worker or the feed's producer thread)."""
     ledger = getattr(_local, "ledger", None)
@@ -104,11 +92,6 @@ class AttributedShardSource:
             self._tables.pop(next(iter(self._tables)))
         decoded = int(getattr(info, "decoded_bytes", 0) or 0)
         thread_ledger().add(tier, seconds, decoded)
-        if tier != MAPPED:
-            with _accesses_lock:
-                if len(_accesses) < MAX_ACCESSES:
-                    _accesses.append((str(getattr(info, "key", index)), int(getattr(info, "bytes", 0) or 0),
-                                      decoded, tier))
         return table
 
     def _counts(self) -> list[int | float]:

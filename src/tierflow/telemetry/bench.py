@@ -7,14 +7,13 @@ The dry run is the bound DESIGN.md names: a data path can at best reach the step
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from tierflow.telemetry.attribution import all_accesses
 from tierflow.telemetry.health import HealthFlag, health_flags
 from tierflow.telemetry.loader_metrics import LoaderFigures, LoaderTelemetry, loader_figures
 from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
-from tierflow.telemetry.tier_figures import ByteMissRatio, TierFigures, byte_miss_vs_optimum, tier_figures
+from tierflow.telemetry.tier_figures import TierFigures, tier_figures
 from tierflow.telemetry.verdict import Verdict, judge
 
 Step = Callable[[Any], None]
@@ -49,6 +48,17 @@ def steps_per_second(batches: Any, steps: int, step_s: float) -> tuple[float, fl
 
 
 @dataclass(frozen=True)
+class BytesPerEpoch:
+    """Bytes fetched from below the tiers per epoch of the run, as a share of the dataset at rest,
+    beside what `tierflow plan` predicts for the same steps and the optimum with the same room."""
+
+    measured: float
+    predicted: float
+    optimum: float
+    epochs: float
+
+
+@dataclass(frozen=True)
 class BenchResult:
     steps: int
     loader_s: float
@@ -57,7 +67,7 @@ class BenchResult:
     tiers: dict[str, TierFigures]
     verdict: Verdict
     health: list[HealthFlag]
-    byte_miss: list[ByteMissRatio] = field(default_factory=list)
+    bytes_per_epoch: BytesPerEpoch | None = None
 
     @property
     def throughput(self) -> float:
@@ -81,8 +91,8 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     """Run `steps` batches of `dataset` (a TieredDataset) through the Loader, then the dry run.
 
     `registry` should be the tier stack's, so tier figures land beside the loader's; `tier_layout`
-    lists (name, capacity bytes, stores decoded) fastest first, for the byte miss ratios against the
-    optimum (recorded only when batches are built in this process, num_workers=0).
+    lists (name, capacity bytes, stores decoded) fastest first; the top one's bytes from below per
+    epoch are set beside the plan's prediction and the optimum for the same steps.
     """
     from tierflow.loader.loader import Loader
 
@@ -93,7 +103,6 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     start = dataset.state_dict()
     loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager)
     kept: list[Any] = []
-    accesses_before = len(all_accesses())
     acquired_before = sum(budget.acquired_bytes.values()) if budget is not None else 0
     started = time.perf_counter()
     for batch in loader:
@@ -109,7 +118,6 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     if budget is not None and budget.rate and loader_s > 0:
         # this process's fetches against the node budget (all of them when batches are built here)
         bandwidth_use = (sum(budget.acquired_bytes.values()) - acquired_before) / (budget.rate * loader_s)
-    accesses = all_accesses()[accesses_before:]
     dataset.load_state_dict(start)
 
     started = time.perf_counter()
@@ -125,15 +133,41 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     dataset_bytes = sum(s.decoded_bytes for s in manifest.shards) if manifest is not None else None
     shard_bytes = dataset_bytes // max(1, len(manifest.shards)) if manifest is not None and dataset_bytes else None
     verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / len(kept), dataset_bytes=dataset_bytes,
-                    shard_bytes=shard_bytes)
-    order = [name for name, _, _ in tier_layout]
-    byte_miss = [byte_miss_vs_optimum(accesses, order, name, capacity, decoded,
-                                      fetched=tiers[name].bytes_in if name in tiers else None)
-                 for name, capacity, decoded in tier_layout] if accesses else []
+                    shard_bytes=shard_bytes, workers=num_workers)
+    per_epoch = _bytes_per_epoch(dataset, snapshot, len(kept), tier_layout) if tier_layout else None
     if events is not None:
         events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)
     return BenchResult(len(kept), loader_s, dry_run_s, figures, tiers, verdict,
-                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), byte_miss)
+                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), per_epoch)
+
+
+def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
+                     tier_layout: Sequence[tuple[str, int, bool]]) -> BytesPerEpoch | None:
+    """The run's bytes from below against the plan for the same steps (epochs prorated)."""
+    from tierflow.loader.plan import plan_cache
+
+    manifest = getattr(dataset, "manifest", None)
+    if manifest is None or not hasattr(dataset, "working_set"):
+        return None
+    at_rest = sum(s.bytes for s in manifest.shards)
+    fetched = sum(c["value"] for c in snapshot.get("counters", [])
+                  if c["name"] == "source_bytes" and c["labels"].get("tier") == "source")
+    world = dataset.world
+    owned = dataset.order.layout.node_partitions(world.node, world.num_nodes)
+    node_samples = sum(int(dataset.order.layout.partition_sizes[p]) for p in owned)
+    samples = steps * dataset.batch_size * dataset.batcher.batches_per_group * world.ranks_per_node
+    epochs = samples / max(1, node_samples)
+    _, capacity, decoded = tier_layout[0]
+    plan = plan_cache(dataset, capacity, epochs=max(1, -(-samples // max(1, node_samples))),
+                      form="decoded" if decoded else "at_rest", working_set=dataset.working_set)
+
+    def prorated(per: list[Any]) -> float:
+        whole, part = int(epochs), epochs - int(epochs)
+        total = sum(e.ratio for e in per[:whole]) + (per[whole].ratio * part if whole < len(per) else 0.0)
+        return total / epochs if epochs else 0.0
+
+    return BytesPerEpoch(fetched / at_rest / epochs if epochs and at_rest else 0.0,
+                         prorated(plan.predicted), prorated(plan.optimum), epochs)
 
 
 
@@ -159,8 +193,10 @@ def format_result(result: BenchResult, step_ms: float | None = None) -> str:
                          f"{t.bytes_out / 1e6:9.1f}{t.evictions:7d}{t.evictions_before_use:8d}"
                          f"{t.occupancy_bytes / 1e6:7.1f}/{t.capacity_bytes / 1e6:.0f}MB"
                          f"{t.fetch_p99_s * 1e3:9.1f}ms")
-    for b in result.byte_miss:
-        lines.append(f"{b.tier} byte miss ratio {b.measured:.1%} (optimum {b.optimum:.1%})")
+    b = result.bytes_per_epoch
+    if b is not None:
+        lines.append(f"bytes from below per epoch: {b.measured:.2f}x the dataset over {b.epochs:.1f} epochs "
+                     f"(plan {b.predicted:.2f}x; optimum with the same room {b.optimum:.2f}x)")
     v = result.verdict
     lines += ["", f"verdict: {v.bound} - {v.reason}", f"change: {v.change}",
               f"recommended L1 {v.l1_bytes / 1e6:.1f} MB, L2 {v.l2_bytes / 1e6:.1f} MB, lookahead "

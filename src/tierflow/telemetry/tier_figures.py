@@ -1,14 +1,14 @@
 """Per-tier figures from a metrics snapshot: the demand hit ratio, bytes, evictions, occupancy, fetch
-latency, and the byte miss ratio of a run's access trace against the offline optimum.
+latency.
 
-The demand hit ratio (hits / (hits + misses)) says whether a shard was there when asked; the byte
-miss ratio against the optimum says how much better any policy could have done with this capacity.
+The demand hit ratio (hits / (hits + misses)) says whether a shard was there when asked; how many
+bytes a run fetched against the optimum is `bench`'s bytes per epoch (loader/plan.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from tierflow.telemetry.metrics import Histogram
 
@@ -79,43 +79,3 @@ def tier_figures(snapshot: Mapping[str, Any]) -> dict[str, TierFigures]:
             fetch_p99_s=h.quantile(0.99) if h else 0.0,
         )
     return out
-
-
-@dataclass(frozen=True)
-class ByteMissRatio:
-    """A tier's byte miss ratio on a run's trace, and the offline optimum's on the same trace."""
-
-    tier: str
-    measured: float
-    optimum: float
-    requested_bytes: int
-
-
-def byte_miss_vs_optimum(accesses: Sequence[tuple[str, int, int, str]], tier_order: Sequence[str], tier: str,
-                         capacity_bytes: int, decoded: bool, fetched: int | None = None) -> ByteMissRatio:
-    """`accesses` are (key, at-rest bytes, decoded bytes, serving tier) in order; `tier_order` fastest first.
-
-    An access served by a tier below `tier` (or by the source) missed in it. With a stager, reads
-    hit entries it fetched ahead, so pass `fetched` (every byte the tier took in from below,
-    demand and prefetch): the measured ratio is then fetched / requested, comparable with the
-    optimum, Belady's MIN with bypass (policies.simulator.optimum) at the same capacity.
-    """
-    from tierflow.policies.simulator import optimum
-    from tierflow.policies.traces import from_records
-
-    depth = {name: i for i, name in enumerate(tier_order)}
-    mine = depth[tier]
-    requested = missed = 0
-    records = []
-    for position, (key, at_rest, decoded_bytes, served) in enumerate(accesses):
-        size = decoded_bytes if decoded else at_rest
-        requested += size
-        if depth.get(served, len(tier_order)) > mine:
-            missed += size
-        records.append((key, size, float(position), float(position)))
-    if not records:
-        return ByteMissRatio(tier, 0.0, 0.0, 0)
-    best = optimum(from_records(records, name=f"run at {tier}"), capacity_bytes)
-    if fetched is not None:
-        missed = fetched
-    return ByteMissRatio(tier, missed / requested if requested else 0.0, best.byte_miss_ratio, requested)

@@ -60,8 +60,10 @@ def recommended_capacity(bytes_per_s: float, coverage_s: float, dataset_bytes: i
 
 def judge(loader: LoaderFigures, tiers: Mapping[str, TierFigures] | None = None, *,
           dry_run_step_s: float | None = None, dataset_bytes: int | None = None, shard_bytes: int | None = None,
-          bubble_ok: float = 0.05, l1_coverage_s: float = 60.0, l2_coverage_s: float = 3600.0) -> Verdict:
-    """The verdict for one run; `dry_run_step_s` (the step with data preloaded) sets the target rate."""
+          bubble_ok: float = 0.05, l1_coverage_s: float = 60.0, l2_coverage_s: float = 3600.0,
+          workers: int = 0) -> Verdict:
+    """The verdict for one run; `dry_run_step_s` (the step with data preloaded) sets the target rate,
+    `workers` is the DataLoader worker count the run used (a change never recommends it again)."""
     tiers = tiers or {}
     step_s = dry_run_step_s if dry_run_step_s else loader.step_mean_s
     opened = sum(v for t, v in loader.fetch_bytes.items() if t != MAPPED)
@@ -88,10 +90,14 @@ def judge(loader: LoaderFigures, tiers: Mapping[str, TierFigures] | None = None,
         change = ("move less per step: keep token ids narrow and widen on the device, raise the feed depth, "
                   "use DataLoader workers with shared-memory batches")
     elif bound == "preprocessing":
-        workers = max(2, math.ceil(loader.production_p50_s / step_s) + 1) if step_s > 0 else 2
-        change = (f"build batches in parallel (num_workers={workers}: a batch takes "
-                  f"{loader.production_p50_s * 1e3:.1f} ms against a {step_s * 1e3:.1f} ms step) or make the "
-                  f"transform cheaper")
+        wanted = max(2, math.ceil(loader.production_p50_s / step_s) + 1) if step_s > 0 else 2
+        if wanted > workers:
+            change = (f"build batches in parallel (num_workers={wanted}: a batch takes "
+                      f"{loader.production_p50_s * 1e3:.1f} ms against a {step_s * 1e3:.1f} ms step) or make the "
+                      f"transform cheaper")
+        else:
+            change = (f"make the transform cheaper: {workers} workers already build batches in parallel and a batch "
+                      f"still takes {loader.production_p50_s * 1e3:.1f} ms against a {step_s * 1e3:.1f} ms step")
     elif bound == "local storage":
         change = f"put an L1 tier in RAM (tmpfs) of {_size(l1)} so shards are read from memory"
     else:
