@@ -2,7 +2,10 @@
 
 Construct + seek (load a mid-epoch cursor) + first 1,000 sample ids, at 1M, 10M, 100M and 1B
 samples over a fixed 4,000 shards: wall time and peak traced memory, and their growth against
-1M (target: <= 10%). Then microseconds per sample id on the hot path (batches of 1,000).
+1M (target: <= 10%). Then microseconds per sample id on the hot path (batches of 1,000). Then
+shuffle quality against the working set (lanes x windows of k shards): |Spearman rho| between a
+sample's position in the epoch and its stored index (target <= 0.01), and the distinct shards in
+a global batch of 8 ranks x 32 samples.
 Run: .venv/bin/python benchmarks/order.py
 """
 
@@ -24,7 +27,7 @@ REPEATS = 5
 def start_and_first_batch(total: int) -> np.ndarray:
     order = SampleOrder([total // SHARDS] * SHARDS, dataset_id=f"bench-{total}", seed=1, partitions=64)
     half = [int(n) // 2 for n in order.layout.partition_sizes]
-    saved = order.cursor([3] * 64, half, [1000] * 64).to_dict()
+    saved = order.cursor([3] * 64, half).to_dict()
     cursor = order.load(saved)
     stream = RankStream(order, cursor, batch_size=BATCH, node=3, num_nodes=8, rank=5, ranks_per_node=8)
     return stream.batch(0).sample_ids
@@ -50,8 +53,7 @@ def measure_hot_path(total: int, batches: int = 300) -> tuple[float, float, floa
     stream.batch(0)
     began = time.perf_counter()
     for j in range(batches):
-        partition, epoch, offset = stream.node_batch(j)
-        order.read(partition, epoch, offset, BATCH)
+        stream.node_batch(j)
     ids_only = (time.perf_counter() - began) / (batches * BATCH) * 1e6
     began = time.perf_counter()
     for b in range(batches):
@@ -61,6 +63,23 @@ def measure_hot_path(total: int, batches: int = 300) -> tuple[float, float, floa
     future_shard_uses(order, order.start(), node=0, num_nodes=8, batch_size=BATCH, horizon=1_000_000)
     future_ms = (time.perf_counter() - began) * 1e3
     return ids_only, with_cursor, future_ms
+
+
+def shuffle_quality(lanes: int, window_shards: int, shards: int = 2000, per_shard: int = 50,
+                    ranks: int = 8, batch: int = 32) -> tuple[float, float, int]:
+    """(|Spearman rho| of position vs stored index over one epoch, mean and min distinct shards per
+    global batch) for one node's order read through `lanes` lanes."""
+    order = SampleOrder([per_shard] * shards, dataset_id="quality", seed=3, partitions=64,
+                        window_shards=window_shards, lanes=lanes)
+    streams = [RankStream(order, order.start(), batch_size=batch, rank=r, ranks_per_node=ranks) for r in range(ranks)]
+    ids, distinct = [], []
+    for step in range(shards * per_shard // (ranks * batch)):
+        global_batch = np.concatenate([s.batch(step).sample_ids for s in streams])
+        ids.append(global_batch)
+        distinct.append(np.unique(order.layout.shard_of(global_batch)).size)
+    ids = np.concatenate(ids)
+    rho = np.corrcoef(np.arange(ids.size), ids)[0, 1]  # both are ranks: Pearson on them is Spearman
+    return abs(float(rho)), float(np.mean(distinct)), int(np.min(distinct))
 
 
 def main() -> None:
@@ -77,6 +96,14 @@ def main() -> None:
     for total in (SIZES[0], SIZES[-1]):
         ids_only, with_cursor, future_ms = measure_hot_path(total)
         print(f"{total:>14,} {ids_only:>10.3f} {with_cursor:>14.3f} {future_ms:>13.1f}")
+    print()
+    print("shuffle quality against the working set (2,000 shards x 50 samples, 64 partitions, one node, "
+          "global batch 8 x 32):")
+    print(f"{'lanes x k':>10} {'shards at once':>15} {'|rho| epoch':>12} {'<= 0.01':>8} {'shards/batch mean':>18} {'min':>5}")
+    for lanes, k in ((64, 4), (16, 4), (8, 4), (4, 4), (1, 4), (1, 2), (1, 1)):
+        rho, mean, least = shuffle_quality(lanes, k)
+        print(f"{lanes:>5} x {k:<2} {lanes * 2 * k:>15} {rho:>12.4f} {'met' if rho <= 0.01 else 'MISS':>8} "
+              f"{mean:>18.1f} {least:>5}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_the_working_set_shrinks_with_the_tier_and_widens_when_the_tier_holds_ev
     assert (tiny.lanes, tiny.window_shards) == (1, 1)
     assert tiny.lanes * tiny.window_shards < mid.lanes * mid.window_shards
     assert mid.bytes <= 200_000 * 0.0625 + 1000 and mid.shards == mid.lanes * 2 * mid.window_shards
-    assert (whole.lanes, whole.window_shards) == (64, 4)
+    assert (whole.lanes, whole.window_shards) == (16, 4)
 
 
 @pytest.fixture(scope="module")

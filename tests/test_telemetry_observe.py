@@ -211,6 +211,7 @@ def test_tier_figures_include_what_readers_in_workers_fetched(packed, tmp_path):
     assert l2.misses <= len(tierflow.open_dataset(packed).manifest.shards)  # the parent's copy not counted twice
 
 
+@pytest.mark.slow
 def test_bench_sets_bytes_per_epoch_beside_the_plan_and_never_below_the_optimum(packed, tmp_path):
     registry = MetricsRegistry()
     shards = tierflow.open_dataset(packed).manifest.shards

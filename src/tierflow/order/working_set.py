@@ -5,7 +5,7 @@ staged: lanes * 2k shards (room for that many of the mean size and one of the la
 stack's staging area in host RAM, so the working set takes at most `SHARE` of the top tier (the
 RAM it may use beside it) and `RAM_SHARE` of the memory headroom; within that the widest shuffle wins
 (most shards mixed at once, lanes * k; ties to more lanes, whose partitions differ). With no tier,
-or one that holds the whole dataset, every partition is a lane with windows of 4 shards.
+or one that holds the whole dataset, the widest: up to WIDEST_LANES lanes with windows of 4 shards.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from typing import Sequence
 SHARE = 0.0625
 RAM_SHARE = 0.125
 WIDEST_WINDOW = 4
+WIDEST_LANES = 16
+"""More lanes than this read in lock-step, so a position in the epoch is the same rank in every
+partition's shard shuffle and the epoch correlates with the stored order (benchmarks/order.py:
+|Spearman rho| 0.023 at 64 lanes, 0.006 at 16, on 2,000 shards); 16 x 4 already mixes ~35 shards
+into a global batch of 256 samples."""
 
 
 @dataclass(frozen=True)
@@ -44,10 +49,11 @@ def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
                        capacity_bytes: int | None, memory_bytes: int | None = None) -> WorkingSet:
     """The widest (lanes, window_shards) whose working set fits SHARE of `capacity_bytes` and
     RAM_SHARE of `memory_bytes`."""
-    widest_shards = working_set_shards(partitions_per_node, WIDEST_WINDOW)
-    widest = WorkingSet(partitions_per_node, WIDEST_WINDOW, widest_shards, working_set_bytes(widest_shards, shard_bytes), "")
+    most = min(partitions_per_node, WIDEST_LANES)
+    widest_shards = working_set_shards(most, WIDEST_WINDOW)
+    widest = WorkingSet(most, WIDEST_WINDOW, widest_shards, working_set_bytes(widest_shards, shard_bytes), "")
     if capacity_bytes is None:
-        return _because(widest, "no tier: every partition is a lane")
+        return _because(widest, "no tier: the widest shuffle")
     if capacity_bytes >= sum(shard_bytes) + widest.bytes:
         return _because(widest, "the top tier holds the dataset and the working set")
     room = capacity_bytes * SHARE if memory_bytes is None else min(capacity_bytes * SHARE, memory_bytes * RAM_SHARE)
@@ -55,7 +61,7 @@ def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
     budget = max(0, int((room - max(shard_bytes, default=0)) // max(mean, 1)))
     best: tuple[int, int, int] | None = None
     for k in range(WIDEST_WINDOW, 0, -1):
-        lanes = min(partitions_per_node, budget // (2 * k))
+        lanes = min(most, budget // (2 * k))
         if lanes >= 1 and (best is None or (lanes * k, lanes) > (best[0], best[1])):
             best = (lanes * k, lanes, k)
     if best is None:
