@@ -163,3 +163,44 @@ def test_warm_epochs_fetch_near_the_optimum_with_the_same_room(tmp_path, tokens_
     assert all(live[epoch] <= warm_target for epoch in (1, 2)), live
     assert sum(live[1:]) / 2 <= sum(best[1:]) / 2 + 0.05, (live, best)
     assert abs(sum(live) - sum(predicted)) <= 0.1 * sum(predicted), (live, predicted)
+
+
+JOB = """
+import sys
+from tierflow.loader import Loader, TieredDataset
+from tierflow.loader.stager import Stager
+from tierflow.tiers import TierConfig, build_stack
+url, endpoint, l2, capacity, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+stack = build_stack(url, [TierConfig("L2", l2, capacity)], endpoint_url=endpoint)
+ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=512, seed=seed)
+loader = Loader(ds, stager=Stager(ds, stack), epoch_end="rank")
+for _ in range(2):
+    for _batch in loader:
+        pass
+loader.close()
+"""
+
+
+@pytest.mark.slow
+def test_two_jobs_sharing_one_l2_do_not_thrash_each_other(tmp_path, tokens_on_s3):
+    import os
+    import subprocess
+    import sys
+
+    from tierflow.testing import S3Endpoint
+
+    url, proxy, at_rest, decoded = tokens_on_s3
+    capacity = int(0.3 * decoded)
+    env = {**os.environ, **S3Endpoint(proxy.url).env()}
+
+    def jobs(l2, seeds):
+        proxy.reset_counters()
+        running = [subprocess.Popen([sys.executable, "-c", JOB, url, proxy.url, str(l2), str(capacity), str(seed)],
+                                    env=env) for seed in seeds]
+        assert all(p.wait(timeout=300) == 0 for p in running)
+        return proxy.traffic().response_bytes(method="GET")
+
+    alone = jobs(tmp_path / "alone", [1])
+    together = jobs(tmp_path / "shared", [1, 2])
+    print(f"two jobs: alone {alone / at_rest:.2f}x, together {together / at_rest:.2f}x the dataset over 2 epochs")
+    assert together <= 1.1 * 2 * alone, (together / at_rest, alone / at_rest)
