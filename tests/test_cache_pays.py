@@ -75,6 +75,9 @@ def test_the_working_set_shrinks_with_the_tier_and_widens_when_the_tier_holds_ev
     assert tiny.lanes * tiny.window_shards < mid.lanes * mid.window_shards
     assert mid.bytes <= 200_000 * 0.0625 + 1000 and mid.shards == mid.lanes * 2 * mid.window_shards
     assert (whole.lanes, whole.window_shards) == (16, 4)
+    in_place, held = choose_working_set(sizes, 64, None), choose_working_set(sizes, 64, None, memory_bytes=100_000)
+    assert (in_place.lanes, in_place.window_shards) == (16, 4)  # memory-mapped files cost no RAM to hold
+    assert held.bytes <= 100_000 * 0.125 + 1000  # remote shards with no tier are held in memory
 
 
 @pytest.fixture(scope="module")

@@ -150,10 +150,13 @@ class TieredDataset(IterableDataset):
                             lanes: int | None) -> WorkingSet:
         """Lanes and window size: as given, else sized to the top tier of the stack being read."""
         per_node = max(1, partitions // max(1, self.world.num_nodes))
-        tiers = getattr(getattr(data, "source", None), "tiers", None) or []
+        source = getattr(data, "source", None)
+        tiers = getattr(source, "tiers", None) or []
         top = tiers[0] if tiers else None
         sizes = [s.decoded_bytes if top is not None and top.form == "decoded" else s.bytes for s in self.manifest.shards]
-        chosen = choose_working_set(sizes, per_node, top.capacity if top is not None else None, memory_headroom())
+        staged = source is not None and hasattr(source, "declare")  # a tier stack: held in RAM unless in a tier
+        chosen = choose_working_set(sizes, per_node, top.capacity if top is not None else None,
+                                    memory_headroom() if staged else None)
         if window_shards is None and lanes is None:
             return chosen
         lanes = lanes if lanes is not None else (per_node if window_shards is not None else chosen.lanes)

@@ -5,7 +5,8 @@ staged: lanes * 2k shards (room for that many of the mean size and one of the la
 stack's staging area in host RAM, so the working set takes at most `SHARE` of the top tier (the
 RAM it may use beside it) and `RAM_SHARE` of the memory headroom; within that the widest shuffle wins
 (most shards mixed at once, lanes * k; ties to more lanes, whose partitions differ). With no tier,
-or one that holds the whole dataset, the widest: up to WIDEST_LANES lanes with windows of 4 shards.
+or one that holds the whole dataset, the widest (remote shards read with no tier are held in
+memory, so then RAM_SHARE alone bounds it): up to WIDEST_LANES lanes with windows of 4 shards.
 """
 
 from __future__ import annotations
@@ -47,16 +48,21 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
 
 def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
                        capacity_bytes: int | None, memory_bytes: int | None = None) -> WorkingSet:
-    """The widest (lanes, window_shards) whose working set fits SHARE of `capacity_bytes` and
-    RAM_SHARE of `memory_bytes`."""
+    """The widest (lanes, window_shards) whose working set fits SHARE of `capacity_bytes` (None: no
+    tier) and RAM_SHARE of `memory_bytes` (None: shards are read in place, memory-mapped)."""
     most = min(partitions_per_node, WIDEST_LANES)
     widest_shards = working_set_shards(most, WIDEST_WINDOW)
     widest = WorkingSet(most, WIDEST_WINDOW, widest_shards, working_set_bytes(widest_shards, shard_bytes), "")
-    if capacity_bytes is None:
-        return _because(widest, "no tier: the widest shuffle")
-    if capacity_bytes >= sum(shard_bytes) + widest.bytes:
+    if capacity_bytes is None and memory_bytes is None:
+        return _because(widest, "read in place: the widest shuffle")
+    if capacity_bytes is not None and capacity_bytes >= sum(shard_bytes) + widest.bytes:
         return _because(widest, "the top tier holds the dataset and the working set")
-    room = capacity_bytes * SHARE if memory_bytes is None else min(capacity_bytes * SHARE, memory_bytes * RAM_SHARE)
+    if capacity_bytes is None:  # remote shards with no tier are held in memory while read
+        room = memory_bytes * RAM_SHARE
+        where = f"{RAM_SHARE:.1%} of free memory"
+    else:
+        room = capacity_bytes * SHARE if memory_bytes is None else min(capacity_bytes * SHARE, memory_bytes * RAM_SHARE)
+        where = f"{SHARE:.0%} of the top tier, at most {RAM_SHARE:.1%} of free memory"
     mean = sum(shard_bytes) / max(len(shard_bytes), 1)
     budget = max(0, int((room - max(shard_bytes, default=0)) // max(mean, 1)))
     best: tuple[int, int, int] | None = None
@@ -66,11 +72,10 @@ def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
             best = (lanes * k, lanes, k)
     if best is None:
         lanes, k = 1, 1
-        reason = (f"{room / 1e6:.1f} MB ({SHARE:.0%} of the top tier, at most {RAM_SHARE:.1%} of free memory) "
-                  f"holds less than one lane of single-shard windows")
+        reason = f"{room / 1e6:.1f} MB ({where}) holds less than one lane of single-shard windows"
     else:
         _, lanes, k = best
-        reason = f"{room / 1e6:.1f} MB ({SHARE:.0%} of the top tier, at most {RAM_SHARE:.1%} of free memory) holds {budget} shards"
+        reason = f"{room / 1e6:.1f} MB ({where}) holds {budget} shards"
     shards = working_set_shards(lanes, k)
     return WorkingSet(lanes, k, shards, working_set_bytes(shards, shard_bytes), reason)
 
