@@ -277,3 +277,13 @@ def test_upload_dataset_sends_shards_first_and_the_manifest_last(
     for shard in remote.shards:
         assert source.read_bytes(shard.name) == (tmp_path / "ds" / shard.name).read_bytes()
     assert upload_dataset(tmp_path / "ds", url, endpoint_url=s3_proxy.url) == 0
+
+
+def test_an_explicit_endpoint_wins_over_aws_endpoint_url_s3_in_the_environment(
+        s3_server, s3_bucket: str, s3_proxy: LoopbackProxy, blob: Path, monkeypatch) -> None:
+    S3Source(f"s3://{s3_bucket}/data", endpoint_url=s3_server.endpoint_url).upload(blob, "obj")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    source = S3Source(f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url)
+    assert source.read_range("obj", 0, 10) == blob.read_bytes()[:10]
+    assert s3_proxy.traffic().requests(method="GET") == 1  # it went where it was told, not where the env points

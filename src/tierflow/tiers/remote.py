@@ -448,6 +448,8 @@ class S3Source(RetryingSource):
         options: dict[str, Any] = {}
         if self.endpoint_url:
             options["endpoint"] = self.endpoint_url
+            if os.environ.get("AWS_ENDPOINT_URL_S3"):  # obstore would prefer it to `endpoint`
+                options["aws_endpoint_url_s3"] = self.endpoint_url
             options["virtual_hosted_style_request"] = False
             client_options["allow_http"] = self.endpoint_url.startswith("http://")
         if not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
