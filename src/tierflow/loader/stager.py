@@ -237,8 +237,10 @@ class Stager:
             if use.shard not in wanted:
                 wanted.append(use.shard)
         until: dict[int, int] = {}
+        with self._lock:
+            staged = set(self._held) | self._inflight
         for use in every_use:  # held to the end of its next use, even one past this plan's horizon
-            if use.shard not in until and (use.first_use < limit or use.shard in self._held):
+            if use.shard not in until and (use.first_use < limit or use.shard in staged):
                 until[use.shard] = use.last_use
         with self._lock:
             self._held_until = until
