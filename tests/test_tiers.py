@@ -383,3 +383,28 @@ def test_cache_warm_stages_every_shard_so_reading_costs_no_request(tmp_path, s3_
     stack = TierStack(open_source(url, endpoint_url=proxy.url), [Tier(tmp_path / "l2", 1 << 30, name="L2")])
     assert all_samples(stack.dataset()) == all_samples(tierflow.open_dataset(local))
     assert proxy.traffic().response_bytes("GET") < 64 << 10  # the manifest, no shard
+
+
+def _open_index(path, results) -> None:
+    from tierflow.tiers.index import TierIndex
+
+    try:
+        TierIndex(path).occupancy()
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 - the test reports what went wrong
+        results.put(repr(e))
+
+
+def test_processes_opening_a_new_tier_index_at_once_all_succeed(tmp_path):
+    import multiprocessing
+
+    results = multiprocessing.Queue()
+    for trial in range(8):
+        path = tmp_path / f"t{trial}" / "index.sqlite"
+        path.parent.mkdir()
+        procs = [multiprocessing.Process(target=_open_index, args=(path, results)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        assert [results.get() for _ in procs] == ["ok"] * 6  # not "database is locked"

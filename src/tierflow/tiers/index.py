@@ -8,6 +8,7 @@ whose process died is reclaimed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -63,10 +64,14 @@ class TierIndex:
     def conn(self) -> sqlite3.Connection:
         local = self._local
         if getattr(local, "pid", None) != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.executescript(SCHEMA)
+            # switching to WAL while another process opens the same new index fails at once with
+            # "database is locked" (SQLite takes no busy wait for it): open one process at a time
+            with open(self.path.with_name(self.path.name + ".open-lock"), "a") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.executescript(SCHEMA)
             local.conn, local.pid = conn, os.getpid()
         return local.conn
 
