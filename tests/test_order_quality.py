@@ -13,7 +13,7 @@ BYTES = [int(b) for b in np.random.default_rng(3).lognormal(mean=18.0, sigma=0.6
 def node_epoch_ids(order, node, num_nodes, batch_size):
     """Epoch-0 real ids in the node's order (all its ranks), walking node batches."""
     stream = RankStream(order, order.start(), batch_size=batch_size, node=node, num_nodes=num_nodes)
-    node_samples = int(sum(order.layout.partition_sizes[p] for p in stream.partitions))
+    node_samples = order.layout.node_samples(node, num_nodes)
     picks = -(-node_samples // batch_size) + len(stream.partitions)
     out = []
     for j in range(picks):

@@ -370,6 +370,7 @@ def test_pack_writes_to_s3_directly_and_the_stack_reads_it_back(tmp_path, s3_ser
         tierflow.pack([src], url, workers=1, target_shard_bytes=256 << 10, endpoint_url=s3_proxy.url)
     stack = stack_for(url, s3_proxy.url, tmp_path / "node", l1=False)
     assert [s["i"] for s in stack.dataset()] == list(range(1500))
+    assert [t["name"] for t in stack.snapshot()["tiers"]] == [t.name for t in stack.tiers]
 
 
 def test_cache_warm_stages_every_shard_so_reading_costs_no_request(tmp_path, s3_dataset, capsys):

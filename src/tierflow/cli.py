@@ -344,7 +344,7 @@ def _plan(args: argparse.Namespace) -> int:
     for point, fraction in zip(curve, CURVE):
         table.add_row(f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}",
                       f"{point.working_set.lanes} x {point.working_set.window_shards}",
-                      f"{point.warm_ratio:.2f}", f"{sum(e.ratio for e in point.optimum[1:]) / max(1, len(point.optimum) - 1):.2f}")
+                      f"{point.warm_ratio:.2f}", f"{point.warm_optimum:.2f}")
     console.print(table)
     console.print(recommended(curve, total))
     return 0

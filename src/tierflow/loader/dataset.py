@@ -22,9 +22,9 @@ from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleConte
 from tierflow.loader.budget import SampleLengths, TokenBudget
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
+from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.tier import memory_headroom
-from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 
 CURSOR_VERSION = 1
 
@@ -135,8 +135,7 @@ class TieredDataset(IterableDataset):
         if callable(declare):
             sizes = [s.decoded_bytes for s in manifest.shards]
             declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=sum(sizes)),
-                    self.working_set.bytes,
-                    self.working_set.lanes * self.working_set.window_shards)
+                    self.working_set.bytes, self.working_set.reading)
         self._resume: dict[str, Any] | None = None
         self.load_state_dict(resume)
         self._context: SampleContext | None = None

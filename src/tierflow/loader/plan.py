@@ -30,9 +30,17 @@ class CachePlan:
 
     @property
     def warm_ratio(self) -> float:
-        """Bytes per warm epoch against the dataset (the mean of epochs after the first)."""
-        warm = self.predicted[1:] or self.predicted
-        return sum(e.ratio for e in warm) / len(warm)
+        """Predicted bytes per warm epoch against the dataset (the mean of epochs after the first)."""
+        return _warm(self.predicted)
+
+    @property
+    def warm_optimum(self) -> float:
+        return _warm(self.optimum)
+
+
+def _warm(per_epoch: list[EpochBytes]) -> float:
+    warm = per_epoch[1:] or per_epoch
+    return sum(e.ratio for e in warm) / len(warm)
 
 
 def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
@@ -46,8 +54,7 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
     per_node = max(1, dataset.order.partitions // world.num_nodes)
     chosen = working_set or choose_working_set(tier_sizes, per_node, capacity, memory_headroom())
     order = dataset.order_with(chosen)
-    owned = order.layout.node_partitions(world.node, world.num_nodes)
-    node_samples = int(sum(order.layout.partition_sizes[p] for p in owned))
+    node_samples = order.layout.node_samples(world.node, world.num_nodes)
     batch = dataset.batch_size * dataset.batcher.batches_per_group
     uses = future_shard_uses(order, order.start(), node=world.node, num_nodes=world.num_nodes,
                              batch_size=batch, horizon=epochs * node_samples + batch)

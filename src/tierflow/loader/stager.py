@@ -82,8 +82,8 @@ class Stager:
                         "%d and the next window): shards the tier cannot take are read from below",
                         capacity / 1e6, working.shards, working.lanes, working.window_shards)
         # at least the next window of every lane, or each window boundary is a stall
-        self.next_windows_bytes = working.lanes * working.window_shards * self.shard_bytes
-        self.staging_slots = working.lanes * working.window_shards
+        self.next_windows_bytes = working.reading * self.shard_bytes
+        self.staging_slots = working.reading
         self.dataset_bytes = sum(sizes)
         cap = capacity - active if capacity else 0
         self.max_bytes = max_bytes if max_bytes is not None else max(cap, self.shard_bytes)

@@ -47,10 +47,9 @@ def future_shard_uses(
         if counts[lane_index] == 0:
             continue
         carry = batches.remainder is Remainder.CARRY
-        base = {p: (cursor.epochs[p], cursor.offsets[p]) for p in lane.members}
         read = 0  # carry: samples read from the cursor
         lane_epoch, lane_offset = (0, 0) if carry else (batches.epoch, batches.done)
-        spans = lane.spans(base if carry else _normalized(lane, base, batches))
+        spans = lane.spans(stream.positions_before(lane_index, 0))
         done = False
         while not done:
             span = next(spans)
@@ -80,13 +79,6 @@ def future_shard_uses(
             lane_offset += span.stop - span.start
     uses.sort(key=lambda use: (use.first_use, use.shard))
     return uses
-
-
-def _normalized(lane, base, batches):
-    """drop/pad: the positions where the lane's batch 0 really starts (a dropped tail skipped)."""
-    if lane.epoch_position(base) == (batches.epoch, batches.done):
-        return base
-    return {p: (batches.epoch, 0) for p in lane.members}
 
 
 def _batch_range(batches, epoch: int, first_offset: int, last_offset: int) -> tuple[int, int]:

@@ -143,10 +143,7 @@ class LaneBatches:
 
     def lane_epoch_of(self, i: int) -> tuple[int, int]:
         """(lane epoch, offset in it) where batch i starts (drop/pad)."""
-        if i < self.first:
-            return self.epoch, self.done + i * self.batch_size
-        q, r = divmod(i - self.first, self.per_epoch)
-        return self.epoch + 1 + q, r * self.batch_size
+        return self.geometry.advance(self.epoch, self.done, i)
 
     def count_before(self, position: int) -> int:
         """How many batches start before lane position `position`."""

@@ -73,6 +73,10 @@ class PartitionLayout:
             raise ValueError(f"node {node} outside range({num_nodes})")
         return list(range(node, self.partitions, num_nodes))
 
+    def node_samples(self, node: int, num_nodes: int) -> int:
+        """Samples in one epoch of `node`'s partitions."""
+        return int(sum(int(self.partition_sizes[p]) for p in self.node_partitions(node, num_nodes)))
+
     def shard_of(self, sample_ids: np.ndarray) -> np.ndarray:
         """Shard index holding each global sample id."""
         return np.searchsorted(self.shard_offsets, sample_ids, side="right") - 1

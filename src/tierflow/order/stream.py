@@ -72,6 +72,10 @@ class NodeStream:
         self._read_at = [_LanePositions(b, base) for b, base in zip(self.batches, bases)]
         self._count_at = [_LanePositions(b, base) for b, base in zip(self.batches, bases)]
 
+    def positions_before(self, lane: int, i: int) -> Positions:
+        """The lane's positions where its batch i starts (drop: a dropped tail already skipped)."""
+        return self._read_at[lane].before(i)
+
     def lane_batch(self, pick: int) -> tuple[int, int]:
         """(lane, the lane's batch number) of node batch `pick`, counted from the cursor."""
         return self._reading.pick(pick)
@@ -82,7 +86,7 @@ class NodeStream:
         count = self.batch_size
         if batches.remainder is Remainder.PAD:
             count = min(count, self.lanes[lane].size - batches.lane_epoch_of(i)[1])
-        return self.lanes[lane].take(self._read_at[lane].before(i), count)[0]
+        return self.lanes[lane].take(self.positions_before(lane, i), count)[0]
 
     def read(self, pick: int) -> MicroBatch:
         lane, i = self.lane_batch(pick)

@@ -34,6 +34,11 @@ class WorkingSet:
     bytes: int
     reason: str
 
+    @property
+    def reading(self) -> int:
+        """Shards read at once: one window per lane (the rest of the working set is the next one)."""
+        return self.lanes * self.window_shards
+
 
 def working_set_shards(lanes: int, window_shards: int) -> int:
     return lanes * 2 * window_shards

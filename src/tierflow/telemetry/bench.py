@@ -153,8 +153,7 @@ def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
     fetched = sum(c["value"] for c in snapshot.get("counters", [])
                   if c["name"] == "source_bytes" and c["labels"].get("tier") == "source")
     world = dataset.world
-    owned = dataset.order.layout.node_partitions(world.node, world.num_nodes)
-    node_samples = sum(int(dataset.order.layout.partition_sizes[p]) for p in owned)
+    node_samples = dataset.order.layout.node_samples(world.node, world.num_nodes)
     samples = steps * dataset.batch_size * dataset.batcher.batches_per_group * world.ranks_per_node
     epochs = samples / max(1, node_samples)
     _, capacity, decoded = tier_layout[0]

@@ -91,6 +91,11 @@ def _sweep_dead_staging(root: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_staging(path: Path, owner: int) -> None:
+    if os.getpid() == owner:  # a forked worker exiting must not remove its parent's area
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
@@ -111,7 +116,6 @@ class TierStack:
         self._open_declared = False  # a reader that declared what it reads at once: no guessing
         self.staging: Tier | None = None
         self.staging_bytes = 0
-        self._staging_owner = -1
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
         self._dropped: set[int] = set()
         self._lock = threading.Lock()
@@ -158,8 +162,7 @@ class TierStack:
                 log.warning("no staging area in %s (%s): shards no tier keeps are read into memory", root, e)
                 self.staging_bytes = 0
                 return None
-            self._staging_owner = os.getpid()
-            atexit.register(_remove_staging, path, self._staging_owner)
+            atexit.register(_remove_staging, path, os.getpid())
             self.m_served[STAGING_NAME] = self.registry.counter("stack_served", {"tier": STAGING_NAME})
         return self.staging
 
@@ -171,7 +174,7 @@ class TierStack:
         no tier takes the shard (a copy in memory would be dropped unread). `read`: the copy is
         for a reader that verifies each block before using it, so a hit is not hashed whole."""
         if level == len(self.tiers):
-            staged = self._stage(info, prefetch) if level else None
+            staged = self._stage(info, prefetch)
             return staged if staged is not None or prefetch else self._from_source(info)
         tier = self.tiers[level]
         size, checksum = _expected(info, tier.form)
@@ -309,11 +312,6 @@ class TierStack:
     def close(self) -> None:
         with self._lock:
             self._open.clear()
-
-
-def _remove_staging(path: Path, owner: int) -> None:
-    if os.getpid() == owner:  # a forked worker exiting must not remove its parent's area
-        shutil.rmtree(path, ignore_errors=True)
 
     def snapshot(self) -> dict:
         return {"tiers": [t.snapshot() for t in self.tiers], "metrics": self.registry.snapshot()}
