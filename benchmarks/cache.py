@@ -24,15 +24,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierflow.demo import INCLUDE, STDLIB_EXCLUDE, stdlib_dir
+from tierflow.commands.demo import INCLUDE, STDLIB_EXCLUDE, stdlib_dir
 from tierflow.format.dataset import open_dataset
 from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.plan import plan_cache
-from tierflow.loader.stager import Stager
+from tierflow.commands.plan import plan_cache
+from tierflow.tiers.stager import Stager
 from tierflow.pack.packer import pack
 from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
 from tierflow.tiers import TierConfig, build_stack
-from tierflow.tiers.remote import upload_dataset
+from tierflow.storage.remote import upload_dataset
 
 TARGETS = {0.05: 1.0, 0.10: 0.93, 0.30: 0.75, 0.60: 0.45, 0.90: 0.15}
 EPOCHS = 3

@@ -31,11 +31,11 @@ import numpy as np
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.stager import Stager
-from tierflow.telemetry.bench import steps_per_second
+from tierflow.tiers.stager import Stager
+from tierflow.commands.bench import steps_per_second
 from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
 from tierflow.tiers import TierConfig, build_stack
-from tierflow.tiers.remote import upload_dataset
+from tierflow.storage.remote import upload_dataset
 from warm import WarmL1Source, warm_l1
 
 SEQ_LEN = 2048

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.testing import MotoS3Server, ProxyProcess, S3Endpoint, fake_credentials_env
-from tierflow.tiers.budget import BandwidthBudget
-from tierflow.tiers.remote import FsspecSource, S3Source
+from tierflow.storage.budget import BandwidthBudget
+from tierflow.storage.remote import FsspecSource, S3Source
 
 BLOCK = 1 << 20
 

@@ -24,7 +24,7 @@ import torch
 import tierflow
 from tierflow.loader import Loader, TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
-from tierflow.telemetry.bench import steps_per_second
+from tierflow.commands.bench import steps_per_second
 from tierflow.telemetry.metrics import MetricsRegistry
 from warm import WarmL1Source, warm_l1
 

@@ -40,7 +40,7 @@ import tierflow
 from tierflow.format.dataset import Dataset, DirectorySource, open_dataset
 from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
 from tierflow.tiers import TierConfig, TierStack, build_stack
-from tierflow.tiers.remote import upload_dataset
+from tierflow.storage.remote import upload_dataset
 
 MB = 1e6
 TIER_CAPACITY = 4 << 30

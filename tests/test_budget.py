@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tierflow.telemetry.metrics import MetricsRegistry
-from tierflow.tiers.budget import BandwidthBudget, refilled
+from tierflow.storage.budget import BandwidthBudget, refilled
 
 
 def test_an_unlimited_budget_never_waits_and_touches_no_file(tmp_path: Path) -> None:

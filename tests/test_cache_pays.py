@@ -10,12 +10,12 @@ import pytest
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.plan import plan_cache
-from tierflow.loader.stager import Stager
+from tierflow.commands.plan import plan_cache
+from tierflow.tiers.stager import Stager
 from tierflow.order import RankStream, SampleOrder
 from tierflow.order.working_set import choose_working_set
 from tierflow.tiers import TierConfig, build_stack
-from tierflow.tiers.remote import upload_dataset
+from tierflow.storage.remote import upload_dataset
 
 COUNTS = [int(c) for c in np.random.default_rng(21).integers(3, 60, size=37)]  # 37 shards, 8 partitions
 
@@ -174,7 +174,7 @@ def test_warm_epochs_fetch_near_the_optimum_with_the_same_room(tmp_path, tokens_
 JOB = """
 import sys
 from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.stager import Stager
+from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
 url, endpoint, l2, capacity, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 stack = build_stack(url, [TierConfig("L2", l2, capacity)], endpoint_url=endpoint)

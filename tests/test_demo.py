@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tierflow.demo import run_demo
+from tierflow.commands.demo import run_demo
 from tierflow.telemetry.eventlog import read_events
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.cli import main
+from tierflow.commands.cli import main
 from tierflow.format.manifest import ManifestError
 from tierflow.format.shard import ShardCorruptError, decode_shard, read_block
 

@@ -15,9 +15,9 @@ import pytest
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.stager import Stager
+from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
-from tierflow.tiers.remote import upload_dataset
+from tierflow.storage.remote import upload_dataset
 
 BATCH = 16
 PARTITIONS = 4
@@ -118,7 +118,7 @@ import json, sys
 import torch
 import torch.distributed as dist
 from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.stager import Stager
+from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
 
 url, endpoint, root, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])

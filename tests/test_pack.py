@@ -218,7 +218,7 @@ def test_finished_dataset_is_refused_without_overwrite_and_gc_removes_strays(tmp
     assert on_disk == listed  # the old dataset's shards went away with the new manifest
     stray = tmp_path / "out" / ("shard-" + "0" * 32 + ".arrow")
     stray.write_bytes(b"junk")
-    from tierflow.cli import main
+    from tierflow.commands.cli import main
 
     assert main(["gc", str(tmp_path / "out")]) == 0
     assert not stray.exists() and len(tierflow.open_dataset(tmp_path / "out")) == 400

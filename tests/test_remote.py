@@ -15,8 +15,8 @@ import tierflow
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.testing import Fault, LoopbackProxy
-from tierflow.tiers.budget import BandwidthBudget
-from tierflow.tiers.remote import (
+from tierflow.storage.budget import BandwidthBudget
+from tierflow.storage.remote import (
     LocalSource,
     RetryPolicy,
     S3Source,

@@ -11,13 +11,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tierflow
-from tierflow.cli import main
+from tierflow.commands.cli import main
 from tierflow.telemetry import MetricsRegistry
 from tierflow.telemetry.eventlog import EventLog, read_events
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.telemetry.prometheus import PrometheusExporter
-from tierflow.telemetry.report import plotted_series, run_series, write_report
-from tierflow.telemetry.top import RunState, render
+from tierflow.commands.report import plotted_series, run_series, write_report
+from tierflow.commands.top import RunState, render
 
 
 def test_prometheus_endpoint_scraped_over_http_parses_with_labels():

@@ -11,10 +11,10 @@ import pytest
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.stager import Stager
+from tierflow.tiers.stager import Stager
 from tierflow.telemetry import MetricsRegistry
 from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
-from tierflow.telemetry.bench import format_result, run_bench, simulated_step
+from tierflow.commands.bench import format_result, run_bench, simulated_step
 from tierflow.telemetry.health import health_flags
 from tierflow.telemetry.loader_metrics import LoaderTelemetry, loader_figures, split_wait
 from tierflow.telemetry.tier_figures import tier_figures
@@ -168,7 +168,7 @@ def test_verdict_names_remote_storage_when_the_source_is_throttled(packed, make_
 
 
 def test_bandwidth_use_against_the_node_budget_is_a_health_flag(packed, tmp_path):
-    from tierflow.tiers.budget import BandwidthBudget
+    from tierflow.storage.budget import BandwidthBudget
 
     registry = MetricsRegistry()
     budget = BandwidthBudget(4e6, path=tmp_path / "budget")

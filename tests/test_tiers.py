@@ -15,7 +15,7 @@ import pytest
 
 import tierflow
 from tierflow.pack.tokenize import PackInputError
-from tierflow.tiers.remote import open_source, upload_dataset
+from tierflow.storage.remote import open_source, upload_dataset
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
 
@@ -374,7 +374,7 @@ def test_pack_writes_to_s3_directly_and_the_stack_reads_it_back(tmp_path, s3_ser
 
 
 def test_cache_warm_stages_every_shard_so_reading_costs_no_request(tmp_path, s3_dataset, capsys):
-    from tierflow.cli import main
+    from tierflow.commands.cli import main
 
     local, url, proxy = s3_dataset
     shards = tierflow.open_dataset(local).manifest.shards

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierflow.demo import STDLIB_EXCLUDE, stdlib_dir
+from tierflow.commands.demo import STDLIB_EXCLUDE, stdlib_dir
 
 SEQ_LEN = 2048
 EOS = 256

@@ -57,7 +57,7 @@ def convert(system: str, variant: str, corpus: str, out: str, shard_bytes: int) 
 
 
 def _loop(batches, steps: int, step_s: float) -> tuple[float, float]:
-    """(steps/s after the first batch, seconds to the first batch): tierflow.telemetry.bench's
+    """(steps/s after the first batch, seconds to the first batch): tierflow.commands.bench's
     steps_per_second, kept apart so a peer's process never imports tierflow."""
     began = time.perf_counter()
     iterator = iter(batches)

@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> None:
             for s in systems:
                 prefix = f"{s}-tokens"
                 if s == "tierflow":
-                    from tierflow.tiers.remote import upload_dataset
+                    from tierflow.storage.remote import upload_dataset
 
                     upload_dataset(data[s]["tokens"], f"s3://{bucket}/{prefix}", endpoint_url=server.endpoint_url)
                 else:

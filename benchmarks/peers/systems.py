@@ -114,7 +114,7 @@ class Tierflow(System):
     def preload(self) -> None:
         import torch  # noqa: F401
 
-        import tierflow.loader.stager  # noqa: F401
+        import tierflow.tiers.stager  # noqa: F401
         import tierflow.tiers  # noqa: F401
         from tierflow.loader import Loader, TieredDataset  # noqa: F401
 
@@ -151,7 +151,7 @@ class TierflowReader(Reader):
     def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
                  endpoint: str | None, resume: Any, stager: bool) -> None:
         from tierflow.loader import Loader, TieredDataset
-        from tierflow.loader.stager import Stager
+        from tierflow.tiers.stager import Stager
         from tierflow.tiers import TierConfig, build_stack
 
         self.kind = kind

@@ -20,15 +20,12 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.format.shard import COMPRESSIONS, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+from tierflow.errors import ManifestError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}[0-9a-f]{{32}}{re.escape(SHARD_SUFFIX)}$")
 _MAX_COUNT = 1 << 48
-
-
-class ManifestError(ValueError):
-    """A manifest is missing, unreadable or unsafe; the message names the file and field."""
 
 
 def schema_to_json(schema: pa.Schema) -> dict:

@@ -17,16 +17,13 @@ from typing import NamedTuple, Sequence
 import pyarrow as pa
 
 from tierflow.format.checksum import CHUNK, HashingSink, file_xxh3_128, xxh3_hex
+from tierflow.errors import ShardCorruptError
 
 SHARD_PREFIX = "shard-"
 SHARD_SUFFIX = ".arrow"
 COMPRESSIONS = ("zstd", "lz4", "none")
 #: at-rest compression is kept only when it saves at least this fraction of the decoded size
 MIN_SAVING = 0.15
-
-
-class ShardCorruptError(IOError):
-    """Bytes of a shard do not match the manifest; names the shard and, when known, the block."""
 
 
 class Block(NamedTuple):

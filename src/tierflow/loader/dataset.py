@@ -25,6 +25,7 @@ from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, Shar
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.tier import memory_headroom
+from tierflow.errors import CursorError
 
 CURSOR_VERSION = 1
 
@@ -47,10 +48,6 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
     token budget's pending samples keep a batch in the epoch they came from)."""
     real = epochs[mask] if mask.any() else epochs
     return int(real.min()) if real.size else 0
-
-
-class CursorError(ValueError):
-    """A saved loader cursor that cannot resume this dataset in this arrangement."""
 
 
 class TieredDataset(IterableDataset):

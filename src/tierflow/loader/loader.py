@@ -21,13 +21,10 @@ from tierflow.loader.dataset import METRICS_KEY, TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
 from tierflow.telemetry.attribution import TIMING_KEY, TimedBatches
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
-from tierflow.loader.stager import Stager
+from tierflow.tiers.stager import Stager
+from tierflow.errors import BatchOrderError
 
 STATE_VERSION = 1
-
-
-class BatchOrderError(RuntimeError):
-    """Batches arrived out of order (e.g. a DataLoader with in_order=False); exact resume would break."""
 
 
 class Loader:

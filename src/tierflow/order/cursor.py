@@ -9,15 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierflow.errors import CursorFormatError, CursorMismatchError
+
 CURSOR_VERSION = 2
-
-
-class CursorMismatchError(ValueError):
-    """A cursor was written for a different dataset or order configuration."""
-
-
-class CursorFormatError(ValueError):
-    """A dict that is not a valid order cursor."""
 
 
 @dataclass(frozen=True)

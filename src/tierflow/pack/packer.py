@@ -416,7 +416,7 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
         return _pack_local(sources, Path(str(out).removeprefix("file://")), **options)
     import tempfile
 
-    from tierflow.tiers.remote import SourceNotFound, open_source, upload_dataset
+    from tierflow.storage.remote import SourceNotFound, open_source, upload_dataset
 
     url = str(out)
     remote = open_source(url, endpoint_url=endpoint_url)

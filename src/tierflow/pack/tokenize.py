@@ -12,12 +12,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import xxhash
+from tierflow.errors import PackInputError
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|end_of_text|>", "[SEP]")
-
-
-class PackInputError(ValueError):
-    """Input that cannot be packed; the message names the file and, where known, the line."""
 
 
 class ByteTokenizer:

@@ -39,8 +39,8 @@ class TierConfig:
 def build_stack(url: str, tiers: Sequence[TierConfig | Tier] = (), *, endpoint_url: str | None = None,
                 bandwidth: float | None = None, registry: MetricsRegistry | None = None) -> TierStack:
     """A tier stack over the dataset at `url` (a local path, s3://, or another fsspec URL)."""
-    from tierflow.tiers.budget import BandwidthBudget
-    from tierflow.tiers.remote import open_source
+    from tierflow.storage.budget import BandwidthBudget
+    from tierflow.storage.remote import open_source
 
     registry = registry or MetricsRegistry()
     budget = BandwidthBudget(bandwidth) if bandwidth else None

@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.dataset import (
@@ -191,6 +191,21 @@ class TierStack:
             blocks = tier.blocks_of(info.key, size, checksum) if tier.form == "decoded" else None
             return Handle(tier.form, tier.name, pin.path, pin, blocks=blocks)
         return self.ensure(info, level + 1, prefetch, read)
+
+    def warm(self, on_shard: Callable[[], None] | None = None) -> tuple[int, int]:
+        """Stage every shard of the dataset as a prefetch would (a shard no tier takes is not
+        downloaded); returns (warmed, declined). `on_shard` is called after each, for progress."""
+        warmed = declined = 0
+        for info in self.manifest().shards:
+            handle = self.ensure(info, prefetch=True)
+            if handle is None:
+                declined += 1
+            else:
+                handle.release()
+                warmed += 1
+            if on_shard is not None:
+                on_shard()
+        return warmed, declined
 
     def _stage(self, info: ShardInfo, prefetch: bool) -> Handle | None:
         """The shard in the staging area (fetched once per node from the source), or None."""

@@ -35,14 +35,11 @@ from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.index import EntryRow, TierIndex, process_alive
 from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
+from tierflow.errors import FetchError
 
 log = logging.getLogger("tierflow.tiers")
 FORMS = ("at_rest", "decoded")
 INDEX_NAME = "tierflow-index.sqlite"
-
-
-class FetchError(IOError):
-    """Bytes produced for an entry did not verify; names the entry and the tier."""
 
 
 @dataclass

@@ -69,11 +69,11 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     import logging
 
     from tierflow.loader import TieredDataset
-    from tierflow.loader.stager import Stager
+    from tierflow.tiers.stager import Stager
     from tierflow.telemetry import MetricsRegistry
-    from tierflow.telemetry.bench import format_result, run_bench, simulated_step
+    from tierflow.commands.bench import format_result, run_bench, simulated_step
     from tierflow.telemetry.eventlog import EventLog
-    from tierflow.telemetry.report import write_report
+    from tierflow.commands.report import write_report
     from tierflow.tiers import TierConfig, build_stack
 
     logging.getLogger("tierflow.pack").setLevel(logging.ERROR)  # the demo's shards are small on purpose

@@ -25,7 +25,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 from tierflow.telemetry.metrics import MetricsRegistry
-from tierflow.tiers.budget import BandwidthBudget, Priority
+from tierflow.storage.budget import BandwidthBudget, Priority
+from tierflow.errors import SourceError, SourceNotFound
 
 CHUNK_BYTES = 1 << 20
 """Download and upload granularity: the unit charged to the budget and held in memory."""
@@ -37,29 +38,6 @@ _T = TypeVar("_T")
 _obstore_runtime_pid: int | None = None  # the process whose obstore (tokio) runtime has started
 _CLIENT_ERROR = re.compile(r"status code: (4\d\d)")
 _RETRYABLE_CLIENT_STATUSES = {"408", "429"}
-
-
-class SourceError(IOError):
-    """An object of a source could not be read or written; names the object's URL and why."""
-
-    def __init__(self, url: str, name: str, reason: str, attempts: int = 1) -> None:
-        self.url = url
-        self.name = name
-        self.reason = reason
-        self.attempts = attempts
-        tries = f" after {attempts} attempts" if attempts > 1 else ""
-        self.message = f"{join_url(url, name)}: {reason}{tries}"
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.url, self.name, self.reason, self.attempts))
-
-
-class SourceNotFound(SourceError, FileNotFoundError):
-    """The object does not exist; never retried."""
 
 
 @runtime_checkable

@@ -144,7 +144,7 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
 def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
                      tier_layout: Sequence[tuple[str, int, bool]]) -> BytesPerEpoch | None:
     """The run's bytes from below against the plan for the same steps (epochs prorated)."""
-    from tierflow.loader.plan import plan_cache
+    from tierflow.commands.plan import plan_cache
 
     manifest = getattr(dataset, "manifest", None)
     if manifest is None or not hasattr(dataset, "working_set"):

@@ -234,15 +234,8 @@ def _cache(args: argparse.Namespace) -> int:
 
         with Progress(transient=True) as progress:
             task = progress.add_task(f"warming {args.dataset}", total=len(manifest.shards))
-            declined = 0
-            for info in manifest.shards:
-                handle = stack.ensure(info, prefetch=True)  # a shard no tier takes is not downloaded
-                if handle is None:
-                    declined += 1
-                else:
-                    handle.release()
-                progress.advance(task)
-        console.print(f"warmed {len(manifest.shards) - declined} shards of {manifest.dataset_id}"
+            warmed, declined = stack.warm(lambda: progress.advance(task))
+        console.print(f"warmed {warmed} shards of {manifest.dataset_id}"
                       + (f"; {declined} did not fit (no tier would take them)" if declined else ""))
     tiers = [c.build() for c in configs]
     if args.action == "evict":
@@ -270,7 +263,7 @@ def _cache(args: argparse.Namespace) -> int:
 
 @command("demo")
 def _demo(args: argparse.Namespace) -> int:
-    from tierflow.demo import run_demo
+    from tierflow.commands.demo import run_demo
 
     run_demo(args.out, max_files=args.max_files)
     return 0
@@ -280,7 +273,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from tierflow.loader import TieredDataset
     from tierflow.telemetry import MetricsRegistry
-    from tierflow.telemetry.bench import format_result, run_bench, simulated_step
+    from tierflow.commands.bench import format_result, run_bench, simulated_step
     from tierflow.telemetry.eventlog import EventLog
     from tierflow.tiers import build_stack
 
@@ -299,7 +292,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"metrics at {exporter.url}")
     layout = [(t.name, t.capacity, t.form == "decoded") for t in stack.tiers]
     try:
-        from tierflow.loader.stager import Stager
+        from tierflow.tiers.stager import Stager
 
         stager = Stager(dataset, stack) if stack.tiers else None
         result = run_bench(dataset, args.steps, simulated_step(args.step_ms), num_workers=args.workers,
@@ -318,7 +311,7 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tierflow.loader import TieredDataset
-    from tierflow.loader.plan import CURVE, capacity_curve, plan_cache, recommended
+    from tierflow.commands.plan import CURVE, capacity_curve, plan_cache, recommended
     from tierflow.tiers import build_stack
 
     stack = build_stack(args.dataset, parse_tiers(args.tier), endpoint_url=args.endpoint_url)
@@ -352,7 +345,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 @command("report")
 def _report(args: argparse.Namespace) -> int:
-    from tierflow.telemetry.report import write_report
+    from tierflow.commands.report import write_report
 
     path, _ = write_report(args.log, args.out)
     print(f"wrote {path}")
@@ -361,7 +354,7 @@ def _report(args: argparse.Namespace) -> int:
 
 @command("top")
 def _top(args: argparse.Namespace) -> int:
-    from tierflow.telemetry.top import run_top
+    from tierflow.commands.top import run_top
 
     run_top(args.log, refresh_s=args.refresh, once=args.once)
     return 0

@@ -1,0 +1,3 @@
+from tierflow.commands.cli import main
+
+raise SystemExit(main())
