@@ -4,9 +4,23 @@ The package's folders are the stages of the data path: pack, format, tiers, orde
 loader, telemetry.
 """
 
+from tierflow.errors import TierflowError
 from tierflow.format.dataset import Dataset, open_dataset
 from tierflow.format.manifest import Manifest
 from tierflow.pack.packer import pack
+from tierflow.tiers.config import TierConfig
 
 __version__ = "0.1.0"
-__all__ = ["Dataset", "Manifest", "open_dataset", "pack", "__version__"]
+
+
+def __getattr__(name: str):
+    """The loader's names import torch; they load on first use so `pack` and the CLI start fast."""
+    if name in ("Loader", "TieredDataset", "open_loader"):
+        from tierflow import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'tierflow' has no attribute {name!r}")
+
+
+__all__ = ["Dataset", "Loader", "Manifest", "TierConfig", "TieredDataset", "TierflowError", "open_dataset",
+           "open_loader", "pack", "__version__"]

@@ -21,16 +21,20 @@ def command(name: str):
 
 
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().rstrip("b").rstrip("i")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(float(t))
+    from tierflow.tiers.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    from tierflow import __version__
+
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"tierflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pack", help="pack raw files into a tierflow dataset")
@@ -187,33 +191,15 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def parse_tiers(specs: list[str]) -> list:
-    """`NAME=PATH[:CAPACITY[:POLICY[:FORM]]]`, e.g. `L2=/nvme/tf:0.8:auto:at_rest`, `L1=/dev/shm/tf:8G`."""
+    """`--tier` values as TierConfigs; none: one L2 under $TIERFLOW_CACHE or ~/.cache/tierflow."""
     import os
 
     from tierflow.tiers import TierConfig
 
     if not specs:
         root = os.environ.get("TIERFLOW_CACHE", os.path.expanduser("~/.cache/tierflow"))
-        specs = [f"L2={root}/L2:0.5"]
-    configs = []
-    for spec in specs:
-        name, _, rest = spec.partition("=")
-        parts = rest.split(":")
-        if not name or not parts[0]:
-            raise ValueError(f"--tier {spec!r}: expected NAME=PATH[:CAPACITY[:POLICY[:FORM]]]")
-        capacity = parts[1] if len(parts) > 1 and parts[1] else "0.5"
-        cap = float(capacity) if float_like(capacity) and float(capacity) <= 1 else _size(capacity)
-        configs.append(TierConfig(name, parts[0], cap, policy=parts[2] if len(parts) > 2 else "auto",
-                                  form=parts[3] if len(parts) > 3 else "decoded"))
-    return configs
-
-
-def float_like(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
+        specs = [f"L2={root}/L2:50%"]
+    return [TierConfig.parse(spec) for spec in specs]
 
 
 @command("cache")

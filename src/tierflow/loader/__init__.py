@@ -4,6 +4,7 @@ from tierflow.loader.batching import LengthBuckets, SampleContext, Samples, Toke
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.dataset import CursorError, TieredDataset, default_partitions
 from tierflow.loader.loader import BatchOrderError, Loader
+from tierflow.loader.open_loader import open_loader
 from tierflow.loader.topology import WorldPosition
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "WorldPosition",
     "bucket_shapes",
     "default_partitions",
+    "open_loader",
 ]

@@ -9,34 +9,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from tierflow.telemetry import MetricsRegistry
+from tierflow.tiers.config import TierConfig, parse_capacity, parse_size
 from tierflow.tiers.stack import Handle, TierStack
 from tierflow.tiers.tier import Tier
 
 
-@dataclass
-class TierConfig:
-    """One tier: a directory shared by every job on the node, its capacity, policy and form.
-
-    `capacity` is bytes, or a fraction (<= 1) of (free space + the tier's own usage) at start.
-    """
-
-    name: str
-    path: str
-    capacity: float
-    policy: str = "auto"
-    form: str = "decoded"
-    policy_options: dict[str, Any] = field(default_factory=dict)
-
-    def build(self, registry: MetricsRegistry | None = None) -> Tier:
-        return Tier(self.path, self.capacity, policy=self.policy, form=self.form, name=self.name,
-                    registry=registry, policy_options=self.policy_options)
-
-
-def build_stack(url: str, tiers: Sequence[TierConfig | Tier] = (), *, endpoint_url: str | None = None,
+def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endpoint_url: str | None = None,
                 bandwidth: float | None = None, registry: MetricsRegistry | None = None) -> TierStack:
     """A tier stack over the dataset at `url` (a local path, s3://, or another fsspec URL)."""
     from tierflow.storage.budget import BandwidthBudget
@@ -45,8 +26,9 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier] = (), *, endpoint_u
     registry = registry or MetricsRegistry()
     budget = BandwidthBudget(bandwidth) if bandwidth else None
     source = open_source(url, endpoint_url=endpoint_url, budget=budget, registry=registry)
-    built = [t if isinstance(t, Tier) else t.build(registry) for t in tiers]
+    built = [t if isinstance(t, Tier) else (TierConfig.parse(t) if isinstance(t, str) else t).build(registry)
+             for t in tiers]
     return TierStack(source, built, registry=registry)
 
 
-__all__ = ["Handle", "Tier", "TierConfig", "TierStack", "build_stack"]
+__all__ = ["Handle", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity", "parse_size"]

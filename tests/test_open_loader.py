@@ -1,0 +1,75 @@
+"""The first batch in two lines: `open_loader` over a local path with no tier vocabulary, and over
+s3:// with an L2 given as a string; capacities as users write them."""
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.storage.remote import upload_dataset
+from tierflow.tiers import TierConfig, parse_capacity, parse_size
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> str:
+    src = tmp_path_factory.mktemp("src") / "docs.jsonl"
+    src.write_text("".join(f'{{"text": "document {i} {"x" * (i % 200)}"}}\n' for i in range(6000)))
+    out = str(tmp_path_factory.mktemp("ds") / "tokens")
+    tierflow.pack([str(src)], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=1)
+    return out
+
+
+def first_epoch(loader, limit=10_000):
+    seen = []
+    for batch in loader:
+        seen.append(np.asarray(batch["input_ids"]))
+        if len(seen) >= limit:
+            break
+    return seen
+
+
+def test_a_local_path_needs_no_tiers(tokens):
+    loader = tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=5)
+    batches = first_epoch(loader)
+    assert len(batches) == 5 and all(b.shape == (4, 32) for b in batches)
+    assert loader.stager is None
+    loader.close()
+
+
+def test_s3_with_an_l2_string_reads_what_the_local_path_reads(tokens, s3_server, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/tokens"
+    upload_dataset(tokens, url, endpoint_url=s3_server.endpoint_url)
+    local = first_epoch(tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=12, lanes=1,
+                                             window_shards=1))
+    remote = tierflow.open_loader(url, tiers=[f"L2={tmp_path / 'l2'}:30%"], endpoint_url=s3_server.endpoint_url,
+                                  batch_size=4, seq_len=32, max_batches=12, lanes=1, window_shards=1)
+    assert remote.stager is not None
+    got = first_epoch(remote)
+    remote.close()
+    assert len(got) == 12 and all(np.array_equal(a, b) for a, b in zip(local, got))
+
+
+def test_resume_continues_after_the_saved_batch(tokens):
+    whole = first_epoch(tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=8))
+    first = tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=3)
+    first_epoch(first)
+    rest = first_epoch(tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=5,
+                                            resume=first.state_dict()))
+    assert all(np.array_equal(a, b) for a, b in zip(whole[3:], rest)) and len(rest) == 5
+
+
+@pytest.mark.parametrize("text,expected", [("50GB", 50 * 10**9), ("50GiB", 50 << 30), ("8G", 8 << 30),
+                                           ("512k", 512 << 10), ("1e6", 10**6), ("64 MB", 64 * 10**6)])
+def test_sizes_are_read_as_users_write_them(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_capacities_take_shares_and_sizes_and_refuse_nonsense():
+    assert parse_capacity("30%") == pytest.approx(0.3) and parse_capacity(0.8) == 0.8
+    assert parse_capacity("2GB") == 2e9
+    tier = TierConfig.parse("L2=/nvme/tf:30%:lru:at_rest")
+    assert (tier.name, tier.path, tier.capacity, tier.policy, tier.form) == ("L2", "/nvme/tf", 0.3, "lru", "at_rest")
+    for bad in ("150%", "-1", "lots", "0"):
+        with pytest.raises(ValueError, match="capacity|size"):
+            parse_capacity(bad)
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        TierConfig.parse("/nvme/tf")
