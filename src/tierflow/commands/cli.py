@@ -40,47 +40,51 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="pack raw files into a tierflow dataset")
     p.add_argument("sources", nargs="+", help="JSONL (.gz/.zst), Parquet, a directory of files or images")
     p.add_argument("--out", required=True, help="output dataset directory")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--text-field", default="text", help="the record field holding the text to tokenize (text)")
     p.add_argument("--tokenizer", help="'bytes' or PATH/tokenizer.json")
     p.add_argument("--eos-token", help="end-of-document token of a tokenizer.json")
     p.add_argument("--keep-text", action="store_true", help="keep the text column next to the tokens")
     p.add_argument("--shard-size", type=_size, default=256 << 20, help="target decoded shard size (256MB)")
-    p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd")
+    p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd",
+                   help="block compression of the shards at rest (zstd)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
-    p.add_argument("--kind", choices=("auto", "jsonl", "parquet", "files", "images"), default="auto")
+    p.add_argument("--kind", choices=("auto", "jsonl", "parquet", "files", "images"), default="auto",
+                   help="how to read the inputs (auto: from their suffixes)")
     p.add_argument("--include", action="append", default=[], help="glob of files to take from directories")
     p.add_argument("--exclude", action="append", default=[], help="glob of files or directories to skip")
-    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="a bad record or file: stop naming it (raise), or count it by reason and go on (skip)")
+    p.add_argument("--overwrite", action="store_true", help="replace a finished dataset at --out")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint when --out is s3://")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
     p = sub.add_parser("inspect", help="manifest summary and the first samples")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("-n", type=int, default=3, help="samples to show")
 
     p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad shard and block")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="dataset directory or URL")
 
     p = sub.add_parser("cache", help="show, warm, evict or clean a node's tiers")
-    p.add_argument("action", choices=("ls", "warm", "evict", "clean"))
+    p.add_argument("action", choices=("ls", "warm", "evict", "clean"),
+                   help="list entries, pre-stage a dataset, evict entries, or remove leftover files")
     p.add_argument("dataset", nargs="?", help="dataset URL (warm) or dataset id (evict)")
     p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
                    help="a tier of this node (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
     p = sub.add_parser("demo", help="end-to-end demo on the standard library's source files")
-    p.add_argument("--out", default="demo-out")
+    p.add_argument("--out", default="demo-out", help="folder for the packed data, event log and report")
     p.add_argument("--max-files", type=int, default=None, help="a reduced run (CI)")
 
     p = sub.add_parser("gc", help="remove files of a dataset directory that no manifest references")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="dataset directory or URL")
 
     p = sub.add_parser("bench", help="the loader driving a step vs the dry run (same batches preloaded)")
     p.add_argument("dataset", help="dataset directory or URL")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100, help="training steps to run")
     p.add_argument("--step-ms", type=float, default=10.0, help="simulated step time")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per batch")
     p.add_argument("--seq-len", type=int, default=None, help="token windows of this length (default: samples)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers (0: a background thread)")
     p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
@@ -95,17 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
                    help="the node's top tier (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per batch")
     p.add_argument("--seq-len", type=int, default=None, help="token windows of this length (default: samples)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3, help="epochs to plan over")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
     p = sub.add_parser("report", help="plot a run's JSONL event log into a PNG")
-    p.add_argument("log")
+    p.add_argument("log", help="the run's JSONL event log (bench --log)")
     p.add_argument("--out", default=None, help="PNG path (default: the log's name with .png)")
 
     p = sub.add_parser("top", help="live view of a running job from its JSONL event log")
-    p.add_argument("log")
+    p.add_argument("log", help="the job's JSONL event log")
     p.add_argument("--once", action="store_true", help="print the current state and exit")
     p.add_argument("--refresh", type=float, default=1.0, help="seconds between refreshes")
     return parser
