@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tierflow.policies.base import CachePolicy, EntryStats, NextUseOracle
+from tierflow.policies.clairvoyant import ClairvoyantPolicy
+from tierflow.policies.hotscore import HotScorePolicy
+from tierflow.policies.nochurn import NoChurnPolicy
+from tierflow.policies.stream import StreamPolicy
+
+#: what `auto` chooses among (by name, as choose_policy answers)
+_CHOICES: dict[str, type[CachePolicy]] = {"hotscore": HotScorePolicy, "stream": StreamPolicy,
+                                          "nochurn": NoChurnPolicy, "clairvoyant": ClairvoyantPolicy}
 
 Pattern = Literal["reshuffle", "skewed", "unknown"]
 
@@ -75,14 +83,12 @@ class AutoPolicy(CachePolicy):
         self.inner = self._build(self.chosen)
 
     def _build(self, name: str) -> CachePolicy:
-        from tierflow.policies.registry import make_policy
-
         options: dict[str, Any] = {}
         if name == "hotscore":
             options = dict(self._hotscore_options)
         elif name == "nochurn":
             options = {"epoch": self._epochs}
-        policy = make_policy(name, **options)
+        policy = _CHOICES[name](**options)
         policy.set_oracle(self._oracle)
         return policy
 
