@@ -1,5 +1,5 @@
-"""What `pack` makes of a directory: every file is packed or counted by reason, never dropped
-(issue 13, defect 1)."""
+"""What `pack` makes of a directory: every file is packed or counted by reason, never dropped;
+wrong-typed columns are named with their file (issue 13, defects 1 and 7)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -147,3 +148,35 @@ def test_the_progress_total_is_the_bytes_of_the_files_packed(tmp_path):
     for source, kind in ((tree, "images"), (parquet, "auto")):
         summary = tierflow.pack([source], tmp_path / f"out-{kind}", workers=1, kind=kind, target_shard_bytes=SMALL)
         assert estimate_input_bytes([source], SourceOptions(kind=kind)) == summary.input_bytes == packed[kind]
+
+
+# wrong-typed columns
+
+
+def test_a_parquet_text_column_of_ints_names_the_file_the_column_and_the_types(tmp_path):
+    path = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"text": np.arange(50)}), path)
+    for workers in (1, 2):
+        with pytest.raises(PackInputError, match=r"ints\.parquet.*'text'.*int64.*string") as caught:
+            pack([path], tmp_path / f"out{workers}", tokenizer="bytes", workers=workers)
+        assert caught.value.__cause__ is None
+
+
+def test_a_wrong_typed_text_field_through_the_cli_is_one_line_naming_file_and_column(tmp_path, capsys):
+    from tierflow.cli import main
+
+    path = write(tmp_path / "nested.jsonl", jsonl([{"body": {"a": 1}}] * 5))
+    assert main(["pack", str(path), "--out", str(tmp_path / "out"), "--tokenizer", "bytes",
+                 "--text-field", "body", "--workers", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "nested.jsonl" in err and "'body'" in err and "struct" in err
+
+
+def test_a_column_whose_type_changes_between_files_names_the_file(tmp_path):
+    src = tmp_path / "tree"
+    src.mkdir()
+    pq.write_table(pa.table({"x": ["a", "b"]}), src / "a.parquet")
+    pq.write_table(pa.table({"x": [[1], [2]]}), src / "b.parquet")
+    with pytest.raises(PackInputError, match=r"b\.parquet.*'x'"):
+        pack([src], tmp_path / "out")

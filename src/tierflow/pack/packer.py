@@ -59,6 +59,7 @@ class PackConfig:
 @dataclass
 class UnitResult:
     index: int
+    where: str
     parts: list[str]
     stats: UnitStats
     input_bytes: int
@@ -84,11 +85,7 @@ def _apply_fn(batch: pa.RecordBatch, fn: Callable, stats: UnitStats, where: str)
 def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, where: str) -> pa.RecordBatch:
     tokenizer = make_tokenizer(config.tokenizer, config.eos_token)
     field_name = config.sources.text_field
-    idx = batch.schema.get_field_index(field_name)
-    if idx < 0:
-        raise PackInputError(f"{where}: no text field {field_name!r} to tokenise "
-                             f"(columns: {batch.schema.names}); pass --text-field")
-    texts = batch.column(idx)
+    texts = text_column(batch, field_name, where)
     if "text_bytes" in batch.schema.names and batch.column("text_bytes").null_count < batch.num_rows:
         raw = batch.column("text_bytes").cast(pa.large_binary())
         texts = pa.array([t if t is not None else r for t, r in
@@ -104,6 +101,20 @@ def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, whe
     return pa.RecordBatch.from_pydict(columns)
 
 
+def text_column(batch: pa.RecordBatch, name: str, where: str) -> pa.Array:
+    """The column to tokenise, checked here so a wrong one is named with its file, not a cast traceback."""
+    idx = batch.schema.get_field_index(name)
+    if idx < 0:
+        raise PackInputError(f"{where}: no text field {name!r} to tokenise "
+                             f"(columns: {batch.schema.names}); pass --text-field")
+    kind = batch.schema.field(idx).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
+        raise PackInputError(f"{where}: column {name!r} is {kind}, expected string (or binary) text to tokenise; "
+                             f"pass --text-field to choose another column")
+    return batch.column(idx)
+
+
 def _split_blocks(batch: pa.RecordBatch, block_bytes: int) -> Iterable[pa.RecordBatch]:
     if batch.num_rows == 0:
         return
@@ -116,9 +127,9 @@ def _split_blocks(batch: pa.RecordBatch, block_bytes: int) -> Iterable[pa.Record
 def pack_unit(unit: Unit, config: PackConfig) -> UnitResult:
     """Turn one unit into uncompressed Arrow stream files (one per schema run)."""
     stats = UnitStats()
-    result = UnitResult(unit.index, [], stats, unit.input_bytes)
-    writer, schema, sink_path = None, None, None
     where = f"{unit.path}" + (f" [bytes {unit.start}..{unit.end}]" if unit.kind == "jsonl" and unit.start else "")
+    result = UnitResult(unit.index, where, [], stats, unit.input_bytes)
+    writer, schema, sink_path = None, None, None
     try:
         for batch in read_unit(unit, config.sources, stats):
             if config.fn is not None:
@@ -279,7 +290,7 @@ class ShardAssembler:
         try:
             self.unified = pa.unify_schemas([self.unified, batch.schema], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise PackInputError(f"columns of incompatible types across the input ({e})") from None
+            raise PackInputError(_incompatible(self.unified, batch.schema, e)) from None
         self.schema = self.unified
         return self._conform(batch)
 
@@ -307,6 +318,13 @@ class ShardAssembler:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def _incompatible(before: pa.Schema, now: pa.Schema, error: Exception) -> str:
+    """Which columns changed type, so the message says what to fix rather than Arrow's merge error."""
+    changed = [f"column {f.name!r} is {f.type} here but {before.field(f.name).type} earlier in the input"
+               for f in now if f.name in before.names and before.field(f.name).type != f.type]
+    return "; ".join(changed) or f"columns of incompatible types across the input ({error})"
 
 
 @dataclass
@@ -518,13 +536,22 @@ def _run_units(units: Iterable[Unit], config: PackConfig, workers: int,
             for unit in units:
                 window.append(pool.submit(_pack_unit_in_worker, unit, config))
                 if len(window) >= 2 * workers:
-                    consume(window.popleft().result())
+                    consume(_unit_result(window.popleft()))
             while window:
-                consume(window.popleft().result())
+                consume(_unit_result(window.popleft()))
         except BaseException:
             for f in window:
                 f.cancel()
             raise
+
+
+def _unit_result(future: Future) -> UnitResult:
+    """A worker's result. Bad input is raised without the worker's traceback: its message names
+    the file and what is wrong, and 40 lines of pyarrow frames would only bury that."""
+    try:
+        return future.result()
+    except PackInputError as e:
+        raise e from None
 
 
 def _discard(out: Path, assembler: ShardAssembler, tmp_dir: Path) -> None:
@@ -556,8 +583,11 @@ class _PackRun:
             with pa.memory_map(part) as source:
                 reader = pa.ipc.open_stream(source)
                 os.unlink(part)  # the mapping keeps the bytes until the shard is written
-                for batch in reader:
-                    self.assembler.add(batch)
+                try:
+                    for batch in reader:
+                        self.assembler.add(batch)
+                except PackInputError as e:
+                    raise PackInputError(f"{result.where}: {e}") from None
         self.totals.merge(result.stats)
         self.tokens += result.tokens
         self.histogram += result.histogram

@@ -313,7 +313,10 @@ def _read_jsonl(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterato
 
 
 def _read_row_group(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
-    table = pq.ParquetFile(unit.path).read_row_group(unit.start)
+    try:
+        table = pq.ParquetFile(unit.path).read_row_group(unit.start)
+    except Exception as e:  # noqa: BLE001 - any parquet failure names the file and row group
+        raise PackInputError(f"{unit.path}: cannot read row group {unit.start} ({e})") from None
     stats.files += unit.start == 0
     stats.samples += table.num_rows
     yield from table.to_batches(max_chunksize=65536)
