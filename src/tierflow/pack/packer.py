@@ -204,11 +204,14 @@ class ShardAssembler:
     Each batch goes to its shard's writer thread as it arrives, so compression runs while the
     workers parse the next units, and up to SHARDS_IN_FLIGHT consecutive shards compress at
     once. Shard contents and order depend only on the batch stream, never on the threads.
+    `on_shard(path, info)` is told of each sealed shard in order (a remote pack uploads it), and
+    may hold the assembler back: one open shard and SHARDS_IN_FLIGHT sealing ones are all it keeps.
     """
 
     def __init__(self, out: Path, target_bytes: int, compression: str, level: int | None,
-                 token_column: str | None) -> None:
+                 token_column: str | None, on_shard: Callable[[Path, ShardInfo], None] | None = None) -> None:
         self.out = out
+        self.on_shard = on_shard
         self.target = target_bytes
         self.compression = compression
         self.level = level
@@ -264,10 +267,12 @@ class ShardAssembler:
         self._open = None
         self.pending_bytes = self.pending_tokens = 0
 
-    def _collect_oldest(self) -> None:
+    def _collect_oldest(self, sealed: bool = True) -> None:
         info = self._closing.popleft().future.result()
         if info is not None:
             self.shards.append(info)
+            if sealed and self.on_shard is not None:
+                self.on_shard(self.out / info.name, info)
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         if self.schema is None:
@@ -309,7 +314,7 @@ class ShardAssembler:
             self._open = None
         while self._closing:
             try:
-                self._collect_oldest()
+                self._collect_oldest(sealed=False)
             except Exception:  # noqa: BLE001 - the error that caused the abort is the one to report
                 pass
         self._shutdown()
@@ -420,10 +425,11 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
     worker processes, so features computed here are paid once, not every epoch. `out` may be
-    an object-store URL (s3://bucket/prefix): the dataset is packed in a local staging
-    directory, then its shards are uploaded and its manifest last. `block_bytes` (default: the
-    shard size / 64, within 256 KB-4 MB) sizes the blocks, the unit of compression, checksum and
-    random access: larger ones compress better, and a read decodes a whole block. Input files of a directory that are not packed (another
+    an object-store URL (s3://bucket/prefix): each shard is uploaded as soon as it is sealed
+    and deleted locally (a few shards of local space, whatever the dataset's size), and the
+    manifest last. `block_bytes` (default: the shard size / 64, within 256 KB-4 MB) sizes the
+    blocks, the unit of compression, checksum and random access: larger ones compress better,
+    and a read decodes a whole block. Input files of a directory that are not packed (another
     kind than `kind`) are counted by reason in the manifest's stats and logged, never dropped.
     """
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
@@ -441,10 +447,11 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
 
 
 def _pack_remote(sources: Any, url: str, endpoint_url: str | None, **options: Any) -> PackSummary:
-    """Pack in a local staging directory, then upload its shards and the manifest last."""
+    """Pack in a local staging directory that never holds more than a few shards (see pack.upload)."""
     import tempfile
 
-    from tierflow.tiers.remote import SourceNotFound, open_source, upload_dataset
+    from tierflow.pack.upload import ShardUploader
+    from tierflow.tiers.remote import SourceNotFound, open_source
 
     remote = open_source(url, endpoint_url=endpoint_url)
     if not options["overwrite"]:
@@ -454,9 +461,9 @@ def _pack_remote(sources: Any, url: str, endpoint_url: str | None, **options: An
             pass
         else:
             raise PackInputError(f"{url} already holds a finished dataset; pass --overwrite to replace it")
-    with tempfile.TemporaryDirectory(prefix="tierflow-pack-") as staging:
-        summary = _pack_local(sources, Path(staging) / "dataset", **options)
-        upload_dataset(Path(staging) / "dataset", url, endpoint_url=endpoint_url)
+    with tempfile.TemporaryDirectory(prefix="tierflow-pack-") as staging, ShardUploader(remote) as uploader:
+        summary = _pack_local(sources, Path(staging) / "dataset", on_shard=uploader, **options)
+        uploader.publish(Path(staging) / "dataset")
     return summary
 
 
@@ -464,7 +471,8 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 target_shard_bytes: int, compression: str, compression_level: int | None, tokenizer: str | None,
                 eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
                 exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
-                chunk_bytes: int, block_bytes: int | None) -> PackSummary:
+                chunk_bytes: int, block_bytes: int | None,
+                on_shard: Callable[[Path, ShardInfo], None] | None = None) -> PackSummary:
     sources = _as_sources(sources)
     _check_options(target_shard_bytes, on_error)
     workers = workers or os.cpu_count() or 1
@@ -480,7 +488,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
             block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
         config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir))
         assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
-                                   "tokens" if tok is not None else None)
+                                   "tokens" if tok is not None else None, on_shard)
         run = _PackRun(assembler, _PackProgress(estimate_input_bytes(sources, options) if progress else None,
                                                 progress))
         try:
