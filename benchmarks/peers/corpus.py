@@ -61,7 +61,8 @@ class Corpus:
 
 
 def _stdlib_documents() -> list[tuple[str, bytes | Path]]:
-    from tierflow.pack.sources import SourceOptions, walk_files
+    from tierflow.pack.sources import SourceOptions
+    from tierflow.pack.tree import walk_files
 
     root = stdlib_dir()
     options = SourceOptions(include=("*.py",), exclude=STDLIB_EXCLUDE)

@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block compression of the shards at rest (zstd)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
     p.add_argument("--kind", choices=("auto", "jsonl", "parquet", "files", "images"), default="auto",
-                   help="how to read the inputs (auto: from their suffixes)")
+                   help="what to pack from a directory: auto decides from every file name and refuses a mix; "
+                   "jsonl, parquet, images pack that kind and count the other files as skipped; files packs "
+                   "every file as raw text")
     p.add_argument("--include", action="append", default=[], help="glob of files to take from directories")
     p.add_argument("--exclude", action="append", default=[], help="glob of files or directories to skip")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",

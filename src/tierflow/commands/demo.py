@@ -36,7 +36,8 @@ def stdlib_dir() -> Path:
 
 def _subset(source: Path, dest: Path, max_files: int) -> Path:
     """The first `max_files` files of the tree, copied: a reduced demo for CI."""
-    from tierflow.pack.sources import SourceOptions, walk_files
+    from tierflow.pack.sources import SourceOptions
+    from tierflow.pack.tree import walk_files
 
     shutil.rmtree(dest, ignore_errors=True)
     files = walk_files(str(source), SourceOptions(include=INCLUDE, exclude=STDLIB_EXCLUDE))

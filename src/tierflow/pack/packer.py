@@ -59,6 +59,7 @@ class PackConfig:
 @dataclass
 class UnitResult:
     index: int
+    where: str
     parts: list[str]
     stats: UnitStats
     input_bytes: int
@@ -84,11 +85,7 @@ def _apply_fn(batch: pa.RecordBatch, fn: Callable, stats: UnitStats, where: str)
 def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, where: str) -> pa.RecordBatch:
     tokenizer = make_tokenizer(config.tokenizer, config.eos_token)
     field_name = config.sources.text_field
-    idx = batch.schema.get_field_index(field_name)
-    if idx < 0:
-        raise PackInputError(f"{where}: no text field {field_name!r} to tokenise "
-                             f"(columns: {batch.schema.names}); pass --text-field")
-    texts = batch.column(idx)
+    texts = text_column(batch, field_name, where)
     if "text_bytes" in batch.schema.names and batch.column("text_bytes").null_count < batch.num_rows:
         raw = batch.column("text_bytes").cast(pa.large_binary())
         texts = pa.array([t if t is not None else r for t, r in
@@ -104,6 +101,20 @@ def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, whe
     return pa.RecordBatch.from_pydict(columns)
 
 
+def text_column(batch: pa.RecordBatch, name: str, where: str) -> pa.Array:
+    """The column to tokenise, checked here so a wrong one is named with its file, not a cast traceback."""
+    idx = batch.schema.get_field_index(name)
+    if idx < 0:
+        raise PackInputError(f"{where}: no text field {name!r} to tokenise "
+                             f"(columns: {batch.schema.names}); pass --text-field")
+    kind = batch.schema.field(idx).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
+        raise PackInputError(f"{where}: column {name!r} is {kind}, expected string (or binary) text to tokenise; "
+                             f"pass --text-field to choose another column")
+    return batch.column(idx)
+
+
 def _split_blocks(batch: pa.RecordBatch, block_bytes: int) -> Iterable[pa.RecordBatch]:
     if batch.num_rows == 0:
         return
@@ -116,9 +127,9 @@ def _split_blocks(batch: pa.RecordBatch, block_bytes: int) -> Iterable[pa.Record
 def pack_unit(unit: Unit, config: PackConfig) -> UnitResult:
     """Turn one unit into uncompressed Arrow stream files (one per schema run)."""
     stats = UnitStats()
-    result = UnitResult(unit.index, [], stats, unit.input_bytes)
-    writer, schema, sink_path = None, None, None
     where = f"{unit.path}" + (f" [bytes {unit.start}..{unit.end}]" if unit.kind == "jsonl" and unit.start else "")
+    result = UnitResult(unit.index, where, [], stats, unit.input_bytes)
+    writer, schema, sink_path = None, None, None
     try:
         for batch in read_unit(unit, config.sources, stats):
             if config.fn is not None:
@@ -193,11 +204,14 @@ class ShardAssembler:
     Each batch goes to its shard's writer thread as it arrives, so compression runs while the
     workers parse the next units, and up to SHARDS_IN_FLIGHT consecutive shards compress at
     once. Shard contents and order depend only on the batch stream, never on the threads.
+    `on_shard(path, info)` is told of each sealed shard in order (a remote pack uploads it), and
+    may hold the assembler back: one open shard and SHARDS_IN_FLIGHT sealing ones are all it keeps.
     """
 
     def __init__(self, out: Path, target_bytes: int, compression: str, level: int | None,
-                 token_column: str | None) -> None:
+                 token_column: str | None, on_shard: Callable[[Path, ShardInfo], None] | None = None) -> None:
         self.out = out
+        self.on_shard = on_shard
         self.target = target_bytes
         self.compression = compression
         self.level = level
@@ -253,10 +267,12 @@ class ShardAssembler:
         self._open = None
         self.pending_bytes = self.pending_tokens = 0
 
-    def _collect_oldest(self) -> None:
+    def _collect_oldest(self, sealed: bool = True) -> None:
         info = self._closing.popleft().future.result()
         if info is not None:
             self.shards.append(info)
+            if sealed and self.on_shard is not None:
+                self.on_shard(self.out / info.name, info)
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         if self.schema is None:
@@ -279,7 +295,7 @@ class ShardAssembler:
         try:
             self.unified = pa.unify_schemas([self.unified, batch.schema], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise PackInputError(f"columns of incompatible types across the input ({e})") from None
+            raise PackInputError(_incompatible(self.unified, batch.schema, e)) from None
         self.schema = self.unified
         return self._conform(batch)
 
@@ -298,7 +314,7 @@ class ShardAssembler:
             self._open = None
         while self._closing:
             try:
-                self._collect_oldest()
+                self._collect_oldest(sealed=False)
             except Exception:  # noqa: BLE001 - the error that caused the abort is the one to report
                 pass
         self._shutdown()
@@ -307,6 +323,13 @@ class ShardAssembler:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def _incompatible(before: pa.Schema, now: pa.Schema, error: Exception) -> str:
+    """Which columns changed type, so the message says what to fix rather than Arrow's merge error."""
+    changed = [f"column {f.name!r} is {f.type} here but {before.field(f.name).type} earlier in the input"
+               for f in now if f.name in before.names and before.field(f.name).type != f.type]
+    return "; ".join(changed) or f"columns of incompatible types across the input ({error})"
 
 
 @dataclass
@@ -402,34 +425,45 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
     worker processes, so features computed here are paid once, not every epoch. `out` may be
-    an object-store URL (s3://bucket/prefix): the dataset is packed in a local staging
-    directory, then its shards are uploaded and its manifest last. `block_bytes` (default: the
-    shard size / 64, within 256 KB-4 MB) sizes the blocks, the unit of compression, checksum and
-    random access: larger ones compress better, and a read decodes a whole block.
+    an object-store URL (s3://bucket/prefix): each shard is uploaded as soon as it is sealed
+    and deleted locally (a few shards of local space, whatever the dataset's size), and the
+    manifest last. `block_bytes` (default: the shard size / 64, within 256 KB-4 MB) sizes the
+    blocks, the unit of compression, checksum and random access: larger ones compress better,
+    and a read decodes a whole block. Input files of a directory that are not packed (another
+    kind than `kind`) are counted by reason in the manifest's stats and logged, never dropped.
     """
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
                    compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
                    text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,
                    on_error=on_error, overwrite=overwrite, progress=progress, chunk_bytes=chunk_bytes,
                    block_bytes=block_bytes)
-    if "://" not in str(out) or str(out).startswith("file://"):
-        return _pack_local(sources, Path(str(out).removeprefix("file://")), **options)
+    target = str(out)
+    if "://" not in target or target.startswith("file://"):
+        summary = _pack_local(sources, Path(target.removeprefix("file://")), **options)
+    else:
+        summary = _pack_remote(sources, target, endpoint_url, **options)
+    _report(summary, target, progress)
+    return summary
+
+
+def _pack_remote(sources: Any, url: str, endpoint_url: str | None, **options: Any) -> PackSummary:
+    """Pack in a local staging directory that never holds more than a few shards (see pack.upload)."""
     import tempfile
 
-    from tierflow.storage.remote import SourceNotFound, open_source, upload_dataset
+    from tierflow.pack.upload import ShardUploader
+    from tierflow.storage.remote import SourceNotFound, open_source
 
-    url = str(out)
     remote = open_source(url, endpoint_url=endpoint_url)
-    if not overwrite:
+    if not options["overwrite"]:
         try:
             remote.size(MANIFEST_NAME)
         except SourceNotFound:
             pass
         else:
             raise PackInputError(f"{url} already holds a finished dataset; pass --overwrite to replace it")
-    with tempfile.TemporaryDirectory(prefix="tierflow-pack-") as staging:
-        summary = _pack_local(sources, Path(staging) / "dataset", **options)
-        upload_dataset(Path(staging) / "dataset", url, endpoint_url=endpoint_url)
+    with tempfile.TemporaryDirectory(prefix="tierflow-pack-") as staging, ShardUploader(remote) as uploader:
+        summary = _pack_local(sources, Path(staging) / "dataset", on_shard=uploader, **options)
+        uploader.publish(Path(staging) / "dataset")
     return summary
 
 
@@ -437,18 +471,10 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 target_shard_bytes: int, compression: str, compression_level: int | None, tokenizer: str | None,
                 eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
                 exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
-                chunk_bytes: int, block_bytes: int | None) -> PackSummary:
-    if isinstance(sources, (str, os.PathLike)) or isinstance(sources, dict):
-        sources = [sources]
-    elif not isinstance(sources, (list, tuple)):
-        sources = [sources]  # an iterable of records
-    if target_shard_bytes < MIN_SHARD_BYTES:
-        raise ValueError(f"target_shard_bytes {target_shard_bytes} < {MIN_SHARD_BYTES} (256 KB)")
-    if target_shard_bytes < WARN_SHARD_BYTES:
-        log.warning("shards of %d bytes are small: each costs a request and a cache entry; "
-                    "256 MB is the default", target_shard_bytes)
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+                chunk_bytes: int, block_bytes: int | None,
+                on_shard: Callable[[Path, ShardInfo], None] | None = None) -> PackSummary:
+    sources = _as_sources(sources)
+    _check_options(target_shard_bytes, on_error)
     workers = workers or os.cpu_count() or 1
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
@@ -462,54 +488,16 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
             block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
         config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir))
         assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
-                                   "tokens" if tok is not None else None)
-        totals = UnitStats()
-        tokens = 0
-        histogram = np.zeros(64, np.int64)
-        input_bytes = 0
-        started = time.perf_counter()
-        bar = _PackProgress(estimate_input_bytes(sources, options) if progress else None, progress)
-
-        def consume(result: UnitResult) -> None:
-            nonlocal tokens, histogram, input_bytes
-            for part in result.parts:
-                with pa.memory_map(part) as source:
-                    reader = pa.ipc.open_stream(source)
-                    os.unlink(part)  # the mapping keeps the bytes until the shard is written
-                    for batch in reader:
-                        assembler.add(batch)
-            totals.merge(result.stats)
-            tokens += result.tokens
-            histogram += result.histogram
-            input_bytes += result.input_bytes
-            bar.advance(result, totals, len(assembler.shards))
-
+                                   "tokens" if tok is not None else None, on_shard)
+        run = _PackRun(assembler, _PackProgress(estimate_input_bytes(sources, options) if progress else None,
+                                                progress))
         try:
-            with bar:
-                if workers == 1:
-                    for unit in plan_units(sources, options):
-                        consume(pack_unit(unit, config))
-                else:
-                    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
-                        window: deque[Future] = deque()
-                        try:
-                            for unit in plan_units(sources, options):
-                                window.append(pool.submit(_pack_unit_in_worker, unit, config))
-                                if len(window) >= 2 * workers:
-                                    consume(window.popleft().result())
-                            while window:
-                                consume(window.popleft().result())
-                        except BaseException:
-                            for f in window:
-                                f.cancel()
-                            raise
+            with run.bar:
+                _run_units(plan_units(sources, options, run.totals), config, workers, run.consume)
                 assembler.flush()
+                run.bar.finish(run.totals, len(assembler.shards))
         except BaseException as e:
-            assembler.abort()
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            for info in assembler.shards:
-                if not (out / MANIFEST_NAME).exists():
-                    (out / info.name).unlink(missing_ok=True)
+            _discard(out, assembler, tmp_dir)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise PackInputError(f"{out}: no space left on the device while writing shards; nothing was "
                                      f"published and this run's files were removed") from e
@@ -517,39 +505,151 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if not assembler.shards:
             where = ", ".join(str(s) for s in sources if isinstance(s, (str, os.PathLike))) or "the iterable"
-            raise PackInputError(f"no samples found in {where}")
+            raise PackInputError(f"no samples found in {where}" + _skipped_note(run.totals))
+        manifest = run.manifest(tok)
+        manifest.save(out)
+        remove_unreferenced(out, manifest)
+    return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes)
+
+
+def _as_sources(sources: Any) -> list:
+    if isinstance(sources, (str, os.PathLike)) or isinstance(sources, dict):
+        return [sources]
+    if not isinstance(sources, (list, tuple)):
+        return [sources]  # an iterable of records
+    return list(sources)
+
+
+def _check_options(target_shard_bytes: int, on_error: str) -> None:
+    if target_shard_bytes < MIN_SHARD_BYTES:
+        raise ValueError(f"target_shard_bytes {target_shard_bytes} < {MIN_SHARD_BYTES} (256 KB)")
+    if target_shard_bytes < WARN_SHARD_BYTES:
+        log.warning("shards of %d bytes are small: each costs a request and a cache entry; "
+                    "256 MB is the default", target_shard_bytes)
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+
+
+def _run_units(units: Iterable[Unit], config: PackConfig, workers: int,
+               consume: Callable[[UnitResult], None]) -> None:
+    """Pack every unit on `workers` processes; results are consumed in unit order, from a window
+    of two units per worker, so the output never depends on which worker finished first."""
+    if workers == 1:
+        for unit in units:
+            consume(pack_unit(unit, config))
+        return
+    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+        window: deque[Future] = deque()
+        try:
+            for unit in units:
+                window.append(pool.submit(_pack_unit_in_worker, unit, config))
+                if len(window) >= 2 * workers:
+                    consume(_unit_result(window.popleft()))
+            while window:
+                consume(_unit_result(window.popleft()))
+        except BaseException:
+            for f in window:
+                f.cancel()
+            raise
+
+
+def _unit_result(future: Future) -> UnitResult:
+    """A worker's result. Bad input is raised without the worker's traceback: its message names
+    the file and what is wrong, and 40 lines of pyarrow frames would only bury that."""
+    try:
+        return future.result()
+    except PackInputError as e:
+        raise e from None
+
+
+def _discard(out: Path, assembler: ShardAssembler, tmp_dir: Path) -> None:
+    """A failed pack: drop what it wrote, unless a manifest (of an earlier pack) still needs it."""
+    assembler.abort()
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    for info in assembler.shards:
+        if not (out / MANIFEST_NAME).exists():
+            (out / info.name).unlink(missing_ok=True)
+
+
+class _PackRun:
+    """What one pack gathers from its units, in unit order: batches into shards, and the stats.
+
+    `totals` also receives planning's counts (files skipped by reason, sidecars) as it goes.
+    """
+
+    def __init__(self, assembler: ShardAssembler, bar: "_PackProgress") -> None:
+        self.assembler = assembler
+        self.bar = bar
+        self.totals = UnitStats()
+        self.tokens = 0
+        self.histogram = np.zeros(64, np.int64)
+        self.input_bytes = 0
+        self.started = time.perf_counter()
+
+    def consume(self, result: UnitResult) -> None:
+        for part in result.parts:
+            with pa.memory_map(part) as source:
+                reader = pa.ipc.open_stream(source)
+                os.unlink(part)  # the mapping keeps the bytes until the shard is written
+                try:
+                    for batch in reader:
+                        self.assembler.add(batch)
+                except PackInputError as e:
+                    raise PackInputError(f"{result.where}: {e}") from None
+        self.totals.merge(result.stats)
+        self.tokens += result.tokens
+        self.histogram += result.histogram
+        self.input_bytes += result.input_bytes
+        self.bar.advance(result.input_bytes, self.totals, len(self.assembler.shards))
+
+    def manifest(self, tok: Any) -> Manifest:
+        totals, shards = self.totals, self.assembler.shards
         stats = {
-            "samples": sum(s.samples for s in assembler.shards),
-            "tokens": tokens,
+            "samples": sum(s.samples for s in shards),
+            "tokens": self.tokens,
             "files": totals.files,
+            "sidecars": totals.sidecars,
+            "skipped_files": totals.skipped_summary(),
             "kept_as_bytes": totals.kept_as_bytes,
             "skipped_records": totals.skipped_records,
             "filtered": totals.filtered,
             "errors": totals.errors,
-            "input_bytes": input_bytes,
+            "input_bytes": self.input_bytes,
             "length_histogram": {
                 "unit": "tokens" if tok is not None else None,
                 "bucket_upper_bounds": [0] + [1 << b for b in range(63)],
-                "counts": histogram.tolist(),
+                "counts": self.histogram.tolist(),
             },
         }
-        ident = tok.identity() if tok is not None else None
-        manifest = Manifest(
-            schema=assembler.unified, shards=assembler.shards, tokenizer=ident,
+        return Manifest(
+            schema=self.assembler.unified, shards=shards, tokenizer=tok.identity() if tok is not None else None,
             token_column="tokens" if tok is not None else None,
             token_dtype=str(token_dtype(tok.vocab_size)) if tok is not None else None,
             eos_id=tok.eos_id if tok is not None else None, stats=stats,
         )
-        manifest.save(out)
-        remove_unreferenced(out, manifest)
-    summary = PackSummary(manifest, time.perf_counter() - started, input_bytes)
+
+
+def _skipped_note(totals: UnitStats) -> str:
+    skipped = totals.skipped_summary()
+    return "; skipped " + _describe_skipped(skipped) if skipped else ""
+
+
+def _describe_skipped(skipped: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{v['count']:,} file{'s' * (v['count'] != 1)} ({reason}, e.g. {v['example']})"
+                     for reason, v in skipped.items())
+
+
+def _report(summary: PackSummary, target: str, progress: bool) -> None:
+    """Say what was not packed (always: a log warning) and, with progress, the summary table."""
+    skipped = summary.manifest.stats.get("skipped_files")
+    if skipped:
+        log.warning("%s: packed without %s", target, _describe_skipped(skipped))
     if progress:
-        print_summary(summary, out)
-    return summary
+        print_summary(summary, target)
 
 
 class _PackProgress:
-    """A rich progress bar (files, samples, MB/s, ETA) or nothing."""
+    """A rich progress bar (input bytes, files, samples, shards, MB/s, ETA) or nothing."""
 
     def __init__(self, total: int | None, enabled: bool) -> None:
         self.enabled = enabled
@@ -560,29 +660,36 @@ class _PackProgress:
 
     def __enter__(self) -> "_PackProgress":
         if self.enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]pack"), BarColumn(), TextColumn("{task.description}"),
-                                     TimeRemainingColumn(), transient=False)
+            self.progress = Progress(TextColumn("[bold]pack"), BarColumn(), TaskProgressColumn(),
+                                     TextColumn("{task.description}"), TimeRemainingColumn(), transient=False)
             self.progress.start()
             self.task = self.progress.add_task("starting", total=self.total)
         return self
 
-    def advance(self, result: UnitResult, totals: UnitStats, shards: int) -> None:
-        self.done += result.input_bytes
-        if self.progress is None:
-            return
+    def advance(self, nbytes: int, totals: UnitStats, shards: int) -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress.update(self.task, advance=nbytes, description=self._describe(totals, shards))
+
+    def finish(self, totals: UnitStats, shards: int) -> None:
+        """The final counts: every shard sealed, and the bar full (the total is known by now)."""
+        if self.progress is not None:
+            self.progress.update(self.task, total=self.done, completed=self.done,
+                                 description=self._describe(totals, shards))
+
+    def _describe(self, totals: UnitStats, shards: int) -> str:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        self.progress.update(self.task, advance=result.input_bytes, description=(
-            f"{totals.files:,} files  {totals.samples:,} samples  {shards} shards  "
-            f"{self.done / 1e6 / elapsed:.1f} MB/s"))
+        return (f"{totals.files:,} files  {totals.samples:,} samples  {shards} shards  "
+                f"{self.done / 1e6 / elapsed:.1f} MB/s")
 
     def __exit__(self, *exc: Any) -> None:
         if self.progress is not None:
             self.progress.stop()
 
 
-def print_summary(summary: PackSummary, out: Path) -> None:
+def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -601,10 +708,14 @@ def print_summary(summary: PackSummary, out: Path) -> None:
     ]
     if m.token_column:
         rows.append(("tokens", f"{m.num_tokens:,} ({m.token_dtype}, {m.tokenizer['name']})"))
+    if m.stats.get("sidecars"):
+        rows.append(("sidecars", f"{m.stats['sidecars']:,} caption files, read with their images"))
     if m.stats.get("kept_as_bytes"):
         rows.append(("kept as bytes", f"{m.stats['kept_as_bytes']:,} (not valid UTF-8)"))
     if m.stats.get("skipped_records"):
         rows.append(("skipped", f"{m.stats['skipped_records']:,} malformed records"))
+    if m.stats.get("skipped_files"):
+        rows.append(("skipped files", _describe_skipped(m.stats["skipped_files"])))
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)

@@ -7,17 +7,14 @@ workers, so the packed output is byte-identical whatever the parallelism.
 
 from __future__ import annotations
 
-import fnmatch
 import gzip
 import io
 import itertools
 import json
 import os
-import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -26,10 +23,11 @@ import pyarrow.parquet as pq
 import zstandard
 
 from tierflow.pack.tokenize import PackInputError
+from tierflow.pack.tree import (
+    COMPRESSED_SUFFIXES, KIND_ROLES, SKIP_REASONS, TreeFile, base_suffix, classify_tree, file_kind, single_file,
+    tree_kind,
+)
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 KINDS = ("auto", "jsonl", "parquet", "files", "images")
 
 
@@ -45,6 +43,8 @@ class Unit:
     members: Sequence[str] = ()
     records: list | None = None
     input_bytes: int = 0
+    sidecars: Sequence[str] = ()
+    """Caption files of the unit's images (read with them, never samples of their own)."""
 
 
 @dataclass
@@ -54,7 +54,16 @@ class UnitStats:
     kept_as_bytes: int = 0
     skipped_records: int = 0
     filtered: int = 0
+    sidecars: int = 0
+    skipped_files: dict[str, int] = field(default_factory=dict)
+    """Input files not packed, by reason; with `skipped_examples`, the first path of each."""
+    skipped_examples: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+
+    def skip_file(self, reason: str, path: str) -> None:
+        """Count a file that is not packed: every input file is packed or counted, never dropped."""
+        self.skipped_files[reason] = self.skipped_files.get(reason, 0) + 1
+        self.skipped_examples.setdefault(reason, path)
 
     def merge(self, other: "UnitStats") -> None:
         self.samples += other.samples
@@ -62,7 +71,15 @@ class UnitStats:
         self.kept_as_bytes += other.kept_as_bytes
         self.skipped_records += other.skipped_records
         self.filtered += other.filtered
+        self.sidecars += other.sidecars
+        for reason, count in other.skipped_files.items():
+            self.skipped_files[reason] = self.skipped_files.get(reason, 0) + count
+            self.skipped_examples.setdefault(reason, other.skipped_examples[reason])
         self.errors.extend(other.errors[: max(0, 50 - len(self.errors))])
+
+    def skipped_summary(self) -> dict[str, dict[str, Any]]:
+        """{reason: {"count", "example"}}, as the manifest's stats record it."""
+        return {r: {"count": n, "example": self.skipped_examples[r]} for r, n in self.skipped_files.items()}
 
 
 @dataclass
@@ -84,91 +101,22 @@ def _compression(path: str) -> str | None:
     return COMPRESSED_SUFFIXES.get(Path(path).suffix.lower())
 
 
-def _base_suffix(path: str) -> str:
-    p = Path(path)
-    if p.suffix.lower() in COMPRESSED_SUFFIXES:
-        p = p.with_suffix("")
-    return p.suffix.lower()
+def _is_json_document(path: str) -> bool:
+    """A .json file holding one JSON array (read whole) rather than JSON Lines (read in chunks)."""
+    if base_suffix(path) != ".json":
+        return False
+    with _open_text(path) as f:
+        head = f.read(4096)
+    return head.lstrip()[:1] == b"["
 
 
-def source_kind(path: str, options: SourceOptions) -> str:
-    if options.kind != "auto":
-        return options.kind
-    if os.path.isdir(path):
-        for i, rel in enumerate(walk_files(path, options)):
-            if rel.lower().endswith(IMAGE_SUFFIXES):
-                return "images"
-            if i >= 1000:
-                break
-        return "files"
-    suffix = _base_suffix(path)
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix == ".parquet":
-        return "parquet"
-    raise PackInputError(f"{path}: unknown source type (expected .jsonl[.gz|.zst], .parquet or a directory)")
+def plan_units(sources: Sequence[Any], options: SourceOptions, stats: UnitStats | None = None) -> Iterator[Unit]:
+    """Deterministic units for every source, in order; streams (never lists a whole tree).
 
-
-def walk_files(root: str, options: SourceOptions) -> Iterator[str]:
-    """Relative paths of regular files under root, in a sorted, deterministic order."""
-    return (rel for rel, _ in walk_file_entries(root, options))
-
-
-def walk_file_entries(root: str, options: SourceOptions) -> Iterator[tuple[str, os.DirEntry]]:
-    """(relative path, directory entry) of regular files under root, in walk_files' order.
-
-    A directory's files come before its subdirectories, each sorted by name; symlinked
-    directories are not entered. Entries carry their type and cache their stat, so a tree
-    of many small files costs one listing per directory and one stat per file.
+    Input files that are not packed (another kind than --kind) and caption sidecars (read
+    with their images) are counted into `stats` as planning finds them.
     """
-    include = _matcher(tuple(options.include)) if options.include else None
-    exclude = _matcher(tuple(options.exclude)) if options.exclude else None
-
-    def excluded(rel: str, name: str) -> bool:
-        return exclude is not None and bool(exclude(rel) or exclude(name))
-
-    def visit(directory: str, rel_dir: str) -> Iterator[tuple[str, os.DirEntry]]:
-        try:
-            with os.scandir(directory) as listing:
-                entries = list(listing)
-        except OSError as e:
-            _raise_walk_error(e)
-        files, dirs = [], []
-        for entry in entries:
-            try:
-                is_dir = entry.is_dir()
-            except OSError:
-                is_dir = False
-            (dirs if is_dir else files).append(entry)
-        for entry in sorted(files, key=lambda e: e.name):
-            rel = os.path.join(rel_dir, entry.name)
-            if excluded(rel, entry.name):
-                continue
-            if include is not None and not (include(entry.name) or include(rel)):
-                continue
-            if entry.is_file():
-                yield rel, entry
-        for entry in sorted(dirs, key=lambda e: e.name):
-            rel = os.path.join(rel_dir, entry.name)
-            if excluded(rel, entry.name) or entry.is_symlink():
-                continue
-            yield from visit(entry.path, rel)
-
-    return visit(root, "")
-
-
-@lru_cache(maxsize=32)
-def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
-    """One compiled regex for a set of glob patterns (fnmatch per name per pattern is slow)."""
-    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in patterns)).match
-
-
-def _raise_walk_error(e: OSError) -> None:
-    raise PackInputError(f"{e.filename}: cannot list ({e.strerror})")
-
-
-def plan_units(sources: Sequence[Any], options: SourceOptions) -> Iterator[Unit]:
-    """Deterministic units for every source, in order; streams (never lists a whole tree)."""
+    stats = stats if stats is not None else UnitStats()
     counter = itertools.count()
     for source in sources:
         if not isinstance(source, (str, os.PathLike)):
@@ -179,25 +127,65 @@ def plan_units(sources: Sequence[Any], options: SourceOptions) -> Iterator[Unit]
             raise PackInputError(f"{path}: no such file or directory")
         if not os.access(path, os.R_OK):
             raise PackInputError(f"{path}: not readable (permission denied)")
-        kind = source_kind(path, options)
-        if kind == "jsonl":
-            yield from _plan_jsonl(path, options, counter)
-        elif kind == "parquet":
-            try:
-                meta = pq.ParquetFile(path).metadata
-            except Exception as e:  # noqa: BLE001 - any parquet failure names the file
-                raise PackInputError(f"{path}: not a readable Parquet file ({e})") from None
-            for rg in range(meta.num_row_groups):
-                yield Unit(next(counter), "parquet", path, start=rg,
-                           input_bytes=meta.row_group(rg).total_byte_size)
-        elif kind in ("files", "images"):
-            yield from _plan_tree(path, kind, options, counter)
+        if os.path.isdir(path):
+            kind = tree_kind(path, options) if options.kind == "auto" else options.kind
+            files: Iterable[TreeFile] = classify_tree(path, options)
         else:
+            files = [single_file(path, options.kind)]
+            kind = file_kind(files[0]) if options.kind == "auto" else options.kind
+        if kind not in KIND_ROLES:
             raise PackInputError(f"{path}: unknown source kind {kind!r}; expected one of {KINDS}")
+        yield from _plan_files(files, kind, options, counter, stats)
+
+
+def _plan_files(files: Iterable[TreeFile], kind: str, options: SourceOptions, counter,
+                stats: UnitStats) -> Iterator[Unit]:
+    """Units of one source's files packed as `kind`; the files it does not read are counted."""
+    group = _FileGroup(kind, options, counter)
+    for f in files:
+        if kind == "images" and f.is_sidecar:
+            stats.sidecars += 1  # read with its image
+        elif f.role not in KIND_ROLES[kind]:
+            stats.skip_file(SKIP_REASONS[kind], f.path)
+        elif kind in ("files", "images"):
+            yield from group.add(f)
+        elif f.role == "jsonl":
+            yield from _plan_jsonl(f.path, options, counter)
+        else:
+            yield from _plan_parquet(f.path, counter, stats)
+    yield from group.flush()
+
+
+class _FileGroup:
+    """Small files of one directory tree, grouped into units of a bounded count and size."""
+
+    def __init__(self, kind: str, options: SourceOptions, counter) -> None:
+        self.kind, self.options, self.counter = kind, options, counter
+        self.root = ""
+        self.members: list[str] = []
+        self.sidecars: list[str] = []
+        self.nbytes = 0
+
+    def add(self, f: TreeFile) -> Iterator[Unit]:
+        self.root = f.root
+        self.members.append(f.rel)
+        self.sidecars.extend(f.sidecars)
+        self.nbytes += f.size + sum(os.path.getsize(os.path.join(f.root, s)) for s in f.sidecars)
+        if len(self.members) >= self.options.files_per_unit or self.nbytes >= self.options.chunk_bytes:
+            yield from self.flush()
+
+    def flush(self) -> Iterator[Unit]:
+        if self.members:
+            yield Unit(next(self.counter), self.kind, self.root, members=tuple(self.members),
+                       input_bytes=self.nbytes, sidecars=tuple(self.sidecars))
+        self.members, self.sidecars, self.nbytes = [], [], 0
 
 
 def _plan_jsonl(path: str, options: SourceOptions, counter) -> Iterator[Unit]:
     size = os.path.getsize(path)
+    if _is_json_document(path):
+        yield Unit(next(counter), "json", path, 0, size, input_bytes=size)
+        return
     if _compression(path) is not None or size <= options.chunk_bytes:
         yield Unit(next(counter), "jsonl", path, 0, size, input_bytes=size)
         return
@@ -213,19 +201,21 @@ def _plan_jsonl(path: str, options: SourceOptions, counter) -> Iterator[Unit]:
             start = end
 
 
-def _plan_tree(root: str, kind: str, options: SourceOptions, counter) -> Iterator[Unit]:
-    members: list[str] = []
-    nbytes = 0
-    for rel, entry in walk_file_entries(root, options):
-        if kind == "images" and not rel.lower().endswith(IMAGE_SUFFIXES):
-            continue
-        members.append(rel)
-        nbytes += entry.stat().st_size
-        if len(members) >= options.files_per_unit or nbytes >= options.chunk_bytes:
-            yield Unit(next(counter), kind, root, members=tuple(members), input_bytes=nbytes)
-            members, nbytes = [], 0
-    if members:
-        yield Unit(next(counter), kind, root, members=tuple(members), input_bytes=nbytes)
+def _plan_parquet(path: str, counter, stats: UnitStats) -> Iterator[Unit]:
+    """One unit per row group; their input_bytes share out the file's size (what progress counts)."""
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # noqa: BLE001 - any parquet failure names the file
+        raise PackInputError(f"{path}: not a readable Parquet file ({e})") from None
+    if meta.num_row_groups == 0:
+        stats.files += 1  # an empty file is packed: it has no rows
+        return
+    weights = list(itertools.accumulate(max(1, meta.row_group(rg).total_byte_size)
+                                        for rg in range(meta.num_row_groups)))
+    size = os.path.getsize(path)
+    ends = [0] + [size * w // weights[-1] for w in weights]  # Python ints: a TB file times its bytes overflows int64
+    for rg in range(meta.num_row_groups):
+        yield Unit(next(counter), "parquet", path, start=rg, input_bytes=ends[rg + 1] - ends[rg])
 
 
 def _plan_records(records: Iterable[Any], options: SourceOptions, counter) -> Iterator[Unit]:
@@ -245,17 +235,11 @@ def _approx_size(record: Any) -> int:
 
 
 def estimate_input_bytes(sources: Sequence[Any], options: SourceOptions) -> int | None:
-    """Total input bytes for the progress bar's ETA; None when a source is an iterable."""
-    total = 0
-    for source in sources:
-        if not isinstance(source, (str, os.PathLike)):
-            return None
-        path = os.fspath(source)
-        if os.path.isdir(path):
-            total += sum(entry.stat().st_size for _, entry in walk_file_entries(path, options))
-        elif os.path.exists(path):
-            total += os.path.getsize(path)
-    return total
+    """Bytes of the input files that will be packed (the progress bar's total, so it ends full);
+    None when a source is an iterable."""
+    if not all(isinstance(s, (str, os.PathLike)) for s in sources):
+        return None
+    return sum(unit.input_bytes for unit in plan_units(sources, options))
 
 
 # ---------------------------------------------------------------- reading units
@@ -282,15 +266,16 @@ def rows_to_batch(rows: Sequence[dict], where: str) -> pa.RecordBatch:
 def read_unit(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
     if unit.kind == "jsonl":
         yield from _read_jsonl(unit, options, stats)
+    elif unit.kind == "json":
+        yield from _read_json_document(unit, options, stats)
     elif unit.kind == "parquet":
-        table = pq.ParquetFile(unit.path).read_row_group(unit.start)
-        stats.files += unit.start == 0
-        yield from table.to_batches(max_chunksize=65536)
+        yield from _read_row_group(unit, stats)
     elif unit.kind == "files":
         yield from _read_files(unit, stats)
     elif unit.kind == "images":
         yield from _read_images(unit, stats)
     elif unit.kind == "records":
+        stats.samples += len(unit.records)
         yield rows_to_batch(unit.records, f"records {unit.index * options.records_per_unit}..")
     else:
         raise PackInputError(f"{unit.path}: unknown unit kind {unit.kind!r}")
@@ -325,6 +310,39 @@ def _read_jsonl(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterato
                     first_line += len(lines)
     except (OSError, EOFError, zstandard.ZstdError) as e:
         raise PackInputError(f"{unit.path}: cannot read ({e})") from None
+
+
+def _read_row_group(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
+    try:
+        table = pq.ParquetFile(unit.path).read_row_group(unit.start)
+    except Exception as e:  # noqa: BLE001 - any parquet failure names the file and row group
+        raise PackInputError(f"{unit.path}: cannot read row group {unit.start} ({e})") from None
+    stats.files += unit.start == 0
+    stats.samples += table.num_rows
+    yield from table.to_batches(max_chunksize=65536)
+
+
+def _read_json_document(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
+    """A .json file holding an array of objects, read whole (as Hugging Face's json loader does)."""
+    try:
+        with _open_text(unit.path) as f:
+            rows = json.load(f)
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        if bad is not None:
+            raise ValueError(f"item {bad} is {type(rows[bad]).__name__}, expected a JSON object")
+    except (OSError, EOFError, zstandard.ZstdError) as e:
+        raise PackInputError(f"{unit.path}: cannot read ({e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        message = f"{unit.path}: malformed JSON array of records ({e})"
+        if options.on_error != "skip":
+            raise PackInputError(message + "; pass --on-error skip to skip such files") from None
+        stats.skip_file("malformed JSON", unit.path)
+        stats.errors.append(message)
+        return
+    stats.files += 1
+    stats.samples += len(rows)
+    for start in range(0, len(rows), options.records_per_unit):
+        yield rows_to_batch(rows[start:start + options.records_per_unit], unit.path)
 
 
 def _line_number(unit: Unit, offset_in_chunk_lines: int) -> int:
@@ -402,6 +420,7 @@ def _read_files(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
 
 def _read_images(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
     rows = []
+    sidecars = set(unit.sidecars)
     for rel in unit.members:
         full = os.path.join(unit.path, rel)
         try:
@@ -409,19 +428,20 @@ def _read_images(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
                 row: dict[str, Any] = {"path": rel, "image": f.read()}
         except OSError as e:
             raise PackInputError(f"{full}: cannot read ({e.strerror})") from None
-        stem = os.path.splitext(full)[0]
+        stem = os.path.splitext(rel)[0]
         caption = None
-        if os.path.exists(stem + ".txt"):
-            with open(stem + ".txt", "rb") as f:
+        if stem + ".txt" in sidecars:
+            with open(os.path.join(unit.path, stem + ".txt"), "rb") as f:
                 caption = f.read().decode("utf-8", "replace").strip()
-        if os.path.exists(stem + ".json"):
+        if stem + ".json" in sidecars:
+            sidecar = os.path.join(unit.path, stem + ".json")
             try:
-                with open(stem + ".json", "rb") as f:
+                with open(sidecar, "rb") as f:
                     meta = json.load(f)
             except ValueError as e:
-                raise PackInputError(f"{stem}.json: malformed caption sidecar ({e})") from None
+                raise PackInputError(f"{sidecar}: malformed caption sidecar ({e})") from None
             if not isinstance(meta, dict):
-                raise PackInputError(f"{stem}.json: sidecar must be a JSON object")
+                raise PackInputError(f"{sidecar}: sidecar must be a JSON object")
             row.update({k: v for k, v in meta.items() if k not in ("path", "image")})
         row["caption"] = caption if caption is not None else row.get("caption")
         rows.append(row)

@@ -621,14 +621,20 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
         raise FileNotFoundError(f"{local_dir}: manifest lists {len(missing)} shards not in the directory, e.g. {missing[0]}")
     source = open_source(url, **options)
     present = set(source.list("shard-"))
-    uploaded = 0
-    for shard in manifest.shards:
-        if shard.name in present and source.size(shard.name) == shard.bytes:
-            continue
-        source.upload(local_dir / shard.name, shard.name, priority=priority)
-        uploaded += 1
+    uploaded = sum(upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority)
+                   for s in manifest.shards)
     source.upload(local_dir / MANIFEST_NAME, MANIFEST_NAME, priority=priority)
     return uploaded
+
+
+def upload_shard(source: RetryingSource, path: Path, name: str, nbytes: int, present: set[str], *,
+                 priority: Priority = "low") -> bool:
+    """Upload one shard unless `present` (names listed at the source) has it at its size: a shard's
+    name is its content, so an unfinished earlier upload's shards are kept, not sent again."""
+    if name in present and source.size(name) == nbytes:
+        return False
+    source.upload(path, name, priority=priority)
+    return True
 
 
 def _describe(exc: BaseException) -> str:
