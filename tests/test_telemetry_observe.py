@@ -11,6 +11,7 @@ import pytest
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
+from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.stager import Stager
 from tierflow.telemetry import MetricsRegistry
 from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
@@ -108,6 +109,34 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
     opened = ledger.since(mark)
     assert {tier: f["opens"] for tier, f in opened.items()} == {"source": 1, "L2": 1, "L1": 1}
     assert opened["source"]["bytes"] == info.decoded_bytes
+
+
+def test_the_stack_says_which_tier_served_each_copy_and_how_long_it_took(packed, tmp_path):
+    shards = tierflow.open_dataset(packed).manifest.shards
+    stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
+                                      TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest")])
+    stack.manifest()
+
+    def served(info) -> tuple[str, str]:
+        handle = stack.ensure(info)
+        handle.release()
+        assert handle.fetch_s > 0
+        return handle.tier, handle.served_by
+
+    assert served(shards[0]) == ("L1", "source")     # cold: no tier held it
+    assert stack.tiers[0].evict() == 1
+    assert served(shards[0]) == ("L1", "L2")         # L1 filled from L2
+    assert served(shards[0]) == ("L1", "L1")
+    first, again = stack.open_served(1, shards[1]), stack.open_served(1, shards[1])
+    assert (first.served_by, again.served_by) == ("source", None) and first.table is again.table
+    assert first.fetch_s > 0
+    small = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "tiny"), 16, form="decoded")])
+    small.manifest()
+    small.declare(Lifecycle(pattern="reshuffle"), 4 * shards[2].decoded_bytes, 2)
+    held = small.ensure(shards[2])
+    assert (held.tier, held.served_by) == ("staging", "source")  # no tier keeps it: the staging area does
+    assert small.ensure(shards[2]).served_by == "staging"
+    held.release()
 
 
 def samples_dataset(data, transform=None, batch_size=8):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tierflow.telemetry import MetricsRegistry
-from tierflow.tiers.stack import Handle, TierStack
+from tierflow.tiers.stack import Handle, Opened, TierStack
 from tierflow.tiers.tier import Tier
 
 
@@ -49,4 +49,4 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier] = (), *, endpoint_u
     return TierStack(source, built, registry=registry)
 
 
-__all__ = ["Handle", "Tier", "TierConfig", "TierStack", "build_stack"]
+__all__ = ["Handle", "Opened", "Tier", "TierConfig", "TierStack", "build_stack"]
