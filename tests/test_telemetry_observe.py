@@ -81,7 +81,7 @@ def test_tier_counters_are_exact_on_a_scripted_access_sequence(packed, tmp_path)
         stack.ensure(shards[i], prefetch=prefetch).release()
     l2 = tier_figures(registry.snapshot())["L2"]
     assert (l2.hits, l2.misses, l2.promotions, l2.evictions, l2.evictions_before_use) == (1, 4, 5, 3, 1)
-    assert registry.counter("tier_prefetches", {"tier": "L2"}).value == 1
+    assert registry.counter("tierflow_tier_prefetches_total", {"tier": "L2"}).value == 1
     assert l2.bytes_in == sizes[0] + sizes[1] + sizes[2] + sizes[1] + sizes[0]
     assert l2.bytes_out == sizes[0]
     assert l2.demand_hit_ratio == pytest.approx(0.2)
@@ -216,8 +216,8 @@ def test_health_flags_apply_the_thresholds():
         telemetry.on_batch(0.002, {"produce_s": 0.009, "fetch": {}}, depth=0)
         telemetry.on_step(0.010)
     for _ in range(30):
-        registry.counter("tier_hits", {"tier": "L1"}).inc()
-    registry.counter("tier_misses", {"tier": "L1"}).inc(10)
+        registry.counter("tierflow_tier_hits_total", {"tier": "L1"}).inc()
+    registry.counter("tierflow_tier_misses_total", {"tier": "L1"}).inc(10)
     flags = {f.name: f for f in health_flags(loader_figures(registry.snapshot()), tier_figures(registry.snapshot()),
                                              bandwidth_use=0.9)}
     assert flags["L1 demand hit ratio"].status == "warn"  # 75% < 85%

@@ -38,7 +38,7 @@ from tierflow.format.dataset import (
 )
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import Block, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
-from tierflow.telemetry import MetricsRegistry
+from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.index import process_alive
 from tierflow.tiers.lock import Pin
@@ -137,9 +137,13 @@ class TierStack:
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
         self._dropped: set[int] = set()
         self._lock = threading.Lock()
-        self.m_source_bytes = self.registry.counter("source_bytes", {"tier": "source"}, "bytes fetched from the source")
-        self.m_served = {t.name: self.registry.counter("stack_served", {"tier": t.name}) for t in self.tiers}
-        self.m_served["memory"] = self.registry.counter("stack_served", {"tier": "memory"})
+        self.m_source_bytes = self.registry.counter("tierflow_stack_source_bytes_total", {"tier": SOURCE},
+                                                    "at-rest bytes fetched from the source")
+        self.m_served = {name: self._served_counter(name) for name in [t.name for t in self.tiers] + ["memory"]}
+
+    def _served_counter(self, where: str) -> Counter:
+        return self.registry.counter("tierflow_stack_served_total", {"tier": where},
+                                     "readable copies handed out, by where the copy lives")
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
@@ -180,7 +184,7 @@ class TierStack:
                 self.staging_bytes = 0
                 return None
             atexit.register(_remove_staging, path, os.getpid())
-            self.m_served[STAGING_NAME] = self.registry.counter("stack_served", {"tier": STAGING_NAME})
+            self.m_served[STAGING_NAME] = self._served_counter(STAGING_NAME)
         return self.staging
 
     # ------------------------------------------------------------ ensure

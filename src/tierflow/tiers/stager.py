@@ -60,14 +60,18 @@ class Stager:
         self.node = self._shape(min_batches, max_bytes)
         self.registry = registry or stack.registry
         r = self.registry
-        self.m_fetched = r.counter("stager_fetches", description="shards staged ahead of need")
-        self.m_already = r.counter("stager_already_resident", description="planned shards already staged")
-        self.m_latency = r.histogram("stager_fetch_seconds", description="time to stage one shard")
-        self.m_ahead = r.gauge("stager_ahead_bytes", aggregate="max", description="bytes staged and pinned ahead")
-        self.m_lookahead = r.gauge("stager_lookahead_bytes", aggregate="max", description="bytes the stager aims ahead")
-        self.m_declined = r.counter("stager_declined", description="planned shards no tier would take")
-        self.m_plan = r.histogram("stager_plan_seconds", description="time to plan the lookahead once")
-        self.m_errors = r.counter("stager_errors", description="fetches that failed (readers fetch on demand)")
+        self.m_fetched = r.counter("tierflow_stager_fetches_total", description="shards staged ahead of need")
+        self.m_already = r.counter("tierflow_stager_already_resident_total",
+                                   description="planned shards already staged")
+        self.m_latency = r.histogram("tierflow_stager_fetch_seconds", description="time to stage one shard")
+        self.m_ahead = r.gauge("tierflow_stager_ahead_bytes", aggregate="max",
+                               description="bytes staged and pinned ahead")
+        self.m_lookahead = r.gauge("tierflow_stager_lookahead_bytes", aggregate="max",
+                                   description="bytes the stager aims ahead")
+        self.m_declined = r.counter("tierflow_stager_declined_total", description="planned shards no tier would take")
+        self.m_plan = r.histogram("tierflow_stager_plan_seconds", description="time to plan the lookahead once")
+        self.m_errors = r.counter("tierflow_stager_errors_total",
+                                  description="fetches that failed (readers fetch on demand)")
         self._cursor: Any = None  # opaque: the loader's cursor, handed to the view as is
         self._consumed_steps = 0
         self._plan_steps = 0
