@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
+import time
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
+import tierflow
+from tierflow.loader import TieredDataset
 from tierflow.order import RankStream, SampleOrder, ShardUse, future_shard_uses
-from tierflow.tiers.plan import NodeShape, merged_spans, passed, plan_staging, size_lookahead
+from tierflow.tiers import TierConfig, build_stack
+from tierflow.tiers.plan import FutureView, NodeShape, merged_spans, passed, plan_staging, size_lookahead
+from tierflow.tiers.stager import Stager
 
 SHARD = 100  # bytes of every shard
 STEP = 10  # node samples per step
@@ -188,3 +194,39 @@ def test_across_the_epoch_edge_the_next_epochs_first_windows_are_planned_and_eac
         assert plan.hold_until[shard] == e0.last_use
         joined = e1.first_use <= e0.last_use
         assert any(f <= e0.first_use and e1.last_use <= l for f, l in by_shard[shard]) == joined
+
+
+# ---------------------------------------------------------------- the view the stager reads
+
+
+class OnlyTheView:
+    """A dataset cut down to `FutureView`'s members: anything else the stager touched would fail."""
+
+    def __init__(self, dataset: TieredDataset) -> None:
+        self._dataset = dataset
+        self.manifest, self.num_order_samples = dataset.manifest, dataset.num_order_samples
+        self.working_set, self.world = dataset.working_set, dataset.world
+
+    def node_step_samples(self) -> int:
+        return self._dataset.node_step_samples()
+
+    def future_shard_uses(self, cursor=None, horizon_batches: int = 64) -> list[ShardUse]:
+        return self._dataset.future_shard_uses(cursor, horizon_batches)
+
+
+def test_the_stager_reads_a_dataset_only_through_the_future_view(tmp_path):
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(3000):
+            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
+    tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", tokenizer="bytes", workers=1,
+                  target_shard_bytes=256 << 10)
+    stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")])
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    assert isinstance(dataset, FutureView)
+    stager = Stager(OnlyTheView(dataset), stack, min_batches=4)
+    stager.start()
+    deadline = time.monotonic() + 30
+    while stager.snapshot()["fetches"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stager.close()
+    assert stager.snapshot()["fetches"] > 0 and stager.m_errors.value == 0

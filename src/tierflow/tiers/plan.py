@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tierflow.format.manifest import Manifest
 from tierflow.order.future import ShardUse
@@ -29,6 +29,7 @@ class NodeRank(Protocol):
     def local_rank(self) -> int: ...
 
 
+@runtime_checkable
 class FutureView(Protocol):
     """What the stager reads of a dataset (a `TieredDataset` satisfies it): nothing else."""
 
