@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from _harness import s3_rig
 from tierflow.commands.demo import INCLUDE, STDLIB_EXCLUDE, stdlib_dir
 from tierflow.format.dataset import open_dataset
 from tierflow.loader import Loader, TieredDataset
 from tierflow.commands.plan import plan_cache
 from tierflow.tiers.stager import Stager
 from tierflow.pack.packer import pack
-from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
+from tierflow.testing import ProxyProcess
 from tierflow.tiers import TierConfig, build_stack
-from tierflow.storage.remote import upload_dataset
 
 TARGETS = {0.05: 1.0, 0.10: 0.93, 0.30: 0.75, 0.60: 0.45, 0.90: 0.15}
 EPOCHS = 3
@@ -66,18 +65,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10%% and 30%% only, no tuned or worker rows")
     args = parser.parse_args()
     logging.getLogger("tierflow").setLevel(logging.ERROR)
-    os.environ.update(fake_credentials_env())
     fractions = [0.1, 0.3] if args.quick else [int(f) / 100 for f in args.fractions.split(",")]
-    with tempfile.TemporaryDirectory() as tmp, MotoS3Server() as server, ProxyProcess(server.endpoint_url) as proxy:
+    with tempfile.TemporaryDirectory() as tmp, s3_rig("cachebench") as rig:
+        proxy = rig.proxy
         work = Path(tmp)
         local = work / "dataset"
         pack([stdlib_dir()], local, target_shard_bytes=512 << 10, include=INCLUDE, exclude=STDLIB_EXCLUDE,
              tokenizer="bytes", overwrite=True)
         shards = open_dataset(local).manifest.shards
         at_rest, decoded = sum(s.bytes for s in shards), sum(s.decoded_bytes for s in shards)
-        bucket = server.create_bucket("cachebench")
-        url = f"s3://{bucket}/stdlib"
-        upload_dataset(local, url, endpoint_url=server.endpoint_url)
+        url = rig.upload(local, "stdlib")
         print(f"{len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB decoded; "
               f"bytes GET from S3 per epoch / dataset at rest, epochs 1-{EPOCHS}; defaults unless named")
         header = (f"{'L2':>5} {'lanes x k':>9} {'staging MB':>10} | {'live (defaults)':>17} | {'predicted':>17} | "

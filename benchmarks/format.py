@@ -31,6 +31,7 @@ import xxhash
 from tierflow import open_dataset
 from tierflow.format.shard import read_block
 from tierflow.pack.packer import pack
+from _harness import alternating, spread
 
 SHARD_BYTES = 64 << 20  # blocks are 1/64 of it: 1 MB
 
@@ -149,9 +150,8 @@ def main() -> None:
         ]
         rng = np.random.default_rng(1)
         times: dict[str, list[float]] = {label: [] for label, _, _ in methods}
-        for r in range(args.rounds):
-            for label, read, n in (methods if r % 2 == 0 else methods[::-1]):
-                times[label].append(per_sample_us(read, rng.integers(0, readers.rows, n)))
+        for _, (label, read, n) in alternating(args.rounds, methods):
+            times[label].append(per_sample_us(read, rng.integers(0, readers.rows, n)))
         buffer = np.random.default_rng(2).integers(0, 256, 256 << 20, dtype=np.uint8).tobytes()
         hashes = {"xxh3-64": xxh3_gb_s(buffer, xxhash.xxh3_64_hexdigest, args.rounds),
                   "xxh3-128": xxh3_gb_s(buffer, xxhash.xxh3_128_hexdigest, args.rounds)}
@@ -161,16 +161,14 @@ def main() -> None:
               f"{SHARD_BYTES >> 20} MB shard of {readers.rows:,} rows; blocks / row groups of "
               f"{readers.rows_per_block:,} rows ({readers.block_mb:.2f} MB at rest, {readers.info.compression}, "
               f"{readers.info.decoded_bytes / readers.info.bytes:.2f}x); {args.rounds} rounds")
-        print(f"{'read path':32} {'us/sample median':>17} {'(min-max)':>18} {'x numpy views':>14}")
+        print(f"{'read path':32} {'us/sample median (min-max)':>30} {'x numpy views':>14}")
         for label, _, _ in methods:
             values = times[label]
-            med = statistics.median(values)
-            print(f"{label:32} {med:17.2f} {f'({min(values):.2f}-{max(values):.2f})':>18} {med / base:14.1f}")
+            print(f"{label:32} {spread(values, '.2f'):>30} {statistics.median(values) / base:14.1f}")
         print()
-        print(f"{'hash':32} {'GB/s median':>17} {'(min-max)':>18}")
+        print(f"{'hash':32} {'GB/s median (min-max)':>30}")
         for label, values in hashes.items():
-            print(f"{label:32} {statistics.median(values):17.1f} "
-                  f"{f'({min(values):.1f}-{max(values):.1f})':>18}")
+            print(f"{label:32} {spread(values):>30}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

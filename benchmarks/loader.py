@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import tempfile
@@ -33,9 +32,9 @@ import tierflow
 from tierflow.loader import Loader, TieredDataset
 from tierflow.tiers.stager import Stager
 from tierflow.commands.bench import steps_per_second
-from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
+from tierflow.testing import ProxyProcess
 from tierflow.tiers import TierConfig, build_stack
-from tierflow.storage.remote import upload_dataset
+from _harness import s3_rig, spread
 from warm import WarmL1Source, warm_l1
 
 SEQ_LEN = 2048
@@ -99,10 +98,6 @@ def raw_speed(path: str, workers: int, batches: int, background: bool | None = N
               for before, after in ((self_before, self_after), (kids_before, kids_after)))
     return {"samples_per_s": batches * BATCH / wall, "us_per_batch": wall / batches * 1e6,
             "cpu_us_per_batch": cpu / (batches + 1) * 1e6}
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 MB = 1e6
@@ -205,14 +200,13 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path) -> 
 
 
 def cold(work: Path, quick: bool) -> None:
-    os.environ.update(fake_credentials_env())
     local = make_cold_dataset(work, (16 if quick else 48) << 20)
     manifest = tierflow.Manifest.load(local)
     at_rest = sum(s.bytes for s in manifest.shards)
     decoded = sum(s.decoded_bytes for s in manifest.shards)
-    with MotoS3Server() as server, ProxyProcess(server.endpoint_url) as proxy:
-        url = f"s3://{server.create_bucket('loadercold')}/ds"
-        upload_dataset(local, url, endpoint_url=server.endpoint_url)
+    with s3_rig("loadercold") as rig:
+        proxy = rig.proxy
+        url = rig.upload(local, "ds")
         probe = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, partitions=4, window_shards=2)
         step_bound_s = probe.num_order_samples // COLD_BATCH * COLD_STEP_S
         consumption = at_rest / step_bound_s  # at-rest bytes/s the step-bound loop needs

@@ -43,6 +43,8 @@ import resource
 import pyarrow as pa
 import pyarrow.json as pajson
 
+from _harness import alternating, spread
+
 STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__")
 CHUNK_BYTES = 16 << 20
 FILES_PER_CHUNK = 2048
@@ -230,10 +232,6 @@ def child_main(spec: dict) -> None:
 # ---------------------------------------------------------------- the report
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="200 MB JSONL, memory at 600 MB vs 2.4 GB, 2 rounds")
@@ -269,15 +267,14 @@ def main() -> None:
             cases.append((kind, "tierflow", None, source))
             cases.append((kind, "tierflow", "bytes", source))
         results: dict[tuple, list[dict]] = {c[:3]: [] for c in cases}
-        for r in range(rounds):
-            for kind, engine, tok, source in (cases if r % 2 == 0 else cases[::-1]):
-                spec = {"engine": engine, "kind": "jsonl" if kind == "jsonl" else "tree", "source": source,
-                        "out": str(work / "out"), "workers": args.workers, "tokenizer": tok}
-                res = run_child(spec)
-                results[(kind, engine, tok)].append(res)
-                print(f"  round {r + 1} {kind:6} {engine:8} {tok or '-':5} {res['seconds']:6.2f} s  "
-                      f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  "
-                      f"CPU {res['cpu_seconds']:6.2f} s  peak PSS {res['peak_pss'] / 2**20:6.0f} MiB", flush=True)
+        for r, (kind, engine, tok, source) in alternating(rounds, cases):
+            spec = {"engine": engine, "kind": "jsonl" if kind == "jsonl" else "tree", "source": source,
+                    "out": str(work / "out"), "workers": args.workers, "tokenizer": tok}
+            res = run_child(spec)
+            results[(kind, engine, tok)].append(res)
+            print(f"  round {r + 1} {kind:6} {engine:8} {tok or '-':5} {res['seconds']:6.2f} s  "
+                  f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  "
+                  f"CPU {res['cpu_seconds']:6.2f} s  peak PSS {res['peak_pss'] / 2**20:6.0f} MiB", flush=True)
 
         print()
         print(f"{'input':7} {'engine':9} {'tokens':7} {'MB/s median (range)':>22} {'files/s':>10} "

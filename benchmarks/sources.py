@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tierflow.telemetry.metrics import MetricsRegistry
-from tierflow.testing import MotoS3Server, ProxyProcess, S3Endpoint, fake_credentials_env
+from _harness import s3_rig
+from tierflow.testing import ProxyProcess, S3Endpoint
 from tierflow.storage.budget import BandwidthBudget
 from tierflow.storage.remote import FsspecSource, S3Source
 
@@ -43,14 +44,13 @@ def main() -> None:
     parser.add_argument("--object-mb", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=128, help="ranged 1 MiB reads per client")
     args = parser.parse_args()
-    os.environ.update(fake_credentials_env())
     size = args.object_mb << 20
     names = [f"shard-{i:04d}.arrow" for i in range(args.objects)]
     rng = random.Random(0)
     offsets = [(rng.choice(names), rng.randrange(0, size - BLOCK)) for _ in range(args.blocks)]
 
-    with MotoS3Server() as server, ProxyProcess(server.endpoint_url) as proxy, tempfile.TemporaryDirectory() as tmp:
-        bucket = server.create_bucket("bench")
+    with s3_rig("bench") as rig, tempfile.TemporaryDirectory() as tmp:
+        proxy, bucket = rig.proxy, rig.bucket
         payload = Path(tmp) / "payload"
         payload.write_bytes(os.urandom(size))
         endpoint = S3Endpoint(proxy.url)

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import spread
+
 BATCH = 256
 CURSOR_STEPS = 50
 PARQUET_ROW_GROUP = 1 << 20
@@ -147,15 +149,6 @@ def run_child(mode: str, path: Path, cursor_file: Path) -> dict:
 
 
 # -- the table --------------------------------------------------------------------------------
-def summary(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
-def cell(values: list[float], scale: float, digits: int) -> str:
-    mid, low, high = summary(values)
-    return f"{mid * scale:.{digits}f} ({low * scale:.{digits}f}-{high * scale:.{digits}f})"
-
-
 def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tuple[str, int], list[dict]]) -> None:
     mb = 1 / 2**20
     print()
@@ -168,11 +161,11 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tu
         for samples in sizes:
             runs = results[(mode, samples)]
             print(f"{mode:<8}{label(samples):>9}{shard_counts[samples]:>7}  "
-                  f"{cell([r['import_s'] for r in runs], 1, 2):>18}  "
-                  f"{cell([r['dataset_s'] for r in runs], 1e3, 1):>20}  "
-                  f"{cell([r['first_batch_s'] for r in runs], 1e3, 1):>20}  "
-                  f"{cell([r['rss_import'] for r in runs], mb, 0):>22}  "
-                  f"{cell([r['peak_rss'] for r in runs], mb, 0):>22}  "
+                  f"{spread([r['import_s'] for r in runs], '.2f', 1):>18}  "
+                  f"{spread([r['dataset_s'] for r in runs], '.1f', 1e3):>20}  "
+                  f"{spread([r['first_batch_s'] for r in runs], '.1f', 1e3):>20}  "
+                  f"{spread([r['rss_import'] for r in runs], '.0f', mb):>22}  "
+                  f"{spread([r['peak_rss'] for r in runs], '.0f', mb):>22}  "
                   f"{statistics.median(r['rss_anon'] for r in runs) * mb:>6.0f}/"
                   f"{statistics.median(r['rss_file'] for r in runs) * mb:<6.0f}  "
                   f"{statistics.median(r['shards_opened'] for r in runs):>11.0f}  "

@@ -26,6 +26,7 @@ from tierflow.loader import Loader, TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
 from tierflow.commands.bench import steps_per_second
 from tierflow.telemetry.metrics import MetricsRegistry
+from _harness import round_order, spread
 from warm import WarmL1Source, warm_l1
 
 REPEATS = 5
@@ -157,19 +158,15 @@ def loader_on_vs_off(rounds: int = 7) -> None:
             rates: dict[bool, list[float]] = {True: [], False: []}
             ratios = []
             for r in range(rounds):
-                order = (True, False) if r % 2 == 0 else (False, True)
-                got = {on: timed_round(path, decoded, on, batches, step_s) for on in order}
+                got = {on: timed_round(path, decoded, on, batches, step_s) for on in round_order(r, (True, False))}
                 for on, rate in got.items():
                     rates[on].append(rate)
                 ratios.append(got[True] / got[False])
             cost = 1 - statistics.median(ratios)
-            print(f"{step_s * 1e3:>7.0f} {batches:>7} {_spread(rates[True]):>24} {_spread(rates[False]):>24} "
-                  f"{_spread(ratios, 3):>24} {cost:>6.1%} {'yes' if cost < 0.02 else 'NO':>4}")
+            print(f"{step_s * 1e3:>7.0f} {batches:>7} {spread(rates[True], '.0f'):>24} "
+                  f"{spread(rates[False], '.0f'):>24} {spread(ratios, '.3f'):>24} {cost:>6.1%} "
+                  f"{'yes' if cost < 0.02 else 'NO':>4}")
         print("cost = 1 - median per-round on/off ratio; with no step it is the worst case (the loop is all loader)")
-
-
-def _spread(values: list[float], digits: int = 0) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 if __name__ == "__main__":

@@ -38,9 +38,8 @@ import numpy as np
 
 import tierflow
 from tierflow.format.dataset import Dataset, DirectorySource, open_dataset
-from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
 from tierflow.tiers import TierConfig, TierStack, build_stack
-from tierflow.storage.remote import upload_dataset
+from _harness import round_order, s3_rig, spread
 
 MB = 1e6
 TIER_CAPACITY = 4 << 30
@@ -92,11 +91,6 @@ def pack_datasets(root: Path, text_mb: int, shard_mb: int) -> tuple[Path, Path]:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def spread(values: list[float], digits: int = 0) -> str:
-    """median [min-max], so the reader sees how far rounds disagree."""
-    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def warm_stack(stack: TierStack) -> None:
@@ -180,10 +174,7 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
         windows = [(start, min(start + WINDOW_TOKENS, int(token_starts[s + 1]))) for s in chosen
                    for start in range(int(token_starts[s]), int(token_starts[s + 1]), WINDOW_TOKENS)]
         rng.shuffle(windows)
-        names = list(configs)
-        if round_number % 2:
-            names.reverse()
-        for name in names:
+        for name in round_order(round_number, list(configs)):
             r = results[name]
             dataset = configs[name]()
             wall, cpu, moved = read_every_sample(dataset, order, buffer)
@@ -205,7 +196,7 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
             r["open_ms"].append((time.perf_counter() - began) / len(chosen) * 1e3)
     bound = results[PAGE_CACHE]
     print(f"\n1. Warm reads of {subset} random shards of {shards} per round ({moved / MB:.0f} MB of tokens), "
-          f"a fresh stack per pass; median [min-max] of {rounds} alternating rounds")
+          f"a fresh stack per pass; median (min-max) of {rounds} alternating rounds")
     print("   per sample: every sample in random order, tokens copied into a batch buffer (opens included)")
     print(f"   windows: the same shards' token stream in {WINDOW_TOKENS >> 20}M-token windows, random order, "
           f"shards opened beforehand (the medium alone)")
@@ -213,11 +204,12 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
     print(f"{'configuration':<36} {'per sample GB/s':>16} {'us/sample':>17} {'CPU us/sample':>17} {'x page':>6} "
           f"{'opens':>5} {'windows GB/s':>16} {'x page':>6} {'ms/open':>16}")
     for name, r in results.items():
-        print(f"{name:<36} {spread(r['gbs'], 2):>16} {spread(r['us'], 1):>17} {spread(r['cpu_us'], 1):>17} "
+        print(f"{name:<36} {spread(r['gbs'], '.2f'):>16} {spread(r['us'], '.1f'):>17} "
+              f"{spread(r['cpu_us'], '.1f'):>17} "
               f"{statistics.median(r['gbs']) / statistics.median(bound['gbs']):>6.2f} "
-              f"{statistics.median(r['opens']):>5.0f} {spread(r['window_gbs'], 2):>16} "
+              f"{statistics.median(r['opens']):>5.0f} {spread(r['window_gbs'], '.2f'):>16} "
               f"{statistics.median(r['window_gbs']) / statistics.median(bound['window_gbs']):>6.2f} "
-              f"{spread(r['open_ms'], 1):>16}")
+              f"{spread(r['open_ms'], '.1f'):>16}")
     print(f"   (opens: shard opens in the per-sample pass, {subset} = each shard once)")
     l1, l2 = results[L1_DECODED], results[L2_DECODED]
     verdicts = []
@@ -244,22 +236,19 @@ def stage_all(stack: TierStack, threads: int) -> None:
 
 
 def cold_staging(zstd_dir: Path, work: Path, throttles_mb: list[float], rounds: int, threads: int) -> None:
-    os.environ.update(fake_credentials_env())
     manifest = open_dataset(zstd_dir).manifest
     at_rest_bytes = sum(s.bytes for s in manifest.shards)
     decoded_bytes = sum(s.decoded_bytes for s in manifest.shards)
     rows = []
-    with MotoS3Server() as server, ProxyProcess(server.endpoint_url) as proxy:
-        bucket = server.create_bucket("tierbench")
-        url = f"s3://{bucket}/ds"
-        upload_dataset(zstd_dir, url, endpoint_url=server.endpoint_url)
+    with s3_rig("tierbench") as rig:
+        proxy = rig.proxy
+        url = rig.upload(zstd_dir, "ds")
         for throttle in throttles_mb:
             proxy.set_bandwidth(throttle * MB if throttle else None)
             measured: dict[str, dict[str, list[float]]] = {f: {"rate": [], "cpu": [], "cores": [], "wire": []}
                                                            for f in ("at_rest", "decoded")}
             for round_number in range(rounds):
-                forms = ["at_rest", "decoded"] if round_number % 2 == 0 else ["decoded", "at_rest"]
-                for form in forms:
+                for form in round_order(round_number, ["at_rest", "decoded"]):
                     root = work / f"stage-{throttle:g}-{round_number}-{form}"
                     stack = build_stack(url, [TierConfig("L2", str(root), TIER_CAPACITY, form=form)],
                                         endpoint_url=proxy.url)
@@ -278,7 +267,7 @@ def cold_staging(zstd_dir: Path, work: Path, throttles_mb: list[float], rounds: 
             rows.append((throttle, measured))
     print(f"\n2+3. Cold staging of all {len(manifest.shards)} shards ({at_rest_bytes / MB:.0f} MB at rest, "
           f"{decoded_bytes / MB:.0f} MB decoded) from moto S3 behind a throttled proxy into an empty L2, "
-          f"{threads} threads calling stack.ensure; median [min-max] of {rounds} alternating rounds")
+          f"{threads} threads calling stack.ensure; median (min-max) of {rounds} alternating rounds")
     print("   CPU: process CPU time of this process (all its threads) while staging; stored = bytes written to L2")
     print(f"{'throttle MB/s':>13} {'L2 form':>8} {'staged MB/s':>20} {'of throttle':>11} {'>=90%':>5} "
           f"{'CPU s/GB fetched':>20} {'CPU s/GB stored':>15} {'CPU cores':>9} {'wire/shards':>11}")
@@ -291,8 +280,8 @@ def cold_staging(zstd_dir: Path, work: Path, throttles_mb: list[float], rounds: 
                 limit, of_limit, verdict = f"{throttle:.0f}", f"{share:.1%}", "met" if share >= 0.9 else "MISS"
             else:
                 limit, of_limit, verdict = "none (rig)", "-", "-"
-            print(f"{limit:>13} {form:>8} {spread(m['rate'], 1):>20} {of_limit:>11} {verdict:>5} "
-                  f"{spread(m['cpu'], 2):>20} {per_stored:>15.2f} "
+            print(f"{limit:>13} {form:>8} {spread(m['rate'], '.1f'):>20} {of_limit:>11} {verdict:>5} "
+                  f"{spread(m['cpu'], '.2f'):>20} {per_stored:>15.2f} "
                   f"{statistics.median(m['cores']):>9.2f} {statistics.median(m['wire']):>11.3f}")
 
 

@@ -4,6 +4,7 @@ the live view, and the `tierflow bench/report/top` commands end to end."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -18,12 +19,37 @@ from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.telemetry.prometheus import PrometheusExporter
 from tierflow.commands.report import plotted_series, run_series, write_report
 from tierflow.commands.top import RunState, render
+from tierflow.loader import Loader, TieredDataset
+from tierflow.storage.budget import BandwidthBudget
+from tierflow.storage.remote import open_source, upload_dataset
+from tierflow.tiers import TierConfig, TierStack
+from tierflow.tiers.stager import Stager
+
+STAGES = ("tier", "stack", "stager", "source", "budget", "loader", "feed", "stage")
+METRIC_NAME = re.compile(rf"^tierflow_({'|'.join(STAGES)})_[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+
+
+def naming_problems(snapshot: dict) -> list[str]:
+    """Every way a snapshot's metric names break `tierflow_<stage>_<what>[_total|_seconds|_bytes]`
+    (docs/observe.md): counters end _total, nothing else does, a unit (seconds, bytes) comes last."""
+    problems = []
+    for kind in ("counters", "gauges", "histograms"):
+        for name in sorted({entry["name"] for entry in snapshot[kind]}):
+            if not METRIC_NAME.match(name):
+                problems.append(f"{name}: not tierflow_<stage>_<what> with a stage of {STAGES}")
+            words = name.split("_")
+            total = words[-1] == "total"
+            if total != (kind == "counters"):
+                problems.append(f"{name}: a {kind[:-1]} {'must' if kind == 'counters' else 'must not'} end _total")
+            what = words[2:-2] if total else words[2:-1]
+            problems += [f"{name}: the unit {unit} must come last" for unit in ("seconds", "bytes") if unit in what]
+    return problems
 
 
 def test_prometheus_endpoint_scraped_over_http_parses_with_labels():
     registry = MetricsRegistry({"job": "train", "node": "n0", "rank": 3})
-    registry.counter("tier_hits", {"tier": "L1"}).inc(7)
-    registry.gauge("tier_occupancy_bytes", {"tier": "L2"}).set(4096)
+    registry.counter("tierflow_tier_hits_total", {"tier": "L1"}).inc(7)
+    registry.gauge("tierflow_tier_occupancy_bytes", {"tier": "L2"}).set(4096)
     wait = registry.histogram("tierflow_loader_wait_seconds")
     for seconds in (0.001, 0.002, 0.5):
         wait.observe(seconds)
@@ -32,8 +58,8 @@ def test_prometheus_endpoint_scraped_over_http_parses_with_labels():
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     labels = (("job", "train"), ("node", "n0"), ("rank", "3"))
-    assert samples[("tier_hits_total", tuple(sorted(labels + (("tier", "L1"),))))] == 7
-    assert samples[("tier_occupancy_bytes", tuple(sorted(labels + (("tier", "L2"),))))] == 4096
+    assert samples[("tierflow_tier_hits_total", tuple(sorted(labels + (("tier", "L1"),))))] == 7
+    assert samples[("tierflow_tier_occupancy_bytes", tuple(sorted(labels + (("tier", "L2"),))))] == 4096
     assert samples[("tierflow_loader_wait_seconds_count", labels)] == 3
     assert samples[("tierflow_loader_wait_seconds_sum", labels)] == pytest.approx(0.503)
     assert samples[("tierflow_loader_wait_seconds_bucket", tuple(sorted(labels + (("le", "+Inf"),))))] == 3
@@ -41,8 +67,9 @@ def test_prometheus_endpoint_scraped_over_http_parses_with_labels():
 
 def scripted_log(path: Path) -> list[dict]:
     registry = MetricsRegistry()
-    hits, misses = registry.counter("tier_hits", {"tier": "L2"}), registry.counter("tier_misses", {"tier": "L2"})
-    occupancy = registry.gauge("tier_occupancy_bytes", {"tier": "L2"})
+    hits = registry.counter("tierflow_tier_hits_total", {"tier": "L2"})
+    misses = registry.counter("tierflow_tier_misses_total", {"tier": "L2"})
+    occupancy = registry.gauge("tierflow_tier_occupancy_bytes", {"tier": "L2"})
     with EventLog(path, registry, snapshot_every_s=0.0, name="scripted") as log:
         telemetry = LoaderTelemetry(registry, events=log)
         for i in range(6):
@@ -81,7 +108,8 @@ def test_report_png_plots_exactly_the_runs_series(tmp_path):
     ratios = []
     for s in snapshots:
         c = {x["name"]: x["value"] for x in s["metrics"]["counters"] if x["labels"].get("tier") == "L2"}
-        ratios.append(c.get("tier_hits", 0) / (c.get("tier_hits", 0) + c.get("tier_misses", 0)))
+        hits, misses = c.get("tierflow_tier_hits_total", 0), c.get("tierflow_tier_misses_total", 0)
+        ratios.append(hits / (hits + misses))
     assert drawn["demand hit ratio"]["L2"][1] == pytest.approx(ratios)
     assert drawn["demand hit ratio"]["L2"][1][-1] == pytest.approx(4 / 6)
     assert drawn["occupancy"]["L2"][1][-1] == pytest.approx(6.0)
@@ -118,3 +146,40 @@ def test_bench_report_and_top_commands_run_end_to_end(small_dataset, tmp_path, c
     assert log.with_suffix(".png").exists()
     assert main(["top", str(log), "--once"]) == 0
     assert "L2" in capsys.readouterr().out
+
+
+def test_the_naming_rule_catches_the_old_names():
+    registry = MetricsRegistry()
+    registry.counter("tier_hits")
+    registry.counter("tierflow_tier_hits")
+    registry.counter("tierflow_tier_bytes_in_total")
+    registry.gauge("tierflow_stager_ahead_total")
+    registry.histogram("tierflow_tier_fetch_seconds")
+    assert [p.split(":")[0] for p in naming_problems(registry.snapshot())] == [
+        "tier_hits", "tier_hits", "tierflow_tier_bytes_in_total", "tierflow_tier_hits", "tierflow_stager_ahead_total"]
+
+
+def test_every_metric_of_a_real_run_follows_the_naming_rule(tmp_path, s3_server, s3_bucket):
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(3000):
+            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
+    tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", tokenizer="bytes", workers=1,
+                  target_shard_bytes=256 << 10)
+    url = f"s3://{s3_bucket}/ds"
+    upload_dataset(tmp_path / "ds", url, endpoint_url=s3_server.endpoint_url)
+    registry = MetricsRegistry()
+    budget = BandwidthBudget(1e9, tmp_path / "budget", registry=registry)  # not the node's: others' runs share it
+    source = open_source(url, endpoint_url=s3_server.endpoint_url, budget=budget, registry=registry)
+    stack = TierStack(source, [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded").build(registry),
+                               TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest").build(registry)],
+                      registry=registry)
+    ds = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    loader = Loader(ds, stager=Stager(ds, stack), telemetry=LoaderTelemetry(stack.registry))
+    for step, _ in enumerate(loader):
+        if step == 20:
+            break
+    loader.close()
+    snapshot = stack.registry.snapshot()
+    names = {e["name"] for kind in ("counters", "gauges", "histograms") for e in snapshot[kind]}
+    assert {name.split("_")[1] for name in names} == set(STAGES), sorted(names)
+    assert naming_problems(snapshot) == []

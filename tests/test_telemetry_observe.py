@@ -11,6 +11,7 @@ import pytest
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
+from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.stager import Stager
 from tierflow.telemetry import MetricsRegistry
 from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
@@ -80,7 +81,7 @@ def test_tier_counters_are_exact_on_a_scripted_access_sequence(packed, tmp_path)
         stack.ensure(shards[i], prefetch=prefetch).release()
     l2 = tier_figures(registry.snapshot())["L2"]
     assert (l2.hits, l2.misses, l2.promotions, l2.evictions, l2.evictions_before_use) == (1, 4, 5, 3, 1)
-    assert registry.counter("tier_prefetches", {"tier": "L2"}).value == 1
+    assert registry.counter("tierflow_tier_prefetches_total", {"tier": "L2"}).value == 1
     assert l2.bytes_in == sizes[0] + sizes[1] + sizes[2] + sizes[1] + sizes[0]
     assert l2.bytes_out == sizes[0]
     assert l2.demand_hit_ratio == pytest.approx(0.2)
@@ -108,6 +109,34 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
     opened = ledger.since(mark)
     assert {tier: f["opens"] for tier, f in opened.items()} == {"source": 1, "L2": 1, "L1": 1}
     assert opened["source"]["bytes"] == info.decoded_bytes
+
+
+def test_the_stack_says_which_tier_served_each_copy_and_how_long_it_took(packed, tmp_path):
+    shards = tierflow.open_dataset(packed).manifest.shards
+    stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
+                                      TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest")])
+    stack.manifest()
+
+    def served(info) -> tuple[str, str]:
+        handle = stack.ensure(info)
+        handle.release()
+        assert handle.fetch_s > 0
+        return handle.tier, handle.served_by
+
+    assert served(shards[0]) == ("L1", "source")     # cold: no tier held it
+    assert stack.tiers[0].evict() == 1
+    assert served(shards[0]) == ("L1", "L2")         # L1 filled from L2
+    assert served(shards[0]) == ("L1", "L1")
+    first, again = stack.open_served(1, shards[1]), stack.open_served(1, shards[1])
+    assert (first.served_by, again.served_by) == ("source", None) and first.table is again.table
+    assert first.fetch_s > 0
+    small = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "tiny"), 16, form="decoded")])
+    small.manifest()
+    small.declare(Lifecycle(pattern="reshuffle"), 4 * shards[2].decoded_bytes, 2)
+    held = small.ensure(shards[2])
+    assert (held.tier, held.served_by) == ("staging", "source")  # no tier keeps it: the staging area does
+    assert small.ensure(shards[2]).served_by == "staging"
+    held.release()
 
 
 def samples_dataset(data, transform=None, batch_size=8):
@@ -187,8 +216,8 @@ def test_health_flags_apply_the_thresholds():
         telemetry.on_batch(0.002, {"produce_s": 0.009, "fetch": {}}, depth=0)
         telemetry.on_step(0.010)
     for _ in range(30):
-        registry.counter("tier_hits", {"tier": "L1"}).inc()
-    registry.counter("tier_misses", {"tier": "L1"}).inc(10)
+        registry.counter("tierflow_tier_hits_total", {"tier": "L1"}).inc()
+    registry.counter("tierflow_tier_misses_total", {"tier": "L1"}).inc(10)
     flags = {f.name: f for f in health_flags(loader_figures(registry.snapshot()), tier_figures(registry.snapshot()),
                                              bandwidth_use=0.9)}
     assert flags["L1 demand hit ratio"].status == "warn"  # 75% < 85%

@@ -130,7 +130,7 @@ def test_fetcher_killed_with_sigkill_others_take_over(tmp_path, s3_dataset):
     stack = stack_for(url, proxy.url, tmp_path / "node", l1=False, lock_timeout=30)
     handle = stack.ensure(info)
     assert time.monotonic() - t0 < 30
-    assert handle.served_by == "L2"
+    assert (handle.tier, handle.served_by) == ("L2", "source")
     assert stack.tiers[0].index.occupancy()[1] == 0  # the dead fetcher's reservation was reclaimed
     assert stack.tiers[0].clean() >= 1  # its temporary file is a leftover of a dead job
 

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from _harness import spread, summary  # benchmarks/ is on the path (run.py puts it there)
+
 MB = 1e6
 PEERS = ("streaming", "litdata")
-
-
-def _stats(values: list[float]) -> tuple[float, float, float] | None:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return statistics.median(values), min(values), max(values)
-
-
-def _cell(st: tuple[float, float, float] | None, fmt: str) -> str:
-    if st is None:
-        return "-"
-    mid, low, high = st
-    if low == high:
-        return format(mid, fmt)
-    return f"{format(mid, fmt)} ({format(low, fmt)}-{format(high, fmt)})"
 
 
 class Row:
@@ -33,7 +18,7 @@ class Row:
         self.target, self.note, self.absolute = target, note, absolute
 
     def medians(self) -> dict[str, float | None]:
-        return {s: (st[0] if (st := _stats(v)) else None) for s, v in self.values.items()}
+        return {s: (st[0] if (st := summary(v)) else None) for s, v in self.values.items()}
 
     def ratio(self) -> tuple[float | None, str | None]:
         """tierflow / the better peer's median (what the targets are stated in)."""
@@ -119,7 +104,7 @@ def build_rows(r: dict[str, Any]) -> list[Row]:
         small, large = str(sizes[0]), str(sizes[-1])
 
         def growth(s: str) -> list[float]:
-            a, b = _stats([x["first_s"] for x in res[s].get(small, [])]), _stats([x["first_s"] for x in res[s].get(large, [])])
+            a, b = summary([x["first_s"] for x in res[s].get(small, [])]), summary([x["first_s"] for x in res[s].get(large, [])])
             return [b[0] / a[0]] if a and b and a[0] else []
 
         rows.append(Row(f"resume growth {sizes[0]:,} -> {sizes[-1]:,} (ratio)", "x", False, per(growth), ".2f", 1.10,
@@ -150,7 +135,7 @@ def markdown(r: dict[str, Any], rows: list[Row]) -> str:
     for row in rows:
         ratio, best = row.ratio()
         ratio_text = f"{ratio:.2f} (vs {best})" if ratio is not None else "-"
-        lines.append(f"| {row.label} | {row.unit} | " + " | ".join(_cell(_stats(row.values.get(s, [])), row.fmt)
+        lines.append(f"| {row.label} | {row.unit} | " + " | ".join(spread(row.values.get(s, []), row.fmt)
                                                                for s in systems)
                      + f" | {ratio_text} | {row.verdict()} |")
     stopped = [(s, x["stopped"]) for s in systems for x in r.get("epochs", {}).get(s, []) if x.get("stopped")]
@@ -181,7 +166,7 @@ def chart(r: dict[str, Any], rows: list[Row], path: Path) -> None:
 
     systems = r["systems"]
     chosen = [row for row in rows if row.target is not None or "first batch" in row.label or "peak PSS" in row.label]
-    chosen = [row for row in chosen if any(_stats(row.values.get(s, [])) for s in systems)]
+    chosen = [row for row in chosen if any(summary(row.values.get(s, [])) for s in systems)]
     cols = 3
     nrows = max(1, (len(chosen) + cols - 1) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.8 * nrows), squeeze=False)
@@ -189,7 +174,7 @@ def chart(r: dict[str, Any], rows: list[Row], path: Path) -> None:
     for ax, row in zip(axes.flat, chosen):
         meds, lows, highs = [], [], []
         for s in systems:
-            st = _stats(row.values.get(s, [])) or (0.0, 0.0, 0.0)
+            st = summary(row.values.get(s, [])) or (0.0, 0.0, 0.0)
             meds.append(st[0])
             lows.append(st[0] - st[1])
             highs.append(st[2] - st[0])

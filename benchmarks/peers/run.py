@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -24,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _path in (HERE.parent, HERE):  # benchmarks/ (the shared harness), then the peers' own modules
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 ORDER = ("tierflow", "streaming", "litdata")
 PEERS = ("streaming", "litdata")
@@ -168,10 +168,6 @@ def upload_dir(client: Any, local: Path, bucket: str, prefix: str) -> None:
             client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}")
 
 
-def spread(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
 # ============================================================================ the run
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -220,7 +216,8 @@ def run(args: argparse.Namespace) -> None:
     from corpus import build_corpus
     from systems import dir_bytes, prepare_dir, versions
 
-    from tierflow.testing import MotoS3Server, ProxyProcess, fake_credentials_env
+    from _harness import s3_rig
+    from tierflow.testing import fake_credentials_env
 
     systems = [s for s in ORDER if s in args.systems.split(",")]
     only = set(args.only.split(","))
@@ -291,16 +288,14 @@ def run(args: argparse.Namespace) -> None:
     cold: dict[str, list[dict]] = {s: [] for s in systems}
     epochs: dict[str, list[dict]] = {s: [] for s in systems}
     if only & {"cold", "epochs"}:
-        with MotoS3Server() as server, ProxyProcess(server.endpoint_url) as proxy:
-            bucket = server.create_bucket("peers")
+        with s3_rig("peers") as rig:
+            server, proxy, bucket = rig.server, rig.proxy, rig.bucket
             client = server.endpoint.boto3_client()
             urls = {}
             for s in systems:
                 prefix = f"{s}-tokens"
                 if s == "tierflow":
-                    from tierflow.storage.remote import upload_dataset
-
-                    upload_dataset(data[s]["tokens"], f"s3://{bucket}/{prefix}", endpoint_url=server.endpoint_url)
+                    rig.upload(data[s]["tokens"], prefix)
                 else:
                     upload_dir(client, data[s]["tokens"], bucket, prefix)
                 urls[s] = f"s3://{bucket}/{prefix}"

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from tierflow.telemetry.health import HealthFlag, health_flags
 from tierflow.telemetry.loader_metrics import LoaderFigures, LoaderTelemetry, loader_figures
 from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
-from tierflow.telemetry.tier_figures import TierFigures, tier_figures
+from tierflow.telemetry.tier_figures import STACK_SOURCE_BYTES, TierFigures, tier_figures
 from tierflow.telemetry.verdict import Verdict, judge
 
 Step = Callable[[Any], None]
@@ -151,7 +151,7 @@ def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
         return None
     at_rest = sum(s.bytes for s in manifest.shards)
     fetched = sum(c["value"] for c in snapshot.get("counters", [])
-                  if c["name"] == "source_bytes" and c["labels"].get("tier") == "source")
+                  if c["name"] == STACK_SOURCE_BYTES and c["labels"].get("tier") == "source")
     world = dataset.world
     node_samples = dataset.order.layout.node_samples(world.node, world.num_nodes)
     samples = steps * dataset.batch_size * dataset.batcher.batches_per_group * world.ranks_per_node

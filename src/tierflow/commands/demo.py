@@ -74,6 +74,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     from tierflow.telemetry import MetricsRegistry
     from tierflow.commands.bench import format_result, run_bench, simulated_step
     from tierflow.telemetry.eventlog import EventLog
+    from tierflow.telemetry.tier_figures import STACK_SOURCE_BYTES
     from tierflow.commands.report import write_report
     from tierflow.tiers import TierConfig, build_stack
 
@@ -106,7 +107,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
                   f"staging area {stack.staging_bytes / 1e6:.1f} MB of RAM")
     stager = Stager(ds, stack)
     steps_per_epoch = max(1, ds.num_order_samples // (batch_size * ds.world.ranks_per_node))
-    source_bytes = registry.counter("source_bytes", {"tier": "source"})
+    source_bytes = registry.counter(STACK_SOURCE_BYTES, {"tier": "source"})
     per_epoch: list[int] = []
     mark = [0]
 

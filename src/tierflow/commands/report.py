@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from tierflow.telemetry.eventlog import read_events
+from tierflow.telemetry.tier_figures import OCCUPANCY, STACK_SOURCE_BYTES, TIER_COUNTERS
 
 Series = dict[str, dict[str, tuple[list[float], list[float]]]]
 PANELS = ("wait vs step", "demand hit ratio", "bytes served", "prefetch depth", "occupancy")
@@ -43,18 +44,18 @@ def run_series(events: Iterable[Mapping[str, Any]]) -> Series:
                 tier = c["labels"].get("tier")
                 if tier is None:
                     continue
-                if c["name"] == "tier_hits":
+                if c["name"] == TIER_COUNTERS["hits"]:
                     hits[tier] = hits.get(tier, 0) + c["value"]
-                elif c["name"] == "tier_misses":
+                elif c["name"] == TIER_COUNTERS["misses"]:
                     misses[tier] = misses.get(tier, 0) + c["value"]
-                elif c["name"] in ("tier_bytes_out", "source_bytes"):
+                elif c["name"] in (TIER_COUNTERS["bytes_out"], STACK_SOURCE_BYTES):
                     point("bytes served", tier, t, c["value"] / 1e6)
             for tier in sorted(set(hits) | set(misses)):
                 asked = hits.get(tier, 0) + misses.get(tier, 0)
                 if asked:
                     point("demand hit ratio", tier, t, hits.get(tier, 0) / asked)
             for g in metrics["gauges"]:
-                if g["name"] == "tier_occupancy_bytes" and "tier" in g["labels"]:
+                if g["name"] == OCCUPANCY and "tier" in g["labels"]:
                     point("occupancy", g["labels"]["tier"], t, g["value"] / 1e6)
     return series
 

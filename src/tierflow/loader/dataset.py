@@ -344,6 +344,15 @@ class TieredDataset(IterableDataset):
             self.order, start, node=self.world.node, num_nodes=self.world.num_nodes,
             batch_size=per_step, horizon=horizon_batches * self.world.ranks_per_node * per_step)
 
+    def wrap_shard_source(self, wrap: Callable[[ShardSource], ShardSource]) -> None:
+        """Read this process's shards through `wrap(source)` (telemetry's fetch attribution)."""
+        dataset = self._open().dataset
+        dataset.source = wrap(dataset.source)
+
+    def node_step_samples(self) -> int:
+        """Samples this node's ranks consume per step together (the stager's clock, `FutureView`)."""
+        return self.batch_size * self.batcher.batches_per_group * self.world.ranks_per_node
+
     def start_prefetch(self) -> None:
         """Hook for the stager (not built here): a no-op until the tier stack's stager exists."""
 

@@ -1,11 +1,11 @@
 """Which tier served each batch's shards, and how long fetching them took, measured where the batch is built.
 
 `AttributedShardSource` wraps any shard source (a `TierStack`, a plain directory) and records every
-shard open into the building thread's `FetchLedger`: seconds spent and the tier that served it (the
-fastest tier that hit; a miss in L1 filled from L2 is served by L2, a miss everywhere by the source). `TimedBatches`
-wraps a `TieredDataset` and stamps each batch with `tf_timing`: production seconds and the fetch
-seconds per serving tier inside them, so the training process can attribute a stall without
-seeing the worker that built the batch.
+shard open into the building thread's `FetchLedger`: seconds spent and the tier that served it, as the
+tier stack reports it (the fastest tier that held the shard; a miss in L1 filled from L2 is served
+by L2, a miss everywhere by the source). `TimedBatches` wraps a `TieredDataset` and stamps each
+batch with `tf_timing`: production seconds and the fetch seconds per serving tier inside them, so
+the training process can attribute a stall without seeing the worker that built the batch.
 """
 
 from __future__ import annotations
@@ -60,32 +60,28 @@ def thread_ledger() -> FetchLedger:
 
 
 class AttributedShardSource:
-    """A shard source that records, per open, the seconds it took and the tier that served it."""
+    """A shard source that records, per open, the seconds it took and the tier that served it, as the
+    tier stack reports them (`TierStack.open_served`); a source without tiers serves every open itself."""
 
     def __init__(self, source: Any) -> None:
         self.source = source
         self._tables: dict[int, Any] = {}
-        # fastest first: the first tier whose hit counter moved served the shard; if only misses,
-        # bypasses or the stack's source counters moved, the source did; if nothing moved, it was open
-        self._hits = [(t.name, t.m_hits) for t in getattr(source, "tiers", []) if hasattr(t, "m_hits")]
-        self._below = [t.m_misses for t in getattr(source, "tiers", []) if hasattr(t, "m_misses")]
-        self._below += [t.m_bypass for t in getattr(source, "tiers", []) if hasattr(t, "m_bypass")]
-        served = getattr(source, "m_served", {})
-        self._below += [served[name] for name in (SOURCE, "memory") if name in served]
-        self._counted = bool(self._hits or self._below)
+        self._open_served = getattr(source, "open_served", None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)
 
     def open_shard(self, index: int, info: Any) -> Any:
-        before = self._counts()
-        started = time.perf_counter()
-        table = self.source.open_shard(index, info)
-        seconds = time.perf_counter() - started
+        if self._open_served is not None:
+            table, served_by, seconds = self._open_served(index, info)
+            tier = MAPPED if served_by is None else served_by  # None: the stack had it open, no fetch
+        else:
+            started = time.perf_counter()
+            table = self.source.open_shard(index, info)
+            seconds, tier = time.perf_counter() - started, SOURCE
         known = self._tables.get(index)
         if known is not None and known() is table:
             return table
-        tier = self._served_by(before)
         # weak: a strong reference would keep the shard's pin, so no tier could ever evict it
         self._tables[index] = weakref.ref(table)
         if len(self._tables) > 64:
@@ -94,25 +90,11 @@ class AttributedShardSource:
         thread_ledger().add(tier, seconds, decoded)
         return table
 
-    def _counts(self) -> list[int | float]:
-        return [c.value for _, c in self._hits] + [c.value for c in self._below]
-
-    def _served_by(self, before: list[int | float]) -> str:
-        if not self._counted:
-            return SOURCE
-        for (name, counter), value in zip(self._hits, before):
-            if counter.value != value:
-                return name
-        if any(c.value != v for c, v in zip(self._below, before[len(self._hits):])):
-            return SOURCE
-        return MAPPED
-
 
 def attribute_fetches(dataset: Any) -> None:
     """Make this process's reading context of a `TieredDataset` record its shard opens."""
-    context = dataset._open()
-    if not isinstance(context.dataset.source, AttributedShardSource):
-        context.dataset.source = AttributedShardSource(context.dataset.source)
+    dataset.wrap_shard_source(lambda source: source if isinstance(source, AttributedShardSource)
+                              else AttributedShardSource(source))
 
 
 def stamp(batch: Any, timing: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ Counters, gauges, log-bucketed histograms and stage-boundary timers live in a
 `MetricsRegistry`; `snapshot()` turns them into plain JSON-able data and
 `merge_snapshots` adds snapshots from several processes together. Names and
 labels follow Prometheus rules so an exporter can map each metric 1:1
-(`tier`, `job`, `node`, `rank` are the labels the rest of tierflow uses).
+(`tier`, `job`, `node`, `rank` are the labels the rest of tierflow uses); tierflow's
+own names are `tierflow_<stage>_<what>[_total|_seconds|_bytes]` (docs/observe.md).
 
 Thread safety: every update takes the metric's own lock, so concurrent
 updates from several threads never lose a count (this does not rely on the

@@ -2,7 +2,8 @@
 opt-in port, one exporter per node, every series labelled job, node, rank and tier as recorded.
 
 Metrics are read at scrape time from the registries' snapshots, so recording costs nothing extra.
-Counters gain Prometheus's `_total` suffix when they lack it; histograms keep their log buckets as
+Counters are named `..._total` (docs/observe.md's rule; the family drops the suffix, which
+prometheus-client adds back, and one that lacks it gains it); histograms keep their log buckets as
 `le` edges (with +Inf).
 """
 

@@ -12,12 +12,15 @@ from typing import Any, Mapping
 
 from tierflow.telemetry.metrics import Histogram
 
-_COUNTERS = {
-    "hits": "tier_hits", "misses": "tier_misses", "bytes_in": "tier_bytes_in", "bytes_out": "tier_bytes_out",
-    "promotions": "tier_promotions", "evictions": "tier_evictions",
-    "evictions_before_use": "tier_evictions_before_use", "corruptions": "tier_corruptions",
-    "enospc_fallbacks": "tier_enospc_fallbacks", "bypass": "tier_bypass",
-}
+TIER_COUNTERS = {field: f"tierflow_tier_{field}_total" for field in (
+    "hits", "misses", "promotions", "evictions", "evictions_before_use", "corruptions", "enospc_fallbacks", "bypass")}
+TIER_COUNTERS |= {"bytes_in": "tierflow_tier_in_bytes_total", "bytes_out": "tierflow_tier_out_bytes_total"}
+"""TierFigures field -> the counter the tiers record it in (tiers/tier.py)."""
+OCCUPANCY = "tierflow_tier_occupancy_bytes"
+CAPACITY = "tierflow_tier_capacity_bytes"
+FETCH_SECONDS = "tierflow_tier_fetch_seconds"
+STACK_SOURCE_BYTES = "tierflow_stack_source_bytes_total"
+"""At-rest bytes the tier stack fetched from its source (label tier="source")."""
 
 
 @dataclass(frozen=True)
@@ -52,29 +55,29 @@ def tier_figures(snapshot: Mapping[str, Any]) -> dict[str, TierFigures]:
     totals: dict[str, dict[str, float]] = {}
     for entry in snapshot["counters"]:
         tier = entry["labels"].get("tier")
-        for field, name in _COUNTERS.items():
+        for field, name in TIER_COUNTERS.items():
             if entry["name"] == name and tier is not None:
                 slot = totals.setdefault(tier, {})
                 slot[field] = slot.get(field, 0) + entry["value"]
     gauges: dict[str, dict[str, float]] = {}
     for entry in snapshot["gauges"]:
         tier = entry["labels"].get("tier")
-        if tier is not None and entry["name"] in ("tier_occupancy_bytes", "tier_capacity_bytes"):
+        if tier is not None and entry["name"] in (OCCUPANCY, CAPACITY):
             slot = gauges.setdefault(tier, {})
             slot[entry["name"]] = max(slot.get(entry["name"], 0), entry["value"])
             totals.setdefault(tier, {})
     latency: dict[str, Histogram] = {}
     for entry in snapshot["histograms"]:
         tier = entry["labels"].get("tier")
-        if entry["name"] == "tier_fetch_seconds" and tier is not None and tier not in latency:
+        if entry["name"] == FETCH_SECONDS and tier is not None and tier not in latency:
             latency[tier] = Histogram.from_snapshot(entry)
     out = {}
     for tier in sorted(totals):
         t, g = totals[tier], gauges.get(tier, {})
         h = latency.get(tier)
         out[tier] = TierFigures(
-            tier, *(int(t.get(f, 0)) for f in _COUNTERS),
-            occupancy_bytes=int(g.get("tier_occupancy_bytes", 0)), capacity_bytes=int(g.get("tier_capacity_bytes", 0)),
+            tier, **{f: int(t.get(f, 0)) for f in TIER_COUNTERS},
+            occupancy_bytes=int(g.get(OCCUPANCY, 0)), capacity_bytes=int(g.get(CAPACITY, 0)),
             fetch_p50_s=h.quantile(0.5) if h else 0.0, fetch_p90_s=h.quantile(0.9) if h else 0.0,
             fetch_p99_s=h.quantile(0.99) if h else 0.0,
         )

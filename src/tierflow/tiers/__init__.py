@@ -13,7 +13,7 @@ from typing import Sequence
 
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.config import TierConfig, parse_capacity, parse_size
-from tierflow.tiers.stack import Handle, TierStack
+from tierflow.tiers.stack import Handle, Opened, TierStack
 from tierflow.tiers.tier import Tier
 
 
@@ -31,4 +31,4 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endp
     return TierStack(source, built, registry=registry)
 
 
-__all__ = ["Handle", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity", "parse_size"]
+__all__ = ["Handle", "Opened", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity", "parse_size"]

@@ -107,6 +107,10 @@ class TierIndex:
             "SELECT key, size, checksum, dataset, admitted, last_access, hits, stats FROM entries").fetchall()
         return [_row(r) for r in rows]
 
+    def keys(self) -> set[str]:
+        """The keys of every admitted entry (one query: what a plan checks residency against)."""
+        return {key for (key,) in self.conn.execute("SELECT key FROM entries").fetchall()}
+
     def used(self, conn: sqlite3.Connection) -> int:
         """Bytes of resident entries plus live reservations (dead processes' are reclaimed)."""
         for rid, pid in conn.execute("SELECT id, pid FROM reservations").fetchall():

@@ -26,10 +26,11 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.dataset import (
@@ -37,7 +38,7 @@ from tierflow.format.dataset import (
 )
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import Block, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
-from tierflow.telemetry import MetricsRegistry
+from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.index import process_alive
 from tierflow.tiers.lock import Pin
@@ -46,16 +47,28 @@ from tierflow.tiers.tier import FetchError, Tier
 log = logging.getLogger("tierflow.tiers")
 
 
+SOURCE = "source"
+"""`served_by` of bytes no tier held: fetched from the stack's source."""
+STAGING_NAME = "staging"
+
+
 @dataclass
 class Handle:
-    """A readable copy of a shard: a pinned file in some tier, or verified bytes in memory."""
+    """A readable copy of a shard: a pinned file in some tier, or verified bytes in memory.
+
+    `tier` is where this copy lives (a tier's name, "staging" or "memory"); `served_by` is where
+    its bytes were found: the fastest tier that held the shard (a miss in L1 filled from L2 is
+    served by L2), "staging", or "source" when no tier held it. `fetch_s`: seconds `ensure` took.
+    """
 
     form: str
-    served_by: str
+    tier: str
     path: Path | None = None
     pin: Pin | None = None
     buffer: bytes | None = None
     blocks: list[Block] | None = None  # the decoded form's block list (the at-rest one is the manifest's)
+    served_by: str = SOURCE
+    fetch_s: float = 0.0
 
     def release(self) -> None:
         if self.pin is not None:
@@ -73,7 +86,12 @@ def _expected(info: ShardInfo, form: str) -> tuple[int, str]:
     return (info.bytes, info.checksum) if form == "at_rest" else (info.decoded_bytes, info.decoded_checksum)
 
 
-STAGING_NAME = "staging"
+class Opened(NamedTuple):
+    """A shard table and how this open got it: `served_by` None when it was already open (no fetch)."""
+
+    table: ShardTable
+    served_by: str | None
+    fetch_s: float
 
 
 def staging_root() -> Path:
@@ -119,10 +137,13 @@ class TierStack:
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
         self._dropped: set[int] = set()
         self._lock = threading.Lock()
-        self.m_source_bytes = self.registry.counter("source_bytes", {"tier": "source"}, "bytes fetched from the source")
-        self.m_served = {t.name: self.registry.counter("stack_served", {"tier": t.name}) for t in self.tiers}
-        self.m_served["source"] = self.registry.counter("stack_served", {"tier": "source"})
-        self.m_served["memory"] = self.registry.counter("stack_served", {"tier": "memory"})
+        self.m_source_bytes = self.registry.counter("tierflow_stack_source_bytes_total", {"tier": SOURCE},
+                                                    "at-rest bytes fetched from the source")
+        self.m_served = {name: self._served_counter(name) for name in [t.name for t in self.tiers] + ["memory"]}
+
+    def _served_counter(self, where: str) -> Counter:
+        return self.registry.counter("tierflow_stack_served_total", {"tier": where},
+                                     "readable copies handed out, by where the copy lives")
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
@@ -163,24 +184,33 @@ class TierStack:
                 self.staging_bytes = 0
                 return None
             atexit.register(_remove_staging, path, os.getpid())
-            self.m_served[STAGING_NAME] = self.registry.counter("stack_served", {"tier": STAGING_NAME})
+            self.m_served[STAGING_NAME] = self._served_counter(STAGING_NAME)
         return self.staging
 
     # ------------------------------------------------------------ ensure
     def ensure(self, info: ShardInfo, level: int = 0, prefetch: bool = False, read: bool = False) -> Handle | None:
-        """A readable copy of the shard from tier `level` or below, filling misses on the way up.
+        """A readable copy of the shard from tier `level` or below, filling misses on the way up;
+        the handle says which tier served it and how long that took.
 
         `prefetch` (the stager) marks the top tier's new entry as not yet used, and gets None when
         no tier takes the shard (a copy in memory would be dropped unread). `read`: the copy is
         for a reader that verifies each block before using it, so a hit is not hashed whole."""
+        started = time.perf_counter()
+        handle = self._ensure(info, level, prefetch, read)
+        if handle is not None:
+            handle.fetch_s = time.perf_counter() - started
+        return handle
+
+    def _ensure(self, info: ShardInfo, level: int, prefetch: bool, read: bool) -> Handle | None:
         if level == len(self.tiers):
             staged = self._stage(info, prefetch)
             return staged if staged is not None or prefetch else self._from_source(info)
         tier = self.tiers[level]
         size, checksum = _expected(info, tier.form)
+        found: list[str] = []  # where a fill found the bytes; none: this tier held them (a hit)
 
         def produce(tmp: Path) -> None:
-            self._produce(info, level, tmp)
+            found.append(self._produce(info, level, tmp))
 
         block_list = scan_blocks if tier.form == "decoded" else None
         pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
@@ -189,8 +219,9 @@ class TierStack:
             self.m_served[tier.name].inc()
             # a decoded entry's block list: recorded at admission, or by the hit that found none
             blocks = tier.blocks_of(info.key, size, checksum) if tier.form == "decoded" else None
-            return Handle(tier.form, tier.name, pin.path, pin, blocks=blocks)
-        return self.ensure(info, level + 1, prefetch, read)
+            return Handle(tier.form, tier.name, pin.path, pin, blocks=blocks,
+                          served_by=found[-1] if found else tier.name)
+        return self._ensure(info, level + 1, prefetch, read)
 
     def warm(self, on_shard: Callable[[], None] | None = None) -> tuple[int, int]:
         """Stage every shard of the dataset as a prefetch would (a shard no tier takes is not
@@ -213,17 +244,27 @@ class TierStack:
         if staging is None:
             return None
         size, checksum = _expected(info, staging.form)
-        pin = staging.ensure(info.key, size, checksum, lambda tmp: self._fill(info, staging.form, None, tmp),
-                             dataset=self.dataset_id, prefetch=prefetch, verify_hit=False, block_list=scan_blocks)
+        fetched: list[bool] = []
+
+        def produce(tmp: Path) -> None:
+            fetched.append(True)
+            self._fill(info, staging.form, None, tmp)
+
+        pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
+                             verify_hit=False, block_list=scan_blocks)
         if pin is None:
             return None
         self.m_served[STAGING_NAME].inc()
-        return Handle(staging.form, STAGING_NAME, pin.path, pin, blocks=staging.blocks_of(info.key, size, checksum))
+        return Handle(staging.form, STAGING_NAME, pin.path, pin, blocks=staging.blocks_of(info.key, size, checksum),
+                      served_by=SOURCE if fetched else STAGING_NAME)
 
-    def _produce(self, info: ShardInfo, level: int, tmp: Path) -> None:
-        """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy."""
-        lower = self.ensure(info, level + 1) if level + 1 < len(self.tiers) else None
+    def _produce(self, info: ShardInfo, level: int, tmp: Path) -> str:
+        """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy; returns
+        where that copy's bytes were found."""
+        lower = self._ensure(info, level + 1, False, False) if level + 1 < len(self.tiers) else None
+        served_by = lower.served_by if lower is not None else SOURCE
         self._fill(info, self.tiers[level].form, lower, tmp)
+        return served_by
 
     def _fill(self, info: ShardInfo, form: str, lower: Handle | None, tmp: Path) -> None:
         """Write `form` of the shard to `tmp` from `lower` (released after), or from the source."""
@@ -275,17 +316,34 @@ class TierStack:
             self.m_source_bytes.inc(len(data))
             if len(data) == info.bytes and xxh3_128_hex(data) == info.checksum:
                 self.m_served["memory"].inc()
-                return Handle("at_rest", "memory", buffer=data)
+                return Handle("at_rest", "memory", buffer=data, served_by=SOURCE)
         raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest")
 
     # ------------------------------------------------------------ ShardSource
     def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
+        table = self._already_open(index)
+        return table if table is not None else self._open_new(index, info).table
+
+    def open_served(self, index: int, info: ShardInfo) -> Opened:
+        """`open_shard`, saying which tier served the shard and the seconds the open took (what
+        telemetry charges a batch's fetch time to)."""
+        started = time.perf_counter()
+        table = self._already_open(index)
+        if table is not None:
+            return Opened(table, None, time.perf_counter() - started)
+        opened = self._open_new(index, info)
+        return opened._replace(fetch_s=time.perf_counter() - started)
+
+    def _already_open(self, index: int) -> ShardTable | None:
         with self._lock:
             table = self._open.get(index)
             if table is not None:
                 self._open.move_to_end(index)
-                return table
+            return table
+
+    def _open_new(self, index: int, info: ShardInfo) -> Opened:
         handle = self.ensure(info, read=True)
+        assert handle is not None  # a reader's ensure falls back to memory, never None
 
         def recover(block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
             return self._recover(info, block, error, current)
@@ -300,7 +358,7 @@ class TierStack:
             while len(self._open) > min(self.max_open, limit):
                 dropped, _ = self._open.popitem(last=False)
                 self._dropped.add(dropped)
-        return table
+        return Opened(table, handle.served_by, handle.fetch_s)
 
     def _recover(self, info: ShardInfo, block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
         """A block of a resident entry failed its checksum: quarantine the entry (counted by its
@@ -308,7 +366,7 @@ class TierStack:
         handle = current.keepalive
         if not isinstance(handle, Handle):
             raise error
-        tier = next((t for t in [*self.tiers, self.staging] if t is not None and t.name == handle.served_by), None)
+        tier = next((t for t in [*self.tiers, self.staging] if t is not None and t.name == handle.tier), None)
         if tier is None:
             raise error
         log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)

@@ -1,19 +1,18 @@
 """The stager: one per node, it walks the node's known future and pulls shards up the tiers first.
 
 Correctness never depends on it (every reader calls `tier.ensure` itself); it only makes the
-reader's `ensure` a hit. It plans from the cursor of the last batch the training loop consumed
-(the order's future view, across epoch edges), sizes its lookahead by Little's law (bytes ahead
->= 2 x consumption rate x (p99 fetch latency + one shard's transfer), at least `min_batches`
-steps, at most the top tier's capacity minus the window being read), fetches in order of first
-use on threads (I/O and decompression release the GIL), and holds a pin on every entry it
-staged until its use has passed: a prefetch can never evict, or be evicted before, an entry
-that is needed sooner ("do no harm"). The same future drives the clairvoyant policy's oracle.
+reader's `ensure` a hit. Its thread plans from the cursor of the last batch the training loop
+consumed (the order's future view, across epoch edges) with `plan_staging` (tiers/plan.py: the
+Little's-law lookahead, the fetch order, the holds), and carries the plan out: it hands the
+policies the next-use oracle, fetches in order of first use on threads (I/O and decompression
+release the GIL), and holds a pin on every entry it staged until its use has passed, so a
+prefetch can never evict, or be evicted before, an entry that is needed sooner ("do no harm").
+It reads the dataset only through the `FutureView` protocol.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import queue
@@ -21,6 +20,7 @@ from typing import Any
 
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
+from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_staging, size_lookahead
 from tierflow.tiers.stack import Handle, TierStack
 
 log = logging.getLogger("tierflow.stager")
@@ -40,64 +40,39 @@ class PositionOracle:
         return self.intervals.use_after_current(key, self.position)
 
 
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for first, last in sorted(spans):
-        if out and first <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], last))
-        else:
-            out.append((first, last))
-    return out
-
-
 PLAN_SHARE = 10
 
 
 class Stager:
-    """Prefetch for `dataset` (a TieredDataset) through `stack` on this node; threads, not processes."""
+    """Prefetch for `view` (a TieredDataset) through `stack` on this node; threads, not processes."""
 
-    def __init__(self, dataset: Any, stack: TierStack, *, threads: int = 2, min_batches: int = 5,
+    def __init__(self, view: FutureView, stack: TierStack, *, threads: int = 2, min_batches: int = 5,
                  max_bytes: int | None = None, registry: MetricsRegistry | None = None,
                  enabled: bool | None = None, prometheus_port: int | None = None) -> None:
-        self.dataset = dataset
+        self.view = view
         self.stack = stack
         self.threads = threads
-        self.min_batches = min_batches
-        self.enabled = dataset.world.local_rank == 0 if enabled is None else enabled
-        manifest = dataset.manifest
-        self.shards = manifest.shards
-        top_form = stack.tiers[0].form if stack.tiers else "at_rest"
-        sizes = [s.decoded_bytes if top_form == "decoded" else s.bytes for s in self.shards]
-        self.shard_bytes = max(sizes) if sizes else 0
-        samples = max(1, dataset.num_order_samples)
-        per_step_samples = dataset.batch_size * dataset.batcher.batches_per_group * dataset.world.ranks_per_node
-        self.bytes_per_step = sum(sizes) / samples * per_step_samples
-        self.samples_per_step = per_step_samples
-        capacity = min((t.capacity for t in stack.tiers), default=0)
-        self.capacity = capacity
-        working = dataset.working_set
-        active = working.shards * self.shard_bytes
-        if capacity and active > capacity:
-            log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d lanes x windows of "
-                        "%d and the next window): shards the tier cannot take are read from below",
-                        capacity / 1e6, working.shards, working.lanes, working.window_shards)
-        # at least the next window of every lane, or each window boundary is a stall
-        self.next_windows_bytes = working.reading * self.shard_bytes
-        self.staging_slots = working.reading
-        self.dataset_bytes = sum(sizes)
-        cap = capacity - active if capacity else 0
-        self.max_bytes = max_bytes if max_bytes is not None else max(cap, self.shard_bytes)
+        self.enabled = view.world.local_rank == 0 if enabled is None else enabled
+        self.shards = view.manifest.shards
+        self._key_shards: dict[str, list[int]] = {}  # equal content, one key: a repacked shard may repeat
+        for shard, info in enumerate(self.shards):
+            self._key_shards.setdefault(info.key, []).append(shard)
+        self.node = self._shape(min_batches, max_bytes)
         self.registry = registry or stack.registry
         r = self.registry
-        self.m_fetched = r.counter("stager_fetches", description="shards staged ahead of need")
-        self.m_already = r.counter("stager_already_resident", description="planned shards already staged")
-        self.m_latency = r.histogram("stager_fetch_seconds", description="time to stage one shard")
-        self.m_ahead = r.gauge("stager_ahead_bytes", aggregate="max", description="bytes staged and pinned ahead")
-        self.m_lookahead = r.gauge("stager_lookahead_bytes", aggregate="max", description="bytes the stager aims ahead")
-        self.m_declined = r.counter("stager_declined", description="planned shards no tier would take")
-        self.m_plan = r.histogram("stager_plan_seconds", description="time to plan the lookahead once")
-        self.m_errors = r.counter("stager_errors", description="fetches that failed (readers fetch on demand)")
-        self._cursor: dict | None = None
+        self.m_fetched = r.counter("tierflow_stager_fetches_total", description="shards staged ahead of need")
+        self.m_already = r.counter("tierflow_stager_already_resident_total",
+                                   description="planned shards already staged")
+        self.m_latency = r.histogram("tierflow_stager_fetch_seconds", description="time to stage one shard")
+        self.m_ahead = r.gauge("tierflow_stager_ahead_bytes", aggregate="max",
+                               description="bytes staged and pinned ahead")
+        self.m_lookahead = r.gauge("tierflow_stager_lookahead_bytes", aggregate="max",
+                                   description="bytes the stager aims ahead")
+        self.m_declined = r.counter("tierflow_stager_declined_total", description="planned shards no tier would take")
+        self.m_plan = r.histogram("tierflow_stager_plan_seconds", description="time to plan the lookahead once")
+        self.m_errors = r.counter("tierflow_stager_errors_total",
+                                  description="fetches that failed (readers fetch on demand)")
+        self._cursor: Any = None  # opaque: the loader's cursor, handed to the view as is
         self._consumed_steps = 0
         self._plan_steps = 0
         self._rate_started: float | None = None
@@ -114,7 +89,7 @@ class Stager:
         self.exporter = None
 
     # ------------------------------------------------------------ control
-    def start(self, cursor: dict | None = None) -> None:
+    def start(self, cursor: Any = None) -> None:
         """Begin staging from `cursor` (the loader's state); returns at once."""
         if not self.enabled or self._threads:
             return
@@ -134,7 +109,7 @@ class Stager:
         for t in self._threads:
             t.start()
 
-    def consumed(self, cursor: dict) -> None:
+    def consumed(self, cursor: Any) -> None:
         """The training loop consumed a batch whose cursor is `cursor`."""
         if not self.enabled:
             return
@@ -145,7 +120,7 @@ class Stager:
                 self._rate_started = time.perf_counter()
                 self._rate_steps0 = self._consumed_steps
             if self._oracle is not None:
-                self._oracle.position = (self._consumed_steps - self._plan_steps) * self.samples_per_step
+                self._oracle.position = (self._consumed_steps - self._plan_steps) * self.node.samples_per_step
         self._wake.set()
 
     def close(self) -> None:
@@ -174,15 +149,39 @@ class Stager:
             return 0.0
         elapsed = time.perf_counter() - self._rate_started
         steps = self._consumed_steps - self._rate_steps0
-        return steps * self.bytes_per_step / elapsed if elapsed > 0 and steps > 0 else 0.0
+        return steps * self.node.bytes_per_step / elapsed if elapsed > 0 and steps > 0 else 0.0
 
-    def lookahead_bytes(self) -> float:
-        """Little's law with a 2x margin, at least `min_batches` steps, at most `max_bytes`."""
-        p99 = self.m_latency.quantile(0.99) if self.m_latency.count else 1.0
-        transfer = self.m_latency.mean if self.m_latency.count else 1.0
-        want = max(self.min_batches * self.bytes_per_step, 2 * self.consumption_rate() * (p99 + transfer),
-                   self.next_windows_bytes)
-        return min(want, self.max_bytes)
+    def lookahead(self) -> Lookahead:
+        """The plan's lookahead from what was measured so far (1 s per fetch until one is timed)."""
+        return size_lookahead(self.node, self.consumption_rate(), *self._fetch_latency())
+
+    def _fetch_latency(self) -> tuple[float, float]:
+        """(p99, mean) seconds of one staged fetch."""
+        if not self.m_latency.count:
+            return 1.0, 1.0
+        return self.m_latency.quantile(0.99), self.m_latency.mean
+
+    def _shape(self, min_batches: int, max_bytes: int | None) -> NodeShape:
+        """The node's sizes, measured once from the view and the stack's tiers."""
+        view, stack = self.view, self.stack
+        sizes = [self._shard_size(shard) for shard in range(len(self.shards))]
+        shard_bytes = max(sizes) if sizes else 0
+        samples_per_step = view.node_step_samples()
+        capacity = min((t.capacity for t in stack.tiers), default=0)
+        working = view.working_set
+        active = working.shards * shard_bytes
+        if capacity and active > capacity:
+            log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d lanes x windows of "
+                        "%d and the next window): shards the tier cannot take are read from below",
+                        capacity / 1e6, working.shards, working.lanes, working.window_shards)
+        room = capacity - active if capacity else 0
+        return NodeShape(
+            shard_bytes=shard_bytes, bytes_per_step=sum(sizes) / max(1, view.num_order_samples) * samples_per_step,
+            samples_per_step=samples_per_step, min_batches=min_batches,
+            max_bytes=max_bytes if max_bytes is not None else max(room, shard_bytes),
+            # at least the next window of every lane, or each window boundary is a stall
+            next_windows_bytes=working.reading * shard_bytes, capacity=capacity, dataset_bytes=sum(sizes),
+            staging_slots=working.reading)
 
     def _run(self) -> None:
         planned_at, planned_time, cost = -1, 0.0, 0.0
@@ -191,7 +190,7 @@ class Stager:
             # a plan holds the GIL for ~1-40 ms (it walks two tier-capacities of future): plan at most
             # every 10 plans' time, so the stager never takes more than ~10% from the training loop
             rested = time.monotonic() - planned_time > max(0.05, PLAN_SHARE * cost)  # see the wait below
-            due = steps - planned_at >= max(1, self.min_batches // 2) and rested
+            due = steps - planned_at >= max(1, self.node.min_batches // 2) and rested
             if planned_at < 0 or due or (not self._wake.is_set() and rested):
                 planned_at, planned_time = steps, time.monotonic()
                 try:
@@ -208,70 +207,51 @@ class Stager:
             self._wake.wait(timeout=0.5 if rested else max(0.001, gap - (time.monotonic() - planned_time)))
 
     def _plan_and_fetch(self) -> None:
+        """Make one plan from the loop's latest cursor and carry it out: the oracle, the holds, the fetches."""
         with self._lock:
             cursor = self._cursor
             plan_base = self._consumed_steps
-        lookahead = self.lookahead_bytes()
-        self.m_lookahead.set(lookahead)
-        horizon = max(self.min_batches, math.ceil(lookahead / max(self.bytes_per_step, 1)))
-        # the policy's oracle sees further than the stager fetches: beyond its horizon every entry
-        # looks never-needed-again, so it must cover what the tier can hold, twice over
-        covered = min(self.capacity, self.dataset_bytes) if self.capacity else self.dataset_bytes
-        seen = max(horizon, math.ceil(2 * covered / max(self.bytes_per_step, 1)))
-        every_use = self.dataset.future_shard_uses(cursor, horizon_batches=seen)
-        limit = horizon * self.samples_per_step
-        uses = [u for u in every_use if u.first_use < limit]
-        spans: dict[int, list[tuple[int, int]]] = {}
-        for use in every_use:
-            spans.setdefault(use.shard, []).append((use.first_use, use.last_use))
-        oracle = PositionOracle(IntervalOracle(
-            (self.shards[s].key, f, l) for s, ss in spans.items() for f, l in _merged(ss)), 0.0)
+        rate, (p99, mean) = self.consumption_rate(), self._fetch_latency()
+        ahead = size_lookahead(self.node, rate, p99, mean)
+        self.m_lookahead.set(ahead.bytes)
+        uses = self.view.future_shard_uses(cursor, horizon_batches=ahead.view_steps)
+        with self._lock:
+            held, in_flight = set(self._held), set(self._inflight)
+            position = (self._consumed_steps - plan_base) * self.node.samples_per_step
+        plan = plan_staging(uses, self.node, consumption_bytes_s=rate, fetch_p99_s=p99, fetch_mean_s=mean,
+                            position=position, resident=self._resident(), held=held, in_flight=in_flight)
+        oracle = PositionOracle(IntervalOracle((self.shards[s].key, f, l) for s, f, l in plan.intervals), 0.0)
         with self._lock:
             self._plan_steps = plan_base
-            oracle.position = (self._consumed_steps - plan_base) * self.samples_per_step
+            oracle.position = (self._consumed_steps - plan_base) * self.node.samples_per_step
             self._oracle = oracle
         for tier in self.stack.tiers:
             tier.set_oracle(oracle)
-        wanted: list[int] = []
-        for use in sorted(uses, key=lambda u: u.first_use):
-            if use.shard not in wanted:
-                wanted.append(use.shard)
-        until: dict[int, int] = {}
         with self._lock:
-            staged = set(self._held) | self._inflight
-        for use in every_use:  # held to the end of its next use, even one past this plan's horizon
-            if use.shard not in until and (use.first_use < limit or use.shard in staged):
-                until[use.shard] = use.last_use
-        with self._lock:
-            self._held_until = until
+            self._held_until = plan.hold_until
         self._release_passed()
-        in_use = {u.shard for u in uses if u.first_use <= 0}
-        budget = lookahead
-        top = self.stack.tiers[0] if self.stack.tiers else None
-        passing = 0  # shards the top tier does not hold go through the staging area: one window ahead
-        for shard in wanted:
-            if shard not in in_use:  # the windows being read now are needed, not "ahead"
-                if budget < self.shard_bytes:
-                    break
-                budget -= self.shard_bytes
-                if top is not None and top.index.get(self.shards[shard].key) is None:
-                    passing += 1
-                    if passing > self.staging_slots:
-                        break
+        for shard in plan.fetch:
             with self._lock:
-                if shard in self._held or shard in self._inflight:
+                if shard in self._held or shard in self._inflight:  # staged since the plan was made
                     continue
                 self._inflight.add(shard)
             self._queue.put(shard)
         with self._lock:
             self.m_ahead.set(sum(self._shard_size(s) for s in self._held))
 
+    def _resident(self) -> set[int] | None:
+        """The shards the top tier holds now (None without tiers)."""
+        if not self.stack.tiers:
+            return None
+        keys = self.stack.tiers[0].index.keys()
+        return {shard for key in keys for shard in self._key_shards.get(key, ())}
+
     def _release_passed(self) -> None:
         """Unpin staged shards whose last planned use the loop has passed (between plans too, so a
         small tier is not left full of pins of finished windows)."""
         with self._lock:
-            position = (self._consumed_steps - self._plan_steps) * self.samples_per_step
-            for shard in [s for s in self._held if self._held_until.get(s, -1) < position]:
+            position = (self._consumed_steps - self._plan_steps) * self.node.samples_per_step
+            for shard in passed(self._held_until, self._held, position):
                 self._held.pop(shard).release()  # its use has passed: evictable again
 
     def _shard_size(self, shard: int) -> int:
@@ -319,6 +299,6 @@ class Stager:
     def snapshot(self) -> dict:
         with self._lock:
             held = sorted(self._held)
-        return {"enabled": self.enabled, "held_shards": held, "lookahead_bytes": self.lookahead_bytes(),
-                "consumption_bytes_per_s": self.consumption_rate(), "max_bytes": self.max_bytes,
+        return {"enabled": self.enabled, "held_shards": held, "lookahead_bytes": self.lookahead().bytes,
+                "consumption_bytes_per_s": self.consumption_rate(), "max_bytes": self.node.max_bytes,
                 "fetches": self.m_fetched.value, "already_resident": self.m_already.value}

@@ -32,7 +32,7 @@ from tierflow.format.shard import Block
 from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, NextUseOracle
-from tierflow.telemetry import MetricsRegistry
+from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.tiers.index import EntryRow, TierIndex, process_alive
 from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
 from tierflow.errors import FetchError
@@ -125,24 +125,27 @@ class Tier:
         self.registry = registry or MetricsRegistry()
         labels = {"tier": name}
         r = self.registry
-        self.m_hits = r.counter("tier_hits", labels, "entry found in this tier")
-        self.m_misses = r.counter("tier_misses", labels, "a reader's entry fetched from below (demand miss)")
-        self.m_prefetches = r.counter("tier_prefetches", labels, "entries fetched ahead of need by the stager")
-        self.m_bytes_in = r.counter("tier_bytes_in", labels, "bytes written into this tier")
-        self.m_bytes_out = r.counter("tier_bytes_out", labels, "bytes served from this tier")
-        self.m_promotions = r.counter("tier_promotions", labels, "entries admitted from a lower tier")
-        self.m_evictions = r.counter("tier_evictions", labels)
-        self.m_evicted_unused = r.counter("tier_evictions_before_use", labels, "prefetched, evicted before any read")
-        self.m_corruptions = r.counter("tier_corruptions", labels, "entries that failed verification")
-        self.m_enospc = r.counter("tier_enospc_fallbacks", labels, "served from below: no space")
-        self.m_bypass = r.counter("tier_bypass", labels, "served from below: the policy declined")
-        self.m_in_use = r.counter("tier_full_in_use", labels, "served from below: every resident entry in use")
-        self.m_prefetch_no_room = r.counter("tier_prefetch_no_room", labels,
-                                            "prefetches dropped: every resident entry in use")
-        self.m_takeovers = r.counter("tier_lock_takeovers", labels, "fetch lock timed out; fetched anyway")
-        self.m_latency = r.histogram("tier_fetch_seconds", labels, "time to fill a miss")
-        self.m_occupancy = r.gauge("tier_occupancy_bytes", labels, aggregate="max")
-        self.m_capacity = r.gauge("tier_capacity_bytes", labels, aggregate="max")
+
+        def count(what: str, description: str = "") -> Counter:
+            return r.counter(f"tierflow_tier_{what}_total", labels, description)
+
+        self.m_hits = count("hits", "entry found in this tier")
+        self.m_misses = count("misses", "a reader's entry fetched from below (demand miss)")
+        self.m_prefetches = count("prefetches", "entries fetched ahead of need by the stager")
+        self.m_bytes_in = count("in_bytes", "bytes written into this tier")
+        self.m_bytes_out = count("out_bytes", "bytes served from this tier")
+        self.m_promotions = count("promotions", "entries admitted from a lower tier")
+        self.m_evictions = count("evictions")
+        self.m_evicted_unused = count("evictions_before_use", "prefetched, evicted before any read")
+        self.m_corruptions = count("corruptions", "entries that failed verification")
+        self.m_enospc = count("enospc_fallbacks", "served from below: no space")
+        self.m_bypass = count("bypass", "served from below: the policy declined")
+        self.m_in_use = count("full_in_use", "served from below: every resident entry in use")
+        self.m_prefetch_no_room = count("prefetch_no_room", "prefetches dropped: every resident entry in use")
+        self.m_takeovers = count("lock_takeovers", "fetch lock timed out; fetched anyway")
+        self.m_latency = r.histogram("tierflow_tier_fetch_seconds", labels, "time to fill a miss")
+        self.m_occupancy = r.gauge("tierflow_tier_occupancy_bytes", labels, aggregate="max")
+        self.m_capacity = r.gauge("tierflow_tier_capacity_bytes", labels, aggregate="max")
         self._warned_enospc = False
         self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
 
