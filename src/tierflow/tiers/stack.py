@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_128_hex
-from tierflow.format.dataset import (
-    BlockBytes, BlockCache, BufferBlocks, Dataset, LazyShardTable, ShardTable, open_blocks,
-)
+from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
+from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import Block, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
+from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import MetricsRegistry
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.index import process_alive
