@@ -31,7 +31,7 @@ class BlockBytes:
         self.blocks = list(blocks)
         self.compressed = compressed
         self.verified = verified
-        self.keepalive = keepalive  # a tier pin: alive as long as batches may point into the file
+        self.keepalive = keepalive  # a tier pin: alive as long as decoded blocks may point into the file
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         raise NotImplementedError

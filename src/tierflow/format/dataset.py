@@ -24,7 +24,7 @@ from tierflow.format.table import BlockCache, LazyShardTable, ShardTable, _start
 
 
 class ShardSource(Protocol):
-    """Supplies the record batches of a shard; the tier stack is one, a plain directory another."""
+    """Supplies the blocks of a shard; the tier stack is one, a plain directory another."""
 
     def open_shard(self, index: int, info: ShardInfo) -> "ShardTable": ...
 
@@ -89,7 +89,7 @@ class Dataset:
             [[0], np.cumsum([s.samples for s in manifest.shards], dtype=np.int64)])
         self.token_starts = np.concatenate(
             [[0], np.cumsum([s.tokens for s in manifest.shards], dtype=np.int64)])
-        self._token_batch_starts: dict[int, np.ndarray] = {}
+        self._block_token_starts: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return int(self.sample_starts[-1])
@@ -136,12 +136,12 @@ class Dataset:
         while pos < stop:
             s = int(np.searchsorted(self.token_starts, pos, side="right")) - 1
             table = self.shard(s)
-            batch_starts = self.block_token_starts(s, table)
+            block_starts = self.block_token_starts(s, table)
             local = pos - int(self.token_starts[s])
-            b = int(np.searchsorted(batch_starts, local, side="right")) - 1
+            b = int(np.searchsorted(block_starts, local, side="right")) - 1
             offsets, values = table.list_parts(b, column)
-            begin = int(offsets[0]) + local - int(batch_starts[b])
-            take = min(stop - pos, int(batch_starts[b + 1]) - local)
+            begin = int(offsets[0]) + local - int(block_starts[b])
+            take = min(stop - pos, int(block_starts[b + 1]) - local)
             pieces.append(values[begin:begin + take])
             pos += take
         if len(pieces) == 1:
@@ -155,7 +155,7 @@ class Dataset:
 
         From the manifest when the pack recorded per-block token counts (nothing is read);
         otherwise every block's offsets are read once (older packs)."""
-        starts = self._token_batch_starts.get(s)
+        starts = self._block_token_starts.get(s)
         if starts is None:
             info = self.manifest.shards[s]
             counts = [b.tokens for b in info.blocks]
@@ -163,11 +163,11 @@ class Dataset:
                 column = self.manifest.token_column
                 table = table if table is not None else self.shard(s)
                 counts = []
-                for b in range(table.num_batches):
+                for b in range(table.num_blocks):
                     offsets, _ = table.list_parts(b, column)
                     counts.append(int(offsets[-1] - offsets[0]))
             starts = _starts(counts)
-            self._token_batch_starts[s] = starts
+            self._block_token_starts[s] = starts
         return starts
 
 

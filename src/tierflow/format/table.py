@@ -28,48 +28,47 @@ def _starts(counts: Sequence[int]) -> np.ndarray:
 
 
 class ShardTable:
-    """One shard's record batches with per-column numpy views cached on first use.
+    """One shard's blocks (decoded record batches) with per-column numpy views cached on first use.
 
-    This base holds every batch already; `LazyShardTable` (what the sources give) loads and
-    verifies each batch (block) on first use.
+    This base holds every block already; `LazyShardTable` (what the sources give) loads and
+    verifies each block on first use.
     """
 
-    def __init__(self, batches: Sequence[pa.RecordBatch], keepalive: Any = None) -> None:
-        self.batches = list(batches)
-        self._keepalive = keepalive  # the memory map the batches point into
-        self.row_starts = _starts([b.num_rows for b in self.batches])
-        self._getters: list[dict[str, Callable[[int], Any]]] = [{} for _ in self.batches]
+    def __init__(self, blocks: Sequence[pa.RecordBatch], keepalive: Any = None) -> None:
+        self.blocks = list(blocks)
+        self._keepalive = keepalive  # the memory map the blocks point into
+        self.row_starts = _starts([b.num_rows for b in self.blocks])
+        self._getters: list[dict[str, Callable[[int], Any]]] = [{} for _ in self.blocks]
 
     @classmethod
     def from_ipc_file(cls, path: str | Path, memory_map: bool = True) -> "ShardTable":
-        """Every batch of an IPC file, unverified: decoded files are memory-mapped (zero copy),
+        """Every block of an IPC file, unverified: decoded files are memory-mapped (zero copy),
         compressed ones decode into memory."""
         source = pa.memory_map(str(path)) if memory_map else pa.OSFile(str(path))
         reader = pa.ipc.open_file(source)
-        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-        return cls(batches, keepalive=source)
+        return cls([reader.get_batch(i) for i in range(reader.num_record_batches)], keepalive=source)
 
     @property
     def num_rows(self) -> int:
         return int(self.row_starts[-1])
 
     @property
-    def num_batches(self) -> int:
+    def num_blocks(self) -> int:
         return len(self.row_starts) - 1
 
-    def _slot(self, batch: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
-        """(record batch, its column getters) of one block."""
-        return self.batches[batch], self._getters[batch]
+    def _slot(self, block: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
+        """(decoded block, its column getters) of one block."""
+        return self.blocks[block], self._getters[block]
 
-    def batch(self, batch: int) -> pa.RecordBatch:
-        return self._slot(batch)[0]
+    def block(self, block: int) -> pa.RecordBatch:
+        return self._slot(block)[0]
 
     def locate(self, row: int) -> tuple[int, int]:
         b = int(np.searchsorted(self.row_starts, row, side="right")) - 1
         return b, row - int(self.row_starts[b])
 
-    def getter(self, batch: int, name: str) -> Callable[[int], Any]:
-        rb, getters = self._slot(batch)
+    def getter(self, block: int, name: str) -> Callable[[int], Any]:
+        rb, getters = self._slot(block)
         g = getters.get(name)
         if g is None:
             idx = rb.schema.get_field_index(name)
@@ -81,9 +80,9 @@ class ShardTable:
         b, r = self.locate(row)
         return {name: self.getter(b, name)(r) for name in names}
 
-    def list_parts(self, batch: int, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(offsets, values) numpy views of a list column of one batch."""
-        arr = self.batch(batch).column(name)
+    def list_parts(self, block: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, values) numpy views of a list column of one block."""
+        arr = self.block(block).column(name)
         return _list_offsets(arr), arr.values.to_numpy(zero_copy_only=True)
 
 
@@ -177,22 +176,22 @@ class LazyShardTable(ShardTable):
         self.blocks_verified = 0
 
     @property
-    def batches(self) -> "_LazyBatches":  # type: ignore[override]
-        return _LazyBatches(self)
+    def blocks(self) -> "_LazyBlocks":  # type: ignore[override]
+        return _LazyBlocks(self)
 
     @property
     def _keepalive(self) -> Any:  # type: ignore[override]
         return self._source.keepalive
 
-    def _slot(self, batch: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
-        slot = self._slots[batch]
+    def _slot(self, block: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
+        slot = self._slots[block]
         if slot is None:
-            return self._load(batch)
-        self._referenced[batch] = 1
+            return self._load(block)
+        self._referenced[block] = 1
         return slot
 
-    def _evict(self, batch: int) -> None:
-        self._slots[batch] = None  # views handed out keep their buffers alive
+    def _evict(self, block: int) -> None:
+        self._slots[block] = None  # views handed out keep their buffers alive
 
     def _load(self, b: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
         with self._lock:
@@ -201,15 +200,15 @@ class LazyShardTable(ShardTable):
                 return slot
             schema = self._shard_schema()
             source, data = self._verified(b)
-            batch = decode_block(data, schema, self.name, b, source.blocks[b])
-            if batch.num_rows != source.blocks[b].rows:
+            decoded = decode_block(data, schema, self.name, b, source.blocks[b])
+            if decoded.num_rows != source.blocks[b].rows:
                 raise block_error(self.name, b, source.blocks[b],
-                                  f"holds {batch.num_rows} rows, not {source.blocks[b].rows}")
-            slot = (batch, {})
+                                  f"holds {decoded.num_rows} rows, not {source.blocks[b].rows}")
+            slot = (decoded, {})
             self._slots[b] = slot
             self.blocks_loaded += 1
         if self._cache is not None and source.compressed:
-            self._cache.add(self, b, batch.get_total_buffer_size())
+            self._cache.add(self, b, decoded.get_total_buffer_size())
         return slot
 
     def _verified(self, b: int) -> tuple[BlockBytes, pa.Buffer]:
@@ -227,7 +226,7 @@ class LazyShardTable(ShardTable):
         return source, data
 
     def _replace_source(self, source: BlockBytes) -> BlockBytes:
-        """Another copy of the same shard (maybe another form: same batches, other byte ranges)."""
+        """Another copy of the same shard (maybe another form: same blocks, other byte ranges)."""
         if [b.rows for b in source.blocks] != [b.rows for b in self._source.blocks]:
             raise ShardCorruptError(f"shard {self.name}: the copy fetched again has other blocks")
         self._source = source
@@ -252,23 +251,23 @@ class LazyShardTable(ShardTable):
         return self._schema
 
 
-class _LazyBatches(SequenceABC):
-    """`table.batches` of a lazy table: indexing loads (and verifies) that block."""
+class _LazyBlocks(SequenceABC):
+    """`table.blocks` of a lazy table: indexing loads (and verifies) that block."""
 
     def __init__(self, table: LazyShardTable) -> None:
         self._table = table
 
     def __len__(self) -> int:
-        return self._table.num_batches
+        return self._table.num_blocks
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            return [self._table.batch(i) for i in range(*index.indices(len(self)))]
+            return [self._table.block(i) for i in range(*index.indices(len(self)))]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"shard {self._table.name}: block {index} out of range")
-        return self._table.batch(index)
+        return self._table.block(index)
 
 def _null_getter(_: int) -> None:
     return None
@@ -279,7 +278,7 @@ def _list_offsets(arr: pa.Array) -> np.ndarray:
 
 
 def _column_getter(arr: pa.Array) -> Callable[[int], Any]:
-    """A fast per-row accessor for one column of one record batch."""
+    """A fast per-row accessor for one column of one decoded block."""
     t = arr.type
     valid = None
     if arr.null_count:
