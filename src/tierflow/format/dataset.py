@@ -2,10 +2,11 @@
 
 `open_dataset(path)` gives `len()`, `ds[i]` (a dict of columns; token and other primitive
 list columns as numpy views, no copy), iteration, and `ds.tokens(start, stop)` over the
-concatenated token stream. Where shards come from is a `ShardSource`: by default the dataset
-directory itself; the tier stack supplies decoded, memory-mapped files instead. Either way a
-shard opens in O(its block list) and a row costs its block: read, verified (xxh3-64), decoded
-on first use (docs/format.md, "Reading and verification").
+concatenated token stream. Where a sample or a token lives is `ds.index` (index.py); where
+shards come from is a `ShardSource`: by default the dataset directory itself; the tier stack
+supplies decoded, memory-mapped files instead. Either way a shard opens in O(its block list)
+and a row costs its block: read, verified (xxh3-64), decoded on first use (docs/format.md,
+"Reading and verification").
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import pyarrow as pa
 from tierflow.format.blocks import open_blocks
 from tierflow.format.manifest import Manifest
 from tierflow.format.shard import ShardInfo
-from tierflow.format.table import BlockCache, LazyShardTable, ShardTable, _starts
+from tierflow.format.index import BlockTokenCounts, DatasetIndex
+from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 
 
 class ShardSource(Protocol):
@@ -72,7 +74,10 @@ class DirectorySource:
 
 
 class Dataset:
-    """A packed dataset opened for reading; thread-safe for concurrent readers."""
+    """A packed dataset opened for reading; thread-safe for concurrent readers.
+
+    Where a sample or a token lives is `index`'s answer (built once, from the manifest); the
+    bytes come from `source`, a shard at a time."""
 
     def __init__(self, manifest: Manifest, source: ShardSource, columns: Sequence[str] | None = None,
                  location: str = "") -> None:
@@ -85,25 +90,16 @@ class Dataset:
             if unknown:
                 raise KeyError(f"{location}: no column(s) {unknown}; the dataset has {names}")
         self.columns = list(columns) if columns is not None else list(names)
-        self.sample_starts = np.concatenate(
-            [[0], np.cumsum([s.samples for s in manifest.shards], dtype=np.int64)])
-        self.token_starts = np.concatenate(
-            [[0], np.cumsum([s.tokens for s in manifest.shards], dtype=np.int64)])
-        self._block_token_starts: dict[int, np.ndarray] = {}
+        self.index = DatasetIndex(manifest.shards, _block_token_reader(manifest, source))
+        self.sample_starts = self.index.sample_starts
+        self.token_starts = self.index.token_starts
 
     def __len__(self) -> int:
-        return int(self.sample_starts[-1])
+        return self.index.num_samples
 
     def __repr__(self) -> str:
         return (f"Dataset({self.location!r}, samples={len(self)}, shards={len(self.manifest.shards)}, "
                 f"columns={self.columns})")
-
-    def locate(self, index: int) -> tuple[int, int]:
-        """Global sample index -> (shard index, row in shard)."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"{self.location}: sample {index} out of range [0, {len(self)})")
-        s = int(np.searchsorted(self.sample_starts, index, side="right")) - 1
-        return s, index - int(self.sample_starts[s])
 
     def shard(self, s: int) -> ShardTable:
         return self.source.open_shard(s, self.manifest.shards[s])
@@ -111,64 +107,66 @@ class Dataset:
     def __getitem__(self, index: int) -> dict[str, Any]:
         if index < 0:
             index += len(self)
-        s, row = self.locate(index)
-        return self.shard(s).row(row, self.columns)
+        if not 0 <= index < len(self):
+            raise IndexError(f"{self.location}: sample {index} out of range [0, {len(self)})")
+        shard, block, row = self.index.locate_sample(index)
+        table = self.shard(shard)
+        return {name: table.getter(block, name)(row) for name in self.columns}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for s in range(len(self.manifest.shards)):
             table = self.shard(s)
-            for row in range(table.num_rows):
-                yield table.row(row, self.columns)
+            for b in range(table.num_blocks):
+                getters = [(name, table.getter(b, name)) for name in self.columns]
+                for row in range(table.block_rows(b)):
+                    yield {name: get(row) for name, get in getters}
 
     @property
     def num_tokens(self) -> int:
-        return int(self.token_starts[-1])
+        return self.index.num_tokens
+
+    @property
+    def token_column(self) -> str:
+        """The list column holding the token stream (TypeError for a dataset packed without one)."""
+        column = self.manifest.token_column
+        if column is None:
+            raise TypeError(f"{self.location}: not a token dataset (packed without a tokenizer)")
+        return column
+
+    def token_pieces(self, start: int, stop: int) -> Iterator[np.ndarray]:
+        """Tokens [start, stop) of the concatenated stream as views, one per block they touch."""
+        column = self.token_column
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"{self.location}: tokens [{start}, {stop}) outside [0, {self.num_tokens})")
+        pos = start
+        while pos < stop:
+            shard, block, offset, left = self.index.locate_token(pos)
+            take = min(stop - pos, left)
+            yield self.shard(shard).list_values(block, column)[offset:offset + take]
+            pos += take
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the concatenated stream; a view when inside one block."""
-        column = self.manifest.token_column
-        if column is None:
-            raise TypeError(f"{self.location}: not a token dataset (packed without --tokenizer)")
-        if not 0 <= start <= stop <= self.num_tokens:
-            raise IndexError(f"{self.location}: tokens [{start}, {stop}) outside [0, {self.num_tokens})")
-        pieces = []
-        pos = start
-        while pos < stop:
-            s = int(np.searchsorted(self.token_starts, pos, side="right")) - 1
-            table = self.shard(s)
-            block_starts = self.block_token_starts(s, table)
-            local = pos - int(self.token_starts[s])
-            b = int(np.searchsorted(block_starts, local, side="right")) - 1
-            offsets, values = table.list_parts(b, column)
-            begin = int(offsets[0]) + local - int(block_starts[b])
-            take = min(stop - pos, int(block_starts[b + 1]) - local)
-            pieces.append(values[begin:begin + take])
-            pos += take
+        pieces = list(self.token_pieces(start, stop))
         if len(pieces) == 1:
             return pieces[0]
         if not pieces:
             return np.zeros(0, dtype=self.manifest.token_dtype or np.uint16)
         return np.concatenate(pieces)
 
-    def block_token_starts(self, s: int, table: ShardTable | None = None) -> np.ndarray:
-        """Token offsets of shard s's blocks within the shard (length blocks + 1).
 
-        From the manifest when the pack recorded per-block token counts (nothing is read);
-        otherwise every block's offsets are read once (older packs)."""
-        starts = self._block_token_starts.get(s)
-        if starts is None:
-            info = self.manifest.shards[s]
-            counts = [b.tokens for b in info.blocks]
-            if not counts or None in counts or sum(counts) != info.tokens or min(counts) < 0:
-                column = self.manifest.token_column
-                table = table if table is not None else self.shard(s)
-                counts = []
-                for b in range(table.num_blocks):
-                    offsets, _ = table.list_parts(b, column)
-                    counts.append(int(offsets[-1] - offsets[0]))
-            starts = _starts(counts)
-            self._block_token_starts[s] = starts
-        return starts
+def _block_token_reader(manifest: Manifest, source: ShardSource) -> BlockTokenCounts | None:
+    """How the index reads a shard's block token counts from its blocks' offsets (packs that did not
+    record them); holds the source, not the dataset, so the two stay free of a reference cycle."""
+    column = manifest.token_column
+    if column is None:
+        return None
+
+    def read(s: int) -> list[int]:
+        table = source.open_shard(s, manifest.shards[s])
+        return [int(offsets[-1] - offsets[0]) for offsets, _ in
+                (table.list_parts(b, column) for b in range(table.num_blocks))]
+    return read
 
 
 def open_dataset(path: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None) -> Dataset:

@@ -20,11 +20,19 @@ import pyarrow as pa
 import pyarrow.types as pat
 
 from tierflow.format.blocks import BlockBytes
+from tierflow.format.index import cumulative
 from tierflow.format.shard import ShardCorruptError, block_error, block_schema, decode_block
 
 
-def _starts(counts: Sequence[int]) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64), dtype=np.int64)])
+class _Views:
+    """What is read off one decoded block, kept with it (and dropped with it): per-column row
+    getters and list columns' (offsets, values) numpy views."""
+
+    __slots__ = ("getters", "parts")
+
+    def __init__(self) -> None:
+        self.getters: dict[str, Callable[[int], Any]] = {}
+        self.parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # offsets, values, values[offsets[0]:]
 
 
 class ShardTable:
@@ -37,8 +45,8 @@ class ShardTable:
     def __init__(self, blocks: Sequence[pa.RecordBatch], keepalive: Any = None) -> None:
         self.blocks = list(blocks)
         self._keepalive = keepalive  # the memory map the blocks point into
-        self.row_starts = _starts([b.num_rows for b in self.blocks])
-        self._getters: list[dict[str, Callable[[int], Any]]] = [{} for _ in self.blocks]
+        self.row_starts = cumulative([b.num_rows for b in self.blocks])
+        self._views = [_Views() for _ in self.blocks]
 
     @classmethod
     def from_ipc_file(cls, path: str | Path, memory_map: bool = True) -> "ShardTable":
@@ -56,34 +64,47 @@ class ShardTable:
     def num_blocks(self) -> int:
         return len(self.row_starts) - 1
 
-    def _slot(self, block: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
-        """(decoded block, its column getters) of one block."""
-        return self.blocks[block], self._getters[block]
+    def _slot(self, block: int) -> tuple[pa.RecordBatch, _Views]:
+        """(decoded block, the views read off it) of one block."""
+        return self.blocks[block], self._views[block]
 
     def block(self, block: int) -> pa.RecordBatch:
         return self._slot(block)[0]
 
-    def locate(self, row: int) -> tuple[int, int]:
-        b = int(np.searchsorted(self.row_starts, row, side="right")) - 1
-        return b, row - int(self.row_starts[b])
+    def block_rows(self, block: int) -> int:
+        return int(self.row_starts[block + 1] - self.row_starts[block])
 
     def getter(self, block: int, name: str) -> Callable[[int], Any]:
-        rb, getters = self._slot(block)
-        g = getters.get(name)
+        """Row -> value of column `name` in one block (None for a column the shard lacks)."""
+        decoded, views = self._slot(block)
+        g = views.getters.get(name)
         if g is None:
-            idx = rb.schema.get_field_index(name)
-            g = _null_getter if idx < 0 else _column_getter(rb.column(idx))
-            getters[name] = g
+            idx = decoded.schema.get_field_index(name)
+            g = _null_getter if idx < 0 else _column_getter(decoded.column(idx))
+            views.getters[name] = g
         return g
 
-    def row(self, row: int, names: Sequence[str]) -> dict[str, Any]:
-        b, r = self.locate(row)
-        return {name: self.getter(b, name)(r) for name in names}
+    def _parts(self, block: int, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(offsets, values, values from the first row's on) of a list column of one block, made
+        once per loaded block."""
+        decoded, views = self._slot(block)
+        parts = views.parts.get(name)
+        if parts is None:
+            arr = decoded.column(name)
+            offsets, values = _list_offsets(arr), arr.values.to_numpy(zero_copy_only=True)
+            parts = views.parts[name] = (offsets, values, values[int(offsets[0]):])
+        return parts
 
     def list_parts(self, block: int, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, values) numpy views of a list column of one block."""
-        arr = self.block(block).column(name)
-        return _list_offsets(arr), arr.values.to_numpy(zero_copy_only=True)
+        return self._parts(block, name)[:2]
+
+    def list_values(self, block: int, name: str) -> np.ndarray:
+        """The values of a list column of one block from its first row's on, so value k of the block
+        (for the token column: the token at offset k of the block) is element k. The hot path of
+        token reads: one slot and one dict lookup once the block is loaded."""
+        parts = self._slot(block)[1].parts.get(name)
+        return (parts if parts is not None else self._parts(block, name))[2]
 
 
 class BlockCache:
@@ -165,9 +186,9 @@ class LazyShardTable(ShardTable):
         self._schema: pa.Schema | None = None
         self._cache = cache
         self._recover = recover
-        self.row_starts = _starts([b.rows for b in source.blocks])
+        self.row_starts = cumulative([b.rows for b in source.blocks])
         n = len(source.blocks)
-        self._slots: list[tuple[pa.RecordBatch, dict] | None] = [None] * n
+        self._slots: list[tuple[pa.RecordBatch, _Views] | None] = [None] * n
         self._referenced = bytearray(n)
         self._lock = threading.RLock()
         self.token = next(_tokens)
@@ -183,7 +204,7 @@ class LazyShardTable(ShardTable):
     def _keepalive(self) -> Any:  # type: ignore[override]
         return self._source.keepalive
 
-    def _slot(self, block: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
+    def _slot(self, block: int) -> tuple[pa.RecordBatch, _Views]:
         slot = self._slots[block]
         if slot is None:
             return self._load(block)
@@ -193,7 +214,7 @@ class LazyShardTable(ShardTable):
     def _evict(self, block: int) -> None:
         self._slots[block] = None  # views handed out keep their buffers alive
 
-    def _load(self, b: int) -> tuple[pa.RecordBatch, dict[str, Callable[[int], Any]]]:
+    def _load(self, b: int) -> tuple[pa.RecordBatch, _Views]:
         with self._lock:
             slot = self._slots[b]
             if slot is not None:
@@ -204,7 +225,7 @@ class LazyShardTable(ShardTable):
             if decoded.num_rows != source.blocks[b].rows:
                 raise block_error(self.name, b, source.blocks[b],
                                   f"holds {decoded.num_rows} rows, not {source.blocks[b].rows}")
-            slot = (decoded, {})
+            slot = (decoded, _Views())
             self._slots[b] = slot
             self.blocks_loaded += 1
         if self._cache is not None and source.compressed:

@@ -17,9 +17,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
 from tierflow.format.manifest import Manifest
+from tierflow.format.reads import SampleLengths
 from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
-from tierflow.loader.budget import SampleLengths, TokenBudget
+from tierflow.loader.budget import TokenBudget
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
