@@ -190,6 +190,7 @@ def parse_tiers(specs: list[str]) -> list:
     """`NAME=PATH[:CAPACITY[:POLICY[:FORM]]]`, e.g. `L2=/nvme/tf:0.8:auto:at_rest`, `L1=/dev/shm/tf:8G`."""
     import os
 
+    from tierflow.format.shard import Form
     from tierflow.tiers import TierConfig
 
     if not specs:
@@ -204,7 +205,7 @@ def parse_tiers(specs: list[str]) -> list:
         capacity = parts[1] if len(parts) > 1 and parts[1] else "0.5"
         cap = float(capacity) if float_like(capacity) and float(capacity) <= 1 else _size(capacity)
         configs.append(TierConfig(name, parts[0], cap, policy=parts[2] if len(parts) > 2 else "auto",
-                                  form=parts[3] if len(parts) > 3 else "decoded"))
+                                  form=parts[3] if len(parts) > 3 else Form.DECODED))
     return configs
 
 
@@ -271,6 +272,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 @command("bench")
 def _bench(args: argparse.Namespace) -> int:
+    from tierflow.format.shard import Form
     from tierflow.loader import TieredDataset
     from tierflow.telemetry import MetricsRegistry
     from tierflow.commands.bench import format_result, run_bench, simulated_step
@@ -290,7 +292,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         exporter = PrometheusExporter([registry], port=args.prometheus_port).start()
         print(f"metrics at {exporter.url}")
-    layout = [(t.name, t.capacity, t.form == "decoded") for t in stack.tiers]
+    layout = [(t.name, t.capacity, t.form is Form.DECODED) for t in stack.tiers]
     try:
         from tierflow.tiers.stager import Stager
 
@@ -320,7 +322,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=top.form,
                       working_set=dataset.working_set)
     shards = dataset.manifest.shards
-    total = sum(s.decoded_bytes if top.form == "decoded" else s.bytes for s in shards)
+    total = sum(s.bytes_in(top.form) for s in shards)
     console = Console()
     ws = dataset.working_set
     console.print(f"{args.dataset}: {len(shards)} shards, {sum(s.bytes for s in shards) / 1e6:.1f} MB at rest, "

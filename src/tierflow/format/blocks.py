@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from tierflow.format.shard import Block, ShardCorruptError, ShardInfo, check_block
+from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, check_block
 
 
 class BlockBytes:
@@ -119,11 +119,11 @@ class BufferBlocks(BlockBytes):
         return self._buffer.slice(block.offset, block.length if length is None else min(length, block.length))
 
 
-def open_blocks(path: str | Path, info: ShardInfo, form: str = "at_rest", blocks: Sequence[Block] | None = None,
+def open_blocks(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST, blocks: Sequence[Block] | None = None,
                 keepalive: Any = None) -> BlockBytes:
     """The block source of a local shard file: at rest (the manifest's blocks) or decoded (`blocks`,
     the tier's list). Uncompressed files are memory-mapped; compressed ones read block by block."""
-    if form == "at_rest":
+    if form == Form.AT_REST:
         if info.compression == "none":
             return MappedBlocks(path, info.blocks, info.name, info.bytes, keepalive=keepalive)
         return FileBlocks(path, info.blocks, keepalive=keepalive)

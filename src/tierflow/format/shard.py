@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -24,6 +25,19 @@ SHARD_SUFFIX = ".arrow"
 COMPRESSIONS = ("zstd", "lz4", "none")
 #: at-rest compression is kept only when it saves at least this fraction of the decoded size
 MIN_SAVING = 0.15
+
+
+class Form(StrEnum):
+    """How a shard's bytes are held: as packed (`at_rest`, compressed per buffer) or `decoded`
+    (uncompressed, memory-mapped for zero-copy views). String-valued, so tier configs, CLI
+    arguments and tier index rows keep their spelling."""
+
+    AT_REST = "at_rest"
+    DECODED = "decoded"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Form":
+        raise ValueError(f"form {value!r} is not one of {', '.join(f.value for f in cls)}")
 
 
 class Block(NamedTuple):
@@ -54,6 +68,14 @@ class ShardInfo:
     def key(self) -> str:
         """The entry key every tier uses for this shard: its at-rest content hash."""
         return self.checksum
+
+    def bytes_in(self, form: Form) -> int:
+        """The size of the shard's file in `form`."""
+        return self.decoded_bytes if form == Form.DECODED else self.bytes
+
+    def checksum_in(self, form: Form) -> str:
+        """The xxh3-128 of the shard's file in `form`."""
+        return self.decoded_checksum if form == Form.DECODED else self.checksum
 
     def to_json(self) -> dict:
         blocks = {
@@ -305,24 +327,23 @@ def read_schema(path: str | Path) -> pa.Schema:
         return pa.ipc.open_file(source).schema
 
 
-def verify_shard(path: str | Path, info: ShardInfo, form: str = "at_rest") -> list[str]:
+def verify_shard(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST) -> list[str]:
     """Every problem with a shard file, as sentences naming the shard and block; empty if sound."""
     path = Path(path)
     if not path.exists():
         return [f"shard {info.name}: missing ({path})"]
     size = path.stat().st_size
-    expected_size = info.bytes if form == "at_rest" else info.decoded_bytes
-    expected_sum = info.checksum if form == "at_rest" else info.decoded_checksum
+    expected_size = info.bytes_in(form)
     problems = []
     if size != expected_size:
         problems.append(f"shard {info.name}: size {size} != {expected_size} in the manifest")
-    if form == "at_rest":
+    if form == Form.AT_REST:
         with open(path, "rb") as f:
             for i, block in enumerate(info.blocks):
                 f.seek(block.offset)
                 if xxh3_hex(f.read(block.length)) != block.checksum:
                     problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
                                     f"{block.rows} rows) fails its checksum")
-    if not problems and file_xxh3_128(path) != expected_sum:
+    if not problems and file_xxh3_128(path) != info.checksum_in(form):
         problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
     return problems

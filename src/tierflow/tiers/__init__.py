@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from tierflow.format.shard import Form
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.stack import Handle, TierStack
-from tierflow.tiers.tier import Tier
+from tierflow.tiers.tier import Tier, tier_form
 
 
 @dataclass
@@ -28,8 +29,11 @@ class TierConfig:
     path: str
     capacity: float
     policy: str = "auto"
-    form: str = "decoded"
+    form: Form | str = Form.DECODED  # a string is converted (configs, the CLI)
     policy_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.form = tier_form(self.form, self.name)
 
     def build(self, registry: MetricsRegistry | None = None) -> Tier:
         return Tier(self.path, self.capacity, policy=self.policy, form=self.form, name=self.name,

@@ -19,6 +19,7 @@ import time
 import queue
 from typing import Any
 
+from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.stack import Handle, TierStack
@@ -66,8 +67,8 @@ class Stager:
         self.enabled = dataset.world.local_rank == 0 if enabled is None else enabled
         manifest = dataset.manifest
         self.shards = manifest.shards
-        top_form = stack.tiers[0].form if stack.tiers else "at_rest"
-        sizes = [s.decoded_bytes if top_form == "decoded" else s.bytes for s in self.shards]
+        top_form = stack.tiers[0].form if stack.tiers else Form.AT_REST
+        sizes = [s.bytes_in(top_form) for s in self.shards]
         self.shard_bytes = max(sizes) if sizes else 0
         samples = max(1, dataset.num_order_samples)
         per_step_samples = dataset.batch_size * dataset.batcher.batches_per_group * dataset.world.ranks_per_node
@@ -276,8 +277,7 @@ class Stager:
 
     def _shard_size(self, shard: int) -> int:
         info = self.shards[shard]
-        form = self.stack.tiers[0].form if self.stack.tiers else "at_rest"
-        return info.decoded_bytes if form == "decoded" else info.bytes
+        return info.bytes_in(self.stack.tiers[0].form if self.stack.tiers else Form.AT_REST)
 
     def _fetcher(self) -> None:
         while not self._stop.is_set():
