@@ -190,7 +190,6 @@ def parse_tiers(specs: list[str]) -> list:
     """`NAME=PATH[:CAPACITY[:POLICY[:FORM]]]`, e.g. `L2=/nvme/tf:0.8:auto:at_rest`, `L1=/dev/shm/tf:8G`."""
     import os
 
-    from tierflow.format.shard import Form
     from tierflow.tiers import TierConfig
 
     if not specs:
@@ -205,7 +204,7 @@ def parse_tiers(specs: list[str]) -> list:
         capacity = parts[1] if len(parts) > 1 and parts[1] else "0.5"
         cap = float(capacity) if float_like(capacity) and float(capacity) <= 1 else _size(capacity)
         configs.append(TierConfig(name, parts[0], cap, policy=parts[2] if len(parts) > 2 else "auto",
-                                  form=parts[3] if len(parts) > 3 else Form.DECODED))
+                                  form=parts[3] if len(parts) > 3 else "decoded"))
     return configs
 
 
