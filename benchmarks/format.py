@@ -56,7 +56,7 @@ class Readers:
         self.count = len(self.dataset)
         table = self.dataset.shard(0)  # the first shard's blocks; indices below stay inside it
         self.rows = table.num_rows
-        self.views = [table.list_parts(b, "tokens") for b in range(len(table.batches))]
+        self.views = [table.list_parts(b, "tokens") for b in range(len(table.blocks))]
         self.row_starts = table.row_starts
         # cached offsets: per row, its block and the [start, stop) of its tokens in that block's values
         self.row_block, self.row_start, self.row_stop = [], [], []
@@ -65,7 +65,7 @@ class Readers:
             self.row_start += offsets[:-1].tolist()
             self.row_stop += offsets[1:].tolist()
         self.values = [values for _, values in self.views]
-        self.arrays = [batch.column("tokens") for batch in table.batches]
+        self.arrays = [block.column("tokens") for block in table.blocks]
 
         zds = open_dataset(compressed)
         self.info = zds.manifest.shards[0]
@@ -75,7 +75,7 @@ class Readers:
 
         self.parquet_path = work / "blocks.parquet"
         rows_per_group = int(np.median([b.rows for b in self.info.blocks]))
-        pq.write_table(pa.Table.from_batches(table.batches), self.parquet_path,
+        pq.write_table(pa.Table.from_batches(table.blocks), self.parquet_path,
                        row_group_size=rows_per_group, compression="zstd")
         self.parquet = pq.ParquetFile(self.parquet_path)
         self.group_starts = np.concatenate(
@@ -101,8 +101,8 @@ class Readers:
     def compressed_block(self, i: int) -> np.ndarray:
         b = int(np.searchsorted(self.block_starts, i, side="right")) - 1
         block = self.info.blocks[b]
-        batch = read_block(self.at_rest[block.offset:block.offset + block.length], self.schema, self.info, b)
-        column = batch.column("tokens")
+        decoded = read_block(self.at_rest[block.offset:block.offset + block.length], self.schema, self.info, b)
+        column = decoded.column("tokens")
         offsets = column.offsets.to_numpy()
         r = i - int(self.block_starts[b])
         return column.values.to_numpy()[offsets[r]:offsets[r + 1]]

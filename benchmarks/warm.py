@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import tierflow
-from tierflow.format.dataset import ShardTable
+from tierflow.format.table import ShardTable
 from tierflow.format.shard import ShardInfo, decode_shard
 
 

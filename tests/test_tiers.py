@@ -331,6 +331,25 @@ def test_a_job_asking_for_other_capacity_gets_a_warning_not_a_second_cache(tmp_p
     assert "belong to the directory" in caplog.text
 
 
+def test_a_form_is_given_as_a_string_kept_as_one_in_the_index_and_read_back_as_a_form(tmp_path):
+    from tierflow.format.shard import Form, verify_shard
+    from tierflow.tiers import TierConfig
+
+    config = TierConfig("L2", str(tmp_path / "l2"), 10 << 20, form="at_rest")
+    assert config.form is Form.AT_REST
+    assert config.build().form is Form.AT_REST
+    again = Tier(tmp_path / "l2", 10 << 20, policy="auto", form="decoded")  # the directory's form wins
+    assert again.form is Form.AT_REST and again.index.set_config_if_absent({})["form"] == "at_rest"
+    assert json.loads(json.dumps(again.snapshot()))["form"] == "at_rest"
+    with pytest.raises(ValueError, match="tier L9: form 'zstd' is not one of at_rest, decoded"):
+        TierConfig("L9", str(tmp_path / "l9"), 1, form="zstd")
+    local = make_dataset(tmp_path, n=300)
+    info = tierflow.Manifest.load(local).shards[0]
+    assert verify_shard(local / info.name, info, Form.AT_REST) == []
+    assert verify_shard(local / info.name, info, Form.DECODED)  # the at-rest file is not the decoded form
+    assert (info.bytes_in(Form.DECODED), info.checksum_in("decoded")) == (info.decoded_bytes, info.decoded_checksum)
+
+
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from tierflow.format.shard import Form
 from tierflow.telemetry.health import HealthFlag, health_flags
 from tierflow.telemetry.loader_metrics import LoaderFigures, LoaderTelemetry, loader_figures
 from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
@@ -158,7 +159,7 @@ def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
     epochs = samples / max(1, node_samples)
     _, capacity, decoded = tier_layout[0]
     plan = plan_cache(dataset, capacity, epochs=max(1, -(-samples // max(1, node_samples))),
-                      form="decoded" if decoded else "at_rest", working_set=dataset.working_set)
+                      form=Form.DECODED if decoded else Form.AT_REST, working_set=dataset.working_set)
 
     def prorated(per: list[Any]) -> float:
         whole, part = int(epochs), epochs - int(epochs)

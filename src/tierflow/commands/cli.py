@@ -263,6 +263,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 @command("bench")
 def _bench(args: argparse.Namespace) -> int:
+    from tierflow.format.shard import Form
     from tierflow.loader import TieredDataset
     from tierflow.telemetry import MetricsRegistry
     from tierflow.commands.bench import format_result, run_bench, simulated_step
@@ -282,7 +283,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         exporter = PrometheusExporter([registry], port=args.prometheus_port).start()
         print(f"metrics at {exporter.url}")
-    layout = [(t.name, t.capacity, t.form == "decoded") for t in stack.tiers]
+    layout = [(t.name, t.capacity, t.form is Form.DECODED) for t in stack.tiers]
     try:
         from tierflow.tiers.stager import Stager
 
@@ -312,7 +313,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=top.form,
                       working_set=dataset.working_set)
     shards = dataset.manifest.shards
-    total = sum(s.decoded_bytes if top.form == "decoded" else s.bytes for s in shards)
+    total = sum(s.bytes_in(top.form) for s in shards)
     console = Console()
     ws = dataset.working_set
     console.print(f"{args.dataset}: {len(shards)} shards, {sum(s.bytes for s in shards) / 1e6:.1f} MB at rest, "

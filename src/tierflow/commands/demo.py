@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tierflow.format.dataset import open_dataset
-from tierflow.format.shard import verify_shard
+from tierflow.format.shard import Form, verify_shard
 from tierflow.pack.packer import pack
 
 STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__", "*.pyc")
@@ -119,7 +119,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     log_path = out / "run.jsonl"
     events = EventLog(log_path, registry, name="tierflow demo", steps=epochs * steps_per_epoch, step_ms=step_ms)
     result = run_bench(ds, epochs * steps_per_epoch, simulated_step(step_ms), registry=registry, events=events,
-                       tier_layout=[(t.name, t.capacity, t.form == "decoded") for t in stack.tiers],
+                       tier_layout=[(t.name, t.capacity, t.form is Form.DECODED) for t in stack.tiers],
                        stager=stager, on_batch=on_batch, budget=getattr(stack.source, "budget", None))
     stack.close()
     console.print(format_result(result, step_ms))

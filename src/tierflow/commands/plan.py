@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tierflow.format.shard import Form
 from tierflow.loader.dataset import TieredDataset
 from tierflow.order import future_shard_uses
 from tierflow.order.working_set import WorkingSet, choose_working_set
@@ -44,11 +45,11 @@ def _warm(per_epoch: list[EpochBytes]) -> float:
 
 
 def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
-               form: str = "decoded", working_set: WorkingSet | None = None) -> CachePlan:
+               form: Form = Form.DECODED, working_set: WorkingSet | None = None) -> CachePlan:
     """The plan at `capacity` bytes of the top tier; the working set is the one a fresh run
     would choose for it unless given."""
     shards = dataset.manifest.shards
-    tier_sizes = [s.decoded_bytes if form == "decoded" else s.bytes for s in shards]
+    tier_sizes = [s.bytes_in(form) for s in shards]
     rest_sizes = [s.bytes for s in shards]
     world = dataset.world
     per_node = max(1, dataset.order.partitions // world.num_nodes)
@@ -64,9 +65,9 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
 
 
 def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,
-                   form: str = "decoded") -> list[CachePlan]:
+                   form: Form = Form.DECODED) -> list[CachePlan]:
     """Plans at capacities that are `fractions` of the dataset (in the top tier's form)."""
-    total = sum(s.decoded_bytes if form == "decoded" else s.bytes for s in dataset.manifest.shards)
+    total = sum(s.bytes_in(form) for s in dataset.manifest.shards)
     return [plan_cache(dataset, int(f * total), epochs=epochs, form=form) for f in fractions]
 
 

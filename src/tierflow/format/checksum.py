@@ -36,7 +36,7 @@ def file_xxh3_128(path: str | os.PathLike, start: int = 0, length: int | None = 
 class HashingSink:
     """A write-only file object that hashes (and optionally stores) what passes through it.
 
-    pyarrow writes IPC through it (`pa.PythonFile`), so one pass over the batches yields the
+    pyarrow writes IPC through it (`pa.PythonFile`), so one pass over the blocks yields the
     file, its size, its whole-file hash and the byte position of every record batch.
     """
 

@@ -1,16 +1,17 @@
 """The shard: one Arrow IPC file, compressed per buffer at rest, content-addressed.
 
-A shard exists in two forms with the same record batches: *at rest* (zstd/lz4 buffer
-compression, what L4-L2 hold) and *decoded* (uncompressed, what a tier memory-maps for
-zero-copy numpy views). Both forms' sizes and xxh3-128 hashes are in the manifest, and
-every record batch (a *block*) of the at-rest file has its byte range and xxh3-64, so a
-ranged read of one block verifies without reading the shard. See docs/format.md.
+A shard's rows are cut into *blocks*, one Arrow record batch each, and the shard exists in two
+forms with the same blocks: *at rest* (zstd/lz4 buffer compression, what L4-L2 hold) and
+*decoded* (uncompressed, what a tier memory-maps for zero-copy numpy views). Both forms' sizes
+and xxh3-128 hashes are in the manifest, and every block of the at-rest file has its byte range
+and xxh3-64, so a ranged read of one block verifies without reading the shard. See docs/format.md.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -24,6 +25,19 @@ SHARD_SUFFIX = ".arrow"
 COMPRESSIONS = ("zstd", "lz4", "none")
 #: at-rest compression is kept only when it saves at least this fraction of the decoded size
 MIN_SAVING = 0.15
+
+
+class Form(StrEnum):
+    """How a shard's bytes are held: as packed (`at_rest`, compressed per buffer) or `decoded`
+    (uncompressed, memory-mapped for zero-copy views). String-valued, so tier configs, CLI
+    arguments and tier index rows keep their spelling."""
+
+    AT_REST = "at_rest"
+    DECODED = "decoded"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Form":
+        raise ValueError(f"form {value!r} is not one of {', '.join(f.value for f in cls)}")
 
 
 class Block(NamedTuple):
@@ -54,6 +68,14 @@ class ShardInfo:
     def key(self) -> str:
         """The entry key every tier uses for this shard: its at-rest content hash."""
         return self.checksum
+
+    def bytes_in(self, form: Form) -> int:
+        """The size of the shard's file in `form`."""
+        return self.decoded_bytes if form == Form.DECODED else self.bytes
+
+    def checksum_in(self, form: Form) -> str:
+        """The xxh3-128 of the shard's file in `form`."""
+        return self.decoded_checksum if form == Form.DECODED else self.checksum
 
     def to_json(self) -> dict:
         blocks = {
@@ -112,37 +134,37 @@ def _ipc_options(compression: str, level: int | None) -> pa.ipc.IpcWriteOptions:
     return pa.ipc.IpcWriteOptions(compression=codec, use_threads=True)
 
 
-def _block_tokens(batch: pa.RecordBatch, column: str | None) -> int | None:
-    """Values of the list column `column` in one record batch (its token count), None without one."""
+def _block_tokens(block: pa.RecordBatch, column: str | None) -> int | None:
+    """Values of the list column `column` in one block (its token count), None without one."""
     if column is None:
         return None
-    idx = batch.schema.get_field_index(column)
+    idx = block.schema.get_field_index(column)
     if idx < 0:
         return 0
-    offsets = batch.column(idx).offsets
+    offsets = block.column(idx).offsets
     return int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
 
 
-def _write_ipc(batches: Sequence[pa.RecordBatch], schema: pa.Schema, sink: HashingSink,
+def _write_ipc(blocks: Sequence[pa.RecordBatch], schema: pa.Schema, sink: HashingSink,
                options: pa.ipc.IpcWriteOptions, token_column: str | None = None) -> list[Block]:
-    """Write an IPC file through `sink`; return each record batch's block."""
-    blocks = []
+    """Write an IPC file of `blocks` through `sink`; return where each landed."""
+    written = []
     with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=options) as writer:
-        for batch in batches:
+        for block in blocks:
             start = sink.position
             sink.take_block_digest()
-            writer.write_batch(batch)
-            blocks.append(Block(start, sink.position - start, batch.num_rows, sink.take_block_digest(),
-                                _block_tokens(batch, token_column)))
-    return blocks
+            writer.write_batch(block)
+            written.append(Block(start, sink.position - start, block.num_rows, sink.take_block_digest(),
+                                 _block_tokens(block, token_column)))
+    return written
 
 
 class ShardWriter:
-    """Writes one shard a record batch at a time, under its content name once closed.
+    """Writes one shard a block (record batch) at a time, under its content name once closed.
 
-    Each batch is compressed as it arrives, so the packer's parent compresses while its
+    Each block is compressed as it arrives, so the packer's parent compresses while its
     workers parse instead of in one burst per shard; the decoded form is serialised in the
-    same pass, only to measure its size and xxh3-128. The batches stay referenced until
+    same pass, only to measure its size and xxh3-128. The blocks stay referenced until
     `close` in case compression does not pay and the shard is rewritten uncompressed.
     With `token_column`, each block also records its token count (readers then locate a token
     without decoding the blocks before it).
@@ -158,7 +180,7 @@ class ShardWriter:
         self.level = level
         self.token_column = token_column
         self.tmp = self.directory / f".tmp-{os.getpid()}-{id(self):x}{SHARD_SUFFIX}"
-        self._batches: list[pa.RecordBatch] = []
+        self._held: list[pa.RecordBatch] = []
         self._blocks: list[Block] = []
         self._decoded = HashingSink()
         self._decoded_writer = pa.ipc.new_file(pa.PythonFile(self._decoded, mode="w"), schema,
@@ -168,15 +190,15 @@ class ShardWriter:
         self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), schema,
                                        options=_ipc_options(compression, level))
 
-    def write(self, batch: pa.RecordBatch) -> None:
+    def write(self, block: pa.RecordBatch) -> None:
         """Append one record batch as the shard's next block."""
         start = self._sink.position
         self._sink.take_block_digest()
-        self._writer.write_batch(batch)
-        self._blocks.append(Block(start, self._sink.position - start, batch.num_rows,
-                                  self._sink.take_block_digest(), _block_tokens(batch, self.token_column)))
-        self._decoded_writer.write_batch(batch)
-        self._batches.append(batch)
+        self._writer.write_batch(block)
+        self._blocks.append(Block(start, self._sink.position - start, block.num_rows,
+                                  self._sink.take_block_digest(), _block_tokens(block, self.token_column)))
+        self._decoded_writer.write_batch(block)
+        self._held.append(block)
 
     def close(self, tokens: int = 0) -> ShardInfo:
         """Finish, fsync and rename to `shard-<checksum>.arrow`; atomic.
@@ -193,7 +215,7 @@ class ShardWriter:
                 self._file.seek(0)
                 self._file.truncate()
                 sink = HashingSink(self._file)
-                blocks = _write_ipc(self._batches, self.schema, sink, _ipc_options("none", None),
+                blocks = _write_ipc(self._held, self.schema, sink, _ipc_options("none", None),
                                     self.token_column)
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -204,7 +226,7 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
-        self._batches = []
+        self._held = []
         return ShardInfo(
             name=name, samples=sum(b.rows for b in blocks), bytes=sink.position,
             decoded_bytes=self._decoded.position, checksum=checksum, decoded_checksum=self._decoded.hexdigest(),
@@ -213,7 +235,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Drop the unfinished shard (its temporary file included)."""
-        self._batches = []
+        self._held = []
         if not self._file.closed:
             self._file.close()
         self.tmp.unlink(missing_ok=True)
@@ -227,10 +249,10 @@ def decode_shard(src: str | Path, dst: str | Path) -> tuple[int, str]:
     """
     with pa.memory_map(str(src)) as source:
         reader = pa.ipc.open_file(source)
-        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        blocks = [reader.get_batch(i) for i in range(reader.num_record_batches)]
         with open(dst, "wb", buffering=CHUNK) as f:
             sink = HashingSink(f)
-            _write_ipc(batches, reader.schema, sink, _ipc_options("none", None))
+            _write_ipc(blocks, reader.schema, sink, _ipc_options("none", None))
     return sink.position, sink.hexdigest()
 
 
@@ -250,7 +272,7 @@ def block_messages(data: pa.Buffer, index: int) -> pa.ipc.MessageReader:
 
 
 def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block) -> pa.RecordBatch:
-    """The record batch of one block's (already verified) bytes; zero-copy when uncompressed."""
+    """One block decoded from its (already verified) bytes; zero-copy when uncompressed."""
     for message in block_messages(data, index):
         if message.type == "record batch":
             return pa.ipc.read_record_batch(message, schema)
@@ -279,8 +301,8 @@ def scan_blocks(path: str | Path) -> list[Block]:
     """The blocks of any IPC file (as `_write_ipc` cuts them), found by walking its messages.
 
     For a file whose blocks the manifest does not list (a tier's decoded form): block 0 runs
-    from byte 0 to the end of the first record batch, each next one to the end of the next
-    batch; each carries its rows and xxh3-64. Reads every byte (call it on verified files).
+    from byte 0 to the end of the first record batch message, each next one to the end of the
+    next; each carries its rows and xxh3-64. Reads every byte (call it on verified files).
     """
     blocks = []
     with pa.memory_map(str(path)) as source:
@@ -305,24 +327,23 @@ def read_schema(path: str | Path) -> pa.Schema:
         return pa.ipc.open_file(source).schema
 
 
-def verify_shard(path: str | Path, info: ShardInfo, form: str = "at_rest") -> list[str]:
+def verify_shard(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST) -> list[str]:
     """Every problem with a shard file, as sentences naming the shard and block; empty if sound."""
     path = Path(path)
     if not path.exists():
         return [f"shard {info.name}: missing ({path})"]
     size = path.stat().st_size
-    expected_size = info.bytes if form == "at_rest" else info.decoded_bytes
-    expected_sum = info.checksum if form == "at_rest" else info.decoded_checksum
+    expected_size = info.bytes_in(form)
     problems = []
     if size != expected_size:
         problems.append(f"shard {info.name}: size {size} != {expected_size} in the manifest")
-    if form == "at_rest":
+    if form == Form.AT_REST:
         with open(path, "rb") as f:
             for i, block in enumerate(info.blocks):
                 f.seek(block.offset)
                 if xxh3_hex(f.read(block.length)) != block.checksum:
                     problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
                                     f"{block.rows} rows) fails its checksum")
-    if not problems and file_xxh3_128(path) != expected_sum:
+    if not problems and file_xxh3_128(path) != info.checksum_in(form):
         problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
     return problems

@@ -17,8 +17,9 @@ import numpy as np
 
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
+from tierflow.format.reads import TokenReader
 from tierflow.loader.collate import collate_samples
-from tierflow.loader.tokens import TokenReader, document_segments, window_counts, window_token_starts
+from tierflow.loader.tokens import document_segments, window_counts, window_token_starts
 from tierflow.order import sample_rng
 
 Transform = Callable[[dict, np.random.Generator], dict]

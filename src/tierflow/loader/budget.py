@@ -11,7 +11,6 @@ plan (it needs only lengths, read from the list offsets) and builds its own batc
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,43 +147,3 @@ class BudgetPlanner:
 
     def state(self) -> dict[str, list[int]]:
         return {"ids": self.ids.tolist(), "epochs": self.epochs.tolist()}
-
-
-class SampleLengths:
-    """Lengths of one list column by global sample id, from each block's offsets (no values read).
-
-    Per-block lengths are copied out (a view would keep the shard's mapping, and with it its tier
-    pin, alive) and kept in a small LRU.
-    """
-
-    def __init__(self, dataset: Dataset, column: str, blocks: int = 256) -> None:
-        self.dataset = dataset
-        self.column = column
-        self.blocks = blocks
-        self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-
-    def __call__(self, ids: np.ndarray) -> np.ndarray:
-        out = np.empty(ids.size, dtype=np.int64)
-        starts = self.dataset.sample_starts
-        shards = np.searchsorted(starts, ids, side="right") - 1
-        for shard in np.unique(shards).tolist():
-            in_shard = np.flatnonzero(shards == shard)
-            table = self.dataset.shard(shard)
-            rows = ids[in_shard] - starts[shard]
-            blocks = np.searchsorted(table.row_starts, rows, side="right") - 1
-            for block in np.unique(blocks).tolist():
-                here = blocks == block
-                out[in_shard[here]] = self._block(table, shard, block)[rows[here] - table.row_starts[block]]
-        return out
-
-    def _block(self, table: Any, shard: int, block: int) -> np.ndarray:
-        key = (shard, block)
-        lengths = self._cache.get(key)
-        if lengths is None:
-            offsets, _ = table.list_parts(block, self.column)
-            lengths = self._cache[key] = np.diff(offsets).astype(np.int64)
-            if len(self._cache) > self.blocks:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return lengths

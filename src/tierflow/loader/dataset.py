@@ -17,9 +17,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
 from tierflow.format.manifest import Manifest
+from tierflow.format.reads import SampleLengths
+from tierflow.format.shard import Form
 from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
-from tierflow.loader.budget import SampleLengths, TokenBudget
+from tierflow.loader.budget import TokenBudget
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
@@ -149,7 +151,7 @@ class TieredDataset(IterableDataset):
         source = getattr(data, "source", None)
         tiers = getattr(source, "tiers", None) or []
         top = tiers[0] if tiers else None
-        sizes = [s.decoded_bytes if top is not None and top.form == "decoded" else s.bytes for s in self.manifest.shards]
+        sizes = [s.bytes_in(top.form if top is not None else Form.AT_REST) for s in self.manifest.shards]
         staged = source is not None and hasattr(source, "declare")  # a tier stack: held in RAM unless in a tier
         chosen = choose_working_set(sizes, per_node, top.capacity if top is not None else None,
                                     memory_headroom() if staged else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tierflow.format.shard import Form
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.config import TierConfig, parse_capacity, parse_size
 from tierflow.tiers.stack import Handle, Opened, TierStack
@@ -31,4 +32,4 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endp
     return TierStack(source, built, registry=registry)
 
 
-__all__ = ["Handle", "Opened", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity", "parse_size"]
+__all__ = ["Form", "Handle", "Opened", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity", "parse_size"]

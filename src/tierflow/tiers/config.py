@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierflow.telemetry import MetricsRegistry
-from tierflow.tiers.tier import Tier
+from tierflow.format.shard import Form
+from tierflow.tiers.tier import Tier, tier_form
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -59,11 +60,12 @@ class TierConfig:
     path: str
     capacity: float | str
     policy: str = "auto"
-    form: str = "decoded"
+    form: Form | str = Form.DECODED  # a string is converted (configs, the CLI)
     policy_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capacity = parse_capacity(self.capacity)
+        self.form = tier_form(self.form, self.name)
 
     @classmethod
     def parse(cls, spec: str) -> "TierConfig":
@@ -75,7 +77,7 @@ class TierConfig:
         capacity = parts[1] if len(parts) > 1 and parts[1] else "50%"
         try:
             return cls(name, parts[0], capacity, policy=parts[2] if len(parts) > 2 and parts[2] else "auto",
-                       form=parts[3] if len(parts) > 3 and parts[3] else "decoded")
+                       form=parts[3] if len(parts) > 3 and parts[3] else Form.DECODED)
         except ValueError as e:
             raise ValueError(f"tier {spec!r}: {e}") from None
 

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_128_hex
-from tierflow.format.dataset import (
-    BlockBytes, BlockCache, BufferBlocks, Dataset, LazyShardTable, ShardTable, open_blocks,
-)
+from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
+from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import Block, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
+from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
+from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.index import process_alive
@@ -61,7 +61,7 @@ class Handle:
     served by L2), "staging", or "source" when no tier held it. `fetch_s`: seconds `ensure` took.
     """
 
-    form: str
+    form: Form
     tier: str
     path: Path | None = None
     pin: Pin | None = None
@@ -82,8 +82,8 @@ class Handle:
         return open_blocks(self.path, info, self.form, self.blocks, keepalive=self)
 
 
-def _expected(info: ShardInfo, form: str) -> tuple[int, str]:
-    return (info.bytes, info.checksum) if form == "at_rest" else (info.decoded_bytes, info.decoded_checksum)
+def _expected(info: ShardInfo, form: Form) -> tuple[int, str]:
+    return info.bytes_in(form), info.checksum_in(form)
 
 
 class Opened(NamedTuple):
@@ -122,7 +122,7 @@ class TierStack:
         self.source = source
         self.tiers = list(tiers)
         for upper, lower in zip(self.tiers, self.tiers[1:]):
-            if upper.form == "at_rest" and lower.form == "decoded":
+            if upper.form is Form.AT_REST and lower.form is Form.DECODED:
                 raise ValueError(f"tier {upper.name} stores at-rest shards above {lower.name}, which stores "
                                  f"decoded ones: decoded bytes never move down to a compressed form")
         self.registry = registry or (self.tiers[0].registry if self.tiers else MetricsRegistry())
@@ -177,7 +177,7 @@ class TierStack:
                 root.mkdir(parents=True, exist_ok=True)
                 _sweep_dead_staging(root)
                 path = root / f"staging-{os.getpid()}-{secrets.token_hex(4)}"
-                self.staging = Tier(path, self.staging_bytes, policy="lru", form="decoded", name=STAGING_NAME,
+                self.staging = Tier(path, self.staging_bytes, policy="lru", form=Form.DECODED, name=STAGING_NAME,
                                     registry=self.registry)
             except OSError as e:
                 log.warning("no staging area in %s (%s): shards no tier keeps are read into memory", root, e)
@@ -212,13 +212,13 @@ class TierStack:
         def produce(tmp: Path) -> None:
             found.append(self._produce(info, level, tmp))
 
-        block_list = scan_blocks if tier.form == "decoded" else None
+        block_list = scan_blocks if tier.form is Form.DECODED else None
         pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
                           verify_hit=False if read else None, block_list=block_list)
         if pin is not None:
             self.m_served[tier.name].inc()
             # a decoded entry's block list: recorded at admission, or by the hit that found none
-            blocks = tier.blocks_of(info.key, size, checksum) if tier.form == "decoded" else None
+            blocks = tier.blocks_of(info.key, size, checksum) if tier.form is Form.DECODED else None
             return Handle(tier.form, tier.name, pin.path, pin, blocks=blocks,
                           served_by=found[-1] if found else tier.name)
         return self._ensure(info, level + 1, prefetch, read)
@@ -266,7 +266,7 @@ class TierStack:
         self._fill(info, self.tiers[level].form, lower, tmp)
         return served_by
 
-    def _fill(self, info: ShardInfo, form: str, lower: Handle | None, tmp: Path) -> None:
+    def _fill(self, info: ShardInfo, form: Form, lower: Handle | None, tmp: Path) -> None:
         """Write `form` of the shard to `tmp` from `lower` (released after), or from the source."""
         try:
             if lower is not None and lower.path is not None:
@@ -278,7 +278,7 @@ class TierStack:
             if lower is not None and lower.buffer is not None:
                 self._write_form(lower.buffer, form, tmp)
                 return
-            if form == "at_rest":
+            if form is Form.AT_REST:
                 self._download(info, tmp)
             else:
                 rest = tmp.with_name(tmp.name + ".rest")
@@ -293,11 +293,11 @@ class TierStack:
             if lower is not None:
                 lower.release()
 
-    def _write_form(self, at_rest: bytes, form: str, tmp: Path) -> None:
+    def _write_form(self, at_rest: bytes, form: Form, tmp: Path) -> None:
         rest = tmp.with_name(tmp.name + ".rest")
         rest.write_bytes(at_rest)
         try:
-            if form == "at_rest":
+            if form is Form.AT_REST:
                 os.replace(rest, tmp)
             else:
                 decode_shard(rest, tmp)
@@ -316,7 +316,7 @@ class TierStack:
             self.m_source_bytes.inc(len(data))
             if len(data) == info.bytes and xxh3_128_hex(data) == info.checksum:
                 self.m_served["memory"].inc()
-                return Handle("at_rest", "memory", buffer=data, served_by=SOURCE)
+                return Handle(Form.AT_REST, "memory", buffer=data, served_by=SOURCE)
         raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest")
 
     # ------------------------------------------------------------ ShardSource

@@ -18,6 +18,7 @@ import time
 import queue
 from typing import Any
 
+from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_staging, size_lookahead
@@ -256,8 +257,7 @@ class Stager:
 
     def _shard_size(self, shard: int) -> int:
         info = self.shards[shard]
-        form = self.stack.tiers[0].form if self.stack.tiers else "at_rest"
-        return info.decoded_bytes if form == "decoded" else info.bytes
+        return info.bytes_in(self.stack.tiers[0].form if self.stack.tiers else Form.AT_REST)
 
     def _fetcher(self) -> None:
         while not self._stop.is_set():

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_hex
-from tierflow.format.shard import Block
+from tierflow.format.shard import Block, Form
 from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, NextUseOracle
@@ -38,7 +38,6 @@ from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
 from tierflow.errors import FetchError
 
 log = logging.getLogger("tierflow.tiers")
-FORMS = ("at_rest", "decoded")
 INDEX_NAME = "tierflow-index.sqlite"
 
 
@@ -88,15 +87,22 @@ def is_tmpfs(path: Path) -> bool:
     return fstype == "tmpfs"
 
 
+def tier_form(form: Form | str, tier: str) -> Form:
+    """A tier's form from a config's or the CLI's string; a wrong one is named with the tier."""
+    try:
+        return Form(form)
+    except ValueError as e:
+        raise ValueError(f"tier {tier}: {e}") from None
+
+
 class Tier:
     """One cache directory. Thread- and process-safe; cheap to construct in every process."""
 
-    def __init__(self, root: str | os.PathLike, capacity: float, policy: str = "lru", form: str = "decoded",
+    def __init__(self, root: str | os.PathLike, capacity: float, policy: str = "lru", form: Form | str = Form.DECODED,
                  name: str = "L2", lock_timeout: float = 120.0, verify_hits: bool = True,
                  registry: MetricsRegistry | None = None, policy_options: dict | None = None,
                  ram: bool | None = None, fetch_attempts: int = 3) -> None:
-        if form not in FORMS:
-            raise ValueError(f"tier {name}: form {form!r} is not one of {FORMS}")
+        form = tier_form(form, name)
         self.root = Path(root)
         self.name = name
         self.lock_timeout = lock_timeout
@@ -106,7 +112,7 @@ class Tier:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.index = TierIndex(self.root / INDEX_NAME)
         own = self.index.occupancy()[0]
-        requested = {"capacity": str(Capacity(capacity).resolve(self.root, own)), "policy": policy, "form": form}
+        requested = {"capacity": str(Capacity(capacity).resolve(self.root, own)), "policy": policy, "form": form.value}
         stored = self.index.set_config_if_absent(requested)
         for k, v in requested.items():
             if stored[k] != v and not (k == "capacity" and capacity <= 1):
@@ -115,7 +121,7 @@ class Tier:
                             stored[k], stored[k])
         self.configured_capacity = int(stored["capacity"])
         self.policy_name = stored["policy"]
-        self.form = stored["form"]
+        self.form = tier_form(stored["form"], name)
         self.policy_options = policy_options or {}
         self.oracle: NextUseOracle | None = None
         self._live: CachePolicy | None = None

@@ -1,0 +1,90 @@
+"""Bulk reads through a dataset's index, for batchers that read many samples or windows at once.
+
+`TokenReader` copies token ranges straight from the mapped blocks into a caller's buffer (one
+copy, also across blocks and shards, where `Dataset.tokens` would concatenate); `SampleLengths`
+gives a list column's lengths by sample id from the blocks' offsets alone (no values read).
+Both locate a whole batch with one vectorised index lookup and keep nothing of their own: the
+views they read are the table's, made once per loaded block and dropped with it (holding them
+here would hold the shard's mapping, and with it its tier pin).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tierflow.format.table import ShardTable
+
+if TYPE_CHECKING:
+    from tierflow.format.dataset import Dataset
+
+
+def _by_block(flat: np.ndarray) -> list[np.ndarray]:
+    """Positions of `flat` grouped by value (its block), each group in input order."""
+    order = np.argsort(flat, kind="stable")
+    return np.split(order, np.flatnonzero(np.diff(flat[order])) + 1) if order.size else []
+
+
+class TokenReader:
+    """Copies token ranges of a dataset into a caller's buffer; counts the slices it copied."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.column = dataset.token_column
+        self.pieces = 0
+
+    def copy_into(self, out: np.ndarray, start: int) -> None:
+        """out[:] = tokens[start : start + len(out)]."""
+        stop = start + out.shape[0]
+        if stop > self.dataset.num_tokens:
+            raise IndexError(f"{self.dataset.location}: tokens [{start}, {stop}) past the stream end "
+                             f"{self.dataset.num_tokens}")
+        at = 0
+        for piece in self.dataset.token_pieces(start, stop):
+            out[at:at + piece.size] = piece
+            at += piece.size
+            self.pieces += 1
+
+    def copy_windows(self, out: np.ndarray, starts: np.ndarray) -> None:
+        """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row; a row inside one
+        block (almost all of them) is one slice copy, the rest go piece by piece."""
+        width = out.shape[1]
+        begins = starts.tolist()
+        last = max(begins, default=-width)
+        if last + width > self.dataset.num_tokens:
+            raise IndexError(f"{self.dataset.location}: a window of {width} tokens from {last} "
+                             f"runs past the stream end {self.dataset.num_tokens}")
+        tables: dict[int, ShardTable] = {}
+        column, whole = self.column, 0
+        places = self.dataset.index.token_blocks(starts).tolist()
+        for row, (start, (shard, block, first, end)) in enumerate(zip(begins, places)):
+            if start + width > end:
+                self.copy_into(out[row], start)
+                continue
+            table = tables.get(shard)
+            if table is None:
+                table = tables[shard] = self.dataset.shard(shard)
+            out[row] = table.list_values(block, column)[start - first:start - first + width]
+            whole += 1
+        self.pieces += whole
+
+
+class SampleLengths:
+    """Lengths of one list column by global sample id, from each block's offsets (no values read)."""
+
+    def __init__(self, dataset: Dataset, column: str) -> None:
+        self.dataset = dataset
+        self.column = column
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        out = np.empty(ids.size, dtype=np.int64)
+        index = self.dataset.index
+        shards, blocks, rows = index.locate_samples(ids)
+        for here in _by_block(index.first_block[shards] + blocks):
+            first = int(here[0])
+            offsets, _ = self.dataset.shard(int(shards[first])).list_parts(int(blocks[first]), self.column)
+            r = rows[here]
+            out[here] = offsets[r + 1] - offsets[r]
+        return out

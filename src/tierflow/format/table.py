@@ -1,0 +1,329 @@
+"""A shard opened as a table: its blocks decoded on first use, rows read through per-column getters.
+
+`ShardTable` holds decoded blocks; `LazyShardTable` (what the sources give) reads, verifies and
+decodes each block when a row first needs it, and a `BlockCache` bounds the decoded bytes of
+compressed blocks across tables.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.types as pat
+
+from tierflow.format.blocks import BlockBytes
+from tierflow.format.index import cumulative
+from tierflow.format.shard import ShardCorruptError, block_error, block_schema, decode_block
+
+
+class _Views:
+    """What is read off one decoded block, kept with it (and dropped with it): per-column row
+    getters and list columns' (offsets, values) numpy views."""
+
+    __slots__ = ("getters", "parts")
+
+    def __init__(self) -> None:
+        self.getters: dict[str, Callable[[int], Any]] = {}
+        self.parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # offsets, values, values[offsets[0]:]
+
+
+class ShardTable:
+    """One shard's blocks (decoded record batches) with per-column numpy views cached on first use.
+
+    This base holds every block already; `LazyShardTable` (what the sources give) loads and
+    verifies each block on first use.
+    """
+
+    def __init__(self, blocks: Sequence[pa.RecordBatch], keepalive: Any = None) -> None:
+        self.blocks = list(blocks)
+        self._keepalive = keepalive  # the memory map the blocks point into
+        self.row_starts = cumulative([b.num_rows for b in self.blocks])
+        self._views = [_Views() for _ in self.blocks]
+
+    @classmethod
+    def from_ipc_file(cls, path: str | Path, memory_map: bool = True) -> "ShardTable":
+        """Every block of an IPC file, unverified: decoded files are memory-mapped (zero copy),
+        compressed ones decode into memory."""
+        source = pa.memory_map(str(path)) if memory_map else pa.OSFile(str(path))
+        reader = pa.ipc.open_file(source)
+        return cls([reader.get_batch(i) for i in range(reader.num_record_batches)], keepalive=source)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_starts[-1])
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.row_starts) - 1
+
+    def _slot(self, block: int) -> tuple[pa.RecordBatch, _Views]:
+        """(decoded block, the views read off it) of one block."""
+        return self.blocks[block], self._views[block]
+
+    def block(self, block: int) -> pa.RecordBatch:
+        return self._slot(block)[0]
+
+    def block_rows(self, block: int) -> int:
+        return int(self.row_starts[block + 1] - self.row_starts[block])
+
+    def getter(self, block: int, name: str) -> Callable[[int], Any]:
+        """Row -> value of column `name` in one block (None for a column the shard lacks)."""
+        decoded, views = self._slot(block)
+        g = views.getters.get(name)
+        if g is None:
+            idx = decoded.schema.get_field_index(name)
+            g = _null_getter if idx < 0 else _column_getter(decoded.column(idx))
+            views.getters[name] = g
+        return g
+
+    def _parts(self, block: int, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(offsets, values, values from the first row's on) of a list column of one block, made
+        once per loaded block."""
+        decoded, views = self._slot(block)
+        parts = views.parts.get(name)
+        if parts is None:
+            arr = decoded.column(name)
+            offsets, values = _list_offsets(arr), arr.values.to_numpy(zero_copy_only=True)
+            parts = views.parts[name] = (offsets, values, values[int(offsets[0]):])
+        return parts
+
+    def list_parts(self, block: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, values) numpy views of a list column of one block."""
+        return self._parts(block, name)[:2]
+
+    def list_values(self, block: int, name: str) -> np.ndarray:
+        """The values of a list column of one block from its first row's on, so value k of the block
+        (for the token column: the token at offset k of the block) is element k. The hot path of
+        token reads: one slot and one dict lookup once the block is loaded."""
+        parts = self._slot(block)[1].parts.get(name)
+        return (parts if parts is not None else self._parts(block, name))[2]
+
+
+class BlockCache:
+    """A bound on the decoded bytes of blocks held across tables (compressed shards decode into
+    memory). Least recently loaded first out, with a second chance for blocks read since; a block
+    that goes is loaded (read, verified, decoded) again on its next use."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._tables: dict[int, weakref.ref] = {}
+        self._dead: list[int] = []  # tables gone since the last add (appended by their finalizers)
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, table: "LazyShardTable", block: int, size: int) -> None:
+        victims = []
+        with self._lock:
+            while self._dead:
+                self._drop_table(self._dead.pop())
+            key = (table.token, block)
+            if key in self._entries:
+                return
+            if table.token not in self._tables:
+                self._tables[table.token] = weakref.ref(table)
+                weakref.finalize(table, self._dead.append, table.token)  # no lock: it may run anywhere
+            self._entries[key] = size
+            self.bytes += size
+            budget = len(self._entries) * 2  # every entry gets at most one second chance per call
+            while self.bytes > self.max_bytes and len(self._entries) > 1 and budget > 0:
+                budget -= 1
+                (token, b), nbytes = next(iter(self._entries.items()))
+                if (token, b) == key:
+                    self._entries.move_to_end(key)
+                    continue
+                owner = self._tables.get(token)
+                owner = owner() if owner is not None else None
+                if owner is not None and owner._referenced[b]:
+                    owner._referenced[b] = 0
+                    self._entries.move_to_end((token, b))
+                    continue
+                del self._entries[(token, b)]
+                self.bytes -= nbytes
+                self.evictions += 1
+                if owner is not None:
+                    victims.append((owner, b))
+        for owner, b in victims:
+            owner._evict(b)
+
+    def _drop_table(self, token: int) -> None:
+        """Forget a table that is gone (its blocks went with it); called under the lock."""
+        self._tables.pop(token, None)
+        for key in [k for k in self._entries if k[0] == token]:
+            self.bytes -= self._entries.pop(key)
+
+
+_tokens = itertools.count()
+
+
+class LazyShardTable(ShardTable):
+    """A shard whose blocks are loaded on first use: opening costs O(blocks) of metadata, reading a
+    row costs O(its block). A block's bytes are verified (xxh3-64 from the manifest or the tier's
+    block list) before any of them is served; a block that fails raises ShardCorruptError naming
+    the shard and the block, after `recover(block, error, source)` (the tier stack: quarantine,
+    fetch again) had one try at giving a sound copy. Thread-safe: a block is loaded once, under
+    the table's lock; the getters of loaded blocks are read without it.
+    """
+
+    def __init__(self, name: str, source: BlockBytes, schema: pa.Schema | None = None,
+                 cache: BlockCache | None = None,
+                 recover: Callable[[int, ShardCorruptError, BlockBytes], BlockBytes] | None = None) -> None:
+        self.name = name
+        self._source = source
+        self._schema_hint = schema
+        self._schema: pa.Schema | None = None
+        self._cache = cache
+        self._recover = recover
+        self.row_starts = cumulative([b.rows for b in source.blocks])
+        n = len(source.blocks)
+        self._slots: list[tuple[pa.RecordBatch, _Views] | None] = [None] * n
+        self._referenced = bytearray(n)
+        self._lock = threading.RLock()
+        self.token = next(_tokens)
+        self.blocks_loaded = 0
+        """Blocks read, verified and decoded so far (a block the cache dropped counts again)."""
+        self.blocks_verified = 0
+
+    @property
+    def blocks(self) -> "_LazyBlocks":  # type: ignore[override]
+        return _LazyBlocks(self)
+
+    @property
+    def _keepalive(self) -> Any:  # type: ignore[override]
+        return self._source.keepalive
+
+    def _slot(self, block: int) -> tuple[pa.RecordBatch, _Views]:
+        slot = self._slots[block]
+        if slot is None:
+            return self._load(block)
+        self._referenced[block] = 1
+        return slot
+
+    def _evict(self, block: int) -> None:
+        self._slots[block] = None  # views handed out keep their buffers alive
+
+    def _load(self, b: int) -> tuple[pa.RecordBatch, _Views]:
+        with self._lock:
+            slot = self._slots[b]
+            if slot is not None:
+                return slot
+            schema = self._shard_schema()
+            source, data = self._verified(b)
+            decoded = decode_block(data, schema, self.name, b, source.blocks[b])
+            if decoded.num_rows != source.blocks[b].rows:
+                raise block_error(self.name, b, source.blocks[b],
+                                  f"holds {decoded.num_rows} rows, not {source.blocks[b].rows}")
+            slot = (decoded, _Views())
+            self._slots[b] = slot
+            self.blocks_loaded += 1
+        if self._cache is not None and source.compressed:
+            self._cache.add(self, b, decoded.get_total_buffer_size())
+        return slot
+
+    def _verified(self, b: int) -> tuple[BlockBytes, pa.Buffer]:
+        """(source, bytes) of block b, checked against its xxh3-64; one recovery on a mismatch."""
+        source = self._source
+        try:
+            data = source.checked(b, self.name)
+        except ShardCorruptError as e:
+            if self._recover is None:
+                raise
+            source = self._replace_source(self._recover(b, e, source))
+            data = source.checked(b, self.name)
+        if not source.verified:
+            self.blocks_verified += 1
+        return source, data
+
+    def _replace_source(self, source: BlockBytes) -> BlockBytes:
+        """Another copy of the same shard (maybe another form: same blocks, other byte ranges)."""
+        if [b.rows for b in source.blocks] != [b.rows for b in self._source.blocks]:
+            raise ShardCorruptError(f"shard {self.name}: the copy fetched again has other blocks")
+        self._source = source
+        return source
+
+    def _shard_schema(self) -> pa.Schema:
+        """The shard's own schema (from block 0). The first bytes of block 0 are enough when they
+        decode to the manifest's schema (nothing unverified is used); otherwise block 0 is verified."""
+        if self._schema is not None:
+            return self._schema
+        block = self._source.blocks[0]
+        if self._schema_hint is not None:
+            try:
+                found = block_schema(self._source.read(0, 1 << 16), self.name, block)
+            except ShardCorruptError:
+                found = None
+            if found is not None and found.equals(self._schema_hint):
+                self._schema = self._schema_hint
+                return self._schema
+        source, data = self._verified(0)
+        self._schema = block_schema(data, self.name, source.blocks[0])
+        return self._schema
+
+
+class _LazyBlocks(SequenceABC):
+    """`table.blocks` of a lazy table: indexing loads (and verifies) that block."""
+
+    def __init__(self, table: LazyShardTable) -> None:
+        self._table = table
+
+    def __len__(self) -> int:
+        return self._table.num_blocks
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self._table.block(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"shard {self._table.name}: block {index} out of range")
+        return self._table.block(index)
+
+def _null_getter(_: int) -> None:
+    return None
+
+
+def _list_offsets(arr: pa.Array) -> np.ndarray:
+    return arr.offsets.to_numpy(zero_copy_only=True)
+
+
+def _column_getter(arr: pa.Array) -> Callable[[int], Any]:
+    """A fast per-row accessor for one column of one decoded block."""
+    t = arr.type
+    valid = None
+    if arr.null_count:
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+
+    def guarded(f: Callable[[int], Any]) -> Callable[[int], Any]:
+        if valid is None:
+            return f
+        return lambda r: f(r) if valid[r] else None
+
+    if (pat.is_list(t) or pat.is_large_list(t)) and (
+            pat.is_integer(t.value_type) or pat.is_floating(t.value_type)) and arr.values.null_count == 0:
+        offsets = _list_offsets(arr)
+        values = arr.values.to_numpy(zero_copy_only=True)
+        return guarded(lambda r: values[offsets[r]:offsets[r + 1]])
+    if pat.is_string(t) or pat.is_binary(t) or pat.is_large_string(t) or pat.is_large_binary(t):
+        off_type = np.int64 if (pat.is_large_string(t) or pat.is_large_binary(t)) else np.int32
+        bufs = arr.buffers()
+        offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset:arr.offset + len(arr) + 1]
+        data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+        if pat.is_string(t) or pat.is_large_string(t):
+            return guarded(lambda r: data[offsets[r]:offsets[r + 1]].tobytes().decode("utf-8"))
+        return guarded(lambda r: data[offsets[r]:offsets[r + 1]].tobytes())
+    if (pat.is_integer(t) or pat.is_floating(t) or pat.is_boolean(t)) and valid is None and not pat.is_boolean(t):
+        values = arr.to_numpy(zero_copy_only=True)
+        return lambda r: values[r].item()
+    return lambda r: arr[r].as_py()

@@ -1,0 +1,133 @@
+"""The dataset index: where a sample and a token live, from the manifest's counts, for every reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.format.index import DatasetIndex, cumulative
+from tierflow.format.manifest import MANIFEST_NAME
+from tierflow.format.reads import SampleLengths, TokenReader
+from tierflow.format.shard import Block, ShardInfo
+
+
+def pack_tokens(tmp_path: Path, n: int = 12000) -> Path:
+    src = tmp_path / "a.jsonl"
+    with open(src, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i} " * (i % 23), "i": i}) + "\n")
+    out = tmp_path / "out"
+    tierflow.pack([src], out, workers=1, target_shard_bytes=256 << 10, block_bytes=32 << 10, tokenizer="bytes")
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    return pack_tokens(tmp_path_factory.mktemp("index"))
+
+
+def stream(ds) -> np.ndarray:
+    return np.concatenate([ds[i]["tokens"] for i in range(len(ds))])
+
+
+def test_every_sample_is_where_the_index_says(packed):
+    ds = tierflow.open_dataset(packed)
+    assert len(ds.manifest.shards) >= 3 and all(len(s.blocks) >= 3 for s in ds.manifest.shards[:-1])
+    ids = np.arange(len(ds))
+    shards, blocks, rows = ds.index.locate_samples(ids)
+    for i in range(0, len(ds), 7):
+        table = ds.shard(int(shards[i]))
+        assert table.getter(int(blocks[i]), "i")(int(rows[i])) == i
+        assert ds.index.locate_sample(i) == (shards[i], blocks[i], rows[i])
+    # the first row of every block, from the manifest's block list
+    first = 0
+    for s, info in enumerate(ds.manifest.shards):
+        for b, block in enumerate(info.blocks):
+            assert ds.index.locate_sample(first) == (s, b, 0)
+            assert ds.index.locate_sample(first + block.rows - 1) == (s, b, block.rows - 1)
+            first += block.rows
+
+
+def test_every_token_is_where_the_index_says(packed):
+    ds = tierflow.open_dataset(packed)
+    expected = stream(ds)
+    assert ds.num_tokens == expected.size
+    positions = np.arange(0, ds.num_tokens, 13)
+    places = ds.index.locate_tokens(positions)
+    for t, shard, block, offset, left in zip(positions.tolist(), *(a.tolist() for a in places)):
+        offsets, values = ds.shard(shard).list_parts(block, "tokens")
+        assert values[int(offsets[0]) + offset] == expected[t]
+        assert left == int(offsets[-1] - offsets[0]) - offset  # the tokens left in its block
+        assert ds.index.locate_token(t) == (shard, block, offset, left)
+
+
+def test_empty_blocks_and_shards_never_hold_a_sample_or_a_token():
+    def info(rows_tokens):
+        return ShardInfo("s", sum(r for r, _ in rows_tokens), 1, 1, "x", "y", "none",
+                         tokens=sum(t for _, t in rows_tokens),
+                         blocks=[Block(0, 1, r, "", t) for r, t in rows_tokens])
+
+    index = DatasetIndex([info([(2, 5), (0, 0), (3, 4)]), info([]), info([(0, 0), (1, 2)]), info([(1, 0)])])
+    assert [index.locate_sample(i) for i in range(7)] == [
+        (0, 0, 0), (0, 0, 1), (0, 2, 0), (0, 2, 1), (0, 2, 2), (2, 1, 0), (3, 0, 0)]
+    assert [index.locate_token(t)[:3] for t in (0, 4, 5, 8, 9, 10)] == [
+        (0, 0, 0), (0, 0, 4), (0, 2, 0), (0, 2, 3), (2, 1, 0), (2, 1, 1)]
+    assert index.num_samples == 7 and index.num_tokens == 11
+    assert cumulative([]).tolist() == [0]
+
+
+def test_a_pack_without_block_token_counts_reads_them_for_the_shard_it_needs_only(packed, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    manifest = json.loads((packed / MANIFEST_NAME).read_text())
+    for shard in manifest["shards"]:
+        (old / shard["name"]).symlink_to(packed / shard["name"])
+        del shard["blocks"]["tokens"]  # a pack from before blocks recorded their token counts
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    ds, fresh = tierflow.open_dataset(old), tierflow.open_dataset(packed)
+    assert all(b.tokens is None for s in ds.manifest.shards for b in s.blocks)
+    start = int(ds.token_starts[2]) + 100
+    assert ds.tokens(start, start + 50).tolist() == fresh.tokens(start, start + 50).tolist()
+    assert ds.source.opens == 1  # shard 2's offsets were read, no other shard was opened
+    positions = np.arange(0, ds.num_tokens, 11)
+    assert all(np.array_equal(a, b) for a, b in zip(ds.index.locate_tokens(positions),
+                                                    fresh.index.locate_tokens(positions)))
+
+
+def test_token_windows_copy_across_blocks_and_shards(packed):
+    ds = tierflow.open_dataset(packed, columns=["tokens"])
+    expected = stream(tierflow.open_dataset(packed))
+    reader = TokenReader(ds)
+    width = 700  # longer than some blocks: rows cross blocks, and shards
+    starts = np.array([0, 5, int(ds.token_starts[1]) - 3, int(ds.token_starts[2]) - 350, ds.num_tokens - width])
+    out = np.empty((starts.size, width), dtype=expected.dtype)
+    reader.copy_windows(out, starts)
+    for row, start in enumerate(starts.tolist()):
+        assert out[row].tolist() == expected[start:start + width].tolist()
+        assert ds.tokens(start, start + width).tolist() == expected[start:start + width].tolist()
+    assert reader.pieces > starts.size  # the crossing rows went piece by piece
+    with pytest.raises(IndexError, match="past the stream end"):
+        reader.copy_windows(out[:1], np.array([ds.num_tokens - width + 1]))
+
+
+def test_sample_lengths_come_from_the_offsets_in_any_order(packed):
+    ds = tierflow.open_dataset(packed)
+    lengths = SampleLengths(ds, "tokens")
+    ids = np.random.default_rng(0).permutation(len(ds))[:500]
+    assert lengths(ids).tolist() == [len(ds[int(i)]["tokens"]) for i in ids]
+    assert lengths(np.zeros(0, dtype=np.int64)).size == 0
+
+
+def test_a_dataset_without_tokens_says_so(tmp_path):
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(10)))
+    tierflow.pack([src], tmp_path / "out", workers=1)
+    ds = tierflow.open_dataset(tmp_path / "out")
+    with pytest.raises(TypeError, match="not a token dataset"):
+        TokenReader(ds)
+    with pytest.raises(TypeError, match="not a token dataset"):
+        ds.tokens(0, 1)
