@@ -175,13 +175,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 @command("gc")
 def _gc(args: argparse.Namespace) -> int:
-    from tierflow.format.manifest import MANIFEST_NAME, Manifest
+    from tierflow.format.manifest import Manifest
     from tierflow.pack.packer import DatasetLock, remove_unreferenced
 
     root = Path(args.dataset)
+    Manifest.load(root)  # not a dataset (no manifest): refuse before writing the lock into it
     with DatasetLock(root):
-        manifest = Manifest.load(root) if (root / MANIFEST_NAME).exists() else None
-        removed = remove_unreferenced(root, manifest)
+        removed = remove_unreferenced(root, Manifest.load(root))  # the manifest a finished pack left
     print(f"{root}: removed {len(removed)} unreferenced file(s)")
     return 0
 
