@@ -22,7 +22,8 @@ from pathlib import Path
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.testing import MotoS3Server, ProxyProcess, S3Endpoint, fake_credentials_env
 from tierflow.storage.budget import BandwidthBudget
-from tierflow.storage.remote import FsspecSource, S3Source
+from tierflow.storage.fsspec_source import FsspecSource
+from tierflow.storage.s3 import S3Source
 
 BLOCK = 1 << 20
 

@@ -19,13 +19,13 @@ from tierflow.storage.budget import BandwidthBudget
 from tierflow.storage.remote import (
     LocalSource,
     RetryPolicy,
-    S3Source,
     Source,
     SourceError,
     SourceNotFound,
     open_source,
     upload_dataset,
 )
+from tierflow.storage.s3 import S3Source
 
 FAST_RETRIES = RetryPolicy(retries=3, base_delay=0.001, max_delay=0.01)
 
