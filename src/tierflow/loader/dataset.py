@@ -16,7 +16,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
-from tierflow.format.manifest import Manifest
+from tierflow.storage.datasets import load_manifest
 from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import SampleLengths, TokenBudget
@@ -53,7 +53,8 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
 class TieredDataset(IterableDataset):
     """Batches of a packed dataset in the order's sequence for this rank; endless unless `eval`.
 
-    `data` is a dataset directory or an opened `Dataset`; `shard_source_factory()` makes the
+    `data` is a dataset directory, a URL (s3://..., with `endpoint_url`; read straight from the
+    source) or an opened `Dataset`; `shard_source_factory()` makes the
     per-process shard source (the tier stack) when given. Nothing that opens files or clients is
     created before iteration, so DataLoader workers build their own after fork. `batch_size` is
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
@@ -82,6 +83,7 @@ class TieredDataset(IterableDataset):
         world: WorldPosition | None = None,
         max_batches: int | None = None,
         shard_source_factory: Callable[[], ShardSource] | None = None,
+        endpoint_url: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -103,6 +105,7 @@ class TieredDataset(IterableDataset):
         self.max_batches = max_batches
         self.allow_mismatch = allow_mismatch
         self.shard_source_factory = shard_source_factory
+        self.endpoint_url = endpoint_url
         self.world = world if world is not None else WorldPosition.from_env()
         if isinstance(data, Dataset):
             self._given: Dataset | None = data
@@ -111,7 +114,7 @@ class TieredDataset(IterableDataset):
         else:
             self._given = None
             self.location = str(data)
-            manifest = Manifest.load(data)
+            manifest = load_manifest(data, endpoint_url)
         self.manifest = manifest
         self._columns = batcher.columns(manifest)
         index = data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
@@ -222,7 +225,8 @@ class TieredDataset(IterableDataset):
         elif self.shard_source_factory is not None:
             dataset = Dataset(self.manifest, self.shard_source_factory(), columns=self._columns, location=self.location)
         else:
-            dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest)
+            dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
+                                   endpoint_url=self.endpoint_url)
         self._context = SampleContext(dataset, self.seed, self.transform, self.filter)
         self._context_pid = os.getpid()
         return self._context

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tierflow.storage.remote import MULTIPART_BYTES, RetryingSource
+from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingSource
 
 
 class FsspecSource(RetryingSource):
@@ -66,15 +67,19 @@ class FsspecSource(RetryingSource):
             for block in chunks():
                 out.write(block)
 
-    def _list(self, prefix: str) -> list[str]:
+    def _entries(self, prefix: str) -> list[ObjectEntry]:
         directory = prefix.rpartition("/")[0]
         start = f"{self._root}/{directory}".rstrip("/") if self._root else directory
         root = f"{self._root}/" if self._root else ""
         try:
-            found = self.fs.find(start)
+            found = self.fs.find(start, detail=True)
         except FileNotFoundError:
             return []
-        return [path[len(root):] if path.startswith(root) else path for path in found]
+        return [ObjectEntry(path[len(root):] if path.startswith(root) else path, int(info.get("size") or 0),
+                            _modified(info)) for path, info in found.items()]
+
+    def _delete(self, key: str) -> None:
+        self.fs.rm_file(self._path(key))
 
     def _transient(self, exc: BaseException) -> bool:
         if super()._transient(exc):
@@ -84,3 +89,19 @@ class FsspecSource(RetryingSource):
         markers = ("Timeout", "Connection", "Throttl", "SlowDown", "IncompleteRead", "ResponseStreaming", "ServerError")
         text = f"{type(exc).__name__} {exc}"
         return any(marker in text for marker in markers) or re.search(r"\b5\d\d\b", text) is not None
+
+
+def _modified(info: dict[str, Any]) -> float | None:
+    """An fsspec listing's modification time as Unix seconds (backends name and type it their own way)."""
+    for field in ("mtime", "LastModified", "last_modified", "updated"):
+        value = info.get(field)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None

@@ -68,6 +68,16 @@ class RetryPolicy:
         return (rng or random).uniform(0.0, ceiling)
 
 
+@dataclass(frozen=True)
+class ObjectEntry:
+    """One object of a listing: its name under the source, size, and last modification (Unix
+    seconds, the store's clock; None where the store does not say)."""
+
+    name: str
+    size: int
+    modified: float | None
+
+
 class TruncatedBody(IOError):
     """A response body ended before the length it promised: never data, always retried."""
 
@@ -153,41 +163,53 @@ class RetryingSource:
         *,
         priority: Priority = "high",
     ) -> int:
-        """Stream the object to `dst` chunk by chunk; a retry resumes where the last attempt stopped.
+        """Stream the object to the file `dst`; see `read_into`."""
+        with open(dst, "wb") as out:
+            return self.read_into(name, out.write, expected_size, priority=priority)
+
+    def read_into(
+        self,
+        name: str,
+        write: Callable[[Any], Any],
+        expected_size: int | None = None,
+        *,
+        priority: Priority = "high",
+    ) -> int:
+        """Stream the object into `write` chunk by chunk, never holding it whole; a retry resumes
+        where the last attempt stopped, so `write` sees every byte once, in order.
 
         A size other than `expected_size` fails at once (the manifest and the store disagree).
         """
         key = check_name(self.url, name)
         progress = {"written": 0, "size": expected_size}
-        with open(dst, "wb") as out:
 
-            def attempt() -> int:
-                total, chunks = self._stream(key, progress["written"])
-                try:
-                    size = progress["size"]
-                    if size is None:
-                        progress["size"] = size = total
-                    elif total != size:
-                        raise SourceError(self.url, name, f"is {total} bytes, expected {size}")
-                    for chunk in chunks:
-                        written = progress["written"] + len(chunk)
-                        if written > size:
-                            raise SourceError(self.url, name, f"sent more than its {size} bytes")
-                        self._charge(len(chunk), priority, "in")
-                        try:
-                            out.write(chunk)
-                        except OSError as exc:
-                            raise _DestinationError(exc) from exc
-                        progress["written"] = written
-                    if progress["written"] < size:
-                        raise TruncatedBody(f"body ended at byte {progress['written']} of {size}")
-                    return size
-                finally:
-                    close = getattr(chunks, "close", None)
-                    if close is not None:
-                        close()
+        def attempt() -> int:
+            total, chunks = self._stream(key, progress["written"])
+            try:
+                size = progress["size"]
+                if size is None:
+                    progress["size"] = size = total
+                elif total != size:
+                    raise SourceError(self.url, name, f"is {total} bytes, expected {size}")
+                for chunk in chunks:
+                    written = progress["written"] + len(chunk)
+                    if written > size:
+                        raise SourceError(self.url, name, f"sent more than its {size} bytes")
+                    self._charge(len(chunk), priority, "in")
+                    try:
+                        write(chunk)
+                    except OSError as exc:
+                        raise _DestinationError(exc) from exc
+                    progress["written"] = written
+                if progress["written"] < size:
+                    raise TruncatedBody(f"body ended at byte {progress['written']} of {size}")
+                return size
+            finally:
+                close = getattr(chunks, "close", None)
+                if close is not None:
+                    close()
 
-            return self._retrying("download", name, attempt)
+        return self._retrying("download", name, attempt)
 
     def upload(self, src: str | Path, name: str, *, priority: Priority = "low") -> None:
         """Upload a local file; large files stream in parts, each charged to the budget."""
@@ -205,7 +227,26 @@ class RetryingSource:
 
     def list(self, prefix: str = "") -> list[str]:
         """Names of every object under the source that start with `prefix`, sorted."""
-        return self._retrying("list", prefix, lambda: sorted(n for n in self._list(prefix) if n.startswith(prefix)))
+        return [entry.name for entry in self.entries(prefix)]
+
+    def entries(self, prefix: str = "") -> list[ObjectEntry]:
+        """Every object under the source whose name starts with `prefix`, with size and age, by name."""
+        def attempt() -> list[ObjectEntry]:
+            return sorted((e for e in self._entries(prefix) if e.name.startswith(prefix)), key=lambda e: e.name)
+
+        return self._retrying("list", prefix, attempt)
+
+    def delete(self, name: str) -> None:
+        """Remove an object (`tierflow gc`); one already gone is not an error."""
+        key = check_name(self.url, name)
+
+        def attempt() -> None:
+            try:
+                self._delete(key)
+            except FileNotFoundError:
+                pass
+
+        self._retrying("delete", name, attempt)
 
     # the retry loop
 
@@ -274,7 +315,11 @@ class RetryingSource:
     def _put(self, key: str, src: Path, size: int, chunks: Callable[[], Iterator[bytes]]) -> None:
         raise NotImplementedError
 
-    def _list(self, prefix: str) -> list[str]:
+    def _entries(self, prefix: str) -> list[ObjectEntry]:
+        """Objects in the smallest listing that holds every name starting with `prefix`."""
+        raise NotImplementedError
+
+    def _delete(self, key: str) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -332,13 +377,22 @@ class LocalSource(RetryingSource):
         finally:
             temporary.unlink(missing_ok=True)
 
-    def _list(self, prefix: str) -> list[str]:
+    def _entries(self, prefix: str) -> list[ObjectEntry]:
         start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
-        names = []
+        found = []
         for directory, _, files in os.walk(start):
             for file in files:
-                names.append(os.path.relpath(os.path.join(directory, file), self.root).replace(os.sep, "/"))
-        return names
+                path = os.path.join(directory, file)
+                try:
+                    stat = os.stat(path)
+                except FileNotFoundError:  # removed while listing
+                    continue
+                name = os.path.relpath(path, self.root).replace(os.sep, "/")
+                found.append(ObjectEntry(name, stat.st_size, stat.st_mtime))
+        return found
+
+    def _delete(self, key: str) -> None:
+        self._path(key).unlink()
 
     def _transient(self, exc: BaseException) -> bool:
         if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError)):

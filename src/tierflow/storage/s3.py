@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tierflow.storage.fsspec_source import FsspecSource
-from tierflow.storage.remote import MULTIPART_BYTES, RetryingSource, TruncatedBody
+from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingSource, TruncatedBody
 
 _obstore_runtime_pid: int | None = None  # the process whose obstore (tokio) runtime has started
 _CLIENT_ERROR = re.compile(r"status code: (4\d\d)")
@@ -158,13 +158,21 @@ class S3Source(RetryingSource):
         else:
             obstore.put(self.store, key, chunks(), use_multipart=True, chunk_size=MULTIPART_BYTES, max_concurrency=4)
 
-    def _list(self, prefix: str) -> list[str]:
+    def _entries(self, prefix: str) -> list[ObjectEntry]:
         if (fallback := self._forked_fallback()) is not None:
-            return fallback._list(prefix)
+            return fallback._entries(prefix)
         import obstore
 
         directory = prefix.rpartition("/")[0] or None
-        return [meta["path"] for batch in obstore.list(self.store, directory, chunk_size=1000) for meta in batch]
+        return [ObjectEntry(meta["path"], int(meta["size"]), meta["last_modified"].timestamp())
+                for batch in obstore.list(self.store, directory, chunk_size=1000) for meta in batch]
+
+    def _delete(self, key: str) -> None:
+        if (fallback := self._forked_fallback()) is not None:
+            return fallback._delete(key)
+        import obstore
+
+        obstore.delete(self.store, key)
 
     def _transient(self, exc: BaseException) -> bool:
         from obstore.exceptions import GenericError
