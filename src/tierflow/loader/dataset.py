@@ -231,6 +231,12 @@ class TieredDataset(IterableDataset):
         self._context_pid = os.getpid()
         return self._context
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For spawn/forkserver workers: the reading context is per process, made again there."""
+        state = self.__dict__.copy()
+        state.update(_context=None, _context_pid=-1)
+        return state
+
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()

@@ -36,6 +36,12 @@ class FsspecSource(RetryingSource):
             self._fs_pid = os.getpid()
         return self._fs
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its filesystem object: the child makes its own on first use."""
+        state = self.__dict__.copy()
+        state.update(_fs=None, _fs_pid=-1)
+        return state
+
     def _path(self, key: str) -> str:
         self.fs  # resolves the root
         return f"{self._root}/{key}" if self._root else key

@@ -86,6 +86,12 @@ class S3Source(RetryingSource):
             self._fallback_pid = pid
         return self._fallback
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its client (spawn/forkserver workers): the child makes its own on first use."""
+        state = self.__dict__.copy()
+        state.update(_store=None, _store_pid=-1, _fallback=None, _fallback_pid=-1)
+        return state
+
     def _make_store(self) -> Any:
         from obstore.store import S3Store
 
