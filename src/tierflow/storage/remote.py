@@ -408,11 +408,10 @@ def open_source(
     retries: int = 5,
     timeout: float = 30.0,
     registry: MetricsRegistry | None = None,
-    backend: str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> RetryingSource:
-    """The source for `url`: a path or file:// -> LocalSource, s3:// -> S3Source (obstore;
-    `backend="fsspec"` for s3fs instead), anything else -> FsspecSource."""
+    """The source for `url`: a path or file:// -> LocalSource, s3:// -> S3Source (obstore, never
+    s3fs), anything else -> FsspecSource (`storage_options` go to its filesystem)."""
     from tierflow.storage.fsspec_source import FsspecSource
     from tierflow.storage.s3 import S3Source
 
@@ -420,14 +419,9 @@ def open_source(
     scheme = urlsplit(url).scheme if "://" in url else ""
     if scheme in ("", "file"):
         return LocalSource(urlsplit(url).path if scheme else url, **options)
-    if scheme == "s3" and backend in (None, "obstore"):
+    if scheme == "s3":
         return S3Source(url, endpoint_url=endpoint_url, **options)
-    if backend not in (None, "fsspec", "obstore"):
-        raise ValueError(f"source {url}: unknown backend {backend!r} (obstore or fsspec)")
-    storage = dict(storage_options or {})
-    if scheme == "s3" and endpoint_url:
-        storage.setdefault("endpoint_url", endpoint_url)
-    return FsspecSource(url, storage_options=storage, **options)
+    return FsspecSource(url, storage_options=storage_options, **options)
 
 
 def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low", **options: Any) -> int:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tierflow.storage.fsspec_source import FsspecSource
+from tierflow.errors import SourceError
 from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingSource, TruncatedBody
 
 _obstore_runtime_pid: int | None = None  # the process whose obstore (tokio) runtime has started
@@ -31,8 +30,9 @@ class S3Source(RetryingSource):
     from boto3's chain (config files, SSO, instance roles) when boto3 is installed.
 
     obstore's runtime does not survive fork: a child forked after its parent used obstore
-    hangs on its first request. Such a child (a DataLoader worker, typically) goes through
-    s3fs instead, with a warning; a child forked before any obstore use keeps obstore.
+    would hang on its first request, so it gets a SourceError saying what to do instead (a
+    child forked before any obstore use keeps obstore). Workers start with forkserver or spawn,
+    and this class pickles without its client.
     """
 
     scheme = "s3"
@@ -49,47 +49,28 @@ class S3Source(RetryingSource):
         )
         self._store: Any = None
         self._store_pid = -1
-        self._fallback: FsspecSource | None = None
-        self._fallback_pid = -1
 
     @property
     def store(self) -> Any:
-        """This process's obstore client, made on first use and again in a forked child."""
+        """This process's obstore client, made on first use; refused in a child forked after obstore
+        ran (its first request would hang for ever)."""
         global _obstore_runtime_pid
-        if self._store is None or self._store_pid != os.getpid():
-            self._store = self._make_store()
-            self._store_pid = os.getpid()
-        _obstore_runtime_pid = os.getpid()
-        return self._store
-
-    def _forked_fallback(self) -> FsspecSource | None:
-        """The s3fs twin of this source when obstore's runtime died in a fork, else None."""
         pid = os.getpid()
-        if _obstore_runtime_pid is None or _obstore_runtime_pid == pid:
-            return None
-        if self._fallback is None or self._fallback_pid != pid:
-            warnings.warn(
-                f"{self.url}: process {pid} was forked after its parent used obstore, whose runtime does "
-                "not survive fork; this process reads through s3fs (start workers with 'spawn' or "
-                "'forkserver', or before the first remote read, to keep obstore)",
-                stacklevel=4,
-            )
-            storage: dict[str, Any] = {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
-            # botocore's own timeouts, as obstore has them: without, a peer that never answers
-            # holds the reader for ever (our retries need an error to act on)
-            storage["config_kwargs"] = {"connect_timeout": self.timeout, "read_timeout": self.timeout,
-                                        "retries": {"max_attempts": 1}}
-            self._fallback = FsspecSource(
-                self.url, storage_options=storage, budget=self.budget, timeout=self.timeout,
-                registry=self.registry, retry_policy=self.retry_policy, chunk_bytes=self.chunk_bytes,
-            )
-            self._fallback_pid = pid
-        return self._fallback
+        if _obstore_runtime_pid not in (None, pid):
+            raise SourceError(self.url, "", f"process {pid} was forked after its parent used obstore, whose "
+                              "runtime does not survive fork; start DataLoader workers with "
+                              "multiprocessing_context='forkserver' or 'spawn' (tierflow's Loader does for "
+                              "object stores), or fork before the first remote read")
+        if self._store is None or self._store_pid != pid:
+            self._store = self._make_store()
+            self._store_pid = pid
+        _obstore_runtime_pid = pid
+        return self._store
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its client (spawn/forkserver workers): the child makes its own on first use."""
         state = self.__dict__.copy()
-        state.update(_store=None, _store_pid=-1, _fallback=None, _fallback_pid=-1)
+        state.update(_store=None, _store_pid=-1)
         return state
 
     def _make_store(self) -> Any:
@@ -121,15 +102,11 @@ class S3Source(RetryingSource):
         )
 
     def _head(self, key: str) -> int:
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._head(key)
         import obstore
 
         return int(obstore.head(self.store, key)["size"])
 
     def _get(self, key: str) -> bytes:
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._get(key)
         import obstore
 
         result = obstore.get(self.store, key)
@@ -139,15 +116,11 @@ class S3Source(RetryingSource):
         return data
 
     def _get_range(self, key: str, offset: int, length: int) -> bytes:
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._get_range(key, offset, length)
         import obstore
 
         return bytes(obstore.get_range(self.store, key, start=offset, length=length))
 
     def _stream(self, key: str, offset: int) -> tuple[int, Iterator[Any]]:
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._stream(key, offset)
         import obstore
 
         options = {"range": {"offset": offset}} if offset else None
@@ -155,8 +128,6 @@ class S3Source(RetryingSource):
         return int(result.meta["size"]), iter(result.stream(min_chunk_size=self.chunk_bytes))
 
     def _put(self, key: str, src: Path, size: int, chunks: Callable[[], Iterator[bytes]]) -> None:
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._put(key, src, size, chunks)
         import obstore
 
         if size <= MULTIPART_BYTES:
@@ -165,8 +136,6 @@ class S3Source(RetryingSource):
             obstore.put(self.store, key, chunks(), use_multipart=True, chunk_size=MULTIPART_BYTES, max_concurrency=4)
 
     def _entries(self, prefix: str) -> list[ObjectEntry]:
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._entries(prefix)
         import obstore
 
         directory = prefix.rpartition("/")[0] or None
@@ -174,8 +143,6 @@ class S3Source(RetryingSource):
                 for batch in obstore.list(self.store, directory, chunk_size=1000) for meta in batch]
 
     def _delete(self, key: str) -> None:
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._delete(key)
         import obstore
 
         obstore.delete(self.store, key)
@@ -183,16 +150,12 @@ class S3Source(RetryingSource):
     def _transient(self, exc: BaseException) -> bool:
         from obstore.exceptions import GenericError
 
-        if (fallback := self._forked_fallback()) is not None:
-            return fallback._transient(exc)
         if super()._transient(exc):
             return True
         if not isinstance(exc, GenericError):
             return False
         status = _CLIENT_ERROR.search(str(exc))
         return status is None or status.group(1) in _RETRYABLE_CLIENT_STATUSES
-
-
 
 
 def _boto3_credentials() -> Any:
