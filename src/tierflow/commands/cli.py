@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
                    help="a tier of this node (default: none, read the source directly)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
-    p.add_argument("--bandwidth", type=_size, default=None, help="node bandwidth budget for the source, bytes/s")
+    p.add_argument("--bandwidth", type=_size, default=None,
+                   help="this job's cap on its fetches, bytes/s (under the node's TIERFLOW_NODE_BANDWIDTH)")
     p.add_argument("--log", help="write the run's JSONL event log here (for report and top)")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve metrics on 127.0.0.1:PORT")
 

@@ -411,10 +411,12 @@ def open_source(
     storage_options: dict[str, Any] | None = None,
 ) -> RetryingSource:
     """The source for `url`: a path or file:// -> LocalSource, s3:// -> S3Source (obstore, never
-    s3fs), anything else -> FsspecSource (`storage_options` go to its filesystem)."""
+    s3fs), anything else -> FsspecSource (`storage_options` go to its filesystem). Without a
+    `budget`, the source charges the node's (TIERFLOW_NODE_BANDWIDTH), which no job opts out of."""
     from tierflow.storage.fsspec_source import FsspecSource
     from tierflow.storage.s3 import S3Source
 
+    budget = budget if budget is not None else BandwidthBudget(registry=registry)
     options: dict[str, Any] = {"budget": budget, "retries": retries, "timeout": timeout, "registry": registry}
     scheme = urlsplit(url).scheme if "://" in url else ""
     if scheme in ("", "file"):
