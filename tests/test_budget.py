@@ -194,21 +194,24 @@ def _spend(path: str, rate: float | None, burst: int | None, total: int, chunk: 
     out.put((start, time.monotonic()))
 
 
+def _two_processes_spending(*args: object) -> float:
+    """Seconds from the first start to the last finish of two spawned processes running `_spend(*args)`."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    processes = [context.Process(target=_spend, args=(*args[:5], out, *args[5:])) for _ in range(2)]
+    for process in processes:
+        process.start()
+    spans = [out.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(timeout=10)
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
 @pytest.mark.slow
 def test_two_processes_sharing_a_budget_together_stay_within_its_rate(tmp_path: Path) -> None:
     rate, burst, each, chunk = 2_000_000.0, 200_000, 2_000_000, 50_000
     BandwidthBudget(rate, path=tmp_path / "budget", burst=burst)
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    workers = [
-        context.Process(target=_spend, args=(str(tmp_path / "budget"), rate, burst, each, chunk, out)) for _ in range(2)
-    ]
-    for worker in workers:
-        worker.start()
-    spans = [out.get(timeout=60) for _ in workers]
-    for worker in workers:
-        worker.join(timeout=10)
-    elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
+    elapsed = _two_processes_spending(str(tmp_path / "budget"), rate, burst, each, chunk)
     floor = (2 * each - burst) / rate  # 1.9 s: what the bucket allows at best
     assert elapsed >= 0.9 * floor
 
@@ -217,15 +220,6 @@ def test_two_processes_sharing_a_budget_together_stay_within_its_rate(tmp_path: 
 def test_two_live_jobs_share_the_node_budget(tmp_path: Path, monkeypatch) -> None:
     rate, each, chunk = 2_000_000.0, 2_000_000, 50_000
     monkeypatch.setenv(NODE_BANDWIDTH_ENV, str(rate))  # the operator's, in both jobs' environment
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    jobs = [context.Process(target=_spend, args=(None, None, None, each, chunk, out, str(tmp_path / "node")))
-            for _ in range(2)]
-    for job in jobs:
-        job.start()
-    spans = [out.get(timeout=60) for _ in jobs]
-    for job in jobs:
-        job.join(timeout=10)
-    elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
+    elapsed = _two_processes_spending(None, None, None, each, chunk, str(tmp_path / "node"))
     floor = (2 * each - (1 << 20)) / rate  # 1.5 s: what one 1 MiB-deep bucket at the node's rate allows
     assert elapsed >= 0.9 * floor
