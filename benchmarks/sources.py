@@ -7,6 +7,7 @@ reads of single 1 MiB blocks; first the bare library, then tierflow's source on 
 (retries, budget accounting, metrics). moto's own speed is not what is measured; wall MB/s
 is printed for context only. The proxy counts the requests each client made.
 Run: .venv/bin/python benchmarks/sources.py [--objects 8] [--object-mb 32] [--blocks 128]
+(the s3fs rows need s3fs: `pip install s3fs`, or the bench extra; without it, obstore rows only)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from tierflow.telemetry.metrics import MetricsRegistry
 from _harness import s3_rig
 from tierflow.testing import ProxyProcess, S3Endpoint
 from tierflow.storage.budget import BandwidthBudget
-from tierflow.storage.remote import FsspecSource, S3Source
+from tierflow.storage.fsspec_source import FsspecSource
+from tierflow.storage.s3 import S3Source
 
 BLOCK = 1 << 20
 
@@ -59,18 +61,21 @@ def main() -> None:
             seeder.upload_file(str(payload), bucket, f"ds/{name}")
         dst = Path(tmp) / "dst"
 
-        import fsspec  # noqa: F401  (imported before timing, like obstore below)
         import obstore
-        import s3fs
         from obstore.store import S3Store
 
+        try:  # imported before timing, like obstore
+            import s3fs
+        except ImportError:
+            s3fs = None
+            print("s3fs is not installed (it comes with the bench extra, never with s3): obstore rows only")
         store = S3Store(bucket, prefix="ds", **endpoint.obstore_options())
-        filesystem = s3fs.S3FileSystem(**endpoint.s3fs_storage_options(), skip_instance_cache=True)
         budget = BandwidthBudget(1e12, path=Path(tmp) / "budget")  # charged, never binding
         ours_obstore = S3Source(f"s3://{bucket}/ds", endpoint_url=proxy.url, budget=budget, registry=MetricsRegistry())
-        ours_s3fs = FsspecSource(
-            f"s3://{bucket}/ds", storage_options=endpoint.s3fs_storage_options(), budget=budget, registry=MetricsRegistry()
-        )
+        if s3fs is not None:
+            filesystem = s3fs.S3FileSystem(**endpoint.s3fs_storage_options(), skip_instance_cache=True)
+            ours_s3fs = FsspecSource(f"s3://{bucket}/ds", storage_options=endpoint.s3fs_storage_options(),
+                                     budget=budget, registry=MetricsRegistry())
 
         def obstore_download() -> int:
             moved = 0
@@ -97,17 +102,18 @@ def main() -> None:
         def ours_ranges(source: S3Source | FsspecSource) -> Callable[[], int]:
             return lambda: sum(len(source.read_range(n, o, BLOCK)) for n, o in offsets)
 
-        obstore_ranges(), s3fs_ranges()  # warm: connections, credentials, imports
-        rows = [
-            measure("download  obstore (bare)", obstore_download, proxy),
-            measure("download  s3fs (bare, get_file)", s3fs_download, proxy),
-            measure("download  tierflow S3Source (obstore)", ours_download(ours_obstore), proxy),
-            measure("download  tierflow FsspecSource (s3fs)", ours_download(ours_s3fs), proxy),
-            measure("1MiB range obstore (bare)", obstore_ranges, proxy),
-            measure("1MiB range s3fs (bare, cat_file)", s3fs_ranges, proxy),
-            measure("1MiB range tierflow S3Source (obstore)", ours_ranges(ours_obstore), proxy),
-            measure("1MiB range tierflow FsspecSource (s3fs)", ours_ranges(ours_s3fs), proxy),
-        ]
+        runs = [("download  obstore (bare)", obstore_download),
+                ("download  tierflow S3Source (obstore)", ours_download(ours_obstore)),
+                ("1MiB range obstore (bare)", obstore_ranges),
+                ("1MiB range tierflow S3Source (obstore)", ours_ranges(ours_obstore))]
+        obstore_ranges()  # warm: connections, credentials, imports
+        if s3fs is not None:
+            s3fs_ranges()
+            runs += [("download  s3fs (bare, get_file)", s3fs_download),
+                     ("download  tierflow FsspecSource (s3fs)", ours_download(ours_s3fs)),
+                     ("1MiB range s3fs (bare, cat_file)", s3fs_ranges),
+                     ("1MiB range tierflow FsspecSource (s3fs)", ours_ranges(ours_s3fs))]
+        rows = [measure(label, run, proxy) for label, run in runs]
 
     print(f"\n{args.objects} objects x {args.object_mb} MiB downloaded, {args.blocks} ranged 1 MiB reads, "
           "through the loopback proxy; moto and the proxy in other processes\n")

@@ -8,12 +8,13 @@ import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from tierflow.telemetry.metrics import MetricsRegistry
-from tierflow.storage.budget import BandwidthBudget, refilled
+from tierflow.storage.budget import NODE_BANDWIDTH_ENV, BandwidthBudget, node_bandwidth, refilled
 
 
 def test_an_unlimited_budget_never_waits_and_touches_no_file(tmp_path: Path) -> None:
@@ -75,11 +76,56 @@ def test_a_corrupt_state_file_is_read_as_a_full_bucket(tmp_path: Path) -> None:
     assert budget.available() == 5000
 
 
-def test_a_node_reconfigured_with_another_rate_warns_and_uses_the_new_one(tmp_path: Path) -> None:
-    BandwidthBudget(1000.0, path=tmp_path / "budget", burst=5000)
-    with pytest.warns(UserWarning, match="was configured as 1000 B/s"):
-        budget = BandwidthBudget(2000.0, path=tmp_path / "budget", burst=5000)
-    assert budget.rate == 2000.0
+def test_rates_live_in_each_process_not_in_the_file(tmp_path: Path) -> None:
+    first = BandwidthBudget(1000.0, path=tmp_path / "budget", burst=5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = BandwidthBudget(2000.0, path=tmp_path / "budget", burst=5000)
+    assert (first.rate, second.rate) == (1000.0, 2000.0)
+
+
+def _job(rate: float | None, nbytes: int, out: multiprocessing.Queue) -> None:
+    budget = BandwidthBudget(rate)  # a job of its own: no path, its cap private to it
+    started = time.monotonic()
+    budget.acquire(nbytes)
+    out.put((str(budget.path), time.monotonic() - started))
+
+
+def test_a_jobs_own_cap_goes_with_it_and_never_throttles_the_next_job(tmp_path: Path, monkeypatch) -> None:
+    from tierflow.tiers import build_stack
+
+    monkeypatch.delenv(NODE_BANDWIDTH_ENV, raising=False)
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    job_a = context.Process(target=_job, args=(2e6, 3_000_000, out))
+    job_a.start()
+    path, waited = out.get(timeout=60)
+    job_a.join(timeout=30)
+    assert job_a.exitcode == 0 and waited > 0.5  # A was held to its 2 MB/s
+    assert not Path(path).exists()  # and left nothing behind
+    job_b = BandwidthBudget()
+    assert job_b.unlimited and job_b.acquire(10**10) == 0.0
+    assert build_stack(str(tmp_path)).source.budget.rate is None  # B's stack: no cap it did not ask for
+    job_c = BandwidthBudget(1e9)  # a job with its own cap has its own bucket, whatever A had
+    assert job_c.path != Path(path) and job_c.acquire(10**8) == 0.0
+
+
+def test_a_job_can_only_ask_for_less_than_the_node_budget(tmp_path: Path) -> None:
+    greedy = BandwidthBudget(1e12, node_rate=1e6, node_path=tmp_path / "node")
+    modest = BandwidthBudget(1e5, node_rate=1e9, node_path=tmp_path / "node")
+    assert (greedy.rate, modest.rate) == (1e6, 1e5)
+    waited = greedy.acquire((1 << 20) + 200_000)  # the node's bucket: 1 MiB deep, at 1 MB/s
+    assert 0.15 <= waited <= 0.3
+
+
+def test_the_node_budget_comes_from_the_operators_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(NODE_BANDWIDTH_ENV, "2e6")
+    assert node_bandwidth() == 2e6 and BandwidthBudget(node_path=tmp_path / "node").rate == 2e6
+    monkeypatch.setenv(NODE_BANDWIDTH_ENV, "fast")
+    with pytest.raises(ValueError, match=NODE_BANDWIDTH_ENV):
+        BandwidthBudget(node_path=tmp_path / "node")
+    monkeypatch.delenv(NODE_BANDWIDTH_ENV)
+    assert node_bandwidth() is None and BandwidthBudget().unlimited
 
 
 def test_waits_and_bytes_are_counted_in_the_registry(tmp_path: Path) -> None:
@@ -139,28 +185,41 @@ def test_a_holder_killed_with_sigkill_does_not_block_the_others(tmp_path: Path) 
     assert budget.acquire(1000) == 0.0
 
 
-def _spend(path: str, rate: float, burst: int, total: int, chunk: int, out: multiprocessing.Queue) -> None:
-    budget = BandwidthBudget(rate, path=path, burst=burst)
+def _spend(path: str, rate: float | None, burst: int | None, total: int, chunk: int, out: multiprocessing.Queue,
+           node_path: str | None = None) -> None:
+    budget = BandwidthBudget(rate, path=path, burst=burst, node_path=node_path)
     start = time.monotonic()
     for _ in range(total // chunk):
         budget.acquire(chunk)
     out.put((start, time.monotonic()))
 
 
+def _two_processes_spending(*args: object) -> float:
+    """Seconds from the first start to the last finish of two spawned processes running `_spend(*args)`."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    processes = [context.Process(target=_spend, args=(*args[:5], out, *args[5:])) for _ in range(2)]
+    for process in processes:
+        process.start()
+    spans = [out.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(timeout=10)
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
 @pytest.mark.slow
 def test_two_processes_sharing_a_budget_together_stay_within_its_rate(tmp_path: Path) -> None:
     rate, burst, each, chunk = 2_000_000.0, 200_000, 2_000_000, 50_000
     BandwidthBudget(rate, path=tmp_path / "budget", burst=burst)
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    workers = [
-        context.Process(target=_spend, args=(str(tmp_path / "budget"), rate, burst, each, chunk, out)) for _ in range(2)
-    ]
-    for worker in workers:
-        worker.start()
-    spans = [out.get(timeout=60) for _ in workers]
-    for worker in workers:
-        worker.join(timeout=10)
-    elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
+    elapsed = _two_processes_spending(str(tmp_path / "budget"), rate, burst, each, chunk)
     floor = (2 * each - burst) / rate  # 1.9 s: what the bucket allows at best
+    assert elapsed >= 0.9 * floor
+
+
+@pytest.mark.slow
+def test_two_live_jobs_share_the_node_budget(tmp_path: Path, monkeypatch) -> None:
+    rate, each, chunk = 2_000_000.0, 2_000_000, 50_000
+    monkeypatch.setenv(NODE_BANDWIDTH_ENV, str(rate))  # the operator's, in both jobs' environment
+    elapsed = _two_processes_spending(None, None, None, each, chunk, str(tmp_path / "node"))
+    floor = (2 * each - (1 << 20)) / rate  # 1.5 s: what one 1 MiB-deep bucket at the node's rate allows
     assert elapsed >= 0.9 * floor

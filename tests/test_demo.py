@@ -22,3 +22,20 @@ def test_demo_runs_end_to_end_at_a_reduced_size(tmp_path):
     assert any(e.get("kind") == "batch" for e in events)
     assert (tmp_path / "demo" / "report.png").stat().st_size > 0
     json.dumps(result)  # the summary is plain data
+
+
+DEMO = "import sys; from tierflow.commands.demo import run_demo; run_demo(sys.argv[1], max_files=60, step_ms=2.0, " \
+       "epochs=1, train_steps=10, bandwidth=float(sys.argv[2]), seq_len=256)"
+
+
+@pytest.mark.slow
+def test_demos_with_other_bandwidths_print_no_python_warning(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    for run, bandwidth in enumerate(("20e6", "30e6")):  # a second job asking for another cap on the node
+        done = subprocess.run([sys.executable, "-W", "default", "-c", DEMO, str(tmp_path / f"demo{run}"), bandwidth],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "100"})
+        assert done.returncode == 0, done.stderr
+        assert "Warning" not in done.stderr and "Warning" not in done.stdout, done.stderr + done.stdout

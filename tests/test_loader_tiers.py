@@ -121,25 +121,32 @@ from tierflow.loader import Loader, TieredDataset
 from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
 
-url, endpoint, root, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-tiers = [TierConfig("L1", root + "/l1", 1 << 30, form="decoded"), TierConfig("L2", root + "/l2", 1 << 30, form="at_rest")]
-stack = build_stack(url, tiers, endpoint_url=endpoint)
-ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
-dist.init_process_group("gloo")
-loader = Loader(ds, num_workers=2, stager=Stager(ds, stack))
-ids, epochs = [], []
-for step, batch in enumerate(loader):
-    ids.append(batch["tf_sample_ids"].tolist())
-    epochs.append(batch["tf_epochs"].tolist())
-    if step + 1 == steps:
-        break
-loader.close()
-local = torch.tensor([ids, epochs], dtype=torch.int64)
-gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-dist.all_gather(gathered, local)
-dist.destroy_process_group()
-if ds.world.rank == 0:
-    json.dump([g.tolist() for g in gathered], open(out, "w"))
+
+def main():
+    url, endpoint, root, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    tiers = [TierConfig("L1", root + "/l1", 1 << 30, form="decoded"), TierConfig("L2", root + "/l2", 1 << 30, form="at_rest")]
+    stack = build_stack(url, tiers, endpoint_url=endpoint)
+    ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
+    dist.init_process_group("gloo")
+    loader = Loader(ds, num_workers=2, stager=Stager(ds, stack))
+    ids, epochs = [], []
+    for step, batch in enumerate(loader):
+        ids.append(batch["tf_sample_ids"].tolist())
+        epochs.append(batch["tf_epochs"].tolist())
+        if step + 1 == steps:
+            break
+    loader.close()
+    local = torch.tensor([ids, epochs], dtype=torch.int64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    dist.destroy_process_group()
+    if ds.world.rank == 0:
+        with open(out, "w") as f:
+            json.dump([g.tolist() for g in gathered], f)
+
+
+if __name__ == "__main__":  # workers start with forkserver over an object store: the script is imported
+    main()
 '''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
@@ -202,3 +209,57 @@ def test_the_stager_serves_the_nodes_prometheus_endpoint(tmp_path, s3_tokens):
     stager.exporter.stop()
     names = {family.name for family in text_string_to_metric_families(text)}
     assert any("tier_hits" in n for n in names) and any("stager_fetches" in n for n in names), sorted(names)
+
+
+WORKERS_SCRIPT = r'''
+import json, sys
+from tierflow.loader import Loader, TieredDataset
+from tierflow.tiers import TierConfig, build_stack
+
+
+def main():
+    url, endpoint, root, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    stack = build_stack(url, [TierConfig("L2", root + "/l2", 1 << 30, form="at_rest")], endpoint_url=endpoint)
+    loader = Loader(TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS), num_workers=2)
+    ids, epochs, tokens = [], [], []
+    for step, batch in enumerate(loader):
+        ids += batch["tf_sample_ids"].tolist()
+        epochs += batch["tf_epochs"].tolist()
+        tokens.append(sum(int(t.sum()) for t in batch["tokens"]))
+        if step + 1 == steps:
+            break
+    loader.close()
+    with open(out, "w") as f:
+        json.dump({"ids": ids, "epochs": epochs, "tokens": tokens}, f)
+
+
+if __name__ == "__main__":  # workers start with forkserver over an object store: the script is imported
+    main()
+'''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
+
+
+def test_two_workers_read_an_epoch_from_s3_through_l2_with_obstore_in_every_process(tmp_path, s3_tokens, s3_server):
+    local, url, proxy = s3_tokens
+    here = TieredDataset(str(local), batch_size=BATCH, partitions=PARTITIONS)
+    steps = 3 * here.num_order_samples // (2 * BATCH)  # into epoch 1: every partition finished epoch 0
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS_SCRIPT)
+    env = {**os.environ, **s3_server.endpoint.env(), "PYTHONWARNINGS": "default"}
+    env.pop("AWS_ENDPOINT_URL", None)
+    run = subprocess.run([sys.executable, str(script), url, proxy.url, str(tmp_path / "node"),
+                          str(tmp_path / "out.json"), str(steps)], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert "Warning" not in run.stderr and "s3fs" not in run.stderr, run.stderr
+    got = json.loads((tmp_path / "out.json").read_text())
+    want_ids, want_epochs, want_tokens = [], [], []
+    for step, batch in enumerate(Loader(here)):  # the same order read here, in one process
+        want_ids += batch["tf_sample_ids"].tolist()
+        want_epochs += batch["tf_epochs"].tolist()
+        want_tokens.append(sum(int(t.sum()) for t in batch["tokens"]))
+        if step + 1 == steps:
+            break
+    assert (got["ids"], got["epochs"], got["tokens"]) == (want_ids, want_epochs, want_tokens)
+    assert sorted(i for i, e in zip(got["ids"], got["epochs"]) if e == 0) == list(range(here.num_order_samples))
+    for info in tierflow.open_dataset(local).manifest.shards:  # through L2: each shard fetched once
+        assert proxy.traffic().response_bytes("GET", key=info.name) <= info.bytes, info.name

@@ -73,3 +73,24 @@ def test_capacities_take_shares_and_sizes_and_refuse_nonsense():
             parse_capacity(bad)
     with pytest.raises(ValueError, match="NAME=PATH"):
         TierConfig.parse("/nvme/tf")
+
+
+UNGUARDED = """
+import tierflow, sys
+loader = tierflow.open_loader(sys.argv[1], batch_size=4, seq_len=32, num_workers=2,
+                              multiprocessing_context="forkserver")
+for batch in loader:
+    break
+"""
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tokens, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED)
+    done = subprocess.run([sys.executable, str(script), tokens], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "MainGuardError" in done.stderr and 'if __name__ == "__main__":' in done.stderr

@@ -6,7 +6,6 @@ import errno
 import json
 import multiprocessing
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,13 @@ from tierflow.storage.budget import BandwidthBudget
 from tierflow.storage.remote import (
     LocalSource,
     RetryPolicy,
-    S3Source,
     Source,
     SourceError,
     SourceNotFound,
     open_source,
     upload_dataset,
 )
+from tierflow.storage.s3 import S3Source
 
 FAST_RETRIES = RetryPolicy(retries=3, base_delay=0.001, max_delay=0.01)
 
@@ -226,34 +225,65 @@ def test_every_byte_moved_is_charged_to_the_budget_at_its_priority(
 
 
 def _read_in_child(source: S3Source, queue: multiprocessing.Queue) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        data = source.read_range("x.bin", 0, 1000)
-    queue.put((data, [str(w.message) for w in caught]))
+    try:
+        queue.put(("read", source.read_range("x.bin", 0, 1000)))
+    except SourceError as exc:
+        queue.put(("refused", str(exc)))
 
 
-def test_a_child_forked_after_obstore_ran_reads_through_s3fs_and_says_so(s3_source: S3Source, blob: Path) -> None:
+def test_a_child_forked_after_obstore_ran_is_refused_at_once_saying_what_to_do(s3_source: S3Source, blob: Path) -> None:
     s3_source.upload(blob, "x.bin")
     parent_store = s3_source.store
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_read_in_child, args=(s3_source, queue))
     child.start()
-    got, said = queue.get(timeout=30)
+    outcome, said = queue.get(timeout=30)  # obstore would hang here; no s3fs to fall back on
     child.join(timeout=30)
-    assert child.exitcode == 0 and got == blob.read_bytes()[:1000]
-    assert any("forked after its parent used obstore" in message for message in said)
+    assert child.exitcode == 0 and outcome == "refused"
+    assert "forked after its parent used obstore" in said and "forkserver" in said and s3_source.url in said
     assert s3_source.store is parent_store
 
 
-def test_s3_through_fsspec_reads_the_same_bytes(s3_proxy: LoopbackProxy, s3_bucket: str, blob: Path, tmp_path: Path) -> None:
-    source = open_source(f"s3://{s3_bucket}/via", endpoint_url=s3_proxy.url, backend="fsspec")
+def test_a_pickled_s3_source_reads_in_a_spawned_process_through_its_own_client(s3_source: S3Source, blob: Path) -> None:
+    s3_source.upload(blob, "x.bin")
+    s3_source.store  # this process's client exists, and does not travel
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_read_in_child, args=(s3_source, queue))
+    child.start()
+    outcome, got = queue.get(timeout=60)
+    child.join(timeout=30)
+    assert (outcome, got) == ("read", blob.read_bytes()[:1000])
+
+
+def test_s3_urls_never_need_s3fs(s3_proxy: LoopbackProxy, s3_bucket: str, blob: Path, monkeypatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_s3fs(name: str, *args, **kwargs):
+        if name.split(".")[0] in ("s3fs", "aiobotocore", "fsspec"):
+            raise ImportError(f"{name} is not installed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_s3fs)
+    source = open_source(f"s3://{s3_bucket}/plain", endpoint_url=s3_proxy.url)
+    source.upload(blob, "f.bin")
+    assert source.read_range("f.bin", 3, 30) == blob.read_bytes()[3:33] and source.list() == ["f.bin"]
+
+
+def test_other_fsspec_urls_go_through_fsspec(blob: Path, tmp_path: Path) -> None:
+    pytest.importorskip("fsspec")
+    source = open_source(f"memory://tierflow-test-{os.getpid()}/via")
     source.upload(blob, "f.bin")
     data = blob.read_bytes()
-    assert source.list() == ["f.bin"]
+    assert source.list() == ["f.bin"] and [e.size for e in source.entries()] == [len(data)]
     assert source.read_range("f.bin", 7, 70) == data[7:77]
     assert source.download("f.bin", tmp_path / "out") == len(data)
     assert (tmp_path / "out").read_bytes() == data
+    source.delete("f.bin")
+    assert source.list() == []
 
 
 # datasets

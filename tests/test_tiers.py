@@ -19,7 +19,7 @@ from tierflow.storage.remote import open_source, upload_dataset
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
 
-FORK = mp.get_context("fork")
+PROCESSES = mp.get_context("forkserver")  # obstore, used here first, does not survive a fork
 
 
 def make_dataset(tmp_path: Path, n: int = 2400, seed: int = 0) -> Path:
@@ -88,8 +88,8 @@ def _ensure_all(url: str, proxy_url: str, root: str, barrier, queue) -> None:
 def test_four_processes_fetch_each_shard_exactly_once(tmp_path, s3_dataset):
     local, url, proxy = s3_dataset
     manifest = tierflow.open_dataset(local).manifest
-    barrier, queue = FORK.Barrier(4), FORK.Queue()
-    procs = [FORK.Process(target=_ensure_all, args=(url, proxy.url, str(tmp_path / "node"), barrier, queue))
+    barrier, queue = PROCESSES.Barrier(4), PROCESSES.Queue()
+    procs = [PROCESSES.Process(target=_ensure_all, args=(url, proxy.url, str(tmp_path / "node"), barrier, queue))
              for _ in range(4)]
     for p in procs:
         p.start()
@@ -113,8 +113,8 @@ def test_fetcher_killed_with_sigkill_others_take_over(tmp_path, s3_dataset):
     local, url, proxy = s3_dataset
     info = tierflow.open_dataset(local).manifest.shards[0]
     proxy.set_bandwidth(20_000)  # the first fetch takes many seconds
-    started = FORK.Event()
-    victim = FORK.Process(target=_slow_fetch_then_hang, args=(url, proxy.url, str(tmp_path / "node"), started))
+    started = PROCESSES.Event()
+    victim = PROCESSES.Process(target=_slow_fetch_then_hang, args=(url, proxy.url, str(tmp_path / "node"), started))
     victim.start()
     assert started.wait(30)
     tmp_dir = tmp_path / "node" / "l2" / "tmp"
@@ -156,7 +156,7 @@ def test_capacity_holds_and_pinned_entries_survive_a_multi_process_hammer(tmp_pa
     l2 = stack.tiers[0]
     held = stack.ensure(shards[0])  # pinned for the whole test
     inode = os.stat(held.path).st_ino
-    procs = [FORK.Process(target=_hammer, args=(url, proxy.url, str(tmp_path / "node"), capacity, seed, 40))
+    procs = [PROCESSES.Process(target=_hammer, args=(url, proxy.url, str(tmp_path / "node"), capacity, seed, 40))
              for seed in range(3)]
     for p in procs:
         p.start()

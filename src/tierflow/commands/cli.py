@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -61,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
     p = sub.add_parser("inspect", help="manifest summary and the first samples")
-    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("dataset", help="dataset directory or URL (s3://bucket/prefix, file://...)")
     p.add_argument("-n", type=int, default=3, help="samples to show")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
     p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad shard and block")
-    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("dataset", help="dataset directory or URL (a remote shard is hashed as it streams)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
     p = sub.add_parser("cache", help="show, warm, evict or clean a node's tiers")
     p.add_argument("action", choices=("ls", "warm", "evict", "clean"),
@@ -79,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo-out", help="folder for the packed data, event log and report")
     p.add_argument("--max-files", type=int, default=None, help="a reduced run (CI)")
 
-    p = sub.add_parser("gc", help="remove files of a dataset directory that no manifest references")
-    p.add_argument("dataset", help="dataset directory or URL")
+    p = sub.add_parser("gc", help="remove the shards of a dataset (directory or URL) that its manifest does not "
+                                  "reference")
+    p.add_argument("dataset", help="dataset directory or URL (on a URL, shards written after the manifest stay)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
     p = sub.add_parser("bench", help="the loader driving a step vs the dry run (same batches preloaded)")
     p.add_argument("dataset", help="dataset directory or URL")
@@ -92,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
                    help="a tier of this node (default: none, read the source directly)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
-    p.add_argument("--bandwidth", type=_size, default=None, help="node bandwidth budget for the source, bytes/s")
+    p.add_argument("--bandwidth", type=_size, default=None,
+                   help="this job's cap on its fetches, bytes/s (under the node's TIERFLOW_NODE_BANDWIDTH)")
     p.add_argument("--log", help="write the run's JSONL event log here (for report and top)")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve metrics on 127.0.0.1:PORT")
 
@@ -146,7 +150,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from tierflow import open_dataset
 
-    ds = open_dataset(args.dataset)
+    ds = open_dataset(args.dataset, endpoint_url=args.endpoint_url)
     m = ds.manifest
     console = Console()
     at_rest = sum(s.bytes for s in m.shards)
@@ -169,11 +173,17 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from tierflow.format.manifest import Manifest
     from tierflow.format.shard import verify_shard
+    from tierflow.storage.datasets import local_path, read_manifest, verify_source
+    from tierflow.storage.remote import open_source
 
-    manifest = Manifest.load(args.dataset)
-    problems = []
-    for info in manifest.shards:
-        problems += verify_shard(Path(args.dataset) / info.name, info)
+    root = local_path(args.dataset)
+    if root is not None:
+        manifest = Manifest.load(root)
+        problems = [p for info in manifest.shards for p in verify_shard(root / info.name, info)]
+    else:
+        source = open_source(args.dataset, endpoint_url=args.endpoint_url)
+        manifest = read_manifest(source)
+        problems = verify_source(source, manifest)
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
@@ -185,13 +195,19 @@ def _verify(args: argparse.Namespace) -> int:
 
 @command("gc")
 def _gc(args: argparse.Namespace) -> int:
-    from tierflow.format.manifest import MANIFEST_NAME, Manifest
+    from tierflow.format.manifest import Manifest
     from tierflow.pack.packer import DatasetLock, remove_unreferenced
+    from tierflow.storage.datasets import collect_garbage, local_path
+    from tierflow.storage.remote import open_source
 
-    root = Path(args.dataset)
+    root = local_path(args.dataset)
+    if root is None:
+        removed = collect_garbage(open_source(args.dataset, endpoint_url=args.endpoint_url))
+        print(f"{args.dataset}: removed {len(removed)} unreferenced object(s)")
+        return 0
+    Manifest.load(root)  # not a dataset (no manifest): refuse before writing the lock into it
     with DatasetLock(root):
-        manifest = Manifest.load(root) if (root / MANIFEST_NAME).exists() else None
-        removed = remove_unreferenced(root, manifest)
+        removed = remove_unreferenced(root, Manifest.load(root))  # the manifest a finished pack left
     print(f"{root}: removed {len(removed)} unreferenced file(s)")
     return 0
 

@@ -158,19 +158,31 @@ class Dataset:
 def _block_token_reader(manifest: Manifest, source: ShardSource) -> BlockTokenCounts | None:
     """How the index reads a shard's block token counts from its blocks' offsets (packs that did not
     record them); holds the source, not the dataset, so the two stay free of a reference cycle."""
-    column = manifest.token_column
-    if column is None:
-        return None
+    return _BlockTokens(manifest, source) if manifest.token_column is not None else None
 
-    def read(s: int) -> list[int]:
-        table = source.open_shard(s, manifest.shards[s])
+
+class _BlockTokens:
+    """A callable object, not a closure, so a Dataset pickles for spawn/forkserver workers."""
+
+    def __init__(self, manifest: Manifest, source: ShardSource) -> None:
+        self.manifest = manifest
+        self.source = source
+
+    def __call__(self, s: int) -> list[int]:
+        column = self.manifest.token_column
+        table = self.source.open_shard(s, self.manifest.shards[s])
         return [int(offsets[-1] - offsets[0]) for offsets, _ in
                 (table.list_parts(b, column) for b in range(table.num_blocks))]
-    return read
 
 
-def open_dataset(path: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None) -> Dataset:
+def open_dataset(path: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None, *,
+                 endpoint_url: str | None = None) -> Dataset:
     """Open a packed dataset directory for random access by global sample index (`manifest`: the
-    directory's manifest, already loaded)."""
+    directory's manifest, already loaded). `path` may be any URL build_stack takes (s3://, with
+    `endpoint_url` for an S3-compatible store): then it is read straight from its source."""
+    if "://" in str(path):
+        from tierflow.storage.datasets import open_url_dataset  # storage builds on format
+
+        return open_url_dataset(str(path), columns, manifest, endpoint_url=endpoint_url)
     manifest = manifest if manifest is not None else Manifest.load(path)
     return Dataset(manifest, DirectorySource(path, schema=manifest.schema), columns=columns, location=str(path))

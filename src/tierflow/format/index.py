@@ -84,6 +84,15 @@ class DatasetIndex:
         self._read_block_tokens = read_block_tokens
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]  # a Dataset pickles for spawn/forkserver workers
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def num_samples(self) -> int:
         return int(self.block_samples[-1])

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import pyarrow as pa
+import xxhash
 
-from tierflow.format.checksum import CHUNK, HashingSink, file_xxh3_128, xxh3_hex
+from tierflow.format.checksum import CHUNK, HashingSink, xxh3_hex
 from tierflow.errors import ShardCorruptError
 
 SHARD_PREFIX = "shard-"
@@ -332,18 +333,63 @@ def verify_shard(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST) -
     path = Path(path)
     if not path.exists():
         return [f"shard {info.name}: missing ({path})"]
-    size = path.stat().st_size
-    expected_size = info.bytes_in(form)
-    problems = []
-    if size != expected_size:
-        problems.append(f"shard {info.name}: size {size} != {expected_size} in the manifest")
-    if form == Form.AT_REST:
-        with open(path, "rb") as f:
-            for i, block in enumerate(info.blocks):
-                f.seek(block.offset)
-                if xxh3_hex(f.read(block.length)) != block.checksum:
-                    problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
-                                    f"{block.rows} rows) fails its checksum")
-    if not problems and file_xxh3_128(path) != info.checksum_in(form):
-        problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
-    return problems
+    verifier = ShardVerifier(info, form)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            verifier.write(chunk)
+    return verifier.problems()
+
+
+class ShardVerifier:
+    """Checks a shard's bytes as they stream past (a file read, a download from a source), so a
+    remote shard is verified without being stored: its size, every block's xxh3-64 (at rest) and
+    the whole file's xxh3-128. `write` is a file-like sink; `problems()` says what failed."""
+
+    def __init__(self, info: ShardInfo, form: Form | str = Form.AT_REST) -> None:
+        self.info = info
+        self.form = Form(form)
+        self.size = 0
+        self._whole = xxhash.xxh3_128()
+        self._block = xxhash.xxh3_64()
+        blocks = info.blocks if self.form is Form.AT_REST else []
+        self._blocks = sorted(enumerate(blocks), key=lambda ib: ib[1].offset)
+        self._next = 0  # the first block of _blocks not yet complete
+        self._bad: list[int] = []
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self._whole.update(view)
+        position = self.size
+        while len(view) and self._next < len(self._blocks):
+            index, block = self._blocks[self._next]
+            if position < block.offset:  # bytes between blocks (the IPC header, the footer)
+                skip = min(len(view), block.offset - position)
+                view, position = view[skip:], position + skip
+                continue
+            take = min(len(view), block.offset + block.length - position)
+            self._block.update(view[:take])
+            view, position = view[take:], position + take
+            if position == block.offset + block.length:
+                if self._block.hexdigest() != block.checksum:
+                    self._bad.append(index)
+                self._block.reset()
+                self._next += 1
+        self.size += n
+        return n
+
+    def problems(self) -> list[str]:
+        """What the bytes written so far get wrong, naming the shard and each failing block."""
+        info = self.info
+        expected_size, expected_sum = info.bytes_in(self.form), info.checksum_in(self.form)
+        problems = []
+        if self.size != expected_size:
+            problems.append(f"shard {info.name}: size {self.size} != {expected_size} in the manifest")
+        unfinished = [index for index, _ in self._blocks[self._next:]]  # cut off by a short file
+        for i in sorted(self._bad + unfinished):
+            block = info.blocks[i]
+            problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
+                            f"{block.rows} rows) fails its checksum")
+        if not problems and self._whole.hexdigest() != expected_sum:
+            problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
+        return problems

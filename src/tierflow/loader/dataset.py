@@ -16,9 +16,9 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
-from tierflow.format.manifest import Manifest
 from tierflow.format.reads import SampleLengths
 from tierflow.format.shard import Form
+from tierflow.storage.datasets import load_manifest
 from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
@@ -27,6 +27,7 @@ from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, Shar
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.tier import memory_headroom
+from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError
 
 CURSOR_VERSION = 1
@@ -55,7 +56,8 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
 class TieredDataset(IterableDataset):
     """Batches of a packed dataset in the order's sequence for this rank; endless unless `eval`.
 
-    `data` is a dataset directory or an opened `Dataset`; `shard_source_factory()` makes the
+    `data` is a dataset directory, a URL (s3://..., with `endpoint_url`; read straight from the
+    source) or an opened `Dataset`; `shard_source_factory()` makes the
     per-process shard source (the tier stack) when given. Nothing that opens files or clients is
     created before iteration, so DataLoader workers build their own after fork. `batch_size` is
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
@@ -84,7 +86,9 @@ class TieredDataset(IterableDataset):
         world: WorldPosition | None = None,
         max_batches: int | None = None,
         shard_source_factory: Callable[[], ShardSource] | None = None,
+        endpoint_url: str | None = None,
     ) -> None:
+        refuse_while_bootstrapping("TieredDataset")
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -105,6 +109,7 @@ class TieredDataset(IterableDataset):
         self.max_batches = max_batches
         self.allow_mismatch = allow_mismatch
         self.shard_source_factory = shard_source_factory
+        self.endpoint_url = endpoint_url
         self.world = world if world is not None else WorldPosition.from_env()
         if isinstance(data, Dataset):
             self._given: Dataset | None = data
@@ -113,7 +118,7 @@ class TieredDataset(IterableDataset):
         else:
             self._given = None
             self.location = str(data)
-            manifest = Manifest.load(data)
+            manifest = load_manifest(data, endpoint_url)
         self.manifest = manifest
         self._columns = batcher.columns(manifest)
         index = data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
@@ -224,10 +229,17 @@ class TieredDataset(IterableDataset):
         elif self.shard_source_factory is not None:
             dataset = Dataset(self.manifest, self.shard_source_factory(), columns=self._columns, location=self.location)
         else:
-            dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest)
+            dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
+                                   endpoint_url=self.endpoint_url)
         self._context = SampleContext(dataset, self.seed, self.transform, self.filter)
         self._context_pid = os.getpid()
         return self._context
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For spawn/forkserver workers: the reading context is per process, made again there."""
+        state = self.__dict__.copy()
+        state.update(_context=None, _context_pid=-1)
+        return state
 
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:

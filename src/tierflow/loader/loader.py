@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from tierflow.loader.collate import TransferBatch
 from tierflow.loader.dataset import METRICS_KEY, TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
+from tierflow.storage.datasets import local_path
 from tierflow.telemetry.attribution import TIMING_KEY, TimedBatches
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.tiers.stager import Stager
@@ -45,6 +46,7 @@ class Loader:
         telemetry: LoaderTelemetry | bool = True,
         epoch_end: str | None = None,
         group: Any = None,
+        multiprocessing_context: str | None = None,
     ) -> None:
         if isinstance(source, DataLoader):
             if not isinstance(source.dataset, TieredDataset):
@@ -63,6 +65,10 @@ class Loader:
             self._loader_options = {"num_workers": num_workers, "persistent_workers": persistent_workers and num_workers > 0}
             if prefetch_factor is not None:
                 self._loader_options["prefetch_factor"] = prefetch_factor
+            if multiprocessing_context is None and num_workers > 0 and local_path(source.location) is None:
+                multiprocessing_context = "forkserver"  # obstore clients do not survive a fork: see docs/loader.md
+            if multiprocessing_context is not None:
+                self._loader_options["multiprocessing_context"] = multiprocessing_context
             self._dataloader = None
         if epoch_end not in (None, "rank", "agree"):
             raise ValueError(f"epoch_end is None (endless), 'rank' or 'agree', not {epoch_end!r}")

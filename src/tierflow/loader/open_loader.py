@@ -15,13 +15,14 @@ from typing import Any, Sequence
 
 import torch
 
+from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.loader import Loader
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
-_LOADER_OPTIONS = ("persistent_workers", "prefetch_factor", "depth", "widen", "background", "telemetry",
-                   "epoch_end", "group")
+_LOADER_OPTIONS = ("persistent_workers", "prefetch_factor", "multiprocessing_context", "depth", "widen",
+                   "background", "telemetry", "epoch_end", "group")
 
 
 def open_loader(
@@ -42,6 +43,7 @@ def open_loader(
     TierConfigs or `"NAME=PATH[:CAPACITY[:POLICY[:FORM]]]"` strings, capacities like "50GB" or
     "30%"). Other keywords go to TieredDataset (seed, columns, transform, filter, eval, ...) or to
     Loader (depth, widen, epoch_end, ...); `resume` is a `loader.state_dict()` to continue from."""
+    refuse_while_bootstrapping("tierflow.open_loader")
     loader_options = {k: options.pop(k) for k in _LOADER_OPTIONS if k in options}
     local = _is_local(url)
     if local and not tiers and bandwidth is None:

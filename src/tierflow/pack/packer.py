@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 
+from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardWriter
 from tierflow.pack.sources import (
@@ -432,6 +433,7 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     and a read decodes a whole block. Input files of a directory that are not packed (another
     kind than `kind`) are counted by reason in the manifest's stats and logged, never dropped.
     """
+    refuse_while_bootstrapping("tierflow.pack")
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
                    compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
                    text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,

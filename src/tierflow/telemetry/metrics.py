@@ -385,6 +385,11 @@ class MetricsRegistry:
                 self._metrics[key] = metric
             return metric
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Unpickled empty, with the same constant labels: counts belong to the process that made
+        them (a spawned worker starts at zero, as `reset` makes a forked one)."""
+        return (MetricsRegistry, (self.const_labels,))
+
     def reset(self) -> None:
         """Zero every metric and renew every lock: for a forked child, whose copies of the parent's
         totals would otherwise be counted twice when snapshots merge."""

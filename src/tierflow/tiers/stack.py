@@ -386,6 +386,27 @@ class TierStack:
         with self._lock:
             self._open.clear()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its configuration, for spawn/forkserver workers: the child opens its own
+        clients, index connections and locks, and shares the parent's staging area."""
+        staging = self.staging.root if self.staging is not None else None
+        state = {"dataset_id": self.dataset_id, "schema": self.schema, "declared": self._open_declared,
+                 "staging_bytes": self.staging_bytes, "staging": staging}
+        return (_reopened, (self.source, self.tiers, self.registry, self.max_open, self.fetch_attempts,
+                            self.cache.max_bytes, state))
+
     def snapshot(self) -> dict:
         return {"tiers": [t.snapshot() for t in self.tiers], "metrics": self.registry.snapshot()}
 
+
+def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max_open: int, fetch_attempts: int,
+              max_decoded_bytes: int, state: dict[str, Any]) -> TierStack:
+    """A pickled stack in the process that unpickles it (`TierStack.__reduce__`)."""
+    stack = TierStack(source, tiers, registry, max_open, fetch_attempts, max_decoded_bytes)
+    stack.dataset_id, stack.schema = state["dataset_id"], state["schema"]
+    stack._open_declared, stack.staging_bytes = state["declared"], state["staging_bytes"]
+    if state["staging"] is not None:  # the parent's area (its owner removes it), not a new one
+        stack.staging = Tier(state["staging"], stack.staging_bytes, policy="lru", form=Form.DECODED,
+                             name=STAGING_NAME, registry=stack.registry)
+        stack.m_served[STAGING_NAME] = stack.registry.counter("stack_served", {"tier": STAGING_NAME})
+    return stack

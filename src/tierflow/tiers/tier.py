@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_hex
 from tierflow.format.shard import Block, Form
@@ -523,6 +523,13 @@ class Tier:
                 p.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its configuration (capacity, policy and form are the directory's): the child
+        opens its own index connection and locks."""
+        return (Tier, (self.root, self.configured_capacity, self.policy_name, self.form, self.name,
+                       self.lock_timeout, self.verify_hits, self.registry, self.policy_options, self.ram,
+                       self.fetch_attempts))
 
     def snapshot(self) -> dict:
         resident, reserved = self.index.occupancy()

@@ -1,0 +1,147 @@
+"""Datasets at any URL `build_stack` takes, read straight from their source (no tiers needed).
+
+`tierflow inspect|verify|gc`, `open_dataset` and `TieredDataset` accept s3:// (and any fsspec
+URL) as they accept a directory: samples come block by block through ranged reads, each block
+verified before use; `verify` hashes every shard as it streams past, storing nothing; `gc`
+deletes the shard objects no manifest references, under the same rules as on a directory.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+
+from tierflow.errors import ManifestError, SourceNotFound
+from tierflow.format.blocks import BlockBytes
+from tierflow.format.dataset import Dataset, open_dataset
+from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
+from tierflow.storage.remote import RetryingSource, join_url, open_source
+
+
+def local_path(location: str | Path) -> Path | None:
+    """The directory a plain path or file:// URL names; None for a remote URL (s3://, gs://...)."""
+    text = str(location)
+    if "://" not in text:
+        return Path(text)
+    parts = urlsplit(text)
+    return Path(parts.path) if parts.scheme == "file" else None
+
+
+def read_manifest(source: RetryingSource) -> Manifest:
+    """The dataset's manifest; a prefix without one is refused as a local directory is."""
+    where = join_url(source.url, MANIFEST_NAME)
+    try:
+        raw = source.read_bytes(MANIFEST_NAME)
+    except SourceNotFound:
+        raise ManifestError(f"{where}: no manifest; {source.url} holds no finished tierflow dataset") from None
+    return Manifest.from_bytes(raw, where)
+
+
+def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Manifest:
+    """The manifest of the dataset at a directory or any URL."""
+    path = local_path(location)
+    if path is not None:
+        return Manifest.load(path)
+    return read_manifest(open_source(str(location), endpoint_url=endpoint_url))
+
+
+def open_url_dataset(url: str, columns: Sequence[str] | None = None, manifest: Manifest | None = None, *,
+                     endpoint_url: str | None = None) -> Dataset:
+    """`open_dataset` for a URL: a file:// one is a directory; any other reads from its source."""
+    path = local_path(url)
+    if path is not None:
+        return open_dataset(path, columns, manifest)
+    source = open_source(url, endpoint_url=endpoint_url)
+    manifest = manifest if manifest is not None else read_manifest(source)
+    return Dataset(manifest, SourceShards(source, manifest.schema), columns=columns, location=url)
+
+
+class SourceShards:
+    """Shards read from a source (s3://...) with one ranged read per block, each verified on use.
+
+    Reading a sample costs its block, not its shard; compressed blocks stay decoded in memory up
+    to `max_decoded_bytes`. It pickles as its source (clients are made again in the process that
+    unpickles it: a spawned DataLoader worker).
+    """
+
+    def __init__(self, source: RetryingSource, schema: pa.Schema | None = None,
+                 max_decoded_bytes: int = 1 << 30) -> None:
+        self.source = source
+        self.schema = schema
+        self.max_decoded_bytes = max_decoded_bytes
+        self.cache = BlockCache(max_decoded_bytes)
+        self._tables: dict[int, LazyShardTable] = {}  # a table is its block list: cheap to keep
+        self._lock = threading.Lock()
+
+    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
+        with self._lock:
+            table = self._tables.get(index)
+            if table is None:
+                table = self._tables[index] = LazyShardTable(info.name, RangeBlocks(self.source, info),
+                                                             self.schema, self.cache)
+        return table
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SourceShards, (self.source, self.schema, self.max_decoded_bytes))
+
+
+class RangeBlocks(BlockBytes):
+    """One shard's blocks, each fetched whole with a ranged read; the last one fetched is kept, since
+    opening a shard reads block 0's head for the schema and then block 0 itself."""
+
+    def __init__(self, source: RetryingSource, info: ShardInfo) -> None:
+        super().__init__(info.blocks, compressed=info.compression != "none")
+        self.source = source
+        self.name = info.name
+        self._last: tuple[int, pa.Buffer] | None = None
+
+    def read(self, index: int, length: int | None = None) -> pa.Buffer:
+        last = self._last
+        if last is None or last[0] != index:
+            block = self.blocks[index]
+            last = self._last = (index, pa.py_buffer(self.source.read_range(self.name, block.offset, block.length)))
+        data = last[1]
+        return data if length is None or length >= data.size else data.slice(0, length)
+
+
+def verify_source(source: RetryingSource, manifest: Manifest) -> list[str]:
+    """Every problem with the dataset's shards at the source, each shard hashed as it streams past
+    (size, every block, the whole file), as sentences naming the shard and block; empty if sound."""
+    problems = []
+    for info in manifest.shards:
+        verifier = ShardVerifier(info)
+        try:
+            source.read_into(info.name, verifier.write, priority="low")
+        except SourceNotFound:
+            problems.append(f"shard {info.name}: missing ({join_url(source.url, info.name)})")
+            continue
+        problems += verifier.problems()
+    return problems
+
+
+def collect_garbage(source: RetryingSource) -> list[str]:
+    """Delete the shard objects directly under the source that its manifest does not reference
+    (`tierflow gc` on a URL); returns their names.
+
+    The rules of gc on a directory: no manifest, no deletion; only shard names at the top are
+    candidates, nothing else under the prefix. An object store has no lock a pack could hold,
+    so a shard written after the manifest is kept too: it may belong to a pack in progress
+    (shards go first, the manifest last), and goes in the first gc after that pack's manifest.
+    """
+    entries = source.entries()
+    written = next((e.modified for e in entries if e.name == MANIFEST_NAME), None)
+    keep = {s.name for s in read_manifest(source).shards}  # read after listing: never an older one
+    if written is None:  # the store gives no times: nothing can be told apart from a pack in progress
+        return []
+    victims = [e.name for e in entries
+               if "/" not in e.name and e.name.startswith(SHARD_PREFIX) and e.name.endswith(SHARD_SUFFIX)
+               and e.name not in keep and e.modified is not None and e.modified < written]
+    for name in victims:
+        source.delete(name)
+    return victims
