@@ -543,3 +543,17 @@ def test_epoch_end_ends_each_for_at_the_epoch_edge_and_skips_nothing(packed):
                       if e == epoch)
     # partitions reach their epoch ends at different steps, so the edge batch may hold epoch-1 samples too
     assert of_epoch(first, 0) == list(range(len(tierflow.open_dataset(packed)))) and not of_epoch(second, 0)
+
+
+def test_a_seek_elsewhere_reads_the_group_sought_not_the_one_last_sorted(packed):
+    def make():
+        return TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
+                             partitions=PARTITIONS)
+    reference = Loader(make())
+    full = take(reference, 14)
+    state = Loader(make())
+    take(state, 10)
+    loader = Loader(make())
+    take(loader, 1)  # sorts the first group of its own stream
+    loader.load_state_dict(state.state_dict())
+    assert ids_of(take(loader, 4)) == ids_of(full[10:])
