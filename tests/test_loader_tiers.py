@@ -56,8 +56,8 @@ def test_stager_stages_ahead_and_each_shard_crosses_the_network_once(tmp_path, s
     assert stager.snapshot()["fetches"] > 0
     steps = ds.num_order_samples // BATCH
     seen = []
-    for step, batch in enumerate(loader):
-        seen.extend(zip(batch["tf_sample_ids"].tolist(), batch["tf_epochs"].tolist()))
+    for step, _ in enumerate(loader):
+        seen.extend(zip(loader.last_meta.sample_ids.tolist(), loader.last_meta.epochs.tolist()))
         if step + 1 == steps:
             break
     loader.close()
@@ -126,11 +126,11 @@ tiers = [TierConfig("L1", root + "/l1", 1 << 30, form="decoded"), TierConfig("L2
 stack = build_stack(url, tiers, endpoint_url=endpoint)
 ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
 dist.init_process_group("gloo")
-loader = Loader(ds, num_workers=2, stager=Stager(ds, stack))
+loader = Loader(ds, num_workers=2, stager=Stager(ds, stack), return_meta=True)
 ids, epochs = [], []
-for step, batch in enumerate(loader):
-    ids.append(batch["tf_sample_ids"].tolist())
-    epochs.append(batch["tf_epochs"].tolist())
+for step, (batch, meta) in enumerate(loader):
+    ids.append(meta.sample_ids.tolist())
+    epochs.append(meta.epochs.tolist())
     if step + 1 == steps:
         break
 loader.close()

@@ -22,8 +22,9 @@ from tierflow.format.dataset import Dataset, ShardSource, open_dataset
 from tierflow.format.manifest import Manifest
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
-from tierflow.loader.collate import TransferBatch
+from tierflow.loader.collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
+from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, Selection, TrainStream
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
@@ -43,7 +44,6 @@ def default_partitions(nonempty_shards: int) -> int:
     return partitions
 
 
-METRICS_KEY = "tf_metrics"
 METRICS_EVERY = 16
 _RESET_IN: set[int] = set()
 
@@ -232,7 +232,7 @@ class TieredDataset(IterableDataset):
         return self._context
 
     # -- iteration ------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         ctx = self._open()
@@ -243,27 +243,22 @@ class TieredDataset(IterableDataset):
         return self._from_worker(batches, worker, getattr(ctx.dataset.source, "registry", None))
 
     @staticmethod
-    def _carry(selection: Selection, built: Built) -> dict[str, Any]:
-        batch = built.data
-        batch["tf_sample_ids"] = built.sample_ids
-        batch["tf_epochs"] = built.epochs
-        batch["tf_stats"] = built.stats
-        batch["tf_cursor"] = selection.cursor.to_dict()
-        batch["tf_index"] = selection.index
-        batch["tf_epoch"] = selection.epoch
-        return batch
+    def _carry(selection: Selection, built: Built) -> CarriedBatch:
+        meta = BatchMeta(selection.cursor, selection.index, selection.epoch, built.sample_ids, built.epochs,
+                         built.stats)
+        return CarriedBatch(built.data, meta)
 
     @staticmethod
-    def _from_worker(batches: Iterator[dict[str, Any]], worker: int, registry: Any) -> Iterator[dict[str, Any]]:
-        """Batches as one transfer each; every METRICS_EVERY batches the worker's metrics (its tier
-        counters live in this process) ride along, cumulative, for the Loader to merge."""
+    def _from_worker(batches: Iterator[CarriedBatch], worker: int, registry: Any) -> Iterator[CarriedBatch]:
+        """Every METRICS_EVERY batches the worker's metrics (its tier counters live in this process)
+        ride along in the batch's meta, cumulative, for the Loader to merge."""
         if registry is not None and os.getpid() not in _RESET_IN:
             registry.reset()  # this worker's copy of the parent's totals must not be counted twice
             _RESET_IN.add(os.getpid())
         for n, batch in enumerate(batches):
             if registry is not None and n % METRICS_EVERY == 0:
-                batch[METRICS_KEY] = {"worker": worker, "snapshot": registry.snapshot()}
-            yield TransferBatch(batch)
+                batch.meta.metrics = WorkerSnapshot(worker, registry.snapshot())
+            yield batch
 
     def stream(self, worker: int = 0, workers: int = 1) -> OrderStream:
         """This rank's order from the resume cursor, as DataLoader worker `worker` of `workers` plans it."""
