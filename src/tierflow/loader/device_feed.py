@@ -13,16 +13,20 @@ the feed's `MetricsRegistry`.
 
 The feed keeps no state of its own: a `CarriedBatch` comes out with its data
 moved and its meta untouched, so what the loop resumes from is the meta of
-the last batch it took.
+the last batch it took. A background thread that is still reading when the
+interpreter exits is stopped and joined by an `atexit` hook: left running, it
+would be killed inside a torch call at finalization (std::terminate, SIGABRT).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -338,6 +342,18 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 _END = object()
+_RUNNING: weakref.WeakSet[_FeedIterator] = weakref.WeakSet()
+"""Feed iterators whose background thread may still run; `_stop_running` ends them at exit."""
+
+
+@atexit.register
+def _stop_running() -> None:
+    """Stop every feed thread before the interpreter finalizes. A daemon thread that is inside a
+    torch call then (one that released the GIL) is killed when it takes the GIL back, by an unwind
+    through a C++ destructor that may not throw: std::terminate, SIGABRT at the end of a script that
+    broke out of its loop without close(). atexit runs before finalization, while threads still can."""
+    for iterator in list(_RUNNING):
+        iterator.close(timeout=10.0)
 
 
 class _FeedIterator:
@@ -352,6 +368,7 @@ class _FeedIterator:
             self._queue: queue.Queue[Any] = queue.Queue(maxsize=feed.depth)
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._produce, name="tierflow-device-feed", daemon=True)
+            _RUNNING.add(self)
             self._thread.start()
         else:
             self._pending: collections.deque[Any] = collections.deque()
@@ -428,17 +445,20 @@ class _FeedIterator:
             return True
         return False
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop reading ahead; a background thread is joined (for at most `timeout` seconds)."""
         if self._closed:
             return
         self._closed = True
-        if self._feed._background:
-            self._stop.set()
-            while self._thread.is_alive():
-                try:
-                    self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            self._thread.join()
-        else:
+        if not self._feed._background:
             self._pending.clear()
+            return
+        self._stop.set()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+            try:
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._thread.join(timeout=0 if deadline is not None else None)
+        _RUNNING.discard(self)
