@@ -1,8 +1,9 @@
-"""Dict-of-columns collation: samples (dicts of numpy views, scalars, strings) into one batch.
+"""Dict-of-columns collation, and the batch as it crosses the DataLoader worker boundary.
 
 Numeric arrays of one shape are stacked, and with `pad` arrays of different lengths are padded
 into one buffer (plus `<column>_lengths`): either way one copy, from the shard's mapped view into
-the batch buffer. Strings, bytes, nested values and None stay Python lists.
+the batch buffer. Strings, bytes, nested values and None stay Python lists. A built batch travels
+as a `CarriedBatch` (its data and its meta), one message per batch (below).
 """
 
 from __future__ import annotations

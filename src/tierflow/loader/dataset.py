@@ -1,9 +1,9 @@
 """TieredDataset: an IterableDataset that walks the order and batches inside the dataset.
 
 One loop for every batcher and mode: the batcher plans this worker's batches over the rank's
-order stream (train or eval) from the resume cursor and builds each (plan.py). Each batch
-carries the cursor after it, so the state saved is the state of the last batch consumed, however
-far the workers ran ahead. Use it with `DataLoader(ds, batch_size=None, num_workers=W)`: worker w
+order stream (train or eval) from the resume cursor and builds each (plan.py). Each batch is a
+`CarriedBatch`: the user's data, and beside it a `BatchMeta` with the cursor after it, so the
+state saved is the state of the last batch consumed, however far the workers ran ahead. Use it with `DataLoader(ds, batch_size=None, num_workers=W)`: worker w
 builds output batches n = w (mod W), which is the order DataLoader's in-order round robin hands
 them out in.
 """
