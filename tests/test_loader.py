@@ -20,20 +20,9 @@ from tierflow.loader.tokens import (
 PARTITIONS = 4
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> str:
-    """Long-tailed document lengths (Pareto), byte tokens, small shards."""
-    root = tmp_path_factory.mktemp("loader")
-    rng = np.random.default_rng(7)
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(5000):
-            n = min(int(rng.pareto(1.3) * 30) + 3, 2500)
-            text = "".join(chr(97 + c) for c in rng.integers(0, 26, n))
-            f.write(json.dumps({"id": i, "text": text, "blob": "x" * (i % 7)}) + "\n")
-    out = root / "ds"
-    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1,
-                  target_shard_bytes=256 << 10)
-    return str(out)
+@pytest.fixture
+def packed(long_tailed_docs) -> str:
+    return long_tailed_docs
 
 
 def take(iterable, n):

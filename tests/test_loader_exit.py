@@ -7,13 +7,11 @@ about a third of runs. An atexit hook now stops and joins it first.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import tierflow
@@ -33,27 +31,15 @@ for step, batch in enumerate(loader):
 '''
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("exit")
-    rng = np.random.default_rng(0)
-    with open(root / "docs.jsonl", "w") as f:
-        for _ in range(2000):
-            f.write(json.dumps({"text": "".join(chr(97 + c) for c in rng.integers(0, 26, int(rng.integers(50, 400))))})
-                    + "\n")
-    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
-    return str(root / "ds")
-
-
 @pytest.mark.parametrize("workers", [0, 2])
-def test_exiting_after_a_break_without_close_is_clean_every_time(tmp_path, tokens, workers):
+def test_exiting_after_a_break_without_close_is_clean_every_time(tmp_path, long_tailed_docs, workers):
     script = tmp_path / "loop.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tierflow.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
     failures = []
     for run in range(RUNS):
-        done = subprocess.run([sys.executable, str(script), tokens, str(workers)], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, str(script), long_tailed_docs, str(workers)], env=env, capture_output=True,
                               text=True, timeout=120)
         if done.returncode != 0:
             failures.append((run, done.returncode, done.stderr[-300:]))

@@ -8,12 +8,8 @@ epochs, cursors, final state). Eval runs past its end, so a resumed eval must en
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pytest
 
-import tierflow
 from tierflow.loader import LengthBuckets, Loader, TieredDataset, TokenBudget
 from tierflow.testing import assert_resumes_exactly
 
@@ -21,18 +17,9 @@ PARTITIONS = 4
 STOPS = (1, 3, 6)
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> str:
-    """Long-tailed document lengths, byte tokens, small shards, an id column to filter on."""
-    root = tmp_path_factory.mktemp("resume")
-    rng = np.random.default_rng(11)
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(5000):
-            n = min(int(rng.pareto(1.3) * 30) + 3, 2000)
-            f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
-    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", keep_text=True, workers=1,
-                  target_shard_bytes=256 << 10)
-    return str(root / "ds")
+@pytest.fixture
+def packed(long_tailed_docs) -> str:
+    return long_tailed_docs
 
 
 def _keep(sample):

@@ -199,14 +199,7 @@ class TieredDataset(IterableDataset):
                                                                       allow_mismatch=self.allow_mismatch))
         self.batcher.check_resume(cursor)
         if cursor.pending is not None:
-            samples = sum(s.samples for s in self.manifest.shards)
-            if any(not 0 <= i < samples for i in cursor.pending.ids):
-                raise CursorError(f"the cursor's pending samples are not two equal lists of sample ids in "
-                                  f"[0, {samples}) and epochs")
-            if cursor.rank != self.world.rank:
-                raise CursorError(f"this token-budget cursor is rank {cursor.rank}'s (ranks consume their "
-                                  f"streams at their own pace); rank {self.world.rank} must resume from its "
-                                  f"own saved state")
+            self._check_pending(cursor)
         if cursor.inside_group and cursor.arrangement != self.arrangement():
             saved = cursor.arrangement.to_dict()
             raise CursorError(
@@ -214,6 +207,18 @@ class TieredDataset(IterableDataset):
                 f"resuming it needs the same arrangement, not {self.arrangement().to_dict()} "
                 f"(change world size or batch size at a group boundary)")
         return cursor
+
+    def _check_pending(self, cursor: LoaderCursor) -> None:
+        """A token budget's pending samples are this dataset's, and this rank's to resume."""
+        assert cursor.pending is not None
+        samples = sum(s.samples for s in self.manifest.shards)
+        if any(not 0 <= i < samples for i in cursor.pending.ids):
+            raise CursorError(f"the cursor's pending samples are not two equal lists of sample ids in "
+                              f"[0, {samples}) and epochs")
+        if cursor.rank != self.world.rank:
+            raise CursorError(f"this token-budget cursor is rank {cursor.rank}'s (ranks consume their "
+                              f"streams at their own pace); rank {self.world.rank} must resume from its "
+                              f"own saved state")
 
     # -- per-process reading state -------------------------------------------------------
     def _open(self) -> SampleContext:

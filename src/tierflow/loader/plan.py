@@ -76,17 +76,24 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
     return int(real.min()) if real.size else 0
 
 
-class TrainStream:
-    """Train order batches of one rank: `RankStream` batches of batch_size x group samples."""
+class _WorkerView:
+    """Who plans: the rank (global), the DataLoader worker of how many, under which arrangement."""
 
-    def __init__(self, stream: RankStream, arrangement: Arrangement, *, rank: int, worker: int, workers: int,
-                 limit: int | None) -> None:
-        self._stream = stream
+    def __init__(self, arrangement: Arrangement, rank: int, worker: int, workers: int, limit: int | None) -> None:
         self.arrangement = arrangement
         self.rank = rank
         self.worker = worker
         self.workers = workers
         self.limit = limit
+
+
+class TrainStream(_WorkerView):
+    """Train order batches of one rank: `RankStream` batches of batch_size x group samples."""
+
+    def __init__(self, stream: RankStream, arrangement: Arrangement, *, rank: int, worker: int, workers: int,
+                 limit: int | None) -> None:
+        super().__init__(arrangement, rank, worker, workers, limit)
+        self._stream = stream
         self._after: tuple[int, OrderCursor] = (-1, stream.base)
 
     def batch(self, group: int) -> OrderBatch:
@@ -108,19 +115,15 @@ class TrainStream:
                             rank=self.rank if pending is not None else None)
 
 
-class EvalStream:
+class EvalStream(_WorkerView):
     """Eval batches of one rank: `EvalOrder` steps after the cursor's, epoch 0 throughout."""
 
     def __init__(self, order: EvalOrder, arrangement: Arrangement, *, rank: int, start: int, worker: int,
                  workers: int, max_batches: int | None) -> None:
-        self._order = order
-        self.arrangement = arrangement
-        self.rank = rank
-        self.start = start
-        self.worker = worker
-        self.workers = workers
         left = max(0, order.steps - start)
-        self.limit = left if max_batches is None else min(left, max_batches)
+        super().__init__(arrangement, rank, worker, workers, left if max_batches is None else min(left, max_batches))
+        self._order = order
+        self.start = start
         self._epochs = np.zeros(order.batch_size, dtype=np.int64)
 
     def batch(self, group: int) -> OrderBatch:
