@@ -27,6 +27,8 @@ from tierflow.tiers.stager import Stager
 from tierflow.errors import BatchOrderError, CursorError
 
 STATE_VERSION = 1
+Handed = dict[str, Any] | tuple[dict[str, Any], BatchMeta]
+"""What the loop gets per batch: its tensors, or (tensors, meta) with `return_meta=True`."""
 
 
 class Loader:
@@ -105,7 +107,7 @@ class Loader:
             return _InProcess(dataset)
         return DataLoader(dataset, batch_size=None, collate_fn=_as_is, **self._loader_options)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
         if self._held is not None and self._feed is not None:
             return self._batches(self._feed, self._feed_iterator)  # the last `for` stopped at an epoch edge
@@ -122,7 +124,7 @@ class Loader:
         self._feed_iterator = iter(self._feed)
         return self._batches(self._feed, self._feed_iterator)
 
-    def _batches(self, feed: DeviceFeed, batches: Iterator[CarriedBatch]) -> Iterator[Any]:
+    def _batches(self, feed: DeviceFeed, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
         telemetry = self.telemetry
         handed: float | None = None
         epochs = self._epochs
