@@ -24,7 +24,7 @@ def token_batch(rng: np.random.Generator, rows: int, length: int) -> dict:
         "input_ids": rng.integers(0, 2**16, (rows, length), dtype=np.uint16),
         "labels": rng.integers(0, 2**16, (rows, length), dtype=np.uint16),
         "loss_mask": rng.random((rows, length)) < 0.9,
-        "tf_cursor": {"rows": rows},
+        "rows": rows,
     }
 
 

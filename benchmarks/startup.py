@@ -108,9 +108,9 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
     rss_after_import = psutil.Process().memory_info().rss
     if mode == "cursor":
         loader = Loader(TieredDataset(path, batch_size=BATCH))
-        for step, batch in enumerate(loader):
+        for step, _ in enumerate(loader):
             if step + 1 == CURSOR_STEPS:
-                Path(cursor_file).write_text(json.dumps(batch["tf_cursor"]))
+                Path(cursor_file).write_text(json.dumps(loader.state_dict()))
                 break
         loader.close()
         print(json.dumps({"steps": CURSOR_STEPS}))

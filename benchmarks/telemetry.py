@@ -53,7 +53,7 @@ def feed_ops_per_batch() -> dict[str, float]:
             "position_ids": np.zeros((8, 2048), dtype=np.int32),
             "cu_seqlens": np.zeros(17, dtype=np.int32),
             "loss_mask": np.ones((8, 2048), dtype=bool),
-            "tf_cursor": {"step": i},
+            "step": i,
         }
         for i in range(50)
     ]

@@ -10,6 +10,8 @@
   throttle, no faults. Point clients at `S3Endpoint(s3_proxy.url)`.
 - `make_proxy(upstream_url, **options)`: a `LoopbackProxy` in front of any HTTP upstream
   (e.g. `serve_directory(tmp_path).url`), stopped after the test.
+- `long_tailed_docs` (session): a packed dataset of 5000 documents of long-tailed lengths (id,
+  text, blob; byte tokens kept beside the text) in small shards, for the loader's tests.
 
 The proxy runs as threads of the test process; `tierflow.testing.ProxyProcess` offers the same
 controls from a child process (for benchmarks, so the proxy's CPU stays out of the figures).
@@ -20,9 +22,13 @@ alive regardless.
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
+
+import tierflow
 
 from tierflow.testing import LoopbackProxy, MotoS3Server
 from tierflow.testing.s3server import UNSET_AWS_VARIABLES, fake_credentials_env
@@ -66,3 +72,19 @@ def make_proxy() -> Iterator[Callable[..., LoopbackProxy]]:
     yield start
     for proxy in proxies:
         proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def long_tailed_docs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Long-tailed document lengths (Pareto), byte tokens, small shards."""
+    root = tmp_path_factory.mktemp("long_tailed_docs")
+    rng = np.random.default_rng(7)
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(5000):
+            n = min(int(rng.pareto(1.3) * 30) + 3, 2500)
+            text = "".join(chr(97 + c) for c in rng.integers(0, 26, n))
+            f.write(json.dumps({"id": i, "text": text, "blob": "x" * (i % 7)}) + "\n")
+    out = root / "ds"
+    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1,
+                  target_shard_bytes=256 << 10)
+    return str(out)

@@ -98,12 +98,12 @@ def test_one_for_under_epoch_end_rank_finishes_its_epoch_exactly_once(tokens):
     """By the end of `for` number e every window of epoch e was read once; of epoch e + 1 at most the
     carried-over remainders (each lane's last batch of e runs on into e + 1) were read before."""
     ds = TieredDataset(str(tokens), batch_size=16, seq_len=128)
-    loader = Loader(ds, epoch_end="rank", background=False)
+    loader = Loader(ds, epoch_end="rank", background=False, return_meta=True)
     seen: dict[int, list[np.ndarray]] = {}
     for epoch in range(3):
-        for batch in loader:
+        for batch, meta in loader:
             real = batch["mask"].numpy()
-            ids, epochs = batch["tf_sample_ids"].numpy()[real], batch["tf_epochs"].numpy()[real]
+            ids, epochs = meta.sample_ids[real], meta.epochs[real]
             for e in np.unique(epochs).tolist():
                 seen.setdefault(e, []).append(ids[epochs == e])
         assert np.array_equal(np.sort(np.concatenate(seen[epoch])), np.arange(ds.num_order_samples)), epoch
@@ -116,7 +116,7 @@ def test_token_windows_are_drawn_at_the_same_rate(tokens):
     ds = TieredDataset(str(tokens), batch_size=16, seq_len=128, partitions=4, lanes=2)
     drawn = np.zeros(ds.num_order_samples, dtype=np.int64)
     for batch in ds:
-        np.add.at(drawn, batch["tf_sample_ids"][batch["mask"]], 1)
+        np.add.at(drawn, batch.meta.sample_ids[batch.data["mask"]], 1)
         if drawn.sum() >= 3 * drawn.size:
             break
     assert drawn.min() >= 2 and drawn.max() <= 4

@@ -76,8 +76,8 @@ def test_a_tiered_dataset_takes_an_s3_url(s3_ds):
     here = TieredDataset(str(local), batch_size=8, max_batches=5)
     assert remote.location == url
     got, want = list(remote), list(here)
-    assert [b["tf_sample_ids"].tolist() for b in got] == [b["tf_sample_ids"].tolist() for b in want]
-    assert [b["text"] for b in got] == [b["text"] for b in want]
+    assert [b.meta.sample_ids.tolist() for b in got] == [b.meta.sample_ids.tolist() for b in want]
+    assert [b.data["text"] for b in got] == [b.data["text"] for b in want]
 
 
 def test_inspect_reads_an_s3_dataset(s3_ds, capsys):

@@ -25,7 +25,7 @@ def token_batches(count: int, rows: int = 4, length: int = 16, seed: int = 0) ->
             "loss_mask": rng.random((rows, length)) < 0.9,
             "pixels": rng.random((rows, 3), dtype=np.float32),
             "big_ids": rng.integers(2**31, 2**32, (rows,), dtype=np.uint32),
-            "tf_cursor": {"epoch": 0, "step": step},
+            "step": step,
             "source": f"shard-{step}",
         }
         for step in range(count)
@@ -152,57 +152,17 @@ def test_non_contiguous_reversed_and_read_only_arrays_arrive_intact():
         assert np.array_equal(batch[key].numpy(), value), key
 
 
-class CountingSource:
-    """A resumable source whose state is the index of the next batch."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.next_index = 0
-
-    def __iter__(self):
-        while self.next_index < self.count:
-            index = self.next_index
-            self.next_index += 1
-            yield {"index": np.array([index]), "tf_cursor": {"next": index + 1}}
-
-    def state_dict(self) -> dict:
-        return {"next": self.next_index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.next_index = state["next"]
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_state_is_that_of_the_last_batch_consumed_despite_reading_ahead(mode):
-    source = CountingSource(10)
-    feed = DeviceFeed(source, "cpu", depth=3, **mode)
-    iterator = iter(feed)
-    assert feed.state_dict() == {"next": 0}
-    for consumed in range(1, 5):
-        batch = next(iterator)
-        assert feed.state_dict() == {"next": consumed} == batch["tf_cursor"]
-    feed.close()
+def test_a_carried_batch_comes_out_with_its_data_moved_and_its_meta_untouched(mode):
+    from tierflow.loader.collate import CarriedBatch
 
-
-@pytest.mark.parametrize("mode", MODES)
-def test_loading_state_resumes_exactly_where_the_saved_run_stopped(mode):
-    feed = DeviceFeed(CountingSource(10), "cpu", depth=3, **mode)
-    iterator = iter(feed)
-    first = [int(next(iterator)["index"]) for _ in range(4)]
-    saved = feed.state_dict()
-    feed.close()
-
-    resumed = DeviceFeed(CountingSource(10), "cpu", depth=3, **mode)
-    resumed.load_state_dict(saved)
-    rest = [int(b["index"]) for b in resumed]
-    assert first + rest == list(range(10))
-
-
-def test_a_source_without_state_gives_a_feed_without_state():
-    feed = DeviceFeed([{"x": np.zeros(1)}], "cpu")
-    assert not hasattr(feed, "state_dict")
-    assert not hasattr(feed, "load_state_dict")
-    assert hasattr(DeviceFeed(CountingSource(1), "cpu"), "state_dict")
+    source = token_batches(6)
+    metas = [object() for _ in source]
+    with DeviceFeed([CarriedBatch(dict(b), m) for b, m in zip(source, metas)], "cpu", widen=WIDEN, **mode) as feed:
+        fed = list(feed)
+    assert [b.meta for b in fed] == metas
+    for fed_batch, source_batch in zip(fed, source):
+        assert_same_batch(fed_batch.data, source_batch)
 
 
 def test_length_is_the_source_length():
@@ -235,8 +195,8 @@ def test_breaking_out_early_and_closing_stops_the_reader_thread():
 
 def test_a_new_pass_starts_from_the_beginning_of_a_reiterable_source():
     feed = DeviceFeed(token_batches(4), "cpu", background=True)
-    first = [b["tf_cursor"]["step"] for b in feed]
-    second = [b["tf_cursor"]["step"] for b in feed]
+    first = [b["step"] for b in feed]
+    second = [b["step"] for b in feed]
     assert first == second == [0, 1, 2, 3]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -21,20 +20,9 @@ from tierflow.loader.tokens import (
 PARTITIONS = 4
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> str:
-    """Long-tailed document lengths (Pareto), byte tokens, small shards."""
-    root = tmp_path_factory.mktemp("loader")
-    rng = np.random.default_rng(7)
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(5000):
-            n = min(int(rng.pareto(1.3) * 30) + 3, 2500)
-            text = "".join(chr(97 + c) for c in rng.integers(0, 26, n))
-            f.write(json.dumps({"id": i, "text": text, "blob": "x" * (i % 7)}) + "\n")
-    out = root / "ds"
-    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1,
-                  target_shard_bytes=256 << 10)
-    return str(out)
+@pytest.fixture
+def packed(long_tailed_docs) -> str:
+    return long_tailed_docs
 
 
 def take(iterable, n):
@@ -46,8 +34,13 @@ def take(iterable, n):
     return out
 
 
-def ids_of(batches):
-    return [np.asarray(b["tf_sample_ids"]).tolist() for b in batches]
+def meta_of(item):
+    """The meta of a dataset's carried batch, or of a Loader's (batch, meta) pair."""
+    return item.meta if hasattr(item, "meta") else item[1]
+
+
+def ids_of(items):
+    return [meta_of(item).sample_ids.tolist() for item in items]
 
 
 # -- token windows --------------------------------------------------------------------------
@@ -79,8 +72,9 @@ def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
     assert ds.num_order_samples == total
     seen: dict[int, np.ndarray] = {}
     for batch in ds:
-        for window, epoch, row in zip(batch["tf_sample_ids"].tolist(), batch["tf_epochs"].tolist(),
-                                      np.concatenate([batch["input_ids"], batch["labels"][:, -1:]], axis=1)):
+        data = batch.data
+        for window, epoch, row in zip(batch.meta.sample_ids.tolist(), batch.meta.epochs.tolist(),
+                                      np.concatenate([data["input_ids"], data["labels"][:, -1:]], axis=1)):
             if epoch == 0:
                 assert window not in seen, f"window {window} twice in epoch 0"
                 seen[window] = row
@@ -94,11 +88,12 @@ def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
 
 
 def test_token_batches_are_narrow_and_labels_are_next_tokens(packed):
-    batch = next(iter(TieredDataset(packed, batch_size=4, seq_len=32, partitions=PARTITIONS)))
+    carried = next(iter(TieredDataset(packed, batch_size=4, seq_len=32, partitions=PARTITIONS)))
+    batch = carried.data
     assert batch["input_ids"].dtype == np.uint16 and batch["labels"].dtype == np.uint16
     assert np.array_equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
     assert batch["cu_seqlens"].dtype == np.int32 and batch["position_ids"].dtype == np.int32
-    assert batch["tf_stats"]["copied_bytes"] == 4 * 33 * 2
+    assert carried.meta.stats["copied_bytes"] == 4 * 33 * 2
 
 
 def test_cu_seqlens_match_document_boundaries(packed):
@@ -107,10 +102,11 @@ def test_cu_seqlens_match_document_boundaries(packed):
     doc_ends = np.cumsum([len(reader[i]["tokens"]) for i in range(len(reader))])
     ds = TieredDataset(packed, batch_size=8, seq_len=length, partitions=PARTITIONS, max_batches=20)
     checked = 0
-    for batch in ds:
+    for carried in ds:
+        batch = carried.data
         cu = batch["cu_seqlens"].tolist()
         assert batch["max_seqlen"] == max(np.diff(cu))
-        begins = window_token_starts(ds._token_starts, length, batch["tf_sample_ids"]).tolist()
+        begins = window_token_starts(ds._token_starts, length, carried.meta.sample_ids).tolist()
         for row, begin in enumerate(begins):
             inside = doc_ends[(doc_ends > begin) & (doc_ends < begin + length)] - begin
             expected = [row * length] + [row * length + int(e) for e in inside]
@@ -149,11 +145,11 @@ def test_collation_stacks_equal_shapes_pads_others_and_lists_strings():
 
 def test_columns_projection_reads_only_the_selected_columns(packed):
     ds = TieredDataset(packed, batch_size=4, columns=["id", "text"], partitions=PARTITIONS)
-    batch = next(iter(ds))
-    assert set(k for k in batch if not k.startswith("tf_")) == {"id", "text", "mask"}
+    carried = next(iter(ds))
+    assert set(carried.data) == {"id", "text", "mask"}
     assert ds._open().dataset.columns == ["id", "text"]
     reader = tierflow.open_dataset(packed)
-    assert batch["text"] == [reader[i]["text"] for i in batch["tf_sample_ids"].tolist()]
+    assert carried.data["text"] == [reader[i]["text"] for i in carried.meta.sample_ids.tolist()]
 
 
 def _keep(sample):
@@ -164,23 +160,14 @@ def _noise(sample, rng):
     return {**sample, "noise": rng.integers(0, 1 << 30)}
 
 
-def test_filters_and_transforms_are_deterministic_across_resume(packed):
-    def make(resume=None):
-        return TieredDataset(packed, batch_size=6, columns=["id"], filter=_keep, transform=_noise,
-                             partitions=PARTITIONS, resume=resume)
-    full = take(Loader(make()), 12)
-    assert all(all(i % 3 for i in b["id"].tolist()) for b in full)
-    assert sum(b["tf_stats"]["filtered"] for b in full) > 0
-    first = Loader(make())
-    head = take(first, 5)
-    state = json.loads(json.dumps(first.state_dict()))
-    assert state["filtered"] == sum(b["tf_stats"]["filtered"] for b in head)
-    resumed = Loader(make(resume=state))
-    resumed.load_state_dict(state)
-    tail = take(resumed, 7)
-    for a, b in zip(full, head + tail):
-        assert a["id"].tolist() == b["id"].tolist() and a["noise"].tolist() == b["noise"].tolist()
-    assert resumed.state_dict()["filtered"] == sum(b["tf_stats"]["filtered"] for b in full)
+def test_filtered_samples_leave_their_batch_and_are_counted_and_transforms_see_each_sample(packed):
+    loader = Loader(TieredDataset(packed, batch_size=6, columns=["id"], filter=_keep, transform=_noise,
+                                  partitions=PARTITIONS), return_meta=True)
+    batches = take(loader, 12)
+    assert all(all(i % 3 for i in b["id"].tolist()) for b, _ in batches)
+    assert all(b["id"].tolist() == meta.sample_ids.tolist() and len(b["noise"]) == len(b["id"]) for b, meta in batches)
+    filtered = sum(meta.stats["filtered"] for _, meta in batches)
+    assert filtered > 0 and loader.state_dict()["filtered"] == filtered
 
 
 def test_eval_mode_reads_every_sample_once_with_a_masked_last_batch(packed):
@@ -191,11 +178,11 @@ def test_eval_mode_reads_every_sample_once_with_a_masked_last_batch(packed):
     for rank in range(world):
         ds = TieredDataset(packed, batch_size=64, columns=["id"], eval=True, partitions=PARTITIONS,
                            world=WorldPosition(0, 1, rank, world))
-        batches = list(DataLoader(ds, batch_size=None))
+        batches = list(DataLoader(ds, batch_size=None))  # a plain DataLoader passes the carried batches on
         steps.add(len(batches))
         for b in batches:
-            assert len(b["id"]) == 64
-            seen.extend(b["tf_sample_ids"][b["mask"]].tolist())
+            assert len(b.data["id"]) == 64
+            seen.extend(b.meta.sample_ids[b.data["mask"]].tolist())
     assert len(steps) == 1
     assert sorted(seen) == list(range(n))
 
@@ -215,26 +202,22 @@ def test_bucketing_reduces_padding_against_random_batches_within_the_shape_bound
         real = padded = 0
         shapes = set()
         for b in ds:
-            real += b["tf_stats"]["real_tokens"]
-            padded += b["tf_stats"]["padded_tokens"]
-            shapes.add(b["input_ids"].shape[1])
-            assert b["input_ids"].shape[0] == 16
+            real += b.meta.stats["real_tokens"]
+            padded += b.meta.stats["padded_tokens"]
+            shapes.add(b.data["input_ids"].shape[1])
+            assert b.data["input_ids"].shape[0] == 16
         assert shapes <= set(batcher.shapes.tolist()) and len(batcher.shapes) <= 6
         return padded / real
     bucketed, random_batches = waste(16), waste(1)
     assert bucketed < 0.5 * random_batches, (bucketed, random_batches)  # padded tokens per real token
 
 
-def test_bucketed_batches_resume_exactly_inside_a_group(packed):
-    def make(resume=None):
-        return TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
-                             partitions=PARTITIONS, resume=resume)
-    full = take(make(), 14)
-    head = take(Loader(make()), 6)
-    state = head[-1]["tf_cursor"]
-    assert state["skip"] == 2
-    tail = take(make(resume=state), 8)
-    assert ids_of(full) == ids_of(head + tail)
+def test_a_cursor_inside_a_group_resumes_only_under_its_arrangement(packed):
+    loader = Loader(TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
+                                  partitions=PARTITIONS))
+    take(loader, 6)
+    state = loader.state_dict()
+    assert state["cursor"]["skip"] == 2
     other_world = TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
                                 partitions=PARTITIONS, world=WorldPosition(0, 1, 0, 2))
     with pytest.raises(CursorError, match="group"):
@@ -243,27 +226,9 @@ def test_bucketed_batches_resume_exactly_inside_a_group(packed):
 
 # -- cursor, Loader, resume ------------------------------------------------------------------
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_from_loader_state_equals_the_uninterrupted_run(packed, workers):
-    rng = random.Random(workers)
-    stop = rng.randint(1, 15)
-
-    def make(resume=None):
-        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, resume=resume)
-    full = take(Loader(make(), num_workers=workers), 20)
-    first = Loader(make(), num_workers=workers)
-    head = take(first, stop)
-    first.close()
-    state = json.loads(json.dumps(first.state_dict()))
-    tail = take(Loader(make(resume=state), num_workers=workers), 20 - stop)
-    assert ids_of(full) == ids_of(head + tail)
-    for a, b in zip(full, head + tail):
-        assert torch.equal(a["input_ids"], b["input_ids"])
-
-
 def test_loader_continues_after_load_state_dict_and_after_a_break(packed):
-    loader = Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS))
-    full = take(Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)), 9)
+    loader = Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS), return_meta=True)
+    full = take(Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS), return_meta=True), 9)
     head = take(loader, 3)
     middle = take(loader, 3)  # a new `for` continues after the last consumed batch
     saved = loader.state_dict()
@@ -280,9 +245,9 @@ def test_cursor_is_identical_on_every_rank_and_resumes_a_smaller_world(packed):
                              world=WorldPosition(0, 1, rank, ranks))
     single = ids_of(take(rank_ds(0, 1), 4 * 5 + 2 * 6))
     four = [take(rank_ds(r, 4), 5) for r in range(4)]
-    cursors = {json.dumps(batches[-1]["tf_cursor"], sort_keys=True) for batches in four}
+    cursors = {json.dumps(batches[-1].meta.cursor.to_dict(), sort_keys=True) for batches in four}
     assert len(cursors) == 1
-    state = four[0][-1]["tf_cursor"]
+    state = four[0][-1].meta.cursor
     two = [take(rank_ds(r, 2, resume=state), 6) for r in range(2)]
     node_sequence = [four[j % 4][j // 4] for j in range(20)] + [two[j % 2][j // 2] for j in range(12)]
     assert ids_of(node_sequence) == single
@@ -292,12 +257,12 @@ def test_loader_on_cpu_yields_the_same_batches_as_the_dataloader(packed):
     def make():
         return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, max_batches=10)
     plain = list(DataLoader(make(), batch_size=None))
-    fed = list(Loader(make(), device="cpu"))
+    fed = list(Loader(make(), device="cpu", return_meta=True))
     assert len(plain) == len(fed) == 10
-    for a, b in zip(plain, fed):
+    for a, (b, meta) in zip(plain, fed):
         for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "mask"):
-            assert torch.equal(a[key], b[key])
-        assert a["tf_cursor"] == b["tf_cursor"]
+            assert torch.equal(torch.as_tensor(a.data[key]), b[key])
+        assert a.meta.cursor == meta.cursor
     widened = next(iter(Loader(make(), device="cpu", widen={"input_ids": torch.int64})))
     assert widened["input_ids"].dtype == torch.int64
 
@@ -330,38 +295,40 @@ def test_loader_is_torchdata_stateful(packed):
 
 def test_cursor_from_another_dataset_is_refused(packed):
     ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
-    cursor = next(iter(ds))["tf_cursor"]
-    with pytest.raises(ValueError, match="dataset_id|num_samples"):
-        TieredDataset(packed, batch_size=8, seq_len=32, partitions=PARTITIONS, resume=cursor)
+    cursor = next(iter(ds)).meta.cursor
+    for saved in (cursor, cursor.to_dict()):
+        with pytest.raises(CursorError, match="dataset_id|num_samples"):
+            TieredDataset(packed, batch_size=8, seq_len=32, partitions=PARTITIONS, resume=saved)
 
 
 # -- the worker boundary, cursors per batch, shard reuse --------------------------------------
 
 @pytest.mark.parametrize("shared_memory_bytes", [1 << 30, 0], ids=["in-message", "shared-memory"])
-def test_a_worker_batch_unpickles_into_the_plain_batch_with_one_token_storage(shared_memory_bytes):
+def test_a_worker_batch_unpickles_into_tensors_with_one_token_storage_and_its_meta(shared_memory_bytes):
     import pickle
 
     from torch.utils.data._utils.collate import default_convert
 
-    from tierflow.loader.collate import TransferBatch
+    from tierflow.loader.collate import CarriedBatch
 
     tokens = np.arange(4 * 33, dtype=np.uint16).reshape(4, 33)
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": np.ones((4, 32), np.int32),
              "every_other": np.arange(10)[::2], "mask": np.array([True, True, False, True]), "max_seqlen": 32,
-             "half": torch.ones(3, dtype=torch.bfloat16), "text": ["a", "b"], "tf_cursor": {"skip": 0}}
-    sent = default_convert(TransferBatch(batch, shared_memory_bytes=shared_memory_bytes))
-    sent["tf_timing"] = {"produce_s": 0.1}  # a wrapper in the worker may add keys
+             "half": torch.ones(3, dtype=torch.bfloat16), "text": ["a", "b"]}
+    meta = {"stands in for": "a BatchMeta", "sample_ids": np.arange(4)}
+    sent = default_convert(CarriedBatch(dict(batch), meta, shared_memory_bytes=shared_memory_bytes))
+    assert isinstance(sent, CarriedBatch)  # DataLoader's conversion leaves it to cross as one message
     received = pickle.loads(pickle.dumps(sent))
-    assert type(received) is dict
-    assert list(received) == [*batch, "tf_timing"]
-    expected = default_convert(batch)
-    for name, value in expected.items():
+    assert type(received) is CarriedBatch and type(received.data) is dict
+    assert list(received.data) == list(batch)
+    for name, value in default_convert(batch).items():
         if isinstance(value, torch.Tensor):
-            assert received[name].dtype == value.dtype and torch.equal(received[name], value), name
+            assert received.data[name].dtype == value.dtype and torch.equal(received.data[name], value), name
         else:
-            assert received[name] == value, name
-    assert received["input_ids"].untyped_storage().data_ptr() == received["labels"].untyped_storage().data_ptr()
-    assert received["tf_timing"] == {"produce_s": 0.1}
+            assert received.data[name] == value, name
+    tensors = received.data
+    assert tensors["input_ids"].untyped_storage().data_ptr() == tensors["labels"].untyped_storage().data_ptr()
+    assert received.meta["stands in for"] == "a BatchMeta" and received.meta["sample_ids"].tolist() == [0, 1, 2, 3]
 
 
 def test_batches_from_workers_equal_batches_built_in_process(packed):
@@ -370,12 +337,14 @@ def test_batches_from_workers_equal_batches_built_in_process(packed):
         return list(DataLoader(ds, batch_size=None, num_workers=workers))
 
     for inline, remote in zip(batches(0), batches(2), strict=True):
-        assert type(remote) is dict and list(remote) == list(inline)
-        for name, value in inline.items():
-            if isinstance(value, torch.Tensor):
-                assert remote[name].dtype == value.dtype and torch.equal(remote[name], value), name
+        assert list(remote.data) == list(inline.data)
+        for name, value in inline.data.items():
+            if isinstance(value, np.ndarray):
+                assert torch.equal(remote.data[name], torch.as_tensor(value)), name
             else:
-                assert remote[name] == value, name
+                assert remote.data[name] == value, name
+        assert remote.meta.cursor == inline.meta.cursor and remote.meta.index == inline.meta.index
+        assert remote.meta.sample_ids.tolist() == inline.meta.sample_ids.tolist()
 
 
 def _reference_cursor_after(order, base, index, *, batch_size, num_nodes, ranks_per_node):
@@ -467,13 +436,14 @@ def test_token_budget_batches_hold_whole_samples_within_the_budget(packed):
     ds = tierflow.open_dataset(packed)
     batches = take(budget_ds(packed), 40)
     fills = []
-    for batch in batches:
+    for carried in batches:
+        batch = carried.data
         cu = batch["cu_seqlens"]
         assert cu[0] == 0 and cu[-1] == 1024 and batch["input_ids"].shape == (1, 1024)
         real = int(batch["lengths"].sum())
         assert real <= 1024
         fills.append(real / 1024)
-        for k, sample in enumerate(batch["tf_sample_ids"].tolist()):
+        for k, sample in enumerate(carried.meta.sample_ids.tolist()):
             begin, end = int(cu[k]), int(cu[k + 1])
             tokens = ds[sample]["tokens"][:1024]
             assert np.array_equal(batch["input_ids"][0, begin:end], tokens)
@@ -490,28 +460,14 @@ def test_token_budget_reads_each_sample_once_per_epoch_on_every_rank_split(packe
         seen = []
         for rank in range(ranks):
             for batch in take(budget_ds(packed, max_tokens=4096, rank=rank, ranks=ranks), 400 // ranks):
-                seen += [(e, i) for e, i in zip(batch["tf_epochs"].tolist(), batch["tf_sample_ids"].tolist())]
+                seen += list(zip(batch.meta.epochs.tolist(), batch.meta.sample_ids.tolist()))
         assert len(seen) == len(set(seen))  # nothing twice
         assert {i for e, i in seen if e == 0} == set(range(samples))  # epoch 0 complete
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_token_budget_resumes_exactly_with_its_pending_samples(packed, workers):
-    stop = random.Random(workers + 5).randint(3, 17)
-    full = take(Loader(budget_ds(packed), num_workers=workers), 24)
-    first = Loader(budget_ds(packed), num_workers=workers)
-    head = take(first, stop)
-    first.close()
-    state = json.loads(json.dumps(first.state_dict()))
-    assert state["cursor"]["pending"]["ids"]  # the buffer is carried, not dropped
-    tail = take(Loader(budget_ds(packed, resume=state), num_workers=workers), 24 - stop)
-    assert ids_of(full) == ids_of(head + tail)
-    for a, b in zip(full, head + tail):
-        assert torch.equal(a["input_ids"], b["input_ids"])
-
-
 def test_token_budget_cursor_resumes_only_its_own_rank(packed):
-    state = take(budget_ds(packed, rank=1, ranks=2), 3)[-1]["tf_cursor"]
+    state = take(budget_ds(packed, rank=1, ranks=2), 3)[-1].meta.cursor.to_dict()
+    assert state["pending"]["ids"]  # the buffer is carried, not dropped
     with pytest.raises(CursorError, match="rank 1"):
         budget_ds(packed, resume=state, rank=0, ranks=2)
     with pytest.raises(CursorError, match="pending"):
@@ -533,13 +489,41 @@ def test_budget_planner_takes_the_oldest_first_and_fills_gaps_first_fit():
 # -- epochs one `for` at a time --------------------------------------------------------------
 
 def test_epoch_end_ends_each_for_at_the_epoch_edge_and_skips_nothing(packed):
-    loader = Loader(budget_ds(packed, max_tokens=8192), epoch_end="rank")
-    endless = take(Loader(budget_ds(packed, max_tokens=8192)), 10**6 // 8192 * 2)
+    loader = Loader(budget_ds(packed, max_tokens=8192), epoch_end="rank", return_meta=True)
+    endless = take(Loader(budget_ds(packed, max_tokens=8192), return_meta=True), 10**6 // 8192 * 2)
     first, second = list(loader), list(loader)
-    assert {b["tf_epoch"] for b in first} == {0} and {b["tf_epoch"] for b in second} == {1}
+    assert {m.epoch for _, m in first} == {0} and {m.epoch for _, m in second} == {1}
     assert ids_of(first + second) == ids_of(endless[:len(first) + len(second)])
     def of_epoch(batches, epoch):
-        return sorted(i for b in batches for e, i in zip(b["tf_epochs"].tolist(), b["tf_sample_ids"].tolist())
-                      if e == epoch)
+        return sorted(i for _, m in batches for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist()) if e == epoch)
     # partitions reach their epoch ends at different steps, so the edge batch may hold epoch-1 samples too
     assert of_epoch(first, 0) == list(range(len(tierflow.open_dataset(packed)))) and not of_epoch(second, 0)
+
+
+def test_a_seek_elsewhere_reads_the_group_sought_not_the_one_last_sorted(packed):
+    def make():
+        return TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
+                             partitions=PARTITIONS)
+    full = take(Loader(make(), return_meta=True), 14)
+    state = Loader(make())
+    take(state, 10)
+    loader = Loader(make(), return_meta=True)
+    take(loader, 1)  # sorts the first group of its own stream
+    loader.load_state_dict(state.state_dict())
+    assert ids_of(take(loader, 4)) == ids_of(full[10:])
+
+
+def test_the_loop_gets_only_its_tensors_and_the_meta_when_it_asks(packed):
+    def make():
+        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    with Loader(make()) as loader:
+        batch = next(iter(loader))
+        assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "mask"}
+        meta = loader.last_meta
+        assert meta.index == 0 and meta.epoch == 0 and meta.sample_ids.size == 8
+        assert meta.cursor.to_dict() == loader.state_dict()["cursor"]
+    assert loader._feed is None  # leaving the block closed it
+    with Loader(make(), return_meta=True) as loader:
+        pairs = take(loader, 2)
+    assert [m.index for _, m in pairs] == [0, 1] and pairs[1][1] is loader.last_meta
+    assert torch.equal(pairs[0][0]["input_ids"], batch["input_ids"])

@@ -32,11 +32,11 @@ ds = TieredDataset(path, batch_size=BATCH, seq_len=seq_len or None, partitions=P
 world = ds.world.world_size
 if world > 1:
     dist.init_process_group("gloo")
-loader = Loader(ds, device="cpu", num_workers=workers)
+loader = Loader(ds, device="cpu", num_workers=workers, return_meta=True)
 ids, epochs = [], []
-for step, batch in enumerate(loader):
-    ids.append(batch["tf_sample_ids"].tolist())
-    epochs.append(batch["tf_epochs"].tolist())
+for step, (batch, meta) in enumerate(loader):
+    ids.append(meta.sample_ids.tolist())
+    epochs.append(meta.epochs.tolist())
     if step + 1 == steps:
         break
 loader.close()
@@ -60,11 +60,10 @@ from tierflow.loader import Loader, TieredDataset, TokenBudget
 path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
 ds = TieredDataset(path, batch_size=8, batcher=TokenBudget(1024), partitions=4)
-loader = Loader(ds, device="cpu", num_workers=1, epoch_end=mode)
+loader = Loader(ds, device="cpu", num_workers=1, epoch_end=mode, return_meta=True)
 iterations = []
 for epoch in range(2):
-    iterations.append([[list(zip(b["tf_epochs"].tolist(), b["tf_sample_ids"].tolist())), b["tf_epoch"]]
-                       for b in loader])
+    iterations.append([[list(zip(m.epochs.tolist(), m.sample_ids.tolist())), m.epoch] for _, m in loader])
 loader.close()
 gathered = [None] * dist.get_world_size()
 dist.all_gather_object(gathered, iterations)

@@ -56,8 +56,8 @@ def test_stager_stages_ahead_and_each_shard_crosses_the_network_once(tmp_path, s
     assert stager.snapshot()["fetches"] > 0
     steps = ds.num_order_samples // BATCH
     seen = []
-    for step, batch in enumerate(loader):
-        seen.extend(zip(batch["tf_sample_ids"].tolist(), batch["tf_epochs"].tolist()))
+    for step, _ in enumerate(loader):
+        seen.extend(zip(loader.last_meta.sample_ids.tolist(), loader.last_meta.epochs.tolist()))
         if step + 1 == steps:
             break
     loader.close()
@@ -128,11 +128,11 @@ def main():
     stack = build_stack(url, tiers, endpoint_url=endpoint)
     ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
     dist.init_process_group("gloo")
-    loader = Loader(ds, num_workers=2, stager=Stager(ds, stack))
+    loader = Loader(ds, num_workers=2, stager=Stager(ds, stack), return_meta=True)
     ids, epochs = [], []
-    for step, batch in enumerate(loader):
-        ids.append(batch["tf_sample_ids"].tolist())
-        epochs.append(batch["tf_epochs"].tolist())
+    for step, (batch, meta) in enumerate(loader):
+        ids.append(meta.sample_ids.tolist())
+        epochs.append(meta.epochs.tolist())
         if step + 1 == steps:
             break
     loader.close()
@@ -220,11 +220,12 @@ from tierflow.tiers import TierConfig, build_stack
 def main():
     url, endpoint, root, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
     stack = build_stack(url, [TierConfig("L2", root + "/l2", 1 << 30, form="at_rest")], endpoint_url=endpoint)
-    loader = Loader(TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS), num_workers=2)
+    loader = Loader(TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS), num_workers=2,
+                    return_meta=True)
     ids, epochs, tokens = [], [], []
-    for step, batch in enumerate(loader):
-        ids += batch["tf_sample_ids"].tolist()
-        epochs += batch["tf_epochs"].tolist()
+    for step, (batch, meta) in enumerate(loader):
+        ids += meta.sample_ids.tolist()
+        epochs += meta.epochs.tolist()
         tokens.append(sum(int(t.sum()) for t in batch["tokens"]))
         if step + 1 == steps:
             break
@@ -253,9 +254,9 @@ def test_two_workers_read_an_epoch_from_s3_through_l2_with_obstore_in_every_proc
     assert "Warning" not in run.stderr and "s3fs" not in run.stderr, run.stderr
     got = json.loads((tmp_path / "out.json").read_text())
     want_ids, want_epochs, want_tokens = [], [], []
-    for step, batch in enumerate(Loader(here)):  # the same order read here, in one process
-        want_ids += batch["tf_sample_ids"].tolist()
-        want_epochs += batch["tf_epochs"].tolist()
+    for step, (batch, meta) in enumerate(Loader(here, return_meta=True)):  # the same order, in one process
+        want_ids += meta.sample_ids.tolist()
+        want_epochs += meta.epochs.tolist()
         want_tokens.append(sum(int(t.sum()) for t in batch["tokens"]))
         if step + 1 == steps:
             break

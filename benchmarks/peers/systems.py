@@ -184,12 +184,7 @@ class TierflowReader(Reader):
         return self._per_epoch * self.batch
 
     def state_at(self, samples: int) -> Any:
-        from tierflow.loader.dataset import CURSOR_VERSION
-
-        stream, _, _ = self.ds._stream()
-        cursor = stream.cursor_after(samples // self.batch - 1)
-        return {"version": CURSOR_VERSION, "kind": "train", "order": cursor.to_dict(), "skip": 0,
-                "arrangement": self.ds.arrangement()}
+        return self.ds.stream().cursor(samples // self.batch - 1).to_dict()
 
     def shard_uses(self, epochs: int) -> list[tuple[str, int]]:
         shards = self.stack.manifest().shards

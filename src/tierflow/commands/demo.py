@@ -184,19 +184,18 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=seq_len, seed=1)
-    loader = Loader(ds, widen={"input_ids": torch.int64, "labels": torch.int64})
     losses: list[float] = []
     started = time.perf_counter()
-    for step, batch in enumerate(loader):
-        logits = model(batch["input_ids"])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), batch["labels"].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step + 1 == steps:
-            console.print(f"step {step:4d}  loss {losses[-1]:.3f}")
-        if step + 1 == steps:
-            break
-    loader.close()
+    with Loader(ds, widen={"input_ids": torch.int64, "labels": torch.int64}) as loader:
+        for step, batch in enumerate(loader):
+            logits = model(batch["input_ids"])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), batch["labels"].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if step % 50 == 0 or step + 1 == steps:
+                console.print(f"step {step:4d}  loss {losses[-1]:.3f}")
+            if step + 1 == steps:
+                break
     return losses, params, time.perf_counter() - started

@@ -1,24 +1,29 @@
-"""Batchers: how the order's samples of one order batch become the training loop's batches.
+"""Batchers: how the order's samples become the training loop's batches, in two halves.
 
-A batcher is a small object with one job. `Samples` collates dataset rows (dict of columns);
-`TokenWindows` makes fixed-length windows over the token stream (the window is the order's
-sample); `LengthBuckets` sorts a group of `group` order batches' worth of variable-length samples
-by length and cuts it into `group` batches whose padded lengths come from a bounded set of
-shapes. A batcher turns one order batch into `batches_per_group` output batches, always the same
-number, so a batch's position alone locates it (no look-back, exact resume).
+A batcher is a small object with one job, and two halves (plan.py): `plan` says which samples
+each output batch holds and what the cursor is once it is consumed; `build` reads and assembles
+one batch. `Samples` collates dataset rows (dict of columns); `TokenWindows` makes fixed-length
+windows over the token stream (the window is the order's sample); `LengthBuckets` sorts a group
+of `group` order batches' worth of variable-length samples by length and cuts it into `group`
+batches whose padded lengths come from a bounded set of shapes. These three map each order batch
+to `batches_per_group` output batches, always the same number, so a batch's position alone
+locates it (no look-back, exact resume); `TokenBudget` (budget.py) plans many-to-one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.format.reads import TokenReader
 from tierflow.loader.collate import collate_samples
+from tierflow.loader.cursor import LoaderCursor
+from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
 from tierflow.loader.tokens import document_segments, window_counts, window_token_starts
 from tierflow.order import sample_rng
 
@@ -39,6 +44,11 @@ class SampleContext:
 
 class Batcher(Protocol):
     batches_per_group: int
+    """Output batches per order batch (the order batch holds batch_size x this many samples)."""
+    runs_transforms: bool
+    """Whether the context's filter/transform run (else the dataset refuses them)."""
+    plans_eval: bool
+    """Whether eval's stored order, one order batch per output batch, can be planned."""
 
     def tag(self) -> str:
         """Names the order's sample unit: cursors of different units never mix."""
@@ -49,9 +59,37 @@ class Batcher(Protocol):
     def order_counts(self, dataset: Dataset) -> np.ndarray:
         """Per shard, the number of order samples (rows or windows) it starts."""
 
-    def build(self, ctx: SampleContext, group: int, ids: np.ndarray, epochs: np.ndarray, mask: np.ndarray,
-              sub: int) -> dict[str, Any]:
-        """Output batch `sub` of the order batch `group` (ids, epochs, mask of that order batch)."""
+    def check_resume(self, cursor: LoaderCursor) -> None:
+        """Raise `CursorError` when the cursor's batcher piece (skip, pending) is not one this saves."""
+
+    def plan(self, ctx: SampleContext, stream: OrderStream, state: LoaderCursor | None) -> Iterator[Selection]:
+        """This worker's output batches from `state` (None: the start), in order."""
+
+    def build(self, ctx: SampleContext, selection: Selection) -> Built:
+        """Read and assemble one planned batch."""
+
+
+def shard_samples(dataset: Dataset) -> np.ndarray:
+    """Order samples per shard for batchers whose sample is a dataset row."""
+    return np.array([s.samples for s in dataset.manifest.shards], dtype=np.int64)
+
+
+class ByPosition:
+    """Plans output batch n as a part of order batch n // batches_per_group (plan.plan_groups);
+    its batcher piece of the cursor is `skip`, the parts of the current group consumed."""
+
+    batches_per_group: int
+    plans_eval: ClassVar[bool] = True
+
+    def check_resume(self, cursor: LoaderCursor) -> None:
+        if cursor.pending is not None:
+            raise CursorError(f"a token-budget cursor holds {len(cursor.pending.ids)} pending samples; resume "
+                              f"it with a TokenBudget batcher, not {self!r}")
+        if cursor.skip >= self.batches_per_group:
+            raise CursorError(f"cursor skips {cursor.skip} batches of a group of {self.batches_per_group}")
+
+    def plan(self, ctx: SampleContext, stream: OrderStream, state: LoaderCursor | None) -> Iterator[Selection]:
+        return plan_groups(stream, state, self.batches_per_group)
 
 
 def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
@@ -59,13 +97,14 @@ def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
 
 
 @dataclass
-class Samples:
+class Samples(ByPosition):
     """Dataset rows as a dict of columns; `transform`/`filter` of the context run per sample."""
 
     pad: bool = False
     pad_value: int | float = 0
     select: Sequence[str] | None = None
-    batches_per_group: int = 1
+    batches_per_group: ClassVar[int] = 1
+    runs_transforms: ClassVar[bool] = True
 
     def tag(self) -> str:
         return "samples"
@@ -74,37 +113,37 @@ class Samples:
         return list(self.select) if self.select is not None else None
 
     def order_counts(self, dataset: Dataset) -> np.ndarray:
-        return np.array([s.samples for s in dataset.manifest.shards], dtype=np.int64)
+        return shard_samples(dataset)
 
-    def build(self, ctx, group, ids, epochs, mask, sub):
-        kept_ids, kept_epochs, kept_mask, samples = [], [], [], []
+    def build(self, ctx: SampleContext, selection: Selection) -> Built:
+        ids, epochs = selection.sample_ids, selection.epochs
+        kept: list[int] = []
+        samples = []
         filtered = 0
-        for sample_id, epoch, real, sample in zip(ids.tolist(), epochs.tolist(), mask.tolist(), _rows(ctx, ids)):
+        for k, (sample_id, epoch, sample) in enumerate(zip(ids.tolist(), epochs.tolist(), _rows(ctx, ids))):
             if ctx.filter is not None and not ctx.filter(sample):
                 filtered += 1
                 continue
             if ctx.transform is not None:
                 sample = ctx.transform(sample, sample_rng(ctx.seed, epoch, sample_id))
             samples.append(sample)
-            kept_ids.append(sample_id)
-            kept_epochs.append(epoch)
-            kept_mask.append(real)
+            kept.append(k)
         names = list(samples[0].keys()) if samples else list(ctx.dataset.columns)
         batch, copied = collate_samples(samples, names, self.pad, self.pad_value)
-        batch["mask"] = np.array(kept_mask, dtype=bool)
-        batch["tf_sample_ids"] = np.array(kept_ids, dtype=np.int64)
-        batch["tf_epochs"] = np.array(kept_epochs, dtype=np.int64)
-        batch["tf_stats"] = {"copied_bytes": copied, "filtered": filtered, "samples": len(samples)}
-        return batch
+        keep = np.array(kept, dtype=np.int64)
+        batch["mask"] = selection.mask[keep]
+        return Built(batch, ids[keep].astype(np.int64), epochs[keep].astype(np.int64),
+                     {"copied_bytes": copied, "filtered": filtered, "samples": len(samples)})
 
 
 @dataclass
-class TokenWindows:
+class TokenWindows(ByPosition):
     """Windows of L + 1 tokens inside one shard (tokens.py); input_ids/labels are views of one
     (B, L+1) buffer."""
 
     seq_len: int
-    batches_per_group: int = 1
+    batches_per_group: ClassVar[int] = 1
+    runs_transforms: ClassVar[bool] = False
 
     def tag(self) -> str:
         return f"windows:{self.seq_len}"
@@ -117,7 +156,8 @@ class TokenWindows:
     def order_counts(self, dataset: Dataset) -> np.ndarray:
         return window_counts(dataset.token_starts, self.seq_len)
 
-    def build(self, ctx, group, ids, epochs, mask, sub):
+    def build(self, ctx: SampleContext, selection: Selection) -> Built:
+        ids = selection.sample_ids
         reader = ctx.cache.get("tokens")
         if reader is None:
             reader = ctx.cache["tokens"] = TokenReader(ctx.dataset)
@@ -134,18 +174,11 @@ class TokenWindows:
             position_ids = np.broadcast_to(np.arange(length, dtype=np.int32), inputs.shape).copy()
         else:
             cu_seqlens, max_seqlen, position_ids = document_segments(inputs, eos)
-        return {
-            "input_ids": inputs,
-            "labels": buffer[:, 1:],
-            "position_ids": position_ids,
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": max_seqlen,
-            "mask": mask.copy(),
-            "tf_sample_ids": ids.astype(np.int64),
-            "tf_epochs": epochs.astype(np.int64),
-            "tf_stats": {"copied_bytes": buffer.nbytes, "pieces": reader.pieces - pieces_before,
-                         "filtered": 0, "samples": int(ids.size)},
-        }
+        data = {"input_ids": inputs, "labels": buffer[:, 1:], "position_ids": position_ids,
+                "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "mask": selection.mask.copy()}
+        return Built(data, ids.astype(np.int64), selection.epochs.astype(np.int64),
+                     {"copied_bytes": buffer.nbytes, "pieces": reader.pieces - pieces_before, "filtered": 0,
+                      "samples": int(ids.size)})
 
 
 def bucket_shapes(max_length: int, pad_to_multiple_of: int, max_shapes: int) -> np.ndarray:
@@ -166,8 +199,16 @@ def bucket_shapes(max_length: int, pad_to_multiple_of: int, max_shapes: int) -> 
     return shapes
 
 
+def list_column(batcher: str, column: str | None, manifest: Manifest) -> str:
+    """The list column a length-aware batcher reads: the one named, else the token column."""
+    column = column or manifest.token_column
+    if column is None:
+        raise TypeError(f"{batcher} needs a list column (column=...) or a token dataset")
+    return column
+
+
 @dataclass
-class LengthBuckets:
+class LengthBuckets(ByPosition):
     """Variable-length token samples, sorted by length within a group of `group` batches, padded
     to the smallest allowed shape (longer samples are truncated to the largest and counted)."""
 
@@ -177,6 +218,7 @@ class LengthBuckets:
     group: int = 8
     pad_id: int = 0
     column: str | None = None
+    runs_transforms: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.shapes = bucket_shapes(self.max_length, self.pad_to_multiple_of, self.max_shapes)
@@ -184,45 +226,44 @@ class LengthBuckets:
             raise ValueError(f"LengthBuckets group must be >= 1, got {self.group}")
 
     @property
-    def batches_per_group(self) -> int:
+    def batches_per_group(self) -> int:  # type: ignore[override]
         return self.group
+
+    @property
+    def plans_eval(self) -> bool:  # type: ignore[override]
+        return self.group == 1
 
     def tag(self) -> str:
         return "samples"
 
-    def _column(self, manifest: Manifest) -> str:
-        column = self.column or manifest.token_column
-        if column is None:
-            raise TypeError("LengthBuckets needs a list column (column=...) or a token dataset")
-        return column
-
     def columns(self, manifest: Manifest) -> list[str] | None:
-        return [self._column(manifest)]
+        return [list_column("LengthBuckets", self.column, manifest)]
 
     def order_counts(self, dataset: Dataset) -> np.ndarray:
-        return np.array([s.samples for s in dataset.manifest.shards], dtype=np.int64)
+        return shard_samples(dataset)
 
     def shape_for(self, longest: int) -> int:
         index = min(int(np.searchsorted(self.shapes, longest, side="left")), self.shapes.size - 1)
         return int(self.shapes[index])
 
-    def _sorted_group(self, ctx: SampleContext, group: int, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    def _sorted_group(self, ctx: SampleContext, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """The group's rows and their order by length, kept while its parts are built (every part
+        of a group is planned with the same `ids` array)."""
         cached = ctx.cache.get("bucket_group")
-        if cached is not None and cached[0] == group:
+        if cached is not None and cached[0] is ids:
             return cached[1], cached[2]
-        column = self._column(ctx.dataset.manifest)
+        column = list_column("LengthBuckets", self.column, ctx.dataset.manifest)
         rows = [ctx.dataset[int(i)][column] for i in ids]
         lengths = np.array([len(r) for r in rows], dtype=np.int64)
         order = np.argsort(lengths, kind="stable")
-        ctx.cache["bucket_group"] = (group, rows, order)
+        ctx.cache["bucket_group"] = (ids, rows, order)
         return rows, order
 
-    def build(self, ctx, group, ids, epochs, mask, sub):
-        if ctx.filter is not None or ctx.transform is not None:
-            raise ValueError("LengthBuckets does not run filter/transform (use Samples)")
-        rows, order = self._sorted_group(ctx, group, ids)
+    def build(self, ctx: SampleContext, selection: Selection) -> Built:
+        ids = selection.sample_ids
+        rows, order = self._sorted_group(ctx, ids)
         size = ids.size // self.group
-        pick = order[sub * size:(sub + 1) * size]
+        pick = order[selection.part * size:(selection.part + 1) * size]
         lengths = np.array([len(rows[i]) for i in pick], dtype=np.int64)
         shape = self.shape_for(int(lengths.max()) if lengths.size else 1)
         dtype = np.dtype(ctx.dataset.manifest.token_dtype or np.int32) if self.column is None else rows[0].dtype
@@ -231,13 +272,8 @@ class LengthBuckets:
         for row, i in enumerate(pick.tolist()):
             out[row, :kept[row]] = rows[i][:kept[row]]
         real = int(kept.sum())
-        return {
-            "input_ids": out,
-            "lengths": kept.astype(np.int32),
-            "mask": mask[pick].copy(),
-            "tf_sample_ids": ids[pick].astype(np.int64),
-            "tf_epochs": epochs[pick].astype(np.int64),
-            "tf_stats": {"copied_bytes": real * out.itemsize, "filtered": 0, "samples": int(pick.size),
-                         "real_tokens": real, "padded_tokens": int(out.size),
-                         "truncated": int((lengths > shape).sum())},
-        }
+        data = {"input_ids": out, "lengths": kept.astype(np.int32), "mask": selection.mask[pick]}
+        return Built(data, ids[pick].astype(np.int64), selection.epochs[pick].astype(np.int64),
+                     {"copied_bytes": real * out.itemsize, "filtered": 0, "samples": int(pick.size),
+                      "real_tokens": real, "padded_tokens": int(out.size),
+                      "truncated": int((lengths > shape).sum())})

@@ -12,12 +12,17 @@ plan (it needs only lengths, read from the list offsets) and builds its own batc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Callable, ClassVar, Iterator
 
 import numpy as np
 
+from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
+from tierflow.format.reads import SampleLengths
+from tierflow.loader.batching import SampleContext, list_column, shard_samples
+from tierflow.loader.cursor import LoaderCursor, Pending
+from tierflow.loader.plan import Built, OrderStream, Selection, batch_epoch
 
 IGNORE_INDEX = -100
 
@@ -31,7 +36,8 @@ class TokenBudget:
     padding, `position_ids` restarting per sample, int32 `cu_seqlens` over the samples plus the
     padding as a final segment (so it ends at max_tokens), `max_seqlen`, `lengths`. A sample longer
     than `max_tokens` is truncated to it and counted. The buffer keeps pulling while it holds
-    fewer than `lookahead` x max_tokens tokens and fewer than `max_pending` samples.
+    fewer than `lookahead` x max_tokens tokens and fewer than `max_pending` samples. Its piece of
+    the cursor is the pending samples and the rank whose stream they came from.
     """
 
     max_tokens: int
@@ -39,7 +45,9 @@ class TokenBudget:
     max_pending: int = 2048
     pad_id: int = 0
     column: str | None = None
-    batches_per_group: int = 1
+    batches_per_group: ClassVar[int] = 1
+    runs_transforms: ClassVar[bool] = False
+    plans_eval: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -51,28 +59,49 @@ class TokenBudget:
     def tag(self) -> str:
         return "samples"
 
-    def _column(self, manifest: Manifest) -> str:
-        column = self.column or manifest.token_column
-        if column is None:
-            raise TypeError("TokenBudget needs a list column (column=...) or a token dataset")
-        return column
-
     def columns(self, manifest: Manifest) -> list[str] | None:
-        return [self._column(manifest)]
+        return [list_column("TokenBudget", self.column, manifest)]
 
     def order_counts(self, dataset: Dataset) -> np.ndarray:
-        return np.array([s.samples for s in dataset.manifest.shards], dtype=np.int64)
+        return shard_samples(dataset)
 
-    def planner(self, pending: dict[str, Any] | None = None) -> "BudgetPlanner":
+    def check_resume(self, cursor: LoaderCursor) -> None:
+        if cursor.skip:
+            raise CursorError(f"cursor skips {cursor.skip} batches of a group; a token budget has no groups")
+
+    def planner(self, pending: Pending | None = None,
+                lengths: Callable[[np.ndarray], np.ndarray] | None = None) -> BudgetPlanner:
+        """The pending buffer, holding `pending` (whose lengths `lengths` gives) when resuming."""
         planner = BudgetPlanner(self.max_tokens, int(self.lookahead * self.max_tokens), self.max_pending)
-        if pending:
-            planner.ids = np.asarray(pending["ids"], dtype=np.int64)
-            planner.epochs = np.asarray(pending["epochs"], dtype=np.int64)
+        if pending is not None and pending.ids:
+            ids = np.asarray(pending.ids, dtype=np.int64)
+            assert lengths is not None
+            planner.add(ids, np.asarray(pending.epochs, dtype=np.int64), lengths(ids))
         return planner
 
-    def build(self, dataset: Dataset, ids: np.ndarray, epochs: np.ndarray) -> dict[str, Any]:
-        column = self._column(dataset.manifest)
-        rows = [dataset[int(i)][column] for i in ids]
+    def plan(self, ctx: SampleContext, stream: OrderStream, state: LoaderCursor | None) -> Iterator[Selection]:
+        """Every worker plans the rank's whole budget stream (lengths only) and yields its own batches."""
+        lengths = ctx.cache.get("lengths")
+        if lengths is None:
+            lengths = ctx.cache["lengths"] = SampleLengths(ctx.dataset, self.columns(ctx.dataset.manifest)[0])
+        planner = self.planner(state.pending if state is not None else None, lengths)
+        pulled = n = 0
+        while stream.limit is None or n < stream.limit:
+            while planner.wants_more():
+                order_batch = stream.batch(pulled)
+                real = order_batch.sample_ids[order_batch.mask]
+                planner.add(real, order_batch.epochs[order_batch.mask], lengths(real))
+                pulled += 1
+            ids, epochs = planner.take()
+            if n % stream.workers == stream.worker:
+                mask = np.ones(ids.size, dtype=bool)
+                yield Selection(n, ids, epochs, mask, stream.cursor(pulled - 1, pending=planner.state()),
+                                batch_epoch(epochs, mask))
+            n += 1
+
+    def build(self, ctx: SampleContext, selection: Selection) -> Built:
+        dataset, ids = ctx.dataset, selection.sample_ids
+        rows = [dataset[int(i)][self.columns(dataset.manifest)[0]] for i in ids]
         dtype = rows[0].dtype if rows else np.dtype(dataset.manifest.token_dtype or np.int32)
         full = np.array([len(r) for r in rows], dtype=np.int64)
         kept = np.minimum(full, self.max_tokens)
@@ -89,20 +118,13 @@ class TokenBudget:
         segments = kept.tolist() + ([self.max_tokens - real] if real < self.max_tokens else [])
         position_ids[0, real:] = np.arange(self.max_tokens - real, dtype=np.int32)
         cu_seqlens = np.concatenate([[0], np.cumsum(segments)]).astype(np.int32)
-        return {
-            "input_ids": out,
-            "labels": labels,
-            "position_ids": position_ids,
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": int(max(segments)) if segments else 0,
-            "lengths": kept.astype(np.int32),
-            "mask": np.ones(ids.size, dtype=bool),
-            "tf_sample_ids": ids.astype(np.int64),
-            "tf_epochs": epochs.astype(np.int64),
-            "tf_stats": {"copied_bytes": real * out.itemsize, "filtered": 0, "samples": int(ids.size),
-                         "real_tokens": real, "padded_tokens": self.max_tokens,
-                         "truncated": int((full > self.max_tokens).sum())},
-        }
+        data = {"input_ids": out, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu_seqlens,
+                "max_seqlen": int(max(segments)) if segments else 0, "lengths": kept.astype(np.int32),
+                "mask": selection.mask}
+        return Built(data, ids.astype(np.int64), selection.epochs.astype(np.int64),
+                     {"copied_bytes": real * out.itemsize, "filtered": 0, "samples": int(ids.size),
+                      "real_tokens": real, "padded_tokens": self.max_tokens,
+                      "truncated": int((full > self.max_tokens).sum())})
 
 
 class BudgetPlanner:
@@ -145,5 +167,5 @@ class BudgetPlanner:
         self.ids, self.epochs, self.lengths = self.ids[keep], self.epochs[keep], self.lengths[keep]
         return ids, epochs
 
-    def state(self) -> dict[str, list[int]]:
-        return {"ids": self.ids.tolist(), "epochs": self.epochs.tolist()}
+    def state(self) -> Pending:
+        return Pending(tuple(self.ids.tolist()), tuple(self.epochs.tolist()))

@@ -1,8 +1,9 @@
-"""Dict-of-columns collation: samples (dicts of numpy views, scalars, strings) into one batch.
+"""Dict-of-columns collation, and the batch as it crosses the DataLoader worker boundary.
 
 Numeric arrays of one shape are stacked, and with `pad` arrays of different lengths are padded
 into one buffer (plus `<column>_lengths`): either way one copy, from the shard's mapped view into
-the batch buffer. Strings, bytes, nested values and None stay Python lists.
+the batch buffer. Strings, bytes, nested values and None stay Python lists. A built batch travels
+as a `CarriedBatch` (its data and its meta), one message per batch (below).
 """
 
 from __future__ import annotations
@@ -55,16 +56,18 @@ def collate_samples(
 # -- crossing the DataLoader worker boundary ------------------------------------------------
 # DataLoader sends each tensor through its own shared-memory segment, and receiving a segment
 # costs the main process a socket connection and an fd hand-over (~0.7 ms measured): with ~7
-# arrays per batch that alone cost more than building the batch. A `TransferBatch` is an ordinary
-# dict in the worker (wrappers may read and add keys, DataLoader converts arrays to tensors) that
-# pickles as one payload holding every numeric array, and unpickles straight into the plain batch
-# (a dict of CPU tensors), so the training process sees what it would have seen without it.
+# arrays per batch that alone cost more than building the batch. A `CarriedBatch` (the user's
+# data and, beside it, the batch's meta) pickles as one payload holding every numeric array of
+# the data, and unpickles straight into a carrier of CPU tensors viewing that payload. DataLoader's
+# own conversion leaves it alone (it is not a dict), so in a worker its arrays are still the numpy
+# views the batcher made and a buffer shared by views (`input_ids`, `labels`) travels once.
 
 _ALIGN = 64
 SHARED_MEMORY_BYTES = 8 << 20
 """Payloads at least this large travel as one shared-memory tensor instead of inside the message."""
 
 Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int], ...]
+_TENSOR_KINDS = "biufc"
 
 
 def _owning_base(array: np.ndarray) -> np.ndarray | None:
@@ -96,68 +99,62 @@ def _as_array(value: Any) -> np.ndarray | None:
     return None
 
 
-class TransferBatch(dict):
-    """A batch dict that crosses the DataLoader worker boundary as one message (see above).
+class CarriedBatch:
+    """One output batch on its way to the training loop: the user's `data` (a dict of columns)
+    and, beside it, its `meta` (a `BatchMeta`); crosses the worker boundary as one message."""
 
-    Views of one buffer (`input_ids`, `labels`) are remembered when the batch is made, so their
-    buffer travels once even after DataLoader has turned the views into tensors.
-    """
+    __slots__ = ("data", "meta", "shared_memory_bytes")
 
-    def __init__(self, batch: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMORY_BYTES) -> None:
-        super().__init__(batch)
+    def __init__(self, data: dict[str, Any], meta: Any, shared_memory_bytes: int = SHARED_MEMORY_BYTES) -> None:
+        self.data = data
+        self.meta = meta
         self.shared_memory_bytes = shared_memory_bytes
-        self.views: dict[str, tuple[int, np.ndarray]] = {}
-        for name, value in batch.items():
-            if isinstance(value, np.ndarray) and (base := _owning_base(value)) is not None:
-                self.views[name] = (_address(value), base)
-
-    def __copy__(self) -> "TransferBatch":
-        clone = TransferBatch.__new__(TransferBatch)
-        dict.update(clone, self)
-        clone.shared_memory_bytes = self.shared_memory_bytes
-        clone.views = self.views
-        return clone
-
-    def pack(self) -> tuple[Any, Layout, dict[str, Any], tuple[str, ...]]:
-        """(payload, layout, other values, key order): what `unpack_batch` rebuilds the batch from."""
-        placed: dict[int, tuple[np.ndarray, int]] = {}
-        layout = []
-        rest: dict[str, Any] = {}
-        size = 0
-        for name, value in self.items():
-            array = _as_array(value)
-            if array is None:
-                rest[name] = value
-                continue
-            remembered = self.views.get(name)
-            base = remembered[1] if remembered is not None and remembered[0] == _address(array) else _owning_base(array)
-            if base is None or any(s < 0 for s in array.strides):
-                base = array = np.array(array, order="C")
-            if id(base) not in placed:
-                size = -(-size // _ALIGN) * _ALIGN
-                placed[id(base)] = (base, size)
-                size += base.nbytes
-            start = placed[id(base)][1] + _address(array) - _address(base)
-            layout.append((name, array.dtype.str, array.shape, array.strides, start))
-        size = -(-size // _ALIGN) * _ALIGN
-        if size >= self.shared_memory_bytes:
-            import torch
-
-            payload: Any = torch.empty(size, dtype=torch.uint8).share_memory_()
-            view = payload.numpy()
-        else:
-            payload = bytearray(size)
-            view = np.frombuffer(payload, dtype=np.uint8)
-        for base, start in placed.values():
-            view[start:start + base.nbytes] = base.reshape(-1).view(np.uint8)
-        return payload, tuple(layout), rest, tuple(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return unpack_batch, self.pack()
+        return _unpack_carried, (*pack_arrays(self.data, self.shared_memory_bytes), self.meta)
+
+    def __repr__(self) -> str:
+        return f"CarriedBatch(keys={list(self.data)}, meta={self.meta!r})"
 
 
-def unpack_batch(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """The plain batch of a `TransferBatch`: CPU tensors viewing one payload storage (no copy), plus the rest."""
+def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMORY_BYTES
+                ) -> tuple[Any, Layout, dict[str, Any], tuple[str, ...]]:
+    """(payload, layout, other values, key order): every numeric array of `data` in one buffer,
+    each owning buffer once however many views of it there are; `unpack_arrays` rebuilds it."""
+    placed: dict[int, tuple[np.ndarray, int]] = {}
+    layout = []
+    rest: dict[str, Any] = {}
+    size = 0
+    for name, value in data.items():
+        array = _as_array(value)
+        if array is None:
+            rest[name] = value
+            continue
+        base = _owning_base(array)
+        if base is None or any(s < 0 for s in array.strides):
+            base = array = np.array(array, order="C")
+        if id(base) not in placed:
+            size = -(-size // _ALIGN) * _ALIGN
+            placed[id(base)] = (base, size)
+            size += base.nbytes
+        start = placed[id(base)][1] + _address(array) - _address(base)
+        layout.append((name, array.dtype.str, array.shape, array.strides, start))
+    size = -(-size // _ALIGN) * _ALIGN
+    if size >= shared_memory_bytes:
+        import torch
+
+        payload: Any = torch.empty(size, dtype=torch.uint8).share_memory_()
+        view = payload.numpy()
+    else:
+        payload = bytearray(size)
+        view = np.frombuffer(payload, dtype=np.uint8)
+    for base, start in placed.values():
+        view[start:start + base.nbytes] = base.reshape(-1).view(np.uint8)
+    return payload, tuple(layout), rest, tuple(data)
+
+
+def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The dict `pack_arrays` packed: CPU tensors viewing one payload storage (no copy), plus the rest."""
     import torch
 
     if isinstance(payload, torch.Tensor):
@@ -175,3 +172,20 @@ def unpack_batch(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Se
         typed = whole.view(torch.from_numpy(np.empty(0, dtype=dtype)).dtype)
         values[name] = typed.as_strided(shape, tuple(s // size for s in strides), start // size)
     return {key: values[key] for key in keys}
+
+
+def _unpack_carried(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
+                    meta: Any) -> CarriedBatch:
+    return CarriedBatch(unpack_arrays(payload, layout, rest, keys), meta)
+
+
+def with_tensors(batch: CarriedBatch) -> CarriedBatch:
+    """`batch` with the numeric numpy arrays of its data as CPU tensors viewing them (no copy), as
+    DataLoader's conversion would make them; meta and other values untouched."""
+    import torch
+
+    data = batch.data
+    for name, value in list(data.items()):
+        if isinstance(value, np.ndarray) and value.dtype.kind in _TENSOR_KINDS:
+            data[name] = torch.as_tensor(value)
+    return batch

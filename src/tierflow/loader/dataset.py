@@ -1,36 +1,41 @@
 """TieredDataset: an IterableDataset that walks the order and batches inside the dataset.
 
-Each batch carries `tf_cursor`, the JSON state after the training loop has consumed it, so the
-state saved is the state of the last batch consumed, however far the workers ran ahead. Use it
-with `DataLoader(ds, batch_size=None, num_workers=W)`: worker w builds output batches n = w (mod W),
-which is the order DataLoader's in-order round robin hands them out in.
+One loop for every batcher and mode: the batcher plans this worker's batches over the rank's
+order stream (train or eval) from the resume cursor and builds each (plan.py). Each batch is a
+`CarriedBatch`: the user's data, and beside it a `BatchMeta` with the cursor after it, so the
+state saved is the state of the last batch consumed, however far the workers ran ahead. Use it with `DataLoader(ds, batch_size=None, num_workers=W)`: worker w
+builds output batches n = w (mod W), which is the order DataLoader's in-order round robin hands
+them out in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
-import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from tierflow._bootstrap import refuse_while_bootstrapping
+from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
-from tierflow.format.reads import SampleLengths
 from tierflow.format.shard import Form
 from tierflow.storage.datasets import load_manifest
-from tierflow.loader.collate import TransferBatch
 from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
+from tierflow.loader.collate import CarriedBatch
+from tierflow.loader.cursor import Arrangement, LoaderCursor
+from tierflow.loader.meta import BatchMeta, WorkerSnapshot
+from tierflow.loader.plan import Built, EvalStream, OrderStream, Selection, TrainStream
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.tier import memory_headroom
-from tierflow._bootstrap import refuse_while_bootstrapping
-from tierflow.errors import CursorError
 
-CURSOR_VERSION = 1
+Resume = LoaderCursor | Mapping[str, Any] | None
+"""What `resume=` and `load_state_dict` take: a cursor, its JSON dict, or a `Loader.state_dict()`."""
 
 
 def default_partitions(nonempty_shards: int) -> int:
@@ -41,16 +46,8 @@ def default_partitions(nonempty_shards: int) -> int:
     return partitions
 
 
-METRICS_KEY = "tf_metrics"
 METRICS_EVERY = 16
 _RESET_IN: set[int] = set()
-
-
-def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
-    """A batch belongs to the oldest epoch among its real samples (a carried-over remainder or a
-    token budget's pending samples keep a batch in the epoch they came from)."""
-    real = epochs[mask] if mask.any() else epochs
-    return int(real.min()) if real.size else 0
 
 
 class TieredDataset(IterableDataset):
@@ -81,7 +78,7 @@ class TieredDataset(IterableDataset):
         lanes: int | None = None,
         remainder: str = "carry",
         eval: bool = False,
-        resume: dict[str, Any] | None = None,
+        resume: Resume = None,
         allow_mismatch: bool = False,
         world: WorldPosition | None = None,
         max_batches: int | None = None,
@@ -97,9 +94,9 @@ class TieredDataset(IterableDataset):
         if batcher is None:
             batcher = (TokenWindows(seq_len) if seq_len is not None else
                        TokenBudget(max_tokens) if max_tokens is not None else Samples(select=columns))
-        if isinstance(batcher, (TokenWindows, TokenBudget)) and (transform is not None or filter is not None):
+        if not batcher.runs_transforms and (transform is not None or filter is not None):
             raise ValueError(f"{type(batcher).__name__} does not run filter/transform (use Samples)")
-        if eval and (batcher.batches_per_group != 1 or isinstance(batcher, TokenBudget)):
+        if eval and not batcher.plans_eval:
             raise ValueError("eval mode reads every sample once in stored order; use a batcher without groups")
         self.batcher = batcher
         self.batch_size = batch_size
@@ -128,7 +125,8 @@ class TieredDataset(IterableDataset):
         if self.num_order_samples == 0:
             raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
         self.seed = seed
-        partitions, window_shards, lanes = _saved_breadth(resume, partitions, window_shards, lanes)
+        saved = self._parsed(resume)
+        partitions, window_shards, lanes = _saved_breadth(saved, partitions, window_shards, lanes)
         if partitions is None:
             partitions = default_partitions(int((counts > 0).sum()))
         self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
@@ -140,8 +138,8 @@ class TieredDataset(IterableDataset):
             sizes = [s.decoded_bytes for s in manifest.shards]
             declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=sum(sizes)),
                     self.working_set.bytes, self.working_set.reading)
-        self._resume: dict[str, Any] | None = None
-        self.load_state_dict(resume)
+        self._resume: LoaderCursor | None = None
+        self.load_state_dict(saved)
         self._context: SampleContext | None = None
         self._context_pid = -1
 
@@ -168,55 +166,65 @@ class TieredDataset(IterableDataset):
         return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given")
 
     # -- state ---------------------------------------------------------------------------
-    def arrangement(self) -> dict[str, int]:
-        return {"num_nodes": self.world.num_nodes, "ranks_per_node": self.world.ranks_per_node,
-                "batch_size": self.batch_size, "group": self.batcher.batches_per_group}
+    def arrangement(self) -> Arrangement:
+        return Arrangement(self.world.num_nodes, self.world.ranks_per_node, self.batch_size,
+                           self.batcher.batches_per_group)
 
-    def state_dict(self) -> dict[str, Any] | None:
-        """The cursor iteration starts from (None: the beginning); the Loader's state is the one to save."""
+    @property
+    def cursor(self) -> LoaderCursor | None:
+        """The cursor iteration starts from (None: the beginning), checked against this dataset."""
         return self._resume
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Resume from a batch's `tf_cursor` or a Loader state_dict; checked now, O(partitions)."""
-        if state is not None and "cursor" in state and "kind" not in state:
-            state = state["cursor"]
-        if state is not None:
-            self._check_cursor(state)
-        self._resume = state
+    def state_dict(self) -> dict[str, Any] | None:
+        """`cursor` as JSON; the Loader's state is the one to save (it follows the batches consumed)."""
+        return self._resume.to_dict() if self._resume is not None else None
 
-    def _check_cursor(self, state: dict[str, Any]) -> None:
-        if state.get("version") != CURSOR_VERSION:
-            raise CursorError(f"{self.location}: loader cursor version {state.get('version')!r}, "
-                              f"this tierflow reads {CURSOR_VERSION}")
+    def load_state_dict(self, state: Resume) -> None:
+        """Resume from a cursor (typed or JSON) or a Loader state_dict; checked now, O(partitions)."""
+        cursor = self._parsed(state)
+        if cursor is not None:
+            try:
+                cursor = self._checked(cursor)
+            except CursorError as error:
+                raise type(error)(f"{self.location}: {error}") from None
+        self._resume = cursor
+
+    def _parsed(self, state: Resume) -> LoaderCursor | None:
+        try:
+            return LoaderCursor.parse(state)
+        except CursorError as error:
+            raise type(error)(f"{self.location}: {error}") from None
+
+    def _checked(self, cursor: LoaderCursor) -> LoaderCursor:
+        """`cursor` if this dataset can resume it (its order position loaded into this order)."""
         kind = "eval" if self.eval else "train"
-        if state.get("kind") != kind:
-            raise CursorError(f"{self.location}: a {state.get('kind')!r} cursor cannot resume a {kind} dataset")
-        if kind == "train":
-            self.order.load(state["order"], allow_mismatch=self.allow_mismatch)
-        if "pending" in state:
-            pending = state["pending"]
-            ids = pending.get("ids") if isinstance(pending, dict) else None
-            epochs = pending.get("epochs") if isinstance(pending, dict) else None
-            samples = sum(s.samples for s in self.manifest.shards)
-            if (not isinstance(ids, list) or not isinstance(epochs, list) or len(ids) != len(epochs)
-                    or not all(isinstance(i, int) and 0 <= i < samples for i in ids)
-                    or not all(isinstance(e, int) and e >= 0 for e in epochs)):
-                raise CursorError(f"{self.location}: the cursor's pending samples are not two equal lists of "
-                                  f"sample ids in [0, {samples}) and epochs")
-            if not isinstance(self.batcher, TokenBudget):
-                raise CursorError(f"{self.location}: a token-budget cursor holds {len(ids)} "
-                                  f"pending samples; resume it with a TokenBudget batcher, not {self.batcher!r}")
-            if state.get("rank") != self.world.rank:
-                raise CursorError(f"{self.location}: this token-budget cursor is rank {state.get('rank')}'s "
-                                  f"(ranks consume their streams at their own pace); rank {self.world.rank} must "
-                                  f"resume from its own saved state")
-        if state.get("skip", 0) or kind == "eval" or "pending" in state:
-            saved = state.get("arrangement")
-            if saved != self.arrangement():
-                raise CursorError(
-                    f"{self.location}: cursor stopped inside a group of {saved and saved.get('group')} batches "
-                    f"(or in eval) under {saved}; resuming it needs the same arrangement, not {self.arrangement()} "
-                    f"(change world size or batch size at a group boundary)")
+        if cursor.kind != kind:
+            raise CursorError(f"a {cursor.kind!r} cursor cannot resume a {kind} dataset")
+        if cursor.order is not None:
+            cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
+                                                                      allow_mismatch=self.allow_mismatch))
+        self.batcher.check_resume(cursor)
+        if cursor.pending is not None:
+            self._check_pending(cursor)
+        if cursor.inside_group and cursor.arrangement != self.arrangement():
+            saved = cursor.arrangement.to_dict()
+            raise CursorError(
+                f"cursor stopped inside a group of {saved['group']} batches (or in eval) under {saved}; "
+                f"resuming it needs the same arrangement, not {self.arrangement().to_dict()} "
+                f"(change world size or batch size at a group boundary)")
+        return cursor
+
+    def _check_pending(self, cursor: LoaderCursor) -> None:
+        """A token budget's pending samples are this dataset's, and this rank's to resume."""
+        assert cursor.pending is not None
+        samples = sum(s.samples for s in self.manifest.shards)
+        if any(not 0 <= i < samples for i in cursor.pending.ids):
+            raise CursorError(f"the cursor's pending samples are not two equal lists of sample ids in "
+                              f"[0, {samples}) and epochs")
+        if cursor.rank != self.world.rank:
+            raise CursorError(f"this token-budget cursor is rank {cursor.rank}'s (ranks consume their "
+                              f"streams at their own pace); rank {self.world.rank} must resume from its "
+                              f"own saved state")
 
     # -- per-process reading state -------------------------------------------------------
     def _open(self) -> SampleContext:
@@ -242,121 +250,67 @@ class TieredDataset(IterableDataset):
         return state
 
     # -- iteration ------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         ctx = self._open()
-        batches = self._eval_batches(ctx, worker, workers) if self.eval else self._train_batches(ctx, worker, workers)
+        plan = self.batcher.plan(ctx, self.stream(worker, workers), self._resume)
+        batches = (self._carry(selection, self.batcher.build(ctx, selection)) for selection in plan)
         if info is None:
             return batches
         return self._from_worker(batches, worker, getattr(ctx.dataset.source, "registry", None))
 
     @staticmethod
-    def _from_worker(batches: Iterator[dict[str, Any]], worker: int, registry: Any) -> Iterator[dict[str, Any]]:
-        """Batches as one transfer each; every METRICS_EVERY batches the worker's metrics (its tier
-        counters live in this process) ride along, cumulative, for the Loader to merge."""
+    def _carry(selection: Selection, built: Built) -> CarriedBatch:
+        meta = BatchMeta(selection.cursor, selection.index, selection.epoch, built.sample_ids, built.epochs,
+                         built.stats)
+        return CarriedBatch(built.data, meta)
+
+    @staticmethod
+    def _from_worker(batches: Iterator[CarriedBatch], worker: int, registry: Any) -> Iterator[CarriedBatch]:
+        """Every METRICS_EVERY batches the worker's metrics (its tier counters live in this process)
+        ride along in the batch's meta, cumulative, for the Loader to merge."""
         if registry is not None and os.getpid() not in _RESET_IN:
             registry.reset()  # this worker's copy of the parent's totals must not be counted twice
             _RESET_IN.add(os.getpid())
         for n, batch in enumerate(batches):
             if registry is not None and n % METRICS_EVERY == 0:
-                batch[METRICS_KEY] = {"worker": worker, "snapshot": registry.snapshot()}
-            yield TransferBatch(batch)
+                batch.meta.metrics = WorkerSnapshot(worker, registry.snapshot())
+            yield batch
 
-    def _stream(self) -> tuple[RankStream, OrderCursor, int]:
-        if self._resume is None:
-            base, skip = self.order.start(), 0
-        else:
-            base = self.order.load(self._resume["order"], allow_mismatch=self.allow_mismatch)
-            skip = int(self._resume.get("skip", 0))
+    def stream(self, worker: int = 0, workers: int = 1) -> OrderStream:
+        """This rank's order from the resume cursor, as DataLoader worker `worker` of `workers` plans it."""
+        arrangement, rank = self.arrangement(), self.world.rank
+        if self.eval:
+            order = EvalOrder(self.num_order_samples, batch_size=self.batch_size, world_size=self.world.world_size)
+            start = self._resume.step + 1 if self._resume is not None and self._resume.step is not None else 0
+            return EvalStream(order, arrangement, rank=rank, start=start, worker=worker, workers=workers,
+                              max_batches=self.max_batches)
+        base = self._resume.order if self._resume is not None and self._resume.order is not None else self.order.start()
         stream = RankStream(
             self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
             node=self.world.node, num_nodes=self.world.num_nodes,
             rank=self.world.local_rank, ranks_per_node=self.world.ranks_per_node,
         )
-        return stream, base, skip
-
-    def _train_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
-        if isinstance(self.batcher, TokenBudget):
-            yield from self._budget_batches(ctx, worker, workers)
-            return
-        stream, base, skip = self._stream()
-        per_group = self.batcher.batches_per_group
-        arrangement = self.arrangement()
-        cached: tuple[int, Any] | None = None
-        n = skip + worker
-        while self.max_batches is None or n - skip < self.max_batches:
-            group, sub = divmod(n, per_group)
-            if cached is None or cached[0] != group:
-                cached = (group, stream.batch(group))
-            order_batch = cached[1]
-            batch = self.batcher.build(ctx, group, order_batch.sample_ids, order_batch.epochs, order_batch.mask, sub)
-            if sub + 1 == per_group:
-                cursor = {"order": order_batch.cursor, "skip": 0}
-            else:
-                before = base if group == 0 else stream.cursor_after(group - 1)
-                cursor = {"order": before.to_dict(), "skip": sub + 1}
-            batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "train", **cursor, "arrangement": arrangement}
-            batch["tf_index"] = n - skip
-            batch["tf_epoch"] = batch_epoch(order_batch.epochs, order_batch.mask)
-            yield batch
-            n += workers
-
-    def _budget_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
-        """Every worker plans the rank's whole budget stream (lengths only) and builds batches n = w (mod W)."""
-        batcher = self.batcher
-        assert isinstance(batcher, TokenBudget)
-        stream, base, _ = self._stream()
-        planner = batcher.planner(self._resume.get("pending") if self._resume is not None else None)
-        lengths = ctx.cache.get("lengths")
-        if lengths is None:
-            lengths = ctx.cache["lengths"] = SampleLengths(ctx.dataset, batcher.columns(self.manifest)[0])
-        if planner.ids.size:
-            planner.lengths = np.minimum(lengths(planner.ids), batcher.max_tokens)
-        position, pulled = base.to_dict(), 0
-        arrangement = self.arrangement()
-        n = 0
-        while self.max_batches is None or n < self.max_batches:
-            while planner.wants_more():
-                order_batch = stream.batch(pulled)
-                real = order_batch.sample_ids[order_batch.mask]
-                planner.add(real, order_batch.epochs[order_batch.mask], lengths(real))
-                position, pulled = order_batch.cursor, pulled + 1
-            ids, epochs = planner.take()
-            if n % workers == worker:
-                batch = batcher.build(ctx.dataset, ids, epochs)
-                batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "train", "order": position, "skip": 0,
-                                      "pending": planner.state(), "rank": self.world.rank,
-                                      "arrangement": arrangement}
-                batch["tf_index"] = n
-                batch["tf_epoch"] = batch_epoch(epochs, batch["mask"])
-                yield batch
-            n += 1
-
-    def _eval_batches(self, ctx: SampleContext, worker: int, workers: int) -> Iterator[dict[str, Any]]:
-        order = EvalOrder(self.num_order_samples, batch_size=self.batch_size, world_size=self.world.world_size)
-        start = int(self._resume["step"]) + 1 if self._resume is not None else 0
-        arrangement = self.arrangement()
-        epochs = np.zeros(self.batch_size, dtype=np.int64)
-        stop = order.steps if self.max_batches is None else min(order.steps, start + self.max_batches)
-        for step in range(start + worker, stop, workers):
-            planned = order.batch(self.world.rank, step)
-            batch = self.batcher.build(ctx, step, planned.sample_ids, epochs, planned.mask, 0)
-            batch["tf_cursor"] = {"version": CURSOR_VERSION, "kind": "eval", "step": step, "arrangement": arrangement}
-            batch["tf_index"] = step - start
-            batch["tf_epoch"] = 0
-            yield batch
+        return TrainStream(stream, arrangement, rank=rank, worker=worker, workers=workers, limit=self.max_batches)
 
     # -- hooks for the stager ------------------------------------------------------------
-    def future_shard_uses(self, cursor: dict[str, Any] | None = None, horizon_batches: int = 64) -> list[ShardUse]:
+    def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:
         """This node's shard uses from `cursor` (default: the resume cursor) for the next
         `horizon_batches` steps; positions in node samples (docs/order.md)."""
-        state = cursor if cursor is not None else self._resume
-        start = self.order.start() if state is None else self.order.load(state["order"], self.allow_mismatch)
+        start = self._order_position(self._parsed(cursor) if cursor is not None else self._resume)
         per_step = self.batch_size * self.batcher.batches_per_group
         return future_shard_uses(
             self.order, start, node=self.world.node, num_nodes=self.world.num_nodes,
             batch_size=per_step, horizon=horizon_batches * self.world.ranks_per_node * per_step)
+
+    def _order_position(self, cursor: LoaderCursor | None) -> OrderCursor:
+        """The order cursor of `cursor` in this order (the start for none, or for eval)."""
+        if cursor is None or cursor.order is None:
+            return self.order.start()
+        if cursor.order.config_hash == self.order.config_hash:
+            return cursor.order
+        return self.order.load(cursor.order.to_dict(), self.allow_mismatch)
 
     def wrap_shard_source(self, wrap: Callable[[ShardSource], ShardSource]) -> None:
         """Read this process's shards through `wrap(source)` (telemetry's fetch attribution)."""
@@ -367,21 +321,16 @@ class TieredDataset(IterableDataset):
         """Samples this node's ranks consume per step together (the stager's clock, `FutureView`)."""
         return self.batch_size * self.batcher.batches_per_group * self.world.ranks_per_node
 
-    def start_prefetch(self) -> None:
-        """Hook for the stager (not built here): a no-op until the tier stack's stager exists."""
-
     def __repr__(self) -> str:
         return (f"TieredDataset({self.location!r}, batch_size={self.batch_size}, batcher={self.batcher!r}, "
                 f"world={self.world}, eval={self.eval})")
 
 
-def _saved_breadth(resume: dict[str, Any] | None, partitions: int | None, window_shards: int | None,
+def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_shards: int | None,
                    lanes: int | None) -> tuple[int | None, int | None, int | None]:
     """What a resumed run did not set comes from its cursor, so the order it resumes is the one it saved."""
-    state = resume.get("cursor", resume) if isinstance(resume, dict) and "kind" not in resume else resume
-    order = state.get("order") if isinstance(state, dict) else None
-    config = order.get("config") if isinstance(order, dict) else None
-    if not isinstance(config, dict):
+    config = resume.order.config if resume is not None and resume.order is not None else None
+    if not config:
         return partitions, window_shards, lanes
     def saved(given: int | None, name: str) -> int | None:
         value = config.get(name)
@@ -399,5 +348,5 @@ class _NoShards:
         raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
 
 
-__all__ = ["CursorError", "LengthBuckets", "Samples", "TieredDataset", "TokenBudget", "TokenWindows",
-           "default_partitions"]
+__all__ = ["CursorError", "LengthBuckets", "LoaderCursor", "Samples", "TieredDataset", "TokenBudget",
+           "TokenWindows", "default_partitions"]

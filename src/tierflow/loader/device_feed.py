@@ -10,21 +10,30 @@ structure on the host instead (ring copy, then a copy the batch owns).
 Copies and bytes are counted per stage ("contiguous", "ring", "to_device",
 "widen"), and the time the training loop waited in `next()` is recorded, in
 the feed's `MetricsRegistry`.
+
+The feed keeps no state of its own: a `CarriedBatch` comes out with its data
+moved and its meta untouched, so what the loop resumes from is the meta of
+the last batch it took. A background thread that is still reading when the
+interpreter exits is stopped and joined by an `atexit` hook: left running, it
+would be killed inside a torch call at finalization (std::terminate, SIGABRT).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
+from tierflow.loader.collate import CarriedBatch
 from tierflow.telemetry.metrics import BoundaryTimer, Counter, MetricsRegistry
 
 COPY_STAGES = ("contiguous", "ring", "to_device", "widen")
@@ -140,22 +149,17 @@ def _check_widening(key: str, logical: torch.dtype, wide: torch.dtype) -> None:
 
 
 class DeviceFeed:
-    """Iterate `batches` (dicts) with their arrays as tensors on `device`, `depth` batches ahead.
+    """Iterate `batches` (dicts, or `CarriedBatch`es) with their arrays as tensors on `device`,
+    `depth` batches ahead.
 
     `widen` maps keys to the dtype they take on the device (e.g.
     {"input_ids": torch.int64}); they cross the bus in their source dtype.
-    Values that are not numeric arrays or CPU tensors pass through unchanged.
+    Values that are not numeric arrays or CPU tensors pass through unchanged,
+    and so does a carried batch's meta.
 
     Memory: a CUDA batch owns fresh device memory (the pinned ring is host
     only), so holding earlier batches is safe. A CPU batch views the source's
     arrays unless `staged=True`: if the source reuses its arrays, copy or stage.
-
-    State: when `batches` has `state_dict`/`load_state_dict`, so does the feed.
-    The feed reads the source ahead, so it saves the source's state as it was
-    right after producing each batch, and `state_dict()` returns the state of
-    the last batch handed to the training loop. The source's `state_dict()`
-    must return a fresh object (it is kept, not copied). `load_state_dict()`
-    drops batches read ahead and forwards the state.
     """
 
     def __init__(
@@ -201,9 +205,8 @@ class DeviceFeed:
         self._loop_boundary: BoundaryTimer = self.registry.boundary("train_loop", base)
 
         self._iterator: _FeedIterator | None = None
-        self._consumed_state: Any = None
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
         self.close()
         self._iterator = _FeedIterator(self)
         return self._iterator
@@ -222,28 +225,6 @@ class DeviceFeed:
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
-
-    @property
-    def state_dict(self) -> Callable[[], Any]:
-        if not hasattr(self._batches, "state_dict"):
-            raise AttributeError(f"{type(self._batches).__name__} has no state_dict, so its DeviceFeed has none")
-        return self._state_dict
-
-    @property
-    def load_state_dict(self) -> Callable[[Any], None]:
-        if not hasattr(self._batches, "load_state_dict"):
-            raise AttributeError(f"{type(self._batches).__name__} has no load_state_dict, so its DeviceFeed has none")
-        return self._load_state_dict
-
-    def _state_dict(self) -> Any:
-        if self._consumed_state is None:
-            return self._batches.state_dict()  # type: ignore[attr-defined]
-        return self._consumed_state
-
-    def _load_state_dict(self, state: Any) -> None:
-        self.close()
-        self._consumed_state = None
-        self._batches.load_state_dict(state)  # type: ignore[attr-defined]
 
     def stats(self) -> FeedStats:
         wait = self._loop_boundary.get
@@ -266,21 +247,25 @@ class DeviceFeed:
                 copy_counter.inc(copies)
                 byte_counter.inc(nbytes)
 
-    def _prepare(self, batch: Mapping[str, Any], slot: int) -> tuple[dict[str, Any], Any]:
-        """Convert one batch; on CUDA also returns the event its copies and widening complete at."""
-        if not isinstance(batch, Mapping):
-            raise TypeError(f"device feed: a batch must be a dict of arrays, got {type(batch).__name__}")
+    def _prepare(self, batch: Mapping[str, Any] | CarriedBatch, slot: int) -> tuple[Any, Any]:
+        """Convert one batch (a carried batch's data, its meta passed along); on CUDA also returns
+        the event its copies and widening complete at."""
+        data = batch.data if isinstance(batch, CarriedBatch) else batch
+        if not isinstance(data, Mapping):
+            raise TypeError(f"device feed: a batch must be a dict of arrays, got {type(data).__name__}")
+        ready = None
         if not self._cuda:
-            return self._convert(batch, slot), None
-        previous = self._slot_events[slot]
-        if previous is not None:
-            previous.synchronize()  # the last copy out of this pinned slot has finished
-        with torch.cuda.stream(self._copy_stream):
-            converted = self._convert(batch, slot)
-            ready = torch.cuda.Event()
-            ready.record(self._copy_stream)
-        self._slot_events[slot] = ready
-        return converted, ready
+            converted = self._convert(data, slot)
+        else:
+            previous = self._slot_events[slot]
+            if previous is not None:
+                previous.synchronize()  # the last copy out of this pinned slot has finished
+            with torch.cuda.stream(self._copy_stream):
+                converted = self._convert(data, slot)
+                ready = torch.cuda.Event()
+                ready.record(self._copy_stream)
+            self._slot_events[slot] = ready
+        return (CarriedBatch(converted, batch.meta) if isinstance(batch, CarriedBatch) else converted), ready
 
     def _convert(self, batch: Mapping[str, Any], slot: int) -> dict[str, Any]:
         converted: dict[str, Any] = {}
@@ -324,13 +309,14 @@ class DeviceFeed:
         _add(widen_tally, widened.numel() * widened.element_size())
         return widened
 
-    def _hand_off(self, converted: dict[str, Any], ready: Any) -> dict[str, Any]:
+    def _hand_off(self, converted: Any, ready: Any) -> Any:
         """Make the training loop's stream wait for this batch's copies, and keep its memory alive for it."""
         if ready is None:
             return converted
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(ready)
-        for value in converted.values():
+        data = converted.data if isinstance(converted, CarriedBatch) else converted
+        for value in data.values():
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
                 value.record_stream(consumer)
         return converted
@@ -356,6 +342,18 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 _END = object()
+_RUNNING: weakref.WeakSet[_FeedIterator] = weakref.WeakSet()
+"""Feed iterators whose background thread may still run; `_stop_running` ends them at exit."""
+
+
+@atexit.register
+def _stop_running() -> None:
+    """Stop every feed thread before the interpreter finalizes. A daemon thread that is inside a
+    torch call then (one that released the GIL) is killed when it takes the GIL back, by an unwind
+    through a C++ destructor that may not throw: std::terminate, SIGABRT at the end of a script that
+    broke out of its loop without close(). atexit runs before finalization, while threads still can."""
+    for iterator in list(_RUNNING):
+        iterator.close(timeout=10.0)
 
 
 class _FeedIterator:
@@ -364,15 +362,13 @@ class _FeedIterator:
     def __init__(self, feed: DeviceFeed) -> None:
         self._feed = feed
         self._source = iter(feed._batches)
-        self._stateful = hasattr(feed._batches, "state_dict")
         self._slot = 0
         self._closed = False
-        if self._stateful:
-            feed._consumed_state = feed._batches.state_dict()  # type: ignore[attr-defined]
         if feed._background:
             self._queue: queue.Queue[Any] = queue.Queue(maxsize=feed.depth)
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._produce, name="tierflow-device-feed", daemon=True)
+            _RUNNING.add(self)
             self._thread.start()
         else:
             self._pending: collections.deque[Any] = collections.deque()
@@ -381,30 +377,26 @@ class _FeedIterator:
     def __iter__(self) -> _FeedIterator:
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
         started = time.perf_counter()
-        item = self._next_background() if self._feed._background else self._next_inline()
-        converted, ready, state = item
+        converted, ready = self._next_background() if self._feed._background else self._next_inline()
         batch = self._feed._hand_off(converted, ready)
-        if self._stateful:
-            self._feed._consumed_state = state
         self._feed._batch_count.inc()
         self._feed._loop_boundary.blocked_get(time.perf_counter() - started)
         return batch
 
-    def _pull(self) -> tuple[dict[str, Any], Any, Any]:
+    def _pull(self) -> tuple[Any, Any]:
         """Read and convert the next source batch (raises StopIteration at the end)."""
         started = time.perf_counter()
         batch = next(self._source)
         self._feed._copy_boundary.blocked_get(time.perf_counter() - started)
-        state = self._feed._batches.state_dict() if self._stateful else None  # type: ignore[attr-defined]
         converted, ready = self._feed._prepare(batch, self._slot)
         self._slot = (self._slot + 1) % (self._feed.depth + 1)
-        return converted, ready, state
+        return converted, ready
 
-    def _next_inline(self) -> tuple[dict[str, Any], Any, Any]:
+    def _next_inline(self) -> tuple[Any, Any]:
         while not self._exhausted and len(self._pending) < self._feed._lookahead:
             try:
                 self._pending.append(self._pull())
@@ -415,7 +407,7 @@ class _FeedIterator:
             raise StopIteration
         return self._pending.popleft()
 
-    def _next_background(self) -> tuple[dict[str, Any], Any, Any]:
+    def _next_background(self) -> tuple[Any, Any]:
         kind, payload = self._queue.get()
         if kind is _END:
             self._closed = True
@@ -453,17 +445,20 @@ class _FeedIterator:
             return True
         return False
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop reading ahead; a background thread is joined (for at most `timeout` seconds)."""
         if self._closed:
             return
         self._closed = True
-        if self._feed._background:
-            self._stop.set()
-            while self._thread.is_alive():
-                try:
-                    self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            self._thread.join()
-        else:
+        if not self._feed._background:
             self._pending.clear()
+            return
+        self._stop.set()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+            try:
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._thread.join(timeout=0 if deadline is not None else None)
+        _RUNNING.discard(self)

@@ -1,35 +1,43 @@
 """Loader: what the training loop iterates; remembers the cursor of the last batch it handed over.
 
 `Loader(TieredDataset(...), device="cuda", num_workers=2)` builds the DataLoader and the device
-feed (L0); `Loader(DataLoader(ds, batch_size=None, ...))` wraps one you made. `state_dict()` is
-the `tf_cursor` of the last batch the loop consumed (committed when the loop asks for the next
-batch or saves), so it is right however far workers and the feed ran ahead.
+feed (L0); `Loader(DataLoader(ds, batch_size=None, ...))` wraps one you made. Batches travel as
+`CarriedBatch`es (the user's data, its `BatchMeta` beside it); the loop gets only the data, or
+(data, meta) with `return_meta=True`, and `last_meta` is the meta of the batch last handed out.
+`state_dict()` holds the cursor of the last batch the loop consumed (committed when the loop asks
+for the next batch or saves), so it is right however far workers and the feed ran ahead.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any, Iterator, Mapping
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from tierflow.loader.collate import TransferBatch
-from tierflow.loader.dataset import METRICS_KEY, TieredDataset
+from tierflow.loader.collate import CarriedBatch, with_tensors
+from tierflow.loader.cursor import LoaderCursor
+from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
+from tierflow.loader.meta import BatchMeta
 from tierflow.storage.datasets import local_path
-from tierflow.telemetry.attribution import TIMING_KEY, TimedBatches
+from tierflow.telemetry.attribution import TimedBatches
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.tiers.stager import Stager
-from tierflow.errors import BatchOrderError
+from tierflow.errors import BatchOrderError, CursorError
 
 STATE_VERSION = 1
+Handed = dict[str, Any] | tuple[dict[str, Any], BatchMeta]
+"""What the loop gets per batch: its tensors, or (tensors, meta) with `return_meta=True`."""
 
 
 class Loader:
-    """Iterate batches on `device`; `state_dict`/`load_state_dict` (torchdata's Stateful protocol)."""
+    """Iterate batches on `device`; `state_dict`/`load_state_dict` (torchdata's Stateful protocol).
+
+    Use it as a context manager, or call `close()`, to stop the feed and the workers when a loop
+    ends early (they also stop when the Loader is collected, and at interpreter exit).
+    """
 
     def __init__(
         self,
@@ -47,6 +55,7 @@ class Loader:
         epoch_end: str | None = None,
         group: Any = None,
         multiprocessing_context: str | None = None,
+        return_meta: bool = False,
     ) -> None:
         if isinstance(source, DataLoader):
             if not isinstance(source.dataset, TieredDataset):
@@ -74,8 +83,8 @@ class Loader:
             raise ValueError(f"epoch_end is None (endless), 'rank' or 'agree', not {epoch_end!r}")
         self.epoch_end = epoch_end
         self._epochs = EpochBoundary(agree=epoch_end == "agree", group=group) if epoch_end else None
-        self._held: dict[str, Any] | None = None
-        self._feed_iterator: Iterator[dict[str, Any]] | None = None
+        self._held: CarriedBatch | None = None
+        self._feed_iterator: Iterator[CarriedBatch] | None = None
         self._expected = 0
         self.device = device
         self.stager = stager
@@ -84,7 +93,10 @@ class Loader:
         # A thread takes batches off the workers' queue (or builds them, without workers) while the step
         # runs, so unpacking and the device copy overlap compute (numpy, torch and sleep release the GIL).
         self.background = True if background is None else background
-        self._cursor: dict[str, Any] | None = self.dataset.state_dict()
+        self.return_meta = return_meta
+        self.last_meta: BatchMeta | None = None
+        """The meta of the batch last handed to the training loop."""
+        self._cursor: LoaderCursor | None = self.dataset.cursor
         self._filtered = 0
         self._consumed = 0
         self._worker_metrics: dict[int, dict[str, Any]] = {}
@@ -99,9 +111,9 @@ class Loader:
         dataset = TimedBatches(self.dataset) if self.telemetry is not None else self.dataset
         if self._loader_options["num_workers"] == 0:
             return _InProcess(dataset)
-        return DataLoader(dataset, batch_size=None, collate_fn=convert_batch, **self._loader_options)
+        return DataLoader(dataset, batch_size=None, collate_fn=_as_is, **self._loader_options)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
         if self._held is not None and self._feed is not None:
             return self._batches(self._feed, self._feed_iterator)  # the last `for` stopped at an epoch edge
@@ -118,7 +130,7 @@ class Loader:
         self._feed_iterator = iter(self._feed)
         return self._batches(self._feed, self._feed_iterator)
 
-    def _batches(self, feed: DeviceFeed, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def _batches(self, feed: DeviceFeed, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
         telemetry = self.telemetry
         handed: float | None = None
         epochs = self._epochs
@@ -137,26 +149,31 @@ class Loader:
                     if epochs is not None:
                         epochs.stop_here(None)  # ranks still reading must not wait for this one
                     return
-                index = batch.get("tf_index")
-                if index != self._expected:
-                    raise BatchOrderError(f"{self.dataset!r}: got batch {index}, expected {self._expected} "
-                                          f"(DataLoader in_order=False or a sampler reordering batches?)")
+                if batch.meta.index != self._expected:
+                    raise BatchOrderError(f"{self.dataset!r}: got batch {batch.meta.index}, expected "
+                                          f"{self._expected} (DataLoader in_order=False or a sampler reordering "
+                                          f"batches?)")
                 self._expected += 1
-            if epochs is not None and epochs.stop_here(batch.get("tf_epoch", 0)):
+            meta = batch.meta
+            if epochs is not None and epochs.stop_here(meta.epoch):
                 self._held = batch
                 return
-            self._cursor = batch["tf_cursor"]
-            shipped = batch.pop(METRICS_KEY, None)
-            if shipped is not None:
-                self._worker_metrics[shipped["worker"]] = shipped["snapshot"]
-            self._filtered += int(batch.get("tf_stats", {}).get("filtered", 0))
-            self._consumed += 1
-            if self.stager is not None:
-                self.stager.consumed(self._cursor)
+            self._commit(meta)
             if telemetry is not None:
                 handed = time.perf_counter()
-                telemetry.on_batch(handed - asked, batch.get(TIMING_KEY), _ready_ahead(feed))
-            yield batch
+                telemetry.on_batch(handed - asked, meta.timing, _ready_ahead(feed))
+            yield (batch.data, meta) if self.return_meta else batch.data
+
+    def _commit(self, meta: BatchMeta) -> None:
+        """The loop has this batch now: its cursor is the state to save."""
+        self.last_meta = meta
+        self._cursor = meta.cursor
+        if meta.metrics is not None:
+            self._worker_metrics[meta.metrics.worker] = meta.metrics.snapshot
+        self._filtered += int(meta.stats.get("filtered", 0))
+        self._consumed += 1
+        if self.stager is not None:
+            self.stager.consumed(self._cursor)
 
     def close(self) -> None:
         """Stop the feed and the DataLoader's workers (a loop that breaks early may call it)."""
@@ -171,6 +188,12 @@ class Loader:
         if shutdown is not None:
             shutdown()
         self._source = None
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def __del__(self) -> None:
         if hasattr(self, "_source"):
@@ -188,16 +211,16 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor after the last batch handed to the training loop, plus counts; JSON-able."""
-        return {"version": STATE_VERSION, "cursor": self._cursor, "consumed": self._consumed,
-                "filtered": self._filtered}
+        return {"version": STATE_VERSION, "cursor": self._cursor.to_dict() if self._cursor is not None else None,
+                "consumed": self._consumed, "filtered": self._filtered}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Seek to a saved state (O(partitions)); the next iteration starts right after it."""
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"Loader state version {state.get('version')!r}; this tierflow reads {STATE_VERSION}")
+            raise CursorError(f"Loader state version {state.get('version')!r}; this tierflow reads {STATE_VERSION}")
         self.close()
         self.dataset.load_state_dict(state["cursor"])
-        self._cursor = state["cursor"]
+        self._cursor = self.dataset.cursor
         self._consumed = int(state.get("consumed", 0))
         self._filtered = int(state.get("filtered", 0))
         self._dataloader = None
@@ -252,29 +275,21 @@ class EpochBoundary:
 _NO_EPOCH = 2**62
 
 
-def convert_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """DataLoader's per-batch conversion for the Loader: the batch's numeric arrays become tensors
-    as `default_convert` makes them; its cursor and other plain values pass untouched (the default
-    walks every nested list and dict of the cursor, ~70 calls and ~0.1-0.3 ms a batch)."""
-    out = copy.copy(batch) if isinstance(batch, TransferBatch) else dict(batch)
-    for name, value in batch.items():
-        if isinstance(value, np.ndarray) and value.dtype.kind in _NUMERIC_KINDS:
-            out[name] = torch.as_tensor(value)
-    return out
-
-
-_NUMERIC_KINDS = "biufc"
+def _as_is(batch: CarriedBatch) -> CarriedBatch:
+    """The workers' per-batch conversion: none; the batch's arrays cross the boundary as the numpy
+    views the batcher made (collate.py) and arrive as tensors."""
+    return batch
 
 
 class _InProcess:
-    """What a DataLoader without workers does for a dataset that batches itself, minus its
-    per-batch profiler range and fetcher (~60 us a batch)."""
+    """What a DataLoader without workers does for a dataset that batches itself (its data's arrays
+    become tensors), minus its per-batch profiler range and fetcher (~60 us a batch)."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return map(convert_batch, self.dataset)
+    def __iter__(self) -> Iterator[CarriedBatch]:
+        return map(with_tensors, self.dataset)
 
 
 def _ready_ahead(feed: DeviceFeed) -> int | None:

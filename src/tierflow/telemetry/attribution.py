@@ -4,7 +4,7 @@
 shard open into the building thread's `FetchLedger`: seconds spent and the tier that served it, as the
 tier stack reports it (the fastest tier that held the shard; a miss in L1 filled from L2 is served
 by L2, a miss everywhere by the source). `TimedBatches` wraps a `TieredDataset` and stamps each
-batch with `tf_timing`: production seconds and the fetch seconds per serving tier inside them, so
+batch's meta with its timing: production seconds and the fetch seconds per serving tier inside them, so
 the training process can attribute a stall without seeing the worker that built the batch.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from torch.utils.data import IterableDataset
 
-from tierflow.telemetry.loader_metrics import MAPPED, SOURCE, TIMING_KEY
+from tierflow.telemetry.loader_metrics import MAPPED, SOURCE
 
 
 class FetchLedger:
@@ -98,19 +98,12 @@ def attribute_fetches(dataset: Any) -> None:
 
 
 def stamp(batch: Any, timing: dict[str, Any]) -> None:
-    """Put `timing` on a batch: a dict, or a packed batch for the worker boundary (its `rest` travels as is)."""
-    if isinstance(batch, dict):
-        batch[TIMING_KEY] = timing
-    elif isinstance(getattr(batch, "rest", None), dict):
-        batch.rest[TIMING_KEY] = timing
-        if batch.keys and TIMING_KEY not in batch.keys:
-            batch.keys = (*batch.keys, TIMING_KEY)
-    else:
-        raise TypeError(f"cannot stamp tf_timing on a batch of type {type(batch).__name__}")
+    """Put `timing` in a carried batch's meta, which travels beside its data to the training process."""
+    batch.meta.timing = timing
 
 
 class TimedBatches(IterableDataset):
-    """A `TieredDataset` whose batches carry `tf_timing` = {"produce_s", "fetch": {tier: {...}}}."""
+    """A `TieredDataset` whose batches' meta carry `timing` = {"produce_s", "fetch": {tier: {...}}}."""
 
     def __init__(self, dataset: Any) -> None:
         super().__init__()

@@ -14,7 +14,6 @@ from typing import Any, Mapping
 
 from tierflow.telemetry.metrics import SIZE_BUCKETS, SNAPSHOT_SCHEMA, Histogram, MetricsRegistry, merge_snapshots
 
-TIMING_KEY = "tf_timing"
 MAPPED = "mapped"
 """Served by a shard the source already held open: no fetch happened."""
 SOURCE = "source"
@@ -97,7 +96,7 @@ class LoaderTelemetry:
         self._fetch: dict[str, tuple[Any, Any]] = {}
 
     def on_batch(self, wait_s: float, timing: Mapping[str, Any] | None = None, depth: int | None = None) -> None:
-        """One batch handed over after `wait_s` in next(); `timing` is the batch's `tf_timing`."""
+        """One batch handed over after `wait_s` in next(); `timing` is its meta's (`BatchMeta.timing`)."""
         if self.events is not None:
             self.events.batch(int(self.batches.value), wait_s, self._last_step, depth, timing)
         self.batches.inc()

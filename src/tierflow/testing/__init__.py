@@ -1,4 +1,5 @@
-"""The shared test rig: an S3 server, a metering and fault-injecting proxy, a directory server.
+"""The shared test rig: an S3 server, a metering and fault-injecting proxy, a directory server,
+and `assert_resumes_exactly`, the resume guarantee as a check to run against your own batchers.
 
 Tests use it through the fixtures in tests/conftest.py; benchmarks and `tierflow demo` import
 it directly. Nothing here is imported by the core package, and moto loads only in the
@@ -16,6 +17,7 @@ from tierflow.testing.proxy import (
     TrafficSnapshot,
 )
 from tierflow.testing.proxyprocess import ProxyProcess
+from tierflow.testing.resume import assert_resumes_exactly, assert_same_batches
 from tierflow.testing.s3server import MotoS3Server, S3Endpoint, fake_credentials_env
 
 __all__ = [
@@ -30,6 +32,8 @@ __all__ = [
     "S3Endpoint",
     "TokenBucket",
     "TrafficSnapshot",
+    "assert_resumes_exactly",
+    "assert_same_batches",
     "fake_credentials_env",
     "serve_directory",
 ]

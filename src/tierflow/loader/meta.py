@@ -1,0 +1,40 @@
+"""What the loader knows about a batch, kept beside the user's tensors instead of inside their dict.
+
+The dataset makes one `BatchMeta` per batch it builds; telemetry adds the batch's timing and a
+worker its metrics snapshot; the device feed passes it along untouched; the Loader reads it (the
+cursor to save, the order check, epoch edges, counts) and hands the user only their tensors,
+unless they ask: `loader.last_meta`, or `Loader(..., return_meta=True)` yielding (batch, meta).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tierflow.loader.cursor import LoaderCursor
+
+
+class WorkerSnapshot(NamedTuple):
+    """A DataLoader worker's metrics registry, cumulative (its tier counters live in that process)."""
+
+    worker: int
+    snapshot: dict[str, Any]
+
+
+@dataclass(slots=True, eq=False)
+class BatchMeta:
+    """One batch's bookkeeping: the loader's state once it is consumed (`cursor`), its number since
+    the iteration started (`index`), the epoch it belongs to, its samples in row order (global ids
+    and their epochs), the batcher's counts (`stats`: copied_bytes, filtered, samples, ...),
+    production timing when telemetry is on, and now and then its worker's metrics."""
+
+    cursor: LoaderCursor
+    index: int
+    epoch: int
+    sample_ids: np.ndarray
+    epochs: np.ndarray
+    stats: dict[str, int]
+    timing: dict[str, Any] | None = None
+    metrics: WorkerSnapshot | None = None
