@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.types as pat
 
 from tierflow.format.manifest import Manifest
+from tierflow.format.regular import fd_path, open_regular
 from tierflow.format.shard import (
     Block, ShardCorruptError, ShardInfo, block_error, block_schema, check_block, decode_block,
 )
@@ -145,11 +146,14 @@ class MappedBlocks(BlockBytes):
                  compressed: bool = False, keepalive: Any = None) -> None:
         super().__init__(blocks, compressed, keepalive=keepalive)
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-        if size != expected_size:  # also keeps every slice inside the mapping (no SIGBUS)
-            raise ShardCorruptError(f"shard {name}: size {size} != {expected_size} expected ({self.path})")
-        self._map = pa.memory_map(str(self.path))
+        fd = open_regular(self.path)
+        try:
+            size = os.fstat(fd).st_size
+            if size != expected_size:  # also keeps every slice inside the mapping (no SIGBUS)
+                raise ShardCorruptError(f"shard {name}: size {size} != {expected_size} expected ({self.path})")
+            self._map = pa.memory_map(fd_path(fd, self.path))  # the file checked is the file mapped
+        finally:
+            os.close(fd)
         self._buffer = self._map.read_buffer(size)
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
@@ -162,7 +166,7 @@ class MappedBlocks(BlockBytes):
         row needs only its own pages."""
         block = self.blocks[index]
         scratch = _scratch_buffer(block.length)
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_regular(self.path)
         try:
             got = os.preadv(fd, [scratch], block.offset)
         finally:
@@ -181,7 +185,7 @@ class FileBlocks(BlockBytes):
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         block = self.blocks[index]
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_regular(self.path)
         try:
             return pa.py_buffer(os.pread(fd, block.length if length is None else min(length, block.length),
                                          block.offset))

@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 import xxhash
 
+from tierflow.format.regular import read_regular
 from tierflow.format.shard import COMPRESSIONS, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.errors import ManifestError
 
@@ -26,6 +27,8 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}[0-9a-f]{{32}}{re.escape(SHARD_SUFFIX)}$")
 _MAX_COUNT = 1 << 48
+MAX_MANIFEST_BYTES = 256 << 20
+"""A manifest larger than this is refused unread (a hostile one could be any size)."""
 
 
 def schema_to_json(schema: pa.Schema) -> dict:
@@ -110,7 +113,7 @@ class Manifest:
     def load(cls, directory: str | Path) -> "Manifest":
         path = Path(directory) / MANIFEST_NAME
         try:
-            raw = path.read_bytes()
+            raw = read_regular(path, MAX_MANIFEST_BYTES, ManifestError)
         except FileNotFoundError:
             raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
         return cls.from_bytes(raw, str(path))

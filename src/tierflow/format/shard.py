@@ -17,6 +17,7 @@ from typing import NamedTuple, Sequence
 import pyarrow as pa
 
 from tierflow.format.checksum import CHUNK, HashingSink, file_xxh3_128, xxh3_hex
+from tierflow.format.regular import open_regular
 from tierflow.errors import ShardCorruptError
 
 SHARD_PREFIX = "shard-"
@@ -308,21 +309,24 @@ def read_schema(path: str | Path) -> pa.Schema:
 def verify_shard(path: str | Path, info: ShardInfo, form: str = "at_rest") -> list[str]:
     """Every problem with a shard file, as sentences naming the shard and block; empty if sound."""
     path = Path(path)
-    if not path.exists():
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
         return [f"shard {info.name}: missing ({path})"]
-    size = path.stat().st_size
+    except ShardCorruptError as e:
+        return [f"shard {info.name}: {e}"]
     expected_size = info.bytes if form == "at_rest" else info.decoded_bytes
     expected_sum = info.checksum if form == "at_rest" else info.decoded_checksum
     problems = []
-    if size != expected_size:
-        problems.append(f"shard {info.name}: size {size} != {expected_size} in the manifest")
-    if form == "at_rest":
-        with open(path, "rb") as f:
-            for i, block in enumerate(info.blocks):
-                f.seek(block.offset)
-                if xxh3_hex(f.read(block.length)) != block.checksum:
-                    problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
-                                    f"{block.rows} rows) fails its checksum")
+    with open(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size != expected_size:
+            problems.append(f"shard {info.name}: size {size} != {expected_size} in the manifest")
+        for i, block in enumerate(info.blocks if form == "at_rest" else ()):
+            f.seek(block.offset)
+            if xxh3_hex(f.read(block.length)) != block.checksum:
+                problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
+                                f"{block.rows} rows) fails its checksum")
     if not problems and file_xxh3_128(path) != expected_sum:
         problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
     return problems

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_hex
+from tierflow.format.regular import read_regular
 from tierflow.format.shard import Block
 from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
@@ -35,11 +36,12 @@ from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.index import EntryRow, TierIndex, process_alive
 from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
-from tierflow.errors import FetchError
+from tierflow.errors import FetchError, ShardCorruptError
 
 log = logging.getLogger("tierflow.tiers")
 FORMS = ("at_rest", "decoded")
 INDEX_NAME = "tierflow-index.sqlite"
+MAX_BLOCK_LIST_BYTES = 64 << 20
 
 
 @dataclass
@@ -238,12 +240,18 @@ class Tier:
             with self.index.transaction() as c:
                 self.index.remove(c, key)
             return None
+        except ShardCorruptError:  # not a regular file (a FIFO, a device)
+            self._quarantine(key, "is not a regular file")
+            return None
         whole = self.verify_hits if verify is None else verify
         sound = os.fstat(pin.fd).st_size == row.size
         if sound and not whole and block_list is not None and self.blocks_of(key, row.size, row.checksum) is None:
             whole = True
         if sound and whole:
-            sound = file_xxh3_128(pin.path) == row.checksum
+            try:
+                sound = file_xxh3_128(pin.path) == row.checksum
+            except ShardCorruptError:  # replaced by a special file since it was pinned
+                sound = False
             if sound and block_list is not None and self.blocks_of(key, row.size, row.checksum) is None:
                 self._record_blocks(key, row.size, row.checksum, block_list(pin.path))
         if not sound:
@@ -265,7 +273,7 @@ class Tier:
         if found is not None:
             return found
         try:
-            d = json.loads(self._blocks_path(key).read_bytes())
+            d = json.loads(read_regular(self._blocks_path(key), MAX_BLOCK_LIST_BYTES))
             body = {k: v for k, v in d.items() if k != "digest"}
             if d["digest"] != xxh3_hex(json.dumps(body, sort_keys=True).encode()) or d["key"] != key:
                 raise ValueError("digest")
@@ -281,7 +289,7 @@ class Tier:
                 end += block.length
             if end > d["size"]:
                 raise ValueError("layout")
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return None
         self._block_lists[key] = blocks
         return blocks
