@@ -97,3 +97,16 @@ def test_a_corrupted_shard_reaches_the_loop_as_shard_corrupt_naming_it(packed, t
 
 def test_errors_module_exports_every_class():
     assert {c.__name__ for c in _all_error_classes()} <= set(errors.__all__)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_deleted_shard_of_a_dataset_directory_is_source_not_found_naming_it(tmp_path, compression):
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(500):
+            f.write(json.dumps({"text": f"doc {i}"}) + "\n")
+    tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", workers=1, compression=compression)
+    ds = tierflow.open_dataset(tmp_path / "ds")
+    name = ds.manifest.shards[0].name
+    (tmp_path / "ds" / name).unlink()
+    with pytest.raises(SourceNotFound, match=rf"{tmp_path / 'ds' / name}: no such shard file"):
+        ds[0]
