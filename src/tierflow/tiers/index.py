@@ -43,6 +43,17 @@ class EntryRow:
     stats: dict[str, Any]
 
 
+_UNWRITABLE = {10, 13, 14}  # SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (primary result codes)
+
+
+def index_unwritable(error: sqlite3.Error) -> bool:
+    """Whether `error` says the index's filesystem is full or failing (not a bug, not contention)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _UNWRITABLE
+    return any(s in str(error) for s in ("disk is full", "disk I/O error", "unable to open"))
+
+
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -82,10 +93,14 @@ class TierIndex:
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # a failed COMMIT (disk full) may leave the transaction open
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # SQLite rolled it back itself
             raise
-        conn.execute("COMMIT")
 
     def config(self) -> dict[str, str]:
         return dict(self.conn.execute("SELECT name, value FROM config").fetchall())

@@ -5,7 +5,9 @@ and returns it; a miss takes the entry's kernel lock (one fetch per entry per no
 space (occupancy + reservations <= capacity, evicting unpinned victims named by the policy),
 fetches to a temporary name, verifies size and checksum, renames and admits. When the policy
 declines or no space can be made, `ensure` returns None and the caller serves from the tier
-below without caching. The same code serves a tmpfs L1 and an NVMe L2.
+below without caching. The same code serves a tmpfs L1 and an NVMe L2. So does a full disk,
+whether the shard write or the index (SQLite) hits it: the read is served from below, a
+warning is logged once and `tier_enospc_fallbacks` / `tier_index_unwritable` count it.
 
 A hit is verified whole (xxh3-128) unless the caller verifies by block as it reads
 (`verify_hit=False`, the tier stack's readers): then a hit costs a size check, and the entry's
@@ -21,11 +23,13 @@ import logging
 import os
 import secrets
 import shutil
+import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_hex
 from tierflow.format.regular import read_regular
@@ -34,7 +38,7 @@ from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import MetricsRegistry
-from tierflow.tiers.index import EntryRow, TierIndex, process_alive
+from tierflow.tiers.index import EntryRow, TierIndex, index_unwritable, process_alive
 from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
 from tierflow.errors import FetchError, ShardCorruptError
 
@@ -137,6 +141,8 @@ class Tier:
         self.m_evicted_unused = r.counter("tier_evictions_before_use", labels, "prefetched, evicted before any read")
         self.m_corruptions = r.counter("tier_corruptions", labels, "entries that failed verification")
         self.m_enospc = r.counter("tier_enospc_fallbacks", labels, "served from below: no space")
+        self.m_index_unwritable = r.counter("tier_index_unwritable", labels,
+                                            "index writes failed (filesystem full or failing); served from below")
         self.m_bypass = r.counter("tier_bypass", labels, "served from below: the policy declined")
         self.m_in_use = r.counter("tier_full_in_use", labels, "served from below: every resident entry in use")
         self.m_prefetch_no_room = r.counter("tier_prefetch_no_room", labels,
@@ -146,6 +152,7 @@ class Tier:
         self.m_occupancy = r.gauge("tier_occupancy_bytes", labels, aggregate="max")
         self.m_capacity = r.gauge("tier_capacity_bytes", labels, aggregate="max")
         self._warned_enospc = False
+        self._warned_index = False
         self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
 
     # ------------------------------------------------------------ capacity
@@ -164,6 +171,28 @@ class Tier:
 
     def path_of(self, key: str) -> Path:
         return self.root / "entries" / f"{key}.arrow"
+
+    # ------------------------------------------------------------ a full disk under the index
+    def _index_unwritable(self, error: sqlite3.Error) -> bool:
+        """True (counted, warned once) when `error` says the index cannot be written because its
+        filesystem is full or failing: the caller degrades (serves from below) instead of crashing."""
+        if not index_unwritable(error):
+            return False
+        self.m_index_unwritable.inc()
+        if not self._warned_index:
+            log.warning("tier %s (%s): its index cannot be written (%s); serving from the tier below "
+                        "without caching until it can", self.name, self.root, error)
+            self._warned_index = True
+        return True
+
+    @contextmanager
+    def _best_effort(self) -> Iterator[None]:
+        """An index write that may be skipped when the disk is full (statistics, releases, removals)."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            if not self._index_unwritable(e):
+                raise
 
     # ------------------------------------------------------------ policy
     def _policy(self) -> CachePolicy:
@@ -237,7 +266,7 @@ class Tier:
         try:
             pin = Pin(self.path_of(key))
         except FileNotFoundError:
-            with self.index.transaction() as c:
+            with self._best_effort(), self.index.transaction() as c:
                 self.index.remove(c, key)
             return None
         except ShardCorruptError:  # not a regular file (a FIFO, a device)
@@ -258,7 +287,8 @@ class Tier:
             pin.release()
             self._quarantine(key, "failed verification on read")
             return None
-        self._touch(row, time.time())
+        with self._best_effort():  # a hit is still a hit when its statistics cannot be saved
+            self._touch(row, time.time())
         self.m_hits.inc()
         self.m_bytes_out.inc(row.size)
         return pin
@@ -333,7 +363,7 @@ class Tier:
             os.replace(self.path_of(key), self.root / "quarantine" / f"{key}.{secrets.token_hex(4)}")
         except FileNotFoundError:
             pass
-        with self.index.transaction() as c:
+        with self._best_effort(), self.index.transaction() as c:
             self.index.remove(c, key)
 
     def ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None],
@@ -360,7 +390,12 @@ class Tier:
             enospc = 0
             corrupt = 0
             while True:
-                reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch)
+                try:
+                    reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch)
+                except sqlite3.Error as e:
+                    if not self._index_unwritable(e):
+                        raise
+                    return None
                 if reservation is None:
                     return None
                 tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -377,7 +412,7 @@ class Tier:
                     pin.path = self.path_of(key)
                 except FetchError:
                     tmp.unlink(missing_ok=True)
-                    self.index.release(reservation)
+                    self._release(reservation)
                     corrupt += 1
                     if corrupt < self.fetch_attempts:
                         continue  # a torn or corrupted transfer: fetch it again
@@ -386,7 +421,7 @@ class Tier:
                     if pin is not None:
                         pin.release()
                     tmp.unlink(missing_ok=True)
-                    self.index.release(reservation)
+                    self._release(reservation)
                     if e.errno != errno.ENOSPC:
                         raise
                     enospc += 1
@@ -402,17 +437,35 @@ class Tier:
                     if pin is not None:
                         pin.release()
                     tmp.unlink(missing_ok=True)
-                    self.index.release(reservation)
+                    self._release(reservation)
                     raise
                 try:
                     self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
-                except BaseException:
+                except BaseException as e:
                     pin.release()
+                    if isinstance(e, sqlite3.Error) and self._index_unwritable(e):
+                        self._unadmit(key, reservation)
+                        return None
                     raise
                 self.m_latency.observe(time.perf_counter() - started)
                 self.m_promotions.inc()
                 self.m_bytes_in.inc(size)
                 return pin
+
+    def _release(self, reservation: int) -> None:
+        """Give back a reservation; on a full disk it stays until this process exits (then reclaimed)."""
+        with self._best_effort():
+            self.index.release(reservation)
+
+    def _unadmit(self, key: str, reservation: int) -> None:
+        """Remove an entry the index could not record (the disk filled): nothing unaccounted stays."""
+        with self._policy_lock:
+            if self._live is not None and key in self._live_keys:
+                self._live.on_remove(key)
+                self._live_keys.discard(key)
+        if try_remove_unpinned(self.path_of(key)):
+            self._drop_blocks(key)
+        self._release(reservation)
 
     def _verify_fetched(self, tmp: Path, key: str, size: int, checksum: str) -> None:
         got_size = tmp.stat().st_size
