@@ -33,6 +33,7 @@ from tierflow.pack.sources import (
     rows_to_batch,
 )
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
+from tierflow.pack.workers import die_with_parent
 
 log = logging.getLogger("tierflow.pack")
 MIN_SHARD_BYTES = 256 << 10
@@ -538,7 +539,8 @@ def _run_units(units: Iterable[Unit], config: PackConfig, workers: int,
         for unit in units:
             consume(pack_unit(unit, config))
         return
-    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:  # no orphans if this process is killed
         window: deque[Future] = deque()
         try:
             for unit in units:
