@@ -65,3 +65,76 @@ def test_pack_workers_die_within_seconds_of_a_sigkilled_parent(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("cannot mount a tmpfs for the scratch-space tests, and CI must not skip it")
+        pytest.skip("mounting a tmpfs is refused here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def compressible(path: Path, rows: int = 20000) -> Path:
+    """~11.5 MB of JSONL whose decoded Arrow form is ~11 MB and whose shards are ~0.1 MB."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"id": i, "text": f"doc {i} " + "lorem ipsum dolor sit amet " * 20}) + "\n")
+    return path
+
+
+def test_pack_scratch_is_bounded_by_the_units_in_flight_not_the_dataset(tmp_path, small_disk):
+    import tierflow
+
+    src = compressible(tmp_path / "docs.jsonl")
+    # 8 MB of disk for a dataset of 11 MB decoded in one 256 MB shard: the workers' scratch files
+    # must go as the shard writer consumes them, not when the shard is sealed
+    summary = tierflow.pack([src], small_disk / "out", workers=2, chunk_bytes=512 << 10)
+    decoded = sum(s.decoded_bytes for s in summary.manifest.shards)
+    assert decoded > 8 << 20 > 10 * sum(s.bytes for s in summary.manifest.shards)
+    assert tierflow.open_dataset(small_disk / "out")[19999]["id"] == 19999
+    assert not (small_disk / "out" / ".tmp-pack").exists()
+
+
+def test_pack_without_room_for_its_scratch_says_how_much_it_needs_and_where(tmp_path, small_disk):
+    import tierflow
+    from tierflow.errors import PackInputError
+
+    src = compressible(tmp_path / "docs.jsonl")  # one 16 MB unit: 11.5 MB of scratch at once
+    out = small_disk / "out"
+    with pytest.raises(PackInputError, match=rf"{out}: no space left .* needs about 11\.\d MB of scratch in "
+                                             rf"{out / '.tmp-pack'} \(1 unit of up to 11\.\d MB .* MB are free"):
+        tierflow.pack([src], out, workers=2)
+    assert [p.name for p in out.iterdir()] == [".tierflow.lock"]
+
+
+def test_a_shard_whose_compression_does_not_pay_is_rewritten_plain_from_its_own_file(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+
+    from tierflow.format.shard import ShardWriter, verify_shard
+
+    schema = pa.schema([("blob", pa.binary()), ("tokens", pa.list_(pa.uint16()))])
+    rng = np.random.default_rng(3)
+    batches = [pa.RecordBatch.from_arrays(
+        [pa.array([rng.bytes(300 + i) for i in range(50)]),
+         pa.array([list(range(i % 7)) for i in range(50)], pa.list_(pa.uint16()))], schema=schema).slice(3, 40)
+        for _ in range(5)]  # random bytes do not compress; slices, as the assembler cuts them
+    infos = {}
+    for compression in ("zstd", "none"):
+        directory = tmp_path / compression
+        directory.mkdir()
+        writer = ShardWriter(directory, schema, compression, token_column="tokens")
+        for batch in batches:
+            writer.write(batch)
+        infos[compression] = info = writer.close()
+        assert [p.name for p in directory.iterdir()] == [info.name]  # no temporary left
+        assert verify_shard(directory / info.name, info) == []
+    assert infos["zstd"].compression == "none"
+    assert infos["zstd"] == infos["none"]
+    assert infos["none"].checksum == infos["none"].decoded_checksum

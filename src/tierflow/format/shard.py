@@ -143,8 +143,9 @@ class ShardWriter:
 
     Each batch is compressed as it arrives, so the packer's parent compresses while its
     workers parse instead of in one burst per shard; the decoded form is serialised in the
-    same pass, only to measure its size and xxh3-128. The batches stay referenced until
-    `close` in case compression does not pay and the shard is rewritten uncompressed.
+    same pass, only to measure its size and xxh3-128. No batch is kept once written (in the
+    packer they pin its scratch files): a shard whose compression does not pay is rewritten
+    uncompressed from its own compressed file.
     With `token_column`, each block also records its token count (readers then locate a token
     without decoding the blocks before it).
     """
@@ -159,7 +160,6 @@ class ShardWriter:
         self.level = level
         self.token_column = token_column
         self.tmp = self.directory / f".tmp-{os.getpid()}-{id(self):x}{SHARD_SUFFIX}"
-        self._batches: list[pa.RecordBatch] = []
         self._blocks: list[Block] = []
         self._decoded = HashingSink()
         self._decoded_writer = pa.ipc.new_file(pa.PythonFile(self._decoded, mode="w"), schema,
@@ -177,7 +177,6 @@ class ShardWriter:
         self._blocks.append(Block(start, self._sink.position - start, batch.num_rows,
                                   self._sink.take_block_digest(), _block_tokens(batch, self.token_column)))
         self._decoded_writer.write_batch(batch)
-        self._batches.append(batch)
 
     def close(self, tokens: int = 0) -> ShardInfo:
         """Finish, fsync and rename to `shard-<checksum>.arrow`; atomic.
@@ -191,11 +190,7 @@ class ShardWriter:
             chosen, sink, blocks = self.compression, self._sink, self._blocks
             if self.compression != "none" and sink.position > (1 - MIN_SAVING) * self._decoded.position:
                 chosen = "none"
-                self._file.seek(0)
-                self._file.truncate()
-                sink = HashingSink(self._file)
-                blocks = _write_ipc(self._batches, self.schema, sink, _ipc_options("none", None),
-                                    self.token_column)
+                sink, blocks = self._rewrite_uncompressed()
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
@@ -205,16 +200,31 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
-        self._batches = []
         return ShardInfo(
             name=name, samples=sum(b.rows for b in blocks), bytes=sink.position,
             decoded_bytes=self._decoded.position, checksum=checksum, decoded_checksum=self._decoded.hexdigest(),
             compression=chosen, tokens=tokens, blocks=blocks,
         )
 
+    def _rewrite_uncompressed(self) -> tuple[HashingSink, list[Block]]:
+        """The shard again, uncompressed, read back from its compressed file one batch at a time
+        (byte-identical to writing the original batches: it is what `decode_shard` does)."""
+        self._file.close()
+        packed = self.tmp.with_name(self.tmp.name + ".z")
+        os.replace(self.tmp, packed)
+        try:
+            self._file = open(self.tmp, "wb", buffering=CHUNK)
+            sink = HashingSink(self._file)
+            with pa.memory_map(str(packed)) as source:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+                blocks = _write_ipc(batches, self.schema, sink, _ipc_options("none", None), self.token_column)
+        finally:
+            packed.unlink(missing_ok=True)
+        return sink, blocks
+
     def abort(self) -> None:
         """Drop the unfinished shard (its temporary file included)."""
-        self._batches = []
         if not self._file.closed:
             self._file.close()
         self.tmp.unlink(missing_ok=True)

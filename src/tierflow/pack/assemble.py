@@ -17,8 +17,11 @@ import pyarrow as pa
 from tierflow.format.shard import ShardInfo, ShardWriter
 from tierflow.pack.tokenize import PackInputError
 
-#: shards compressing at once in the parent (each holds its batches until written)
+#: shards compressing at once in the parent
 SHARDS_IN_FLIGHT = 2
+#: batches (blocks) waiting for a shard's writer thread: each pins part of a worker's scratch file
+#: (the batches are views into it), so the queue bounds scratch space as well as memory
+QUEUED_BATCHES = 2
 
 
 class _ShardInFlight:
@@ -26,13 +29,26 @@ class _ShardInFlight:
 
     zstd releases the GIL, so while one shard is still compressing the next one's batches
     compress on another thread: the parent is no longer capped at one core of compression.
-    The queue carries batches, then the shard's token count (close) or None (abort).
+    The queue carries batches, then the shard's token count (close) or None (abort); it is
+    bounded, so a writer slower than the workers holds them back instead of letting their
+    scratch files pile up.
     """
 
     def __init__(self, pool: ThreadPoolExecutor, out: Path, schema: pa.Schema, compression: str,
                  level: int | None, token_column: str | None = None) -> None:
-        self.batches: queue.SimpleQueue = queue.SimpleQueue()
+        self.batches: queue.Queue = queue.Queue(QUEUED_BATCHES)
         self.future = pool.submit(self._write, out, schema, compression, level, token_column)
+
+    def put(self, item: pa.RecordBatch | int | None) -> None:
+        """Give the writer its next item, waiting for room; the writer's error if it failed."""
+        while True:
+            try:
+                self.batches.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if self.future.done():
+                    self.future.result()
+                    raise RuntimeError("a shard writer ended before its shard was closed") from None
 
     def _write(self, out: Path, schema: pa.Schema, compression: str, level: int | None,
                token_column: str | None) -> ShardInfo | None:
@@ -105,7 +121,7 @@ class ShardAssembler:
                 self._pool = ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="tierflow-shard")
             self._open = _ShardInFlight(self._pool, self.out, self.schema, self.compression, self.level,
                                         self.token_column)
-        self._open.batches.put(batch)
+        self._open.put(batch)
         self.pending_bytes += batch.nbytes
         if self.token_column is not None:
             offsets = batch.column(self.token_column).offsets
@@ -116,7 +132,7 @@ class ShardAssembler:
     def _end_shard(self) -> None:
         if self._open is None:
             return
-        self._open.batches.put(self.pending_tokens)
+        self._open.put(self.pending_tokens)
         self._closing.append(self._open)
         self._open = None
         self.pending_bytes = self.pending_tokens = 0
@@ -163,7 +179,10 @@ class ShardAssembler:
     def abort(self) -> None:
         """Drop the shard being assembled; shards that finished meanwhile join `shards` for the caller."""
         if self._open is not None:
-            self._open.batches.put(None)
+            try:
+                self._open.put(None)
+            except Exception:  # noqa: BLE001 - its writer failed: collected (and ignored) below
+                pass
             self._closing.append(self._open)
             self._open = None
         while self._closing:

@@ -4,7 +4,10 @@ Workers parse, map (`fn`) and tokenise units of input and hand back uncompressed
 files; the parent cuts them into shards of the target size in unit order, compresses and
 hashes them, and publishes the manifest last. Shard boundaries depend only on the data, so
 the output is byte-identical whatever the number of workers, and memory stays bounded
-(a window of units in flight plus the shard being assembled).
+(a window of units in flight plus the shard being assembled). So does scratch space: the
+workers' Arrow files (in `<out>/.tmp-pack`) are mapped, unlinked and gone as soon as the
+shard writers have written their batches, so a pack needs about two units per worker of
+scratch, never the dataset's decoded size; short of that it says how much it needs, and where.
 """
 
 from __future__ import annotations
@@ -333,8 +336,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         except BaseException as e:
             _discard(out, assembler, tmp_dir)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise PackInputError(f"{out}: no space left on the device while writing shards; nothing was "
-                                     f"published and this run's files were removed") from e
+                raise _no_space(out, run, workers, _planned_units(sources, options)) from e
             raise
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if not assembler.shards:
@@ -344,6 +346,31 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         manifest.save(out)
         remove_unreferenced(out, manifest)
     return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes)
+
+
+def _planned_units(sources: list, options: SourceOptions) -> list[int]:
+    """Input bytes of each unit the sources plan into (empty for an iterable of records)."""
+    if not all(isinstance(s, (str, os.PathLike)) for s in sources):
+        return []
+    try:
+        return [unit.input_bytes for unit in plan_units(sources, options)]
+    except (OSError, PackInputError):
+        return []
+
+
+def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int]) -> PackInputError:
+    """ENOSPC, with what the pack needs: scratch for the units in flight (their decoded Arrow
+    files, a window of two per worker: never the whole dataset) and room for the shards."""
+    window = min(2 * workers + 1 if workers > 1 else 1, len(units) or 1 << 30)
+    unit = run.largest_unit or max(units, default=0)  # before any unit came back: about its input size
+    written = sum(s.bytes for s in run.assembler.shards)
+    free = shutil.disk_usage(out).free  # this run's files are removed by now
+    return PackInputError(
+        f"{out}: no space left on the device while writing shards; nothing was published and this run's "
+        f"files were removed. Packing needs about {window * unit / 1e6:.1f} MB of scratch in {out / TMP_DIR} "
+        f"({window} unit{'s' * (window != 1)} of up to {unit / 1e6:.1f} MB decoded in flight) plus room for the shards "
+        f"({written / 1e6:.1f} MB written when it ran out); {free / 1e6:.1f} MB are free. Free some space, "
+        f"pack elsewhere (or to s3://), or use fewer workers (or a smaller chunk_bytes)")
 
 
 def _as_sources(sources: Any) -> list:
@@ -419,9 +446,12 @@ class _PackRun:
         self.tokens = 0
         self.histogram = np.zeros(64, np.int64)
         self.input_bytes = 0
+        self.largest_unit = 0
+        """Bytes of the largest unit's scratch files (its decoded Arrow form) so far."""
         self.started = time.perf_counter()
 
     def consume(self, result: UnitResult) -> None:
+        self.largest_unit = max(self.largest_unit, sum(os.stat(part).st_size for part in result.parts))
         for part in result.parts:
             with pa.memory_map(part) as source:
                 reader = pa.ipc.open_stream(source)
