@@ -24,8 +24,7 @@ import pyarrow as pa
 import pyarrow.types as pat
 
 from tierflow.format.manifest import Manifest
-from tierflow.errors import SourceNotFound
-from tierflow.format.regular import fd_path, open_regular
+from tierflow.format.regular import fd_path, open_shard_file
 from tierflow.format.shard import (
     Block, ShardCorruptError, ShardInfo, block_error, block_schema, check_block, decode_block,
 )
@@ -128,15 +127,6 @@ class BlockBytes:
         return data
 
 
-def _open_shard_file(path: Path) -> int:
-    """A descriptor of a shard file that must be a regular file; a missing one is SourceNotFound
-    naming the shard (a bare FileNotFoundError would not say it is a dataset's shard)."""
-    try:
-        return open_regular(path)
-    except FileNotFoundError:
-        raise SourceNotFound(str(path.parent), path.name, "no such shard file") from None
-
-
 _scratch = threading.local()
 
 
@@ -156,7 +146,7 @@ class MappedBlocks(BlockBytes):
                  compressed: bool = False, keepalive: Any = None) -> None:
         super().__init__(blocks, compressed, keepalive=keepalive)
         self.path = Path(path)
-        fd = _open_shard_file(self.path)
+        fd = open_shard_file(self.path)
         try:
             size = os.fstat(fd).st_size
             if size != expected_size:  # also keeps every slice inside the mapping (no SIGBUS)
@@ -176,7 +166,7 @@ class MappedBlocks(BlockBytes):
         row needs only its own pages."""
         block = self.blocks[index]
         scratch = _scratch_buffer(block.length)
-        fd = _open_shard_file(self.path)
+        fd = open_shard_file(self.path)
         try:
             got = os.preadv(fd, [scratch], block.offset)
         finally:
@@ -195,7 +185,7 @@ class FileBlocks(BlockBytes):
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         block = self.blocks[index]
-        fd = _open_shard_file(self.path)
+        fd = open_shard_file(self.path)
         try:
             return pa.py_buffer(os.pread(fd, block.length if length is None else min(length, block.length),
                                          block.offset))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
 from typing import Callable
 
-from tierflow.errors import ShardCorruptError
+from tierflow.errors import ShardCorruptError, SourceNotFound
 
 ErrorFactory = Callable[[str], Exception]
 
@@ -46,12 +47,21 @@ def open_regular(path: str | os.PathLike, error: ErrorFactory = ShardCorruptErro
     return fd
 
 
-def read_regular(path: str | os.PathLike, max_bytes: int, error: ErrorFactory = ShardCorruptError) -> bytes:
-    """The whole of a regular file of at most `max_bytes`; larger (or a special file) is `error`."""
+def open_shard_file(path: Path) -> int:
+    """`open_regular` for a dataset's shard: a missing one is SourceNotFound naming it (a bare
+    FileNotFoundError would not say it is a shard of the dataset)."""
+    try:
+        return open_regular(path)
+    except FileNotFoundError:
+        raise SourceNotFound(str(path.parent), path.name, "no such shard file") from None
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int | None, error: ErrorFactory = ShardCorruptError) -> bytes:
+    """The whole of a regular file (of at most `max_bytes`; larger is `error`, as is a special file)."""
     fd = open_regular(path, error)
     try:
         size = os.fstat(fd).st_size
-        if size > max_bytes:
+        if max_bytes is not None and size > max_bytes:
             raise error(f"{os.fspath(path)}: {size} bytes, more than the {max_bytes} it may have; refused")
         chunks, got = [], 0
         while got < size:  # at most the size fstat gave: a file growing while read adds nothing

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.errors import SourceError, SourceNotFound
-from tierflow.format.regular import open_regular
+from tierflow.format.regular import open_regular, read_regular
 
 CHUNK_BYTES = 1 << 20
 """Download and upload granularity: the unit charged to the budget and held in memory."""
@@ -302,26 +302,18 @@ class LocalSource(RetryingSource):
     def _head(self, key: str) -> int:
         return self._path(key).stat().st_size
 
-    def _regular(self, key: str) -> int:
-        """A descriptor of a regular file only: a FIFO or device is refused, never waited on."""
-        return open_regular(self._path(key), SourceError)
-
     def _get(self, key: str) -> bytes:
-        fd = self._regular(key)
-        try:
-            return os.pread(fd, os.fstat(fd).st_size, 0)
-        finally:
-            os.close(fd)
+        return read_regular(self._path(key), None, SourceError)  # regular files only: never a FIFO's wait
 
     def _get_range(self, key: str, offset: int, length: int) -> bytes:
-        fd = self._regular(key)
+        fd = open_regular(self._path(key), SourceError)
         try:
             return os.pread(fd, length, offset)
         finally:
             os.close(fd)
 
     def _stream(self, key: str, offset: int) -> tuple[int, Iterator[bytes]]:
-        file = open(self._regular(key), "rb")
+        file = open(open_regular(self._path(key), SourceError), "rb")
         size = os.fstat(file.fileno()).st_size
         file.seek(offset)
 
