@@ -110,3 +110,25 @@ def test_a_deleted_shard_of_a_dataset_directory_is_source_not_found_naming_it(tm
     (tmp_path / "ds" / name).unlink()
     with pytest.raises(SourceNotFound, match=rf"{tmp_path / 'ds' / name}: no such shard file"):
         ds[0]
+
+
+def test_a_block_that_verifies_but_does_not_decode_is_shard_corrupt_naming_it(tmp_path):
+    from tierflow.format.checksum import xxh3_hex
+
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(3000):
+            f.write(json.dumps({"id": i, "text": f"doc {i} " * 5}) + "\n")
+    tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", workers=1, compression="none", block_bytes=16 << 10)
+    manifest_path = tmp_path / "ds" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    shard, blocks = manifest["shards"][0], manifest["shards"][0]["blocks"]
+    offset, length = blocks["offset"][1], blocks["length"][1]
+    path = tmp_path / "ds" / shard["name"]
+    data = bytearray(path.read_bytes())
+    data[offset + 8:offset + 16] = b"\x7f" * 8  # the message's flatbuffer: garbage
+    path.write_bytes(bytes(data))
+    blocks["checksum"][1] = xxh3_hex(bytes(data[offset:offset + length]))  # ...that the manifest vouches for
+    manifest_path.write_text(json.dumps(manifest))
+    ds = tierflow.open_dataset(tmp_path / "ds")
+    with pytest.raises(ShardCorruptError, match=rf"shard {shard['name']}: block 1 .* does not decode"):
+        ds[blocks["rows"][0]]

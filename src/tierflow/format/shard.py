@@ -261,10 +261,15 @@ def block_messages(data: pa.Buffer, index: int) -> pa.ipc.MessageReader:
 
 
 def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block) -> pa.RecordBatch:
-    """The record batch of one block's (already verified) bytes; zero-copy when uncompressed."""
-    for message in block_messages(data, index):
-        if message.type == "record batch":
-            return pa.ipc.read_record_batch(message, schema)
+    """The record batch of one block's (already verified) bytes; zero-copy when uncompressed.
+    Bytes that verify but do not decode (a hostile manifest lists their checksum) are
+    ShardCorruptError naming shard and block, not Arrow's bare error."""
+    try:
+        for message in block_messages(data, index):
+            if message.type == "record batch":
+                return pa.ipc.read_record_batch(message, schema)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise block_error(name, index, block, f"does not decode ({e})") from None
     raise block_error(name, index, block, "holds no record batch")
 
 
