@@ -40,10 +40,10 @@ def test_pack_workers_die_within_seconds_of_a_sigkilled_parent(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     parent = subprocess.Popen([sys.executable, "-c", SLOW_PACK, str(tmp_path / "docs.jsonl"), str(tmp_path / "out")],
                               env=env)
+    workers: list[int] = []
     try:
         me = psutil.Process(parent.pid)
         deadline = time.monotonic() + 60
-        workers: list[int] = []
         while len(workers) < 2 and time.monotonic() < deadline and parent.poll() is None:
             # forked pool workers share the parent's command line (a resource tracker would not)
             workers = [c.pid for c in me.children() if c.cmdline() == me.cmdline()]
@@ -60,7 +60,7 @@ def test_pack_workers_die_within_seconds_of_a_sigkilled_parent(tmp_path):
         assert not alive, f"pack workers {alive} outlived their SIGKILLed parent"
     finally:
         parent.kill()
-        for pid in workers if "workers" in dir() else []:
+        for pid in workers:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -130,3 +130,50 @@ def test_a_shard_whose_compression_does_not_pay_is_rewritten_plain_from_its_own_
     assert infos["zstd"].compression == "none"
     assert infos["zstd"] == infos["none"]
     assert infos["none"].checksum == infos["none"].decoded_checksum
+
+
+def test_a_worker_whose_parent_is_already_gone_kills_itself():
+    from tierflow.pack.workers import die_with_parent
+
+    child = os.fork()
+    if child == 0:  # started by "parent" 1, which is not (no longer) its parent: the race
+        die_with_parent(1)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+WATCHED = """
+import os, sys, time
+from tierflow.pack.workers import _watch_parent
+
+parent = os.getpid()
+child = os.fork()
+if child == 0:
+    _watch_parent(parent)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_the_watchdog_ends_a_worker_whose_parent_was_killed():
+    """The fallback where the kernel offers no parent-death signal."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    parent = subprocess.Popen([sys.executable, "-c", WATCHED], env=env, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert not _gone(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child)
+    finally:
+        parent.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
