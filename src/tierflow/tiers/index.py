@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -18,6 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from tierflow.telemetry.metrics import Counter
+
+log = logging.getLogger("tierflow.tiers")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS config (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -52,6 +57,37 @@ def index_unwritable(error: sqlite3.Error) -> bool:
     if code is not None:
         return code & 0xFF in _UNWRITABLE
     return any(s in str(error) for s in ("disk is full", "disk I/O error", "unable to open"))
+
+
+class IndexTrouble:
+    """What a tier does when its index cannot be opened or written (the disk is full or failing):
+    count it, warn once, and have the caller serve from the tier below instead of crashing.
+    Nothing is cached meanwhile; once the index opens and writes again, the tier caches again."""
+
+    def __init__(self, counter: Counter, where: str) -> None:
+        self.counter = counter
+        self.where = where
+        self.warned = False
+
+    def __call__(self, error: sqlite3.Error) -> bool:
+        """True (counted, warned once) when `error` is such trouble; False for anything else."""
+        if not index_unwritable(error):
+            return False
+        self.counter.inc()
+        if not self.warned:
+            log.warning("%s: its index cannot be written (%s); serving from the tier below without caching "
+                        "until it can", self.where, error)
+            self.warned = True
+        return True
+
+    @contextmanager
+    def tolerated(self) -> Iterator[None]:
+        """An index write that may be skipped in such trouble (statistics, releases, removals)."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            if not self(e):
+                raise
 
 
 def process_alive(pid: int) -> bool:

@@ -26,10 +26,9 @@ import shutil
 import sqlite3
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_hex
 from tierflow.format.regular import read_regular
@@ -38,7 +37,7 @@ from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import MetricsRegistry
-from tierflow.tiers.index import EntryRow, TierIndex, index_unwritable, process_alive
+from tierflow.tiers.index import EntryRow, IndexTrouble, TierIndex, process_alive
 from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
 from tierflow.errors import FetchError, ShardCorruptError
 
@@ -110,10 +109,17 @@ class Tier:
         self.fetch_attempts = fetch_attempts
         for sub in ("entries", "locks", "tmp", "quarantine", "blocks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._metrics(registry)
+        self._index_trouble = IndexTrouble(self.m_index_unwritable, f"tier {name} ({self.root})")
         self.index = TierIndex(self.root / INDEX_NAME)
-        own = self.index.occupancy()[0]
-        requested = {"capacity": str(Capacity(capacity).resolve(self.root, own)), "policy": policy, "form": form}
-        stored = self.index.set_config_if_absent(requested)
+        # what is used while the index cannot be opened (a full disk): what was asked
+        stored = requested = {"capacity": str(Capacity(capacity).resolve(self.root, 0)), "policy": policy, "form": form}
+        try:
+            requested["capacity"] = str(Capacity(capacity).resolve(self.root, self.index.occupancy()[0]))
+            stored = self.index.set_config_if_absent(requested)
+        except sqlite3.Error as e:  # a full disk: no caching, with what was asked, until the index opens
+            if not self._index_trouble(e):
+                raise
         for k, v in requested.items():
             if stored[k] != v and not (k == "capacity" and capacity <= 1):
                 log.warning("tier %s (%s): asked for %s=%s but the directory is configured with %s; "
@@ -128,8 +134,11 @@ class Tier:
         self._live_keys: set[str] = set()
         self._policy_lock = threading.RLock()
         self.ram = is_tmpfs(self.root) if ram is None else ram
+        self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
+
+    def _metrics(self, registry: MetricsRegistry | None) -> None:
         self.registry = registry or MetricsRegistry()
-        labels = {"tier": name}
+        labels = {"tier": self.name}
         r = self.registry
         self.m_hits = r.counter("tier_hits", labels, "entry found in this tier")
         self.m_misses = r.counter("tier_misses", labels, "a reader's entry fetched from below (demand miss)")
@@ -152,8 +161,6 @@ class Tier:
         self.m_occupancy = r.gauge("tier_occupancy_bytes", labels, aggregate="max")
         self.m_capacity = r.gauge("tier_capacity_bytes", labels, aggregate="max")
         self._warned_enospc = False
-        self._warned_index = False
-        self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
 
     # ------------------------------------------------------------ capacity
     @property
@@ -161,7 +168,9 @@ class Tier:
         """Usable bytes now. On tmpfs (L1): min(configured, tmpfs free + own, half the memory headroom)."""
         if not self.ram:
             return self.configured_capacity
-        own = self.index.occupancy()[0]
+        own = 0
+        with self._index_trouble.tolerated():
+            own = self.index.occupancy()[0]
         free = shutil.disk_usage(self.root).free
         limits = [self.configured_capacity, free + own]
         headroom = memory_headroom()
@@ -171,28 +180,6 @@ class Tier:
 
     def path_of(self, key: str) -> Path:
         return self.root / "entries" / f"{key}.arrow"
-
-    # ------------------------------------------------------------ a full disk under the index
-    def _index_unwritable(self, error: sqlite3.Error) -> bool:
-        """True (counted, warned once) when `error` says the index cannot be written because its
-        filesystem is full or failing: the caller degrades (serves from below) instead of crashing."""
-        if not index_unwritable(error):
-            return False
-        self.m_index_unwritable.inc()
-        if not self._warned_index:
-            log.warning("tier %s (%s): its index cannot be written (%s); serving from the tier below "
-                        "without caching until it can", self.name, self.root, error)
-            self._warned_index = True
-        return True
-
-    @contextmanager
-    def _best_effort(self) -> Iterator[None]:
-        """An index write that may be skipped when the disk is full (statistics, releases, removals)."""
-        try:
-            yield
-        except sqlite3.Error as e:
-            if not self._index_unwritable(e):
-                raise
 
     # ------------------------------------------------------------ policy
     def _policy(self) -> CachePolicy:
@@ -260,13 +247,15 @@ class Tier:
         size is checked here; with `block_list` (how to cut a verified file into blocks) the
         entry must have its block list, which is made now, after one whole-file check, if it
         has none (an entry admitted without one)."""
-        row = self.index.get(key)
+        row = None
+        with self._index_trouble.tolerated():  # an index that cannot be opened: a miss
+            row = self.index.get(key)
         if row is None:
             return None
         try:
             pin = Pin(self.path_of(key))
         except FileNotFoundError:
-            with self._best_effort(), self.index.transaction() as c:
+            with self._index_trouble.tolerated(), self.index.transaction() as c:
                 self.index.remove(c, key)
             return None
         except ShardCorruptError:  # not a regular file (a FIFO, a device)
@@ -287,7 +276,7 @@ class Tier:
             pin.release()
             self._quarantine(key, "failed verification on read")
             return None
-        with self._best_effort():  # a hit is still a hit when its statistics cannot be saved
+        with self._index_trouble.tolerated():  # a hit is still a hit when its statistics cannot be saved
             self._touch(row, time.time())
         self.m_hits.inc()
         self.m_bytes_out.inc(row.size)
@@ -363,7 +352,7 @@ class Tier:
             os.replace(self.path_of(key), self.root / "quarantine" / f"{key}.{secrets.token_hex(4)}")
         except FileNotFoundError:
             pass
-        with self._best_effort(), self.index.transaction() as c:
+        with self._index_trouble.tolerated(), self.index.transaction() as c:
             self.index.remove(c, key)
 
     def ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None],
@@ -393,7 +382,7 @@ class Tier:
                 try:
                     reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch)
                 except sqlite3.Error as e:
-                    if not self._index_unwritable(e):
+                    if not self._index_trouble(e):
                         raise
                     return None
                 if reservation is None:
@@ -443,7 +432,7 @@ class Tier:
                     self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
                 except BaseException as e:
                     pin.release()
-                    if isinstance(e, sqlite3.Error) and self._index_unwritable(e):
+                    if isinstance(e, sqlite3.Error) and self._index_trouble(e):
                         self._unadmit(key, reservation)
                         return None
                     raise
@@ -454,7 +443,7 @@ class Tier:
 
     def _release(self, reservation: int) -> None:
         """Give back a reservation; on a full disk it stays until this process exits (then reclaimed)."""
-        with self._best_effort():
+        with self._index_trouble.tolerated():
             self.index.release(reservation)
 
     def _unadmit(self, key: str, reservation: int) -> None:
@@ -577,9 +566,12 @@ class Tier:
         return removed
 
     def snapshot(self) -> dict:
-        resident, reserved = self.index.occupancy()
+        resident = reserved = entries = 0
+        with self._index_trouble.tolerated():
+            resident, reserved = self.index.occupancy()
+            entries = len(self.index.entries())
         self.m_occupancy.set(resident)
         return {"name": self.name, "root": str(self.root), "form": self.form, "policy": self.policy_name,
                 "capacity": self.capacity, "resident_bytes": resident, "reserved_bytes": reserved,
-                "entries": len(self.index.entries())}
+                "entries": entries}
 
