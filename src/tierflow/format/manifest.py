@@ -50,6 +50,7 @@ def compute_dataset_id(schema_json: dict, tokenizer: dict | None, shard_checksum
 
 
 _SHARD_COUNTS = ("samples", "bytes", "decoded_bytes", "tokens")
+_TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 
 
 def _check_fields(d: dict, fail: Callable[[str], ManifestError]) -> None:
@@ -59,14 +60,11 @@ def _check_fields(d: dict, fail: Callable[[str], ManifestError]) -> None:
         if d.get(key) is not None and not isinstance(d[key], kind):
             raise fail(f"{key} = {d[key]!r:.80} is not a {kind.__name__}")
     dtype = d.get("token_dtype")
-    if dtype is not None and (dtype not in _TOKEN_DTYPES):
+    if dtype is not None and dtype not in _TOKEN_DTYPES:
         raise fail(f"token_dtype {dtype!r:.80} is not one of {_TOKEN_DTYPES}")
     eos = d.get("eos_id")
     if eos is not None and not (type(eos) is int and 0 <= eos < 1 << 32):
         raise fail(f"eos_id = {eos!r:.80} is not a token id")
-
-
-_TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 
 
 @dataclass
