@@ -8,6 +8,8 @@
 - `s3_bucket`: a fresh, empty bucket name for one test, deleted afterwards.
 - `s3_proxy`: a `LoopbackProxy` in front of `s3_server`, fresh per test: clean counters, no
   throttle, no faults. Point clients at `S3Endpoint(s3_proxy.url)`.
+- `small_tmpfs(size)`: a fresh tmpfs of `size` (e.g. "8m") mounted under the test's tmp_path, for
+  full-disk tests; unmounted afterwards. Skips where mounting is refused (not root), fails in CI.
 - `make_proxy(upstream_url, **options)`: a `LoopbackProxy` in front of any HTTP upstream
   (e.g. `serve_directory(tmp_path).url`), stopped after the test.
 - `long_tailed_docs` (session): a packed dataset of 5000 documents of long-tailed lengths (id,
@@ -23,7 +25,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,3 +93,23 @@ def long_tailed_docs(tmp_path_factory: pytest.TempPathFactory) -> str:
     tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1,
                   target_shard_bytes=256 << 10)
     return str(out)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs-{len(mounted)}"
+        path.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode != 0:
+            if os.environ.get("CI") == "true":
+                pytest.fail("cannot mount a tmpfs for a full-disk test, and CI must not skip it")
+            pytest.skip("mounting a tmpfs is refused here (needs root)")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)

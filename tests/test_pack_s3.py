@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.pack.packer import SHARDS_IN_FLIGHT
+from tierflow.pack.assemble import SHARDS_IN_FLIGHT
 from tierflow.pack.tokenize import PackInputError
 from tierflow.pack.upload import UPLOADS_IN_FLIGHT
 

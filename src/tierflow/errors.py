@@ -3,6 +3,10 @@
 Each also derives from the builtin a caller would expect (`ValueError` for bad input,
 `IOError` for bytes that cannot be read or trusted), so code written against those still works.
 Messages name the file, shard, block, line or URL concerned.
+
+Every one survives a process boundary with its type: it pickles (`__reduce__`), and it can be
+built from one message string, which is how PyTorch's DataLoader re-raises a worker's exception
+(`exc_type(message)`; a class that refuses that reaches the training loop as a bare RuntimeError).
 """
 
 from __future__ import annotations
@@ -47,22 +51,30 @@ class FetchError(TierflowError, IOError):
 
 
 class SourceError(TierflowError, IOError):
-    """An object of a source could not be read or written; names the object's URL and why."""
+    """An object of a source could not be read or written; names the object's URL and why.
 
-    def __init__(self, url: str, name: str, reason: str, attempts: int = 1) -> None:
+    `SourceError(message)` alone (no name, no reason) is a whole message: what a DataLoader
+    rebuilds from a worker's error, whose text already names the object."""
+
+    def __init__(self, url: str, name: str | None = None, reason: str | None = None, attempts: int = 1) -> None:
         self.url = url
-        self.name = name
-        self.reason = reason
+        self.name = name or ""
+        self.reason = reason or ""
         self.attempts = attempts
-        tries = f" after {attempts} attempts" if attempts > 1 else ""
-        where = f"{url.rstrip('/')}/{name}" if name else url
-        self.message = f"{where}: {reason}{tries}"
+        if name is None and reason is None:
+            self.message = url
+        else:
+            tries = f" after {attempts} attempts" if attempts > 1 else ""
+            where = f"{url.rstrip('/')}/{name}" if name else url
+            self.message = f"{where}: {reason or 'failed'}{tries}"
         super().__init__(self.message)
 
     def __str__(self) -> str:
         return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if not self.name and not self.reason:
+            return (type(self), (self.message,))
         return (type(self), (self.url, self.name, self.reason, self.attempts))
 
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from tierflow.format.regular import fd_path, open_shard_file
 from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, check_block
 
 
@@ -63,11 +64,14 @@ class MappedBlocks(BlockBytes):
                  compressed: bool = False, keepalive: Any = None) -> None:
         super().__init__(blocks, compressed, keepalive=keepalive)
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-        if size != expected_size:  # also keeps every slice inside the mapping (no SIGBUS)
-            raise ShardCorruptError(f"shard {name}: size {size} != {expected_size} expected ({self.path})")
-        self._map = pa.memory_map(str(self.path))
+        fd = open_shard_file(self.path)
+        try:
+            size = os.fstat(fd).st_size
+            if size != expected_size:  # also keeps every slice inside the mapping (no SIGBUS)
+                raise ShardCorruptError(f"shard {name}: size {size} != {expected_size} expected ({self.path})")
+            self._map = pa.memory_map(fd_path(fd, self.path))  # the file checked is the file mapped
+        finally:
+            os.close(fd)
         self._buffer = self._map.read_buffer(size)
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
@@ -80,7 +84,7 @@ class MappedBlocks(BlockBytes):
         row needs only its own pages."""
         block = self.blocks[index]
         scratch = _scratch_buffer(block.length)
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_shard_file(self.path)
         try:
             got = os.preadv(fd, [scratch], block.offset)
         finally:
@@ -99,7 +103,7 @@ class FileBlocks(BlockBytes):
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         block = self.blocks[index]
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_shard_file(self.path)
         try:
             return pa.py_buffer(os.pread(fd, block.length if length is None else min(length, block.length),
                                          block.offset))

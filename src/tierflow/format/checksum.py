@@ -8,6 +8,8 @@ from typing import BinaryIO
 
 import xxhash
 
+from tierflow.format.regular import open_regular
+
 CHUNK = 8 << 20
 
 
@@ -23,7 +25,7 @@ def xxh3_128_hex(data: bytes | memoryview) -> str:
 
 def file_xxh3_128(path: str | os.PathLike, start: int = 0, length: int | None = None) -> str:
     """128-bit xxh3 of a file or a byte range of it, hashed straight from a memory map."""
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:  # a FIFO or device would block or never end
         size = os.fstat(f.fileno()).st_size
         end = size if length is None else min(size, start + length)
         if end <= start:

@@ -14,11 +14,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import xxhash
 
+from tierflow.format.regular import read_regular
 from tierflow.format.shard import COMPRESSIONS, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.errors import ManifestError
 
@@ -26,6 +27,8 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}[0-9a-f]{{32}}{re.escape(SHARD_SUFFIX)}$")
 _MAX_COUNT = 1 << 48
+MAX_MANIFEST_BYTES = 256 << 20
+"""A manifest larger than this is refused unread (a hostile one could be any size)."""
 
 
 def schema_to_json(schema: pa.Schema) -> dict:
@@ -44,6 +47,24 @@ def compute_dataset_id(schema_json: dict, tokenizer: dict | None, shard_checksum
     canonical = json.dumps({"schema": schema_json["fields"], "tokenizer": tokenizer,
                             "shards": shard_checksums}, sort_keys=True, separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(canonical.encode())
+
+
+_SHARD_COUNTS = ("samples", "bytes", "decoded_bytes", "tokens")
+_TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
+
+
+def _check_fields(d: dict, fail: Callable[[str], ManifestError]) -> None:
+    """The types of the top-level fields readers use as they are (a wrong one would fail later, untyped)."""
+    for key, kind in (("tokenizer", dict), ("token_column", str), ("token_dtype", str), ("stats", dict),
+                      ("dataset_id", str)):
+        if d.get(key) is not None and not isinstance(d[key], kind):
+            raise fail(f"{key} = {d[key]!r:.80} is not a {kind.__name__}")
+    dtype = d.get("token_dtype")
+    if dtype is not None and dtype not in _TOKEN_DTYPES:
+        raise fail(f"token_dtype {dtype!r:.80} is not one of {_TOKEN_DTYPES}")
+    eos = d.get("eos_id")
+    if eos is not None and not (type(eos) is int and 0 <= eos < 1 << 32):
+        raise fail(f"eos_id = {eos!r:.80} is not a token id")
 
 
 @dataclass
@@ -110,7 +131,7 @@ class Manifest:
     def load(cls, directory: str | Path) -> "Manifest":
         path = Path(directory) / MANIFEST_NAME
         try:
-            raw = path.read_bytes()
+            raw = read_regular(path, MAX_MANIFEST_BYTES, ManifestError)
         except FileNotFoundError:
             raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
         return cls.from_bytes(raw, str(path))
@@ -121,10 +142,25 @@ class Manifest:
             d = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ManifestError(f"{where}: JSON nested too deeply to be a manifest") from None
         return cls.from_json(d, where)
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "Manifest":
+        """The manifest `d` describes, validated; anything wrong is a ManifestError naming `where`
+        and the field (untrusted input: no other exception escapes)."""
+        at = ["the top level"]
+        try:
+            return cls._parse(d, where, at)
+        except ManifestError:
+            raise
+        except (RecursionError, OverflowError, ValueError, AttributeError, TypeError, IndexError, KeyError) as e:
+            raise ManifestError(f"{where}: {at[0]} is malformed ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _parse(cls, d: Any, where: str, at: list[str]) -> "Manifest":
+        """`from_json`'s checks, field by field; `at[0]` names the field being read."""
         def fail(msg: str) -> ManifestError:
             return ManifestError(f"{where}: {msg}")
 
@@ -133,6 +169,7 @@ class Manifest:
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise fail(f"unknown format_version {version!r}; this tierflow reads version {FORMAT_VERSION}")
+        at[0] = "field \"schema\""
         try:
             schema = schema_from_json(d["schema"])
         except Exception as e:  # noqa: BLE001 - any decoding failure is a bad manifest
@@ -142,6 +179,12 @@ class Manifest:
             raise fail("\"shards\" is not a list")
         shards = []
         for i, s in enumerate(raw_shards):
+            at[0] = f"shard #{i}"
+            if not isinstance(s, dict):
+                raise fail(f"shard #{i} is not an object")
+            for key in _SHARD_COUNTS:
+                if type(s.get(key, 0)) is not int:  # not 1.5, "7", true or 1e999
+                    raise fail(f"shard #{i}: {key} = {s.get(key)!r} is not an integer")
             try:
                 info = ShardInfo.from_json(s)
             except (KeyError, TypeError, ValueError) as e:
@@ -151,7 +194,7 @@ class Manifest:
                            f"(paths, '..' and URLs are refused)")
             if info.name != f"{SHARD_PREFIX}{info.checksum}{SHARD_SUFFIX}":
                 raise fail(f"shard #{i} name {info.name!r} does not carry its checksum {info.checksum!r}")
-            for key in ("samples", "bytes", "decoded_bytes", "tokens"):
+            for key in _SHARD_COUNTS:
                 value = getattr(info, key)
                 if not 0 <= value < _MAX_COUNT:
                     raise fail(f"shard {info.name}: {key} = {value} is negative or absurd")
@@ -164,9 +207,11 @@ class Manifest:
                 if b.offset < 0 or b.length <= 0 or b.offset + b.length > info.bytes:
                     raise fail(f"shard {info.name}: block at {b.offset}+{b.length} lies outside the file")
             shards.append(info)
+        at[0] = "the top level"
         names = [s.name for s in shards]
         if len(set(names)) != len(names):
             raise fail("a shard is listed twice")
+        _check_fields(d, fail)
         manifest = cls(
             schema=schema, shards=shards, tokenizer=d.get("tokenizer"),
             token_column=d.get("token_column"), token_dtype=d.get("token_dtype"),

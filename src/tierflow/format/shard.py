@@ -19,6 +19,7 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.format.checksum import CHUNK, HashingSink, xxh3_hex
+from tierflow.format.regular import open_regular
 from tierflow.errors import ShardCorruptError
 
 SHARD_PREFIX = "shard-"
@@ -165,8 +166,9 @@ class ShardWriter:
 
     Each block is compressed as it arrives, so the packer's parent compresses while its
     workers parse instead of in one burst per shard; the decoded form is serialised in the
-    same pass, only to measure its size and xxh3-128. The blocks stay referenced until
-    `close` in case compression does not pay and the shard is rewritten uncompressed.
+    same pass, only to measure its size and xxh3-128. No block is kept once written (in the
+    packer they pin its scratch files): a shard whose compression does not pay is rewritten
+    uncompressed from its own compressed file.
     With `token_column`, each block also records its token count (readers then locate a token
     without decoding the blocks before it).
     """
@@ -181,7 +183,6 @@ class ShardWriter:
         self.level = level
         self.token_column = token_column
         self.tmp = self.directory / f".tmp-{os.getpid()}-{id(self):x}{SHARD_SUFFIX}"
-        self._held: list[pa.RecordBatch] = []
         self._blocks: list[Block] = []
         self._decoded = HashingSink()
         self._decoded_writer = pa.ipc.new_file(pa.PythonFile(self._decoded, mode="w"), schema,
@@ -199,7 +200,6 @@ class ShardWriter:
         self._blocks.append(Block(start, self._sink.position - start, block.num_rows,
                                   self._sink.take_block_digest(), _block_tokens(block, self.token_column)))
         self._decoded_writer.write_batch(block)
-        self._held.append(block)
 
     def close(self, tokens: int = 0) -> ShardInfo:
         """Finish, fsync and rename to `shard-<checksum>.arrow`; atomic.
@@ -213,11 +213,7 @@ class ShardWriter:
             chosen, sink, blocks = self.compression, self._sink, self._blocks
             if self.compression != "none" and sink.position > (1 - MIN_SAVING) * self._decoded.position:
                 chosen = "none"
-                self._file.seek(0)
-                self._file.truncate()
-                sink = HashingSink(self._file)
-                blocks = _write_ipc(self._held, self.schema, sink, _ipc_options("none", None),
-                                    self.token_column)
+                sink, blocks = self._rewrite_uncompressed()
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
@@ -227,16 +223,31 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
-        self._held = []
         return ShardInfo(
             name=name, samples=sum(b.rows for b in blocks), bytes=sink.position,
             decoded_bytes=self._decoded.position, checksum=checksum, decoded_checksum=self._decoded.hexdigest(),
             compression=chosen, tokens=tokens, blocks=blocks,
         )
 
+    def _rewrite_uncompressed(self) -> tuple[HashingSink, list[Block]]:
+        """The shard again, uncompressed, read back from its compressed file one batch at a time
+        (byte-identical to writing the original batches: it is what `decode_shard` does)."""
+        self._file.close()
+        packed = self.tmp.with_name(self.tmp.name + ".z")
+        os.replace(self.tmp, packed)
+        try:
+            self._file = open(self.tmp, "wb", buffering=CHUNK)
+            sink = HashingSink(self._file)
+            with pa.memory_map(str(packed)) as source:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+                blocks = _write_ipc(batches, self.schema, sink, _ipc_options("none", None), self.token_column)
+        finally:
+            packed.unlink(missing_ok=True)
+        return sink, blocks
+
     def abort(self) -> None:
         """Drop the unfinished shard (its temporary file included)."""
-        self._held = []
         if not self._file.closed:
             self._file.close()
         self.tmp.unlink(missing_ok=True)
@@ -273,10 +284,15 @@ def block_messages(data: pa.Buffer, index: int) -> pa.ipc.MessageReader:
 
 
 def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block) -> pa.RecordBatch:
-    """One block decoded from its (already verified) bytes; zero-copy when uncompressed."""
-    for message in block_messages(data, index):
-        if message.type == "record batch":
-            return pa.ipc.read_record_batch(message, schema)
+    """One block decoded from its (already verified) bytes; zero-copy when uncompressed.
+    Bytes that verify but do not decode (a hostile manifest lists their checksum) are
+    ShardCorruptError naming shard and block, not Arrow's bare error."""
+    try:
+        for message in block_messages(data, index):
+            if message.type == "record batch":
+                return pa.ipc.read_record_batch(message, schema)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise block_error(name, index, block, f"does not decode ({e})") from None
     raise block_error(name, index, block, "holds no record batch")
 
 
@@ -331,10 +347,14 @@ def read_schema(path: str | Path) -> pa.Schema:
 def verify_shard(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST) -> list[str]:
     """Every problem with a shard file, as sentences naming the shard and block; empty if sound."""
     path = Path(path)
-    if not path.exists():
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
         return [f"shard {info.name}: missing ({path})"]
+    except ShardCorruptError as e:
+        return [f"shard {info.name}: {e}"]
     verifier = ShardVerifier(info, form)
-    with open(path, "rb") as f:
+    with open(fd, "rb") as f:
         while chunk := f.read(CHUNK):
             verifier.write(chunk)
     return verifier.problems()

@@ -4,7 +4,10 @@ Workers parse, map (`fn`) and tokenise units of input and hand back uncompressed
 files; the parent cuts them into shards of the target size in unit order, compresses and
 hashes them, and publishes the manifest last. Shard boundaries depend only on the data, so
 the output is byte-identical whatever the number of workers, and memory stays bounded
-(a window of units in flight plus the shard being assembled).
+(a window of units in flight plus the shard being assembled). So does scratch space: the
+workers' Arrow files (in `<out>/.tmp-pack`) are mapped, unlinked and gone as soon as the
+shard writers have written their batches, so a pack needs about two units per worker of
+scratch, never the dataset's decoded size; short of that it says how much it needs, and where.
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ import errno
 import fcntl
 import logging
 import os
-import queue
 import shutil
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -28,20 +30,20 @@ import pyarrow as pa
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardWriter
+from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+from tierflow.pack.assemble import ShardAssembler
 from tierflow.pack.sources import (
     SourceOptions, Unit, UnitStats, estimate_input_bytes, length_histogram, plan_units, read_unit,
     rows_to_batch,
 )
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
+from tierflow.pack.workers import die_with_parent
 
 log = logging.getLogger("tierflow.pack")
 MIN_SHARD_BYTES = 256 << 10
 WARN_SHARD_BYTES = 64 << 20
 TMP_DIR = ".tmp-pack"
 LOCK_NAME = ".tierflow.lock"
-#: shards compressing at once in the parent (each holds its batches until written)
-SHARDS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -166,171 +168,6 @@ def _pack_unit_in_worker(unit: Unit, config: PackConfig) -> UnitResult:
 
 
 # ---------------------------------------------------------------- parent side
-
-
-class _ShardInFlight:
-    """One shard written by a thread from a queue of batches.
-
-    zstd releases the GIL, so while one shard is still compressing the next one's batches
-    compress on another thread: the parent is no longer capped at one core of compression.
-    The queue carries batches, then the shard's token count (close) or None (abort).
-    """
-
-    def __init__(self, pool: ThreadPoolExecutor, out: Path, schema: pa.Schema, compression: str,
-                 level: int | None, token_column: str | None = None) -> None:
-        self.batches: queue.SimpleQueue = queue.SimpleQueue()
-        self.future = pool.submit(self._write, out, schema, compression, level, token_column)
-
-    def _write(self, out: Path, schema: pa.Schema, compression: str, level: int | None,
-               token_column: str | None) -> ShardInfo | None:
-        writer = ShardWriter(out, schema, compression, level, token_column=token_column)
-        try:
-            while True:
-                item = self.batches.get()
-                if isinstance(item, pa.RecordBatch):
-                    writer.write(item)
-                elif item is None:
-                    writer.abort()
-                    return None
-                else:
-                    return writer.close(tokens=item)
-        except BaseException:
-            writer.abort()
-            raise
-
-
-class ShardAssembler:
-    """Cuts the ordered batch stream into shards of the target size (slicing at row boundaries).
-
-    Each batch goes to its shard's writer thread as it arrives, so compression runs while the
-    workers parse the next units, and up to SHARDS_IN_FLIGHT consecutive shards compress at
-    once. Shard contents and order depend only on the batch stream, never on the threads.
-    `on_shard(path, info)` is told of each sealed shard in order (a remote pack uploads it), and
-    may hold the assembler back: one open shard and SHARDS_IN_FLIGHT sealing ones are all it keeps.
-    """
-
-    def __init__(self, out: Path, target_bytes: int, compression: str, level: int | None,
-                 token_column: str | None, on_shard: Callable[[Path, ShardInfo], None] | None = None) -> None:
-        self.out = out
-        self.on_shard = on_shard
-        self.target = target_bytes
-        self.compression = compression
-        self.level = level
-        self.token_column = token_column
-        self.schema: pa.Schema | None = None
-        self.pending_bytes = 0
-        self.pending_tokens = 0
-        self.shards: list[ShardInfo] = []
-        """Finished shards, in order (those still being written join it as they finish)."""
-        self.unified: pa.Schema | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._open: _ShardInFlight | None = None
-        self._closing: deque[_ShardInFlight] = deque()
-
-    def add(self, batch: pa.RecordBatch) -> None:
-        batch = self._conform(batch)
-        while batch.num_rows:
-            room = self.target - self.pending_bytes
-            if batch.nbytes <= room:
-                self._append(batch)
-                return
-            rows = min(batch.num_rows, room // max(1, batch.nbytes // batch.num_rows))
-            if rows == 0:
-                if self._open is not None:
-                    self._end_shard()
-                    continue
-                rows = 1  # one sample larger than the target is a shard of its own
-            self._append(batch.slice(0, rows))
-            batch = batch.slice(rows)
-            self._end_shard()
-
-    def _append(self, batch: pa.RecordBatch) -> None:
-        if self._open is None:
-            while len(self._closing) >= SHARDS_IN_FLIGHT:
-                self._collect_oldest()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="tierflow-shard")
-            self._open = _ShardInFlight(self._pool, self.out, self.schema, self.compression, self.level,
-                                        self.token_column)
-        self._open.batches.put(batch)
-        self.pending_bytes += batch.nbytes
-        if self.token_column is not None:
-            offsets = batch.column(self.token_column).offsets
-            self.pending_tokens += offsets[-1].as_py() - offsets[0].as_py()
-        while self._closing and self._closing[0].future.done():
-            self._collect_oldest()
-
-    def _end_shard(self) -> None:
-        if self._open is None:
-            return
-        self._open.batches.put(self.pending_tokens)
-        self._closing.append(self._open)
-        self._open = None
-        self.pending_bytes = self.pending_tokens = 0
-
-    def _collect_oldest(self, sealed: bool = True) -> None:
-        info = self._closing.popleft().future.result()
-        if info is not None:
-            self.shards.append(info)
-            if sealed and self.on_shard is not None:
-                self.on_shard(self.out / info.name, info)
-
-    def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-        if self.schema is None:
-            self.schema = self.unified = batch.schema
-            return batch
-        if batch.schema.equals(self.schema):
-            return batch
-        if set(batch.schema.names) <= set(self.schema.names):
-            try:
-                arrays = []
-                for f in self.schema:
-                    idx = batch.schema.get_field_index(f.name)
-                    col = batch.column(idx) if idx >= 0 else pa.nulls(batch.num_rows, f.type)
-                    arrays.append(col if col.type == f.type else col.cast(f.type, safe=True))
-                return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-                pass
-        # a new column or a wider type: the schema grows, so the shard being built ends here
-        self._end_shard()
-        try:
-            self.unified = pa.unify_schemas([self.unified, batch.schema], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise PackInputError(_incompatible(self.unified, batch.schema, e)) from None
-        self.schema = self.unified
-        return self._conform(batch)
-
-    def flush(self) -> None:
-        """End the shard being assembled and wait until every shard is written."""
-        self._end_shard()
-        while self._closing:
-            self._collect_oldest()
-        self._shutdown()
-
-    def abort(self) -> None:
-        """Drop the shard being assembled; shards that finished meanwhile join `shards` for the caller."""
-        if self._open is not None:
-            self._open.batches.put(None)
-            self._closing.append(self._open)
-            self._open = None
-        while self._closing:
-            try:
-                self._collect_oldest(sealed=False)
-            except Exception:  # noqa: BLE001 - the error that caused the abort is the one to report
-                pass
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
-
-def _incompatible(before: pa.Schema, now: pa.Schema, error: Exception) -> str:
-    """Which columns changed type, so the message says what to fix rather than Arrow's merge error."""
-    changed = [f"column {f.name!r} is {f.type} here but {before.field(f.name).type} earlier in the input"
-               for f in now if f.name in before.names and before.field(f.name).type != f.type]
-    return "; ".join(changed) or f"columns of incompatible types across the input ({error})"
 
 
 @dataclass
@@ -501,8 +338,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         except BaseException as e:
             _discard(out, assembler, tmp_dir)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise PackInputError(f"{out}: no space left on the device while writing shards; nothing was "
-                                     f"published and this run's files were removed") from e
+                raise _no_space(out, run, workers, _planned_units(sources, options)) from e
             raise
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if not assembler.shards:
@@ -512,6 +348,31 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         manifest.save(out)
         remove_unreferenced(out, manifest)
     return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes)
+
+
+def _planned_units(sources: list, options: SourceOptions) -> list[int]:
+    """Input bytes of each unit the sources plan into (empty for an iterable of records)."""
+    if not all(isinstance(s, (str, os.PathLike)) for s in sources):
+        return []
+    try:
+        return [unit.input_bytes for unit in plan_units(sources, options)]
+    except (OSError, PackInputError):
+        return []
+
+
+def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int]) -> PackInputError:
+    """ENOSPC, with what the pack needs: scratch for the units in flight (their decoded Arrow
+    files, a window of two per worker: never the whole dataset) and room for the shards."""
+    window = min(2 * workers + 1 if workers > 1 else 1, len(units) or 1 << 30)
+    unit = run.largest_unit or max(units, default=0)  # before any unit came back: about its input size
+    written = sum(s.bytes for s in run.assembler.shards)
+    free = shutil.disk_usage(out).free  # this run's files are removed by now
+    return PackInputError(
+        f"{out}: no space left on the device while writing shards; nothing was published and this run's "
+        f"files were removed. Packing needs about {window * unit / 1e6:.1f} MB of scratch in {out / TMP_DIR} "
+        f"({window} unit{'s' * (window != 1)} of up to {unit / 1e6:.1f} MB decoded in flight) plus room for the shards "
+        f"({written / 1e6:.1f} MB written when it ran out); {free / 1e6:.1f} MB are free. Free some space, "
+        f"pack elsewhere (or to s3://), or use fewer workers (or a smaller chunk_bytes)")
 
 
 def _as_sources(sources: Any) -> list:
@@ -540,7 +401,8 @@ def _run_units(units: Iterable[Unit], config: PackConfig, workers: int,
         for unit in units:
             consume(pack_unit(unit, config))
         return
-    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:  # no orphans if this process is killed
         window: deque[Future] = deque()
         try:
             for unit in units:
@@ -586,9 +448,12 @@ class _PackRun:
         self.tokens = 0
         self.histogram = np.zeros(64, np.int64)
         self.input_bytes = 0
+        self.largest_unit = 0
+        """Bytes of the largest unit's scratch files (its decoded Arrow form) so far."""
         self.started = time.perf_counter()
 
     def consume(self, result: UnitResult) -> None:
+        self.largest_unit = max(self.largest_unit, sum(os.stat(part).st_size for part in result.parts))
         for part in result.parts:
             with pa.memory_map(part) as source:
                 reader = pa.ipc.open_stream(source)

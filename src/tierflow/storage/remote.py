@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.errors import SourceError, SourceNotFound
+from tierflow.format.regular import open_regular, read_regular
 
 CHUNK_BYTES = 1 << 20
 """Download and upload granularity: the unit charged to the budget and held in memory."""
@@ -342,17 +343,17 @@ class LocalSource(RetryingSource):
         return self._path(key).stat().st_size
 
     def _get(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        return read_regular(self._path(key), None, SourceError)  # regular files only: never a FIFO's wait
 
     def _get_range(self, key: str, offset: int, length: int) -> bytes:
-        fd = os.open(self._path(key), os.O_RDONLY)
+        fd = open_regular(self._path(key), SourceError)
         try:
             return os.pread(fd, length, offset)
         finally:
             os.close(fd)
 
     def _stream(self, key: str, offset: int) -> tuple[int, Iterator[bytes]]:
-        file = open(self._path(key), "rb")
+        file = open(open_regular(self._path(key), SourceError), "rb")
         size = os.fstat(file.fileno()).st_size
         file.seek(offset)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -18,6 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from tierflow.telemetry.metrics import Counter
+
+log = logging.getLogger("tierflow.tiers")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS config (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -41,6 +46,48 @@ class EntryRow:
     last_access: float
     hits: int
     stats: dict[str, Any]
+
+
+_UNWRITABLE = {10, 13, 14}  # SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (primary result codes)
+
+
+def index_unwritable(error: sqlite3.Error) -> bool:
+    """Whether `error` says the index's filesystem is full or failing (not a bug, not contention)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _UNWRITABLE
+    return any(s in str(error) for s in ("disk is full", "disk I/O error", "unable to open"))
+
+
+class IndexTrouble:
+    """What a tier does when its index cannot be opened or written (the disk is full or failing):
+    count it, warn once, and have the caller serve from the tier below instead of crashing.
+    Nothing is cached meanwhile; once the index opens and writes again, the tier caches again."""
+
+    def __init__(self, counter: Counter, where: str) -> None:
+        self.counter = counter
+        self.where = where
+        self.warned = False
+
+    def __call__(self, error: sqlite3.Error) -> bool:
+        """True (counted, warned once) when `error` is such trouble; False for anything else."""
+        if not index_unwritable(error):
+            return False
+        self.counter.inc()
+        if not self.warned:
+            log.warning("%s: its index cannot be written (%s); serving from the tier below without caching "
+                        "until it can", self.where, error)
+            self.warned = True
+        return True
+
+    @contextmanager
+    def tolerated(self) -> Iterator[None]:
+        """An index write that may be skipped in such trouble (statistics, releases, removals)."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            if not self(e):
+                raise
 
 
 def process_alive(pid: int) -> bool:
@@ -82,10 +129,14 @@ class TierIndex:
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # a failed COMMIT (disk full) may leave the transaction open
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # SQLite rolled it back itself
             raise
-        conn.execute("COMMIT")
 
     def config(self) -> dict[str, str]:
         return dict(self.conn.execute("SELECT name, value FROM config").fetchall())

@@ -13,6 +13,8 @@ import os
 import time
 from pathlib import Path
 
+from tierflow.format.regular import open_regular
+
 
 class FileLock:
     """An exclusive flock with a timeout; `acquired` says whether it was had or timed out."""
@@ -45,13 +47,15 @@ class FileLock:
 
 
 class Pin:
-    """A shared lock on an entry's data file, held while a reader uses the entry."""
+    """A shared lock on an entry's data file, held while a reader uses the entry.
+
+    Only a regular file is pinned: anything else raises ShardCorruptError (the tier quarantines it)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.fd: int | None = None
         for _ in range(3):
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = open_regular(self.path)  # a FIFO or device put in the tier: refused, never waited on
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 # an evictor may have taken its exclusive lock and unlinked the file between our
@@ -80,7 +84,7 @@ def _with_exclusive(path: str | Path, action) -> bool | None:
     """Run `action()` holding an exclusive flock taken without waiting; None if the file is gone,
     False if some process pins it, else True."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # even a FIFO opens at once, to be removed
     except FileNotFoundError:
         return None
     try:

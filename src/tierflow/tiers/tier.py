@@ -5,7 +5,9 @@ and returns it; a miss takes the entry's kernel lock (one fetch per entry per no
 space (occupancy + reservations <= capacity, evicting unpinned victims named by the policy),
 fetches to a temporary name, verifies size and checksum, renames and admits. When the policy
 declines or no space can be made, `ensure` returns None and the caller serves from the tier
-below without caching. The same code serves a tmpfs L1 and an NVMe L2.
+below without caching. The same code serves a tmpfs L1 and an NVMe L2. So does a full disk,
+whether the shard write or the index (SQLite) hits it: the read is served from below, a
+warning is logged once and `tier_enospc_fallbacks` / `tier_index_unwritable` count it.
 
 A hit is verified whole (xxh3-128) unless the caller verifies by block as it reads
 (`verify_hit=False`, the tier stack's readers): then a hit costs a size check, and the entry's
@@ -21,6 +23,7 @@ import logging
 import os
 import secrets
 import shutil
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -28,17 +31,19 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tierflow.format.checksum import file_xxh3_128, xxh3_hex
+from tierflow.format.regular import read_regular
 from tierflow.format.shard import Block, Form
 from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import Counter, MetricsRegistry
-from tierflow.tiers.index import EntryRow, TierIndex, process_alive
+from tierflow.tiers.index import EntryRow, IndexTrouble, TierIndex, process_alive
 from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
-from tierflow.errors import FetchError
+from tierflow.errors import FetchError, ShardCorruptError
 
 log = logging.getLogger("tierflow.tiers")
 INDEX_NAME = "tierflow-index.sqlite"
+MAX_BLOCK_LIST_BYTES = 64 << 20
 
 
 @dataclass
@@ -110,10 +115,17 @@ class Tier:
         self.fetch_attempts = fetch_attempts
         for sub in ("entries", "locks", "tmp", "quarantine", "blocks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._metrics(registry)
+        self._index_trouble = IndexTrouble(self.m_index_unwritable, f"tier {name} ({self.root})")
         self.index = TierIndex(self.root / INDEX_NAME)
-        own = self.index.occupancy()[0]
-        requested = {"capacity": str(Capacity(capacity).resolve(self.root, own)), "policy": policy, "form": form.value}
-        stored = self.index.set_config_if_absent(requested)
+        # what is used while the index cannot be opened (a full disk): what was asked
+        stored = requested = {"capacity": str(Capacity(capacity).resolve(self.root, 0)), "policy": policy, "form": form.value}
+        try:
+            requested["capacity"] = str(Capacity(capacity).resolve(self.root, self.index.occupancy()[0]))
+            stored = self.index.set_config_if_absent(requested)
+        except sqlite3.Error as e:  # a full disk: no caching, with what was asked, until the index opens
+            if not self._index_trouble(e):
+                raise
         for k, v in requested.items():
             if stored[k] != v and not (k == "capacity" and capacity <= 1):
                 log.warning("tier %s (%s): asked for %s=%s but the directory is configured with %s; "
@@ -128,8 +140,11 @@ class Tier:
         self._live_keys: set[str] = set()
         self._policy_lock = threading.RLock()
         self.ram = is_tmpfs(self.root) if ram is None else ram
+        self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
+
+    def _metrics(self, registry: MetricsRegistry | None) -> None:
         self.registry = registry or MetricsRegistry()
-        labels = {"tier": name}
+        labels = {"tier": self.name}
         r = self.registry
 
         def count(what: str, description: str = "") -> Counter:
@@ -145,6 +160,8 @@ class Tier:
         self.m_evicted_unused = count("evictions_before_use", "prefetched, evicted before any read")
         self.m_corruptions = count("corruptions", "entries that failed verification")
         self.m_enospc = count("enospc_fallbacks", "served from below: no space")
+        self.m_index_unwritable = count("index_unwritable", "index writes failed (filesystem full or failing); "
+                                        "served from below")
         self.m_bypass = count("bypass", "served from below: the policy declined")
         self.m_in_use = count("full_in_use", "served from below: every resident entry in use")
         self.m_prefetch_no_room = count("prefetch_no_room", "prefetches dropped: every resident entry in use")
@@ -153,7 +170,6 @@ class Tier:
         self.m_occupancy = r.gauge("tierflow_tier_occupancy_bytes", labels, aggregate="max")
         self.m_capacity = r.gauge("tierflow_tier_capacity_bytes", labels, aggregate="max")
         self._warned_enospc = False
-        self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
 
     # ------------------------------------------------------------ capacity
     @property
@@ -161,7 +177,9 @@ class Tier:
         """Usable bytes now. On tmpfs (L1): min(configured, tmpfs free + own, half the memory headroom)."""
         if not self.ram:
             return self.configured_capacity
-        own = self.index.occupancy()[0]
+        own = 0
+        with self._index_trouble.tolerated():
+            own = self.index.occupancy()[0]
         free = shutil.disk_usage(self.root).free
         limits = [self.configured_capacity, free + own]
         headroom = memory_headroom()
@@ -238,28 +256,37 @@ class Tier:
         size is checked here; with `block_list` (how to cut a verified file into blocks) the
         entry must have its block list, which is made now, after one whole-file check, if it
         has none (an entry admitted without one)."""
-        row = self.index.get(key)
+        row = None
+        with self._index_trouble.tolerated():  # an index that cannot be opened: a miss
+            row = self.index.get(key)
         if row is None:
             return None
         try:
             pin = Pin(self.path_of(key))
         except FileNotFoundError:
-            with self.index.transaction() as c:
+            with self._index_trouble.tolerated(), self.index.transaction() as c:
                 self.index.remove(c, key)
+            return None
+        except ShardCorruptError:  # not a regular file (a FIFO, a device)
+            self._quarantine(key, "is not a regular file")
             return None
         whole = self.verify_hits if verify is None else verify
         sound = os.fstat(pin.fd).st_size == row.size
         if sound and not whole and block_list is not None and self.blocks_of(key, row.size, row.checksum) is None:
             whole = True
         if sound and whole:
-            sound = file_xxh3_128(pin.path) == row.checksum
+            try:
+                sound = file_xxh3_128(pin.path) == row.checksum
+            except ShardCorruptError:  # replaced by a special file since it was pinned
+                sound = False
             if sound and block_list is not None and self.blocks_of(key, row.size, row.checksum) is None:
                 self._record_blocks(key, row.size, row.checksum, block_list(pin.path))
         if not sound:
             pin.release()
             self._quarantine(key, "failed verification on read")
             return None
-        self._touch(row, time.time())
+        with self._index_trouble.tolerated():  # a hit is still a hit when its statistics cannot be saved
+            self._touch(row, time.time())
         self.m_hits.inc()
         self.m_bytes_out.inc(row.size)
         return pin
@@ -274,7 +301,7 @@ class Tier:
         if found is not None:
             return found
         try:
-            d = json.loads(self._blocks_path(key).read_bytes())
+            d = json.loads(read_regular(self._blocks_path(key), MAX_BLOCK_LIST_BYTES))
             body = {k: v for k, v in d.items() if k != "digest"}
             if d["digest"] != xxh3_hex(json.dumps(body, sort_keys=True).encode()) or d["key"] != key:
                 raise ValueError("digest")
@@ -290,7 +317,7 @@ class Tier:
                 end += block.length
             if end > d["size"]:
                 raise ValueError("layout")
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return None
         self._block_lists[key] = blocks
         return blocks
@@ -334,7 +361,7 @@ class Tier:
             os.replace(self.path_of(key), self.root / "quarantine" / f"{key}.{secrets.token_hex(4)}")
         except FileNotFoundError:
             pass
-        with self.index.transaction() as c:
+        with self._index_trouble.tolerated(), self.index.transaction() as c:
             self.index.remove(c, key)
 
     def ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None],
@@ -361,7 +388,12 @@ class Tier:
             enospc = 0
             corrupt = 0
             while True:
-                reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch)
+                try:
+                    reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch)
+                except sqlite3.Error as e:
+                    if not self._index_trouble(e):
+                        raise
+                    return None
                 if reservation is None:
                     return None
                 tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -378,7 +410,7 @@ class Tier:
                     pin.path = self.path_of(key)
                 except FetchError:
                     tmp.unlink(missing_ok=True)
-                    self.index.release(reservation)
+                    self._release(reservation)
                     corrupt += 1
                     if corrupt < self.fetch_attempts:
                         continue  # a torn or corrupted transfer: fetch it again
@@ -387,7 +419,7 @@ class Tier:
                     if pin is not None:
                         pin.release()
                     tmp.unlink(missing_ok=True)
-                    self.index.release(reservation)
+                    self._release(reservation)
                     if e.errno != errno.ENOSPC:
                         raise
                     enospc += 1
@@ -403,17 +435,35 @@ class Tier:
                     if pin is not None:
                         pin.release()
                     tmp.unlink(missing_ok=True)
-                    self.index.release(reservation)
+                    self._release(reservation)
                     raise
                 try:
                     self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
-                except BaseException:
+                except BaseException as e:
                     pin.release()
+                    if isinstance(e, sqlite3.Error) and self._index_trouble(e):
+                        self._unadmit(key, reservation)
+                        return None
                     raise
                 self.m_latency.observe(time.perf_counter() - started)
                 self.m_promotions.inc()
                 self.m_bytes_in.inc(size)
                 return pin
+
+    def _release(self, reservation: int) -> None:
+        """Give back a reservation; on a full disk it stays until this process exits (then reclaimed)."""
+        with self._index_trouble.tolerated():
+            self.index.release(reservation)
+
+    def _unadmit(self, key: str, reservation: int) -> None:
+        """Remove an entry the index could not record (the disk filled): nothing unaccounted stays."""
+        with self._policy_lock:
+            if self._live is not None and key in self._live_keys:
+                self._live.on_remove(key)
+                self._live_keys.discard(key)
+        if try_remove_unpinned(self.path_of(key)):
+            self._drop_blocks(key)
+        self._release(reservation)
 
     def _verify_fetched(self, tmp: Path, key: str, size: int, checksum: str) -> None:
         got_size = tmp.stat().st_size
@@ -532,9 +582,12 @@ class Tier:
                        self.fetch_attempts))
 
     def snapshot(self) -> dict:
-        resident, reserved = self.index.occupancy()
+        resident = reserved = entries = 0
+        with self._index_trouble.tolerated():
+            resident, reserved = self.index.occupancy()
+            entries = len(self.index.entries())
         self.m_occupancy.set(resident)
         return {"name": self.name, "root": str(self.root), "form": self.form, "policy": self.policy_name,
                 "capacity": self.capacity, "resident_bytes": resident, "reserved_bytes": reserved,
-                "entries": len(self.index.entries())}
+                "entries": entries}
 
