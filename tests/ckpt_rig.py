@@ -33,3 +33,17 @@ def inputs(batch: dict[str, Any]) -> torch.Tensor:
             return batch[name].clone()
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
     return tensors[0].clone()
+
+
+def make_letter_dataset(root: Path, docs: int = 12000, seed: int = 1) -> Path:
+    """~47 shards of random letters (little compression), for tests that count shard reads."""
+    import string
+
+    rng = random.Random(seed)
+    raw = root / "letters.jsonl"
+    with open(raw, "w") as f:
+        for _ in range(docs):
+            f.write(json.dumps({"text": "".join(rng.choices(string.ascii_letters, k=rng.randint(100, 900)))}) + "\n")
+    out = root / "letters"
+    tierflow.pack([raw], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=1)
+    return out

@@ -279,3 +279,75 @@ def test_upload_rate_follows_the_budget_and_training_reads_keep_theirs(tmp_path:
     rate = answer["bytes"] / answer["seconds"]
     assert abs(rate - (cap - (1 << 20))) / (cap - (1 << 20)) < 0.10, rate  # the cap less the reader's share
     assert got["bytes"] / got["seconds"] > 0.9 * (1 << 20)
+
+
+def _tiered_loader(data: Path, l2: Path, state: dict | None = None):
+    """A Loader reading through one L2 tier with no stager, so every shard read is counted as a
+    demand hit or miss of the tier (a stager turns waits into hits and hides the difference)."""
+    from tierflow.loader import Loader, TieredDataset
+    from tierflow.storage.remote import open_source
+    from tierflow.telemetry import MetricsRegistry
+    from tierflow.tiers import TierConfig, TierStack
+
+    registry = MetricsRegistry()
+    stack = TierStack(open_source(str(data), registry=registry),
+                      [TierConfig.parse(f"L2={l2}:256MB").build(registry)], registry=registry)
+    dataset = TieredDataset(stack.dataset(), batch_size=32, seq_len=1024, partitions=1, window_shards=1, lanes=1)
+    loader = Loader(dataset)
+    if state is not None:
+        loader.load_state_dict(state)
+    return loader, stack
+
+
+def _hit_ratio(loader, tier, steps: int, stream=None) -> float:
+    stream = stream if stream is not None else iter(loader)
+    hits, misses = tier.m_hits.value, tier.m_misses.value
+    for _ in range(steps):
+        next(stream)
+    hits, misses = tier.m_hits.value - hits, tier.m_misses.value - misses
+    assert hits + misses >= 10, "too few shard reads in the window to measure a ratio"
+    return hits / (hits + misses)
+
+
+def test_warm_restart_hits_as_before_the_stop_on_an_empty_l2(tmp_path: Path) -> None:
+    """A run past its first epoch (its L2 holds what it reads) checkpoints with the loader; a
+    fresh node (empty L2) restores the step and `restore_warm` pre-stages the next batches'
+    shards: the first K steps hit within 5% of the K steps before the stop. Without the warm
+    restart the same K steps miss (the control, so the test can fail)."""
+    from ckpt_rig import make_letter_dataset
+
+    data = make_letter_dataset(tmp_path)
+    k = 60
+    loader, stack = _tiered_loader(data, tmp_path / "L2-before")
+    stream = iter(loader)
+    for _ in range(190):  # one epoch is ~180 steps: every shard read once, now resident
+        next(stream)
+    before = _hit_ratio(loader, stack.tiers[0], k, stream)
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local")
+    step = 190 + k
+    store.begin(step)
+    store.commit(step, loader=loader, warm_batches=k + 8)
+    loader.close()
+    store.close()
+
+    fresh = CheckpointStore(tmp_path / "dest", tmp_path / "fresh-local")
+    saved = fresh.latest()
+    assert saved == step
+    warm, warm_stack = _tiered_loader(data, tmp_path / "L2-fresh")
+    warm.load_state_dict(_loader_state_of(fresh.load(step)))
+    staged = fresh.restore_warm(step, warm, warm_stack)
+    assert staged >= 10
+    after = _hit_ratio(warm, warm_stack.tiers[0], k)
+    warm.close()
+    cold, cold_stack = _tiered_loader(data, tmp_path / "L2-cold", _loader_state_of(fresh.load(step)))
+    control = _hit_ratio(cold, cold_stack.tiers[0], k)
+    cold.close()
+    print(f"hit ratio: {k} steps before the stop {before:.3f}, first {k} after a warm restart {after:.3f}, "
+          f"cold {control:.3f}")
+    assert abs(after - before) <= 0.05, (before, after)
+    assert control < before - 0.5, (before, control)
+
+
+def _loader_state_of(step_dir: Path) -> dict:
+    """The loader state recorded for warm restart (this test saves no DCP state of its own)."""
+    return json.loads((step_dir / "tierflow-warm-0.json").read_text())["loader"]

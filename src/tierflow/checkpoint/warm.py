@@ -33,11 +33,17 @@ def next_shards(dataset: Any, cursor: dict[str, Any] | None, batches: int) -> li
     return ordered
 
 
+def cursor_of(loader: Any) -> dict[str, Any] | None:
+    """The order cursor of the loader's last consumed batch, from its plain `state_dict()`."""
+    state = loader.state_dict()
+    return state.get("cursor") if isinstance(state, dict) and "cursor" in state else loader.dataset.state_dict()
+
+
 def warm_state(loader: Any, batches: int) -> dict[str, Any]:
-    """The JSON written into a step: the cursor, the next shards, and each tier's entries by heat."""
-    cursor = loader.state_dict().get("cursor")
+    """The JSON written into a step: the loader's state, the next shards, each tier's entries by heat."""
+    cursor = cursor_of(loader)
     shards = loader.dataset.manifest.shards
-    state: dict[str, Any] = {"format": WARM_FORMAT, "batches": batches, "cursor": cursor,
+    state: dict[str, Any] = {"format": WARM_FORMAT, "batches": batches, "loader": loader.state_dict(),
                              "next_shards": [shards[i].name for i in next_shards(loader.dataset, cursor, batches)]}
     stager = getattr(loader, "stager", None)
     if stager is not None:
@@ -74,7 +80,7 @@ def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | 
         if all(n in by_name for n in names):  # the same dataset: its names are its content
             order = [by_name[n] for n in names]
     if order is None:
-        order = next_shards(loader.dataset, loader.state_dict().get("cursor"), batches or 256)
+        order = next_shards(loader.dataset, cursor_of(loader), batches or 256)
     top = stack.tiers[0]
     room = top.capacity
     staged = 0
