@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 
 import tierflow
 from tierflow.checkpoint import COMMIT_NAME, CheckpointError, CheckpointStore, LoaderState, step_name
@@ -59,6 +60,7 @@ def test_loader_state_commits_with_dcp_and_resumes_the_exact_stream(tokens: Path
     assert fresh.latest() == 6
     resumed = tierflow.open_loader(tokens, batch_size=4, seq_len=32)
     adapter = LoaderState(resumed)
+    assert isinstance(adapter, Stateful)  # DCP calls state_dict/load_state_dict on it
     other = torch.nn.Linear(4, 2)
     target = {"model": other.state_dict(), "loader": adapter}
     dcp.load(target, checkpoint_id=fresh.load(6))

@@ -4,17 +4,10 @@ bandwidth budget, retention, and a warm restart that pre-stages what the next ba
 
 from tierflow.checkpoint.manifest import COMMIT_NAME, CheckpointError, StepReport, step_name
 from tierflow.checkpoint.remote import prune_remote, remote_steps, verify_remote
+from tierflow.checkpoint.stateful import LoaderState
 from tierflow.checkpoint.store import CheckpointStore
 from tierflow.checkpoint.warm import next_shards, restore_warm
 
 __all__ = ["COMMIT_NAME", "CheckpointError", "CheckpointStore", "LoaderState", "StepReport", "next_shards",
            "prune_remote", "remote_steps", "restore_warm", "step_name", "verify_remote"]
 
-
-def __getattr__(name: str) -> object:
-    """LoaderState imports torch's DCP: only when asked, so the uploader process starts light."""
-    if name == "LoaderState":
-        from tierflow.checkpoint.stateful import LoaderState
-
-        return LoaderState
-    raise AttributeError(f"module 'tierflow.checkpoint' has no attribute {name!r}")

@@ -5,7 +5,9 @@
 DCP writes `.metadata` last, so a step directory holds either both the model and the cursor of
 the last batch the model saw, or neither. The loader's state is a JSON dict; DCP stores tensors
 or picklable objects, so it travels as the UTF-8 bytes of its JSON (a leaf DCP writes as one
-byte item) under a per-rank key, and comes back as the identical dict.
+byte item) under a per-rank key, and comes back as the identical dict. DCP's `Stateful` is a
+runtime-checkable protocol, so this class satisfies it without importing torch (the uploader
+process imports this package and stays light).
 """
 
 from __future__ import annotations
@@ -13,10 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from torch.distributed.checkpoint.stateful import Stateful
 
-
-class LoaderState(Stateful):
+class LoaderState:
     """Wraps anything with JSON-able `state_dict()`/`load_state_dict()` (a `Loader`) for DCP."""
 
     def __init__(self, loader: Any, key: str | None = None) -> None:
@@ -47,6 +47,7 @@ def decode_state(raw: Any) -> dict[str, Any]:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    import sys
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    dist = sys.modules.get("torch.distributed")  # not initialised unless torch was imported already
+    return dist.get_rank() if dist is not None and dist.is_available() and dist.is_initialized() else 0
