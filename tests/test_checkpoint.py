@@ -150,6 +150,15 @@ def test_a_flipped_byte_is_named_and_skipped(tmp_path: Path) -> None:
     assert fresh.local_steps() == []  # the failed download left nothing that looks like a step
 
 
+def test_local_only_store_keeps_its_retention(tmp_path: Path) -> None:
+    """Without a destination the local directory is the store: keep_last/keep_every apply there."""
+    store = CheckpointStore(None, tmp_path / "local", keep_last=2, keep_every=2)
+    for step in range(1, 6):
+        _files(store.begin(step), n=1)
+        store.commit(step)
+    assert store.local_steps() == [2, 4, 5] and store.latest() == 5
+
+
 def test_recommitting_a_step_after_a_crash_replaces_it(tmp_path: Path) -> None:
     """A step directory left by a crashed commit is replaced file by file, manifest last."""
     store = CheckpointStore(None, tmp_path / "local")

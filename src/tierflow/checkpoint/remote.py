@@ -121,13 +121,13 @@ def prune_remote(source: RetryingSource, keep_last: int | None, keep_every: int 
     return sorted(doomed)
 
 
-def prune_local(local: Path, source: Any, keep_last: int | None, keep_every: int | None) -> list[int]:
+def prune_local(local: Path, source: RetryingSource | None, keep_last: int | None, keep_every: int | None) -> list[int]:
     """Local retention: drop committed steps outside the kept set once the destination has them,
     and uncommitted leftovers older than the newest committed step. A step still waiting for its
-    upload is never dropped."""
+    upload is never dropped. `source` None: there is no destination, the local copies are all."""
     if not local.is_dir():
         return []
-    remote = {s for s, done in remote_steps(source).items() if done}
+    remote = {s for s, done in remote_steps(source).items() if done} if source is not None else None
     present = {}
     for child in local.iterdir():
         step = parse_step(child.name)
@@ -139,7 +139,7 @@ def prune_local(local: Path, source: Any, keep_last: int | None, keep_every: int
     keep = retained(committed, keep_last, keep_every)
     newest = max(committed)
     doomed = [s for s, done in present.items()
-              if (done and s not in keep and s in remote) or (not done and s < newest)]
+              if (done and s not in keep and (remote is None or s in remote)) or (not done and s < newest)]
     for step in doomed:
         shutil.rmtree(local / step_name(step), ignore_errors=True)
     return sorted(doomed)

@@ -106,6 +106,8 @@ class CheckpointStore:
         self._install(tmp, final)
         if self.dest is not None:
             self._submit(step, final)
+        elif self.world_size == 1:
+            prune_local(self.local, None, self.keep_last, self.keep_every)
         if self.world_size > 1:
             self._awaiting_marker.append(step)
         return final
@@ -228,8 +230,8 @@ class CheckpointStore:
                     tmp.unlink(missing_ok=True)
                 prune_remote(source, self.keep_last, self.keep_every)
             dist.barrier(group=self.group)  # the marker is up before any rank prunes its local copies
-            if self.dest is not None:
-                prune_local(self.local, self._dest(), self.keep_last, self.keep_every)
+            prune_local(self.local, self._dest() if self.dest is not None else None, self.keep_last,
+                        self.keep_every)
 
     def _dest(self) -> Any:
         if self._source is None:
@@ -322,9 +324,10 @@ class CheckpointStore:
         return restore_warm(self.load(step), loader, stack=stack, batches=batches, rank=self.rank)
 
     def prune(self) -> list[int]:
-        """Apply retention now (at the destination, then here); returns the destination's removed steps."""
+        """Apply retention now (at the destination, then here); returns the removed steps (the
+        destination's, or the local ones when there is no destination)."""
         if self.dest is None:
-            return []
+            return prune_local(self.local, None, self.keep_last, self.keep_every)
         removed = prune_remote(self._dest(), self.keep_last, self.keep_every)
         prune_local(self.local, self._dest(), self.keep_last, self.keep_every)
         return removed
