@@ -159,6 +159,20 @@ def test_local_only_store_keeps_its_retention(tmp_path: Path) -> None:
     assert store.local_steps() == [2, 4, 5] and store.latest() == 5
 
 
+def test_commit_async_waits_for_the_writer_then_commits(tmp_path: Path) -> None:
+    """commit_async(after=future) commits only once the write (e.g. dcp.async_save) is done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local")
+    step_dir = store.begin(7)
+    with ThreadPoolExecutor(1) as pool:
+        written = pool.submit(lambda: (step_dir / "model.bin").write_bytes(b"m" * 100_000))
+        assert store.commit_async(7, after=written).result() == tmp_path / "local" / step_name(7)
+    store.wait()
+    assert store.remote_steps() == {7: True} and store.verify(7).ok
+    store.close()
+
+
 def test_recommitting_a_step_after_a_crash_replaces_it(tmp_path: Path) -> None:
     """A step directory left by a crashed commit is replaced file by file, manifest last."""
     store = CheckpointStore(None, tmp_path / "local")

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ class CheckpointStore:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._source: Any = None
+        self._committer: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------ writing
     def begin(self, step: int) -> Path:
@@ -111,6 +113,22 @@ class CheckpointStore:
         if self.world_size > 1:
             self._awaiting_marker.append(step)
         return final
+
+    def commit_async(self, step: int, after: Any = None, **options: Any) -> Future[Path]:
+        """`commit` on a background thread, after `after` (e.g. `dcp.async_save`'s future) is done,
+        so neither the write nor fsync and hashing hold up the loop. Single-rank jobs only: the
+        multi-rank marker needs collectives on the training thread."""
+        if self.world_size > 1:
+            raise ValueError("commit_async is for single-rank jobs; with several ranks call commit")
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-ckpt-commit")
+
+        def run() -> Path:
+            if after is not None:
+                after.result()
+            return self.commit(step, **options)
+
+        return self._committer.submit(run)
 
     def _install(self, tmp: Path, final: Path) -> None:
         """The atomic switch: rename the whole directory, or (the step exists: another rank's part,
@@ -190,6 +208,9 @@ class CheckpointStore:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every queued upload has finished (raise if one failed); with several ranks,
         then agree across ranks and let rank 0 write the commit markers (a collective)."""
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)  # background commits first: they queue uploads
+            self._committer = None
         with self._lock:
             events = list(self._pending.items())
         for step, event in events:
