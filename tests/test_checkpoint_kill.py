@@ -159,33 +159,46 @@ for step in range(1, 1000):
 """
 
 
-def test_sigkill_at_random_points_of_commit_and_upload(tmp_path: Path) -> None:
-    """10 trials: a process committing 4 MB steps (uploads throttled to 16 MB/s, so commits and
-    uploads overlap) is SIGKILLed with its uploader at a random moment. Afterwards latest() is
-    always a whole, verified step (never a temporary), is at least the last step whose commit
-    returned (same node), and a fresh node gets a whole step from the destination."""
+@pytest.mark.parametrize("where,trials", [("dir", 10), ("s3", 5)])
+def test_sigkill_at_random_points_of_commit_and_upload(tmp_path: Path, request: pytest.FixtureRequest,
+                                                       where: str, trials: int) -> None:
+    """A process committing 4 MB steps (uploads throttled to 16 MB/s, so commits and uploads
+    overlap) is SIGKILLed with its uploader at a random moment, 10 times to a directory and 5 to
+    moto S3. Afterwards latest() is always a whole, verified step (never a temporary), is at
+    least the last step whose commit returned (same node), and a fresh node gets a whole step
+    from the destination."""
     rng = random.Random(30)
-    dest, local = tmp_path / "dest", tmp_path / "local"
+    local = tmp_path / "local"
+    env: dict[str, str] = {}
+    endpoint = None
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        dest = f"s3://{request.getfixturevalue('s3_bucket')}/run/ckpt"
+        env, endpoint = server.endpoint.env(), server.endpoint_url
+    else:
+        dest = str(tmp_path / "dest")
     last_durable = 0
-    for trial in range(10):
-        child = _spawn(COMMITTER, str(dest), str(local), str(tmp_path / "budget"))
-        _read_until(child, lambda ls: any(l.startswith("begun") for l in ls))
+    landed = {"writing or committing": 0, "after a commit returned": 0}
+    for trial in range(trials):
+        child = _spawn(COMMITTER, dest, str(local), str(tmp_path / "budget"), env=env)
+        first = _read_until(child, lambda ls: any(l.startswith("begun") for l in ls))
         time.sleep(rng.uniform(0.0, 1.2))
         _kill_group(child)
-        out = child.stdout.read().split("\n") if child.stdout else []
+        out = first + [l for l in (child.stdout.read().split("\n") if child.stdout else []) if l]
+        landed["writing or committing" if out and out[-1].startswith("begun") else "after a commit returned"] += 1
         done = [int(l.split()[1]) for l in out if l.startswith("committed")]
         last_durable = max(done, default=last_durable)
-        store = CheckpointStore(dest, local, keep_last=2)
+        store = CheckpointStore(dest, local, keep_last=2, endpoint_url=endpoint)
         step = store.latest()
         assert step is not None or last_durable == 0
         if step is not None:
-            assert store.verify(step).ok and step_name(step) in {p.name for p in local.iterdir()} | {
-                p.name for p in dest.iterdir()}
-        fresh = CheckpointStore(dest, tmp_path / f"fresh{trial}")
+            assert step >= last_durable and store.verify(step).ok
+        fresh = CheckpointStore(dest, tmp_path / f"fresh{trial}", endpoint_url=endpoint)
         remote = fresh.latest()
         if remote is not None:
             assert fresh.verify(remote).ok and (fresh.load(remote) / "shard3.bin").stat().st_size == 1 << 20
-        assert all(not p.name.startswith(".tmp") for p in dest.rglob("*") if p.parent == dest)
+        assert all(not name.startswith(".tmp") for name in map(step_name, store.local_steps()))
+    print(f"{where}: {trials} kills, landed {landed}")
 
 
 RANK = """
@@ -218,11 +231,11 @@ except Exception as exc:
 
 
 def test_a_rank_killed_before_its_upload_leaves_the_step_uncommitted_for_all(tmp_path: Path) -> None:
-    """3 gloo ranks, one node directory each. Step 1 commits for all (rank 0's marker after the
+    """4 gloo ranks, one node directory each. Step 1 commits for all (rank 0's marker after the
     barrier; a fresh node merges every rank's part). In step 2 the last rank's upload is slow and
     the rank is killed with its uploader: no rank writes a marker, the destination keeps step 2
     uncommitted, and latest() is 1 everywhere."""
-    world, dest = 3, tmp_path / "dest"
+    world, dest = 4, tmp_path / "dest"
     init = f"file://{tmp_path / 'rendezvous'}"
     ranks = [_spawn(RANK, str(r), str(world), init, str(dest), str(tmp_path)) for r in range(world)]
     try:
