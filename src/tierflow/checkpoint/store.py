@@ -85,15 +85,18 @@ class CheckpointStore:
         Blocks only for fsync, hashing (xxh3) and renames. With `loader`, the shards its next
         `warm_batches` batches need are recorded for `restore_warm`. With several ranks, the
         previous step's marker is settled first (a collective: every rank must call commit)."""
+        return self._commit(step, _warm_record(loader, warm_batches))
+
+    def _commit(self, step: int, warm: dict[str, Any] | None) -> Path:
         if step not in self._open:
             raise CheckpointError(step_name(step), "commit without begin (or committed twice)")
         if self.world_size > 1 and self._awaiting_marker:
             self.wait()
         tmp = self._open.pop(step)
-        if loader is not None:
-            from tierflow.checkpoint.warm import write_warm
+        if warm is not None:
+            from tierflow.checkpoint.warm import warm_name
 
-            write_warm(tmp, loader, warm_batches, rank=self.rank)
+            (tmp / warm_name(self.rank)).write_text(json.dumps(warm, sort_keys=True))
         entries = part_files(tmp)
         for entry in entries:
             fsync_file(tmp / entry.name)
@@ -114,19 +117,23 @@ class CheckpointStore:
             self._awaiting_marker.append(step)
         return final
 
-    def commit_async(self, step: int, after: Any = None, **options: Any) -> Future[Path]:
+    def commit_async(self, step: int, after: Any = None, *, loader: Any = None,
+                     warm_batches: int = 256) -> Future[Path]:
         """`commit` on a background thread, after `after` (e.g. `dcp.async_save`'s future) is done,
-        so neither the write nor fsync and hashing hold up the loop. Single-rank jobs only: the
-        multi-rank marker needs collectives on the training thread."""
+        so neither the write nor fsync and hashing hold up the loop. The warm record is taken
+        now, at the cursor that was saved. Single-rank jobs only: the multi-rank marker needs
+        collectives on the training thread."""
         if self.world_size > 1:
             raise ValueError("commit_async is for single-rank jobs; with several ranks call commit")
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-ckpt-commit")
 
+        warm = _warm_record(loader, warm_batches)
+
         def run() -> Path:
             if after is not None:
                 after.result()
-            return self.commit(step, **options)
+            return self._commit(step, warm)
 
         return self._committer.submit(run)
 
@@ -381,6 +388,14 @@ def _distributed(group: Any) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def _warm_record(loader: Any, batches: int) -> dict[str, Any] | None:
+    if loader is None:
+        return None
+    from tierflow.checkpoint.warm import warm_state
+
+    return warm_state(loader, batches)
 
 
 def _budget_spec(budget: BandwidthBudget | None) -> dict[str, Any] | None:

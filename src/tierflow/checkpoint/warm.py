@@ -55,12 +55,6 @@ def warm_state(loader: Any, batches: int) -> dict[str, Any]:
     return state
 
 
-def write_warm(step_dir: Path, loader: Any, batches: int, rank: int = 0) -> Path:
-    path = Path(step_dir) / warm_name(rank)
-    path.write_text(json.dumps(warm_state(loader, batches), sort_keys=True))
-    return path
-
-
 def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | None = None,
                  rank: int = 0) -> int:
     """Stage the shards recorded in `step_dir` (or, without a record or with `batches`, the ones
