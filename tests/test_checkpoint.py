@@ -173,6 +173,19 @@ def test_commit_async_waits_for_the_writer_then_commits(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_failed_upload_is_raised_by_wait_and_the_local_copy_stays(s3_server, tmp_path: Path) -> None:
+    """The uploader's error (here: no such bucket) comes back as a CheckpointError from wait();
+    the step stays whole locally, so the run can go on and retry."""
+    store = CheckpointStore("s3://tierflow-no-such-bucket/ck", tmp_path / "local",
+                            endpoint_url=s3_server.endpoint_url)
+    _files(store.begin(1), n=1)
+    store.commit(1)
+    with pytest.raises(CheckpointError, match="upload failed"):
+        store.wait()
+    assert store.local_steps() == [1] and store.latest() == 1
+    store.close(wait=False)
+
+
 def test_recommitting_a_step_after_a_crash_replaces_it(tmp_path: Path) -> None:
     """A step directory left by a crashed commit is replaced file by file, manifest last."""
     store = CheckpointStore(None, tmp_path / "local")
