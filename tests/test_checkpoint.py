@@ -182,7 +182,7 @@ def test_a_failed_upload_is_raised_by_wait_and_the_local_copy_stays(s3_server, t
     store.commit(1)
     with pytest.raises(CheckpointError, match="upload failed"):
         store.wait()
-    assert store.local_steps() == [1] and store.latest() == 1
+    assert store.local_steps() == [1] and store.verify(1).ok
     store.close(wait=False)
 
 
