@@ -364,3 +364,94 @@ def test_warm_restart_hits_as_before_the_stop_on_an_empty_l2(tmp_path: Path) -> 
 def _loader_state_of(step_dir: Path) -> dict:
     """The loader state recorded for warm restart (this test saves no DCP state of its own)."""
     return json.loads((step_dir / "tierflow-warm-0.json").read_text())["loader"]
+
+
+TINY_LM = """
+import sys, time, torch, torch.distributed.checkpoint as dcp, warnings
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+warnings.filterwarnings("ignore")
+import tierflow
+from tierflow.checkpoint import CheckpointStore, LoaderState
+from tierflow.storage.budget import BandwidthBudget
+data, dest, node, endpoint = sys.argv[1:5]
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class TinyLM(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.embed = nn.Embedding(257, d)
+        self.head = nn.Linear(d, 257)
+        self.register_buffer("step", torch.zeros(1, dtype=torch.int64))
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+model = TinyLM()
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+loader = tierflow.open_loader(data, batch_size=4, seq_len=32, tiers=[f"L2={node}/L2:64MB"])
+store = CheckpointStore(dest, f"{node}/ckpt", keep_last=2, endpoint_url=endpoint,
+                        budget=BandwidthBudget(4 << 20, f"{node}/budget", burst=256 << 10))
+uploaded = None
+for step, batch in enumerate(loader, start=1):
+    logits = model(batch["input_ids"].long())
+    loss = nn.functional.cross_entropy(logits.reshape(-1, 257), batch["labels"].long().reshape(-1))
+    opt.zero_grad(); loss.backward(); opt.step()
+    model.step.fill_(step)
+    if step % 8 == 0:
+        step_dir = store.begin(step)
+        model_sd, opt_sd = get_state_dict(model, opt)
+        torch.save(torch.randn(768, 1024), step_dir / "extra.pt")  # 3 MB: ~0.75 s at 4 MB/s
+        dcp.save({"model": model_sd, "optim": opt_sd, "loader": LoaderState(loader)}, checkpoint_id=step_dir)
+        store.commit(step, loader=loader, warm_batches=64)
+        print("committed", step, flush=True)
+    if store.last_upload is not None and store.last_upload["step"] != uploaded:
+        uploaded = store.last_upload["step"]
+        print("uploaded", uploaded, flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_tiny_lm_killed_mid_upload_resumes_on_an_empty_node_warm_and_exact(
+        tokens: Path, tmp_path: Path, s3_server, s3_bucket: str) -> None:
+    """The issue's 'done when': a tiny LM trains through an L2 tier and checkpoints model,
+    optimizer and loader with DCP through CheckpointStore to moto S3; it is SIGKILLed (with its
+    uploader) while a later step is still uploading. A fresh node (empty checkpoint directory,
+    empty L2) resumes from the newest committed step: model and cursor of the same step,
+    restore_warm pre-stages the next shards, and the stream continues exactly."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch import nn
+
+    dest = f"s3://{s3_bucket}/tiny/ckpt"
+    endpoint = s3_server.endpoint_url
+    child = _spawn(TINY_LM, str(tokens), dest, str(tmp_path / "node-a"), endpoint, env=s3_server.endpoint.env())
+    _read_until(child, lambda ls: any(l.startswith("uploaded") for l in ls), timeout=120)
+    time.sleep(random.Random(5).uniform(0.2, 0.6))
+    _kill_group(child)
+
+    fresh = CheckpointStore(dest, tmp_path / "node-b" / "ckpt", endpoint_url=endpoint)
+    step = fresh.latest()
+    assert step is not None and step % 8 == 0
+    print(f"resumed from {step}; at the destination: {fresh.remote_steps()} (False: cut off by the kill)")
+    reference_loader = tierflow.open_loader(tokens, batch_size=4, seq_len=32,
+                                            tiers=[f"L2={tmp_path / 'ref-L2'}:64MB"])
+    stream = iter(reference_loader)
+    reference = [inputs(next(stream)) for _ in range(step + 6)]
+    reference_loader.close()
+
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.embed, model.head = nn.Embedding(257, 32), nn.Linear(32, 257)
+    model.register_buffer("step", torch.zeros(1, dtype=torch.int64))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = tierflow.open_loader(tokens, batch_size=4, seq_len=32, tiers=[f"L2={tmp_path / 'node-b' / 'L2'}:64MB"])
+    adapter = LoaderState(loader)
+    model_sd, opt_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": opt_sd, "loader": adapter}
+    dcp.load(state, checkpoint_id=fresh.load(step))
+    model.load_state_dict(state["model"])
+    assert int(model.step) == step == adapter.loaded["consumed"]
+    staged = fresh.restore_warm(step, loader)
+    assert staged >= 1
+    again = iter(loader)
+    got = [inputs(next(again)) for _ in range(6)]
+    loader.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, reference[step:step + 6]))
