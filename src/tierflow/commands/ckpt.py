@@ -11,8 +11,6 @@ import json
 import sys
 from typing import Any
 
-from tierflow.commands.cli import command
-
 
 def add_ckpt_parser(sub: Any) -> None:
     """The `ckpt` verb's arguments (called from commands/cli.py's build_parser)."""
@@ -30,8 +28,8 @@ def add_ckpt_parser(sub: Any) -> None:
                    help="prune: also keep every step that is a multiple of this (default: none)")
 
 
-@command("ckpt")
 def run_ckpt(args: argparse.Namespace) -> int:
+    """Run `tierflow ckpt ACTION DEST`; exit 1 when verify finds a bad step."""
     from tierflow.checkpoint.manifest import COMMIT_NAME, decode, part_entries, step_name
     from tierflow.checkpoint.remote import open_dest, prune_remote, remote_steps, verify_remote
 
