@@ -25,6 +25,7 @@ PUBLIC_PACKAGES = (
     "tierflow.policies",
     "tierflow.loader",
     "tierflow.telemetry",
+    "tierflow.checkpoint",
 )
 #: subpackages of tierflow deliberately without a page
 LEFT_OUT = ("tierflow.testing", "tierflow.commands")

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log", help="the job's JSONL event log")
     p.add_argument("--once", action="store_true", help="print the current state and exit")
     p.add_argument("--refresh", type=float, default=1.0, help="seconds between refreshes")
+
+    from tierflow.commands.ckpt import add_ckpt_parser, run_ckpt
+
+    add_ckpt_parser(sub)
+    COMMANDS["ckpt"] = run_ckpt
     return parser
 
 

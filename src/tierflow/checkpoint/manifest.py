@@ -1,0 +1,227 @@
+"""What makes a checkpoint step trustworthy: per-rank part manifests and one commit marker.
+
+A step directory `step-00000042/` holds the files the training code wrote (DCP's `.metadata`
+and `*.distcp`, or anything else), one part manifest per rank (`tierflow-part-R.json`: every
+file of that rank's part with its size and xxh3-128) and, once every rank's part is in place,
+the commit marker (`tierflow-commit.json`: the world size and each part manifest's hash).
+Writers put a part manifest after its files and the marker after every part, so a step whose
+marker is absent, or whose files do not match, is never resumed from. The same layout is used
+locally and at the destination, so one verifier serves both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import xxhash
+
+from tierflow.errors import TierflowError
+
+STEP_PREFIX = "step-"
+COMMIT_NAME = "tierflow-commit.json"
+PART_PATTERN = re.compile(r"^tierflow-part-(\d+)\.json$")
+STEP_PATTERN = re.compile(r"^step-(\d{8,})$")
+FORMAT = "tierflow-checkpoint/1"
+HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(TierflowError, IOError):
+    """A checkpoint step is missing, incomplete or does not match its manifest; names the file."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        self.where = where
+        self.reason = reason
+        super().__init__(f"{where}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.where, self.reason))
+
+
+def step_name(step: int) -> str:
+    """The directory (or object prefix) of a step: zero-padded so names sort as numbers."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def part_name(rank: int) -> str:
+    return f"tierflow-part-{rank}.json"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a committed-or-not step directory name, None for anything else (temporaries)."""
+    match = STEP_PATTERN.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a part: its path relative to the step directory, size and xxh3-128."""
+
+    name: str
+    size: int
+    xxh3: str
+
+
+def hash_file(path: Path) -> str:
+    """xxh3-128 of a local file, streamed (checkpoint files can be larger than RAM)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def part_files(root: Path, exclude: Iterable[str] = ()) -> list[FileEntry]:
+    """Every regular file under `root` except tierflow's own manifests, hashed, sorted by name."""
+    skip = set(exclude)
+    entries = []
+    for directory, _, files in os.walk(root):
+        for file in files:
+            path = Path(directory, file)
+            rel = path.relative_to(root).as_posix()
+            if rel in skip or rel == COMMIT_NAME or PART_PATTERN.match(rel):
+                continue
+            entries.append(FileEntry(rel, path.stat().st_size, hash_file(path)))
+    return sorted(entries, key=lambda e: e.name)
+
+
+def encode_part(step: int, rank: int, files: list[FileEntry], extra: dict[str, Any] | None = None) -> bytes:
+    body = {"format": FORMAT, "step": step, "rank": rank,
+            "files": [{"name": f.name, "size": f.size, "xxh3": f.xxh3} for f in files]}
+    if extra:
+        body["extra"] = extra
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def encode_commit(step: int, part_hashes: dict[int, str]) -> bytes:
+    """The commit marker: the world size and the xxh3-128 of each rank's part manifest."""
+    body = {"format": FORMAT, "step": step, "world_size": len(part_hashes),
+            "parts": {str(r): h for r, h in sorted(part_hashes.items())}}
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def decode(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(where, f"not JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise CheckpointError(where, f"not a {FORMAT} manifest")
+    return body
+
+
+def part_entries(body: dict[str, Any], where: str) -> list[FileEntry]:
+    try:
+        return [FileEntry(str(f["name"]), int(f["size"]), str(f["xxh3"])) for f in body["files"]]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(where, "part manifest without a valid file list") from None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What verifying one step found: its files, and each problem naming the file."""
+
+    step: int
+    files: list[FileEntry]
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def verify_step(step: int, read: Callable[[str], bytes], sized: Callable[[str], int | None],
+                hashed: Callable[[str], str] | None, where: str) -> StepReport:
+    """Check a step through three accessors (local files or a remote source): the marker, each
+    part manifest against the marker, each file's size and (with `hashed`) its xxh3-128.
+
+    `read(name)` returns bytes or raises FileNotFoundError; `sized(name)` the size or None."""
+    problems: list[str] = []
+    files: list[FileEntry] = []
+    try:
+        marker = decode(read(COMMIT_NAME), f"{where}/{COMMIT_NAME}")
+    except FileNotFoundError:
+        return StepReport(step, [], [f"{where}/{COMMIT_NAME}: missing (step not committed)"])
+    except CheckpointError as exc:
+        return StepReport(step, [], [str(exc)])
+    parts = marker.get("parts", {})
+    if not isinstance(parts, dict) or len(parts) != marker.get("world_size"):
+        return StepReport(step, [], [f"{where}/{COMMIT_NAME}: parts do not match world_size"])
+    for rank, expected in sorted(parts.items(), key=lambda kv: int(kv[0])):
+        name = part_name(int(rank))
+        try:
+            raw = read(name)
+        except FileNotFoundError:
+            problems.append(f"{where}/{name}: missing")
+            continue
+        if xxhash.xxh3_128_hexdigest(raw) != expected:
+            problems.append(f"{where}/{name}: does not match the commit marker")
+            continue
+        try:
+            entries = part_entries(decode(raw, f"{where}/{name}"), f"{where}/{name}")
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        for entry in entries:
+            files.append(entry)
+            size = sized(entry.name)
+            if size is None:
+                problems.append(f"{where}/{entry.name}: missing")
+            elif size != entry.size:
+                problems.append(f"{where}/{entry.name}: is {size} bytes, manifest says {entry.size}")
+            elif hashed is not None and hashed(entry.name) != entry.xxh3:
+                problems.append(f"{where}/{entry.name}: checksum mismatch (xxh3 {entry.xxh3} expected)")
+    return StepReport(step, files, problems)
+
+
+def verify_local(step_dir: Path, step: int, deep: bool = True) -> StepReport:
+    """`verify_step` on a local step directory."""
+
+    def read(name: str) -> bytes:
+        return (step_dir / name).read_bytes()
+
+    def sized(name: str) -> int | None:
+        try:
+            return (step_dir / name).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    return verify_step(step, read, sized, (lambda n: hash_file(step_dir / n)) if deep else None, str(step_dir))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write a small file under a temporary name, fsync, rename: it is whole or absent."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -1,0 +1,154 @@
+"""Checkpoint steps at a destination (s3://, a shared directory, any fsspec URL): list, verify,
+delete and retention, through storage/remote.py's sources so retries, the bandwidth budget and
+request counts are the same as for shards. Used by the uploader process, the store and the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import xxhash
+
+from tierflow.checkpoint.manifest import (COMMIT_NAME, HASH_CHUNK, StepReport, parse_step, step_name,
+                                          verify_step)
+from tierflow.storage.remote import LocalSource, RetryingSource, S3Source, open_source
+from tierflow.errors import SourceNotFound
+
+
+def open_dest(dest: str | Path, endpoint_url: str | None = None, budget: Any = None) -> RetryingSource:
+    """The destination as a source; a local directory is created so it can be listed at once."""
+    text = str(dest)
+    if "://" not in text or text.startswith("file://"):
+        Path(text.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+    return open_source(text, endpoint_url=endpoint_url, budget=budget)
+
+
+def remote_steps(source: RetryingSource) -> dict[int, bool]:
+    """Every step with any object at the destination -> whether its commit marker is there."""
+    steps: dict[int, bool] = {}
+    for name in source.list(""):
+        head, _, tail = name.partition("/")
+        step = parse_step(head)
+        if step is None or not tail:
+            continue
+        steps[step] = steps.get(step, False) or tail == COMMIT_NAME
+    return steps
+
+
+def verify_remote(source: RetryingSource, step: int, deep: bool = True) -> StepReport:
+    """`verify_step` at the destination; `deep` streams every file through xxh3 (reads it all)."""
+    prefix = step_name(step)
+    def read(name: str) -> bytes:
+        try:
+            return source.read_bytes(f"{prefix}/{name}")
+        except SourceNotFound as exc:
+            raise FileNotFoundError(str(exc)) from None
+
+    def sized(name: str) -> int | None:
+        try:
+            return source.size(f"{prefix}/{name}")
+        except SourceNotFound:
+            return None
+
+    def hashed(name: str) -> str:
+        key = f"{prefix}/{name}"
+        size = source.size(key)
+        h = xxhash.xxh3_128()
+        for offset in range(0, size, HASH_CHUNK):
+            h.update(source.read_range(key, offset, min(HASH_CHUNK, size - offset)))
+        return h.hexdigest()
+
+    return verify_step(step, read, sized, hashed if deep else None, f"{source.url.rstrip('/')}/{prefix}")
+
+
+def delete_objects(source: RetryingSource, names: Iterable[str]) -> int:
+    """Delete objects of a source (its protocol has no delete: retention is the only deleter)."""
+    names = list(names)
+    if not names:
+        return 0
+    if isinstance(source, LocalSource):
+        for name in names:
+            path = source.root / name
+            path.unlink(missing_ok=True)
+            _remove_empty_parents(path.parent, source.root)
+    elif isinstance(source, S3Source):
+        import obstore
+
+        for start in range(0, len(names), 1000):
+            obstore.delete(source.store, names[start:start + 1000])
+    else:
+        fs = source.fs  # type: ignore[attr-defined]
+        root = source.url.split("://", 1)[-1].rstrip("/")
+        fs.rm([f"{root}/{n}" for n in names])
+    return len(names)
+
+
+def delete_step(source: RetryingSource, step: int) -> int:
+    """Remove a step at the destination: its marker first, so it stops being a checkpoint before
+    any of its files go."""
+    prefix = f"{step_name(step)}/"
+    names = source.list(prefix)
+    marker = [n for n in names if n == prefix + COMMIT_NAME]
+    delete_objects(source, marker)
+    return delete_objects(source, [n for n in names if n not in marker]) + len(marker)
+
+
+def retained(committed: Iterable[int], keep_last: int | None, keep_every: int | None) -> set[int]:
+    """The committed steps retention keeps: the newest `keep_last`, and every multiple of `keep_every`."""
+    ordered = sorted(committed)
+    keep = set(ordered[-keep_last:]) if keep_last else set(ordered)
+    if keep_every:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    return keep
+
+
+def prune_remote(source: RetryingSource, keep_last: int | None, keep_every: int | None) -> list[int]:
+    """Apply retention at the destination: committed steps outside the kept set, and leftovers
+    of uploads that never committed and are older than the newest committed step. Returns the
+    steps removed."""
+    steps = remote_steps(source)
+    committed = [s for s, done in steps.items() if done]
+    if not committed:
+        return []
+    keep = retained(committed, keep_last, keep_every)
+    newest = max(committed)
+    doomed = [s for s, done in steps.items() if (done and s not in keep) or (not done and s < newest)]
+    for step in sorted(doomed):
+        delete_step(source, step)
+    return sorted(doomed)
+
+
+def prune_local(local: Path, source: RetryingSource | None, keep_last: int | None, keep_every: int | None) -> list[int]:
+    """Local retention: drop committed steps outside the kept set once the destination has them,
+    and uncommitted leftovers older than the newest committed step. A step still waiting for its
+    upload is never dropped. `source` None: there is no destination, the local copies are all."""
+    if not local.is_dir():
+        return []
+    remote = {s for s, done in remote_steps(source).items() if done} if source is not None else None
+    present = {}
+    for child in local.iterdir():
+        step = parse_step(child.name)
+        if step is not None and child.is_dir():
+            present[step] = (child / COMMIT_NAME).is_file()
+    committed = [s for s, done in present.items() if done]
+    if not committed:
+        return []
+    keep = retained(committed, keep_last, keep_every)
+    newest = max(committed)
+    doomed = [s for s, done in present.items()
+              if (done and s not in keep and (remote is None or s in remote)) or (not done and s < newest)]
+    for step in doomed:
+        shutil.rmtree(local / step_name(step), ignore_errors=True)
+    return sorted(doomed)
+
+
+def _remove_empty_parents(path: Path, root: Path) -> None:
+    while path != root and root in path.parents:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        path = path.parent

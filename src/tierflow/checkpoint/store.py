@@ -1,0 +1,405 @@
+"""CheckpointStore: write a step locally, make it visible atomically, upload it in the background.
+
+    ckpt = CheckpointStore("s3://bucket/run7/ckpt", local="/nvme/ckpt", keep_last=3)
+    step_dir = ckpt.begin(step)                  # a temporary directory: DCP or any files go here
+    dcp.save({"model": model.state_dict(), "loader": LoaderState(loader)}, checkpoint_id=step_dir)
+    ckpt.commit(step)                            # fsync, manifest, rename; the upload starts
+    ...
+    path = ckpt.load(ckpt.latest())              # verified before it is handed out
+
+The training process only hashes and renames; a separate uploader process copies the step to
+`dest` within the node's bandwidth budget at low priority (training reads keep theirs), files
+first, part manifest next, commit marker last, then applies retention. With several ranks each
+commits its part; rank 0 writes the marker once every rank's upload has finished (an
+all-reduce, i.e. a barrier, in `wait()` or the next `commit`), so a step is whole for all ranks
+or for none. Temporaries are named `.tmp-...` and never listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepReport, decode, encode_commit,
+                                          encode_part, fsync_dir, fsync_file, hash_file, parse_step,
+                                          part_entries, part_files, part_name, step_name, verify_local,
+                                          write_durably)
+from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, remote_steps, verify_remote
+from tierflow.storage.budget import BandwidthBudget
+
+
+class CheckpointStore:
+    """Checkpoints of one run: local directory `local` first, then `dest` (s3://, a path, fsspec)."""
+
+    def __init__(self, dest: str | Path | None, local: str | Path, *, keep_last: int | None = 3,
+                 keep_every: int | None = None, endpoint_url: str | None = None,
+                 budget: BandwidthBudget | None = None, rank: int | None = None,
+                 world_size: int | None = None, group: Any = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
+        self.dest = str(dest) if dest is not None else None
+        self.local = Path(local)
+        self.local.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.endpoint_url = endpoint_url
+        self.budget = budget
+        self.group = group
+        dist_rank, dist_world = _distributed(group)
+        self.rank = dist_rank if rank is None else rank
+        self.world_size = dist_world if world_size is None else world_size
+        self.last_upload: dict[str, Any] | None = None
+        self._open: dict[int, Path] = {}
+        self._part_hash: dict[int, str] = {}
+        self._awaiting_marker: list[int] = []
+        self._results: dict[int, dict[str, Any]] = {}
+        self._pending: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._source: Any = None
+        self._committer: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------ writing
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for this rank's part of `step`; write into it, then commit."""
+        tmp = self.local / f".tmp-{step_name(step)}-rank{self.rank}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._open[step] = tmp
+        return tmp
+
+    def commit(self, step: int, *, loader: Any = None, warm_batches: int = 256) -> Path:
+        """Make `step` durable and visible locally, then queue its upload; returns the step directory.
+
+        Blocks only for fsync, hashing (xxh3) and renames. With `loader`, the shards its next
+        `warm_batches` batches need are recorded for `restore_warm`. With several ranks, the
+        previous step's marker is settled first (a collective: every rank must call commit)."""
+        return self._commit(step, _warm_record(loader, warm_batches))
+
+    def _commit(self, step: int, warm: dict[str, Any] | None) -> Path:
+        if step not in self._open:
+            raise CheckpointError(step_name(step), "commit without begin (or committed twice)")
+        if self.world_size > 1 and self._awaiting_marker:
+            self.wait()
+        tmp = self._open.pop(step)
+        if warm is not None:
+            from tierflow.checkpoint.warm import warm_name
+
+            (tmp / warm_name(self.rank)).write_text(json.dumps(warm, sort_keys=True))
+        entries = part_files(tmp)
+        for entry in entries:
+            fsync_file(tmp / entry.name)
+        part = encode_part(step, self.rank, entries)
+        write_durably(tmp / part_name(self.rank), part)
+        self._part_hash[step] = xxhash.xxh3_128_hexdigest(part)
+        if self.world_size == 1:
+            write_durably(tmp / COMMIT_NAME, encode_commit(step, {0: self._part_hash[step]}))
+        for directory, _, _ in os.walk(tmp):
+            fsync_dir(Path(directory))
+        final = self.local / step_name(step)
+        self._install(tmp, final)
+        if self.dest is not None:
+            self._submit(step, final)
+        elif self.world_size == 1:
+            prune_local(self.local, None, self.keep_last, self.keep_every)
+        if self.world_size > 1:
+            self._awaiting_marker.append(step)
+        return final
+
+    def commit_async(self, step: int, after: Any = None, *, loader: Any = None,
+                     warm_batches: int = 256) -> Future[Path]:
+        """`commit` on a background thread, after `after` (e.g. `dcp.async_save`'s future) is done,
+        so neither the write nor fsync and hashing hold up the loop. The warm record is taken
+        now, at the cursor that was saved. Single-rank jobs only: the multi-rank marker needs
+        collectives on the training thread."""
+        if self.world_size > 1:
+            raise ValueError("commit_async is for single-rank jobs; with several ranks call commit")
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-ckpt-commit")
+
+        warm = _warm_record(loader, warm_batches)
+
+        def run() -> Path:
+            if after is not None:
+                after.result()
+            return self._commit(step, warm)
+
+        return self._committer.submit(run)
+
+    def _install(self, tmp: Path, final: Path) -> None:
+        """The atomic switch: rename the whole directory, or (the step exists: another rank's part,
+        or a crashed earlier try) move file by file with this rank's part manifest last."""
+        try:
+            os.rename(tmp, final)
+            fsync_dir(self.local)
+            return
+        except OSError:
+            if not final.is_dir():
+                raise
+        if self.world_size == 1:
+            (final / COMMIT_NAME).unlink(missing_ok=True)  # the step stops being a checkpoint first
+        last = {part_name(self.rank): 1, COMMIT_NAME: 2}
+        names = sorted((p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file()),
+                       key=lambda n: (last.get(n.as_posix(), 0), n.as_posix()))
+        for name in names:
+            (final / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / name, final / name)
+        for directory, _, _ in os.walk(final):
+            fsync_dir(Path(directory))
+        shutil.rmtree(tmp, ignore_errors=True)
+        fsync_dir(self.local)
+
+    # ------------------------------------------------------------ the uploader process
+    def _submit(self, step: int, final: Path) -> None:
+        proc = self._uploader()
+        job = {"step": step, "rank": self.rank, "dir": str(final), "dest": self.dest,
+               "endpoint_url": self.endpoint_url, "budget": _budget_spec(self.budget),
+               "marker": self.world_size == 1, "local": str(self.local),
+               "keep_last": self.keep_last, "keep_every": self.keep_every}
+        with self._lock:
+            self._pending[step] = threading.Event()
+            self._results.pop(step, None)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.flush()
+
+    def _uploader(self) -> subprocess.Popen[str]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        import tierflow
+
+        env = dict(os.environ)
+        root = str(Path(tierflow.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen([sys.executable, "-m", "tierflow.checkpoint.uploader"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env=env)
+        threading.Thread(target=self._read_answers, args=(self._proc,), daemon=True,
+                         name="tierflow-ckpt-answers").start()
+        return self._proc
+
+    def _read_answers(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                self._results[int(answer["step"])] = answer
+                event = self._pending.pop(int(answer["step"]), None)
+            self.last_upload = answer
+            if event is not None:
+                event.set()
+        with self._lock:  # the uploader died: nothing pending will ever be answered
+            for step, event in self._pending.items():
+                self._results[step] = {"step": step, "ok": False, "error": f"uploader exited ({proc.wait()})"}
+                event.set()
+            self._pending.clear()
+
+    def uploading(self) -> list[int]:
+        """Steps whose upload has not finished yet."""
+        with self._lock:
+            return sorted(self._pending)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued upload has finished (raise if one failed); with several ranks,
+        then agree across ranks and let rank 0 write the commit markers (a collective)."""
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)  # background commits first: they queue uploads
+            self._committer = None
+        with self._lock:
+            events = list(self._pending.items())
+        for step, event in events:
+            if not event.wait(timeout):
+                raise TimeoutError(f"checkpoint step {step}: upload still running after {timeout} s")
+        failed = [r for r in (self._results.get(s) for s, _ in events) if r and not r.get("ok")]
+        if self.world_size > 1:
+            self._settle_markers()
+        if failed:
+            raise CheckpointError(f"{self.dest}/{step_name(failed[0]['step'])}",
+                                  f"upload failed: {failed[0].get('error')}")
+
+    def _settle_markers(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        for step in list(self._awaiting_marker):
+            result = self._results.get(step)
+            mine_ok = self.dest is None or bool(result and result.get("ok"))
+            flag = torch.tensor([int(mine_ok)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)  # the barrier: every part is up
+            hashes: list[Any] = [None] * self.world_size
+            dist.all_gather_object(hashes, (self.rank, self._part_hash.get(step)), group=self.group)
+            self._awaiting_marker.remove(step)
+            if not int(flag.item()):
+                continue  # some rank's part is not at the destination: the step stays uncommitted
+            marker = encode_commit(step, {int(r): str(h) for r, h in hashes})
+            final = self.local / step_name(step)
+            if final.is_dir():
+                write_durably(final / COMMIT_NAME, marker)
+            if self.rank == 0 and self.dest is not None:
+                source = self._dest()
+                tmp = final / f".tmp-marker-{os.getpid()}"
+                tmp.write_bytes(marker)
+                try:
+                    source.upload(tmp, f"{step_name(step)}/{COMMIT_NAME}", priority="high")
+                finally:
+                    tmp.unlink(missing_ok=True)
+                prune_remote(source, self.keep_last, self.keep_every)
+            dist.barrier(group=self.group)  # the marker is up before any rank prunes its local copies
+            prune_local(self.local, self._dest() if self.dest is not None else None, self.keep_last,
+                        self.keep_every)
+
+    def _dest(self) -> Any:
+        if self._source is None:
+            if self.dest is None:
+                raise CheckpointError(str(self.local), "no destination configured")
+            self._source = open_dest(self.dest, self.endpoint_url)
+        return self._source
+
+    # ------------------------------------------------------------ reading
+    def local_steps(self) -> list[int]:
+        """Steps with a directory here (committed or not; temporaries are never listed)."""
+        return sorted(s for s in (parse_step(p.name) for p in self.local.iterdir() if p.is_dir()) if s is not None)
+
+    def remote_steps(self) -> dict[int, bool]:
+        """Steps at the destination -> committed (marker present)."""
+        return remote_steps(self._dest()) if self.dest is not None else {}
+
+    def verify(self, step: int, deep: bool = True) -> StepReport:
+        """The local copy's report when it is whole, else the destination's."""
+        local = verify_local(self.local / step_name(step), step, deep)
+        if local.ok or self.dest is None:
+            return local
+        return verify_remote(self._dest(), step, deep)
+
+    def latest(self, deep: bool = True) -> int | None:
+        """The newest step whose marker exists and whose files match it, here or at the
+        destination (`deep`: every checksum, which reads every byte of remote candidates)."""
+        candidates = set(self.local_steps())
+        if self.dest is not None:
+            candidates |= {s for s, done in self.remote_steps().items() if done}
+        for step in sorted(candidates, reverse=True):
+            if self.verify(step, deep).ok:
+                return step
+        return None
+
+    def load(self, step: int | None = None) -> Path:
+        """A verified local directory of `step` (default: latest), downloaded when only the
+        destination has it whole. Raises CheckpointError naming the first bad file."""
+        if step is None:
+            step = self.latest(deep=False)
+            if step is None:
+                raise CheckpointError(self.dest or str(self.local), "no committed checkpoint")
+        final = self.local / step_name(step)
+        local = verify_local(final, step, deep=True)
+        if local.ok:
+            return final
+        if self.dest is None:
+            raise CheckpointError(str(final), "; ".join(local.problems))
+        return self._download(step, final)
+
+    def _download(self, step: int, final: Path) -> Path:
+        source = self._dest()
+        report = verify_remote(source, step, deep=False)
+        if not report.ok:
+            raise CheckpointError(f"{source.url.rstrip('/')}/{step_name(step)}", "; ".join(report.problems))
+        tmp = self.local / f".tmp-load-{step_name(step)}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        prefix = step_name(step)
+        marker = decode(source.read_bytes(f"{prefix}/{COMMIT_NAME}"), f"{prefix}/{COMMIT_NAME}")
+        try:
+            for rank in sorted(int(r) for r in marker["parts"]):
+                raw = source.read_bytes(f"{prefix}/{part_name(rank)}")
+                for entry in part_entries(decode(raw, part_name(rank)), part_name(rank)):
+                    target = tmp / entry.name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    source.download(f"{prefix}/{entry.name}", target, entry.size, priority="high")
+                    if hash_file(target) != entry.xxh3:
+                        raise CheckpointError(f"{source.url.rstrip('/')}/{prefix}/{entry.name}",
+                                              f"checksum mismatch (xxh3 {entry.xxh3} expected)")
+                (tmp / part_name(rank)).write_bytes(raw)
+            (tmp / COMMIT_NAME).write_bytes(source.read_bytes(f"{prefix}/{COMMIT_NAME}"))
+            for directory, _, files in os.walk(tmp):
+                for file in files:
+                    fsync_file(Path(directory, file))
+                fsync_dir(Path(directory))
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_dir(self.local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def restore_warm(self, step: int, loader: Any, stack: Any = None, batches: int | None = None) -> int:
+        """Pre-stage, before the first step on a fresh node, the shards the loader's next batches
+        need (recorded at commit, else derived from the loader's cursor); returns shards staged."""
+        from tierflow.checkpoint.warm import restore_warm
+
+        return restore_warm(self.load(step), loader, stack=stack, batches=batches, rank=self.rank)
+
+    def prune(self) -> list[int]:
+        """Apply retention now (at the destination, then here); returns the removed steps (the
+        destination's, or the local ones when there is no destination)."""
+        if self.dest is None:
+            return prune_local(self.local, None, self.keep_last, self.keep_every)
+        removed = prune_remote(self._dest(), self.keep_last, self.keep_every)
+        prune_local(self.local, self._dest(), self.keep_last, self.keep_every)
+        return removed
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the uploader after the jobs in hand (`wait`), or at once."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if wait:
+            self.wait()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        if not wait:
+            proc.kill()
+        proc.wait()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(wait=exc[0] is None)
+
+
+def _distributed(group: Any) -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 0, 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _warm_record(loader: Any, batches: int) -> dict[str, Any] | None:
+    if loader is None:
+        return None
+    from tierflow.checkpoint.warm import warm_state
+
+    return warm_state(loader, batches)
+
+
+def _budget_spec(budget: BandwidthBudget | None) -> dict[str, Any] | None:
+    """What the uploader needs to open the same shared bucket (its file) in its own process."""
+    if budget is None or budget.unlimited:
+        return None
+    return {"rate": budget.rate, "path": str(budget.path), "burst": budget.burst, "reserve": budget.reserve}

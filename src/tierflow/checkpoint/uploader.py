@@ -1,0 +1,72 @@
+"""The background uploader: a separate process that copies committed steps to the destination.
+
+A process, not a thread, so hashing-free but CPU-bound client work (TLS, multipart framing) never
+takes the training process's GIL. It reads one JSON job per line on stdin and answers one JSON
+line per job on stdout. Every byte goes through the node's bandwidth budget at low priority, so
+training reads keep theirs; a step's files go first, its part manifest after them, and (for a
+single-rank job) the commit marker last, then retention runs. When its parent dies it finishes
+the job in hand and exits at end of input: a step committed just before a crash still arrives.
+
+    python -m tierflow.checkpoint.uploader     # started by CheckpointStore, not by hand
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tierflow.checkpoint.manifest import COMMIT_NAME, decode, part_entries, part_name, step_name
+from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote
+from tierflow.storage.budget import BandwidthBudget
+
+
+def budget_from(spec: dict[str, Any] | None) -> BandwidthBudget | None:
+    """The training process's budget, reopened here (the same shared file, so the same bucket)."""
+    if not spec or spec.get("rate") is None:
+        return None
+    return BandwidthBudget(spec["rate"], spec["path"], int(spec["burst"]), reserve=spec["reserve"])
+
+
+def upload_part(job: dict[str, Any]) -> dict[str, Any]:
+    """Copy one rank's part of a step: files, then the part manifest, then (world size 1) the marker."""
+    started = time.perf_counter()
+    step, rank = int(job["step"]), int(job["rank"])
+    step_dir = Path(job["dir"])
+    source = open_dest(job["dest"], job.get("endpoint_url"), budget_from(job.get("budget")))
+    prefix = step_name(step)
+    manifest = step_dir / part_name(rank)
+    entries = part_entries(decode(manifest.read_bytes(), str(manifest)), str(manifest))
+    sent = 0
+    for entry in entries:
+        source.upload(step_dir / entry.name, f"{prefix}/{entry.name}", priority="low")
+        sent += entry.size
+    source.upload(manifest, f"{prefix}/{manifest.name}", priority="low")
+    pruned: list[int] = []
+    if job.get("marker"):
+        source.upload(step_dir / COMMIT_NAME, f"{prefix}/{COMMIT_NAME}", priority="low")
+        pruned = prune_remote(source, job.get("keep_last"), job.get("keep_every"))
+        prune_local(Path(job["local"]), source, job.get("keep_last"), job.get("keep_every"))
+    seconds = time.perf_counter() - started
+    return {"step": step, "ok": True, "bytes": sent, "seconds": seconds, "pruned": pruned}
+
+
+def main() -> int:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        try:
+            answer = upload_part(job)
+        except Exception as exc:  # noqa: BLE001 - reported to the store, which raises it in wait()
+            answer = {"step": job.get("step"), "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                      "trace": traceback.format_exc(limit=5)}
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

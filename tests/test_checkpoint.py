@@ -1,0 +1,220 @@
+"""Checkpoints (tierflow.checkpoint), the fast set: one process, real files, the moto S3 server.
+
+The multi-process and SIGKILL tests are in tests/test_checkpoint_kill.py (marked slow).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+import tierflow
+from tierflow.checkpoint import COMMIT_NAME, CheckpointError, CheckpointStore, LoaderState, step_name
+from tierflow.commands.cli import main as cli_main
+from tierflow.errors import TierflowError
+
+from ckpt_rig import inputs, make_token_dataset
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_token_dataset(tmp_path_factory.mktemp("ckpt-data"))
+
+
+def _files(step_dir: Path, n: int = 3, size: int = 4096) -> None:
+    for i in range(n):
+        (step_dir / f"part{i}.bin").write_bytes(bytes([i]) * size)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_loader_state_commits_with_dcp_and_resumes_the_exact_stream(tokens: Path, tmp_path: Path, mode: str) -> None:
+    """The cursor saved through DCP beside the model loads back as the identical dict, and the
+    resumed loader yields the very input tensors the uninterrupted run yields next."""
+    loader = tierflow.open_loader(tokens, batch_size=4, seq_len=32)
+    model = torch.nn.Linear(4, 2)
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local")
+    stream = iter(loader)
+    for _ in range(6):
+        next(stream)
+    saved_state = loader.state_dict()
+    step_dir = store.begin(6)
+    state = {"model": model.state_dict(), "loader": LoaderState(loader)}
+    if mode == "sync":
+        dcp.save(state, checkpoint_id=step_dir)
+    else:
+        dcp.async_save(state, checkpoint_id=step_dir).result()
+    store.commit(6)
+    expected = [inputs(next(stream)) for _ in range(5)]
+    loader.close()
+    store.wait()
+    store.close()
+
+    fresh = CheckpointStore(tmp_path / "dest", tmp_path / "fresh-node")
+    assert fresh.latest() == 6
+    resumed = tierflow.open_loader(tokens, batch_size=4, seq_len=32)
+    adapter = LoaderState(resumed)
+    assert isinstance(adapter, Stateful)  # DCP calls state_dict/load_state_dict on it
+    other = torch.nn.Linear(4, 2)
+    target = {"model": other.state_dict(), "loader": adapter}
+    dcp.load(target, checkpoint_id=fresh.load(6))
+    other.load_state_dict(target["model"])
+    assert adapter.loaded == saved_state
+    assert torch.equal(other.weight, model.weight)
+    again = iter(resumed)
+    got = [inputs(next(again)) for _ in range(5)]
+    resumed.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_step_is_visible_only_once_committed(tmp_path: Path) -> None:
+    """begin() gives a temporary that is never listed; commit() makes the whole step appear."""
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local")
+    step_dir = store.begin(3)
+    _files(step_dir)
+    assert step_dir.name.startswith(".tmp-")
+    assert store.local_steps() == [] and store.latest() is None
+    final = store.commit(3)
+    assert final == tmp_path / "local" / step_name(3)
+    assert (final / COMMIT_NAME).is_file() and not step_dir.exists()
+    assert store.latest() == 3  # locally, before the upload is known to be done
+    store.wait()
+    assert store.remote_steps() == {3: True}
+    part = json.loads((tmp_path / "dest" / step_name(3) / "tierflow-part-0.json").read_text())
+    assert [f["name"] for f in part["files"]] == ["part0.bin", "part1.bin", "part2.bin"]
+    store.close()
+
+
+def test_leftovers_of_a_crash_are_never_a_checkpoint(tmp_path: Path) -> None:
+    """A step directory without a marker, a half-moved step and temporaries are skipped."""
+    store = CheckpointStore(None, tmp_path / "local")
+    _files(store.begin(1))
+    store.commit(1)
+    partial = tmp_path / "local" / step_name(2)
+    partial.mkdir()
+    _files(partial)  # files moved in, the manifest never written
+    stale = tmp_path / "local" / f".tmp-{step_name(3)}-rank0-999999"
+    stale.mkdir()
+    _files(stale)
+    assert store.local_steps() == [1, 2]
+    assert store.latest() == 1
+    with pytest.raises(CheckpointError, match="not committed"):
+        store.load(2)
+
+
+def test_s3_upload_with_retention_and_a_fresh_node_load(s3_server, s3_bucket: str, tmp_path: Path) -> None:
+    """Uploads to moto S3 through storage/remote.py; keep_last/keep_every prune both sides; a
+    fresh node downloads and verifies the newest step."""
+    dest = f"s3://{s3_bucket}/run/ckpt"
+    store = CheckpointStore(dest, tmp_path / "local", keep_last=2, keep_every=3,
+                            endpoint_url=s3_server.endpoint_url)
+    for step in range(1, 7):
+        _files(store.begin(step), size=1000 + step)
+        store.commit(step)
+    store.wait()
+    assert store.remote_steps() == {3: True, 5: True, 6: True}
+    assert set(store.local_steps()) <= {3, 5, 6}
+    store.close()
+    fresh = CheckpointStore(dest, tmp_path / "fresh", endpoint_url=s3_server.endpoint_url)
+    assert fresh.latest() == 6
+    path = fresh.load(6)
+    assert (path / "part1.bin").read_bytes() == bytes([1]) * 1006
+    assert fresh.verify(6).ok and fresh.local_steps() == [6]
+
+
+def test_a_flipped_byte_is_named_and_skipped(tmp_path: Path) -> None:
+    """verify() and load() name the corrupt file (a TierflowError); latest() falls back a step."""
+    dest = tmp_path / "dest"
+    store = CheckpointStore(dest, tmp_path / "local")
+    for step in (1, 2):
+        _files(store.begin(step))
+        store.commit(step)
+    store.close()
+    victim = dest / step_name(2) / "part1.bin"
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    fresh = CheckpointStore(dest, tmp_path / "fresh")
+    report = fresh.verify(2)
+    assert not report.ok and "part1.bin" in report.problems[0]
+    with pytest.raises(CheckpointError, match="part1.bin") as caught:
+        fresh.load(2)
+    assert isinstance(caught.value, TierflowError)
+    assert fresh.latest() == 1
+    assert fresh.local_steps() == []  # the failed download left nothing that looks like a step
+
+
+def test_local_only_store_keeps_its_retention(tmp_path: Path) -> None:
+    """Without a destination the local directory is the store: keep_last/keep_every apply there."""
+    store = CheckpointStore(None, tmp_path / "local", keep_last=2, keep_every=2)
+    for step in range(1, 6):
+        _files(store.begin(step), n=1)
+        store.commit(step)
+    assert store.local_steps() == [2, 4, 5] and store.latest() == 5
+
+
+def test_commit_async_waits_for_the_writer_then_commits(tmp_path: Path) -> None:
+    """commit_async(after=future) commits only once the write (e.g. dcp.async_save) is done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local")
+    step_dir = store.begin(7)
+    with ThreadPoolExecutor(1) as pool:
+        written = pool.submit(lambda: (step_dir / "model.bin").write_bytes(b"m" * 100_000))
+        assert store.commit_async(7, after=written).result() == tmp_path / "local" / step_name(7)
+    store.wait()
+    assert store.remote_steps() == {7: True} and store.verify(7).ok
+    store.close()
+
+
+def test_a_failed_upload_is_raised_by_wait_and_the_local_copy_stays(s3_server, tmp_path: Path) -> None:
+    """The uploader's error (here: no such bucket) comes back as a CheckpointError from wait();
+    the step stays whole locally, so the run can go on and retry."""
+    store = CheckpointStore("s3://tierflow-no-such-bucket/ck", tmp_path / "local",
+                            endpoint_url=s3_server.endpoint_url)
+    _files(store.begin(1), n=1)
+    store.commit(1)
+    with pytest.raises(CheckpointError, match="upload failed"):
+        store.wait()
+    assert store.local_steps() == [1] and store.verify(1).ok
+    store.close(wait=False)
+
+
+def test_recommitting_a_step_after_a_crash_replaces_it(tmp_path: Path) -> None:
+    """A step directory left by a crashed commit is replaced file by file, manifest last."""
+    store = CheckpointStore(None, tmp_path / "local")
+    (tmp_path / "local" / step_name(5)).mkdir()
+    (tmp_path / "local" / step_name(5) / "part0.bin").write_bytes(b"old")
+    _files(store.begin(5))
+    store.commit(5)
+    assert store.verify(5).ok and store.latest() == 5
+
+
+def test_cli_ls_verify_prune(s3_server, s3_bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tierflow ckpt ls|verify|prune DEST` on S3: lists steps, names a bad file (exit 1), prunes."""
+    dest = f"s3://{s3_bucket}/ck"
+    store = CheckpointStore(dest, tmp_path / "local", keep_last=None, endpoint_url=s3_server.endpoint_url)
+    for step in (10, 20, 30):
+        _files(store.begin(step))
+        store.commit(step)
+    store.close()
+    endpoint = ["--endpoint-url", s3_server.endpoint_url]
+    assert cli_main(["ckpt", "ls", dest, *endpoint]) == 0
+    listed = capsys.readouterr().out
+    assert all(str(s) in listed for s in (10, 20, 30)) and "committed" in listed
+    assert cli_main(["ckpt", "verify", dest, *endpoint]) == 0
+    capsys.readouterr()
+    s3 = s3_server.endpoint.boto3_client()
+    s3.put_object(Bucket=s3_bucket, Key=f"ck/{step_name(20)}/part2.bin", Body=b"\x07" * 4096)  # same size
+    assert cli_main(["ckpt", "verify", dest, *endpoint]) == 1
+    assert f"{step_name(20)}/part2.bin" in capsys.readouterr().err
+    assert cli_main(["ckpt", "prune", dest, "--keep-last", "1", *endpoint]) == 0
+    capsys.readouterr()
+    remote = CheckpointStore(dest, tmp_path / "other", endpoint_url=s3_server.endpoint_url).remote_steps()
+    assert remote == {30: True}
