@@ -82,6 +82,19 @@ class SourceNotFound(SourceError, FileNotFoundError):
     """The object does not exist; never retried."""
 
 
-__all__ = ["BatchOrderError", "CursorError", "CursorFormatError", "CursorMismatchError", "FetchError",
-           "ManifestError", "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound",
+class CheckpointError(TierflowError, IOError):
+    """A checkpoint step is missing, incomplete or does not match its manifest; names the file.
+    `CheckpointError(message)` alone is a whole message (as a DataLoader rebuilds it)."""
+
+    def __init__(self, where: str, reason: str | None = None) -> None:
+        self.where = where
+        self.reason = reason
+        super().__init__(where if reason is None else f"{where}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.where, self.reason))
+
+
+__all__ = ["BatchOrderError", "CheckpointError", "CursorError", "CursorFormatError", "CursorMismatchError",
+           "FetchError", "ManifestError", "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound",
            "TierflowError"]

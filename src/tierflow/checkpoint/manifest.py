@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import xxhash
 
-from tierflow.errors import TierflowError
+from tierflow.errors import CheckpointError
 
 STEP_PREFIX = "step-"
 COMMIT_NAME = "tierflow-commit.json"
@@ -28,18 +28,6 @@ PART_PATTERN = re.compile(r"^tierflow-part-(\d+)\.json$")
 STEP_PATTERN = re.compile(r"^step-(\d{8,})$")
 FORMAT = "tierflow-checkpoint/1"
 HASH_CHUNK = 8 << 20
-
-
-class CheckpointError(TierflowError, IOError):
-    """A checkpoint step is missing, incomplete or does not match its manifest; names the file."""
-
-    def __init__(self, where: str, reason: str) -> None:
-        self.where = where
-        self.reason = reason
-        super().__init__(f"{where}: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.where, self.reason))
 
 
 def step_name(step: int) -> str:

@@ -5,7 +5,6 @@ request counts are the same as for shards. Used by the uploader process, the sto
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
@@ -14,7 +13,7 @@ import xxhash
 
 from tierflow.checkpoint.manifest import (COMMIT_NAME, HASH_CHUNK, StepReport, parse_step, step_name,
                                           verify_step)
-from tierflow.storage.remote import LocalSource, RetryingSource, S3Source, open_source
+from tierflow.storage.remote import RetryingSource, open_source
 from tierflow.errors import SourceNotFound
 
 
@@ -65,24 +64,10 @@ def verify_remote(source: RetryingSource, step: int, deep: bool = True) -> StepR
 
 
 def delete_objects(source: RetryingSource, names: Iterable[str]) -> int:
-    """Delete objects of a source (its protocol has no delete: retention is the only deleter)."""
+    """Delete objects of a source (retention is the only deleter of checkpoints)."""
     names = list(names)
-    if not names:
-        return 0
-    if isinstance(source, LocalSource):
-        for name in names:
-            path = source.root / name
-            path.unlink(missing_ok=True)
-            _remove_empty_parents(path.parent, source.root)
-    elif isinstance(source, S3Source):
-        import obstore
-
-        for start in range(0, len(names), 1000):
-            obstore.delete(source.store, names[start:start + 1000])
-    else:
-        fs = source.fs  # type: ignore[attr-defined]
-        root = source.url.split("://", 1)[-1].rstrip("/")
-        fs.rm([f"{root}/{n}" for n in names])
+    for name in names:
+        source.delete(name)
     return len(names)
 
 
@@ -144,11 +129,3 @@ def prune_local(local: Path, source: RetryingSource | None, keep_last: int | Non
         shutil.rmtree(local / step_name(step), ignore_errors=True)
     return sorted(doomed)
 
-
-def _remove_empty_parents(path: Path, root: Path) -> None:
-    while path != root and root in path.parents:
-        try:
-            os.rmdir(path)
-        except OSError:
-            return
-        path = path.parent

@@ -393,7 +393,15 @@ class LocalSource(RetryingSource):
         return found
 
     def _delete(self, key: str) -> None:
-        self._path(key).unlink()
+        path = self._path(key)
+        path.unlink()
+        parent = path.parent  # an object store has no folders: one emptied by a delete goes too
+        while parent != self.root and self.root in parent.parents:
+            try:
+                parent.rmdir()
+            except OSError:
+                return
+            parent = parent.parent
 
     def _transient(self, exc: BaseException) -> bool:
         if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError)):
