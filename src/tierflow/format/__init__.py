@@ -1,1 +1,12 @@
-"""tierflow.format"""
+"""tierflow.format: the open on-disk format (Arrow IPC shards + one JSON manifest) and reading it
+by sample or token (docs/format.md). Depends on nothing else of tierflow but errors (and storage,
+lazily, to open a URL)."""
+
+from tierflow.errors import ManifestError, ShardCorruptError
+from tierflow.format.dataset import Dataset, DirectorySource, ShardSource, open_dataset
+from tierflow.format.index import DatasetIndex
+from tierflow.format.manifest import Manifest
+from tierflow.format.shard import Form, ShardInfo, verify_shard
+
+__all__ = ["Dataset", "DatasetIndex", "DirectorySource", "Form", "Manifest", "ManifestError", "ShardCorruptError",
+           "ShardInfo", "ShardSource", "open_dataset", "verify_shard"]
