@@ -35,7 +35,7 @@ from tierflow.commands.bench import steps_per_second
 from tierflow.testing import ProxyProcess
 from tierflow.tiers import TierConfig, build_stack
 from _harness import s3_rig, spread
-from warm import WarmL1Source, warm_l1
+from warm import remove_l1, warm_dataset, warm_l1
 
 SEQ_LEN = 2048
 BATCH = 8
@@ -54,10 +54,11 @@ def make_dataset(root: Path, tokens: int) -> str:
     return str(root / "ds")
 
 
+L1: list = []  # the warmed L1 tier's config, once made
+
+
 def dataset(path: str) -> TieredDataset:
-    decoded = Path(path).parent / "l1"
-    return TieredDataset(path, batch_size=BATCH, seq_len=SEQ_LEN, partitions=8,
-                         shard_source_factory=lambda: WarmL1Source(decoded))
+    return warm_dataset(path, L1[0], batch_size=BATCH, seq_len=SEQ_LEN, partitions=8)
 
 
 def tierflow_round(path: str, workers: int, steps: int, step_s: float,
@@ -258,29 +259,36 @@ def main() -> None:
         plan = {k: max(8, v // 3) for k, v in plan.items()}
     with tempfile.TemporaryDirectory() as tmp:
         path = make_dataset(Path(tmp), 24 << 20)
-        warm_l1(path)
-        preloaded = preload(path, max(plan.values()) + 2)
-        print(f"dataset: {tierflow.open_dataset(path)!r}; batch {BATCH} x {SEQ_LEN + 1} tokens (uint16)")
-        print(f"{'workers':>7} {'step ms':>7} {'tierflow steps/s':>24} {'dry run steps/s':>24} {'ratio':>6} "
-              f"{'target':>6} {'first batch ms':>14}")
-        for workers in (0, 2):
-            for step_s, steps in plan.items():
-                ours, dry, firsts = [], [], []
-                for _ in range(rounds):
-                    rate, first = tierflow_round(path, workers, steps, step_s, background)
-                    ours.append(rate)
-                    firsts.append(first * 1e3)
-                    dry.append(steps_per_second(preloaded, steps, step_s)[0])
-                ratio = statistics.median(ours) / statistics.median(dry)
-                target = 0.9 if step_s < 0.005 else 0.95
-                print(f"{workers:>7} {step_s * 1e3:>7.0f} {spread(ours):>24} {spread(dry):>24} {ratio:>6.3f} "
-                      f"{'met' if ratio >= target else 'MISSED':>6} {statistics.median(firsts):>14.0f}")
-        print()
-        print(f"{'workers':>7} {'samples/s':>12} {'us/batch':>10} {'CPU us/batch':>13}  (raw, no step; median of {rounds})")
-        for workers in (0, 2):
-            runs = [raw_speed(path, workers, 400 if not args.quick else 100, background) for _ in range(rounds)]
-            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            print(f"{workers:>7} {med['samples_per_s']:>12.0f} {med['us_per_batch']:>10.0f} {med['cpu_us_per_batch']:>13.0f}")
+        L1.append(warm_l1(path))
+        try:
+            measure(path, plan, rounds, background, 100 if args.quick else 400)
+        finally:
+            remove_l1(L1[0])
+
+
+def measure(path: str, plan: dict[float, int], rounds: int, background: bool | None, raw_batches: int) -> None:
+    preloaded = preload(path, max(plan.values()) + 2)
+    print(f"dataset: {tierflow.open_dataset(path)!r}; batch {BATCH} x {SEQ_LEN + 1} tokens (uint16)")
+    print(f"{'workers':>7} {'step ms':>7} {'tierflow steps/s':>24} {'dry run steps/s':>24} {'ratio':>6} "
+          f"{'target':>6} {'first batch ms':>14}")
+    for workers in (0, 2):
+        for step_s, steps in plan.items():
+            ours, dry, firsts = [], [], []
+            for _ in range(rounds):
+                rate, first = tierflow_round(path, workers, steps, step_s, background)
+                ours.append(rate)
+                firsts.append(first * 1e3)
+                dry.append(steps_per_second(preloaded, steps, step_s)[0])
+            ratio = statistics.median(ours) / statistics.median(dry)
+            target = 0.9 if step_s < 0.005 else 0.95
+            print(f"{workers:>7} {step_s * 1e3:>7.0f} {spread(ours):>24} {spread(dry):>24} {ratio:>6.3f} "
+                  f"{'met' if ratio >= target else 'MISSED':>6} {statistics.median(firsts):>14.0f}")
+    print()
+    print(f"{'workers':>7} {'samples/s':>12} {'us/batch':>10} {'CPU us/batch':>13}  (raw, no step; median of {rounds})")
+    for workers in (0, 2):
+        runs = [raw_speed(path, workers, raw_batches, background) for _ in range(rounds)]
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(f"{workers:>7} {med['samples_per_s']:>12.0f} {med['us_per_batch']:>10.0f} {med['cpu_us_per_batch']:>13.0f}")
 
 
 if __name__ == "__main__":

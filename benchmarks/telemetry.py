@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader
+from tierflow.tiers import TierConfig
 from tierflow.loader.device_feed import DeviceFeed
 from tierflow.commands.bench import steps_per_second
 from tierflow.telemetry.metrics import MetricsRegistry
 from _harness import round_order, spread
-from warm import WarmL1Source, warm_l1
+from warm import remove_l1, warm_dataset, warm_l1
 
 REPEATS = 5
 NUMBER = 200_000
@@ -116,7 +117,7 @@ def main() -> None:
         print(f"{label:<28}{share:16.3%}{'2%':>8}{'yes' if share <= 0.02 else 'NO':>6}")
 
 
-def warm_token_dataset(root: Path) -> tuple[Path, Path]:
+def warm_token_dataset(root: Path) -> tuple[Path, TierConfig]:
     """A packed token dataset and its shards decoded next to it (the warm cache)."""
     rng = np.random.default_rng(0)
     with open(root / "docs.jsonl", "w") as f:
@@ -127,10 +128,9 @@ def warm_token_dataset(root: Path) -> tuple[Path, Path]:
     return root / "ds", warm_l1(root / "ds")
 
 
-def timed_round(path: Path, decoded: Path, telemetry: bool, batches: int, step_s: float) -> float:
+def timed_round(path: Path, l1: TierConfig, telemetry: bool, batches: int, step_s: float) -> float:
     """Batches/s of a loop with a `step_s` sleep, timed from the first batch (start-up excluded)."""
-    dataset = TieredDataset(str(path), batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4,
-                            shard_source_factory=lambda: WarmL1Source(decoded))
+    dataset = warm_dataset(path, l1, batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4)
     loader = Loader(dataset, "cpu", telemetry=telemetry)
     try:
         return steps_per_second(loader, batches, step_s)[0]
@@ -146,27 +146,34 @@ def loader_on_vs_off(rounds: int = 7) -> None:
     """
     plan = {0.0: 2000, 0.002: 400}
     with tempfile.TemporaryDirectory() as tmp:
-        path, decoded = warm_token_dataset(Path(tmp))
-        timed_round(path, decoded, True, 50, 0.0)  # warm page cache and imports
-        print()
-        print(f"loader throughput, telemetry on (default) vs Loader(telemetry=False); warm decoded local shards, "
-              f"batch {LOADER_BATCH} x {LOADER_SEQ_LEN + 1} tokens, main process; {rounds} alternating rounds; "
-              f"median (min-max)")
-        print(f"{'step ms':>7} {'batches':>7} {'on batches/s':>24} {'off batches/s':>24} {'on/off per round':>24} "
-              f"{'cost':>6} {'<2%':>4}")
-        for step_s, batches in plan.items():
-            rates: dict[bool, list[float]] = {True: [], False: []}
-            ratios = []
-            for r in range(rounds):
-                got = {on: timed_round(path, decoded, on, batches, step_s) for on in round_order(r, (True, False))}
-                for on, rate in got.items():
-                    rates[on].append(rate)
-                ratios.append(got[True] / got[False])
-            cost = 1 - statistics.median(ratios)
-            print(f"{step_s * 1e3:>7.0f} {batches:>7} {spread(rates[True], '.0f'):>24} "
-                  f"{spread(rates[False], '.0f'):>24} {spread(ratios, '.3f'):>24} {cost:>6.1%} "
-                  f"{'yes' if cost < 0.02 else 'NO':>4}")
-        print("cost = 1 - median per-round on/off ratio; with no step it is the worst case (the loop is all loader)")
+        path, l1 = warm_token_dataset(Path(tmp))
+        try:
+            on_vs_off(path, l1, plan, rounds)
+        finally:
+            remove_l1(l1)
+
+
+def on_vs_off(path: Path, l1: TierConfig, plan: dict[float, int], rounds: int) -> None:
+    timed_round(path, l1, True, 50, 0.0)  # warm page cache and imports
+    print()
+    print(f"loader throughput, telemetry on (default) vs Loader(telemetry=False); warm decoded local shards, "
+          f"batch {LOADER_BATCH} x {LOADER_SEQ_LEN + 1} tokens, main process; {rounds} alternating rounds; "
+          f"median (min-max)")
+    print(f"{'step ms':>7} {'batches':>7} {'on batches/s':>24} {'off batches/s':>24} {'on/off per round':>24} "
+          f"{'cost':>6} {'<2%':>4}")
+    for step_s, batches in plan.items():
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        ratios = []
+        for r in range(rounds):
+            got = {on: timed_round(path, l1, on, batches, step_s) for on in round_order(r, (True, False))}
+            for on, rate in got.items():
+                rates[on].append(rate)
+            ratios.append(got[True] / got[False])
+        cost = 1 - statistics.median(ratios)
+        print(f"{step_s * 1e3:>7.0f} {batches:>7} {spread(rates[True], '.0f'):>24} "
+              f"{spread(rates[False], '.0f'):>24} {spread(ratios, '.3f'):>24} {cost:>6.1%} "
+              f"{'yes' if cost < 0.02 else 'NO':>4}")
+    print("cost = 1 - median per-round on/off ratio; with no step it is the worst case (the loop is all loader)")
 
 
 if __name__ == "__main__":

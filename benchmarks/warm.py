@@ -1,34 +1,39 @@
-"""A warm L1 for the loader benchmarks: every shard decoded once beforehand, memory-mapped and
-opened once per process, so a benchmark measures the loader, not staging or verification."""
+"""A warm L1 for the loader benchmarks: a real decoded tier (tmpfs when there is one) holding every
+shard before the first round, so a benchmark measures the loader reading through the tiers as a
+user's warm epoch does, not staging or verification."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
-import tierflow
-from tierflow.format.table import ShardTable
-from tierflow.format.shard import ShardInfo, decode_shard
-
-
-class WarmL1Source:
-    """A `ShardSource` over the decoded copies `warm_l1` made."""
-
-    def __init__(self, decoded: Path) -> None:
-        self.decoded = decoded
-        self._open: dict[int, ShardTable] = {}
-
-    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
-        table = self._open.get(index)
-        if table is None:
-            table = self._open[index] = ShardTable.from_ipc_file(self.decoded / info.name, memory_map=True)
-        return table
+from tierflow.loader import TieredDataset
+from tierflow.tiers import TierConfig, build_stack
 
 
-def warm_l1(path: str | Path) -> Path:
-    """Decode every shard of the dataset at `path` into `l1/` beside it; returns that folder."""
-    path = Path(path)
-    decoded = path.parent / "l1"
-    decoded.mkdir(exist_ok=True)
-    for info in tierflow.Manifest.load(path).shards:
-        decode_shard(path / info.name, decoded / info.name)
-    return decoded
+def l1_config(path: str | Path) -> TierConfig:
+    """The benchmark's L1: under /dev/shm when it exists, else beside the dataset."""
+    shm = Path("/dev/shm")
+    root = shm / f"tierflow-bench-l1-{os.getpid()}" if shm.is_dir() else Path(path).parent / "l1"
+    return TierConfig("L1", str(root), 4 << 30, policy="lru", form="decoded")
+
+
+def warm_l1(path: str | Path) -> TierConfig:
+    """Stage every shard of the dataset at `path` into the L1; returns its config."""
+    config = l1_config(path)
+    warmed, declined = build_stack(str(path), [config]).warm()
+    if declined:
+        raise RuntimeError(f"the benchmark L1 declined {declined} of {warmed + declined} shards")
+    return config
+
+
+def warm_dataset(path: str | Path, l1: TierConfig, **options: Any) -> TieredDataset:
+    """A TieredDataset reading `path` through the warmed L1."""
+    return TieredDataset(build_stack(str(path), [l1]).dataset(), **options)
+
+
+def remove_l1(l1: TierConfig) -> None:
+    import shutil
+
+    shutil.rmtree(l1.path, ignore_errors=True)
