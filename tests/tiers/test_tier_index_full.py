@@ -106,7 +106,7 @@ def test_a_process_started_on_the_full_disk_opens_the_tier_and_serves_from_below
                                          sort_keys=True).encode()).hexdigest()
 
     def read(*extra: str) -> dict:
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
         done = subprocess.run([sys.executable, "-c", READER, str(small_disk / "l2"), form, str(tmp_path / "ds"),
                                *extra], capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]

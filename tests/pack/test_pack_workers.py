@@ -37,7 +37,7 @@ def test_pack_workers_die_within_seconds_of_a_sigkilled_parent(tmp_path):
     with open(tmp_path / "docs.jsonl", "w") as f:
         for i in range(40000):
             f.write(json.dumps({"id": i, "text": f"document {i}"}) + "\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
     parent = subprocess.Popen([sys.executable, "-c", SLOW_PACK, str(tmp_path / "docs.jsonl"), str(tmp_path / "out")],
                               env=env)
     workers: list[int] = []
@@ -160,7 +160,7 @@ time.sleep(60)
 @pytest.mark.slow
 def test_the_watchdog_ends_a_worker_whose_parent_was_killed():
     """The fallback where the kernel offers no parent-death signal."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
     parent = subprocess.Popen([sys.executable, "-c", WATCHED], env=env, stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     try:
