@@ -19,7 +19,9 @@ The inputs sit in the page cache (just written), so this measures CPU, not the d
 `--ray`: the Ray engine (`pack(engine="ray")`, a local cluster of 1 and 2 CPUs started before the
 clock) against the local engine with as many processes, on the same JSONL with byte tokens: MB/s,
 files/s (units/s: a JSONL is one file of 16 MB units), Ray/local ratio, the driver's peak PSS and
-the tree's peak PSS (driver, raylet, workers), and the cluster's start-up time beside it.
+the tree's peak PSS (driver, raylet, workers), and the cluster's start-up time beside it. Ray is
+timed cold (the first pack on a fresh cluster: its workers start and import tierflow) and warm
+(a second pack on the same cluster, as on a long-lived one).
 
 Run: .venv/bin/python benchmarks/pack.py            (JSONL 1 GB; memory 1 GB vs 4 GB; 3 rounds)
      .venv/bin/python benchmarks/pack.py --quick    (JSONL 200 MB; memory 600 MB vs 2.4 GB; 2 rounds)
@@ -182,7 +184,9 @@ def run_tierflow(kind: str, source: str, out: str, workers: int, tokenizer: str 
 
 
 def run_ray(source: str, out: str, workers: int, tokenizer: str | None) -> dict:
-    """A pack on a local Ray cluster of `workers` CPUs, started (and timed) before the pack's clock."""
+    """A pack on a local Ray cluster of `workers` CPUs, started (and timed) before the pack's clock:
+    the first pack on it (cold: Ray starts its worker processes and they import tierflow) and a
+    second one (warm: a long-lived cluster's case)."""
     import ray
 
     started = time.perf_counter()
@@ -190,9 +194,11 @@ def run_ray(source: str, out: str, workers: int, tokenizer: str | None) -> dict:
     startup = time.perf_counter() - started
     try:
         result = run_tierflow("jsonl", source, out, workers, tokenizer, engine="ray")
+        warm = run_tierflow("jsonl", source, out, workers, tokenizer, engine="ray")  # workers up, imports done
     finally:
         ray.shutdown()
     result["startup_seconds"] = startup
+    result["warm_seconds"] = warm["seconds"]
     return result
 
 
@@ -363,6 +369,7 @@ def ray_main(jsonl_mb: int, rounds: int, tmp: str | None) -> None:
         print(f"input: synthetic JSONL {size / 1e6:.0f} MB, byte tokens, {rounds} rounds, {os.cpu_count()} cores")
         cases = [(engine, workers) for workers in (1, 2) for engine in ("local", "ray")]
         results: dict[tuple, list[dict]] = {c: [] for c in cases}
+        rows = [(engine, workers) for workers in (1, 2) for engine in ("local", "ray", "ray warm")]
         for r, (engine, workers) in alternating(rounds, cases):
             res = run_child({"engine": "tierflow" if engine == "local" else "ray", "kind": "jsonl",
                              "source": str(jsonl), "out": str(work / "out"), "workers": workers, "tokenizer": "bytes"})
@@ -372,15 +379,17 @@ def ray_main(jsonl_mb: int, rounds: int, tmp: str | None) -> None:
                   flush=True)
         ids = {x["dataset_id"] for runs in results.values() for x in runs}
         print()
-        print(f"{'engine':6} {'workers':>7} {'MB/s median (range)':>22} {'units/s':>8} {'ray/local':>9} "
+        print(f"{'engine':8} {'workers':>7} {'MB/s median (range)':>22} {'units/s':>8} {'ray/local':>9} "
               f"{'driver PSS MiB':>14} {'tree PSS MiB':>12} {'ray start s':>11}")
-        for engine, workers in cases:
-            runs = results[(engine, workers)]
+        for engine, workers in rows:
+            runs = results[(engine.split()[0], workers)]
+            key = "warm_seconds" if engine == "ray warm" else "seconds"
+            runs = [{**x, "seconds": x[key]} for x in runs]
             mbs = [x["input_bytes"] / 1e6 / x["seconds"] for x in runs]
             base = statistics.median(x["input_bytes"] / 1e6 / x["seconds"] for x in results[("local", workers)])
             units = statistics.median(-(-x["input_bytes"] // CHUNK_BYTES) / x["seconds"] for x in runs)
             start = spread([x.get("startup_seconds") for x in runs], ".2f")
-            print(f"{engine:6} {workers:7} {spread(mbs):>22} {units:8.2f} {statistics.median(mbs) / base:9.2f} "
+            print(f"{engine:8} {workers:7} {spread(mbs):>22} {units:8.2f} {statistics.median(mbs) / base:9.2f} "
                   f"{max(x['driver_pss'] for x in runs) / 2**20:14.0f} {max(x['peak_pss'] for x in runs) / 2**20:12.0f} "
                   f"{start:>11}")
         print(f"\nsame dataset id in every run: {'yes' if len(ids) == 1 else 'NO: ' + ', '.join(sorted(ids))}")

@@ -84,36 +84,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_nodes_of_two_ranks_read_once_each_node_its_share_cold(tmp_path, s3_server, s3_bucket):
+NODES, PER_NODE = 2, 2
+
+
+@pytest.fixture
+def lake_on_s3(tmp_path, s3_server, s3_bucket, request):
     rng = np.random.default_rng(11)
     with open(tmp_path / "docs.jsonl", "w") as f:
-        for i in range(12000):
+        for i in range(getattr(request, "param", 12000)):
             n = int(rng.integers(20, 200))
             f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
     local = tmp_path / "ds"
     tierflow.pack([tmp_path / "docs.jsonl"], local, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(local, url, endpoint_url=s3_server.endpoint_url)
-    manifest = tierflow.open_dataset(local).manifest
-    n, dataset_bytes = manifest.num_samples, sum(s.bytes for s in manifest.shards)
-    nodes, per_node = 2, 2
-    steps = 3 * n // (2 * BATCH * nodes * per_node)  # into epoch 1: every partition finished epoch 0
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    return tierflow.open_dataset(local).manifest, url
+
+
+def run_job(tmp_path: Path, s3_server, url: str, tier: str, steps: int) -> tuple[list, list]:
+    """One job of NODES x PER_NODE gloo ranks, node k's ranks reaching S3 through proxy k:
+    (every rank's (ids, epochs) per step, each node's traffic)."""
     out = tmp_path / "out.json"
-    tier = f"L2={tmp_path}/nvme-{{node}}/tf:1GB:auto:at_rest"
     env = {**os.environ, **s3_server.endpoint.env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(nodes * per_node), "LOCAL_WORLD_SIZE": str(per_node), "OMP_NUM_THREADS": "1"}
+           "WORLD_SIZE": str(NODES * PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE), "OMP_NUM_THREADS": "1"}
     env.pop("AWS_ENDPOINT_URL", None)
     with LoopbackProxy(s3_server.endpoint_url) as proxy0, LoopbackProxy(s3_server.endpoint_url) as proxy1:
         proxies = [proxy0, proxy1]
         procs = []
-        for rank in range(nodes * per_node):
-            node = rank // per_node
+        for rank in range(NODES * PER_NODE):
+            node = rank // PER_NODE
             procs.append(subprocess.Popen(
-                [sys.executable, str(script), url, proxies[node].url, tier, str(out), str(steps)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "GROUP_RANK": str(node)}))
+                [sys.executable, str(tmp_path / "rank.py"), url, proxies[node].url, tier, str(out), str(steps)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "GROUP_RANK": str(node)}))
         try:
             for p in procs:
                 assert p.wait(timeout=240) == 0
@@ -121,21 +124,55 @@ def test_two_nodes_of_two_ranks_read_once_each_node_its_share_cold(tmp_path, s3_
             for p in procs:
                 p.kill()
         traffic = [p.traffic() for p in proxies]
-    gathered = json.loads(out.read_text())
+    return json.loads(out.read_text()), traffic
+
+
+def node_bytes(traffic, manifest) -> list[int]:
+    return [sum(t.response_bytes("GET", key=s.name) for s in manifest.shards) for t in traffic]
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_read_once_each_node_its_share_cold(tmp_path, s3_server, lake_on_s3):
+    manifest, url = lake_on_s3
+    n, dataset_bytes = manifest.num_samples, sum(s.bytes for s in manifest.shards)
+    steps = 3 * n // (2 * BATCH * NODES * PER_NODE)  # into epoch 1: every partition finished epoch 0
+    gathered, traffic = run_job(tmp_path, s3_server, url, f"L2={tmp_path}/nvme-{{node}}/tf:1GB:auto:at_rest", steps)
     pairs = [(i, e) for rank in gathered for ids, eps in zip(rank[0], rank[1]) for i, e in zip(ids, eps)]
     assert len(pairs) == len(set(pairs))  # never a sample twice in an epoch, across the job
     assert sorted(i for i, e in pairs if e == 0) == list(range(n))  # epoch 0: every sample once
-    for node in range(nodes):
-        fetched = {s.name for s in manifest.shards if traffic[node].response_bytes("GET", key=s.name)}
+    fetched = []
+    for node, got in enumerate(node_bytes(traffic, manifest)):
+        fetched.append({s.name for s in manifest.shards if traffic[node].response_bytes("GET", key=s.name)})
         for info in manifest.shards:  # at most one fetch of a shard per node, whichever rank or stager asked
             assert traffic[node].response_bytes("GET", key=info.name) <= info.bytes, (node, info.name)
-        got = sum(traffic[node].response_bytes("GET", key=s.name) for s in manifest.shards)
-        print(f"node {node}: {len(fetched)}/{len(manifest.shards)} shards, {got:,} B of {dataset_bytes:,} B "
-              f"({got / (dataset_bytes / nodes):.2f} x dataset/N)")
-        assert got <= 1.25 * dataset_bytes / nodes, (node, got, dataset_bytes)  # cold: its share, not all
-        assert fetched, f"node {node} fetched nothing"
+        print(f"node {node}: {len(fetched[-1])}/{len(manifest.shards)} shards, {got:,} B of {dataset_bytes:,} B "
+              f"({got / (dataset_bytes / NODES):.2f} x dataset/N)")
+        assert got <= 1.25 * dataset_bytes / NODES, (node, got, dataset_bytes)  # cold: its share, not all
         assert any((tmp_path / f"nvme-{node}" / "tf").rglob("*")), f"node {node}'s own L2 is empty"
     assert not (tmp_path / "nvme-{node}").exists()
-    shards0 = {s.name for s in manifest.shards if traffic[0].response_bytes("GET", key=s.name)}
-    shards1 = {s.name for s in manifest.shards if traffic[1].response_bytes("GET", key=s.name)}
-    assert not shards0 & shards1 and shards0 | shards1 == {s.name for s in manifest.shards}  # whole partitions
+    # whole partitions: the nodes' shards are disjoint and together the dataset
+    assert not fetched[0] & fetched[1] and fetched[0] | fetched[1] == {s.name for s in manifest.shards}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a shard the node's L2 does not keep goes to the stack's staging area, "
+                   "which is per process (tiers/stack.py: staging-<pid>), so each of a node's ranks fetches it: "
+                   "measured 1.17 x dataset/N warm at f=0.5 with 2 ranks a node, against <= 0.31")
+@pytest.mark.parametrize("lake_on_s3", [48000], indirect=True)  # ~22 shards a node: room for its windows
+def test_a_second_job_on_warm_node_caches_fetches_what_they_do_not_hold(tmp_path, s3_server, lake_on_s3):
+    manifest, url = lake_on_s3
+    n, dataset_bytes = manifest.num_samples, sum(s.bytes for s in manifest.shards)
+    fraction = 0.5  # each node's L2 holds half of its share
+    capacity = int(fraction * dataset_bytes / NODES)
+    tier = f"L2={tmp_path}/nvme-{{node}}/tf:{capacity}:auto:at_rest"
+    epoch = n // (BATCH * NODES * PER_NODE)
+    run_job(tmp_path, s3_server, url, tier, epoch)  # the first job warms the caches
+    gathered, traffic = run_job(tmp_path, s3_server, url, tier, epoch)
+    pairs = [(i, e) for rank in gathered for ids, eps in zip(rank[0], rank[1]) for i, e in zip(ids, eps)]
+    assert len(pairs) == len(set(pairs))
+    for node, got in enumerate(node_bytes(traffic, manifest)):
+        per_shard = [traffic[node].response_bytes("GET", key=s.name) / s.bytes for s in manifest.shards]
+        print(f"warm node {node}: shards fetched 0/1/2+ times: {sum(x == 0 for x in per_shard)}/"
+              f"{sum(0 < x <= 1 for x in per_shard)}/{sum(x > 1 for x in per_shard)}")
+        print(f"warm node {node}: {got:,} B, {got / (dataset_bytes / NODES):.2f} x dataset/N at f={fraction}")
+        assert got <= 1.25 * dataset_bytes / NODES * (1 - fraction), (node, got, dataset_bytes)

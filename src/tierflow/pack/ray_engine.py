@@ -83,8 +83,8 @@ class RayRunner:
                  consume: Callable[[UnitResult], None]) -> None:
         ray = _ray()
         started = not ray.is_initialized()
-        if started:
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
+        if started:  # a dashboard is for the operator's cluster, not one a pack starts for itself
+            ray.init(address=self.address, **({} if self.address else {"include_dashboard": False}))
         try:
             slots = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
             self._run(ray, units, config, slots, consume)
