@@ -89,8 +89,9 @@ class TierConfig:
         if NODE_PLACEHOLDER not in self.path:
             return self
         if node is None:
-            raise ValueError(f"tier {self.name} path {self.path!r} has {NODE_PLACEHOLDER} but no node index was given: "
-                             f"pass node= (tierflow.loader.topology.node_index()) or use open_loader")
+            raise ValueError(f"tier {self.name} path {self.path!r} has {NODE_PLACEHOLDER} but no node index is known "
+                             f"here: open_loader fills it in from GROUP_RANK / NODE_RANK, build_stack takes node=; "
+                             f"on the command line give the node's own path")
         return replace(self, path=self.path.replace(NODE_PLACEHOLDER, str(int(node))))
 
     def build(self, registry: MetricsRegistry | None = None, node: int | None = None) -> Tier:
