@@ -16,8 +16,16 @@ bounded by the shards being written (up to 2 x 256 MB of batches), so it is flat
 Every run is a fresh child process, so one run's heap never inflates the next one's figures.
 The inputs sit in the page cache (just written), so this measures CPU, not the disk.
 
+`--ray`: the Ray engine (`pack(engine="ray")`, a local cluster of 1 and 2 CPUs started before the
+clock) against the local engine with as many processes, on the same JSONL with byte tokens: MB/s,
+files/s (units/s: a JSONL is one file of 16 MB units), Ray/local ratio, the driver's peak PSS and
+the tree's peak PSS (driver, raylet, workers), and the cluster's start-up time beside it. Ray is
+timed cold (the first pack on a fresh cluster: its workers start and import tierflow) and warm
+(a second pack on the same cluster, as on a long-lived one).
+
 Run: .venv/bin/python benchmarks/pack.py            (JSONL 1 GB; memory 1 GB vs 4 GB; 3 rounds)
      .venv/bin/python benchmarks/pack.py --quick    (JSONL 200 MB; memory 600 MB vs 2.4 GB; 2 rounds)
+     .venv/bin/python benchmarks/pack.py --ray --jsonl-mb 200 --rounds 3
 """
 
 from __future__ import annotations
@@ -158,19 +166,40 @@ def run_floor(kind: str, source: str, out: str, workers: int) -> dict:
             "samples": samples}
 
 
-def run_tierflow(kind: str, source: str, out: str, workers: int, tokenizer: str | None) -> dict:
+def run_tierflow(kind: str, source: str, out: str, workers: int, tokenizer: str | None,
+                 engine: str = "local") -> dict:
     from tierflow.pack.packer import pack
 
     started = time.perf_counter()
     if kind == "jsonl":
-        summary = pack([source], out, workers=workers, tokenizer=tokenizer, overwrite=True)
+        summary = pack([source], out, workers=workers, tokenizer=tokenizer, overwrite=True, engine=engine)
     else:
         summary = pack([source], out, workers=workers, tokenizer=tokenizer, include=("*.py",),
                        exclude=STDLIB_EXCLUDE, overwrite=True)
     seconds = time.perf_counter() - started
     stats = summary.manifest.stats
     return {"seconds": seconds, "input_bytes": summary.input_bytes, "files": stats["files"],
-            "samples": stats["samples"], "shards": len(summary.manifest.shards)}
+            "samples": stats["samples"], "shards": len(summary.manifest.shards),
+            "dataset_id": summary.manifest.dataset_id}
+
+
+def run_ray(source: str, out: str, workers: int, tokenizer: str | None) -> dict:
+    """A pack on a local Ray cluster of `workers` CPUs, started (and timed) before the pack's clock:
+    the first pack on it (cold: Ray starts its worker processes and they import tierflow) and a
+    second one (warm: a long-lived cluster's case)."""
+    import ray
+
+    started = time.perf_counter()
+    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    startup = time.perf_counter() - started
+    try:
+        result = run_tierflow("jsonl", source, out, workers, tokenizer, engine="ray")
+        warm = run_tierflow("jsonl", source, out, workers, tokenizer, engine="ray")  # workers up, imports done
+    finally:
+        ray.shutdown()
+    result["startup_seconds"] = startup
+    result["warm_seconds"] = warm["seconds"]
+    return result
 
 
 # ---------------------------------------------------------------- one run in a child, with PSS sampled
@@ -195,13 +224,17 @@ def run_child(spec: dict) -> dict:
     proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
                             stdout=subprocess.PIPE, text=True)
     watched = psutil.Process(proc.pid)
-    peak = 0
+    peak = driver = 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak, driver
         while not done.wait(1 / SAMPLE_HZ):
             peak = max(peak, tree_pss(watched))
+            try:
+                driver = max(driver, watched.memory_full_info().pss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -212,6 +245,7 @@ def run_child(spec: dict) -> dict:
         raise RuntimeError(f"benchmark child {spec} exited with {proc.returncode}")
     result = json.loads(stdout.strip().splitlines()[-1])
     result["peak_pss"] = peak
+    result["driver_pss"] = driver
     return result
 
 
@@ -220,6 +254,8 @@ def child_main(spec: dict) -> None:
     shutil.rmtree(out, ignore_errors=True)
     if spec["engine"] == "floor":
         result = run_floor(spec["kind"], spec["source"], out, spec["workers"])
+    elif spec["engine"] == "ray":
+        result = run_ray(spec["source"], out, spec["workers"], spec["tokenizer"])
     else:
         result = run_tierflow(spec["kind"], spec["source"], out, spec["workers"], spec["tokenizer"])
     used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
@@ -240,10 +276,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--tmp", default=None, help="where the temp inputs and outputs go")
+    parser.add_argument("--ray", action="store_true", help="the Ray engine against the local one (1 and 2 workers)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child_main(json.loads(args.child))
+        return
+    if args.ray:
+        ray_main(args.jsonl_mb or (200 if args.quick else 1000), args.rounds or 3, args.tmp)
         return
     jsonl_mb = args.jsonl_mb or (200 if args.quick else 1000)
     rounds = args.rounds or (2 if args.quick else 3)
@@ -316,6 +356,43 @@ def main() -> None:
             growth = peaks[1] / peaks[0] - 1
             print(f"target peak PSS at {memory_mb[1]:,} MB within 10% of {memory_mb[0]:,} MB: "
                   f"{growth:+.1%}  {'met' if abs(growth) <= 0.10 else 'MISSED'}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def ray_main(jsonl_mb: int, rounds: int, tmp: str | None) -> None:
+    """Ray vs local on one JSONL with byte tokens, 1 and 2 workers, medians of alternating rounds."""
+    work = Path(tempfile.mkdtemp(prefix="tierflow-raybench-", dir=tmp))
+    try:
+        jsonl = work / "synthetic.jsonl"
+        size = make_jsonl(jsonl, jsonl_mb * 1_000_000)
+        print(f"input: synthetic JSONL {size / 1e6:.0f} MB, byte tokens, {rounds} rounds, {os.cpu_count()} cores")
+        cases = [(engine, workers) for workers in (1, 2) for engine in ("local", "ray")]
+        results: dict[tuple, list[dict]] = {c: [] for c in cases}
+        rows = [(engine, workers) for workers in (1, 2) for engine in ("local", "ray", "ray warm")]
+        for r, (engine, workers) in alternating(rounds, cases):
+            res = run_child({"engine": "tierflow" if engine == "local" else "ray", "kind": "jsonl",
+                             "source": str(jsonl), "out": str(work / "out"), "workers": workers, "tokenizer": "bytes"})
+            results[(engine, workers)].append(res)
+            print(f"  round {r + 1} {engine:5} x{workers} {res['seconds']:6.2f} s  "
+                  f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  peak PSS {res['peak_pss'] / 2**20:6.0f} MiB",
+                  flush=True)
+        ids = {x["dataset_id"] for runs in results.values() for x in runs}
+        print()
+        print(f"{'engine':8} {'workers':>7} {'MB/s median (range)':>22} {'units/s':>8} {'ray/local':>9} "
+              f"{'driver PSS MiB':>14} {'tree PSS MiB':>12} {'ray start s':>11}")
+        for engine, workers in rows:
+            runs = results[(engine.split()[0], workers)]
+            key = "warm_seconds" if engine == "ray warm" else "seconds"
+            runs = [{**x, "seconds": x[key]} for x in runs]
+            mbs = [x["input_bytes"] / 1e6 / x["seconds"] for x in runs]
+            base = statistics.median(x["input_bytes"] / 1e6 / x["seconds"] for x in results[("local", workers)])
+            units = statistics.median(-(-x["input_bytes"] // CHUNK_BYTES) / x["seconds"] for x in runs)
+            start = spread([x.get("startup_seconds") for x in runs], ".2f")
+            print(f"{engine:8} {workers:7} {spread(mbs):>22} {units:8.2f} {statistics.median(mbs) / base:9.2f} "
+                  f"{max(x['driver_pss'] for x in runs) / 2**20:14.0f} {max(x['peak_pss'] for x in runs) / 2**20:12.0f} "
+                  f"{start:>11}")
+        print(f"\nsame dataset id in every run: {'yes' if len(ids) == 1 else 'NO: ' + ', '.join(sorted(ids))}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a finished dataset at --out")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint when --out is s3://")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="run the units on this machine's processes (local) or as Ray tasks (ray); same shards")
+    p.add_argument("--address", help="Ray cluster to join with --engine ray (auto, ray://HOST:10001; "
+                   "default: $RAY_ADDRESS, else a local cluster)")
 
     p = sub.add_parser("inspect", help="manifest summary and the first samples")
     p.add_argument("dataset", help="dataset directory or URL (s3://bucket/prefix, file://...)")
@@ -134,7 +138,7 @@ def _pack(args: argparse.Namespace) -> int:
          compression=args.compression, tokenizer=args.tokenizer, eos_token=args.eos_token,
          text_field=args.text_field, keep_text=args.keep_text, kind=args.kind, include=args.include,
          exclude=args.exclude, on_error=args.on_error, overwrite=args.overwrite, progress=not args.quiet,
-         endpoint_url=args.endpoint_url)
+         endpoint_url=args.endpoint_url, engine=args.engine, address=args.address)
     return 0
 
 

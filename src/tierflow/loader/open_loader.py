@@ -18,6 +18,7 @@ import torch
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.loader import Loader
+from tierflow.loader.topology import node_index
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -41,7 +42,7 @@ def open_loader(
 ) -> Loader:
     """A started Loader over the dataset at `url` (a local path or s3://, with `tiers` as
     TierConfigs or `"NAME=PATH[:CAPACITY[:POLICY[:FORM]]]"` strings, capacities like "50GB" or
-    "30%"). Other keywords go to TieredDataset (seed, columns, transform, filter, eval, ...) or to
+    "30%"; a `{node}` in a path becomes this node's index, see loader.topology.node_index). Other keywords go to TieredDataset (seed, columns, transform, filter, eval, ...) or to
     Loader (depth, widen, epoch_end, ...); `resume` is a `loader.state_dict()` to continue from."""
     refuse_while_bootstrapping("tierflow.open_loader")
     loader_options = {k: options.pop(k) for k in _LOADER_OPTIONS if k in options}
@@ -50,7 +51,9 @@ def open_loader(
         dataset = TieredDataset(url, batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens, **options)
         loader = Loader(dataset, device=device, num_workers=num_workers, **loader_options)
     else:
-        stack = build_stack(str(url), tiers, endpoint_url=endpoint_url, bandwidth=bandwidth)
+        world = options.get("world")
+        node = world.node if world is not None else node_index()
+        stack = build_stack(str(url), tiers, endpoint_url=endpoint_url, bandwidth=bandwidth, node=node)
         dataset = TieredDataset(stack.dataset(), batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens,
                                 **options)
         loader = Loader(dataset, device=device, num_workers=num_workers, stager=Stager(dataset, stack),

@@ -2,7 +2,10 @@
 
 A node is a group of LOCAL_WORLD_SIZE ranks sharing caches; it owns whole canonical partitions of
 the order. Without LOCAL_WORLD_SIZE every rank counts as one node's rank, which is always valid
-(the node only decides locality, never which samples a step reads overall).
+(the node only decides locality, never which samples a step reads overall). A launcher's node
+index (torchrun's GROUP_RANK, Lightning's or Slurm recipes' NODE_RANK) must agree with
+RANK // LOCAL_WORLD_SIZE: the node that owns a partition is the one whose cache (a `{node}` tier
+path) holds it.
 """
 
 from __future__ import annotations
@@ -41,4 +44,23 @@ class WorldPosition:
         local = int(env.get("LOCAL_RANK", str(rank % per_node)))
         if local != rank % per_node:
             raise ValueError(f"LOCAL_RANK={local} disagrees with RANK={rank} % LOCAL_WORLD_SIZE={per_node}")
+        for name in NODE_VARIABLES:
+            if env.get(name, "") != "" and world > 1 and int(env[name]) != rank // per_node:
+                raise ValueError(f"{name}={env[name]} disagrees with RANK={rank} // LOCAL_WORLD_SIZE={per_node}: "
+                                 f"the partitions a node owns follow RANK, so its cache must too")
         return cls(node=rank // per_node, num_nodes=world // per_node, local_rank=local, ranks_per_node=per_node)
+
+
+#: launchers' node index variables, checked against RANK and used where no WORLD_SIZE is set
+NODE_VARIABLES = ("GROUP_RANK", "NODE_RANK")
+
+
+def node_index(env: Mapping[str, str] | None = None) -> int:
+    """This process's node: GROUP_RANK or NODE_RANK when set (a per-node tool, `tierflow cache warm`,
+    runs outside the job's group), else RANK // LOCAL_WORLD_SIZE; what a `{node}` tier path becomes."""
+    env = os.environ if env is None else env
+    position = WorldPosition.from_env(env)
+    for name in NODE_VARIABLES:
+        if env.get(name, "") != "":
+            return int(env[name])
+    return position.node

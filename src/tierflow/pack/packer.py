@@ -258,7 +258,8 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
          text_field: str = "text", keep_text: bool = False, kind: str = "auto",
          include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
          overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20,
-         block_bytes: int | None = None, endpoint_url: str | None = None) -> PackSummary:
+         block_bytes: int | None = None, endpoint_url: str | None = None, engine: str = "local",
+         address: str | None = None) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
@@ -269,13 +270,15 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     blocks, the unit of compression, checksum and random access: larger ones compress better,
     and a read decodes a whole block. Input files of a directory that are not packed (another
     kind than `kind`) are counted by reason in the manifest's stats and logged, never dropped.
+    `engine="ray"` runs the units as Ray tasks on the cluster at `address` (pack.ray_engine):
+    the same shards, byte for byte; `workers` then caps the tasks at once (default: its CPUs).
     """
     refuse_while_bootstrapping("tierflow.pack")
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
                    compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
                    text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,
                    on_error=on_error, overwrite=overwrite, progress=progress, chunk_bytes=chunk_bytes,
-                   block_bytes=block_bytes)
+                   block_bytes=block_bytes, run_units=_engine(engine, address, workers))
     target = str(out)
     if "://" not in target or target.startswith("file://"):
         summary = _pack_local(sources, Path(target.removeprefix("file://")), **options)
@@ -310,7 +313,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 target_shard_bytes: int, compression: str, compression_level: int | None, tokenizer: str | None,
                 eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
                 exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
-                chunk_bytes: int, block_bytes: int | None,
+                chunk_bytes: int, block_bytes: int | None, run_units: Callable | None = None,
                 on_shard: Callable[[Path, ShardInfo], None] | None = None) -> PackSummary:
     sources = _as_sources(sources)
     _check_options(target_shard_bytes, on_error)
@@ -332,7 +335,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                                                 progress))
         try:
             with run.bar:
-                _run_units(plan_units(sources, options, run.totals), config, workers, run.consume)
+                (run_units or _run_units)(plan_units(sources, options, run.totals), config, workers, run.consume)
                 assembler.flush()
                 run.bar.finish(run.totals, len(assembler.shards))
         except BaseException as e:
@@ -391,6 +394,15 @@ def _check_options(target_shard_bytes: int, on_error: str) -> None:
                     "256 MB is the default", target_shard_bytes)
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+
+
+def _engine(engine: str, address: str | None, workers: int | None) -> Callable | None:
+    if engine not in ("local", "ray"):
+        raise ValueError(f"engine must be 'local' or 'ray', not {engine!r}")
+    if engine == "local":
+        return None
+    from tierflow.pack.ray_engine import RayRunner
+    return RayRunner(address, workers)
 
 
 def _run_units(units: Iterable[Unit], config: PackConfig, workers: int,

@@ -19,17 +19,19 @@ from tierflow.tiers.tier import Tier
 
 
 def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endpoint_url: str | None = None,
-                bandwidth: float | None = None, registry: MetricsRegistry | None = None) -> TierStack:
+                bandwidth: float | None = None, registry: MetricsRegistry | None = None,
+                node: int | None = None) -> TierStack:
     """A tier stack over the dataset at `url` (a local path, s3://, or another fsspec URL).
 
-    `bandwidth` (bytes/s) caps this job's fetches, under the node's budget (TIERFLOW_NODE_BANDWIDTH)."""
+    `bandwidth` (bytes/s) caps this job's fetches, under the node's budget (TIERFLOW_NODE_BANDWIDTH);
+    `node` fills a `{node}` placeholder in tier paths (each node its own L2 directory)."""
     from tierflow.storage.budget import BandwidthBudget
     from tierflow.storage.remote import open_source
 
     registry = registry or MetricsRegistry()
     budget = BandwidthBudget(bandwidth or None, registry=registry)
     source = open_source(url, endpoint_url=endpoint_url, budget=budget, registry=registry)
-    built = [t if isinstance(t, Tier) else (TierConfig.parse(t) if isinstance(t, str) else t).build(registry)
+    built = [t if isinstance(t, Tier) else (TierConfig.parse(t) if isinstance(t, str) else t).build(registry, node)
              for t in tiers]
     return TierStack(source, built, registry=registry)
 

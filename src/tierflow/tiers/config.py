@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierflow.telemetry import MetricsRegistry
@@ -13,6 +13,7 @@ from tierflow.tiers.tier import Tier, tier_form
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "b": 1}
+NODE_PLACEHOLDER = "{node}"
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -53,7 +54,9 @@ class TierConfig:
     """One tier: a directory shared by every job on the node, its capacity, policy and form.
 
     `capacity` is bytes (`5e10`, `"50GB"`), or a share (`0.3`, `"30%"`) of (free space + the
-    tier's own usage) at start.
+    tier's own usage) at start. A `{node}` in `path` ("/nvme/tf-{node}") becomes the node index,
+    so nodes that share a file system (or a test on one machine) each keep their own directory;
+    `open_loader` fills it in from the environment (loader.topology.node_index).
     """
 
     name: str
@@ -81,6 +84,19 @@ class TierConfig:
         except ValueError as e:
             raise ValueError(f"tier {spec!r}: {e}") from None
 
-    def build(self, registry: MetricsRegistry | None = None) -> Tier:
+    def for_node(self, node: int | None) -> "TierConfig":
+        """This tier on node `node`: `{node}` in the path replaced (the same config where there is none)."""
+        if NODE_PLACEHOLDER not in self.path:
+            return self
+        if node is None:
+            raise ValueError(f"tier {self.name} path {self.path!r} has {NODE_PLACEHOLDER} but no node index is known "
+                             f"here: open_loader fills it in from GROUP_RANK / NODE_RANK, build_stack takes node=; "
+                             f"on the command line give the node's own path")
+        return replace(self, path=self.path.replace(NODE_PLACEHOLDER, str(int(node))))
+
+    def build(self, registry: MetricsRegistry | None = None, node: int | None = None) -> Tier:
+        """The tier itself; `node` fills a `{node}` placeholder in the path."""
+        if NODE_PLACEHOLDER in self.path:
+            return self.for_node(node).build(registry)
         return Tier(self.path, float(self.capacity), policy=self.policy, form=self.form, name=self.name,
                     registry=registry, policy_options=self.policy_options)

@@ -1,0 +1,180 @@
+"""Many nodes, one order: a `{node}` tier path gives each node its own L2, and a real gloo job of
+4 ranks as 2 nodes reads every sample exactly once per epoch, each node fetching only its share.
+
+Each node reaches S3 through its own proxy (its own client, as a node is in a cluster), so the
+bytes each proxy counts are that node's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.loader.topology import WorldPosition, node_index
+from tierflow.storage.remote import upload_dataset
+from tierflow.testing import LoopbackProxy
+from tierflow.tiers import TierConfig
+
+BATCH = 16
+PARTITIONS = 4
+
+
+def test_node_placeholder_becomes_the_node_index(tmp_path):
+    config = TierConfig.parse(f"L2={tmp_path}/tf-{{node}}:1GB:auto:at_rest")
+    assert config.for_node(3).path == f"{tmp_path}/tf-3"
+    assert config.build(node=1).root == Path(f"{tmp_path}/tf-1")
+    with pytest.raises(ValueError, match="no node index"):
+        config.build()
+    plain = TierConfig("L2", str(tmp_path / "l2"), 1 << 20)
+    assert plain.for_node(None) is plain
+
+
+def test_node_index_from_the_launchers_variables():
+    torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2"}
+    assert node_index(torchrun) == 2 == WorldPosition.from_env(torchrun).node
+    assert node_index({"NODE_RANK": "7"}) == 7  # a per-node tool outside the job's group
+    assert node_index({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == 1
+    with pytest.raises(ValueError, match="NODE_RANK=0 disagrees"):
+        WorldPosition.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0"})
+
+
+RANK_SCRIPT = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+import tierflow
+
+
+def main():
+    url, endpoint, tier, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    dist.init_process_group("gloo")
+    loader = tierflow.open_loader(url, batch_size=BATCH, partitions=PARTITIONS, tiers=[tier], endpoint_url=endpoint)
+    ids, epochs = [], []
+    for step, _ in enumerate(loader):
+        ids.append(loader.last_meta.sample_ids.tolist())
+        epochs.append(loader.last_meta.epochs.tolist())
+        if step + 1 == steps:
+            break
+    loader.close()
+    local = torch.tensor([ids, epochs], dtype=torch.int64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        with open(out, "w") as f:
+            json.dump([g.tolist() for g in gathered], f)
+
+
+if __name__ == "__main__":
+    main()
+'''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NODES, PER_NODE = 2, 2
+
+
+@pytest.fixture
+def lake_on_s3(tmp_path, s3_server, s3_bucket, request):
+    rng = np.random.default_rng(11)
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(getattr(request, "param", 12000)):
+            n = int(rng.integers(20, 200))
+            f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
+    local = tmp_path / "ds"
+    tierflow.pack([tmp_path / "docs.jsonl"], local, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    url = f"s3://{s3_bucket}/ds"
+    upload_dataset(local, url, endpoint_url=s3_server.endpoint_url)
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    return tierflow.open_dataset(local).manifest, url
+
+
+def run_job(tmp_path: Path, s3_server, url: str, tier: str, steps: int) -> tuple[list, list]:
+    """One job of NODES x PER_NODE gloo ranks, node k's ranks reaching S3 through proxy k:
+    (every rank's (ids, epochs) per step, each node's traffic)."""
+    out = tmp_path / "out.json"
+    env = {**os.environ, **s3_server.endpoint.env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(NODES * PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE), "OMP_NUM_THREADS": "1"}
+    env.pop("AWS_ENDPOINT_URL", None)
+    with LoopbackProxy(s3_server.endpoint_url) as proxy0, LoopbackProxy(s3_server.endpoint_url) as proxy1:
+        proxies = [proxy0, proxy1]
+        procs = []
+        for rank in range(NODES * PER_NODE):
+            node = rank // PER_NODE
+            procs.append(subprocess.Popen(
+                [sys.executable, str(tmp_path / "rank.py"), url, proxies[node].url, tier, str(out), str(steps)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "GROUP_RANK": str(node)}))
+        try:
+            for p in procs:
+                assert p.wait(timeout=240) == 0
+        finally:
+            for p in procs:
+                p.kill()
+        traffic = [p.traffic() for p in proxies]
+    return json.loads(out.read_text()), traffic
+
+
+def node_bytes(traffic, manifest) -> list[int]:
+    return [sum(t.response_bytes("GET", key=s.name) for s in manifest.shards) for t in traffic]
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_read_once_each_node_its_share_cold(tmp_path, s3_server, lake_on_s3):
+    manifest, url = lake_on_s3
+    n, dataset_bytes = manifest.num_samples, sum(s.bytes for s in manifest.shards)
+    steps = 3 * n // (2 * BATCH * NODES * PER_NODE)  # into epoch 1: every partition finished epoch 0
+    gathered, traffic = run_job(tmp_path, s3_server, url, f"L2={tmp_path}/nvme-{{node}}/tf:1GB:auto:at_rest", steps)
+    pairs = [(i, e) for rank in gathered for ids, eps in zip(rank[0], rank[1]) for i, e in zip(ids, eps)]
+    assert len(pairs) == len(set(pairs))  # never a sample twice in an epoch, across the job
+    assert sorted(i for i, e in pairs if e == 0) == list(range(n))  # epoch 0: every sample once
+    fetched = []
+    for node, got in enumerate(node_bytes(traffic, manifest)):
+        fetched.append({s.name for s in manifest.shards if traffic[node].response_bytes("GET", key=s.name)})
+        for info in manifest.shards:  # at most one fetch of a shard per node, whichever rank or stager asked
+            assert traffic[node].response_bytes("GET", key=info.name) <= info.bytes, (node, info.name)
+        print(f"node {node}: {len(fetched[-1])}/{len(manifest.shards)} shards, {got:,} B of {dataset_bytes:,} B "
+              f"({got / (dataset_bytes / NODES):.2f} x dataset/N)")
+        assert got <= 1.25 * dataset_bytes / NODES, (node, got, dataset_bytes)  # cold: its share, not all
+        assert any((tmp_path / f"nvme-{node}" / "tf").rglob("*")), f"node {node}'s own L2 is empty"
+    assert not (tmp_path / "nvme-{node}").exists()
+    # whole partitions: the nodes' shards are disjoint and together the dataset
+    assert not fetched[0] & fetched[1] and fetched[0] | fetched[1] == {s.name for s in manifest.shards}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a shard the node's L2 does not keep is staged per process (tiers/stack.py: "
+                   "staging-<pid>, sized to one process's working set, ~1 decoded shard here) or read into the "
+                   "process's memory when that is full, so each of a node's ranks fetches it: measured 1.17 x "
+                   "dataset/N warm at f=0.5 with 2 ranks a node, against <= 0.31; a staging area shared by the "
+                   "node's ranks alone (tried) still leaves ~7 memory reads a rank")
+@pytest.mark.parametrize("lake_on_s3", [48000], indirect=True)  # ~22 shards a node: room for its windows
+def test_a_second_job_on_warm_node_caches_fetches_what_they_do_not_hold(tmp_path, s3_server, lake_on_s3):
+    manifest, url = lake_on_s3
+    n, dataset_bytes = manifest.num_samples, sum(s.bytes for s in manifest.shards)
+    fraction = 0.5  # each node's L2 holds half of its share
+    capacity = int(fraction * dataset_bytes / NODES)
+    tier = f"L2={tmp_path}/nvme-{{node}}/tf:{capacity}:auto:at_rest"
+    epoch = n // (BATCH * NODES * PER_NODE)
+    run_job(tmp_path, s3_server, url, tier, epoch)  # the first job warms the caches
+    gathered, traffic = run_job(tmp_path, s3_server, url, tier, epoch)
+    pairs = [(i, e) for rank in gathered for ids, eps in zip(rank[0], rank[1]) for i, e in zip(ids, eps)]
+    assert len(pairs) == len(set(pairs))
+    for node, got in enumerate(node_bytes(traffic, manifest)):
+        per_shard = [traffic[node].response_bytes("GET", key=s.name) / s.bytes for s in manifest.shards]
+        print(f"warm node {node}: shards fetched 0/1/2+ times: {sum(x == 0 for x in per_shard)}/"
+              f"{sum(0 < x <= 1 for x in per_shard)}/{sum(x > 1 for x in per_shard)}")
+        print(f"warm node {node}: {got:,} B, {got / (dataset_bytes / NODES):.2f} x dataset/N at f={fraction}")
+        assert got <= 1.25 * dataset_bytes / NODES * (1 - fraction), (node, got, dataset_bytes)
