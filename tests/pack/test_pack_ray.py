@@ -24,7 +24,7 @@ from tierflow.pack.tokenize import PackInputError
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tierflow[ray]' to run these")
 pytestmark = pytest.mark.slow
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 @pytest.fixture(scope="module")
