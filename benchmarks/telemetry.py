@@ -131,7 +131,7 @@ def timed_round(path: Path, decoded: Path, telemetry: bool, batches: int, step_s
     """Batches/s of a loop with a `step_s` sleep, timed from the first batch (start-up excluded)."""
     dataset = TieredDataset(str(path), batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4,
                             shard_source_factory=lambda: WarmL1Source(decoded))
-    loader = Loader(dataset, "cpu", telemetry=telemetry)
+    loader = Loader(dataset, "cpu", telemetry=telemetry, endless=True)
     try:
         return steps_per_second(loader, batches, step_s)[0]
     finally:

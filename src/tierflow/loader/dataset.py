@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterator, Mapping
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow._bootstrap import refuse_while_bootstrapping
-from tierflow.errors import CursorError
+from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
 from tierflow.format.shard import Form
 from tierflow.storage.datasets import load_manifest
-from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
+from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
@@ -72,6 +72,7 @@ class TieredDataset(IterableDataset):
         columns: list[str] | None = None,
         transform: Transform | None = None,
         filter: Filter | None = None,
+        collate: Collate | None = None,
         seed: int = 0,
         partitions: int | None = None,
         window_shards: int | None = None,
@@ -94,14 +95,15 @@ class TieredDataset(IterableDataset):
         if batcher is None:
             batcher = (TokenWindows(seq_len) if seq_len is not None else
                        TokenBudget(max_tokens) if max_tokens is not None else Samples(select=columns))
-        if not batcher.runs_transforms and (transform is not None or filter is not None):
-            raise ValueError(f"{type(batcher).__name__} does not run filter/transform (use Samples)")
+        if not batcher.runs_transforms and (transform is not None or filter is not None or collate is not None):
+            raise ValueError(f"{type(batcher).__name__} does not run filter/transform/collate (use Samples)")
         if eval and not batcher.plans_eval:
             raise ValueError("eval mode reads every sample once in stored order; use a batcher without groups")
         self.batcher = batcher
         self.batch_size = batch_size
         self.transform = transform
         self.filter = filter
+        self.collate = collate
         self.eval = eval
         self.max_batches = max_batches
         self.allow_mismatch = allow_mismatch
@@ -201,6 +203,9 @@ class TieredDataset(IterableDataset):
         if cursor.kind != kind:
             raise CursorError(f"a {cursor.kind!r} cursor cannot resume a {kind} dataset")
         if cursor.order is not None:
+            saved = cursor.order.config.get("dataset_id")
+            if saved != self.order.dataset_id and not self.allow_mismatch:
+                raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
             cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
                                                                       allow_mismatch=self.allow_mismatch))
         self.batcher.check_resume(cursor)
@@ -239,7 +244,7 @@ class TieredDataset(IterableDataset):
         else:
             dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
                                    endpoint_url=self.endpoint_url)
-        self._context = SampleContext(dataset, self.seed, self.transform, self.filter)
+        self._context = SampleContext(dataset, self.seed, self.transform, self.filter, self.collate)
         self._context_pid = os.getpid()
         return self._context
 
@@ -286,13 +291,34 @@ class TieredDataset(IterableDataset):
             start = self._resume.step + 1 if self._resume is not None and self._resume.step is not None else 0
             return EvalStream(order, arrangement, rank=rank, start=start, worker=worker, workers=workers,
                               max_batches=self.max_batches)
-        base = self._resume.order if self._resume is not None and self._resume.order is not None else self.order.start()
-        stream = RankStream(
-            self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
-            node=self.world.node, num_nodes=self.world.num_nodes,
-            rank=self.world.local_rank, ranks_per_node=self.world.ranks_per_node,
-        )
-        return TrainStream(stream, arrangement, rank=rank, worker=worker, workers=workers, limit=self.max_batches)
+        return TrainStream(self._rank_stream(self._resume), arrangement, rank=rank, worker=worker, workers=workers,
+                           limit=self.max_batches)
+
+    def _rank_stream(self, cursor: LoaderCursor | None) -> RankStream:
+        """This rank's train order batches (batch_size x group samples) from `cursor`."""
+        base = self._order_position(cursor)
+        return RankStream(self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
+                          node=self.world.node, num_nodes=self.world.num_nodes,
+                          rank=self.world.local_rank, ranks_per_node=self.world.ranks_per_node)
+
+    def epoch_length(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> int:
+        """Output batches of this rank from `cursor` (default: the resume cursor) to the end of the
+        epoch they finish (the first batch's epoch, and past `after`, the epoch last finished): what
+        one `for` over a `Loader` yields before `max_batches`; eval: the steps left. With `agree`, the
+        fewest of any rank (they stop together). Exact and O(nodes x lanes) for batchers that locate
+        batches by position; a token budget's count depends on lengths it has not planned: TypeError."""
+        if not isinstance(self.batcher, ByPosition):
+            raise TypeError(f"{type(self.batcher).__name__} packs a varying number of samples per batch, so "
+                            f"an epoch's batch count is known only once it is planned: iterate it (one epoch "
+                            f"per `for`) or count your own steps with endless=True")
+        start = self._parsed(cursor) if cursor is not None else self._resume
+        if self.eval:
+            steps = EvalOrder(self.num_order_samples, batch_size=self.batch_size,
+                              world_size=self.world.world_size).steps
+            return max(0, steps - (start.step + 1 if start is not None and start.step is not None else 0))
+        skip = start.skip if start is not None else 0
+        batches = self._rank_stream(start).epoch_batches(after, agree)[1]
+        return max(0, batches * self.batcher.batches_per_group - skip)
 
     # -- hooks for the stager ------------------------------------------------------------
     def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:
@@ -336,6 +362,18 @@ def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_s
         value = config.get(name)
         return given if given is not None or not isinstance(value, int) else value
     return saved(partitions, "partitions"), saved(window_shards, "window_shards"), saved(lanes, "lanes")
+
+
+def _other_dataset(saved: str, ours: str) -> str:
+    """What to say about a cursor saved over other samples: another batcher's, or another dataset's."""
+    saved_id, _, saved_unit = saved.partition("/")
+    our_id, _, our_unit = ours.partition("/")
+    if saved_id == our_id:
+        return (f"this cursor counts {saved_unit!r} samples (the batcher it was saved with), this dataset reads "
+                f"{our_unit!r}: resume with the batcher it was saved with, or start fresh (resume=None)")
+    return (f"this cursor was saved by dataset {saved_id!r} ({saved_unit}), not by this one ({our_id!r}): resume "
+            f"with the dataset it was saved from, or start this one fresh (resume=None); allow_mismatch=True "
+            f"maps its positions onto this dataset anyway")
 
 
 class _NoShards:

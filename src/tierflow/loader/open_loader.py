@@ -22,7 +22,7 @@ from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
 _LOADER_OPTIONS = ("persistent_workers", "prefetch_factor", "multiprocessing_context", "depth", "widen",
-                   "background", "telemetry", "epoch_end", "group")
+                   "background", "telemetry", "epoch_end", "endless", "group", "dtype", "return_meta")
 
 
 def open_loader(
