@@ -123,3 +123,40 @@ def test_token_ids_reach_the_loop_as_int64_or_the_dtype_asked_for(long_tailed_do
         if name == "budget":
             assert (batch["labels"] == -100).any()  # -100 survives the widening
     assert next(iter(windows(long_tailed_docs))).data["input_ids"].dtype == np.uint16  # the wire stays narrow
+
+
+# -- shuffle=False: stored order for training ------------------------------------------------
+
+def stored(packed, **kw):
+    kw.setdefault("partitions", PARTITIONS)
+    return TieredDataset(packed, batch_size=16, columns=["id"], shuffle=False, **kw)
+
+
+def epoch_ids(pairs, epoch):
+    return [i for _, m in pairs for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist()) if e == epoch]
+
+
+def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_tailed_docs):
+    loader = Loader(stored(long_tailed_docs), return_meta=True)
+    first, second = list(loader), list(loader)
+    n = stored(long_tailed_docs).num_order_samples
+    assert epoch_ids(first, 0) == list(range(n))  # one rank: the stored order itself
+    assert epoch_ids(first + second, 1) == list(range(n))
+    assert torch.equal(first[0][0]["id"], torch.arange(16))
+    # ranks of one node split it round robin, two nodes each read their own partitions in order
+    for world in ([WorldPosition(0, 1, r, 2) for r in range(2)], [WorldPosition(n, 2, 0, 1) for n in range(2)]):
+        ranks = [list(Loader(stored(long_tailed_docs, world=w), epoch_end="rank", return_meta=True)) for w in world]
+        ids = [epoch_ids(r, 0) for r in ranks]
+        assert sorted(ids[0] + ids[1]) == list(range(n))
+        assert all(rank == sorted(rank) for rank in ids)
+    shuffled = Loader(TieredDataset(long_tailed_docs, batch_size=16, columns=["id"], partitions=PARTITIONS),
+                      return_meta=True)
+    assert epoch_ids(list(shuffled), 0) != list(range(n))
+
+
+def test_shuffle_false_resumes_exactly(long_tailed_docs):
+    from tierflow.testing import assert_resumes_exactly
+
+    for workers in (0, 2):
+        assert_resumes_exactly(lambda w: Loader(stored(long_tailed_docs), num_workers=w), stops=[1, 17],
+                               workers=workers)

@@ -58,7 +58,8 @@ class TieredDataset(IterableDataset):
     per-process shard source (the tier stack) when given. Nothing that opens files or clients is
     created before iteration, so DataLoader workers build their own after fork. `batch_size` is
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
-    samples the rank pulls from its stream at a time.
+    samples the rank pulls from its stream at a time. `shuffle=False` trains in stored order (each
+    node reads its partitions' shards in order, the same every epoch), resumable and split as ever.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class TieredDataset(IterableDataset):
         window_shards: int | None = None,
         lanes: int | None = None,
         remainder: str = "carry",
+        shuffle: bool = True,
         eval: bool = False,
         resume: Resume = None,
         allow_mismatch: bool = False,
@@ -129,10 +131,12 @@ class TieredDataset(IterableDataset):
         self.seed = seed
         saved = self._parsed(resume)
         partitions, window_shards, lanes = _saved_breadth(saved, partitions, window_shards, lanes)
+        if not shuffle and lanes is None:
+            lanes = 1  # one lane reads the node's contiguous partitions one after another: stored order
         if partitions is None:
             partitions = default_partitions(int((counts > 0).sum()))
         self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
-                            "seed": seed, "partitions": partitions, "remainder": remainder}
+                            "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle}
         self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
         self.order = self.order_with(self.working_set)
         declare = getattr(getattr(data, "source", None), "declare", None)

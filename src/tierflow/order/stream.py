@@ -62,7 +62,7 @@ class NodeStream:
                  batch_size: int) -> None:
         self.order = order
         self.batch_size = batch_size
-        self.lanes = [Lane(order.layout, members, order.seed)
+        self.lanes = [Lane(order.layout, members, order.seed, order.shuffle)
                       for members in node_lanes(order.layout, node, num_nodes, order.lanes)]
         bases = [{p: (cursor.epochs[p], cursor.offsets[p]) for p in lane.members} for lane in self.lanes]
         self.batches = [LaneBatches(lane, base, batch_size, order.remainder) for lane, base in zip(self.lanes, bases)]
