@@ -60,7 +60,16 @@ class TieredDataset(IterableDataset):
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
     samples the rank pulls from its stream at a time. `shuffle=False` trains in stored order (each
     node reads its partitions' shards in order, the same every epoch), resumable and split as ever.
+    `datasets=[a, b, ...]` with `weights=` mixes several datasets instead of `data` (mixture.py).
     """
+
+    def __new__(cls, *args: Any, datasets: Any = None, **kwargs: Any) -> TieredDataset:
+        """`TieredDataset(datasets=[...], weights=[...])` is a mixture (loader/mixture.py)."""
+        if datasets is not None and cls is TieredDataset:
+            from tierflow.loader.mixture import MixedDataset
+
+            return super().__new__(MixedDataset)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -87,8 +96,12 @@ class TieredDataset(IterableDataset):
         max_batches: int | None = None,
         shard_source_factory: Callable[[], ShardSource] | None = None,
         endpoint_url: str | None = None,
+        datasets: Any = None,
+        weights: Any = None,
     ) -> None:
         refuse_while_bootstrapping("TieredDataset")
+        if weights is not None:
+            raise ValueError("weights= mixes several datasets: TieredDataset(datasets=[a, b], weights=[...])")
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -207,8 +220,8 @@ class TieredDataset(IterableDataset):
         if cursor.kind != kind:
             raise CursorError(f"a {cursor.kind!r} cursor cannot resume a {kind} dataset")
         if cursor.order is not None:
-            saved = cursor.order.config.get("dataset_id")
-            if saved != self.order.dataset_id and not self.allow_mismatch:
+            saved = getattr(cursor.order, "config", {}).get("dataset_id")
+            if isinstance(self.order, SampleOrder) and saved != self.order.dataset_id and not self.allow_mismatch:
                 raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
             cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
                                                                       allow_mismatch=self.allow_mismatch))
@@ -351,6 +364,11 @@ class TieredDataset(IterableDataset):
         """Samples this node's ranks consume per step together (the stager's clock, `FutureView`)."""
         return self.batch_size * self.batcher.batches_per_group * self.world.ranks_per_node
 
+    @property
+    def locations(self) -> list[str]:
+        """Where this dataset's samples come from (a mixture has one per dataset)."""
+        return [self.location]
+
     def __repr__(self) -> str:
         return (f"TieredDataset({self.location!r}, batch_size={self.batch_size}, batcher={self.batcher!r}, "
                 f"world={self.world}, eval={self.eval})")
@@ -359,7 +377,7 @@ class TieredDataset(IterableDataset):
 def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_shards: int | None,
                    lanes: int | None) -> tuple[int | None, int | None, int | None]:
     """What a resumed run did not set comes from its cursor, so the order it resumes is the one it saved."""
-    config = resume.order.config if resume is not None and resume.order is not None else None
+    config = getattr(resume.order, "config", None) if resume is not None else None
     if not config:
         return partitions, window_shards, lanes
     def saved(given: int | None, name: str) -> int | None:

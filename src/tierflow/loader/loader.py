@@ -79,7 +79,8 @@ class Loader:
             self._loader_options = {"num_workers": num_workers, "persistent_workers": persistent_workers and num_workers > 0}
             if prefetch_factor is not None:
                 self._loader_options["prefetch_factor"] = prefetch_factor
-            if multiprocessing_context is None and num_workers > 0 and local_path(source.location) is None:
+            remote = any(local_path(where) is None for where in source.locations)
+            if multiprocessing_context is None and num_workers > 0 and remote:
                 multiprocessing_context = "forkserver"  # obstore clients do not survive a fork: see docs/loader.md
             if multiprocessing_context is not None:
                 self._loader_options["multiprocessing_context"] = multiprocessing_context

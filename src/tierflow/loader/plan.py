@@ -21,11 +21,14 @@ from tierflow.order import EvalOrder, OrderCursor, RankStream
 
 
 class OrderBatch(NamedTuple):
-    """One order batch: global sample ids, their epochs, False on padding repeats."""
+    """One order batch: global sample ids, their epochs, False on padding repeats; in a mixture the
+    dataset they are ids of and the mixture's epoch (else the batch's epoch follows its samples')."""
 
     sample_ids: np.ndarray
     epochs: np.ndarray
     mask: np.ndarray
+    dataset: int = 0
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +45,7 @@ class Selection:
     cursor: LoaderCursor
     epoch: int
     part: int = 0
+    dataset: int = 0
 
 
 class Built(NamedTuple):
@@ -148,6 +152,8 @@ def plan_groups(stream: OrderStream, state: LoaderCursor | None, per_group: int)
         assert order_batch is not None
         done = part + 1 == per_group
         cursor = stream.cursor(group) if done else stream.cursor(group - 1, skip=part + 1)
-        yield Selection(n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor,
-                        batch_epoch(order_batch.epochs, order_batch.mask), part)
+        epoch = order_batch.epoch if order_batch.epoch is not None else batch_epoch(order_batch.epochs,
+                                                                                    order_batch.mask)
+        yield Selection(n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor, epoch, part,
+                        order_batch.dataset)
         n += stream.workers
