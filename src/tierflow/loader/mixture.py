@@ -21,22 +21,23 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tierflow.format.dataset import Dataset
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.collate import CarriedBatch
-from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
+from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.dataset import Resume, TieredDataset
-from tierflow.loader.plan import Built, OrderBatch, Selection, _WorkerView
+from tierflow.loader.plan import Built, OrderBatch, Selection, TrainStream
 from tierflow.order import MixedCursor, MixedOrder, MixedRankStream, ShardUse
 
 
-class MixedTrainStream(_WorkerView):
-    """A rank's mixed order batches: dataset d's own node batches at the schedule's draws."""
+class MixedTrainStream(TrainStream):
+    """A rank's mixed order batches: dataset d's own node batches at the schedule's draws (the
+    positions and cursors are TrainStream's, over the mixed stream)."""
+
+    _stream: MixedRankStream
 
     def __init__(self, stream: MixedRankStream, arrangement: Arrangement, *, rank: int, worker: int, workers: int,
                  limit: int | None, samples_per_epoch: int, num_nodes: int) -> None:
-        super().__init__(arrangement, rank, worker, workers, limit)
-        self._stream = stream
+        super().__init__(stream, arrangement, rank=rank, worker=worker, workers=workers, limit=limit)
         self._draw_samples = num_nodes * stream.batch_size  # samples the world takes per node draw
         self._epoch_samples = samples_per_epoch
-        self._after: tuple[int, MixedCursor] = (-1, stream.base)
 
     def epoch_of(self, draw: int) -> int:
         """The mixture epoch of node draw `draw` (counted from the start of the run)."""
@@ -51,16 +52,6 @@ class MixedTrainStream(_WorkerView):
         pick = group * stream.ranks_per_node + stream.rank
         dataset, micro = stream.node_batch(pick)
         return OrderBatch(micro.sample_ids, micro.epochs, micro.mask, dataset, self.epoch_of(stream.base.draws + pick))
-
-    def position(self, last: int) -> MixedCursor:
-        if last < 0:
-            return self._stream.base
-        if self._after[0] != last:
-            self._after = (last, self._stream.cursor_after(last))
-        return self._after[1]
-
-    def cursor(self, last: int, *, skip: int = 0, pending: Pending | None = None) -> LoaderCursor:
-        return LoaderCursor("train", self.arrangement, order=self.position(last), skip=skip)
 
 
 class MixedDataset(TieredDataset):

@@ -17,7 +17,7 @@ from typing import Any, Iterator, NamedTuple, Protocol
 import numpy as np
 
 from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
-from tierflow.order import EvalOrder, OrderCursor, RankStream
+from tierflow.order import EvalOrder, MixedCursor, MixedRankStream, OrderCursor, RankStream
 
 
 class OrderBatch(NamedTuple):
@@ -94,18 +94,18 @@ class _WorkerView:
 class TrainStream(_WorkerView):
     """Train order batches of one rank: `RankStream` batches of batch_size x group samples."""
 
-    def __init__(self, stream: RankStream, arrangement: Arrangement, *, rank: int, worker: int, workers: int,
-                 limit: int | None) -> None:
+    def __init__(self, stream: RankStream | MixedRankStream, arrangement: Arrangement, *, rank: int, worker: int,
+                 workers: int, limit: int | None) -> None:
         super().__init__(arrangement, rank, worker, workers, limit)
         self._stream = stream
-        self._after: tuple[int, OrderCursor] = (-1, stream.base)
+        self._after: tuple[int, OrderCursor | MixedCursor] = (-1, stream.base)
 
     def batch(self, group: int) -> OrderBatch:
         stream = self._stream
         micro = stream.node_batch(group * stream.ranks_per_node + stream.rank)
         return OrderBatch(micro.sample_ids, micro.epochs, micro.mask)
 
-    def position(self, last: int) -> OrderCursor:
+    def position(self, last: int) -> OrderCursor | MixedCursor:
         """The order cursor after order batch `last` (the last one asked for is kept: a group's
         parts and a budget's batches ask for the same one again)."""
         if last < 0:
