@@ -4,7 +4,7 @@ A user's setup with defaults only: the standard library's *.py files packed into
 byte-token shards, served by moto's S3 behind a metering proxy (each in its own process; GET
 bytes are counted where the server answers them), one L2 directory of a given capacity (a share
 of the decoded dataset), `TieredDataset(stack.dataset(), batch_size=16, seq_len=512)` with the
-stager, `Loader(..., epoch_end="rank")`, three epochs, no step. Per capacity: bytes per epoch
+stager, `Loader(...)` (one epoch per `for`), three epochs, no step. Per capacity: bytes per epoch
 against the dataset at rest, as run (live), as `tierflow plan` predicts it before the run, and
 the optimum (Belady's MIN with bypass with the same room: L2 and the staging area); then the
 issue's hand-tuned configuration (partitions=2, window_shards=2) beside it, and the default
@@ -43,7 +43,7 @@ def run_epochs(url: str, proxy: ProxyProcess, l2: Path, capacity: int, dataset_b
     shutil.rmtree(l2, ignore_errors=True)
     stack = build_stack(url, [TierConfig("L2", str(l2), capacity)], endpoint_url=proxy.url)
     ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=512, **order)
-    loader = Loader(ds, stager=Stager(ds, stack), epoch_end="rank", num_workers=workers)
+    loader = Loader(ds, stager=Stager(ds, stack), num_workers=workers)
     ratios = []
     for _ in range(EPOCHS):
         proxy.reset_counters()

@@ -72,7 +72,7 @@ def build_loader(data: Path, work: Path, budget: BandwidthBudget, batch: int, se
     stack = TierStack(open_source(str(data), budget=budget, registry=registry),
                       [TierConfig.parse(f"L2={work / 'L2'}:4GB").build(registry)], registry=registry)
     dataset = TieredDataset(stack.dataset(), batch_size=batch, seq_len=seq)
-    loader = Loader(dataset, stager=Stager(dataset, stack))
+    loader = Loader(dataset, stager=Stager(dataset, stack), endless=True)
     loader.start_prefetch()
     return loader
 

@@ -63,7 +63,7 @@ def dataset(path: str) -> TieredDataset:
 
 def tierflow_round(path: str, workers: int, steps: int, step_s: float,
                    background: bool | None = None) -> tuple[float, float]:
-    loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background)
+    loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background, endless=True)
     try:
         return steps_per_second(loader, steps, step_s)
     finally:
@@ -71,7 +71,7 @@ def tierflow_round(path: str, workers: int, steps: int, step_s: float,
 
 
 def preload(path: str, count: int) -> list:
-    loader = Loader(dataset(path), device="cpu")
+    loader = Loader(dataset(path), device="cpu", endless=True)
     batches = []
     for batch in loader:
         batches.append({k: (v.clone() if hasattr(v, "clone") else v) for k, v in batch.items()})
@@ -84,7 +84,7 @@ def preload(path: str, count: int) -> list:
 def raw_speed(path: str, workers: int, batches: int, background: bool | None = None) -> dict[str, float]:
     self_before = resource.getrusage(resource.RUSAGE_SELF)
     kids_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background)
+    loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background, endless=True)
     iterator = iter(loader)
     next(iterator)
     begin = time.perf_counter()
@@ -178,7 +178,7 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path) -> 
     done = 0
     with SourceActivity(proxy) as activity:
         started = time.perf_counter()
-        loader = Loader(ds, stager=Stager(ds, stack))
+        loader = Loader(ds, stager=Stager(ds, stack), endless=True)
         loader.start_prefetch()
         try:
             iterator = iter(loader)

@@ -107,7 +107,7 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
     imported = time.perf_counter()
     rss_after_import = psutil.Process().memory_info().rss
     if mode == "cursor":
-        loader = Loader(TieredDataset(path, batch_size=BATCH))
+        loader = Loader(TieredDataset(path, batch_size=BATCH), endless=True)
         for step, _ in enumerate(loader):
             if step + 1 == CURSOR_STEPS:
                 Path(cursor_file).write_text(json.dumps(loader.state_dict()))

@@ -131,7 +131,7 @@ def warm_token_dataset(root: Path) -> tuple[Path, TierConfig]:
 def timed_round(path: Path, l1: TierConfig, telemetry: bool, batches: int, step_s: float) -> float:
     """Batches/s of a loop with a `step_s` sleep, timed from the first batch (start-up excluded)."""
     dataset = warm_dataset(path, l1, batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4)
-    loader = Loader(dataset, "cpu", telemetry=telemetry)
+    loader = Loader(dataset, "cpu", telemetry=telemetry, endless=True)
     try:
         return steps_per_second(loader, batches, step_s)[0]
     finally:

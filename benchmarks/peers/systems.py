@@ -163,7 +163,8 @@ class TierflowReader(Reader):
         else:
             self.ds = TieredDataset(self.stack.dataset(), batch_size=INT_BATCH, columns=["x"], seed=seed, resume=resume)
         self.batch = self.ds.batch_size
-        self.loader = Loader(self.ds, num_workers=workers, stager=Stager(self.ds, self.stack) if stager else None)
+        self.loader = Loader(self.ds, num_workers=workers, stager=Stager(self.ds, self.stack) if stager else None,
+                             endless=True)
         if stager:
             self.loader.start_prefetch()
         self._per_epoch = self.ds.num_order_samples // self.batch
@@ -174,7 +175,7 @@ class TierflowReader(Reader):
             self.stack.ensure(info).release()
 
     def epoch(self) -> Iterator[Any]:
-        # TieredDataset is endless (epochs follow each other, workers kept); an epoch is its share of batches
+        # the endless stream (epochs follow each other, workers kept); an epoch is its share of batches
         if self._iterator is None:
             self._iterator = iter(self.loader)
         for _ in range(self._per_epoch):

@@ -46,6 +46,11 @@ class BatchOrderError(TierflowError, RuntimeError):
     """Batches arrived out of order (e.g. a DataLoader with in_order=False); exact resume would break."""
 
 
+class LoaderMisuseError(TierflowError, TypeError):
+    """A TieredDataset used in a way that cannot work (e.g. collated by a DataLoader with a
+    batch_size); the message says what to write instead."""
+
+
 class FetchError(TierflowError, IOError):
     """Bytes produced for a tier entry did not verify; names the entry and the tier."""
 
@@ -96,5 +101,5 @@ class CheckpointError(TierflowError, IOError):
 
 
 __all__ = ["BatchOrderError", "CheckpointError", "CursorError", "CursorFormatError", "CursorMismatchError",
-           "FetchError", "ManifestError", "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound",
+           "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound",
            "TierflowError"]

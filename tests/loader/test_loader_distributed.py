@@ -32,7 +32,7 @@ ds = TieredDataset(path, batch_size=BATCH, seq_len=seq_len or None, partitions=P
 world = ds.world.world_size
 if world > 1:
     dist.init_process_group("gloo")
-loader = Loader(ds, device="cpu", num_workers=workers, return_meta=True)
+loader = Loader(ds, device="cpu", num_workers=workers, endless=True, return_meta=True)  # `steps` steps
 ids, epochs = [], []
 for step, (batch, meta) in enumerate(loader):
     ids.append(meta.sample_ids.tolist())

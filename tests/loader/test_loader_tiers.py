@@ -128,7 +128,7 @@ def main():
     stack = build_stack(url, tiers, endpoint_url=endpoint)
     ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
     dist.init_process_group("gloo")
-    loader = Loader(ds, num_workers=2, stager=Stager(ds, stack), return_meta=True)
+    loader = Loader(ds, num_workers=2, stager=Stager(ds, stack), endless=True, return_meta=True)  # `steps` steps
     ids, epochs = [], []
     for step, (batch, meta) in enumerate(loader):
         ids.append(meta.sample_ids.tolist())

@@ -102,7 +102,8 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     registry = registry if registry is not None else MetricsRegistry()
     telemetry = LoaderTelemetry(registry, events=events)
     start = dataset.state_dict()
-    loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager)
+    loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager,
+                    endless=True)  # `steps` steps, across epoch edges
     kept: list[Any] = []
     acquired_before = sum(budget.acquired_bytes.values()) if budget is not None else 0
     started = time.perf_counter()

@@ -186,7 +186,7 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
     ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=seq_len, seed=1)
     losses: list[float] = []
     started = time.perf_counter()
-    with Loader(ds, widen={"input_ids": torch.int64, "labels": torch.int64}) as loader:
+    with Loader(ds, endless=True) as loader:  # `steps` steps across epochs; ids arrive as int64
         for step, batch in enumerate(loader):
             logits = model(batch["input_ids"])
             loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), batch["labels"].reshape(-1))

@@ -29,6 +29,8 @@ from tierflow.order import sample_rng
 
 Transform = Callable[[dict, np.random.Generator], dict]
 Filter = Callable[[dict], bool]
+Collate = Callable[[list[dict]], dict]
+"""A user's batch assembly: the batch's samples (dicts, after filter/transform) -> the batch dict."""
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SampleContext:
     seed: int
     transform: Transform | None = None
     filter: Filter | None = None
+    collate: Collate | None = None
     cache: dict[str, Any] = field(default_factory=dict)
 
 
@@ -46,7 +49,7 @@ class Batcher(Protocol):
     batches_per_group: int
     """Output batches per order batch (the order batch holds batch_size x this many samples)."""
     runs_transforms: bool
-    """Whether the context's filter/transform run (else the dataset refuses them)."""
+    """Whether the context's filter/transform/collate run (else the dataset refuses them)."""
     plans_eval: bool
     """Whether eval's stored order, one order batch per output batch, can be planned."""
 
@@ -98,7 +101,8 @@ def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
 
 @dataclass
 class Samples(ByPosition):
-    """Dataset rows as a dict of columns; `transform`/`filter` of the context run per sample."""
+    """Dataset rows as a dict of columns; `transform`/`filter` of the context run per sample, and
+    its `collate`, when given, assembles the batch instead (`mask` is added unless it sets one)."""
 
     pad: bool = False
     pad_value: int | float = 0
@@ -128,10 +132,18 @@ class Samples(ByPosition):
                 sample = ctx.transform(sample, sample_rng(ctx.seed, epoch, sample_id))
             samples.append(sample)
             kept.append(k)
-        names = list(samples[0].keys()) if samples else list(ctx.dataset.columns)
-        batch, copied = collate_samples(samples, names, self.pad, self.pad_value)
         keep = np.array(kept, dtype=np.int64)
-        batch["mask"] = selection.mask[keep]
+        if ctx.collate is not None:
+            batch = ctx.collate(samples)
+            if not isinstance(batch, dict):
+                raise TypeError(f"collate {getattr(ctx.collate, '__name__', ctx.collate)!r} returned "
+                                f"{type(batch).__name__}; it must return the batch as a dict")
+            copied = sum(v.nbytes for v in batch.values() if isinstance(v, np.ndarray))
+            batch.setdefault("mask", selection.mask[keep])
+        else:
+            names = list(samples[0].keys()) if samples else list(ctx.dataset.columns)
+            batch, copied = collate_samples(samples, names, self.pad, self.pad_value)
+            batch["mask"] = selection.mask[keep]
         return Built(batch, ids[keep].astype(np.int64), epochs[keep].astype(np.int64),
                      {"copied_bytes": copied, "filtered": filtered, "samples": len(samples)})
 

@@ -12,6 +12,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from tierflow.errors import LoaderMisuseError
+
 _NUMERIC = "biuf"
 
 
@@ -189,3 +191,27 @@ def with_tensors(batch: CarriedBatch) -> CarriedBatch:
         if isinstance(value, np.ndarray) and value.dtype.kind in _TENSOR_KINDS:
             data[name] = torch.as_tensor(value)
     return batch
+
+
+COLLATED_MESSAGE = (
+    "a DataLoader tried to collate tierflow batches: a TieredDataset builds whole batches itself (its "
+    "batch_size), and DataLoader's batch_size (default 1) would stack batches of batches. Iterate "
+    "tierflow.Loader(ds, num_workers=...) instead (it keeps the resume cursor), or pass "
+    "DataLoader(ds, batch_size=None) and read item.data / item.meta")
+
+
+def _refuse_collate(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+    raise LoaderMisuseError(COLLATED_MESSAGE)
+
+
+def _register_refusal() -> None:
+    """torch's default_collate looks a type up in this map: a plain DataLoader(ds, batch_size=8)
+    then fails with a message that says what to do, not deep inside torch's collate."""
+    try:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:  # another torch layout: its own collate error remains
+        return
+    default_collate_fn_map.setdefault(CarriedBatch, _refuse_collate)
+
+
+_register_refusal()

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from tierflow.errors import CursorError, CursorFormatError
 from tierflow.order.cursor import OrderCursor
+from tierflow.order.mixed import MixedCursor
 
 LOADER_CURSOR_VERSION = 1
 KINDS = ("train", "eval")
@@ -75,7 +76,7 @@ class LoaderCursor:
 
     kind: str
     arrangement: Arrangement
-    order: OrderCursor | None = None
+    order: OrderCursor | MixedCursor | None = None
     skip: int = 0
     pending: Pending | None = None
     rank: int | None = None
@@ -128,7 +129,9 @@ class LoaderCursor:
         if "order" not in state:
             raise CursorError("loader cursor lacks field 'order' (the order's position)")
         try:
-            order = OrderCursor.from_dict(state["order"])
+            saved = state["order"]
+            order: OrderCursor | MixedCursor = (MixedCursor.from_dict(saved) if isinstance(saved, Mapping)
+                                                and "draws" in saved else OrderCursor.from_dict(saved))
         except CursorFormatError as error:
             raise CursorFormatError(f"loader cursor field 'order': {error}") from None
         pending = Pending.from_dict(state["pending"]) if "pending" in state else None

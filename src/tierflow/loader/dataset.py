@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterator, Mapping
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow._bootstrap import refuse_while_bootstrapping
-from tierflow.errors import CursorError
+from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSource, open_dataset
 from tierflow.format.shard import Form
 from tierflow.storage.datasets import load_manifest
-from tierflow.loader.batching import Batcher, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
+from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
@@ -58,8 +58,18 @@ class TieredDataset(IterableDataset):
     per-process shard source (the tier stack) when given. Nothing that opens files or clients is
     created before iteration, so DataLoader workers build their own after fork. `batch_size` is
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
-    samples the rank pulls from its stream at a time.
+    samples the rank pulls from its stream at a time. `shuffle=False` trains in stored order (each
+    node reads its partitions' shards in order, the same every epoch), resumable and split as ever.
+    `datasets=[a, b, ...]` with `weights=` mixes several datasets instead of `data` (mixture.py).
     """
+
+    def __new__(cls, *args: Any, datasets: Any = None, **kwargs: Any) -> TieredDataset:
+        """`TieredDataset(datasets=[...], weights=[...])` is a mixture (loader/mixture.py)."""
+        if datasets is not None and cls is TieredDataset:
+            from tierflow.loader.mixture import MixedDataset
+
+            return super().__new__(MixedDataset)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -72,11 +82,13 @@ class TieredDataset(IterableDataset):
         columns: list[str] | None = None,
         transform: Transform | None = None,
         filter: Filter | None = None,
+        collate: Collate | None = None,
         seed: int = 0,
         partitions: int | None = None,
         window_shards: int | None = None,
         lanes: int | None = None,
         remainder: str = "carry",
+        shuffle: bool = True,
         eval: bool = False,
         resume: Resume = None,
         allow_mismatch: bool = False,
@@ -84,8 +96,12 @@ class TieredDataset(IterableDataset):
         max_batches: int | None = None,
         shard_source_factory: Callable[[], ShardSource] | None = None,
         endpoint_url: str | None = None,
+        datasets: Any = None,
+        weights: Any = None,
     ) -> None:
         refuse_while_bootstrapping("TieredDataset")
+        if weights is not None:
+            raise ValueError("weights= mixes several datasets: TieredDataset(datasets=[a, b], weights=[...])")
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -94,14 +110,15 @@ class TieredDataset(IterableDataset):
         if batcher is None:
             batcher = (TokenWindows(seq_len) if seq_len is not None else
                        TokenBudget(max_tokens) if max_tokens is not None else Samples(select=columns))
-        if not batcher.runs_transforms and (transform is not None or filter is not None):
-            raise ValueError(f"{type(batcher).__name__} does not run filter/transform (use Samples)")
+        if not batcher.runs_transforms and (transform is not None or filter is not None or collate is not None):
+            raise ValueError(f"{type(batcher).__name__} does not run filter/transform/collate (use Samples)")
         if eval and not batcher.plans_eval:
             raise ValueError("eval mode reads every sample once in stored order; use a batcher without groups")
         self.batcher = batcher
         self.batch_size = batch_size
         self.transform = transform
         self.filter = filter
+        self.collate = collate
         self.eval = eval
         self.max_batches = max_batches
         self.allow_mismatch = allow_mismatch
@@ -127,10 +144,12 @@ class TieredDataset(IterableDataset):
         self.seed = seed
         saved = self._parsed(resume)
         partitions, window_shards, lanes = _saved_breadth(saved, partitions, window_shards, lanes)
+        if not shuffle and lanes is None:
+            lanes = 1  # one lane reads the node's contiguous partitions one after another: stored order
         if partitions is None:
             partitions = default_partitions(int((counts > 0).sum()))
         self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
-                            "seed": seed, "partitions": partitions, "remainder": remainder}
+                            "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle}
         self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
         self.order = self.order_with(self.working_set)
         declare = getattr(getattr(data, "source", None), "declare", None)
@@ -201,6 +220,9 @@ class TieredDataset(IterableDataset):
         if cursor.kind != kind:
             raise CursorError(f"a {cursor.kind!r} cursor cannot resume a {kind} dataset")
         if cursor.order is not None:
+            saved = getattr(cursor.order, "config", {}).get("dataset_id")
+            if isinstance(self.order, SampleOrder) and saved != self.order.dataset_id and not self.allow_mismatch:
+                raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
             cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
                                                                       allow_mismatch=self.allow_mismatch))
         self.batcher.check_resume(cursor)
@@ -239,7 +261,7 @@ class TieredDataset(IterableDataset):
         else:
             dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
                                    endpoint_url=self.endpoint_url)
-        self._context = SampleContext(dataset, self.seed, self.transform, self.filter)
+        self._context = SampleContext(dataset, self.seed, self.transform, self.filter, self.collate)
         self._context_pid = os.getpid()
         return self._context
 
@@ -286,13 +308,34 @@ class TieredDataset(IterableDataset):
             start = self._resume.step + 1 if self._resume is not None and self._resume.step is not None else 0
             return EvalStream(order, arrangement, rank=rank, start=start, worker=worker, workers=workers,
                               max_batches=self.max_batches)
-        base = self._resume.order if self._resume is not None and self._resume.order is not None else self.order.start()
-        stream = RankStream(
-            self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
-            node=self.world.node, num_nodes=self.world.num_nodes,
-            rank=self.world.local_rank, ranks_per_node=self.world.ranks_per_node,
-        )
-        return TrainStream(stream, arrangement, rank=rank, worker=worker, workers=workers, limit=self.max_batches)
+        return TrainStream(self._rank_stream(self._resume), arrangement, rank=rank, worker=worker, workers=workers,
+                           limit=self.max_batches)
+
+    def _rank_stream(self, cursor: LoaderCursor | None) -> RankStream:
+        """This rank's train order batches (batch_size x group samples) from `cursor`."""
+        base = self._order_position(cursor)
+        return RankStream(self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
+                          node=self.world.node, num_nodes=self.world.num_nodes,
+                          rank=self.world.local_rank, ranks_per_node=self.world.ranks_per_node)
+
+    def epoch_length(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> int:
+        """Output batches of this rank from `cursor` (default: the resume cursor) to the end of the
+        epoch they finish (the first batch's epoch, and past `after`, the epoch last finished): what
+        one `for` over a `Loader` yields before `max_batches`; eval: the steps left. With `agree`, the
+        fewest of any rank (they stop together). Exact and O(nodes x lanes) for batchers that locate
+        batches by position; a token budget's count depends on lengths it has not planned: TypeError."""
+        if not isinstance(self.batcher, ByPosition):
+            raise TypeError(f"{type(self.batcher).__name__} packs a varying number of samples per batch, so "
+                            f"an epoch's batch count is known only once it is planned: iterate it (one epoch "
+                            f"per `for`) or count your own steps with endless=True")
+        start = self._parsed(cursor) if cursor is not None else self._resume
+        if self.eval:
+            steps = EvalOrder(self.num_order_samples, batch_size=self.batch_size,
+                              world_size=self.world.world_size).steps
+            return max(0, steps - (start.step + 1 if start is not None and start.step is not None else 0))
+        skip = start.skip if start is not None else 0
+        batches = self._rank_stream(start).epoch_batches(after, agree)[1]
+        return max(0, batches * self.batcher.batches_per_group - skip)
 
     # -- hooks for the stager ------------------------------------------------------------
     def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:
@@ -321,6 +364,11 @@ class TieredDataset(IterableDataset):
         """Samples this node's ranks consume per step together (the stager's clock, `FutureView`)."""
         return self.batch_size * self.batcher.batches_per_group * self.world.ranks_per_node
 
+    @property
+    def locations(self) -> list[str]:
+        """Where this dataset's samples come from (a mixture has one per dataset)."""
+        return [self.location]
+
     def __repr__(self) -> str:
         return (f"TieredDataset({self.location!r}, batch_size={self.batch_size}, batcher={self.batcher!r}, "
                 f"world={self.world}, eval={self.eval})")
@@ -329,13 +377,25 @@ class TieredDataset(IterableDataset):
 def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_shards: int | None,
                    lanes: int | None) -> tuple[int | None, int | None, int | None]:
     """What a resumed run did not set comes from its cursor, so the order it resumes is the one it saved."""
-    config = resume.order.config if resume is not None and resume.order is not None else None
+    config = getattr(resume.order, "config", None) if resume is not None else None
     if not config:
         return partitions, window_shards, lanes
     def saved(given: int | None, name: str) -> int | None:
         value = config.get(name)
         return given if given is not None or not isinstance(value, int) else value
     return saved(partitions, "partitions"), saved(window_shards, "window_shards"), saved(lanes, "lanes")
+
+
+def _other_dataset(saved: str, ours: str) -> str:
+    """What to say about a cursor saved over other samples: another batcher's, or another dataset's."""
+    saved_id, _, saved_unit = saved.partition("/")
+    our_id, _, our_unit = ours.partition("/")
+    if saved_id == our_id:
+        return (f"this cursor counts {saved_unit!r} samples (the batcher it was saved with), this dataset reads "
+                f"{our_unit!r}: resume with the batcher it was saved with, or start fresh (resume=None)")
+    return (f"this cursor was saved by dataset {saved_id!r} ({saved_unit}), not by this one ({our_id!r}): resume "
+            f"with the dataset it was saved from, or start this one fresh (resume=None); allow_mismatch=True "
+            f"maps its positions onto this dataset anyway")
 
 
 class _NoShards:

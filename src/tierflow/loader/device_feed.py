@@ -36,6 +36,8 @@ import torch
 from tierflow.loader.collate import CarriedBatch
 from tierflow.telemetry.metrics import BoundaryTimer, Counter, MetricsRegistry
 
+ID_KEYS = frozenset({"input_ids", "labels"})
+"""The keys holding token ids: they widen to the feed's `ids` dtype on the device."""
 COPY_STAGES = ("contiguous", "ring", "to_device", "widen")
 
 # Unsigned ids travel as the signed type of the same width (fully supported by
@@ -154,6 +156,9 @@ class DeviceFeed:
 
     `widen` maps keys to the dtype they take on the device (e.g.
     {"input_ids": torch.int64}); they cross the bus in their source dtype.
+    `ids` is the dtype integer token ids (`ID_KEYS`) take unless `widen`
+    names them, so what reaches the model is trainable (embeddings and losses
+    want int64) while the wire stays uint16/int32.
     Values that are not numeric arrays or CPU tensors pass through unchanged,
     and so does a carried batch's meta.
 
@@ -173,6 +178,7 @@ class DeviceFeed:
         background: bool | None = None,
         registry: MetricsRegistry | None = None,
         labels: Mapping[str, Any] | None = None,
+        ids: torch.dtype | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"device feed depth must be >= 1, got {depth}")
@@ -184,6 +190,7 @@ class DeviceFeed:
         self._background = self._cuda if background is None else background
         self.depth = depth
         self.widen = dict(widen or {})
+        self.ids = ids
         self._batches = batches
         self._ring = PinnedRing(depth + 1, pin=self._cuda) if self._staged else None
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -293,6 +300,9 @@ class DeviceFeed:
     ) -> torch.Tensor:
         wide = self.widen.get(key)
         logical = unsigned if unsigned is not None else tensor.dtype
+        if wide is None and key in ID_KEYS and self.ids is not None and not (
+                logical.is_floating_point or logical.is_complex or logical == torch.bool):
+            wide = self.ids
         if wide is None or wide == logical:
             return tensor.view(unsigned) if unsigned is not None else tensor
         if (key, logical) not in self._widen_checked:

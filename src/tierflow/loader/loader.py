@@ -35,8 +35,11 @@ Handed = dict[str, Any] | tuple[dict[str, Any], BatchMeta]
 class Loader:
     """Iterate batches on `device`; `state_dict`/`load_state_dict` (torchdata's Stateful protocol).
 
-    Use it as a context manager, or call `close()`, to stop the feed and the workers when a loop
-    ends early (they also stop when the Loader is collected, and at interpreter exit).
+    Each `for` is one epoch (`len(loader)` batches; `epoch_end="agree"` stops every rank at the
+    same step, "rank" each at its own edge; `endless=True` never stops). Token ids (`input_ids`,
+    `labels`) reach the loop as `dtype` (int64; None keeps the wire's uint16/int32). Use it as a
+    context manager, or call `close()`, to stop the feed and the workers when a loop ends early
+    (they also stop when the Loader is collected, and at interpreter exit).
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class Loader:
         background: bool | None = None,
         stager: Stager | None = None,
         telemetry: LoaderTelemetry | bool = True,
-        epoch_end: str | None = None,
+        epoch_end: str = "agree",
+        endless: bool = False,
         group: Any = None,
+        dtype: torch.dtype | None = torch.int64,
         multiprocessing_context: str | None = None,
         return_meta: bool = False,
     ) -> None:
@@ -74,21 +79,27 @@ class Loader:
             self._loader_options = {"num_workers": num_workers, "persistent_workers": persistent_workers and num_workers > 0}
             if prefetch_factor is not None:
                 self._loader_options["prefetch_factor"] = prefetch_factor
-            if multiprocessing_context is None and num_workers > 0 and local_path(source.location) is None:
+            remote = any(local_path(where) is None for where in source.locations)
+            if multiprocessing_context is None and num_workers > 0 and remote:
                 multiprocessing_context = "forkserver"  # obstore clients do not survive a fork: see docs/loader.md
             if multiprocessing_context is not None:
                 self._loader_options["multiprocessing_context"] = multiprocessing_context
             self._dataloader = None
-        if epoch_end not in (None, "rank", "agree"):
-            raise ValueError(f"epoch_end is None (endless), 'rank' or 'agree', not {epoch_end!r}")
+        if epoch_end not in ("rank", "agree"):
+            hint = " (for the endless stream pass endless=True)" if epoch_end is None else ""
+            raise ValueError(f"epoch_end is 'agree' (default) or 'rank', not {epoch_end!r}{hint}")
         self.epoch_end = epoch_end
-        self._epochs = EpochBoundary(agree=epoch_end == "agree", group=group) if epoch_end else None
+        self.endless = endless
+        # eval runs the same number of steps on every rank and ends by itself: no edge to agree on
+        self._epochs = None if endless or self.dataset.eval else EpochBoundary(agree=epoch_end == "agree", group=group)
+        self._restart_eval = False
         self._held: CarriedBatch | None = None
         self._feed_iterator: Iterator[CarriedBatch] | None = None
         self._expected = 0
         self.device = device
         self.stager = stager
         self.depth = depth
+        self.dtype = dtype
         self.widen = dict(widen or {})
         # A thread takes batches off the workers' queue (or builds them, without workers) while the step
         # runs, so unpacking and the device copy overlap compute (numpy, torch and sleep release the GIL).
@@ -118,6 +129,8 @@ class Loader:
         if self._held is not None and self._feed is not None:
             return self._batches(self._feed, self._feed_iterator)  # the last `for` stopped at an epoch edge
         self.close()
+        if self._restart_eval:  # the last `for` ran the whole eval: this one runs it again
+            self._cursor, self._restart_eval, self._iterated = None, False, True
         if self._dataloader is None or self._iterated:
             self.dataset.load_state_dict(self._cursor)
             self._dataloader = self._make_dataloader()
@@ -125,6 +138,7 @@ class Loader:
         self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
         self.start_prefetch()
         self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
+                                ids=self.dtype,
                                 background=self.background,
                                 registry=self.telemetry.registry if self.telemetry is not None else None)
         self._feed_iterator = iter(self._feed)
@@ -148,6 +162,7 @@ class Loader:
                 except StopIteration:
                     if epochs is not None:
                         epochs.stop_here(None)  # ranks still reading must not wait for this one
+                    self._restart_eval = self.dataset.eval
                     return
                 if batch.meta.index != self._expected:
                     raise BatchOrderError(f"{self.dataset!r}: got batch {batch.meta.index}, expected "
@@ -163,6 +178,23 @@ class Loader:
                 handed = time.perf_counter()
                 telemetry.on_batch(handed - asked, meta.timing, _ready_ahead(feed))
             yield (batch.data, meta) if self.return_meta else batch.data
+
+    def __len__(self) -> int:
+        """Batches the next `for` yields: this rank's batches of the epoch it finishes (the rest of
+        it after a resume mid-epoch; with epoch_end="agree" under torch.distributed, the fewest of
+        any rank), capped by `max_batches`; eval: its steps. Endless or a token budget: TypeError."""
+        if self._epochs is None and not self.dataset.eval:
+            raise TypeError("an endless Loader (endless=True) has no length; drop endless=True for one epoch "
+                            "per `for`, or count steps yourself")
+        continuing = self._held is not None and self._feed is not None
+        cursor = None if self._restart_eval else self._cursor
+        epochs = self._epochs
+        count = self.dataset.epoch_length(cursor, epochs.finished if epochs else None,
+                                          agree=epochs is not None and epochs.collective())
+        limit = self.dataset.max_batches
+        if limit is not None:
+            count = min(count, limit - (self._expected - 1 if continuing else 0))
+        return max(0, count)
 
     def _commit(self, meta: BatchMeta) -> None:
         """The loop has this batch now: its cursor is the state to save."""
@@ -221,6 +253,9 @@ class Loader:
         self.close()
         self.dataset.load_state_dict(state["cursor"])
         self._cursor = self.dataset.cursor
+        self._restart_eval = False
+        if self._epochs is not None:
+            self._epochs.finished = None
         self._consumed = int(state.get("consumed", 0))
         self._filtered = int(state.get("filtered", 0))
         self._dataloader = None
@@ -259,13 +294,19 @@ class EpochBoundary:
         self.finished = self.target
         return True
 
-    def _reduce_min(self, value: int) -> int:
+    def collective(self) -> bool:
+        """Whether the ranks really vote: `agree`, under torch.distributed with more than one rank."""
         if not self.agree:
+            return False
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def _reduce_min(self, value: int) -> int:
+        if not self.collective():
             return value
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
-            return value
         device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
         flag = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)

@@ -28,7 +28,8 @@ class BatchMeta:
     """One batch's bookkeeping: the loader's state once it is consumed (`cursor`), its number since
     the iteration started (`index`), the epoch it belongs to, its samples in row order (global ids
     and their epochs), the batcher's counts (`stats`: copied_bytes, filtered, samples, ...),
-    production timing when telemetry is on, and now and then its worker's metrics."""
+    production timing when telemetry is on, now and then its worker's metrics, and in a mixture
+    the dataset of each sample."""
 
     cursor: LoaderCursor
     index: int
@@ -38,3 +39,5 @@ class BatchMeta:
     stats: dict[str, int]
     timing: dict[str, Any] | None = None
     metrics: WorkerSnapshot | None = None
+    datasets: np.ndarray | None = None
+    """In a mixture, the dataset (its index in `datasets=[...]`) each sample came from."""

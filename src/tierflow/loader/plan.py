@@ -17,15 +17,18 @@ from typing import Any, Iterator, NamedTuple, Protocol
 import numpy as np
 
 from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
-from tierflow.order import EvalOrder, OrderCursor, RankStream
+from tierflow.order import EvalOrder, MixedCursor, MixedRankStream, OrderCursor, RankStream
 
 
 class OrderBatch(NamedTuple):
-    """One order batch: global sample ids, their epochs, False on padding repeats."""
+    """One order batch: global sample ids, their epochs, False on padding repeats; in a mixture the
+    dataset they are ids of and the mixture's epoch (else the batch's epoch follows its samples')."""
 
     sample_ids: np.ndarray
     epochs: np.ndarray
     mask: np.ndarray
+    dataset: int = 0
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +45,7 @@ class Selection:
     cursor: LoaderCursor
     epoch: int
     part: int = 0
+    dataset: int = 0
 
 
 class Built(NamedTuple):
@@ -90,18 +94,18 @@ class _WorkerView:
 class TrainStream(_WorkerView):
     """Train order batches of one rank: `RankStream` batches of batch_size x group samples."""
 
-    def __init__(self, stream: RankStream, arrangement: Arrangement, *, rank: int, worker: int, workers: int,
-                 limit: int | None) -> None:
+    def __init__(self, stream: RankStream | MixedRankStream, arrangement: Arrangement, *, rank: int, worker: int,
+                 workers: int, limit: int | None) -> None:
         super().__init__(arrangement, rank, worker, workers, limit)
         self._stream = stream
-        self._after: tuple[int, OrderCursor] = (-1, stream.base)
+        self._after: tuple[int, OrderCursor | MixedCursor] = (-1, stream.base)
 
     def batch(self, group: int) -> OrderBatch:
         stream = self._stream
         micro = stream.node_batch(group * stream.ranks_per_node + stream.rank)
         return OrderBatch(micro.sample_ids, micro.epochs, micro.mask)
 
-    def position(self, last: int) -> OrderCursor:
+    def position(self, last: int) -> OrderCursor | MixedCursor:
         """The order cursor after order batch `last` (the last one asked for is kept: a group's
         parts and a budget's batches ask for the same one again)."""
         if last < 0:
@@ -148,6 +152,8 @@ def plan_groups(stream: OrderStream, state: LoaderCursor | None, per_group: int)
         assert order_batch is not None
         done = part + 1 == per_group
         cursor = stream.cursor(group) if done else stream.cursor(group - 1, skip=part + 1)
-        yield Selection(n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor,
-                        batch_epoch(order_batch.epochs, order_batch.mask), part)
+        epoch = order_batch.epoch if order_batch.epoch is not None else batch_epoch(order_batch.epochs,
+                                                                                    order_batch.mask)
+        yield Selection(n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor, epoch, part,
+                        order_batch.dataset)
         n += stream.workers

@@ -48,8 +48,9 @@ def node_lanes(layout: PartitionLayout, node: int, num_nodes: int, lanes: int) -
 class Lane:
     """Partitions read one after another within each epoch (see the module docstring)."""
 
-    def __init__(self, layout: PartitionLayout, members: tuple[int, ...], seed: int) -> None:
+    def __init__(self, layout: PartitionLayout, members: tuple[int, ...], seed: int, shuffle: bool = True) -> None:
         self.members = members
+        self.shuffle = shuffle
         self.sizes = {p: int(layout.partition_sizes[p]) for p in members}
         self.size = sum(self.sizes.values())
         self.seed = seed
@@ -57,6 +58,8 @@ class Lane:
 
     def epoch_order(self, epoch: int) -> tuple[int, ...]:
         """The lane's partitions in the order a fresh epoch reads them."""
+        if not self.shuffle:
+            return self.members  # ascending: with a contiguous layout, the stored order
         found = self._orders.get(epoch)
         if found is None:
             members = self.members

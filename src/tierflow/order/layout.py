@@ -4,6 +4,8 @@ Shards are dealt to partitions by longest-processing-time: heaviest shard first,
 currently lightest partition (ties to the lower index), where a shard's weight is its share of
 the dataset's samples plus, when byte sizes are given, its share of the bytes. The assignment
 depends only on the manifest and P, never on the world size; node n of N owns p = n (mod N).
+A `contiguous` layout (an unshuffled order's) gives each partition a run of consecutive shards
+instead, balanced by samples, so reading its partitions in index order reads the stored order.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class PartitionLayout:
         shard_sample_counts: Sequence[int],
         partitions: int = 64,
         shard_bytes: Sequence[int] | None = None,
+        contiguous: bool = False,
     ) -> None:
         counts = np.asarray(shard_sample_counts, dtype=np.int64)
         if counts.ndim != 1 or counts.size == 0:
@@ -47,7 +50,8 @@ class PartitionLayout:
             raise ValueError(
                 f"shard_bytes has {self.shard_bytes.size} entries for {counts.size} shards"
             )
-        self.shard_partition = _assign_longest_first(counts, self.shard_bytes, partitions)
+        self.shard_partition = (_assign_contiguous(counts, partitions) if contiguous
+                                else _assign_longest_first(counts, self.shard_bytes, partitions))
         order = np.argsort(self.shard_partition, kind="stable")
         bounds = np.searchsorted(self.shard_partition[order], np.arange(partitions + 1))
         self.partition_shards = [order[bounds[p] : bounds[p + 1]] for p in range(partitions)]
@@ -87,6 +91,23 @@ class PartitionLayout:
         h.update(self.shard_sample_counts.astype("<i8").tobytes())
         h.update(self.shard_partition.astype("<i8").tobytes())
         return h.hexdigest()
+
+
+def _assign_contiguous(counts: np.ndarray, partitions: int) -> np.ndarray:
+    """Runs of consecutive shards, each partition starting where its share of the samples does;
+    every partition gets at least one non-empty shard (empty shards join the run they sit in)."""
+    total = int(counts.sum())
+    nonempty = np.flatnonzero(counts > 0)
+    starts = np.concatenate(([0], np.cumsum(counts[nonempty])[:-1])).tolist()  # samples before each
+    chosen = np.zeros(nonempty.size, dtype=np.int64)
+    current = 0
+    for k in range(1, nonempty.size):
+        left = nonempty.size - k  # non-empty shards from this one on
+        if partitions * starts[k] // total > current or partitions - current - 1 >= left:
+            current = min(current + 1, partitions - 1)
+        chosen[k] = current
+    previous = np.searchsorted(nonempty, np.arange(counts.size), side="right") - 1
+    return chosen[np.maximum(previous, 0)]
 
 
 def _assign_longest_first(

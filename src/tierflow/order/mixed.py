@@ -46,6 +46,21 @@ class MixedCursor:
             "config_hash": self.config_hash,
         }
 
+    @classmethod
+    def from_dict(cls, state: Any) -> MixedCursor:
+        """Parse what `to_dict` wrote (its shape only; `MixedOrder.load` checks it against a mixture)."""
+        if not isinstance(state, dict) or any(k not in state for k in ("version", "weights", "seed", "draws",
+                                                                         "datasets", "config_hash")):
+            raise CursorFormatError("a mixed cursor is a dict with version, weights, seed, draws, datasets "
+                                    "and config_hash")
+        if state["version"] != MIXED_CURSOR_VERSION:
+            raise CursorFormatError(f"mixed cursor version {state['version']!r}; this tierflow reads version "
+                                    f"{MIXED_CURSOR_VERSION}")
+        if not isinstance(state["draws"], int) or state["draws"] < 0 or not isinstance(state["datasets"], list):
+            raise CursorFormatError("mixed cursor draws must be a non-negative integer and datasets a list")
+        return cls(state["draws"], tuple(OrderCursor.from_dict(c) for c in state["datasets"]),
+                   tuple(float(w) for w in state["weights"]), int(state["seed"]), str(state["config_hash"]))
+
 
 class MixedOrder:
     """Several dataset orders and their weights: the mixture's configuration and cursor checks."""

@@ -32,7 +32,8 @@ class MicroBatch:
 
 
 class SampleOrder:
-    """Deterministic, seekable order of one dataset over P canonical partitions."""
+    """Deterministic, seekable order of one dataset over P canonical partitions. `shuffle=False`:
+    stored order (contiguous partitions, no shard, window or lane shuffle), every epoch the same."""
 
     def __init__(
         self,
@@ -45,6 +46,7 @@ class SampleOrder:
         lanes: int | None = None,
         remainder: str | Remainder = Remainder.CARRY,
         shard_bytes: Sequence[int] | None = None,
+        shuffle: bool = True,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -54,7 +56,8 @@ class SampleOrder:
         self.seed = int(seed)
         self.window_shards = window_shards
         self.remainder = Remainder(remainder)
-        self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes)
+        self.shuffle = bool(shuffle)
+        self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes, contiguous=not self.shuffle)
         self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
         self.config: dict[str, Any] = {
             "dataset_id": dataset_id,
@@ -67,6 +70,8 @@ class SampleOrder:
             "num_samples": self.layout.num_samples,
             "layout": self.layout.digest()[:16],
         }
+        if not self.shuffle:  # only then, so a shuffled order's cursors keep their hash
+            self.config["shuffle"] = False
         canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
         self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
         self._windows: OrderedDict[tuple[int, int], EpochWindows] = OrderedDict()
@@ -127,7 +132,7 @@ class SampleOrder:
         if found is not None:
             self._windows.move_to_end(key)
             return found
-        built = EpochWindows(self.layout, partition, epoch, self.seed, self.window_shards)
+        built = EpochWindows(self.layout, partition, epoch, self.seed, self.window_shards, self.shuffle)
         self._windows[key] = built
         if len(self._windows) > self._windows_capacity:
             self._windows.popitem(last=False)

@@ -62,7 +62,7 @@ class NodeStream:
                  batch_size: int) -> None:
         self.order = order
         self.batch_size = batch_size
-        self.lanes = [Lane(order.layout, members, order.seed)
+        self.lanes = [Lane(order.layout, members, order.seed, order.shuffle)
                       for members in node_lanes(order.layout, node, num_nodes, order.lanes)]
         bases = [{p: (cursor.epochs[p], cursor.offsets[p]) for p in lane.members} for lane in self.lanes]
         self.batches = [LaneBatches(lane, base, batch_size, order.remainder) for lane, base in zip(self.lanes, bases)]
@@ -102,6 +102,16 @@ class NodeStream:
             sample_epochs = np.resize(sample_epochs, self.batch_size)
             mask[real:] = False
         return MicroBatch(spans[0].partition, sample_ids, sample_epochs, mask)
+
+    def epoch_of_pick(self, pick: int) -> int:
+        """The epoch of node batch `pick` (its oldest sample's: where its lane batch starts)."""
+        lane, i = self.lane_batch(pick)
+        return self.batches[lane].start(i) // self.lanes[lane].size
+
+    def picks_through(self, epoch: int) -> int:
+        """Node batches from the cursor whose epoch is <= `epoch`: a prefix of the stream, since
+        the interleave puts every batch starting in epoch e before any starting in e + 1."""
+        return sum(b.count_before((epoch + 1) * b.lane.size) for b in self.batches)
 
     def positions_after(self, picks: int) -> Positions:
         """Every partition's position once the node has consumed `picks` batches."""
@@ -172,6 +182,20 @@ class RankStream:
         while True:
             yield self.batch(index)
             index += num_workers
+
+    def epoch_batches(self, after: int | None = None, agree: bool = False) -> tuple[int, int]:
+        """(epoch, batches): the epoch a run of this rank's batches from the cursor finishes (its
+        first batch's, and past `after`, the last one finished) and how many of its batches belong
+        to it or an older one. With `agree`, what every rank of every node stops at together: the
+        smallest first epoch, and the fewest batches (what `Loader`'s epoch_end="agree" does)."""
+        ranks = [(n, r) for n in range(self.num_nodes) for r in range(self.ranks_per_node)] if agree \
+            else [(self.node, self.rank)]
+        epoch = min(self.nodes[n].epoch_of_pick(r) for n, r in ranks)
+        if after is not None:
+            epoch = max(epoch, after + 1)
+        R = self.ranks_per_node
+        counts = [max(0, -(-(self.nodes[n].picks_through(epoch) - r) // R)) for n, r in ranks]
+        return epoch, min(counts)
 
     def cursor_after(self, index: int) -> OrderCursor:
         """State once every rank of every node has consumed its batches 0..index."""

@@ -16,6 +16,14 @@ from tierflow.order.layout import PartitionLayout
 from tierflow.order.permutation import FeistelPermutation
 
 
+class _Identity:
+    """The permutation of an unshuffled order: stored order inside each window."""
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+_IDENTITY = _Identity()
 CHUNK = 2048
 CHUNKS_KEPT = 2
 
@@ -24,7 +32,8 @@ class EpochWindows:
     """The shuffled shard order and sample windows of (partition, epoch)."""
 
     def __init__(
-        self, layout: PartitionLayout, partition: int, epoch: int, seed: int, window_shards: int
+        self, layout: PartitionLayout, partition: int, epoch: int, seed: int, window_shards: int,
+        shuffle: bool = True,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -32,9 +41,12 @@ class EpochWindows:
         self.epoch = epoch
         self.seed = seed
         self._layout = layout
+        self.shuffle = shuffle
         owned = layout.partition_shards[partition]
-        shuffle = FeistelPermutation(owned.size, derive_key("shards", seed, epoch, partition))
-        self.shard_order = owned[shuffle(np.arange(owned.size))]
+        if shuffle:
+            owned = owned[FeistelPermutation(owned.size, derive_key("shards", seed, epoch, partition))(
+                np.arange(owned.size))]
+        self.shard_order = owned
         counts = layout.shard_sample_counts[self.shard_order]
         self.shard_starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         self.size = int(self.shard_starts[-1])
@@ -58,7 +70,9 @@ class EpochWindows:
     def window_of(self, offset: int) -> int:
         return int(np.searchsorted(self.window_starts, offset, side="right") - 1)
 
-    def _permutation(self, window: int) -> FeistelPermutation:
+    def _permutation(self, window: int) -> FeistelPermutation | _Identity:
+        if not self.shuffle:
+            return _IDENTITY
         permutation = self._window_permutations.get(window)
         if permutation is None:
             size = int(self.window_starts[window + 1] - self.window_starts[window])

@@ -1,0 +1,174 @@
+"""Several packed datasets mixed by weight behind one loader: `TieredDataset(datasets=[...], weights=[...])`.
+
+The order is `MixedOrder` (order/mixed.py): node batch g comes from the dataset the closed-form
+schedule gives for draw g and is that dataset's own next node batch, so resume is exact and a
+world-size change resumes too (elastic). Each dataset keeps its own reading state, working set and
+shard source (its own tier stack, if any); one batcher builds every batch from the context of the
+dataset it came from, and `meta.datasets` says which, per sample (sample ids are the dataset's
+own). An epoch of a mixture is the datasets' total samples drawn at the weights (a small dataset
+repeats within it, a large one is partly read), counted in node draws, so every rank reaches an
+edge at the same step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from tierflow.format.dataset import Dataset
+from tierflow.loader.budget import TokenBudget
+from tierflow.loader.collate import CarriedBatch
+from tierflow.loader.cursor import Arrangement, LoaderCursor
+from tierflow.loader.dataset import Resume, TieredDataset
+from tierflow.loader.plan import Built, OrderBatch, Selection, TrainStream
+from tierflow.order import MixedCursor, MixedOrder, MixedRankStream, ShardUse
+
+
+class MixedTrainStream(TrainStream):
+    """A rank's mixed order batches: dataset d's own node batches at the schedule's draws (the
+    positions and cursors are TrainStream's, over the mixed stream)."""
+
+    _stream: MixedRankStream
+
+    def __init__(self, stream: MixedRankStream, arrangement: Arrangement, *, rank: int, worker: int, workers: int,
+                 limit: int | None, samples_per_epoch: int, num_nodes: int) -> None:
+        super().__init__(stream, arrangement, rank=rank, worker=worker, workers=workers, limit=limit)
+        self._draw_samples = num_nodes * stream.batch_size  # samples the world takes per node draw
+        self._epoch_samples = samples_per_epoch
+
+    def epoch_of(self, draw: int) -> int:
+        """The mixture epoch of node draw `draw` (counted from the start of the run)."""
+        return draw * self._draw_samples // self._epoch_samples
+
+    def draws_through(self, epoch: int) -> int:
+        """Node draws (from the start) whose epoch is <= `epoch`."""
+        return -(-(epoch + 1) * self._epoch_samples // self._draw_samples)
+
+    def batch(self, group: int) -> OrderBatch:
+        stream = self._stream
+        pick = group * stream.ranks_per_node + stream.rank
+        dataset, micro = stream.node_batch(pick)
+        return OrderBatch(micro.sample_ids, micro.epochs, micro.mask, dataset, self.epoch_of(stream.base.draws + pick))
+
+
+class MixedDataset(TieredDataset):
+    """What `TieredDataset(datasets=[a, b, ...], weights=[...])` builds (see the module docstring).
+
+    Every other keyword (batch_size, seq_len, batcher, columns, transform, filter, collate, seed,
+    partitions, window_shards, lanes, remainder, shuffle, world, endpoint_url) applies to each
+    dataset. Token budgets, eval and a shared `shard_source_factory` are per dataset: refused here.
+    """
+
+    def __init__(self, data: Any = None, *, datasets: Sequence[str | Path | Dataset],
+                 weights: Sequence[float] | None = None, resume: Resume = None, allow_mismatch: bool = False,
+                 max_batches: int | None = None, eval: bool = False, **options: Any) -> None:
+        IterableDataset.__init__(self)
+        if data is not None:
+            raise ValueError("pass the datasets of a mixture as datasets=[...], not also as data")
+        if len(datasets) < 1:
+            raise ValueError("a mixture needs at least one dataset")
+        weights = [1.0] * len(datasets) if weights is None else list(weights)
+        if len(weights) != len(datasets):
+            raise ValueError(f"{len(datasets)} datasets got {len(weights)} weights")
+        if eval:
+            raise ValueError("eval reads one dataset once in stored order: evaluate each dataset on its own")
+        if options.get("max_tokens") is not None or isinstance(options.get("batcher"), TokenBudget):
+            raise ValueError("a token budget packs samples across order batches; mixing datasets takes batchers "
+                             "that map order batches to batches (Samples, TokenWindows, LengthBuckets)")
+        if options.get("shard_source_factory") is not None:
+            raise ValueError("shard_source_factory serves one dataset; pass each dataset opened on its stack "
+                             "(stack.dataset()) in datasets=[...]")
+        saved = LoaderCursor.parse(resume)
+        saved_orders: list[Any] = [None] * len(datasets)
+        if saved is not None and isinstance(saved.order, MixedCursor) and len(saved.order.cursors) == len(datasets):
+            saved_orders = list(saved.order.cursors)  # each dataset's order built as it was saved
+        self.children = [
+            TieredDataset(d, resume=LoaderCursor("train", saved.arrangement, order=o) if o is not None else None,
+                          allow_mismatch=True, **options)
+            for d, o in zip(datasets, saved_orders)]
+        first = self.children[0]
+        self.batcher = first.batcher
+        self.batch_size = first.batch_size
+        self.world = first.world
+        self.seed = first.seed
+        self.eval = False
+        self.max_batches = max_batches
+        self.allow_mismatch = allow_mismatch
+        self.transform, self.filter, self.collate = first.transform, first.filter, first.collate
+        self.weights = tuple(float(w) for w in weights)
+        self.location = first.location
+        self.num_order_samples = sum(c.num_order_samples for c in self.children)
+        self.working_set = first.working_set
+        self.order = MixedOrder([c.order for c in self.children], self.weights, self.seed)
+        self._resume: LoaderCursor | None = None
+        self.load_state_dict(saved)
+        self._context = None
+        self._context_pid = -1
+
+    @property
+    def locations(self) -> list[str]:
+        return [c.location for c in self.children]
+
+    def stream(self, worker: int = 0, workers: int = 1) -> MixedTrainStream:  # type: ignore[override]
+        """This rank's mixed order from the resume cursor, as DataLoader worker `worker` plans it."""
+        return self._mixed_stream(self._resume, worker, workers)
+
+    def _mixed_stream(self, cursor: LoaderCursor | None, worker: int = 0, workers: int = 1) -> MixedTrainStream:
+        base = cursor.order if cursor is not None and isinstance(cursor.order, MixedCursor) else self.order.start()
+        world = self.world
+        stream = MixedRankStream(self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
+                                 node=world.node, num_nodes=world.num_nodes, rank=world.local_rank,
+                                 ranks_per_node=world.ranks_per_node)
+        return MixedTrainStream(stream, self.arrangement(), rank=world.rank, worker=worker, workers=workers,
+                                limit=self.max_batches, samples_per_epoch=self.num_order_samples,
+                                num_nodes=world.num_nodes)
+
+    def epoch_length(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> int:
+        """Batches of this rank from `cursor` through the mixture epoch they finish (see
+        `TieredDataset.epoch_length`); every node draws alike, so `agree` takes the last local rank."""
+        start = self._parsed(cursor) if cursor is not None else self._resume
+        stream = self._mixed_stream(start)
+        draws = stream._stream.base.draws
+        ranks = self.world.ranks_per_node
+        own = self.world.local_rank
+        epoch = stream.epoch_of(draws + (0 if agree else own))
+        if after is not None:
+            epoch = max(epoch, after + 1)
+        left = stream.draws_through(epoch) - draws
+        rank = ranks - 1 if agree else own
+        batches = max(0, -(-(left - rank) // ranks))
+        skip = start.skip if start is not None else 0
+        return max(0, batches * self.batcher.batches_per_group - skip)
+
+    def __iter__(self) -> Iterator[CarriedBatch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        contexts = [child._open() for child in self.children]
+        plan = self.batcher.plan(contexts[0], self.stream(worker, workers), self._resume)
+        batches = (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
+        if info is None:
+            return batches
+        return self._from_worker(batches, worker, getattr(contexts[0].dataset.source, "registry", None))
+
+    def _mixed_carry(self, selection: Selection, built: Built) -> CarriedBatch:
+        carried = self._carry(selection, built)
+        carried.meta.datasets = np.full(built.sample_ids.size, selection.dataset, dtype=np.int64)
+        return carried
+
+    def wrap_shard_source(self, wrap: Any) -> None:
+        for child in self.children:
+            child.wrap_shard_source(wrap)
+
+    def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:
+        raise TypeError("a Stager plans one dataset's shards; a mixture reads each dataset on demand (every reader "
+                        "ensures its own shards), so build its Loader without stager=")
+
+    def __repr__(self) -> str:
+        return (f"TieredDataset(datasets={self.locations!r}, weights={list(self.weights)}, batch_size="
+                f"{self.batch_size}, batcher={self.batcher!r}, world={self.world})")
+
+
+__all__ = ["MixedDataset", "MixedTrainStream"]

@@ -1,0 +1,162 @@
+"""What a training loop expects of epochs and dtypes: one epoch per `for`, an exact `len`, the
+endless stream opt-in, eval re-run by each `for`, and token ids that reach the model as int64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tierflow.loader import LengthBuckets, Loader, Samples, TieredDataset, TokenBudget, WorldPosition
+
+PARTITIONS = 4
+
+
+def windows(packed, **kw):
+    kw.setdefault("partitions", PARTITIONS)
+    return TieredDataset(packed, batch_size=8, seq_len=64, **kw)
+
+
+BATCHERS = {
+    "samples": lambda packed, **kw: TieredDataset(packed, batch_size=16, batcher=Samples(select=["tokens"]),
+                                                  partitions=PARTITIONS, **kw),
+    "windows": windows,
+    "buckets": lambda packed, **kw: TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=512, group=4),
+                                                  partitions=PARTITIONS, **kw),
+}
+
+
+def epochs_of(pairs):
+    return sorted({m.epoch for _, m in pairs})
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHERS))
+def test_each_for_is_one_epoch_and_len_says_how_many_batches_it_holds(long_tailed_docs, kind):
+    loader = Loader(BATCHERS[kind](long_tailed_docs), return_meta=True)
+    seen: list[int] = []
+    for epoch in range(3):
+        expected = len(loader)
+        got = list(loader)
+        assert len(got) == expected > 0
+        assert epochs_of(got) == [epoch]
+        seen += [i for _, m in got for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist()) if e == epoch]
+    # the three epochs together are the endless stream's first batches, nothing skipped or repeated
+    endless = Loader(BATCHERS[kind](long_tailed_docs), endless=True, return_meta=True)
+    ids = []
+    for _, meta in endless:
+        ids.append(meta.sample_ids.tolist())
+        if len(ids) == loader.state_dict()["consumed"]:
+            break
+    assert [i for row in ids for i in row] == [
+        i for row in [m.sample_ids.tolist() for _, m in _replay(BATCHERS[kind](long_tailed_docs), 3)] for i in row]
+
+
+def _replay(ds, epochs):
+    loader = Loader(ds, return_meta=True)
+    return [pair for _ in range(epochs) for pair in loader]
+
+
+def test_len_is_exact_after_a_resume_mid_epoch_and_for_every_rank(long_tailed_docs):
+    first = Loader(windows(long_tailed_docs))
+    for step, _ in enumerate(first):
+        if step == 6:
+            break
+    resumed = Loader(windows(long_tailed_docs, resume=first.state_dict()), return_meta=True)
+    rest = len(resumed)
+    assert rest == len(list(resumed)) == len(Loader(windows(long_tailed_docs))) - 7
+    assert len(resumed) == len(list(resumed))  # the next epoch, whole
+    for rank in range(3):  # ranks of one node hold a batch more or less of an epoch
+        ranked = Loader(windows(long_tailed_docs, world=WorldPosition(0, 1, rank, 3)))
+        assert len(ranked) == len(list(ranked))
+    lanes = Loader(windows(long_tailed_docs, lanes=2, window_shards=1, max_batches=5))
+    assert len(lanes) == len(list(lanes)) == 5
+
+
+def test_the_endless_stream_is_opt_in_and_has_no_length(long_tailed_docs):
+    one = Loader(windows(long_tailed_docs))
+    endless = Loader(windows(long_tailed_docs), endless=True, return_meta=True)
+    with pytest.raises(TypeError, match="endless"):
+        len(endless)
+    count = len(one)
+    for step, (_, meta) in enumerate(endless):
+        if step == count + 3:
+            break
+    assert meta.epoch == 1  # it ran past the epoch edge
+    with pytest.raises(ValueError, match="endless=True"):
+        Loader(windows(long_tailed_docs), epoch_end=None)
+
+
+def test_a_token_budget_has_no_length_but_still_ends_each_epoch(long_tailed_docs):
+    loader = Loader(TieredDataset(long_tailed_docs, batch_size=16, batcher=TokenBudget(8192), partitions=PARTITIONS),
+                    return_meta=True)
+    with pytest.raises(TypeError, match="planned"):
+        len(loader)
+    assert epochs_of(list(loader)) == [0] and epochs_of(list(loader)) == [1]
+
+
+def test_each_for_over_an_eval_loader_runs_the_whole_eval(long_tailed_docs):
+    loader = Loader(windows(long_tailed_docs, eval=True), return_meta=True)
+    steps = len(loader)
+    first = [m.sample_ids.tolist() for _, m in loader]
+    second = [m.sample_ids.tolist() for _, m in loader]
+    assert len(first) == steps == len(loader) and first == second
+
+
+def test_token_ids_reach_the_loop_as_int64_or_the_dtype_asked_for(long_tailed_docs):
+    made = {
+        "windows": lambda: windows(long_tailed_docs, max_batches=2),
+        "buckets": lambda: BATCHERS["buckets"](long_tailed_docs, max_batches=2),
+        "budget": lambda: TieredDataset(long_tailed_docs, batch_size=16, max_tokens=1024, partitions=PARTITIONS,
+                                        max_batches=2),
+    }
+    for name, make in made.items():
+        wire = next(iter(make())).data
+        batch = next(iter(Loader(make())))
+        assert batch["input_ids"].dtype == torch.int64, name
+        if "labels" in batch:
+            assert batch["labels"].dtype == torch.int64, name
+        assert np.array_equal(batch["input_ids"].numpy(), np.asarray(wire["input_ids"]).astype(np.int64))
+        narrow = next(iter(Loader(make(), dtype=torch.int32)))
+        assert narrow["input_ids"].dtype == torch.int32
+        if "labels" in narrow:
+            assert narrow["labels"].dtype == torch.int32
+        if name == "budget":
+            assert (batch["labels"] == -100).any()  # -100 survives the widening
+    assert next(iter(windows(long_tailed_docs))).data["input_ids"].dtype == np.uint16  # the wire stays narrow
+
+
+# -- shuffle=False: stored order for training ------------------------------------------------
+
+def stored(packed, **kw):
+    kw.setdefault("partitions", PARTITIONS)
+    return TieredDataset(packed, batch_size=16, columns=["id"], shuffle=False, **kw)
+
+
+def epoch_ids(pairs, epoch):
+    return [i for _, m in pairs for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist()) if e == epoch]
+
+
+def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_tailed_docs):
+    loader = Loader(stored(long_tailed_docs), return_meta=True)
+    first, second = list(loader), list(loader)
+    n = stored(long_tailed_docs).num_order_samples
+    assert epoch_ids(first, 0) == list(range(n))  # one rank: the stored order itself
+    assert epoch_ids(first + second, 1) == list(range(n))
+    assert torch.equal(first[0][0]["id"], torch.arange(16))
+    # ranks of one node split it round robin, two nodes each read their own partitions in order
+    for world in ([WorldPosition(0, 1, r, 2) for r in range(2)], [WorldPosition(n, 2, 0, 1) for n in range(2)]):
+        ranks = [list(Loader(stored(long_tailed_docs, world=w), epoch_end="rank", return_meta=True)) for w in world]
+        ids = [epoch_ids(r, 0) for r in ranks]
+        assert sorted(ids[0] + ids[1]) == list(range(n))
+        assert all(rank == sorted(rank) for rank in ids)
+    shuffled = Loader(TieredDataset(long_tailed_docs, batch_size=16, columns=["id"], partitions=PARTITIONS),
+                      return_meta=True)
+    assert epoch_ids(list(shuffled), 0) != list(range(n))
+
+
+def test_shuffle_false_resumes_exactly(long_tailed_docs):
+    from tierflow.testing import assert_resumes_exactly
+
+    for workers in (0, 2):
+        assert_resumes_exactly(lambda w: Loader(stored(long_tailed_docs), num_workers=w), stops=[1, 17],
+                               workers=workers)
