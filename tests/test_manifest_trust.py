@@ -18,7 +18,9 @@ import pytest
 import tierflow
 from tierflow.commands.cli import main
 from tierflow.errors import ManifestError, ShardCorruptError, TierflowError
-from tierflow.format.manifest import CHECKSUM_KEY, MANIFEST_NAME, Manifest
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+
+CHECKSUM_KEY = "manifest_checksum"
 
 
 @pytest.fixture

@@ -253,7 +253,7 @@ class LazyShardTable(ShardTable):
                 return slot
             schema = self._shard_schema()
             source, data = self._verified(b)
-            decoded = decode_block(data, schema, self.name, b, source.blocks[b])
+            decoded = decode_block(data, schema, self.name, b, source.blocks[b], source.max_decoded)
             if decoded.num_rows != source.blocks[b].rows:
                 raise block_error(self.name, b, source.blocks[b],
                                   f"holds {decoded.num_rows} rows, not {source.blocks[b].rows}")

@@ -19,7 +19,7 @@ from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_dataset
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
-from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.manifest import MANIFEST_NAME, Manifest, max_manifest_bytes
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
 from tierflow.storage.remote import RetryingSource, join_url, open_source
 
@@ -37,10 +37,16 @@ def read_manifest(source: RetryingSource) -> Manifest:
     """The dataset's manifest; a prefix without one is refused as a local directory is."""
     where = join_url(source.url, MANIFEST_NAME)
     try:
-        raw = source.read_bytes(MANIFEST_NAME)
+        size = source.size(MANIFEST_NAME)
+        limit = max_manifest_bytes()
+        if size > limit:  # refused before a byte is downloaded: a hostile one could be any size
+            raise ManifestError(f"{where}: {size} bytes, more than the {limit} a manifest may have "
+                                f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused")
+        chunks: list[bytes] = []
+        source.read_into(MANIFEST_NAME, chunks.append, expected_size=size)  # and no more than that
     except SourceNotFound:
         raise ManifestError(f"{where}: no manifest; {source.url} holds no finished tierflow dataset") from None
-    return Manifest.from_bytes(raw, where)
+    return Manifest.from_bytes(b"".join(chunks), where)
 
 
 def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Manifest:
@@ -99,6 +105,7 @@ class RangeBlocks(BlockBytes):
         super().__init__(info.blocks, compressed=info.compression != "none")
         self.source = source
         self.name = info.name
+        self.max_decoded = info.decoded_bytes
         self._last: tuple[int, pa.Buffer] | None = None
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
