@@ -311,7 +311,8 @@ def block_messages(data: pa.Buffer, index: int) -> pa.ipc.MessageReader:
 
 
 BLOCK_DECODED_LIMIT = 1 << 30
-"""Decoded bytes one block may take when nothing tighter is known (the manifest's decoded size is)."""
+"""Decoded bytes one block may take at most (pack cuts 1 MB blocks; a hostile manifest may declare
+any decoded size, and Arrow allocates a compressed buffer's promised size before decompressing)."""
 
 
 def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block,
@@ -327,7 +328,8 @@ def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, bloc
     try:
         for message in block_messages(data, index):
             if message.type == "record batch":
-                _check_claims(message, name, index, block, BLOCK_DECODED_LIMIT if max_decoded is None else max_decoded)
+                limit = BLOCK_DECODED_LIMIT if max_decoded is None else min(max_decoded, BLOCK_DECODED_LIMIT)
+                _check_claims(message, name, index, block, limit)
                 batch = pa.ipc.read_record_batch(message, schema)
                 batch.validate(full=True)
                 return batch
