@@ -149,3 +149,19 @@ def test_verify_names_a_checksum_mismatch(tokens_ds, capsys):
     edit(tokens_ds, lambda d: d.update(eos_id=3), keep_checksum=True)
     assert main(["verify", str(tokens_ds)]) != 0
     assert "checksum" in capsys.readouterr().err
+
+
+def test_verify_on_s3_checks_the_manifest_numbers_from_the_bytes_it_streams(tokens_ds, s3_server, s3_bucket, capsys):
+    from tierflow.storage.remote import upload_dataset
+
+    def change(d):
+        counts = d["shards"][1]["blocks"]["tokens"]
+        counts[0] += 3
+        counts[1] -= 3
+    edit(tokens_ds, change)
+    url = f"s3://{s3_bucket}/ds"
+    upload_dataset(tokens_ds, url, endpoint_url=s3_server.endpoint_url)
+    capsys.readouterr()
+    assert main(["verify", url, "--endpoint-url", s3_server.endpoint_url]) == 1
+    err = capsys.readouterr().err
+    assert "block 0" in err and "tokens" in err and "no checksum" in err

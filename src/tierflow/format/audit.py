@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierflow.errors import TierflowError
-from tierflow.format.blocks import open_blocks
+import pyarrow as pa
+
+from tierflow.errors import ShardCorruptError, TierflowError
+from tierflow.format.blocks import BlockBytes, open_blocks
 from tierflow.format.manifest import Manifest
 from tierflow.format.shard import ShardInfo
 from tierflow.format.table import LazyShardTable
@@ -21,7 +23,16 @@ def audit_shard(path: str | Path, info: ShardInfo, manifest: Manifest) -> list[s
     """Every count of `info` the shard file at `path` disagrees with, as sentences naming the shard
     and block (call it on a file whose hashes verified: it decodes every block)."""
     try:
-        table = LazyShardTable(info.name, open_blocks(path, info), manifest.schema)
+        blocks = open_blocks(path, info)
+    except (TierflowError, OSError) as e:
+        return [f"shard {info.name}: {e}"]
+    return audit_blocks(blocks, info, manifest)
+
+
+def audit_blocks(blocks: BlockBytes, info: ShardInfo, manifest: Manifest) -> list[str]:
+    """`audit_shard` over any block source (a remote shard's ranged reads)."""
+    try:
+        table = LazyShardTable(info.name, blocks, manifest.schema)
         if manifest.token_column is not None:
             table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks])
     except (TierflowError, OSError) as e:
@@ -38,6 +49,35 @@ def audit_shard(path: str | Path, info: ShardInfo, manifest: Manifest) -> list[s
         if got != info.tokens:
             problems.append(f"shard {info.name}: holds {got} tokens, the manifest says {info.tokens}")
     return problems
+
+
+class StreamedAudit(BlockBytes):
+    """Checks a shard's counts block by block as its verified blocks stream past
+    (`ShardVerifier(on_block=audit.block)`); `problems` collects what disagrees."""
+
+    def __init__(self, info: ShardInfo, manifest: Manifest) -> None:
+        super().__init__(info.blocks, compressed=True, verified=True)
+        self.max_decoded = info.decoded_bytes
+        self._current: tuple[int, pa.Buffer] | None = None
+        self.problems: list[str] = []
+        self._table = LazyShardTable(info.name, self, manifest.schema)
+        if manifest.token_column is not None:
+            self._table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks])
+
+    def read(self, index: int, length: int | None = None) -> pa.Buffer:
+        if self._current is None or self._current[0] != index:
+            raise ShardCorruptError(f"shard {self._table.name}: block {index} read out of order")
+        data = self._current[1]
+        return data if length is None or length >= data.size else data.slice(0, length)
+
+    def block(self, index: int, data: bytes) -> None:
+        self._current = (index, pa.py_buffer(data))
+        try:
+            self._table.block(index)
+        except (TierflowError, OSError) as e:
+            self.problems.append(str(e))
+        finally:
+            self._table._evict(index)  # one decoded block held at a time
 
 
 def audit_manifest(root: str | Path, manifest: Manifest) -> list[str]:

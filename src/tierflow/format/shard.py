@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import pyarrow as pa
 import xxhash
@@ -428,9 +428,14 @@ def verify_shard(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST) -
 class ShardVerifier:
     """Checks a shard's bytes as they stream past (a file read, a download from a source), so a
     remote shard is verified without being stored: its size, every block's xxh3-64 (at rest) and
-    the whole file's xxh3-128. `write` is a file-like sink; `problems()` says what failed."""
+    the whole file's xxh3-128. `write` is a file-like sink; `problems()` says what failed.
+    `on_block(index, bytes)` sees each block that verified, whole, as it completes (one block held
+    at a time: how `verify` checks a remote shard's counts without reading it twice)."""
 
-    def __init__(self, info: ShardInfo, form: Form | str = Form.AT_REST) -> None:
+    def __init__(self, info: ShardInfo, form: Form | str = Form.AT_REST,
+                 on_block: Callable[[int, bytes], None] | None = None) -> None:
+        self._on_block = on_block
+        self._held = bytearray()
         self.info = info
         self.form = Form(form)
         self.size = 0
@@ -454,10 +459,15 @@ class ShardVerifier:
                 continue
             take = min(len(view), block.offset + block.length - position)
             self._block.update(view[:take])
+            if self._on_block is not None:
+                self._held += view[:take]
             view, position = view[take:], position + take
             if position == block.offset + block.length:
                 if self._block.hexdigest() != block.checksum:
                     self._bad.append(index)
+                elif self._on_block is not None:
+                    self._on_block(index, bytes(self._held))
+                self._held.clear()
                 self._block.reset()
                 self._next += 1
         self.size += n

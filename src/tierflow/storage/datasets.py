@@ -19,6 +19,7 @@ from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_dataset
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
+from tierflow.format.audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, max_manifest_bytes
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
 from tierflow.storage.remote import RetryingSource, join_url, open_source
@@ -119,16 +120,18 @@ class RangeBlocks(BlockBytes):
 
 def verify_source(source: RetryingSource, manifest: Manifest) -> list[str]:
     """Every problem with the dataset's shards at the source, each shard hashed as it streams past
-    (size, every block, the whole file), as sentences naming the shard and block; empty if sound."""
+    (size, every block, the whole file) and its manifest counts checked against each block as it
+    completes (the bytes cross the network once and are not kept), as sentences naming the shard and block; empty if sound."""
     problems = []
     for info in manifest.shards:
-        verifier = ShardVerifier(info)
+        audit = StreamedAudit(info, manifest)
+        verifier = ShardVerifier(info, on_block=audit.block)
         try:
             source.read_into(info.name, verifier.write, priority="low")
         except SourceNotFound:
             problems.append(f"shard {info.name}: missing ({join_url(source.url, info.name)})")
             continue
-        problems += verifier.problems()
+        problems += verifier.problems() or audit.problems  # the counts, from the same bytes
     return problems
 
 
