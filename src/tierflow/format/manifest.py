@@ -44,6 +44,14 @@ def max_manifest_bytes() -> int:
     return int(value) if value.isdigit() else MAX_MANIFEST_BYTES
 
 
+def check_manifest_size(size: int, where: str) -> None:
+    """ManifestError unless a manifest of `size` bytes is within the limit (checked before reading it)."""
+    limit = max_manifest_bytes()
+    if size > limit:
+        raise ManifestError(f"{where}: {size} bytes, more than the {limit} a manifest may have "
+                            f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused")
+
+
 def schema_to_json(schema: pa.Schema) -> dict:
     """Both a readable field list and the exact Arrow schema (IPC-serialised, base64)."""
     return {
@@ -172,10 +180,7 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
-        limit = max_manifest_bytes()
-        if len(raw) > limit:
-            raise ManifestError(f"{where}: {len(raw)} bytes, more than the {limit} a manifest may have "
-                                f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused")
+        check_manifest_size(len(raw), where)
         try:
             d = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

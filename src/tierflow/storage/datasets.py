@@ -20,7 +20,7 @@ from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_dataset
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.format.audit import StreamedAudit
-from tierflow.format.manifest import MANIFEST_NAME, Manifest, max_manifest_bytes
+from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
 from tierflow.storage.remote import RetryingSource, join_url, open_source
 
@@ -39,10 +39,7 @@ def read_manifest(source: RetryingSource) -> Manifest:
     where = join_url(source.url, MANIFEST_NAME)
     try:
         size = source.size(MANIFEST_NAME)
-        limit = max_manifest_bytes()
-        if size > limit:  # refused before a byte is downloaded: a hostile one could be any size
-            raise ManifestError(f"{where}: {size} bytes, more than the {limit} a manifest may have "
-                                f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused")
+        check_manifest_size(size, where)  # before a byte is downloaded: a hostile one could be any size
         chunks: list[bytes] = []
         source.read_into(MANIFEST_NAME, chunks.append, expected_size=size)  # and no more than that
     except SourceNotFound:
