@@ -215,10 +215,13 @@ class LazyShardTable(ShardTable):
     def _check_tokens(self, b: int, decoded: pa.RecordBatch) -> None:
         column, dtype, counts = self._tokens  # type: ignore[misc]
         idx = decoded.schema.get_field_index(column)
+        block = self._source.blocks[b]
         if idx < 0:
+            if counts[b]:
+                raise block_error(self.name, b, block, f"has no {column} column, the manifest says it holds "
+                                                       f"{counts[b]} tokens")
             return
         arr = decoded.column(idx)
-        block = self._source.blocks[b]
         if dtype is not None and str(getattr(arr.type, "value_type", arr.type)) != dtype:
             raise block_error(self.name, b, block, f"holds {arr.type} tokens, the manifest's token_dtype "
                                                    f"is {dtype}")
