@@ -87,6 +87,10 @@ class SourceNotFound(SourceError, FileNotFoundError):
     """The object does not exist; never retried."""
 
 
+class SourceTimeout(SourceError, TimeoutError):
+    """An operation on an object outlived its deadline (a silent or too slow peer), retries included."""
+
+
 class CheckpointError(TierflowError, IOError):
     """A checkpoint step is missing, incomplete or does not match its manifest; names the file.
     `CheckpointError(message)` alone is a whole message (as a DataLoader rebuilds it)."""
@@ -101,5 +105,5 @@ class CheckpointError(TierflowError, IOError):
 
 
 __all__ = ["BatchOrderError", "CheckpointError", "CursorError", "CursorFormatError", "CursorMismatchError",
-           "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound",
-           "TierflowError"]
+           "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError", "ShardCorruptError",
+           "SourceError", "SourceNotFound", "SourceTimeout", "TierflowError"]

@@ -33,6 +33,9 @@ class BlockBytes:
         self.compressed = compressed
         self.verified = verified
         self.keepalive = keepalive  # a tier pin: alive as long as decoded blocks may point into the file
+        self.max_decoded: int | None = None
+        """Decoded bytes a block may take (the shard's decoded size, when known): a hostile block
+        promising more is refused before it is decompressed."""
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         raise NotImplementedError
@@ -127,10 +130,15 @@ def open_blocks(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST, bl
                 keepalive: Any = None) -> BlockBytes:
     """The block source of a local shard file: at rest (the manifest's blocks) or decoded (`blocks`,
     the tier's list). Uncompressed files are memory-mapped; compressed ones read block by block."""
+    source: BlockBytes
     if form == Form.AT_REST:
         if info.compression == "none":
-            return MappedBlocks(path, info.blocks, info.name, info.bytes, keepalive=keepalive)
-        return FileBlocks(path, info.blocks, keepalive=keepalive)
-    if blocks is None:
+            source = MappedBlocks(path, info.blocks, info.name, info.bytes, keepalive=keepalive)
+        else:
+            source = FileBlocks(path, info.blocks, keepalive=keepalive)
+    elif blocks is None:
         raise ValueError(f"shard {info.name}: a decoded file needs its block list")
-    return MappedBlocks(path, blocks, info.name, info.decoded_bytes, keepalive=keepalive)
+    else:
+        source = MappedBlocks(path, blocks, info.name, info.decoded_bytes, keepalive=keepalive)
+    source.max_decoded = info.decoded_bytes
+    return source

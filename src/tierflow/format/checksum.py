@@ -48,9 +48,14 @@ class HashingSink:
         self._block = xxhash.xxh3_64()
         self.position = 0
         self.closed = False
+        self.limit: int | None = None
+        """Bytes this sink may take; a write past it raises `limit_error` (a bounded decode)."""
+        self.limit_error: Exception | None = None
 
     def write(self, data) -> int:
         view = memoryview(data)
+        if self.limit is not None and self.position + view.nbytes > self.limit:
+            raise self.limit_error or OSError(f"more than {self.limit} bytes written")
         self._hash.update(view)
         self._block.update(view)
         if self._target is not None:

@@ -90,6 +90,7 @@ class Dataset:
             if unknown:
                 raise KeyError(f"{location}: no column(s) {unknown}; the dataset has {names}")
         self.columns = list(columns) if columns is not None else list(names)
+        self._token_column = manifest.token_column
         self.index = DatasetIndex(manifest.shards, _block_token_reader(manifest, source))
         self.sample_starts = self.index.sample_starts
         self.token_starts = self.index.token_starts
@@ -102,7 +103,12 @@ class Dataset:
                 f"columns={self.columns})")
 
     def shard(self, s: int) -> ShardTable:
-        return self.source.open_shard(s, self.manifest.shards[s])
+        """Shard `s` as a table; a lazy one checks its blocks' token counts against the manifest's."""
+        info = self.manifest.shards[s]
+        table = self.source.open_shard(s, info)
+        if self._token_column is not None and isinstance(table, LazyShardTable) and table._tokens is None:
+            table.expect_tokens(self._token_column, self.manifest.token_dtype, [b.tokens for b in info.blocks])
+        return table
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if index < 0:

@@ -2,8 +2,12 @@
 
 It is written last and atomically, so a directory without one holds no dataset. Its
 `dataset_id` hashes what the data *is* (schema, tokenizer, shard hashes), not the manifest's
-bytes, so two packs of the same data share cache entries. Untrusted input: `Manifest.load`
-validates every field a reader relies on and names what is wrong.
+bytes, so two packs of the same data share cache entries; the manifest's own bytes are covered
+by `manifest_checksum` (xxh3-128 of its canonical JSON, every field but itself), so a flipped byte
+or an edited count is refused. A manifest without one (written before it existed) still loads,
+with `checksummed` False: its counts are trusted no more than any other's, since every count is
+checked against the shard bytes when a block is first decoded (and by `tierflow verify`).
+Untrusted input: `Manifest.load` validates every field a reader relies on and names what is wrong.
 """
 
 from __future__ import annotations
@@ -27,8 +31,25 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}[0-9a-f]{{32}}{re.escape(SHARD_SUFFIX)}$")
 _MAX_COUNT = 1 << 48
-MAX_MANIFEST_BYTES = 256 << 20
-"""A manifest larger than this is refused unread (a hostile one could be any size)."""
+CHECKSUM_KEY = "manifest_checksum"
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest larger than this is refused unread (a hostile one could be any size): 64 MiB lists
+~90,000 shards of ~14 blocks (~20 TB at the default shard size) and parses in ~5 s; a 100 MB one
+took 13 s and 1.7 GB. TIERFLOW_MAX_MANIFEST_BYTES raises it for a larger dataset."""
+
+
+def max_manifest_bytes() -> int:
+    """The manifest size limit in force (TIERFLOW_MAX_MANIFEST_BYTES, else MAX_MANIFEST_BYTES)."""
+    value = os.environ.get("TIERFLOW_MAX_MANIFEST_BYTES", "")
+    return int(value) if value.isdigit() else MAX_MANIFEST_BYTES
+
+
+def check_manifest_size(size: int, where: str) -> None:
+    """ManifestError unless a manifest of `size` bytes is within the limit (checked before reading it)."""
+    limit = max_manifest_bytes()
+    if size > limit:
+        raise ManifestError(f"{where}: {size} bytes, more than the {limit} a manifest may have "
+                            f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused")
 
 
 def schema_to_json(schema: pa.Schema) -> dict:
@@ -49,6 +70,13 @@ def compute_dataset_id(schema_json: dict, tokenizer: dict | None, shard_checksum
     return xxhash.xxh3_128_hexdigest(canonical.encode())
 
 
+def manifest_checksum(d: dict) -> str:
+    """xxh3-128 of the manifest's canonical JSON (sorted keys, no spaces), its checksum left out:
+    independent of indentation, so a manifest re-formatted by a tool still verifies."""
+    body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 _SHARD_COUNTS = ("samples", "bytes", "decoded_bytes", "tokens")
 _TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 
@@ -67,6 +95,16 @@ def _check_fields(d: dict, fail: Callable[[str], ManifestError]) -> None:
         raise fail(f"eos_id = {eos!r:.80} is not a token id")
 
 
+def _check_totals(manifest: "Manifest", fail: Callable[[str], ManifestError]) -> None:
+    """The pack's own totals (stats) against the shards' counts: a shard whose count was zeroed (a
+    flipped byte in its key name reads as the default) no longer adds up."""
+    stats = manifest.stats
+    for key, total in (("samples", manifest.num_samples), ("tokens", manifest.num_tokens)):
+        recorded = stats.get(key)
+        if type(recorded) is int and recorded != total:
+            raise fail(f"stats.{key} = {recorded}, but the shards' {key} sum to {total}")
+
+
 @dataclass
 class Manifest:
     schema: pa.Schema
@@ -77,6 +115,8 @@ class Manifest:
     eos_id: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    checksummed: bool = True
+    """False for a manifest that carried no checksum (older packs): loaded, counts checked on use."""
 
     @property
     def dataset_id(self) -> str:
@@ -93,7 +133,7 @@ class Manifest:
 
     def to_json(self) -> dict:
         schema_json = schema_to_json(self.schema)
-        return {
+        d = {
             "format": "tierflow",
             "format_version": self.format_version,
             "dataset_id": self.dataset_id,
@@ -105,6 +145,8 @@ class Manifest:
             "shards": [s.to_json() for s in self.shards],
             "stats": self.stats,
         }
+        d[CHECKSUM_KEY] = manifest_checksum(d)
+        return d
 
     def save(self, directory: str | Path) -> Path:
         """Atomically publish the manifest (temp file, fsync, rename, fsync directory)."""
@@ -131,13 +173,14 @@ class Manifest:
     def load(cls, directory: str | Path) -> "Manifest":
         path = Path(directory) / MANIFEST_NAME
         try:
-            raw = read_regular(path, MAX_MANIFEST_BYTES, ManifestError)
+            raw = read_regular(path, max_manifest_bytes(), ManifestError)
         except FileNotFoundError:
             raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
         return cls.from_bytes(raw, str(path))
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
+        check_manifest_size(len(raw), where)
         try:
             d = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -169,6 +212,10 @@ class Manifest:
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise fail(f"unknown format_version {version!r}; this tierflow reads version {FORMAT_VERSION}")
+        recorded_sum = d.get(CHECKSUM_KEY)
+        if recorded_sum is not None and recorded_sum != manifest_checksum(d):
+            raise fail(f"{CHECKSUM_KEY} {recorded_sum!r:.40} does not match the manifest's contents "
+                       f"(damaged or edited; re-pack, or restore the manifest)")
         at[0] = "field \"schema\""
         try:
             schema = schema_from_json(d["schema"])
@@ -203,7 +250,12 @@ class Manifest:
             if sum(b.rows for b in info.blocks) != info.samples:
                 raise fail(f"shard {info.name}: block rows sum to {sum(b.rows for b in info.blocks)}, "
                            f"not {info.samples} samples")
+            block_tokens = [b.tokens for b in info.blocks if b.tokens is not None]
+            if block_tokens and (min(block_tokens) < 0 or sum(block_tokens) != info.tokens):
+                raise fail(f"shard {info.name}: block tokens sum to {sum(block_tokens)}, not its {info.tokens} tokens")
             for b in info.blocks:
+                if b.rows < 0 or b.rows >= _MAX_COUNT:
+                    raise fail(f"shard {info.name}: a block of {b.rows} rows is negative or absurd")
                 if b.offset < 0 or b.length <= 0 or b.offset + b.length > info.bytes:
                     raise fail(f"shard {info.name}: block at {b.offset}+{b.length} lies outside the file")
             shards.append(info)
@@ -216,7 +268,9 @@ class Manifest:
             schema=schema, shards=shards, tokenizer=d.get("tokenizer"),
             token_column=d.get("token_column"), token_dtype=d.get("token_dtype"),
             eos_id=d.get("eos_id"), stats=d.get("stats") or {}, format_version=version,
+            checksummed=recorded_sum is not None,
         )
+        _check_totals(manifest, fail)
         if manifest.token_column is not None and manifest.token_column not in schema.names:
             raise fail(f"token_column {manifest.token_column!r} is not in the schema")
         recorded = d.get("dataset_id")

@@ -13,12 +13,13 @@ import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import pyarrow as pa
 import xxhash
 
 from tierflow.format.checksum import CHUNK, HashingSink, xxh3_hex
+from tierflow.format.ipcmeta import MalformedMessage, batch_claims, decoded_size
 from tierflow.format.regular import open_regular
 from tierflow.errors import ShardCorruptError
 
@@ -253,19 +254,45 @@ class ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def decode_shard(src: str | Path, dst: str | Path) -> tuple[int, str]:
+def decode_shard(src: str | Path, dst: str | Path, info: ShardInfo | None = None) -> tuple[int, str]:
     """Write the decoded (uncompressed) form of an at-rest shard to `dst`; return (size, xxh3-128).
 
     The result is byte-identical to the decoded form measured at pack time, so the manifest's
-    `decoded_checksum` verifies it.
+    `decoded_checksum` verifies it. With `info` (the manifest's entry) the blocks are the
+    manifest's byte ranges, not the file's footer, each bounded before it is decoded and the
+    output by `info.decoded_bytes`: a hostile shard cannot make admission cost more memory than
+    one block or more disk than the manifest declared. One block is held at a time.
     """
     with pa.memory_map(str(src)) as source:
-        reader = pa.ipc.open_file(source)
-        blocks = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        mapped = source.read_buffer()
+        if info is None:
+            reader = pa.ipc.open_file(source)
+            schema = reader.schema
+            batches: Iterator[pa.RecordBatch] = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            if mapped.size != info.bytes:
+                raise ShardCorruptError(f"shard {info.name}: {mapped.size} bytes, not {info.bytes} ({src})")
+            if not info.blocks:
+                raise ShardCorruptError(f"shard {info.name}: no blocks")
+            first = info.blocks[0]
+            schema = block_schema(mapped.slice(first.offset, first.length), info.name, first)
+            batches = _bounded_batches(mapped, schema, info)
         with open(dst, "wb", buffering=CHUNK) as f:
             sink = HashingSink(f)
-            _write_ipc(blocks, reader.schema, sink, _ipc_options("none", None))
+            if info is None:
+                _write_ipc(list(batches), schema, sink, _ipc_options("none", None))
+            else:
+                sink.limit = info.decoded_bytes
+                sink.limit_error = ShardCorruptError(f"shard {info.name}: decodes to more than the "
+                                                     f"{info.decoded_bytes} bytes the manifest declares")
+                _write_ipc(batches, schema, sink, _ipc_options("none", None))
     return sink.position, sink.hexdigest()
+
+
+def _bounded_batches(mapped: pa.Buffer, schema: pa.Schema, info: ShardInfo) -> Iterator[pa.RecordBatch]:
+    for i, block in enumerate(info.blocks):
+        yield decode_block(mapped.slice(block.offset, block.length), schema, info.name, i, block,
+                           max_decoded=info.decoded_bytes)
 
 
 def block_error(name: str, index: int, block: Block, why: str = "fails its checksum") -> ShardCorruptError:
@@ -283,17 +310,55 @@ def block_messages(data: pa.Buffer, index: int) -> pa.ipc.MessageReader:
     return pa.ipc.MessageReader.open_stream(data.slice(8) if index == 0 else data)
 
 
-def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block) -> pa.RecordBatch:
+BLOCK_DECODED_LIMIT = 1 << 30
+"""Decoded bytes one block may take at most (pack cuts 1 MB blocks; a hostile manifest may declare
+any decoded size, and Arrow allocates a compressed buffer's promised size before decompressing)."""
+
+
+def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block,
+                 max_decoded: int | None = None) -> pa.RecordBatch:
     """One block decoded from its (already verified) bytes; zero-copy when uncompressed.
-    Bytes that verify but do not decode (a hostile manifest lists their checksum) are
-    ShardCorruptError naming shard and block, not Arrow's bare error."""
+
+    Bytes that verify may still be hostile (a hostile manifest lists their checksum), so before
+    Arrow allocates anything the message's claims are bounded (`_check_claims`: rows, buffer
+    ranges, decompressed size within `max_decoded`), and after decoding the batch is validated
+    in full (offsets, lengths, UTF-8: ~30 us a MB of text), so no view ever reads outside its
+    buffers. Any failure is ShardCorruptError naming shard and block, not Arrow's bare error.
+    """
     try:
         for message in block_messages(data, index):
             if message.type == "record batch":
-                return pa.ipc.read_record_batch(message, schema)
+                limit = BLOCK_DECODED_LIMIT if max_decoded is None else min(max_decoded, BLOCK_DECODED_LIMIT)
+                _check_claims(message, name, index, block, limit)
+                batch = pa.ipc.read_record_batch(message, schema)
+                batch.validate(full=True)
+                return batch
     except (pa.ArrowException, OSError, ValueError) as e:
+        if isinstance(e, ShardCorruptError):
+            raise
         raise block_error(name, index, block, f"does not decode ({e})") from None
     raise block_error(name, index, block, "holds no record batch")
+
+
+def _check_claims(message: pa.ipc.Message, name: str, index: int, block: Block, max_decoded: int) -> None:
+    """Refuse a record batch whose rows or buffers its bytes cannot justify, before decoding it.
+
+    Every row of any column but the null type costs at least a bit of some buffer, so more rows
+    than 8 x the decoded bytes (+64) is a lie (a 2^31-row null column in a 394-byte shard); the
+    decoded bytes are what the compressed buffers' prefixes promise, within `max_decoded`."""
+    try:
+        claims = batch_claims(message.metadata.to_pybytes())
+        decoded = decoded_size(claims, memoryview(message.body))
+    except MalformedMessage as e:
+        raise block_error(name, index, block, f"has a malformed message ({e})") from None
+    if claims.rows != block.rows:
+        raise block_error(name, index, block, f"holds {claims.rows} rows, not {block.rows}")
+    if decoded > max_decoded:
+        raise block_error(name, index, block, f"decodes to {decoded} bytes, more than the {max_decoded} allowed")
+    limit = 8 * decoded + 64
+    if claims.rows > limit or any(not 0 <= n <= limit for n in claims.node_lengths):
+        raise block_error(name, index, block, f"claims {max([claims.rows, *claims.node_lengths])} rows, more "
+                                              f"than its {decoded} bytes of buffers can hold")
 
 
 def block_schema(data: pa.Buffer, name: str, block: Block) -> pa.Schema:
@@ -311,7 +376,7 @@ def read_block(data: bytes | memoryview | pa.Buffer, schema: pa.Schema, info: Sh
     """Decode one block fetched by a ranged read, after checking its xxh3."""
     block = info.blocks[index]
     check_block(data, info.name, index, block)
-    return decode_block(pa.py_buffer(data), schema, info.name, index, block)
+    return decode_block(pa.py_buffer(data), schema, info.name, index, block, max_decoded=info.decoded_bytes)
 
 
 def scan_blocks(path: str | Path) -> list[Block]:
@@ -363,9 +428,14 @@ def verify_shard(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST) -
 class ShardVerifier:
     """Checks a shard's bytes as they stream past (a file read, a download from a source), so a
     remote shard is verified without being stored: its size, every block's xxh3-64 (at rest) and
-    the whole file's xxh3-128. `write` is a file-like sink; `problems()` says what failed."""
+    the whole file's xxh3-128. `write` is a file-like sink; `problems()` says what failed.
+    `on_block(index, bytes)` sees each block that verified, whole, as it completes (one block held
+    at a time: how `verify` checks a remote shard's counts without reading it twice)."""
 
-    def __init__(self, info: ShardInfo, form: Form | str = Form.AT_REST) -> None:
+    def __init__(self, info: ShardInfo, form: Form | str = Form.AT_REST,
+                 on_block: Callable[[int, bytes], None] | None = None) -> None:
+        self._on_block = on_block
+        self._held = bytearray()
         self.info = info
         self.form = Form(form)
         self.size = 0
@@ -389,10 +459,15 @@ class ShardVerifier:
                 continue
             take = min(len(view), block.offset + block.length - position)
             self._block.update(view[:take])
+            if self._on_block is not None:
+                self._held += view[:take]
             view, position = view[take:], position + take
             if position == block.offset + block.length:
                 if self._block.hexdigest() != block.checksum:
                     self._bad.append(index)
+                elif self._on_block is not None:
+                    self._on_block(index, bytes(self._held))
+                self._held.clear()
                 self._block.reset()
                 self._next += 1
         self.size += n

@@ -195,6 +195,41 @@ class LazyShardTable(ShardTable):
         self.blocks_loaded = 0
         """Blocks read, verified and decoded so far (a block the cache dropped counts again)."""
         self.blocks_verified = 0
+        self._tokens: tuple[str, str | None, list[int | None]] | None = None
+
+    def expect_tokens(self, column: str, dtype: str | None, counts: Sequence[int | None]) -> None:
+        """Check each block's token count (`counts`, the manifest's; None: not recorded) and token
+        dtype against its list offsets when it is decoded, before any view of it is handed out:
+        a manifest whose counts were moved between blocks would otherwise serve wrong windows."""
+        with self._lock:
+            if self._tokens is not None:
+                return
+            if len(counts) != len(self._slots):
+                raise ShardCorruptError(f"shard {self.name}: {len(counts)} block token counts for "
+                                        f"{len(self._slots)} blocks")
+            self._tokens = (column, dtype, list(counts))
+            for b, slot in enumerate(self._slots):
+                if slot is not None:
+                    self._check_tokens(b, slot[0])
+
+    def _check_tokens(self, b: int, decoded: pa.RecordBatch) -> None:
+        column, dtype, counts = self._tokens  # type: ignore[misc]
+        idx = decoded.schema.get_field_index(column)
+        block = self._source.blocks[b]
+        if idx < 0:
+            if counts[b]:
+                raise block_error(self.name, b, block, f"has no {column} column, the manifest says it holds "
+                                                       f"{counts[b]} tokens")
+            return
+        arr = decoded.column(idx)
+        if dtype is not None and str(getattr(arr.type, "value_type", arr.type)) != dtype:
+            raise block_error(self.name, b, block, f"holds {arr.type} tokens, the manifest's token_dtype "
+                                                   f"is {dtype}")
+        if counts[b] is not None:
+            offsets = arr.offsets
+            got = int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
+            if got != counts[b]:
+                raise block_error(self.name, b, block, f"holds {got} tokens, the manifest says {counts[b]}")
 
     @property
     def blocks(self) -> "_LazyBlocks":  # type: ignore[override]
@@ -221,10 +256,12 @@ class LazyShardTable(ShardTable):
                 return slot
             schema = self._shard_schema()
             source, data = self._verified(b)
-            decoded = decode_block(data, schema, self.name, b, source.blocks[b])
+            decoded = decode_block(data, schema, self.name, b, source.blocks[b], source.max_decoded)
             if decoded.num_rows != source.blocks[b].rows:
                 raise block_error(self.name, b, source.blocks[b],
                                   f"holds {decoded.num_rows} rows, not {source.blocks[b].rows}")
+            if self._tokens is not None:
+                self._check_tokens(b, decoded)
             slot = (decoded, _Views())
             self._slots[b] = slot
             self.blocks_loaded += 1

@@ -19,7 +19,8 @@ from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_dataset
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
-from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.audit import StreamedAudit
+from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
 from tierflow.storage.remote import RetryingSource, join_url, open_source
 
@@ -37,10 +38,13 @@ def read_manifest(source: RetryingSource) -> Manifest:
     """The dataset's manifest; a prefix without one is refused as a local directory is."""
     where = join_url(source.url, MANIFEST_NAME)
     try:
-        raw = source.read_bytes(MANIFEST_NAME)
+        size = source.size(MANIFEST_NAME)
+        check_manifest_size(size, where)  # before a byte is downloaded: a hostile one could be any size
+        chunks: list[bytes] = []
+        source.read_into(MANIFEST_NAME, chunks.append, expected_size=size)  # and no more than that
     except SourceNotFound:
         raise ManifestError(f"{where}: no manifest; {source.url} holds no finished tierflow dataset") from None
-    return Manifest.from_bytes(raw, where)
+    return Manifest.from_bytes(b"".join(chunks), where)
 
 
 def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Manifest:
@@ -99,6 +103,7 @@ class RangeBlocks(BlockBytes):
         super().__init__(info.blocks, compressed=info.compression != "none")
         self.source = source
         self.name = info.name
+        self.max_decoded = info.decoded_bytes
         self._last: tuple[int, pa.Buffer] | None = None
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
@@ -112,16 +117,18 @@ class RangeBlocks(BlockBytes):
 
 def verify_source(source: RetryingSource, manifest: Manifest) -> list[str]:
     """Every problem with the dataset's shards at the source, each shard hashed as it streams past
-    (size, every block, the whole file), as sentences naming the shard and block; empty if sound."""
+    (size, every block, the whole file) and its manifest counts checked against each block as it
+    completes (the bytes cross the network once and are not kept), as sentences naming the shard and block; empty if sound."""
     problems = []
     for info in manifest.shards:
-        verifier = ShardVerifier(info)
+        audit = StreamedAudit(info, manifest)
+        verifier = ShardVerifier(info, on_block=audit.block)
         try:
             source.read_into(info.name, verifier.write, priority="low")
         except SourceNotFound:
             problems.append(f"shard {info.name}: missing ({join_url(source.url, info.name)})")
             continue
-        problems += verifier.problems()
+        problems += verifier.problems() or audit.problems  # the counts, from the same bytes
     return problems
 
 

@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
-from tierflow.errors import SourceError, SourceNotFound
+from tierflow.errors import SourceError, SourceNotFound, SourceTimeout
+from tierflow.storage.deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
 from tierflow.format.regular import open_regular, read_regular
 
 CHUNK_BYTES = 1 << 20
@@ -103,6 +104,8 @@ class RetryingSource:
     """The retrying, budgeted, counted half every source shares; subclasses move the bytes."""
 
     scheme = "?"
+    watchdog = True
+    """Network sources wait on their peer through a timed thread (FetchLimits); a local one reads directly."""
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class RetryingSource:
         registry: MetricsRegistry | None = None,
         retry_policy: RetryPolicy | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        limits: FetchLimits | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"source {url}: timeout must be positive, got {timeout!r}")
@@ -123,22 +127,26 @@ class RetryingSource:
         self.timeout = timeout
         self.registry = registry
         self.chunk_bytes = chunk_bytes
+        self.limits = limits or FetchLimits.from_env()
 
     # the Source protocol
 
     def read_bytes(self, name: str, *, priority: Priority = "high") -> bytes:
         key = check_name(self.url, name)
+        deadline = Deadline(self.limits.total(None))
 
         def attempt() -> bytes:
-            data = self._get(key)
+            data = self._within(lambda: self._get(key), deadline, None, name)
             self._charge(len(data), priority, "in")
             return data
 
-        return self._retrying("get", name, attempt)
+        return self._retrying("get", name, attempt, deadline)
 
     def size(self, name: str) -> int:
         key = check_name(self.url, name)
-        return self._retrying("head", name, lambda: self._head(key))
+        deadline = Deadline(self.limits.total(0))
+        return self._retrying("head", name, lambda: self._within(lambda: self._head(key), deadline, 0, name),
+                              deadline)
 
     def read_range(self, name: str, offset: int, length: int, *, priority: Priority = "high") -> bytes:
         key = check_name(self.url, name)
@@ -147,14 +155,16 @@ class RetryingSource:
         if length == 0:
             return b""
 
+        deadline = Deadline(self.limits.total(length))
+
         def attempt() -> bytes:
-            data = self._get_range(key, offset, length)
+            data = self._within(lambda: self._get_range(key, offset, length), deadline, length, name)
             if len(data) != length:
                 raise TruncatedBody(f"range [{offset}, {offset + length}) returned {len(data)} bytes")
             self._charge(length, priority, "in")
             return data
 
-        return self._retrying("get_range", name, attempt)
+        return self._retrying("get_range", name, attempt, deadline)
 
     def download(
         self,
@@ -183,9 +193,12 @@ class RetryingSource:
         """
         key = check_name(self.url, name)
         progress = {"written": 0, "size": expected_size}
+        deadline = Deadline(self.limits.total(expected_size))
 
         def attempt() -> int:
-            total, chunks = self._stream(key, progress["written"])
+            total, chunks = self._within(lambda: self._stream(key, progress["written"]), deadline, 0, name)
+            if self.watchdog:
+                chunks = GuardedChunks(chunks, self.limits, deadline, self.chunk_bytes, join_url(self.url, name))
             try:
                 size = progress["size"]
                 if size is None:
@@ -210,7 +223,7 @@ class RetryingSource:
                 if close is not None:
                     close()
 
-        return self._retrying("download", name, attempt)
+        return self._retrying("download", name, attempt, deadline)
 
     def upload(self, src: str | Path, name: str, *, priority: Priority = "low") -> None:
         """Upload a local file; large files stream in parts, each charged to the budget."""
@@ -251,10 +264,23 @@ class RetryingSource:
 
     # the retry loop
 
-    def _retrying(self, op: str, name: str, attempt: Callable[[], _T]) -> _T:
+    def _within(self, fn: Callable[[], _T], deadline: Deadline, nbytes: int | None, name: str) -> _T:
+        """fn() (one request to the peer), cut when it takes longer than its size allows or the
+        operation's deadline has left; a local source just calls it."""
+        if not self.watchdog:
+            return fn()
+        seconds = deadline.left() if nbytes is None else self.limits.chunk_wait(nbytes)
+        return call_within(fn, seconds, deadline, join_url(self.url, name))
+
+    def _retrying(self, op: str, name: str, attempt: Callable[[], _T], deadline: Deadline | None = None) -> _T:
         policy = self.retry_policy
         tries = 0
+        last = ""
         while True:
+            if deadline is not None and tries and deadline.left() <= 0:
+                self._count("tierflow_source_failures_total", op, "operations that failed for good")
+                raise SourceTimeout(self.url, name, f"{op} outlived its {deadline.seconds:.3g} s deadline "
+                                    f"({last})", tries)
             tries += 1
             self._count("tierflow_source_requests_total", op, "requests (attempts) made to a source")
             started = time.perf_counter()
@@ -271,9 +297,17 @@ class RetryingSource:
                     raise SourceNotFound(self.url, name, "no such object") from exc
                 if not self._transient(exc) or tries > policy.retries:
                     self._count("tierflow_source_failures_total", op, "operations that failed for good")
-                    raise SourceError(self.url, name, f"{op} failed: {_describe(exc)}", tries) from exc
+                    kind = SourceTimeout if isinstance(exc, Stalled) else SourceError
+                    raise kind(self.url, name, f"{op} failed: {_describe(exc)}", tries) from exc
+                last = _describe(exc)
+                if deadline is not None and deadline.left() <= 0:
+                    continue  # no retry past the deadline: the check above raises
                 self._count("tierflow_source_retries_total", op, "attempts retried after a transient failure")
-                time.sleep(policy.delay(tries - 1))
+                pause = policy.delay(tries - 1)
+                if deadline is not None:
+                    pause = min(pause, max(0.0, deadline.left()))
+                    deadline.spent += pause
+                time.sleep(pause)
                 continue
             if self.registry is not None:
                 self.registry.histogram(
@@ -331,6 +365,7 @@ class LocalSource(RetryingSource):
     """A directory (a local disk, or a POSIX mount of a shared file system)."""
 
     scheme = "file"
+    watchdog = False
 
     def __init__(self, root: str | Path, **options: Any) -> None:
         self.root = Path(root).resolve()
@@ -418,6 +453,7 @@ def open_source(
     timeout: float = 30.0,
     registry: MetricsRegistry | None = None,
     storage_options: dict[str, Any] | None = None,
+    limits: FetchLimits | None = None,
 ) -> RetryingSource:
     """The source for `url`: a path or file:// -> LocalSource, s3:// -> S3Source (obstore, never
     s3fs), anything else -> FsspecSource (`storage_options` go to its filesystem). Without a
@@ -426,7 +462,8 @@ def open_source(
     from tierflow.storage.s3 import S3Source
 
     budget = budget if budget is not None else BandwidthBudget(registry=registry)
-    options: dict[str, Any] = {"budget": budget, "retries": retries, "timeout": timeout, "registry": registry}
+    options: dict[str, Any] = {"budget": budget, "retries": retries, "timeout": timeout, "registry": registry,
+                               "limits": limits}
     scheme = urlsplit(url).scheme if "://" in url else ""
     if scheme in ("", "file"):
         return LocalSource(urlsplit(url).path if scheme else url, **options)

@@ -273,10 +273,10 @@ class TierStack:
                 if lower.form == form:
                     shutil.copyfile(lower.path, tmp)
                 else:
-                    decode_shard(lower.path, tmp)
+                    decode_shard(lower.path, tmp, info)
                 return
             if lower is not None and lower.buffer is not None:
-                self._write_form(lower.buffer, form, tmp)
+                self._write_form(lower.buffer, form, tmp, info)
                 return
             if form is Form.AT_REST:
                 self._download(info, tmp)
@@ -286,21 +286,21 @@ class TierStack:
                     self._download(info, rest)
                     if file_xxh3_128(rest) != info.checksum:  # verify before decoding torn bytes
                         raise FetchError(f"shard {info.name} from {self.source.url}: at-rest bytes do not verify")
-                    decode_shard(rest, tmp)
+                    decode_shard(rest, tmp, info)
                 finally:
                     rest.unlink(missing_ok=True)
         finally:
             if lower is not None:
                 lower.release()
 
-    def _write_form(self, at_rest: bytes, form: Form, tmp: Path) -> None:
+    def _write_form(self, at_rest: bytes, form: Form, tmp: Path, info: ShardInfo) -> None:
         rest = tmp.with_name(tmp.name + ".rest")
         rest.write_bytes(at_rest)
         try:
             if form is Form.AT_REST:
                 os.replace(rest, tmp)
             else:
-                decode_shard(rest, tmp)
+                decode_shard(rest, tmp, info)
         finally:
             rest.unlink(missing_ok=True)
 

@@ -1,0 +1,74 @@
+"""Forging hostile datasets for tests: a shard's bytes changed, and a manifest that vouches for them.
+
+The attacker of issue 18 controls both files, so every hash is recomputed: block xxh3-64s, the
+shard's xxh3-128 (and with it its name), the dataset id and the manifest checksum. What is left
+to catch the lie is what the reader checks against the bytes themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Callable
+
+import xxhash
+
+from tierflow.format.ipcmeta import batch_claims
+from tierflow.format.manifest import MANIFEST_NAME, compute_dataset_id, manifest_checksum
+
+_CONTINUATION = b"\xff\xff\xff\xff"
+
+
+def record_batch_metadata(data: bytes | bytearray, offset: int, length: int, first: bool) -> tuple[int, int]:
+    """(start, size) of the record batch message's flatbuffer inside block bytes [offset, offset+length)."""
+    pos = offset + (8 if first else 0)
+    while pos < offset + length:
+        assert data[pos:pos + 4] == _CONTINUATION
+        size = struct.unpack_from("<i", data, pos + 4)[0]
+        meta = bytes(data[pos + 8:pos + 8 + size])
+        try:
+            batch_claims(meta)
+        except ValueError:  # the schema message
+            pos += 8 + size
+            continue
+        return pos + 8, size
+    raise AssertionError("no record batch in the block")
+
+
+def set_rows(data: bytearray, shard: dict, block: int, rows: int) -> None:
+    """Make block `block` claim `rows` rows: its batch length and every field node of the old
+    length (the top-level columns) are overwritten; so is the manifest's count."""
+    blocks = shard["blocks"]
+    start, size = record_batch_metadata(data, blocks["offset"][block], blocks["length"][block], block == 0)
+    old = struct.pack("<q", blocks["rows"][block])
+    meta = bytes(data[start:start + size])
+    data[start:start + size] = meta.replace(old, struct.pack("<q", rows))
+    shard["samples"] += rows - blocks["rows"][block]
+    blocks["rows"][block] = rows
+
+
+def forge(root: Path, shard_index: int, patch: Callable[[bytearray, dict], None],
+          change: Callable[[dict], None] | None = None) -> dict:
+    """Apply `patch(shard bytes, shard entry)` to one shard of the dataset at `root` (same length),
+    then `change(manifest)`, and make every hash agree. Returns the new shard entry."""
+    path = root / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    shard = m["shards"][shard_index]
+    old = root / shard["name"]
+    data = bytearray(old.read_bytes())
+    patch(data, shard)
+    blocks = shard["blocks"]
+    blocks["checksum"] = [xxhash.xxh3_64_hexdigest(bytes(data[o:o + n]))
+                          for o, n in zip(blocks["offset"], blocks["length"])]
+    shard["checksum"] = xxhash.xxh3_128_hexdigest(bytes(data))
+    shard["name"] = f"shard-{shard['checksum']}.arrow"
+    old.unlink()
+    (root / shard["name"]).write_bytes(bytes(data))
+    if change is not None:
+        change(m)
+    m.get("stats", {}).pop("samples", None)
+    m["dataset_id"] = compute_dataset_id(m["schema"], m["tokenizer"], [s["checksum"] for s in m["shards"]])
+    m["manifest_checksum"] = manifest_checksum(m)
+    path.write_text(json.dumps(m))
+    return shard

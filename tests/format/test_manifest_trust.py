@@ -1,0 +1,167 @@
+"""Defect 1 of issue 18: the manifest's numbers are checked, by its own checksum and against the shard bytes.
+
+A flipped byte in a field name, or token counts moved between blocks (sums kept), used to load and
+serve wrong windows while `tierflow verify` passed. Now a checksummed manifest that was changed is a
+ManifestError; a manifest without a checksum (written before it existed, or edited by hand and
+stripped of it) still loads, and every count it gives is checked against the shard's bytes when a
+block is first opened, and by `verify`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.commands.cli import main
+from tierflow.errors import ManifestError, ShardCorruptError, TierflowError
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+
+CHECKSUM_KEY = "manifest_checksum"
+
+
+@pytest.fixture
+def tokens_ds(tmp_path: Path) -> Path:
+    src = tmp_path / "docs.jsonl"
+    with open(src, "w") as f:
+        for i in range(6000):
+            f.write(json.dumps({"id": i, "text": f"doc {i} " + "y" * (i % 90)}) + "\n")
+    out = tmp_path / "ds"
+    tierflow.pack([src], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10, block_bytes=32 << 10)
+    return out
+
+
+def edit(root: Path, change, keep_checksum: bool = False) -> dict:
+    """Apply `change` to the manifest's JSON; without `keep_checksum` the checksum goes too (a legacy
+    manifest, or a hostile one whose author dropped it)."""
+    path = root / MANIFEST_NAME
+    d = json.loads(path.read_text())
+    change(d)
+    if not keep_checksum:
+        d.pop(CHECKSUM_KEY, None)
+    path.write_text(json.dumps(d))
+    return d
+
+
+def read_all_tokens(root: Path) -> np.ndarray:
+    ds = tierflow.open_dataset(root)
+    return ds.tokens(0, ds.num_tokens)
+
+
+def test_a_packed_manifest_carries_its_checksum_and_loads(tokens_ds):
+    d = json.loads((tokens_ds / MANIFEST_NAME).read_text())
+    assert len(d[CHECKSUM_KEY]) == 32
+    assert Manifest.load(tokens_ds).checksummed
+
+
+def test_a_flipped_byte_in_a_field_name_fails_the_checksum(tokens_ds):
+    path = tokens_ds / MANIFEST_NAME
+    raw = path.read_text()
+    assert '"tokens": ' in raw
+    path.write_text(raw.replace('"tokens": ', '"tokenz": ', 1))
+    with pytest.raises(ManifestError, match="checksum"):
+        Manifest.load(tokens_ds)
+
+
+def test_any_edited_number_fails_the_checksum(tokens_ds):
+    def change(d):
+        d["eos_id"] = 3
+    edit(tokens_ds, change, keep_checksum=True)
+    with pytest.raises(ManifestError, match="checksum"):
+        Manifest.load(tokens_ds)
+
+
+def test_a_manifest_without_checksum_still_loads_with_the_same_id(tokens_ds):
+    before = Manifest.load(tokens_ds)
+    edit(tokens_ds, lambda d: None)
+    after = Manifest.load(tokens_ds)
+    assert not after.checksummed and after.dataset_id == before.dataset_id
+    assert read_all_tokens(tokens_ds).size == before.num_tokens
+
+
+def test_a_zeroed_shard_token_count_is_refused(tokens_ds):
+    def change(d):
+        d["shards"][1]["tokens"] = 0  # what a flipped byte in the key name did (the default is 0)
+    edit(tokens_ds, change)
+    with pytest.raises(TierflowError, match="tokens"):
+        read_all_tokens(tokens_ds)
+
+
+def test_a_renamed_shard_token_key_is_refused(tokens_ds):
+    def change(d):
+        d["shards"][1]["tokenz"] = d["shards"][1].pop("tokens")
+    edit(tokens_ds, change)
+    with pytest.raises(TierflowError, match="tokens"):
+        read_all_tokens(tokens_ds)
+
+
+def test_token_counts_moved_between_blocks_are_caught_before_a_token_is_served(tokens_ds):
+    def change(d):
+        counts = d["shards"][0]["blocks"]["tokens"]
+        assert len(counts) >= 2
+        counts[0] += 7
+        counts[1] -= 7  # the shard's sum is kept
+    edit(tokens_ds, change)
+    ds = tierflow.open_dataset(tokens_ds)
+    with pytest.raises(ShardCorruptError, match=r"block 0 .*tokens"):
+        ds.tokens(0, 10)
+
+
+def test_rows_moved_between_blocks_are_caught_before_a_sample_is_served(tokens_ds):
+    def change(d):
+        rows = d["shards"][0]["blocks"]["rows"]
+        rows[0] += 1
+        rows[1] -= 1
+    edit(tokens_ds, change)
+    ds = tierflow.open_dataset(tokens_ds)
+    with pytest.raises(ShardCorruptError, match="block 0 .*rows"):
+        ds[0]
+
+
+def test_a_wrong_token_dtype_is_caught(tokens_ds):
+    def change(d):
+        d["token_dtype"] = "int64"
+    edit(tokens_ds, change)
+    ds = tierflow.open_dataset(tokens_ds)
+    with pytest.raises(ShardCorruptError, match="token_dtype|int64"):
+        ds.tokens(0, 10)
+
+
+def test_verify_checks_the_manifest_numbers(tokens_ds, capsys):
+    assert main(["verify", str(tokens_ds)]) == 0
+
+    def change(d):
+        counts = d["shards"][0]["blocks"]["tokens"]
+        counts[0] += 7
+        counts[1] -= 7
+    edit(tokens_ds, change)
+    capsys.readouterr()
+    assert main(["verify", str(tokens_ds)]) == 1
+    err = capsys.readouterr().err
+    assert "block 0" in err and "tokens" in err
+    assert "no checksum" in err
+
+
+def test_verify_names_a_checksum_mismatch(tokens_ds, capsys):
+    edit(tokens_ds, lambda d: d.update(eos_id=3), keep_checksum=True)
+    assert main(["verify", str(tokens_ds)]) != 0
+    assert "checksum" in capsys.readouterr().err
+
+
+def test_verify_on_s3_checks_the_manifest_numbers_from_the_bytes_it_streams(tokens_ds, s3_server, s3_bucket, capsys):
+    from tierflow.storage.remote import upload_dataset
+
+    def change(d):
+        counts = d["shards"][1]["blocks"]["tokens"]
+        counts[0] += 3
+        counts[1] -= 3
+    edit(tokens_ds, change)
+    url = f"s3://{s3_bucket}/ds"
+    upload_dataset(tokens_ds, url, endpoint_url=s3_server.endpoint_url)
+    capsys.readouterr()
+    assert main(["verify", url, "--endpoint-url", s3_server.endpoint_url]) == 1
+    err = capsys.readouterr().err
+    assert "block 0" in err and "tokens" in err and "no checksum" in err
