@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import alternating, spread  # noqa: E402
+from _harness import alternating, round_order, spread  # noqa: E402
 
 BATCH = 64
 
@@ -67,22 +67,27 @@ def corpus_sizes(folder: Path) -> str:
 
 
 def bench_decoders(folder: Path, rounds: int, limit: int = 300) -> list[tuple[str, str]]:
+    """Each image decoded by every case back to back (the order alternating per image), so a drift in
+    the machine's load touches every case alike; a round's rate is images / that case's summed time."""
+    from tierflow.pack.media import probe
     from tierflow.transforms import available_decoders, decode
     from tierflow.transforms.decode import size_of
 
     blobs = [p.read_bytes() for p in sorted(folder.glob("*.jpg"))[:limit]]
-    from tierflow.pack.media import probe
-
     dims = [probe(b)[:2] for b in blobs]
     cases = [(name, scaled) for name in available_decoders() for scaled in (False, True)]
     rates: dict[tuple[str, bool], list[float]] = {c: [] for c in cases}
-    for _, (name, scaled) in alternating(rounds, cases):
-        start = time.perf_counter()
-        for data, (w, h) in zip(blobs, dims):
-            # a 224 output from the whole image (RandomResizedCrop at scale 1): 224 px of the short side
-            need = (max(1, w * 224 // min(w, h)), max(1, h * 224 // min(w, h))) if scaled else None
-            size_of(decode(data, need, name))
-        rates[(name, scaled)].append(len(blobs) / (time.perf_counter() - start))
+    for r in range(rounds):
+        spent = dict.fromkeys(cases, 0.0)
+        for k, (data, (w, h)) in enumerate(zip(blobs, dims)):
+            for name, scaled in round_order(r + k, cases):
+                # a 224 output from the whole image (RandomResizedCrop at scale 1): 224 px of the short side
+                need = (max(1, w * 224 // min(w, h)), max(1, h * 224 // min(w, h))) if scaled else None
+                start = time.perf_counter()
+                size_of(decode(data, need, name))
+                spent[(name, scaled)] += time.perf_counter() - start
+        for case in cases:
+            rates[case].append(len(blobs) / spent[case])
     return [(f"{name}{' (DCT-scaled for 224)' if scaled else ' (full)'}", spread(rates[(name, scaled)], ".0f"))
             for name, scaled in cases]
 
