@@ -24,6 +24,7 @@ PUBLIC_PACKAGES = (
     "tierflow.order",
     "tierflow.policies",
     "tierflow.loader",
+    "tierflow.transforms",
     "tierflow.telemetry",
     "tierflow.checkpoint",
 )

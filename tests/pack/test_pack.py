@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from PIL import Image
 
 import tierflow
 from tierflow.format.manifest import ManifestError
@@ -79,7 +81,10 @@ def test_image_folder_with_txt_and_json_sidecars(tmp_path):
     src.mkdir()
     images = {}
     for i in range(6):
-        data = bytes(np.random.default_rng(i).integers(0, 256, 300, dtype=np.uint8))
+        pixels = np.random.default_rng(i).integers(0, 256, (10, 10, 3), dtype=np.uint8)
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, format="PNG")
+        data = out.getvalue()
         images[f"{i}.png"] = data
         (src / f"{i}.png").write_bytes(data)
         if i % 2:

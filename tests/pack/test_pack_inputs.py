@@ -29,10 +29,21 @@ def write(path: Path, data: str | bytes) -> Path:
     return path
 
 
+def png_bytes(i: int, size: tuple[int, int] = (8, 6)) -> bytes:
+    """A real (tiny) PNG: pack reads every image's header."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.full((size[1], size[0], 3), i % 256, np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def image_tree(root: Path, images: int = 3, pages: int = 5) -> Path:
     """An image folder with caption sidecars and some HTML pages (like an OS doc tree)."""
     for i in range(images):
-        write(root / "img" / f"{i}.png", bytes([137, 80, 78, 71, i]) * 40)
+        write(root / "img" / f"{i}.png", png_bytes(i))
         write(root / "img" / f"{i}.txt", f"caption {i}")
     for i in range(pages):
         write(root / "pages" / f"p{i}.html", f"<p>page {i}</p>")
@@ -59,7 +70,7 @@ def test_the_kind_is_decided_from_the_whole_tree_not_its_first_thousand_files(tm
     src = tmp_path / "tree"
     for i in range(1001):
         write(src / "a" / f"{i:04d}.md", f"doc {i}")
-    write(src / "z" / "late.png", b"\x89PNG late")
+    write(src / "z" / "late.png", png_bytes(0))
     with pytest.raises(PackInputError, match=r"1 image .*z/late\.png"):
         pack([src], tmp_path / "out")
 

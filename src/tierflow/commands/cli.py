@@ -47,10 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd",
                    help="block compression of the shards at rest (zstd)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
-    p.add_argument("--kind", choices=("auto", "jsonl", "parquet", "files", "images"), default="auto",
+    p.add_argument("--kind", choices=("auto", "jsonl", "parquet", "files", "images", "webdataset"), default="auto",
                    help="what to pack from a directory: auto decides from every file name and refuses a mix; "
-                   "jsonl, parquet, images pack that kind and count the other files as skipped; files packs "
-                   "every file as raw text")
+                   "jsonl, parquet, images, webdataset (.tar shards) pack that kind and count the other files as "
+                   "skipped; files packs every file as raw text")
     p.add_argument("--include", action="append", default=[], help="glob of files to take from directories")
     p.add_argument("--exclude", action="append", default=[], help="glob of files or directories to skip")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end-to-end demo on the standard library's source files")
     p.add_argument("--out", default="demo-out", help="folder for the packed data, event log and report")
     p.add_argument("--max-files", type=int, default=None, help="a reduced run (CI)")
+    p.add_argument("--images", action="store_true",
+                   help="the multimodal demo instead: JPEGs cut from sample photographs, packed, decoded and "
+                   "augmented through a throttled L4 and a small L2, a tiny CNN trained (out: demo-images)")
+    p.add_argument("--count", type=int, default=2000, help="with --images: how many JPEGs (2000)")
 
     p = sub.add_parser("gc", help="remove the shards of a dataset (directory or URL) that its manifest does not "
                                   "reference")
@@ -286,6 +290,11 @@ def _cache(args: argparse.Namespace) -> int:
 
 @command("demo")
 def _demo(args: argparse.Namespace) -> int:
+    if args.images:
+        from tierflow.commands.demo_images import run_images_demo
+
+        run_images_demo(args.out if args.out != "demo-out" else "demo-images", images=args.count)
+        return 0
     from tierflow.commands.demo import run_demo
 
     run_demo(args.out, max_files=args.max_files)

@@ -488,6 +488,7 @@ class _PackRun:
             "tokens": self.tokens,
             "files": totals.files,
             "sidecars": totals.sidecars,
+            "corrupt_images": totals.corrupt_images,
             "skipped_files": totals.skipped_summary(),
             "kept_as_bytes": totals.kept_as_bytes,
             "skipped_records": totals.skipped_records,

@@ -22,13 +22,14 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import zstandard
 
+from tierflow.pack import media
 from tierflow.pack.tokenize import PackInputError
 from tierflow.pack.tree import (
     COMPRESSED_SUFFIXES, KIND_ROLES, SKIP_REASONS, TreeFile, base_suffix, classify_tree, file_kind, single_file,
     tree_kind,
 )
 
-KINDS = ("auto", "jsonl", "parquet", "files", "images")
+KINDS = ("auto", "jsonl", "parquet", "files", "images", "webdataset")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class UnitStats:
     skipped_records: int = 0
     filtered: int = 0
     sidecars: int = 0
+    corrupt_images: int = 0
     skipped_files: dict[str, int] = field(default_factory=dict)
     """Input files not packed, by reason; with `skipped_examples`, the first path of each."""
     skipped_examples: dict[str, str] = field(default_factory=dict)
@@ -72,6 +74,7 @@ class UnitStats:
         self.skipped_records += other.skipped_records
         self.filtered += other.filtered
         self.sidecars += other.sidecars
+        self.corrupt_images += other.corrupt_images
         for reason, count in other.skipped_files.items():
             self.skipped_files[reason] = self.skipped_files.get(reason, 0) + count
             self.skipped_examples.setdefault(reason, other.skipped_examples[reason])
@@ -149,6 +152,8 @@ def _plan_files(files: Iterable[TreeFile], kind: str, options: SourceOptions, co
             stats.skip_file(SKIP_REASONS[kind], f.path)
         elif kind in ("files", "images"):
             yield from group.add(f)
+        elif f.role == "tar":
+            yield Unit(next(counter), "webdataset", f.path, members=(f.rel,), input_bytes=f.size)
         elif f.role == "jsonl":
             yield from _plan_jsonl(f.path, options, counter)
         else:
@@ -269,11 +274,13 @@ def read_unit(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[
     elif unit.kind == "json":
         yield from _read_json_document(unit, options, stats)
     elif unit.kind == "parquet":
-        yield from _read_row_group(unit, stats)
+        yield from _read_row_group(unit, options, stats)
     elif unit.kind == "files":
         yield from _read_files(unit, stats)
     elif unit.kind == "images":
-        yield from _read_images(unit, stats)
+        yield from _read_images(unit, options, stats)
+    elif unit.kind == "webdataset":
+        yield from media.read_webdataset(unit, options, stats)
     elif unit.kind == "records":
         stats.samples += len(unit.records)
         yield rows_to_batch(unit.records, f"records {unit.index * options.records_per_unit}..")
@@ -312,13 +319,18 @@ def _read_jsonl(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterato
         raise PackInputError(f"{unit.path}: cannot read ({e})") from None
 
 
-def _read_row_group(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
+def _read_row_group(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
     try:
         table = pq.ParquetFile(unit.path).read_row_group(unit.start)
     except Exception as e:  # noqa: BLE001 - any parquet failure names the file and row group
         raise PackInputError(f"{unit.path}: cannot read row group {unit.start} ({e})") from None
     stats.files += unit.start == 0
     stats.samples += table.num_rows
+    images = media.parquet_image_columns(table.schema)
+    if images:  # image bytes stay as they are; their headers give width/height/format columns
+        yield from media.parquet_images(iter(table.to_batches(max_chunksize=media.ROWS_PER_BATCH)), images,
+                                        f"{unit.path} row group {unit.start}", options, stats)
+        return
     yield from table.to_batches(max_chunksize=65536)
 
 
@@ -418,7 +430,7 @@ def _read_files(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
         names=["path", "text", "text_bytes"])
 
 
-def _read_images(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
+def _read_images(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
     rows = []
     sidecars = set(unit.sidecars)
     for rel in unit.members:
@@ -428,6 +440,15 @@ def _read_images(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
                 row: dict[str, Any] = {"path": rel, "image": f.read()}
         except OSError as e:
             raise PackInputError(f"{full}: cannot read ({e.strerror})") from None
+        try:
+            info = media.probe(row["image"])
+        except media.CorruptImage as e:
+            media.skip_or_raise(f"{full}: {e}", options, stats)
+            stats.skipped_records -= 1  # a file, counted by reason with the skipped files
+            stats.skip_file("corrupt image", full)
+            continue
+        row.update({f"image_{name}": value for (name, _), value in
+                    zip(media.INFO_FIELDS, (*info, len(row["image"])))})
         stem = os.path.splitext(rel)[0]
         caption = None
         if stem + ".txt" in sidecars:
@@ -442,15 +463,18 @@ def _read_images(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
                 raise PackInputError(f"{sidecar}: malformed caption sidecar ({e})") from None
             if not isinstance(meta, dict):
                 raise PackInputError(f"{sidecar}: sidecar must be a JSON object")
-            row.update({k: v for k, v in meta.items() if k not in ("path", "image")})
+            row.update({k: v for k, v in meta.items() if k not in row})
         row["caption"] = caption if caption is not None else row.get("caption")
         rows.append(row)
     stats.files += len(rows)
     stats.samples += len(rows)
+    if not rows:
+        return iter(())
     batch = rows_to_batch(rows, unit.path)
     # image bytes stay opaque binary even when every file happened to be valid UTF-8
-    return iter([batch.set_column(batch.schema.get_field_index("image"), "image",
-                                  batch.column("image").cast(pa.binary()))])
+    for name, kind in (("image", pa.binary()), *((f"image_{n}", t) for n, t in media.INFO_FIELDS)):
+        batch = batch.set_column(batch.schema.get_field_index(name), name, batch.column(name).cast(kind))
+    return iter([batch])
 
 
 def length_histogram(lengths: np.ndarray) -> np.ndarray:

@@ -33,12 +33,14 @@ ROLE_NAMES = {
     "sidecar": ("caption sidecar", "caption sidecars"),
     "jsonl": ("JSONL/JSON file", "JSONL/JSON files"),
     "parquet": ("Parquet file", "Parquet files"),
+    "tar": ("WebDataset tar", "WebDataset tars"),
     "other": ("other file", "other files"),
 }
 #: the kinds a tree packs as, and the roles each one reads (a directory's other files are skipped)
 KIND_ROLES = {"records": {"jsonl", "parquet"}, "jsonl": {"jsonl"}, "parquet": {"parquet"},
-              "images": {"image"}, "files": set(ROLE_NAMES) - {"sidecar"}}
+              "images": {"image"}, "webdataset": {"tar"}, "files": set(ROLE_NAMES) - {"sidecar"}}
 SKIP_REASONS = {"jsonl": "not JSONL", "parquet": "not Parquet", "images": "not an image",
+                "webdataset": "not a tar",
                 "records": "not JSONL/JSON or Parquet"}
 
 
@@ -51,10 +53,12 @@ def base_suffix(path: str) -> str:
 
 
 def file_role(name: str) -> str:
-    """image, jsonl, parquet or other, from the file's name alone."""
+    """image, jsonl, parquet, tar or other, from the file's name alone."""
     if name.lower().endswith(IMAGE_SUFFIXES):
         return "image"
     suffix = base_suffix(name)
+    if suffix == ".tar" or name.lower().endswith(".tgz"):
+        return "tar"
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
     return "parquet" if suffix == ".parquet" else "other"
@@ -114,6 +118,8 @@ def tree_kind(root: str, options: SourceOptions) -> str:
     roles = set(counts) - {"sidecar"}
     if roles == {"image"}:
         return "images"
+    if roles == {"tar"}:
+        return "webdataset"
     if roles and roles <= KIND_ROLES["records"]:
         return "records"
     if roles <= {"other"}:
@@ -133,7 +139,7 @@ def mixed_tree_message(root: str, counts: dict[str, int], examples: dict[str, st
 
 def single_file(path: str, kind: str) -> TreeFile:
     """A file named as a source: its suffix says what it is, unless --kind says otherwise."""
-    forced = {"jsonl": "jsonl", "parquet": "parquet", "images": "image", "files": "other"}
+    forced = {"jsonl": "jsonl", "parquet": "parquet", "images": "image", "webdataset": "tar", "files": "other"}
     root, name = os.path.split(path)
     return TreeFile(root, name, forced.get(kind) or file_role(name))
 
@@ -142,6 +148,8 @@ def file_kind(f: TreeFile) -> str:
     """What `--kind auto` packs a single named file as."""
     if f.role == "image":
         return "images"
+    if f.role == "tar":
+        return "webdataset"
     if f.role in KIND_ROLES["records"]:
         return "records"
     raise PackInputError(f"{f.path}: unknown source type (expected .jsonl/.ndjson/.json[.gz|.zst], .parquet, "

@@ -1,0 +1,30 @@
+"""tierflow.transforms: decode and augment images in the loader's workers, replayably (docs/multimodal.md).
+
+    pipeline = ImagePipeline([RandomResizedCrop(224), HorizontalFlip()], image="image", keep=["caption"])
+    loader = tierflow.open_loader("packed", batch_size=64, transform=pipeline, num_workers=4)
+
+Batches hold uint8 pixels (N, H, W, 3) and the captions; `normalize` makes floats on the device.
+"""
+
+from tierflow.transforms.augment import (
+    BUCKET_KEY, CenterCrop, Geometry, HorizontalFlip, ImagePipeline, RandomResizedCrop, ResizeToBucket,
+    aspect_buckets, nearest_bucket, normalize,
+)
+from tierflow.transforms.decode import ImageDecodeError, available_decoders, decode, resolve_decoder
+
+__all__ = [
+    "BUCKET_KEY",
+    "CenterCrop",
+    "Geometry",
+    "HorizontalFlip",
+    "ImageDecodeError",
+    "ImagePipeline",
+    "RandomResizedCrop",
+    "ResizeToBucket",
+    "aspect_buckets",
+    "available_decoders",
+    "decode",
+    "nearest_bucket",
+    "normalize",
+    "resolve_decoder",
+]

@@ -1,0 +1,145 @@
+"""tierflow.transforms in the loader (issue 16): decode + augment replays exactly on resume and
+with any worker count; batches are uint8 NHWC plus captions; aspect buckets give one bounded
+shape per batch; a corrupt JPEG is skipped and counted or raises naming shard, row and key."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import tierflow
+from tierflow.loader import Loader, TieredDataset
+from tierflow.loader.images import AspectBuckets, ImageSamples
+from tierflow.testing import assert_resumes_exactly
+from tierflow.testing.resume import assert_same_batches, take
+from tierflow.transforms import (
+    CenterCrop, HorizontalFlip, ImageDecodeError, ImagePipeline, RandomResizedCrop, ResizeToBucket,
+    aspect_buckets, available_decoders, normalize,
+)
+
+SIDE = 32
+COLUMNS = ["image", "image_width", "image_height", "caption", "path"]
+
+
+def jpeg(w: int, h: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (max(2, h // 8), max(2, w // 8), 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(coarse).resize((w, h), Image.Resampling.BILINEAR).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    src = root / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        w, h = int(rng.integers(40, 160)), int(rng.integers(40, 160))
+        (src / f"{i:03d}.jpg").write_bytes(jpeg(w, h, i))
+        (src / f"{i:03d}.txt").write_text(f"picture {i}")
+    tierflow.pack([src], root / "packed", workers=1, target_shard_bytes=256 << 10, progress=False)
+    return root / "packed"
+
+
+def pipeline(**kw) -> ImagePipeline:
+    return ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()], **kw)
+
+
+def make(packed: Path, transform=pipeline(), batcher=None, batch_size: int = 8, epoch_end: str | None = None):
+    def make_loader(workers: int) -> Loader:
+        ds = TieredDataset(packed, batch_size=batch_size, transform=transform, seed=3,
+                           batcher=batcher or ImageSamples(select=COLUMNS))
+        return Loader(ds, num_workers=workers, **({"endless": True} if epoch_end is None else {"epoch_end": epoch_end}))
+    return make_loader
+
+
+def test_a_pipeline_is_a_pure_function_of_the_sample_and_its_rng(packed):
+    sample = tierflow.open_dataset(packed)[5]
+    for decoder in available_decoders():
+        p = pipeline(decoder=decoder)
+        a, b = p(sample, np.random.default_rng(9)), p(sample, np.random.default_rng(9))
+        assert a["image"].dtype == np.uint8 and a["image"].shape == (SIDE, SIDE, 3)
+        assert np.array_equal(a["image"], b["image"]) and a["caption"] == "picture 5"
+    flipped = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip(1.0)])(sample, np.random.default_rng(9))
+    plain = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip(0.0)])(sample, np.random.default_rng(9))
+    assert np.array_equal(flipped["image"], plain["image"][:, ::-1])
+
+
+def test_center_crop_of_the_whole_image_matches_a_plain_resize(packed):
+    sample = tierflow.open_dataset(packed)[0]
+    w, h = sample["image_width"], sample["image_height"]
+    out = ImagePipeline([CenterCrop((h, w))], decoder="pillow")(sample, np.random.default_rng(0))["image"]
+    assert np.array_equal(out, np.asarray(Image.open(io.BytesIO(sample["image"])).convert("RGB")))
+
+
+def test_batches_are_uint8_nhwc_with_captions_and_normalise_on_the_device(packed):
+    with make(packed)(0) as loader:
+        batch = next(iter(loader))
+    assert batch["image"].dtype == torch.uint8 and batch["image"].shape == (8, SIDE, SIDE, 3)
+    assert len(batch["caption"]) == 8 and all(c.startswith("picture") for c in batch["caption"])
+    x = normalize(batch["image"])
+    assert x.dtype == torch.float32 and x.shape == (8, 3, SIDE, SIDE)
+
+
+def test_augmentations_replay_exactly_on_resume(packed):
+    assert_resumes_exactly(make(packed), stops=[1, 4], workers=0)
+
+
+@pytest.mark.slow
+def test_augmentations_are_the_same_with_two_workers_and_resume_there(packed):
+    with make(packed)(0) as a, make(packed)(2) as b:
+        assert_same_batches(take(a, 6), take(b, 6), "0 vs 2 workers")
+    assert_resumes_exactly(make(packed), stops=[3], workers=2)
+
+
+def test_aspect_buckets_give_each_batch_one_shape_from_the_bounded_set(packed):
+    buckets = aspect_buckets(area=SIDE * SIDE, multiple=8, max_ratio=2.0, count=5)
+    transform = ImagePipeline([ResizeToBucket(buckets), HorizontalFlip()])
+    batcher = AspectBuckets(buckets, group=3, select=COLUMNS)
+    shapes = set()
+    with make(packed, transform, batcher)(0) as loader:
+        for batch, meta in take(loader, 12):
+            h, w = batch["image"].shape[1:3]
+            assert (h, w) in buckets and meta.stats["bucket_height"] == h
+            shapes.add((h, w))
+    assert len(shapes) > 1
+    assert_resumes_exactly(make(packed, transform, batcher), stops=[2, 4], workers=0)
+
+
+@pytest.fixture(scope="module")
+def corrupt(tmp_path_factory) -> Path:
+    """A folder whose 7th JPEG has a sound header and a truncated body (pack accepts it)."""
+    root = tmp_path_factory.mktemp("corrupt")
+    src = root / "src"
+    src.mkdir()
+    for i in range(16):
+        data = jpeg(320, 240, i)
+        (src / f"{i:03d}.jpg").write_bytes(data[: len(data) // 2] if i == 7 else data)
+    tierflow.pack([src], root / "packed", workers=1, progress=False)
+    return root / "packed"
+
+
+@pytest.mark.parametrize("decoder", available_decoders())
+def test_a_corrupt_jpeg_is_skipped_and_counted_and_the_epoch_goes_on(corrupt, decoder):
+    with make(corrupt, pipeline(decoder=decoder), batcher=ImageSamples(select=COLUMNS, on_error="skip"), batch_size=4, epoch_end="rank")(0) \
+            as loader:
+        sizes, skipped = [], 0
+        for batch in loader:
+            sizes.append(len(batch["caption"]))
+            skipped += loader.last_meta.stats["corrupt"]
+    assert skipped == 1 and sum(sizes) == 15 and sorted(sizes) == [3, 4, 4, 4]
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_corrupt_jpeg_raises_naming_shard_row_and_path(corrupt, workers):
+    with make(corrupt, batch_size=4, epoch_end="rank")(workers) as loader:
+        with pytest.raises(ImageDecodeError, match=r"shard 0 \(.*\) block \d+ row 7 .*path '007\.jpg'.*decode"):
+            for _ in loader:
+                pass
