@@ -56,7 +56,8 @@ import tierflow
 def main():
     url, endpoint, tier, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
     dist.init_process_group("gloo")
-    loader = tierflow.open_loader(url, batch_size=BATCH, partitions=PARTITIONS, tiers=[tier], endpoint_url=endpoint)
+    loader = tierflow.open_loader(url, batch_size=BATCH, partitions=PARTITIONS, tiers=[tier], endpoint_url=endpoint,
+                                  endless=True)  # steps past the epoch edge
     ids, epochs = [], []
     for step, _ in enumerate(loader):
         ids.append(loader.last_meta.sample_ids.tolist())
