@@ -25,7 +25,7 @@ from typing import Any
 
 from _harness import s3_rig
 from tierflow.commands.demo import INCLUDE, STDLIB_EXCLUDE, stdlib_dir
-from tierflow.format.dataset import open_dataset
+from tierflow.storage.datasets import open_dataset
 from tierflow.loader import Loader, TieredDataset
 from tierflow.commands.plan import plan_cache
 from tierflow.tiers.stager import Stager

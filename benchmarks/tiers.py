@@ -37,7 +37,8 @@ from typing import Callable
 import numpy as np
 
 import tierflow
-from tierflow.format.dataset import Dataset, DirectorySource, open_dataset
+from tierflow.format.dataset import Dataset, DirectorySource
+from tierflow.storage.datasets import open_dataset
 from tierflow.tiers import TierConfig, TierStack, build_stack
 from _harness import round_order, s3_rig, spread
 

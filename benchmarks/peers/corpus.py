@@ -61,7 +61,7 @@ class Corpus:
 
 
 def _stdlib_documents() -> list[tuple[str, bytes | Path]]:
-    from tierflow.pack.sources import SourceOptions
+    from tierflow.pack.units import SourceOptions
     from tierflow.pack.tree import walk_files
 
     root = stdlib_dir()

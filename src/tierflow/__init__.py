@@ -5,9 +5,10 @@ loader, telemetry.
 """
 
 from tierflow.errors import TierflowError
-from tierflow.format.dataset import Dataset, open_dataset
+from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.pack.packer import pack
+from tierflow.storage.datasets import open_dataset
 from tierflow.tiers.config import TierConfig
 
 __version__ = "0.1.0"

@@ -150,7 +150,8 @@ def test_a_directory_of_jsonl_files_is_byte_identical_with_one_and_two_workers(t
 
 
 def test_the_progress_total_is_the_bytes_of_the_files_packed(tmp_path):
-    from tierflow.pack.sources import SourceOptions, estimate_input_bytes
+    from tierflow.pack.sources import estimate_input_bytes
+    from tierflow.pack.units import SourceOptions
 
     tree = image_tree(tmp_path / "tree")
     parquet = tmp_path / "a.parquet"

@@ -22,7 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tierflow.format.dataset import open_dataset
+from tierflow.storage.datasets import open_dataset
 from tierflow.format.shard import Form, verify_shard
 from tierflow.pack.packer import pack
 
@@ -36,7 +36,7 @@ def stdlib_dir() -> Path:
 
 def _subset(source: Path, dest: Path, max_files: int) -> Path:
     """The first `max_files` files of the tree, copied: a reduced demo for CI."""
-    from tierflow.pack.sources import SourceOptions
+    from tierflow.pack.units import SourceOptions
     from tierflow.pack.tree import walk_files
 
     shutil.rmtree(dest, ignore_errors=True)

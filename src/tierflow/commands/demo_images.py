@@ -98,7 +98,7 @@ def run_images_demo(out: str | os.PathLike = "demo-images", images: int = 2000, 
 
     from tierflow.commands.bench import format_result, run_bench, simulated_step
     from tierflow.commands.report import write_report
-    from tierflow.format.dataset import open_dataset
+    from tierflow.storage.datasets import open_dataset
     from tierflow.format.shard import Form
     from tierflow.loader import TieredDataset
     from tierflow.pack.packer import pack

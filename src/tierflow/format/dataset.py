@@ -181,14 +181,9 @@ class _BlockTokens:
                 (table.list_parts(b, column) for b in range(table.num_blocks))]
 
 
-def open_dataset(path: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None, *,
-                 endpoint_url: str | None = None) -> Dataset:
+def open_directory(path: str | Path, columns: Sequence[str] | None = None,
+                   manifest: Manifest | None = None) -> Dataset:
     """Open a packed dataset directory for random access by global sample index (`manifest`: the
-    directory's manifest, already loaded). `path` may be any URL build_stack takes (s3://, with
-    `endpoint_url` for an S3-compatible store): then it is read straight from its source."""
-    if "://" in str(path):
-        from tierflow.storage.datasets import open_url_dataset  # storage builds on format
-
-        return open_url_dataset(str(path), columns, manifest, endpoint_url=endpoint_url)
+    directory's manifest, already loaded). `tierflow.open_dataset` takes URLs as well."""
     manifest = manifest if manifest is not None else Manifest.load(path)
     return Dataset(manifest, DirectorySource(path, schema=manifest.schema), columns=columns, location=str(path))

@@ -19,9 +19,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
-from tierflow.format.dataset import Dataset, ShardSource, open_dataset
+from tierflow.format.dataset import Dataset, ShardSource
 from tierflow.format.shard import Form
-from tierflow.storage.datasets import load_manifest
+from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.collate import CarriedBatch

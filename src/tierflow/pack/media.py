@@ -20,7 +20,7 @@ import pyarrow as pa
 from tierflow.pack.tokenize import PackInputError
 
 if TYPE_CHECKING:
-    from tierflow.pack.sources import SourceOptions, Unit, UnitStats
+    from tierflow.pack.units import SourceOptions, Unit, UnitStats
 
 INFO_FIELDS = (("width", pa.int32()), ("height", pa.int32()), ("format", pa.string()), ("nbytes", pa.int64()))
 """Columns added beside an image column `c`: c_width, c_height, c_format, c_nbytes."""

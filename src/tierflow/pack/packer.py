@@ -32,11 +32,9 @@ from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.pack.assemble import ShardAssembler
-from tierflow.pack.sources import (
-    SourceOptions, Unit, UnitStats, estimate_input_bytes, length_histogram, plan_units, read_unit,
-    rows_to_batch,
-)
+from tierflow.pack.sources import estimate_input_bytes, length_histogram, plan_units, read_unit, rows_to_batch
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
+from tierflow.pack.units import SourceOptions, Unit, UnitStats
 from tierflow.pack.workers import die_with_parent
 
 log = logging.getLogger("tierflow.pack")

@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from tierflow.pack.packer import PackConfig, UnitResult, pack_unit
-from tierflow.pack.sources import Unit
+from tierflow.pack.units import Unit
 from tierflow.pack.tokenize import PackInputError
 
 #: Ray retries a task whose worker process or node died this many times

@@ -12,7 +12,6 @@ import io
 import itertools
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -24,77 +23,13 @@ import zstandard
 
 from tierflow.pack import media
 from tierflow.pack.tokenize import PackInputError
+from tierflow.pack.units import SourceOptions, Unit, UnitStats
 from tierflow.pack.tree import (
     COMPRESSED_SUFFIXES, KIND_ROLES, SKIP_REASONS, TreeFile, base_suffix, classify_tree, file_kind, single_file,
     tree_kind,
 )
 
 KINDS = ("auto", "jsonl", "parquet", "files", "images", "webdataset")
-
-
-@dataclass
-class Unit:
-    """One piece of input a worker turns into record batches."""
-
-    index: int
-    kind: str
-    path: str
-    start: int = 0
-    end: int = -1
-    members: Sequence[str] = ()
-    records: list | None = None
-    input_bytes: int = 0
-    sidecars: Sequence[str] = ()
-    """Caption files of the unit's images (read with them, never samples of their own)."""
-
-
-@dataclass
-class UnitStats:
-    samples: int = 0
-    files: int = 0
-    kept_as_bytes: int = 0
-    skipped_records: int = 0
-    filtered: int = 0
-    sidecars: int = 0
-    corrupt_images: int = 0
-    skipped_files: dict[str, int] = field(default_factory=dict)
-    """Input files not packed, by reason; with `skipped_examples`, the first path of each."""
-    skipped_examples: dict[str, str] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-
-    def skip_file(self, reason: str, path: str) -> None:
-        """Count a file that is not packed: every input file is packed or counted, never dropped."""
-        self.skipped_files[reason] = self.skipped_files.get(reason, 0) + 1
-        self.skipped_examples.setdefault(reason, path)
-
-    def merge(self, other: "UnitStats") -> None:
-        self.samples += other.samples
-        self.files += other.files
-        self.kept_as_bytes += other.kept_as_bytes
-        self.skipped_records += other.skipped_records
-        self.filtered += other.filtered
-        self.sidecars += other.sidecars
-        self.corrupt_images += other.corrupt_images
-        for reason, count in other.skipped_files.items():
-            self.skipped_files[reason] = self.skipped_files.get(reason, 0) + count
-            self.skipped_examples.setdefault(reason, other.skipped_examples[reason])
-        self.errors.extend(other.errors[: max(0, 50 - len(self.errors))])
-
-    def skipped_summary(self) -> dict[str, dict[str, Any]]:
-        """{reason: {"count", "example"}}, as the manifest's stats record it."""
-        return {r: {"count": n, "example": self.skipped_examples[r]} for r, n in self.skipped_files.items()}
-
-
-@dataclass
-class SourceOptions:
-    text_field: str = "text"
-    kind: str = "auto"
-    include: Sequence[str] = ()
-    exclude: Sequence[str] = ()
-    on_error: str = "raise"
-    chunk_bytes: int = 16 << 20
-    files_per_unit: int = 2048
-    records_per_unit: int = 1024
 
 
 # ---------------------------------------------------------------- planning

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from tierflow.pack.tokenize import PackInputError
 
 if TYPE_CHECKING:
-    from tierflow.pack.sources import SourceOptions
+    from tierflow.pack.units import SourceOptions
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}

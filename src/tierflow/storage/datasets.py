@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
-from tierflow.format.dataset import Dataset, open_dataset
+from tierflow.format.dataset import Dataset, open_directory
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.format.audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
@@ -55,12 +55,15 @@ def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Mani
     return read_manifest(open_source(str(location), endpoint_url=endpoint_url))
 
 
-def open_url_dataset(url: str, columns: Sequence[str] | None = None, manifest: Manifest | None = None, *,
-                     endpoint_url: str | None = None) -> Dataset:
-    """`open_dataset` for a URL: a file:// one is a directory; any other reads from its source."""
-    path = local_path(url)
+def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None, *,
+                 endpoint_url: str | None = None) -> Dataset:
+    """A packed dataset for random access by global sample index, at a directory or any URL
+    build_stack takes (s3://, with `endpoint_url` for an S3-compatible store; read straight from
+    its source, one ranged read per block). `manifest`: its manifest, already loaded."""
+    path = local_path(str(url))
     if path is not None:
-        return open_dataset(path, columns, manifest)
+        return open_directory(path, columns, manifest)
+    url = str(url)
     source = open_source(url, endpoint_url=endpoint_url)
     manifest = manifest if manifest is not None else read_manifest(source)
     return Dataset(manifest, SourceShards(source, manifest.schema), columns=columns, location=url)
