@@ -69,7 +69,7 @@ def corpus_sizes(folder: Path) -> str:
 def bench_decoders(folder: Path, rounds: int, limit: int = 300) -> list[tuple[str, str]]:
     """Each image decoded by every case back to back (the order alternating per image), so a drift in
     the machine's load touches every case alike; a round's rate is images / that case's summed time."""
-    from tierflow.pack.media import probe
+    from tierflow.pack._media import probe
     from tierflow.transforms import available_decoders, decode
     from tierflow.transforms.decode import size_of
 

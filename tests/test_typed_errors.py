@@ -123,7 +123,7 @@ def test_a_deleted_shard_of_a_dataset_directory_is_source_not_found_naming_it(tm
 
 
 def test_a_block_that_verifies_but_does_not_decode_is_shard_corrupt_naming_it(tmp_path):
-    from tierflow.format.checksum import xxh3_hex
+    from tierflow.format._checksum import xxh3_hex
 
     with open(tmp_path / "docs.jsonl", "w") as f:
         for i in range(3000):

@@ -62,7 +62,7 @@ class Corpus:
 
 def _stdlib_documents() -> list[tuple[str, bytes | Path]]:
     from tierflow.pack.units import SourceOptions
-    from tierflow.pack.tree import walk_files
+    from tierflow.pack._tree import walk_files
 
     root = stdlib_dir()
     options = SourceOptions(include=("*.py",), exclude=STDLIB_EXCLUDE)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import xxhash
 
-from tierflow.format.ipcmeta import batch_claims
+from tierflow.format._ipcmeta import batch_claims
 from tierflow.format.manifest import MANIFEST_NAME, compute_dataset_id, manifest_checksum
 
 _CONTINUATION = b"\xff\xff\xff\xff"

@@ -154,7 +154,7 @@ def test_non_contiguous_reversed_and_read_only_arrays_arrive_intact():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_carried_batch_comes_out_with_its_data_moved_and_its_meta_untouched(mode):
-    from tierflow.loader.collate import CarriedBatch
+    from tierflow.loader._collate import CarriedBatch
 
     source = token_batches(6)
     metas = [object() for _ in source]

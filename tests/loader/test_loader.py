@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 import tierflow
 from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, TieredDataset, TokenBudget,
                              WorldPosition, bucket_shapes)
-from tierflow.loader.collate import collate_samples
+from tierflow.loader._collate import collate_samples
 from tierflow.loader.tokens import (
     document_segments, num_windows, tokens_outside_windows, window_counts, window_token_starts,
 )
@@ -310,7 +310,7 @@ def test_a_worker_batch_unpickles_into_tensors_with_one_token_storage_and_its_me
 
     from torch.utils.data._utils.collate import default_convert
 
-    from tierflow.loader.collate import CarriedBatch
+    from tierflow.loader._collate import CarriedBatch
 
     tokens = np.arange(4 * 33, dtype=np.uint16).reshape(4, 33)
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": np.ones((4, 32), np.int32),

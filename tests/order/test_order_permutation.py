@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tierflow.order.keys import derive_key, splitmix64, splitmix64_array
+from tierflow.order._keys import derive_key, splitmix64, splitmix64_array
 from tierflow.order.permutation import FeistelPermutation
 
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.pack.assemble import SHARDS_IN_FLIGHT
+from tierflow.pack._assemble import SHARDS_IN_FLIGHT
 from tierflow.pack.tokenize import PackInputError
-from tierflow.pack.upload import UPLOADS_IN_FLIGHT
+from tierflow.pack._upload import UPLOADS_IN_FLIGHT
 
 SMALL = 256 << 10
 LOCAL_SHARDS_BOUND = 1 + SHARDS_IN_FLIGHT + UPLOADS_IN_FLIGHT

@@ -133,7 +133,7 @@ def test_a_shard_whose_compression_does_not_pay_is_rewritten_plain_from_its_own_
 
 
 def test_a_worker_whose_parent_is_already_gone_kills_itself():
-    from tierflow.pack.workers import die_with_parent
+    from tierflow.pack._workers import die_with_parent
 
     child = os.fork()
     if child == 0:  # started by "parent" 1, which is not (no longer) its parent: the race
@@ -145,7 +145,7 @@ def test_a_worker_whose_parent_is_already_gone_kills_itself():
 
 WATCHED = """
 import os, sys, time
-from tierflow.pack.workers import _watch_parent
+from tierflow.pack._workers import _watch_parent
 
 parent = os.getpid()
 child = os.fork()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tierflow.errors import SourceError, SourceTimeout
-from tierflow.storage.deadline import FetchLimits
+from tierflow.storage._deadline import FetchLimits
 from tierflow.storage.remote import RetryPolicy, RetryingSource
 
 LIMITS = FetchLimits(deadline=1.0, slow_rate=1e9, min_throughput=50_000, window=0.3)

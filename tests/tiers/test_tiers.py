@@ -406,7 +406,7 @@ def test_cache_warm_stages_every_shard_so_reading_costs_no_request(tmp_path, s3_
 
 
 def _open_index(path, results) -> None:
-    from tierflow.tiers.index import TierIndex
+    from tierflow.tiers._index import TierIndex
 
     try:
         TierIndex(path).occupancy()

@@ -37,7 +37,7 @@ def stdlib_dir() -> Path:
 def _subset(source: Path, dest: Path, max_files: int) -> Path:
     """The first `max_files` files of the tree, copied: a reduced demo for CI."""
     from tierflow.pack.units import SourceOptions
-    from tierflow.pack.tree import walk_files
+    from tierflow.pack._tree import walk_files
 
     shutil.rmtree(dest, ignore_errors=True)
     files = walk_files(str(source), SourceOptions(include=INCLUDE, exclude=STDLIB_EXCLUDE))

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from tierflow.format.regular import fd_path, open_shard_file
+from tierflow.format._regular import fd_path, open_shard_file
 from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, check_block
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import xxhash
 
-from tierflow.format.regular import read_regular
+from tierflow.format._regular import read_regular
 from tierflow.format.shard import COMPRESSIONS, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.errors import ManifestError
 

@@ -18,9 +18,9 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import pyarrow as pa
 import xxhash
 
-from tierflow.format.checksum import CHUNK, HashingSink, xxh3_hex
-from tierflow.format.ipcmeta import MalformedMessage, batch_claims, decoded_size
-from tierflow.format.regular import open_regular
+from tierflow.format._checksum import CHUNK, HashingSink, xxh3_hex
+from tierflow.format._ipcmeta import MalformedMessage, batch_claims, decoded_size
+from tierflow.format._regular import open_regular
 from tierflow.errors import ShardCorruptError
 
 SHARD_PREFIX = "shard-"

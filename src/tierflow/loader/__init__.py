@@ -2,7 +2,7 @@
 
 from tierflow.loader.batching import Batcher, LengthBuckets, SampleContext, Samples, TokenWindows, bucket_shapes
 from tierflow.loader.budget import TokenBudget
-from tierflow.loader.collate import CarriedBatch
+from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
 from tierflow.loader.dataset import CursorError, TieredDataset, default_partitions
 from tierflow.loader.loader import BatchOrderError, Loader

@@ -21,7 +21,7 @@ from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.format.reads import TokenReader
-from tierflow.loader.collate import collate_samples
+from tierflow.loader._collate import collate_samples
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
 from tierflow.loader.tokens import document_segments, window_counts, window_token_starts

@@ -24,7 +24,7 @@ from tierflow.format.shard import Form
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
-from tierflow.loader.collate import CarriedBatch
+from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, Selection, TrainStream

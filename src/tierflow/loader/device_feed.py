@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from tierflow.loader.collate import CarriedBatch
+from tierflow.loader._collate import CarriedBatch
 from tierflow.telemetry.metrics import BoundaryTimer, Counter, MetricsRegistry
 
 ID_KEYS = frozenset({"input_ids", "labels"})

@@ -23,7 +23,7 @@ import numpy as np
 
 from tierflow.format.manifest import Manifest
 from tierflow.loader.batching import ByPosition, SampleContext, Samples, shard_samples
-from tierflow.loader.collate import collate_samples
+from tierflow.loader._collate import collate_samples
 from tierflow.loader.plan import Built, Selection
 from tierflow.order import sample_rng
 from tierflow.transforms.augment import BUCKET_KEY, aspect_buckets, nearest_bucket

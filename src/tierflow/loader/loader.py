@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader
 
-from tierflow.loader.collate import CarriedBatch, with_tensors
+from tierflow.loader._collate import CarriedBatch, with_tensors
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed

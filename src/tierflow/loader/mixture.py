@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.format.dataset import Dataset
 from tierflow.loader.budget import TokenBudget
-from tierflow.loader.collate import CarriedBatch
+from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.dataset import Resume, TieredDataset
 from tierflow.loader.plan import Built, OrderBatch, Selection, TrainStream

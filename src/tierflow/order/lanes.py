@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from tierflow.order.keys import derive_key
+from tierflow.order._keys import derive_key
 from tierflow.order.layout import PartitionLayout
 from tierflow.order.permutation import FeistelPermutation
 from tierflow.order.remainder import Remainder, StreamGeometry

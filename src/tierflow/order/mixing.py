@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tierflow.order.keys import derive_key
+from tierflow.order._keys import derive_key
 
 _RESOLUTION = 1 << 60
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierflow.order.keys import MASK64, splitmix64, splitmix64_array
+from tierflow.order._keys import MASK64, splitmix64, splitmix64_array
 
 ROUNDS = 6
 _MAX_SIZE = 1 << 62

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierflow.order.keys import derive_key, splitmix64_array
+from tierflow.order._keys import derive_key, splitmix64_array
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from tierflow.order.keys import derive_key
+from tierflow.order._keys import derive_key
 from tierflow.order.layout import PartitionLayout
 from tierflow.order.permutation import FeistelPermutation
 

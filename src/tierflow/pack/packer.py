@@ -31,11 +31,11 @@ import pyarrow as pa
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
-from tierflow.pack.assemble import ShardAssembler
+from tierflow.pack._assemble import ShardAssembler
 from tierflow.pack.sources import estimate_input_bytes, length_histogram, plan_units, read_unit, rows_to_batch
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
-from tierflow.pack.workers import die_with_parent
+from tierflow.pack._workers import die_with_parent
 
 log = logging.getLogger("tierflow.pack")
 MIN_SHARD_BYTES = 256 << 10
@@ -290,7 +290,7 @@ def _pack_remote(sources: Any, url: str, endpoint_url: str | None, **options: An
     """Pack in a local staging directory that never holds more than a few shards (see pack.upload)."""
     import tempfile
 
-    from tierflow.pack.upload import ShardUploader
+    from tierflow.pack._upload import ShardUploader
     from tierflow.storage.remote import SourceNotFound, open_source
 
     remote = open_source(url, endpoint_url=endpoint_url)

@@ -21,10 +21,10 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import zstandard
 
-from tierflow.pack import media
+from tierflow.pack import _media as media
 from tierflow.pack.tokenize import PackInputError
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
-from tierflow.pack.tree import (
+from tierflow.pack._tree import (
     COMPRESSED_SUFFIXES, KIND_ROLES, SKIP_REASONS, TreeFile, base_suffix, classify_tree, file_kind, single_file,
     tree_kind,
 )

@@ -19,7 +19,7 @@ from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_directory
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
-from tierflow.format.audit import StreamedAudit
+from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
 from tierflow.storage.remote import RetryingSource, join_url, open_source

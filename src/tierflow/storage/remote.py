@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.errors import SourceError, SourceNotFound, SourceTimeout
-from tierflow.storage.deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
-from tierflow.format.regular import open_regular, read_regular
+from tierflow.storage._deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
+from tierflow.format._regular import open_regular, read_regular
 
 CHUNK_BYTES = 1 << 20
 """Download and upload granularity: the unit charged to the budget and held in memory."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
-from tierflow.format.checksum import file_xxh3_128, xxh3_128_hex
+from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
@@ -40,8 +40,8 @@ from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, dec
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
-from tierflow.tiers.index import process_alive
-from tierflow.tiers.lock import Pin
+from tierflow.tiers._index import process_alive
+from tierflow.tiers._lock import Pin
 from tierflow.tiers.tier import FetchError, Tier
 
 log = logging.getLogger("tierflow.tiers")

@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tierflow.format.checksum import file_xxh3_128, xxh3_hex
-from tierflow.format.regular import read_regular
+from tierflow.format._checksum import file_xxh3_128, xxh3_hex
+from tierflow.format._regular import read_regular
 from tierflow.format.shard import Block, Form
 from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, NextUseOracle
 from tierflow.telemetry import Counter, MetricsRegistry
-from tierflow.tiers.index import EntryRow, IndexTrouble, TierIndex, process_alive
-from tierflow.tiers.lock import FileLock, Pin, is_pinned, try_remove_unpinned
+from tierflow.tiers._index import EntryRow, IndexTrouble, TierIndex, process_alive
+from tierflow.tiers._lock import FileLock, Pin, is_pinned, try_remove_unpinned
 from tierflow.errors import FetchError, ShardCorruptError
 
 log = logging.getLogger("tierflow.tiers")

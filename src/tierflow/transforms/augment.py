@@ -185,7 +185,7 @@ class ImagePipeline:
         """The planned box, output size and flip, and the source's (width, height), without decoding."""
         width, height = sample.get(f"{self.image}_width"), sample.get(f"{self.image}_height")
         if width is None or height is None:
-            from tierflow.pack.media import CorruptImage, probe
+            from tierflow.pack._media import CorruptImage, probe
 
             try:
                 width, height, _ = probe(sample[self.image])

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from tierflow.format.regular import open_regular
+from tierflow.format._regular import open_regular
 
 
 class FileLock:

@@ -8,7 +8,7 @@ from typing import BinaryIO
 
 import xxhash
 
-from tierflow.format.regular import open_regular
+from tierflow.format._regular import open_regular
 
 CHUNK = 8 << 20
 
