@@ -95,6 +95,32 @@ class ByPosition:
         return plan_groups(stream, state, self.batches_per_group)
 
 
+class SortedGroups(ByPosition):
+    """A batcher that sorts a group of `group` order batches by a key of each sample (length,
+    aspect ratio) and cuts it into `group` batches: part k of a group is its k-th slice."""
+
+    group: int
+
+    @property
+    def batches_per_group(self) -> int:  # type: ignore[override]
+        return self.group
+
+    @property
+    def plans_eval(self) -> bool:  # type: ignore[override]
+        return self.group == 1
+
+    def tag(self) -> str:
+        return "samples"
+
+    def order_counts(self, dataset: Dataset) -> np.ndarray:
+        return shard_samples(dataset)
+
+    def part_of(self, order: np.ndarray, selection: Selection) -> np.ndarray:
+        """The positions in the group (sorted `order`) that output batch `selection.part` holds."""
+        size = selection.sample_ids.size // self.group
+        return order[selection.part * size:(selection.part + 1) * size]
+
+
 def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
     return [ctx.dataset[int(i)] for i in ids]
 
@@ -220,7 +246,7 @@ def list_column(batcher: str, column: str | None, manifest: Manifest) -> str:
 
 
 @dataclass
-class LengthBuckets(ByPosition):
+class LengthBuckets(SortedGroups):
     """Variable-length token samples, sorted by length within a group of `group` batches, padded
     to the smallest allowed shape (longer samples are truncated to the largest and counted)."""
 
@@ -237,22 +263,8 @@ class LengthBuckets(ByPosition):
         if self.group < 1:
             raise ValueError(f"LengthBuckets group must be >= 1, got {self.group}")
 
-    @property
-    def batches_per_group(self) -> int:  # type: ignore[override]
-        return self.group
-
-    @property
-    def plans_eval(self) -> bool:  # type: ignore[override]
-        return self.group == 1
-
-    def tag(self) -> str:
-        return "samples"
-
     def columns(self, manifest: Manifest) -> list[str] | None:
         return [list_column("LengthBuckets", self.column, manifest)]
-
-    def order_counts(self, dataset: Dataset) -> np.ndarray:
-        return shard_samples(dataset)
 
     def shape_for(self, longest: int) -> int:
         index = min(int(np.searchsorted(self.shapes, longest, side="left")), self.shapes.size - 1)
@@ -274,8 +286,7 @@ class LengthBuckets(ByPosition):
     def build(self, ctx: SampleContext, selection: Selection) -> Built:
         ids = selection.sample_ids
         rows, order = self._sorted_group(ctx, ids)
-        size = ids.size // self.group
-        pick = order[selection.part * size:(selection.part + 1) * size]
+        pick = self.part_of(order, selection)
         lengths = np.array([len(rows[i]) for i in pick], dtype=np.int64)
         shape = self.shape_for(int(lengths.max()) if lengths.size else 1)
         dtype = np.dtype(ctx.dataset.manifest.token_dtype or np.int32) if self.column is None else rows[0].dtype

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from tierflow.format.manifest import Manifest
-from tierflow.loader.batching import ByPosition, SampleContext, Samples, shard_samples
+from tierflow.loader.batching import SampleContext, Samples, SortedGroups
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.plan import Built, Selection
 from tierflow.order import sample_rng
@@ -88,7 +88,7 @@ class ImageSamples(Samples):
 
 
 @dataclass
-class AspectBuckets(ByPosition):
+class AspectBuckets(SortedGroups):
     """Image batches of one shape each, from a bounded set of (height, width) `buckets`, chosen from
     the packed width/height columns of `image` (pack computes them; nothing is decoded to choose)."""
 
@@ -105,17 +105,6 @@ class AspectBuckets(ByPosition):
             raise ValueError(f"AspectBuckets needs group >= 1 and a bucket, got {self.group}, {self.buckets}")
         self.buckets = [(int(h), int(w)) for h, w in self.buckets]
 
-    @property
-    def batches_per_group(self) -> int:  # type: ignore[override]
-        return self.group
-
-    @property
-    def plans_eval(self) -> bool:  # type: ignore[override]
-        return self.group == 1
-
-    def tag(self) -> str:
-        return "samples"
-
     def columns(self, manifest: Manifest) -> list[str] | None:
         size = [f"{self.image}_width", f"{self.image}_height"]
         missing = [c for c in size if c not in manifest.schema.names]
@@ -125,9 +114,6 @@ class AspectBuckets(ByPosition):
         if self.select is None:
             return None
         return list(dict.fromkeys([*self.select, *size]))
-
-    def order_counts(self, dataset: Any) -> np.ndarray:
-        return shard_samples(dataset)
 
     def _sorted_group(self, ctx: SampleContext, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The group's order by aspect ratio and each sample's bucket, kept while its parts are built."""
@@ -150,8 +136,7 @@ class AspectBuckets(ByPosition):
     def build(self, ctx: SampleContext, selection: Selection) -> Built:
         ids = selection.sample_ids
         order, chosen = self._sorted_group(ctx, ids)
-        size = ids.size // self.group
-        pick = order[selection.part * size:(selection.part + 1) * size]
+        pick = self.part_of(order, selection)
         bucket = self.buckets[int(chosen[pick[pick.size // 2]])] if pick.size else self.buckets[0]
         built = build_samples(ctx, selection, pick, self.on_error, {BUCKET_KEY: bucket})
         built.stats["bucket_height"], built.stats["bucket_width"] = bucket
