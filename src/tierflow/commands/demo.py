@@ -17,6 +17,7 @@ import shutil
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 from rich.console import Console
@@ -181,20 +182,32 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
             return self.head(self.blocks(x, mask=mask, is_causal=True))
 
     model = TinyLM()
+    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=seq_len, seed=1)
+
+    def loss_of(batch: dict) -> torch.Tensor:  # ids arrive as int64
+        logits = model(batch["input_ids"])
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), batch["labels"].reshape(-1))
+
+    return train(model, Loader(ds, endless=True), loss_of, steps, console, every=50)
+
+
+def train(model: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, console: Console,
+          every: int) -> tuple[list[float], int, float]:
+    """`steps` AdamW steps of `model` on `loader`'s batches (across epochs): losses, parameters, seconds."""
+    import torch
+
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=seq_len, seed=1)
     losses: list[float] = []
     started = time.perf_counter()
-    with Loader(ds, endless=True) as loader:  # `steps` steps across epochs; ids arrive as int64
+    with loader:
         for step, batch in enumerate(loader):
-            logits = model(batch["input_ids"])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), batch["labels"].reshape(-1))
+            loss = loss_of(batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
             losses.append(loss.item())
-            if step % 50 == 0 or step + 1 == steps:
+            if step % every == 0 or step + 1 == steps:
                 console.print(f"step {step:4d}  loss {losses[-1]:.3f}")
             if step + 1 == steps:
                 break

@@ -181,6 +181,7 @@ def train_tiny_cnn(stack: Any, pipeline: Any, columns: list[str], classes: int, 
     import torch
     from torch import nn
 
+    from tierflow.commands.demo import train
     from tierflow.loader import Loader, TieredDataset
     from tierflow.transforms import normalize
 
@@ -189,21 +190,9 @@ def train_tiny_cnn(stack: Any, pipeline: Any, columns: list[str], classes: int, 
         nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
         nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(32, classes))
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ds = TieredDataset(stack.dataset(), batch_size=32, transform=pipeline, columns=columns, seed=1)
-    losses: list[float] = []
-    started = time.perf_counter()
-    with Loader(ds, endless=True) as loader:
-        for step, batch in enumerate(loader):
-            logits = model(normalize(batch["image"]))
-            loss = nn.functional.cross_entropy(logits, batch["label"].long())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            if step % 30 == 0 or step + 1 == steps:
-                console.print(f"step {step:4d}  loss {losses[-1]:.3f}")
-            if step + 1 == steps:
-                break
-    return losses, params, time.perf_counter() - started
+
+    def loss_of(batch: dict) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(normalize(batch["image"])), batch["label"].long())
+
+    return train(model, Loader(ds, endless=True), loss_of, steps, console, every=30)
