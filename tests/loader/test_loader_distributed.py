@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 import tierflow
 from tierflow.loader import TieredDataset
+from tierflow.testing.distributed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +22,9 @@ BATCH = 16
 
 RANK_SCRIPT = r'''
 import json, sys
-import torch
 import torch.distributed as dist
 from tierflow.loader import Loader, TieredDataset
+from tierflow.testing.distributed import gathered_stream
 
 path, out, steps, workers, resume, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 state = json.load(open(resume)) if resume != "-" else None
@@ -32,23 +32,13 @@ ds = TieredDataset(path, batch_size=BATCH, seq_len=seq_len or None, partitions=P
 world = ds.world.world_size
 if world > 1:
     dist.init_process_group("gloo")
-loader = Loader(ds, device="cpu", num_workers=workers, endless=True, return_meta=True)  # `steps` steps
-ids, epochs = [], []
-for step, (batch, meta) in enumerate(loader):
-    ids.append(meta.sample_ids.tolist())
-    epochs.append(meta.epochs.tolist())
-    if step + 1 == steps:
-        break
+loader = Loader(ds, device="cpu", num_workers=workers, endless=True)  # `steps` steps
+gathered = gathered_stream(loader, steps)
 loader.close()
-local = torch.tensor([ids, epochs], dtype=torch.int64)
-gathered = [torch.zeros_like(local) for _ in range(world)]
 if world > 1:
-    dist.all_gather(gathered, local)
     dist.destroy_process_group()
-else:
-    gathered = [local]
 if ds.world.rank == 0:
-    json.dump({"ranks": [g.tolist() for g in gathered], "state": loader.state_dict()}, open(out, "w"))
+    json.dump({"ranks": gathered, "state": loader.state_dict()}, open(out, "w"))
 '''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
@@ -85,12 +75,6 @@ def packed(tmp_path_factory) -> str:
     (root / "rank.py").write_text(RANK_SCRIPT)
     (root / "agree.py").write_text(AGREE_SCRIPT)
     return str(root / "ds")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(packed: str, out: Path, *, ranks: int, steps: int, workers: int, resume: dict | None = None,

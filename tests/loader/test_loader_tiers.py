@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from tierflow.loader import Loader, TieredDataset
 from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.storage.remote import upload_dataset
+from tierflow.testing.distributed import free_port
 
 BATCH = 16
 PARTITIONS = 4
@@ -115,9 +115,9 @@ def test_token_windows_under_a_small_tier_release_what_they_read(tmp_path, s3_to
 
 RANK_SCRIPT = r'''
 import json, sys
-import torch
 import torch.distributed as dist
 from tierflow.loader import Loader, TieredDataset
+from tierflow.testing.distributed import gathered_stream
 from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
 
@@ -128,32 +128,18 @@ def main():
     stack = build_stack(url, tiers, endpoint_url=endpoint)
     ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
     dist.init_process_group("gloo")
-    loader = Loader(ds, num_workers=2, stager=Stager(ds, stack), endless=True, return_meta=True)  # `steps` steps
-    ids, epochs = [], []
-    for step, (batch, meta) in enumerate(loader):
-        ids.append(meta.sample_ids.tolist())
-        epochs.append(meta.epochs.tolist())
-        if step + 1 == steps:
-            break
+    loader = Loader(ds, num_workers=2, stager=Stager(ds, stack), endless=True)  # `steps` steps
+    gathered = gathered_stream(loader, steps)
     loader.close()
-    local = torch.tensor([ids, epochs], dtype=torch.int64)
-    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
     dist.destroy_process_group()
     if ds.world.rank == 0:
         with open(out, "w") as f:
-            json.dump([g.tolist() for g in gathered], f)
+            json.dump(gathered, f)
 
 
 if __name__ == "__main__":  # workers start with forkserver over an object store: the script is imported
     main()
 '''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from tierflow.loader.topology import WorldPosition, node_index
 from tierflow.storage.remote import upload_dataset
 from tierflow.testing import LoopbackProxy
 from tierflow.tiers import TierConfig
+from tierflow.testing.distributed import free_port
 
 BATCH = 16
 PARTITIONS = 4
@@ -48,9 +48,9 @@ def test_node_index_from_the_launchers_variables():
 
 RANK_SCRIPT = r'''
 import json, os, sys
-import torch
 import torch.distributed as dist
 import tierflow
+from tierflow.testing.distributed import gathered_stream
 
 
 def main():
@@ -58,31 +58,17 @@ def main():
     dist.init_process_group("gloo")
     loader = tierflow.open_loader(url, batch_size=BATCH, partitions=PARTITIONS, tiers=[tier], endpoint_url=endpoint,
                                   endless=True)  # steps past the epoch edge
-    ids, epochs = [], []
-    for step, _ in enumerate(loader):
-        ids.append(loader.last_meta.sample_ids.tolist())
-        epochs.append(loader.last_meta.epochs.tolist())
-        if step + 1 == steps:
-            break
+    gathered = gathered_stream(loader, steps)
     loader.close()
-    local = torch.tensor([ids, epochs], dtype=torch.int64)
-    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
     dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:
-            json.dump([g.tolist() for g in gathered], f)
+            json.dump(gathered, f)
 
 
 if __name__ == "__main__":
     main()
 '''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 NODES, PER_NODE = 2, 2

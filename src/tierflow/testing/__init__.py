@@ -17,6 +17,7 @@ from tierflow.testing.proxy import (
     TrafficSnapshot,
 )
 from tierflow.testing.proxyprocess import ProxyProcess
+from tierflow.testing.distributed import free_port, gathered_stream
 from tierflow.testing.resume import assert_resumes_exactly, assert_same_batches
 from tierflow.testing.s3server import MotoS3Server, S3Endpoint, fake_credentials_env
 
@@ -35,5 +36,7 @@ __all__ = [
     "assert_resumes_exactly",
     "assert_same_batches",
     "fake_credentials_env",
+    "free_port",
+    "gathered_stream",
     "serve_directory",
 ]
