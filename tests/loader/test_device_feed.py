@@ -13,6 +13,7 @@ MODES = [
     pytest.param({"background": True}, id="background-zero-copy"),
     pytest.param({"staged": True}, id="inline-staged"),
     pytest.param({"staged": True, "background": True}, id="background-staged"),
+    pytest.param({"background": None}, id="automatic"),
 ]
 
 
@@ -232,3 +233,47 @@ def test_wait_and_copies_are_recorded_in_the_registry():
     assert ring_bytes[0]["value"] == stats.bytes["ring"] == sum(
         v.nbytes for b in token_batches(5) for v in b.values() if isinstance(v, np.ndarray)
     )
+
+
+def window_batches(count: int, rows: int = 4, length: int = 32, seed: int = 1) -> list[dict]:
+    """Like TokenWindows: input_ids and labels are views of one (rows, length + 1) uint16 buffer."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        buffer = rng.integers(0, 2**16, (rows, length + 1), dtype=np.uint16)
+        out.append({"input_ids": buffer[:, :-1], "labels": buffer[:, 1:], "mask": np.ones(rows, dtype=bool)})
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_views_of_one_id_buffer_widen_once_by_value_and_stay_views_of_one_storage(mode):
+    source = window_batches(6)
+    with DeviceFeed(source, "cpu", depth=2, ids=torch.int64, **mode) as feed:
+        fed = list(feed)
+        copies = feed.stats().copies["widen"]
+    for got, want in zip(fed, source):
+        assert got["input_ids"].dtype == got["labels"].dtype == torch.int64
+        assert np.array_equal(got["input_ids"].numpy(), want["input_ids"].astype(np.int64))  # values above 2**15 too
+        assert np.array_equal(got["labels"].numpy(), want["labels"].astype(np.int64))
+        assert torch.equal(got["input_ids"][:, 1:], got["labels"][:, :-1])
+        if not mode.get("staged"):
+            assert got["input_ids"].untyped_storage().data_ptr() == got["labels"].untyped_storage().data_ptr()
+    assert copies == len(source) * (2 if mode.get("staged") else 1)  # staged: each key has its own slot
+
+
+def test_an_automatic_feed_stays_inline_without_a_step_and_takes_a_thread_with_one():
+    import time
+
+    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER
+
+    source = token_batches(3 * AUTO_DECIDE_AFTER)
+    raw = iter(DeviceFeed(source, "cpu"))
+    fed = [next(raw)["step"] for _ in range(2 * AUTO_DECIDE_AFTER)]
+    assert not raw.background
+    stepping = iter(DeviceFeed(source, "cpu"))
+    stepped = []
+    for batch in stepping:
+        stepped.append(batch["step"])
+        time.sleep(0.002)
+    assert stepping.background
+    assert fed == stepped[:len(fed)] and stepped == list(range(len(source)))

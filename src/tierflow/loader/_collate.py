@@ -69,7 +69,6 @@ SHARED_MEMORY_BYTES = 8 << 20
 """Payloads at least this large travel as one shared-memory tensor instead of inside the message."""
 
 Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int], ...]
-_TENSOR_KINDS = "biufc"
 
 
 def _owning_base(array: np.ndarray) -> np.ndarray | None:
@@ -179,18 +178,6 @@ def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: S
 def _unpack_carried(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
                     meta: Any) -> CarriedBatch:
     return CarriedBatch(unpack_arrays(payload, layout, rest, keys), meta)
-
-
-def with_tensors(batch: CarriedBatch) -> CarriedBatch:
-    """`batch` with the numeric numpy arrays of its data as CPU tensors viewing them (no copy), as
-    DataLoader's conversion would make them; meta and other values untouched."""
-    import torch
-
-    data = batch.data
-    for name, value in list(data.items()):
-        if isinstance(value, np.ndarray) and value.dtype.kind in _TENSOR_KINDS:
-            data[name] = torch.as_tensor(value)
-    return batch
 
 
 COLLATED_MESSAGE = (

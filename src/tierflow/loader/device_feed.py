@@ -47,6 +47,7 @@ _UNSIGNED_AS_SIGNED: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.uint32: (torch.int32, 0xFFFFFFFF),
 }
 _NUMPY_UNSIGNED = {np.dtype(np.uint16): (np.int16, torch.uint16), np.dtype(np.uint32): (np.int32, torch.uint32)}
+_SIGNED_NUMPY = {unsigned: signed for signed, unsigned in _NUMPY_UNSIGNED.values()}
 _TENSOR_KINDS = "biufc"
 _RING_ALIGN = 4096
 
@@ -97,11 +98,15 @@ class PinnedRing:
         return self._buffers[slot].get(key)
 
 
-def _host_tensor(value: Any) -> tuple[torch.Tensor, torch.dtype | None, int] | None:
+def _host_tensor(value: Any, owners: dict[int, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.dtype | None, int] | None:
     """A CPU tensor viewing `value`, the unsigned dtype it stands for, and bytes copied to make it.
 
     None means the value is not an array the feed moves (cursor dicts,
     strings, object arrays, tensors already on a device): it passes through.
+    A numpy view of a contiguous owner (input_ids and labels of one window
+    buffer) becomes a view of one tensor over that owner, kept in `owners`,
+    so views of one buffer share a storage and widen together.
     """
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _TENSOR_KINDS:
@@ -115,21 +120,34 @@ def _host_tensor(value: Any) -> tuple[torch.Tensor, torch.dtype | None, int] | N
             copied = value.nbytes
         unsigned = None
         if value.dtype in _NUMPY_UNSIGNED:
-            signed, unsigned = _NUMPY_UNSIGNED[value.dtype]
-            value = value.view(signed)
-        if value.flags.writeable:
-            tensor = torch.from_numpy(value)
+            unsigned = _NUMPY_UNSIGNED[value.dtype][1]
+        owner = value.base
+        if owners is not None and isinstance(owner, np.ndarray) and owner.base is None and owner.dtype == value.dtype \
+                and owner.flags.c_contiguous and all(s % value.itemsize == 0 for s in value.strides):
+            whole = owners.get(id(owner))
+            if whole is None:
+                whole = owners[id(owner)] = _from_numpy(owner.reshape(-1), unsigned)
+            offset = (value.__array_interface__["data"][0] - owner.__array_interface__["data"][0]) // value.itemsize
+            tensor = whole.as_strided(value.shape, tuple(s // value.itemsize for s in value.strides), offset)
         else:
-            # Read-only views of mapped shards are fine: the feed never writes into them.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.from_numpy(value)
+            tensor = _from_numpy(value, unsigned)
         return tensor, unsigned, copied
     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
         if value.dtype in _UNSIGNED_AS_SIGNED:
             return value.view(_UNSIGNED_AS_SIGNED[value.dtype][0]), value.dtype, 0
         return value, None, 0
     return None
+
+
+def _from_numpy(value: np.ndarray, unsigned: torch.dtype | None) -> torch.Tensor:
+    if unsigned is not None:
+        value = value.view(_SIGNED_NUMPY[unsigned])
+    if value.flags.writeable:
+        return torch.from_numpy(value)
+    # Read-only views of mapped shards are fine: the feed never writes into them.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(value)
 
 
 _EXACT_INTEGER_BITS = {
@@ -150,6 +168,36 @@ def _check_widening(key: str, logical: torch.dtype, wide: torch.dtype) -> None:
         raise ValueError(f"device feed: cannot widen {key!r} from {logical} to {wide} without loss")
 
 
+def _extent(tensor: torch.Tensor) -> int:
+    """Elements of its storage a tensor's view reaches, from its first."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride()))
+
+
+_DIRECT_UNSIGNED: dict[str, bool] = {}
+"""Per device type: whether this torch converts uint16/uint32 tensors itself (2.3 and later do,
+on CPU, in one pass); else they widen from their signed view and are masked back."""
+
+
+def _widened(tensor: torch.Tensor, unsigned: torch.dtype | None, wide: torch.dtype) -> torch.Tensor:
+    """`tensor` (for unsigned ids: its signed view) as `wide`, by value."""
+    if unsigned is None:
+        return tensor.to(wide)
+    kind = tensor.device.type
+    if _DIRECT_UNSIGNED.get(kind, True):
+        try:
+            widened = tensor.view(unsigned).to(wide)
+            _DIRECT_UNSIGNED[kind] = True
+            return widened
+        except (RuntimeError, TypeError, NotImplementedError):
+            _DIRECT_UNSIGNED[kind] = False
+    mask = _UNSIGNED_AS_SIGNED[unsigned][1]
+    through = torch.int64 if wide == torch.int64 or unsigned == torch.uint32 else torch.int32
+    widened = tensor.to(through).bitwise_and_(mask)
+    return widened.to(wide) if through != wide else widened
+
+
 class DeviceFeed:
     """Iterate `batches` (dicts, or `CarriedBatch`es) with their arrays as tensors on `device`,
     `depth` batches ahead.
@@ -161,6 +209,10 @@ class DeviceFeed:
     want int64) while the wire stays uint16/int32.
     Values that are not numeric arrays or CPU tensors pass through unchanged,
     and so does a carried batch's meta.
+
+    `background`: read ahead from a thread (True; the default on CUDA), inline
+    (False), or, on the CPU by default, decide from the loop's first batches:
+    a thread where the loop steps between batches, inline where it does not.
 
     Memory: a CUDA batch owns fresh device memory (the pinned ring is host
     only), so holding earlier batches is safe. A CPU batch views the source's
@@ -187,7 +239,7 @@ class DeviceFeed:
         if staged is False and self._cuda:
             raise ValueError(f"device feed to {self.device} always stages through the pinned ring")
         self._staged = self._cuda if staged is None else staged
-        self._background = self._cuda if background is None else background
+        self._background: bool | None = True if self._cuda and background is None else background
         self.depth = depth
         self.widen = dict(widen or {})
         self.ids = ids
@@ -258,7 +310,7 @@ class DeviceFeed:
         """Convert one batch (a carried batch's data, its meta passed along); on CUDA also returns
         the event its copies and widening complete at."""
         data = batch.data if isinstance(batch, CarriedBatch) else batch
-        if not isinstance(data, Mapping):
+        if not isinstance(data, dict) and not isinstance(data, Mapping):
             raise TypeError(f"device feed: a batch must be a dict of arrays, got {type(data).__name__}")
         ready = None
         if not self._cuda:
@@ -277,8 +329,10 @@ class DeviceFeed:
     def _convert(self, batch: Mapping[str, Any], slot: int) -> dict[str, Any]:
         converted: dict[str, Any] = {}
         tally = {stage: [0, 0] for stage in COPY_STAGES}
+        owners: dict[int, torch.Tensor] | None = {} if self._ring is None else None
+        together: dict[tuple[int, torch.dtype, torch.dtype], list[tuple[str, torch.Tensor, torch.dtype | None]]] = {}
         for key, value in batch.items():
-            host = _host_tensor(value)
+            host = _host_tensor(value, owners if key in ID_KEYS or key in self.widen else None)
             if host is None:
                 converted[key] = value
                 continue
@@ -291,33 +345,48 @@ class DeviceFeed:
                 _add(tally["ring"], nbytes)
                 tensor = staged.to(self.device, non_blocking=True) if self._cuda else staged.clone()
                 _add(tally["to_device"], nbytes)
-            converted[key] = self._on_device_dtype(key, tensor, unsigned, tally["widen"])
+            wide = self._wide_dtype(key, unsigned if unsigned is not None else tensor.dtype)
+            if wide is None:
+                converted[key] = tensor.view(unsigned) if unsigned is not None else tensor
+                continue
+            converted[key] = None  # keeps the batch's key order; filled below
+            storage = tensor.untyped_storage().data_ptr() if self._ring is None else id(tensor)
+            together.setdefault((storage, tensor.dtype, wide), []).append((key, tensor, unsigned))
+        for (_, _, wide), views in together.items():
+            self._widen_views(views, wide, tally["widen"], converted)
         self._count(tally)
         return converted
 
-    def _on_device_dtype(
-        self, key: str, tensor: torch.Tensor, unsigned: torch.dtype | None, widen_tally: list[int]
-    ) -> torch.Tensor:
+    def _wide_dtype(self, key: str, logical: torch.dtype) -> torch.dtype | None:
+        """The dtype `key` takes on the device, None when it keeps its own."""
         wide = self.widen.get(key)
-        logical = unsigned if unsigned is not None else tensor.dtype
         if wide is None and key in ID_KEYS and self.ids is not None and not (
                 logical.is_floating_point or logical.is_complex or logical == torch.bool):
             wide = self.ids
         if wide is None or wide == logical:
-            return tensor.view(unsigned) if unsigned is not None else tensor
+            return None
         if (key, logical) not in self._widen_checked:
             _check_widening(key, logical, wide)
             self._widen_checked.add((key, logical))
-        if unsigned is not None:
-            mask = _UNSIGNED_AS_SIGNED[unsigned][1]
-            through = torch.int64 if wide == torch.int64 or unsigned == torch.uint32 else torch.int32
-            widened = tensor.to(through).bitwise_and_(mask)
-            if through != wide:
-                widened = widened.to(wide)
-        else:
-            widened = tensor.to(wide)
-        _add(widen_tally, widened.numel() * widened.element_size())
-        return widened
+        return wide
+
+    @staticmethod
+    def _widen_views(views: list[tuple[str, torch.Tensor, torch.dtype | None]], wide: torch.dtype,
+                     widen_tally: list[int], converted: dict[str, Any]) -> None:
+        """Widen tensors viewing one storage (input_ids and labels of one window buffer) in one
+        pass over the span they cover, and hand out views of the result."""
+        if len(views) == 1:
+            key, tensor, unsigned = views[0]
+            converted[key] = widened = _widened(tensor, unsigned, wide)
+            _add(widen_tally, widened.numel() * widened.element_size())
+            return
+        low = min(t.storage_offset() for _, t, _ in views)
+        high = max(t.storage_offset() + _extent(t) for _, t, _ in views)
+        first = views[0][1]
+        span = _widened(first.as_strided((high - low,), (1,), low), views[0][2], wide)
+        _add(widen_tally, span.numel() * span.element_size())
+        for key, tensor, _ in views:
+            converted[key] = span.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset() - low)
 
     def _hand_off(self, converted: Any, ready: Any) -> Any:
         """Make the training loop's stream wait for this batch's copies, and keep its memory alive for it."""
@@ -366,23 +435,49 @@ def _stop_running() -> None:
         iterator.close(timeout=10.0)
 
 
+AUTO_DECIDE_AFTER = 4
+"""Batches an automatic feed reads inline before it decides whether a background thread pays."""
+AUTO_MIN_STEP_S = 100e-6
+"""A loop that spends at least this long between batches (median) gets the background thread."""
+
+
 class _FeedIterator:
-    """One pass over the source: reads ahead inline or from a background thread."""
+    """One pass over the source: reads ahead inline or from a background thread.
+
+    An automatic feed (`background=None` on the CPU) starts inline and measures the loop: a
+    thread overlaps production with the step only where there is a step to hide it behind; with
+    none (a raw read, a tiny eval model) the hand-over between threads and their turns at the GIL
+    cost more per batch than building it, so it stays inline.
+    """
 
     def __init__(self, feed: DeviceFeed) -> None:
         self._feed = feed
         self._source = iter(feed._batches)
         self._slot = 0
         self._closed = False
+        self._pending: collections.deque[Any] = collections.deque()
+        self._exhausted = False
+        self._thread: threading.Thread | None = None
+        self._gaps: list[float] | None = [] if feed._background is None else None
+        self._returned: float | None = None
         if feed._background:
-            self._queue: queue.Queue[Any] = queue.Queue(maxsize=feed.depth)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._produce, name="tierflow-device-feed", daemon=True)
-            _RUNNING.add(self)
-            self._thread.start()
-        else:
-            self._pending: collections.deque[Any] = collections.deque()
-            self._exhausted = False
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self._feed.depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="tierflow-device-feed", daemon=True)
+        _RUNNING.add(self)
+        self._thread.start()
+
+    @property
+    def background(self) -> bool:
+        """Whether a background thread reads ahead now."""
+        return self._thread is not None
+
+    def ready(self) -> int:
+        """Batches read and converted ahead of the loop right now."""
+        return len(self._pending) + (self._queue.qsize() if self._thread is not None else 0)
 
     def __iter__(self) -> _FeedIterator:
         return self
@@ -391,10 +486,21 @@ class _FeedIterator:
         if self._closed:
             raise StopIteration
         started = time.perf_counter()
-        converted, ready = self._next_background() if self._feed._background else self._next_inline()
+        gaps = self._gaps
+        if gaps is not None and self._returned is not None:
+            gaps.append(started - self._returned)
+            if len(gaps) >= AUTO_DECIDE_AFTER:
+                self._gaps = None
+                if sorted(gaps)[len(gaps) // 2] >= AUTO_MIN_STEP_S and not self._exhausted:
+                    self._start_thread()
+        if self._thread is not None and not self._pending:
+            converted, ready = self._next_background()
+        else:
+            converted, ready = self._next_inline()
         batch = self._feed._hand_off(converted, ready)
         self._feed._batch_count.inc()
-        self._feed._loop_boundary.blocked_get(time.perf_counter() - started)
+        self._returned = now = time.perf_counter()
+        self._feed._loop_boundary.blocked_get(now - started)
         return batch
 
     def _pull(self) -> tuple[Any, Any]:
@@ -407,7 +513,7 @@ class _FeedIterator:
         return converted, ready
 
     def _next_inline(self) -> tuple[Any, Any]:
-        while not self._exhausted and len(self._pending) < self._feed._lookahead:
+        while self._thread is None and not self._exhausted and len(self._pending) < self._feed._lookahead:
             try:
                 self._pending.append(self._pull())
             except StopIteration:
@@ -460,8 +566,8 @@ class _FeedIterator:
         if self._closed:
             return
         self._closed = True
-        if not self._feed._background:
-            self._pending.clear()
+        self._pending.clear()
+        if self._thread is None:
             return
         self._stop.set()
         deadline = None if timeout is None else time.monotonic() + timeout

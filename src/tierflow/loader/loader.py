@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader
 
-from tierflow.loader._collate import CarriedBatch, with_tensors
+from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
@@ -102,8 +102,9 @@ class Loader:
         self.dtype = dtype
         self.widen = dict(widen or {})
         # A thread takes batches off the workers' queue (or builds them, without workers) while the step
-        # runs, so unpacking and the device copy overlap compute (numpy, torch and sleep release the GIL).
-        self.background = True if background is None else background
+        # runs, so unpacking and the device copy overlap compute (numpy, torch and sleep release the GIL);
+        # None: on CUDA always, on the CPU where the loop's first batches show a step to overlap.
+        self.background = background
         self.return_meta = return_meta
         self.last_meta: BatchMeta | None = None
         """The meta of the batch last handed to the training loop."""
@@ -118,10 +119,10 @@ class Loader:
         self.telemetry: LoaderTelemetry | None = (
             LoaderTelemetry() if telemetry is True else telemetry if isinstance(telemetry, LoaderTelemetry) else None)
 
-    def _make_dataloader(self) -> DataLoader | "_InProcess":
+    def _make_dataloader(self) -> DataLoader | TieredDataset | TimedBatches:
         dataset = TimedBatches(self.dataset) if self.telemetry is not None else self.dataset
         if self._loader_options["num_workers"] == 0:
-            return _InProcess(dataset)
+            return dataset  # it batches itself; the device feed turns its arrays into tensors
         return DataLoader(dataset, batch_size=None, collate_fn=_as_is, **self._loader_options)
 
     def __iter__(self) -> Iterator[Handed]:
@@ -277,9 +278,11 @@ class EpochBoundary:
         self.group = group
         self.finished: int | None = None
         self.target: int | None = None
+        self._voting = False
 
     def begin(self) -> None:
         self.target = None
+        self._voting = self.collective()  # once per `for`: asking torch.distributed per batch costs
 
     def stop_here(self, epoch: int | None) -> bool:
         """True when the batch of `epoch` (None: this rank has no more batches) ends the iteration."""
@@ -303,7 +306,7 @@ class EpochBoundary:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
     def _reduce_min(self, value: int) -> int:
-        if not self.collective():
+        if not self._voting:
             return value
         import torch.distributed as dist
 
@@ -322,25 +325,10 @@ def _as_is(batch: CarriedBatch) -> CarriedBatch:
     return batch
 
 
-class _InProcess:
-    """What a DataLoader without workers does for a dataset that batches itself (its data's arrays
-    become tensors), minus its per-batch profiler range and fetcher (~60 us a batch)."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __iter__(self) -> Iterator[CarriedBatch]:
-        return map(with_tensors, self.dataset)
-
-
 def _ready_ahead(feed: DeviceFeed) -> int | None:
     """Batches the feed holds ready for the loop right now (its queue, or its inline read-ahead)."""
     iterator = feed._iterator
-    ready = getattr(iterator, "_queue", None)
-    if ready is not None:
-        return ready.qsize()
-    pending = getattr(iterator, "_pending", None)
-    return len(pending) if pending is not None else None
+    return iterator.ready() if iterator is not None else None
 
 
 class _Started:

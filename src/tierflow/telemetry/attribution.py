@@ -23,25 +23,29 @@ from tierflow.telemetry.loader_metrics import MAPPED, SOURCE
 class FetchLedger:
     """Running totals of fetch seconds and shard opens per serving tier, for one thread."""
 
-    __slots__ = ("seconds", "opens", "bytes")
+    __slots__ = ("seconds", "opens", "bytes", "adds")
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.opens: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
+        self.adds = 0
 
     def add(self, tier: str, seconds: float, nbytes: int) -> None:
         self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
         self.opens[tier] = self.opens.get(tier, 0) + 1
         self.bytes[tier] = self.bytes.get(tier, 0) + nbytes
+        self.adds += 1
 
-    def mark(self) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
-        return dict(self.seconds), dict(self.opens), dict(self.bytes)
+    def mark(self) -> tuple[int, dict[str, float], dict[str, int], dict[str, int]]:
+        return self.adds, dict(self.seconds), dict(self.opens), dict(self.bytes)
 
-    def since(self, mark: tuple[dict[str, float], dict[str, int], dict[str, int]]) -> dict[str, dict[str, Any]]:
+    def since(self, mark: tuple[int, dict[str, float], dict[str, int], dict[str, int]]) -> dict[str, dict[str, Any]]:
         """Per tier, what was added after `mark`: {"L2": {"seconds": s, "opens": n, "bytes": b}}."""
-        seconds, opens, nbytes = mark
+        adds, seconds, opens, nbytes = mark
         out: dict[str, dict[str, Any]] = {}
+        if adds == self.adds:  # most batches open no shard
+            return out
         for tier, total in self.opens.items():
             added = total - opens.get(tier, 0)
             if added:
@@ -111,9 +115,9 @@ class TimedBatches(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         attribute_fetches(self.dataset)
-        ledger = thread_ledger()
         batches = iter(self.dataset)
         while True:
+            ledger = thread_ledger()  # this generator may move to the feed's thread between batches
             mark = ledger.mark()
             started = time.perf_counter()
             try:

@@ -9,6 +9,8 @@ on it, and "prep" (decode, batching, transforms). The parts always add up to the
 
 from __future__ import annotations
 
+import collections
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -27,6 +29,8 @@ STALLS = "tierflow_loader_stalls_total"
 BATCHES = "tierflow_loader_batches_total"
 FETCH = "tierflow_loader_fetch_seconds_total"
 FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
+FLUSH_EVERY = 64
+"""Batches `LoaderTelemetry` records per bulk update of its metrics."""
 
 
 def split_wait(wait_s: float, timing: Mapping[str, Any] | None) -> dict[tuple[str, str], float]:
@@ -94,11 +98,35 @@ class LoaderTelemetry:
         self.stalls = r.counter(STALLS, base, f"batches the loop waited more than {stall_threshold_s}s for")
         self._stall: dict[tuple[str, str], Any] = {}
         self._fetch: dict[str, tuple[Any, Any]] = {}
+        self._handed = 0
+        self._pending: collections.deque[tuple[float, Mapping[str, Any] | None, int | None]] = collections.deque()
+        self._flushing = threading.Lock()
+        self.registry.add_buffer(self)
 
     def on_batch(self, wait_s: float, timing: Mapping[str, Any] | None = None, depth: int | None = None) -> None:
-        """One batch handed over after `wait_s` in next(); `timing` is its meta's (`BatchMeta.timing`)."""
+        """One batch handed over after `wait_s` in next(); `timing` is its meta's (`BatchMeta.timing`).
+        Recorded in bulk every `FLUSH_EVERY` batches and before any snapshot: per batch, an append."""
         if self.events is not None:
-            self.events.batch(int(self.batches.value), wait_s, self._last_step, depth, timing)
+            self.events.batch(self._handed, wait_s, self._last_step, depth, timing)
+        self._handed += 1
+        pending = self._pending
+        pending.append((wait_s, timing, depth))
+        if len(pending) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the batches recorded since the last flush to the registry's metrics."""
+        pending = self._pending
+        if not pending:
+            return
+        with self._flushing:
+            for _ in range(len(pending)):
+                self._record(*pending.popleft())
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def _record(self, wait_s: float, timing: Mapping[str, Any] | None, depth: int | None) -> None:
         self.batches.inc()
         self.wait.observe(wait_s)
         if depth is not None:
@@ -136,7 +164,7 @@ class LoaderTelemetry:
         return pair
 
     def figures(self) -> LoaderFigures:
-        return loader_figures(self.registry.snapshot())
+        return loader_figures(self.registry.snapshot())  # the snapshot flushes
 
 
 def loader_figures(snapshot: Mapping[str, Any]) -> LoaderFigures:
