@@ -14,6 +14,9 @@ local cache directory while it runs, and reads one JSON result line from its std
 - epochs: 3 epochs from S3 with the local cache capped at 30% of the dataset's cached form;
   bytes each epoch as counted at the proxy, and the optimum for this system's own shard order
   where it is known (Belady's MIN with bypass, `tierflow.policies.simulator.optimum`).
+- raw: the raw path: one epoch of local data at the system's defaults (tierflow's open_loader on
+  the packed dir, no tiers; the peers' own datasets and loaders; the in-RAM list as the bound),
+  tokens or text, main process or 2 DataLoader workers, no step: samples/s after the first batch.
 - state / resume: the state each system's loader saves at 50% of the first epoch of an 8-byte
   sample dataset, then, in a new process, the time from constructing the loader with that state
   to its first batch (imports timed apart).
@@ -161,6 +164,31 @@ def epochs(system: str, url: str, endpoint: str, control: str, cache: str, worke
         per_epoch_used = used / count
         optimum = {"byte_miss_ratio": best.byte_miss_ratio, "used_per_epoch": per_epoch_used}
     return {"per_epoch": per_epoch, "seconds": seconds, "optimum": optimum, "stopped": stopped}
+
+
+def raw(system: str, kind: str, data: str, workers: int, seed: int, hold_s: float = 0.6) -> dict[str, Any]:
+    """One epoch of `kind` batches through the system's raw path; samples/s after the first batch
+    (start-up, worker spawn and the first batch timed apart). The loader is held open `hold_s`
+    after the epoch, so the parent's PSS sampler (every 0.25 s) sees it at its fullest."""
+    impl = SYSTEMS[system]
+    impl.preload()
+    began = time.perf_counter()
+    loader = impl.raw_loader(data, kind, int(workers), seed)
+    opened = time.perf_counter() - began
+    iterator = iter(loader)
+    first_batch = next(iterator)
+    first = time.perf_counter() - began
+    first_samples = impl.raw_count(first_batch)
+    samples = batches = 0
+    start = time.perf_counter()
+    for batch in iterator:
+        samples += impl.raw_count(batch)
+        batches += 1
+    seconds = time.perf_counter() - start
+    time.sleep(hold_s)
+    return {"samples_per_s": samples / seconds if seconds > 0 else 0.0, "samples": samples + first_samples,
+            "batches": batches + 1, "seconds": seconds, "first_s": first, "open_s": opened,
+            "batch_type": type(first_batch).__name__}
 
 
 def state(system: str, data: str, cache: str, fraction: float, out: str) -> dict[str, Any]:

@@ -17,6 +17,21 @@ is measured, and the number of DataLoader workers.
 
 A loader here is anything iterable over batches for one epoch; `Reader.epoch()` makes a fresh
 iterator over the next epoch.
+
+The raw path (`System.raw_loader`, measures.raw) reads local data at each system's defaults, one
+epoch of 8-sample batches, tokens or text, in the main process or with 2 DataLoader workers:
+
+- tierflow: `tierflow.open_loader(local_dir, batch_size=8, seq_len=2048)` (tokens) or
+  `open_loader(local_dir, batch_size=8)` (the documents); a local dir with no tiers is read
+  directly; `num_workers=2` for the worker rows.
+- Streaming and LitData: their StreamingDataset over the local dir + StreamingDataLoader (LitData's
+  documents without TokensLoader: one `{"text": ...}` item each).
+- WebDataset: tar shards written by `wds.ShardWriter(maxsize=shard bytes)` (`tokens.npy` /
+  `txt` members), read as its README shows: `wds.WebDataset(urls, shardshuffle=100, seed=...)
+  .shuffle(1000).decode().to_tuple(...).batched(8)` through `wds.WebLoader(..., batch_size=None)`.
+- the in-RAM list (the bound): the same samples preloaded in a Python list (numpy arrays / str),
+  a seeded permutation batched by 8 through `default_collate` in the main process, a plain
+  `DataLoader(list, batch_size=8, shuffle=True)` with 2 workers.
 """
 
 from __future__ import annotations
@@ -52,8 +67,8 @@ def versions() -> dict[str, str]:
     from importlib.metadata import version
 
     out = {}
-    for dist in ("tierflow", "mosaicml-streaming", "litdata", "torch", "numpy", "pyarrow", "boto3", "obstore",
-                 "moto"):
+    for dist in ("tierflow", "mosaicml-streaming", "litdata", "webdataset", "torch", "numpy", "pyarrow", "boto3",
+                 "obstore", "moto"):
         try:
             out[dist] = version(dist)
         except Exception:  # noqa: BLE001
@@ -83,6 +98,15 @@ class System:
 
     def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
                cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> "Reader":
+        raise NotImplementedError
+
+    # -- the raw path: local data, the system's defaults, one epoch --------------------------
+    def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
+        """An iterable over one epoch of BATCH-sample batches of `kind` ("tokens" or "text")."""
+        raise NotImplementedError
+
+    def raw_count(self, batch: Any) -> int:
+        """The samples in one of raw_loader's batches."""
         raise NotImplementedError
 
 
@@ -145,6 +169,15 @@ class Tierflow(System):
     def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
                cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
         return TierflowReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume, stager)
+
+    def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
+        import tierflow
+
+        shape = {"seq_len": SEQ_LEN} if kind == "tokens" else {}
+        return tierflow.open_loader(data, batch_size=BATCH, num_workers=workers, seed=seed, **shape)
+
+    def raw_count(self, batch: Any) -> int:
+        return int(batch["mask"].sum())  # False on the padding of a partition's last batch
 
 
 class TierflowReader(Reader):
@@ -231,6 +264,19 @@ class Streaming(System):
     def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
                cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
         return StreamingReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
+
+    def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
+        from streaming import StreamingDataLoader, StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        ds = StreamingDataset(local=data, shuffle=True, shuffle_seed=seed, batch_size=BATCH)
+        for shard in range(ds.num_shards):  # warm: every zstd shard decompressed in place (kept after the first run)
+            ds.prepare_shard(shard)
+        return StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
+
+    def raw_count(self, batch: Any) -> int:
+        return len(batch["tokens"] if "tokens" in batch else batch["text"])
 
 
 class StreamingReader(Reader):
@@ -341,6 +387,16 @@ class LitData(System):
                cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
         return LitDataReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
 
+    def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
+        from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+
+        options: dict[str, Any] = {"item_loader": TokensLoader(block_size=SEQ_LEN)} if kind == "tokens" else {}
+        ds = StreamingDataset(data, shuffle=True, seed=seed, **options)
+        return StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
+
+    def raw_count(self, batch: Any) -> int:
+        return len(batch["text"]) if isinstance(batch, dict) else len(batch)
+
 
 class LitDataReader(Reader):
     def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
@@ -392,7 +448,87 @@ class LitDataReader(Reader):
         del self.loader
 
 
-SYSTEMS: dict[str, System] = {s.name: s for s in (Tierflow(), Streaming(), LitData())}
+# ============================================================================ WebDataset (raw path only)
+class WebDataset(System):
+    """Tar shards by `wds.ShardWriter`, read by `wds.WebDataset` as its README shows. Only the raw
+    path measures it: it has no local cache limit, resume state or S3 adapter here."""
+
+    name = "webdataset"
+    KEYS = {"tokens": "tokens.npy", "text": "txt"}
+
+    def preload(self) -> None:
+        import webdataset  # noqa: F401
+
+    def _write(self, out: Path, shard_bytes: int, key: str, values: Any) -> None:
+        import webdataset as wds
+
+        out.mkdir(parents=True, exist_ok=True)
+        with wds.ShardWriter(str(out / "shard-%06d.tar"), maxsize=shard_bytes, verbose=0) as sink:
+            for i, value in enumerate(values):
+                sink.write({"__key__": f"{i:09d}", key: value})
+
+    def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        self._write(out, shard_bytes, self.KEYS["tokens"], token_samples(files))
+
+    def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
+        self._write(out, shard_bytes, self.KEYS["text"], (path.read_text() for path in files))
+
+    def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
+        import webdataset as wds
+
+        urls = sorted(str(p) for p in Path(data).glob("*.tar"))
+        dataset = (wds.WebDataset(urls, shardshuffle=100, seed=seed)
+                   .shuffle(1000, seed=seed)
+                   .decode()
+                   .to_tuple(self.KEYS[kind])
+                   .batched(BATCH))
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+
+    def raw_count(self, batch: Any) -> int:
+        return len(batch[0])
+
+
+# ============================================================================ the in-RAM list (the bound)
+class InRam(System):
+    """The same samples preloaded in a Python list: the bound a loader reading storage can approach.
+    `data` is the corpus root (the documents as str, or token_samples as numpy arrays)."""
+
+    name = "inram"
+
+    def samples(self, data: str, kind: str) -> list[Any]:
+        from corpus import MANIFEST
+        import json
+
+        meta = json.loads((Path(data) / MANIFEST).read_text())
+        files = [Path(data) / "docs" / name for name in meta["files"]]
+        if kind == "tokens":
+            return [row.copy() for row in token_samples(files)]
+        return [path.read_text() for path in files]
+
+    def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
+        import torch
+        from torch.utils.data import DataLoader, default_collate
+
+        samples = self.samples(data, kind)
+        if workers:
+            return DataLoader(samples, batch_size=BATCH, shuffle=True, num_workers=workers,
+                              generator=torch.Generator().manual_seed(seed))
+
+        class Direct:
+            def __iter__(self) -> Iterator[Any]:
+                order = np.random.default_rng(seed).permutation(len(samples))
+                for i in range(0, len(order), BATCH):
+                    yield default_collate([samples[j] for j in order[i:i + BATCH]])
+
+        return Direct()
+
+    def raw_count(self, batch: Any) -> int:
+        return len(batch)
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (Tierflow(), Streaming(), LitData(), WebDataset(), InRam())}
+RAW_ORDER = ("inram", "litdata", "webdataset", "streaming", "tierflow")  # the raw path's table, left to right
+RAW_PEERS = ("litdata", "webdataset", "streaming")
 
 
 def prepare_dir(path: Path) -> Path:
