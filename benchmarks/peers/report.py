@@ -9,6 +9,10 @@ from _harness import spread, summary  # benchmarks/ is on the path (run.py puts 
 
 MB = 1e6
 PEERS = ("streaming", "litdata")
+RAW_PEERS = ("litdata", "webdataset", "streaming")  # the raw path's peers; "inram" is the bound
+RAW_NAMES = {"inram": "in-RAM list (bound)", "litdata": "LitData", "webdataset": "WebDataset",
+             "streaming": "MosaicML Streaming", "tierflow": "tierflow"}
+RAW_MODES = {0: "main process", 2: "2 workers"}
 
 
 class Row:
@@ -116,11 +120,86 @@ def build_rows(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _median(values: list[float]) -> float | None:
+    found = summary(values)
+    return found[0] if found else None
+
+
+def _check(ratio: float | None, target: float, higher: bool, what: str) -> str:
+    if ratio is None:
+        return f"{what}: -"
+    met = ratio >= target if higher else ratio <= target
+    return f"{'met' if met else 'MISSED'} ({what}: {ratio:.2f})"
+
+
+def raw_tables(r: dict[str, Any]) -> list[str]:
+    """The raw path's two tables (samples/s, peak PSS), one row per (data, mode), with issue 17's targets."""
+    raw = r.get("raw") or {}
+    systems = raw.get("systems") or []
+    cells = raw.get("cells") or {}
+    if not systems or not any(v for cell in cells.values() for v in cell.values()):
+        return []
+    peers = [p for p in RAW_PEERS if p in systems]
+    names = [RAW_NAMES.get(s, s) for s in systems]
+    rate = ["| data | mode | " + " | ".join(names) + " | tierflow ÷ best peer | tierflow ÷ bound | target |",
+            "|---|---|" + "---|" * len(systems) + "---|---|---|"]
+    pss = ["| data | mode | " + " | ".join(names) + " | tierflow ÷ lowest peer | target |",
+           "|---|---|" + "---|" * len(systems) + "---|---|"]
+    for key, cell in cells.items():
+        kind, workers = key.rsplit("_w", 1)
+        mode = RAW_MODES.get(int(workers), f"{workers} workers")
+        rates = {s: [x["samples_per_s"] for x in cell.get(s, [])] for s in systems}
+        med = {s: _median(v) for s, v in rates.items()}
+        mine, bound = med.get("tierflow"), med.get("inram")
+        known = {p: med[p] for p in peers if med.get(p)}
+        best = max(known, key=known.get) if known else None
+        vs_best = mine / known[best] if mine is not None and best else None
+        vs_bound = mine / bound if mine is not None and bound else None
+        if int(workers) == 0:
+            lit = med.get("litdata")
+            checks = [_check(mine / lit if mine is not None and lit else None, 2.0, True, ">= 2 x LitData")]
+            if kind == "tokens":
+                checks.append(_check(vs_bound, 0.5, True, ">= 0.5 x bound"))
+        else:
+            checks = [_check(vs_bound, 0.9, True, ">= 0.9 x bound"), _check(vs_best, 1.5, True, ">= 1.5 x best peer")]
+        rate.append(f"| {kind} | {mode} | " + " | ".join(spread(rates[s], ".1f", 1e-3) for s in systems)
+                    + f" | {f'{vs_best:.2f} (vs {best})' if vs_best is not None else '-'}"
+                    + f" | {f'{vs_bound:.2f}' if vs_bound is not None else '-'} | {'; '.join(checks)} |")
+        mem = {s: [x["peak_pss"] / MB for x in cell.get(s, []) if x.get("peak_pss")] for s in systems}
+        mmed = {s: _median(v) for s, v in mem.items()}
+        low = {p: mmed[p] for p in peers if mmed.get(p)}
+        lowest = min(low, key=low.get) if low else None
+        ratio = mmed["tierflow"] / low[lowest] if mmed.get("tierflow") is not None and lowest else None
+        pss.append(f"| {kind} | {mode} | " + " | ".join(spread(mem[s], ".0f") for s in systems)
+                   + f" | {f'{ratio:.2f} (vs {lowest})' if ratio is not None else '-'}"
+                   + f" | {_check(ratio, 1.0, False, '<= lowest peer')} |")
+    counts = {s: sorted({x["samples"] for cell_key, cell in cells.items() if cell_key.startswith("tokens")
+                         for x in cell.get(s, [])}) for s in systems}
+    texts = {s: sorted({x["samples"] for cell_key, cell in cells.items() if cell_key.startswith("text")
+                        for x in cell.get(s, [])}) for s in systems}
+    lines = ["", "## Raw path", "",
+             "One warm epoch of local data per fresh process (page cache warm, each system's local form), no "
+             "training step, batch 8, every system at its defaults; samples/s after the first batch, in "
+             "thousands, median (min-max) of the rounds. tokens: 2048-token byte-token samples; text: the "
+             "documents as variable-length text records. The in-RAM list is the bound (not a peer).", ""]
+    lines += rate + ["", "Peak PSS summed over the child and its workers (MB), same runs:", ""] + pss
+    lines += ["", "Samples per epoch (tokens / text): " + ", ".join(
+        f"{RAW_NAMES.get(s, s)} {'/'.join(map(str, counts[s])) or '-'} / {'/'.join(map(str, texts[s])) or '-'}"
+        for s in systems) + "."]
+    wds = raw.get("webdataset") or {}
+    if wds.get("tokens", {}).get("shards"):
+        lines += ["", "WebDataset shards (ShardWriter, maxsize = the shard size): "
+                  + ", ".join(f"{v} {w['shards']} tars, {w['at_rest'] / MB:.1f} MB"
+                              + (f", written in {w['seconds']:.1f} s" if "seconds" in w else "")
+                              for v, w in wds.items()) + "."]
+    return lines
+
+
 def markdown(r: dict[str, Any], rows: list[Row]) -> str:
     systems = r["systems"]
     settings = r["settings"]
     lines = [
-        "# tierflow vs MosaicML Streaming vs LitData",
+        "# tierflow vs MosaicML Streaming vs LitData (and WebDataset on the raw path)",
         "",
         f"Corpus: {r['corpus']}. Shard size {settings['shard_mb']:g} MB (uncompressed) for every system; "
         f"batch 8 x 2048 tokens; shuffle on, seed {settings['seed']}; {settings['rounds']} round(s), systems "
@@ -150,6 +229,7 @@ def markdown(r: dict[str, Any], rows: list[Row]) -> str:
     shards = r["convert"]["shards"]
     lines += ["", "Shards (tokens / documents): " + ", ".join(
         f"{s} {shards[s]['tokens']} / {shards[s]['docs']}" for s in systems) + "."]
+    lines += raw_tables(r)
     if r.get("notes"):
         lines += ["", r["notes"]]
     if r.get("reused"):
@@ -192,9 +272,47 @@ def chart(r: dict[str, Any], rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def raw_chart(r: dict[str, Any], path: Path) -> bool:
+    """The raw path's samples/s and peak PSS per (data, mode), bars with min-max whiskers."""
+    raw = r.get("raw") or {}
+    systems, cells = raw.get("systems") or [], raw.get("cells") or {}
+    if not systems or not any(v for cell in cells.values() for v in cell.values()):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"inram": "#7f7f7f", "litdata": "#2ca02c", "webdataset": "#9467bd", "streaming": "#ff7f0e",
+              "tierflow": "#1f77b4"}
+    fig, axes = plt.subplots(2, len(cells), figsize=(3.6 * len(cells), 5.6), squeeze=False)
+    for col, (key, cell) in enumerate(cells.items()):
+        kind, workers = key.rsplit("_w", 1)
+        for row, (field, scale, unit) in enumerate((("samples_per_s", 1e-3, "k samples/s, higher is better"),
+                                                    ("peak_pss", 1 / MB, "peak PSS MB, lower is better"))):
+            ax = axes[row][col]
+            meds, lows, highs = [], [], []
+            for s in systems:
+                st = summary([x[field] * scale for x in cell.get(s, []) if x.get(field)]) or (0.0, 0.0, 0.0)
+                meds.append(st[0])
+                lows.append(st[0] - st[1])
+                highs.append(st[2] - st[0])
+            ax.bar(systems, meds, yerr=[lows, highs], color=[colors.get(s, "grey") for s in systems], capsize=3)
+            positive = [m for m in meds if m > 0]
+            if positive and max(positive) / min(positive) > 50:
+                ax.set_yscale("log")
+            ax.set_title(f"raw, {kind}, {RAW_MODES.get(int(workers), workers)}\n({unit})", fontsize=8)
+            ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_report(r: dict[str, Any], out_dir: Path) -> str:
     rows = build_rows(r)
     text = markdown(r, rows)
     (Path(out_dir) / "peers.md").write_text(text)
     chart(r, rows, Path(out_dir) / "peers.png")
+    raw_chart(r, Path(out_dir) / "peers-raw.png")
     return text

@@ -29,8 +29,10 @@ for _path in (HERE.parent, HERE):  # benchmarks/ (the shared harness), then the 
 
 ORDER = ("tierflow", "streaming", "litdata")
 PEERS = ("streaming", "litdata")
+RAW_ONLY = ("webdataset", "inram")  # measured on the raw path only (systems.RAW_ORDER has the table's order)
 MB = 1e6
-ORDER_KEYS = ("convert", "warm", "cold", "epochs", "resume")
+ORDER_KEYS = ("convert", "warm", "cold", "epochs", "resume", "raw")
+RAW_CELLS = (("tokens", 0), ("tokens", 2), ("text", 0), ("text", 2))  # (data, DataLoader workers)
 
 
 # ============================================================================ the child side
@@ -188,8 +190,9 @@ def main() -> None:
                         help="take the measurements not in --only from the existing results/peers.json")
     parser.add_argument("--stop-factor", type=float, default=20.0,
                         help="stop a 30%%-cache epoch once it fetched this many times the dataset (extrapolated)")
-    parser.add_argument("--systems", default=",".join(ORDER))
-    parser.add_argument("--only", default="convert,warm,cold,epochs,resume", help="measurements to run")
+    parser.add_argument("--systems", default=",".join(ORDER + RAW_ONLY),
+                        help="systems to measure (webdataset and inram, the in-RAM list, on the raw path only)")
+    parser.add_argument("--only", default=",".join(ORDER_KEYS), help="measurements to run: " + ",".join(ORDER_KEYS))
     parser.add_argument("--work", default="/tmp/tierflow-peers", help="scratch (corpus, datasets, caches)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
@@ -212,14 +215,77 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * scale[text[-1]]) if text[-1] in scale else int(text)
 
 
+def read_all(path: Path) -> int:
+    """Read every file under `path` once (the page cache warm for a raw-path epoch); bytes read."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                while chunk := f.read(1 << 22):
+                    total += len(chunk)
+    return total
+
+
+def run_raw(args: argparse.Namespace, env: dict[str, str], work: Path, corpus: Any, data: dict[str, dict[str, Path]],
+            raw_systems: list[str], shard_bytes: int, only: set[str]) -> dict[str, Any]:
+    """The raw path: one warm epoch of local data per fresh process, tokens and text, main process and
+    2 workers, every system at its defaults (systems.System.raw_loader); the systems alternate
+    within each round (reversed every other round)."""
+    from systems import dir_bytes, prepare_dir
+
+    from _harness import round_order
+
+    paths: dict[str, dict[str, Path]] = {}
+    written: dict[str, Any] = {}
+    for s in raw_systems:
+        if s == "inram":
+            paths[s] = {"tokens": corpus.root, "text": corpus.root}
+        elif s == "webdataset":
+            wds = {v: work / "data" / f"webdataset-{v}" for v in ("tokens", "docs")}
+            marker = work / "data" / "webdataset.done"
+            key = f"{corpus.describe()}; shard bytes {shard_bytes}"
+            if "convert" in only or not marker.exists() or marker.read_text() != key:
+                marker.unlink(missing_ok=True)
+                for variant, out in wds.items():
+                    prepare_dir(out)
+                    res = run_child("convert", env, system=s, variant=variant, corpus=str(corpus.root), out=str(out),
+                                    shard_bytes=shard_bytes)
+                    written[variant] = {"seconds": res["seconds"], "peak_pss": res["peak_pss"]}
+                    log(f"convert webdataset {variant:6} {res['seconds']:6.1f} s  {dir_bytes(out) / MB:7.1f} MB at rest")
+                marker.write_text(key)
+            for variant, out in wds.items():
+                written.setdefault(variant, {}).update(at_rest=dir_bytes(out), shards=len(list(out.glob("*.tar"))))
+            paths[s] = {"tokens": wds["tokens"], "text": wds["docs"]}
+        else:
+            paths[s] = {"tokens": data[s]["tokens"], "text": data[s]["docs"]}
+    warmed = sum(read_all(p) for s in raw_systems for p in {paths[s]["tokens"], paths[s]["text"]})
+    log(f"raw path: page cache warmed ({warmed / MB:.0f} MB read)")
+    cells: dict[str, dict[str, list[dict]]] = {f"{kind}_w{w}": {s: [] for s in raw_systems} for kind, w in RAW_CELLS}
+    for r in range(args.rounds):
+        for kind, w in RAW_CELLS:
+            for s in round_order(r, raw_systems):
+                try:
+                    res = run_child("raw", env, system=s, kind=kind, data=str(paths[s][kind]), workers=w,
+                                    seed=args.seed)
+                except RuntimeError:
+                    continue  # recorded in FAILURES; the cell keeps the rounds that ran
+                cells[f"{kind}_w{w}"][s].append(res)
+                log(f"raw round {r + 1} {kind:6} {w} workers {s:10} {res['samples_per_s']:10,.0f} samples/s "
+                    f"({res['samples']:,} samples in {res['seconds']:.2f} s + first batch {res['first_s']:.2f} s), "
+                    f"peak PSS {res['peak_pss'] / MB:.0f} MB")
+    return {"systems": raw_systems, "cells": cells, "webdataset": written}
+
+
 def run(args: argparse.Namespace) -> None:
     from corpus import build_corpus
-    from systems import dir_bytes, prepare_dir, versions
+    from systems import RAW_ORDER, dir_bytes, prepare_dir, versions
 
     from _harness import s3_rig
     from tierflow.testing import fake_credentials_env
 
-    systems = [s for s in ORDER if s in args.systems.split(",")]
+    selected = args.systems.split(",")
+    systems = [s for s in ORDER if s in selected]
+    raw_systems = [s for s in RAW_ORDER if s in selected]
     only = set(args.only.split(","))
     work = Path(args.work) / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
@@ -283,6 +349,9 @@ def run(args: argparse.Namespace) -> None:
                     f"{k} {v['steps_per_s']:7.0f}/s" for k, v in res.items() if k.startswith("w")))
                 shutil.rmtree(cache, ignore_errors=True)
     results["warm"] = warm
+
+    # -- 2b. the raw path -----------------------------------------------------------------------
+    results["raw"] = run_raw(args, env, work, corpus, data, raw_systems, shard_bytes, only) if "raw" in only else {}
 
     # -- 3./4. from S3 through the proxy -------------------------------------------------------
     cold: dict[str, list[dict]] = {s: [] for s in systems}
@@ -380,7 +449,7 @@ def run(args: argparse.Namespace) -> None:
     previous = out_dir / "peers.json"
     if args.reuse and previous.exists():
         old = json.loads(previous.read_text())
-        for key in ("warm", "cold", "epochs", "resume"):
+        for key in ("warm", "cold", "epochs", "resume", "raw"):
             if key not in only and key in old:
                 results[key] = old[key]
         if "resume" not in only and "resume_sizes" in old:
