@@ -27,7 +27,7 @@ epoch of 8-sample batches, tokens or text, in the main process or with 2 DataLoa
 - Streaming and LitData: their StreamingDataset over the local dir + StreamingDataLoader (LitData's
   documents without TokensLoader: one `{"text": ...}` item each).
 - WebDataset: tar shards written by `wds.ShardWriter(maxsize=shard bytes)` (`tokens.npy` /
-  `txt` members), read as its README shows: `wds.WebDataset(urls, shardshuffle=100, seed=...)
+  `txt` members), read as its docs show (shardshuffle=True is 100 in 1.0): `wds.WebDataset(urls, shardshuffle=100, seed=...)
   .shuffle(1000).decode().to_tuple(...).batched(8)` through `wds.WebLoader(..., batch_size=None)`.
 - the in-RAM list (the bound): the same samples preloaded in a Python list (numpy arrays / str),
   a seeded permutation batched by 8 through `default_collate` in the main process, a plain
