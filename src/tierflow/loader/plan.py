@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Protocol
 
@@ -25,8 +26,9 @@ from tierflow.order import EvalOrder, MixedCursor, MixedRankStream, OrderCursor,
 
 
 class OrderBatch(NamedTuple):
-    """One order batch: global sample ids, their epochs, False on padding repeats; in a mixture the
-    dataset they are ids of and the mixture's epoch (else the batch's epoch follows its samples')."""
+    """One order batch: global sample ids, their epochs, False on padding repeats (read-only arrays
+    the stream may share between batches); in a mixture the dataset they are ids of; the batch's
+    epoch: the mixture's in a mixture, else its oldest real sample's (None: `batch_epoch` of them)."""
 
     sample_ids: np.ndarray
     epochs: np.ndarray
@@ -70,20 +72,22 @@ class PlannedCursor:
         return self._base
 
     def resolve(self, stream: OrderStream | None = None) -> LoaderCursor:
-        """The cursor (computed on the first call). `stream`: where an unpickled compact one is
-        resolved, a stream from the same start as the one that planned it."""
+        """The cursor (computed on the first call; any thread may ask). `stream`: where an unpickled
+        compact one is resolved, a stream from the same start as the one that planned it."""
+        bound = self._stream  # read before the cursor: a resolve elsewhere sets the cursor, then drops the stream
         cursor = self._cursor
-        if cursor is None:
-            if self._stream is None:
-                if stream is None:
-                    raise CursorError("this batch's cursor travelled unresolved (a compact stream's): resolve it "
-                                      "against a stream from the same start, e.g. TieredDataset.resolve_cursor")
-                if stream_key(stream) != self._base:
-                    raise CursorError("this batch was planned from another start than the stream asked to "
-                                      "resolve its cursor (the dataset was resumed elsewhere since)")
-                self._stream = stream
-            cursor = self._cursor = self._stream.cursor(self.last, skip=self.skip, pending=self.pending)
-            self._stream = None  # a resolved cursor holds nothing of the stream
+        if cursor is not None:
+            return cursor
+        if bound is None:
+            if stream is None:
+                raise CursorError("this batch's cursor travelled unresolved (a compact stream's): resolve it "
+                                  "against a stream from the same start, e.g. TieredDataset.resolve_cursor")
+            if stream_key(stream) != self._base:
+                raise CursorError("this batch was planned from another start than the stream asked to "
+                                  "resolve its cursor (the dataset was resumed elsewhere since)")
+            bound = stream
+        cursor = self._cursor = bound.cursor(self.last, skip=self.skip, pending=self.pending)
+        self._stream = None  # a resolved cursor holds nothing of the stream
         return cursor
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -217,20 +221,24 @@ class TrainStream(_WorkerView):
         super().__init__(arrangement, rank, worker, workers, limit)
         self._stream = stream
         self._after: tuple[int, OrderCursor | MixedCursor] = (-1, stream.base)
+        self._lock = threading.Lock()
 
     def batch(self, group: int) -> OrderBatch:
         stream = self._stream
-        micro = stream.node_batch(group * stream.ranks_per_node + stream.rank)
-        return OrderBatch(micro.sample_ids, micro.epochs, micro.mask)
+        _, ids, epochs, mask, epoch = stream.node_parts(group * stream.ranks_per_node + stream.rank)
+        return OrderBatch(ids, epochs, mask, 0, epoch)
 
     def position(self, last: int) -> OrderCursor | MixedCursor:
         """The order cursor after order batch `last` (the last one asked for is kept: a group's
-        parts and a budget's batches ask for the same one again)."""
+        parts and a budget's batches ask for the same one again). Thread-safe: planned cursors are
+        resolved wherever they are asked for, while the plan goes on reading."""
         if last < 0:
             return self._stream.base
-        if self._after[0] != last:
-            self._after = (last, self._stream.cursor_after(last))
-        return self._after[1]
+        with self._lock:
+            after = self._after
+            if after[0] != last:
+                after = self._after = (last, self._stream.cursor_after(last))
+        return after[1]
 
     def cursor(self, last: int, *, skip: int = 0, pending: Pending | None = None) -> LoaderCursor:
         return LoaderCursor("train", self.arrangement, order=self.position(last), skip=skip, pending=pending,
