@@ -73,7 +73,7 @@ class TokenReader:
                     table = tables[shard] = dataset.shard(shard)
                 values = views[first] = table.list_values(block, column)
             at = start - first
-            out[row] = values[at:at + width]
+            out[row, :] = values[at:at + width]
             whole += 1
         self.pieces += whole
 

@@ -52,10 +52,13 @@ class WindowStarts:
         self.seq_len = seq_len
         self.firsts = np.concatenate([[0], np.cumsum(window_counts(token_starts, seq_len))]).astype(np.int64)
         self._base = token_starts[:-1] - self.firsts[:-1] * seq_len
+        self._ends = self.firsts[1:]  # the first shard whose windows end past i holds window i
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         """Token starts of int64 window ids (each inside [0, windows))."""
-        return self._base[self.firsts.searchsorted(ids, side="right") - 1] + ids * self.seq_len
+        starts = self._base.take(self._ends.searchsorted(ids, side="right"), mode="clip")
+        starts += ids * self.seq_len
+        return starts
 
 
 _SHAPES: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
