@@ -14,7 +14,7 @@ from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader
                              WorldPosition, bucket_shapes)
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.tokens import (
-    document_segments, num_windows, tokens_outside_windows, window_counts, window_token_starts,
+    WindowStarts, document_segments, num_windows, tokens_outside_windows, window_counts, window_token_starts,
 )
 
 PARTITIONS = 4
@@ -63,6 +63,39 @@ def test_document_segments_restart_positions_after_each_eos():
     assert cu.dtype == np.int32 and cu.tolist() == [0, 3, 6, 8, 9, 12]
     assert max_len == 3
     assert positions.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 0, 1, 2]]
+
+
+def _segments_by_definition(inputs, eos):
+    """document_segments spelled out: a segment starts at each row start and after each EOS."""
+    rows, length = inputs.shape
+    flat = inputs.reshape(-1)
+    starts = [k for k in range(rows * length) if k % length == 0 or flat[k - 1] == eos]
+    cu = np.array(starts + [rows * length], dtype=np.int32)
+    positions = np.array([k - max(s for s in starts if s <= k) for k in range(rows * length)], dtype=np.int32)
+    return cu, int(np.diff(cu).max()) if cu.size > 1 else 0, positions.reshape(rows, length)
+
+
+@pytest.mark.parametrize("eos_share", [0.0, 0.02, 0.3, 1.0])
+def test_document_segments_match_their_definition_for_few_and_many_documents(eos_share):
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        rows, length = int(rng.integers(0, 5)), int(rng.integers(1, 70))
+        windows = rng.integers(0, 5, (rows, length + 1)).astype(np.uint16)
+        windows[rng.random(windows.shape) < eos_share] = 9
+        inputs = windows[:, :-1]  # the batch's view of its (B, L + 1) buffer
+        cu, max_len, positions = document_segments(inputs, 9)
+        want_cu, want_max, want_positions = _segments_by_definition(inputs, 9)
+        assert cu.dtype == np.int32 and cu.tolist() == want_cu.tolist()
+        assert max_len == want_max
+        assert positions.dtype == np.int32 and positions.flags.c_contiguous and positions.flags.writeable
+        assert positions.tolist() == want_positions.tolist()
+
+
+def test_window_token_starts_are_the_same_with_the_tables_made_once():
+    token_starts = np.array([0, 100, 100, 250, 301, 301, 700])
+    ids = np.arange(int(window_counts(token_starts, 50).sum()))
+    assert WindowStarts(token_starts, 50)(ids).tolist() == window_token_starts(token_starts, 50, ids).tolist() \
+        == [0, 100, 150, 250, 301, 351, 401, 451, 501, 551, 601]
 
 
 def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):

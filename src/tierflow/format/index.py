@@ -80,6 +80,10 @@ class DatasetIndex:
         shard_of = np.repeat(np.arange(len(shards), dtype=np.int64), per_shard)
         self._blocks = np.stack([shard_of, np.arange(shard_of.size, dtype=np.int64) - self.first_block[shard_of],
                                  self.block_tokens[:-1], self.block_tokens[1:], self.block_samples[:-1]], axis=1)
+        # token lookups: the first block whose end is past a position holds it (empty blocks end
+        # where they start); its (shard, block, first token, end token), contiguous for `take`
+        self._block_ends = self.block_tokens[1:]
+        self._token_rows = np.ascontiguousarray(self._blocks[:, :4])
         self._unknown = {i for i, (s, c) in enumerate(zip(shards, known)) if c is None and s.blocks}
         self._read_block_tokens = read_block_tokens
         self._lock = threading.Lock()
@@ -119,7 +123,7 @@ class DatasetIndex:
         if self._unknown:
             with self._lock:
                 self._learn(self.token_starts.searchsorted(positions, side="right") - 1)
-        return self._blocks[self.block_tokens.searchsorted(positions, side="right") - 1, :4]
+        return self._token_rows.take(self._block_ends.searchsorted(positions, side="right"), axis=0, mode="clip")
 
     def locate_tokens(self, positions: np.ndarray) -> TokenPlaces:
         """(shard, block, offset, left) of each position in the concatenated token stream."""
@@ -151,4 +155,5 @@ class DatasetIndex:
             self.block_tokens[first + 1:stop] = self.token_starts[s] + np.cumsum(counts[:-1])
             self._blocks[first:stop, 2] = self.block_tokens[first:stop]
             self._blocks[first:stop, 3] = self.block_tokens[first + 1:stop + 1]
+            self._token_rows[first:stop, 2:] = self._blocks[first:stop, 2:4]
             self._unknown.discard(s)

@@ -48,24 +48,32 @@ class TokenReader:
 
     def copy_windows(self, out: np.ndarray, starts: np.ndarray) -> None:
         """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row; a row inside one
-        block (almost all of them) is one slice copy, the rest go piece by piece."""
+        block (almost all of them) is one slice copy, the rest go piece by piece. One index lookup
+        for the batch; each shard is opened and each block's values taken once per call."""
         width = out.shape[1]
         begins = starts.tolist()
-        last = max(begins, default=-width)
+        if not begins:
+            return
+        last = max(begins)
         if last + width > self.dataset.num_tokens:
             raise IndexError(f"{self.dataset.location}: a window of {width} tokens from {last} "
                              f"runs past the stream end {self.dataset.num_tokens}")
+        column, whole, dataset = self.column, 0, self.dataset
         tables: dict[int, ShardTable] = {}
-        column, whole = self.column, 0
-        places = self.dataset.index.token_blocks(starts).tolist()
-        for row, (start, (shard, block, first, end)) in enumerate(zip(begins, places)):
+        views: dict[int, np.ndarray] = {}  # block's first token -> its values from there
+        for row, start, (shard, block, first, end) in zip(range(len(begins)), begins,
+                                                          dataset.index.token_blocks(starts).tolist()):
             if start + width > end:
                 self.copy_into(out[row], start)
                 continue
-            table = tables.get(shard)
-            if table is None:
-                table = tables[shard] = self.dataset.shard(shard)
-            out[row] = table.list_values(block, column)[start - first:start - first + width]
+            values = views.get(first)
+            if values is None:
+                table = tables.get(shard)
+                if table is None:
+                    table = tables[shard] = dataset.shard(shard)
+                values = views[first] = table.list_values(block, column)
+            at = start - first
+            out[row, :] = values[at:at + width]
             whole += 1
         self.pieces += whole
 

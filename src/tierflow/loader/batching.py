@@ -24,7 +24,7 @@ from tierflow.format.reads import TokenReader
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
-from tierflow.loader.tokens import document_segments, window_counts, window_token_starts
+from tierflow.loader.tokens import WindowStarts, document_segments, row_segments, window_counts
 from tierflow.order import sample_rng
 
 Transform = Callable[[dict, np.random.Generator], dict]
@@ -196,25 +196,27 @@ class TokenWindows(ByPosition):
 
     def build(self, ctx: SampleContext, selection: Selection) -> Built:
         ids = selection.sample_ids
-        reader = ctx.cache.get("tokens")
-        if reader is None:
-            reader = ctx.cache["tokens"] = TokenReader(ctx.dataset)
+        reading = ctx.cache.get("tokens")
+        if reading is None or reading[0] != self.seq_len:
+            manifest = ctx.dataset.manifest
+            reading = ctx.cache["tokens"] = (self.seq_len, TokenReader(ctx.dataset),
+                                             WindowStarts(ctx.dataset.token_starts, self.seq_len),
+                                             np.dtype(manifest.token_dtype or np.uint16), manifest.eos_id)
+        _, reader, window_starts, dtype, eos = reading
         length = self.seq_len
-        dtype = np.dtype(ctx.dataset.manifest.token_dtype or np.uint16)
+        ids = ids.astype(np.int64)
         buffer = np.empty((ids.size, length + 1), dtype=dtype)
         pieces_before = reader.pieces
-        reader.copy_windows(buffer, window_token_starts(ctx.dataset.token_starts, length, ids.astype(np.int64)))
+        reader.copy_windows(buffer, window_starts(ids))
         inputs = buffer[:, :-1]
-        eos = ctx.dataset.manifest.eos_id
         if eos is None:
-            cu_seqlens = np.arange(0, (ids.size + 1) * length, length, dtype=np.int32)
+            cu_seqlens, _, position_ids = row_segments(ids.size, length)
             max_seqlen = length
-            position_ids = np.broadcast_to(np.arange(length, dtype=np.int32), inputs.shape).copy()
         else:
             cu_seqlens, max_seqlen, position_ids = document_segments(inputs, eos)
         data = {"input_ids": inputs, "labels": buffer[:, 1:], "position_ids": position_ids,
                 "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "mask": selection.mask.copy()}
-        return Built(data, ids.astype(np.int64), selection.epochs.astype(np.int64),
+        return Built(data, ids, selection.epochs.astype(np.int64),
                      {"copied_bytes": buffer.nbytes, "pieces": reader.pieces - pieces_before, "filtered": 0,
                       "samples": int(ids.size)})
 

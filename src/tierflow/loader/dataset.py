@@ -27,7 +27,7 @@ from tierflow.loader.budget import TokenBudget
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
-from tierflow.loader.plan import Built, EvalStream, OrderStream, Selection, TrainStream
+from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
@@ -268,15 +268,38 @@ class TieredDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         """For spawn/forkserver workers: the reading context is per process, made again there."""
         state = self.__dict__.copy()
-        state.update(_context=None, _context_pid=-1)
+        state.update(_context=None, _context_pid=-1, _resolver=None)
         return state
+
+    # -- cursors of planned batches ------------------------------------------------------
+    compact_cursors: bool = False
+    """Batches from DataLoader workers carry their cursors unresolved (`PlannedCursor`: a few
+    integers, not the order's position); the process that receives them resolves the one it needs
+    with `resolve_cursor`. Off: a worker resolves each batch's cursor as it sends it."""
+
+    _resolver: tuple[LoaderCursor | None, OrderStream] | None = None
+
+    def resolve_cursor(self, cursor: LoaderCursor | PlannedCursor) -> LoaderCursor:
+        """The `LoaderCursor` of a batch's `meta.planned`: already resolved, planned in this process,
+        or planned by a DataLoader worker of this dataset's current iteration (from its resume
+        cursor; a compact one is resolved against a stream of this process from the same start)."""
+        if isinstance(cursor, LoaderCursor):
+            return cursor
+        if cursor.resolved or cursor._stream is not None:
+            return cursor.resolve()
+        resolver = self._resolver
+        if resolver is None or resolver[0] is not self._resume:
+            resolver = self._resolver = (self._resume, self.stream())
+        return cursor.resolve(resolver[1])
 
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         ctx = self._open()
-        plan = self.batcher.plan(ctx, self.stream(worker, workers), self._resume)
+        stream = self.stream(worker, workers)
+        stream.compact = self.compact_cursors
+        plan = self.batcher.plan(ctx, stream, self._resume)
         batches = (self._carry(selection, self.batcher.build(ctx, selection)) for selection in plan)
         if info is None:
             return batches
@@ -284,7 +307,7 @@ class TieredDataset(IterableDataset):
 
     @staticmethod
     def _carry(selection: Selection, built: Built) -> CarriedBatch:
-        meta = BatchMeta(selection.cursor, selection.index, selection.epoch, built.sample_ids, built.epochs,
+        meta = BatchMeta(selection.planned, selection.index, selection.epoch, built.sample_ids, built.epochs,
                          built.stats)
         return CarriedBatch(built.data, meta)
 

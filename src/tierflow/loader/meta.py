@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tierflow.loader.cursor import LoaderCursor
+from tierflow.loader.plan import PlannedCursor
 
 
 class WorkerSnapshot(NamedTuple):
@@ -25,13 +26,13 @@ class WorkerSnapshot(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class BatchMeta:
-    """One batch's bookkeeping: the loader's state once it is consumed (`cursor`), its number since
-    the iteration started (`index`), the epoch it belongs to, its samples in row order (global ids
-    and their epochs), the batcher's counts (`stats`: copied_bytes, filtered, samples, ...),
-    production timing when telemetry is on, now and then its worker's metrics, and in a mixture
-    the dataset of each sample."""
+    """One batch's bookkeeping: the loader's state once it is consumed (`cursor`, computed on first
+    use from `planned`, see `PlannedCursor`), its number since the iteration started (`index`),
+    the epoch it belongs to, its samples in row order (global ids and their epochs), the batcher's
+    counts (`stats`: copied_bytes, filtered, samples, ...), production timing when telemetry is
+    on, now and then its worker's metrics, and in a mixture the dataset of each sample."""
 
-    cursor: LoaderCursor
+    planned: LoaderCursor | PlannedCursor
     index: int
     epoch: int
     sample_ids: np.ndarray
@@ -41,3 +42,8 @@ class BatchMeta:
     metrics: WorkerSnapshot | None = None
     datasets: np.ndarray | None = None
     """In a mixture, the dataset (its index in `datasets=[...]`) each sample came from."""
+
+    @property
+    def cursor(self) -> LoaderCursor:
+        planned = self.planned
+        return planned if isinstance(planned, LoaderCursor) else planned.resolve()

@@ -147,7 +147,9 @@ class MixedDataset(TieredDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         contexts = [child._open() for child in self.children]
-        plan = self.batcher.plan(contexts[0], self.stream(worker, workers), self._resume)
+        stream = self.stream(worker, workers)
+        stream.compact = self.compact_cursors
+        plan = self.batcher.plan(contexts[0], stream, self._resume)
         batches = (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
         if info is None:
             return batches

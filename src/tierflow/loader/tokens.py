@@ -39,10 +39,56 @@ def tokens_outside_windows(token_starts: np.ndarray, seq_len: int) -> int:
 
 def window_token_starts(token_starts: np.ndarray, seq_len: int, ids: np.ndarray) -> np.ndarray:
     """Where in the concatenated token stream each global window id starts."""
-    token_starts = np.asarray(token_starts, dtype=np.int64)
-    firsts = np.concatenate([[0], np.cumsum(window_counts(token_starts, seq_len))])
-    shards = np.searchsorted(firsts, ids, side="right") - 1
-    return token_starts[shards] + (ids - firsts[shards]) * seq_len
+    return WindowStarts(token_starts, seq_len)(np.asarray(ids, dtype=np.int64))
+
+
+class WindowStarts:
+    """`window_token_starts` for one dataset and window length, its per-shard tables made once: global
+    window i of shard s (the shard whose first window id `firsts[s]` is the last one <= i) starts at
+    token_starts[s] + (i - firsts[s]) * L, i.e. at base[s] + i * L."""
+
+    def __init__(self, token_starts: np.ndarray, seq_len: int) -> None:
+        token_starts = np.asarray(token_starts, dtype=np.int64)
+        self.seq_len = seq_len
+        self.firsts = np.concatenate([[0], np.cumsum(window_counts(token_starts, seq_len))]).astype(np.int64)
+        self._base = token_starts[:-1] - self.firsts[:-1] * seq_len
+        self._ends = self.firsts[1:]  # the first shard whose windows end past i holds window i
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        """Token starts of int64 window ids (each inside [0, windows))."""
+        starts = self._base.take(self._ends.searchsorted(ids, side="right"), mode="clip")
+        starts += ids * self.seq_len
+        return starts
+
+
+_SHAPES: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _row_tables(rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cu_seqlens of one segment per row, position ids of one segment per row, arange(rows * L)) as
+    int32, read-only, made once per batch shape (callers copy them)."""
+    found = _SHAPES.get((rows, length))
+    if found is None:
+        total = rows * length
+        cu = np.arange(0, total + 1, length, dtype=np.int32) if length else np.zeros(rows + 1, dtype=np.int32)
+        positions = np.tile(np.arange(length, dtype=np.int32), rows).reshape(rows, length)
+        flat = np.arange(total, dtype=np.int32)
+        for a in (cu, positions, flat):
+            a.setflags(write=False)
+        if len(_SHAPES) > 16:
+            _SHAPES.clear()
+        found = _SHAPES[(rows, length)] = (cu, positions, flat)
+    return found
+
+
+def row_segments(rows: int, length: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """`document_segments` of a batch without document ends: one segment per row."""
+    cu, positions, _ = _row_tables(rows, length)
+    return cu.copy(), length if rows else 0, positions.copy()
+
+
+_LOOP_STARTS = 32
+"""Up to this many segment starts inside rows, position ids are patched a slice per start."""
 
 
 def document_segments(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, int, np.ndarray]:
@@ -53,13 +99,24 @@ def document_segments(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, int,
     """
     rows, length = inputs.shape
     total = rows * length
-    starts_here = np.zeros(total, dtype=bool)
-    starts_here[1:] = inputs.reshape(-1)[:-1] == eos_id
-    starts_here[::length] = True
-    starts = np.flatnonzero(starts_here)
-    cu_seqlens = np.append(starts, total).astype(np.int32)
-    position_ids = np.arange(total, dtype=np.int32)
-    position_ids -= np.repeat(starts.astype(np.int32), np.diff(cu_seqlens))
-    position_ids = position_ids.reshape(rows, length)
-    max_seqlen = int(np.diff(cu_seqlens).max()) if cu_seqlens.size > 1 else 0
-    return cu_seqlens, max_seqlen, position_ids
+    if total == 0:
+        return row_segments(rows, length)
+    # a segment starts after every EOS but the one ending a row (the next row starts one anyway)
+    inner = np.flatnonzero(inputs == eos_id)
+    inner += 1
+    inner = inner[inner % length != 0] if inner.size else inner
+    if not inner.size:
+        return row_segments(rows, length)
+    row_cu, row_positions, flat = _row_tables(rows, length)
+    cu_seqlens = np.concatenate((row_cu, inner.astype(np.int32)))
+    cu_seqlens.sort()
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if inner.size <= _LOOP_STARTS:
+        position_ids = row_positions.copy()
+        out = position_ids.reshape(-1)
+        for start in inner.tolist():  # ascending: a later start in the row overwrites the rest
+            end = start - start % length + length
+            out[start:end] = flat[:end - start]
+    else:
+        position_ids = (flat - np.repeat(cu_seqlens[:-1], lengths)).reshape(rows, length)
+    return cu_seqlens, int(lengths.max()), position_ids

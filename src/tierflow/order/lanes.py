@@ -144,6 +144,16 @@ class LaneBatches:
         epoch, offset = self.lane_epoch_of(i)
         return epoch * self.lane.size + offset
 
+    def starts(self, i: np.ndarray) -> np.ndarray:
+        """`start` of each of the int64 batch numbers `i` (>= 0) at once."""
+        b = self.batch_size
+        if self.remainder is Remainder.CARRY:
+            return self.origin + i * b
+        size = self.lane.size
+        rest = i - self.first
+        later = (self.epoch + 1 + rest // self.per_epoch) * size + (rest % self.per_epoch) * b
+        return np.where(rest < 0, self.epoch * size + self.done + i * b, later)
+
     def lane_epoch_of(self, i: int) -> tuple[int, int]:
         """(lane epoch, offset in it) where batch i starts (drop/pad)."""
         return self.geometry.advance(self.epoch, self.done, i)

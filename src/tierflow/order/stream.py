@@ -11,13 +11,15 @@ ranks and any of them can be saved.
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 
 from tierflow.order.cursor import OrderCursor
-from tierflow.order.interleave import LaneSchedule, ScheduleWalker
+from tierflow.order.interleave import TICKS, LaneSchedule, ScheduleWalker
 from tierflow.order.lanes import Lane, LaneBatches, Positions, Span, node_lanes
 from tierflow.order.order import MicroBatch, SampleOrder
 from tierflow.order.remainder import Remainder
@@ -55,6 +57,143 @@ class _LanePositions:
         return state
 
 
+WALK_SAMPLES = 4096
+"""Samples of a lane's walk evaluated at once (ids and epochs), sliced per batch; at most half a
+lane epoch, so a small lane is not evaluated many epochs ahead."""
+PICKS = 256
+"""Node batches whose (lane, lane batch) the interleave is evaluated for at once, at the least."""
+_KEY_LIMIT = 1 << 62
+
+
+class _LaneWalk:
+    """The samples a lane reads from one state on, in order (its walk): walk position k is the
+    k-th sample `Lane.take` reads from `origin`. Every batch of a lane reads a run of one walk (carry:
+    the walk from the cursor; drop/pad: that walk in the cursor's lane epoch, each later lane epoch
+    the walk from its fresh start), so a batch is a slice of ids and epochs evaluated a chunk at a
+    time (whole spans, vectorised) instead of spans, positions and ids per batch. Epochs never
+    decrease along a walk."""
+
+    def __init__(self, order: SampleOrder, lane: Lane, origin: Positions) -> None:
+        self.order = order
+        self.lane = lane
+        self.origin = origin
+        self._begin = 0
+        self._end = 0  # walk positions [begin, end) are evaluated
+        self._state = origin  # the lane's positions at walk position `end`
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._epochs = np.zeros(0, dtype=np.int64)
+        self._span_starts: list[int] = [0]  # where each span evaluated starts, from `begin`
+        self._partitions: list[int] = [-1]
+
+    def read(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(sample ids, epochs, the first one's partition) of walk positions [position, position +
+        count); the arrays are read-only views."""
+        if position < self._begin or position + count > self._end:
+            self._evaluate(position, max(count, min(WALK_SAMPLES, self.lane.size // 2)))
+        at = position - self._begin
+        spans = self._span_starts
+        k = 0 if len(spans) == 1 else bisect_right(spans, at) - 1
+        return self._ids[at:at + count], self._epochs[at:at + count], self._partitions[k]
+
+    def _evaluate(self, position: int, count: int) -> None:
+        take = self.lane.take
+        if position >= self._end:
+            state = take(self._state, position - self._end)[1] if position > self._end else self._state
+        else:
+            state = take(self.origin, position)[1]
+        spans: list[Span] = []
+        after, left, most = state, count, 2 * self.lane.size - 1  # a take of more skips whole epochs' spans
+        while left:
+            run, after = take(after, min(left, most))
+            spans += run
+            left -= min(left, most)
+        windows = self.order.windows
+        ids = [windows(s.partition, s.epoch).range_ids(s.start, s.stop) for s in spans]
+        epochs = [np.full(s.stop - s.start, s.epoch, dtype=np.int64) for s in spans]
+        self._ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
+        self._epochs = epochs[0] if len(epochs) == 1 else np.concatenate(epochs)
+        self._ids.setflags(write=False)
+        self._epochs.setflags(write=False)
+        self._span_starts = np.cumsum([0] + [s.stop - s.start for s in spans[:-1]]).tolist()
+        self._partitions = [s.partition for s in spans]
+        self._begin, self._end, self._state = position, position + count, after
+
+
+class _Picks:
+    """The interleave's picks evaluated for a run of node batches at once: which lane and which of
+    its batches each node batch is (the merge of the lanes' batch keys, vectorised), the same as
+    `ScheduleWalker` walks one pick at a time; a jump back or far ahead seeks."""
+
+    def __init__(self, schedule: LaneSchedule) -> None:
+        self.schedule = schedule
+        self.lanes = len(schedule.lanes)
+        self.shares = np.array(schedule.sizes, dtype=np.float64) / sum(schedule.sizes)
+        self._first = 0
+        self._lane: list[int] = []
+        self._batch: list[int] = []
+        self._counts = [0] * self.lanes  # lane batches delivered before pick first + len(_lane)
+        self._stride = 1
+        self._last = -1
+
+    def pick(self, j: int) -> tuple[int, int]:
+        if j > self._last >= 0:
+            self._stride = j - self._last
+        self._last = j
+        at = j - self._first
+        if not 0 <= at < len(self._lane):
+            self._evaluate(j)
+            at = j - self._first
+        return self._lane[at], self._batch[at]
+
+    def _evaluate(self, j: int) -> None:
+        wanted = min(1 << 16, max(PICKS, 64 * self._stride))
+        end = self._first + len(self._lane)
+        if end <= j < end + wanted:
+            first, counts = end, self._counts
+        else:
+            first, counts = j, self.schedule.counts_after(j)
+        lanes, batches, counts = self._merge(counts, wanted + j - first)
+        while first + len(lanes) <= j:  # a lane's candidates ran out early: merge on
+            more_lanes, more_batches, counts = self._merge(counts, wanted)
+            lanes, batches = lanes + more_lanes, batches + more_batches
+        self._first, self._lane, self._batch, self._counts = first, lanes, batches, counts
+
+    def _merge(self, counts: list[int], wanted: int) -> tuple[list[int], list[int], list[int]]:
+        """The next picks after lane counts `counts` (at least one, about `wanted`): each lane's next
+        batches by (key, lane), kept while no lane's next batch could come first."""
+        schedule = self.schedule
+        per_lane = [int(n) + 2 for n in np.ceil(self.shares * wanted)]
+        numbers = [np.arange(c, c + n, dtype=np.int64) for c, n in zip(counts, per_lane)]
+        starts = [lane.starts(i) for lane, i in zip(schedule.lanes, numbers)]
+        if max(int(s[-1]) for s in starts) >= _KEY_LIMIT // TICKS // max(self.lanes, 1):
+            return self._walk(counts, wanted)  # keys past int64: the walker's Python integers
+        keys = np.concatenate([s * TICKS // size * self.lanes + m
+                               for m, (s, size) in enumerate(zip(starts, schedule.sizes))])
+        order = np.argsort(keys, kind="stable")  # a lane's batches stay in their order
+        merged = keys[order]
+        last = min(int(k[-1]) for k in np.split(keys, np.cumsum(per_lane)[:-1]))
+        taken = order[:int(np.searchsorted(merged, last, side="right"))]
+        lane_of = np.repeat(np.arange(self.lanes, dtype=np.int64), per_lane)
+        lanes = lane_of[taken]
+        batches = np.concatenate(numbers)[taken]
+        after = [c + int(n) for c, n in zip(counts, np.bincount(lanes, minlength=self.lanes).tolist())]
+        return lanes.tolist(), batches.tolist(), after
+
+    def _walk(self, counts: list[int], wanted: int) -> tuple[list[int], list[int], list[int]]:
+        """`_merge` by the walker's rule, one pick at a time, in Python integers."""
+        schedule, counts = self.schedule, list(counts)
+        heap = [(schedule.key(m, c), m) for m, c in enumerate(counts)]
+        heapq.heapify(heap)
+        lanes, batches = [], []
+        for _ in range(wanted):
+            _, lane = heapq.heappop(heap)
+            lanes.append(lane)
+            batches.append(counts[lane])
+            counts[lane] += 1
+            heapq.heappush(heap, (schedule.key(lane, counts[lane]), lane))
+        return lanes, batches, counts
+
+
 class NodeStream:
     """One node's lanes from a cursor: its batches in order, and its positions after any number."""
 
@@ -71,6 +210,18 @@ class NodeStream:
         self._counting = ScheduleWalker(self.schedule)
         self._read_at = [_LanePositions(b, base) for b, base in zip(self.batches, bases)]
         self._count_at = [_LanePositions(b, base) for b, base in zip(self.batches, bases)]
+        self._bases = bases
+        self._picks = _Picks(self.schedule)
+        self._walks: list[dict[int, _LaneWalk]] = [{} for _ in self.lanes]
+        self._carry = order.remainder is Remainder.CARRY
+        self._pad = order.remainder is Remainder.PAD
+        # drop/pad: the lane epoch the cursor stands in (its walk is the cursor's), and how far into it
+        self._clocks = [lane.epoch_position(base) for lane, base in zip(self.lanes, bases)]
+        self._full = np.ones(batch_size, dtype=bool)
+        self._full.setflags(write=False)
+        # a batch of two lane epochs or more is read the long way: `Lane.take` of that many samples
+        # gives the spans of its last epochs only, which is what such a batch has always read
+        self._by_spans = any(batch_size >= 2 * lane.size for lane in self.lanes)
 
     def positions_before(self, lane: int, i: int) -> Positions:
         """The lane's positions where its batch i starts (drop: a dropped tail already skipped)."""
@@ -78,7 +229,43 @@ class NodeStream:
 
     def lane_batch(self, pick: int) -> tuple[int, int]:
         """(lane, the lane's batch number) of node batch `pick`, counted from the cursor."""
-        return self._reading.pick(pick)
+        return self._picks.pick(pick)
+
+    def _walk(self, lane: int, epoch: int) -> _LaneWalk:
+        """The lane's walk from the cursor (epoch -1), or from the fresh start of lane epoch `epoch`."""
+        walks = self._walks[lane]
+        walk = walks.get(epoch)
+        if walk is None:
+            origin = self._bases[lane] if epoch < 0 else {p: (epoch, 0) for p in self.lanes[lane].members}
+            walk = walks[epoch] = _LaneWalk(self.order, self.lanes[lane], origin)
+            if len(walks) > 3:
+                del walks[next(k for k in walks if k >= 0 and k != epoch)]
+        return walk
+
+    def read_parts(self, pick: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int]:
+        """`read` as (partition, sample ids, epochs, mask, the batch's epoch: its oldest sample's),
+        the arrays read-only and shared with the stream."""
+        if self._by_spans:
+            micro = self.read_by_spans(pick)
+            real = micro.epochs[micro.mask] if micro.mask.any() else micro.epochs
+            return micro.partition, micro.sample_ids, micro.epochs, micro.mask, int(real.min())
+        lane, i = self._picks.pick(pick)
+        size = self.batch_size
+        if self._carry:
+            ids, epochs, partition = self._walk(lane, -1).read(i * size, size)
+            return partition, ids, epochs, self._full, int(epochs[0])
+        epoch, offset = self.batches[lane].lane_epoch_of(i)
+        count = min(size, self.lanes[lane].size - offset) if self._pad else size
+        clock_epoch, clock_done = self._clocks[lane]
+        if epoch == clock_epoch:
+            ids, epochs, partition = self._walk(lane, -1).read(offset - clock_done, count)
+        else:
+            ids, epochs, partition = self._walk(lane, epoch).read(offset, count)
+        if count == size:
+            return partition, ids, epochs, self._full, int(epochs[0])
+        mask = np.ones(size, dtype=bool)
+        mask[count:] = False
+        return partition, np.resize(ids, size), np.resize(epochs, size), mask, int(epochs[0])
 
     def spans(self, lane: int, i: int) -> list[Span]:
         """The runs of samples lane batch i reads (fewer than B samples: pad's last batch)."""
@@ -89,7 +276,13 @@ class NodeStream:
         return self.lanes[lane].take(self.positions_before(lane, i), count)[0]
 
     def read(self, pick: int) -> MicroBatch:
-        lane, i = self.lane_batch(pick)
+        partition, ids, epochs, mask, _ = self.read_parts(pick)
+        return MicroBatch(partition, ids, epochs, mask)
+
+    def read_by_spans(self, pick: int) -> MicroBatch:
+        """`read` the long way, batch by batch through the lanes' spans (the reference `read` is
+        checked against)."""
+        lane, i = self._reading.pick(pick)
         spans = self.spans(lane, i)
         ids = [self.order.windows(s.partition, s.epoch).range_ids(s.start, s.stop) for s in spans]
         epochs = [np.full(s.stop - s.start, s.epoch, dtype=np.int64) for s in spans]
@@ -168,6 +361,11 @@ class RankStream:
     def node_batch(self, pick: int) -> MicroBatch:
         """This node's batch `pick` counted from the cursor (all its ranks together)."""
         return self.own.read(pick)
+
+    def node_parts(self, pick: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int]:
+        """`node_batch` as (partition, sample ids, epochs, mask, epoch), arrays read-only
+        (`NodeStream.read_parts`)."""
+        return self.own.read_parts(pick)
 
     def batch(self, index: int) -> Batch:
         micro = self.node_batch(index * self.ranks_per_node + self.rank)
