@@ -209,6 +209,8 @@ class TieredDataset(IterableDataset):
         self._resume = cursor
 
     def _parsed(self, state: Resume) -> LoaderCursor | None:
+        if isinstance(state, PlannedCursor):  # a consumed batch's, handed on unresolved (the stager's view)
+            return state.resolve()
         try:
             return LoaderCursor.parse(state)
         except CursorError as error:

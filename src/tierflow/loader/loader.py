@@ -21,6 +21,7 @@ from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
 from tierflow.loader.meta import BatchMeta
+from tierflow.loader.plan import PlannedCursor
 from tierflow.storage.datasets import local_path
 from tierflow.telemetry.attribution import TimedBatches
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
@@ -108,7 +109,7 @@ class Loader:
         self.return_meta = return_meta
         self.last_meta: BatchMeta | None = None
         """The meta of the batch last handed to the training loop."""
-        self._cursor: LoaderCursor | None = self.dataset.cursor
+        self._planned: LoaderCursor | PlannedCursor | None = self.dataset.cursor
         self._filtered = 0
         self._consumed = 0
         self._worker_metrics: dict[int, dict[str, Any]] = {}
@@ -197,16 +198,26 @@ class Loader:
             count = min(count, limit - (self._expected - 1 if continuing else 0))
         return max(0, count)
 
+    @property
+    def _cursor(self) -> LoaderCursor | None:
+        """The state after the last consumed batch, computed only when asked (saving, seeking)."""
+        planned = self._planned
+        return planned.resolve() if isinstance(planned, PlannedCursor) else planned
+
+    @_cursor.setter
+    def _cursor(self, cursor: LoaderCursor | None) -> None:
+        self._planned = cursor
+
     def _commit(self, meta: BatchMeta) -> None:
-        """The loop has this batch now: its cursor is the state to save."""
+        """The loop has this batch now: its cursor is the state to save (resolved when asked)."""
         self.last_meta = meta
-        self._cursor = meta.cursor
+        self._planned = meta.planned
         if meta.metrics is not None:
             self._worker_metrics[meta.metrics.worker] = meta.metrics.snapshot
         self._filtered += int(meta.stats.get("filtered", 0))
         self._consumed += 1
         if self.stager is not None:
-            self.stager.consumed(self._cursor)
+            self.stager.consumed(meta.planned)  # the stager's thread resolves it when it plans
 
     def close(self) -> None:
         """Stop the feed and the DataLoader's workers (a loop that breaks early may call it)."""
