@@ -98,15 +98,11 @@ class PinnedRing:
         return self._buffers[slot].get(key)
 
 
-def _host_tensor(value: Any, owners: dict[int, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.dtype | None, int] | None:
+def _host_tensor(value: Any) -> tuple[torch.Tensor, torch.dtype | None, int] | None:
     """A CPU tensor viewing `value`, the unsigned dtype it stands for, and bytes copied to make it.
 
     None means the value is not an array the feed moves (cursor dicts,
     strings, object arrays, tensors already on a device): it passes through.
-    A numpy view of a contiguous owner (input_ids and labels of one window
-    buffer) becomes a view of one tensor over that owner, kept in `owners`,
-    so views of one buffer share a storage and widen together.
     """
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _TENSOR_KINDS:
@@ -118,20 +114,8 @@ def _host_tensor(value: Any, owners: dict[int, torch.Tensor] | None = None
         elif any(stride < 0 for stride in value.strides):
             value = np.ascontiguousarray(value)
             copied = value.nbytes
-        unsigned = None
-        if value.dtype in _NUMPY_UNSIGNED:
-            unsigned = _NUMPY_UNSIGNED[value.dtype][1]
-        owner = value.base
-        if owners is not None and isinstance(owner, np.ndarray) and owner.base is None and owner.dtype == value.dtype \
-                and owner.flags.c_contiguous and all(s % value.itemsize == 0 for s in value.strides):
-            whole = owners.get(id(owner))
-            if whole is None:
-                whole = owners[id(owner)] = _from_numpy(owner.reshape(-1), unsigned)
-            offset = (value.__array_interface__["data"][0] - owner.__array_interface__["data"][0]) // value.itemsize
-            tensor = whole.as_strided(value.shape, tuple(s // value.itemsize for s in value.strides), offset)
-        else:
-            tensor = _from_numpy(value, unsigned)
-        return tensor, unsigned, copied
+        unsigned = _NUMPY_UNSIGNED[value.dtype][1] if value.dtype in _NUMPY_UNSIGNED else None
+        return _from_numpy(value, unsigned), unsigned, copied
     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
         if value.dtype in _UNSIGNED_AS_SIGNED:
             return value.view(_UNSIGNED_AS_SIGNED[value.dtype][0]), value.dtype, 0
@@ -329,10 +313,9 @@ class DeviceFeed:
     def _convert(self, batch: Mapping[str, Any], slot: int) -> dict[str, Any]:
         converted: dict[str, Any] = {}
         tally = {stage: [0, 0] for stage in COPY_STAGES}
-        owners: dict[int, torch.Tensor] | None = {} if self._ring is None else None
         together: dict[tuple[int, torch.dtype, torch.dtype], list[tuple[str, torch.Tensor, torch.dtype | None]]] = {}
         for key, value in batch.items():
-            host = _host_tensor(value, owners if key in ID_KEYS or key in self.widen else None)
+            host = _host_tensor(value)
             if host is None:
                 converted[key] = value
                 continue
@@ -373,8 +356,10 @@ class DeviceFeed:
     @staticmethod
     def _widen_views(views: list[tuple[str, torch.Tensor, torch.dtype | None]], wide: torch.dtype,
                      widen_tally: list[int], converted: dict[str, Any]) -> None:
-        """Widen tensors viewing one storage (input_ids and labels of one window buffer) in one
-        pass over the span they cover, and hand out views of the result."""
+        """Widen tensors viewing one storage (input_ids and labels of one window buffer, as they
+        arrive from a DataLoader worker) in one pass over the span they cover, and hand out views
+        of the result. (Numpy views from this process widen one by one: finding their common
+        owner costs more per batch than the second pass it saves.)"""
         if len(views) == 1:
             key, tensor, unsigned = views[0]
             converted[key] = widened = _widened(tensor, unsigned, wide)
