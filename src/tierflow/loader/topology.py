@@ -55,6 +55,19 @@ class WorldPosition:
 NODE_VARIABLES = ("GROUP_RANK", "NODE_RANK")
 
 
+#: what names a job alike in each of its processes: torchrun's run id and the rendezvous address
+JOB_VARIABLES = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def job_identity(env: Mapping[str, str] | None = None) -> str | None:
+    """This job's name, the same in each of its processes (its launcher's run id and rendezvous
+    address: no two running jobs share one), or None when no launcher's variables say; a node's
+    ranks of one job share their staging area by it."""
+    env = os.environ if env is None else env
+    parts = [env.get(name, "") for name in JOB_VARIABLES]
+    return "/".join(parts) if any(parts) else None
+
+
 def node_index(env: Mapping[str, str] | None = None) -> int:
     """This process's node: GROUP_RANK or NODE_RANK when set (a per-node tool, `tierflow cache warm`,
     runs outside the job's group), else RANK // LOCAL_WORLD_SIZE; what a `{node}` tier path becomes."""
