@@ -142,11 +142,6 @@ def test_two_nodes_of_two_ranks_read_once_each_node_its_share_cold(tmp_path, s3_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a shard the node's L2 does not keep is staged per process (tiers/stack.py: "
-                   "staging-<pid>, sized to one process's working set, ~1 decoded shard here) or read into the "
-                   "process's memory when that is full, so each of a node's ranks fetches it: measured 1.17 x "
-                   "dataset/N warm at f=0.5 with 2 ranks a node, against <= 0.31; a staging area shared by the "
-                   "node's ranks alone (tried) still leaves ~7 memory reads a rank")
 @pytest.mark.parametrize("lake_on_s3", [48000], indirect=True)  # ~22 shards a node: room for its windows
 def test_a_second_job_on_warm_node_caches_fetches_what_they_do_not_hold(tmp_path, s3_server, lake_on_s3):
     manifest, url = lake_on_s3
