@@ -47,13 +47,13 @@ def test_the_last_user_removes_the_area_and_a_killed_users_area_is_swept(tmp_pat
     mine.leave()
     assert area.is_dir()  # another process uses it still
     assert other.wait(30) == 0
-    assert not area.exists()  # it left last, and removed it
+    assert not area.exists() and not list(root.glob("*.users"))  # it left last, and removed it
     killed = _join(area, 60)
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait(30)
     assert area.is_dir()  # its exit hook never ran
     sweep_unused(root)
-    assert not area.exists()
+    assert not area.exists() and not list(root.glob("*.users"))
     mine, alive = Membership(area), _join(area, 60)
     try:
         sweep_unused(root)
@@ -62,7 +62,7 @@ def test_the_last_user_removes_the_area_and_a_killed_users_area_is_swept(tmp_pat
         alive.kill()
         alive.wait(30)
         mine.leave()
-    assert not area.exists()
+    assert not area.exists() and not list(root.glob("*.users"))
 
 
 def test_the_ranks_steps_count_only_live_processes(tmp_path):
@@ -82,3 +82,26 @@ def test_the_ranks_steps_count_only_live_processes(tmp_path):
     assert progress.lag() == (7, None)  # a dead rank holds nobody back
     progress.leave(0)
     assert progress.steps() == {}
+
+
+CHURN = """
+import sys
+from pathlib import Path
+from tierflow.tiers._staging import Membership, sweep_unused
+area = Path(sys.argv[1])
+for _ in range(40):
+    m = Membership(area)
+    assert area.is_dir()
+    (area / f"x{m.owner}").write_bytes(b"x")  # a use of the area: never removed under a member
+    m.leave()
+    sweep_unused(area.parent)
+"""
+
+
+def test_members_joining_leaving_and_sweeping_at_once_never_lose_the_area_under_a_member(tmp_path):
+    area = area_path(tmp_path / "l2", "job", root=tmp_path / "shm")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    churn = [subprocess.Popen([sys.executable, "-c", CHURN, str(area)], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    assert all(p.wait(120) == 0 for p in churn), [p.stderr.read() for p in churn]
+    assert not area.exists() and not list(area.parent.glob("*.users"))  # the last one out removed both

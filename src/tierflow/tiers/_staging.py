@@ -6,8 +6,8 @@ another job on the node) finds the same area without talking to the others, and 
 per-entry kernel lock makes one of them fetch a shard while the others wait for it and read the
 copy (entries are content-addressed: two jobs on the same data share them, as they share L2).
 
-A process using the area holds a shared flock on its `.users` file (beside it, never removed);
-the last one to leave takes the exclusive lock without waiting and removes the area. A process
+A process using the area holds a shared flock on its `.users` file (beside it); the last one to
+leave takes the exclusive lock without waiting and removes the area and the file. A process
 killed without its exit hook loses its lock with its life, so the next process to join or leave
 finds the area unused and removes it: RAM is never lost to a dead job, and no process waits on
 one (a dead reader's pins and reservations die with it too).
@@ -66,13 +66,20 @@ def sweep_unused(root: Path) -> None:
         except OSError:
             continue  # in use
         else:
-            shutil.rmtree(area, ignore_errors=True)
+            _remove(area, users)
         finally:
             os.close(fd)
     for path in root.glob("staging-*"):  # per-process areas of earlier versions
         pid = path.name.split("-")[1]
         if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove(area: Path, users: Path) -> None:
+    """Remove an area no process uses, holding its users file's exclusive lock (a process that
+    opened the file meanwhile finds it unlinked once it has its lock, and opens the new one)."""
+    shutil.rmtree(area, ignore_errors=True)
+    users.unlink(missing_ok=True)
 
 
 class Membership:
@@ -86,14 +93,25 @@ class Membership:
         self.area = area
         self.owner = os.getpid()
         area.parent.mkdir(parents=True, exist_ok=True)
-        self.fd: int | None = os.open(_users(area), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_SH)
-            area.mkdir(exist_ok=True)
-        except BaseException:
-            os.close(self.fd)
-            self.fd = None
-            raise
+        users = _users(area)
+        self.fd: int | None = None
+        while self.fd is None:
+            fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                held = os.fstat(fd)
+                try:
+                    now = os.stat(users)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_ino, now.st_dev) != (held.st_ino, held.st_dev):
+                    os.close(fd)  # removed by the last user or a sweep since the open: join anew
+                    continue
+                area.mkdir(exist_ok=True)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
         atexit.register(self.leave)
 
     def leave(self) -> None:
@@ -106,7 +124,7 @@ class Membership:
         except OSError:
             pass  # others use it still: the last of them removes it
         else:
-            shutil.rmtree(self.area, ignore_errors=True)
+            _remove(self.area, _users(self.area))
         finally:
             os.close(fd)
 
