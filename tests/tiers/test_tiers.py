@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 import tierflow
 from tierflow.pack.tokenize import PackInputError
 from tierflow.storage.remote import open_source, upload_dataset
+from tierflow.policies.auto import Lifecycle
+from tierflow.tiers._staging import staging_root, sweep_unused
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
 
@@ -428,3 +431,135 @@ def test_processes_opening_a_new_tier_index_at_once_all_succeed(tmp_path):
         for p in procs:
             p.join()
         assert [results.get() for _ in procs] == ["ok"] * 6  # not "database is locked"
+
+
+# ---------------------------------------------------------------- the node's staging area
+
+
+def _ensure_in_step(url: str, proxy_url: str, root: str, barrier, queue) -> None:
+    stack = stack_for(url, proxy_url, Path(root), l2_capacity=16, l1=False)  # L2 takes no shard
+    shards = stack.manifest().shards
+    stack.declare(Lifecycle(pattern="reshuffle"), 2 * max(s.bytes for s in shards), 1, readers=2, job="a job")
+    served = []
+    for info in shards:
+        barrier.wait()
+        handle = stack.ensure(info, read=True)
+        served.append((handle.tier, handle.served_by, str(handle.path.parent.parent)))
+        barrier.wait()  # both read it before either moves on
+        handle.release()
+    queue.put(served)
+
+
+@pytest.mark.slow
+def test_a_nodes_ranks_fetch_a_shard_no_tier_keeps_once_through_their_staging_area(tmp_path, s3_dataset):
+    local, url, proxy = s3_dataset
+    barrier, queue = PROCESSES.Barrier(2), PROCESSES.Queue()
+    procs = [PROCESSES.Process(target=_ensure_in_step, args=(url, proxy.url, str(tmp_path / "node"), barrier, queue))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    served = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    manifest = tierflow.open_dataset(local).manifest
+    traffic = proxy.traffic()
+    for info in manifest.shards:  # one fetch for both
+        assert traffic.response_bytes("GET", key=info.name) == info.bytes, info.name
+    for a, b in zip(*served):
+        assert a[0] == b[0] == "staging" and a[2] == b[2]  # one area
+        assert sorted([a[1], b[1]]) == ["source", "staging"]  # one fetched it, the other read that copy
+    sweep_unused(staging_root())
+    assert not Path(served[0][0][2]).exists()  # unused once they exited: swept
+
+
+class Lag:
+    """A stand-in for the ranks' steps: this rank at 10, the slowest moving while `moving` is set."""
+
+    def __init__(self) -> None:
+        self.slowest = 5
+        self.moving = True
+
+    def lag(self) -> tuple[int, int]:
+        if self.moving:
+            self.slowest += 0.001
+        return 10, self.slowest
+
+
+def test_a_faster_rank_waits_for_room_while_the_slowest_moves_and_not_without_one_behind(tmp_path, s3_dataset):
+    local, url, proxy = s3_dataset
+    stack = stack_for(url, proxy.url, tmp_path / "node", l2_capacity=16, l1=False)
+    shards = stack.manifest().shards
+    stack.declare(Lifecycle(pattern="reshuffle"), 2 * max(s.bytes for s in shards), 1, readers=2, job="a job")
+    staging = stack.staging
+    held = []
+    for info in shards:  # fill the area with entries in use (pinned), as a slower rank's holds are
+        handle = stack.ensure(info, prefetch=True)
+        if handle is None:
+            break
+        held.append(handle)
+    wanted = shards[len(held)]
+    assert stack.ensure(wanted, prefetch=True) is None
+    lag = stack.progress = Lag()
+    stack.staging_wait_s = 0.3
+    threading.Timer(0.5, held[0].release).start()  # the slowest passes one of them
+    started = time.monotonic()
+    handle = stack.ensure(wanted, read=True)
+    assert (handle.tier, time.monotonic() - started >= 0.4) == ("staging", True)
+    assert stack.m_staging_waits.value == 1
+    held.append(handle)  # in use too: the area is full again
+    lag.moving = False  # the slowest stopped: give up after staging_wait_s, read it into memory
+    started = time.monotonic()
+    assert stack.ensure(shards[0], read=True).tier == "memory"
+    assert 0.3 <= time.monotonic() - started < 5
+    lag.slowest = 10  # nobody behind: what holds the room is this rank's own, read it at once
+    started = time.monotonic()
+    assert stack.ensure(shards[0], read=True).tier == "memory"
+    assert time.monotonic() - started < 0.25
+    for h in held:
+        h.release()
+    assert staging is stack.staging
+
+
+def _stage_slowly_then_hang(url: str, proxy_url: str, root: str, ready, go) -> None:
+    stack = stack_for(url, proxy_url, Path(root), l2_capacity=16, l1=False)
+    info = stack.manifest().shards[0]
+    stack.declare(Lifecycle(pattern="reshuffle"), 2 * info.bytes, 1, readers=2, job="a killed job")
+    stack.progress.publish(1, 0)
+    ready.set()
+    go.wait(30)
+    stack.ensure(info, read=True)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_fetching_into_the_nodes_staging_area_holds_no_other_rank_up(tmp_path, s3_dataset):
+    local, url, proxy = s3_dataset
+    info = tierflow.open_dataset(local).manifest.shards[0]
+    ready, go = PROCESSES.Event(), PROCESSES.Event()
+    victim = PROCESSES.Process(target=_stage_slowly_then_hang, args=(url, proxy.url, str(tmp_path / "node"), ready, go))
+    victim.start()
+    assert ready.wait(30)
+    stack = stack_for(url, proxy.url, tmp_path / "node", l2_capacity=16, l1=False)
+    stack.manifest()
+    stack.declare(Lifecycle(pattern="reshuffle"), 2 * info.bytes, 1, readers=2, job="a killed job")
+    stack.progress.publish(0, 5)
+    staging = stack.staging
+    proxy.set_bandwidth(1_000)  # the victim's fetch (10 kB) takes many seconds
+    go.set()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not list((staging.root / "tmp").iterdir()):
+        time.sleep(0.05)
+    assert list((staging.root / "tmp").iterdir()), "the victim never started its download"
+    assert stack.progress.lag() == (5, 0)
+    time.sleep(0.3)  # it now holds the entry's lock in the node's area, mid-download
+    assert victim.is_alive(), victim.exitcode
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join()
+    proxy.set_bandwidth(None)
+    t0 = time.monotonic()
+    handle = stack.ensure(info, read=True)  # the lock died with its holder: no wait for a timeout
+    assert time.monotonic() - t0 < 10 < staging.lock_timeout
+    assert (handle.tier, handle.served_by) == ("staging", "source")
+    assert stack.progress.lag() == (5, None)  # the dead rank holds nobody back
+    assert staging.index.occupancy()[1] == 0  # its reservation was reclaimed
+    handle.release()

@@ -125,6 +125,19 @@ def test_only_the_staging_slots_pass_through_staging_when_the_top_tier_does_not_
     assert resident.fetch == (0, 1, 2, 3, 4, 5, 6, 7)  # resident shards take no slot
 
 
+def test_the_windows_a_faster_rank_reads_are_wanted_whatever_the_budget_and_held_for_the_slowest():
+    uses = windows(10)  # windows of 2 shards, 3 steps (30 samples) each
+    node = shape(max_bytes=0, next_windows_bytes=0, min_batches=1)
+    alone = plan_staging(uses, node, resident=None)
+    assert alone.fetch == (0, 1)
+    ahead = plan_staging(uses, node, resident=None, lead=65)  # the fastest rank is in window 2
+    assert ahead.fetch == (0, 1, 2, 3, 4, 5)
+    assert all(ahead.hold_until[s] == uses[s].last_use for s in ahead.fetch)
+    budgeted = plan_staging(uses, shape(max_bytes=2 * SHARD, next_windows_bytes=0, min_batches=1),
+                            consumption_bytes_s=1e6, resident=None, lead=65)
+    assert budgeted.fetch == (0, 1, 2, 3, 4, 5, 6, 7)  # then the budget ahead of the fastest
+
+
 # ---------------------------------------------------------------- holds
 
 

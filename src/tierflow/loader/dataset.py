@@ -28,7 +28,7 @@ from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
-from tierflow.loader.topology import WorldPosition
+from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 from tierflow.policies.auto import Lifecycle
@@ -156,7 +156,8 @@ class TieredDataset(IterableDataset):
         if callable(declare):
             sizes = [s.decoded_bytes for s in manifest.shards]
             declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=sum(sizes)),
-                    self.working_set.bytes, self.working_set.reading)
+                    self.working_set.bytes, self.working_set.reading, readers=self.world.ranks_per_node,
+                    job=job_identity())
         self._resume: LoaderCursor | None = None
         self.load_state_dict(saved)
         self._context: SampleContext | None = None

@@ -18,7 +18,7 @@ import torch
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.loader import Loader
-from tierflow.loader.topology import node_index
+from tierflow.loader.topology import node_index, placed_by_cache
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -39,6 +39,7 @@ def open_loader(
     bandwidth: float | None = None,
     weights: Sequence[float] | None = None,
     resume: dict[str, Any] | None = None,
+    node_affinity: bool = True,
     **options: Any,
 ) -> Loader:
     """A started Loader over the dataset at `url` (a local path or s3://, with `tiers` as
@@ -47,7 +48,13 @@ def open_loader(
     several URLs mixed by `weights` (each read through its own stack over the same tiers, on
     demand: no stager). Other keywords go to TieredDataset (seed, columns, transform, filter,
     collate, shuffle, eval, ...) or to Loader (depth, widen, dtype, epoch_end, endless, ...);
-    `resume` is a `loader.state_dict()` to continue from."""
+    `resume` is a `loader.state_dict()` to continue from.
+
+    In a job of several nodes with tiers (torch.distributed initialised, every rank calling
+    open_loader), each node reads the partitions its top tier already holds the most of
+    (`node_affinity`, loader.topology.placed_by_cache: one all-gather of the nodes' inventories),
+    so a restart onto another order of nodes finds its caches warm; with cold caches, or
+    `node_affinity=False`, node n reads logical node n's partitions."""
     refuse_while_bootstrapping("tierflow.open_loader")
     loader_options = {k: options.pop(k) for k in _LOADER_OPTIONS if k in options}
     urls = [url] if isinstance(url, (str, Path)) else list(url)
@@ -63,6 +70,9 @@ def open_loader(
         if weights is not None:
             raise ValueError("weights= mixes several datasets: pass a list of URLs")
         dataset = TieredDataset(sources[0], **shape, **options)
+        pending = ((resume or {}).get("cursor") or {}).get("pending") is not None  # a rank's own stream
+        if stacks and node_affinity and world is None and not pending:
+            _place_by_cache(dataset, stacks[0])
         stager = Stager(dataset, stacks[0]) if stacks else None
     else:
         dataset = TieredDataset(datasets=sources, weights=weights, **shape, **options)
@@ -71,6 +81,32 @@ def open_loader(
         loader.load_state_dict(resume)
     loader.start_prefetch()
     return loader
+
+
+def _place_by_cache(dataset: TieredDataset, stack: Any) -> None:
+    """This node reads the partitions its top tier holds the most of (the nodes' inventories
+    all-gathered over the default process group); nothing to do on one node or without tiers."""
+    import torch.distributed as dist
+
+    world = dataset.world
+    if (world.num_nodes < 2 or not stack.tiers or dataset.eval or not (dist.is_available() and dist.is_initialized())
+            or dist.get_world_size() != world.world_size):
+        return
+    top, shards = stack.tiers[0], dataset.manifest.shards
+    by_key: dict[str, list[int]] = {}
+    for shard, info in enumerate(shards):
+        by_key.setdefault(info.key, []).append(shard)
+    held = [s for key in top.index.keys() for s in by_key.get(key, ())] if world.local_rank == 0 else None
+    layout = dataset.order.layout
+    owned = [[int(s) for p in layout.node_partitions(logical, world.num_nodes) for s in layout.partition_shards[p]]
+             for logical in range(world.num_nodes)]
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    dataset.world = placed_by_cache(world, held, owned, [info.bytes_in(top.form) for info in shards], gather)
 
 
 def _is_local(url: str | Path) -> bool:

@@ -4,15 +4,17 @@ A node is a group of LOCAL_WORLD_SIZE ranks sharing caches; it owns whole canoni
 the order. Without LOCAL_WORLD_SIZE every rank counts as one node's rank, which is always valid
 (the node only decides locality, never which samples a step reads overall). A launcher's node
 index (torchrun's GROUP_RANK, Lightning's or Slurm recipes' NODE_RANK) must agree with
-RANK // LOCAL_WORLD_SIZE: the node that owns a partition is the one whose cache (a `{node}` tier
-path) holds it.
+RANK // LOCAL_WORLD_SIZE: it names the node's own directories (a `{node}` tier path). Which
+partitions a node reads (its logical index) starts as that index and, where the job's nodes have
+caches, follows them (`placed_by_cache`): a job restarted onto another order of nodes reads on each
+node what that node's cache holds.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,19 @@ class WorldPosition:
 NODE_VARIABLES = ("GROUP_RANK", "NODE_RANK")
 
 
+#: what names a job alike in each of its processes: torchrun's run id and the rendezvous address
+JOB_VARIABLES = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def job_identity(env: Mapping[str, str] | None = None) -> str | None:
+    """This job's name, the same in each of its processes (its launcher's run id and rendezvous
+    address: no two running jobs share one), or None when no launcher's variables say; a node's
+    ranks of one job share their staging area by it."""
+    env = os.environ if env is None else env
+    parts = [env.get(name, "") for name in JOB_VARIABLES]
+    return "/".join(parts) if any(parts) else None
+
+
 def node_index(env: Mapping[str, str] | None = None) -> int:
     """This process's node: GROUP_RANK or NODE_RANK when set (a per-node tool, `tierflow cache warm`,
     runs outside the job's group), else RANK // LOCAL_WORLD_SIZE; what a `{node}` tier path becomes."""
@@ -64,3 +79,47 @@ def node_index(env: Mapping[str, str] | None = None) -> int:
         if env.get(name, "") != "":
             return int(env[name])
     return position.node
+
+
+def assign_nodes(held: Sequence[Collection[int]], owned: Sequence[Collection[int]],
+                 sizes: Sequence[int]) -> list[int]:
+    """The logical node (whose partitions it reads) of each node of the job, from what each node's
+    cache holds: `held[n]` the shards node n's top tier holds, `owned[l]` the shards logical node
+    l's partitions own, `sizes` each shard's bytes there. Largest overlap (bytes) first, ties to the
+    lower node, then the lower logical node; nodes whose caches hold nothing of a free logical node
+    take the free ones in index order, so cold caches keep the launcher's order. A permutation, and
+    the same on every rank given the same inventories (what an all-gather gives each)."""
+    if len(held) != len(owned):
+        raise ValueError(f"{len(held)} nodes' inventories for {len(owned)} logical nodes")
+    owner = {shard: logical for logical, shards in enumerate(owned) for shard in shards}
+    overlap: list[tuple[int, int, int]] = []
+    for node, shards in enumerate(held):
+        bytes_by: dict[int, int] = {}
+        for shard in shards:
+            logical = owner.get(shard)
+            if logical is not None:
+                bytes_by[logical] = bytes_by.get(logical, 0) + int(sizes[shard])
+        overlap += [(-b, node, logical) for logical, b in bytes_by.items() if b > 0]
+    assigned: dict[int, int] = {}
+    taken: set[int] = set()
+    for _, node, logical in sorted(overlap):
+        if node not in assigned and logical not in taken:
+            assigned[node] = logical
+            taken.add(logical)
+    free = iter(sorted(set(range(len(owned))) - taken))
+    return [assigned[node] if node in assigned else next(free) for node in range(len(held))]
+
+
+def placed_by_cache(world: WorldPosition, held: Collection[int] | None, owned: Sequence[Collection[int]],
+                    sizes: Sequence[int], gather: Callable[[Any], list[Any]]) -> WorldPosition:
+    """This rank's position with its node's logical index chosen from the caches of the job's
+    nodes (`assign_nodes`), so after a restart onto another order of nodes each node reads the
+    partitions its cache holds. `held`: what this node's top tier holds (one rank of the node
+    gives it, the others None); `gather` all-gathers one object per rank, in rank order (torch's
+    `all_gather_object`). The launcher's node index still names the node's own directories."""
+    inventories: list[Collection[int]] = [() for _ in range(world.num_nodes)]
+    for node, shards in gather((world.node, None if held is None else sorted(held))):
+        if shards is not None:
+            inventories[node] = shards
+    logical = assign_nodes(inventories, owned, sizes)
+    return replace(world, node=logical[world.node])

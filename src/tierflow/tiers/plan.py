@@ -129,7 +129,7 @@ def merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes_s: float = 0.0,
                  fetch_p99_s: float = 1.0, fetch_mean_s: float = 1.0, position: int = 0,
                  resident: Container[int] | None = None, held: Collection[int] = (),
-                 in_flight: Collection[int] = ()) -> StagingPlan:
+                 in_flight: Collection[int] = (), lead: int = 0) -> StagingPlan:
     """What to stage next from `uses` (the node's future, sorted by first use, covering at least the
     lookahead's `view_steps`).
 
@@ -137,10 +137,13 @@ def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes
     the top tier holds (None: no tier, nothing goes through the staging area); `held`: shards the
     stager holds pinned; `in_flight`: shards it is fetching. Held and in-flight shards are held to
     the end of their next use even past the horizon, and never fetched again; they still count
-    against the budget, which is the bytes ahead, not the bytes still to fetch.
+    against the budget, which is the bytes ahead, not the bytes still to fetch. `lead`: node
+    samples the node's fastest rank is ahead of that cursor (the slowest's): the shards first used
+    before it are being read, so they are wanted whatever the budget and held to the end of their
+    use, for the slower ranks, and the lookahead starts from it.
     """
     ahead = size_lookahead(node, consumption_bytes_s, fetch_p99_s, fetch_mean_s)
-    limit = ahead.horizon_steps * node.samples_per_step
+    limit = ahead.horizon_steps * node.samples_per_step + lead
     staged = set(held) | set(in_flight)
     spans: dict[int, list[tuple[int, int]]] = {}
     wanted: dict[int, None] = {}  # first use order (uses are sorted by first use)
@@ -150,8 +153,8 @@ def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes
         spans.setdefault(use.shard, []).append((use.first_use, use.last_use))
         if use.first_use < limit:
             wanted.setdefault(use.shard)
-            if use.first_use <= 0:
-                in_use.add(use.shard)  # the windows being read now are needed, not "ahead"
+            if use.first_use <= lead:
+                in_use.add(use.shard)  # the windows being read now (by any rank) are needed, not "ahead"
         if use.shard not in until and (use.first_use < limit or use.shard in staged):
             until[use.shard] = use.last_use
     release = passed(until, held, position)

@@ -7,7 +7,11 @@ is a `ShardSource`, so `Dataset(manifest, source=stack)` reads samples through i
 A shard no tier will keep (the policy prefers what it holds, or it is larger than the tier)
 is still read once per node: it goes to the stack's staging area, a small LRU tier in host
 RAM (tmpfs) sized to the order's working set, shared by the loader's workers and private to
-the job, removed when the job exits. Only when even that cannot take it is it read into the
+the job, removed when the job exits. A job with several ranks a node shares one area among the
+node's ranks (tiers/_staging.py), whose entry locks make one of them fetch a shard while the
+others wait for that copy; the node's stager holds what it stages until the slowest rank has
+passed it, and a faster rank that finds the area full waits while the slowest moves rather
+than fetch a shard once more. Only when even that cannot take it is it read into the
 process's memory.
 
 Whole files are verified where whole files move (a fetch, a copy or a decode into a tier). A
@@ -24,7 +28,6 @@ import logging
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -40,8 +43,8 @@ from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, dec
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
-from tierflow.tiers._index import process_alive
 from tierflow.tiers._lock import Pin
+from tierflow.tiers._staging import Membership, NodeProgress, area_path, staging_root, sweep_unused
 from tierflow.tiers.tier import FetchError, Tier
 
 log = logging.getLogger("tierflow.tiers")
@@ -50,6 +53,9 @@ log = logging.getLogger("tierflow.tiers")
 SOURCE = "source"
 """`served_by` of bytes no tier held: fetched from the stack's source."""
 STAGING_NAME = "staging"
+STAGING_WAIT_S = 5.0
+"""How long a reader waits for room in the node's staging area (every entry in use by the node's
+readers) with no rank of the node moving, before it reads the shard into its own memory."""
 
 
 @dataclass
@@ -94,21 +100,6 @@ class Opened(NamedTuple):
     fetch_s: float
 
 
-def staging_root() -> Path:
-    """Where staging areas live: host RAM (/dev/shm) when there is one, else the temp directory."""
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"tierflow-{os.getuid()}"
-
-
-def _sweep_dead_staging(root: Path) -> None:
-    """Remove staging areas whose job died without its exit hook (a kill), so RAM is not lost."""
-    for path in root.glob("staging-*"):
-        pid = path.name.split("-")[1]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def _remove_staging(path: Path, owner: int) -> None:
     if os.getpid() == owner:  # a forked worker exiting must not remove its parent's area
         shutil.rmtree(path, ignore_errors=True)
@@ -134,12 +125,23 @@ class TierStack:
         self._open_declared = False  # a reader that declared what it reads at once: no guessing
         self.staging: Tier | None = None
         self.staging_bytes = 0
+        self.staging_job: str | None = None  # set: the staging area is the node's, shared by this job's ranks
+        self._membership: Membership | None = None
+        self.progress: NodeProgress | None = None  # the node's ranks' steps, beside their staging area
+        self.staging_readers = 1
+        self._staged_per_byte = 1.0  # staged (decoded) bytes per byte of the top tier's form
+        self.staging_wait_s = STAGING_WAIT_S
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
         self._dropped: set[int] = set()
         self._lock = threading.Lock()
         self.m_source_bytes = self.registry.counter("tierflow_stack_source_bytes_total", {"tier": SOURCE},
                                                     "at-rest bytes fetched from the source")
         self.m_served = {name: self._served_counter(name) for name in [t.name for t in self.tiers] + ["memory"]}
+        self.m_staging_waits = self.registry.counter(
+            "tierflow_stack_staging_waits_total", description="reads that waited for room in the node's staging area")
+        self.m_staging_wait_s = self.registry.counter(
+            "tierflow_stack_staging_wait_seconds_total", description="seconds reads waited for room in the node's "
+            "staging area (held for a slower rank of the node)")
 
     def _served_counter(self, where: str) -> Counter:
         return self.registry.counter("tierflow_stack_served_total", {"tier": where},
@@ -150,22 +152,35 @@ class TierStack:
         manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
+        form = self.tiers[0].form if self.tiers else Form.AT_REST
+        stored = sum(s.bytes_in(form) for s in manifest.shards)
+        self._staged_per_byte = sum(s.decoded_bytes for s in manifest.shards) / stored if stored else 1.0
         return manifest
 
     def dataset(self, columns: Sequence[str] | None = None) -> Dataset:
         return Dataset(self.manifest(), self, columns=columns, location=self.source.url)
 
     # ------------------------------------------------------------ reader's declarations
-    def declare(self, lifecycle: Lifecycle, working_bytes: int, open_shards: int) -> None:
+    def declare(self, lifecycle: Lifecycle, working_bytes: int, open_shards: int, readers: int = 1,
+                job: str | None = None) -> None:
         """What the reader knows before it reads: how (for `auto` policies), how many bytes of
         shards it needs at once (the staging area's size) and how many it reads at once (kept
-        open, pinned). Call before forking workers."""
+        open, pinned). Call before forking workers.
+
+        `readers` processes of one `job` (its ranks on this node; `job` names the job the same way
+        on each of them) read the node's shards together: then the staging area is the node's,
+        shared by them, so a shard no tier keeps is fetched once for all of them; it has room for
+        each of them reading a different part of the working set, in the form it stores."""
         self.max_open = max(1, open_shards)
         self._open_declared = True
         for tier in self.tiers:
             tier.set_lifecycle(lifecycle)
-        if self.tiers and working_bytes > self.staging_bytes:
-            self.staging_bytes = working_bytes
+        shared = readers > 1 and job is not None and bool(self.tiers)
+        wanted = int(readers * working_bytes * self._staged_per_byte) if shared else working_bytes
+        if self.tiers and (wanted > self.staging_bytes or (shared and self.staging_job != job)):
+            self.staging_bytes = max(wanted, self.staging_bytes)
+            self.staging_job = job if shared else None
+            self.staging_readers = readers if shared else 1
             if self.staging is not None:
                 self.staging = None  # a larger one; the old directory goes with the process
             self._staging()
@@ -175,15 +190,21 @@ class TierStack:
             root = staging_root()
             try:
                 root.mkdir(parents=True, exist_ok=True)
-                _sweep_dead_staging(root)
-                path = root / f"staging-{os.getpid()}-{secrets.token_hex(4)}"
+                sweep_unused(root)
+                if self.staging_job is not None:  # the node's, for the job's ranks: named alike by each
+                    path = area_path(self.tiers[0].root, f"{self.staging_job}/{self.dataset_id}/{self.staging_bytes}")
+                    self._membership = Membership(path)
+                    self.progress = NodeProgress(path, self.staging_readers)
+                else:
+                    path = root / f"staging-{os.getpid()}-{secrets.token_hex(4)}"
                 self.staging = Tier(path, self.staging_bytes, policy="lru", form=Form.DECODED, name=STAGING_NAME,
                                     registry=self.registry)
             except OSError as e:
                 log.warning("no staging area in %s (%s): shards no tier keeps are read into memory", root, e)
                 self.staging_bytes = 0
                 return None
-            atexit.register(_remove_staging, path, os.getpid())
+            if self.staging_job is None:
+                atexit.register(_remove_staging, path, os.getpid())
             self.m_served[STAGING_NAME] = self._served_counter(STAGING_NAME)
         return self.staging
 
@@ -252,11 +273,48 @@ class TierStack:
 
         pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
                              verify_hit=False, block_list=scan_blocks)
+        if pin is None and not prefetch and self.progress is not None and size <= staging.capacity:
+            pin = self._wait_for_room(staging, info, size, checksum, produce)
         if pin is None:
             return None
         self.m_served[STAGING_NAME].inc()
         return Handle(staging.form, STAGING_NAME, pin.path, pin, blocks=staging.blocks_of(info.key, size, checksum),
                       served_by=SOURCE if fetched else STAGING_NAME)
+
+    def _wait_for_room(self, staging: Tier, info: ShardInfo, size: int, checksum: str,
+                       produce: Callable[[Path], None]) -> Pin | None:
+        """Every entry of the node's staging area is in use, read by the node's readers or held
+        for a slower rank of the node: while a rank of the node is behind this one and moving, wait
+        (it frees what it holds as it passes it, or brings this very shard in meanwhile) rather than
+        read the shard into this process's memory, which fetches it once more. That keeps a rank
+        within the staging area of the slowest. None when no rank is behind, or after
+        `staging_wait_s` without the slowest moving."""
+        assert self.progress is not None
+        started = last = time.monotonic()
+        mine, slowest = self.progress.lag()
+        if mine is None or slowest is None or slowest >= mine:
+            return None
+        self.m_staging_waits.inc()
+        delay = 0.002
+        try:
+            while True:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+                pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id,
+                                     verify_hit=False, block_list=scan_blocks)
+                if pin is not None:
+                    return pin
+                now_mine, now_slowest = self.progress.lag()
+                if now_mine is None or now_slowest is None or now_slowest >= now_mine:
+                    return None  # none behind now: what holds the room is this rank's own
+                if now_slowest != slowest:
+                    slowest, last = now_slowest, time.monotonic()
+                elif time.monotonic() - last > self.staging_wait_s:
+                    log.warning("shard %s: the node's staging area stayed full and its slowest rank did not "
+                                "move for %.0f s; reading the shard into memory", info.name, self.staging_wait_s)
+                    return None
+        finally:
+            self.m_staging_wait_s.inc(time.monotonic() - started)
 
     def _produce(self, info: ShardInfo, level: int, tmp: Path) -> str:
         """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy; returns
@@ -391,7 +449,9 @@ class TierStack:
         clients, index connections and locks, and shares the parent's staging area."""
         staging = self.staging.root if self.staging is not None else None
         state = {"dataset_id": self.dataset_id, "schema": self.schema, "declared": self._open_declared,
-                 "staging_bytes": self.staging_bytes, "staging": staging}
+                 "staging_bytes": self.staging_bytes, "staging": staging, "staging_job": self.staging_job,
+                 "staging_readers": self.staging_readers,
+                 "staged_per_byte": self._staged_per_byte}
         return (_reopened, (self.source, self.tiers, self.registry, self.max_open, self.fetch_attempts,
                             self.cache.max_bytes, state))
 
@@ -405,7 +465,12 @@ def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max
     stack = TierStack(source, tiers, registry, max_open, fetch_attempts, max_decoded_bytes)
     stack.dataset_id, stack.schema = state["dataset_id"], state["schema"]
     stack._open_declared, stack.staging_bytes = state["declared"], state["staging_bytes"]
+    stack._staged_per_byte, stack.staging_job = state["staged_per_byte"], state["staging_job"]
     if state["staging"] is not None:  # the parent's area (its owner removes it), not a new one
+        if stack.staging_job is not None:  # the node's: this process uses it too, until it exits
+            stack._membership = Membership(Path(state["staging"]))
+            stack.staging_readers = state["staging_readers"]
+            stack.progress = NodeProgress(Path(state["staging"]), stack.staging_readers)
         stack.staging = Tier(state["staging"], stack.staging_bytes, policy="lru", form=Form.DECODED,
                              name=STAGING_NAME, registry=stack.registry)
         stack.m_served[STAGING_NAME] = stack.registry.counter("stack_served", {"tier": STAGING_NAME})

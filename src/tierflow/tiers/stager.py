@@ -22,7 +22,7 @@ from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_staging, size_lookahead
-from tierflow.tiers.stack import Handle, TierStack
+from tierflow.tiers.stack import STAGING_NAME, Handle, TierStack
 
 log = logging.getLogger("tierflow.stager")
 
@@ -75,6 +75,13 @@ class Stager:
                                   description="fetches that failed (readers fetch on demand)")
         self._cursor: Any = None  # opaque: the loader's cursor, handed to the view as is
         self._consumed_steps = 0
+        # the steps of the node's ranks, where they share the node's staging area: the stager looks
+        # ahead of the fastest and holds what it stages until the slowest has passed it, so a shard
+        # one rank brought in stays for the others
+        self.progress = getattr(stack, "progress", None)
+        self.local_rank = int(getattr(view.world, "local_rank", 0))
+        if self.progress is not None:
+            self.progress.publish(self.local_rank, 0)
         self._plan_steps = 0
         self._rate_started: float | None = None
         self._held: dict[int, Handle] = {}
@@ -92,6 +99,8 @@ class Stager:
     # ------------------------------------------------------------ control
     def start(self, cursor: Any = None) -> None:
         """Begin staging from `cursor` (the loader's state); returns at once."""
+        if self.progress is not None:
+            self.progress.publish(self.local_rank, self._consumed_steps)
         if not self.enabled or self._threads:
             return
         if self.prometheus_port is not None and self.exporter is None:
@@ -112,7 +121,10 @@ class Stager:
 
     def consumed(self, cursor: Any) -> None:
         """The training loop consumed a batch whose cursor is `cursor`."""
+        if self.progress is not None:  # before the stager plans on: the node's stager holds for the slowest
+            self.progress.publish(self.local_rank, self._consumed_steps + 1)
         if not self.enabled:
+            self._consumed_steps += 1
             return
         with self._lock:
             self._cursor = cursor
@@ -127,6 +139,8 @@ class Stager:
     def close(self) -> None:
         """Stop staging and release what it holds. Call before forking (the Loader does): a thread
         running across a fork can leave the child a lock (an import, a metric) it never gets back."""
+        if self.progress is not None:
+            self.progress.leave(self.local_rank)  # not reading: the node's stager holds nothing for it
         self._stop.set()
         self._wake.set()
         for _ in range(self.threads):
@@ -144,6 +158,15 @@ class Stager:
             self._inflight.clear()
 
     # ------------------------------------------------------------ planning
+    def _node_steps(self) -> tuple[int, int]:
+        """(slowest, fastest) batches consumed by the node's live ranks: this loop's alone unless
+        the node's ranks share a staging area (they step through the same batches)."""
+        own = self._consumed_steps
+        if self.progress is None:
+            return own, own
+        steps = [s for rank, (_, s) in self.progress.steps().items() if rank != self.local_rank] + [own]
+        return min(steps), max(steps)
+
     def consumption_rate(self) -> float:
         """Bytes per second the training loop consumes (0 until measured)."""
         if self._rate_started is None:
@@ -187,7 +210,7 @@ class Stager:
     def _run(self) -> None:
         planned_at, planned_time, cost = -1, 0.0, 0.0
         while not self._stop.is_set():
-            steps = self._consumed_steps
+            steps = self._node_steps()[1]  # the fastest rank reading new shards is what to plan for
             # a plan holds the GIL for ~1-40 ms (it walks two tier-capacities of future): plan at most
             # every 10 plans' time, so the stager never takes more than ~10% from the training loop
             rested = time.monotonic() - planned_time > max(0.05, PLAN_SHARE * cost)  # see the wait below
@@ -205,22 +228,31 @@ class Stager:
                 self._release_passed()
             self._wake.clear()
             gap = max(0.05, PLAN_SHARE * cost)  # the same rest as `rested` above, or this loop spins
-            self._wake.wait(timeout=0.5 if rested else max(0.001, gap - (time.monotonic() - planned_time)))
+            # the node's other ranks do not wake this thread: look at their steps every 50 ms
+            idle = 0.5 if self.progress is None else 0.05
+            self._wake.wait(timeout=idle if rested else max(0.001, gap - (time.monotonic() - planned_time)))
 
     def _plan_and_fetch(self) -> None:
-        """Make one plan from the loop's latest cursor and carry it out: the oracle, the holds, the fetches."""
+        """Make one plan from the loop's latest cursor and carry it out: the oracle, the holds, the
+        fetches. The node's ranks sharing a staging area, the plan reaches past the fastest of them
+        (its windows being read are wanted whatever the budget), and holds last until the slowest
+        has passed them (in node samples from this stager's first step, `_held_until`)."""
         with self._lock:
             cursor = self._cursor
             plan_base = self._consumed_steps
+        fastest = self._node_steps()[1]
+        sps = self.node.samples_per_step
+        lead = max(0, fastest - plan_base)
         rate, (p99, mean) = self.consumption_rate(), self._fetch_latency()
         ahead = size_lookahead(self.node, rate, p99, mean)
         self.m_lookahead.set(ahead.bytes)
-        uses = self.view.future_shard_uses(cursor, horizon_batches=ahead.view_steps)
+        uses = self.view.future_shard_uses(cursor, horizon_batches=ahead.view_steps + lead)
         with self._lock:
             held, in_flight = set(self._held), set(self._inflight)
-            position = (self._consumed_steps - plan_base) * self.node.samples_per_step
+            position = (self._consumed_steps - plan_base) * sps
         plan = plan_staging(uses, self.node, consumption_bytes_s=rate, fetch_p99_s=p99, fetch_mean_s=mean,
-                            position=position, resident=self._resident(), held=held, in_flight=in_flight)
+                            position=position, resident=self._resident(), held=held, in_flight=in_flight,
+                            lead=lead * sps)
         oracle = PositionOracle(IntervalOracle((self.shards[s].key, f, l) for s, f, l in plan.intervals), 0.0)
         with self._lock:
             self._plan_steps = plan_base
@@ -229,7 +261,17 @@ class Stager:
         for tier in self.stack.tiers:
             tier.set_oracle(oracle)
         with self._lock:
-            self._held_until = plan.hold_until
+            until = {shard: plan_base * sps + last for shard, last in plan.hold_until.items()}
+            for shard, last in self._held_until.items():
+                if shard not in self._held:
+                    continue
+                if self._held[shard].tier == STAGING_NAME:
+                    # passing through: held for the use it was staged for, not on to a later one
+                    # (the next epoch's), which would keep the small staging area full of them
+                    until[shard] = min(last, until.get(shard, last))
+                elif self.progress is not None:
+                    until.setdefault(shard, last)  # this loop passed it: held until the slowest rank has
+            self._held_until = until
         self._release_passed()
         for shard in plan.fetch:
             with self._lock:
@@ -248,10 +290,11 @@ class Stager:
         return {shard for key in keys for shard in self._key_shards.get(key, ())}
 
     def _release_passed(self) -> None:
-        """Unpin staged shards whose last planned use the loop has passed (between plans too, so a
-        small tier is not left full of pins of finished windows)."""
+        """Unpin staged shards whose last planned use the loop (the node's slowest rank, where they
+        share a staging area) has passed, between plans too, so a small tier is not left full of
+        pins of finished windows."""
+        position = self._node_steps()[0] * self.node.samples_per_step
         with self._lock:
-            position = (self._consumed_steps - self._plan_steps) * self.node.samples_per_step
             for shard in passed(self._held_until, self._held, position):
                 self._held.pop(shard).release()  # its use has passed: evictable again
 
