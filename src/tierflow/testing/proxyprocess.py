@@ -224,7 +224,7 @@ _CHILD = "import sys; from tierflow.testing.proxyprocess import _serve; _serve(s
 def _serve(upstream: str) -> None:
     with LoopbackProxy(upstream) as proxy:
         control = _ControlServer(proxy)
-        threading.Thread(target=control.serve_forever, daemon=True).start()
+        threading.Thread(target=control.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
         data_port = proxy.url.rsplit(":", 1)[1]
         print(f"PORTS {data_port} {control.server_address[1]}", flush=True)
         sys.stdin.read()  # returns when the parent closes our stdin or dies
