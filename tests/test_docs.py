@@ -175,6 +175,7 @@ def test_multimodal_recipe_runs(tmp_path: Path) -> None:
     run_tested_blocks(DOCS / "multimodal.md", tmp_path)
 
 
+@pytest.mark.slow  # its loaders start forkserver workers over S3 twice, each importing torch: seconds
 def test_coming_from_tierflow_column_runs_against_s3(tmp_path: Path, s3_server) -> None:
     client = s3_server.endpoint.boto3_client()
     client.create_bucket(Bucket="my-bucket")
