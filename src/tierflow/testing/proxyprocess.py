@@ -142,6 +142,7 @@ def _rule_from_json(data: dict[str, Any]) -> FaultRule:
 
 class _ControlHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes: no delayed-ACK wait between them
     server: _ControlServer
 
     def log_message(self, format: str, *args: object) -> None:
