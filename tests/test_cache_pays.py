@@ -86,7 +86,8 @@ def _pack_tokens(root, docs):
     with open(root / "docs.jsonl", "w") as f:
         for i in range(docs):
             n = int(rng.integers(30, 300))
-            f.write(json.dumps({"text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
+            text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
+            f.write(json.dumps({"text": text}) + "\n")
     out = root / "ds"
     tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     return out

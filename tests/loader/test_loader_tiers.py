@@ -31,7 +31,8 @@ def packed_tokens(tmp_path_factory) -> Path:
     with open(root / "docs.jsonl", "w") as f:
         for i in range(16000):
             n = int(rng.integers(20, 200))
-            f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
+            text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
     local = root / "ds"
     tierflow.pack([root / "docs.jsonl"], local, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     return local
