@@ -148,9 +148,11 @@ def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_ta
     assert epoch_ids(list(shuffled), 0) != list(range(n))
 
 
-def test_shuffle_false_resumes_exactly(long_tailed_docs):
+# with workers: slow (worker processes for each of the loaders the check makes; tests/loader/test_resume.py
+# keeps resuming with workers in the fast set)
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_shuffle_false_resumes_exactly(long_tailed_docs, workers):
     from tierflow.testing import assert_resumes_exactly
 
-    for workers in (0, 2):
-        assert_resumes_exactly(lambda w: Loader(stored(long_tailed_docs), num_workers=w), stops=[1, 17],
-                               workers=workers)
+    assert_resumes_exactly(lambda w: Loader(stored(long_tailed_docs), num_workers=w), stops=[1, 17],
+                           workers=workers)
