@@ -203,5 +203,6 @@ def _serve(host: str) -> None:
     server.start()
     print(f"PORT {server.get_host_and_port()[1]}", flush=True)
     sys.stdin.read()  # returns when the parent closes our stdin or dies
-    server.stop()
+    # and the process ends: the server's thread is a daemon (server.stop() would first wait out
+    # werkzeug's half-second shutdown poll)
 
