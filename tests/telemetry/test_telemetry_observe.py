@@ -170,7 +170,7 @@ def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):
 
 
 def test_verdict_names_compute_when_the_step_is_slow(packed):
-    result = run_bench(samples_dataset(packed), 20, simulated_step(30))
+    result = run_bench(samples_dataset(packed), 20, simulated_step(25))
     assert result.verdict.bound == "compute", format_result(result)
     assert result.ratio > 0.8
 
