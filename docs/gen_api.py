@@ -32,8 +32,9 @@ PUBLIC_PACKAGES = (
 LEFT_OUT = ("tierflow.testing", "tierflow.commands")
 
 
-def build(out: Path) -> list[Path]:
-    """Write the reference under `out`; return the page of each of PUBLIC_PACKAGES."""
+def build(out: Path, packages: tuple[str, ...] = PUBLIC_PACKAGES) -> list[Path]:
+    """Write the reference of `packages` (all of PUBLIC_PACKAGES: `make docs`) under `out`; return
+    the page of each."""
     import pdoc
     import pdoc.render
 
@@ -50,8 +51,8 @@ def build(out: Path) -> list[Path]:
         # `tierflow` already reaches `tierflow.pack` (a name in its __all__); listing it again is
         # deliberate, so a change to tierflow.__all__ cannot drop the page.
         warnings.filterwarnings("ignore", message=".*has already been added")
-        pdoc.pdoc(*PUBLIC_PACKAGES, output_directory=out)
-    return [page(out, name) for name in PUBLIC_PACKAGES]
+        pdoc.pdoc(*packages, output_directory=out)
+    return [page(out, name) for name in packages]
 
 
 def page(out: Path, module: str) -> Path:

@@ -87,7 +87,7 @@ def long_tailed_docs(tmp_path_factory: pytest.TempPathFactory) -> str:
     with open(root / "docs.jsonl", "w") as f:
         for i in range(5000):
             n = min(int(rng.pareto(1.3) * 30) + 3, 2500)
-            text = "".join(chr(97 + c) for c in rng.integers(0, 26, n))
+            text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
             f.write(json.dumps({"id": i, "text": text, "blob": "x" * (i % 7)}) + "\n")
     out = root / "ds"
     tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1,

@@ -1,7 +1,8 @@
 """The docs are built and checked by the test suite (CI runs it), so they cannot rot.
 
 - API reference: docs/gen_api.py builds the pdoc HTML into a temporary directory; every public
-  package gets a page that shows every name of its `__all__`.
+  package gets a page that shows every name of its `__all__` (the whole build and the runnable
+  pages are `slow`: the fast set builds one package's page and the README runs in tests/test_readme.py).
 - CLI reference: docs/cli.md must equal what docs/gen_cli.py generates from the parser now
   (`make docs` regenerates it), and every argument of every verb must have help text.
 - Runnable docs. Convention: a fenced code block whose info string is `python tested`
@@ -56,17 +57,28 @@ gen_cli = _generator("gen_cli")
 # ---------------------------------------------------------------------------- API reference
 
 
-def test_api_reference_has_a_page_per_public_package_with_every_name(tmp_path: Path) -> None:
+def check_api_pages(out: Path, packages: tuple[str, ...]) -> None:
+    """Build the reference of `packages` under `out`: a page each, showing every name of its `__all__`."""
     if importlib.util.find_spec("pdoc") is None:
         pytest.fail("pdoc is not installed: pip install -e '.[dev]' (or '.[docs]')")
-    pages = gen_api.build(tmp_path)
-    assert (tmp_path / "index.html").is_file()
-    for module_name, page in zip(gen_api.PUBLIC_PACKAGES, pages):
+    pages = gen_api.build(out, packages)
+    assert (out / "index.html").is_file()
+    for module_name, page in zip(packages, pages):
         assert page.is_file(), f"no API page for {module_name} ({page})"
         html = page.read_text(encoding="utf-8")
         names = getattr(importlib.import_module(module_name), "__all__", [])
         missing = [name for name in names if f'id="{name}"' not in html]
         assert not missing, f"{page.name}: names of {module_name}.__all__ not documented: {missing}"
+
+
+@pytest.mark.slow  # pdoc renders every public package: seconds
+def test_api_reference_has_a_page_per_public_package_with_every_name(tmp_path: Path) -> None:
+    check_api_pages(tmp_path, gen_api.PUBLIC_PACKAGES)
+
+
+def test_the_api_reference_builds_a_page_with_every_name(tmp_path: Path) -> None:
+    """The fast set's share of the build above: one small package through the same generator."""
+    check_api_pages(tmp_path, ("tierflow.errors",))
 
 
 def test_every_stage_package_is_in_the_api_reference() -> None:
@@ -169,12 +181,14 @@ def test_tested_blocks_convention_is_used_on_the_recipe_pages() -> None:
             assert info != "python-tested", f"docs/{page.name}: write ```python tested (a space)"
 
 
+@pytest.mark.slow  # a fresh interpreter whose loaders start DataLoader workers: seconds
 def test_multimodal_recipe_runs(tmp_path: Path) -> None:
     pytest.importorskip("PIL", reason="the recipe decodes with Pillow")
     make_images(tmp_path / "images")
     run_tested_blocks(DOCS / "multimodal.md", tmp_path)
 
 
+@pytest.mark.slow  # its loaders start forkserver workers over S3 twice, each importing torch: seconds
 def test_coming_from_tierflow_column_runs_against_s3(tmp_path: Path, s3_server) -> None:
     client = s3_server.endpoint.boto3_client()
     client.create_bucket(Bucket="my-bucket")

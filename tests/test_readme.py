@@ -1,15 +1,16 @@
 """README's Python usage block, extracted from README.md and run as written, so the README cannot
 drift from the code. Only what a test machine cannot have is substituted, each spelled out here:
-the bucket (a fresh one on the loopback moto server, whose endpoint the child gets from
-AWS_ENDPOINT_URL_S3 as the README says) and the L2 path (/nvme/tierflow -> a temporary folder)."""
+the bucket (a fresh one on the loopback moto server, whose endpoint the block gets from
+AWS_ENDPOINT_URL_S3 as the README says) and the L2 path (/nvme/tierflow -> a temporary folder).
+
+The block runs in this process (its own globals, the temporary folder as working directory): a
+fresh interpreter would cost more than the block itself. tests/test_docs.py runs its pages' blocks
+in fresh interpreters, which is where `import tierflow` from nothing is exercised."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,23 +24,22 @@ def usage_block() -> str:
     return match.group(1)
 
 
-def test_the_readme_usage_block_runs_as_written(tmp_path, s3_server):
+def test_the_readme_usage_block_runs_as_written(tmp_path, s3_server, monkeypatch):
     code = usage_block()
     assert "s3://my-bucket/" in code and "/nvme/tierflow" in code  # what is substituted below
     bucket = s3_server.create_bucket("readme")
     code = code.replace("s3://my-bucket/", f"s3://{bucket}/").replace("/nvme/tierflow", str(tmp_path / "nvme"))
-    code += "\nimport json\nprint(json.dumps({'epochs': epoch + 1, 'consumed': state['consumed']}))\n"
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for part in range(3):
         with open(corpus / f"part-{part}.jsonl", "w") as f:
             for i in range(400):
                 f.write(json.dumps({"text": f"document {part}-{i}: " + "lorem ipsum " * (20 + i % 40)}) + "\n")
-    env = {**os.environ, **s3_server.endpoint.env()}
-    env.pop("AWS_ENDPOINT_URL", None)  # only the variable the README names
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["epochs"] == 2 and result["consumed"] > 0
+    for name, value in s3_server.endpoint.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # only the variable the README names
+    monkeypatch.chdir(tmp_path)
+    block: dict = {"__name__": "__main__"}
+    exec(compile(code, "README.md (Using it)", "exec"), block)
+    assert block["epoch"] + 1 == 2 and block["state"]["consumed"] > 0
     assert (tmp_path / "nvme").is_dir()  # the L2 was used

@@ -42,11 +42,17 @@ def test_gc_on_a_missing_folder_refuses_and_creates_nothing(tmp_path, capsys):
 # every verb and constructor on s3://
 
 
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> Path:
+    """`pack_rows`, once for the module: the S3 tests only read it (they change their own S3 copy)."""
+    return pack_rows(tmp_path_factory.mktemp("rows"))
+
+
 @pytest.fixture
-def s3_ds(tmp_path, s3_server, s3_bucket, s3_proxy):
+def s3_ds(rows, s3_server, s3_bucket, s3_proxy):
     from tierflow.storage.remote import upload_dataset
 
-    local = pack_rows(tmp_path)
+    local = rows
     url = f"s3://{s3_bucket}/data/ds"
     upload_dataset(local, url, endpoint_url=s3_server.endpoint_url)
     s3_proxy.reset_counters()
@@ -111,9 +117,15 @@ def _objects(s3_server, url: str) -> dict[str, object]:
     return {o["Key"][len(prefix) + 1:]: o["LastModified"] for o in listed.get("Contents", [])}
 
 
-def test_gc_on_s3_deletes_only_unreferenced_shards_older_than_the_manifest(s3_ds, s3_server, capsys):
+def _next_second() -> None:
+    """Sleep into the next whole second: S3 keeps modification times to the second (truncated), so
+    what is written after this is dated later than what was written before."""
     import time
 
+    time.sleep(1.05 - time.time() % 1)
+
+
+def test_gc_on_s3_deletes_only_unreferenced_shards_older_than_the_manifest(s3_ds, s3_server, capsys):
     local, url, proxy = s3_ds
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     client = s3_server.endpoint.boto3_client()
@@ -121,13 +133,13 @@ def test_gc_on_s3_deletes_only_unreferenced_shards_older_than_the_manifest(s3_ds
     keep = ["notes.txt", "old/shard-" + "1" * 32 + ".arrow"]  # not a shard name / not directly under the prefix
     for key in keep:
         client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=b"x")
-    time.sleep(1.1)  # S3 keeps modification times to the second
+    _next_second()
     client.put_object(Bucket=bucket, Key=f"{prefix}/{stray}", Body=b"junk")
     before = _objects(s3_server, url)
     # written after the manifest: maybe a pack in progress (shards first, manifest last), so kept
     assert main(["gc", url, "--endpoint-url", proxy.url]) == 0
     assert _objects(s3_server, url) == before
-    time.sleep(1.1)
+    _next_second()
     client.put_object(Bucket=bucket, Key=f"{prefix}/manifest.json", Body=(local / "manifest.json").read_bytes())
     capsys.readouterr()
     assert main(["gc", url, "--endpoint-url", proxy.url]) == 0

@@ -10,6 +10,7 @@ block is first opened, and by `verify`.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +24,22 @@ from tierflow.format.manifest import MANIFEST_NAME, Manifest
 CHECKSUM_KEY = "manifest_checksum"
 
 
-@pytest.fixture
-def tokens_ds(tmp_path: Path) -> Path:
-    src = tmp_path / "docs.jsonl"
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("trust")
+    src = root / "docs.jsonl"
     with open(src, "w") as f:
         for i in range(6000):
             f.write(json.dumps({"id": i, "text": f"doc {i} " + "y" * (i % 90)}) + "\n")
-    out = tmp_path / "ds"
+    out = root / "ds"
     tierflow.pack([src], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10, block_bytes=32 << 10)
     return out
+
+
+@pytest.fixture
+def tokens_ds(packed: Path, tmp_path: Path) -> Path:
+    """A copy of the module's pack of its own: tests edit its manifest."""
+    return Path(shutil.copytree(packed, tmp_path / "ds"))
 
 
 def edit(root: Path, change, keep_checksum: bool = False) -> dict:

@@ -70,7 +70,8 @@ def packed(tmp_path_factory) -> str:
     with open(root / "docs.jsonl", "w") as f:
         for i in range(4000):
             n = int(rng.integers(20, 200))
-            f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
+            text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     (root / "rank.py").write_text(RANK_SCRIPT)
     (root / "agree.py").write_text(AGREE_SCRIPT)

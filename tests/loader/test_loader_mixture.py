@@ -60,7 +60,9 @@ def test_a_mixture_epoch_is_the_datasets_total_and_len_is_exact(two):
         assert len(ranked) == len(list(ranked))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# with workers: slow (worker processes for each of the loaders the check makes; tests/loader/test_resume.py
+# keeps resuming with workers in the fast set)
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_mixture_resumes_exactly(two, workers):
     assert_resumes_exactly(lambda w: Loader(mixed(two, seq_len=32, columns=None), num_workers=w), stops=[1, 9],
                            workers=workers)

@@ -23,15 +23,24 @@ BATCH = 16
 PARTITIONS = 4
 
 
-@pytest.fixture
-def s3_tokens(tmp_path, s3_server, s3_bucket, s3_proxy):
+@pytest.fixture(scope="module")
+def packed_tokens(tmp_path_factory) -> Path:
+    """Packed once for the module; each test uploads it to a bucket of its own (tests only read it)."""
+    root = tmp_path_factory.mktemp("loader-tiers")
     rng = np.random.default_rng(5)
-    with open(tmp_path / "docs.jsonl", "w") as f:
+    with open(root / "docs.jsonl", "w") as f:
         for i in range(16000):
             n = int(rng.integers(20, 200))
-            f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
-    local = tmp_path / "ds"
-    tierflow.pack([tmp_path / "docs.jsonl"], local, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+            text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
+    local = root / "ds"
+    tierflow.pack([root / "docs.jsonl"], local, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    return local
+
+
+@pytest.fixture
+def s3_tokens(packed_tokens, s3_server, s3_bucket, s3_proxy):
+    local = packed_tokens
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(local, url, endpoint_url=s3_server.endpoint_url)
     s3_proxy.reset_counters()
@@ -225,6 +234,7 @@ if __name__ == "__main__":  # workers start with forkserver over an object store
 '''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
+@pytest.mark.slow  # a fresh interpreter and two forkserver workers, each importing torch: seconds
 def test_two_workers_read_an_epoch_from_s3_through_l2_with_obstore_in_every_process(tmp_path, s3_tokens, s3_server):
     local, url, proxy = s3_tokens
     here = TieredDataset(str(local), batch_size=BATCH, partitions=PARTITIONS)

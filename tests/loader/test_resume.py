@@ -45,16 +45,22 @@ EVAL = {
 }
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("name", list(BATCHERS))
+def with_workers(names, fast_with_workers=()):
+    """(name, workers) for 0 and 2 workers; the 2-worker runs start worker processes for each of the
+    seven loaders a check makes, so those not in `fast_with_workers` are `slow` (the full suite runs them)."""
+    return [pytest.param(name, workers, id=f"{name}-{workers}",
+                         marks=pytest.mark.slow if workers and name not in fast_with_workers else ())
+            for name in names for workers in (0, 2)]
+
+
+@pytest.mark.parametrize("name,workers", with_workers(BATCHERS, fast_with_workers=["samples"]))
 def test_training_resumes_exactly_after_any_batch(packed, name, workers):
     def make_loader(num_workers):
         return Loader(TieredDataset(packed, partitions=PARTITIONS, **BATCHERS[name]), num_workers=num_workers)
     assert_resumes_exactly(make_loader, STOPS, workers)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("name", list(EVAL))
+@pytest.mark.parametrize("name,workers", with_workers(EVAL))
 def test_eval_resumes_exactly_and_ends_where_it_would_have(packed, name, workers):
     def make_loader(num_workers):
         return Loader(TieredDataset(packed, partitions=PARTITIONS, eval=True, **EVAL[name]), num_workers=num_workers)

@@ -108,7 +108,8 @@ def lake_on_s3(tmp_path, s3_server, s3_bucket, request):
     with open(tmp_path / "docs.jsonl", "w") as f:
         for i in range(getattr(request, "param", 12000)):
             n = int(rng.integers(20, 200))
-            f.write(json.dumps({"id": i, "text": "".join(chr(97 + c) for c in rng.integers(0, 26, n))}) + "\n")
+            text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
     local = tmp_path / "ds"
     tierflow.pack([tmp_path / "docs.jsonl"], local, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     url = f"s3://{s3_bucket}/ds"

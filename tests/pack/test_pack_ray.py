@@ -22,13 +22,18 @@ import tierflow
 from tierflow.format.manifest import MANIFEST_NAME
 from tierflow.pack.tokenize import PackInputError
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tierflow[ray]' to run these")
 pytestmark = pytest.mark.slow
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def ray():
+    """Ray, imported when a test here runs (not when the fast set is collected: it takes a while)."""
+    return pytest.importorskip("ray", reason="Ray is not installed: pip install 'tierflow[ray]' to run these")
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(ray):
     os.environ["PYTHONPATH"] = SRC + os.pathsep + os.environ.get("PYTHONPATH", "")  # for the workers
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield

@@ -19,7 +19,8 @@ from tierflow.errors import SourceError, SourceTimeout
 from tierflow.storage._deadline import FetchLimits
 from tierflow.storage.remote import RetryPolicy, RetryingSource
 
-LIMITS = FetchLimits(deadline=1.0, slow_rate=1e9, min_throughput=50_000, window=0.3)
+LIMITS = FetchLimits(deadline=0.3, slow_rate=1e9, min_throughput=50_000, window=0.1)
+ROOMY = FetchLimits(deadline=2.0, slow_rate=1e9, min_throughput=50_000, window=0.1)  # for peers that must succeed
 FAST = RetryPolicy(retries=3, base_delay=0.01, max_delay=0.02)
 PAYLOAD = bytes(range(256)) * 400  # 102,400 bytes
 
@@ -30,8 +31,8 @@ class ScriptedPeer(RetryingSource):
 
     scheme = "test"
 
-    def __init__(self, pace, chunk: int = 8192, **options) -> None:
-        super().__init__("test://peer/data", retry_policy=FAST, limits=LIMITS, chunk_bytes=chunk, **options)
+    def __init__(self, pace, chunk: int = 8192, limits: FetchLimits = LIMITS, **options) -> None:
+        super().__init__("test://peer/data", retry_policy=FAST, limits=limits, chunk_bytes=chunk, **options)
         self.pace = pace
         self.attempts = 0
         self.chunk = chunk
@@ -90,7 +91,7 @@ def timed(fn):
 
 
 def test_a_drip_feeding_peer_is_cut_and_fails_typed_naming_the_url(peers):
-    peer = peers(lambda attempt: 0.05, chunk=1)  # one byte every 50 ms: 20 B/s, far below the minimum
+    peer = peers(lambda attempt: 0.02, chunk=1)  # one byte every 20 ms: 50 B/s, far below the minimum
     out = bytearray()
     error, seconds = timed(lambda: peer.read_into("shard-x.arrow", out.extend))
     assert isinstance(error, SourceTimeout), error
@@ -100,26 +101,30 @@ def test_a_drip_feeding_peer_is_cut_and_fails_typed_naming_the_url(peers):
 
 
 def test_a_silent_peer_fails_at_the_deadline_not_after_every_read_timeout(peers):
+    from concurrent.futures import ThreadPoolExecutor
+
     peer = peers(lambda attempt: None)
-    for call in (lambda: peer.read_into("s.arrow", lambda chunk: None),
-                 lambda: peer.read_range("s.arrow", 0, 100),
-                 lambda: peer.read_bytes("manifest.json"),
-                 lambda: peer.size("s.arrow")):
-        error, seconds = timed(call)
+    calls = (lambda: peer.read_into("s.arrow", lambda chunk: None),
+             lambda: peer.read_range("s.arrow", 0, 100),
+             lambda: peer.read_bytes("manifest.json"),
+             lambda: peer.size("s.arrow"))
+    with ThreadPoolExecutor(len(calls)) as pool:  # each operation has a deadline of its own: wait for them at once
+        outcomes = list(pool.map(timed, calls))
+    for error, seconds in outcomes:
         assert isinstance(error, SourceTimeout) and isinstance(error, TimeoutError), error
         assert "test://peer/data/" in str(error)
         assert seconds < 5 * LIMITS.deadline
 
 
 def test_a_stalled_attempt_is_retried_and_the_download_resumes(peers):
-    peer = peers(lambda attempt: None if attempt == 1 else 0.0)
+    peer = peers(lambda attempt: None if attempt == 1 else 0.0, limits=ROOMY)
     out = bytearray()
     assert peer.read_into("s.arrow", out.extend) == len(PAYLOAD)
     assert bytes(out) == PAYLOAD and peer.attempts == 2
 
 
 def test_a_slow_but_sufficient_peer_is_not_cut(peers):
-    peer = peers(lambda attempt: 0.01)  # 8 KiB every 10 ms: ~800 KB/s against a 50 KB/s minimum
+    peer = peers(lambda attempt: 0.01, limits=ROOMY)  # 8 KiB every 10 ms: ~800 KB/s against a 50 KB/s minimum
     out = bytearray()
     assert peer.read_into("s.arrow", out.extend) == len(PAYLOAD) and peer.attempts == 1
 
@@ -128,7 +133,7 @@ def test_time_the_caller_holds_a_download_back_does_not_count(peers):
     peer = peers(lambda attempt: 0.0, chunk=len(PAYLOAD) // 4)
 
     def slow_disk(chunk) -> None:
-        time.sleep(0.5)  # 2 s in all, twice the deadline: a budget or a disk, not the peer
+        time.sleep(LIMITS.deadline / 2)  # twice the deadline in all: a budget or a disk, not the peer
 
     assert peer.read_into("s.arrow", slow_disk) == len(PAYLOAD) and peer.attempts == 1
 

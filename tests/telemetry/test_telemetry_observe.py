@@ -170,7 +170,7 @@ def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):
 
 
 def test_verdict_names_compute_when_the_step_is_slow(packed):
-    result = run_bench(samples_dataset(packed), 20, simulated_step(40))
+    result = run_bench(samples_dataset(packed), 20, simulated_step(25))
     assert result.verdict.bound == "compute", format_result(result)
     assert result.ratio > 0.8
 
@@ -187,7 +187,7 @@ def test_verdict_names_preprocessing_when_the_transform_is_slow(packed):
 
 def test_verdict_names_remote_storage_when_the_source_is_throttled(packed, make_proxy):
     with serve_directory(packed) as server:
-        proxy = make_proxy(server.url, bandwidth=2_000_000)
+        proxy = make_proxy(server.url, bandwidth=8_000_000)  # ~30 ms a shard against a 2 ms step
         registry = MetricsRegistry()
         stack = build_stack(proxy.url, [], registry=registry)
         result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry)
@@ -200,7 +200,7 @@ def test_bandwidth_use_against_the_node_budget_is_a_health_flag(packed, tmp_path
     from tierflow.storage.budget import BandwidthBudget
 
     registry = MetricsRegistry()
-    budget = BandwidthBudget(4e6, path=tmp_path / "budget")
+    budget = BandwidthBudget(8e6, path=tmp_path / "budget")
     stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
                         registry=registry)
     stack.source.budget = budget

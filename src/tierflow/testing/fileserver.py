@@ -78,6 +78,7 @@ class _DirectoryHTTPServer(ThreadingHTTPServer):
 
 class _DirectoryHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes: no delayed-ACK wait between them
     timeout = 300
     server: _DirectoryHTTPServer
 

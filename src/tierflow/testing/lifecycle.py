@@ -58,7 +58,8 @@ class ThreadedHTTPService(Startable):
             self._server = self._make_server()
             self._thread = threading.Thread(
                 target=self._server.serve_forever,
-                kwargs={"poll_interval": 0.1},
+                # how often the loop checks for shutdown: stop() waits for it, and tests stop a server each
+                kwargs={"poll_interval": 0.01},
                 name=f"{self.thread_name}-{self._server.server_address[1]}",
                 daemon=True,
             )

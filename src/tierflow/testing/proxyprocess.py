@@ -142,6 +142,7 @@ def _rule_from_json(data: dict[str, Any]) -> FaultRule:
 
 class _ControlHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes: no delayed-ACK wait between them
     server: _ControlServer
 
     def log_message(self, format: str, *args: object) -> None:
@@ -224,7 +225,7 @@ _CHILD = "import sys; from tierflow.testing.proxyprocess import _serve; _serve(s
 def _serve(upstream: str) -> None:
     with LoopbackProxy(upstream) as proxy:
         control = _ControlServer(proxy)
-        threading.Thread(target=control.serve_forever, daemon=True).start()
+        threading.Thread(target=control.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
         data_port = proxy.url.rsplit(":", 1)[1]
         print(f"PORTS {data_port} {control.server_address[1]}", flush=True)
         sys.stdin.read()  # returns when the parent closes our stdin or dies

@@ -106,6 +106,7 @@ class MotoS3Server(Startable):
         self._process: subprocess.Popen[str] | None = None
         self._log: Any = None
         self._port: int | None = None
+        self._admin: Any = None  # the boto3 client of create_bucket/delete_bucket, made once
 
     @property
     def endpoint_url(self) -> str:
@@ -150,6 +151,7 @@ class MotoS3Server(Startable):
     def stop(self) -> None:
         process, self._process = self._process, None
         self._port = None
+        self._admin = None
         stop_child(process)
         if self._log is not None:
             self._log.close()
@@ -158,18 +160,23 @@ class MotoS3Server(Startable):
     def create_bucket(self, prefix: str = "test") -> str:
         """Create a bucket with a name no other test uses, and return its name."""
         name = f"{prefix}-{os.getpid()}-{next(_bucket_numbers)}-{uuid.uuid4().hex[:8]}"
-        self.endpoint.boto3_client().create_bucket(Bucket=name)
+        self._admin_client().create_bucket(Bucket=name)
         return name
 
     def delete_bucket(self, name: str) -> None:
         """Delete a bucket and everything in it, so the server's memory stays bounded."""
-        client = self.endpoint.boto3_client()
+        client = self._admin_client()
         paginator = client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=name):
             keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
             if keys:
                 client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
         client.delete_bucket(Bucket=name)
+
+    def _admin_client(self) -> Any:
+        if self._admin is None:
+            self._admin = self.endpoint.boto3_client()
+        return self._admin
 
 
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
@@ -196,5 +203,6 @@ def _serve(host: str) -> None:
     server.start()
     print(f"PORT {server.get_host_and_port()[1]}", flush=True)
     sys.stdin.read()  # returns when the parent closes our stdin or dies
-    server.stop()
+    # and the process ends: the server's thread is a daemon (server.stop() would first wait out
+    # werkzeug's half-second shutdown poll)
 
