@@ -23,13 +23,14 @@ from tierflow.telemetry.loader_metrics import MAPPED, SOURCE
 class FetchLedger:
     """Running totals of fetch seconds and shard opens per serving tier, for one thread."""
 
-    __slots__ = ("seconds", "opens", "bytes", "adds")
+    __slots__ = ("seconds", "opens", "bytes", "adds", "_mark")
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.opens: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
         self.adds = 0
+        self._mark: tuple[int, dict[str, float], dict[str, int], dict[str, int]] | None = None
 
     def add(self, tier: str, seconds: float, nbytes: int) -> None:
         self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
@@ -38,7 +39,11 @@ class FetchLedger:
         self.adds += 1
 
     def mark(self) -> tuple[int, dict[str, float], dict[str, int], dict[str, int]]:
-        return self.adds, dict(self.seconds), dict(self.opens), dict(self.bytes)
+        """The totals now (the last mark again while nothing was added: no copies per batch)."""
+        mark = self._mark
+        if mark is None or mark[0] != self.adds:
+            mark = self._mark = (self.adds, dict(self.seconds), dict(self.opens), dict(self.bytes))
+        return mark
 
     def since(self, mark: tuple[int, dict[str, float], dict[str, int], dict[str, int]]) -> dict[str, dict[str, Any]]:
         """Per tier, what was added after `mark`: {"L2": {"seconds": s, "opens": n, "bytes": b}}."""

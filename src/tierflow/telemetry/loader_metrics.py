@@ -120,14 +120,24 @@ class LoaderTelemetry:
         if not pending:
             return
         with self._flushing:
-            for _ in range(len(pending)):
-                self._record(*pending.popleft())
+            stalled: dict[tuple[str, str], float] = {}
+            count = len(pending)
+            for _ in range(count):
+                self._record(*pending.popleft(), stalled)
+            self.batches.inc(count)
+            for key, seconds in stalled.items():
+                counter = self._stall.get(key)
+                if counter is None:
+                    cause, tier = key
+                    labels = {**self.labels, "cause": cause, **({"tier": tier} if tier else {})}
+                    counter = self._stall[key] = self.registry.counter(STALL, labels, "loop wait by cause and tier")
+                counter.inc(seconds)
 
     def clear(self) -> None:
         self._pending.clear()
 
-    def _record(self, wait_s: float, timing: Mapping[str, Any] | None, depth: int | None) -> None:
-        self.batches.inc()
+    def _record(self, wait_s: float, timing: Mapping[str, Any] | None, depth: int | None,
+                stalled: dict[tuple[str, str], float]) -> None:
         self.wait.observe(wait_s)
         if depth is not None:
             self.depth.observe(depth)
@@ -141,12 +151,7 @@ class LoaderTelemetry:
         if wait_s > self.stall_threshold_s:
             self.stalls.inc()
         for key, seconds in split_wait(wait_s, timing).items():
-            counter = self._stall.get(key)
-            if counter is None:
-                cause, tier = key
-                labels = {**self.labels, "cause": cause, **({"tier": tier} if tier else {})}
-                counter = self._stall[key] = self.registry.counter(STALL, labels, "loop wait by cause and tier")
-            counter.inc(seconds)
+            stalled[key] = stalled.get(key, 0.0) + seconds
 
     def on_step(self, step_s: float) -> None:
         """The training loop's own time for one step (measured between next() calls, or reported)."""

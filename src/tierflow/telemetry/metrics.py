@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Literal, Mapping, Protocol, Union
 
+import numpy as np
+
 SNAPSHOT_SCHEMA = 1
 _log2 = math.log2
 
@@ -221,24 +223,22 @@ class Histogram:
         pending = self._pending
         if not pending:
             return
-        lowest, inv_lowest, per_octave, top = self._lowest, self._inv_lowest, self._per_octave, self._top
         with self._lock:
+            values = [pending.popleft() for _ in range(len(pending))]
+            if not values:
+                return
+            array = np.asarray(values, dtype=np.float64)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                scaled = np.log2(np.maximum(array, self._lowest) * self._inv_lowest) * self._per_octave
+            index = np.where(array < self._lowest, 0, np.clip(scaled, 0, self._top).astype(np.int64) + 1)
+            np.minimum(index, self._top, out=index)
             counts = self._counts
-            for _ in range(len(pending)):
-                value = pending.popleft()
-                if value < lowest:
-                    index = 0
-                else:
-                    index = int(_log2(value * inv_lowest) * per_octave) + 1
-                    if index > top:
-                        index = top
-                counts[index] += 1
-                self._count += 1
-                self._sum += value
-                if value < self._min:
-                    self._min = value
-                if value > self._max:
-                    self._max = value
+            for bucket, n in zip(*np.unique(index, return_counts=True)):
+                counts[int(bucket)] += int(n)
+            self._count += len(values)
+            self._sum += float(array.sum())
+            self._min = min(self._min, float(array.min()))
+            self._max = max(self._max, float(array.max()))
 
     @property
     def count(self) -> int:
