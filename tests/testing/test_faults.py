@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierflow.testing.faults import FailNth, count_ops, error_chain, fail_each
+from tierflow.testing.faults import FailNth, boundaries, count_ops, error_chain, fail_each
 
 
 def _work(root: Path) -> None:
@@ -68,3 +68,16 @@ def test_error_chain_walks_causes() -> None:
             raise ValueError("outer") from e
     except ValueError as outer:
         assert [type(e) for e in error_chain(outer)] == [ValueError, OSError]
+
+
+def test_boundaries_keep_the_first_and_last_of_each_run(tmp_path: Path) -> None:
+    def work() -> None:
+        with open(tmp_path / "m", "w") as f:
+            for _ in range(50):
+                f.write("x")
+        os.replace(tmp_path / "m", tmp_path / "n")
+
+    faults = count_ops(work, [tmp_path])
+    assert boundaries(faults) == [1, 2, 51, 52]
+    run = fail_each(work, lambda t: None, [tmp_path], points=boundaries(faults))
+    assert [t.n for t in run.trials] == [1, 2, 51, 52, 0] and run.trials[-1].fault is None

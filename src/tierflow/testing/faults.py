@@ -7,7 +7,8 @@
 `FailNth(None, ...)` only counts. `fail_each(run, check, ...)` runs `run` for N = 1, 2, ... until
 a run completes without reaching its N-th operation, and calls `check(trial)` after each with
 the outcome, so every failure point of an operation is tried once (`persistent=True`: every
-operation from the N-th on fails, as on a disk that died or filled).
+operation from the N-th on fails, as on a disk that died or filled); `boundaries` picks a
+sample of those N for a quick run. `sample_digests` gives a dataset's golden sample hashes.
 
 What is patched, process-wide while the context is open (other threads count too): `os.write`,
 `os.pwrite`, `os.sendfile` (write), `os.fsync`, `os.fdatasync` (fsync), `os.rename`,
@@ -79,6 +80,11 @@ class FailNth:
         self.by_op: dict[str, int] = {}
         self._lock = threading.Lock()
         self._saved: list[tuple[Any, str, Any]] = []
+
+    @classmethod
+    def current(cls) -> "FailNth | None":
+        """The injector whose context is open, if any (a run can note how far it got: `calls`)."""
+        return cls._active
 
     # ------------------------------------------------------------ the decision
     def _inside(self, path: str) -> bool:
@@ -319,14 +325,15 @@ class FaultRun:
 def fail_each(run: Callable[[], Any], check: Callable[[Trial], None], roots: Iterable[str | os.PathLike], *,
               ops: Sequence[str] = DEFAULT_OPS, error: int = errnos.EIO, persistent: bool = False,
               reset: Callable[[], None] | None = None, max_trials: int = 100_000,
-              first: int = 1, step: int = 1) -> FaultRun:
-    """Run `run()` with its N-th I/O operation failed, for N = first, first + step, ... until a run
-    completes without reaching its N-th; `check(trial)` after each (with faults off), `reset()`
-    before each. Returns every trial; raises if `max_trials` pass without a complete run."""
+              points: Sequence[int] | None = None) -> FaultRun:
+    """Run `run()` with its N-th I/O operation failed, for N = 1, 2, ... until a run completes
+    without reaching its N-th (or for each N of `points`, then once without a fault: a sample of
+    the loop, see `boundaries`); `check(trial)` after each (with faults off), `reset()` before
+    each. Returns every trial; raises if `max_trials` pass without a complete run."""
     roots = list(roots)
     done = FaultRun()
-    n = first
-    for _ in range(max_trials):
+    todo: Iterator[int | None] = iter([*points, None]) if points is not None else iter(range(1, max_trials + 1))
+    for n in todo:
         if reset is not None:
             reset()
         started = time.perf_counter()
@@ -338,13 +345,45 @@ def fail_each(run: Callable[[], Any], check: Callable[[Trial], None], roots: Ite
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 error_seen = exc
-        trial = Trial(n, faults.fired, error_seen, time.perf_counter() - started, faults.calls, result)
+        trial = Trial(n or 0, faults.fired, error_seen, time.perf_counter() - started, faults.calls, result)
         done.trials.append(trial)
         check(trial)
-        if faults.fired is None:
+        if faults.fired is None and (points is None or n is None):
             return done
-        n += step
-    raise AssertionError(f"no run completed within {max_trials} trials (N up to {n})")
+    raise AssertionError(f"no run completed within {max_trials} trials")
+
+
+def boundaries(faults: FailNth, ops: Sequence[str] = DEFAULT_OPS) -> list[int]:
+    """From a recorded run (`count_ops`), the N of the first and the last operation of each run of
+    the same operation on the same file: a sample of every kind of failure point in a fraction of
+    the trials (a manifest written in 400 small writes is tried at its first and its last).
+    `ops`: the families the loop will fail (they number the operations)."""
+    points: list[int] = []
+    log = [entry for entry in faults.log if entry[0] in ops]
+    for i, entry in enumerate(log):
+        if i == 0 or log[i - 1] != entry or i + 1 == len(log) or log[i + 1] != entry:
+            points.append(i + 1)
+    return points
+
+
+def sample_digests(dataset: Iterable[dict[str, Any]]) -> list[str]:
+    """One xxh3-64 per sample (every column's value, arrays by dtype, shape and bytes), in order:
+    the golden hashes a rerun or a survivor is compared with."""
+    import numpy as np
+    import xxhash
+
+    digests = []
+    for sample in dataset:
+        h = xxhash.xxh3_64()
+        for name in sorted(sample):
+            value = sample[name]
+            h.update(name.encode() + b"\0")
+            if isinstance(value, np.ndarray):
+                h.update(f"{value.dtype.str}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+            else:
+                h.update(repr(value).encode())
+        digests.append(h.hexdigest())
+    return digests
 
 
 def count_ops(run: Callable[[], Any], roots: Iterable[str | os.PathLike], *, ops: Sequence[str] = OPS) -> FailNth:
@@ -367,4 +406,5 @@ def error_chain(error: BaseException | None) -> Iterator[BaseException]:
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
 
 
-__all__ = ["DEFAULT_OPS", "FailNth", "FaultRun", "IOFault", "OPS", "Trial", "count_ops", "error_chain", "fail_each"]
+__all__ = ["DEFAULT_OPS", "FailNth", "FaultRun", "IOFault", "OPS", "Trial", "boundaries", "count_ops", "error_chain",
+           "fail_each", "sample_digests"]
