@@ -314,8 +314,8 @@ class Stager:
     def _fetch(self, shard: int) -> None:
         started = time.perf_counter()
         info = self.shards[shard]
-        resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
         try:
+            resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
             handle = self.stack.ensure(info, prefetch=True)
         except Exception:  # noqa: BLE001
             self.m_errors.inc()
