@@ -14,7 +14,7 @@ What is patched, process-wide while the context is open (other threads count too
 `os.pwrite`, `os.sendfile` (write), `os.fsync`, `os.fdatasync` (fsync), `os.rename`,
 `os.replace` (rename), `os.mkdir` (mkdir; `os.makedirs` and `Path.mkdir` call it), `os.open`
 with a writing flag and `open`/`io.open` in a writing mode (open_write), `os.read`,
-`os.pread` (read), `os.unlink`/`os.remove` (unlink, off by default) and the `read*`/`write*`
+`os.pread`, `os.readv`, `os.preadv` (read), `os.unlink`/`os.remove` (unlink, off by default) and the `read*`/`write*`
 methods of every file `open` returns. Only operations on paths under `roots` count (a
 descriptor's path is read from /proc/self/fd), so pytest's and the interpreter's own I/O is
 untouched. Not reached: I/O done in C below Python (pyarrow's own file writers and memory
@@ -134,8 +134,8 @@ class FailNth:
             FailNth._active = self
         hit = self.hit
         real = {name: getattr(os, name) for name in ("write", "pwrite", "sendfile", "fsync", "fdatasync", "rename",
-                                                     "replace", "mkdir", "open", "read", "pread", "unlink",
-                                                     "remove")}
+                                                     "replace", "mkdir", "open", "read", "pread", "preadv",
+                                                     "readv", "unlink", "remove")}
         real_open = io.open
 
         def fd_op(op: str, name: str, which: int = 0) -> Callable[..., Any]:
@@ -187,6 +187,8 @@ class FailNth:
         self._patch(os, "fdatasync", fd_op("fsync", "fdatasync"))
         self._patch(os, "read", fd_op("read", "read"))
         self._patch(os, "pread", fd_op("read", "pread"))
+        self._patch(os, "preadv", fd_op("read", "preadv"))
+        self._patch(os, "readv", fd_op("read", "readv"))
         self._patch(os, "rename", rename("rename"))
         self._patch(os, "replace", rename("replace"))
         self._patch(os, "mkdir", path_op("mkdir", "mkdir"))
