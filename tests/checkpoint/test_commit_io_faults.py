@@ -1,10 +1,10 @@
 """A checkpoint commit with its N-th I/O operation failed, for every N (tierflow.testing.faults).
 
-The store holds step 1, committed here and at a local destination (retention keep_last=1). Step
-2's files are written, then `commit(2)` and `wait()` run with the N-th read, write, fsync,
-rename, open-for-write or mkdir under the run's directory failing, the upload included (run in
-this process by `InProcessUploader`, through the store's own job and answer plumbing). After
-every N: the error, if any, is typed (a TierflowError, or the injected OSError itself); the
+The store holds step 1, committed here and at a local destination (retention keep_last=1), or
+here only. Step 2's files are written, then `commit(2)` and `wait()` run with the N-th read,
+write, fsync, rename, open-for-write, mkdir or unlink under the run's directory failing, the
+upload and retention included (run in this process by `InProcessUploader`, through the
+store's own job and answer plumbing). After every N: the error, if any, is typed (a TierflowError, or the injected OSError itself); the
 newest checkpoint a fresh node finds, here or only at the destination, is step 1 or step 2,
 whole, with its own bytes; a commit that returned is step 2 everywhere; and committing step 2
 again without faults succeeds.
@@ -26,7 +26,7 @@ from tierflow.checkpoint.remote import open_dest, verify_remote
 from tierflow.checkpoint.uploader import upload_part
 from tierflow.errors import TierflowError
 from tierflow.storage.remote import RetryPolicy
-from tierflow.testing.faults import Trial, fail_each
+from tierflow.testing.faults import DEFAULT_OPS, Trial, fail_each
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -185,13 +185,29 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(RetryPolicy, "delay", lambda self, attempt, rng=None: 0.0)
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["once", "from-n-on"])
-@pytest.mark.parametrize("injected", [errno.EIO, errno.ENOSPC], ids=["EIO", "ENOSPC"])
+OPS = (*DEFAULT_OPS, "unlink")
+"""Retention's deletes at the destination fail too."""
+
+
 @pytest.mark.parametrize("remote", [True, False], ids=["with-dest", "local-only"])
-def test_a_commit_failing_at_any_io_leaves_the_previous_or_the_new_step_whole(
+def test_a_commit_failing_at_any_io_leaves_the_previous_or_the_new_step_whole(tmp_path: Path, remote: bool) -> None:
+    rig = CommitRig(tmp_path, remote)
+    run = fail_each(rig.commit, lambda t: rig.check(t, errno.EIO), [rig.run], ops=OPS, reset=rig.reset)
+    assert run.operations > (20 if remote else 15)  # commit (and the upload) reached
+    assert len(run.trials) == run.operations + 1
+    assert {"read", "write", "fsync", "rename", "open_write"} <= set(run.by_op())
+
+
+VARIANTS = [(errno.EIO, True), (errno.ENOSPC, False), (errno.ENOSPC, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("injected,persistent", VARIANTS,
+                         ids=[f"{errno.errorcode[e]}-{'from-n-on' if p else 'once'}" for e, p in VARIANTS])
+@pytest.mark.parametrize("remote", [True, False], ids=["with-dest", "local-only"])
+def test_a_commit_failing_at_any_io_with_any_error_leaves_the_previous_or_the_new_step_whole(
         tmp_path: Path, injected: int, persistent: bool, remote: bool) -> None:
     rig = CommitRig(tmp_path, remote)
-    run = fail_each(rig.commit, lambda t: rig.check(t, injected), [rig.run], error=injected,
+    run = fail_each(rig.commit, lambda t: rig.check(t, injected), [rig.run], ops=OPS, error=injected,
                     persistent=persistent, reset=rig.reset)
-    assert run.operations > (20 if remote else 15)  # commit (and the upload) reached
     assert len(run.trials) == run.operations + 1
