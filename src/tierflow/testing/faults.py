@@ -8,7 +8,8 @@
 a run completes without reaching its N-th operation, and calls `check(trial)` after each with
 the outcome, so every failure point of an operation is tried once (`persistent=True`: every
 operation from the N-th on fails, as on a disk that died or filled); `boundaries` picks a
-sample of those N for a quick run. `sample_digests` gives a dataset's golden sample hashes.
+sample of those N for a quick run. `sample_digests` gives a dataset's golden sample hashes,
+`tier_problems` what a tier directory shows that is not whole.
 
 What is patched, process-wide while the context is open (other threads count too): `os.write`,
 `os.pwrite`, `os.sendfile` (write), `os.fsync`, `os.fdatasync` (fsync), `os.rename`,
@@ -368,6 +369,37 @@ def boundaries(faults: FailNth, ops: Sequence[str] = DEFAULT_OPS) -> list[int]:
     return points
 
 
+def tier_problems(root: str | os.PathLike, manifest: Any, name: str = "L2", form: str = "decoded") -> list[str]:
+    """What a tier directory shows that is not whole: an indexed entry that is unknown to the
+    manifest, recorded with the wrong size or checksum for the tier's form, or without its file;
+    a file under entries/ whose bytes are not the entry's; a reservation of a dead process left
+    after the index reclaims them. Empty when every entry a reader could find is whole. `form`:
+    the tier's (what a directory not configured yet would be configured with)."""
+    from tierflow.format._checksum import file_xxh3_128
+    from tierflow.tiers import Tier
+
+    tier = Tier(root, 1 << 30, name=name, form=form)
+    expected = {s.key: (s.bytes_in(tier.form), s.checksum_in(tier.form)) for s in manifest.shards}
+    problems = []
+    for row in tier.index.entries():
+        if row.key not in expected:
+            problems.append(f"{name}: indexes an unknown entry {row.key}")
+        elif (row.size, row.checksum) != expected[row.key]:
+            problems.append(f"{name}: indexes {row.key} with size {row.size}, checksum {row.checksum}")
+        elif not tier.path_of(row.key).is_file():
+            problems.append(f"{name}: indexes {row.key}, whose file is gone")
+    for path in (Path(root) / "entries").iterdir():
+        key = path.name.removesuffix(".arrow")
+        size, checksum = expected.get(key, (-1, ""))
+        if path.stat().st_size != size or file_xxh3_128(path) != checksum:
+            problems.append(f"{name}: holds a partial or wrong entry {path.name}")
+    with tier.index.transaction() as c:
+        tier.index.used(c)  # reclaims the reservations of dead processes
+    if tier.index.occupancy()[1]:
+        problems.append(f"{name}: {tier.index.occupancy()[1]} bytes reserved after dead processes' were reclaimed")
+    return problems
+
+
 def sample_digests(dataset: Iterable[dict[str, Any]]) -> list[str]:
     """One xxh3-64 per sample (every column's value, arrays by dtype, shape and bytes), in order:
     the golden hashes a rerun or a survivor is compared with."""
@@ -409,4 +441,4 @@ def error_chain(error: BaseException | None) -> Iterator[BaseException]:
 
 
 __all__ = ["DEFAULT_OPS", "FailNth", "FaultRun", "IOFault", "OPS", "Trial", "boundaries", "count_ops", "error_chain",
-           "fail_each", "sample_digests"]
+           "fail_each", "sample_digests", "tier_problems"]
