@@ -13,6 +13,7 @@ the job in hand and exits at end of input: a step committed just before a crash 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -55,6 +56,7 @@ def upload_part(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
+    answering = True
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -64,7 +66,12 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - reported to the store, which raises it in wait()
             answer = {"step": job.get("step"), "ok": False, "error": f"{type(exc).__name__}: {exc}",
                       "trace": traceback.format_exc(limit=5)}
-        print(json.dumps(answer), flush=True)
+        if answering:
+            try:
+                print(json.dumps(answer), flush=True)
+            except BrokenPipeError:  # the store's process died: no one to answer, the queued jobs still go up
+                answering = False
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
     return 0
 
 
