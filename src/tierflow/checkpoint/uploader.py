@@ -5,7 +5,8 @@ takes the training process's GIL. It reads one JSON job per line on stdin and an
 line per job on stdout. Every byte goes through the node's bandwidth budget at low priority, so
 training reads keep theirs; a step's files go first, its part manifest after them, and (for a
 single-rank job) the commit marker last, then retention runs. When its parent dies it finishes
-the job in hand and exits at end of input: a step committed just before a crash still arrives.
+the job in hand and those queued, and exits at end of input: steps committed just before a
+crash still arrive (their answers, with no one to read them, are dropped).
 
     python -m tierflow.checkpoint.uploader     # started by CheckpointStore, not by hand
 """
