@@ -24,6 +24,7 @@ every assertion); TIERFLOW_KILL_ITERATIONS sets iterations per operation (defaul
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -95,8 +96,14 @@ def baseline(server: ForkServer, call: str, args: dict, reset) -> float:
     return sorted(times)[1]
 
 
-def tally(results: list[RunResult]) -> str:
+def tally(results: list[RunResult], name: str = "", seed: int = 0) -> str:
+    """The loop's counts; with TIERFLOW_FAULTS_REPORT=path, also one JSON line there."""
     killed = sum(r.killed for r in results)
+    report = os.environ.get("TIERFLOW_FAULTS_REPORT")
+    if report and name:
+        with open(report, "a") as f:
+            f.write(json.dumps({"test": f"kill loop: {name}", "seed": seed, "runs": len(results), "killed": killed,
+                                "lingered_max": max(r.lingered for r in results)}) + "\n")
     return f"{len(results)} runs: {killed} killed, {len(results) - killed} finished first"
 
 
@@ -140,7 +147,7 @@ def test_kill_loop_pack(server: ForkServer, seed: int, tmp_path: Path) -> None:
         shards = {s.name for s in Manifest.load(out).shards}
         strays = {p.name for p in out.iterdir()} - shards - {MANIFEST_NAME, ".tierflow.lock"}
         assert not strays, f"{where}: the rerun left {sorted(strays)}"
-    print(f"pack: {tally(results)}")
+    print(f"pack: {tally(results, 'pack', seed)}")
     assert sum(r.killed for r in results) >= ITERATIONS // 2
 
 
@@ -185,7 +192,7 @@ def test_kill_loop_cache_fill(server: ForkServer, seed: int, tmp_path: Path) -> 
     assert kill_ops.epoch_digests(str(l4), tiers) == batches, f"seed {seed}: the epoch after the loop"
     leftovers = [p for p in staging_root().glob("staging-*") if int(p.name.split("-")[1]) in pids]
     assert not leftovers, f"seed {seed}: staging areas of killed children left: {leftovers}"
-    print(f"cache fill: {tally(results)}")
+    print(f"cache fill: {tally(results, 'cache fill', seed)}")
     assert sum(r.killed for r in results) >= ITERATIONS // 2
 
 
@@ -235,7 +242,7 @@ def test_kill_loop_checkpoint(server: ForkServer, seed: int, tmp_path: Path) -> 
     assert final.ok, final.errors
     here = CheckpointStore(dest, tmp_path / "away-final", keep_last=keep_last)
     assert here.latest() == newest + steps and kill_ops.whole(here.load(), newest + steps)
-    print(f"checkpoint: {tally(results)}")
+    print(f"checkpoint: {tally(results, 'checkpoint', seed)}")
     assert sum(r.killed for r in results) >= ITERATIONS // 2
 
 

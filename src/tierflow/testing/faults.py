@@ -352,8 +352,25 @@ def fail_each(run: Callable[[], Any], check: Callable[[Trial], None], roots: Ite
         done.trials.append(trial)
         check(trial)
         if faults.fired is None and (points is None or n is None):
+            _report(done, error, persistent)
             return done
     raise AssertionError(f"no run completed within {max_trials} trials")
+
+
+def _report(run: FaultRun, error: int, persistent: bool) -> None:
+    """With TIERFLOW_FAULTS_REPORT=path, one JSON line per loop (the test, its trials, outcomes and
+    the operations failed): what docs/reliability.md's table is counted from."""
+    path = os.environ.get("TIERFLOW_FAULTS_REPORT")
+    if not path:
+        return
+    import json
+
+    line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "errno": errnos.errorcode[error],
+            "persistent": persistent, "trials": len(run.trials), "operations": run.operations,
+            "outcomes": run.outcomes(), "by_op": run.by_op(),
+            "max_seconds": round(max(t.seconds for t in run.trials), 3)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def boundaries(faults: FailNth, ops: Sequence[str] = DEFAULT_OPS) -> list[int]:
@@ -378,7 +395,7 @@ def tier_problems(root: str | os.PathLike, manifest: Any, name: str = "L2", form
     from tierflow.format._checksum import file_xxh3_128
     from tierflow.tiers import Tier
 
-    tier = Tier(root, 1 << 30, name=name, form=form)
+    tier = Tier(root, 1.0, name=name, form=form)  # a share: the directory's own capacity, no warning
     expected = {s.key: (s.bytes_in(tier.form), s.checksum_in(tier.form)) for s in manifest.shards}
     problems = []
     for row in tier.index.entries():
