@@ -134,7 +134,8 @@ def test_kill_loop_pack(server: ForkServer, seed: int, tmp_path: Path) -> None:
     for i in range(ITERATIONS):
         over, workers, group = rng.random() < 0.5, rng.choice([1, 1, 2]), rng.random() < 0.7
         delay = kill_point(rng, durations[workers])
-        where = f"seed {seed}, pack iteration {i} (overwrite={over}, workers={workers}, group={group}, kill at {delay:.3f} s)"
+        where = (f"seed {seed}, pack iteration {i} (overwrite={over}, workers={workers}, group={group}, "
+                 f"kill at {delay:.3f} s)")
         prepare(over)
         result = server.run("kill_ops:pack", {"corpus": str(corpus), "out": str(out), "overwrite": over,
                                               "workers": workers}, kill_after=delay, group=group)

@@ -4,10 +4,10 @@ The store holds step 1, committed here and at a local destination (retention kee
 here only. Step 2's files are written, then `commit(2)` and `wait()` run with the N-th read,
 write, fsync, rename, open-for-write, mkdir or unlink under the run's directory failing, the
 upload and retention included (run in this process by `InProcessUploader`, through the
-store's own job and answer plumbing). After every N: the error, if any, is typed (a TierflowError, or the injected OSError itself); the
-newest checkpoint a fresh node finds, here or only at the destination, is step 1 or step 2,
-whole, with its own bytes; a commit that returned is step 2 everywhere; and committing step 2
-again without faults succeeds.
+store's own job and answer plumbing). After every N: the error, if any, is typed (a
+TierflowError, or the injected OSError itself); the newest checkpoint a fresh node finds, here
+or only at the destination, is step 1 or step 2, whole, with its own bytes; a commit that
+returned is step 2 everywhere; and committing step 2 again without faults succeeds.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def batch_digest(batch: dict[str, Any]) -> list[bytes]:
-    return [batch[k].numpy().tobytes() if hasattr(batch[k], "numpy") else repr(batch[k]).encode() for k in sorted(batch)]
+    return [v.numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode() for _, v in sorted(batch.items())]
 
 
 class FillRig:

@@ -14,9 +14,9 @@ sample of those N for a quick run. `sample_digests` gives a dataset's golden sam
 What is patched, process-wide while the context is open (other threads count too): `os.write`,
 `os.pwrite`, `os.sendfile` (write), `os.fsync`, `os.fdatasync` (fsync), `os.rename`,
 `os.replace` (rename), `os.mkdir` (mkdir; `os.makedirs` and `Path.mkdir` call it), `os.open`
-with a writing flag and `open`/`io.open` in a writing mode (open_write), `os.read`,
-`os.pread`, `os.readv`, `os.preadv` (read), `os.unlink`/`os.remove` (unlink, off by default) and the `read*`/`write*`
-methods of every file `open` returns. Only operations on paths under `roots` count (a
+with a writing flag and `open`/`io.open` in a writing mode (open_write), `os.read`, `os.pread`,
+`os.readv`, `os.preadv` (read), `os.unlink`/`os.remove` (unlink, off by default) and the
+`read*`/`write*` methods of every file `open` returns. Only operations on paths under `roots` count (a
 descriptor's path is read from /proc/self/fd), so pytest's and the interpreter's own I/O is
 untouched. Not reached: I/O done in C below Python (pyarrow's own file writers and memory
 maps, SQLite, mmap reads); those are tried by the kill loop and the full-disk tests instead.
