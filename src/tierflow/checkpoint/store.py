@@ -142,11 +142,12 @@ class CheckpointStore:
         or a crashed earlier try) move file by file with this rank's part manifest last."""
         try:
             os.rename(tmp, final)
-            fsync_dir(self.local)
-            return
         except OSError:
             if not final.is_dir():
                 raise
+        else:  # a failing fsync after it is raised: the step is in place, never taken apart again
+            fsync_dir(self.local)
+            return
         if self.world_size == 1:
             (final / COMMIT_NAME).unlink(missing_ok=True)  # the step stops being a checkpoint first
         last = {part_name(self.rank): 1, COMMIT_NAME: 2}

@@ -5,7 +5,8 @@ takes the training process's GIL. It reads one JSON job per line on stdin and an
 line per job on stdout. Every byte goes through the node's bandwidth budget at low priority, so
 training reads keep theirs; a step's files go first, its part manifest after them, and (for a
 single-rank job) the commit marker last, then retention runs. When its parent dies it finishes
-the job in hand and exits at end of input: a step committed just before a crash still arrives.
+the job in hand and those queued, and exits at end of input: steps committed just before a
+crash still arrive (their answers, with no one to read them, are dropped).
 
     python -m tierflow.checkpoint.uploader     # started by CheckpointStore, not by hand
 """
@@ -13,6 +14,7 @@ the job in hand and exits at end of input: a step committed just before a crash 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -55,6 +57,7 @@ def upload_part(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
+    answering = True
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -64,7 +67,12 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - reported to the store, which raises it in wait()
             answer = {"step": job.get("step"), "ok": False, "error": f"{type(exc).__name__}: {exc}",
                       "trace": traceback.format_exc(limit=5)}
-        print(json.dumps(answer), flush=True)
+        if answering:
+            try:
+                print(json.dumps(answer), flush=True)
+            except BrokenPipeError:  # the store's process died: no one to answer, the queued jobs still go up
+                answering = False
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
     return 0
 
 

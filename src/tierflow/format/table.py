@@ -171,9 +171,9 @@ _tokens = itertools.count()
 class LazyShardTable(ShardTable):
     """A shard whose blocks are loaded on first use: opening costs O(blocks) of metadata, reading a
     row costs O(its block). A block's bytes are verified (xxh3-64 from the manifest or the tier's
-    block list) before any of them is served; a block that fails raises ShardCorruptError naming
-    the shard and the block, after `recover(block, error, source)` (the tier stack: quarantine,
-    fetch again) had one try at giving a sound copy. Thread-safe: a block is loaded once, under
+    block list) before any of them is served; a block that fails (or cannot be read) raises
+    ShardCorruptError naming the shard and the block, after `recover(block, error, source)` (the
+    tier stack: quarantine, fetch again) had one try at giving a sound copy. Thread-safe: a block is loaded once, under
     the table's lock; the getters of loaded blocks are read without it.
     """
 
@@ -274,9 +274,11 @@ class LazyShardTable(ShardTable):
         source = self._source
         try:
             data = source.checked(b, self.name)
-        except ShardCorruptError as e:
+        except OSError as e:  # ShardCorruptError, or a copy whose bytes cannot be read (EIO)
             if self._recover is None:
                 raise
+            if not isinstance(e, ShardCorruptError):
+                e = ShardCorruptError(f"shard {self.name}: block {b} cannot be read ({e})")
             source = self._replace_source(self._recover(b, e, source))
             data = source.checked(b, self.name)
         if not source.verified:
@@ -299,7 +301,7 @@ class LazyShardTable(ShardTable):
         if self._schema_hint is not None:
             try:
                 found = block_schema(self._source.read(0, 1 << 16), self.name, block)
-            except ShardCorruptError:
+            except OSError:  # ShardCorruptError, or unreadable: the verified read below decides (and recovers)
                 found = None
             if found is not None and found.equals(self._schema_hint):
                 self._schema = self._schema_hint

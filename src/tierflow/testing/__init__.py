@@ -1,5 +1,6 @@
 """The shared test rig: an S3 server, a metering and fault-injecting proxy, a directory server,
-and `assert_resumes_exactly`, the resume guarantee as a check to run against your own batchers.
+`FailNth` (fail the N-th read/write/fsync/rename below tierflow's own I/O) and
+`assert_resumes_exactly`, the resume guarantee as a check to run against your own batchers.
 
 Tests use it through the fixtures in tests/conftest.py; benchmarks and `tierflow demo` import
 it directly. Nothing here is imported by the core package, and moto loads only in the
@@ -7,6 +8,7 @@ server's child process.
 """
 
 from tierflow.testing.bandwidth import TokenBucket
+from tierflow.testing.faults import FailNth, IOFault, fail_each
 from tierflow.testing.fileserver import DirectoryServer, serve_directory
 from tierflow.testing.proxy import (
     Fault,
@@ -23,8 +25,10 @@ from tierflow.testing.s3server import MotoS3Server, S3Endpoint, fake_credentials
 
 __all__ = [
     "DirectoryServer",
+    "FailNth",
     "Fault",
     "FaultRule",
+    "IOFault",
     "LoopbackProxy",
     "MotoS3Server",
     "PathTraffic",
@@ -35,6 +39,7 @@ __all__ = [
     "TrafficSnapshot",
     "assert_resumes_exactly",
     "assert_same_batches",
+    "fail_each",
     "fake_credentials_env",
     "free_port",
     "gathered_stream",

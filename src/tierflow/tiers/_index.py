@@ -113,7 +113,11 @@ class TierIndex:
         if getattr(local, "pid", None) != os.getpid():
             # switching to WAL while another process opens the same new index fails at once with
             # "database is locked" (SQLite takes no busy wait for it): open one process at a time
-            with open(self.path.with_name(self.path.name + ".open-lock"), "a") as guard:
+            try:
+                guard = open(self.path.with_name(self.path.name + ".open-lock"), "a")
+            except OSError as e:  # as SQLite says it: the index cannot be opened (IndexTrouble knows it)
+                raise sqlite3.OperationalError(f"unable to open the index's open-lock ({e})") from e
+            with guard:
                 fcntl.flock(guard, fcntl.LOCK_EX)
                 conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
                 conn.execute("PRAGMA journal_mode=WAL")

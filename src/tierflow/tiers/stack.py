@@ -428,9 +428,15 @@ class TierStack:
         if tier is None:
             raise error
         log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
-        tier.quarantine(info.key, f"failed verification of block {block} on read", pin=handle.pin)
         try:
-            return self.ensure(info, read=True).block_bytes(info)
+            tier.quarantine(info.key, f"failed verification of block {block} on read", pin=handle.pin)
+        except OSError as e:  # the tier's device fails: it would serve the same entry again
+            log.warning("tier %s could not quarantine %s (%s); reading it from the source", tier.name, info.name, e)
+            again: Callable[[], Handle] = lambda: self._from_source(info)  # noqa: E731
+        else:
+            again = lambda: self.ensure(info, read=True)  # noqa: E731
+        try:
+            return again().block_bytes(info)
         except (OSError, ValueError) as e:
             raise ShardCorruptError(f"{error}; fetching it again failed: {e}") from e
 

@@ -227,6 +227,8 @@ class Stager:
             else:
                 self._release_passed()
             self._wake.clear()
+            if self._stop.is_set():  # close() woke it while it planned: that wake-up was just cleared
+                return
             gap = max(0.05, PLAN_SHARE * cost)  # the same rest as `rested` above, or this loop spins
             # the node's other ranks do not wake this thread: look at their steps every 50 ms
             idle = 0.5 if self.progress is None else 0.05
@@ -312,8 +314,8 @@ class Stager:
     def _fetch(self, shard: int) -> None:
         started = time.perf_counter()
         info = self.shards[shard]
-        resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
         try:
+            resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
             handle = self.stack.ensure(info, prefetch=True)
         except Exception:  # noqa: BLE001
             self.m_errors.inc()

@@ -7,7 +7,9 @@ fetches to a temporary name, verifies size and checksum, renames and admits. Whe
 declines or no space can be made, `ensure` returns None and the caller serves from the tier
 below without caching. The same code serves a tmpfs L1 and an NVMe L2. So does a full disk,
 whether the shard write or the index (SQLite) hits it: the read is served from below, a
-warning is logged once and `tier_enospc_fallbacks` / `tier_index_unwritable` count it.
+warning is logged once and `tier_enospc_fallbacks` / `tier_index_unwritable` count it. A
+failing device (EIO or a read-only file system while writing an entry, its fetch lock or
+the index) is served from below the same way, counted in `tier_write_error_fallbacks`.
 
 A hit is verified whole (xxh3-128) unless the caller verifies by block as it reads
 (`verify_hit=False`, the tier stack's readers): then a hit costs a size check, and the entry's
@@ -28,7 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 from tierflow.format._checksum import file_xxh3_128, xxh3_hex
 from tierflow.format._regular import read_regular
@@ -44,6 +47,9 @@ from tierflow.errors import FetchError, ShardCorruptError
 log = logging.getLogger("tierflow.tiers")
 INDEX_NAME = "tierflow-index.sqlite"
 MAX_BLOCK_LIST_BYTES = 64 << 20
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+DEVICE_FAILED = frozenset({errno.EIO, errno.EROFS})
+"""Write errors of a tier's own files after which the read is served from below (tiers are optional)."""
 
 
 @dataclass
@@ -131,6 +137,8 @@ class Tier:
                 log.warning("tier %s (%s): asked for %s=%s but the directory is configured with %s; "
                             "capacity and policy belong to the directory, keeping %s", name, self.root, k, v,
                             stored[k], stored[k])
+        self._requested = requested
+        self._configured = stored is not requested  # else stored before the first entry is (`_reserve`)
         self.configured_capacity = int(stored["capacity"])
         self.policy_name = stored["policy"]
         self.form = tier_form(stored["form"], name)
@@ -160,6 +168,8 @@ class Tier:
         self.m_evicted_unused = count("evictions_before_use", "prefetched, evicted before any read")
         self.m_corruptions = count("corruptions", "entries that failed verification")
         self.m_enospc = count("enospc_fallbacks", "served from below: no space")
+        self.m_write_errors = count("write_error_fallbacks", "served from below: the tier's device failed a write "
+                                    "(EIO, read-only)")
         self.m_index_unwritable = count("index_unwritable", "index writes failed (filesystem full or failing); "
                                         "served from below")
         self.m_bypass = count("bypass", "served from below: the policy declined")
@@ -170,6 +180,7 @@ class Tier:
         self.m_occupancy = r.gauge("tierflow_tier_occupancy_bytes", labels, aggregate="max")
         self.m_capacity = r.gauge("tierflow_tier_capacity_bytes", labels, aggregate="max")
         self._warned_enospc = False
+        self._warned_write_error = False
 
     # ------------------------------------------------------------ capacity
     @property
@@ -377,7 +388,9 @@ class Tier:
         pin = self.lookup(key, verify_hit, block_list)
         if pin is not None:
             return pin
-        with FileLock(self.root / "locks" / f"{key}.lock", self.lock_timeout) as lock:
+        with self._fetch_lock(key) as lock:
+            if lock is None:
+                return None  # its lock file cannot be made (a failing or full device): serve from below
             if not lock.acquired:
                 self.m_takeovers.inc()
             pin = self.lookup(key, verify_hit, block_list)
@@ -420,7 +433,10 @@ class Tier:
                         pin.release()
                     tmp.unlink(missing_ok=True)
                     self._release(reservation)
-                    if e.errno != errno.ENOSPC:
+                    if e.errno in DEVICE_FAILED:
+                        self._write_failed(e)
+                        return None
+                    if e.errno not in NO_SPACE:
                         raise
                     enospc += 1
                     if enospc == 1:
@@ -449,6 +465,33 @@ class Tier:
                 self.m_promotions.inc()
                 self.m_bytes_in.inc(size)
                 return pin
+
+    @contextmanager
+    def _fetch_lock(self, key: str) -> Iterator[FileLock | None]:
+        """The entry's fetch lock, held; None when its file cannot be made (a full or failing device)."""
+        lock: FileLock | None = FileLock(self.root / "locks" / f"{key}.lock", self.lock_timeout)
+        try:
+            lock.__enter__()
+        except OSError as e:
+            if e.errno in NO_SPACE:
+                self.m_enospc.inc()
+            elif e.errno in DEVICE_FAILED:
+                self._write_failed(e)
+            else:
+                raise
+            lock = None
+        try:
+            yield lock
+        finally:
+            if lock is not None:
+                lock.__exit__()
+
+    def _write_failed(self, error: OSError) -> None:
+        self.m_write_errors.inc()
+        if not self._warned_write_error:
+            log.warning("tier %s (%s): a write failed (%s); serving from the tier below without caching",
+                        self.name, self.root, error)
+            self._warned_write_error = True
 
     def _release(self, reservation: int) -> None:
         """Give back a reservation; on a full disk it stays until this process exits (then reclaimed)."""
@@ -493,6 +536,11 @@ class Tier:
         A reader's entry is `required`: it is read now, so the policy says only whether it is worth
         keeping (`admit_read`; if not, the reader reads it from below this once); a prefetch asks
         whether it is worth its room (`admit`)."""
+        if not self._configured:  # the index opens now: the directory's configuration goes first
+            if self.index.set_config_if_absent(self._requested)["form"] != self.form.value:
+                self.m_bypass.inc()
+                return None  # another process configured it for another form meanwhile: not ours to fill
+            self._configured = True
         capacity = self.capacity
         self.m_capacity.set(capacity)
         if size > capacity:
