@@ -19,18 +19,6 @@ import tierflow
 from tierflow.checkpoint import CheckpointStore
 from tierflow.tiers import build_stack
 
-WORDS = ["alpha", "beta", "gamma", "delta", "tier", "flow", "shard", "cursor", "batch", "node"]
-
-
-def write_corpus(path: Path, docs: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for i in range(docs):
-            f.write(json.dumps({"id": i, "text": f"{seed}:{i} " + " ".join(rng.choice(WORDS) for _ in
-                                                                        range(rng.randint(5, 200)))}) + "\n")
-    return path
-
-
 def pack(corpus: str, out: str, overwrite: bool = False, workers: int = 1) -> None:
     tierflow.pack([corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=workers,
                   overwrite=overwrite)

@@ -38,10 +38,8 @@ import tierflow
 from tierflow.checkpoint import CheckpointStore
 from tierflow.checkpoint.remote import open_dest, remote_steps
 from tierflow.errors import ManifestError
-from tierflow.format._audit import audit_manifest
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import verify_shard
-from tierflow.testing.faults import sample_digests, tier_problems
+from tierflow.testing.faults import sample_digests, tier_problems, verified_golden as golden, write_corpus
 from tierflow.testing.killer import ForkServer, RunResult
 from tierflow.tiers import build_stack
 from tierflow.tiers.stack import staging_root
@@ -64,14 +62,6 @@ def seed() -> int:
 def server(tmp_path_factory: pytest.TempPathFactory):
     with ForkServer(["kill_ops"], path=[TESTS], scratch=tmp_path_factory.mktemp("fork-server")) as s:
         yield s
-
-
-def golden(out: Path) -> tuple[str, list[str]]:
-    manifest = Manifest.load(out)
-    problems = [p for info in manifest.shards for p in verify_shard(out / info.name, info)]
-    problems = problems or audit_manifest(out, manifest)
-    assert not problems, problems
-    return manifest.dataset_id, sample_digests(tierflow.open_dataset(out))
 
 
 def visible(out: Path) -> tuple[str, list[str]] | None:
@@ -115,8 +105,8 @@ def tally(results: list[RunResult], name: str = "", seed: int = 0) -> str:
 
 def test_kill_loop_pack(server: ForkServer, seed: int, tmp_path: Path) -> None:
     rng = random.Random(seed ^ 0x9ACC)
-    corpus = kill_ops.write_corpus(tmp_path / "new.jsonl", 900, seed=1)
-    old_corpus = kill_ops.write_corpus(tmp_path / "old.jsonl", 500, seed=2)
+    corpus = write_corpus(tmp_path / "new.jsonl", 900, seed=1)
+    old_corpus = write_corpus(tmp_path / "old.jsonl", 500, seed=2)
     kill_ops.pack(str(corpus), str(tmp_path / "reference"))
     new = golden(tmp_path / "reference")
     kill_ops.pack(str(old_corpus), str(tmp_path / "old"))
@@ -162,7 +152,7 @@ def test_kill_loop_pack(server: ForkServer, seed: int, tmp_path: Path) -> None:
 
 def test_kill_loop_cache_fill(server: ForkServer, seed: int, tmp_path: Path) -> None:
     rng = random.Random(seed ^ 0xF111)
-    kill_ops.write_corpus(tmp_path / "docs.jsonl", 1500, seed=3)
+    write_corpus(tmp_path / "docs.jsonl", 1500, seed=3)
     l4 = tmp_path / "l4"
     kill_ops.pack(str(tmp_path / "docs.jsonl"), str(l4))
     manifest = Manifest.load(l4)

@@ -17,9 +17,7 @@ every N with TIERFLOW_FAULTS_EVERY_N=1.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -27,37 +25,14 @@ import pytest
 
 import tierflow
 from tierflow.errors import ManifestError, TierflowError
-from tierflow.format._audit import audit_manifest
 from tierflow.format.manifest import Manifest
-from tierflow.format.shard import verify_shard
-from tierflow.testing.faults import Trial, boundaries, count_ops, fail_each, sample_digests
+from tierflow.testing.faults import Trial, boundaries, count_ops, fail_each, verified_golden as golden, write_corpus
 
 EVERY_N = bool(os.environ.get("TIERFLOW_FAULTS_EVERY_N"))
 """Set: the slow set tries every N (SQLite's loop: ~500-800 trials a variant, minutes); else `boundaries`."""
-WORDS = ["alpha", "beta", "gamma", "delta", "tier", "flow", "shard", "cursor", "batch", "node"]
-
-
-def write_corpus(path: Path, docs: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for i in range(docs):
-            f.write(json.dumps({"id": i, "text": f"{seed}:{i} " + " ".join(rng.choice(WORDS) for _ in
-                                                                        range(rng.randint(5, 200)))}) + "\n")
-    return path
-
-
 def pack(corpus: Path, out: Path, overwrite: bool = False) -> tierflow.Manifest:
     return tierflow.pack([corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=1,
                          overwrite=overwrite).manifest
-
-
-def golden(out: Path) -> tuple[str, list[str]]:
-    """The dataset's id and its samples' hashes, after verify's checks (which must pass)."""
-    manifest = Manifest.load(out)
-    problems = [p for info in manifest.shards for p in verify_shard(out / info.name, info)]
-    problems = problems or audit_manifest(out, manifest)
-    assert not problems, problems
-    return manifest.dataset_id, sample_digests(tierflow.open_dataset(out))
 
 
 def acceptable(error: BaseException, injected: int) -> bool:

@@ -18,9 +18,7 @@ under the run's directory (source and tiers) failing, after every N:
 from __future__ import annotations
 
 import errno
-import json
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,12 +30,11 @@ from tierflow.errors import TierflowError
 from tierflow.format._checksum import file_xxh3_128
 from tierflow.format.manifest import Manifest
 from tierflow.storage.remote import RetryPolicy
-from tierflow.testing.faults import FailNth, Trial, boundaries, count_ops, fail_each
+from tierflow.testing.faults import FailNth, Trial, boundaries, count_ops, fail_each, write_corpus
 from tierflow.tiers import Tier, build_stack
 
 EVERY_N = bool(os.environ.get("TIERFLOW_FAULTS_EVERY_N"))
 """Set: the slow set tries every N (SQLite's loop, ~150 trials a variant); else `boundaries`."""
-WORDS = ["alpha", "beta", "gamma", "delta", "tier", "flow", "shard", "cursor", "batch", "node"]
 
 
 @pytest.fixture(autouse=True)
@@ -57,12 +54,7 @@ class FillRig:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        rng = random.Random(5)
-        raw = root / "docs.jsonl"
-        with open(raw, "w") as f:
-            for i in range(700):
-                f.write(json.dumps({"text": f"{i} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 200)))})
-                        + "\n")
+        raw = write_corpus(root / "docs.jsonl", docs=700, seed=5)
         self.template = root / "template"
         tierflow.pack([raw], self.template / "l4", tokenizer="bytes", target_shard_bytes=256 << 10, workers=1)
         self.manifest = Manifest.load(self.template / "l4")

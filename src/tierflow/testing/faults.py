@@ -437,6 +437,39 @@ def sample_digests(dataset: Iterable[dict[str, Any]]) -> list[str]:
     return digests
 
 
+CORPUS_WORDS = ("alpha", "beta", "gamma", "delta", "tier", "flow", "shard", "cursor", "batch", "node")
+
+
+def write_corpus(path: Path, docs: int, seed: int) -> Path:
+    """A JSONL corpus of `docs` records ({"id", "text"}, 5-200 words each) drawn from `seed`: the
+    input the fault and kill suites pack, the same bytes for the same arguments."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(docs):
+            words = " ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(5, 200)))
+            f.write(json.dumps({"id": i, "text": f"{seed}:{i} {words}"}) + "\n")
+    return path
+
+
+def verified_golden(out: str | os.PathLike) -> tuple[str, list[str]]:
+    """The local dataset's id and its samples' hashes, after `tierflow verify`'s checks, which must
+    pass (AssertionError listing the problems otherwise)."""
+    import tierflow
+    from tierflow.format._audit import audit_manifest
+    from tierflow.format.manifest import Manifest
+    from tierflow.format.shard import verify_shard
+
+    out = Path(out)
+    manifest = Manifest.load(out)
+    problems = [p for info in manifest.shards for p in verify_shard(out / info.name, info)]
+    problems = problems or audit_manifest(out, manifest)
+    assert not problems, problems
+    return manifest.dataset_id, sample_digests(tierflow.open_dataset(out))
+
+
 def count_ops(run: Callable[[], Any], roots: Iterable[str | os.PathLike], *, ops: Sequence[str] = OPS) -> FailNth:
     """Run `run()` once, counting (and recording) its operations without failing any."""
     with FailNth(None, roots, ops=ops, record=True) as faults:
