@@ -10,6 +10,21 @@ Per job: its share of the L2 at the end and its last (warm) epoch's bytes from S
 beside the bound, one job alone with half the room (what a fair share can give).
 
 Run: .venv/bin/python benchmarks/shared_node.py [--docs 20000] [--rounds 3]
+
+Measured (defaults, 2 cores shared with other sessions; median (min-max) of 3 alternating rounds;
+two datasets of 2.6 MB at rest, 26 shards each). Same dataset: node bytes from S3 / dataset 1.00
+with shared tiers, 2.00 with tiers of their own (the same before and after the fair share: this
+already held). Different datasets, share of the L2 and warm-epoch bytes / dataset:
+
+| case | a share | a warm | b share | b warm |
+|---|---|---|---|---|
+| both cold, fair share | 0.51 (0.49-0.51) | 0.57 (0.49-0.62) | 0.49 (0.49-0.49) | 0.55 (0.51-0.62) |
+| L2 full of a, fair share | 0.49 (0.49-0.49) | 0.51 (0.47-0.54) | 0.49 | 0.55 (0.55-0.58) |
+| both cold, before (13571ce) | 0.47 (0.35-0.62) | 0.69 (0.46-0.73) | 0.53 (0.38-0.65) | 0.55 (0.39-0.66) |
+| L2 full of a, before (13571ce) | 1.00 | 0.00 | 0.00 | 1.08 (1.08-1.08) |
+| bound: a alone, half the room | 0.49 | 0.62 (0.58-0.62) | - | - |
+
+("before": this script with PYTHONPATH at commit 13571ce's src plus tierflow/testing/nodejobs.py.)
 """
 
 from __future__ import annotations
