@@ -13,8 +13,7 @@ import torch
 from PIL import Image
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.images import AspectBuckets, ImageSamples
+from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset
 from tierflow.testing import assert_resumes_exactly
 from tierflow.testing.resume import assert_same_batches, take
 from tierflow.transforms import (
