@@ -142,3 +142,22 @@ def test_a_corrupt_jpeg_raises_naming_shard_row_and_path(corrupt, workers):
         with pytest.raises(ImageDecodeError, match=r"shard 0 \(.*\) block \d+ row 7 .*path '007\.jpg'.*decode"):
             for _ in loader:
                 pass
+
+
+def test_a_decoded_array_cut_to_its_box_resizes_as_the_whole_image_does():
+    """The pipeline copies only the crop box (and the filter's reach) of a decoded array into Pillow;
+    the pixels are those of resizing the box of the whole image (rounding: at most 1 apart)."""
+    from tierflow.transforms.augment import _resample
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        h, w = int(rng.integers(20, 300)), int(rng.integers(20, 300))
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        bw, bh = rng.uniform(1, w), rng.uniform(1, h)
+        x, y = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
+        out, flip = (int(rng.integers(4, 120)), int(rng.integers(4, 120))), bool(rng.random() < 0.5)
+        whole = Image.fromarray(img).resize(out, Image.Resampling.BILINEAR, box=(x, y, x + bw, y + bh))
+        expected = np.asarray(whole.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else whole, dtype=np.int16)
+        got = _resample(img, (x, y, x + bw, y + bh), out, flip)
+        assert got.shape == (out[1], out[0], 3)
+        assert np.abs(got.astype(np.int16) - expected).max() <= 1
