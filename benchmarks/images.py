@@ -1,17 +1,34 @@
-"""Images end to end (issue 16): decoders, then decode + RandomResizedCrop(224) through the loader.
+"""Images end to end (issue 16): decoders, loaders side by side, S3, the cached form, head-of-line blocking.
 
-    python benchmarks/images.py [--images 3000] [--rounds 3] [--dir /tmp/tierflow-images]
+    PYTHONPATH=src /work/main/.venv-peers/bin/python benchmarks/images.py --images 20000 --dir /tmp/tierflow-images-20k
+    ... --only loaders|s3|cached-form|blocking|decoders      one section
+    ... --before /tmp/before/src --only loaders               tierflow at another checkout against this one
+
+(the peers' venv has litdata and webdataset; `git archive COMMIT src | tar -x -C /tmp/before` makes a
+before.) Every rate is the median of --rounds alternating rounds (min-max); beside images/s, the CPU
+ms per image of the whole process tree (main + DataLoader workers), which a loaded machine changes
+far less than it changes images/s.
 
 1. Decoders: every installed decoder on the same JPEGs, full decode and DCT-downscaled for a
    224 crop (what the pipeline asks for), images/s, median of alternating rounds (min-max).
-2. The corpus packed as tierflow shards and as WebDataset tars (when webdataset installs), then
-   decode + RandomResizedCrop(224) + flip at 0 and 2 workers, warm (page cache), images/s.
-3. Head-of-line blocking: per-batch build time p50 and p99 (in-process, 0 workers) on the
+2. Loaders, warm (page cache): the corpus as tierflow shards (pack's defaults), WebDataset tars
+   (1000 images each) and LitData chunks (optimize(), 64 MB), each decoded + RandomResizedCrop(224)
+   + flip by the same ImagePipeline and decoder (the peers' samples carry no size: their pipeline
+   reads it from the JPEG header), at 0 and 2 DataLoader workers; target tierflow >= 1.2 x the
+   better peer at 2 workers.
+3. From S3 (moto behind the throttling ProxyProcess, tierflow.testing) on the first --s3-images
+   images in --s3-shard-mb shards: the cold first epoch at 2 workers through an empty L2, the proxy
+   throttled to half of what the warm loop consumes (target >= 0.9 x the throttle); bytes per
+   epoch with an L2 of 30% of the dataset, 3 epochs (target <= 0.75 x the dataset per warm epoch).
+4. The cached form: per image, an L1 of encoded bytes (decode every time) against one of pixels
+   decoded once and resized (short side 256, or full size), for --hot-images images.
+5. Head-of-line blocking: per-batch build time p50 and p99 (in-process, 0 workers) on the
    long-tailed corpus, and the share of batches over 2x the median.
 
 The corpus: generated JPEGs (smooth fields plus grain, so they compress like photographs) with
 log-normal sizes, median about 100 KB and a long tail (a few multi-megapixel ones), each with a
-caption sidecar. Generated once under --dir and reused.
+caption sidecar. Generated once under --dir and reused (each image from its own seed, so a larger
+--images adds to it).
 """
 
 from __future__ import annotations
@@ -302,6 +319,63 @@ def s3_rows(packed: Path, work: Path, warm_rate: float) -> None:
               f"(target <= 0.75 per warm epoch: {'met' if warm <= 0.75 else 'MISSED'})")
 
 
+# ---------------------------------------------------------------- 5. the cached form (L1)
+
+
+def cached_forms(folder: Path, count: int, rounds: int, short_sides: tuple[int, ...] = (256, 0)
+                 ) -> list[tuple[str, str, str, float]]:
+    """Per image, what an L1 of each form costs to serve one decoded + RandomResizedCrop(224) + flip
+    sample: the encoded bytes (decode every time, DCT-scaled), or pixels decoded once and resized to
+    a short side (0: full size) held as uint8 in RAM (only the crop and resize left). Rows: (form,
+    CPU ms per image, images/s on one core, bytes per image in L1). Every image is served by every
+    form back to back, the order alternating per image."""
+    from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop, decode
+    from tierflow.transforms.augment import _resample
+    from tierflow.transforms.decode import to_array
+    from PIL import Image
+
+    pipeline = ImagePipeline([RandomResizedCrop(224), HorizontalFlip()])
+    paths = sorted(folder.glob("*.jpg"))[:count]
+    encoded = [p.read_bytes() for p in paths]
+    from tierflow.pack._media import probe
+
+    sizes = [probe(b)[:2] for b in encoded]
+    forms: dict[str, list] = {"encoded bytes": encoded}
+    for side in short_sides:
+        arrays = []
+        for data, (w, h) in zip(encoded, sizes):
+            pixels = to_array(decode(data))
+            if side:
+                scale = side / min(w, h)
+                pixels = to_array(Image.fromarray(pixels).resize((max(1, round(w * scale)), max(1, round(h * scale))),
+                                                                   Image.Resampling.BILINEAR, reducing_gap=None))
+            arrays.append(pixels)
+        forms[f"decoded, short side {side}" if side else "decoded, full size"] = arrays
+    names = list(forms)
+    spent = {n: [] for n in names}
+    for r in range(rounds):
+        used = dict.fromkeys(names, 0.0)
+        for k in range(len(paths)):
+            for name in round_order(r + k, names):
+                value = forms[name][k]
+                rng = np.random.default_rng([r, k])
+                start = time.process_time()
+                if isinstance(value, bytes):
+                    w, h = sizes[k]
+                    pipeline({"image": value, "image_width": w, "image_height": h}, rng)
+                else:
+                    g, _, _ = pipeline.geometry({"image_width": value.shape[1], "image_height": value.shape[0]}, rng)
+                    _resample(value, g.box, g.out, g.flip)
+                used[name] += time.process_time() - start
+        for name in names:
+            spent[name].append(used[name] / len(paths))
+    rows = []
+    for name in names:
+        per_image = sum(len(v) if isinstance(v, bytes) else v.nbytes for v in forms[name]) / len(paths)
+        rows.append((name, spread(spent[name], ".2f", 1e3), spread([1 / t for t in spent[name]], ".0f"), per_image))
+    return rows
+
+
 # ---------------------------------------------------------------- 3. head-of-line blocking
 
 
@@ -393,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "tierflow-images")
-    parser.add_argument("--only", choices=("decoders", "loaders", "s3", "blocking"), default=None)
+    parser.add_argument("--only", choices=("decoders", "loaders", "s3", "cached-form", "blocking"), default=None)
+    parser.add_argument("--hot-images", type=int, default=1000, help="the small hot dataset of the cached-form rows")
     parser.add_argument("--limit", type=int, default=1280, help="images timed per loader run")
     parser.add_argument("--s3-images", type=int, default=3000, help="images of the S3 rows' dataset")
     parser.add_argument("--s3-shard-mb", type=int, default=16, help="its shard size (several shards per L2)")
@@ -425,6 +500,14 @@ def main(argv: list[str] | None = None) -> None:
         subset = pack_subset(folder, args.dir, min(args.s3_images, args.images), args.s3_shard_mb << 20)
         with tempfile.TemporaryDirectory(dir=args.dir) as work:
             s3_rows(subset, Path(work), warm_rate)
+    if args.only in (None, "cached-form"):
+        hot = min(args.hot_images, args.images)
+        rows = cached_forms(folder, hot, args.rounds)
+        encoded = rows[0][3]
+        print(f"\n| L1 form ({hot} hot images, one core) | CPU ms per image | images/s | bytes per image in L1 |"
+              f" L1 bytes / encoded |\n|---|---|---|---|---|")
+        for name, ms, rate, nbytes in rows:
+            print(f"| {name} | {ms} | {rate} | {nbytes / 1e3:.0f} KB | {nbytes / encoded:.1f} |")
     if args.only in (None, "blocking"):
         times = batch_build_times(packed, max(10, min(40, args.images // BATCH - 2)))
         p50, p99 = statistics.median(times), float(np.percentile(times, 99))
