@@ -127,8 +127,8 @@ def corrupt(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("decoder", available_decoders())
 def test_a_corrupt_jpeg_is_skipped_and_counted_and_the_epoch_goes_on(corrupt, decoder):
-    with make(corrupt, pipeline(decoder=decoder), batcher=ImageSamples(select=COLUMNS, on_error="skip"), batch_size=4, epoch_end="rank")(0) \
-            as loader:
+    batcher = ImageSamples(select=COLUMNS, on_error="skip")
+    with make(corrupt, pipeline(decoder=decoder), batcher=batcher, batch_size=4, epoch_end="rank")(0) as loader:
         sizes, skipped = [], 0
         for batch in loader:
             sizes.append(len(batch["caption"]))
