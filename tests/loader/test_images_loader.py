@@ -13,8 +13,7 @@ import torch
 from PIL import Image
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
-from tierflow.loader.images import AspectBuckets, ImageSamples
+from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset
 from tierflow.testing import assert_resumes_exactly
 from tierflow.testing.resume import assert_same_batches, take
 from tierflow.transforms import (
@@ -128,8 +127,8 @@ def corrupt(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("decoder", available_decoders())
 def test_a_corrupt_jpeg_is_skipped_and_counted_and_the_epoch_goes_on(corrupt, decoder):
-    with make(corrupt, pipeline(decoder=decoder), batcher=ImageSamples(select=COLUMNS, on_error="skip"), batch_size=4, epoch_end="rank")(0) \
-            as loader:
+    batcher = ImageSamples(select=COLUMNS, on_error="skip")
+    with make(corrupt, pipeline(decoder=decoder), batcher=batcher, batch_size=4, epoch_end="rank")(0) as loader:
         sizes, skipped = [], 0
         for batch in loader:
             sizes.append(len(batch["caption"]))
@@ -143,3 +142,22 @@ def test_a_corrupt_jpeg_raises_naming_shard_row_and_path(corrupt, workers):
         with pytest.raises(ImageDecodeError, match=r"shard 0 \(.*\) block \d+ row 7 .*path '007\.jpg'.*decode"):
             for _ in loader:
                 pass
+
+
+def test_a_decoded_array_cut_to_its_box_resizes_as_the_whole_image_does():
+    """The pipeline copies only the crop box (and the filter's reach) of a decoded array into Pillow;
+    the pixels are those of resizing the box of the whole image (rounding: at most 1 apart)."""
+    from tierflow.transforms.augment import _resample
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        h, w = int(rng.integers(20, 300)), int(rng.integers(20, 300))
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        bw, bh = rng.uniform(1, w), rng.uniform(1, h)
+        x, y = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
+        out, flip = (int(rng.integers(4, 120)), int(rng.integers(4, 120))), bool(rng.random() < 0.5)
+        whole = Image.fromarray(img).resize(out, Image.Resampling.BILINEAR, box=(x, y, x + bw, y + bh))
+        expected = np.asarray(whole.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else whole, dtype=np.int16)
+        got = _resample(img, (x, y, x + bw, y + bh), out, flip)
+        assert got.shape == (out[1], out[0], 3)
+        assert np.abs(got.astype(np.int16) - expected).max() <= 1

@@ -174,3 +174,21 @@ def test_packing_images_is_byte_identical_with_one_and_two_workers(tmp_path):
     a = pack([tmp_path / "imgs"], tmp_path / "one")
     b = pack([tmp_path / "imgs"], tmp_path / "two", workers=2)
     assert a.dataset_id == b.dataset_id
+
+
+def test_image_shards_default_to_small_blocks_a_chosen_block_size_wins(tmp_path):
+    """A worker verifies a sample's whole block before serving it, so a random image read costs its
+    block's bytes: image packs default to 1 MB blocks (4 MB for these 256 MB shards otherwise)."""
+    rng = np.random.default_rng(0)
+    src = tmp_path / "noise"
+    src.mkdir()
+    for i in range(24):  # ~63 KB each: 1.5 MB in all, one 4 MB block
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (200, 260, 3), dtype=np.uint8)).save(out, format="JPEG", quality=95)
+        (src / f"{i:02d}.jpg").write_bytes(out.getvalue())
+    largest = max(p.stat().st_size for p in src.iterdir())
+    default = tierflow.pack([src], tmp_path / "default", workers=1).manifest
+    blocks = [b for s in default.shards for b in s.blocks]
+    assert len(blocks) >= 2 and max(b.length for b in blocks) <= (1 << 20) + largest
+    chosen = tierflow.pack([src], tmp_path / "chosen", workers=1, block_bytes=8 << 20).manifest
+    assert [b.rows for s in chosen.shards for b in s.blocks] == [24]

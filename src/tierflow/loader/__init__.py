@@ -5,6 +5,7 @@ from tierflow.loader.budget import TokenBudget
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
 from tierflow.loader.dataset import CursorError, TieredDataset, default_partitions
+from tierflow.loader.images import AspectBuckets, ImageSamples
 from tierflow.loader.loader import BatchOrderError, Loader
 from tierflow.loader.meta import BatchMeta
 from tierflow.loader.plan import Built, OrderStream, Selection
@@ -13,12 +14,14 @@ from tierflow.loader.topology import WorldPosition
 
 __all__ = [
     "Arrangement",
+    "AspectBuckets",
     "BatchMeta",
     "BatchOrderError",
     "Batcher",
     "Built",
     "CarriedBatch",
     "CursorError",
+    "ImageSamples",
     "LengthBuckets",
     "Loader",
     "LoaderCursor",

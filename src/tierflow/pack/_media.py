@@ -32,6 +32,12 @@ KEY_COLUMNS = ("__key__", "key", "url", "path", "image_path")
 ROWS_PER_BATCH = 256
 
 
+def has_images(schema: pa.Schema) -> bool:
+    """Whether pack put an image column in this schema (one with its `_width`/`_nbytes` beside it)."""
+    names = set(schema.names)
+    return any(f"{n}_width" in names and f"{n}_nbytes" in names for n in names)
+
+
 class CorruptImage(ValueError):
     """An image whose header does not parse."""
 

@@ -38,6 +38,7 @@ from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.pack._assemble import ShardAssembler
 from tierflow.pack._journal import JOURNAL_NAME, PackedSoFar, PackJournal, ResumePoint, UnitsDigest, digest_before
 from tierflow.pack._journal import fingerprint as options_fingerprint
+from tierflow.pack._media import has_images
 from tierflow.pack.sources import estimate_input_bytes, length_histogram, plan_units, read_unit, rows_to_batch
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
@@ -47,6 +48,9 @@ log = logging.getLogger("tierflow.pack")
 MIN_SHARD_BYTES = 256 << 10
 WARN_SHARD_BYTES = 64 << 20
 TMP_DIR = ".tmp-pack"
+IMAGE_BLOCK_BYTES = 1 << 20
+"""Default block size of image shards: 4 MB blocks cost 3.6 CPU ms per decoded + cropped image at 2
+workers, 1 MB blocks 3.1 (benchmarks/images.py), the rest being each worker hashing whole blocks."""
 LOCK_NAME = ".tierflow.lock"
 
 
@@ -61,6 +65,9 @@ class PackConfig:
     keep_text: bool = False
     block_bytes: int = 1 << 20
     tmp_dir: str = ""
+    image_block_bytes: int | None = None
+    """Blocks of a batch holding images (when block_bytes was not chosen): a read of one image
+    verifies its whole block, so big blocks multiply the bytes hashed per random image."""
 
 
 @dataclass
@@ -122,9 +129,12 @@ def text_column(batch: pa.RecordBatch, name: str, where: str) -> pa.Array:
     return batch.column(idx)
 
 
-def _split_blocks(batch: pa.RecordBatch, block_bytes: int) -> Iterable[pa.RecordBatch]:
+def _split_blocks(batch: pa.RecordBatch, block_bytes: int, image_block_bytes: int | None = None
+                  ) -> Iterable[pa.RecordBatch]:
     if batch.num_rows == 0:
         return
+    if image_block_bytes is not None and has_images(batch.schema):
+        block_bytes = min(block_bytes, image_block_bytes)
     per_row = max(1, batch.nbytes // batch.num_rows)
     rows = max(1, block_bytes // per_row)
     for start in range(0, batch.num_rows, rows):
@@ -159,7 +169,7 @@ def pack_unit(unit: Unit, config: PackConfig) -> UnitResult:
                 sink_path = os.path.join(config.tmp_dir, f"unit-{unit.index:09d}-{len(result.parts)}.arrows")
                 writer = pa.ipc.new_stream(sink_path, schema)
                 result.parts.append(sink_path)
-            for block in _split_blocks(batch, config.block_bytes):
+            for block in _split_blocks(batch, config.block_bytes, config.image_block_bytes):
                 writer.write_batch(block)
     finally:
         if writer is not None:
@@ -279,9 +289,9 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     worker processes, so features computed here are paid once, not every epoch. `out` may be
     an object-store URL (s3://bucket/prefix): each shard is uploaded as soon as it is sealed
     and deleted locally (a few shards of local space, whatever the dataset's size), and the
-    manifest last. `block_bytes` (default: the shard size / 64, within 256 KB-4 MB) sizes the
-    blocks, the unit of compression, checksum and random access: larger ones compress better,
-    and a read decodes a whole block. Input files of a directory that are not packed (another
+    manifest last. `block_bytes` (default: the shard size / 64, within 256 KB-4 MB; at most 1 MB
+    for images) sizes the blocks, the unit of compression, checksum and random access: larger
+    ones compress better, and a read decodes a whole block. Input files of a directory that are not packed (another
     kind than `kind`) are counted by reason in the manifest's stats and logged, never dropped.
     `engine="ray"` runs the units as Ray tasks on the cluster at `address` (pack.ray_engine):
     the same shards, byte for byte; `workers` then caps the tasks at once (default: its CPUs).
@@ -336,6 +346,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
                             on_error=on_error, chunk_bytes=chunk_bytes)
+    image_block_bytes = IMAGE_BLOCK_BYTES if block_bytes is None else None
     if block_bytes is None:
         block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
     out.mkdir(parents=True, exist_ok=True)
@@ -345,13 +356,14 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
             journal = PackJournal(out, options_fingerprint(dict(
                 sources=[os.path.abspath(s) for s in sources], options=dataclasses.asdict(options),
                 tokenizer=tok.identity() if tok is not None else None, keep_text=keep_text,
-                block_bytes=block_bytes, target=target_shard_bytes, compression=compression,
-                level=compression_level), fn))
+                block_bytes=block_bytes, image_block_bytes=image_block_bytes, target=target_shard_bytes,
+                compression=compression, level=compression_level), fn))
         point = _resume_point(journal, out, sources, options)
         _prepare_out(out, overwrite, {s.name for s in point.shards} if point else set())
         tmp_dir = out / TMP_DIR
         tmp_dir.mkdir()
-        config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir))
+        config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir),
+                            image_block_bytes)
         assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
                                    "tokens" if tok is not None else None, on_shard)
         run = _PackRun(assembler, _PackProgress(estimate_input_bytes(sources, options) if progress else None,

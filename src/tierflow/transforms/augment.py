@@ -223,10 +223,22 @@ class ImagePipeline:
 
 
 def _resample(img: Any, box: tuple[float, float, float, float], out: tuple[int, int], flip: bool) -> np.ndarray:
-    """The box of `img` resized to `out` (w, h) in one antialiased bilinear pass, mirrored on `flip`."""
+    """The box of `img` resized to `out` (w, h) in one antialiased bilinear pass, mirrored on `flip`.
+    A decoded array is cut to the box and the filter's reach around it first, so only those pixels
+    are copied into Pillow (the same output: the resampler reads nothing beyond that reach)."""
     from PIL import Image
 
-    pil = img if not isinstance(img, np.ndarray) else Image.fromarray(img)
+    if isinstance(img, np.ndarray):
+        h, w = img.shape[:2]
+        # bilinear support is 1 output pixel, i.e. box/out source pixels (at least 1) on each side
+        mx = math.ceil(max((box[2] - box[0]) / out[0], 1.0)) + 1
+        my = math.ceil(max((box[3] - box[1]) / out[1], 1.0)) + 1
+        x0, y0 = max(0, int(math.floor(box[0])) - mx), max(0, int(math.floor(box[1])) - my)
+        x1, y1 = min(w, int(math.ceil(box[2])) + mx), min(h, int(math.ceil(box[3])) + my)
+        pil = Image.fromarray(np.ascontiguousarray(img[y0:y1, x0:x1]))
+        box = (box[0] - x0, box[1] - y0, box[2] - x0, box[3] - y0)
+    else:
+        pil = img
     w, h = pil.size
     box = (max(0.0, box[0]), max(0.0, box[1]), min(float(w), box[2]), min(float(h), box[3]))
     resized = pil.resize(out, Image.Resampling.BILINEAR, box=box)

@@ -10,6 +10,7 @@ worker (benchmarks/images.py --decoders measures them).
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -26,6 +27,12 @@ class ImageDecodeError(TierflowError, ValueError):
 
 def available_decoders() -> list[str]:
     """The decoders importable here, fastest first (as measured in benchmarks/images.py)."""
+    return list(_importable_decoders())
+
+
+@functools.cache
+def _importable_decoders() -> tuple[str, ...]:
+    """Looked up once per process: `decode` asks for every image, and the imports cost ~0.1 ms."""
     found = []
     try:
         import simplejpeg  # noqa: F401
@@ -37,12 +44,12 @@ def available_decoders() -> list[str]:
         found.append("pillow")
     except ImportError:
         pass
-    return found
+    return tuple(found)
 
 
 def resolve_decoder(name: str = "auto") -> str:
     """`auto` -> the first of `available_decoders()`; a named one must be importable."""
-    found = available_decoders()
+    found = _importable_decoders()
     if name == "auto":
         if not found:
             raise ImportError("decoding images needs Pillow (pip install 'tierflow[images]')")
