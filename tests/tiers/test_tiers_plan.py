@@ -87,6 +87,19 @@ def test_the_windows_being_read_now_are_fetched_whatever_the_budget():
     assert plan.fetch == (0, 1)  # read from position 0: needed now, not "ahead"
 
 
+def test_every_lanes_window_being_read_is_taken_and_the_budget_buys_the_next_windows():
+    # two lanes, windows of 2 shards read for 6 steps, interleaved: lane b's next batch is a step
+    # after lane a's, so its window's first use from the cursor is 10, not 0
+    lane_a = [ShardUse(s, f, f + 59, 0, 0) for f, pair in ((0, (0, 1)), (60, (4, 5))) for s in pair]
+    lane_b = [ShardUse(s, f, f + 59, 0, 1) for f, pair in ((10, (2, 3)), (70, (6, 7))) for s in pair]
+    uses = sorted(lane_a + lane_b, key=lambda u: (u.first_use, u.shard))
+    node = shape(next_windows_bytes=4 * SHARD, min_batches=1, reading_shards=4)
+    plan = plan_staging(uses, node, consumption_bytes_s=0.0, resident=None)
+    assert plan.fetch == (0, 1, 2, 3, 4, 5, 6, 7)  # both windows being read, then both next ones
+    held = plan_staging(uses, node, consumption_bytes_s=0.0, resident=None, held={0, 1, 2, 3})
+    assert held.fetch == (4, 5, 6, 7)  # the windows being read cost none of the budget
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 400), st.integers(1, 60)), max_size=80),
        st.integers(0, 3000), st.floats(0, 5000), st.integers(0, 4), st.sets(st.integers(0, 40)),

@@ -4,8 +4,8 @@ A plan answers, from the node's future shard uses (positions in node samples cou
 cursor the plan starts at), what to fetch and in what order, and how long to hold each staged
 shard. The lookahead follows Little's law: bytes ahead >= 2 x consumption rate x (p99 fetch
 latency + one shard's transfer), at least `min_batches` steps and the next window of every lane,
-at most `max_bytes`. Shards are wanted in order of first use; the windows being read now are
-taken whatever the budget; at most `staging_slots` shards the top tier does not hold go through
+at most `max_bytes`. Shards are wanted in order of first use; the windows being read now (every
+lane's, the first `reading_shards` by first use) are taken whatever the budget; at most `staging_slots` shards the top tier does not hold go through
 the staging area per plan. Every shard staged is held to the end of its next use, so a prefetch
 never evicts, or is evicted before, an entry needed sooner. The `Stager` executes plans.
 """
@@ -71,6 +71,9 @@ class NodeShape:
     """The smallest tier's capacity (0: no tier)."""
     dataset_bytes: int
     staging_slots: int
+    reading_shards: int = 0
+    """Shards the node reads at once (lanes x window shards): the first this many by first use are
+    the windows being read now, wanted whatever the budget; the budget is for what comes after."""
 
 
 @dataclass(frozen=True)
@@ -152,9 +155,9 @@ def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes
     for use in uses:
         spans.setdefault(use.shard, []).append((use.first_use, use.last_use))
         if use.first_use < limit:
-            wanted.setdefault(use.shard)
-            if use.first_use <= lead:
+            if use.shard not in wanted and (use.first_use <= lead or len(wanted) < node.reading_shards):
                 in_use.add(use.shard)  # the windows being read now (by any rank) are needed, not "ahead"
+            wanted.setdefault(use.shard)
         if use.shard not in until and (use.first_use < limit or use.shard in staged):
             until[use.shard] = use.last_use
     release = passed(until, held, position)

@@ -205,7 +205,7 @@ class Stager:
             max_bytes=max_bytes if max_bytes is not None else max(room, shard_bytes),
             # at least the next window of every lane, or each window boundary is a stall
             next_windows_bytes=working.reading * shard_bytes, capacity=capacity, dataset_bytes=sum(sizes),
-            staging_slots=working.reading)
+            staging_slots=working.reading, reading_shards=working.reading)
 
     def _run(self) -> None:
         planned_at, planned_time, cost = -1, 0.0, 0.0
