@@ -218,3 +218,64 @@ def test_cli_ls_verify_prune(s3_server, s3_bucket: str, tmp_path: Path, capsys: 
     capsys.readouterr()
     remote = CheckpointStore(dest, tmp_path / "other", endpoint_url=s3_server.endpoint_url).remote_steps()
     assert remote == {30: True}
+
+
+class _Clock:
+    """A tier's clock the test advances by one per reading, from `start`."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def _tier(root: Path, clock: _Clock, policy: str):
+    from tierflow.tiers import Tier
+
+    return Tier(root, capacity=4 * 1000, policy=policy, form="at_rest", name="L2", verify_hits=False,
+                policy_options={"half_life": 50.0} if policy == "hotscore" else None, clock=clock)
+
+
+def _read(tier, key: str) -> None:
+    """What a reader does: ensure the entry (a hit, or fetched and admitted), then release it."""
+    from tierflow.format._checksum import xxh3_128_hex
+
+    data = key.encode() * (1000 // len(key))
+    pin = tier.ensure(key, len(data), xxh3_128_hex(data), lambda tmp: tmp.write_bytes(data))
+    assert pin is not None
+    pin.release()
+
+
+@pytest.mark.parametrize("policy", ["hotscore", "lru"])
+def test_restored_heat_makes_the_evictions_an_uninterrupted_run_makes(tmp_path: Path, policy: str) -> None:
+    """A tier's heat saved at a checkpoint (through JSON, as the warm record carries it) and
+    restored into a fresh tier on another clock (an hour later) gives the policy back its
+    ranking: for the same reads after the resume, the resident set after every read is the
+    uninterrupted tier's. The same staging without the restore (statistics dropped) differs."""
+    from tierflow.checkpoint.warm import restore_heat, tier_heat
+
+    first = _tier(tmp_path / "before", _Clock(0.0), policy)
+    for key in ["k3", "k2", "k1", "k0", "k0", "k0", "k1", "k1", "k2", "k0", "k1"]:  # k0, k1 hot; k3 cold
+        _read(first, key)
+    saved = json.loads(json.dumps(tier_heat([first])))
+    staged = [e["key"] for e in saved["L2"]["entries"]]  # hottest first, as restore_warm stages them
+    later = ["k4", "k0", "k5", "k1", "k6", "k0", "k7", "k3", "k1"]
+
+    def run(tier) -> list[list[str]]:
+        residents = []
+        for key in later:
+            _read(tier, key)
+            residents.append(sorted(tier.index.keys()))
+        return residents
+
+    uninterrupted = run(first)
+    resumed = _tier(tmp_path / "after", _Clock(3600.0), policy)
+    dropped = _tier(tmp_path / "dropped", _Clock(3600.0), policy)
+    for tier in (resumed, dropped):
+        for key in staged:
+            _read(tier, key)
+    assert restore_heat([resumed], saved) == 4
+    assert run(resumed) == uninterrupted
+    assert run(dropped) != uninterrupted

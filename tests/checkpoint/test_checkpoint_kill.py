@@ -325,7 +325,7 @@ def _hit_ratio(loader, tier, steps: int, stream=None) -> float:
 def test_warm_restart_hits_as_before_the_stop_on_an_empty_l2(tmp_path: Path) -> None:
     """A run past its first epoch (its L2 holds what it reads) checkpoints with the loader; a
     fresh node (empty L2) restores the step and `restore_warm` pre-stages the next batches'
-    shards: the first K steps hit within 5% of the K steps before the stop. Without the warm
+    shards with their saved statistics: the first K steps hit within 5% of the K steps before the stop. Without the warm
     restart the same K steps miss (the control, so the test can fail)."""
     from ckpt_rig import make_letter_dataset
 
@@ -339,7 +339,8 @@ def test_warm_restart_hits_as_before_the_stop_on_an_empty_l2(tmp_path: Path) -> 
     store = CheckpointStore(tmp_path / "dest", tmp_path / "local")
     step = 190 + k
     store.begin(step)
-    store.commit(step, loader=loader, warm_batches=k + 8)
+    store.commit(step, loader=loader, warm_batches=k + 8, stack=stack)
+    saved_hits = {e.key: e.hits for e in stack.tiers[0].heat()}
     loader.close()
     store.close()
 
@@ -350,6 +351,8 @@ def test_warm_restart_hits_as_before_the_stop_on_an_empty_l2(tmp_path: Path) -> 
     warm.load_state_dict(_loader_state_of(fresh.load(step)))
     staged = fresh.restore_warm(step, warm, warm_stack)
     assert staged >= 10
+    restored = {e.key: e.hits for e in warm_stack.tiers[0].heat()}
+    assert restored and all(restored[key] == saved_hits.get(key, 0) for key in restored)  # the heat came back too
     after = _hit_ratio(warm, warm_stack.tiers[0], k)
     warm.close()
     cold, cold_stack = _tiered_loader(data, tmp_path / "L2-cold", _loader_state_of(fresh.load(step)))

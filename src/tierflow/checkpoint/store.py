@@ -79,13 +79,14 @@ class CheckpointStore:
         self._open[step] = tmp
         return tmp
 
-    def commit(self, step: int, *, loader: Any = None, warm_batches: int = 256) -> Path:
+    def commit(self, step: int, *, loader: Any = None, warm_batches: int = 256, stack: Any = None) -> Path:
         """Make `step` durable and visible locally, then queue its upload; returns the step directory.
 
         Blocks only for fsync, hashing (xxh3) and renames. With `loader`, the shards its next
-        `warm_batches` batches need are recorded for `restore_warm`. With several ranks, the
-        previous step's marker is settled first (a collective: every rank must call commit)."""
-        return self._commit(step, _warm_record(loader, warm_batches))
+        `warm_batches` batches need and the heat of the tiers of `stack` (default: the loader's
+        stager's) are recorded for `restore_warm`. With several ranks, the previous step's
+        marker is settled first (a collective: every rank must call commit)."""
+        return self._commit(step, _warm_record(loader, warm_batches, stack))
 
     def _commit(self, step: int, warm: dict[str, Any] | None) -> Path:
         if step not in self._open:
@@ -118,7 +119,7 @@ class CheckpointStore:
         return final
 
     def commit_async(self, step: int, after: Any = None, *, loader: Any = None,
-                     warm_batches: int = 256) -> Future[Path]:
+                     warm_batches: int = 256, stack: Any = None) -> Future[Path]:
         """`commit` on a background thread, after `after` (e.g. `dcp.async_save`'s future) is done,
         so neither the write nor fsync and hashing hold up the loop. The warm record is taken
         now, at the cursor that was saved. Single-rank jobs only: the multi-rank marker needs
@@ -128,7 +129,7 @@ class CheckpointStore:
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-ckpt-commit")
 
-        warm = _warm_record(loader, warm_batches)
+        warm = _warm_record(loader, warm_batches, stack)
 
         def run() -> Path:
             if after is not None:
@@ -347,7 +348,8 @@ class CheckpointStore:
 
     def restore_warm(self, step: int, loader: Any, stack: Any = None, batches: int | None = None) -> int:
         """Pre-stage, before the first step on a fresh node, the shards the loader's next batches
-        need (recorded at commit, else derived from the loader's cursor); returns shards staged."""
+        need (recorded at commit, else derived from the loader's cursor) and give the tiers back
+        their saved statistics (policy state per entry); returns shards staged."""
         from tierflow.checkpoint.warm import restore_warm
 
         return restore_warm(self.load(step), loader, stack=stack, batches=batches, rank=self.rank)
@@ -391,12 +393,12 @@ def _distributed(group: Any) -> tuple[int, int]:
     return 0, 1
 
 
-def _warm_record(loader: Any, batches: int) -> dict[str, Any] | None:
+def _warm_record(loader: Any, batches: int, stack: Any) -> dict[str, Any] | None:
     if loader is None:
         return None
     from tierflow.checkpoint.warm import warm_state
 
-    return warm_state(loader, batches)
+    return warm_state(loader, batches, stack)
 
 
 def _budget_spec(budget: BandwidthBudget | None) -> dict[str, Any] | None:
