@@ -18,7 +18,7 @@ from tierflow.checkpoint import COMMIT_NAME, CheckpointError, CheckpointStore, L
 from tierflow.commands.cli import main as cli_main
 from tierflow.errors import TierflowError
 
-from ckpt_rig import inputs, make_token_dataset
+from ckpt_rig import inputs, make_letter_dataset, make_token_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -279,3 +279,47 @@ def test_restored_heat_makes_the_evictions_an_uninterrupted_run_makes(tmp_path: 
     assert restore_heat([resumed], saved) == 4
     assert run(resumed) == uninterrupted
     assert run(dropped) != uninterrupted
+
+
+def test_an_upload_stretches_the_stagers_lookahead_until_it_is_done(tmp_path: Path) -> None:
+    """A store told the node's stager announces each upload before it hashes: while the upload
+    runs (held here by holding its budget's lock) the stager looks ahead the upload's expected
+    duration (bytes / the measured upload rate) of consumption, bounded by its tier's room;
+    commit_async hands off only once that is staged, so the next batches' shards are resident
+    and reading them misses nothing; when the upload's answer comes, the lookahead returns."""
+    import time
+
+    from tierflow.checkpoint.warm import cursor_of, next_shards
+    from tierflow.storage.budget import BandwidthBudget
+
+    data = make_letter_dataset(tmp_path, docs=4000)  # ~8 shards
+    loader = tierflow.open_loader(data, batch_size=4, seq_len=32, tiers=[f"L2={tmp_path / 'L2'}:64MB"], endless=True)
+    stager = loader.stager
+    stream = iter(loader)
+    for _ in range(8):
+        next(stream)
+        time.sleep(0.005)  # a loop of at most 200 steps/s: its lookahead stays below the tier's room
+    calm = stager.lookahead().bytes
+    assert stager.consumption_rate() > 0 and calm < stager.node.max_bytes
+    budget = BandwidthBudget(64 << 20, tmp_path / "budget", burst=1 << 20)
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local", budget=budget, stager=stager)
+    store.upload_rate = 16.0  # as if the last upload had gone at 16 B/s: this one is expected to take 65536 s
+    (store.begin(8) / "model.bin").write_bytes(b"\x01" * (1 << 20))
+    with budget._locked():  # the uploader cannot take a byte: the upload is in flight until released
+        assert store.commit_async(8).result() == tmp_path / "local" / step_name(8)
+        assert store.uploading() == [8]
+        assert stager.burst_seconds() == pytest.approx(65536.0)
+        riding = stager.lookahead().bytes
+        assert riding == stager.node.max_bytes > calm  # 18 h of consumption, bounded by the tier's room
+        tier = stager.stack.tiers[0]
+        ahead = next_shards(loader.dataset, cursor_of(loader), 24)
+        assert {loader.dataset.manifest.shards[s].key for s in ahead} <= tier.index.keys()
+        misses = tier.m_misses.value
+        for _ in range(24):
+            next(stream)
+        assert tier.m_misses.value == misses  # every read during the upload was staged ahead
+    store.wait()
+    assert stager.burst_seconds() == 0.0 and store.upload_rate > 16.0  # measured on this upload
+    assert stager.lookahead().bytes < riding
+    loader.close()
+    store.close()
