@@ -323,3 +323,55 @@ def test_an_upload_stretches_the_stagers_lookahead_until_it_is_done(tmp_path: Pa
     assert stager.lookahead().bytes < riding
     loader.close()
     store.close()
+
+
+def test_loader_state_resumes_elastically_under_another_world_size(tokens: Path, tmp_path: Path) -> None:
+    """Two ranks (two nodes) save their loader states through DCP, each under its own key; one
+    process resumes (world size 1) with `checkpoint=`: it reads the saved ranks from the DCP
+    metadata and takes the cursor they share, and the resumed stream reads, up to the end of
+    the epoch, exactly the samples the two ranks had not read. Without `checkpoint=` the rank's
+    missing key is named; ranks whose states differ are refused, naming the step."""
+    from tierflow.errors import CursorError
+    from tierflow.loader import WorldPosition
+
+    def ids(loader, steps: int | None = None) -> list[int]:
+        """The first epoch's sample ids the loader yields (a batch at the edge carries the next's too)."""
+        out = []
+        for step, (_, meta) in enumerate(loader):
+            out += [int(i) for i, e in zip(meta.sample_ids.tolist(), meta.epochs.tolist()) if e == 0]
+            if steps is not None and step + 1 == steps:
+                break
+        return out
+
+    shape = {"batch_size": 4, "seq_len": 32, "lanes": 1, "window_shards": 1}  # the breadth the cursor carries
+    ranks = [tierflow.open_loader(tokens, **shape, world=WorldPosition(n, 2, 0, 1), return_meta=True, endless=False)
+             for n in range(2)]
+    seen = [i for loader in ranks for i in ids(loader, 6)]
+    states = [LoaderState(loader, key=f"rank{n}") for n, loader in enumerate(ranks)]
+    saved = {"loader": {**states[0].state_dict(), **states[1].state_dict()}}  # what two ranks' dcp.save holds
+    dcp.save(saved, checkpoint_id=tmp_path / "two")
+    assert ranks[0].state_dict() == ranks[1].state_dict()  # synchronous steps: one cursor for both
+
+    resumed = tierflow.open_loader(tokens, **shape, return_meta=True, endless=False)
+    with pytest.raises(BaseException, match="rank2"):  # a third rank's own key (DCP raises a BaseException)
+        dcp.load({"loader": LoaderState(resumed, key="rank2")}, checkpoint_id=tmp_path / "two")
+    adapter = LoaderState(resumed, checkpoint=tmp_path / "two")
+    assert adapter.saved_ranks == [0, 1]
+    dcp.load({"loader": adapter}, checkpoint_id=tmp_path / "two")
+    assert adapter.loaded == ranks[0].state_dict()
+    rest = ids(resumed)
+    total = resumed.dataset.num_order_samples
+    assert sorted(seen + rest) == list(range(total))  # nothing skipped or read twice across the change
+    for loader in ranks:
+        loader.close()
+    resumed.close()
+
+    differ = dict(saved["loader"])
+    other = json.loads(differ["rank1"])
+    other["consumed"] += 1
+    differ["rank1"] = json.dumps(other, sort_keys=True).encode()
+    dcp.save({"loader": differ}, checkpoint_id=tmp_path / "differ")
+    fresh = tierflow.open_loader(tokens, **shape)
+    with pytest.raises(CursorError, match="differ"):
+        dcp.load({"loader": LoaderState(fresh, checkpoint=tmp_path / "differ")}, checkpoint_id=tmp_path / "differ")
+    fresh.close()
