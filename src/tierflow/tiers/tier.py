@@ -287,20 +287,24 @@ class Tier:
         clock (this tier's now less the saved tier's now at the save), in the index and this
         process's policy, so that its decisions from now on are those the saved tier would have
         made. Entries not resident here, or of another size, are skipped; returns how many took.
-        Call before readers of other processes start (their policies read the index once)."""
-        restored = 0
-        with self.index.transaction() as c, self._policy_lock:  # no policy pin is held outside _reserve
-            rows = {r.key: r for r in self.index.entries(c)}
-            policy = self._synced_policy(rows)
-            for entry in saved:
-                row = rows.get(entry.key)
-                if row is None or row.size != entry.size:
-                    continue
-                stats = rebase_stats(entry.stats, shift)
-                policy.restore(entry.key, row.size, stats)
-                self.index.set_heat(c, entry.key, entry.last_access + shift, entry.hits, stats)
-                restored += 1
-        return restored
+        Call before readers of other processes start (their policies read the index once). An
+        index that cannot be written (a full disk) restores nothing: the resume goes on cold."""
+        committed = 0
+        with self._index_trouble.tolerated():
+            restored = 0
+            with self.index.transaction() as c, self._policy_lock:
+                rows = {r.key: r for r in self.index.entries(c)}
+                policy = self._synced_policy(rows)  # no policy pin is held outside _reserve: restore is safe
+                for entry in saved:
+                    row = rows.get(entry.key)
+                    if row is None or row.size != entry.size:
+                        continue
+                    stats = rebase_stats(entry.stats, shift)
+                    policy.restore(entry.key, row.size, stats)
+                    self.index.set_heat(c, entry.key, entry.last_access + shift, entry.hits, stats)
+                    restored += 1
+            committed = restored
+        return committed
 
     # ------------------------------------------------------------ reads
     def lookup(self, key: str, verify: bool | None = None,
