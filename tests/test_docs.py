@@ -197,3 +197,44 @@ def test_coming_from_tierflow_column_runs_against_s3(tmp_path: Path, s3_server) 
         run_tested_blocks(DOCS / "coming-from.md", tmp_path, env=s3_server.endpoint.env())
     finally:
         s3_server.delete_bucket("my-bucket")
+
+
+# ---------------------------------------------------------------------------- names the pages use
+
+OTHER_TOOLS_FLAGS = {"--num-cpus"}  # Ray's, named in the prose of scale-out.md
+"""Flags of other tools a page names in its prose (outside their own command lines)."""
+
+
+def _cli_flags() -> dict[str, set[str]]:
+    from tierflow.commands.cli import build_parser
+
+    parser = build_parser()
+    flags = {}
+    for prog, sub, _ in gen_cli.walk(parser, parser.prog):
+        verb = prog.split()[1] if " " in prog else ""
+        flags[verb] = {flag for action in gen_cli.arguments(sub) for flag in action.option_strings}
+    return flags
+
+
+@pytest.mark.parametrize("page", ["scale-out.md", "tiers.md"])
+def test_the_flags_variables_and_tier_specs_a_page_names_exist(page: str) -> None:
+    """Every `tierflow VERB --flag` is that verb's, every flag named in prose is tierflow's (or a
+    listed tool's), every TIERFLOW_ variable is read by the code, every tier spec parses."""
+    from tierflow.tiers import TierConfig
+
+    text = (DOCS / page).read_text(encoding="utf-8").replace("\\\n", " ")
+    flags = _cli_flags()
+    every = set().union(*flags.values())
+    verbs = "|".join(v for v in flags if v)
+    for verb, rest in re.findall(rf"\btierflow ({verbs})\b([^\n`]*)", text):
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest):
+            assert flag in flags[verb], f"docs/{page}: tierflow {verb} has no {flag}"
+    for flag in re.findall(r"`(--[a-z][a-z-]*)[^`]*`", text):
+        assert flag in every | OTHER_TOOLS_FLAGS, f"docs/{page}: no command of tierflow has {flag}"
+    source = "\n".join(p.read_text(encoding="utf-8") for p in (DOCS.parent / "src" / "tierflow").rglob("*.py"))
+    for variable in set(re.findall(r"\bTIERFLOW_[A-Z_]+\b", text)):
+        assert variable in source, f"docs/{page}: {variable} is read nowhere in src/tierflow"
+    specs = re.findall(r"\bL[0-4]=[^\s\"'`),]+", text)
+    assert specs or page != "scale-out.md"
+    for spec in specs:
+        TierConfig.parse(spec.rstrip(".:;"))

@@ -1,5 +1,6 @@
 """`pack(engine="ray")`: the same dataset id and shard bytes as the local engine, a Ray worker
-killed mid-pack retried without a duplicate or missing sample, a killed driver publishes nothing.
+killed mid-pack retried without a duplicate or missing sample, a killed driver publishes nothing
+and its rerun resumes from the units it had finished.
 
 Every test here starts a 2-CPU local Ray cluster (seconds), so they are `slow`; they skip, saying
 so, where Ray is not installed (`pip install 'tierflow[ray]'`; `.[dev]` includes it).
@@ -20,7 +21,10 @@ import pytest
 
 import tierflow
 from tierflow.format.manifest import MANIFEST_NAME
+from tierflow.pack._journal import JOURNAL_NAME
 from tierflow.pack.tokenize import PackInputError
+
+from pack_rig import lake, shard_bytes
 
 pytestmark = pytest.mark.slow
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -38,22 +42,6 @@ def cluster(ray):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-def lake(tmp: Path, files: int = 3, rows: int = 1500) -> list[Path]:
-    paths = []
-    for f in range(files):
-        p = tmp / f"part-{f}.jsonl"
-        with open(p, "w") as out:
-            for i in range(rows):
-                n = f * rows + i
-                out.write(json.dumps({"text": f"doc {n} " + "lorem ipsum " * (n % 37), "id": n}) + "\n")
-        paths.append(p)
-    return paths
-
-
-def shard_bytes(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.glob("shard-*"))}
 
 
 OPTS = dict(tokenizer="bytes", target_shard_bytes=256 << 10, chunk_bytes=64 << 10)
@@ -104,44 +92,63 @@ def test_bad_input_fails_naming_the_file_not_retried(cluster, tmp_path):
 
 
 DRIVER = """
-import os, sys, time
+import json, os, sys, time
+import ray
 import tierflow
 def slow(row):
     time.sleep(0.002)
     return row
 if __name__ == "__main__":
-    tierflow.pack(sys.argv[1:-1], sys.argv[-1], fn=slow, engine="ray", workers=2, tokenizer="bytes",
-                  target_shard_bytes=256 << 10, chunk_bytes=32 << 10)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    summary = tierflow.pack(sys.argv[1:-1], sys.argv[-1], fn=slow, engine="ray", workers=2, tokenizer="bytes",
+                            target_shard_bytes=256 << 10, chunk_bytes=32 << 10)
+    print(json.dumps({"packed": summary.units_packed, "resumed": summary.units_resumed}))
 """
 
 
-def test_killed_driver_leaves_no_dataset(tmp_path):
+def test_killed_driver_leaves_no_dataset_and_the_rerun_resumes_from_finished_units(tmp_path):
     sources = lake(tmp_path, files=2, rows=3000)
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(DRIVER))
     out = tmp_path / "out"
+    journal = out / JOURNAL_NAME
     env = dict(os.environ, PYTHONPATH=SRC, RAY_ADDRESS="")
-    proc = subprocess.Popen([sys.executable, str(script), *map(str, sources), str(out)], env=env,
-                            start_new_session=True)
+    argv = [sys.executable, str(script), *map(str, sources), str(out)]
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not list(out.glob("shard-*")) and time.monotonic() < deadline and proc.poll() is None:
+        while _sealed(journal) < 3 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         assert proc.poll() is None, "the pack finished before it could be killed: give it more input"
-        assert list(out.glob("shard-*")), "no shard written within 120 s"
+        assert _sealed(journal) >= 3, "no three shards sealed within 120 s"
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(0.5)
+    if _group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)  # Ray's processes the driver started, if any outlived it
     assert not (out / MANIFEST_NAME).exists()
     with pytest.raises(Exception):
         tierflow.open_dataset(out)
-    if _group_alive(proc.pid):
-        os.killpg(proc.pid, signal.SIGKILL)  # Ray's processes the driver started, if any outlived it
-    rerun = tierflow.pack(sources, out, workers=1, tokenizer="bytes", target_shard_bytes=256 << 10)
-    assert rerun.manifest.num_samples == 6000  # the rerun starts over (no resume) and cleans up
+    rerun = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    counts = json.loads(rerun.stdout.strip().splitlines()[-1])
+    whole = tierflow.pack(sources, tmp_path / "whole", fn=lambda r: r, workers=1, tokenizer="bytes",
+                          target_shard_bytes=256 << 10, chunk_bytes=32 << 10)
+    assert counts["resumed"] > 0 and counts["packed"] < whole.units_packed, counts  # not started over
+    assert counts["resumed"] + counts["packed"] >= whole.units_packed
+    assert tierflow.open_dataset(out).manifest.dataset_id == whole.manifest.dataset_id
+    assert shard_bytes(out) == shard_bytes(tmp_path / "whole")
+    assert not journal.exists()
+
+
+def _sealed(journal: Path) -> int:
+    """Shards the pack's resume journal records as sealed (its lines after the header)."""
+    try:
+        return max(0, journal.read_bytes().count(b"\n") - 1)
+    except FileNotFoundError:
+        return 0
 
 
 def _group_alive(pgid: int) -> bool:

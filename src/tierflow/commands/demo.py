@@ -193,13 +193,29 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
 
 def train(model: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, console: Console,
           every: int) -> tuple[list[float], int, float]:
-    """`steps` AdamW steps of `model` on `loader`'s batches (across epochs): losses, parameters, seconds."""
+    """`steps` AdamW steps of `model` on `loader`'s batches (across epochs): losses, parameters, seconds.
+
+    The step runs on one intra-op thread: on a small CPU-only machine torch's OpenMP threads wait at
+    every op's barrier for a core that the loader or any other process holds (20 steps measured at
+    0.4-14 s with two threads and 0.7-1.9 s with one, on this 2-core machine under load), and the
+    demo is about the data path, not the model's speed."""
     import torch
 
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses: list[float] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     started = time.perf_counter()
+    try:
+        losses = _steps(model, opt, loader, loss_of, steps, console, every)
+    finally:
+        torch.set_num_threads(threads)
+    return losses, params, time.perf_counter() - started
+
+
+def _steps(model: Any, opt: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, console: Console,
+           every: int) -> list[float]:
+    losses: list[float] = []
     with loader:
         for step, batch in enumerate(loader):
             loss = loss_of(batch)
@@ -211,4 +227,4 @@ def train(model: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, c
                 console.print(f"step {step:4d}  loss {losses[-1]:.3f}")
             if step + 1 == steps:
                 break
-    return losses, params, time.perf_counter() - started
+    return losses

@@ -10,7 +10,7 @@ import queue
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pyarrow as pa
 
@@ -37,6 +37,8 @@ class _ShardInFlight:
     def __init__(self, pool: ThreadPoolExecutor, out: Path, schema: pa.Schema, compression: str,
                  level: int | None, token_column: str | None = None) -> None:
         self.batches: queue.Queue = queue.Queue(QUEUED_BATCHES)
+        self.mark: Any = None
+        """What `on_cut` said when this shard was cut, handed to `on_sealed` once it is written."""
         self.future = pool.submit(self._write, out, schema, compression, level, token_column)
 
     def put(self, item: pa.RecordBatch | int | None) -> None:
@@ -76,12 +78,20 @@ class ShardAssembler:
     once. Shard contents and order depend only on the batch stream, never on the threads.
     `on_shard(path, info)` is told of each sealed shard in order (a remote pack uploads it), and
     may hold the assembler back: one open shard and SHARDS_IN_FLIGHT sealing ones are all it keeps.
+    `on_cut()` is asked, as each shard is cut, where the stream stands (the pack's resume
+    position); `on_sealed(info, that answer)` is told once the shard is on disk, in order.
     """
 
     def __init__(self, out: Path, target_bytes: int, compression: str, level: int | None,
-                 token_column: str | None, on_shard: Callable[[Path, ShardInfo], None] | None = None) -> None:
+                 token_column: str | None, on_shard: Callable[[Path, ShardInfo], None] | None = None,
+                 on_cut: Callable[[], Any] | None = None,
+                 on_sealed: Callable[[ShardInfo, Any], None] | None = None) -> None:
         self.out = out
         self.on_shard = on_shard
+        self.on_cut = on_cut
+        self.on_sealed = on_sealed
+        self.rows_appended = 0
+        """Rows of the stream taken into shards so far (this run's, not a resumed pack's)."""
         self.target = target_bytes
         self.compression = compression
         self.level = level
@@ -122,6 +132,7 @@ class ShardAssembler:
             self._open = _ShardInFlight(self._pool, self.out, self.schema, self.compression, self.level,
                                         self.token_column)
         self._open.put(batch)
+        self.rows_appended += batch.num_rows
         self.pending_bytes += batch.nbytes
         if self.token_column is not None:
             offsets = batch.column(self.token_column).offsets
@@ -132,17 +143,27 @@ class ShardAssembler:
     def _end_shard(self) -> None:
         if self._open is None:
             return
+        if self.on_cut is not None:
+            self._open.mark = self.on_cut()
         self._open.put(self.pending_tokens)
         self._closing.append(self._open)
         self._open = None
         self.pending_bytes = self.pending_tokens = 0
 
     def _collect_oldest(self, sealed: bool = True) -> None:
-        info = self._closing.popleft().future.result()
+        flight = self._closing.popleft()
+        info = flight.future.result()
         if info is not None:
             self.shards.append(info)
             if sealed and self.on_shard is not None:
                 self.on_shard(self.out / info.name, info)
+            if sealed and self.on_sealed is not None:
+                self.on_sealed(info, flight.mark)
+
+    def resume(self, shards: list[ShardInfo], schema: pa.Schema) -> None:
+        """Carry on after `shards`, sealed by an earlier run whose stream had `schema` at their end."""
+        self.shards = list(shards)
+        self.schema = self.unified = schema
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         if self.schema is None:

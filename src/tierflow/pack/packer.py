@@ -8,10 +8,14 @@ the output is byte-identical whatever the number of workers, and memory stays bo
 workers' Arrow files (in `<out>/.tmp-pack`) are mapped, unlinked and gone as soon as the
 shard writers have written their batches, so a pack needs about two units per worker of
 scratch, never the dataset's decoded size; short of that it says how much it needs, and where.
+A killed pack (either engine) publishes nothing, and its rerun resumes after the last sealed shard
+(pack._journal), with the same output as a pack that was never interrupted.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -32,6 +36,8 @@ from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.pack._assemble import ShardAssembler
+from tierflow.pack._journal import JOURNAL_NAME, PackedSoFar, PackJournal, ResumePoint, UnitsDigest, digest_before
+from tierflow.pack._journal import fingerprint as options_fingerprint
 from tierflow.pack.sources import estimate_input_bytes, length_histogram, plan_units, read_unit, rows_to_batch
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
@@ -173,13 +179,17 @@ class PackSummary:
     manifest: Manifest
     seconds: float
     input_bytes: int
+    units_packed: int = 0
+    """Units this run packed; with `units_resumed`, those an interrupted run had finished."""
+    units_resumed: int = 0
 
     @property
     def mb_per_s(self) -> float:
         return self.input_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
+def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> None:
+    """Clear what an earlier run left, but the shards in `keep` (those a resumed pack carries on from)."""
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST_NAME).exists() and not overwrite:
         raise PackInputError(f"{out} already holds a finished dataset; pass --overwrite to replace it")
@@ -189,11 +199,13 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
             p.unlink()
     if not (out / MANIFEST_NAME).exists():
         for p in out.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"):
-            p.unlink()  # leftovers of a pack that died before publishing its manifest
+            if p.name not in keep:
+                p.unlink()  # leftovers of a pack that died before publishing its manifest
 
 
 def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
-    """Delete shard files and temporaries the manifest (if any) does not reference (`tierflow gc`)."""
+    """Delete shard files, temporaries and a resume journal the manifest (if any) does not reference
+    (`tierflow gc`)."""
     keep = {s.name for s in manifest.shards} if manifest is not None else set()
     removed = []
     for p in out.iterdir():
@@ -204,6 +216,9 @@ def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
     if (out / TMP_DIR).exists():
         shutil.rmtree(out / TMP_DIR)
         removed.append(out / TMP_DIR)
+    if (out / JOURNAL_NAME).exists():
+        (out / JOURNAL_NAME).unlink()
+        removed.append(out / JOURNAL_NAME)
     return removed
 
 
@@ -270,6 +285,8 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     kind than `kind`) are counted by reason in the manifest's stats and logged, never dropped.
     `engine="ray"` runs the units as Ray tasks on the cluster at `address` (pack.ray_engine):
     the same shards, byte for byte; `workers` then caps the tasks at once (default: its CPUs).
+    A pack into a directory that was killed (either engine) resumes when rerun with the same
+    inputs and options: the shards it had sealed are kept and their units not packed again.
     """
     refuse_while_bootstrapping("tierflow.pack")
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
@@ -319,28 +336,49 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
                             on_error=on_error, chunk_bytes=chunk_bytes)
+    if block_bytes is None:
+        block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
     out.mkdir(parents=True, exist_ok=True)
     with DatasetLock(out):
-        _prepare_out(out, overwrite)
+        journal = None
+        if on_shard is None and all(isinstance(s, (str, os.PathLike)) for s in sources):  # replayable input
+            journal = PackJournal(out, options_fingerprint(dict(
+                sources=[os.path.abspath(s) for s in sources], options=dataclasses.asdict(options),
+                tokenizer=tok.identity() if tok is not None else None, keep_text=keep_text,
+                block_bytes=block_bytes, target=target_shard_bytes, compression=compression,
+                level=compression_level), fn))
+        point = _resume_point(journal, out, sources, options)
+        _prepare_out(out, overwrite, {s.name for s in point.shards} if point else set())
         tmp_dir = out / TMP_DIR
         tmp_dir.mkdir()
-        if block_bytes is None:
-            block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
         config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir))
         assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
                                    "tokens" if tok is not None else None, on_shard)
         run = _PackRun(assembler, _PackProgress(estimate_input_bytes(sources, options) if progress else None,
                                                 progress))
+        units: Iterable[Unit] = plan_units(sources, options, run.totals)
+        if journal is not None:
+            journal.start(point)
+            units = run.journal_to(journal, UnitsDigest(units), point)
         try:
             with run.bar:
-                (run_units or _run_units)(plan_units(sources, options, run.totals), config, workers, run.consume)
+                (run_units or _run_units)(units, config, workers, run.consume)
                 assembler.flush()
                 run.bar.finish(run.totals, len(assembler.shards))
         except BaseException as e:
+            if journal is not None and isinstance(e, KeyboardInterrupt):  # interrupted: a rerun resumes
+                journal.close()
+                assembler.abort()
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                raise
+            if journal is not None:
+                journal.remove()
             _discard(out, assembler, tmp_dir)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise _no_space(out, run, workers, _planned_units(sources, options)) from e
             raise
+        if journal is not None:
+            journal.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if not assembler.shards:
             where = ", ".join(str(s) for s in sources if isinstance(s, (str, os.PathLike))) or "the iterable"
@@ -348,7 +386,26 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         manifest = run.manifest(tok)
         manifest.save(out)
         remove_unreferenced(out, manifest)
-    return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes)
+    return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes, run.units_packed,
+                       point.unit if point else 0)
+
+
+def _resume_point(journal: PackJournal | None, out: Path, sources: list, options: SourceOptions) -> ResumePoint | None:
+    """Where an interrupted pack of the same inputs and options stopped, or None to start over."""
+    if journal is None or (out / MANIFEST_NAME).exists():
+        return None
+    point = journal.last_point()
+    if point is None:
+        return None
+    try:
+        same_inputs = digest_before(plan_units(sources, options), point.unit) == point.units_digest
+    except (OSError, PackInputError):
+        same_inputs = False
+    if not same_inputs:
+        log.info("%s: the inputs changed since the interrupted pack; starting over", out)
+        return None
+    log.info("%s: resuming after %d sealed shards (unit %d)", out, len(point.shards), point.unit)
+    return point
 
 
 def _planned_units(sources: list, options: SourceOptions) -> list[int]:
@@ -455,28 +512,76 @@ class _PackRun:
         self.assembler = assembler
         self.bar = bar
         self.totals = UnitStats()
-        self.tokens = 0
-        self.histogram = np.zeros(64, np.int64)
-        self.input_bytes = 0
+        self.so_far = PackedSoFar(UnitStats())
+        """The units consumed whole: their counts (without planning's) and their tokens, lengths, bytes."""
         self.largest_unit = 0
         """Bytes of the largest unit's scratch files (its decoded Arrow form) so far."""
+        self.units_packed = 0
         self.started = time.perf_counter()
+        self._unit = -1
+        self._unit_start = 0
+        """`assembler.rows_appended` when the current unit's first row (skipped ones included) went in."""
+        self._skip: tuple[int, int] = (-1, 0)
+        self._digests: UnitsDigest | None = None
+
+    @property
+    def input_bytes(self) -> int:
+        return self.so_far.input_bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.so_far.tokens
+
+    def journal_to(self, journal: PackJournal, units: UnitsDigest, point: ResumePoint | None) -> Iterable[Unit]:
+        """Record each sealed shard in `journal`; when resuming from `point`, carry on from there.
+
+        Returns the units left to pack: those from the point's unit on (whose first rows, already
+        in the point's shards, `consume` skips).
+        """
+        self._digests = units
+        self.assembler.on_cut = self._position
+        self.assembler.on_sealed = lambda info, mark: journal.sealed(info, *mark)
+        if point is None:
+            return units
+        self.assembler.resume(point.shards, point.schema)
+        self.so_far = copy.deepcopy(point.so_far)
+        self.totals.merge(point.so_far.stats)
+        self._skip = (point.unit, point.rows)
+        self.bar.advance(point.so_far.input_bytes, self.totals, len(point.shards))
+        return (unit for unit in units if unit.index >= point.unit)
+
+    def _position(self) -> tuple:
+        """Where the stream stands at a cut: (unit, its rows before the cut, digest, schema, counts)."""
+        assert self._digests is not None
+        rows = self.assembler.rows_appended - self._unit_start
+        return (self._unit, rows, self._digests.take(self._unit), self.assembler.schema, copy.deepcopy(self.so_far))
 
     def consume(self, result: UnitResult) -> None:
         self.largest_unit = max(self.largest_unit, sum(os.stat(part).st_size for part in result.parts))
+        skip = self._skip[1] if result.index == self._skip[0] else 0
+        self._unit, self._unit_start = result.index, self.assembler.rows_appended - skip
         for part in result.parts:
             with pa.memory_map(part) as source:
                 reader = pa.ipc.open_stream(source)
                 os.unlink(part)  # the mapping keeps the bytes until the shard is written
                 try:
                     for batch in reader:
-                        self.assembler.add(batch)
+                        if skip >= batch.num_rows:  # in a shard the interrupted run sealed
+                            skip -= batch.num_rows
+                            continue
+                        self.assembler.add(batch.slice(skip) if skip else batch)
+                        skip = 0
                 except PackInputError as e:
                     raise PackInputError(f"{result.where}: {e}") from None
         self.totals.merge(result.stats)
-        self.tokens += result.tokens
-        self.histogram += result.histogram
-        self.input_bytes += result.input_bytes
+        self.so_far.stats.merge(result.stats)
+        self.so_far.tokens += result.tokens
+        self.so_far.histogram += result.histogram
+        self.so_far.input_bytes += result.input_bytes
+        self.so_far.units += 1
+        self.units_packed += 1
+        self._unit, self._unit_start = result.index + 1, self.assembler.rows_appended  # counted: a cut from
+        # here on (the final shard's, in flush) resumes at the next unit
         self.bar.advance(result.input_bytes, self.totals, len(self.assembler.shards))
 
     def manifest(self, tok: Any) -> Manifest:
@@ -496,7 +601,7 @@ class _PackRun:
             "length_histogram": {
                 "unit": "tokens" if tok is not None else None,
                 "bucket_upper_bounds": [0] + [1 << b for b in range(63)],
-                "counts": self.histogram.tolist(),
+                "counts": self.so_far.histogram.tolist(),
             },
         }
         return Manifest(
@@ -584,6 +689,9 @@ def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
         ("time", f"{summary.seconds:.2f} s, {summary.mb_per_s:.1f} MB/s, "
                  f"{m.stats.get('files', 0) / max(summary.seconds, 1e-9):,.0f} files/s"),
     ]
+    if summary.units_resumed:
+        rows.append(("resumed", f"{summary.units_resumed:,} units an interrupted run had packed, "
+                                f"{summary.units_packed:,} packed now"))
     if m.token_column:
         rows.append(("tokens", f"{m.num_tokens:,} ({m.token_dtype}, {m.tokenizer['name']})"))
     if m.stats.get("sidecars"):

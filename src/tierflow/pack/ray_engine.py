@@ -16,8 +16,9 @@ taken once, in order, so a retry can neither duplicate nor drop a shard. Bad inp
 dies publishes nothing: the manifest is written last, after every shard.
 
 Inputs must be readable at the same paths on every node (a shared file system), and tierflow
-importable there (installed, or a `runtime_env`). A rerun starts over: finished units are not
-kept across drivers (shards are content-named, so an s3:// rerun skips the uploads it finds).
+importable there (installed, or a `runtime_env`). A rerun after a killed driver resumes from the
+units it had finished, as a local pack does (the packer's resume journal, pack._journal: the
+engine only runs the units it is given); an s3:// pack starts over, skipping the uploads it finds.
 """
 
 from __future__ import annotations

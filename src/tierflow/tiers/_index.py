@@ -33,6 +33,7 @@ CREATE TABLE IF NOT EXISTS entries (
 CREATE TABLE IF NOT EXISTS reservations (
     id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, size INTEGER NOT NULL,
     pid INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS readers (pid INTEGER NOT NULL, dataset TEXT NOT NULL, PRIMARY KEY (pid, dataset));
 """
 
 
@@ -204,6 +205,21 @@ class TierIndex:
         """An entry's statistics as restored from a checkpoint."""
         conn.execute("UPDATE entries SET last_access=?, hits=?, stats=? WHERE key=?",
                      (last_access, hits, json.dumps(stats), key))
+
+    def add_reader(self, dataset: str) -> None:
+        """Record that this process reads `dataset` through the tier (until it dies)."""
+        with self.transaction() as c:
+            c.execute("INSERT OR IGNORE INTO readers VALUES (?, ?)", (os.getpid(), dataset))
+
+    def read_datasets(self, conn: sqlite3.Connection) -> set[str]:
+        """The datasets a live process reads through the tier (dead readers' rows are dropped)."""
+        live = set()
+        for pid, dataset in conn.execute("SELECT pid, dataset FROM readers").fetchall():
+            if process_alive(pid):
+                live.add(dataset)
+            else:
+                conn.execute("DELETE FROM readers WHERE pid=? AND dataset=?", (pid, dataset))
+        return live
 
     def touch(self, conn: sqlite3.Connection, key: str, now: float, stats: dict[str, Any]) -> None:
         conn.execute("UPDATE entries SET last_access=?, hits=hits+1, stats=? WHERE key=?",

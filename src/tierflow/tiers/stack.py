@@ -152,6 +152,8 @@ class TierStack:
         manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
+        for tier in self.tiers:  # from now on the dataset has its fair share of each tier
+            tier.add_reader(manifest.dataset_id)
         form = self.tiers[0].form if self.tiers else Form.AT_REST
         stored = sum(s.bytes_in(form) for s in manifest.shards)
         self._staged_per_byte = sum(s.decoded_bytes for s in manifest.shards) / stored if stored else 1.0

@@ -40,6 +40,7 @@ from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, EntryStats, NextUseOracle, rebase_stats
 from tierflow.telemetry import Counter, MetricsRegistry
+from tierflow.tiers._fairshare import FairShare
 from tierflow.tiers._index import EntryRow, IndexTrouble, TierIndex, process_alive
 from tierflow.tiers._lock import FileLock, Pin, is_pinned, try_remove_unpinned
 from tierflow.errors import FetchError, ShardCorruptError
@@ -163,6 +164,7 @@ class Tier:
         self._live_keys: set[str] = set()
         self._policy_lock = threading.RLock()
         self.ram = is_tmpfs(self.root) if ram is None else ram
+        self._readers: set[tuple[int, str]] = set()  # (pid, dataset) this process has recorded
         self._block_lists: dict[str, list[Block]] = {}  # content-addressed: never stale
 
     def _metrics(self, registry: MetricsRegistry | None) -> None:
@@ -433,6 +435,8 @@ class Tier:
         `verify_hit=False`: the caller verifies blocks as it reads them (see `lookup`);
         `block_list` cuts a fetched, verified file into blocks, recorded with the entry.
         """
+        if dataset is not None:
+            self.add_reader(dataset)
         pin = self.lookup(key, verify_hit, block_list)
         if pin is not None:
             return pin
@@ -450,7 +454,8 @@ class Tier:
             corrupt = 0
             while True:
                 try:
-                    reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch)
+                    reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch,
+                                                dataset=dataset)
                 except sqlite3.Error as e:
                     if not self._index_trouble(e):
                         raise
@@ -578,12 +583,24 @@ class Tier:
         self.m_occupancy.set(self.index.occupancy()[0])
 
     # ------------------------------------------------------------ space
-    def _reserve(self, key: str, size: int, extra: int = 0, required: bool = True) -> int | None:
+    def add_reader(self, dataset: str) -> None:
+        """Record that this process reads `dataset` through the tier: while it lives, the dataset has
+        a fair share of the room (tiers._fairshare). Once per process and dataset."""
+        if (os.getpid(), dataset) in self._readers:
+            return
+        with self._index_trouble.tolerated():
+            self.index.add_reader(dataset)
+            self._readers.add((os.getpid(), dataset))
+
+    def _reserve(self, key: str, size: int, extra: int = 0, required: bool = True,
+                 dataset: str | None = None) -> int | None:
         """Reserve `size` bytes, evicting as the policy says; None when the entry cannot be cached.
 
         A reader's entry is `required`: it is read now, so the policy says only whether it is worth
         keeping (`admit_read`; if not, the reader reads it from below this once); a prefetch asks
-        whether it is worth its room (`admit`)."""
+        whether it is worth its room (`admit`). With other datasets read through the tier too, the
+        entry's `dataset` is held to its fair share (tiers._fairshare): below it, it claims room
+        from datasets above theirs even where the policy declines; it never takes another's below."""
         if not self._configured:  # the index opens now: the directory's configuration goes first
             if self.index.set_config_if_absent(self._requested)["form"] != self.form.value:
                 self.m_bypass.inc()
@@ -599,30 +616,46 @@ class Tier:
             used = self.index.used(c)
             rows = {r.key: r for r in self.index.entries(c)}
             policy = self._synced_policy(rows)
+            fair = FairShare.of(rows, self.index.read_datasets(c), dataset, capacity)
             decide = policy.admit_read if required else policy.admit
-            if not decide(key, size, now, capacity - used):
+            if not decide(key, size, now, capacity - used) and \
+                    not (fair is not None and fair.under_share(size) and fair.claim(set()) is not None):
                 self.m_bypass.inc()
                 return None
             held: list[str] = []
             try:
-                return self._make_room(c, policy, rows, key, size, extra, used, capacity, now, held, required)
+                return self._make_room(c, policy, rows, key, size, extra, used, capacity, now, held, required,
+                                       fair)
             finally:
                 for victim in held:
                     if policy.is_pinned(victim):
                         policy.unpin(victim, now)
 
     def _make_room(self, c, policy: CachePolicy, rows: dict[str, EntryRow], key: str, size: int, extra: int,
-                   used: int, capacity: int, now: float, held: list[str], required: bool = True) -> int | None:
-        """Evict unpinned victims until the entry fits; pinned ones are skipped via `held`."""
+                   used: int, capacity: int, now: float, held: list[str], required: bool = True,
+                   fair: FairShare | None = None) -> int | None:
+        """Evict unpinned victims until the entry fits; pinned ones are skipped via `held`. Under a
+        fair share, a dataset below its share takes its victims from those above theirs first."""
+        in_use: set[str] = set()
         while used + size + extra > capacity:
-            victim = policy.victim(now)
-            if victim is None:  # every resident entry is in use
-                (self.m_in_use if required else self.m_prefetch_no_room).inc()
-                return None
+            victim = fair.claim(in_use) if fair is not None and fair.under_share(size) else None
+            if victim is None:
+                victim = policy.victim(now)
+                if victim is None:  # every resident entry is in use (or another dataset's fair share)
+                    (self.m_in_use if required else self.m_prefetch_no_room).inc()
+                    return None
+                if fair is not None and fair.protected(victim):
+                    policy.pin(victim)  # another dataset's, within its share: not ours to take
+                    held.append(victim)
+                    continue
             if not try_remove_unpinned(self.path_of(victim)):
-                policy.pin(victim)  # in use by some process: skip it for this decision
-                held.append(victim)
+                in_use.add(victim)
+                if not policy.is_pinned(victim):
+                    policy.pin(victim)  # in use by some process: skip it for this decision
+                    held.append(victim)
                 continue
+            if fair is not None:
+                fair.removed(victim)
             row = rows[victim]
             self._drop_blocks(victim)
             self.index.remove(c, victim)
