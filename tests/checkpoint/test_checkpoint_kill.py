@@ -466,3 +466,52 @@ def test_tiny_lm_killed_mid_upload_resumes_on_an_empty_node_warm_and_exact(
     got = [inputs(next(again)) for _ in range(6)]
     loader.close()
     assert all(torch.equal(a, b) for a, b in zip(got, reference[step:step + 6]))
+
+
+DCP_RANK = """
+import sys, datetime, warnings
+warnings.filterwarnings("ignore")
+import torch.distributed as dist, torch.distributed.checkpoint as dcp
+import tierflow
+from tierflow.checkpoint import LoaderState
+from tierflow.loader import WorldPosition
+rank, world, init, data, step_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+loader = tierflow.open_loader(data, batch_size=4, seq_len=32, lanes=1, window_shards=1, return_meta=True,
+                              world=WorldPosition(rank, world, 0, 1), endless=False)
+seen = []
+for step, (_, meta) in enumerate(loader):
+    seen += [int(i) for i, e in zip(meta.sample_ids.tolist(), meta.epochs.tolist()) if e == 0]
+    if step == 5:
+        break
+dcp.save({"loader": LoaderState(loader)}, checkpoint_id=step_dir)
+print("seen", *seen, flush=True)
+loader.close()
+dist.destroy_process_group()
+"""
+
+
+def test_two_gloo_ranks_saved_through_dcp_resume_as_one(tokens: Path, tmp_path: Path) -> None:
+    """Two gloo ranks save their loader states with a real multi-rank `dcp.save` (each rank's
+    bytes under its own key); one process resumes them elastically (`checkpoint=`) and reads
+    exactly the first epoch's samples the two ranks had not."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    step_dir = tmp_path / "step"
+    ranks = [_spawn(DCP_RANK, str(r), "2", init, str(tokens), str(step_dir)) for r in range(2)]
+    seen: list[int] = []
+    try:
+        for proc in ranks:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            seen += [int(i) for i in next(l for l in out.splitlines() if l.startswith("seen")).split()[1:]]
+    finally:
+        for proc in ranks:
+            _kill_group(proc)
+    resumed = tierflow.open_loader(tokens, batch_size=4, seq_len=32, lanes=1, window_shards=1, return_meta=True,
+                                   endless=False)
+    adapter = LoaderState(resumed, checkpoint=step_dir)
+    assert adapter.saved_ranks == [0, 1]
+    dcp.load({"loader": adapter}, checkpoint_id=step_dir)
+    rest = [int(i) for _, meta in resumed for i, e in zip(meta.sample_ids.tolist(), meta.epochs.tolist()) if e == 0]
+    resumed.close()
+    assert sorted(seen + rest) == list(range(resumed.dataset.num_order_samples))
