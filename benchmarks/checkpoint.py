@@ -29,9 +29,12 @@ Checkpoint-aware staging (async-ride), same box, 3 alternating rounds, ratio med
 defaults (256 MB every 200 steps, 200 MB/s): async 0.907 [0.864, 0.943], async-ride 0.922
 [0.913, 0.952]; --rate-mb 8 --ckpt-mb 64: async 0.968 [0.956, 1.02], async-ride 0.971 [0.955,
 0.975]; --rate-mb 2 --ckpt-mb 16 (the loop bound by the source: 33 steps/s of 50): async 1.074
-[1.023, 1.08], async-ride 0.998 [0.966, 1.01]. No gain measured: the budget's priorities
-already keep the loop's reads (0.8 MB/s here) whole while the upload takes the rest, so there
-is no stall for the wider lookahead to hide; stalls per run were alike (14-18 in every mode).
+[1.023, 1.08], async-ride 0.998 [0.966, 1.01], and with the two run the other way round
+(--modes baseline,async-ride,async) async-ride 1.06 [0.997, 1.093], async 0.994 [0.927, 1.002]:
+whichever runs right after the baseline gains ~7%, an effect of the order, not of the mode.
+No gain measured: the budget's priorities already keep the loop's reads (0.8 MB/s here) whole
+while the upload takes the rest, so there is no stall for the wider lookahead to hide; stalls
+per run were alike (11-18 in every mode).
 
 Run: .venv/bin/python benchmarks/checkpoint.py [--steps 600] [--every 200] [--ckpt-mb 256] [--rate-mb 200]
          [--rounds 3] [--modes baseline,sync,async,async-ride]
