@@ -19,8 +19,8 @@ before it hashes, that an upload of the step's bytes is coming and how long it i
 take (bytes / the upload rate measured so far, the budget's rate until one is measured): the
 stager's lookahead covers that long at the loop's measured consumption rate (within its tier's
 room), and returns when the upload's answer comes. `commit_async` hands the step to the
-uploader once that much is staged (or the expected duration passed); `commit` does not wait
-for it, since the loop it blocks is what consumes.
+uploader once that much is staged (or the expected duration, at most PRESTAGE_WAIT_S, passed);
+`commit` does not wait for it, since the loop it blocks is what consumes.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepRepo
 from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, remote_steps, verify_remote
 from tierflow.storage.budget import BandwidthBudget
 from tierflow.tiers.burst import Ride, RidesBursts
+
+
+PRESTAGE_WAIT_S = 30.0
+"""The longest `commit_async` holds an upload back while the stager pre-stages for it."""
 
 
 class CheckpointStore:
@@ -111,7 +115,7 @@ class CheckpointStore:
         try:
             final = self._durable(step, tmp, warm)
             if ride is not None and prestage:
-                ride.wait(timeout=ride.seconds)
+                ride.wait(timeout=min(ride.seconds, PRESTAGE_WAIT_S))
             if self.dest is not None:
                 self._submit(step, final)
         except BaseException:
