@@ -18,7 +18,7 @@ from tierflow.checkpoint import COMMIT_NAME, CheckpointError, CheckpointStore, L
 from tierflow.commands.cli import main as cli_main
 from tierflow.errors import TierflowError
 
-from ckpt_rig import inputs, make_token_dataset
+from ckpt_rig import inputs, make_letter_dataset, make_token_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -218,3 +218,160 @@ def test_cli_ls_verify_prune(s3_server, s3_bucket: str, tmp_path: Path, capsys: 
     capsys.readouterr()
     remote = CheckpointStore(dest, tmp_path / "other", endpoint_url=s3_server.endpoint_url).remote_steps()
     assert remote == {30: True}
+
+
+class _Clock:
+    """A tier's clock the test advances by one per reading, from `start`."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def _tier(root: Path, clock: _Clock, policy: str):
+    from tierflow.tiers import Tier
+
+    return Tier(root, capacity=4 * 1000, policy=policy, form="at_rest", name="L2", verify_hits=False,
+                policy_options={"half_life": 50.0} if policy == "hotscore" else None, clock=clock)
+
+
+def _read(tier, key: str) -> None:
+    """What a reader does: ensure the entry (a hit, or fetched and admitted), then release it."""
+    from tierflow.format._checksum import xxh3_128_hex
+
+    data = key.encode() * (1000 // len(key))
+    pin = tier.ensure(key, len(data), xxh3_128_hex(data), lambda tmp: tmp.write_bytes(data))
+    assert pin is not None
+    pin.release()
+
+
+@pytest.mark.parametrize("policy", ["hotscore", "lru"])
+def test_restored_heat_makes_the_evictions_an_uninterrupted_run_makes(tmp_path: Path, policy: str) -> None:
+    """A tier's heat saved at a checkpoint (through JSON, as the warm record carries it) and
+    restored into a fresh tier on another clock (an hour later) gives the policy back its
+    ranking: for the same reads after the resume, the resident set after every read is the
+    uninterrupted tier's. The same staging without the restore (statistics dropped) differs."""
+    from tierflow.checkpoint.warm import restore_heat, tier_heat
+
+    first = _tier(tmp_path / "before", _Clock(0.0), policy)
+    for key in ["k3", "k2", "k1", "k0", "k0", "k0", "k1", "k1", "k2", "k0", "k1"]:  # k0, k1 hot; k3 cold
+        _read(first, key)
+    saved = json.loads(json.dumps(tier_heat([first])))
+    staged = [e["key"] for e in saved["L2"]["entries"]]  # hottest first, as restore_warm stages them
+    later = ["k4", "k0", "k5", "k1", "k6", "k0", "k7", "k3", "k1"]
+
+    def run(tier) -> list[list[str]]:
+        residents = []
+        for key in later:
+            _read(tier, key)
+            residents.append(sorted(tier.index.keys()))
+        return residents
+
+    uninterrupted = run(first)
+    resumed = _tier(tmp_path / "after", _Clock(3600.0), policy)
+    dropped = _tier(tmp_path / "dropped", _Clock(3600.0), policy)
+    for tier in (resumed, dropped):
+        for key in staged:
+            _read(tier, key)
+    assert restore_heat([resumed], saved) == 4
+    assert run(resumed) == uninterrupted
+    assert run(dropped) != uninterrupted
+
+
+def test_an_upload_stretches_the_stagers_lookahead_until_it_is_done(tmp_path: Path) -> None:
+    """A store told the node's stager announces each upload before it hashes: while the upload
+    runs (held here by holding its budget's lock) the stager looks ahead the upload's expected
+    duration (bytes / the measured upload rate) of consumption, bounded by its tier's room;
+    commit_async hands off only once that is staged, so the next batches' shards are resident
+    and reading them misses nothing; when the upload's answer comes, the lookahead returns."""
+    import time
+
+    from tierflow.checkpoint.warm import cursor_of, next_shards
+    from tierflow.storage.budget import BandwidthBudget
+
+    data = make_letter_dataset(tmp_path, docs=4000)  # ~8 shards
+    loader = tierflow.open_loader(data, batch_size=4, seq_len=32, tiers=[f"L2={tmp_path / 'L2'}:64MB"], endless=True)
+    stager = loader.stager
+    stream = iter(loader)
+    for _ in range(8):
+        next(stream)
+        time.sleep(0.005)  # a loop of at most 200 steps/s: its lookahead stays below the tier's room
+    calm = stager.lookahead().bytes
+    assert stager.consumption_rate() > 0 and calm < stager.node.max_bytes
+    budget = BandwidthBudget(64 << 20, tmp_path / "budget", burst=1 << 20)
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local", budget=budget, stager=stager)
+    store.upload_rate = 1.0  # as if the last upload had gone at 1 B/s: this one is expected to take 2**20 s
+    (store.begin(8) / "model.bin").write_bytes(b"\x01" * (1 << 20))
+    with budget._locked():  # the uploader cannot take a byte: the upload is in flight until released
+        assert store.commit_async(8).result() == tmp_path / "local" / step_name(8)
+        assert store.uploading() == [8]
+        assert stager.burst_seconds() == pytest.approx(2.0 ** 20)
+        riding = stager.lookahead().bytes
+        assert riding == stager.node.max_bytes > calm  # 12 days of consumption, bounded by the tier's room
+        tier = stager.stack.tiers[0]
+        ahead = next_shards(loader.dataset, cursor_of(loader), 24)
+        assert {loader.dataset.manifest.shards[s].key for s in ahead} <= tier.index.keys()
+        misses = tier.m_misses.value
+        for _ in range(24):
+            next(stream)
+        assert tier.m_misses.value == misses  # every read during the upload was staged ahead
+    store.wait()
+    assert stager.burst_seconds() == 0.0 and store.upload_rate > 1.0  # measured on this upload
+    assert stager.lookahead().bytes < riding
+    loader.close()
+    store.close()
+
+
+def test_loader_state_resumes_elastically_under_another_world_size(tokens: Path, tmp_path: Path) -> None:
+    """Two ranks (two nodes) save their loader states through DCP, each under its own key; one
+    process resumes (world size 1) with `checkpoint=`: it reads the saved ranks from the DCP
+    metadata and takes the cursor they share, and the resumed stream reads, up to the end of
+    the epoch, exactly the samples the two ranks had not read. Without `checkpoint=` the rank's
+    missing key is named; ranks whose states differ are refused, naming the step."""
+    from tierflow.errors import CursorError
+    from tierflow.loader import WorldPosition
+
+    def ids(loader, steps: int | None = None) -> list[int]:
+        """The first epoch's sample ids the loader yields (a batch at the edge carries the next's too)."""
+        out = []
+        for step, (_, meta) in enumerate(loader):
+            out += [int(i) for i, e in zip(meta.sample_ids.tolist(), meta.epochs.tolist()) if e == 0]
+            if steps is not None and step + 1 == steps:
+                break
+        return out
+
+    shape = {"batch_size": 4, "seq_len": 32, "lanes": 1, "window_shards": 1}  # the breadth the cursor carries
+    ranks = [tierflow.open_loader(tokens, **shape, world=WorldPosition(n, 2, 0, 1), return_meta=True, endless=False)
+             for n in range(2)]
+    seen = [i for loader in ranks for i in ids(loader, 6)]
+    states = [LoaderState(loader, key=f"rank{n}") for n, loader in enumerate(ranks)]
+    saved = {"loader": {**states[0].state_dict(), **states[1].state_dict()}}  # what two ranks' dcp.save holds
+    dcp.save(saved, checkpoint_id=tmp_path / "two")
+    assert ranks[0].state_dict() == ranks[1].state_dict()  # synchronous steps: one cursor for both
+
+    resumed = tierflow.open_loader(tokens, **shape, return_meta=True, endless=False)
+    with pytest.raises(BaseException, match="rank2"):  # a third rank's own key (DCP raises a BaseException)
+        dcp.load({"loader": LoaderState(resumed, key="rank2")}, checkpoint_id=tmp_path / "two")
+    adapter = LoaderState(resumed, checkpoint=tmp_path / "two")
+    assert adapter.saved_ranks == [0, 1]
+    dcp.load({"loader": adapter}, checkpoint_id=tmp_path / "two")
+    assert adapter.loaded == ranks[0].state_dict()
+    rest = ids(resumed)
+    total = resumed.dataset.num_order_samples
+    assert sorted(seen + rest) == list(range(total))  # nothing skipped or read twice across the change
+    for loader in ranks:
+        loader.close()
+    resumed.close()
+
+    differ = dict(saved["loader"])
+    other = json.loads(differ["rank1"])
+    other["consumed"] += 1
+    differ["rank1"] = json.dumps(other, sort_keys=True).encode()
+    dcp.save({"loader": differ}, checkpoint_id=tmp_path / "differ")
+    fresh = tierflow.open_loader(tokens, **shape)
+    with pytest.raises(CursorError, match="differ"):
+        dcp.load({"loader": LoaderState(fresh, checkpoint=tmp_path / "differ")}, checkpoint_id=tmp_path / "differ")
+    fresh.close()

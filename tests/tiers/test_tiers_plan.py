@@ -53,6 +53,24 @@ def test_the_lookahead_follows_littles_law_with_a_2x_margin_and_stops_at_max_byt
     assert size_lookahead(shape(max_bytes=60), 1e9, 1.0, 1.0).horizon_steps == node.min_batches
 
 
+def test_a_burst_stretches_the_lookahead_to_cover_it_within_max_bytes_and_it_returns_after():
+    """During a checkpoint upload expected to last `cover_s`, the lookahead is at least what the
+    loop consumes meanwhile (rate x seconds), never past max_bytes, and the plan fetches that far."""
+    node = shape(staging_slots=100)
+    before = size_lookahead(node, 100.0, 0.1, 0.1)
+    during = size_lookahead(node, 100.0, 0.1, 0.1, cover_s=30.0)
+    assert before.bytes == 4 * 50.0 and during.bytes == 100.0 * 30.0
+    assert during.horizon_steps == math.ceil(3000 / 50) > before.horizon_steps
+    assert size_lookahead(node, 100.0, 0.1, 0.1, cover_s=1e6).bytes == node.max_bytes
+    assert size_lookahead(node, 100.0, 0.1, 0.1, cover_s=0.0) == before
+    uses = windows(40)
+    calm = plan_staging(uses, node, consumption_bytes_s=100.0, fetch_p99_s=0.1, fetch_mean_s=0.1, resident=set())
+    riding = plan_staging(uses, node, consumption_bytes_s=100.0, fetch_p99_s=0.1, fetch_mean_s=0.1, resident=set(),
+                          cover_s=30.0)
+    assert len(riding.fetch) >= 3000 // SHARD > len(calm.fetch)
+    assert riding.fetch[:len(calm.fetch)] == calm.fetch  # the same order of first use, only further
+
+
 def test_the_view_covers_twice_what_the_tier_holds_or_the_dataset_without_a_tier():
     assert size_lookahead(shape(), 0.0, 1.0, 1.0).view_steps == math.ceil(2 * 20_000 / 50)
     assert size_lookahead(shape(capacity=0), 0.0, 1.0, 1.0).view_steps == math.ceil(2 * 50_000 / 50)

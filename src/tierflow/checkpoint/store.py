@@ -13,6 +13,14 @@ first, part manifest next, commit marker last, then applies retention. With seve
 commits its part; rank 0 writes the marker once every rank's upload has finished (an
 all-reduce, i.e. a barrier, in `wait()` or the next `commit`), so a step is whole for all ranks
 or for none. Temporaries are named `.tmp-...` and never listed.
+
+With `stager=` (the node's `Stager`, or anything `tiers.burst.RidesBursts`), `commit` tells it,
+before it hashes, that an upload of the step's bytes is coming and how long it is expected to
+take (bytes / the upload rate measured so far, the budget's rate until one is measured): the
+stager's lookahead covers that long at the loop's measured consumption rate (within its tier's
+room), and returns when the upload's answer comes. `commit_async` hands the step to the
+uploader once that much is staged (or the expected duration, at most PRESTAGE_WAIT_S, passed);
+`commit` does not wait for it, since the loop it blocks is what consumes.
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepRepo
                                           write_durably)
 from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, remote_steps, verify_remote
 from tierflow.storage.budget import BandwidthBudget
+from tierflow.tiers.burst import Ride, RidesBursts
+
+
+PRESTAGE_WAIT_S = 30.0
+"""The longest `commit_async` holds an upload back while the stager pre-stages for it."""
 
 
 class CheckpointStore:
@@ -43,7 +56,7 @@ class CheckpointStore:
     def __init__(self, dest: str | Path | None, local: str | Path, *, keep_last: int | None = 3,
                  keep_every: int | None = None, endpoint_url: str | None = None,
                  budget: BandwidthBudget | None = None, rank: int | None = None,
-                 world_size: int | None = None, group: Any = None) -> None:
+                 world_size: int | None = None, group: Any = None, stager: RidesBursts | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -69,6 +82,10 @@ class CheckpointStore:
         self._proc: subprocess.Popen[str] | None = None
         self._source: Any = None
         self._committer: ThreadPoolExecutor | None = None
+        self.stager = stager
+        self.upload_rate: float | None = None
+        """Bytes/s of the last upload (its answer's bytes over its seconds); None until one is done."""
+        self._rides: dict[int, Ride] = {}
 
     # ------------------------------------------------------------ writing
     def begin(self, step: int) -> Path:
@@ -79,20 +96,58 @@ class CheckpointStore:
         self._open[step] = tmp
         return tmp
 
-    def commit(self, step: int, *, loader: Any = None, warm_batches: int = 256) -> Path:
+    def commit(self, step: int, *, loader: Any = None, warm_batches: int = 256, stack: Any = None) -> Path:
         """Make `step` durable and visible locally, then queue its upload; returns the step directory.
 
         Blocks only for fsync, hashing (xxh3) and renames. With `loader`, the shards its next
-        `warm_batches` batches need are recorded for `restore_warm`. With several ranks, the
-        previous step's marker is settled first (a collective: every rank must call commit)."""
-        return self._commit(step, _warm_record(loader, warm_batches))
+        `warm_batches` batches need and the heat of the tiers of `stack` (default: the loader's
+        stager's) are recorded for `restore_warm`. With several ranks, the previous step's
+        marker is settled first (a collective: every rank must call commit)."""
+        return self._commit(step, _warm_record(loader, warm_batches, stack))
 
-    def _commit(self, step: int, warm: dict[str, Any] | None) -> Path:
+    def _commit(self, step: int, warm: dict[str, Any] | None, prestage: bool = False) -> Path:
         if step not in self._open:
             raise CheckpointError(step_name(step), "commit without begin (or committed twice)")
         if self.world_size > 1 and self._awaiting_marker:
             self.wait()
         tmp = self._open.pop(step)
+        ride = self._ride(step, tmp)
+        try:
+            final = self._durable(step, tmp, warm)
+            if ride is not None and prestage:
+                ride.wait(timeout=min(ride.seconds, PRESTAGE_WAIT_S))
+            if self.dest is not None:
+                self._submit(step, final)
+        except BaseException:
+            self._end_ride(step)
+            raise
+        if self.dest is None and self.world_size == 1:
+            prune_local(self.local, None, self.keep_last, self.keep_every)
+        if self.world_size > 1:
+            self._awaiting_marker.append(step)
+        return final
+
+    def _ride(self, step: int, tmp: Path) -> Ride | None:
+        """Tell the stager an upload of `tmp`'s bytes is coming (None: no stager, no upload, no rate)."""
+        if self.stager is None or self.dest is None:
+            return None
+        rate = self.upload_rate or (self.budget.rate if self.budget is not None else None)
+        if not rate:
+            return None  # nothing to expect its duration from until one upload is measured
+        nbytes = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        ride = self.stager.ride_through(nbytes / rate)
+        with self._lock:
+            self._rides[step] = ride
+        return ride
+
+    def _end_ride(self, step: int) -> None:
+        with self._lock:
+            ride = self._rides.pop(step, None)
+        if ride is not None:
+            ride.end()
+
+    def _durable(self, step: int, tmp: Path, warm: dict[str, Any] | None) -> Path:
+        """fsync, hash, manifest, rename: the step is whole and visible here."""
         if warm is not None:
             from tierflow.checkpoint.warm import warm_name
 
@@ -109,16 +164,10 @@ class CheckpointStore:
             fsync_dir(Path(directory))
         final = self.local / step_name(step)
         self._install(tmp, final)
-        if self.dest is not None:
-            self._submit(step, final)
-        elif self.world_size == 1:
-            prune_local(self.local, None, self.keep_last, self.keep_every)
-        if self.world_size > 1:
-            self._awaiting_marker.append(step)
         return final
 
     def commit_async(self, step: int, after: Any = None, *, loader: Any = None,
-                     warm_batches: int = 256) -> Future[Path]:
+                     warm_batches: int = 256, stack: Any = None) -> Future[Path]:
         """`commit` on a background thread, after `after` (e.g. `dcp.async_save`'s future) is done,
         so neither the write nor fsync and hashing hold up the loop. The warm record is taken
         now, at the cursor that was saved. Single-rank jobs only: the multi-rank marker needs
@@ -128,12 +177,12 @@ class CheckpointStore:
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-ckpt-commit")
 
-        warm = _warm_record(loader, warm_batches)
+        warm = _warm_record(loader, warm_batches, stack)
 
         def run() -> Path:
             if after is not None:
                 after.result()
-            return self._commit(step, warm)
+            return self._commit(step, warm, prestage=True)
 
         return self._committer.submit(run)
 
@@ -200,6 +249,9 @@ class CheckpointStore:
                 self._results[int(answer["step"])] = answer
                 event = self._pending.pop(int(answer["step"]), None)
             self.last_upload = answer
+            if answer.get("ok") and answer.get("bytes") and answer.get("seconds"):
+                self.upload_rate = float(answer["bytes"]) / float(answer["seconds"])
+            self._end_ride(int(answer["step"]))
             if event is not None:
                 event.set()
         with self._lock:  # the uploader died: nothing pending will ever be answered
@@ -207,6 +259,9 @@ class CheckpointStore:
                 self._results[step] = {"step": step, "ok": False, "error": f"uploader exited ({proc.wait()})"}
                 event.set()
             self._pending.clear()
+            rides, self._rides = list(self._rides.values()), {}
+        for ride in rides:
+            ride.end()
 
     def uploading(self) -> list[int]:
         """Steps whose upload has not finished yet."""
@@ -347,7 +402,8 @@ class CheckpointStore:
 
     def restore_warm(self, step: int, loader: Any, stack: Any = None, batches: int | None = None) -> int:
         """Pre-stage, before the first step on a fresh node, the shards the loader's next batches
-        need (recorded at commit, else derived from the loader's cursor); returns shards staged."""
+        need (recorded at commit, else derived from the loader's cursor) and give the tiers back
+        their saved statistics (policy state per entry); returns shards staged."""
         from tierflow.checkpoint.warm import restore_warm
 
         return restore_warm(self.load(step), loader, stack=stack, batches=batches, rank=self.rank)
@@ -391,12 +447,12 @@ def _distributed(group: Any) -> tuple[int, int]:
     return 0, 1
 
 
-def _warm_record(loader: Any, batches: int) -> dict[str, Any] | None:
+def _warm_record(loader: Any, batches: int, stack: Any) -> dict[str, Any] | None:
     if loader is None:
         return None
     from tierflow.checkpoint.warm import warm_state
 
-    return warm_state(loader, batches)
+    return warm_state(loader, batches, stack)
 
 
 def _budget_spec(budget: BandwidthBudget | None) -> dict[str, Any] | None:

@@ -1,20 +1,30 @@
-"""Warm restart: record at commit which shards the next batches need, pre-stage them on resume.
+"""Warm restart: record at commit which shards the next batches need and how hot each tier's
+entries are; on resume pre-stage them and give them back their statistics.
 
 A fresh node has an empty L2, so the first steps after a resume would all read from the
 source ("performance drops after resume"). At commit the loader's cursor says exactly which
 shards its next `batches` batches read (the order is deterministic); that list, in order of
-first use, and each tier's resident entries with their hit counts go into the step as
-`tierflow-warm-R.json`. `restore_warm` stages that list into the tiers before the first step,
-up to the top tier's capacity, so the first steps hit as they did before the stop.
+first use, and each tier's resident entries with their policy statistics (`Tier.heat`) and the
+tier's clock go into the step as `tierflow-warm-R.json`. `restore_warm` stages that list, then
+the top tier's other saved entries hottest first, up to its capacity, and restores the saved
+statistics into every tier that holds them (`Tier.restore_heat`), their times moved by the time
+between the save and the restore. The policies then rank the restored entries as the stopped
+process's did, so what they evict after the resume is what an uninterrupted run would have
+evicted, and the first steps hit as they did before the stop.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-WARM_FORMAT = "tierflow-warm/1"
+if TYPE_CHECKING:  # the uploader process imports this package: it stays without the tiers
+    from tierflow.tiers.tier import Tier
+
+WARM_FORMAT = "tierflow-warm/2"
+"""/2 adds per tier its clock and each entry's policy statistics; /1 records are still read."""
 
 
 def warm_name(rank: int) -> str:
@@ -39,43 +49,73 @@ def cursor_of(loader: Any) -> dict[str, Any] | None:
     return state.get("cursor") if isinstance(state, dict) and "cursor" in state else loader.dataset.state_dict()
 
 
-def warm_state(loader: Any, batches: int) -> dict[str, Any]:
-    """The JSON written into a step: the loader's state, the next shards, each tier's entries by heat."""
+def stack_of(loader: Any, stack: Any = None) -> Any:
+    """`stack`, else the loader's stager's stack (None: the loader reads through no tiers)."""
+    return stack if stack is not None else getattr(getattr(loader, "stager", None), "stack", None)
+
+
+def tier_heat(tiers: Sequence[Tier]) -> dict[str, dict[str, Any]]:
+    """Each tier's clock now and its resident entries' statistics, hottest first (JSON)."""
+    return {tier.name: {"clock": tier.clock(), "entries": [asdict(e) for e in tier.heat()]} for tier in tiers}
+
+
+def restore_heat(tiers: Sequence[Tier], saved: dict[str, Any]) -> int:
+    """Give each tier's resident entries the statistics `tier_heat` saved for the tier of that
+    name, rebased from the saved clock to this tier's; returns how many entries took them."""
+    from tierflow.tiers.tier import EntryHeat
+
+    restored = 0
+    for tier in tiers:
+        record = saved.get(tier.name)
+        if not isinstance(record, dict) or "clock" not in record:
+            continue  # a /1 record (hits only) or a tier the checkpoint did not have
+        entries = [EntryHeat(str(e["key"]), int(e["size"]), int(e["hits"]), float(e["last_access"]),
+                             dict(e["stats"])) for e in record["entries"]]
+        restored += tier.restore_heat(entries, shift=tier.clock() - float(record["clock"]))
+    return restored
+
+
+def warm_state(loader: Any, batches: int, stack: Any = None) -> dict[str, Any]:
+    """The JSON written into a step: the loader's state, the next shards, each tier's heat."""
     cursor = cursor_of(loader)
     shards = loader.dataset.manifest.shards
     state: dict[str, Any] = {"format": WARM_FORMAT, "batches": batches, "loader": loader.state_dict(),
                              "next_shards": [shards[i].name for i in next_shards(loader.dataset, cursor, batches)]}
-    stager = getattr(loader, "stager", None)
-    if stager is not None:
-        tiers = {}
-        for tier in stager.stack.tiers:
-            rows = sorted(tier.index.entries(), key=lambda r: (-r.hits, -r.last_access))
-            tiers[tier.name] = [{"key": r.key, "size": r.size, "hits": r.hits} for r in rows]
-        state["tiers"] = tiers
+    stack = stack_of(loader, stack)
+    if stack is not None:
+        state["tiers"] = tier_heat(stack.tiers)
     return state
 
 
 def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | None = None,
                  rank: int = 0) -> int:
     """Stage the shards recorded in `step_dir` (or, without a record or with `batches`, the ones
-    the loader's cursor needs next) through `stack` (default: the loader's stager's); returns
-    how many are now in a tier. Stops at the top tier's capacity: staging more would evict the
-    first ones."""
-    stack = stack if stack is not None else getattr(getattr(loader, "stager", None), "stack", None)
+    the loader's cursor needs next) through `stack` (default: the loader's stager's), then the
+    top tier's other saved entries, and restore the saved statistics; returns how many shards
+    are now in a tier. Stops at the top tier's capacity: staging more would evict the first ones."""
+    stack = stack_of(loader, stack)
     if stack is None or not stack.tiers:
         return 0
     infos = loader.dataset.manifest.shards
     by_name = {info.name: i for i, info in enumerate(infos)}
     path = Path(step_dir) / warm_name(rank)
+    recorded: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     order: list[int] | None = None
-    if batches is None and path.is_file():
-        recorded = json.loads(path.read_text())
+    top = stack.tiers[0]
+    if batches is None and recorded:
         names = recorded.get("next_shards", [])
         if all(n in by_name for n in names):  # the same dataset: its names are its content
             order = [by_name[n] for n in names]
+            by_key = {info.key: i for i, info in enumerate(infos)}
+            saved_top = recorded.get("tiers", {}).get(top.name, {})
+            resident = saved_top.get("entries", []) if isinstance(saved_top, dict) else []
+            chosen = set(order)
+            for shard in (by_key[e["key"]] for e in resident if e["key"] in by_key):
+                if shard not in chosen:
+                    chosen.add(shard)
+                    order.append(shard)
     if order is None:
         order = next_shards(loader.dataset, cursor_of(loader), batches or 256)
-    top = stack.tiers[0]
     room = top.capacity
     staged = 0
     for index in order:
@@ -89,4 +129,6 @@ def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | 
         handle.release()
         room -= size
         staged += 1
+    if recorded.get("tiers"):
+        restore_heat(stack.tiers, recorded["tiers"])
     return staged

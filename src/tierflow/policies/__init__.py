@@ -6,7 +6,7 @@ accounting; `Cache` is that composition. `simulate` and `optimum` replay traces 
 """
 
 from tierflow.policies.auto import AutoPolicy, Lifecycle, choose_policy
-from tierflow.policies.base import CachePolicy, EntryStats, NextUseOracle
+from tierflow.policies.base import TIME_STATS, CachePolicy, EntryStats, NextUseOracle, rebase_stats
 from tierflow.policies.cache import Cache
 from tierflow.policies.clairvoyant import ClairvoyantPolicy
 from tierflow.policies.hotscore import HotScorePolicy, hot_score, hotscore_key
@@ -20,6 +20,7 @@ from tierflow.policies.stream import StreamPolicy
 __all__ = [
     "AutoPolicy", "Cache", "CachePolicy", "ClairvoyantPolicy", "EntryStats", "HotScorePolicy",
     "IntervalOracle", "LRUPolicy", "Lifecycle", "NextUseOracle", "NoChurnPolicy", "SimResult",
-    "StreamPolicy", "choose_policy", "hot_score", "hotscore_key", "make_policy", "optimum",
-    "oracle_from_accesses", "oracle_from_intervals", "policy_names", "register_policy", "simulate",
+    "StreamPolicy", "TIME_STATS", "choose_policy", "hot_score", "hotscore_key", "make_policy", "optimum",
+    "oracle_from_accesses", "oracle_from_intervals", "policy_names", "rebase_stats", "register_policy",
+    "simulate",
 ]

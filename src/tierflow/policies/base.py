@@ -16,6 +16,17 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 EntryStats = dict[str, Any]
 """A small JSON-able dict a tier stores per entry and hands back to `restore` after a restart."""
 
+TIME_STATS = ("last_access",)
+"""The EntryStats fields that are times of the tier's clock (every policy here names its time so)."""
+
+
+def rebase_stats(stats: EntryStats, shift: float) -> EntryStats:
+    """`stats` moved `shift` along the clock: what they are on another clock (a restart, another
+    node) whose now is `shift` later. Every time moves alike, so a ranking by recency or decayed
+    frequency (hot score's is shift-invariant) is unchanged against what is read from now on."""
+    return {k: (float(v) + shift if k in TIME_STATS and isinstance(v, (int, float)) else v)
+            for k, v in stats.items()}
+
 
 @runtime_checkable
 class NextUseOracle(Protocol):

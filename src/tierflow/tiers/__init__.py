@@ -15,7 +15,7 @@ from tierflow.format.shard import Form
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.config import TierConfig, parse_capacity, parse_size
 from tierflow.tiers.stack import Handle, Opened, TierStack
-from tierflow.tiers.tier import Tier
+from tierflow.tiers.tier import EntryHeat, Tier
 
 
 def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endpoint_url: str | None = None,
@@ -36,4 +36,5 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endp
     return TierStack(source, built, registry=registry)
 
 
-__all__ = ["Form", "Handle", "Opened", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity", "parse_size"]
+__all__ = ["EntryHeat", "Form", "Handle", "Opened", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity",
+           "parse_size"]

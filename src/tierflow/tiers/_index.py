@@ -200,6 +200,12 @@ class TierIndex:
     def remove(self, conn: sqlite3.Connection, key: str) -> None:
         conn.execute("DELETE FROM entries WHERE key=?", (key,))
 
+    def set_heat(self, conn: sqlite3.Connection, key: str, last_access: float, hits: int,
+                 stats: dict[str, Any]) -> None:
+        """An entry's statistics as restored from a checkpoint."""
+        conn.execute("UPDATE entries SET last_access=?, hits=?, stats=? WHERE key=?",
+                     (last_access, hits, json.dumps(stats), key))
+
     def add_reader(self, dataset: str) -> None:
         """Record that this process reads `dataset` through the tier (until it dies)."""
         with self.transaction() as c:

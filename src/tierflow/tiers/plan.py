@@ -102,10 +102,11 @@ class StagingPlan:
 
 
 def size_lookahead(node: NodeShape, consumption_bytes_s: float, fetch_p99_s: float,
-                   fetch_mean_s: float) -> Lookahead:
-    """Little's law with a 2x margin, at least `min_batches` steps and the next windows, at most `max_bytes`."""
+                   fetch_mean_s: float, cover_s: float = 0.0) -> Lookahead:
+    """Little's law with a 2x margin, at least `min_batches` steps and the next windows, at most `max_bytes`;
+    during a burst (a checkpoint upload expected to last `cover_s`), at least what the loop consumes in it."""
     want = max(node.min_batches * node.bytes_per_step, 2 * consumption_bytes_s * (fetch_p99_s + fetch_mean_s),
-               node.next_windows_bytes)
+               node.next_windows_bytes, consumption_bytes_s * cover_s)
     ahead = min(want, node.max_bytes)
     step = max(node.bytes_per_step, 1)
     horizon = max(node.min_batches, math.ceil(ahead / step))
@@ -132,7 +133,7 @@ def merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes_s: float = 0.0,
                  fetch_p99_s: float = 1.0, fetch_mean_s: float = 1.0, position: int = 0,
                  resident: Container[int] | None = None, held: Collection[int] = (),
-                 in_flight: Collection[int] = (), lead: int = 0) -> StagingPlan:
+                 in_flight: Collection[int] = (), lead: int = 0, cover_s: float = 0.0) -> StagingPlan:
     """What to stage next from `uses` (the node's future, sorted by first use, covering at least the
     lookahead's `view_steps`).
 
@@ -143,9 +144,10 @@ def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes
     against the budget, which is the bytes ahead, not the bytes still to fetch. `lead`: node
     samples the node's fastest rank is ahead of that cursor (the slowest's): the shards first used
     before it are being read, so they are wanted whatever the budget and held to the end of their
-    use, for the slower ranks, and the lookahead starts from it.
+    use, for the slower ranks, and the lookahead starts from it. `cover_s`: seconds of a burst to
+    read through (`size_lookahead`).
     """
-    ahead = size_lookahead(node, consumption_bytes_s, fetch_p99_s, fetch_mean_s)
+    ahead = size_lookahead(node, consumption_bytes_s, fetch_p99_s, fetch_mean_s, cover_s)
     limit = ahead.horizon_steps * node.samples_per_step + lead
     staged = set(held) | set(in_flight)
     spans: dict[int, list[tuple[int, int]]] = {}

@@ -7,7 +7,8 @@ Little's-law lookahead, the fetch order, the holds), and carries the plan out: i
 policies the next-use oracle, fetches in order of first use on threads (I/O and decompression
 release the GIL), and holds a pin on every entry it staged until its use has passed, so a
 prefetch can never evict, or be evicted before, an entry that is needed sooner ("do no harm").
-It reads the dataset only through the `FutureView` protocol.
+It reads the dataset only through the `FutureView` protocol. A burst announced through
+`ride_through` (a checkpoint upload, tiers/burst.py) stretches the lookahead to cover it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
+from tierflow.tiers.burst import Ride
 from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_staging, size_lookahead
 from tierflow.tiers.stack import STAGING_NAME, Handle, TierStack
 
@@ -88,6 +90,8 @@ class Stager:
         self._held_until: dict[int, int] = {}
         self._inflight: set[int] = set()
         self._queue: queue.Queue[int | None] = queue.Queue()
+        self._rides: list[Ride] = []
+        self._replan = False
         self._oracle: PositionOracle | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -156,6 +160,8 @@ class Stager:
                 handle.release()
             self._held.clear()
             self._inflight.clear()
+            for ride in self._rides:
+                ride.staged()  # no one stages for it any more: its owner must not wait
 
     # ------------------------------------------------------------ planning
     def _node_steps(self) -> tuple[int, int]:
@@ -177,7 +183,44 @@ class Stager:
 
     def lookahead(self) -> Lookahead:
         """The plan's lookahead from what was measured so far (1 s per fetch until one is timed)."""
-        return size_lookahead(self.node, self.consumption_rate(), *self._fetch_latency())
+        return size_lookahead(self.node, self.consumption_rate(), *self._fetch_latency(), self.burst_seconds())
+
+    # ------------------------------------------------------------ bursts (tiers/burst.py)
+    def ride_through(self, seconds: float) -> Ride:
+        """A burst of about `seconds` (a checkpoint upload) starts: until the ride ends, look ahead
+        `seconds` of consumption at the measured rate, within the tier's room (`max_bytes`), and
+        plan now. Rides add up (uploads queued one after another)."""
+        cover = min(max(0.0, seconds) * self.consumption_rate(), self.node.max_bytes)
+        if not self.enabled or not self._threads or cover <= 0:
+            return Ride(seconds, 0.0)  # nothing measured or nothing staging: covered as it is
+        ride = Ride(seconds, cover, self._ride_ended)
+        with self._lock:
+            self._rides.append(ride)
+            self._replan = True
+        self._wake.set()
+        return ride
+
+    def burst_seconds(self) -> float:
+        """Seconds of the open rides together (0: no burst)."""
+        with self._lock:
+            return sum(r.seconds for r in self._rides)
+
+    def _ride_ended(self, ride: Ride) -> None:
+        with self._lock:
+            if ride in self._rides:
+                self._rides.remove(ride)
+            self._replan = True
+        self._wake.set()
+
+    def _note_rides(self, idle: bool = False) -> None:
+        """Tell the open rides whose bytes are held ahead (or, `idle`: the plan wants nothing more)."""
+        with self._lock:
+            if not self._rides:
+                return
+            held = sum(self._shard_size(s) for s in self._held)
+            for ride in self._rides:
+                if idle or held + self.node.shard_bytes >= ride.cover_bytes:
+                    ride.staged()
 
     def _fetch_latency(self) -> tuple[float, float]:
         """(p99, mean) seconds of one staged fetch."""
@@ -215,8 +258,9 @@ class Stager:
             # every 10 plans' time, so the stager never takes more than ~10% from the training loop
             rested = time.monotonic() - planned_time > max(0.05, PLAN_SHARE * cost)  # see the wait below
             due = steps - planned_at >= max(1, self.node.min_batches // 2) and rested
-            if planned_at < 0 or due or (not self._wake.is_set() and rested):
+            if planned_at < 0 or due or (self._replan and rested) or (not self._wake.is_set() and rested):
                 planned_at, planned_time = steps, time.monotonic()
+                self._replan = False
                 try:
                     self._plan_and_fetch()
                 except Exception:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
@@ -232,7 +276,9 @@ class Stager:
             gap = max(0.05, PLAN_SHARE * cost)  # the same rest as `rested` above, or this loop spins
             # the node's other ranks do not wake this thread: look at their steps every 50 ms
             idle = 0.5 if self.progress is None else 0.05
-            self._wake.wait(timeout=idle if rested else max(0.001, gap - (time.monotonic() - planned_time)))
+            rest = max(0.001, gap - (time.monotonic() - planned_time))
+            # a ride wants its next plan as soon as the rest allows, not at the next idle look
+            self._wake.wait(timeout=rest if self._replan or not rested else idle)
 
     def _plan_and_fetch(self) -> None:
         """Make one plan from the loop's latest cursor and carry it out: the oracle, the holds, the
@@ -246,7 +292,8 @@ class Stager:
         sps = self.node.samples_per_step
         lead = max(0, fastest - plan_base)
         rate, (p99, mean) = self.consumption_rate(), self._fetch_latency()
-        ahead = size_lookahead(self.node, rate, p99, mean)
+        cover = self.burst_seconds()
+        ahead = size_lookahead(self.node, rate, p99, mean, cover)
         self.m_lookahead.set(ahead.bytes)
         uses = self.view.future_shard_uses(cursor, horizon_batches=ahead.view_steps + lead)
         with self._lock:
@@ -254,7 +301,7 @@ class Stager:
             position = (self._consumed_steps - plan_base) * sps
         plan = plan_staging(uses, self.node, consumption_bytes_s=rate, fetch_p99_s=p99, fetch_mean_s=mean,
                             position=position, resident=self._resident(), held=held, in_flight=in_flight,
-                            lead=lead * sps)
+                            lead=lead * sps, cover_s=cover)
         oracle = PositionOracle(IntervalOracle((self.shards[s].key, f, l) for s, f, l in plan.intervals), 0.0)
         with self._lock:
             self._plan_steps = plan_base
@@ -283,6 +330,7 @@ class Stager:
             self._queue.put(shard)
         with self._lock:
             self.m_ahead.set(sum(self._shard_size(s) for s in self._held))
+        self._note_rides(idle=not plan.fetch and not in_flight)
 
     def _resident(self) -> set[int] | None:
         """The shards the top tier holds now (None without tiers)."""
@@ -340,6 +388,12 @@ class Stager:
                 handle.release()
             else:
                 self._held[shard] = handle
+            riding = bool(self._rides)
+            if riding and not self._inflight:
+                self._replan = True  # a plan stages a few shards at a time: the next few, now
+        if riding:
+            self._note_rides()
+            self._wake.set()
 
     def snapshot(self) -> dict:
         with self._lock:

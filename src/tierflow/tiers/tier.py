@@ -31,14 +31,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from tierflow.format._checksum import file_xxh3_128, xxh3_hex
 from tierflow.format._regular import read_regular
 from tierflow.format.shard import Block, Form
 from tierflow.policies import make_policy
 from tierflow.policies.auto import Lifecycle
-from tierflow.policies.base import CachePolicy, NextUseOracle
+from tierflow.policies.base import CachePolicy, EntryStats, NextUseOracle, rebase_stats
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.tiers._fairshare import FairShare
 from tierflow.tiers._index import EntryRow, IndexTrouble, TierIndex, process_alive
@@ -51,6 +51,18 @@ MAX_BLOCK_LIST_BYTES = 64 << 20
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 DEVICE_FAILED = frozenset({errno.EIO, errno.EROFS})
 """Write errors of a tier's own files after which the read is served from below (tiers are optional)."""
+
+
+@dataclass(frozen=True)
+class EntryHeat:
+    """One resident entry's statistics as a checkpoint carries them to another process or node:
+    its policy's state (`stats`), its hits and its last access, in the clock of the tier it left."""
+
+    key: str
+    size: int
+    hits: int
+    last_access: float
+    stats: EntryStats
 
 
 @dataclass
@@ -113,8 +125,11 @@ class Tier:
     def __init__(self, root: str | os.PathLike, capacity: float, policy: str = "lru", form: Form | str = Form.DECODED,
                  name: str = "L2", lock_timeout: float = 120.0, verify_hits: bool = True,
                  registry: MetricsRegistry | None = None, policy_options: dict | None = None,
-                 ram: bool | None = None, fetch_attempts: int = 3) -> None:
+                 ram: bool | None = None, fetch_attempts: int = 3,
+                 clock: Callable[[], float] = time.time) -> None:
         form = tier_form(form, name)
+        self.clock = clock
+        """The time the policy is told (`now`); a test replays a sequence with its own."""
         self.root = Path(root)
         self.name = name
         self.lock_timeout = lock_timeout
@@ -260,6 +275,39 @@ class Tier:
         with self.index.transaction() as c:
             self.index.touch(c, row.key, now, stats)
 
+    # ------------------------------------------------------------ heat (checkpoint and restore)
+    def heat(self) -> list[EntryHeat]:
+        """Every resident entry's statistics, hottest first (most hits, then latest access)."""
+        rows = []
+        with self._index_trouble.tolerated():
+            rows = self.index.entries()
+        rows.sort(key=lambda r: (-r.hits, -r.last_access, r.key))
+        return [EntryHeat(r.key, r.size, r.hits, r.last_access, r.stats) for r in rows]
+
+    def restore_heat(self, saved: Iterable[EntryHeat], shift: float = 0.0) -> int:
+        """Give the resident entries among `saved` their saved statistics, moved `shift` along the
+        clock (this tier's now less the saved tier's now at the save), in the index and this
+        process's policy, so that its decisions from now on are those the saved tier would have
+        made. Entries not resident here, or of another size, are skipped; returns how many took.
+        Call before readers of other processes start (their policies read the index once). An
+        index that cannot be written (a full disk) restores nothing: the resume goes on cold."""
+        committed = 0
+        with self._index_trouble.tolerated():
+            restored = 0
+            with self.index.transaction() as c, self._policy_lock:
+                rows = {r.key: r for r in self.index.entries(c)}
+                policy = self._synced_policy(rows)  # no policy pin is held outside _reserve: restore is safe
+                for entry in saved:
+                    row = rows.get(entry.key)
+                    if row is None or row.size != entry.size:
+                        continue
+                    stats = rebase_stats(entry.stats, shift)
+                    policy.restore(entry.key, row.size, stats)
+                    self.index.set_heat(c, entry.key, entry.last_access + shift, entry.hits, stats)
+                    restored += 1
+            committed = restored
+        return committed
+
     # ------------------------------------------------------------ reads
     def lookup(self, key: str, verify: bool | None = None,
                block_list: Callable[[Path], Sequence[Block]] | None = None) -> Pin | None:
@@ -299,7 +347,7 @@ class Tier:
             self._quarantine(key, "failed verification on read")
             return None
         with self._index_trouble.tolerated():  # a hit is still a hit when its statistics cannot be saved
-            self._touch(row, time.time())
+            self._touch(row, self.clock())
         self.m_hits.inc()
         self.m_bytes_out.inc(row.size)
         return pin
@@ -522,7 +570,7 @@ class Tier:
 
     def _admit(self, key: str, size: int, checksum: str, dataset: str | None, reservation: int,
                used: bool) -> None:
-        now = time.time()
+        now = self.clock()
         with self._policy_lock:
             if self._live is None:
                 self._live = self._policy()
@@ -563,7 +611,7 @@ class Tier:
         if size > capacity:
             self.m_bypass.inc()
             return None
-        now = time.time()
+        now = self.clock()
         with self.index.transaction() as c, self._policy_lock:
             used = self.index.used(c)
             rows = {r.key: r for r in self.index.entries(c)}
@@ -660,7 +708,7 @@ class Tier:
         opens its own index connection and locks."""
         return (Tier, (self.root, self.configured_capacity, self.policy_name, self.form, self.name,
                        self.lock_timeout, self.verify_hits, self.registry, self.policy_options, self.ram,
-                       self.fetch_attempts))
+                       self.fetch_attempts, self.clock))
 
     def snapshot(self) -> dict:
         resident = reserved = entries = 0
