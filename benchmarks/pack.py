@@ -22,6 +22,9 @@ files/s (units/s: a JSONL is one file of 16 MB units), Ray/local ratio, the driv
 the tree's peak PSS (driver, raylet, workers), and the cluster's start-up time beside it. Ray is
 timed cold (the first pack on a fresh cluster: its workers start and import tierflow) and warm
 (a second pack on the same cluster, as on a long-lived one).
+The 2-worker Ray rate per core is then turned into TB of raw JSONL per hour per 100 cores, with
+its assumptions printed beside it (linear scaling over independent units, input at page-cache speed,
+byte tokens).
 
 Run: .venv/bin/python benchmarks/pack.py            (JSONL 1 GB; memory 1 GB vs 4 GB; 3 rounds)
      .venv/bin/python benchmarks/pack.py --quick    (JSONL 200 MB; memory 600 MB vs 2.4 GB; 2 rounds)
@@ -393,6 +396,15 @@ def ray_main(jsonl_mb: int, rounds: int, tmp: str | None) -> None:
                   f"{max(x['driver_pss'] for x in runs) / 2**20:14.0f} {max(x['peak_pss'] for x in runs) / 2**20:12.0f} "
                   f"{start:>11}")
         print(f"\nsame dataset id in every run: {'yes' if len(ids) == 1 else 'NO: ' + ', '.join(sorted(ids))}")
+        for engine in ("ray", "ray warm"):
+            key = "warm_seconds" if engine == "ray warm" else "seconds"
+            per_core = statistics.median(x["input_bytes"] / x[key] for x in results[("ray", 2)]) / 2
+            print(f"{engine}: {per_core / 1e6:.1f} MB/s per core at 2 workers = "
+                  f"{per_core * 100 * 3600 / 1e12:.2f} TB of raw JSONL per hour per 100 cores")
+        print("  assuming: units scale linearly across cores and nodes (they are independent and each task "
+              "writes its shards to the destination), the input is read at page-cache speed (no storage or "
+              "network bound), byte tokens (a BPE tokenizer costs more per byte), and this shared 2-core machine's "
+              "per-core rate")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
