@@ -278,9 +278,17 @@ class LazyShardTable(ShardTable):
             if self._recover is None:
                 raise
             if not isinstance(e, ShardCorruptError):
-                e = ShardCorruptError(f"shard {self.name}: block {b} cannot be read ({e})")
+                unreadable = ShardCorruptError(f"shard {self.name}: block {b} cannot be read ({e})")
+                unreadable.__cause__ = e  # the recovery reads the next copy from below the failing tier
+                e = unreadable
             source = self._replace_source(self._recover(b, e, source))
-            data = source.checked(b, self.name)
+            try:
+                data = source.checked(b, self.name)
+            except ShardCorruptError:
+                raise
+            except OSError as again:
+                raise ShardCorruptError(f"shard {self.name}: block {b} cannot be read from the copy fetched "
+                                        f"again either ({again})") from again
         if not source.verified:
             self.blocks_verified += 1
         return source, data
