@@ -1,0 +1,115 @@
+"""A checkpoint store's error paths with real files and its real uploader process: an upload that
+outlives `wait`'s deadline, an uploader that dies with steps queued, a damaged local copy, misuse.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tierflow.checkpoint import CheckpointStore, step_name
+from tierflow.checkpoint.manifest import verify_local
+from tierflow.errors import CheckpointError, CheckpointTimeout, TierflowError
+from tierflow.storage.budget import BandwidthBudget
+
+PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
+
+
+def write_step(store: CheckpointStore, step: int, payload: bytes = b"weights") -> Path:
+    directory = store.begin(step)
+    (directory / "model.bin").write_bytes(payload + step.to_bytes(4, "little"))
+    return store.commit(step)
+
+
+def throttled(tmp_path: Path) -> BandwidthBudget:
+    """64 KiB/s: a 1 MiB upload takes ~16 s, so it is still running when the test looks."""
+    return BandwidthBudget(64 << 10, tmp_path / "budget", burst=16 << 10, node_rate=None)
+
+
+def test_wait_past_its_deadline_is_a_typed_timeout_naming_the_step(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local", budget=throttled(tmp_path))
+    try:
+        write_step(store, 4, PAYLOAD)
+        with pytest.raises(CheckpointTimeout, match=rf"{step_name(4)}: upload still running after 0.05 s") as e:
+            store.wait(timeout=0.05)
+        assert isinstance(e.value, TimeoutError) and store.uploading() == [4]
+    finally:
+        store.close(wait=False)  # the uploader is killed, not waited for
+    assert store._proc is None and store.latest() == 4  # the local copy is whole
+
+
+def test_an_uploader_that_dies_fails_its_queued_steps_and_the_next_commit_starts_another(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local", budget=throttled(tmp_path), keep_last=None)
+    write_step(store, 1, PAYLOAD)
+    write_step(store, 2, PAYLOAD)
+    dead = store._proc
+    assert dead is not None
+    dead.send_signal(signal.SIGKILL)
+    with pytest.raises(CheckpointError, match=rf"dest/{step_name(1)}: upload failed: uploader exited \(-9\)"):
+        store.wait(timeout=30)
+    assert store.uploading() == []
+    store.budget = None  # the next upload at full speed
+    write_step(store, 3)
+    assert store._proc is not dead
+    store.wait(timeout=30)
+    assert store.remote_steps() == {3: True} and store.latest() == 3
+    store.close()
+
+
+def test_a_damaged_local_copy_is_replaced_by_the_destinations_on_load(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path / "dest", tmp_path / "local") as store:
+        final = write_step(store, 7)
+        store.wait()
+        data = bytearray((final / "model.bin").read_bytes())
+        data[0] ^= 0xFF
+        (final / "model.bin").write_bytes(bytes(data))
+        assert not verify_local(final, 7, deep=True).ok and store.verify(7).ok  # the destination's is whole
+        loaded = store.load(7)
+    assert loaded == final and (final / "model.bin").read_bytes() == b"weights" + (7).to_bytes(4, "little")
+    assert not list((tmp_path / "local").glob(".tmp-*"))
+
+
+def test_misuse_is_a_typed_error_naming_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        CheckpointStore(None, tmp_path / "local", keep_last=0)
+    with pytest.raises(ValueError, match="keep_every must be >= 1"):
+        CheckpointStore(None, tmp_path / "local", keep_every=0)
+    store = CheckpointStore(None, tmp_path / "local")
+    with pytest.raises(CheckpointError, match="no committed checkpoint"):
+        store.load()
+    with pytest.raises(CheckpointError, match=rf"{step_name(5)}: commit without begin"):
+        store.commit(5)
+    write_step(store, 5)
+    with pytest.raises(CheckpointError, match=rf"{step_name(5)}: commit without begin"):
+        store.commit(5)  # committed twice
+    with pytest.raises(TierflowError, match="no destination configured"):
+        store._dest()
+
+
+def test_prune_applies_retention_at_the_destination_then_here(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path / "dest", tmp_path / "local", keep_last=None) as store:
+        for step in range(4):
+            write_step(store, step)
+        store.wait()
+        store.keep_last = 2
+        assert store.prune() == [0, 1]
+        assert store.remote_steps() == {2: True, 3: True} and store.local_steps() == [2, 3]
+    local = CheckpointStore(None, tmp_path / "alone", keep_last=None)
+    for step in range(3):
+        write_step(local, step)
+    local.keep_last = 1
+    assert local.prune() == [0, 1] and local.local_steps() == [2]
+
+
+def test_retention_drops_the_local_copies_of_steps_the_destination_pruned(tmp_path: Path) -> None:
+    """The uploader prunes the destination, then here: a local copy was dropped only while the
+    destination still had that step, so every step it pruned stayed here for ever (a node's disk
+    filled with old checkpoints)."""
+    with CheckpointStore(tmp_path / "dest", tmp_path / "local", keep_last=2) as store:
+        for step in range(5):
+            write_step(store, step)
+            store.wait()
+        assert store.remote_steps() == {3: True, 4: True}
+        assert store.local_steps() == [3, 4]
