@@ -5,7 +5,6 @@ holding them are gone."""
 from __future__ import annotations
 
 import gc
-import json
 import shutil
 from pathlib import Path
 
@@ -16,16 +15,14 @@ from tierflow.errors import ShardCorruptError
 from tierflow.format.dataset import DirectorySource
 from tierflow.format.manifest import Manifest
 from tierflow.format.shard import decode_shard, verify_shard
+from tierflow.testing.faults import write_corpus
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Compressed shards (zstd, the default) of several blocks each."""
     root = tmp_path_factory.mktemp("format-errors")
-    src = root / "a.jsonl"
-    with open(src, "w") as f:
-        for i in range(3000):
-            f.write(json.dumps({"text": f"sample {i} " * (i % 40), "i": i}) + "\n")
+    src = write_corpus(root / "a.jsonl", docs=1500, seed=12)
     tierflow.pack([src], root / "out", workers=1, target_shard_bytes=256 << 10, block_bytes=64 << 10)
     return root / "out"
 
@@ -47,7 +44,7 @@ def test_a_byte_flipped_outside_every_block_is_found_by_verify_and_reading_stays
     path.write_bytes(bytes(data))
     assert verify_shard(path, info) == [f"shard {info.name}: whole-file checksum mismatch (outside any block)"]
     ds = tierflow.open_dataset(out)
-    assert [ds[i]["i"] for i in range(0, info.samples, 97)] == list(range(0, info.samples, 97))
+    assert [ds[i]["id"] for i in range(0, info.samples, 97)] == list(range(0, info.samples, 97))
 
 
 def test_a_missing_or_truncated_shard_is_named(packed, tmp_path) -> None:

@@ -5,7 +5,6 @@ sound bytes no tier keeps are verified in memory; a stack whose tiers are out of
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import tierflow
 from tierflow.errors import FetchError, ShardCorruptError
 from tierflow.format.manifest import Manifest
 from tierflow.storage.remote import RetryPolicy, open_source
+from tierflow.testing.faults import write_corpus
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
 
@@ -27,10 +27,7 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("stack-errors")
-    src = root / "raw.jsonl"
-    with open(src, "w") as f:
-        for i in range(1200):
-            f.write(json.dumps({"text": f"doc {i} " + "lorem ipsum " * (i % 37), "i": i}) + "\n")
+    src = write_corpus(root / "raw.jsonl", docs=600, seed=11)
     tierflow.pack([src], root / "packed", workers=1, target_shard_bytes=256 << 10, tokenizer="bytes",
                   keep_text=True, block_bytes=64 << 10)
     return root / "packed"
@@ -65,7 +62,7 @@ def test_a_shard_no_tier_keeps_is_verified_in_memory_and_a_damaged_one_refused(p
     served from memory, after its bytes verified against the manifest."""
     tiny = Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")
     stack = TierStack(open_source(str(packed)), [tiny])
-    assert stack.dataset()[0]["i"] == 0 and stack.m_served["memory"].value == 1
+    assert stack.dataset()[0]["id"] == 0 and stack.m_served["memory"].value == 1
     local, name = damaged(packed, tmp_path)
     stack = TierStack(open_source(str(local)), [Tier(tmp_path / "l2b", 1 << 10, form="at_rest", name="L2")],
                       fetch_attempts=2)
