@@ -91,3 +91,31 @@ def test_decoded_blocks_stay_bounded_after_the_tables_holding_them_are_gone(pack
     second.block(0)
     assert source.cache.bytes < held and len(source.cache) == 1  # only the live table's block counts
     assert source.cache.evictions == 0
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("format-errors-tokens")
+    src = write_corpus(root / "a.jsonl", docs=400, seed=13)
+    tierflow.pack([src], root / "out", workers=1, tokenizer="bytes", target_shard_bytes=256 << 10)
+    return root / "out"
+
+
+def test_a_dataset_asked_for_what_it_does_not_hold_names_itself(packed, tokens) -> None:
+    with pytest.raises(KeyError, match=rf"{packed}: no column\(s\) \['nope'\]"):
+        tierflow.open_dataset(packed, columns=["nope"])
+    ds = tierflow.open_dataset(packed, columns=["id"])
+    n = len(ds)
+    assert repr(ds) == f"Dataset({str(packed)!r}, samples={n}, shards={len(ds.manifest.shards)}, columns=['id'])"
+    assert ds[-1] == ds[n - 1] == {"id": n - 1}
+    for bad in (n, -n - 1):
+        with pytest.raises(IndexError, match=rf"{packed}: sample {bad if bad >= 0 else bad + n} out of range"):
+            ds[bad]
+    with pytest.raises(TypeError, match="not a token dataset"):
+        ds.tokens(0, 1)
+    stream = tierflow.open_dataset(tokens)
+    total = stream.num_tokens
+    with pytest.raises(IndexError, match=rf"tokens \[0, {total + 1}\) outside \[0, {total}\)"):
+        stream.tokens(0, total + 1)
+    empty = stream.tokens(5, 5)
+    assert empty.size == 0 and empty.dtype == stream.tokens(0, 1).dtype
