@@ -1,0 +1,74 @@
+"""A tier's locks and its clean-up with real files and kernel locks: a fetch lock whose holder
+stays past the timeout is taken over (fetched anyway, counted); a pinned entry is never evicted;
+`clean` removes what dead jobs left (temporaries, quarantined copies, entries and block lists
+the index does not know) and nothing a live process or the index still owns.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tierflow.format._checksum import xxh3_128_hex
+from tierflow.tiers.tier import Tier
+
+DATA = b"entry bytes " * 1000
+
+
+def produce(tmp: Path) -> None:
+    tmp.write_bytes(DATA)
+
+
+def test_a_fetch_lock_held_past_its_timeout_is_taken_over_and_the_entry_admitted(tmp_path: Path) -> None:
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest", lock_timeout=0.05)
+    holder = os.open(tmp_path / "l2" / "locks" / "k1.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: a slow fetcher on the node
+    try:
+        pin = tier.ensure("k1", len(DATA), xxh3_128_hex(DATA), produce)
+    finally:
+        os.close(holder)
+    assert pin is not None and tier.m_takeovers.value == 1
+    assert pin.path.read_bytes() == DATA and [r.key for r in tier.index.entries()] == ["k1"]
+    pin.release()
+
+
+def test_a_pinned_entry_is_never_evicted(tmp_path: Path) -> None:
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    for key in ("a", "b"):
+        tier.ensure(key, len(DATA), xxh3_128_hex(DATA), produce).release()
+    pin = tier.lookup("a")
+    assert pin is not None
+    assert tier.evict(["a"]) == 0 and tier.path_of("a").exists()  # in use
+    assert tier.evict() == 1 and not tier.path_of("b").exists()  # all: only the unpinned one goes
+    pin.release()
+    assert tier.evict() == 1 and not tier.index.entries()
+
+
+def test_clean_removes_what_dead_jobs_left_and_nothing_still_owned(tmp_path: Path) -> None:
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    tier.ensure("kept", len(DATA), xxh3_128_hex(DATA), produce).release()
+    root = tmp_path / "l2"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    leftovers = [root / "tmp" / f"k2.{dead_pid}.ab12cd34", root / "tmp" / "garbage", root / "quarantine" / "k3.ff00",
+                 root / "entries" / "unknown.arrow", root / "blocks" / "orphan.json"]
+    live = [root / "tmp" / f"k4.{os.getpid()}.0011aabb", root / "entries" / "kept.arrow"]
+    for path in leftovers + live[:1]:
+        path.write_bytes(b"x")
+    unknown_pinned = root / "entries" / "busy.arrow"
+    unknown_pinned.write_bytes(b"y")
+    holder = os.open(unknown_pinned, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)  # a process reading an entry the index lost
+    try:
+        assert tier.clean() == len(leftovers)
+    finally:
+        os.close(holder)
+    assert not any(p.exists() for p in leftovers)
+    assert all(p.exists() for p in live) and unknown_pinned.exists()
+    pin = tier.lookup("kept")
+    assert pin is not None  # the indexed entry is untouched
+    pin.release()
