@@ -48,14 +48,6 @@ class ShardTable:
         self.row_starts = cumulative([b.num_rows for b in self.blocks])
         self._views = [_Views() for _ in self.blocks]
 
-    @classmethod
-    def from_ipc_file(cls, path: str | Path, memory_map: bool = True) -> "ShardTable":
-        """Every block of an IPC file, unverified: decoded files are memory-mapped (zero copy),
-        compressed ones decode into memory."""
-        source = pa.memory_map(str(path)) if memory_map else pa.OSFile(str(path))
-        reader = pa.ipc.open_file(source)
-        return cls([reader.get_batch(i) for i in range(reader.num_record_batches)], keepalive=source)
-
     @property
     def num_rows(self) -> int:
         return int(self.row_starts[-1])
