@@ -119,3 +119,22 @@ def test_a_dataset_asked_for_what_it_does_not_hold_names_itself(packed, tokens) 
         stream.tokens(0, total + 1)
     empty = stream.tokens(5, 5)
     assert empty.size == 0 and empty.dtype == stream.tokens(0, 1).dtype
+
+
+def test_a_truncated_uncompressed_shard_is_refused_before_it_is_mapped(tmp_path) -> None:
+    """Uncompressed shards are memory-mapped: a file shorter than the manifest says would fault
+    (SIGBUS) on a slice past its end, so its size is checked first, by readers and by verify."""
+    from tierflow.format._audit import audit_shard
+
+    src = write_corpus(tmp_path / "a.jsonl", docs=300, seed=14)
+    out = tmp_path / "plain"
+    tierflow.pack([src], out, workers=1, compression="none", block_bytes=16 << 10)
+    manifest = Manifest.load(out)
+    info = manifest.shards[0]
+    data = (out / info.name).read_bytes()
+    (out / info.name).write_bytes(data[:-64])
+    expected = rf"shard {info.name}: size {len(data) - 64} != {len(data)} expected"
+    with pytest.raises(ShardCorruptError, match=expected):
+        tierflow.open_dataset(out)[0]
+    problems = audit_shard(out / info.name, info, manifest)
+    assert len(problems) == 1 and problems[0].startswith(f"shard {info.name}: size ")
