@@ -1,4 +1,4 @@
-"""A tier's locks and its clean-up with real files and kernel locks: a fetch lock whose holder
+"""A tier's locks, races and clean-up with real files and kernel locks: a fetch lock whose holder
 stays past the timeout is taken over (fetched anyway, counted); a pinned entry is never evicted;
 `clean` removes what dead jobs left (temporaries, quarantined copies, entries and block lists
 the index does not know) and nothing a live process or the index still owns.
@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tierflow.format._checksum import xxh3_128_hex
 from tierflow.tiers.tier import Tier
@@ -72,3 +74,45 @@ def test_clean_removes_what_dead_jobs_left_and_nothing_still_owned(tmp_path: Pat
     pin = tier.lookup("kept")
     assert pin is not None  # the indexed entry is untouched
     pin.release()
+
+
+def test_an_indexed_entry_whose_file_is_gone_is_a_miss_and_its_row_dropped(tmp_path: Path) -> None:
+    """An evictor killed between unlinking an entry and committing its removal: a lookup finds
+    the row without its file, takes it for a miss and drops the row; the next ensure fetches it."""
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    tier.ensure("k", len(DATA), xxh3_128_hex(DATA), produce).release()
+    tier.path_of("k").unlink()
+    assert tier.lookup("k") is None and tier.index.get("k") is None
+    pin = tier.ensure("k", len(DATA), xxh3_128_hex(DATA), produce)
+    assert pin is not None and pin.path.read_bytes() == DATA and tier.m_misses.value == 2
+    pin.release()
+
+
+def test_quarantine_through_a_stale_pin_leaves_the_copy_another_process_put_back(tmp_path: Path) -> None:
+    """A reader found a bad block in the copy it pins, but another process already replaced (or
+    removed) that entry: quarantining through the stale pin must not move the new copy aside."""
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    tier.ensure("k", len(DATA), xxh3_128_hex(DATA), produce).release()
+    stale = tier.lookup("k")
+    fresh = tmp_path / "l2" / "tmp" / "k.fresh"
+    fresh.write_bytes(DATA)
+    os.replace(fresh, tier.path_of("k"))  # the other process's new copy, under the same name
+    assert tier.quarantine("k", "failed verification of block 0 on read", pin=stale) is False
+    assert tier.path_of("k").exists() and tier.index.get("k") is not None and tier.m_corruptions.value == 0
+    tier.path_of("k").unlink()  # and when the entry is gone altogether
+    assert tier.quarantine("k", "failed verification of block 0 on read", pin=stale) is False
+    stale.release()
+    assert tier.lookup("k") is None  # a miss (its row dropped), not an error
+
+
+def test_a_fill_failing_with_an_unexpected_error_leaves_no_temporary_and_no_reservation(tmp_path: Path) -> None:
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+
+    def broken(tmp: Path) -> None:
+        tmp.write_bytes(DATA[:100])
+        raise RuntimeError("the decoder crashed")
+
+    with pytest.raises(RuntimeError, match="the decoder crashed"):
+        tier.ensure("k", len(DATA), xxh3_128_hex(DATA), broken)
+    assert not list((tmp_path / "l2" / "tmp").iterdir()) and not tier.path_of("k").exists()
+    assert tier.index.occupancy() == (0, 0)  # neither resident nor reserved bytes
