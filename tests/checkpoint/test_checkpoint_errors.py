@@ -113,3 +113,30 @@ def test_retention_drops_the_local_copies_of_steps_the_destination_pruned(tmp_pa
             store.wait()
         assert store.remote_steps() == {3: True, 4: True}
         assert store.local_steps() == [3, 4]
+
+
+def test_a_step_missing_a_file_or_with_one_cut_short_is_named_here_and_at_the_destination(tmp_path: Path) -> None:
+    from tierflow.checkpoint.remote import open_dest, verify_remote
+
+    with CheckpointStore(tmp_path / "dest", tmp_path / "local", keep_last=None) as store:
+        write_step(store, 1)
+        directory = store.begin(2)
+        (directory / "model.bin").write_bytes(b"m" * 1000)
+        (directory / "optim" / "state.bin").parent.mkdir()
+        (directory / "optim" / "state.bin").write_bytes(b"o" * 500)
+        final = store.commit(2)
+        store.wait()
+    (final / "optim" / "state.bin").unlink()
+    (final / "model.bin").write_bytes(b"m" * 999)
+    assert verify_local(final, 2).problems == [f"{final}/model.bin: is 999 bytes, manifest says 1000",
+                                               f"{final}/optim/state.bin: missing"]
+    dest = tmp_path / "dest" / step_name(2)
+    (dest / "optim" / "state.bin").unlink()
+    report = verify_remote(open_dest(tmp_path / "dest"), 2, deep=False)
+    assert not report.ok and any(p.endswith(f"{step_name(2)}/optim/state.bin: missing") for p in report.problems)
+    fresh = CheckpointStore(tmp_path / "dest", tmp_path / "fresh")
+    assert fresh.latest() == 1  # neither copy of step 2 is whole
+    with pytest.raises(CheckpointError, match=rf"{step_name(2)}.*optim/state.bin: missing"):
+        fresh.load(2)
+    with pytest.raises(ValueError, match="checkpoint step must be >= 0, got -1"):
+        step_name(-1)
