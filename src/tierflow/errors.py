@@ -108,6 +108,6 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
     """`CheckpointStore.wait(timeout)` outlived its deadline with an upload still running; names the step."""
 
 
-__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError", "CursorMismatchError",
-           "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError", "ShardCorruptError",
+__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
+           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError", "ShardCorruptError",
            "SourceError", "SourceNotFound", "SourceTimeout", "TierflowError"]

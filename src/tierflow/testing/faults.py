@@ -8,8 +8,9 @@
 a run completes without reaching its N-th operation, and calls `check(trial)` after each with
 the outcome, so every failure point of an operation is tried once (`persistent=True`: every
 operation from the N-th on fails, as on a disk that died or filled); `boundaries` and
-`sample_points` (TIERFLOW_FAULT_POINTS=kinds|boundaries|every) pick a sample of those N. `sample_digests` gives a dataset's golden sample hashes,
-`tier_problems` what a tier directory shows that is not whole.
+`sample_points` (TIERFLOW_FAULT_POINTS=kinds|boundaries|every) pick a sample of those N.
+`sample_digests` gives a dataset's golden sample hashes, `tier_problems` what a tier directory
+shows that is not whole.
 
 What is patched, process-wide while the context is open (other threads count too): `os.write`,
 `os.pwrite`, `os.sendfile` (write), `os.fsync`, `os.fdatasync` (fsync), `os.rename`,
@@ -425,9 +426,10 @@ def _kind_of(path: str) -> str:
 def tier_problems(root: str | os.PathLike, manifest: Any, name: str = "L2", form: str = "decoded") -> list[str]:
     """What a tier directory shows that is not whole: an indexed entry that is unknown to the
     manifest, recorded with the wrong size or checksum for the tier's form, or without its file
-    and not dropped by a lookup; a file under entries/ whose bytes are not the entry's; a reservation of a dead process left
-    after the index reclaims them. Empty when every entry a reader could find is whole. `form`:
-    the tier's (what a directory not configured yet would be configured with)."""
+    and not dropped by a lookup; a file under entries/ whose bytes are not the entry's; a
+    reservation of a dead process left after the index reclaims them. Empty when every entry a
+    reader could find is whole. `form`: the tier's (what a directory not configured yet would be
+    configured with)."""
     from tierflow.format._checksum import file_xxh3_128
     from tierflow.tiers import Tier
 
