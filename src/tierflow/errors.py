@@ -109,5 +109,5 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
 
 
 __all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
-           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError", "ShardCorruptError",
-           "SourceError", "SourceNotFound", "SourceTimeout", "TierflowError"]
+           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
+           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierflowError"]
