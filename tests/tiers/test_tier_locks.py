@@ -116,3 +116,14 @@ def test_a_fill_failing_with_an_unexpected_error_leaves_no_temporary_and_no_rese
         tier.ensure("k", len(DATA), xxh3_128_hex(DATA), broken)
     assert not list((tmp_path / "l2" / "tmp").iterdir()) and not tier.path_of("k").exists()
     assert tier.index.occupancy() == (0, 0)  # neither resident nor reserved bytes
+
+
+def test_a_tier_full_of_fresh_entries_under_nochurn_serves_a_new_one_from_below(tmp_path: Path) -> None:
+    """A uniform reshuffle reads every entry once an epoch: churning one out for a new one costs
+    a hit later, so the policy declines and the reader is served from the tier below (None)."""
+    tier = Tier(tmp_path / "l2", 2 * len(DATA) + 100, policy="nochurn", name="L2", form="at_rest")
+    for key in ("a", "b"):
+        tier.ensure(key, len(DATA), xxh3_128_hex(DATA), produce).release()
+    assert tier.ensure("c", len(DATA), xxh3_128_hex(DATA), produce) is None
+    assert tier.m_bypass.value == 1 and sorted(tier.index.keys()) == ["a", "b"]
+    assert not list((tmp_path / "l2" / "tmp").iterdir())
