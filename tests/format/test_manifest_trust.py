@@ -200,3 +200,41 @@ def test_a_legacy_manifest_without_block_token_counts_is_checked_against_the_byt
                for p in problems), problems
     with pytest.raises(ShardCorruptError, match=rf"shard {name}: its blocks hold \d+ tokens in \d+ blocks"):
         tierflow.open_dataset(tokens_ds).tokens(0, 10)
+
+
+def _twice(d):
+    d["shards"].append(dict(d["shards"][0]))
+
+
+def _rows_moved_out(d):
+    d["shards"][0]["blocks"]["rows"][0] += 1  # the blocks no longer sum to the shard's samples
+
+
+def _absurd_rows(d):
+    rows = d["shards"][0]["blocks"]["rows"]
+    rows[0], rows[1] = -1, rows[1] + rows[0] + 1  # the sum is kept
+
+
+def _outside(d):
+    d["shards"][0]["blocks"]["length"][-1] += d["shards"][0]["bytes"]
+
+
+HOSTILE_FIELDS = {
+    "token_dtype": (lambda d: d.update(token_dtype="float64"), r"token_dtype 'float64' is not one of"),
+    "a shard listed twice": (_twice, "a shard is listed twice"),
+    "block rows": (_rows_moved_out, r"block rows sum to \d+, not \d+ samples"),
+    "negative rows": (_absurd_rows, "a block of -1 rows is negative or absurd"),
+    "a block outside the file": (_outside, r"block at \d+\+\d+ lies outside the file"),
+    "token_column": (lambda d: d.update(token_column="nope"), "token_column 'nope' is not in the schema"),
+}
+
+
+@pytest.mark.parametrize("field", list(HOSTILE_FIELDS))
+def test_a_manifest_field_that_cannot_be_true_is_refused_naming_it(tokens_ds, field):
+    """Without its checksum (a legacy manifest, or a hostile one whose author dropped it) each
+    field is still checked on load against what the others and the files allow."""
+    change, message = HOSTILE_FIELDS[field]
+    edit(tokens_ds, change)
+    with pytest.raises(ManifestError, match=message) as e:
+        Manifest.load(tokens_ds)
+    assert str(tokens_ds / MANIFEST_NAME) in str(e.value)
