@@ -12,7 +12,6 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -42,9 +41,8 @@ class ShardTable:
     verifies each block on first use.
     """
 
-    def __init__(self, blocks: Sequence[pa.RecordBatch], keepalive: Any = None) -> None:
+    def __init__(self, blocks: Sequence[pa.RecordBatch]) -> None:
         self.blocks = list(blocks)
-        self._keepalive = keepalive  # the memory map the blocks point into
         self.row_starts = cumulative([b.num_rows for b in self.blocks])
         self._views = [_Views() for _ in self.blocks]
 
@@ -226,10 +224,6 @@ class LazyShardTable(ShardTable):
     @property
     def blocks(self) -> "_LazyBlocks":  # type: ignore[override]
         return _LazyBlocks(self)
-
-    @property
-    def _keepalive(self) -> Any:  # type: ignore[override]
-        return self._source.keepalive
 
     def _slot(self, block: int) -> tuple[pa.RecordBatch, _Views]:
         slot = self._slots[block]
