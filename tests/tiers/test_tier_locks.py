@@ -127,3 +127,29 @@ def test_a_tier_full_of_fresh_entries_under_nochurn_serves_a_new_one_from_below(
     assert tier.ensure("c", len(DATA), xxh3_128_hex(DATA), produce) is None
     assert tier.m_bypass.value == 1 and sorted(tier.index.keys()) == ["a", "b"]
     assert not list((tmp_path / "l2" / "tmp").iterdir())
+
+
+def test_an_index_transaction_failing_half_way_leaves_no_partial_accounting(tmp_path: Path) -> None:
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    with pytest.raises(RuntimeError, match="in the middle"):
+        with tier.index.transaction() as c:
+            tier.index.reserve(c, "k", 4096)
+            raise RuntimeError("in the middle")
+    assert tier.index.occupancy() == (0, 0)
+    with tier.index.transaction() as c:  # the connection is usable again
+        tier.index.reserve(c, "k", 4096)
+    assert tier.index.occupancy() == (0, 4096)
+
+
+def test_only_a_full_or_failing_index_is_tolerated_other_sqlite_errors_are_raised(tmp_path: Path) -> None:
+    import sqlite3
+
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    trouble = tier._index_trouble
+    with trouble.tolerated():
+        raise sqlite3.OperationalError("database or disk is full")
+    assert tier.m_index_unwritable.value == 1
+    with pytest.raises(sqlite3.IntegrityError):
+        with trouble.tolerated():
+            raise sqlite3.IntegrityError("UNIQUE constraint failed: entries.key")
+    assert tier.m_index_unwritable.value == 1
