@@ -140,3 +140,30 @@ def test_a_step_missing_a_file_or_with_one_cut_short_is_named_here_and_at_the_de
         fresh.load(2)
     with pytest.raises(ValueError, match="checkpoint step must be >= 0, got -1"):
         step_name(-1)
+
+
+def test_an_upload_that_fails_in_the_uploader_is_raised_by_wait_naming_step_and_cause(tmp_path: Path) -> None:
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the destination's directory would be")
+    with CheckpointStore(blocked / "ck", tmp_path / "local") as store:
+        write_step(store, 3)
+        with pytest.raises(CheckpointError, match=rf"blocked/ck/{step_name(3)}: upload failed: \w+Error"):
+            store.wait(timeout=60)
+        assert verify_local(tmp_path / "local" / step_name(3), 3).ok  # the local copy stays whole
+        write_step(store, 4)  # the uploader lives on for the next step
+        with pytest.raises(CheckpointError, match=rf"{step_name(4)}: upload failed"):
+            store.wait(timeout=60)
+
+
+def test_loader_state_without_this_ranks_key_is_named_and_a_tensor_copy_decodes(tmp_path: Path) -> None:
+    import torch
+
+    from tierflow.checkpoint.stateful import LoaderState, decode_state, encode_state
+
+    state = {"cursor": {"epoch": 2, "step": 17}, "name": "run7"}
+    raw = encode_state(state)
+    assert decode_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8)) == state
+    holder = LoaderState.__new__(LoaderState)
+    holder.key = "rank3"
+    with pytest.raises(KeyError, match="no loader state 'rank3' \\(saved with another world size\\?\\)"):
+        holder.load_state_dict({"rank0": raw})
