@@ -76,3 +76,23 @@ def test_a_stack_with_an_at_rest_tier_above_a_decoded_one_is_refused(tmp_path) -
     lower = Tier(tmp_path / "l2", 1 << 20, form="decoded", name="L2")
     with pytest.raises(ValueError, match="tier L1 stores at-rest shards above L2, which stores decoded ones"):
         TierStack(open_source(str(tmp_path)), [upper, lower])
+
+
+def test_a_stack_pickled_for_a_spawned_worker_reopens_its_tiers_and_shares_the_staging_area(packed, tmp_path) -> None:
+    """What a spawn/forkserver DataLoader worker gets: the configuration, not the parent's index
+    connections or locks; the parent's staging area is used, not a second one made."""
+    import pickle
+
+    from tierflow.policies.auto import Lifecycle
+
+    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")])
+    ds = stack.dataset()
+    stack.declare(Lifecycle(passes=2, pattern="reshuffle"), working_bytes=8 << 20, open_shards=2)
+    assert stack.staging is not None
+    child = pickle.loads(pickle.dumps(stack))
+    assert child is not stack and child.staging is not None and child.staging.root == stack.staging.root
+    assert (child.dataset_id, child.max_open, child.staging_bytes) == (stack.dataset_id, 2, stack.staging_bytes)
+    assert [t.root for t in child.tiers] == [t.root for t in stack.tiers] and child.tiers[0] is not stack.tiers[0]
+    again = child.dataset()
+    assert [again[i]["id"] for i in (0, 311, len(ds) - 1)] == [0, 311, len(ds) - 1]
+    assert all((again[i]["tokens"] == ds[i]["tokens"]).all() for i in (0, 311, len(ds) - 1))
