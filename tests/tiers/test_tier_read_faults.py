@@ -81,3 +81,18 @@ def test_an_l2_entry_that_cannot_be_read_during_an_epoch_is_dropped_and_read_fro
                     persistent=persistent, reset=rig.reset)
     assert len(run.trials) >= 1 + len(rig.manifest.shards)  # at least one read of each entry failed
 
+
+
+def test_an_entry_unreadable_in_every_copy_is_a_typed_error_naming_shard_and_block(rig: ReadRig) -> None:
+    """The L2's entries and the staging area both fail every read (the source does not): the copy
+    fetched again from below fails too, and the reader gets ShardCorruptError, not an OSError."""
+    from tierflow.errors import ShardCorruptError
+    from tierflow.testing.faults import FailNth
+    from tierflow.tiers.stack import staging_root
+
+    rig.reset()
+    with FailNth(1, [rig.run_dir / "l2" / "entries", staging_root()], ops=("read",), persistent=True) as faults:
+        with pytest.raises(ShardCorruptError, match=r"shard shard-\w+\.arrow: block \d+ cannot be read from the copy "
+                                                    r"fetched again either") as e:
+            rig.epoch()
+    assert faults.fired is not None and isinstance(e.value.__cause__, OSError)
