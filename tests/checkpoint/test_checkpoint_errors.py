@@ -167,3 +167,16 @@ def test_loader_state_without_this_ranks_key_is_named_and_a_tensor_copy_decodes(
     holder.key = "rank3"
     with pytest.raises(KeyError, match="no loader state 'rank3' \\(saved with another world size\\?\\)"):
         holder.load_state_dict({"rank0": raw})
+
+
+def test_nothing_to_prune_and_strays_at_the_destination_are_not_steps(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    (dest / step_name(9)).mkdir(parents=True)
+    (dest / step_name(9) / "model.bin").write_bytes(b"an upload that never committed")
+    (dest / "README").write_text("not a step")
+    (dest / "notes").mkdir()
+    (dest / "notes" / "x").write_text("nor this")
+    store = CheckpointStore(dest, tmp_path / "local")
+    assert store.remote_steps() == {9: False}
+    assert store.prune() == [] and (dest / step_name(9)).is_dir()  # nothing committed: nothing goes
+    assert CheckpointStore(None, tmp_path / "never-made").prune() == []

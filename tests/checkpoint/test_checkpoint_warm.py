@@ -67,3 +67,25 @@ def test_without_tiers_nothing_is_staged(data: Path, tmp_path: Path) -> None:
         assert restore_warm(tmp_path, loader) == 0
     finally:
         loader.close()
+
+
+def test_a_commit_with_the_loader_records_the_next_shards_and_each_tiers_entries_by_heat(data: Path,
+                                                                                       tmp_path: Path) -> None:
+    from tierflow.checkpoint import CheckpointStore
+
+    loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"])
+    try:
+        stream = iter(loader)
+        for _ in range(3):
+            next(stream)
+        store = CheckpointStore(None, tmp_path / "local")
+        store.begin(3)
+        final = store.commit(3, loader=loader, warm_batches=16)
+        record = json.loads((final / warm_name(0)).read_text())
+        names = {s.name for s in loader.dataset.manifest.shards}
+        assert record["batches"] == 16 and record["next_shards"] and set(record["next_shards"]) <= names
+        entries = record["tiers"]["L2"]
+        assert entries and [e["hits"] for e in entries] == sorted((e["hits"] for e in entries), reverse=True)
+        assert {e["key"] for e in entries} == set(loader.stager.stack.tiers[0].index.keys())
+    finally:
+        loader.close()
