@@ -1,6 +1,9 @@
-"""The tier stack over a damaged source, with real files: shard bytes that never verify reach the
-reader as a typed error naming the shard (after the fetch attempts), and no tier admits them;
-sound bytes no tier keeps are verified in memory; a stack whose tiers are out of order is refused.
+"""The tier stack over a damaged source and in its less travelled paths, with real files: shard
+bytes that never verify reach the reader as a typed error naming the shard (after the fetch
+attempts) and no tier admits them; sound bytes no tier keeps are verified in memory, and fill an
+upper tier from there; a staging copy that cannot be read sends the reader to the source; tiers
+out of order are refused; a pickled stack, an undeclared reader's working set and a larger
+declaration behave as the workers and the stager rely on.
 """
 
 from __future__ import annotations
@@ -96,3 +99,57 @@ def test_a_stack_pickled_for_a_spawned_worker_reopens_its_tiers_and_shares_the_s
     again = child.dataset()
     assert [again[i]["id"] for i in (0, 311, len(ds) - 1)] == [0, 311, len(ds) - 1]
     assert all((again[i]["tokens"] == ds[i]["tokens"]).all() for i in (0, 311, len(ds) - 1))
+
+
+def test_an_undeclared_reader_that_comes_back_to_a_dropped_shard_keeps_more_open(packed, tmp_path) -> None:
+    """Without a declaration the stack guesses its reader's working set: a shard it dropped and
+    is asked for again means the set is larger than what it keeps open, so it keeps one more."""
+    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")],
+                      max_open=1)
+    infos = stack.manifest().shards
+    for index in (0, 1, 0, 1):
+        stack.open_shard(index, infos[index])
+    assert stack.max_open == 2  # grew once, then both stayed open
+    assert stack.tiers[0].m_hits.value == 1  # the second visit of shard 0 was a hit; shard 1's an open table
+
+
+def test_a_larger_declaration_replaces_the_staging_area_with_a_larger_one(packed, tmp_path) -> None:
+    from tierflow.policies.auto import Lifecycle
+
+    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")])
+    stack.manifest()
+    stack.declare(Lifecycle(), working_bytes=1 << 20, open_shards=2)
+    first = stack.staging
+    stack.declare(Lifecycle(), working_bytes=1 << 20, open_shards=2)  # the same: kept
+    assert stack.staging is first
+    stack.declare(Lifecycle(), working_bytes=4 << 20, open_shards=2)
+    assert stack.staging is not first and stack.staging.configured_capacity == 4 << 20
+
+
+def test_an_upper_tier_fills_from_a_verified_memory_copy_when_the_tier_below_keeps_nothing(packed, tmp_path) -> None:
+    upper = Tier(tmp_path / "l1", 1 << 30, form="at_rest", name="L1")
+    lower = Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")  # smaller than any shard
+    stack = TierStack(open_source(str(packed)), [upper, lower])
+    info = stack.manifest().shards[0]
+    handle = stack.ensure(info)
+    assert handle is not None and handle.tier == "L1" and handle.served_by == "source"
+    handle.release()
+    assert upper.path_of(info.key).stat().st_size == info.bytes and not lower.index.entries()
+    assert stack.m_served["memory"].value == 1  # the copy L1 was filled from
+
+
+def test_a_staging_area_copy_that_cannot_be_read_is_read_from_the_source(packed, tmp_path) -> None:
+    """No tier keeps the shard, so it is read through the staging area; that area's device
+    failing every read sends the reader to the source (into memory), the samples unchanged."""
+    from tierflow.policies.auto import Lifecycle
+    from tierflow.testing.faults import FailNth
+
+    expected = [tierflow.open_dataset(packed)[i]["id"] for i in range(0, 600, 50)]
+    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")])
+    ds = stack.dataset()
+    stack.declare(Lifecycle(), working_bytes=8 << 20, open_shards=2)
+    assert stack.staging is not None
+    with FailNth(1, [stack.staging.root / "entries"], ops=("read",), persistent=True) as faults:
+        got = [ds[i]["id"] for i in range(0, 600, 50)]
+    assert faults.fired is not None and got == expected
+    assert stack.m_served["memory"].value >= 1 and stack.staging.m_corruptions.value >= 1
