@@ -163,10 +163,18 @@ def test_loader_state_without_this_ranks_key_is_named_and_a_tensor_copy_decodes(
     state = {"cursor": {"epoch": 2, "step": 17}, "name": "run7"}
     raw = encode_state(state)
     assert decode_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8)) == state
-    holder = LoaderState.__new__(LoaderState)
-    holder.key = "rank3"
-    with pytest.raises(KeyError, match="no loader state 'rank3' \\(saved with another world size\\?\\)"):
+    class Plain:  # anything with a JSON-able state_dict()/load_state_dict()
+        def state_dict(self) -> dict:
+            return state
+
+        def load_state_dict(self, loaded: dict) -> None:
+            self.loaded = loaded
+
+    holder = LoaderState(Plain(), key="rank3")
+    with pytest.raises(KeyError, match="no loader state 'rank3' \\(saved with another world size\\?"):
         holder.load_state_dict({"rank0": raw})
+    holder.load_state_dict({"rank3": raw})
+    assert holder.loaded == state and holder.loader.loaded == state
 
 
 def test_nothing_to_prune_and_strays_at_the_destination_are_not_steps(tmp_path: Path) -> None:
