@@ -37,10 +37,22 @@ docs: $(BIN)/.installed
 	$(BIN)/python docs/gen_cli.py docs/cli.md
 	$(BIN)/python docs/gen_api.py docs/_build/api
 
+# The whole suite under coverage.py (branch coverage of format/, tiers/ and checkpoint/, child
+# processes included: pyproject.toml's [tool.coverage]; ~20% slower than without), then its
+# report (issue 18 holds these folders to >= 95%); `make test-plain` runs the suite without it.
+# The report is printed whether or not the tests passed; the target fails if either did. The kill
+# loop's children SIGKILLed while saving their data leave files coverage cannot read: removed.
 test: $(BIN)/.installed
+	rm -rf .coverage-data
+	$(BIN)/coverage run -m pytest; tests=$$?; \
+	$(BIN)/coverage combine -q 2>/dev/null; rm -f .coverage-data/coverage.*; \
+	$(BIN)/coverage report; report=$$?; \
+	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$report
+
+test-plain: $(BIN)/.installed
 	$(BIN)/pytest
 
 test-fast: $(BIN)/.installed
 	$(BIN)/pytest -m "not slow"
 
-.PHONY: install demo docs test test-fast bench-peers
+.PHONY: install demo docs test test-fast test-plain bench-peers

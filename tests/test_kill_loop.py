@@ -12,8 +12,8 @@ After each kill:
 - cache fill (warm, or a loader epoch, over an L1 small enough to evict and an L2, both kept
   across kills as a node's cache is): every entry a reader could find is whole, no space stays
   reserved for the dead child, and reading the dataset through the tiers gives the golden
-  samples; after the loop an unkilled epoch gives the golden batches and no staging area of a
-  killed child is left after its sweep;
+  samples; after the loop `cache clean` removes the killed children's temporaries, an unkilled
+  epoch gives the golden batches and no staging area of a killed child is left after its sweep;
 - checkpoint: every step that verifies holds exactly its own bytes, here and at the
   destination, the newest never goes back, and the next child resumes after it; after the
   loop an unkilled run commits to the end.
@@ -41,7 +41,7 @@ from tierflow.errors import ManifestError
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.testing.faults import sample_digests, tier_problems, verified_golden as golden, write_corpus
 from tierflow.testing.killer import ForkServer, RunResult
-from tierflow.tiers import build_stack
+from tierflow.tiers import Tier, build_stack
 from tierflow.tiers.stack import staging_root
 
 import kill_ops
@@ -187,6 +187,10 @@ def test_kill_loop_cache_fill(server: ForkServer, seed: int, tmp_path: Path) -> 
                 assert not problems, f"{where}: {problems}"
         assert sample_digests(build_stack(str(l4), tiers).dataset()) == samples, \
             f"{where}: samples read through the tiers are not the golden ones"
+    for spec in tiers:  # `tierflow cache clean`: what the killed children left is removed, nothing in use
+        Tier(Path(spec.split("=")[1].split(":")[0]), 1.0, name=spec.split("=")[0]).clean()
+    assert not [p for spec in tiers for p in (Path(spec.split("=")[1].split(":")[0]) / "tmp").iterdir()], \
+        f"seed {seed}: temporaries of killed children survive a clean"
     final = time.time()
     assert kill_ops.epoch_digests(str(l4), tiers) == batches, f"seed {seed}: the epoch after the loop"
     leftovers = [p for p in staging_root().glob("staging-*") if int(p.name.split("-")[1]) in pids]

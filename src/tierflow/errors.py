@@ -104,6 +104,10 @@ class CheckpointError(TierflowError, IOError):
         return (type(self), (self.where, self.reason))
 
 
-__all__ = ["BatchOrderError", "CheckpointError", "CursorError", "CursorFormatError", "CursorMismatchError",
-           "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError", "ShardCorruptError",
-           "SourceError", "SourceNotFound", "SourceTimeout", "TierflowError"]
+class CheckpointTimeout(CheckpointError, TimeoutError):
+    """`CheckpointStore.wait(timeout)` outlived its deadline with an upload still running; names the step."""
+
+
+__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
+           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
+           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierflowError"]

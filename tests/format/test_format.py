@@ -40,7 +40,7 @@ def test_decoded_form_matches_the_manifest_hash(tmp_path):
     out = pack_small(tmp_path)
     m = tierflow.open_dataset(out).manifest
     for info in m.shards:
-        size, checksum = decode_shard(out / info.name, tmp_path / "decoded.arrow")
+        size, checksum = decode_shard(out / info.name, tmp_path / "decoded.arrow", info)
         assert (size, checksum) == (info.decoded_bytes, info.decoded_checksum)
 
 

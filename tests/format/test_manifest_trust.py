@@ -173,3 +173,68 @@ def test_verify_on_s3_checks_the_manifest_numbers_from_the_bytes_it_streams(toke
     assert main(["verify", url, "--endpoint-url", s3_server.endpoint_url]) == 1
     err = capsys.readouterr().err
     assert "block 0" in err and "tokens" in err and "no checksum" in err
+
+
+def test_a_legacy_manifest_without_block_token_counts_is_checked_against_the_bytes(tokens_ds, tmp_path):
+    """Manifests written before per-block token counts existed: the index reads each shard's block
+    counts from its bytes when a token of it is first asked for, and verify sums them; a shard
+    total that disagrees is named by both, before a token is served."""
+    from tierflow.format._audit import audit_manifest
+
+    def legacy(d):
+        for shard in d["shards"]:
+            shard["blocks"].pop("tokens")
+    edit(tokens_ds, legacy)
+    expected = np.concatenate([tierflow.open_dataset(tokens_ds).tokens(0, 10)])
+    assert audit_manifest(tokens_ds, Manifest.load(tokens_ds)) == []
+    sound = read_all_tokens(tokens_ds)
+    assert sound.size == Manifest.load(tokens_ds).stats["tokens"] and (sound[:10] == expected).all()
+
+    def moved(d):  # 5 tokens moved from shard 1's total to shard 0's: the dataset's sum is kept
+        d["shards"][0]["tokens"] += 5
+        d["shards"][1]["tokens"] -= 5
+    d = edit(tokens_ds, moved)
+    name = d["shards"][0]["name"]
+    problems = audit_manifest(tokens_ds, Manifest.load(tokens_ds))
+    assert any(p.startswith(f"shard {name}: holds ") and f"the manifest says {d['shards'][0]['tokens']}" in p
+               for p in problems), problems
+    with pytest.raises(ShardCorruptError, match=rf"shard {name}: its blocks hold \d+ tokens in \d+ blocks"):
+        tierflow.open_dataset(tokens_ds).tokens(0, 10)
+
+
+def _twice(d):
+    d["shards"].append(dict(d["shards"][0]))
+
+
+def _rows_moved_out(d):
+    d["shards"][0]["blocks"]["rows"][0] += 1  # the blocks no longer sum to the shard's samples
+
+
+def _absurd_rows(d):
+    rows = d["shards"][0]["blocks"]["rows"]
+    rows[0], rows[1] = -1, rows[1] + rows[0] + 1  # the sum is kept
+
+
+def _outside(d):
+    d["shards"][0]["blocks"]["length"][-1] += d["shards"][0]["bytes"]
+
+
+HOSTILE_FIELDS = {
+    "token_dtype": (lambda d: d.update(token_dtype="float64"), r"token_dtype 'float64' is not one of"),
+    "a shard listed twice": (_twice, "a shard is listed twice"),
+    "block rows": (_rows_moved_out, r"block rows sum to \d+, not \d+ samples"),
+    "negative rows": (_absurd_rows, "a block of -1 rows is negative or absurd"),
+    "a block outside the file": (_outside, r"block at \d+\+\d+ lies outside the file"),
+    "token_column": (lambda d: d.update(token_column="nope"), "token_column 'nope' is not in the schema"),
+}
+
+
+@pytest.mark.parametrize("field", list(HOSTILE_FIELDS))
+def test_a_manifest_field_that_cannot_be_true_is_refused_naming_it(tokens_ds, field):
+    """Without its checksum (a legacy manifest, or a hostile one whose author dropped it) each
+    field is still checked on load against what the others and the files allow."""
+    change, message = HOSTILE_FIELDS[field]
+    edit(tokens_ds, change)
+    with pytest.raises(ManifestError, match=message) as e:
+        Manifest.load(tokens_ds)
+    assert str(tokens_ds / MANIFEST_NAME) in str(e.value)

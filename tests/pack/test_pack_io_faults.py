@@ -9,15 +9,14 @@ is typed (a TierflowError, or the injected OSError itself naming its file); what
 (`verify`'s checks pass and every sample's hash is the golden one); and the same pack without
 faults then succeeds with the golden samples.
 
-The quick set tries the first and last operation of each run of one operation on one file
-(`boundaries`) with EIO; the slow set the same with EIO and ENOSPC, once and from N on, and
-every N with TIERFLOW_FAULTS_EVERY_N=1.
+The quick set tries one failure point of each kind (`sample_points`: the first and the last
+operation on each kind of file) with EIO; the slow set the same with ENOSPC, and from N on;
+TIERFLOW_FAULT_POINTS=boundaries or =every tries more (every N: ~830 trials a variant).
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 from pathlib import Path
 
@@ -26,10 +25,9 @@ import pytest
 import tierflow
 from tierflow.errors import ManifestError, TierflowError
 from tierflow.format.manifest import Manifest
-from tierflow.testing.faults import Trial, boundaries, count_ops, fail_each, verified_golden as golden, write_corpus
+from tierflow.testing.faults import Trial, fail_each, sample_points, verified_golden as golden, write_corpus
 
-EVERY_N = bool(os.environ.get("TIERFLOW_FAULTS_EVERY_N"))
-"""Set: the slow set tries every N (SQLite's loop: ~500-800 trials a variant, minutes); else `boundaries`."""
+
 def pack(corpus: Path, out: Path, overwrite: bool = False) -> tierflow.Manifest:
     return tierflow.pack([corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=1,
                          overwrite=overwrite).manifest
@@ -101,18 +99,15 @@ def rigs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, PackRig]:
             for overwrite in (False, True)}
 
 
-def _points(rig: PackRig) -> list[int]:
-    rig.reset()
-    return boundaries(count_ops(rig.run, rig.roots))
+def _points(rig: PackRig) -> list[int] | None:
+    return sample_points(rig.run, rig.roots, reset=rig.reset)
 
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["fresh", "over-a-dataset"])
 def test_a_pack_failing_at_each_kind_of_io_leaves_nothing_or_a_whole_dataset(rigs, overwrite: bool) -> None:
     rig = rigs[overwrite]
-    points = _points(rig)
-    run = fail_each(rig.run, lambda t: rig.check(t, errno.EIO), rig.roots, reset=rig.reset, points=points)
-    assert len(run.trials) == len(points) + 1 and set(run.by_op()) == {"mkdir", "open_write", "write", "fsync",
-                                                                       "rename", "read"}
+    run = fail_each(rig.run, lambda t: rig.check(t, errno.EIO), rig.roots, reset=rig.reset, points=_points(rig))
+    assert set(run.by_op()) == {"mkdir", "open_write", "write", "fsync", "rename", "read"}
 
 
 # EIO once is the quick test above
@@ -126,7 +121,6 @@ VARIANTS = [(errno.EIO, True), (errno.ENOSPC, False), (errno.ENOSPC, True)]
 def test_a_pack_failing_at_every_io_leaves_nothing_or_a_whole_dataset(rigs, overwrite: bool, injected: int,
                                                                        persistent: bool) -> None:
     rig = rigs[overwrite]
-    points = None if EVERY_N else _points(rig)
     run = fail_each(rig.run, lambda t: rig.check(t, injected), rig.roots, error=injected,
-                    persistent=persistent, reset=rig.reset, points=points)
-    assert len(run.trials) > 40
+                    persistent=persistent, reset=rig.reset, points=_points(rig))
+    assert len(run.trials) > 10

@@ -81,3 +81,16 @@ def test_boundaries_keep_the_first_and_last_of_each_run(tmp_path: Path) -> None:
     assert boundaries(faults) == [1, 2, 51, 52]
     run = fail_each(work, lambda t: None, [tmp_path], points=boundaries(faults))
     assert [t.n for t in run.trials] == [1, 2, 51, 52, 0] and run.trials[-1].fault is None
+
+
+def test_distinct_boundaries_try_each_kind_of_point_once(tmp_path: Path) -> None:
+    def work() -> None:
+        for key in ("0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"):
+            with open(tmp_path / f"{key}.1234.tmp", "w") as f:
+                f.write("x")
+                f.write("y")
+            os.replace(tmp_path / f"{key}.1234.tmp", tmp_path / f"{key}.arrow")
+
+    faults = count_ops(work, [tmp_path])
+    assert boundaries(faults) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert boundaries(faults, distinct=True) == [1, 2, 3, 4]

@@ -116,3 +116,23 @@ def test_a_process_started_on_the_full_disk_opens_the_tier_and_serves_from_below
     fill(small_disk)
     after = read()
     assert after["digest"] == expected and after["unwritable"] >= 1
+
+
+def test_an_entry_the_full_index_cannot_record_is_removed_not_left_unaccounted(small_disk):
+    """The disk fills between an entry's bytes landing and the index recording them (another job
+    wrote meanwhile): the read is served from below (None), and the entry's file, which no row
+    would account for, is removed with its reservation."""
+    from tierflow.format._checksum import xxh3_128_hex
+
+    data = os.urandom(64 << 10)
+    tier = Tier(small_disk / "l2", 1 << 30, name="L2", form="at_rest", ram=False)
+
+    def produce(tmp: Path) -> None:
+        tmp.write_bytes(data)
+        fill(small_disk)
+
+    assert tier.ensure("k", len(data), xxh3_128_hex(data), produce) is None
+    assert tier.m_index_unwritable.value >= 1 and not tier.path_of("k").exists()
+    assert not list((small_disk / "l2" / "tmp").iterdir())
+    (small_disk / "filler").unlink()
+    assert tier.index.occupancy() == (0, 0)  # no row, no reservation left once the index writes again

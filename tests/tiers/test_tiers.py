@@ -237,7 +237,18 @@ def test_a_new_process_reads_a_staged_entry_by_block_without_hashing_it_whole(tm
     assert fresh.tiers[0].m_hits.value == 1 and fresh.tiers[1].m_hits.value == 0
 
 
-@pytest.mark.parametrize("damage", ["missing", "garbled", "tampered"])
+def _redigested(listed: Path, change) -> None:
+    """A block list edited by someone who recomputed its digest: only its content can refuse it."""
+    from tierflow.format._checksum import xxh3_hex
+
+    d = json.loads(listed.read_text())
+    d.pop("digest")
+    change(d)
+    d["digest"] = xxh3_hex(json.dumps(d, sort_keys=True).encode())
+    listed.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled", "tampered", "another-entry", "gapped", "past-the-end"])
 def test_a_staged_entry_whose_block_list_is_unusable_is_verified_whole_and_gets_it_back(tmp_path, s3_dataset, damage):
     local, url, proxy = s3_dataset
     stack = stack_for(url, proxy.url, tmp_path / "node")
@@ -248,10 +259,16 @@ def test_a_staged_entry_whose_block_list_is_unusable_is_verified_whole_and_gets_
         listed.unlink()
     elif damage == "garbled":
         listed.write_text("{not json")
-    else:  # a block's checksum changed without its digest: refused, not trusted
+    elif damage == "tampered":  # a block's checksum changed without its digest: refused, not trusted
         text = listed.read_text()
         assert '"checksum": ["' in text
         listed.write_text(text.replace('"checksum": ["', '"checksum": ["0', 1))
+    elif damage == "another-entry":  # the list of an entry of another size
+        _redigested(listed, lambda d: d.update(size=d["size"] + 1))
+    elif damage == "gapped":  # a block that does not start where the one before it ends
+        _redigested(listed, lambda d: d["blocks"]["offset"].__setitem__(1, d["blocks"]["offset"][1] + 1))
+    else:  # blocks that run past the end of the file
+        _redigested(listed, lambda d: d["blocks"]["length"].__setitem__(-1, d["blocks"]["length"][-1] + d["size"]))
     fresh = stack_for(url, proxy.url, tmp_path / "node")
     ds = fresh.dataset()
     assert [ds[i]["i"] for i in range(info.samples)] == list(range(info.samples))

@@ -97,7 +97,7 @@ def encode_commit(step: int, part_hashes: dict[int, str]) -> bytes:
 def decode(raw: bytes, where: str) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         raise CheckpointError(where, f"not JSON ({exc})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointError(where, f"not a {FORMAT} manifest")
@@ -106,9 +106,14 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
 
 def part_entries(body: dict[str, Any], where: str) -> list[FileEntry]:
     try:
-        return [FileEntry(str(f["name"]), int(f["size"]), str(f["xxh3"])) for f in body["files"]]
-    except (KeyError, TypeError, ValueError):
+        entries = [FileEntry(str(f["name"]), int(f["size"]), str(f["xxh3"])) for f in body["files"]]
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise CheckpointError(where, "part manifest without a valid file list") from None
+    for entry in entries:  # the step's own files only: never one above it, or anywhere else
+        parts = entry.name.split("/")
+        if entry.name.startswith("/") or "\\" in entry.name or any(p in ("", ".", "..") for p in parts):
+            raise CheckpointError(where, f"names {entry.name!r}, which is not a file inside the step")
+    return entries
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,8 @@ def verify_step(step: int, read: Callable[[str], bytes], sized: Callable[[str], 
     parts = marker.get("parts", {})
     if not isinstance(parts, dict) or len(parts) != marker.get("world_size"):
         return StepReport(step, [], [f"{where}/{COMMIT_NAME}: parts do not match world_size"])
+    if not all(isinstance(r, str) and r.isdecimal() for r in parts):
+        return StepReport(step, [], [f"{where}/{COMMIT_NAME}: a part's rank is not a number"])
     for rank, expected in sorted(parts.items(), key=lambda kv: int(kv[0])):
         name = part_name(int(rank))
         try:

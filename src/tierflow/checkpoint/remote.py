@@ -107,9 +107,12 @@ def prune_remote(source: RetryingSource, keep_last: int | None, keep_every: int 
 
 
 def prune_local(local: Path, source: RetryingSource | None, keep_last: int | None, keep_every: int | None) -> list[int]:
-    """Local retention: drop committed steps outside the kept set once the destination has them,
-    and uncommitted leftovers older than the newest committed step. A step still waiting for its
-    upload is never dropped. `source` None: there is no destination, the local copies are all."""
+    """Local retention: drop committed steps outside the kept set once the destination has them
+    or has gone past them (older than every step committed there: retention dropped them there
+    first, as the uploader prunes the destination before this), and uncommitted leftovers older
+    than the newest committed step. A step still waiting for its upload is never dropped (the
+    uploads go in order: one older than every committed step at the destination is done).
+    `source` None: there is no destination, the local copies are all."""
     if not local.is_dir():
         return []
     remote = {s for s, done in remote_steps(source).items() if done} if source is not None else None
@@ -123,8 +126,12 @@ def prune_local(local: Path, source: RetryingSource | None, keep_last: int | Non
         return []
     keep = retained(committed, keep_last, keep_every)
     newest = max(committed)
-    doomed = [s for s, done in present.items()
-              if (done and s not in keep and (remote is None or s in remote)) or (not done and s < newest)]
+    passed = min(remote) if remote else None
+
+    def uploaded(s: int) -> bool:
+        return remote is None or s in remote or (passed is not None and s < passed)
+
+    doomed = [s for s, done in present.items() if (done and s not in keep and uploaded(s)) or (not done and s < newest)]
     for step in doomed:
         shutil.rmtree(local / step_name(step), ignore_errors=True)
     return sorted(doomed)

@@ -43,6 +43,7 @@ from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepRepo
                                           write_durably)
 from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, remote_steps, verify_remote
 from tierflow.storage.budget import BandwidthBudget
+from tierflow.errors import CheckpointTimeout
 from tierflow.tiers.burst import Ride, RidesBursts
 
 
@@ -278,7 +279,7 @@ class CheckpointStore:
             events = list(self._pending.items())
         for step, event in events:
             if not event.wait(timeout):
-                raise TimeoutError(f"checkpoint step {step}: upload still running after {timeout} s")
+                raise CheckpointTimeout(f"{self.dest}/{step_name(step)}", f"upload still running after {timeout} s")
         failed = [r for r in (self._results.get(s) for s, _ in events) if r and not r.get("ok")]
         if self.world_size > 1:
             self._settle_markers()

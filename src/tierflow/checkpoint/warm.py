@@ -99,11 +99,11 @@ def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | 
     infos = loader.dataset.manifest.shards
     by_name = {info.name: i for i, info in enumerate(infos)}
     path = Path(step_dir) / warm_name(rank)
-    recorded: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    recorded = _recorded(path) if path.is_file() else {}
     order: list[int] | None = None
     top = stack.tiers[0]
-    if batches is None and recorded:
-        names = recorded.get("next_shards", [])
+    names = recorded.get("next_shards", [])
+    if batches is None and recorded and isinstance(names, list) and all(isinstance(n, str) for n in names):
         if all(n in by_name for n in names):  # the same dataset: its names are its content
             order = [by_name[n] for n in names]
             by_key = {info.key: i for i, info in enumerate(infos)}
@@ -132,3 +132,13 @@ def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | 
     if recorded.get("tiers"):
         restore_heat(stack.tiers, recorded["tiers"])
     return staged
+
+
+def _recorded(path: Path) -> dict[str, Any]:
+    """A step's warm record; empty for one that is no JSON object (damaged, or written by something
+    else): the cursor says what comes next instead."""
+    try:
+        recorded = json.loads(path.read_bytes())
+    except (ValueError, RecursionError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}

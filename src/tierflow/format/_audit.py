@@ -24,19 +24,18 @@ def audit_shard(path: str | Path, info: ShardInfo, manifest: Manifest) -> list[s
     and block (call it on a file whose hashes verified: it decodes every block)."""
     try:
         blocks = open_blocks(path, info)
-    except (TierflowError, OSError) as e:
+    except TierflowError as e:  # its message names the shard
+        return [str(e)]
+    except OSError as e:
         return [f"shard {info.name}: {e}"]
     return audit_blocks(blocks, info, manifest)
 
 
 def audit_blocks(blocks: BlockBytes, info: ShardInfo, manifest: Manifest) -> list[str]:
     """`audit_shard` over any block source (a remote shard's ranged reads)."""
-    try:
-        table = LazyShardTable(info.name, blocks, manifest.schema)
-        if manifest.token_column is not None:
-            table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks])
-    except (TierflowError, OSError) as e:
-        return [f"shard {info.name}: {e}"]
+    table = LazyShardTable(info.name, blocks, manifest.schema)  # both only note what to check: no read yet
+    if manifest.token_column is not None:
+        table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks])
     problems = []
     for b in range(table.num_blocks):
         try:

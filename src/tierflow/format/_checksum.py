@@ -63,25 +63,6 @@ class HashingSink:
         self.position += view.nbytes
         return view.nbytes
 
-    def tell(self) -> int:
-        return self.position
-
-    def flush(self) -> None:
-        if self._target is not None:
-            self._target.flush()
-
-    def close(self) -> None:
-        self.closed = True
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
     def take_block_digest(self) -> str:
         """xxh3-64 of the bytes written since the last call (a block's checksum)."""
         digest = self._block.hexdigest()

@@ -86,6 +86,7 @@ class DatasetIndex:
         self._token_rows = np.ascontiguousarray(self._blocks[:, :4])
         self._unknown = {i for i, (s, c) in enumerate(zip(shards, known)) if c is None and s.blocks}
         self._read_block_tokens = read_block_tokens
+        self._names = [s.name for s in shards]  # errors name the shard's file
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -144,14 +145,14 @@ class DatasetIndex:
         (under the lock; a lock-free lookup runs only once every count is known)."""
         for s in set(np.unique(shards).tolist()) & self._unknown:
             if self._read_block_tokens is None:
-                raise ValueError(f"shard {s}: its blocks' token counts are not in the manifest and "
+                raise ValueError(f"shard {self._names[s]}: its blocks' token counts are not in the manifest and "
                                  f"this index has no way to read them")
             counts = np.asarray(self._read_block_tokens(s), dtype=np.int64)
             first, stop = int(self.first_block[s]), int(self.first_block[s + 1])
             expected = int(self.token_starts[s + 1] - self.token_starts[s])
             if counts.size != stop - first or int(counts.sum()) != expected:
-                raise ShardCorruptError(f"shard {s}: its blocks hold {int(counts.sum())} tokens in {counts.size} "
-                                        f"blocks, the manifest says {expected} in {stop - first}")
+                raise ShardCorruptError(f"shard {self._names[s]}: its blocks hold {int(counts.sum())} tokens in "
+                                        f"{counts.size} blocks, the manifest says {expected} in {stop - first}")
             self.block_tokens[first + 1:stop] = self.token_starts[s] + np.cumsum(counts[:-1])
             self._blocks[first:stop, 2] = self.block_tokens[first:stop]
             self._blocks[first:stop, 3] = self.block_tokens[first + 1:stop + 1]

@@ -254,38 +254,29 @@ class ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def decode_shard(src: str | Path, dst: str | Path, info: ShardInfo | None = None) -> tuple[int, str]:
+def decode_shard(src: str | Path, dst: str | Path, info: ShardInfo) -> tuple[int, str]:
     """Write the decoded (uncompressed) form of an at-rest shard to `dst`; return (size, xxh3-128).
 
     The result is byte-identical to the decoded form measured at pack time, so the manifest's
-    `decoded_checksum` verifies it. With `info` (the manifest's entry) the blocks are the
-    manifest's byte ranges, not the file's footer, each bounded before it is decoded and the
-    output by `info.decoded_bytes`: a hostile shard cannot make admission cost more memory than
-    one block or more disk than the manifest declared. One block is held at a time.
+    `decoded_checksum` verifies it. The blocks are the manifest's byte ranges (`info`), not the
+    file's footer, each bounded before it is decoded and the output by `info.decoded_bytes`: a
+    hostile shard cannot make admission cost more memory than one block or more disk than the
+    manifest declared. One block is held at a time.
     """
     with pa.memory_map(str(src)) as source:
         mapped = source.read_buffer()
-        if info is None:
-            reader = pa.ipc.open_file(source)
-            schema = reader.schema
-            batches: Iterator[pa.RecordBatch] = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        else:
-            if mapped.size != info.bytes:
-                raise ShardCorruptError(f"shard {info.name}: {mapped.size} bytes, not {info.bytes} ({src})")
-            if not info.blocks:
-                raise ShardCorruptError(f"shard {info.name}: no blocks")
-            first = info.blocks[0]
-            schema = block_schema(mapped.slice(first.offset, first.length), info.name, first)
-            batches = _bounded_batches(mapped, schema, info)
+        if mapped.size != info.bytes:
+            raise ShardCorruptError(f"shard {info.name}: {mapped.size} bytes, not {info.bytes} ({src})")
+        if not info.blocks:
+            raise ShardCorruptError(f"shard {info.name}: no blocks")
+        first = info.blocks[0]
+        schema = block_schema(mapped.slice(first.offset, first.length), info.name, first)
         with open(dst, "wb", buffering=CHUNK) as f:
             sink = HashingSink(f)
-            if info is None:
-                _write_ipc(list(batches), schema, sink, _ipc_options("none", None))
-            else:
-                sink.limit = info.decoded_bytes
-                sink.limit_error = ShardCorruptError(f"shard {info.name}: decodes to more than the "
-                                                     f"{info.decoded_bytes} bytes the manifest declares")
-                _write_ipc(batches, schema, sink, _ipc_options("none", None))
+            sink.limit = info.decoded_bytes
+            sink.limit_error = ShardCorruptError(f"shard {info.name}: decodes to more than the "
+                                                 f"{info.decoded_bytes} bytes the manifest declares")
+            _write_ipc(_bounded_batches(mapped, schema, info), schema, sink, _ipc_options("none", None))
     return sink.position, sink.hexdigest()
 
 
@@ -402,11 +393,6 @@ def scan_blocks(path: str | Path) -> list[Block]:
             blocks.append(Block(start, end - start, rows, xxh3_hex(mapped.slice(start, end - start))))
             start = end
     return blocks
-
-
-def read_schema(path: str | Path) -> pa.Schema:
-    with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_file(source).schema
 
 
 def verify_shard(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST) -> list[str]:

@@ -12,7 +12,6 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -42,19 +41,10 @@ class ShardTable:
     verifies each block on first use.
     """
 
-    def __init__(self, blocks: Sequence[pa.RecordBatch], keepalive: Any = None) -> None:
+    def __init__(self, blocks: Sequence[pa.RecordBatch]) -> None:
         self.blocks = list(blocks)
-        self._keepalive = keepalive  # the memory map the blocks point into
         self.row_starts = cumulative([b.num_rows for b in self.blocks])
         self._views = [_Views() for _ in self.blocks]
-
-    @classmethod
-    def from_ipc_file(cls, path: str | Path, memory_map: bool = True) -> "ShardTable":
-        """Every block of an IPC file, unverified: decoded files are memory-mapped (zero copy),
-        compressed ones decode into memory."""
-        source = pa.memory_map(str(path)) if memory_map else pa.OSFile(str(path))
-        reader = pa.ipc.open_file(source)
-        return cls([reader.get_batch(i) for i in range(reader.num_record_batches)], keepalive=source)
 
     @property
     def num_rows(self) -> int:
@@ -235,10 +225,6 @@ class LazyShardTable(ShardTable):
     def blocks(self) -> "_LazyBlocks":  # type: ignore[override]
         return _LazyBlocks(self)
 
-    @property
-    def _keepalive(self) -> Any:  # type: ignore[override]
-        return self._source.keepalive
-
     def _slot(self, block: int) -> tuple[pa.RecordBatch, _Views]:
         slot = self._slots[block]
         if slot is None:
@@ -278,9 +264,17 @@ class LazyShardTable(ShardTable):
             if self._recover is None:
                 raise
             if not isinstance(e, ShardCorruptError):
-                e = ShardCorruptError(f"shard {self.name}: block {b} cannot be read ({e})")
+                unreadable = ShardCorruptError(f"shard {self.name}: block {b} cannot be read ({e})")
+                unreadable.__cause__ = e  # the recovery reads the next copy from below the failing tier
+                e = unreadable
             source = self._replace_source(self._recover(b, e, source))
-            data = source.checked(b, self.name)
+            try:
+                data = source.checked(b, self.name)
+            except ShardCorruptError:
+                raise
+            except OSError as again:
+                raise ShardCorruptError(f"shard {self.name}: block {b} cannot be read from the copy fetched "
+                                        f"again either ({again})") from again
         if not source.verified:
             self.blocks_verified += 1
         return source, data

@@ -1,6 +1,7 @@
 """The shared test rig: an S3 server, a metering and fault-injecting proxy, a directory server,
-`FailNth` (fail the N-th read/write/fsync/rename below tierflow's own I/O) and
-`assert_resumes_exactly`, the resume guarantee as a check to run against your own batchers.
+`FailNth` (fail the N-th read/write/fsync/rename below tierflow's own I/O), `ForkServer` (a kill
+loop's children, forked from one warm process) and `assert_resumes_exactly`, the resume
+guarantee as a check to run against your own batchers.
 
 Tests use it through the fixtures in tests/conftest.py; benchmarks and `tierflow demo` import
 it directly. Nothing here is imported by the core package, and moto loads only in the
@@ -10,6 +11,7 @@ server's child process.
 from tierflow.testing.bandwidth import TokenBucket
 from tierflow.testing.faults import FailNth, IOFault, fail_each
 from tierflow.testing.fileserver import DirectoryServer, serve_directory
+from tierflow.testing.killer import ForkServer
 from tierflow.testing.proxy import (
     Fault,
     FaultRule,
@@ -28,6 +30,7 @@ __all__ = [
     "FailNth",
     "Fault",
     "FaultRule",
+    "ForkServer",
     "IOFault",
     "LoopbackProxy",
     "MotoS3Server",

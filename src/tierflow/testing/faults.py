@@ -7,9 +7,10 @@
 `FailNth(None, ...)` only counts. `fail_each(run, check, ...)` runs `run` for N = 1, 2, ... until
 a run completes without reaching its N-th operation, and calls `check(trial)` after each with
 the outcome, so every failure point of an operation is tried once (`persistent=True`: every
-operation from the N-th on fails, as on a disk that died or filled); `boundaries` picks a
-sample of those N for a quick run. `sample_digests` gives a dataset's golden sample hashes,
-`tier_problems` what a tier directory shows that is not whole.
+operation from the N-th on fails, as on a disk that died or filled); `boundaries` and
+`sample_points` (TIERFLOW_FAULT_POINTS=kinds|boundaries|every) pick a sample of those N.
+`sample_digests` gives a dataset's golden sample hashes, `tier_problems` what a tier directory
+shows that is not whole.
 
 What is patched, process-wide while the context is open (other threads count too): `os.write`,
 `os.pwrite`, `os.sendfile` (write), `os.fsync`, `os.fdatasync` (fsync), `os.rename`,
@@ -373,25 +374,62 @@ def _report(run: FaultRun, error: int, persistent: bool) -> None:
         f.write(json.dumps(line) + "\n")
 
 
-def boundaries(faults: FailNth, ops: Sequence[str] = DEFAULT_OPS) -> list[int]:
+def boundaries(faults: FailNth, ops: Sequence[str] = DEFAULT_OPS, distinct: bool = False) -> list[int]:
     """From a recorded run (`count_ops`), the N of the first and the last operation of each run of
     the same operation on the same file: a sample of every kind of failure point in a fraction of
     the trials (a manifest written in 400 small writes is tried at its first and its last).
-    `ops`: the families the loop will fail (they number the operations)."""
+    `ops`: the families the loop will fail (they number the operations). `distinct`: only the
+    first such point of each kind (the operation, the file's name with its hashes and numbers
+    blanked, first or last of its run), e.g. one entry's temporary of each tier, not every one."""
     points: list[int] = []
+    seen: set[tuple[str, str, bool]] = set()
     log = [entry for entry in faults.log if entry[0] in ops]
     for i, entry in enumerate(log):
-        if i == 0 or log[i - 1] != entry or i + 1 == len(log) or log[i + 1] != entry:
-            points.append(i + 1)
+        first, last = i == 0 or log[i - 1] != entry, i + 1 == len(log) or log[i + 1] != entry
+        if not (first or last):
+            continue
+        if distinct:
+            kind = (entry[0], _kind_of(entry[1]), first)
+            if kind in seen:
+                continue
+            seen.add(kind)
+        points.append(i + 1)
     return points
+
+
+POINTS_ENV = "TIERFLOW_FAULT_POINTS"
+"""Which N a fault test tries: "kinds" (default: one of each kind of failure point), "boundaries"
+(the first and last of every run of one operation on one file) or "every" (SQLite's loop)."""
+
+
+def sample_points(run: Callable[[], Any], roots: Iterable[str | os.PathLike], ops: Sequence[str] = DEFAULT_OPS,
+                  how: str | None = None, reset: Callable[[], None] | None = None) -> list[int] | None:
+    """The N for `fail_each(points=...)` as TIERFLOW_FAULT_POINTS (or `how`) says, from one
+    counted run of `run` (after `reset()`); None for "every" (fail_each then tries every N)."""
+    how = how or os.environ.get(POINTS_ENV) or "kinds"
+    if how not in ("kinds", "boundaries", "every"):
+        raise ValueError(f"{POINTS_ENV}={how!r}: expected kinds, boundaries or every")
+    if how == "every":
+        return None
+    if reset is not None:
+        reset()
+    return boundaries(count_ops(run, roots, ops=ops), ops, distinct=how == "kinds")
+
+
+def _kind_of(path: str) -> str:
+    import re
+
+    head, _, name = path.rpartition("/")
+    return f"{head.rpartition('/')[2]}/{re.sub(r'[0-9]+', 'N', re.sub(r'[0-9a-f]{8,}', 'H', name))}"
 
 
 def tier_problems(root: str | os.PathLike, manifest: Any, name: str = "L2", form: str = "decoded") -> list[str]:
     """What a tier directory shows that is not whole: an indexed entry that is unknown to the
-    manifest, recorded with the wrong size or checksum for the tier's form, or without its file;
-    a file under entries/ whose bytes are not the entry's; a reservation of a dead process left
-    after the index reclaims them. Empty when every entry a reader could find is whole. `form`:
-    the tier's (what a directory not configured yet would be configured with)."""
+    manifest, recorded with the wrong size or checksum for the tier's form, or without its file
+    and not dropped by a lookup; a file under entries/ whose bytes are not the entry's; a
+    reservation of a dead process left after the index reclaims them. Empty when every entry a
+    reader could find is whole. `form`: the tier's (what a directory not configured yet would be
+    configured with)."""
     from tierflow.format._checksum import file_xxh3_128
     from tierflow.tiers import Tier
 
@@ -404,7 +442,11 @@ def tier_problems(root: str | os.PathLike, manifest: Any, name: str = "L2", form
         elif (row.size, row.checksum) != expected[row.key]:
             problems.append(f"{name}: indexes {row.key} with size {row.size}, checksum {row.checksum}")
         elif not tier.path_of(row.key).is_file():
-            problems.append(f"{name}: indexes {row.key}, whose file is gone")
+            # killed between unlinking an evicted entry and committing its removal: a reader
+            # must take it for a miss and drop the row (it is never served)
+            pin = tier.lookup(row.key)
+            if pin is not None or tier.index.get(row.key) is not None:
+                problems.append(f"{name}: indexes {row.key}, whose file is gone, and a lookup keeps it")
     for path in (Path(root) / "entries").iterdir():
         key = path.name.removesuffix(".arrow")
         size, checksum = expected.get(key, (-1, ""))
@@ -490,5 +532,5 @@ def error_chain(error: BaseException | None) -> Iterator[BaseException]:
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
 
 
-__all__ = ["DEFAULT_OPS", "FailNth", "FaultRun", "IOFault", "OPS", "Trial", "boundaries", "count_ops", "error_chain",
-           "fail_each", "sample_digests", "tier_problems"]
+__all__ = ["DEFAULT_OPS", "FailNth", "FaultRun", "IOFault", "OPS", "POINTS_ENV", "Trial", "boundaries", "count_ops",
+           "error_chain", "fail_each", "sample_digests", "sample_points", "tier_problems"]

@@ -421,22 +421,33 @@ class TierStack:
         return Opened(table, handle.served_by, handle.fetch_s)
 
     def _recover(self, info: ShardInfo, block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
-        """A block of a resident entry failed its checksum: quarantine the entry (counted by its
-        tier), fetch the shard again from below and give the reader the new copy."""
+        """A block of a resident entry failed its checksum, or could not be read (EIO): quarantine
+        the entry (counted by its tier), fetch the shard again and give the reader the new copy.
+        A checksum failure is fetched again into the tier; an unreadable entry from the tiers
+        below it (its device fails reads: a copy written there would fail the same way)."""
         handle = current.keepalive
         if not isinstance(handle, Handle):
             raise error
         tier = next((t for t in [*self.tiers, self.staging] if t is not None and t.name == handle.tier), None)
         if tier is None:
             raise error
+        unreadable = isinstance(error.__cause__, OSError) and not isinstance(error.__cause__, ShardCorruptError)
         log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
+        again: Callable[[], Handle]
         try:
-            tier.quarantine(info.key, f"failed verification of block {block} on read", pin=handle.pin)
+            tier.quarantine(info.key, f"{'could not be read' if unreadable else 'failed verification'} "
+                                      f"at block {block}", pin=handle.pin)
         except OSError as e:  # the tier's device fails: it would serve the same entry again
             log.warning("tier %s could not quarantine %s (%s); reading it from the source", tier.name, info.name, e)
-            again: Callable[[], Handle] = lambda: self._from_source(info)  # noqa: E731
+            again = lambda: self._from_source(info)  # noqa: E731
         else:
-            again = lambda: self.ensure(info, read=True)  # noqa: E731
+            below = self.tiers.index(tier) + 1 if tier in self.tiers else len(self.tiers) + 1
+            if not unreadable:
+                again = lambda: self.ensure(info, read=True)  # noqa: E731
+            elif below <= len(self.tiers):
+                again = lambda: self.ensure(info, level=below, read=True)  # noqa: E731
+            else:  # the staging area's device: nothing between it and the source
+                again = lambda: self._from_source(info)  # noqa: E731
         try:
             return again().block_bytes(info)
         except (OSError, ValueError) as e:

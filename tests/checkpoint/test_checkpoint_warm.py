@@ -1,0 +1,90 @@
+"""`restore_warm` on a fresh node, with a real loader and tiers: it stages what the step's record
+names, or what the loader's cursor needs next when the record is of another dataset, damaged or absent,
+stops at the top tier's capacity, and does nothing without tiers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tierflow
+from tierflow.checkpoint.warm import cursor_of, next_shards, restore_warm, warm_name
+
+from ckpt_rig import make_token_dataset
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_token_dataset(tmp_path_factory.mktemp("warm"), docs=900)
+
+
+def loader_for(data: Path, tiers: list[str]):
+    return tierflow.open_loader(str(data), tiers=tiers, batch_size=8, seq_len=64)
+
+
+RECORDS = {"another dataset's": json.dumps({"next_shards": ["shard-of-another-dataset.arrow"]}),
+           "not JSON": "{next_shards: [", "no list": json.dumps({"next_shards": {"a": 1}}),
+           "nested past the parser": "[" * 100_000, "no object": json.dumps([1, 2])}
+
+
+@pytest.mark.parametrize("record", list(RECORDS))
+def test_a_record_of_another_dataset_or_damaged_gives_way_to_what_the_cursor_needs(data: Path, tmp_path: Path,
+                                                                                  record: str) -> None:
+    loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"])
+    try:
+        step = tmp_path / "step"
+        step.mkdir()
+        (step / warm_name(0)).write_text(RECORDS[record])
+        wanted = next_shards(loader.dataset, cursor_of(loader), 256)
+        assert restore_warm(step, loader) == len(wanted) >= 2
+        tier = loader.stager.stack.tiers[0]
+        names = [loader.dataset.manifest.shards[i].key for i in wanted]
+        assert sorted(tier.index.keys()) == sorted(names)
+    finally:
+        loader.close()
+
+
+def test_staging_stops_at_the_top_tiers_capacity(data: Path, tmp_path: Path) -> None:
+    shards = tierflow.open_dataset(data).manifest.shards
+    room = int(1.2 * max(s.bytes for s in shards))  # one shard, not two
+    loader = loader_for(data, [f"L2={tmp_path}/l2:{room}:lru:at_rest"])
+    try:
+        order = next_shards(loader.dataset, cursor_of(loader), 256)
+        fits = next(k for k in range(len(order) + 1)
+                    if k == len(order) or sum(shards[i].bytes for i in order[:k + 1]) > room)
+        assert fits < len(order)  # the order wants more than the tier holds
+        assert restore_warm(tmp_path, loader, batches=256) == fits
+        assert sorted(loader.stager.stack.tiers[0].index.keys()) == sorted(shards[i].key for i in order[:fits])
+    finally:
+        loader.close()
+
+
+def test_without_tiers_nothing_is_staged(data: Path, tmp_path: Path) -> None:
+    loader = loader_for(data, [])
+    try:
+        assert restore_warm(tmp_path, loader) == 0
+    finally:
+        loader.close()
+
+
+def test_a_commit_with_the_loader_records_the_next_shards_and_each_tiers_heat(data: Path, tmp_path: Path) -> None:
+    from tierflow.checkpoint import CheckpointStore
+
+    loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"])
+    try:
+        stream = iter(loader)
+        for _ in range(3):
+            next(stream)
+        store = CheckpointStore(None, tmp_path / "local")
+        store.begin(3)
+        final = store.commit(3, loader=loader, warm_batches=16)
+        record = json.loads((final / warm_name(0)).read_text())
+        names = {s.name for s in loader.dataset.manifest.shards}
+        assert record["batches"] == 16 and record["next_shards"] and set(record["next_shards"]) <= names
+        saved = record["tiers"]["L2"]
+        assert isinstance(saved["clock"], float) and saved["entries"]
+        assert {e["key"] for e in saved["entries"]} == set(loader.stager.stack.tiers[0].index.keys())
+    finally:
+        loader.close()
