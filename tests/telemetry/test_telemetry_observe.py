@@ -172,7 +172,6 @@ def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):
 def test_verdict_names_compute_when_the_step_is_slow(packed):
     result = run_bench(samples_dataset(packed), 20, simulated_step(25))
     assert result.verdict.bound == "compute", format_result(result)
-    assert result.ratio > 0.8
 
 
 def test_verdict_names_preprocessing_when_the_transform_is_slow(packed):
