@@ -28,16 +28,9 @@ class Ride:
         if on_end is None or cover_bytes <= 0:
             self._staged.set()  # nothing to stage for it: covered from the start
 
-    @property
-    def open(self) -> bool:
-        return not self._ended.is_set()
-
     def staged(self) -> None:
         """The stager holds what this ride asked for (or all it can)."""
         self._staged.set()
-
-    def covered(self) -> bool:
-        return self._staged.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the stager holds `cover_bytes` ahead (or the ride ended); True if covered."""
