@@ -25,6 +25,8 @@ from tierflow.storage.remote import open_source, upload_dataset
 from tierflow.tiers import TierConfig, TierStack
 from tierflow.tiers.stager import Stager
 
+from corpora import pack_lorem
+
 STAGES = ("tier", "stack", "stager", "source", "budget", "loader", "feed", "stage")
 METRIC_NAME = re.compile(rf"^tierflow_({'|'.join(STAGES)})_[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 
@@ -160,11 +162,7 @@ def test_the_naming_rule_catches_the_old_names():
 
 
 def test_every_metric_of_a_real_run_follows_the_naming_rule(tmp_path, s3_server, s3_bucket):
-    with open(tmp_path / "docs.jsonl", "w") as f:
-        for i in range(3000):
-            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
-    tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", tokenizer="bytes", workers=1,
-                  target_shard_bytes=256 << 10)
+    pack_lorem(tmp_path, 3000)
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(tmp_path / "ds", url, endpoint_url=s3_server.endpoint_url)
     registry = MetricsRegistry()

@@ -7,22 +7,18 @@ fault-injection tests, whose loader epochs took 0.6 s instead of 0.1 s).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
-import tierflow
 from tierflow.loader import TieredDataset
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
+from corpora import pack_lorem
+
 
 def test_close_during_a_plan_returns_when_the_plan_ends(tmp_path):
-    with open(tmp_path / "docs.jsonl", "w") as f:
-        for i in range(2000):
-            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
-    tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", tokenizer="bytes", workers=1,
-                  target_shard_bytes=256 << 10)
+    pack_lorem(tmp_path, 2000)
     stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
     stager = Stager(TieredDataset(stack.dataset(), batch_size=8, seq_len=64), stack, min_batches=4)
     planning, release = threading.Event(), threading.Event()

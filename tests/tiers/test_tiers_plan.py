@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-import tierflow
 from tierflow.loader import TieredDataset
 from tierflow.order import RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.plan import FutureView, NodeShape, merged_spans, passed, plan_staging, size_lookahead
 from tierflow.tiers.stager import Stager
+
+from corpora import pack_lorem
 
 SHARD = 100  # bytes of every shard
 STEP = 10  # node samples per step
@@ -259,11 +259,7 @@ class OnlyTheView:
 
 
 def test_the_stager_reads_a_dataset_only_through_the_future_view(tmp_path):
-    with open(tmp_path / "docs.jsonl", "w") as f:
-        for i in range(3000):
-            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
-    tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", tokenizer="bytes", workers=1,
-                  target_shard_bytes=256 << 10)
+    pack_lorem(tmp_path, 3000)
     stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")])
     dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
     assert isinstance(dataset, FutureView)
