@@ -203,28 +203,22 @@ def train(model: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, c
 
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses: list[float] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     started = time.perf_counter()
     try:
-        losses = _steps(model, opt, loader, loss_of, steps, console, every)
+        with loader:
+            for step, batch in enumerate(loader):
+                loss = loss_of(batch)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                if step % every == 0 or step + 1 == steps:
+                    console.print(f"step {step:4d}  loss {losses[-1]:.3f}")
+                if step + 1 == steps:
+                    break
     finally:
         torch.set_num_threads(threads)
     return losses, params, time.perf_counter() - started
-
-
-def _steps(model: Any, opt: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, console: Console,
-           every: int) -> list[float]:
-    losses: list[float] = []
-    with loader:
-        for step, batch in enumerate(loader):
-            loss = loss_of(batch)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            if step % every == 0 or step + 1 == steps:
-                console.print(f"step {step:4d}  loss {losses[-1]:.3f}")
-            if step + 1 == steps:
-                break
-    return losses
