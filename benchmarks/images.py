@@ -312,7 +312,8 @@ def s3_rows(packed: Path, work: Path, warm_rate: float) -> None:
         print(f"\nfrom S3 (moto behind the throttling proxy): {len(shards)} shards, {samples} images, "
               f"{at_rest / 1e6:.0f} MB at rest, {decoded / 1e6:.0f} MB decoded")
         print(f"cold first epoch, 2 workers, decode + RandomResizedCrop(224), empty L2, throttle {throttle / 1e6:.1f} "
-              f"MB/s (a quarter of the warm loop's {consumption / 1e6:.1f} MB/s): {wall:.1f} s, {sent / 1e6:.0f} MB sent, "
+              f"MB/s (a quarter of the warm loop's {consumption / 1e6:.1f} MB/s): {wall:.1f} s, "
+              f"{sent / 1e6:.0f} MB sent, "
               f"achieved {achieved / 1e6:.1f} MB/s = {achieved / throttle:.2f} x throttle "
               f"(target >= 0.9: {'met' if achieved >= 0.9 * throttle else 'MISSED'}); while the source was sending "
               f"({active:.1f} s of it, sampled every 0.25 s): {sent / active / 1e6:.1f} MB/s = "

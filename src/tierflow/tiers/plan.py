@@ -5,8 +5,8 @@ cursor the plan starts at), what to fetch and in what order, and how long to hol
 shard. The lookahead follows Little's law: bytes ahead >= 2 x consumption rate x (p99 fetch
 latency + one shard's transfer), at least `min_batches` steps and the next window of every lane,
 at most `max_bytes`. Shards are wanted in order of first use; the windows being read now (every
-lane's, the first `reading_shards` by first use) are taken whatever the budget; at most `staging_slots` shards the top tier does not hold go through
-the staging area per plan. Every shard staged is held to the end of its next use, so a prefetch
+lane's, the first `reading_shards` by first use) are taken whatever the budget; at most
+`staging_slots` shards the top tier does not hold go through the staging area per plan. Every shard staged is held to the end of its next use, so a prefetch
 never evicts, or is evicted before, an entry needed sooner. The `Stager` executes plans.
 """
 
