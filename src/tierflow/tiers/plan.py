@@ -73,7 +73,9 @@ class NodeShape:
     staging_slots: int
     reading_shards: int = 0
     """Shards the node reads at once (lanes x window shards): the first this many by first use are
-    the windows being read now, wanted whatever the budget; the budget is for what comes after."""
+    the windows being read now, wanted whatever the budget; the budget is for what comes after.
+    0 (only the shards in use at the cursor skip the budget) where the top tier cannot hold the
+    working set: staging every lane's window there evicts the warm entries the next windows hit."""
 
 
 @dataclass(frozen=True)

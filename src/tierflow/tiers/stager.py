@@ -248,7 +248,10 @@ class Stager:
             max_bytes=max_bytes if max_bytes is not None else max(room, shard_bytes),
             # at least the next window of every lane, or each window boundary is a stall
             next_windows_bytes=working.reading * shard_bytes, capacity=capacity, dataset_bytes=sum(sizes),
-            staging_slots=working.reading, reading_shards=working.reading)
+            staging_slots=working.reading,
+            # the windows being read are staged whole only where the top tier holds the working set:
+            # in a smaller one they would push out the warm entries the next windows hit
+            reading_shards=working.reading if not capacity or active <= capacity else 0)
 
     def _run(self) -> None:
         planned_at, planned_time, cost = -1, 0.0, 0.0
