@@ -169,8 +169,22 @@ def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):
     assert loader.last_meta.timing is None and loader.telemetry is None
 
 
-def test_verdict_names_compute_when_the_step_is_slow(packed):
-    result = run_bench(samples_dataset(packed), 20, simulated_step(25))
+def test_verdict_names_compute_when_the_loop_hardly_waits():
+    registry = MetricsRegistry()
+    telemetry = LoaderTelemetry(registry)
+    telemetry.on_batch(0.030, {"produce_s": 0.030, "fetch": {}}, depth=0)  # the first batch: start-up
+    for _ in range(40):
+        telemetry.on_batch(0.0001, {"produce_s": 0.003, "fetch": {}}, depth=2)
+        telemetry.on_step(0.025)
+    verdict = judge(loader_figures(registry.snapshot()))
+    assert verdict.bound == "compute" and "make the step faster" in verdict.change
+    telemetry.on_batch(0.060, {"produce_s": 0.060, "fetch": {}}, depth=0)  # one slow build tips it over 5%
+    assert judge(loader_figures(registry.snapshot())).bound == "preprocessing"
+
+
+def test_bench_of_a_slow_step_names_compute(packed):
+    # 40 ms steps against ~3 ms batches: start-up would need > 60 ms of waiting to pass 5%
+    result = run_bench(samples_dataset(packed), 30, simulated_step(40))
     assert result.verdict.bound == "compute", format_result(result)
 
 
