@@ -72,7 +72,8 @@ def _commit(store: CheckpointStore, step: int) -> None:
     store.commit(step)
 
 
-@pytest.mark.parametrize("where", ["local", "dest"], ids=["local-only", "at-the-destination"])
+@pytest.mark.parametrize("where", ["local", pytest.param("dest", marks=pytest.mark.slow)],
+                         ids=["local-only", "at-the-destination"])
 @pytest.mark.parametrize("case", list(MUTATIONS))
 def test_a_damaged_or_hostile_manifest_is_refused_naming_it(tmp_path: Path, case: str, where: str) -> None:
     dest, local = (tmp_path / "dest" if where == "dest" else None), tmp_path / "local"

@@ -189,7 +189,8 @@ OPS = (*DEFAULT_OPS, "unlink")
 """Retention's deletes at the destination fail too."""
 
 
-@pytest.mark.parametrize("remote", [True, False], ids=["with-dest", "local-only"])
+@pytest.mark.parametrize("remote", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["with-dest", "local-only"])
 def test_a_commit_failing_at_any_io_leaves_the_previous_or_the_new_step_whole(tmp_path: Path, remote: bool) -> None:
     rig = CommitRig(tmp_path, remote)
     run = fail_each(rig.commit, lambda t: rig.check(t, errno.EIO), [rig.run], ops=OPS, reset=rig.reset)
