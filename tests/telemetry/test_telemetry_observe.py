@@ -182,9 +182,21 @@ def test_verdict_names_compute_when_the_loop_hardly_waits():
     assert judge(loader_figures(registry.snapshot())).bound == "preprocessing"
 
 
-def test_bench_of_a_slow_step_names_compute(packed):
-    # 40 ms steps against ~3 ms batches: start-up would need > 60 ms of waiting to pass 5%
-    result = run_bench(samples_dataset(packed), 30, simulated_step(40))
+def test_start_up_batches_are_timed_apart_from_the_bubble():
+    telemetry = LoaderTelemetry(MetricsRegistry(), startup_batches=1)
+    telemetry.on_batch(0.500, {"produce_s": 0.5, "fetch": {}}, depth=0)
+    for _ in range(10):
+        telemetry.on_batch(0.001, {"produce_s": 0.003, "fetch": {}}, depth=2)
+        telemetry.on_step(0.025)
+    f = telemetry.figures()
+    assert f.batches == 11 and f.startup_s == pytest.approx(0.5)
+    assert f.wait_s == pytest.approx(0.010) and f.bubble_rate == pytest.approx(0.010 / 0.260)
+
+
+def test_bench_of_a_slow_step_names_compute_and_reports_start_up_apart(packed):
+    result = run_bench(samples_dataset(packed), 20, simulated_step(25))
+    assert result.startup_s > 0 and result.loader.startup_s > 0
+    assert "first batch after" in format_result(result)
     assert result.verdict.bound == "compute", format_result(result)
 
 

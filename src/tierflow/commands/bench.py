@@ -69,6 +69,8 @@ class BenchResult:
     verdict: Verdict
     health: list[HealthFlag]
     bytes_per_epoch: BytesPerEpoch | None = None
+    startup_s: float = 0.0
+    """Seconds to the first batch; the figures above start once it is in hand."""
 
     @property
     def throughput(self) -> float:
@@ -93,21 +95,27 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
 
     `registry` should be the tier stack's, so tier figures land beside the loader's; `tier_layout`
     lists (name, capacity bytes, stores decoded) fastest first; the top one's bytes from below per
-    epoch are set beside the plan's prediction and the optimum for the same steps.
+    epoch are set beside the plan's prediction and the optimum for the same steps. With more than one
+    step the first batch is start-up: its wait is timed apart (`startup_s`), so a short run judges the
+    steady state.
     """
     from tierflow.loader.loader import Loader
 
     if steps < 1:
         raise ValueError(f"bench of {dataset!r}: steps must be >= 1, got {steps}")
     registry = registry if registry is not None else MetricsRegistry()
-    telemetry = LoaderTelemetry(registry, events=events)
+    telemetry = LoaderTelemetry(registry, events=events, startup_batches=1 if steps > 1 else 0)
     start = dataset.state_dict()
     loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager,
                     endless=True)  # `steps` steps, across epoch edges
     kept: list[Any] = []
     acquired_before = sum(budget.acquired_bytes.values()) if budget is not None else 0
-    started = time.perf_counter()
+    began = started = time.perf_counter()
+    startup_s = 0.0
     for batch in loader:
+        if not kept and steps > 1:
+            started = time.perf_counter()  # the loop's figures start with the first batch in hand
+            startup_s = started - began
         step(batch)
         kept.append(batch)
         if on_batch is not None:
@@ -115,11 +123,12 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
         if len(kept) == steps:
             break
     loader_s = time.perf_counter() - started
+    elapsed_s = time.perf_counter() - began
     loader.close()
     bandwidth_use = None
-    if budget is not None and budget.rate and loader_s > 0:
+    if budget is not None and budget.rate and elapsed_s > 0:
         # this process's fetches against the node budget (all of them when batches are built here)
-        bandwidth_use = (sum(budget.acquired_bytes.values()) - acquired_before) / (budget.rate * loader_s)
+        bandwidth_use = (sum(budget.acquired_bytes.values()) - acquired_before) / (budget.rate * elapsed_s)
     dataset.load_state_dict(start)
 
     started = time.perf_counter()
@@ -140,7 +149,7 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     if events is not None:
         events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)
     return BenchResult(len(kept), loader_s, dry_run_s, figures, tiers, verdict,
-                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), per_epoch)
+                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), per_epoch, startup_s)
 
 
 def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
@@ -180,6 +189,7 @@ def format_result(result: BenchResult, step_ms: float | None = None) -> str:
         f"{'':<24}{'loader':>12}{'dry run':>12}{'ratio':>8}",
         f"{'batches/s':<24}{result.throughput:12.1f}{result.dry_run_throughput:12.1f}{result.ratio:8.2f}",
         f"{'seconds':<24}{result.loader_s:12.2f}{result.dry_run_s:12.2f}",
+        f"first batch after {result.startup_s:.2f} s (start-up, kept out of the figures here)",
         "",
         f"bubble rate {lf.bubble_rate:.1%}  wait p90 {lf.wait_p90_s * 1e3:.1f} ms  p99 {lf.wait_p99_s * 1e3:.1f} ms  "
         f"production p50 {lf.production_p50_s * 1e3:.1f} ms  p99 {lf.production_p99_s * 1e3:.1f} ms  "

@@ -21,6 +21,7 @@ MAPPED = "mapped"
 SOURCE = "source"
 
 WAIT = "tierflow_loader_wait_seconds"
+STARTUP = "tierflow_loader_startup_seconds_total"
 STEP = "tierflow_loader_step_seconds"
 PRODUCTION = "tierflow_loader_production_seconds"
 DEPTH = "tierflow_loader_prefetch_depth"
@@ -75,13 +76,16 @@ class LoaderFigures:
     stalls: int
     fetch_s: dict[str, float]
     fetch_bytes: dict[str, int]
+    startup_s: float = 0.0
+    """What the loop waited for the start-up batches (`LoaderTelemetry.startup_batches`), kept out of the
+    wait figures and the bubble rate."""
 
 
 class LoaderTelemetry:
     """Records what `Loader` sees per batch into a `MetricsRegistry` (shared with the tiers if you like)."""
 
     def __init__(self, registry: MetricsRegistry | None = None, labels: Mapping[str, Any] | None = None,
-                 stall_threshold_s: float = 1e-3, events: Any = None) -> None:
+                 stall_threshold_s: float = 1e-3, events: Any = None, startup_batches: int = 0) -> None:
         self.registry = registry if registry is not None else MetricsRegistry()
         self.labels = dict(labels or {})
         self.events = events
@@ -99,6 +103,10 @@ class LoaderTelemetry:
         self._stall: dict[tuple[str, str], Any] = {}
         self._fetch: dict[str, tuple[Any, Any]] = {}
         self._handed = 0
+        self.startup_batches = startup_batches
+        """The first batches are start-up (processes, threads, first shards): a short run's bubble would be
+        mostly start-up, so their waits are counted apart (`LoaderFigures.startup_s`)."""
+        self.startup = r.counter(STARTUP, base, "time the training loop waited for the start-up batches")
         self._pending: collections.deque[tuple[float, Mapping[str, Any] | None, int | None]] = collections.deque()
         self._flushing = threading.Lock()
         self.registry.add_buffer(self)
@@ -109,6 +117,9 @@ class LoaderTelemetry:
         if self.events is not None:
             self.events.batch(self._handed, wait_s, self._last_step, depth, timing)
         self._handed += 1
+        if self._handed <= self.startup_batches:
+            self.startup.inc(wait_s)
+            wait_s = 0.0
         pending = self._pending
         pending.append((wait_s, timing, depth))
         if len(pending) >= FLUSH_EVERY:
@@ -201,4 +212,5 @@ def loader_figures(snapshot: Mapping[str, Any]) -> LoaderFigures:
         production_p99_s=production.quantile(0.99), step_mean_s=step.mean,
         prefetch_depth_mean=depth.mean, stall_s=stall, stalls=int(sum(by_label(STALLS, "").values())),
         fetch_s=by_label(FETCH, "tier"), fetch_bytes={k: int(v) for k, v in by_label(FETCH_BYTES, "tier").items()},
+        startup_s=sum(by_label(STARTUP, "").values()),
     )
