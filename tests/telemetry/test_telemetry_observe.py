@@ -15,7 +15,7 @@ from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.stager import Stager
 from tierflow.telemetry import MetricsRegistry
 from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
-from tierflow.commands.bench import format_result, run_bench, simulated_step
+from tierflow.commands.bench import format_result, run_bench, simulated_step, startup_batches
 from tierflow.telemetry.health import health_flags
 from tierflow.telemetry.loader_metrics import LoaderTelemetry, loader_figures, split_wait
 from tierflow.telemetry.tier_figures import tier_figures
@@ -194,9 +194,10 @@ def test_start_up_batches_are_timed_apart_from_the_bubble():
 
 
 def test_bench_of_a_slow_step_names_compute_and_reports_start_up_apart(packed):
-    result = run_bench(samples_dataset(packed), 20, simulated_step(25))
-    assert result.startup_s > 0 and result.loader.startup_s > 0
-    assert "first batch after" in format_result(result)
+    result = run_bench(samples_dataset(packed), 30, simulated_step(25))
+    assert result.startup_batches == startup_batches(30) > 1 and result.timed_steps == 31 - result.startup_batches
+    assert result.startup_s > 0 and result.loader.startup_s > 0 and result.loader.batches == 30
+    assert "start-up" in format_result(result)
     assert result.verdict.bound == "compute", format_result(result)
 
 

@@ -48,6 +48,16 @@ def steps_per_second(batches: Any, steps: int, step_s: float) -> tuple[float, fl
     return done / (time.perf_counter() - start), first
 
 
+def startup_batches(steps: int) -> int:
+    """Batches of a `steps`-step run counted as start-up: the first one (processes, threads, the first
+    shards) and those an automatic device feed reads inline before it settles on a thread, where the run
+    is long enough to leave most of it timed."""
+    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER
+
+    settled = 1 + AUTO_DECIDE_AFTER
+    return settled if steps >= 4 * settled else 1 if steps > 1 else 0
+
+
 @dataclass(frozen=True)
 class BytesPerEpoch:
     """Bytes fetched from below the tiers per epoch of the run, as a share of the dataset at rest,
@@ -70,16 +80,22 @@ class BenchResult:
     health: list[HealthFlag]
     bytes_per_epoch: BytesPerEpoch | None = None
     startup_s: float = 0.0
-    """Seconds to the first batch; the figures above start once it is in hand."""
+    """Seconds of start-up: until the last of the `startup_batches` was in hand."""
+    startup_batches: int = 0
+    """Batches whose waits are start-up; the timed run (and the dry run) starts with the last of them."""
+
+    @property
+    def timed_steps(self) -> int:
+        return self.steps - max(0, self.startup_batches - 1)
 
     @property
     def throughput(self) -> float:
-        """Batches per second through the real loader."""
-        return self.steps / self.loader_s if self.loader_s > 0 else 0.0
+        """Batches per second through the real loader, start-up excluded."""
+        return self.timed_steps / self.loader_s if self.loader_s > 0 else 0.0
 
     @property
     def dry_run_throughput(self) -> float:
-        return self.steps / self.dry_run_s if self.dry_run_s > 0 else 0.0
+        return self.timed_steps / self.dry_run_s if self.dry_run_s > 0 else 0.0
 
     @property
     def ratio(self) -> float:
@@ -95,16 +111,17 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
 
     `registry` should be the tier stack's, so tier figures land beside the loader's; `tier_layout`
     lists (name, capacity bytes, stores decoded) fastest first; the top one's bytes from below per
-    epoch are set beside the plan's prediction and the optimum for the same steps. With more than one
-    step the first batch is start-up: its wait is timed apart (`startup_s`), so a short run judges the
-    steady state.
+    epoch are set beside the plan's prediction and the optimum for the same steps. The first
+    `startup_batches(steps)` batches are start-up: their waits are timed apart (`startup_s`), so a
+    short run judges the steady state.
     """
     from tierflow.loader.loader import Loader
 
     if steps < 1:
         raise ValueError(f"bench of {dataset!r}: steps must be >= 1, got {steps}")
     registry = registry if registry is not None else MetricsRegistry()
-    telemetry = LoaderTelemetry(registry, events=events, startup_batches=1 if steps > 1 else 0)
+    warmup = startup_batches(steps)
+    telemetry = LoaderTelemetry(registry, events=events, startup_batches=warmup)
     start = dataset.state_dict()
     loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager,
                     endless=True)  # `steps` steps, across epoch edges
@@ -113,8 +130,8 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     began = started = time.perf_counter()
     startup_s = 0.0
     for batch in loader:
-        if not kept and steps > 1:
-            started = time.perf_counter()  # the loop's figures start with the first batch in hand
+        if len(kept) + 1 == warmup:
+            started = time.perf_counter()  # the timed run starts with the last start-up batch in hand
             startup_s = started - began
         step(batch)
         kept.append(batch)
@@ -132,7 +149,7 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     dataset.load_state_dict(start)
 
     started = time.perf_counter()
-    for batch in kept:
+    for batch in kept[max(0, warmup - 1):]:
         step(batch)
     dry_run_s = time.perf_counter() - started
 
@@ -143,13 +160,13 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     manifest = getattr(dataset, "manifest", None)
     dataset_bytes = sum(s.decoded_bytes for s in manifest.shards) if manifest is not None else None
     shard_bytes = dataset_bytes // max(1, len(manifest.shards)) if manifest is not None and dataset_bytes else None
-    verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / len(kept), dataset_bytes=dataset_bytes,
+    verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / (len(kept) - max(0, warmup - 1)), dataset_bytes=dataset_bytes,
                     shard_bytes=shard_bytes, workers=num_workers)
     per_epoch = _bytes_per_epoch(dataset, snapshot, len(kept), tier_layout) if tier_layout else None
     if events is not None:
         events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)
     return BenchResult(len(kept), loader_s, dry_run_s, figures, tiers, verdict,
-                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), per_epoch, startup_s)
+                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), per_epoch, startup_s, warmup)
 
 
 def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
@@ -189,7 +206,7 @@ def format_result(result: BenchResult, step_ms: float | None = None) -> str:
         f"{'':<24}{'loader':>12}{'dry run':>12}{'ratio':>8}",
         f"{'batches/s':<24}{result.throughput:12.1f}{result.dry_run_throughput:12.1f}{result.ratio:8.2f}",
         f"{'seconds':<24}{result.loader_s:12.2f}{result.dry_run_s:12.2f}",
-        f"first batch after {result.startup_s:.2f} s (start-up, kept out of the figures here)",
+        f"start-up {result.startup_s:.2f} s ({result.startup_batches} batch(es), kept out of the figures here)",
         "",
         f"bubble rate {lf.bubble_rate:.1%}  wait p90 {lf.wait_p90_s * 1e3:.1f} ms  p99 {lf.wait_p99_s * 1e3:.1f} ms  "
         f"production p50 {lf.production_p50_s * 1e3:.1f} ms  p99 {lf.production_p99_s * 1e3:.1f} ms  "
