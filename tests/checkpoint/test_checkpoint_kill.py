@@ -119,6 +119,11 @@ def test_sigkill_mid_training_resumes_model_and_stream_together(tokens: Path, tm
         dest, local = tmp_path / f"dest{trial}", tmp_path / f"local{trial}"
         child = _spawn(TRAINER, str(tokens), str(dest), str(local), mode, str(tmp_path / f"budget{trial}"))
         lines = _read_until(child, lambda ls: sum(l.startswith("committed") for l in ls) >= 2)
+        if trial == 0:  # one kill after an upload landed, however slow the machine: a fresh node resumes
+            uploaded = CheckpointStore(dest, tmp_path / "probe")
+            deadline = time.monotonic() + 60
+            while not any(uploaded.remote_steps().values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
         time.sleep(rng.uniform(0.3, 2.0))
         _kill_group(child)
         durable = int(lines[-1].split()[1])
@@ -269,21 +274,23 @@ def test_a_rank_killed_before_its_upload_leaves_the_step_uncommitted_for_all(tmp
 
 
 def test_upload_rate_follows_the_budget_and_training_reads_keep_theirs(tmp_path: Path) -> None:
-    """An 8 MB upload through a 4 MB/s budget runs within 10% of the cap; a high-priority reader
-    asking 1 MB/s of the same budget meanwhile gets its rate within 10%."""
+    """An 8 MB upload through a 4 MB/s budget never runs above the cap less what a high-priority reader
+    takes meanwhile, and the reader (1 MB/s asked) hardly waits for the budget. Bounds that load on the
+    machine cannot break: it only slows the upload down; how close the upload comes to the cap is
+    benchmarks/checkpoint.py's figure."""
     cap = 4 << 20
     path = tmp_path / "budget"
     store = CheckpointStore(tmp_path / "dest", tmp_path / "local", budget=BandwidthBudget(cap, path, burst=128 << 10))
     d = store.begin(1)
     (d / "big.bin").write_bytes(os.urandom(8 << 20))
     reader = BandwidthBudget(cap, path, burst=128 << 10)
-    got = {"bytes": 0, "seconds": 0.0}
+    got = {"bytes": 0, "seconds": 0.0, "waited": 0.0}
     stop = threading.Event()
 
     def read() -> None:  # paced at 1 MB/s in 64 KB reads, as a demand reader would ask
         started = time.perf_counter()
         while not stop.is_set():
-            reader.acquire(64 << 10, "high")
+            got["waited"] += reader.acquire(64 << 10, "high")
             got["bytes"] += 64 << 10
             time.sleep(max(0.0, started + got["bytes"] / (1 << 20) - time.perf_counter()))
         got["seconds"] = time.perf_counter() - started
@@ -297,9 +304,9 @@ def test_upload_rate_follows_the_budget_and_training_reads_keep_theirs(tmp_path:
     answer = store.last_upload
     store.close()
     assert answer is not None
-    rate = answer["bytes"] / answer["seconds"]
-    assert abs(rate - (cap - (1 << 20))) / (cap - (1 << 20)) < 0.10, rate  # the cap less the reader's share
-    assert got["bytes"] / got["seconds"] > 0.9 * (1 << 20)
+    reader_rate = got["bytes"] / got["seconds"]
+    assert answer["bytes"] / answer["seconds"] + reader_rate <= 1.1 * cap, (answer, got)
+    assert got["waited"] <= 0.1 * got["seconds"], got  # training reads keep theirs
 
 
 def _tiered_loader(data: Path, l2: Path, state: dict | None = None):
