@@ -4,12 +4,10 @@ pixels; entries stay within the tier's capacity, whole and accounted; a damaged 
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 import tierflow
 from tierflow.loader import ImageSamples, Loader, TieredDataset
@@ -18,32 +16,16 @@ from tierflow.testing.resume import assert_same_batches, take
 from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop, ResizedImages
 from tierflow.transforms.resized import resized_size
 
+from corpora import jpeg, pack_pictures
+
 SIDE, SHORT = 32, 48
 COLUMNS = ["image", "image_width", "image_height", "caption", "path"]
-
-
-def jpeg(w: int, h: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    coarse = rng.integers(0, 256, (max(2, h // 8), max(2, w // 8), 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(coarse).resize((w, h), Image.Resampling.BILINEAR).save(out, format="JPEG", quality=90)
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     """48 JPEGs of 40-160 px (most larger than SHORT on the short side) in blocks of ~16 KB."""
-    root = tmp_path_factory.mktemp("resized")
-    src = root / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(48):
-        w, h = int(rng.integers(40, 160)), int(rng.integers(40, 160))
-        (src / f"{i:03d}.jpg").write_bytes(jpeg(w, h, i))
-        (src / f"{i:03d}.txt").write_text(f"picture {i}")
-    tierflow.pack([src], root / "packed", workers=1, block_bytes=16 << 10,
-                  progress=False)
-    return root / "packed"
+    return pack_pictures(tmp_path_factory.mktemp("resized"), block_bytes=16 << 10)
 
 
 def blocks_of(packed: Path) -> int:
