@@ -58,7 +58,7 @@ def test_batches_are_byte_identical_cold_warm_and_with_a_tier_that_keeps_nothing
     assert counts(warm) == {"hits": blocks, "misses": 0, "corruptions": 0}
     nothing = ResizedImages(tmp_path / "tiny", 1000, short_side=SHORT)  # smaller than any block's entry
     assert_same_batches(first, epoch(packed, nothing), "a tier that keeps nothing vs cold")
-    assert nothing.tier.snapshot()["entries"] == 0 and int(nothing.tier.m_bypass.value) == blocks
+    assert nothing.tier.snapshot()["entries"] == 0 and int(nothing.tier.m_bypass.value) >= blocks
     images = np.concatenate([b["image"].numpy() for b, _ in first])
     assert images.shape == (48, SIDE, SIDE, 3) and images.std() > 0
 

@@ -27,8 +27,9 @@ instead of serving old pixels. It is an Arrow IPC file (HWC uint8 pixels as larg
 height, and the error of an image that does not decode), made in memory under the entry's fetch
 lock (one maker per node) and written through `Tier.ensure_made`: reserved within the tier's
 capacity, written to a temporary name, verified (size, xxh3-128), renamed, admitted. Each
-process keeps up to `open_blocks` blocks open (pinned entries, or, where the tier keeps none,
-in memory).
+process keeps up to `open_blocks` entries open (pinned and mapped: their pages are the tier's,
+and a hit on an open block costs a dict lookup), and the last UNKEPT_BLOCKS blocks the tier did
+not keep in its own memory.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from tierflow.transforms.decode import ImageDecodeError, decode, size_of, to_arr
 SOURCE_KEY = "__source__"
 """Where a sample lives (SampleSource), set by the batchers for a transform with `needs_source`."""
 ENTRY_FORMAT = 1
+UNKEPT_BLOCKS = 4
+"""Blocks the tier did not keep (full, or smaller than an entry) that a process holds in its memory."""
 SCHEMA = pa.schema([("pixels", pa.large_binary()), ("width", pa.int32()), ("height", pa.int32()),
                     ("error", pa.string())])
 
@@ -114,7 +117,7 @@ class ResizedImages:
     capacity: float | str
     short_side: int = 256
     policy: str = "lru"
-    open_blocks: int = 64
+    open_blocks: int = 256
     name: str = "resized"
     _state: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -135,7 +138,7 @@ class ResizedImages:
         """This process's handle on the tier directory (opened on first use in each process)."""
         if self._state.get("pid") != os.getpid():
             self._state.clear()
-            self._state.update(pid=os.getpid(), blocks=OrderedDict(),
+            self._state.update(pid=os.getpid(), blocks=OrderedDict(), unkept=OrderedDict(),
                                tier=Tier(self.path, float(self.capacity), policy=self.policy, name=self.name))
         return self._state["tier"]
 
@@ -178,21 +181,24 @@ class ResizedImages:
 
     def _block(self, source: SampleSource, image: str, decoder: str) -> _Block:
         tier = self.tier
-        blocks: OrderedDict[str, _Block] = self._state["blocks"]
         info = source.dataset.manifest.shards[source.shard]
         key = self.key(info.key, source.block, image, decoder)
-        found = blocks.get(key)
-        if found is not None:
-            blocks.move_to_end(key)
-            return found
+        for blocks in (self._state["blocks"], self._state["unkept"]):
+            found = blocks.get(key)
+            if found is not None:
+                blocks.move_to_end(key)
+                return found
         pin, made = tier.ensure_made(key, lambda: self._make(source, image, decoder),
                                      dataset=source.dataset.manifest.dataset_id)
         if pin is not None:
-            found = _Block(pa.memory_map(str(pin.path)).read_buffer(), pin)
+            with pa.memory_map(str(pin.path)) as mapped:  # the buffer keeps the mapping, not the file open
+                found = _Block(mapped.read_buffer(), pin)
+            blocks, bound = self._state["blocks"], self.open_blocks
         else:
             found = _Block(pa.py_buffer(made))
+            blocks, bound = self._state["unkept"], UNKEPT_BLOCKS
         blocks[key] = found
-        while len(blocks) > self.open_blocks:
+        while len(blocks) > bound:
             blocks.popitem(last=False)[1].close()
         return found
 
@@ -219,9 +225,3 @@ class ResizedImages:
         with pa.ipc.new_file(sink, SCHEMA) as writer:
             writer.write_batch(batch)
         return sink.getvalue()
-
-    def close(self) -> None:
-        """Release this process's open blocks (their entries become evictable)."""
-        for block in self._state.get("blocks", {}).values():
-            block.close()
-        self._state.clear()
