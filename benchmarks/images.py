@@ -1,7 +1,7 @@
 """Images end to end (issue 16): decoders, loaders side by side, S3, the cached form, head-of-line blocking.
 
     PYTHONPATH=src /work/main/.venv-peers/bin/python benchmarks/images.py --images 20000 --dir /tmp/tierflow-images-20k
-    ... --only loaders|s3|cached-form|blocking|decoders      one section
+    ... --only loaders|s3|cached-form|hot|blocking|decoders      one section
     ... --before /tmp/before/src --only loaders               tierflow at another checkout against this one
 
 (the peers' venv has litdata and webdataset; `git archive COMMIT src | tar -x -C /tmp/before` makes a
@@ -24,6 +24,10 @@ far less than it changes images/s.
    decoded once and resized (short side 256, or full size), for --hot-images images.
 5. Head-of-line blocking: per-batch build time p50 and p99 (in-process, 0 workers) on the
    long-tailed corpus, and the share of batches over 2x the median.
+6. The hot rows: the first --hot-images images packed alone (pack's default shard size), warm, at
+   0 and 2 workers: tierflow's default (decode the encoded bytes every time) first, then the tuned
+   row, ImagePipeline(cache=ResizedImages(--cache-dir, short side 256)) filled by one epoch before
+   the rounds (each run opens it afresh, as a new job would), and the peers on the same images.
 
 The corpus: generated JPEGs (smooth fields plus grain, so they compress like photographs) with
 log-normal sizes, median about 100 KB and a long tail (a few multi-megapixel ones), each with a
