@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.loader import ImageSamples, Loader, TieredDataset
+from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset
 from tierflow.testing import assert_resumes_exactly
 from tierflow.testing.resume import assert_same_batches, take
-from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop, ResizedImages
+from tierflow.transforms import (
+    HorizontalFlip, ImagePipeline, RandomResizedCrop, ResizedImages, ResizeToBucket, aspect_buckets,
+)
 from tierflow.transforms.resized import resized_size
 
 from corpora import jpeg, pack_pictures
@@ -115,6 +117,23 @@ def test_entries_stay_within_capacity_whole_and_accounted(packed, tmp_path):
     assert int(tier.m_evictions.value) > 0 and 0 < snap["resident_bytes"] <= capacity
     assert snap["resident_bytes"] == sum(p.stat().st_size for p in files) and snap["entries"] == len(files)
     assert snap["reserved_bytes"] == 0 and not list((tmp_path / "small" / "tmp").iterdir())
+
+
+def test_aspect_buckets_crop_from_the_cache_one_shape_per_batch_cold_and_warm(packed, tmp_path):
+    buckets = aspect_buckets(area=SIDE * SIDE, multiple=8, max_ratio=2.0, count=5)
+
+    def run(cache: ResizedImages) -> list:
+        ds = TieredDataset(packed, batch_size=8, seed=3, batcher=AspectBuckets(buckets, group=3, select=COLUMNS),
+                           transform=ImagePipeline([ResizeToBucket(buckets), HorizontalFlip()], cache=cache))
+        with Loader(ds, num_workers=0, epoch_end="rank") as it:
+            return take(it, 1000)
+
+    cold = run(ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
+    shapes = {tuple(b["image"].shape[1:3]) for b, _ in cold}
+    assert shapes <= set(buckets) and len(shapes) > 1
+    warm = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    assert_same_batches(cold, run(warm), "aspect buckets, warm vs cold")
+    assert counts(warm)["misses"] == 0
 
 
 def test_a_damaged_entry_is_quarantined_and_made_again(packed, tmp_path):
