@@ -28,6 +28,7 @@ far less than it changes images/s.
    0 and 2 workers: tierflow's default (decode the encoded bytes every time) first, then the tuned
    row, ImagePipeline(cache=ResizedImages(--cache-dir, short side 256)) filled by one epoch before
    the rounds (each run opens it afresh, as a new job would), and the peers on the same images.
+   `--only loaders --resized` adds the same tuned row to section 2 (a cache of the whole corpus).
 
 The corpus: generated JPEGs (smooth fields plus grain, so they compress like photographs) with
 log-normal sizes, median about 100 KB and a long tail (a few multi-megapixel ones), each with a
@@ -471,32 +472,39 @@ def loader_rows(folder: Path, packed: Path, args: argparse.Namespace, root: Path
     return ours
 
 
-def hot_rows(folder: Path, args: argparse.Namespace) -> None:
-    """A small hot dataset (the first --hot-images images, packed with pack's default shard size),
-    warm: tierflow's default (decode the encoded bytes for every sample) beside the tuned row,
-    ImagePipeline(cache=ResizedImages(--cache-dir, short side 256)) filled by one epoch beforehand,
-    and the peers on the same images."""
+def resized_tuned(packed: Path, encoded: int, args: argparse.Namespace, fill_workers: int) -> dict[str, Callable]:
+    """The tuned row: ImagePipeline(cache=ResizedImages(--cache-dir, short side 256)), the cache
+    emptied and filled by one epoch at `fill_workers` first (reported against the `encoded` bytes);
+    each timed run opens it afresh, as a new job would."""
     import shutil
 
+    import tierflow
     from tierflow.transforms import ResizedImages
 
+    samples = sum(s.samples for s in tierflow.Manifest.load(packed).shards)
+    shutil.rmtree(args.cache_dir, ignore_errors=True)
+    cache = ResizedImages(args.cache_dir, "16GB", short_side=256)
+    started = time.perf_counter()
+    tierflow_epoch(packed, fill_workers, samples - BATCH, cache)  # every block: the warm rows find them all
+    fill = time.perf_counter() - started
+    snap = cache.tier.snapshot()
+    print(f"resized cache (short side 256, {args.cache_dir}) filled by one epoch at {fill_workers} workers in "
+          f"{fill:.1f} s: {snap['entries']} entries, {snap['resident_bytes'] / 1e6:.0f} MB "
+          f"({snap['resident_bytes'] / encoded:.1f} x the encoded bytes)")
+    return {"tierflow, resized L1 (tuned)": lambda p, w, n: tierflow_epoch(p, w, n, ResizedImages(args.cache_dir,
+                                                                                                  "16GB"))}
+
+
+def hot_rows(folder: Path, args: argparse.Namespace) -> None:
+    """A small hot dataset (the first --hot-images images, packed with pack's default shard size),
+    warm: tierflow's default (decode the encoded bytes for every sample) beside the resized tuned
+    row, and the peers on the same images."""
     hot = min(args.hot_images, args.images)
     packed = pack_subset(folder, args.dir, hot, 256 << 20)
     subset = args.dir / f"subset-{hot}"
-    shutil.rmtree(args.cache_dir, ignore_errors=True)
-    cache = ResizedImages(args.cache_dir, "8GB", short_side=256)
-    started = time.perf_counter()
-    tierflow_epoch(packed, 0, hot - BATCH, cache)  # fills every block: the warm rows find them all
-    fill = time.perf_counter() - started
-    snap = cache.tier.snapshot()
-    encoded = sum(p.stat().st_size for p in subset.glob("*.jpg"))
-    print(f"\nhot dataset: {corpus_sizes(subset)}; resized cache (short side 256) filled by one epoch at 0 workers in "
-          f"{fill:.1f} s: {snap['entries']} entries, {snap['resident_bytes'] / 1e6:.0f} MB "
-          f"({snap['resident_bytes'] / encoded:.1f} x the encoded bytes)")
-    label = "tierflow, resized L1 (tuned)"
-    loader_rows(subset, packed, args, root=args.dir / f"hot-{hot}",
-                tuned={label: lambda p, w, n: tierflow_epoch(p, w, n, ResizedImages(args.cache_dir, "8GB"))},
-                what=f"warm, {hot} hot images")
+    print(f"\nhot dataset: {corpus_sizes(subset)}")
+    tuned = resized_tuned(packed, sum(p.stat().st_size for p in subset.glob("*.jpg")), args, 0)
+    loader_rows(subset, packed, args, root=args.dir / f"hot-{hot}", tuned=tuned, what=f"warm, {hot} hot images")
 
 
 def before_after(before_src: Path, args: argparse.Namespace) -> None:
@@ -533,7 +541,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", choices=("decoders", "loaders", "s3", "cached-form", "hot", "blocking"), default=None)
     parser.add_argument("--hot-images", type=int, default=1000, help="the small hot dataset of the cached-form rows")
     parser.add_argument("--cache-dir", type=Path, default=Path("/dev/shm/tierflow-bench-resized"),
-                        help="the hot rows' resized cache (a tmpfs: an L1); emptied at the start")
+                        help="the tuned rows' resized cache (a tmpfs: an L1); emptied at the start")
+    parser.add_argument("--resized", action="store_true",
+                        help="the loaders section gets the tuned row too (its cache holds the whole corpus)")
     parser.add_argument("--limit", type=int, default=1280, help="images timed per loader run")
     parser.add_argument("--s3-images", type=int, default=3000, help="images of the S3 rows' dataset")
     parser.add_argument("--s3-shard-mb", type=int, default=16, help="its shard size (several shards per L2)")
@@ -558,7 +568,10 @@ def main(argv: list[str] | None = None) -> None:
     packed = pack_tierflow(folder, args.dir)
     warm_rate = None
     if args.only in (None, "loaders"):
-        warm_rate = loader_rows(folder, packed, args)
+        tuned = None
+        if args.resized:
+            tuned = resized_tuned(packed, sum(p.stat().st_size for p in folder.glob("*.jpg")), args, 2)
+        warm_rate = loader_rows(folder, packed, args, tuned=tuned)
     if args.only in (None, "s3"):
         if warm_rate is None:
             warm_rate = tierflow_epoch(packed, 2, 640)[0]
