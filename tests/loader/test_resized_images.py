@@ -136,15 +136,19 @@ def test_aspect_buckets_crop_from_the_cache_one_shape_per_batch_cold_and_warm(pa
     assert counts(warm)["misses"] == 0
 
 
-def test_a_damaged_entry_is_quarantined_and_made_again(packed, tmp_path):
+@pytest.mark.parametrize("where", [0.5, -12], ids=["pixels", "footer"])
+def test_a_damaged_entry_is_quarantined_and_made_again(packed, tmp_path, where):
+    """A flipped byte in an image's pixels fails its checksum when read, one in the file's footer
+    fails the parse when opened: either way the entry is quarantined and made again, same batches."""
     first = epoch(packed, ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
     entry = sorted((tmp_path / "l1" / "entries").iterdir())[0]
     data = bytearray(entry.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[int(len(data) * where) if where > 0 else where] ^= 0xFF
     entry.write_bytes(bytes(data))
     again = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
     assert_same_batches(first, epoch(packed, again), "after one entry was damaged")
-    assert counts(again) == {"hits": blocks_of(packed) - 1, "misses": 1, "corruptions": 1}
+    assert counts(again) == {"hits": blocks_of(packed), "misses": 1, "corruptions": 1}
+    assert len(list((tmp_path / "l1" / "quarantine").iterdir())) == 1
 
 
 def test_a_corrupt_jpeg_in_a_cached_block_is_skipped_and_counted(tmp_path):

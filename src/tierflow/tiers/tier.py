@@ -450,22 +450,23 @@ class Tier:
                 return pin
             return self._fill(key, size, checksum, produce, dataset, prefetch, block_list)
 
-    def ensure_made(self, key: str, make: Callable[[], bytes], dataset: str | None = None
-                    ) -> tuple[Pin | None, bytes | None]:
+    def ensure_made(self, key: str, make: Callable[[], bytes], dataset: str | None = None,
+                    verify_hit: bool | None = None) -> tuple[Pin | None, bytes | None]:
         """`ensure` for an entry derived on this node (an image cache's resized pixels), whose size and
         checksum are known only once it is made: `make()` runs under the entry's fetch lock (one maker
         per node) and its bytes are what is reserved, written, verified and admitted like any fill.
-        Returns (the pin, None) on a hit, else (the pin or None where the tier keeps nothing, the bytes)."""
+        Returns (the pin, None) on a hit, else (the pin or None where the tier keeps nothing, the bytes);
+        `verify_hit=False`: the caller checks the entry's contents as it reads them."""
         if dataset is not None:
             self.add_reader(dataset)
-        pin = self.lookup(key)
+        pin = self.lookup(key, verify_hit)
         if pin is not None:
             return pin, None
         with self._fetch_lock(key) as lock:
             if lock is not None:
                 if not lock.acquired:
                     self.m_takeovers.inc()
-                pin = self.lookup(key)
+                pin = self.lookup(key, verify_hit)
                 if pin is not None:
                     return pin, None
             data = make()

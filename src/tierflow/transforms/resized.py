@@ -24,9 +24,13 @@ An entry holds one block of one shard (pack writes image blocks of about 1 MB en
 is the shard's content hash, the block and a hash of the form's parameters (short side, image
 column, decoder and its version, filter, entry format), so a change of size or decoder misses
 instead of serving old pixels. It is an Arrow IPC file (HWC uint8 pixels as large_binary, width,
-height, and the error of an image that does not decode), made in memory under the entry's fetch
-lock (one maker per node) and written through `Tier.ensure_made`: reserved within the tier's
-capacity, written to a temporary name, verified (size, xxh3-128), renamed, admitted. Each
+height, each image's xxh3-64, and the error of an image that does not decode), made in memory
+under the entry's fetch lock (one maker per node) and written through `Tier.ensure_made`:
+reserved within the tier's capacity, written to a temporary name, verified (size, xxh3-128),
+renamed, admitted. A hit checks the size; each image is checked against its xxh3-64 the first
+time a process reads it (a whole-entry hash on every open cost ~0.7 ms, most of a sample's
+budget when shuffled reads open a block per sample), and an entry that fails either check, or
+does not parse, is quarantined and made again. Each
 process keeps up to `open_blocks` entries open (pinned and mapped: their pages are the tier's,
 and a hit on an open block costs a dict lookup), and the last UNKEPT_BLOCKS blocks the tier did
 not keep in its own memory.
@@ -43,7 +47,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
+from tierflow.errors import ShardCorruptError
 from tierflow.format._checksum import xxh3_hex
 from tierflow.tiers.config import parse_capacity
 from tierflow.tiers.tier import Tier
@@ -51,11 +57,11 @@ from tierflow.transforms.decode import ImageDecodeError, decode, size_of, to_arr
 
 SOURCE_KEY = "__source__"
 """Where a sample lives (SampleSource), set by the batchers for a transform with `needs_source`."""
-ENTRY_FORMAT = 1
+ENTRY_FORMAT = 2
 UNKEPT_BLOCKS = 4
 """Blocks the tier did not keep (full, or smaller than an entry) that a process holds in its memory."""
 SCHEMA = pa.schema([("pixels", pa.large_binary()), ("width", pa.int32()), ("height", pa.int32()),
-                    ("error", pa.string())])
+                    ("checksum", pa.uint64()), ("error", pa.string())])
 
 
 class SampleSource(NamedTuple):
@@ -80,25 +86,46 @@ def _decoder_version(decoder: str) -> str:
     return f"{decoder}-{getattr(module, '__version__', '?')}"
 
 
+class _Damaged(Exception):
+    """An entry whose bytes do not parse or do not match their checksums (quarantined, made again)."""
+
+
 class _Block:
-    """One block's resized images, read off an entry's bytes (mapped, or in memory)."""
+    """One block's resized images, read off an entry's bytes (mapped, or in memory). Each image is
+    checked against its xxh3-64 the first time this process reads it, so opening an entry costs no
+    pass over its bytes (a tier hit checks only the size, as the tier stack's readers do)."""
 
     def __init__(self, buffer: pa.Buffer, pin: Any = None) -> None:
-        batch = pa.ipc.open_file(buffer).get_batch(0)
-        pixels = batch.column("pixels")
-        self.offsets = np.frombuffer(pixels.buffers()[1], np.int64)[pixels.offset:pixels.offset + len(pixels) + 1]
-        data = pixels.buffers()[2]
-        self.data = np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8)
-        self.widths = batch.column("width").to_numpy()
-        self.heights = batch.column("height").to_numpy()
-        self.errors = batch.column("error").to_pylist()
         self.pin = pin
+        try:
+            batch = pa.ipc.open_file(buffer).get_batch(0)
+            if batch.schema != SCHEMA:
+                raise ValueError(f"schema {batch.schema}")
+            pixels = batch.column("pixels")
+            self.offsets = np.frombuffer(pixels.buffers()[1], np.int64)[pixels.offset:pixels.offset + len(pixels) + 1]
+            data = pixels.buffers()[2]
+            self.data = np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8)
+            self.widths = batch.column("width").to_numpy()
+            self.heights = batch.column("height").to_numpy()
+            self.checksums = batch.column("checksum").to_numpy()
+            self.errors = batch.column("error").to_pylist()
+        except (pa.ArrowException, OSError, ValueError, IndexError) as e:  # a damaged footer is an OSError
+            raise _Damaged(f"does not parse ({type(e).__name__}: {e})") from None
+        self.verified = np.zeros(len(self.errors), dtype=bool)
 
     def image(self, row: int) -> np.ndarray:
         if self.errors[row] is not None:
             raise ImageDecodeError(self.errors[row])
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
-        return self.data[start:end].reshape(int(self.heights[row]), int(self.widths[row]), 3)
+        values = self.data[start:end]
+        if not self.verified[row]:
+            if xxhash.xxh3_64_intdigest(values) != int(self.checksums[row]):
+                raise _Damaged(f"row {row} does not match its checksum")
+            self.verified[row] = True
+        try:
+            return values.reshape(int(self.heights[row]), int(self.widths[row]), 3)
+        except ValueError:
+            raise _Damaged(f"row {row}: {values.size} bytes are not {self.heights[row]}x{self.widths[row]}x3") from None
 
     def close(self) -> None:
         if self.pin is not None:
@@ -148,7 +175,11 @@ class ResizedImages:
                 "filter": "bilinear", "format": ENTRY_FORMAT}
 
     def key(self, shard_key: str, block: int, image: str, decoder: str) -> str:
-        digest = xxh3_hex(json.dumps(self.params(image, decoder), sort_keys=True).encode())
+        digests = self._state.setdefault("digests", {})  # asked for every sample: hashed once per process
+        digest = digests.get((image, decoder))
+        if digest is None:
+            digest = digests[(image, decoder)] = xxh3_hex(json.dumps(self.params(image, decoder),
+                                                                     sort_keys=True).encode())
         return f"{shard_key}-b{block}-r{digest}"
 
     def resize(self, data: bytes | None, decoder: str) -> np.ndarray:
@@ -177,26 +208,57 @@ class ResizedImages:
         source: SampleSource | None = sample.get(SOURCE_KEY)
         if source is None:
             return self.resize(sample.get(image), decoder)
-        return self._block(source, image, decoder).image(source.row)
-
-    def _block(self, source: SampleSource, image: str, decoder: str) -> _Block:
-        tier = self.tier
         info = source.dataset.manifest.shards[source.shard]
         key = self.key(info.key, source.block, image, decoder)
+        for attempt in range(2):
+            block = self._block(key, source, image, decoder)
+            try:
+                return block.image(source.row)
+            except _Damaged as e:
+                self._quarantine(key, block, str(e))
+                if attempt:
+                    raise self._damaged_again(key, source, e) from None
+        raise AssertionError("unreachable")
+
+    def _damaged_again(self, key: str, source: SampleSource, error: _Damaged) -> ShardCorruptError:
+        name = source.dataset.manifest.shards[source.shard].name
+        return ShardCorruptError(f"resized cache {self.tier.root}: entry {key} (shard {name} block {source.block}) "
+                                 f"{error}, again after it was made again")
+
+    def _quarantine(self, key: str, block: _Block, why: str) -> None:
+        for blocks in (self._state["blocks"], self._state["unkept"]):
+            blocks.pop(key, None)
+        if block.pin is not None:
+            self.tier.quarantine(key, why, block.pin)
+        block.close()
+
+    def _block(self, key: str, source: SampleSource, image: str, decoder: str) -> _Block:
+        """The key's block, open in this process, else made or found in the tier (a hit checks the
+        size; its images are checked as they are read)."""
+        tier = self.tier
         for blocks in (self._state["blocks"], self._state["unkept"]):
             found = blocks.get(key)
             if found is not None:
                 blocks.move_to_end(key)
                 return found
-        pin, made = tier.ensure_made(key, lambda: self._make(source, image, decoder),
-                                     dataset=source.dataset.manifest.dataset_id)
-        if pin is not None:
-            with pa.memory_map(str(pin.path)) as mapped:  # the buffer keeps the mapping, not the file open
-                found = _Block(mapped.read_buffer(), pin)
+        for attempt in range(2):
+            pin, made = tier.ensure_made(key, lambda: self._make(source, image, decoder),
+                                         dataset=source.dataset.manifest.dataset_id, verify_hit=False)
+            if pin is None:
+                found = _Block(pa.py_buffer(made))
+                blocks, bound = self._state["unkept"], UNKEPT_BLOCKS
+                break
+            try:
+                with pa.memory_map(str(pin.path)) as mapped:  # the buffer keeps the mapping, not the file open
+                    found = _Block(mapped.read_buffer(), pin)
+            except _Damaged as e:
+                tier.quarantine(key, str(e), pin)
+                pin.release()
+                if attempt:
+                    raise self._damaged_again(key, source, e) from None
+                continue
             blocks, bound = self._state["blocks"], self.open_blocks
-        else:
-            found = _Block(pa.py_buffer(made))
-            blocks, bound = self._state["unkept"], UNKEPT_BLOCKS
+            break
         blocks[key] = found
         while len(blocks) > bound:
             blocks.popitem(last=False)[1].close()
@@ -207,7 +269,7 @@ class ResizedImages:
         its error, raised when that sample is read)."""
         table = source.dataset.shard(source.shard)
         get = table.getter(source.block, image)
-        pixels, widths, heights, errors = [], [], [], []
+        pixels, widths, heights, checksums, errors = [], [], [], [], []
         for row in range(table.block_rows(source.block)):
             try:
                 arr = self.resize(get(row), decoder)
@@ -216,11 +278,13 @@ class ResizedImages:
             else:
                 error = None
             pixels.append(arr.tobytes())
+            checksums.append(xxhash.xxh3_64_intdigest(pixels[-1]))
             heights.append(arr.shape[0])
             widths.append(arr.shape[1])
             errors.append(error)
         batch = pa.record_batch([pa.array(pixels, pa.large_binary()), pa.array(widths, pa.int32()),
-                                 pa.array(heights, pa.int32()), pa.array(errors, pa.string())], schema=SCHEMA)
+                                 pa.array(heights, pa.int32()), pa.array(checksums, pa.uint64()),
+                                 pa.array(errors, pa.string())], schema=SCHEMA)
         sink = io.BytesIO()
         with pa.ipc.new_file(sink, SCHEMA) as writer:
             writer.write_batch(batch)
