@@ -30,10 +30,9 @@ reserved within the tier's capacity, written to a temporary name, verified (size
 renamed, admitted. A hit checks the size; each image is checked against its xxh3-64 the first
 time a process reads it (a whole-entry hash on every open cost ~0.7 ms, most of a sample's
 budget when shuffled reads open a block per sample), and an entry that fails either check, or
-does not parse, is quarantined and made again. Each
-process keeps up to `open_blocks` entries open (pinned and mapped: their pages are the tier's,
-and a hit on an open block costs a dict lookup), and the last UNKEPT_BLOCKS blocks the tier did
-not keep in its own memory.
+does not parse, is quarantined and made again. Each process keeps up to `open_blocks` entries
+open (pinned and mapped: their pages are the tier's, and a hit on an open block costs a dict
+lookup), and the last UNKEPT_BLOCKS blocks the tier did not keep in its own memory.
 """
 
 from __future__ import annotations
