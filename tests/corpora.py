@@ -46,3 +46,15 @@ def pack_pictures(root: Path, count: int = 48, **options) -> Path:
         (src / f"{i:03d}.txt").write_text(f"picture {i}")
     tierflow.pack([src], root / "packed", workers=1, progress=False, **options)
     return root / "packed"
+
+
+def pack_with_a_corrupt_jpeg(root: Path, count: int, w: int, h: int) -> Path:
+    """`count` w x h JPEGs under root/src, the 7th with a sound header and a truncated body (pack
+    accepts it; it fails to decode), packed at root/packed; returns that directory."""
+    src = root / "src"
+    src.mkdir()
+    for i in range(count):
+        data = jpeg(w, h, i)
+        (src / f"{i:03d}.jpg").write_bytes(data[: len(data) // 2] if i == 7 else data)
+    tierflow.pack([src], root / "packed", workers=1, progress=False)
+    return root / "packed"

@@ -21,7 +21,7 @@ from tierflow.transforms import (
     aspect_buckets, available_decoders, normalize,
 )
 
-from corpora import jpeg, pack_pictures
+from corpora import pack_pictures, pack_with_a_corrupt_jpeg
 
 SIDE = 32
 COLUMNS = ["image", "image_width", "image_height", "caption", "path"]
@@ -100,14 +100,7 @@ def test_aspect_buckets_give_each_batch_one_shape_from_the_bounded_set(packed):
 @pytest.fixture(scope="module")
 def corrupt(tmp_path_factory) -> Path:
     """A folder whose 7th JPEG has a sound header and a truncated body (pack accepts it)."""
-    root = tmp_path_factory.mktemp("corrupt")
-    src = root / "src"
-    src.mkdir()
-    for i in range(16):
-        data = jpeg(320, 240, i)
-        (src / f"{i:03d}.jpg").write_bytes(data[: len(data) // 2] if i == 7 else data)
-    tierflow.pack([src], root / "packed", workers=1, progress=False)
-    return root / "packed"
+    return pack_with_a_corrupt_jpeg(tmp_path_factory.mktemp("corrupt"), 16, 320, 240)
 
 
 @pytest.mark.parametrize("decoder", available_decoders())

@@ -18,7 +18,7 @@ from tierflow.transforms import (
 )
 from tierflow.transforms.resized import resized_size
 
-from corpora import jpeg, pack_pictures
+from corpora import pack_pictures, pack_with_a_corrupt_jpeg
 
 SIDE, SHORT = 32, 48
 COLUMNS = ["image", "image_width", "image_height", "caption", "path"]
@@ -152,15 +152,10 @@ def test_a_damaged_entry_is_quarantined_and_made_again(packed, tmp_path, where):
 
 
 def test_a_corrupt_jpeg_in_a_cached_block_is_skipped_and_counted(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(12):
-        data = jpeg(96, 72, i)
-        (src / f"{i:03d}.jpg").write_bytes(data[: len(data) // 2] if i == 7 else data)
-    tierflow.pack([src], tmp_path / "packed", workers=1, progress=False)
+    packed = pack_with_a_corrupt_jpeg(tmp_path, 12, 96, 72)
     pipeline = ImagePipeline([RandomResizedCrop(SIDE)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
     for _ in range(2):  # cold, then warm: the error is kept in the entry
-        ds = TieredDataset(tmp_path / "packed", batch_size=4, transform=pipeline, seed=3,
+        ds = TieredDataset(packed, batch_size=4, transform=pipeline, seed=3,
                            batcher=ImageSamples(select=COLUMNS, on_error="skip"))
         with Loader(ds, num_workers=0, epoch_end="rank") as it:
             got = take(it, 100)
