@@ -163,8 +163,13 @@ def test_a_corrupt_jpeg_in_a_cached_block_is_skipped_and_counted(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_workers_fill_each_block_once_and_batch_as_one_process_does(packed, tmp_path):
+def test_two_workers_fill_every_block_batch_as_one_process_does_and_resume(packed, tmp_path):
     reference = epoch(packed, ResizedImages(tmp_path / "ref", "10MB", short_side=SHORT))
     two = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
     assert_same_batches(reference, epoch(packed, two, workers=2), "2 workers vs 0")
     assert two.tier.snapshot()["entries"] == blocks_of(packed)
+
+    def make(workers: int) -> Loader:
+        return loader(packed, ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT), workers, endless=True)
+
+    assert_resumes_exactly(make, stops=[3], workers=2)
