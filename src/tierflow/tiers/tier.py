@@ -5,11 +5,13 @@ and returns it; a miss takes the entry's kernel lock (one fetch per entry per no
 space (occupancy + reservations <= capacity, evicting unpinned victims named by the policy),
 fetches to a temporary name, verifies size and checksum, renames and admits. When the policy
 declines or no space can be made, `ensure` returns None and the caller serves from the tier
-below without caching. The same code serves a tmpfs L1 and an NVMe L2. So does a full disk,
-whether the shard write or the index (SQLite) hits it: the read is served from below, a
-warning is logged once and `tier_enospc_fallbacks` / `tier_index_unwritable` count it. A
-failing device (EIO or a read-only file system while writing an entry, its fetch lock or
-the index) is served from below the same way, counted in `tier_write_error_fallbacks`.
+below without caching (`ensure_made` is the same for an entry made on the node, whose bytes are
+known only once made: transforms/resized.py's image blocks). The same code serves a tmpfs L1
+and an NVMe L2. So does a full disk, whether the shard write or the index (SQLite) hits it: the
+read is served from below, a warning is logged once and `tier_enospc_fallbacks` /
+`tier_index_unwritable` count it. A failing device (EIO or a read-only file system while
+writing an entry, its fetch lock or the index) is served from below the same way, counted in
+`tier_write_error_fallbacks`.
 
 A hit is verified whole (xxh3-128) unless the caller verifies by block as it reads
 (`verify_hit=False`, the tier stack's readers): then a hit costs a size check, and the entry's
