@@ -1,7 +1,7 @@
 """Images end to end (issue 16): decoders, loaders side by side, S3, the cached form, head-of-line blocking.
 
     PYTHONPATH=src /work/main/.venv-peers/bin/python benchmarks/images.py --images 20000 --dir /tmp/tierflow-images-20k
-    ... --only loaders|s3|cached-form|blocking|decoders      one section
+    ... --only loaders|s3|cached-form|hot|blocking|decoders      one section
     ... --before /tmp/before/src --only loaders               tierflow at another checkout against this one
 
 (the peers' venv has litdata and webdataset; `git archive COMMIT src | tar -x -C /tmp/before` makes a
@@ -24,6 +24,11 @@ far less than it changes images/s.
    decoded once and resized (short side 256, or full size), for --hot-images images.
 5. Head-of-line blocking: per-batch build time p50 and p99 (in-process, 0 workers) on the
    long-tailed corpus, and the share of batches over 2x the median.
+6. The hot rows: the first --hot-images images packed alone (pack's default shard size), warm, at
+   0 and 2 workers: tierflow's default (decode the encoded bytes every time) first, then the tuned
+   row, ImagePipeline(cache=ResizedImages(--cache-dir, short side 256)) filled by one epoch before
+   the rounds (each run opens it afresh, as a new job would), and the peers on the same images.
+   `--only loaders --resized` adds the same tuned row to section 2 (a cache of the whole corpus).
 
 The corpus: generated JPEGs (smooth fields plus grain, so they compress like photographs) with
 log-normal sizes, median about 100 KB and a long tail (a few multi-megapixel ones), each with a
@@ -41,6 +46,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -125,12 +131,14 @@ def pack_tierflow(folder: Path, root: Path, name: str = "packed") -> Path:
     return out
 
 
-def write_wds(folder: Path, root: Path, per_shard: int = 1000) -> Path:
+def write_wds(folder: Path, root: Path) -> Path:
+    """Tars of 1000 images each, or of a tenth of a smaller corpus (so 2 workers each get shards)."""
     out = root / "wds"
     if out.is_dir() and any(out.glob("*.tar")):
         return out
     out.mkdir(parents=True, exist_ok=True)
     images = sorted(folder.glob("*.jpg"))
+    per_shard = max(1, min(1000, len(images) // 10))
     for s in range(0, len(images), per_shard):
         with tarfile.open(out / f"shard-{s // per_shard:05d}.tar", "w") as tar:
             for p in images[s:s + per_shard]:
@@ -139,12 +147,13 @@ def write_wds(folder: Path, root: Path, per_shard: int = 1000) -> Path:
     return out
 
 
-def tierflow_epoch(packed: Path, workers: int, limit: int) -> tuple[float, float]:
-    """images/s over `limit` images (after one warm-up batch) and per-batch wait times."""
+def tierflow_epoch(packed: Path, workers: int, limit: int, cache=None) -> tuple[float, float]:
+    """images/s over `limit` images (after one warm-up batch) and CPU ms per image; `cache`: the
+    pipeline's ResizedImages (crops from the cached resized form)."""
     import tierflow
     from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop
 
-    pipeline = ImagePipeline([RandomResizedCrop(224), HorizontalFlip()])
+    pipeline = ImagePipeline([RandomResizedCrop(224), HorizontalFlip()], cache=cache)
     loader = tierflow.open_loader(packed, batch_size=BATCH, transform=pipeline, num_workers=workers, seed=1,
                                   endless=True, columns=["image", "image_width", "image_height", "caption"])
     return _drain(iter(loader), limit, loader.close)
@@ -172,15 +181,25 @@ class _LitDataItem:
 
 def write_litdata(folder: Path, root: Path) -> Path:
     """LitData chunks by its own writer, `optimize()` with its defaults and chunk_bytes="64MB" (it
-    needs a chunk size; its README's figure)."""
-    from litdata import optimize
+    needs a chunk size; its README's figure), in a spawned child: optimize() leaves threads behind,
+    and DataLoader workers forked from a process that has them die at exit ("terminate called
+    without an active exception", tierflow's and the peers' alike)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
 
     out = root / "litdata"
     if (out / "index.json").exists():
         return out
-    optimize(fn=_LitDataItem(), inputs=[str(p) for p in sorted(folder.glob("*.jpg"))], output_dir=str(out),
-             num_workers=1, verbose=False, mode="overwrite", chunk_bytes="64MB")
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        pool.submit(_optimize, [str(p) for p in sorted(folder.glob("*.jpg"))], str(out)).result()
     return out
+
+
+def _optimize(inputs: list[str], out: str) -> None:
+    from litdata import optimize
+
+    optimize(fn=_LitDataItem(), inputs=inputs, output_dir=out, num_workers=1, verbose=False, mode="overwrite",
+             chunk_bytes="64MB")
 
 
 class _PeerTransform:
@@ -414,18 +433,23 @@ def batch_build_times(packed: Path, batches: int) -> tuple[list[float], list[flo
 PEERS = {"webdataset": (write_wds, wds_epoch), "litdata": (write_litdata, litdata_epoch)}
 
 
-def loader_rows(folder: Path, packed: Path, args: argparse.Namespace) -> float:
-    """The loaders side by side, alternating; returns tierflow's 2-worker median (for the S3 rows)."""
+def loader_rows(folder: Path, packed: Path, args: argparse.Namespace, root: Path | None = None,
+                tuned: dict[str, Callable] | None = None, what: str = "warm") -> float:
+    """The loaders side by side, alternating; returns tierflow's 2-worker median (for the S3 rows).
+    The peers' data goes under `root` (--dir); `tuned` adds tierflow rows with an option, beside the
+    default row and after it, and says how each compares with the better peer too."""
     data: dict[str, Path] = {"tierflow": packed}
-    epochs = {"tierflow": tierflow_epoch}
+    epochs: dict[str, Callable] = {"tierflow": tierflow_epoch}
+    for name, epoch in (tuned or {}).items():
+        data[name], epochs[name] = packed, epoch
     for name, (write, epoch) in PEERS.items():
         try:
             __import__(name)
         except ImportError:
             print(f"{name} not installed: no row")
             continue
-        data[name], epochs[name] = write(folder, args.dir), epoch
-    limit = min(args.images - 2 * BATCH, args.limit)
+        data[name], epochs[name] = write(folder, root or args.dir), epoch
+    limit = min(len(list(folder.glob("*.jpg"))) - 2 * BATCH, args.limit)
     cases = [(name, w) for name in data for w in (0, 2)]
     rates: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
     cpu: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
@@ -433,17 +457,54 @@ def loader_rows(folder: Path, packed: Path, args: argparse.Namespace) -> float:
         rate, ms = epochs[name](data[name], workers, limit)
         rates[(name, workers)].append(rate)
         cpu[(name, workers)].append(ms)
-    print(f"\n| loader (decode + RandomResizedCrop(224) + flip), warm | workers | images/s ({limit} images, "
+    print(f"\n| loader (decode + RandomResizedCrop(224) + flip), {what} | workers | images/s ({limit} images, "
           f"{args.rounds} rounds) | CPU ms per image (all processes) |\n|---|---|---|---|")
     for name, workers in cases:
         print(f"| {name} | {workers} | {spread(rates[(name, workers)], '.0f')} | {spread(cpu[(name, workers)])} |")
     ours = statistics.median(rates[("tierflow", 2)])
-    peers = {n: statistics.median(rates[(n, 2)]) for n in data if n != "tierflow"}
+    peers = {n: statistics.median(rates[(n, 2)]) for n in data if n in PEERS}
     if peers:
         best = max(peers, key=peers.get)
-        print(f"2 workers: tierflow / {best} (the better peer) = {ours / peers[best]:.2f} "
-              f"(target >= 1.2: {'met' if ours >= 1.2 * peers[best] else 'MISSED'})")
+        for name in ["tierflow", *(tuned or {})]:
+            rate = statistics.median(rates[(name, 2)])
+            print(f"2 workers: {name} / {best} (the better peer) = {rate / peers[best]:.2f} "
+                  f"(target >= 1.2: {'met' if rate >= 1.2 * peers[best] else 'MISSED'})")
     return ours
+
+
+def resized_tuned(packed: Path, encoded: int, args: argparse.Namespace, fill_workers: int) -> dict[str, Callable]:
+    """The tuned row: ImagePipeline(cache=ResizedImages(--cache-dir, short side 256)), the cache
+    emptied and filled by one epoch at `fill_workers` first (reported against the `encoded` bytes);
+    each timed run opens it afresh, as a new job would."""
+    import shutil
+
+    import tierflow
+    from tierflow.transforms import ResizedImages
+
+    samples = sum(s.samples for s in tierflow.Manifest.load(packed).shards)
+    shutil.rmtree(args.cache_dir, ignore_errors=True)
+    cache = ResizedImages(args.cache_dir, "16GB", short_side=256)
+    started = time.perf_counter()
+    tierflow_epoch(packed, fill_workers, samples - BATCH, cache)  # every block: the warm rows find them all
+    fill = time.perf_counter() - started
+    snap = cache.tier.snapshot()
+    print(f"resized cache (short side 256, {args.cache_dir}) filled by one epoch at {fill_workers} workers in "
+          f"{fill:.1f} s: {snap['entries']} entries, {snap['resident_bytes'] / 1e6:.0f} MB "
+          f"({snap['resident_bytes'] / encoded:.1f} x the encoded bytes)")
+    return {"tierflow, resized L1 (tuned)": lambda p, w, n: tierflow_epoch(p, w, n, ResizedImages(args.cache_dir,
+                                                                                                  "16GB"))}
+
+
+def hot_rows(folder: Path, args: argparse.Namespace) -> None:
+    """A small hot dataset (the first --hot-images images, packed with pack's default shard size),
+    warm: tierflow's default (decode the encoded bytes for every sample) beside the resized tuned
+    row, and the peers on the same images."""
+    hot = min(args.hot_images, args.images)
+    packed = pack_subset(folder, args.dir, hot, 256 << 20)
+    subset = args.dir / f"subset-{hot}"
+    print(f"\nhot dataset: {corpus_sizes(subset)}")
+    tuned = resized_tuned(packed, sum(p.stat().st_size for p in subset.glob("*.jpg")), args, 0)
+    loader_rows(subset, packed, args, root=args.dir / f"hot-{hot}", tuned=tuned, what=f"warm, {hot} hot images")
 
 
 def before_after(before_src: Path, args: argparse.Namespace) -> None:
@@ -477,8 +538,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "tierflow-images")
-    parser.add_argument("--only", choices=("decoders", "loaders", "s3", "cached-form", "blocking"), default=None)
+    parser.add_argument("--only", choices=("decoders", "loaders", "s3", "cached-form", "hot", "blocking"), default=None)
     parser.add_argument("--hot-images", type=int, default=1000, help="the small hot dataset of the cached-form rows")
+    parser.add_argument("--cache-dir", type=Path, default=Path("/dev/shm/tierflow-bench-resized"),
+                        help="the tuned rows' resized cache (a tmpfs: an L1); emptied at the start")
+    parser.add_argument("--resized", action="store_true",
+                        help="the loaders section gets the tuned row too (its cache holds the whole corpus)")
     parser.add_argument("--limit", type=int, default=1280, help="images timed per loader run")
     parser.add_argument("--s3-images", type=int, default=3000, help="images of the S3 rows' dataset")
     parser.add_argument("--s3-shard-mb", type=int, default=16, help="its shard size (several shards per L2)")
@@ -503,7 +568,10 @@ def main(argv: list[str] | None = None) -> None:
     packed = pack_tierflow(folder, args.dir)
     warm_rate = None
     if args.only in (None, "loaders"):
-        warm_rate = loader_rows(folder, packed, args)
+        tuned = None
+        if args.resized:
+            tuned = resized_tuned(packed, sum(p.stat().st_size for p in folder.glob("*.jpg")), args, 2)
+        warm_rate = loader_rows(folder, packed, args, tuned=tuned)
     if args.only in (None, "s3"):
         if warm_rate is None:
             warm_rate = tierflow_epoch(packed, 2, 640)[0]
@@ -518,6 +586,8 @@ def main(argv: list[str] | None = None) -> None:
               f" L1 bytes / encoded |\n|---|---|---|---|---|")
         for name, ms, rate, nbytes in rows:
             print(f"| {name} | {ms} | {rate} | {nbytes / 1e3:.0f} KB | {nbytes / encoded:.1f} |")
+    if args.only in (None, "hot"):
+        hot_rows(folder, args)
     if args.only in (None, "blocking"):
         walls, cpus = batch_build_times(packed, max(10, min(100, args.images // BATCH - 2)))
         for what, times in (("wall", walls), ("CPU", cpus)):

@@ -21,30 +21,15 @@ from tierflow.transforms import (
     aspect_buckets, available_decoders, normalize,
 )
 
+from corpora import pack_pictures, pack_with_a_corrupt_jpeg
+
 SIDE = 32
 COLUMNS = ["image", "image_width", "image_height", "caption", "path"]
 
 
-def jpeg(w: int, h: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    coarse = rng.integers(0, 256, (max(2, h // 8), max(2, w // 8), 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(coarse).resize((w, h), Image.Resampling.BILINEAR).save(out, format="JPEG", quality=90)
-    return out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("images")
-    src = root / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(48):
-        w, h = int(rng.integers(40, 160)), int(rng.integers(40, 160))
-        (src / f"{i:03d}.jpg").write_bytes(jpeg(w, h, i))
-        (src / f"{i:03d}.txt").write_text(f"picture {i}")
-    tierflow.pack([src], root / "packed", workers=1, target_shard_bytes=256 << 10, progress=False)
-    return root / "packed"
+    return pack_pictures(tmp_path_factory.mktemp("images"), target_shard_bytes=256 << 10)
 
 
 def pipeline(**kw) -> ImagePipeline:
@@ -115,14 +100,7 @@ def test_aspect_buckets_give_each_batch_one_shape_from_the_bounded_set(packed):
 @pytest.fixture(scope="module")
 def corrupt(tmp_path_factory) -> Path:
     """A folder whose 7th JPEG has a sound header and a truncated body (pack accepts it)."""
-    root = tmp_path_factory.mktemp("corrupt")
-    src = root / "src"
-    src.mkdir()
-    for i in range(16):
-        data = jpeg(320, 240, i)
-        (src / f"{i:03d}.jpg").write_bytes(data[: len(data) // 2] if i == 7 else data)
-    tierflow.pack([src], root / "packed", workers=1, progress=False)
-    return root / "packed"
+    return pack_with_a_corrupt_jpeg(tmp_path_factory.mktemp("corrupt"), 16, 320, 240)
 
 
 @pytest.mark.parametrize("decoder", available_decoders())

@@ -26,6 +26,7 @@ from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
 from tierflow.loader.tokens import WindowStarts, document_segments, row_segments, window_counts
 from tierflow.order import sample_rng
+from tierflow.transforms.resized import SOURCE_KEY, SampleSource
 
 Transform = Callable[[dict, np.random.Generator], dict]
 Filter = Callable[[dict], bool]
@@ -125,6 +126,16 @@ def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
     return [ctx.dataset[int(i)] for i in ids]
 
 
+def transformed(ctx: SampleContext, sample: dict[str, Any], sample_id: int, epoch: int) -> Any:
+    """The context's transform of one sample with its per-sample rng; a transform that `needs_source`
+    (an image cache, keyed by shard and block) is also told where the sample lives."""
+    assert ctx.transform is not None
+    if getattr(ctx.transform, "needs_source", False):
+        shard, block, row = ctx.dataset.index.locate_sample(int(sample_id))
+        sample[SOURCE_KEY] = SampleSource(ctx.dataset, shard, block, row)
+    return ctx.transform(sample, sample_rng(ctx.seed, epoch, sample_id))
+
+
 @dataclass
 class Samples(ByPosition):
     """Dataset rows as a dict of columns; `transform`/`filter` of the context run per sample, and
@@ -155,7 +166,7 @@ class Samples(ByPosition):
                 filtered += 1
                 continue
             if ctx.transform is not None:
-                sample = ctx.transform(sample, sample_rng(ctx.seed, epoch, sample_id))
+                sample = transformed(ctx, sample, sample_id, epoch)
             samples.append(sample)
             kept.append(k)
         keep = np.array(kept, dtype=np.int64)

@@ -22,10 +22,9 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from tierflow.format.manifest import Manifest
-from tierflow.loader.batching import SampleContext, Samples, SortedGroups
+from tierflow.loader.batching import SampleContext, Samples, SortedGroups, transformed
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.plan import Built, Selection
-from tierflow.order import sample_rng
 from tierflow.transforms.augment import BUCKET_KEY, aspect_buckets, nearest_bucket
 from tierflow.transforms.decode import ImageDecodeError
 
@@ -53,7 +52,7 @@ def build_samples(ctx: SampleContext, selection: Selection, pick: np.ndarray, on
             continue
         if ctx.transform is not None:
             try:
-                sample = ctx.transform(sample, sample_rng(ctx.seed, epoch, sample_id))
+                sample = transformed(ctx, sample, sample_id, epoch)
             except ImageDecodeError as e:
                 if on_error != "skip":
                     raise ImageDecodeError(f"{where(ctx, sample_id)}: {e}") from None

@@ -5,11 +5,13 @@ and returns it; a miss takes the entry's kernel lock (one fetch per entry per no
 space (occupancy + reservations <= capacity, evicting unpinned victims named by the policy),
 fetches to a temporary name, verifies size and checksum, renames and admits. When the policy
 declines or no space can be made, `ensure` returns None and the caller serves from the tier
-below without caching. The same code serves a tmpfs L1 and an NVMe L2. So does a full disk,
-whether the shard write or the index (SQLite) hits it: the read is served from below, a
-warning is logged once and `tier_enospc_fallbacks` / `tier_index_unwritable` count it. A
-failing device (EIO or a read-only file system while writing an entry, its fetch lock or
-the index) is served from below the same way, counted in `tier_write_error_fallbacks`.
+below without caching (`ensure_made` is the same for an entry made on the node, whose bytes are
+known only once made: transforms/resized.py's image blocks). The same code serves a tmpfs L1
+and an NVMe L2. So does a full disk, whether the shard write or the index (SQLite) hits it: the
+read is served from below, a warning is logged once and `tier_enospc_fallbacks` /
+`tier_index_unwritable` count it. A failing device (EIO or a read-only file system while
+writing an entry, its fetch lock or the index) is served from below the same way, counted in
+`tier_write_error_fallbacks`.
 
 A hit is verified whole (xxh3-128) unless the caller verifies by block as it reads
 (`verify_hit=False`, the tier stack's readers): then a hit costs a size check, and the entry's
@@ -33,7 +35,7 @@ from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from tierflow.format._checksum import file_xxh3_128, xxh3_hex
+from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex, xxh3_hex
 from tierflow.format._regular import read_regular
 from tierflow.format.shard import Block, Form
 from tierflow.policies import make_policy
@@ -448,76 +450,106 @@ class Tier:
             pin = self.lookup(key, verify_hit, block_list)
             if pin is not None:
                 return pin
-            (self.m_prefetches if prefetch else self.m_misses).inc()
-            started = time.perf_counter()
-            enospc = 0
-            corrupt = 0
-            while True:
-                try:
-                    reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch,
-                                                dataset=dataset)
-                except sqlite3.Error as e:
-                    if not self._index_trouble(e):
-                        raise
-                    return None
-                if reservation is None:
-                    return None
-                tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
-                pin = None
-                try:
-                    produce(tmp)
-                    self._verify_fetched(tmp, key, size, checksum)
-                    if block_list is not None:  # before the entry appears: a resident entry has its list
-                        self._record_blocks(key, size, checksum, block_list(tmp))
-                    # pinned before it appears: once admitted, another process could pick it as a
-                    # victim and unlink it before this one had pinned it
-                    pin = Pin(tmp)
-                    os.replace(tmp, self.path_of(key))
-                    pin.path = self.path_of(key)
-                except FetchError:
-                    tmp.unlink(missing_ok=True)
-                    self._release(reservation)
-                    corrupt += 1
-                    if corrupt < self.fetch_attempts:
-                        continue  # a torn or corrupted transfer: fetch it again
+            return self._fill(key, size, checksum, produce, dataset, prefetch, block_list)
+
+    def ensure_made(self, key: str, make: Callable[[], bytes], dataset: str | None = None,
+                    verify_hit: bool | None = None) -> tuple[Pin | None, bytes | None]:
+        """`ensure` for an entry derived on this node (an image cache's resized pixels), whose size and
+        checksum are known only once it is made: `make()` runs under the entry's fetch lock (one maker
+        per node) and its bytes are what is reserved, written, verified and admitted like any fill.
+        Returns (the pin, None) on a hit, else (the pin or None where the tier keeps nothing, the bytes);
+        `verify_hit=False`: the caller checks the entry's contents as it reads them."""
+        if dataset is not None:
+            self.add_reader(dataset)
+        pin = self.lookup(key, verify_hit)
+        if pin is not None:
+            return pin, None
+        with self._fetch_lock(key) as lock:
+            if lock is not None:
+                if not lock.acquired:
+                    self.m_takeovers.inc()
+                pin = self.lookup(key, verify_hit)
+                if pin is not None:
+                    return pin, None
+            data = make()
+            if lock is None:  # its lock file cannot be made (a failing or full device): not kept
+                return None, data
+            pin = self._fill(key, len(data), xxh3_128_hex(data), lambda tmp: tmp.write_bytes(data), dataset)
+            return pin, data
+
+    def _fill(self, key: str, size: int, checksum: str, produce: Callable[[Path], None], dataset: str | None,
+              prefetch: bool = False, block_list: Callable[[Path], Sequence[Block]] | None = None) -> Pin | None:
+        """A miss under the entry's fetch lock: reserve, produce to a temporary name, verify, rename, admit."""
+        (self.m_prefetches if prefetch else self.m_misses).inc()
+        started = time.perf_counter()
+        enospc = 0
+        corrupt = 0
+        while True:
+            try:
+                reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch,
+                                            dataset=dataset)
+            except sqlite3.Error as e:
+                if not self._index_trouble(e):
                     raise
-                except OSError as e:
-                    if pin is not None:
-                        pin.release()
-                    tmp.unlink(missing_ok=True)
-                    self._release(reservation)
-                    if e.errno in DEVICE_FAILED:
-                        self._write_failed(e)
-                        return None
-                    if e.errno not in NO_SPACE:
-                        raise
-                    enospc += 1
-                    if enospc == 1:
-                        continue  # evict one entry's worth more and try again
-                    self.m_enospc.inc()
-                    if not self._warned_enospc:
-                        log.warning("tier %s (%s): no space left on the device; serving from the tier "
-                                    "below without caching", self.name, self.root)
-                        self._warned_enospc = True
-                    return None
-                except BaseException:
-                    if pin is not None:
-                        pin.release()
-                    tmp.unlink(missing_ok=True)
-                    self._release(reservation)
-                    raise
-                try:
-                    self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
-                except BaseException as e:
+                return None
+            if reservation is None:
+                return None
+            tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
+            pin = None
+            try:
+                produce(tmp)
+                self._verify_fetched(tmp, key, size, checksum)
+                if block_list is not None:  # before the entry appears: a resident entry has its list
+                    self._record_blocks(key, size, checksum, block_list(tmp))
+                # pinned before it appears: once admitted, another process could pick it as a
+                # victim and unlink it before this one had pinned it
+                pin = Pin(tmp)
+                os.replace(tmp, self.path_of(key))
+                pin.path = self.path_of(key)
+            except FetchError:
+                tmp.unlink(missing_ok=True)
+                self._release(reservation)
+                corrupt += 1
+                if corrupt < self.fetch_attempts:
+                    continue  # a torn or corrupted transfer: fetch it again
+                raise
+            except OSError as e:
+                if pin is not None:
                     pin.release()
-                    if isinstance(e, sqlite3.Error) and self._index_trouble(e):
-                        self._unadmit(key, reservation)
-                        return None
+                tmp.unlink(missing_ok=True)
+                self._release(reservation)
+                if e.errno in DEVICE_FAILED:
+                    self._write_failed(e)
+                    return None
+                if e.errno not in NO_SPACE:
                     raise
-                self.m_latency.observe(time.perf_counter() - started)
-                self.m_promotions.inc()
-                self.m_bytes_in.inc(size)
-                return pin
+                enospc += 1
+                if enospc == 1:
+                    continue  # evict one entry's worth more and try again
+                self.m_enospc.inc()
+                if not self._warned_enospc:
+                    log.warning("tier %s (%s): no space left on the device; serving from the tier "
+                                "below without caching", self.name, self.root)
+                    self._warned_enospc = True
+                return None
+            except BaseException:
+                if pin is not None:
+                    pin.release()
+                tmp.unlink(missing_ok=True)
+                self._release(reservation)
+                raise
+            try:
+                self._admit(key, size, checksum, dataset, reservation, used=not prefetch)
+            except BaseException as e:
+                pin.release()
+                if isinstance(e, sqlite3.Error) and self._index_trouble(e):
+                    self._unadmit(key, reservation)
+                    return None
+                raise
+            self.m_latency.observe(time.perf_counter() - started)
+            self.m_promotions.inc()
+            self.m_bytes_in.inc(size)
+            return pin
 
     @contextmanager
     def _fetch_lock(self, key: str) -> Iterator[FileLock | None]:

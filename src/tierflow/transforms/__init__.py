@@ -4,6 +4,8 @@
     loader = tierflow.open_loader("packed", batch_size=64, transform=pipeline, num_workers=4)
 
 Batches hold uint8 pixels (N, H, W, 3) and the captions; `normalize` makes floats on the device.
+`ImagePipeline(..., cache=ResizedImages("/dev/shm/tf-resized", "4GB"))` crops from a tier of
+decoded-and-resized images instead of decoding every time (a small hot dataset; resized.py).
 """
 
 from tierflow.transforms.augment import (
@@ -11,6 +13,7 @@ from tierflow.transforms.augment import (
     aspect_buckets, nearest_bucket, normalize,
 )
 from tierflow.transforms.decode import ImageDecodeError, available_decoders, decode, resolve_decoder
+from tierflow.transforms.resized import ResizedImages
 
 __all__ = [
     "BUCKET_KEY",
@@ -21,6 +24,7 @@ __all__ = [
     "ImagePipeline",
     "RandomResizedCrop",
     "ResizeToBucket",
+    "ResizedImages",
     "aspect_buckets",
     "available_decoders",
     "decode",

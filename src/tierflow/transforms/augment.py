@@ -17,6 +17,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from tierflow.transforms.decode import ImageDecodeError, decode, resolve_decoder, size_of, to_array
+from tierflow.transforms.resized import ResizedImages
 
 KEY_COLUMNS = ("__key__", "key", "path", "url")
 BUCKET_KEY = "__bucket__"
@@ -168,18 +169,27 @@ def sample_key(sample: dict) -> str:
 class ImagePipeline:
     """`transform(sample, rng)`: decode `image`, apply `steps`, return uint8 pixels (HWC, or CHW
     with layout="CHW") under `image`, plus the `keep` columns (bytes captions become str).
-    Float conversion and normalisation belong on the device (`normalize`)."""
+    Float conversion and normalisation belong on the device (`normalize`). With `cache`, the
+    steps crop from the image's cached resized form instead of the original."""
 
     steps: Sequence[Step] = ()
     image: str = "image"
     keep: Sequence[str] = ("caption",)
     decoder: str = "auto"
     layout: str = "HWC"
+    cache: ResizedImages | None = None
+    """Serve images from their decoded-and-resized form, kept in a tier (transforms/resized.py, which
+    says how it changes the augmentation); None: decode the encoded bytes for every sample."""
 
     def __post_init__(self) -> None:
         if self.layout not in ("HWC", "CHW"):
             raise ValueError(f"layout must be 'HWC' or 'CHW', not {self.layout!r}")
         self.decoder = resolve_decoder(self.decoder)  # fixed here: every worker decodes alike
+
+    @property
+    def needs_source(self) -> bool:
+        """Whether batchers should say where each sample lives (SOURCE_KEY): a cache keys on it."""
+        return self.cache is not None
 
     def geometry(self, sample: dict, rng: np.random.Generator) -> tuple[Geometry, int, int]:
         """The planned box, output size and flip, and the source's (width, height), without decoding."""
@@ -191,12 +201,22 @@ class ImagePipeline:
                 width, height, _ = probe(sample[self.image])
             except CorruptImage as e:
                 raise ImageDecodeError(f"{sample_key(sample)}: {e}") from None
+        return self._plan(int(width), int(height), rng, sample), int(width), int(height)
+
+    def _plan(self, width: int, height: int, rng: np.random.Generator, sample: dict) -> Geometry:
         g = Geometry.full(width, height)
         for step in self.steps:
             g = step(g, rng, sample)
-        return g, int(width), int(height)
+        return g
 
     def pixels(self, sample: dict, rng: np.random.Generator) -> np.ndarray:
+        if self.cache is not None:  # the steps plan on the cached resized image (transforms/resized.py)
+            try:
+                img = self.cache.image(sample, self.image, self.decoder)
+            except ImageDecodeError as e:
+                raise ImageDecodeError(f"{sample_key(sample)}: {e}") from None
+            g = self._plan(img.shape[1], img.shape[0], rng, sample)
+            return _resample(img, g.box, g.out, g.flip)
         data = sample.get(self.image)
         if data is None:
             raise ImageDecodeError(f"{sample_key(sample)}: no {self.image!r} (null or not selected)")

@@ -1,0 +1,175 @@
+"""ImagePipeline(cache=ResizedImages(...)) (issue 16 item 4): batches are byte-identical with the cache
+cold, warm or keeping nothing; resume replays; a changed short side misses instead of serving old
+pixels; entries stay within the tier's capacity, whole and accounted; a damaged entry is made again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset
+from tierflow.testing import assert_resumes_exactly
+from tierflow.testing.resume import assert_same_batches, take
+from tierflow.transforms import (
+    HorizontalFlip, ImagePipeline, RandomResizedCrop, ResizedImages, ResizeToBucket, aspect_buckets,
+)
+from tierflow.transforms.resized import resized_size
+
+from corpora import pack_pictures, pack_with_a_corrupt_jpeg
+
+SIDE, SHORT = 32, 48
+COLUMNS = ["image", "image_width", "image_height", "caption", "path"]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """48 JPEGs of 40-160 px (most larger than SHORT on the short side) in blocks of ~16 KB."""
+    return pack_pictures(tmp_path_factory.mktemp("resized"), block_bytes=16 << 10)
+
+
+def blocks_of(packed: Path) -> int:
+    return sum(len(s.blocks) for s in tierflow.Manifest.load(packed).shards)
+
+
+def loader(packed: Path, cache: ResizedImages, workers: int = 0, **kw) -> Loader:
+    pipeline = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()], cache=cache)
+    ds = TieredDataset(packed, batch_size=8, transform=pipeline, seed=3, batcher=ImageSamples(select=COLUMNS))
+    return Loader(ds, num_workers=workers, **(kw or {"epoch_end": "rank"}))
+
+
+def epoch(packed: Path, cache: ResizedImages, workers: int = 0) -> list:
+    with loader(packed, cache, workers) as it:
+        return take(it, 1000)
+
+
+def counts(cache: ResizedImages) -> dict[str, int]:
+    t = cache.tier
+    return {"hits": int(t.m_hits.value), "misses": int(t.m_misses.value), "corruptions": int(t.m_corruptions.value)}
+
+
+def test_batches_are_byte_identical_cold_warm_and_with_a_tier_that_keeps_nothing(packed, tmp_path):
+    blocks = blocks_of(packed)
+    cold = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    first = epoch(packed, cold)
+    assert counts(cold) == {"hits": 0, "misses": blocks, "corruptions": 0}
+    warm = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)  # a new process's view: nothing open yet
+    assert_same_batches(first, epoch(packed, warm), "warm vs cold")
+    assert counts(warm) == {"hits": blocks, "misses": 0, "corruptions": 0}
+    nothing = ResizedImages(tmp_path / "tiny", 1000, short_side=SHORT)  # smaller than any block's entry
+    assert_same_batches(first, epoch(packed, nothing), "a tier that keeps nothing vs cold")
+    assert nothing.tier.snapshot()["entries"] == 0 and int(nothing.tier.m_bypass.value) >= blocks
+    images = np.concatenate([b["image"].numpy() for b, _ in first])
+    assert images.shape == (48, SIDE, SIDE, 3) and images.std() > 0
+
+
+def test_the_pipeline_crops_from_the_resized_image(packed, tmp_path):
+    """With no steps the output is the whole cached image: short side SHORT, the same pixels as
+    ResizedImages.resize, whether the sample comes through the loader (its block's entry) or alone."""
+    cache = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    whole = ImagePipeline([], cache=cache)
+    ds = TieredDataset(packed, batch_size=1, transform=whole, seed=3, batcher=ImageSamples(select=COLUMNS))
+    sample = tierflow.open_dataset(packed)[0]
+    alone = whole(sample, np.random.default_rng(0))["image"]
+    with Loader(ds, num_workers=0, epoch_end="rank") as it:
+        (batch, meta), = take(it, 1)
+    first = tierflow.open_dataset(packed)[int(meta.sample_ids[0])]
+    want = cache.resize(first["image"], whole.decoder)
+    assert want.shape[:2][::-1] == resized_size(first["image_width"], first["image_height"], SHORT)
+    assert min(want.shape[:2]) == min(SHORT, first["image_width"], first["image_height"])
+    assert np.array_equal(batch["image"][0].numpy(), want)
+    assert np.array_equal(alone, cache.resize(sample["image"], whole.decoder))
+
+
+def test_augmentations_replay_exactly_on_resume_through_the_cache(packed, tmp_path):
+    def make(workers: int) -> Loader:
+        return loader(packed, ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT), workers, endless=True)
+
+    assert_resumes_exactly(make, stops=[1, 4], workers=0)
+
+
+def test_a_changed_short_side_misses_instead_of_serving_the_old_pixels(packed, tmp_path):
+    blocks = blocks_of(packed)
+    at_48 = epoch(packed, ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
+    other = ResizedImages(tmp_path / "l1", "10MB", short_side=40)
+    at_40 = epoch(packed, other)
+    assert counts(other) == {"hits": 0, "misses": blocks, "corruptions": 0}
+    assert other.tier.snapshot()["entries"] == 2 * blocks  # both forms resident, each under its own key
+    assert_same_batches(epoch(packed, ResizedImages(tmp_path / "fresh", "10MB", short_side=40)), at_40,
+                        "short side 40, fresh vs beside 48's entries")
+    assert not all(np.array_equal(a["image"].numpy(), b["image"].numpy()) for (a, _), (b, _) in zip(at_48, at_40))
+
+
+def test_entries_stay_within_capacity_whole_and_accounted(packed, tmp_path):
+    """A tier for about three blocks' entries of ten: evictions keep it within capacity; what the
+    index counts is exactly the entry files there, and no temporary is left behind."""
+    full = ResizedImages(tmp_path / "full", "10MB", short_side=SHORT)
+    reference = epoch(packed, full)
+    sizes = sorted(p.stat().st_size for p in (tmp_path / "full" / "entries").iterdir())
+    capacity = sum(sizes[-3:])
+    small = ResizedImages(tmp_path / "small", capacity, short_side=SHORT, open_blocks=1)
+    assert_same_batches(reference, epoch(packed, small), "a tier of three blocks vs one of all")
+    tier = small.tier
+    snap = tier.snapshot()
+    files = list((tmp_path / "small" / "entries").iterdir())
+    assert int(tier.m_evictions.value) > 0 and 0 < snap["resident_bytes"] <= capacity
+    assert snap["resident_bytes"] == sum(p.stat().st_size for p in files) and snap["entries"] == len(files)
+    assert snap["reserved_bytes"] == 0 and not list((tmp_path / "small" / "tmp").iterdir())
+
+
+def test_aspect_buckets_crop_from_the_cache_one_shape_per_batch_cold_and_warm(packed, tmp_path):
+    buckets = aspect_buckets(area=SIDE * SIDE, multiple=8, max_ratio=2.0, count=5)
+
+    def run(cache: ResizedImages) -> list:
+        ds = TieredDataset(packed, batch_size=8, seed=3, batcher=AspectBuckets(buckets, group=3, select=COLUMNS),
+                           transform=ImagePipeline([ResizeToBucket(buckets), HorizontalFlip()], cache=cache))
+        with Loader(ds, num_workers=0, epoch_end="rank") as it:
+            return take(it, 1000)
+
+    cold = run(ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
+    shapes = {tuple(b["image"].shape[1:3]) for b, _ in cold}
+    assert shapes <= set(buckets) and len(shapes) > 1
+    warm = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    assert_same_batches(cold, run(warm), "aspect buckets, warm vs cold")
+    assert counts(warm)["misses"] == 0
+
+
+@pytest.mark.parametrize("where", [0.5, -12], ids=["pixels", "footer"])
+def test_a_damaged_entry_is_quarantined_and_made_again(packed, tmp_path, where):
+    """A flipped byte in an image's pixels fails its checksum when read, one in the file's footer
+    fails the parse when opened: either way the entry is quarantined and made again, same batches."""
+    first = epoch(packed, ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
+    entry = sorted((tmp_path / "l1" / "entries").iterdir())[0]
+    data = bytearray(entry.read_bytes())
+    data[int(len(data) * where) if where > 0 else where] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    again = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    assert_same_batches(first, epoch(packed, again), "after one entry was damaged")
+    assert counts(again) == {"hits": blocks_of(packed), "misses": 1, "corruptions": 1}
+    assert len(list((tmp_path / "l1" / "quarantine").iterdir())) == 1
+
+
+def test_a_corrupt_jpeg_in_a_cached_block_is_skipped_and_counted(tmp_path):
+    packed = pack_with_a_corrupt_jpeg(tmp_path, 12, 96, 72)
+    pipeline = ImagePipeline([RandomResizedCrop(SIDE)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
+    for _ in range(2):  # cold, then warm: the error is kept in the entry
+        ds = TieredDataset(packed, batch_size=4, transform=pipeline, seed=3,
+                           batcher=ImageSamples(select=COLUMNS, on_error="skip"))
+        with Loader(ds, num_workers=0, epoch_end="rank") as it:
+            got = take(it, 100)
+        assert sum(m.stats["corrupt"] for _, m in got) == 1 and sum(len(b["caption"]) for b, _ in got) == 11
+
+
+@pytest.mark.slow
+def test_two_workers_fill_every_block_batch_as_one_process_does_and_resume(packed, tmp_path):
+    reference = epoch(packed, ResizedImages(tmp_path / "ref", "10MB", short_side=SHORT))
+    two = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    assert_same_batches(reference, epoch(packed, two, workers=2), "2 workers vs 0")
+    assert two.tier.snapshot()["entries"] == blocks_of(packed)
+
+    def make(workers: int) -> Loader:
+        return loader(packed, ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT), workers, endless=True)
+
+    assert_resumes_exactly(make, stops=[3], workers=2)
