@@ -168,6 +168,30 @@ def test_decoded_blocks_stay_within_the_byte_bound_under_concurrent_readers(tmp_
     assert source.cache.evictions > 0 and source.blocks_read > sum(len(s.blocks) for s in manifest.shards)
 
 
+def test_decoded_blocks_are_the_decode_pools_bytes_and_go_back_to_it_when_dropped(tmp_path):
+    """Decoded blocks come from the C allocator's pool (mimalloc, Arrow's default, kept ~20% more
+    resident than it held), so the bytes alive are the cache's, and none once it is gone."""
+    import gc
+
+    from tierflow.format.dataset import Dataset, DirectorySource
+    from tierflow.format.shard import DECODE_POOL
+
+    out = pack_small(tmp_path, n=6000)
+    manifest = tierflow.Manifest.load(out)
+    assert {s.compression for s in manifest.shards} == {"zstd"}
+    base = DECODE_POOL.bytes_allocated()
+    source = DirectorySource(out, max_decoded_bytes=1, schema=manifest.schema)  # one block at a time
+    ds = Dataset(manifest, source, location=str(out))
+    for i in range(0, len(ds), 97):
+        assert ds[i]["i"] == i
+        held = DECODE_POOL.bytes_allocated() - base  # the block's buffers, each padded to 64 bytes
+        assert len(source.cache) == 1 and 0 < source.cache.bytes <= held < source.cache.bytes + 64 * 8
+    assert source.blocks_read > 10
+    del ds, source
+    gc.collect()
+    assert DECODE_POOL.bytes_allocated() == base
+
+
 def test_token_blocks_record_their_counts_so_tokens_read_only_their_block(tmp_path):
     out = pack_small(tmp_path, n=6000, tokenizer="bytes")
     ds = tierflow.open_dataset(out)
