@@ -192,6 +192,26 @@ def test_decoded_blocks_are_the_decode_pools_bytes_and_go_back_to_it_when_droppe
     assert DECODE_POOL.bytes_allocated() == base
 
 
+def test_the_cache_hands_the_heap_back_after_each_trim_every_bytes_it_evicted(tmp_path, monkeypatch):
+    """glibc keeps freed blocks' pages resident: the cache returns them once per TRIM_EVERY bytes
+    evicted (a trim costs ~2 ms), so a churning cache does not grow the process beyond its bound."""
+    import sys
+
+    import tierflow.format.table as table
+    from tierflow.format.dataset import Dataset, DirectorySource
+
+    out = pack_small(tmp_path, n=6000)
+    manifest = tierflow.Manifest.load(out)
+    source = DirectorySource(out, max_decoded_bytes=1, schema=manifest.schema)
+    ds = Dataset(manifest, source, location=str(out))
+    monkeypatch.setattr(table, "TRIM_EVERY", 200_000)
+    for i in range(0, len(ds), 97):  # one block held at a time: every read evicts the one before
+        assert ds[i]["i"] == i
+    cache = source.cache
+    assert cache.evictions > 10 and cache._untrimmed < 200_000
+    assert cache.trims >= 2 if sys.platform.startswith("linux") else cache.trims == 0
+
+
 def test_token_blocks_record_their_counts_so_tokens_read_only_their_block(tmp_path):
     out = pack_small(tmp_path, n=6000, tokenizer="bytes")
     ds = tierflow.open_dataset(out)
