@@ -5,7 +5,8 @@ source trees in alternating rounds, so a change's peak PSS and samples/s are com
 
 Run `make bench-peers ARGS="--only raw"` once first: it builds the corpus and the packed datasets
 under --work, which this reads. Prints, per cell (tokens / text x main process / 2 workers), the
-median (min-max) of each tree's peak PSS summed over the child and its workers, and samples/s.
+median (min-max) of each tree's peak PSS summed over the child and its workers, samples/s, and (in
+the main-process cells) CPU microseconds per sample, which a loaded machine inflates far less than the wall.
 """
 
 from __future__ import annotations
@@ -50,16 +51,24 @@ def main() -> None:
                                 workers=workers, seed=args.seed)
                 cells[f"{kind}_w{workers}"][tree].append(res)
                 log(f"round {r + 1} {kind:6} {workers} workers {tree:6} peak PSS {res['peak_pss'] / MB:6.0f} MB "
-                    f"{res['samples_per_s']:9,.0f} samples/s")
+                    f"{res['samples_per_s']:9,.0f} samples/s {cpu_us(res):7.1f} CPU us/sample")
     print(f"\n{args.rounds} alternating rounds; before = {trees['before']}, after = {trees['after']}\n")
-    print("| data | mode | peak PSS before (MB) | peak PSS after (MB) | samples/s before (k) | samples/s after (k) |")
-    print("|---|---|---|---|---|---|")
+    print("| data | mode | peak PSS before (MB) | peak PSS after (MB) | samples/s before (k) | samples/s after (k) "
+          "| CPU us/sample before | CPU us/sample after |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind, workers in RAW_CELLS:
         runs = cells[f"{kind}_w{workers}"]
         pss = [spread([x["peak_pss"] for x in runs[t]], ".0f", 1 / MB) for t in trees]
         rate = [spread([x["samples_per_s"] for x in runs[t]], ".1f", 1e-3) for t in trees]
+        cpu = [spread([cpu_us(x) for x in runs[t]], ".1f") if workers == 0 else "-" for t in trees]
         mode = "main process" if workers == 0 else f"{workers} workers"
-        print(f"| {kind} | {mode} | {pss[0]} | {pss[1]} | {rate[0]} | {rate[1]} |")
+        print(f"| {kind} | {mode} | {pss[0]} | {pss[1]} | {rate[0]} | {rate[1]} | {cpu[0]} | {cpu[1]} |")
+    print("\nCPU us/sample: the child's own threads over the epoch (with workers, the main process alone: '-').")
+
+
+def cpu_us(result: dict) -> float:
+    """CPU microseconds per sample of the child's own threads (a loaded machine stretches the wall far more)."""
+    return result["cpu_s"] / max(1, result["samples"]) * 1e6
 
 
 if __name__ == "__main__":
