@@ -180,14 +180,15 @@ def raw(system: str, kind: str, data: str, workers: int, seed: int, hold_s: floa
     first = time.perf_counter() - began
     first_samples = impl.raw_count(first_batch)
     samples = batches = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for batch in iterator:
         samples += impl.raw_count(batch)
         batches += 1
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu  # this process's threads only (the whole reader in the main-process rows)
     time.sleep(hold_s)
     return {"samples_per_s": samples / seconds if seconds > 0 else 0.0, "samples": samples + first_samples,
-            "batches": batches + 1, "seconds": seconds, "first_s": first, "open_s": opened,
+            "batches": batches + 1, "seconds": seconds, "cpu_s": cpu, "first_s": first, "open_s": opened,
             "batch_type": type(first_batch).__name__}
 
 

@@ -168,6 +168,50 @@ def test_decoded_blocks_stay_within_the_byte_bound_under_concurrent_readers(tmp_
     assert source.cache.evictions > 0 and source.blocks_read > sum(len(s.blocks) for s in manifest.shards)
 
 
+def test_decoded_blocks_are_the_decode_pools_bytes_and_go_back_to_it_when_dropped(tmp_path):
+    """Decoded blocks come from the C allocator's pool (mimalloc, Arrow's default, kept ~20% more
+    resident than it held), so the bytes alive are the cache's, and none once it is gone."""
+    import gc
+
+    from tierflow.format.dataset import Dataset, DirectorySource
+    from tierflow.format.shard import DECODE_POOL
+
+    out = pack_small(tmp_path, n=6000)
+    manifest = tierflow.Manifest.load(out)
+    assert {s.compression for s in manifest.shards} == {"zstd"}
+    base = DECODE_POOL.bytes_allocated()
+    source = DirectorySource(out, max_decoded_bytes=1, schema=manifest.schema)  # one block at a time
+    ds = Dataset(manifest, source, location=str(out))
+    for i in range(0, len(ds), 97):
+        assert ds[i]["i"] == i
+        held = DECODE_POOL.bytes_allocated() - base  # the block's buffers, each padded to 64 bytes
+        assert len(source.cache) == 1 and 0 < source.cache.bytes <= held < source.cache.bytes + 64 * 8
+    assert source.blocks_read > 10
+    del ds, source
+    gc.collect()
+    assert DECODE_POOL.bytes_allocated() == base
+
+
+def test_the_cache_hands_the_heap_back_after_each_trim_every_bytes_it_evicted(tmp_path, monkeypatch):
+    """glibc keeps freed blocks' pages resident: the cache returns them once per TRIM_EVERY bytes
+    evicted (a trim costs ~2 ms), so a churning cache does not grow the process beyond its bound."""
+    import sys
+
+    import tierflow.format.table as table
+    from tierflow.format.dataset import Dataset, DirectorySource
+
+    out = pack_small(tmp_path, n=6000)
+    manifest = tierflow.Manifest.load(out)
+    source = DirectorySource(out, max_decoded_bytes=1, schema=manifest.schema)
+    ds = Dataset(manifest, source, location=str(out))
+    monkeypatch.setattr(table, "TRIM_EVERY", 200_000)
+    for i in range(0, len(ds), 97):  # one block held at a time: every read evicts the one before
+        assert ds[i]["i"] == i
+    cache = source.cache
+    assert cache.evictions > 10 and cache._untrimmed < 200_000
+    assert cache.trims >= 2 if sys.platform.startswith("linux") else cache.trims == 0
+
+
 def test_token_blocks_record_their_counts_so_tokens_read_only_their_block(tmp_path):
     out = pack_small(tmp_path, n=6000, tokenizer="bytes")
     ds = tierflow.open_dataset(out)

@@ -459,6 +459,28 @@ def test_directory_source_bounds_decoded_shards_by_bytes_and_still_serves_every_
     assert source.blocks_read == 2 * touched  # evicted blocks are read, verified and decoded again
 
 
+def test_a_reading_process_holds_the_decoded_blocks_of_its_windows_not_of_the_dataset(many_shards):
+    """The decoded-block cache of each reading process is bounded by what its order reads at once
+    (one window per lane), not by a 1 GiB default that let every process hold the whole dataset;
+    an epoch still decodes each block about once."""
+    root = many_shards["zstd"]
+    ds = TieredDataset(root, batch_size=16, lanes=1, window_shards=2, seed=3)
+    manifest = ds.manifest
+    decoded = sum(s.decoded_bytes for s in manifest.shards)
+    assert ds.working_set.reading == 2 and ds.decoded_bound() < decoded / 3
+    seen, peak = 0, 0
+    for batch in ds:
+        cache = ds._open().dataset.source.cache
+        assert cache.max_bytes == ds.decoded_bound()
+        peak = max(peak, cache.bytes)
+        seen += len(batch.meta.sample_ids)
+        if seen >= ds.num_order_samples:
+            break
+    assert 0 < peak <= ds.decoded_bound()
+    blocks = sum(len(s.blocks) for s in manifest.shards)
+    assert ds._open().dataset.source.blocks_read <= 1.1 * blocks
+
+
 # -- token budget ----------------------------------------------------------------------------
 
 def budget_ds(packed, resume=None, max_tokens=1024, rank=0, ranks=1, **kw):

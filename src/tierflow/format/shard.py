@@ -19,7 +19,7 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.format._checksum import CHUNK, HashingSink, xxh3_hex
-from tierflow.format._ipcmeta import MalformedMessage, batch_claims, decoded_size
+from tierflow.format._ipcmeta import BatchClaims, MalformedMessage, batch_claims, decoded_size
 from tierflow.format._regular import open_regular
 from tierflow.errors import ShardCorruptError
 
@@ -320,8 +320,10 @@ def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, bloc
         for message in block_messages(data, index):
             if message.type == "record batch":
                 limit = BLOCK_DECODED_LIMIT if max_decoded is None else min(max_decoded, BLOCK_DECODED_LIMIT)
-                _check_claims(message, name, index, block, limit)
-                batch = pa.ipc.read_record_batch(message, schema)
+                if _check_claims(message, name, index, block, limit).compressed:
+                    batch = _decompressed(message, schema)
+                else:
+                    batch = pa.ipc.read_record_batch(message, schema)
                 batch.validate(full=True)
                 return batch
     except (pa.ArrowException, OSError, ValueError) as e:
@@ -331,7 +333,22 @@ def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, bloc
     raise block_error(name, index, block, "holds no record batch")
 
 
-def _check_claims(message: pa.ipc.Message, name: str, index: int, block: Block, max_decoded: int) -> None:
+DECODE_POOL: pa.MemoryPool = pa.system_memory_pool()
+"""Where decompressed blocks live: the C allocator, not Arrow's default (mimalloc), which kept ~40 MB
+more resident than the ~190 MB of blocks it held over an epoch, decoded on one thread or on Arrow's
+pool (docs/memory.md). `DECODE_POOL.bytes_allocated()` is the decoded bytes alive."""
+
+_SINGLE_THREADED = pa.ipc.IpcReadOptions(use_threads=False)
+
+
+def _decompressed(message: pa.ipc.Message, schema: pa.Schema) -> pa.RecordBatch:
+    """A compressed record batch decoded into DECODE_POOL on this thread (`read_record_batch` takes
+    neither a pool nor options: a stream of the schema and this one message does)."""
+    stream = pa.py_buffer(schema.serialize().to_pybytes() + message.serialize().to_pybytes())
+    return pa.ipc.open_stream(stream, options=_SINGLE_THREADED, memory_pool=DECODE_POOL).read_next_batch()
+
+
+def _check_claims(message: pa.ipc.Message, name: str, index: int, block: Block, max_decoded: int) -> BatchClaims:
     """Refuse a record batch whose rows or buffers its bytes cannot justify, before decoding it.
 
     Every row of any column but the null type costs at least a bit of some buffer, so more rows
@@ -350,6 +367,7 @@ def _check_claims(message: pa.ipc.Message, name: str, index: int, block: Block, 
     if claims.rows > limit or any(not 0 <= n <= limit for n in claims.node_lengths):
         raise block_error(name, index, block, f"claims {max([claims.rows, *claims.node_lengths])} rows, more "
                                               f"than its {decoded} bytes of buffers can hold")
+    return claims
 
 
 def block_schema(data: pa.Buffer, name: str, block: Block) -> pa.Schema:

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.types as pat
 
+from tierflow.format._heap import TRIM_EVERY, release_free_heap
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.index import cumulative
 from tierflow.format.shard import ShardCorruptError, block_error, block_schema, decode_block
@@ -110,6 +111,9 @@ class BlockCache:
         self._dead: list[int] = []  # tables gone since the last add (appended by their finalizers)
         self._lock = threading.Lock()
         self.evictions = 0
+        self.trims = 0
+        """Times the freed blocks' heap pages were handed back (_heap.release_free_heap)."""
+        self._untrimmed = 0  # bytes evicted since the last trim
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -143,10 +147,16 @@ class BlockCache:
                 del self._entries[(token, b)]
                 self.bytes -= nbytes
                 self.evictions += 1
+                self._untrimmed += nbytes
                 if owner is not None:
                     victims.append((owner, b))
+            trim = self._untrimmed >= TRIM_EVERY
+            if trim:
+                self._untrimmed = 0
         for owner, b in victims:
             owner._evict(b)
+        if trim and release_free_heap():  # after the slots let go of the evicted blocks
+            self.trims += 1
 
     def _drop_table(self, token: int) -> None:
         """Forget a table that is gone (its blocks went with it); called under the lock."""

@@ -21,6 +21,7 @@ from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSource
 from tierflow.format.shard import Form
+from tierflow.format.table import BlockCache
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
@@ -264,9 +265,21 @@ class TieredDataset(IterableDataset):
         else:
             dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
                                    endpoint_url=self.endpoint_url)
+        self._bound_decoded(dataset)
         self._context = SampleContext(dataset, self.seed, self.transform, self.filter, self.collate)
         self._context_pid = os.getpid()
         return self._context
+
+    def decoded_bound(self) -> int:
+        """Decoded bytes of compressed blocks one reading process needs at once: the shards its order
+        reads at once (one window per lane), decoded. Every process holds its own, so a budget of
+        the whole dataset (the sources' 1 GiB default) held every block in every DataLoader worker."""
+        return working_set_bytes(self.working_set.reading, [s.decoded_bytes for s in self.manifest.shards])
+
+    def _bound_decoded(self, dataset: Dataset) -> None:
+        cache = getattr(dataset.source, "cache", None)
+        if isinstance(cache, BlockCache):
+            cache.max_bytes = min(cache.max_bytes, self.decoded_bound())
 
     def __getstate__(self) -> dict[str, Any]:
         """For spawn/forkserver workers: the reading context is per process, made again there."""
