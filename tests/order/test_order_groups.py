@@ -95,3 +95,9 @@ def test_a_grouped_order_names_its_group_size_and_refuses_a_full_window_cursor()
 def test_group_bytes_need_decoded_bytes_for_every_shard():
     with pytest.raises(ValueError, match="decoded_bytes for each of the 48 shards"):
         SampleOrder(COUNTS, dataset_id="groups", group_bytes=256, partitions=8)
+
+
+def test_a_large_shard_is_never_cut_into_runs_smaller_than_its_largest_block():
+    counts, decoded = np.array([100]), np.array([1000])
+    assert group_edges(counts, decoded, 100).size == 11  # ten runs of 100 bytes
+    assert group_edges(counts, decoded, 100, np.array([400])).tolist() == [0, 33, 66, 100]

@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSource
-from tierflow.format.shard import Form
+from tierflow.format.shard import Form, ShardInfo
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
@@ -158,7 +158,8 @@ class TieredDataset(IterableDataset):
             partitions = default_partitions(int((counts > 0).sum()))
         self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
                             "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle,
-                            "group_bytes": group_bytes, "decoded_bytes": [s.decoded_bytes for s in manifest.shards]}
+                            "group_bytes": group_bytes, "decoded_bytes": [s.decoded_bytes for s in manifest.shards],
+                            "block_bytes": [_largest_block(s) for s in manifest.shards]}
         self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
         self.order = self.order_with(self.working_set)
         declare = getattr(getattr(data, "source", None), "declare", None)
@@ -419,6 +420,12 @@ def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_s
         value = config.get(name)
         return given if given is not None or not isinstance(value, int) else value
     return saved(partitions, "partitions"), saved(window_shards, "window_shards"), saved(lanes, "lanes")
+
+
+def _largest_block(shard: ShardInfo) -> int:
+    """Decoded bytes of the shard's largest block, from its share of the rows (blocks are cut by bytes)."""
+    rows = max((b.rows for b in shard.blocks), default=0)
+    return shard.decoded_bytes * rows // max(shard.samples, 1)
 
 
 def _saved_group_bytes(resume: LoaderCursor | None) -> int:

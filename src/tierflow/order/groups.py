@@ -4,7 +4,8 @@ A compressed block is decoded whole, so a batch drawn from a whole window (k sha
 nearly every block of them before it is complete, and the first batch's cost grows with the
 shards' size. With groups, the window (in its shuffled shard order) is cut into groups of whole
 shards (small ones, while they fit in `group_bytes` together) or equal runs of one shard's
-samples (a large one, each run <= `group_bytes`); the groups are shuffled, then the samples
+samples (a large one, each run <= `group_bytes`, but never less than its largest block: a run
+inside one block would decode as much and mix less); the groups are shuffled, then the samples
 inside each group. A batch then reads a bounded run of storage - about group_bytes / block size
 + 2 blocks per group it touches - whatever the dataset's size, and consecutive batches move
 between groups in a shuffled order. Both shuffles are our Feistel permutation, keyed by
@@ -22,13 +23,16 @@ GROUP_BYTES = 4 << 20
 """The loader's default: see docs/order.md ("Block groups") for the shuffle quality it keeps."""
 
 
-def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int) -> np.ndarray:
+def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
+                block_bytes: np.ndarray | None = None) -> np.ndarray:
     """Slot edges (window-relative, from 0 to the window's size) of the groups of a window whose
-    shards, in reading order, hold `counts` samples and `decoded_bytes` bytes."""
+    shards, in reading order, hold `counts` samples and `decoded_bytes` bytes (the largest block
+    of each `block_bytes`)."""
     edges = [0]
     start = 0
     open_bytes = 0  # bytes of the small shards in the group still open
-    for count, size in zip(counts.tolist(), decoded_bytes.tolist()):
+    blocks = block_bytes.tolist() if block_bytes is not None else [0] * len(counts)
+    for count, size, block in zip(counts.tolist(), decoded_bytes.tolist(), blocks):
         if count == 0:
             continue
         if size <= group_bytes:
@@ -40,7 +44,7 @@ def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int)
             if open_bytes:
                 edges.append(start)
                 open_bytes = 0
-            runs = -(-size // group_bytes)
+            runs = -(-size // max(group_bytes, block))
             edges.extend((start + np.arange(1, runs) * count // runs).tolist())
             edges.append(start + count)
         start += count
@@ -53,9 +57,9 @@ class WindowGroups:
     """The permutation of a window's offsets under the block-group shuffle (called like a
     FeistelPermutation: window offsets in, window slots out)."""
 
-    def __init__(self, counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
-                 seed: int, epoch: int, partition: int, window: int) -> None:
-        self.edges = group_edges(counts, decoded_bytes, group_bytes)
+    def __init__(self, counts: np.ndarray, decoded_bytes: np.ndarray, block_bytes: np.ndarray | None,
+                 group_bytes: int, seed: int, epoch: int, partition: int, window: int) -> None:
+        self.edges = group_edges(counts, decoded_bytes, group_bytes, block_bytes)
         sizes = np.diff(self.edges)
         key = derive_key("groups", seed, epoch, partition, window)
         self.order = FeistelPermutation(sizes.size, key)(np.arange(sizes.size, dtype=np.int64))

@@ -34,9 +34,10 @@ class MicroBatch:
 class SampleOrder:
     """Deterministic, seekable order of one dataset over P canonical partitions. `shuffle=False`:
     stored order (contiguous partitions, no shard, window or lane shuffle), every epoch the same.
-    `group_bytes` > 0 (with every shard's `decoded_bytes`): samples are shuffled within block
-    groups of about that many decoded bytes inside each window, the groups shuffled (groups.py),
-    so a batch reads a bounded number of blocks; 0: each window's samples shuffled all together."""
+    `group_bytes` > 0 (with every shard's `decoded_bytes`, and the decoded size of its largest
+    block, `block_bytes`, when known): samples are shuffled within block groups of about that many
+    decoded bytes (at least a block) inside each window, the groups shuffled (groups.py), so a
+    batch reads a bounded number of blocks; 0: each window's samples shuffled all together."""
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class SampleOrder:
         shuffle: bool = True,
         group_bytes: int = 0,
         decoded_bytes: Sequence[int] | None = None,
+        block_bytes: Sequence[int] | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -67,11 +69,15 @@ class SampleOrder:
         self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes, contiguous=not self.shuffle)
         self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
         self.group_bytes = int(group_bytes) if self.shuffle else 0
-        self.decoded_bytes = None
+        self.decoded_bytes = self.block_bytes = None
         if self.group_bytes:
-            if decoded_bytes is None or len(decoded_bytes) != self.layout.num_shards:
-                raise ValueError(f"block groups need decoded_bytes for each of the {self.layout.num_shards} shards")
+            shards = self.layout.num_shards
+            if decoded_bytes is None or len(decoded_bytes) != shards:
+                raise ValueError(f"block groups need decoded_bytes for each of the {shards} shards")
+            if block_bytes is not None and len(block_bytes) != shards:
+                raise ValueError(f"block_bytes has {len(block_bytes)} entries for {shards} shards")
             self.decoded_bytes = np.asarray(decoded_bytes, dtype=np.int64)
+            self.block_bytes = None if block_bytes is None else np.asarray(block_bytes, dtype=np.int64)
         self.config: dict[str, Any] = {
             "dataset_id": dataset_id,
             "seed": self.seed,
@@ -87,7 +93,9 @@ class SampleOrder:
             self.config["shuffle"] = False
         if self.decoded_bytes is not None:  # only then, so a full-window order's cursors keep their hash
             self.config["group_bytes"] = self.group_bytes
-            self.config["decoded"] = hashlib.sha256(self.decoded_bytes.astype("<i8").tobytes()).hexdigest()[:16]
+            sizes = self.decoded_bytes if self.block_bytes is None else np.concatenate([self.decoded_bytes,
+                                                                                         self.block_bytes])
+            self.config["decoded"] = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
         canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
         self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
         self._windows: OrderedDict[tuple[int, int], EpochWindows] = OrderedDict()
@@ -149,7 +157,7 @@ class SampleOrder:
             self._windows.move_to_end(key)
             return found
         built = EpochWindows(self.layout, partition, epoch, self.seed, self.window_shards, self.shuffle,
-                             self.group_bytes, self.decoded_bytes)
+                             self.group_bytes, self.decoded_bytes, self.block_bytes)
         self._windows[key] = built
         if len(self._windows) > self._windows_capacity:
             self._windows.popitem(last=False)

@@ -34,11 +34,13 @@ WINDOWS_KEPT = 4
 
 class EpochWindows:
     """The shuffled shard order and sample windows of (partition, epoch); with `group_bytes` (and
-    the shards' `decoded_bytes`) samples are shuffled within block groups of each window."""
+    the shards' `decoded_bytes`, and their largest blocks' `block_bytes` when known) samples are
+    shuffled within block groups of each window."""
 
     def __init__(
         self, layout: PartitionLayout, partition: int, epoch: int, seed: int, window_shards: int,
         shuffle: bool = True, group_bytes: int = 0, decoded_bytes: np.ndarray | None = None,
+        block_bytes: np.ndarray | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -64,6 +66,7 @@ class EpochWindows:
             raise ValueError("block groups (group_bytes > 0) need the shards' decoded_bytes")
         self.group_bytes = group_bytes
         self._decoded_bytes = decoded_bytes if group_bytes else None
+        self._block_bytes = block_bytes
         self._window_permutations: OrderedDict[int, FeistelPermutation | WindowGroups] = OrderedDict()
         self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
 
@@ -88,7 +91,8 @@ class EpochWindows:
             return permutation
         if self._decoded_bytes is not None:
             shards = self.window_shards(window)
-            permutation = WindowGroups(self._layout.shard_sample_counts[shards], self._decoded_bytes[shards],
+            blocks = self._block_bytes[shards] if self._block_bytes is not None else None
+            permutation = WindowGroups(self._layout.shard_sample_counts[shards], self._decoded_bytes[shards], blocks,
                                        self.group_bytes, self.seed, self.epoch, self.partition, window)
         else:
             size = int(self.window_starts[window + 1] - self.window_starts[window])
