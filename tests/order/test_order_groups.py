@@ -101,3 +101,10 @@ def test_a_large_shard_is_never_cut_into_runs_smaller_than_its_largest_block():
     counts, decoded = np.array([100]), np.array([1000])
     assert group_edges(counts, decoded, 100).size == 11  # ten runs of 100 bytes
     assert group_edges(counts, decoded, 100, np.array([400])).tolist() == [0, 33, 66, 100]
+
+
+def test_one_group_at_a_time_equals_every_group_at_once():
+    groups = grouped(256).windows(2, 0)._permutation(0)
+    whole = groups(np.arange(groups.starts[-1]))
+    parts = [groups(np.arange(groups.starts[r], groups.starts[r + 1])) for r in range(groups.count)]
+    assert np.array_equal(whole, np.concatenate(parts))

@@ -65,6 +65,7 @@ class WindowGroups:
         self.order = FeistelPermutation(sizes.size, key)(np.arange(sizes.size, dtype=np.int64))
         self.starts = np.concatenate(([0], np.cumsum(sizes[self.order]))).astype(np.int64)
         self._base = np.uint64(derive_key("group", seed, epoch, partition, window))
+        self._last: tuple[int, FeistelPermutation] | None = None
 
     @property
     def count(self) -> int:
@@ -73,7 +74,18 @@ class WindowGroups:
     def __call__(self, offsets: np.ndarray) -> np.ndarray:
         offsets = np.asarray(offsets, dtype=np.int64)
         rank = np.searchsorted(self.starts, offsets, side="right") - 1
+        if rank.size and rank.min() == rank.max():  # the common case: a run of offsets inside one group
+            one = int(rank[0])
+            return self.edges[self.order[one]] + self._group(one)(offsets - self.starts[one])
         group = self.order[rank]
         first = self.edges[group]
         keys = splitmix64_array(group.astype(np.uint64) ^ self._base)  # = derive_key(..., window, group)
         return first + permute_each(offsets - self.starts[rank], self.edges[group + 1] - first, keys)
+
+    def _group(self, rank: int) -> FeistelPermutation:
+        """The permutation inside the group read at `rank` (the last one asked for is kept)."""
+        if self._last is None or self._last[0] != rank:
+            group = int(self.order[rank])
+            key = int(splitmix64_array(np.array([group], dtype=np.uint64) ^ self._base)[0])
+            self._last = rank, FeistelPermutation(int(self.edges[group + 1] - self.edges[group]), key)
+        return self._last[1]
