@@ -3,6 +3,8 @@ block-group shuffle against the full-window one, counted in blocks read, on real
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -59,3 +61,23 @@ def test_a_resumed_first_batch_reads_as_few_blocks(small_and_large):
     loader.close()
     blocks, _ = first_batch_blocks(path, resume=state)
     assert blocks <= 4
+
+
+@pytest.mark.parametrize("saved_with", [0, GROUP_BYTES])
+def test_a_resume_continues_the_shuffle_its_cursor_was_saved_with(small_and_large, saved_with):
+    """A cursor saved under the window shuffle (as every cursor before block groups was) resumes it."""
+    path = small_and_large["small"]
+    loader = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, group_bytes=saved_with))
+    seen = []
+    for step, batch in enumerate(loader):
+        seen.append(np.asarray(batch["x"]).copy())
+        if step == 2:
+            state = loader.state_dict()
+        if step == 5:
+            break
+    loader.close()
+    assert ("group_bytes" in json.dumps(state)) == bool(saved_with)
+    resumed = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, resume=state))
+    again = [np.asarray(b["x"]).copy() for _, b in zip(range(3), resumed)]
+    resumed.close()
+    assert all(np.array_equal(a, b) for a, b in zip(again, seen[3:]))
