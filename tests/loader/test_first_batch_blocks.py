@@ -78,6 +78,9 @@ def test_a_resume_continues_the_shuffle_its_cursor_was_saved_with(small_and_larg
     loader.close()
     assert ("group_bytes" in json.dumps(state)) == bool(saved_with)
     resumed = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, resume=state))
-    again = [np.asarray(b["x"]).copy() for _, b in zip(range(3), resumed)]
-    resumed.close()
-    assert all(np.array_equal(a, b) for a, b in zip(again, seen[3:]))
+    loaded = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS))  # the Stateful way
+    loaded.load_state_dict(state)
+    for loader in (resumed, loaded):
+        again = [np.asarray(b["x"]).copy() for _, b in zip(range(3), loader)]
+        loader.close()
+        assert all(np.array_equal(a, b) for a, b in zip(again, seen[3:]))

@@ -61,7 +61,7 @@ class TieredDataset(IterableDataset):
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
     samples the rank pulls from its stream at a time. `shuffle=False` trains in stored order (each
     node reads its partitions' shards in order, the same every epoch), resumable and split as ever.
-    `group_bytes` (None: GROUP_BYTES, 4 MiB, or a resumed cursor's) shuffles samples within block
+    `group_bytes` (None: GROUP_BYTES, 4 MiB, or the cursor's of a resume or `load_state_dict`) shuffles samples within block
     groups of about that many decoded bytes inside each window, so a batch decodes a bounded number
     of blocks whatever the dataset's size (order/groups.py); 0 shuffles each window's samples all
     together (every block of a window's shards is read for its first batches).
@@ -150,6 +150,7 @@ class TieredDataset(IterableDataset):
         self.seed = seed
         saved = self._parsed(resume)
         partitions, window_shards, lanes = _saved_breadth(saved, partitions, window_shards, lanes)
+        self._groups_given = group_bytes is not None
         if group_bytes is None:
             group_bytes = _saved_group_bytes(saved)
         if not shuffle and lanes is None:
@@ -236,6 +237,11 @@ class TieredDataset(IterableDataset):
             saved = getattr(cursor.order, "config", {}).get("dataset_id")
             if isinstance(self.order, SampleOrder) and saved != self.order.dataset_id and not self.allow_mismatch:
                 raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
+            if isinstance(self.order, SampleOrder) and not getattr(self, "_groups_given", True):
+                groups = _saved_group_bytes(cursor)  # group_bytes not chosen: the cursor's, as at construction
+                if self.order.shuffle and groups != self.order.group_bytes:
+                    self._order_args["group_bytes"] = groups
+                    self.order = self.order_with(self.working_set)
             cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
                                                                       allow_mismatch=self.allow_mismatch))
         self.batcher.check_resume(cursor)
