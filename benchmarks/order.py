@@ -5,7 +5,8 @@ samples over a fixed 4,000 shards: wall time and peak traced memory, and their g
 1M (target: <= 10%). Then microseconds per sample id on the hot path (batches of 1,000). Then
 shuffle quality against the working set (lanes x windows of k shards): |Spearman rho| between a
 sample's position in the epoch and its stored index (target <= 0.01), and the distinct shards in
-a global batch of 8 ranks x 32 samples.
+a global batch of 8 ranks x 32 samples. Then the hot path's microseconds per sample id under the
+window shuffle against block groups (8 B samples), medians of alternating rounds.
 Run: .venv/bin/python benchmarks/order.py
 """
 
@@ -15,6 +16,7 @@ import time
 import tracemalloc
 
 import numpy as np
+from _harness import spread
 
 from tierflow.order import RankStream, SampleOrder, future_shard_uses
 
@@ -65,6 +67,18 @@ def measure_hot_path(total: int, batches: int = 300) -> tuple[float, float, floa
     return ids_only, with_cursor, future_ms
 
 
+def ids_cost(group_bytes: int, total: int = 100_000_000, batches: int = 3000, batch: int = 256) -> float:
+    """Microseconds per sample id of node batches (ids only) of an order with 8-byte samples."""
+    order = SampleOrder([total // SHARDS] * SHARDS, dataset_id=f"bench-{total}", seed=1, partitions=64, lanes=16,
+                        group_bytes=group_bytes, decoded_bytes=[8 * (total // SHARDS)] * SHARDS)
+    stream = RankStream(order, order.start(), batch_size=batch, node=0, num_nodes=8, ranks_per_node=8)
+    stream.node_batch(0)
+    began = time.perf_counter()
+    for j in range(batches):
+        stream.node_batch(j)
+    return (time.perf_counter() - began) / (batches * batch) * 1e6
+
+
 def shuffle_quality(lanes: int, window_shards: int, shards: int = 2000, per_shard: int = 50,
                     ranks: int = 8, batch: int = 32) -> tuple[float, float, int]:
     """(|Spearman rho| of position vs stored index over one epoch, mean and min distinct shards per
@@ -96,6 +110,16 @@ def main() -> None:
     for total in (SIZES[0], SIZES[-1]):
         ids_only, with_cursor, future_ms = measure_hot_path(total)
         print(f"{total:>14,} {ids_only:>10.3f} {with_cursor:>14.3f} {future_ms:>13.1f}")
+    print()
+    print("hot path by shuffle, 100M samples of 8 B, node batches of 256 (node 0 of 8, 16 lanes), us per id, "
+          "median (min-max) of 5 alternating rounds:")
+    shuffles = {"window": 0, "groups 4 MiB": 4 << 20, "groups 1 MiB": 1 << 20}
+    costs: dict[str, list[float]] = {name: [] for name in shuffles}
+    for round_ in range(5):
+        for name in list(shuffles) if round_ % 2 == 0 else list(shuffles)[::-1]:
+            costs[name].append(ids_cost(shuffles[name]))
+    for name, values in costs.items():
+        print(f"{name:>14} {spread(values, '.3f')}")
     print()
     print("shuffle quality against the working set (2,000 shards x 50 samples, 64 partitions, one node, "
           "global batch 8 x 32):")

@@ -13,8 +13,10 @@ reclaimable page cache), how many shards the first batch opened and how many of 
 it read (each verified, and decoded when compressed, on its own).
 Figures are medians of `--runs` runs, spread is min-max. Shard files stay in the page cache
 between runs (a warm local start); the cold path belongs to benchmarks/loader.py --cold.
+`--group-bytes default,0` measures the loader's default shuffle (block groups) and, beside it in
+the same alternating rounds, the full-window shuffle (group_bytes=0).
 
-    .venv/bin/python benchmarks/startup.py [--sizes 1M,10M,100M] [--runs 3] [--shards 30]
+    .venv/bin/python benchmarks/startup.py [--sizes 1M,10M,100M] [--runs 3] [--shards 30] [--group-bytes default,0]
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def resident_split() -> dict[str, int]:
 
 
 # -- the measured child -----------------------------------------------------------------------
-def child(mode: str, path: str, cursor_file: str | None) -> None:
+def child(mode: str, path: str, cursor_file: str | None, group: str) -> None:
     """One measurement in this fresh interpreter; prints one JSON line."""
     began = time.perf_counter()
     import psutil
@@ -106,8 +108,9 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
 
     imported = time.perf_counter()
     rss_after_import = psutil.Process().memory_info().rss
+    options = {} if group == "default" else {"group_bytes": int(group)}
     if mode == "cursor":
-        loader = Loader(TieredDataset(path, batch_size=BATCH), endless=True)
+        loader = Loader(TieredDataset(path, batch_size=BATCH, **options), endless=True)
         for step, _ in enumerate(loader):
             if step + 1 == CURSOR_STEPS:
                 Path(cursor_file).write_text(json.dumps(loader.state_dict()))
@@ -117,7 +120,7 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
         return
     resume = json.loads(Path(cursor_file).read_text()) if mode == "resume" else None
     start = time.perf_counter()
-    dataset = TieredDataset(path, batch_size=BATCH, resume=resume)
+    dataset = TieredDataset(path, batch_size=BATCH, resume=resume, **options)
     constructed = time.perf_counter()
     loader = Loader(dataset)
     first = next(iter(loader))
@@ -140,8 +143,9 @@ def child(mode: str, path: str, cursor_file: str | None) -> None:
     }))
 
 
-def run_child(mode: str, path: Path, cursor_file: Path) -> dict:
-    command = [sys.executable, __file__, "--child", mode, "--path", str(path), "--cursor-file", str(cursor_file)]
+def run_child(mode: str, path: Path, cursor_file: Path, group: str) -> dict:
+    command = [sys.executable, __file__, "--child", mode, "--path", str(path), "--cursor-file", str(cursor_file),
+               "--group", group]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{mode} child on {path} exited {done.returncode}:\n{done.stderr[-4000:]}")
@@ -149,18 +153,24 @@ def run_child(mode: str, path: Path, cursor_file: Path) -> dict:
 
 
 # -- the table --------------------------------------------------------------------------------
-def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tuple[str, int], list[dict]]) -> None:
+def group_label(group: str) -> str:
+    return "default" if group == "default" else "window" if group == "0" else f"g={int(group) / 2**20:g}MiB"
+
+
+def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str],
+                results: dict[tuple[str, str, int], list[dict]]) -> None:
     mb = 1 / 2**20
     print()
-    print(f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set")
-    header = (f"{'mode':<8}{'samples':>9}{'shards':>7}  {'import s':>18}  {'dataset() ms':>20}  "
+    print(f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set; shuffle: "
+          f"default = the loader's (block groups), window = group_bytes=0 (the full-window shuffle)")
+    header = (f"{'mode':<8}{'shuffle':>10}{'samples':>9}{'shards':>7}  {'import s':>18}  {'dataset() ms':>20}  "
               f"{'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  {'anon/file MB':>13}  {'shards read':>11}")
     print(header)
     print("-" * len(header))
-    for mode in ("startup", "resume"):
+    for mode, group in ((m, g) for m in ("startup", "resume") for g in groups):
         for samples in sizes:
-            runs = results[(mode, samples)]
-            print(f"{mode:<8}{label(samples):>9}{shard_counts[samples]:>7}  "
+            runs = results[(mode, group, samples)]
+            print(f"{mode:<8}{group_label(group):>10}{label(samples):>9}{shard_counts[samples]:>7}  "
                   f"{spread([r['import_s'] for r in runs], '.2f', 1):>18}  "
                   f"{spread([r['dataset_s'] for r in runs], '.1f', 1e3):>20}  "
                   f"{spread([r['first_batch_s'] for r in runs], '.1f', 1e3):>20}  "
@@ -173,17 +183,19 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], results: dict[tu
     small, large = sizes[0], sizes[-1]
     print()
     print(f"growth {label(small)} -> {label(large)} samples (ratio of medians; target <= {TARGET_GROWTH:.2f})")
-    print(f"{'mode':<8}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}  verdict")
-    for mode in ("startup", "resume"):
+    print(f"{'mode':<8}{'shuffle':>10}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}  verdict")
+    for mode, group in ((m, g) for m in ("startup", "resume") for g in groups):
         def median_of(samples: int, key: str) -> float:
-            return statistics.median(r[key] for r in results[(mode, samples)])
+            return statistics.median(r[key] for r in results[(mode, group, samples)])
 
         time_ratio = median_of(large, "first_batch_s") / median_of(small, "first_batch_s")
         rss_ratio = median_of(large, "peak_rss") / median_of(small, "peak_rss")
-        added = [statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, s)]) for s in (small, large)]
+        added = [statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, group, s)])
+                 for s in (small, large)]
         added_ratio = added[1] / added[0] if added[0] > 0 else float("inf")
         met = time_ratio <= TARGET_GROWTH and rss_ratio <= TARGET_GROWTH
-        print(f"{mode:<8}{time_ratio:>14.2f}{rss_ratio:>10.2f}{added_ratio:>19.2f}  {'met' if met else 'MISSED'}")
+        print(f"{mode:<8}{group_label(group):>10}{time_ratio:>14.2f}{rss_ratio:>10.2f}{added_ratio:>19.2f}  "
+              f"{'met' if met else 'MISSED'}")
 
 
 def main() -> None:
@@ -194,14 +206,19 @@ def main() -> None:
                         help="fixed shard count (<= 30 so 1M int64 samples fill 256 KB shards)")
     parser.add_argument("--compression", default="zstd",
                         help="at-rest shard compression for pack ('none' shards are memory-mapped, like a warm L1)")
+    parser.add_argument("--group-bytes", default="default",
+                        help="comma-separated TieredDataset group_bytes to compare ('default': not passed; 0: the "
+                             "full-window shuffle)")
     parser.add_argument("--keep", action="store_true", help="leave the datasets on disk and print where")
     parser.add_argument("--child", choices=["startup", "resume", "cursor"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--cursor-file", help=argparse.SUPPRESS)
+    parser.add_argument("--group", default="default", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.path, args.cursor_file)
+        child(args.child, args.path, args.cursor_file, args.group)
         return
+    groups = [g.strip() for g in args.group_bytes.split(",")]
 
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     if len(sizes) < 2:
@@ -215,16 +232,20 @@ def main() -> None:
             print(f"built {label(samples)} samples: {shard_counts[samples]} shards in {seconds:.1f} s", flush=True)
         if len(set(shard_counts.values())) != 1:
             print(f"warning: shard counts differ across sizes: {shard_counts}", flush=True)
-        cursors = {samples: root / f"cursor-{label(samples)}.json" for samples in sizes}
-        for samples in sizes:
-            run_child("cursor", datasets[samples], cursors[samples])
-        results: dict[tuple[str, int], list[dict]] = {(m, s): [] for m in ("startup", "resume") for s in sizes}
+        cursors = {(g, s): root / f"cursor-{g}-{label(s)}.json" for g in groups for s in sizes}
+        for (group, samples), cursor in cursors.items():
+            run_child("cursor", datasets[samples], cursor, group)
+        results: dict[tuple[str, str, int], list[dict]] = {
+            (m, g, s): [] for m in ("startup", "resume") for g in groups for s in sizes}
         for run in range(args.runs):
-            for samples in sizes:  # interleaved, so drift on a shared machine spreads over every size
-                for mode in ("startup", "resume"):
-                    results[(mode, samples)].append(run_child(mode, datasets[samples], cursors[samples]))
+            # interleaved, so drift on a shared machine spreads over every size and shuffle
+            for group in groups if run % 2 == 0 else groups[::-1]:
+                for samples in sizes if run % 2 == 0 else sizes[::-1]:
+                    for mode in ("startup", "resume"):
+                        results[(mode, group, samples)].append(
+                            run_child(mode, datasets[samples], cursors[(group, samples)], group))
             print(f"run {run + 1}/{args.runs} done", flush=True)
-        print_table(sizes, shard_counts, results)
+        print_table(sizes, shard_counts, groups, results)
     finally:
         if args.keep:
             print(f"datasets kept in {root}")

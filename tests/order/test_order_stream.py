@@ -13,10 +13,16 @@ from tierflow.order import CursorMismatchError, RankStream, SampleOrder
 COUNTS = [int(c) for c in np.random.default_rng(5).integers(5, 41, size=64)]
 
 
-def make_order(remainder="carry", seed=11, partitions=16, window_shards=3, counts=COUNTS):
+GROUPED = 64
+"""group_bytes for the block-group shuffle at 10 decoded bytes a sample: shards of 5-40 samples are
+cut into runs of <= 6 samples, or merged while they fit."""
+
+
+def make_order(remainder="carry", seed=11, partitions=16, window_shards=3, counts=COUNTS, group_bytes=0):
     return SampleOrder(
         counts, dataset_id="synthetic-64", seed=seed, partitions=partitions,
-        window_shards=window_shards, remainder=remainder,
+        window_shards=window_shards, remainder=remainder, group_bytes=group_bytes,
+        decoded_bytes=[10 * c for c in counts],
     )
 
 
@@ -42,10 +48,11 @@ def run_epoch_zero(order, cursor, nodes, ranks, workers, batch_size, max_steps=N
     return np.concatenate(seen), last_cursor
 
 
+@pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("remainder", ["carry", "pad"])
 @pytest.mark.parametrize("nodes,ranks,workers", [(1, 1, 1), (2, 2, 2), (4, 1, 3), (2, 4, 1), (8, 2, 2)])
-def test_every_sample_exactly_once_per_epoch_for_any_world_shape(remainder, nodes, ranks, workers):
-    order = make_order(remainder)
+def test_every_sample_exactly_once_per_epoch_for_any_world_shape(remainder, nodes, ranks, workers, group_bytes):
+    order = make_order(remainder, group_bytes=group_bytes)
     ids, _ = run_epoch_zero(order, order.start(), nodes, ranks, workers, batch_size=7)
     assert np.array_equal(np.sort(ids), np.arange(sum(COUNTS)))
 
@@ -70,18 +77,20 @@ def test_pad_marks_repeats_in_the_mask_and_keeps_batches_full():
         assert set(b.sample_ids[~b.mask].tolist()) <= set(real.tolist())
 
 
+@pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("new_nodes,new_ranks", [(2, 2), (8, 1), (4, 3)])
-def test_elastic_resume_covers_the_epoch_exactly_once(new_nodes, new_ranks):
-    order = make_order()
+def test_elastic_resume_covers_the_epoch_exactly_once(new_nodes, new_ranks, group_bytes):
+    order = make_order(group_bytes=group_bytes)
     first, cursor = run_epoch_zero(order, order.start(), 4, 2, 2, batch_size=5, max_steps=9)
     resumed = order.load(json.loads(json.dumps(cursor)))
     second, _ = run_epoch_zero(order, resumed, new_nodes, new_ranks, 2, batch_size=5)
     assert np.array_equal(np.sort(np.concatenate([first, second])), np.arange(sum(COUNTS)))
 
 
+@pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("remainder", ["carry", "drop", "pad"])
-def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuation(remainder):
-    order = make_order(remainder)
+def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuation(remainder, group_bytes):
+    order = make_order(remainder, group_bytes=group_bytes)
     world = dict(num_nodes=2, ranks_per_node=3, batch_size=6)
     rng = np.random.default_rng(0)
     for stop in rng.integers(0, 120, size=5).tolist():
@@ -89,14 +98,16 @@ def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuatio
             for rank in range(3):
                 whole = RankStream(order, order.start(), node=node, rank=rank, **world)
                 saved = whole.batch(stop).cursor
-                again = RankStream(order, make_order(remainder).load(saved), node=node, rank=rank, **world)
+                again = RankStream(order, make_order(remainder, group_bytes=group_bytes).load(saved), node=node,
+                                   rank=rank, **world)
                 for k in range(4):
                     assert np.array_equal(again.batch(k).sample_ids, whole.batch(stop + 1 + k).sample_ids)
                     assert again.batch(k).cursor == whole.batch(stop + 1 + k).cursor
 
 
-def test_seeking_to_a_batch_equals_iterating_to_it():
-    order = make_order()
+@pytest.mark.parametrize("group_bytes", [0, GROUPED])
+def test_seeking_to_a_batch_equals_iterating_to_it(group_bytes):
+    order = make_order(group_bytes=group_bytes)
     stream = RankStream(order, order.start(), batch_size=4, num_nodes=4, node=1, ranks_per_node=2, rank=1)
     iterated = [b.sample_ids for _, b in zip(range(150), stream.batches())]
     for b in np.random.default_rng(1).integers(0, 150, size=10).tolist():
@@ -104,8 +115,9 @@ def test_seeking_to_a_batch_equals_iterating_to_it():
         assert np.array_equal(fresh.batch(b).sample_ids, iterated[b])
 
 
-def test_cursor_is_world_independent_across_ranks_and_nodes():
-    order = make_order()
+@pytest.mark.parametrize("group_bytes", [0, GROUPED])
+def test_cursor_is_world_independent_across_ranks_and_nodes(group_bytes):
+    order = make_order(group_bytes=group_bytes)
     cursors = {
         json.dumps(RankStream(order, order.start(), batch_size=5, num_nodes=2, node=n,
                               ranks_per_node=2, rank=r).batch(13).cursor, sort_keys=True)
@@ -124,15 +136,17 @@ def test_golden_first_batches_for_a_small_config():
 GOLDEN = [[40, 8, 46, 43, 9, 1], [176, 97, 95, 90, 173, 93], [143, 148, 69, 65, 140, 146]]
 
 
-def test_same_seed_gives_the_same_order_in_another_process():
+@pytest.mark.parametrize("group_bytes", [0, GROUPED])
+def test_same_seed_gives_the_same_order_in_another_process(group_bytes):
     code = (
         "import json;from tierflow.order import SampleOrder, RankStream;"
-        f"o=SampleOrder({COUNTS}, dataset_id='synthetic-64', seed=11, partitions=16, window_shards=3);"
+        f"o=SampleOrder({COUNTS}, dataset_id='synthetic-64', seed=11, partitions=16, window_shards=3, "
+        f"group_bytes={group_bytes}, decoded_bytes={[10 * c for c in COUNTS]});"
         "s=RankStream(o,o.start(),batch_size=7,num_nodes=2,node=1);"
         "print(json.dumps([s.batch(b).sample_ids.tolist() for b in range(20)]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    order = make_order()
+    order = make_order(group_bytes=group_bytes)
     stream = RankStream(order, order.start(), batch_size=7, num_nodes=2, node=1)
     assert json.loads(out) == [stream.batch(b).sample_ids.tolist() for b in range(20)]
 

@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSource
-from tierflow.format.shard import Form
+from tierflow.format.shard import Form, ShardInfo
 from tierflow.format.table import BlockCache
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
@@ -31,6 +31,7 @@ from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
+from tierflow.order.groups import GROUP_BYTES
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.tier import memory_headroom
@@ -61,6 +62,10 @@ class TieredDataset(IterableDataset):
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
     samples the rank pulls from its stream at a time. `shuffle=False` trains in stored order (each
     node reads its partitions' shards in order, the same every epoch), resumable and split as ever.
+    `group_bytes` (None: GROUP_BYTES, 4 MiB, or the cursor's of a resume or `load_state_dict`) shuffles samples within block
+    groups of about that many decoded bytes inside each window, so a batch decodes a bounded number
+    of blocks whatever the dataset's size (order/groups.py); 0 shuffles each window's samples all
+    together (every block of a window's shards is read for its first batches).
     `datasets=[a, b, ...]` with `weights=` mixes several datasets instead of `data` (mixture.py).
     """
 
@@ -90,6 +95,7 @@ class TieredDataset(IterableDataset):
         lanes: int | None = None,
         remainder: str = "carry",
         shuffle: bool = True,
+        group_bytes: int | None = None,
         eval: bool = False,
         resume: Resume = None,
         allow_mismatch: bool = False,
@@ -145,12 +151,17 @@ class TieredDataset(IterableDataset):
         self.seed = seed
         saved = self._parsed(resume)
         partitions, window_shards, lanes = _saved_breadth(saved, partitions, window_shards, lanes)
+        self._groups_given = group_bytes is not None
+        if group_bytes is None:
+            group_bytes = _saved_group_bytes(saved)
         if not shuffle and lanes is None:
             lanes = 1  # one lane reads the node's contiguous partitions one after another: stored order
         if partitions is None:
             partitions = default_partitions(int((counts > 0).sum()))
         self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
-                            "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle}
+                            "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle,
+                            "group_bytes": group_bytes, "decoded_bytes": [s.decoded_bytes for s in manifest.shards],
+                            "block_bytes": [_largest_block(s) for s in manifest.shards]}
         self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
         self.order = self.order_with(self.working_set)
         declare = getattr(getattr(data, "source", None), "declare", None)
@@ -227,6 +238,11 @@ class TieredDataset(IterableDataset):
             saved = getattr(cursor.order, "config", {}).get("dataset_id")
             if isinstance(self.order, SampleOrder) and saved != self.order.dataset_id and not self.allow_mismatch:
                 raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
+            if isinstance(self.order, SampleOrder) and not getattr(self, "_groups_given", True):
+                groups = _saved_group_bytes(cursor)  # group_bytes not chosen: the cursor's, as at construction
+                if self.order.shuffle and groups != self.order.group_bytes:
+                    self._order_args["group_bytes"] = groups
+                    self.order = self.order_with(self.working_set)
             cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
                                                                       allow_mismatch=self.allow_mismatch))
         self.batcher.check_resume(cursor)
@@ -423,6 +439,21 @@ def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_s
         value = config.get(name)
         return given if given is not None or not isinstance(value, int) else value
     return saved(partitions, "partitions"), saved(window_shards, "window_shards"), saved(lanes, "lanes")
+
+
+def _largest_block(shard: ShardInfo) -> int:
+    """Decoded bytes of the shard's largest block, from its share of the rows (blocks are cut by bytes)."""
+    rows = max((b.rows for b in shard.blocks), default=0)
+    return shard.decoded_bytes * rows // max(shard.samples, 1)
+
+
+def _saved_group_bytes(resume: LoaderCursor | None) -> int:
+    """A resumed cursor's block groups (0 in one saved before them: the full-window shuffle), else the default."""
+    config = getattr(resume.order, "config", None) if resume is not None else None
+    if not config:
+        return GROUP_BYTES
+    value = config.get("group_bytes", 0)
+    return value if isinstance(value, int) else GROUP_BYTES
 
 
 def _other_dataset(saved: str, ours: str) -> str:

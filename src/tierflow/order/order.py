@@ -33,7 +33,11 @@ class MicroBatch:
 
 class SampleOrder:
     """Deterministic, seekable order of one dataset over P canonical partitions. `shuffle=False`:
-    stored order (contiguous partitions, no shard, window or lane shuffle), every epoch the same."""
+    stored order (contiguous partitions, no shard, window or lane shuffle), every epoch the same.
+    `group_bytes` > 0 (with every shard's `decoded_bytes`, and the decoded size of its largest
+    block, `block_bytes`, when known): samples are shuffled within block groups of about that many
+    decoded bytes (at least a block) inside each window, the groups shuffled (groups.py), so a
+    batch reads a bounded number of blocks; 0: each window's samples shuffled all together."""
 
     def __init__(
         self,
@@ -47,11 +51,16 @@ class SampleOrder:
         remainder: str | Remainder = Remainder.CARRY,
         shard_bytes: Sequence[int] | None = None,
         shuffle: bool = True,
+        group_bytes: int = 0,
+        decoded_bytes: Sequence[int] | None = None,
+        block_bytes: Sequence[int] | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
         if lanes is not None and lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
+        if group_bytes < 0:
+            raise ValueError(f"group_bytes must be >= 0, got {group_bytes}")
         self.dataset_id = dataset_id
         self.seed = int(seed)
         self.window_shards = window_shards
@@ -59,6 +68,16 @@ class SampleOrder:
         self.shuffle = bool(shuffle)
         self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes, contiguous=not self.shuffle)
         self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
+        self.group_bytes = int(group_bytes) if self.shuffle else 0
+        self.decoded_bytes = self.block_bytes = None
+        if self.group_bytes:
+            shards = self.layout.num_shards
+            if decoded_bytes is None or len(decoded_bytes) != shards:
+                raise ValueError(f"block groups need decoded_bytes for each of the {shards} shards")
+            if block_bytes is not None and len(block_bytes) != shards:
+                raise ValueError(f"block_bytes has {len(block_bytes)} entries for {shards} shards")
+            self.decoded_bytes = np.asarray(decoded_bytes, dtype=np.int64)
+            self.block_bytes = None if block_bytes is None else np.asarray(block_bytes, dtype=np.int64)
         self.config: dict[str, Any] = {
             "dataset_id": dataset_id,
             "seed": self.seed,
@@ -72,6 +91,11 @@ class SampleOrder:
         }
         if not self.shuffle:  # only then, so a shuffled order's cursors keep their hash
             self.config["shuffle"] = False
+        if self.decoded_bytes is not None:  # only then, so a full-window order's cursors keep their hash
+            self.config["group_bytes"] = self.group_bytes
+            sizes = self.decoded_bytes if self.block_bytes is None else np.concatenate([self.decoded_bytes,
+                                                                                         self.block_bytes])
+            self.config["decoded"] = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
         canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
         self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
         self._windows: OrderedDict[tuple[int, int], EpochWindows] = OrderedDict()
@@ -132,7 +156,8 @@ class SampleOrder:
         if found is not None:
             self._windows.move_to_end(key)
             return found
-        built = EpochWindows(self.layout, partition, epoch, self.seed, self.window_shards, self.shuffle)
+        built = EpochWindows(self.layout, partition, epoch, self.seed, self.window_shards, self.shuffle,
+                             self.group_bytes, self.decoded_bytes, self.block_bytes)
         self._windows[key] = built
         if len(self._windows) > self._windows_capacity:
             self._windows.popitem(last=False)

@@ -1,8 +1,9 @@
 """One partition's epoch: its shards shuffled, then samples shuffled inside windows of k shards.
 
 Epoch offset o of partition p is computed, never stored: find the window holding o (binary
-search over O(shards of p) window starts), permute o inside the window with a Feistel permutation
-keyed by (seed, epoch, p, window), and map the permuted slot back to (shard, row).
+search over O(shards of p) window starts), permute o inside the window - with a Feistel
+permutation keyed by (seed, epoch, p, window) over the whole window, or by block groups
+(groups.py) - and map the permuted slot back to (shard, row).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import OrderedDict
 import numpy as np
 
 from tierflow.order._keys import derive_key
+from tierflow.order.groups import WindowGroups
 from tierflow.order.layout import PartitionLayout
 from tierflow.order.permutation import FeistelPermutation
 
@@ -26,14 +28,19 @@ class _Identity:
 _IDENTITY = _Identity()
 CHUNK = 2048
 CHUNKS_KEPT = 2
+WINDOWS_KEPT = 4
+"""Windows whose permutation is kept built (a block-group one holds O(groups) arrays)."""
 
 
 class EpochWindows:
-    """The shuffled shard order and sample windows of (partition, epoch)."""
+    """The shuffled shard order and sample windows of (partition, epoch); with `group_bytes` (and
+    the shards' `decoded_bytes`, and their largest blocks' `block_bytes` when known) samples are
+    shuffled within block groups of each window."""
 
     def __init__(
         self, layout: PartitionLayout, partition: int, epoch: int, seed: int, window_shards: int,
-        shuffle: bool = True,
+        shuffle: bool = True, group_bytes: int = 0, decoded_bytes: np.ndarray | None = None,
+        block_bytes: np.ndarray | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -55,7 +62,12 @@ class EpochWindows:
         window_edges = np.unique(np.minimum(window_edges, owned.size))
         self.window_shard_edges = window_edges
         self.window_starts = self.shard_starts[window_edges]
-        self._window_permutations: dict[int, FeistelPermutation] = {}
+        if group_bytes and decoded_bytes is None:
+            raise ValueError("block groups (group_bytes > 0) need the shards' decoded_bytes")
+        self.group_bytes = group_bytes
+        self._decoded_bytes = decoded_bytes if group_bytes else None
+        self._block_bytes = block_bytes
+        self._window_permutations: OrderedDict[int, FeistelPermutation | WindowGroups] = OrderedDict()
         self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
 
     @property
@@ -70,15 +82,24 @@ class EpochWindows:
     def window_of(self, offset: int) -> int:
         return int(np.searchsorted(self.window_starts, offset, side="right") - 1)
 
-    def _permutation(self, window: int) -> FeistelPermutation | _Identity:
+    def _permutation(self, window: int) -> FeistelPermutation | WindowGroups | _Identity:
         if not self.shuffle:
             return _IDENTITY
         permutation = self._window_permutations.get(window)
-        if permutation is None:
+        if permutation is not None:
+            self._window_permutations.move_to_end(window)
+            return permutation
+        if self._decoded_bytes is not None:
+            shards = self.window_shards(window)
+            blocks = self._block_bytes[shards] if self._block_bytes is not None else None
+            permutation = WindowGroups(self._layout.shard_sample_counts[shards], self._decoded_bytes[shards], blocks,
+                                       self.group_bytes, self.seed, self.epoch, self.partition, window)
+        else:
             size = int(self.window_starts[window + 1] - self.window_starts[window])
-            key = derive_key("window", self.seed, self.epoch, self.partition, window)
-            permutation = FeistelPermutation(size, key)
-            self._window_permutations[window] = permutation
+            permutation = FeistelPermutation(size, derive_key("window", self.seed, self.epoch, self.partition, window))
+        self._window_permutations[window] = permutation
+        if len(self._window_permutations) > WINDOWS_KEPT:
+            self._window_permutations.popitem(last=False)
         return permutation
 
     def range_ids(self, start: int, stop: int) -> np.ndarray:
