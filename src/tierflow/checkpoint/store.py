@@ -425,8 +425,8 @@ class CheckpointStore:
             return
         if wait:
             self.wait()
-        if proc.stdin is not None:
-            proc.stdin.close()
+        assert proc.stdin is not None  # opened as a pipe in _uploader
+        proc.stdin.close()
         if not wait:
             proc.kill()
         proc.wait()
