@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -21,10 +22,11 @@ import pytest
 
 import tierflow
 from tierflow.errors import ManifestError, ShardCorruptError
+from tierflow.format._ipcmeta import MalformedMessage, _Table, batch_claims
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import ShardWriter, decode_shard
 
-from hostile import forge, set_rows
+from hostile import forge, record_batch_metadata, set_rows
 
 SRC = Path(tierflow.__file__).resolve().parents[1]  # the tierflow under test, in the child too
 TESTS = Path(__file__).resolve().parent
@@ -197,3 +199,29 @@ def test_a_remote_manifest_over_the_limit_is_refused_before_download(tmp_path, m
     with pytest.raises(ManifestError, match="5000 bytes, more than the 4096"):
         read_manifest(source)
     assert not read
+
+
+def _record_batch_meta(root: Path) -> bytes:
+    m = json.loads((root / MANIFEST_NAME).read_text())
+    shard = m["shards"][0]
+    data = (root / shard["name"]).read_bytes()
+    start, size = record_batch_metadata(data, shard["blocks"]["offset"][1], shard["blocks"]["length"][1], False)
+    return data[start:start + size]
+
+
+def test_record_batch_metadata_pointing_outside_itself_is_malformed_never_a_struct_error(tmp_path):
+    """The claims reader runs before Arrow's: cut short, pointing past its end, or with a vector
+    longer than the bytes left, the metadata is MalformedMessage (a ValueError decode_block turns
+    into ShardCorruptError naming shard and block), never struct.error, IndexError or a huge list."""
+    meta = _record_batch_meta(pack_plain(tmp_path))
+    assert batch_claims(meta).rows > 0  # the real one reads
+    with pytest.raises(MalformedMessage, match="4 bytes of metadata"):
+        batch_claims(meta[:4])
+    with pytest.raises(MalformedMessage, match=r"offset \d+ outside the 8-byte metadata"):
+        batch_claims(struct.pack("<I", 1 << 20) + b"\0" * 4)
+    nodes = _Table(meta, struct.unpack_from("<I", meta, 0)[0]).table(2).field(1)
+    count_at = nodes + struct.unpack_from("<I", meta, nodes)[0]
+    forged = bytearray(meta)
+    struct.pack_into("<I", forged, count_at, 1 << 30)  # a billion field nodes in a few hundred bytes
+    with pytest.raises(MalformedMessage, match="a vector of 1073741824 entries runs past the metadata"):
+        batch_claims(bytes(forged))
