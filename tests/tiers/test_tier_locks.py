@@ -6,6 +6,7 @@ the index does not know) and nothing a live process or the index still owns.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import subprocess
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tierflow.errors import TierIndexError
 from tierflow.format._checksum import xxh3_128_hex
 from tierflow.policies.auto import Lifecycle
+from tierflow.testing.faults import FailNth
 from tierflow.tiers.tier import EntryHeat, Tier
 
 DATA = b"entry bytes " * 1000
@@ -265,3 +268,39 @@ def test_a_reader_declaring_reshuffled_epochs_switches_an_auto_tier_in_use_to_ke
     tier.set_lifecycle(Lifecycle(passes=None, pattern="reshuffle"))  # nochurn from now on
     assert tier.ensure("c", len(DATA), xxh3_128_hex(DATA), produce) is None
     assert tier.m_bypass.value == 1 and sorted(tier.index.keys()) == ["a", "b"]
+
+
+def test_a_fetch_lock_the_device_cannot_create_serves_from_below_counted_and_warned_once(tmp_path: Path,
+                                                                                        caplog) -> None:
+    """The lock file is the first thing a fill writes: a full disk there counts as a no-space
+    fallback, a failing device as a write error, each read served from below (None), nothing left."""
+    tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    with FailNth(1, [tier.root], ops=("open_write",), error=errno.ENOSPC, persistent=True):
+        assert tier.ensure("k", len(DATA), xxh3_128_hex(DATA), produce) is None
+    assert tier.m_enospc.value == 1 and tier.m_write_errors.value == 0
+    with caplog.at_level("WARNING", logger="tierflow.tiers"):
+        with FailNth(1, [tier.root], ops=("open_write",), error=errno.EIO, persistent=True):
+            for _ in range(2):
+                assert tier.ensure("k", len(DATA), xxh3_128_hex(DATA), produce) is None
+    assert tier.m_write_errors.value == 2 and tier.m_misses.value == 0
+    assert sum("a write failed" in r.getMessage() for r in caplog.records) == 1
+    assert not tier.index.entries() and not list((tier.root / "tmp").iterdir())
+    pin = tier.ensure("k", len(DATA), xxh3_128_hex(DATA), produce)  # the device back: cached again
+    assert pin is not None and pin.path.read_bytes() == DATA
+    pin.release()
+
+
+@pytest.mark.parametrize("damage", ["foreign", "zeroed"])
+def test_a_damaged_index_is_a_typed_error_naming_it_not_a_bare_sqlite_error(tmp_path: Path, damage: str) -> None:
+    """Issue 18 (defect 6): a tier directory whose index is not SQLite (a foreign file, one
+    zeroed) is TierIndexError naming the file and the remedy; before, sqlite3.DatabaseError
+    ('file is not a database') reached the caller with no path."""
+    Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest").ensure("k", len(DATA), xxh3_128_hex(DATA),
+                                                                   produce).release()
+    index = tmp_path / "l2" / "tierflow-index.sqlite"
+    for side in ("-wal", "-shm"):
+        index.with_name(index.name + side).unlink(missing_ok=True)
+    index.write_bytes(b"{\"not\": \"an index\"}\n" if damage == "foreign" else bytes(4096))
+    with pytest.raises(TierIndexError, match=rf"{index}: .*remove the tier directory") as caught:
+        Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
+    assert isinstance(caught.value, OSError)

@@ -43,7 +43,7 @@ from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.tiers._fairshare import FairShare
 from tierflow.tiers._index import EntryRow, IndexTrouble, TierIndex, process_alive
 from tierflow.tiers._lock import FileLock, Pin, is_pinned, try_remove_unpinned
-from tierflow.errors import FetchError, ShardCorruptError
+from tierflow.errors import FetchError, ShardCorruptError, TierIndexError
 
 log = logging.getLogger("tierflow.tiers")
 INDEX_NAME = "tierflow-index.sqlite"
@@ -51,6 +51,8 @@ MAX_BLOCK_LIST_BYTES = 64 << 20
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 DEVICE_FAILED = frozenset({errno.EIO, errno.EROFS})
 """Write errors of a tier's own files after which the read is served from below (tiers are optional)."""
+INDEX_DAMAGED = frozenset({11, 26})
+"""SQLITE_CORRUPT, SQLITE_NOTADB: the index file is damaged or not SQLite (TierIndexError)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,9 @@ class Tier:
             requested["capacity"] = str(Capacity(capacity).resolve(self.root, self.index.occupancy()[0]))
             stored = self.index.set_config_if_absent(requested)
         except sqlite3.Error as e:  # a full disk: no caching, with what was asked, until the index opens
+            if getattr(e, "sqlite_errorcode", 0) & 0xFF in INDEX_DAMAGED:
+                raise TierIndexError(f"tier {name}: {self.root / INDEX_NAME}: {e}; the tier is a cache: remove the "
+                                     f"tier directory (its entries are fetched again)") from e
             if not self._index_trouble(e):
                 raise
         for k, v in requested.items():
