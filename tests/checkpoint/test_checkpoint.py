@@ -411,3 +411,31 @@ def test_commit_async_commits_steps_in_the_order_they_were_handed_over(tmp_path:
     assert [f.result() for f in futures] == [tmp_path / "local" / step_name(s) for s in (1, 2)]
     store.wait()
     assert store.latest() == 2 and store.verify(1).ok
+
+
+class Cursor:
+    """Anything with a JSON state (what LoaderState wraps): here, a counter."""
+
+    def __init__(self, consumed: int = 0) -> None:
+        self.consumed = consumed
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = state["consumed"]
+
+
+def test_a_step_resumed_under_its_own_world_size_with_checkpoint_takes_the_ranks_own_state(tmp_path: Path) -> None:
+    dcp.save({"loader": LoaderState(Cursor(7), key="rank0")}, checkpoint_id=tmp_path / "one")
+    resumed = Cursor()
+    dcp.load({"loader": LoaderState(resumed, checkpoint=tmp_path / "one")}, checkpoint_id=tmp_path / "one")
+    assert resumed.consumed == 7
+
+
+def test_a_step_without_loader_state_under_the_name_is_a_cursor_error_naming_it(tmp_path: Path) -> None:
+    from tierflow.errors import CursorError
+
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=tmp_path / "model-only")
+    with pytest.raises(CursorError, match=rf"{tmp_path / 'model-only'}: no loader state under 'loader'"):
+        LoaderState(Cursor(), checkpoint=tmp_path / "model-only")

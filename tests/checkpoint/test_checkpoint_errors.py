@@ -228,3 +228,11 @@ def test_an_uploader_that_dies_ends_the_stagers_rides_for_its_uploads(tmp_path: 
         store.wait(timeout=30)
     assert ride._ended.is_set() and store._rides == {}  # the loop's lookahead is not left stretched
     store.close(wait=False)
+
+
+def test_a_node_whose_local_directory_is_gone_has_nothing_to_prune(tmp_path: Path) -> None:
+    """The uploader prunes the node's copies after each upload; a directory removed meanwhile (the
+    node's disk wiped) is no error for it."""
+    from tierflow.checkpoint.remote import prune_local
+
+    assert prune_local(tmp_path / "wiped", None, keep_last=1, keep_every=None) == []
