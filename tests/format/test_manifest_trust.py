@@ -219,12 +219,26 @@ def _outside(d):
     d["shards"][0]["blocks"]["length"][-1] += d["shards"][0]["bytes"]
 
 
+def _nested(d):
+    """Block 1 said to lie inside block 0: `verify` then named the sound blocks after it as failing."""
+    blocks = d["shards"][0]["blocks"]
+    blocks["offset"][1], blocks["length"][1] = blocks["offset"][0] + 8, 16
+
+
+def _out_of_order(d):
+    blocks = d["shards"][0]["blocks"]
+    for column in blocks.values():
+        column[0], column[1] = column[1], column[0]
+
+
 HOSTILE_FIELDS = {
     "token_dtype": (lambda d: d.update(token_dtype="float64"), r"token_dtype 'float64' is not one of"),
     "a shard listed twice": (_twice, "a shard is listed twice"),
     "block rows": (_rows_moved_out, r"block rows sum to \d+, not \d+ samples"),
     "negative rows": (_absurd_rows, "a block of -1 rows is negative or absurd"),
     "a block outside the file": (_outside, r"block at \d+\+\d+ lies outside the file"),
+    "overlapping blocks": (_nested, r"block at \d+\+16 overlaps the block before it"),
+    "blocks out of file order": (_out_of_order, r"block at 0\+\d+ overlaps the block before it"),
     "token_column": (lambda d: d.update(token_column="nope"), "token_column 'nope' is not in the schema"),
 }
 
