@@ -130,6 +130,7 @@ def test_a_dataset_asked_for_what_it_does_not_hold_names_itself(packed, tokens) 
     with pytest.raises(IndexError, match=rf"{tokens}: a window of 8 tokens from {total - 4} runs past the stream end"):
         reader.copy_windows(out, np.array([0, total - 4]))
     assert reader.pieces == 0 and not out.any()  # refused before a token was copied
+    reader.copy_windows(out[:0], np.array([], dtype=np.int64))  # no rows: nothing to do, no error
 
 
 def test_a_shard_writer_refuses_a_compression_it_does_not_know(tmp_path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tierflow.tiers.config import parse_size
 from tierflow.tiers.tier import memory_headroom
 
 MEMINFO = "MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    2000000 kB\n"
@@ -38,3 +39,7 @@ def test_a_headroom_nothing_states_is_unknown(tmp_path: Path) -> None:
     assert memory_headroom(*kernel_files(tmp_path, "max", meminfo="MemTotal: 16000000 kB\n")) is None
     assert memory_headroom(tmp_path / "none", tmp_path / "none") is None
 
+
+
+def test_a_size_given_as_a_number_is_bytes() -> None:
+    assert parse_size(4096) == 4096 and parse_size(1.5e9) == 1_500_000_000 and parse_size("1.5e9") == 1_500_000_000
