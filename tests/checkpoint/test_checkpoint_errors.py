@@ -236,3 +236,26 @@ def test_a_node_whose_local_directory_is_gone_has_nothing_to_prune(tmp_path: Pat
     from tierflow.checkpoint.remote import prune_local
 
     assert prune_local(tmp_path / "wiped", None, keep_last=1, keep_every=None) == []
+
+
+def test_an_upload_that_failed_before_wait_was_called_is_still_raised_by_it(tmp_path: Path) -> None:
+    """The uploader answers as soon as it fails; a `wait()` called after the answer came (the
+    uploader already running, the failure fast) must raise it all the same, once. It looked only at
+    the steps still pending when it was called, so such a failure was dropped (the test above
+    failed so at its second step in a run under load)."""
+    import time
+
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the destination's directory would be")
+    with CheckpointStore(blocked / "ck", tmp_path / "local") as store:
+        write_step(store, 3)
+        with pytest.raises(CheckpointError, match=rf"{step_name(3)}: upload failed"):
+            store.wait(timeout=60)
+        write_step(store, 4)
+        deadline = time.monotonic() + 60
+        while store.uploading() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the answer is in before wait is called
+        assert store.uploading() == []
+        with pytest.raises(CheckpointError, match=rf"{step_name(4)}: upload failed"):
+            store.wait(timeout=60)
+        store.wait(timeout=60)  # raised once: nothing else failed since
