@@ -7,6 +7,7 @@ The crashing and memory-hungry cases run in a child process: a regression then f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -24,7 +25,7 @@ import tierflow
 from tierflow.errors import ManifestError, ShardCorruptError
 from tierflow.format._ipcmeta import MalformedMessage, _Table, batch_claims
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import ShardWriter, decode_shard
+from tierflow.format.shard import ShardWriter, block_schema, decode_shard
 
 from hostile import forge, record_batch_metadata, set_rows
 
@@ -225,3 +226,27 @@ def test_record_batch_metadata_pointing_outside_itself_is_malformed_never_a_stru
     struct.pack_into("<I", forged, count_at, 1 << 30)  # a billion field nodes in a few hundred bytes
     with pytest.raises(MalformedMessage, match="a vector of 1073741824 entries runs past the metadata"):
         batch_claims(bytes(forged))
+
+
+def test_a_shard_decoding_to_more_than_its_declared_size_over_several_blocks_is_refused(tmp_path):
+    """Each block within the declared decoded size, their sum one byte over it: the decode's
+    output bound, not the per-block one, refuses it, naming the shard."""
+    root = pack_plain(tmp_path)
+    info = Manifest.load(root).shards[0]
+    assert len(info.blocks) > 2
+    info.decoded_bytes -= 1
+    with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: decodes to more than the "
+                                                rf"{info.decoded_bytes} bytes the manifest declares"):
+        decode_shard(root / info.name, tmp_path / "decoded.arrow", info)
+
+
+def test_a_shard_listed_without_blocks_or_whose_first_block_holds_no_schema_is_refused(tmp_path):
+    root = pack_plain(tmp_path)
+    info = Manifest.load(root).shards[0]
+    with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: no blocks"):
+        decode_shard(root / info.name, tmp_path / "decoded.arrow", dataclasses.replace(info, blocks=[]))
+    data = (root / info.name).read_bytes()
+    second = info.blocks[1]  # a record batch where block 0's schema should be (after the file's magic)
+    forged = pa.py_buffer(data[:8] + data[second.offset:second.offset + second.length])
+    with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: block 0 .*first message is a record batch"):
+        block_schema(forged, info.name, info.blocks[0])
