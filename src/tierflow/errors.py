@@ -55,6 +55,10 @@ class FetchError(TierflowError, IOError):
     """Bytes produced for a tier entry did not verify; names the entry and the tier."""
 
 
+class TierIndexError(TierflowError, IOError):
+    """A tier directory's index is not a usable SQLite database (damaged, or a foreign file); names it."""
+
+
 class SourceError(TierflowError, IOError):
     """An object of a source could not be read or written; names the object's URL and why.
 
@@ -110,4 +114,4 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
 
 __all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
            "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
-           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierflowError"]
+           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError", "TierflowError"]

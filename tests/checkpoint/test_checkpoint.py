@@ -375,3 +375,67 @@ def test_loader_state_resumes_elastically_under_another_world_size(tokens: Path,
     with pytest.raises(CursorError, match="differ"):
         dcp.load({"loader": LoaderState(fresh, checkpoint=tmp_path / "differ")}, checkpoint_id=tmp_path / "differ")
     fresh.close()
+
+
+def test_load_without_a_step_hands_out_the_latest_committed_one(tmp_path: Path) -> None:
+    store = CheckpointStore(None, tmp_path / "local", keep_last=None)
+    for step in (1, 2):
+        _files(store.begin(step))
+        store.commit(step)
+    (tmp_path / "local" / step_name(3)).mkdir()  # a newer step never committed is not the latest
+    assert store.load() == tmp_path / "local" / step_name(2)
+
+
+def test_two_ranks_sharing_a_nodes_directory_move_their_parts_into_one_step_left_uncommitted(tmp_path: Path) -> None:
+    """Ranks 0 and 1 of a two-rank job on one node: the first part renames the step into place,
+    the second moves in file by file (its part manifest last); neither writes the marker, which
+    waits for the ranks to agree (`wait`), so the step is no checkpoint yet."""
+    ranks = [CheckpointStore(None, tmp_path / "local", rank=r, world_size=2) for r in (0, 1)]
+    for rank, store in enumerate(ranks):
+        step_dir = store.begin(4)
+        (step_dir / f"model-{rank}.bin").write_bytes(bytes([rank]) * 4096)
+        assert store.commit(4) == tmp_path / "local" / step_name(4)
+    final = tmp_path / "local" / step_name(4)
+    assert sorted(p.name for p in final.iterdir()) == ["model-0.bin", "model-1.bin", "tierflow-part-0.json",
+                                                       "tierflow-part-1.json"]
+    assert not list((tmp_path / "local").glob(".tmp-*"))
+    assert ranks[0].latest() is None and ranks[1].local_steps() == [4]
+
+
+def test_commit_async_commits_steps_in_the_order_they_were_handed_over(tmp_path: Path) -> None:
+    store = CheckpointStore(None, tmp_path / "local", keep_last=None)
+    futures = []
+    for step in (1, 2):
+        _files(store.begin(step))
+        futures.append(store.commit_async(step))
+    assert [f.result() for f in futures] == [tmp_path / "local" / step_name(s) for s in (1, 2)]
+    store.wait()
+    assert store.latest() == 2 and store.verify(1).ok
+
+
+class Cursor:
+    """Anything with a JSON state (what LoaderState wraps): here, a counter."""
+
+    def __init__(self, consumed: int = 0) -> None:
+        self.consumed = consumed
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = state["consumed"]
+
+
+def test_a_step_resumed_under_its_own_world_size_with_checkpoint_takes_the_ranks_own_state(tmp_path: Path) -> None:
+    dcp.save({"loader": LoaderState(Cursor(7), key="rank0")}, checkpoint_id=tmp_path / "one")
+    resumed = Cursor()
+    dcp.load({"loader": LoaderState(resumed, checkpoint=tmp_path / "one")}, checkpoint_id=tmp_path / "one")
+    assert resumed.consumed == 7
+
+
+def test_a_step_without_loader_state_under_the_name_is_a_cursor_error_naming_it(tmp_path: Path) -> None:
+    from tierflow.errors import CursorError
+
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=tmp_path / "model-only")
+    with pytest.raises(CursorError, match=rf"{tmp_path / 'model-only'}: no loader state under 'loader'"):
+        LoaderState(Cursor(), checkpoint=tmp_path / "model-only")

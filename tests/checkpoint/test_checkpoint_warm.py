@@ -88,3 +88,35 @@ def test_a_commit_with_the_loader_records_the_next_shards_and_each_tiers_heat(da
         assert {e["key"] for e in saved["entries"]} == set(loader.stager.stack.tiers[0].index.keys())
     finally:
         loader.close()
+
+
+def test_a_commit_of_a_loader_without_tiers_records_its_next_shards_and_no_heat(data: Path, tmp_path: Path) -> None:
+    from tierflow.checkpoint import CheckpointStore
+
+    loader = loader_for(data, [])
+    try:
+        store = CheckpointStore(None, tmp_path / "local")
+        store.begin(1)
+        record = json.loads((store.commit(1, loader=loader, warm_batches=8) / warm_name(0)).read_text())
+        assert record["next_shards"] and "tiers" not in record
+    finally:
+        loader.close()
+
+
+def test_a_record_without_a_tiers_clock_stages_its_shards_and_leaves_the_statistics_fresh(data: Path,
+                                                                                       tmp_path: Path) -> None:
+    """A record of the first format (hits only, no clock) cannot be rebased to this tier's clock:
+    its shards are staged, its heat is not taken."""
+    loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"])
+    try:
+        shards = loader.dataset.manifest.shards
+        order = next_shards(loader.dataset, cursor_of(loader), 8)
+        first = shards[order[0]]
+        entries = [{"key": first.key, "size": first.bytes, "hits": 50, "last_access": 1.0, "stats": {}}]
+        record = {"next_shards": [shards[i].name for i in order], "tiers": {"L2": {"entries": entries}}}
+        (tmp_path / warm_name(0)).write_text(json.dumps(record))
+        assert restore_warm(tmp_path, loader) == len(order)
+        assert loader.stager.stack.tiers[0].index.get(first.key).hits < 50
+    finally:
+        loader.close()
+

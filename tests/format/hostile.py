@@ -67,8 +67,22 @@ def forge(root: Path, shard_index: int, patch: Callable[[bytearray, dict], None]
     (root / shard["name"]).write_bytes(bytes(data))
     if change is not None:
         change(m)
+    _vouch(path, m)
+    return shard
+
+
+def forge_manifest(root: Path, change: Callable[[dict], None]) -> dict:
+    """Apply `change(manifest)` to the dataset at `root` and make its dataset id and checksum agree."""
+    path = root / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    change(m)
+    _vouch(path, m)
+    return m
+
+
+def _vouch(path: Path, m: dict) -> None:
+    """Write manifest `m` to `path` with the id and checksum its (changed) contents would have."""
     m.get("stats", {}).pop("samples", None)
     m["dataset_id"] = compute_dataset_id(m["schema"], m["tokenizer"], [s["checksum"] for s in m["shards"]])
     m["manifest_checksum"] = manifest_checksum(m)
     path.write_text(json.dumps(m))
-    return shard

@@ -8,13 +8,17 @@ import gc
 import shutil
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 import tierflow
 from tierflow.errors import ShardCorruptError
 from tierflow.format.dataset import DirectorySource
 from tierflow.format.manifest import Manifest
-from tierflow.format.shard import decode_shard, verify_shard
+from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
+from tierflow.format.reads import TokenReader
+from tierflow.format.shard import ShardWriter, decode_shard, verify_shard
 from tierflow.testing.faults import write_corpus
 
 
@@ -119,6 +123,30 @@ def test_a_dataset_asked_for_what_it_does_not_hold_names_itself(packed, tokens) 
         stream.tokens(0, total + 1)
     empty = stream.tokens(5, 5)
     assert empty.size == 0 and empty.dtype == stream.tokens(0, 1).dtype
+    reader = TokenReader(stream)
+    out = np.zeros((2, 8), dtype=np.int32)
+    with pytest.raises(IndexError, match=rf"{tokens}: tokens \[{total - 4}, {total + 4}\) past the stream end {total}"):
+        reader.copy_into(out[0], total - 4)
+    with pytest.raises(IndexError, match=rf"{tokens}: a window of 8 tokens from {total - 4} runs past the stream end"):
+        reader.copy_windows(out, np.array([0, total - 4]))
+    assert reader.pieces == 0 and not out.any()  # refused before a token was copied
+    reader.copy_windows(out[:0], np.array([], dtype=np.int64))  # no rows: nothing to do, no error
+
+
+def test_a_shard_writer_refuses_a_compression_it_does_not_know(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"unknown compression 'lz5'; expected one of"):
+        ShardWriter(tmp_path, pa.schema([("i", pa.int64())]), compression="lz5")
+    assert not list(tmp_path.iterdir())  # not even its temporary file
+
+
+def test_an_empty_file_hashes_as_no_bytes(tmp_path) -> None:
+    """An empty entry or shard (mmap cannot map zero bytes) and a range past a file's end."""
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    full = tmp_path / "full"
+    full.write_bytes(b"0123456789")
+    assert file_xxh3_128(empty) == xxh3_128_hex(b"") == file_xxh3_128(full, start=10)
+    assert file_xxh3_128(full, start=2, length=3) == xxh3_128_hex(b"234")
 
 
 def test_a_truncated_uncompressed_shard_is_refused_before_it_is_mapped(tmp_path) -> None:

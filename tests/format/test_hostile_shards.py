@@ -7,8 +7,10 @@ The crashing and memory-hungry cases run in a child process: a regression then f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -21,10 +23,11 @@ import pytest
 
 import tierflow
 from tierflow.errors import ManifestError, ShardCorruptError
+from tierflow.format._ipcmeta import MalformedMessage, _Table, batch_claims
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import ShardWriter, decode_shard
+from tierflow.format.shard import ShardWriter, block_schema, decode_shard
 
-from hostile import forge, set_rows
+from hostile import forge, record_batch_metadata, set_rows
 
 SRC = Path(tierflow.__file__).resolve().parents[1]  # the tierflow under test, in the child too
 TESTS = Path(__file__).resolve().parent
@@ -197,3 +200,53 @@ def test_a_remote_manifest_over_the_limit_is_refused_before_download(tmp_path, m
     with pytest.raises(ManifestError, match="5000 bytes, more than the 4096"):
         read_manifest(source)
     assert not read
+
+
+def _record_batch_meta(root: Path) -> bytes:
+    m = json.loads((root / MANIFEST_NAME).read_text())
+    shard = m["shards"][0]
+    data = (root / shard["name"]).read_bytes()
+    start, size = record_batch_metadata(data, shard["blocks"]["offset"][1], shard["blocks"]["length"][1], False)
+    return data[start:start + size]
+
+
+def test_record_batch_metadata_pointing_outside_itself_is_malformed_never_a_struct_error(tmp_path):
+    """The claims reader runs before Arrow's: cut short, pointing past its end, or with a vector
+    longer than the bytes left, the metadata is MalformedMessage (a ValueError decode_block turns
+    into ShardCorruptError naming shard and block), never struct.error, IndexError or a huge list."""
+    meta = _record_batch_meta(pack_plain(tmp_path))
+    assert batch_claims(meta).rows > 0  # the real one reads
+    with pytest.raises(MalformedMessage, match="4 bytes of metadata"):
+        batch_claims(meta[:4])
+    with pytest.raises(MalformedMessage, match=r"offset \d+ outside the 8-byte metadata"):
+        batch_claims(struct.pack("<I", 1 << 20) + b"\0" * 4)
+    nodes = _Table(meta, struct.unpack_from("<I", meta, 0)[0]).table(2).field(1)
+    count_at = nodes + struct.unpack_from("<I", meta, nodes)[0]
+    forged = bytearray(meta)
+    struct.pack_into("<I", forged, count_at, 1 << 30)  # a billion field nodes in a few hundred bytes
+    with pytest.raises(MalformedMessage, match="a vector of 1073741824 entries runs past the metadata"):
+        batch_claims(bytes(forged))
+
+
+def test_a_shard_decoding_to_more_than_its_declared_size_over_several_blocks_is_refused(tmp_path):
+    """Each block within the declared decoded size, their sum one byte over it: the decode's
+    output bound, not the per-block one, refuses it, naming the shard."""
+    root = pack_plain(tmp_path)
+    info = Manifest.load(root).shards[0]
+    assert len(info.blocks) > 2
+    info.decoded_bytes -= 1
+    with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: decodes to more than the "
+                                                rf"{info.decoded_bytes} bytes the manifest declares"):
+        decode_shard(root / info.name, tmp_path / "decoded.arrow", info)
+
+
+def test_a_shard_listed_without_blocks_or_whose_first_block_holds_no_schema_is_refused(tmp_path):
+    root = pack_plain(tmp_path)
+    info = Manifest.load(root).shards[0]
+    with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: no blocks"):
+        decode_shard(root / info.name, tmp_path / "decoded.arrow", dataclasses.replace(info, blocks=[]))
+    data = (root / info.name).read_bytes()
+    second = info.blocks[1]  # a record batch where block 0's schema should be (after the file's magic)
+    forged = pa.py_buffer(data[:8] + data[second.offset:second.offset + second.length])
+    with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: block 0 .*first message is a record batch"):
+        block_schema(forged, info.name, info.blocks[0])

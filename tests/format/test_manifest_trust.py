@@ -219,12 +219,26 @@ def _outside(d):
     d["shards"][0]["blocks"]["length"][-1] += d["shards"][0]["bytes"]
 
 
+def _nested(d):
+    """Block 1 said to lie inside block 0: `verify` then named the sound blocks after it as failing."""
+    blocks = d["shards"][0]["blocks"]
+    blocks["offset"][1], blocks["length"][1] = blocks["offset"][0] + 8, 16
+
+
+def _out_of_order(d):
+    blocks = d["shards"][0]["blocks"]
+    for column in blocks.values():
+        column[0], column[1] = column[1], column[0]
+
+
 HOSTILE_FIELDS = {
     "token_dtype": (lambda d: d.update(token_dtype="float64"), r"token_dtype 'float64' is not one of"),
     "a shard listed twice": (_twice, "a shard is listed twice"),
     "block rows": (_rows_moved_out, r"block rows sum to \d+, not \d+ samples"),
     "negative rows": (_absurd_rows, "a block of -1 rows is negative or absurd"),
     "a block outside the file": (_outside, r"block at \d+\+\d+ lies outside the file"),
+    "overlapping blocks": (_nested, r"block at \d+\+16 overlaps the block before it"),
+    "blocks out of file order": (_out_of_order, r"block at 0\+\d+ overlaps the block before it"),
     "token_column": (lambda d: d.update(token_column="nope"), "token_column 'nope' is not in the schema"),
 }
 
@@ -238,3 +252,35 @@ def test_a_manifest_field_that_cannot_be_true_is_refused_naming_it(tokens_ds, fi
     with pytest.raises(ManifestError, match=message) as e:
         Manifest.load(tokens_ds)
     assert str(tokens_ds / MANIFEST_NAME) in str(e.value)
+
+
+def test_a_shard_without_the_token_column_its_manifest_counts_tokens_in_is_refused_naming_the_block(tmp_path):
+    """A hostile manifest vouches for a shard of another pack (no token column) and gives its blocks
+    token counts: a block said to hold none reads (nothing is claimed of it), the first said to hold
+    some is ShardCorruptError naming shard and block, before any token is served."""
+    from hostile import forge_manifest
+
+    src = tmp_path / "docs.jsonl"
+    with open(src, "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"id": i, "text": f"doc {i} " + "z" * (i % 50)}) + "\n")
+    for name, tokenizer in (("tok", "bytes"), ("plain", None)):
+        tierflow.pack([src], tmp_path / name, tokenizer=tokenizer, workers=1, block_bytes=4 << 10)
+    plain = json.loads((tmp_path / "plain" / MANIFEST_NAME).read_text())
+    (shard,) = plain["shards"]
+    shutil.copy(tmp_path / "plain" / shard["name"], tmp_path / "tok" / shard["name"])
+
+    def swap(m: dict) -> None:
+        (ours,) = m["shards"]
+        rows = shard["blocks"]["rows"]
+        assert len(rows) >= 2 and shard["samples"] == ours["samples"]
+        shard["tokens"] = ours["tokens"]
+        shard["blocks"]["tokens"] = [0, ours["tokens"]] + [0] * (len(rows) - 2)
+        m["shards"] = [shard]
+
+    forge_manifest(tmp_path / "tok", swap)
+    ds = tierflow.open_dataset(tmp_path / "tok")
+    assert ds[0]["id"] == 0  # block 0: said to hold no tokens, and holds none
+    with pytest.raises(ShardCorruptError, match=rf"shard {shard['name']}: block 1 .*has no tokens column, the "
+                                                rf"manifest says it holds {shard['tokens']} tokens"):
+        ds.tokens(0, 10)

@@ -60,6 +60,18 @@ def zero_at(path: Path) -> Path:
     return path
 
 
+def socket_at(path: Path) -> Path:
+    """`path` made a link to a bound Unix socket beside the dataset (a socket's path has at most 108 bytes)."""
+    import socket
+
+    where = path.parent.parent / "sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(where))  # the socket file stays once it is closed; opening it is ENXIO
+    path.unlink()
+    path.symlink_to(where)
+    return path
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("special")
@@ -83,10 +95,10 @@ def first_shard(dataset: Path) -> Path:
     return dataset / json.loads((dataset / "manifest.json").read_text())["shards"][0]["name"]
 
 
-@pytest.mark.parametrize("make", [fifo_at, zero_at], ids=["fifo", "dev-zero"])
+@pytest.mark.parametrize("make", [fifo_at, zero_at, socket_at], ids=["fifo", "dev-zero", "socket"])
 def test_a_special_manifest_is_a_manifest_error_naming_it(dataset, make):
     manifest = make(dataset / "manifest.json")
-    with pytest.raises(ManifestError, match=rf"{manifest}: a (FIFO|character device), not a regular file"):
+    with pytest.raises(ManifestError, match=rf"{manifest}: a (FIFO|character device|socket or device), not a regular"):
         promptly(lambda: tierflow.open_dataset(dataset), [manifest])
 
 
@@ -99,11 +111,11 @@ def test_an_oversized_file_is_refused_unread(tmp_path):
 
 
 @pytest.mark.parametrize("dataset", ["none", "zstd"], indirect=True)
-@pytest.mark.parametrize("make", [fifo_at, zero_at], ids=["fifo", "dev-zero"])
+@pytest.mark.parametrize("make", [fifo_at, zero_at, socket_at], ids=["fifo", "dev-zero", "socket"])
 def test_a_special_shard_is_a_shard_error_naming_it(dataset, make):
     ds = tierflow.open_dataset(dataset)
     shard = make(first_shard(dataset))
-    with pytest.raises(ShardCorruptError, match=rf"{shard}: a (FIFO|character device), not a regular file"):
+    with pytest.raises(ShardCorruptError, match=rf"{shard}: a (FIFO|character device|socket or device), not a regular"):
         promptly(lambda: ds[0], [shard])
     problems = promptly(lambda: verify_shard(shard, ds.manifest.shards[0]), [shard])
     assert problems and "not a regular file" in problems[0] and ds.manifest.shards[0].name in problems[0]

@@ -5,7 +5,10 @@ from tierflow.tiers.burst import Ride
 
 def test_a_ride_with_nothing_to_stage_is_covered_at_once():
     assert Ride(5.0, 0.0).wait(timeout=0)
-    assert Ride(5.0, 1e6).wait(timeout=0)  # no stager behind it (no on_end): nothing will stage for it
+    alone = Ride(5.0, 1e6)
+    assert alone.wait(timeout=0)  # no stager behind it (no on_end): nothing will stage for it
+    alone.end()  # and its end tells no one
+    assert alone.wait(timeout=0)
 
 
 def test_a_ride_waits_for_its_stager_and_ends_once():

@@ -82,6 +82,9 @@ def test_the_ranks_steps_count_only_live_processes(tmp_path):
     assert progress.lag() == (7, None)  # a dead rank holds nobody back
     progress.leave(0)
     assert progress.steps() == {}
+    progress.publish(3, 9)  # a rank the area was not made for (LOCAL_WORLD_SIZE grew): no slot, not another's
+    progress.leave(3)
+    assert progress.steps() == {} and os.fstat(progress.fd).st_size <= 3 * NodeProgress.SLOT.size
 
 
 CHURN = """

@@ -117,3 +117,16 @@ def test_two_jobs_on_different_datasets_share_one_l2_without_one_starving(tmp_pa
               f"{[round(f / fig['dataset_bytes'], 2) for f in fig['fetched']]}")
         assert 0.4 <= share <= 0.6, (job, share)  # each about half the room
         assert warm <= 0.75, (job, warm)  # and hits with it (with no share: ~1.1, more than no cache)
+
+
+def test_a_dataset_at_its_share_evicts_its_own_entries_not_another_datasets_within_its_share(tmp_path):
+    """LRU's victim is the least recently used entry, here the other dataset's: that dataset is
+    within its share, so the victim is passed over and the reader's own oldest entry goes."""
+    tier = Tier(tmp_path / "l2", 4 * ENTRY, policy="lru", form="at_rest")
+    assert all(fill(tier, "a", ["a0", "a1"]))  # a first: the least recently used
+    assert all(fill(tier, "b", ["b0", "b1", "b2"]))  # b over its share (2 of 4) took nothing of a's
+    assert resident(tier) == {"a": 2, "b": 2}
+    keys = {row.key: row for row in tier.index.entries()}
+    assert all(fill(tier, "b", ["b3"]))
+    assert resident(tier) == {"a": 2, "b": 2} and tier.m_evictions.value == 2
+    assert {k for k in keys if keys[k].dataset == "a"} <= tier.index.keys()

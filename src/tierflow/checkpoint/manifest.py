@@ -79,11 +79,9 @@ def part_files(root: Path, exclude: Iterable[str] = ()) -> list[FileEntry]:
     return sorted(entries, key=lambda e: e.name)
 
 
-def encode_part(step: int, rank: int, files: list[FileEntry], extra: dict[str, Any] | None = None) -> bytes:
+def encode_part(step: int, rank: int, files: list[FileEntry]) -> bytes:
     body = {"format": FORMAT, "step": step, "rank": rank,
             "files": [{"name": f.name, "size": f.size, "xxh3": f.xxh3} for f in files]}
-    if extra:
-        body["extra"] = extra
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
 

@@ -79,6 +79,7 @@ class CheckpointStore:
         self._awaiting_marker: list[int] = []
         self._results: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, threading.Event] = {}
+        self._failed: list[dict[str, Any]] = []  # failed answers `wait` has not raised yet
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._source: Any = None
@@ -249,6 +250,8 @@ class CheckpointStore:
             with self._lock:
                 self._results[int(answer["step"])] = answer
                 event = self._pending.pop(int(answer["step"]), None)
+                if not answer.get("ok"):
+                    self._failed.append(answer)
             self.last_upload = answer
             if answer.get("ok") and answer.get("bytes") and answer.get("seconds"):
                 self.upload_rate = float(answer["bytes"]) / float(answer["seconds"])
@@ -258,6 +261,7 @@ class CheckpointStore:
         with self._lock:  # the uploader died: nothing pending will ever be answered
             for step, event in self._pending.items():
                 self._results[step] = {"step": step, "ok": False, "error": f"uploader exited ({proc.wait()})"}
+                self._failed.append(self._results[step])
                 event.set()
             self._pending.clear()
             rides, self._rides = list(self._rides.values()), {}
@@ -270,7 +274,8 @@ class CheckpointStore:
             return sorted(self._pending)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued upload has finished (raise if one failed); with several ranks,
+        """Block until every queued upload has finished (raise if one failed since the last wait,
+        whether its answer came before this call or during it); with several ranks,
         then agree across ranks and let rank 0 write the commit markers (a collective)."""
         if self._committer is not None:
             self._committer.shutdown(wait=True)  # background commits first: they queue uploads
@@ -280,7 +285,8 @@ class CheckpointStore:
         for step, event in events:
             if not event.wait(timeout):
                 raise CheckpointTimeout(f"{self.dest}/{step_name(step)}", f"upload still running after {timeout} s")
-        failed = [r for r in (self._results.get(s) for s, _ in events) if r and not r.get("ok")]
+        with self._lock:  # every failure since the last wait, answered before this one was called or not
+            failed, self._failed = self._failed, []
         if self.world_size > 1:
             self._settle_markers()
         if failed:
@@ -425,8 +431,8 @@ class CheckpointStore:
             return
         if wait:
             self.wait()
-        if proc.stdin is not None:
-            proc.stdin.close()
+        assert proc.stdin is not None  # opened as a pipe in _uploader
+        proc.stdin.close()
         if not wait:
             proc.kill()
         proc.wait()

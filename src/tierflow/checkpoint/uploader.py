@@ -58,9 +58,7 @@ def upload_part(job: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     answering = True
-    for line in sys.stdin:
-        if not line.strip():
-            continue
+    for line in sys.stdin:  # one JSON job a line, as CheckpointStore._submit writes them
         job = json.loads(line)
         try:
             answer = upload_part(job)

@@ -253,11 +253,16 @@ class Manifest:
             block_tokens = [b.tokens for b in info.blocks if b.tokens is not None]
             if block_tokens and (min(block_tokens) < 0 or sum(block_tokens) != info.tokens):
                 raise fail(f"shard {info.name}: block tokens sum to {sum(block_tokens)}, not its {info.tokens} tokens")
+            end = 0  # blocks lie in file order, apart (pack writes them so; `verify` streams them so)
             for b in info.blocks:
                 if b.rows < 0 or b.rows >= _MAX_COUNT:
                     raise fail(f"shard {info.name}: a block of {b.rows} rows is negative or absurd")
                 if b.offset < 0 or b.length <= 0 or b.offset + b.length > info.bytes:
                     raise fail(f"shard {info.name}: block at {b.offset}+{b.length} lies outside the file")
+                if b.offset < end:
+                    raise fail(f"shard {info.name}: block at {b.offset}+{b.length} overlaps the block before it "
+                               f"(ending at {end})")
+                end = b.offset + b.length
             shards.append(info)
         at[0] = "the top level"
         names = [s.name for s in shards]

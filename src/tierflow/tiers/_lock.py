@@ -41,9 +41,9 @@ class FileLock:
                 delay = min(delay * 2, 0.05)
 
     def __exit__(self, *exc: object) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        assert self.fd is not None, "released twice"  # only ever exited after __enter__ opened it
+        os.close(self.fd)
+        self.fd = None
 
 
 class Pin:
@@ -89,10 +89,8 @@ def _with_exclusive(path: str | Path, action) -> bool | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return False
-        raise
+    except BlockingIOError:  # EWOULDBLOCK: pinned; any other error is raised
+        return False
     else:
         action()
         return True

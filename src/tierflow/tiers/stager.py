@@ -207,8 +207,7 @@ class Stager:
 
     def _ride_ended(self, ride: Ride) -> None:
         with self._lock:
-            if ride in self._rides:
-                self._rides.remove(ride)
+            self._rides.remove(ride)  # once: Ride.end calls this only the first time
             self._replan = True
         self._wake.set()
 

@@ -45,7 +45,7 @@ from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.tiers._fairshare import FairShare
 from tierflow.tiers._index import EntryRow, IndexTrouble, TierIndex, process_alive
 from tierflow.tiers._lock import FileLock, Pin, is_pinned, try_remove_unpinned
-from tierflow.errors import FetchError, ShardCorruptError
+from tierflow.errors import FetchError, ShardCorruptError, TierIndexError
 
 log = logging.getLogger("tierflow.tiers")
 INDEX_NAME = "tierflow-index.sqlite"
@@ -53,6 +53,8 @@ MAX_BLOCK_LIST_BYTES = 64 << 20
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 DEVICE_FAILED = frozenset({errno.EIO, errno.EROFS})
 """Write errors of a tier's own files after which the read is served from below (tiers are optional)."""
+INDEX_DAMAGED = frozenset({11, 26})
+"""SQLITE_CORRUPT, SQLITE_NOTADB: the index file is damaged or not SQLite (TierIndexError)."""
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,18 @@ class Capacity:
         return int(self.value * (usage.free + own_usage))
 
 
-def memory_headroom() -> int | None:
-    """Bytes the job may still allocate: cgroup v2 limit minus usage, else MemAvailable."""
+def memory_headroom(cgroup: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Bytes the job may still allocate: cgroup v2 limit minus usage, else MemAvailable (None: neither
+    is known). The paths are the kernel's; a test hands its own files."""
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        current = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        limit = (cgroup / "memory.max").read_text().strip()
+        current = int((cgroup / "memory.current").read_text())
         if limit != "max":
             return max(0, int(limit) - current)
     except (OSError, ValueError):
         pass
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -148,6 +151,9 @@ class Tier:
             requested["capacity"] = str(Capacity(capacity).resolve(self.root, self.index.occupancy()[0]))
             stored = self.index.set_config_if_absent(requested)
         except sqlite3.Error as e:  # a full disk: no caching, with what was asked, until the index opens
+            if getattr(e, "sqlite_errorcode", 0) & 0xFF in INDEX_DAMAGED:
+                raise TierIndexError(f"tier {name}: {self.root / INDEX_NAME}: {e}; the tier is a cache: remove the "
+                                     f"tier directory (its entries are fetched again)") from e
             if not self._index_trouble(e):
                 raise
         for k, v in requested.items():
@@ -252,10 +258,7 @@ class Tier:
         if self._live is None:
             self._live = self._policy()
         policy = self._live
-        for key in [k for k in self._live_keys if k not in rows]:
-            if policy.is_pinned(key):
-                while policy.is_pinned(key):
-                    policy.unpin(key)
+        for key in [k for k in self._live_keys if k not in rows]:  # no policy pin is held here (see _reserve)
             policy.on_remove(key)
             self._live_keys.discard(key)
         for row in rows.values():
@@ -604,8 +607,7 @@ class Tier:
                used: bool) -> None:
         now = self.clock()
         with self._policy_lock:
-            if self._live is None:
-                self._live = self._policy()
+            assert self._live is not None, "admitted without a reservation"  # _reserve made the policy
             self._live.on_insert(key, size, now)
             self._live_keys.add(key)
             stats = self._live.stats(key)
@@ -658,10 +660,9 @@ class Tier:
             try:
                 return self._make_room(c, policy, rows, key, size, extra, used, capacity, now, held, required,
                                        fair)
-            finally:
+            finally:  # the policy pins of this decision go with it: none is held outside _reserve
                 for victim in held:
-                    if policy.is_pinned(victim):
-                        policy.unpin(victim, now)
+                    policy.unpin(victim, now)
 
     def _make_room(self, c, policy: CachePolicy, rows: dict[str, EntryRow], key: str, size: int, extra: int,
                    used: int, capacity: int, now: float, held: list[str], required: bool = True,
@@ -681,10 +682,11 @@ class Tier:
                     held.append(victim)
                     continue
             if not try_remove_unpinned(self.path_of(victim)):
+                # in use by some process: skip it for this decision (a victim is never one pinned
+                # already: the policy names none, and a fair claim takes none a share protects)
                 in_use.add(victim)
-                if not policy.is_pinned(victim):
-                    policy.pin(victim)  # in use by some process: skip it for this decision
-                    held.append(victim)
+                policy.pin(victim)
+                held.append(victim)
                 continue
             if fair is not None:
                 fair.removed(victim)
