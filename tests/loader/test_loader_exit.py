@@ -16,9 +16,10 @@ import pytest
 
 import tierflow
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-RUNS = 30
+RUNS = 12
+"""The crash came in about a third of runs: 12 clean runs leave a 1% chance it is still there."""
 SCRIPT = '''
 import sys
 from tierflow.loader import Loader, TieredDataset
