@@ -464,7 +464,7 @@ def test_a_reading_process_holds_the_decoded_blocks_of_its_windows_not_of_the_da
     (one window per lane), not by a 1 GiB default that let every process hold the whole dataset;
     an epoch still decodes each block about once."""
     root = many_shards["zstd"]
-    ds = TieredDataset(root, batch_size=16, lanes=1, window_shards=2, seed=3)
+    ds = TieredDataset(root, batch_size=16, lanes=1, window_shards=2, seed=3, group_bytes=0)
     manifest = ds.manifest
     decoded = sum(s.decoded_bytes for s in manifest.shards)
     assert ds.working_set.reading == 2 and ds.decoded_bound() < decoded / 3
@@ -481,6 +481,20 @@ def test_a_reading_process_holds_the_decoded_blocks_of_its_windows_not_of_the_da
     assert ds._open().dataset.source.blocks_read <= 1.1 * blocks
 
 
+def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_each_block_about_once(many_shards):
+    root = many_shards["zstd"]
+    wide = TieredDataset(root, batch_size=16, seed=3, group_bytes=0)
+    ds = TieredDataset(root, batch_size=16, seed=3, group_bytes=1 << 16)
+    assert ds.decoded_bound() < wide.decoded_bound()
+    seen, peak = 0, 0
+    for batch in ds:
+        peak = max(peak, ds._open().dataset.source.cache.bytes)
+        seen += len(batch.meta.sample_ids)
+        if seen >= ds.num_order_samples:
+            break
+    assert 0 < peak <= ds.decoded_bound()
+    blocks = sum(len(s.blocks) for s in ds.manifest.shards)
+    assert ds._open().dataset.source.blocks_read <= 1.1 * blocks
 # -- token budget ----------------------------------------------------------------------------
 
 def budget_ds(packed, resume=None, max_tokens=1024, rank=0, ranks=1, **kw):

@@ -288,9 +288,17 @@ class TieredDataset(IterableDataset):
 
     def decoded_bound(self) -> int:
         """Decoded bytes of compressed blocks one reading process needs at once: the shards its order
-        reads at once (one window per lane), decoded. Every process holds its own, so a budget of
-        the whole dataset (the sources' 1 GiB default) held every block in every DataLoader worker."""
-        return working_set_bytes(self.working_set.reading, [s.decoded_bytes for s in self.manifest.shards])
+        reads at once (one window per lane), decoded; with block groups, one group per lane and the
+        blocks at its edges. Every process holds its own, so a budget of the whole dataset (the
+        sources' 1 GiB default) held every block in every DataLoader worker."""
+        sizes = [s.decoded_bytes for s in self.manifest.shards]
+        windows = working_set_bytes(self.working_set.reading, sizes)
+        order = self.order
+        if not (order.shuffle and order.group_bytes) or order.block_bytes is None or not len(order.block_bytes):
+            return windows
+        # a group is never cut smaller than its shard's largest block; the largest shard is the headroom
+        block = int(order.block_bytes.mean())
+        return min(windows, self.working_set.lanes * (max(order.group_bytes, block) + 2 * block) + max(sizes))
 
     def _bound_decoded(self, dataset: Dataset) -> None:
         cache = getattr(dataset.source, "cache", None)
