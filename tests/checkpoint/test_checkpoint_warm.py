@@ -85,7 +85,8 @@ def test_a_commit_with_the_loader_records_the_next_shards_and_each_tiers_heat(da
         assert record["batches"] == 16 and record["next_shards"] and set(record["next_shards"]) <= names
         saved = record["tiers"]["L2"]
         assert isinstance(saved["clock"], float) and saved["entries"]
-        assert {e["key"] for e in saved["entries"]} == set(loader.stager.stack.tiers[0].index.keys())
+        # the stager keeps staging after the commit's snapshot: entries it admits later are not in it
+        assert {e["key"] for e in saved["entries"]} <= set(loader.stager.stack.tiers[0].index.keys())
     finally:
         loader.close()
 
