@@ -58,6 +58,6 @@ test-plain: $(BIN)/.installed
 	$(BIN)/pytest
 
 test-fast: $(BIN)/.installed
-	$(BIN)/pytest -m "not slow"
+	$(BIN)/pytest -m "not slow" -n auto --dist worksteal
 
 .PHONY: install demo docs test test-fast test-plain bench-peers coverage-branches
