@@ -240,6 +240,8 @@ HOSTILE_FIELDS = {
     "overlapping blocks": (_nested, r"block at \d+\+16 overlaps the block before it"),
     "blocks out of file order": (_out_of_order, r"block at 0\+\d+ overlaps the block before it"),
     "token_column": (lambda d: d.update(token_column="nope"), "token_column 'nope' is not in the schema"),
+    "eos_id": (lambda d: d.update(eos_id=-1), "eos_id = -1 is not a token id"),
+    "a shard that is not an object": (lambda d: d["shards"].__setitem__(1, 7), "shard #1 is not an object"),
 }
 
 
