@@ -242,6 +242,9 @@ HOSTILE_FIELDS = {
     "token_column": (lambda d: d.update(token_column="nope"), "token_column 'nope' is not in the schema"),
     "eos_id": (lambda d: d.update(eos_id=-1), "eos_id = -1 is not a token id"),
     "a shard that is not an object": (lambda d: d["shards"].__setitem__(1, 7), "shard #1 is not an object"),
+    "a negative count": (lambda d: d["shards"][0].update(tokens=-1), r"tokens = -1 is negative or absurd"),
+    "stats": (lambda d: d["stats"].update(samples=d["stats"]["samples"] + 1),
+              r"stats.samples = \d+, but the shards' samples sum to \d+"),
 }
 
 
