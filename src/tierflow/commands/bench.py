@@ -149,7 +149,8 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     dataset.load_state_dict(start)
 
     started = time.perf_counter()
-    for batch in kept[max(0, warmup - 1):]:
+    timed = kept[max(0, warmup - 1):]  # the batches the loader's timed run covered
+    for batch in timed:
         step(batch)
     dry_run_s = time.perf_counter() - started
 
@@ -160,7 +161,7 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     manifest = getattr(dataset, "manifest", None)
     dataset_bytes = sum(s.decoded_bytes for s in manifest.shards) if manifest is not None else None
     shard_bytes = dataset_bytes // max(1, len(manifest.shards)) if manifest is not None and dataset_bytes else None
-    verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / (len(kept) - max(0, warmup - 1)), dataset_bytes=dataset_bytes,
+    verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / len(timed), dataset_bytes=dataset_bytes,
                     shard_bytes=shard_bytes, workers=num_workers)
     per_epoch = _bytes_per_epoch(dataset, snapshot, len(kept), tier_layout) if tier_layout else None
     if events is not None:
