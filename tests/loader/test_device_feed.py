@@ -284,3 +284,17 @@ def test_an_automatic_feed_stays_inline_without_a_step_and_takes_a_thread_with_o
         time.sleep(0.002)
     assert stepping.background
     assert fed == stepped[:len(fed)] and stepped == list(range(len(source)))
+
+
+def test_an_automatic_feed_leaves_the_loops_first_slow_gaps_out_of_its_choice():
+    import time
+
+    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER, AUTO_WARMUP_GAPS
+
+    source = token_batches(3 * AUTO_DECIDE_AFTER)
+    feed = iter(DeviceFeed(source, "cpu"))
+    for n in range(2 * AUTO_DECIDE_AFTER):
+        next(feed)
+        if n < AUTO_WARMUP_GAPS:
+            time.sleep(0.002)  # a loop's first iterations: its first torch calls, its first metrics
+    assert not feed.background
