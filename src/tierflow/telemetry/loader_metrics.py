@@ -36,25 +36,37 @@ FLUSH_EVERY = 64
 
 def split_wait(wait_s: float, timing: Mapping[str, Any] | None) -> dict[tuple[str, str], float]:
     """{(cause, tier): seconds} for one batch's wait; tier is "" for prep and copy."""
-    if wait_s <= 0:
-        return {}
-    if timing is None:
-        return {("prep", ""): wait_s}
-    produce = float(timing.get("produce_s", 0.0))
-    fetched = {t: f["seconds"] for t, f in timing.get("fetch", {}).items() if t != MAPPED and f["seconds"] > 0}
-    explained = min(wait_s, produce)
     parts: dict[tuple[str, str], float] = {}
+    add_wait(parts, wait_s, timing)
+    return parts
+
+
+_PREP, _COPY = ("prep", ""), ("copy", "")
+
+
+def add_wait(parts: dict[tuple[str, str], float], wait_s: float, timing: Mapping[str, Any] | None) -> None:
+    """Add one batch's wait to `parts` by cause: what production does not explain is the copy after it;
+    of the rest, the share its shard opens took is the fetch (charged to the tier that took longest),
+    the remainder preparation."""
+    if wait_s <= 0:
+        return
+    if timing is None:
+        parts[_PREP] = parts.get(_PREP, 0.0) + wait_s
+        return
+    produce = float(timing.get("produce_s", 0.0))
     if wait_s > produce:
-        parts[("copy", "")] = wait_s - produce
-    fetch_s = min(sum(fetched.values()), produce)
+        parts[_COPY] = parts.get(_COPY, 0.0) + wait_s - produce
+    explained = min(wait_s, produce)
+    opened = timing.get("fetch")
+    fetched = {t: f["seconds"] for t, f in opened.items() if t != MAPPED and f["seconds"] > 0} if opened else None
+    fetch_s = min(sum(fetched.values()), produce) if fetched else 0.0
     if fetched and produce > 0 and fetch_s > 0:
         fetch_part = explained * fetch_s / produce
-        parts[("fetch", max(fetched, key=fetched.__getitem__))] = fetch_part
-        if explained - fetch_part > 0:
-            parts[("prep", "")] = explained - fetch_part
-    elif explained > 0:
-        parts[("prep", "")] = explained
-    return parts
+        key = ("fetch", max(fetched, key=fetched.__getitem__))
+        parts[key] = parts.get(key, 0.0) + fetch_part
+        explained -= fetch_part
+    if explained > 0:
+        parts[_PREP] = parts.get(_PREP, 0.0) + explained
 
 
 @dataclass(frozen=True)
@@ -126,16 +138,35 @@ class LoaderTelemetry:
             self.flush()
 
     def flush(self) -> None:
-        """Apply the batches recorded since the last flush to the registry's metrics."""
+        """Apply the batches recorded since the last flush to the registry's metrics, in bulk."""
         pending = self._pending
         if not pending:
             return
         with self._flushing:
+            records = [pending.popleft() for _ in range(len(pending))]
+            if not records:
+                return
+            self.wait.observe_many([wait_s for wait_s, _, _ in records])
+            depths = [depth for _, _, depth in records if depth is not None]
+            if depths:
+                self.depth.observe_many(depths)
+                self.depth_now.set(depths[-1])
+            produced, stalls, threshold = [], 0, self.stall_threshold_s
             stalled: dict[tuple[str, str], float] = {}
-            count = len(pending)
-            for _ in range(count):
-                self._record(*pending.popleft(), stalled)
-            self.batches.inc(count)
+            for wait_s, timing, _ in records:
+                if timing is not None:
+                    produced.append(float(timing.get("produce_s", 0.0)))
+                    for tier, fetched in (timing.get("fetch") or {}).items():
+                        seconds, nbytes = self._fetch_counters(tier)
+                        seconds.inc(fetched["seconds"])
+                        nbytes.inc(fetched["bytes"])
+                if wait_s > threshold:
+                    stalls += 1
+                add_wait(stalled, wait_s, timing)
+            self.production.observe_many(produced)
+            if stalls:
+                self.stalls.inc(stalls)
+            self.batches.inc(len(records))
             for key, seconds in stalled.items():
                 counter = self._stall.get(key)
                 if counter is None:
@@ -146,23 +177,6 @@ class LoaderTelemetry:
 
     def clear(self) -> None:
         self._pending.clear()
-
-    def _record(self, wait_s: float, timing: Mapping[str, Any] | None, depth: int | None,
-                stalled: dict[tuple[str, str], float]) -> None:
-        self.wait.observe(wait_s)
-        if depth is not None:
-            self.depth.observe(depth)
-            self.depth_now.set(depth)
-        if timing is not None:
-            self.production.observe(float(timing.get("produce_s", 0.0)))
-            for tier, fetched in timing.get("fetch", {}).items():
-                seconds, nbytes = self._fetch_counters(tier)
-                seconds.inc(fetched["seconds"])
-                nbytes.inc(fetched["bytes"])
-        if wait_s > self.stall_threshold_s:
-            self.stalls.inc()
-        for key, seconds in split_wait(wait_s, timing).items():
-            stalled[key] = stalled.get(key, 0.0) + seconds
 
     def on_step(self, step_s: float) -> None:
         """The training loop's own time for one step (measured between next() calls, or reported)."""

@@ -218,6 +218,13 @@ class Histogram:
         if len(pending) >= FOLD_EVERY:
             self._fold()
 
+    def observe_many(self, values: Iterable[float]) -> None:
+        """`observe` each of `values` (one queue extend: a bulk recorder's path)."""
+        pending = self._pending
+        pending.extend(values)
+        if len(pending) >= FOLD_EVERY:
+            self._fold()
+
     def _fold(self) -> None:
         """Move queued observations into the buckets (appends racing with this stay queued)."""
         pending = self._pending
