@@ -317,11 +317,19 @@ def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, bloc
     buffers. Any failure is ShardCorruptError naming shard and block, not Arrow's bare error.
     """
     try:
-        for message in block_messages(data, index):
+        stream = data.slice(8) if index == 0 else data
+        source = pa.BufferReader(stream)
+        messages = pa.ipc.MessageReader.open_stream(source)
+        while True:
+            start = source.tell()
+            try:
+                message = messages.read_next_message()
+            except StopIteration:
+                break
             if message.type == "record batch":
                 limit = BLOCK_DECODED_LIMIT if max_decoded is None else min(max_decoded, BLOCK_DECODED_LIMIT)
                 if _check_claims(message, name, index, block, limit).compressed:
-                    batch = _decompressed(message, schema)
+                    batch = _decompressed(stream.slice(start, source.tell() - start), schema)
                 else:
                     batch = pa.ipc.read_record_batch(message, schema)
                 batch.validate(full=True)
@@ -341,11 +349,25 @@ pool (docs/memory.md). `DECODE_POOL.bytes_allocated()` is the decoded bytes aliv
 _SINGLE_THREADED = pa.ipc.IpcReadOptions(use_threads=False)
 
 
-def _decompressed(message: pa.ipc.Message, schema: pa.Schema) -> pa.RecordBatch:
-    """A compressed record batch decoded into DECODE_POOL on this thread (`read_record_batch` takes
-    neither a pool nor options: a stream of the schema and this one message does)."""
-    stream = pa.py_buffer(schema.serialize().to_pybytes() + message.serialize().to_pybytes())
+def _decompressed(message: pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:
+    """A compressed record batch (its message's bytes, as stored) decoded into DECODE_POOL on this
+    thread (`read_record_batch` takes neither a pool nor options: a stream of the schema and this one
+    message does; the schema's bytes are made once per schema)."""
+    stream = pa.py_buffer(_schema_bytes(schema) + message.to_pybytes())
     return pa.ipc.open_stream(stream, options=_SINGLE_THREADED, memory_pool=DECODE_POOL).read_next_batch()
+
+
+_SCHEMAS: dict[int, tuple[pa.Schema, bytes]] = {}
+
+
+def _schema_bytes(schema: pa.Schema) -> bytes:
+    """The schema's IPC message (each shard table holds its schema object: one entry per open shard)."""
+    found = _SCHEMAS.get(id(schema))
+    if found is None or found[0] is not schema:
+        if len(_SCHEMAS) >= 256:
+            _SCHEMAS.clear()
+        found = _SCHEMAS[id(schema)] = (schema, schema.serialize().to_pybytes())
+    return found[1]
 
 
 def _check_claims(message: pa.ipc.Message, name: str, index: int, block: Block, max_decoded: int) -> BatchClaims:
