@@ -8,6 +8,7 @@ as a `CarriedBatch` (its data and its meta), one message per batch (below).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -164,15 +165,23 @@ def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: S
         whole = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
     values: dict[str, Any] = dict(rest)
     for name, dtype_str, shape, strides, start in layout:
-        dtype = np.dtype(dtype_str)
+        dtype, torch_dtype = _dtypes(dtype_str)
         size = dtype.itemsize
         if start % size or any(s % size for s in strides):
             array = np.ndarray(shape, dtype=dtype, buffer=whole.numpy(), offset=start, strides=strides)
             values[name] = torch.from_numpy(array)
             continue
-        typed = whole.view(torch.from_numpy(np.empty(0, dtype=dtype)).dtype)
-        values[name] = typed.as_strided(shape, tuple(s // size for s in strides), start // size)
+        values[name] = whole.view(torch_dtype).as_strided(shape, tuple(s // size for s in strides), start // size)
     return {key: values[key] for key in keys}
+
+
+@functools.cache
+def _dtypes(dtype_str: str) -> tuple[np.dtype, Any]:
+    """(numpy dtype, torch dtype) of an array's dtype string (the receiving process's per-batch lookup)."""
+    import torch
+
+    dtype = np.dtype(dtype_str)
+    return dtype, torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 def _unpack_carried(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
