@@ -360,10 +360,10 @@ def _column_getter(arr: pa.Array) -> Callable[[int], Any]:
         off_type = np.int64 if (pat.is_large_string(t) or pat.is_large_binary(t)) else np.int32
         bufs = arr.buffers()
         offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset:arr.offset + len(arr) + 1]
-        data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+        data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
         if pat.is_string(t) or pat.is_large_string(t):
-            return guarded(lambda r: data[offsets[r]:offsets[r + 1]].tobytes().decode("utf-8"))
-        return guarded(lambda r: data[offsets[r]:offsets[r + 1]].tobytes())
+            return guarded(lambda r: str(data[offsets[r]:offsets[r + 1]], "utf-8"))  # one pass, no bytes copy
+        return guarded(lambda r: bytes(data[offsets[r]:offsets[r + 1]]))
     if (pat.is_integer(t) or pat.is_floating(t) or pat.is_boolean(t)) and valid is None and not pat.is_boolean(t):
         values = arr.to_numpy(zero_copy_only=True)
         return lambda r: values[r].item()
