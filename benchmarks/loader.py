@@ -18,7 +18,11 @@ request latency or decoding. What it cannot beat is the order's shape: every lan
 is needed within the first few batches, and after the last windows open the rest of the epoch
 runs on shards already fetched.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/loader.py [--quick] [--cold [--rounds N]]
+    PYTHONPATH=src .venv/bin/python benchmarks/loader.py [--quick] [--cold [--rounds N] [--events DIR]]
+
+`--events DIR` writes each cold epoch's event log (telemetry/eventlog.py) there: the loop's "batch"
+records (wait, fetch attribution) and the stager's "stage" records (shard, first use, when its
+transfer began and ended), the timeline of which shard each wait was for.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import numpy as np
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
+from tierflow.telemetry.loader_metrics import LoaderTelemetry
+from tierflow.telemetry.eventlog import EventLog
 from tierflow.tiers.stager import Stager
 from tierflow.commands.bench import steps_per_second
 from tierflow.testing import ProxyProcess
@@ -173,9 +179,11 @@ class SourceActivity:
         return self.last_byte_s - (self.first_byte_s or 0.0)
 
 
-def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path) -> dict[str, float]:
+def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path,
+               events_path: Path | None = None) -> dict[str, float]:
     """One first epoch through an empty L2; source bytes are what the proxy sent."""
     stack = build_stack(url, [TierConfig("L2", str(tier_dir), 1 << 30, form="decoded")], endpoint_url=endpoint)
+    events = EventLog(events_path, stack.registry, name=f"cold epoch {tier_dir.name}") if events_path else None
     ds = TieredDataset(stack.dataset(), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, partitions=4, window_shards=2)
     steps = ds.num_order_samples // COLD_BATCH
     proxy.reset_counters()
@@ -184,7 +192,8 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path) -> 
     done = 0
     with SourceActivity(proxy) as activity:
         started = time.perf_counter()
-        loader = Loader(ds, stager=Stager(ds, stack), endless=True)
+        loader = Loader(ds, stager=Stager(ds, stack, events=events), endless=True,
+                        telemetry=LoaderTelemetry(events=events) if events is not None else True)
         loader.start_prefetch()
         try:
             iterator = iter(loader)
@@ -200,6 +209,8 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path) -> 
             wall = time.perf_counter() - started
         finally:
             loader.close()
+            if events is not None:
+                events.close()
     source_bytes = proxy.traffic().response_bytes("GET")
     return {"steps": steps, "wall_s": wall, "source_bytes": source_bytes, "first_s": first,
             "bubble": waited / wall, "step_bound_s": steps * COLD_STEP_S, "active_s": activity.active_s,
@@ -226,7 +237,7 @@ def whole_shard_bound(uses: list, rest_bytes: list[int], throttle: float, steps:
     return clock
 
 
-def cold(work: Path, quick: bool, rounds: int) -> None:
+def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> None:
     local = make_cold_dataset(work, (16 if quick else 48) << 20)
     manifest = tierflow.Manifest.load(local)
     at_rest = sum(s.bytes for s in manifest.shards)
@@ -244,7 +255,8 @@ def cold(work: Path, quick: bool, rounds: int) -> None:
         runs: dict[float, list[dict[str, float]]] = {f: [] for f in factors}
         for number, factor in alternating(rounds, factors):
             proxy.set_bandwidth(consumption * factor)
-            runs[factor].append(cold_epoch(url, proxy.url, proxy, work / f"l2-{factor:g}-{number}"))
+            log = events / f"cold-{factor:g}x-{number}.jsonl" if events else None
+            runs[factor].append(cold_epoch(url, proxy.url, proxy, work / f"l2-{factor:g}-{number}", log))
     print(f"cold first epoch: moto S3 -> throttled ProxyProcess -> empty L2 (decoded), stager on; "
           f"{len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest, {decoded / MB:.1f} MB decoded; "
           f"batch {COLD_BATCH} x {COLD_SEQ_LEN + 1} tokens, {COLD_STEP_S * 1e3:.0f} ms step; "
@@ -285,10 +297,11 @@ def main() -> None:
                         help="with workers, receive batches on the device feed's thread (Loader(background=True))")
     parser.add_argument("--cold", action="store_true",
                         help="the first epoch from a throttled S3 proxy instead of the warm-cache runs")
+    parser.add_argument("--events", type=Path, help="--cold: write each epoch's event log to this folder")
     args = parser.parse_args()
     if args.cold:
         with tempfile.TemporaryDirectory() as tmp:
-            cold(Path(tmp), args.quick, 1 if args.quick else args.rounds)
+            cold(Path(tmp), args.quick, 1 if args.quick else args.rounds, args.events)
         return
     background = True if args.feed_thread else None
     rounds = 1 if args.quick else args.rounds

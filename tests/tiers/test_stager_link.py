@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,33 @@ def test_the_next_windows_shards_wait_for_the_shard_needed_before_them(shards, t
     assert not [o for o in overtaken if o[1]], f"shards began while shards needed before them came in: {overtaken}"
     # and a window's shards, needed together, still come in together
     assert any(others and all(first_use[o] == first_use[name] for o in others) for name, others in held.started)
+
+
+def test_each_transfer_is_a_stage_record_in_the_event_log_with_its_shard_and_first_use(shards, tmp_path) -> None:
+    """Beside the loop's batch records, the stager's say which shard came in when, for which position."""
+    from tierflow.telemetry.eventlog import EventLog, read_events
+
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=2, window_shards=2)
+    first_use: dict[int, int] = {}
+    for use in dataset.future_shard_uses(None, horizon_batches=4000):
+        first_use.setdefault(use.shard, use.first_use)
+    events = EventLog(tmp_path / "events.jsonl")
+    stager = Stager(dataset, stack, min_batches=4, events=events)
+    stager.start()
+    try:
+        for _ in range(1000):  # until four shards are staged (the plan asks for more)
+            if stager.m_fetched.value >= 4:
+                break
+            time.sleep(0.01)
+        assert stager.m_fetched.value >= 4
+    finally:
+        stager.close()
+        events.close()
+    records = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "stage"]
+    assert len(records) >= 4 and len({r["shard"] for r in records}) == len(records)
+    names = [s.name for s in dataset.manifest.shards]
+    for r in records:
+        assert r["name"] == names[r["shard"]] and r["first_use"] == first_use[r["shard"]]
+        assert r["served_by"] == "source" and 0 <= r["began"] <= r["t"]
+    assert [r["first_use"] for r in records] == sorted(r["first_use"] for r in records)

@@ -55,8 +55,11 @@ class Stager:
 
     def __init__(self, view: FutureView, stack: TierStack, *, threads: int = 2, min_batches: int = 5,
                  max_bytes: int | None = None, registry: MetricsRegistry | None = None,
-                 enabled: bool | None = None, prometheus_port: int | None = None) -> None:
+                 enabled: bool | None = None, prometheus_port: int | None = None, events: Any = None) -> None:
         self.view = view
+        self.events = events
+        """An `EventLog` (telemetry/eventlog.py) that gets a "stage" record per transfer from below, or None:
+        beside the loop's "batch" records it shows which shard a wait at a window edge was for."""
         self.stack = stack
         self.threads = threads
         self.enabled = view.world.local_rank == 0 if enabled is None else enabled
@@ -399,8 +402,12 @@ class Stager:
                     with self._lock:
                         self._inflight.discard(shard)
                     return
+            began = self.events.elapsed() if self.events is not None and turn else None
             started = time.perf_counter()  # after the turn: the latency Little's law uses is the transfer's
             handle = self.stack.ensure(info, prefetch=True)
+            if began is not None:
+                self.events.write("stage", shard=shard, name=info.name, first_use=due, began=began,
+                                  served_by=None if handle is None else handle.served_by)
         except Exception:  # noqa: BLE001
             self.m_errors.inc()
             log.warning("stager could not stage shard %s; readers will fetch it on demand",
