@@ -1,8 +1,9 @@
 """The per-run event log: one JSON object per line, appended as the run goes, read by `report` and `top`.
 
 Events: {"kind": "start", ...run facts}, {"kind": "batch", "i", "t", "wait_s", "step_s",
-"depth", "produce_s", "fetch"} for each batch the loop took, {"kind": "snapshot", "t", "metrics",
-"machine"} (disk and network bytes/s, GPU utilisation when NVML is there)
+"depth", "produce_s", "fetch"} for each batch the loop took, {"kind": "stage", "t", "shard", "name",
+"first_use", "began", "served_by"} for each transfer the stager made (tiers/stager.py), {"kind":
+"snapshot", "t", "metrics", "machine"} (disk and network bytes/s, GPU utilisation when NVML is there)
 with the whole metrics snapshot every `snapshot_every_s`, and {"kind": "end", ...summary}. Times are
 seconds since the log started. A line is flushed when written, so a live reader sees it at once.
 """

@@ -7,8 +7,12 @@ Little's-law lookahead, the fetch order, the holds), and carries the plan out: i
 policies the next-use oracle, fetches in order of first use on threads (I/O and decompression
 release the GIL), and holds a pin on every entry it staged until its use has passed, so a
 prefetch can never evict, or be evicted before, an entry that is needed sooner ("do no harm").
-It reads the dataset only through the `FutureView` protocol. A burst announced through
-`ride_through` (a checkpoint upload, tiers/burst.py) stretches the lookahead to cover it.
+A transfer from below shares the link only with transfers of shards first needed at the same
+position (a window's shards, needed together): one needed later waits its turn, so it never takes
+bandwidth from the shard the loop needs next (where the source is the bound, two fetches in flight
+each arrive at half the rate). It reads the dataset only through the `FutureView` protocol. A
+burst announced through `ride_through` (a checkpoint upload, tiers/burst.py) stretches the
+lookahead to cover it.
 """
 
 from __future__ import annotations
@@ -51,8 +55,11 @@ class Stager:
 
     def __init__(self, view: FutureView, stack: TierStack, *, threads: int = 2, min_batches: int = 5,
                  max_bytes: int | None = None, registry: MetricsRegistry | None = None,
-                 enabled: bool | None = None, prometheus_port: int | None = None) -> None:
+                 enabled: bool | None = None, prometheus_port: int | None = None, events: Any = None) -> None:
         self.view = view
+        self.events = events
+        """An `EventLog` (telemetry/eventlog.py) that gets a "stage" record per transfer from below, or None:
+        beside the loop's "batch" records it shows which shard a wait at a window edge was for."""
         self.stack = stack
         self.threads = threads
         self.enabled = view.world.local_rank == 0 if enabled is None else enabled
@@ -89,7 +96,9 @@ class Stager:
         self._held: dict[int, Handle] = {}
         self._held_until: dict[int, int] = {}
         self._inflight: set[int] = set()
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, int] | None] = queue.Queue()  # (shard, first use), plan order
+        self._link = threading.Condition()
+        self._transfers: list[int] = []  # first uses (node samples) of the transfers from below in flight
         self._rides: list[Ride] = []
         self._replan = False
         self._oracle: PositionOracle | None = None
@@ -147,6 +156,8 @@ class Stager:
             self.progress.leave(self.local_rank)  # not reading: the node's stager holds nothing for it
         self._stop.set()
         self._wake.set()
+        with self._link:
+            self._link.notify_all()  # a fetcher waiting its turn stops waiting
         for _ in range(self.threads):
             self._queue.put(None)
         for t in self._threads:
@@ -298,6 +309,9 @@ class Stager:
         ahead = size_lookahead(self.node, rate, p99, mean, cover)
         self.m_lookahead.set(ahead.bytes)
         uses = self.view.future_shard_uses(cursor, horizon_batches=ahead.view_steps + lead)
+        first_use: dict[int, int] = {}
+        for use in uses:  # sorted by first use: a shard's next use is its first entry
+            first_use.setdefault(use.shard, plan_base * sps + use.first_use)
         with self._lock:
             held, in_flight = set(self._held), set(self._inflight)
             position = (self._consumed_steps - plan_base) * sps
@@ -329,7 +343,7 @@ class Stager:
                 if shard in self._held or shard in self._inflight:  # staged since the plan was made
                     continue
                 self._inflight.add(shard)
-            self._queue.put(shard)
+            self._queue.put((shard, first_use[shard]))
         with self._lock:
             self.m_ahead.set(sum(self._shard_size(s) for s in self._held))
         self._note_rides(idle=not plan.fetch and not in_flight)
@@ -356,17 +370,44 @@ class Stager:
 
     def _fetcher(self) -> None:
         while not self._stop.is_set():
-            shard = self._queue.get()
-            if shard is None or self._stop.is_set():
+            item = self._queue.get()
+            if item is None or self._stop.is_set():
                 return
-            self._fetch(shard)
+            self._fetch(*item)
 
-    def _fetch(self, shard: int) -> None:
-        started = time.perf_counter()
+    def _wait_turn(self, due: int) -> bool:
+        """Wait until no transfer in flight is for a shard first needed before `due`, then count this
+        one in; False when the stager stopped meanwhile."""
+        with self._link:
+            while self._transfers and min(self._transfers) < due and not self._stop.is_set():
+                self._link.wait()
+            if self._stop.is_set():
+                return False
+            self._transfers.append(due)
+            return True
+
+    def _transferred(self, due: int) -> None:
+        with self._link:
+            self._transfers.remove(due)
+            self._link.notify_all()
+
+    def _fetch(self, shard: int, due: int) -> None:
         info = self.shards[shard]
+        turn = False  # this fetch transfers from below and counts in `_transfers`
         try:
             resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
+            if not resident:
+                turn = self._wait_turn(due)
+                if not turn:  # the stager stopped while this fetch waited its turn
+                    with self._lock:
+                        self._inflight.discard(shard)
+                    return
+            began = self.events.elapsed() if self.events is not None and turn else None
+            started = time.perf_counter()  # after the turn: the latency Little's law uses is the transfer's
             handle = self.stack.ensure(info, prefetch=True)
+            if began is not None:
+                self.events.write("stage", shard=shard, name=info.name, first_use=due, began=began,
+                                  served_by=None if handle is None else handle.served_by)
         except Exception:  # noqa: BLE001
             self.m_errors.inc()
             log.warning("stager could not stage shard %s; readers will fetch it on demand",
@@ -374,6 +415,9 @@ class Stager:
             with self._lock:
                 self._inflight.discard(shard)
             return
+        finally:
+            if turn:
+                self._transferred(due)
         if handle is None:  # every tier declined it (the policy prefers what it holds): nothing to hold
             self.m_declined.inc()
             with self._lock:

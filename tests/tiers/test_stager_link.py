@@ -1,0 +1,126 @@
+"""The stager's transfers share the link only among shards needed at the same position: at a window
+edge the next window's shards never start while a shard needed before them is still coming in.
+
+Where the source is the bound, a shard needed later that starts beside the one needed next halves
+the rate of both, so the next one arrives late (the cold epoch's tail, issue 17). The source here
+is the real local dataset whose downloads the test lets through one at a time, in the order they
+began; what it asserts is which downloads were in flight together, counted, not timed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tierflow
+from tierflow.loader import TieredDataset
+from tierflow.tiers import TierConfig, build_stack
+from tierflow.tiers.stager import Stager
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """13 shards of 256 KB: two lanes with windows of two shards, each window first used apart."""
+    root = tmp_path_factory.mktemp("stager-link")
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(12000):
+            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
+    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    return root / "ds"
+
+
+class HeldDownloads:
+    """The stack's source, each download held until the test lets it through; records, for each
+    download when it began, the others in flight."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.changed = threading.Condition()
+        self.in_flight: list[str] = []  # in the order they began
+        self.started: list[tuple[str, tuple[str, ...]]] = []
+        self.let_through: set[str] = set()
+        self.all_through = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
+
+    def download(self, name: str, dst: Any, expected_size: int | None = None, **options: Any) -> int:
+        with self.changed:
+            self.started.append((name, tuple(self.in_flight)))
+            self.in_flight.append(name)
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: self.all_through or name in self.let_through)
+        try:
+            return self.source.download(name, dst, expected_size, **options)
+        finally:
+            with self.changed:
+                self.in_flight.remove(name)
+                self.changed.notify_all()
+
+
+def test_the_next_windows_shards_wait_for_the_shard_needed_before_them(shards, tmp_path) -> None:
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
+    held = HeldDownloads(stack.source)
+    stack.source = held
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=2, window_shards=2)
+    names = [s.name for s in dataset.manifest.shards]
+    first_use: dict[str, int] = {}
+    for use in dataset.future_shard_uses(None, horizon_batches=4000):
+        first_use.setdefault(names[use.shard], use.first_use)
+    stager = Stager(dataset, stack, min_batches=4)  # two fetch threads
+    stager.start()
+    try:
+        for _ in range(4):  # let four downloads through, the earliest begun first
+            with held.changed:
+                assert held.changed.wait_for(lambda: held.in_flight, timeout=10), "the stager fetched nothing"
+                # a second fetch thread, free, starts its next shard at once unless it waits its turn
+                held.changed.wait_for(lambda: len(held.in_flight) > 1, timeout=0.15)
+                gone = held.in_flight[0]
+                held.let_through.add(gone)
+                held.changed.notify_all()
+                held.changed.wait_for(lambda: gone not in held.in_flight, timeout=10)
+    finally:
+        with held.changed:
+            held.all_through = True
+            held.changed.notify_all()
+        stager.close()
+    begun = [name for name, _ in held.started]
+    assert len({first_use[n] for n in begun}) >= 2, f"the downloads {begun} did not reach a second window"
+    overtaken = [(name, [o for o in others if first_use[o] < first_use[name]]) for name, others in held.started]
+    assert not [o for o in overtaken if o[1]], f"shards began while shards needed before them came in: {overtaken}"
+    # and a window's shards, needed together, still come in together
+    assert any(others and all(first_use[o] == first_use[name] for o in others) for name, others in held.started)
+
+
+def test_each_transfer_is_a_stage_record_in_the_event_log_with_its_shard_and_first_use(shards, tmp_path) -> None:
+    """Beside the loop's batch records, the stager's say which shard came in when, for which position."""
+    from tierflow.telemetry.eventlog import EventLog, read_events
+
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=2, window_shards=2)
+    first_use: dict[int, int] = {}
+    for use in dataset.future_shard_uses(None, horizon_batches=4000):
+        first_use.setdefault(use.shard, use.first_use)
+    events = EventLog(tmp_path / "events.jsonl")
+    stager = Stager(dataset, stack, min_batches=4, events=events)
+    stager.start()
+    try:
+        for _ in range(1000):  # until four shards are staged (the plan asks for more)
+            if stager.m_fetched.value >= 4:
+                break
+            time.sleep(0.01)
+        assert stager.m_fetched.value >= 4
+    finally:
+        stager.close()
+        events.close()
+    records = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "stage"]
+    assert len(records) >= 4 and len({r["shard"] for r in records}) == len(records)
+    names = [s.name for s in dataset.manifest.shards]
+    for r in records:
+        assert r["name"] == names[r["shard"]] and r["first_use"] == first_use[r["shard"]]
+        assert r["served_by"] == "source" and 0 <= r["began"] <= r["t"]
+    assert [r["first_use"] for r in records] == sorted(r["first_use"] for r in records)
