@@ -20,6 +20,12 @@ from tierflow.order.layout import PartitionLayout
 from tierflow.order.remainder import Remainder
 from tierflow.order.windows import EpochWindows
 
+WINDOWS_CACHED_SHARDS = 1 << 18
+"""Shard entries the cache of built (partition, epoch) shuffles may hold (a few arrays of one int64
+per shard each: ~10 MB at most). The stager walks its whole horizon every plan, and a horizon of
+several epochs of every partition through a cache of two epochs' worth rebuilt every entry each
+time: 426 shuffles, ~130 ms holding the GIL per plan, on the peers' tokens behind a full L2."""
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -99,7 +105,8 @@ class SampleOrder:
         canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
         self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
         self._windows: OrderedDict[tuple[int, int], EpochWindows] = OrderedDict()
-        self._windows_capacity = 2 * self.layout.partitions + 8
+        per_partition = -(-len(self.layout.shard_sample_counts) // max(1, self.layout.partitions))
+        self._windows_capacity = max(2 * self.layout.partitions + 8, WINDOWS_CACHED_SHARDS // max(1, per_partition))
 
     @property
     def partitions(self) -> int:
