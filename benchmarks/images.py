@@ -392,7 +392,7 @@ def cached_forms(folder: Path, count: int, rounds: int, short_sides: tuple[int, 
                     pipeline({"image": value, "image_width": w, "image_height": h}, rng)
                 else:
                     g, _, _ = pipeline.geometry({"image_width": value.shape[1], "image_height": value.shape[0]}, rng)
-                    _resample(value, g.box, g.out, g.flip)
+                    _resample(value, g.box, g.out, g.flip, pipeline.resampler)
                 used[name] += time.process_time() - start
         for name in names:
             spent[name].append(used[name] / len(paths))
