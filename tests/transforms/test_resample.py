@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop
@@ -53,10 +54,12 @@ def test_the_resampler_is_fixed_when_the_pipeline_is_made():
     with pytest.raises(ValueError, match="unknown resampler 'cubic'"):
         ImagePipeline(resampler="cubic")
     sample = {"image": _jpeg(smooth(np.random.default_rng(2), 200, 150)), "image_width": 200, "image_height": 150}
+    threads = torch.get_num_threads()
     for name in ("torch", "pillow"):
         pipeline = ImagePipeline([RandomResizedCrop(64), HorizontalFlip()], resampler=name)
         a, b = pipeline(sample, np.random.default_rng(5)), pipeline(sample, np.random.default_rng(5))
         assert a["image"].shape == (64, 64, 3) and np.array_equal(a["image"], b["image"])
+    assert torch.get_num_threads() == threads  # one image resamples on one thread; the process keeps its setting
 
 
 def _jpeg(pixels: np.ndarray) -> bytes:

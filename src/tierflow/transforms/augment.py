@@ -284,10 +284,10 @@ def _resample(img: Any, box: tuple[float, float, float, float], out: tuple[int, 
 def _resample_torch(img: Any, box: tuple[float, float, float, float], out: tuple[int, int],
                     flip: bool) -> np.ndarray:
     """torch's antialiased bilinear resize (align_corners=False, as Pillow's) of the box rounded to
-    whole pixels: the crop is cut (and mirrored, in the same copy) to a contiguous HWC array and
-    viewed as a channels-last NCHW tensor, the layout of torch's vectorised uint8 kernel, whose
-    output is channels-last too, so it is HWC again without a copy. A box of the output's size is
-    the crop itself, not resampled."""
+    whole pixels: the crop is cut to a contiguous HWC array (rows of memcpy) and viewed as a
+    channels-last NCHW tensor, the layout of torch's vectorised uint8 kernel, whose output is
+    channels-last too, so it is HWC again without a copy. torch mirrors it (numpy's reversed copy
+    of 3-byte pixels costs ~7x more). A box of the output's size is the crop itself, not resampled."""
     import torch
     from torch.nn.functional import interpolate
 
@@ -296,17 +296,26 @@ def _resample_torch(img: Any, box: tuple[float, float, float, float], out: tuple
     y0 = min(max(0, int(round(box[1]))), h - 1)
     x1, y1 = max(x0 + 1, min(w, int(round(box[2])))), max(y0 + 1, min(h, int(round(box[3]))))
     if isinstance(img, np.ndarray):
-        crop = img[y0:y1, x0:x1]
+        crop = np.ascontiguousarray(img[y0:y1, x0:x1])
     else:  # a Pillow image: only the box crosses into numpy
         crop = to_array(img.crop((x0, y0, x1, y1)))
-    crop = np.ascontiguousarray(crop[:, ::-1] if flip else crop)
     if not crop.flags.writeable:  # a view of a read-only image (Pillow's): torch wants its own
         crop = crop.copy()
-    if crop.shape[1] == out[0] and crop.shape[0] == out[1]:
-        return crop
-    nchw = torch.from_numpy(crop)[None].permute(0, 3, 1, 2)
-    resized = interpolate(nchw, size=(out[1], out[0]), mode="bilinear", antialias=True, align_corners=False)
-    return np.ascontiguousarray(resized[0].permute(1, 2, 0).numpy())
+    threads = torch.get_num_threads()
+    if threads > 1:  # one image is too small to share: the other threads would spin through the decodes
+        torch.set_num_threads(1)
+    try:
+        hwc = torch.from_numpy(crop)
+        if crop.shape[1] != out[0] or crop.shape[0] != out[1]:
+            nchw = interpolate(hwc[None].permute(0, 3, 1, 2), size=(out[1], out[0]), mode="bilinear",
+                               antialias=True, align_corners=False)
+            hwc = nchw[0].permute(1, 2, 0)
+        if flip:
+            hwc = hwc.flip(1)
+        return np.ascontiguousarray(hwc.numpy())
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
 
 
 def _resample_pillow(img: Any, box: tuple[float, float, float, float], out: tuple[int, int],
