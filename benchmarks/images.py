@@ -3,6 +3,7 @@
     PYTHONPATH=src /work/main/.venv-peers/bin/python benchmarks/images.py --images 20000 --dir /tmp/tierflow-images-20k
     ... --only loaders|s3|cached-form|hot|blocking|decoders      one section
     ... --before /tmp/before/src --only loaders               tierflow at another checkout against this one
+    ... --before /tmp/before/src --only hot                   the same on the hot dataset
 
 (the peers' venv has litdata and webdataset; `git archive COMMIT src | tar -x -C /tmp/before` makes a
 before.) Every rate is the median of --rounds alternating rounds (min-max); beside images/s, the CPU
@@ -392,7 +393,7 @@ def cached_forms(folder: Path, count: int, rounds: int, short_sides: tuple[int, 
                     pipeline({"image": value, "image_width": w, "image_height": h}, rng)
                 else:
                     g, _, _ = pipeline.geometry({"image_width": value.shape[1], "image_height": value.shape[0]}, rng)
-                    _resample(value, g.box, g.out, g.flip)
+                    _resample(value, g.box, g.out, g.flip, pipeline.resampler)
                 used[name] += time.process_time() - start
         for name in names:
             spent[name].append(used[name] / len(paths))
@@ -510,23 +511,29 @@ def hot_rows(folder: Path, args: argparse.Namespace) -> None:
 def before_after(before_src: Path, args: argparse.Namespace) -> None:
     """tierflow at `before_src` (another checkout's src/, e.g. `git archive`) against this one, each
     run in a fresh child process, alternating, at 0 and 2 workers; each packs the corpus itself
-    (packed-before, packed-after), so a change of pack defaults is measured too."""
+    (packed-before, packed-after), so a change of pack defaults is measured too. With --only hot,
+    on the hot dataset (the first --hot-images images, packed-hot-before, packed-hot-after)."""
     import subprocess
 
     here = Path(__file__).resolve().parents[1] / "src"
-    limit = min(args.images - 2 * BATCH, args.limit)
+    hot = args.only == "hot"
+    if hot:
+        pack_subset(args.dir / "images", args.dir, min(args.hot_images, args.images), 256 << 20)  # its folder
+    limit = min((min(args.hot_images, args.images) if hot else args.images) - 2 * BATCH, args.limit)
     cases = [(label, w) for label in ("before", "after") for w in (0, 2)]
     rates: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
     cpu: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
     for _, (label, workers) in alternating(args.rounds, cases):
         env = {**os.environ, "PYTHONPATH": str(before_src if label == "before" else here)}
         out = subprocess.run([sys.executable, __file__, "--dir", str(args.dir), "--images", str(args.images),
-                              "--child", f"{label}:{workers}", "--limit", str(limit)], env=env, check=True,
+                              "--hot-images", str(args.hot_images), "--limit", str(limit),
+                              "--child", f"{label}:{workers}{':hot' if hot else ''}"], env=env, check=True,
                              capture_output=True, text=True).stdout
         rate, ms = out.split()[-2:]
         rates[(label, workers)].append(float(rate))
         cpu[(label, workers)].append(float(ms))
-    print(f"\n| tierflow (decode + RandomResizedCrop(224) + flip), warm | workers | images/s ({limit} images, "
+    what = f"warm, {min(args.hot_images, args.images)} hot images" if hot else "warm"
+    print(f"\n| tierflow (decode + RandomResizedCrop(224) + flip), {what} | workers | images/s ({limit} images, "
           f"{args.rounds} rounds, child processes) | CPU ms per image (all processes) |\n|---|---|---|---|")
     for label, workers in cases:
         print(f"| {label} ({before_src if label == 'before' else here}) | {workers} | "
@@ -552,8 +559,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # LABEL:WORKERS, one run's figures
     args = parser.parse_args(argv)
     if args.child is not None:
-        label, workers = args.child.split(":")
-        packed = pack_tierflow(args.dir / "images", args.dir, f"packed-{label}")
+        label, workers, *hot = args.child.split(":")
+        if hot:
+            subset = args.dir / f"subset-{min(args.hot_images, args.images)}"
+            packed = pack_tierflow(subset, args.dir, f"packed-hot-{label}")
+        else:
+            packed = pack_tierflow(args.dir / "images", args.dir, f"packed-{label}")
         print(*tierflow_epoch(packed, int(workers), args.limit))
         return
     folder = make_corpus(args.dir, args.images)

@@ -139,3 +139,24 @@ def test_a_decoded_array_cut_to_its_box_resizes_as_the_whole_image_does():
         got = _resample(img, (x, y, x + bw, y + bh), out, flip)
         assert got.shape == (out[1], out[0], 3)
         assert np.abs(got.astype(np.int16) - expected).max() <= 1
+
+
+@pytest.mark.slow
+def test_an_image_batch_over_the_shared_memory_size_crosses_from_a_worker_intact():
+    """A 64 x 224 x 224 x 3 batch (9.6 MB) travels as one tensor made in shared memory."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from tierflow.loader._collate import SHARED_MEMORY_BYTES, CarriedBatch
+
+    class Batches(IterableDataset):
+        def __iter__(self):
+            for i in range(3):
+                pixels = np.random.default_rng(i).integers(0, 256, (64, 224, 224, 3), dtype=np.uint8)
+                yield CarriedBatch({"image": pixels, "caption": [f"c{i}"] * 64}, {"i": i})
+
+    assert 64 * 224 * 224 * 3 >= SHARED_MEMORY_BYTES
+    for i, batch in enumerate(DataLoader(Batches(), batch_size=None, num_workers=1)):
+        image = batch.data["image"]
+        assert image.is_shared() and batch.meta == {"i": i} and batch.data["caption"] == [f"c{i}"] * 64
+        expected = np.random.default_rng(i).integers(0, 256, (64, 224, 224, 3), dtype=np.uint8)
+        assert np.array_equal(image.numpy(), expected)

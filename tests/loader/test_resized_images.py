@@ -173,3 +173,30 @@ def test_two_workers_fill_every_block_batch_as_one_process_does_and_resume(packe
         return loader(packed, ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT), workers, endless=True)
 
     assert_resumes_exactly(make, stops=[3], workers=2)
+
+
+def cache_counts(snapshot: dict, name: str) -> float:
+    return sum(c["value"] for c in snapshot["counters"] if c["name"] == name and c["labels"].get("tier") == "resized")
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_cache_counts_beside_the_tiers_and_workers_ship_its_counts(packed, tmp_path, workers):
+    """Through a tier stack, the cache's tier counters and its made blocks/bytes land in the stack's
+    registry (the main process's at 0 workers; each worker's, shipped with its batches, at 2)."""
+    from tierflow.telemetry import merge_snapshots
+
+    cache = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    pipeline = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()], cache=cache)
+    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"], batch_size=8, transform=pipeline, seed=3,
+                              columns=COLUMNS, num_workers=workers, epoch_end="rank") as it:
+        assert sum(len(b["caption"]) for b in it) == 48
+        here, shipped = it.stager.registry.snapshot(), merge_snapshots(it.worker_snapshots())
+    found = here if workers == 0 else shipped
+    made = cache_counts(found, "tierflow_resized_made_bytes_total")
+    assert made > 0 and made == cache_counts(found, "tierflow_tier_in_bytes_total")
+    assert cache_counts(found, "tierflow_resized_made_blocks_total") == cache_counts(found, "tierflow_tier_misses_total")
+    if workers == 0:
+        assert cache_counts(here, "tierflow_tier_misses_total") == blocks_of(packed)
+    else:  # the counts are the workers' (a worker's snapshot rides with its first batch of every 16)
+        assert cache_counts(shipped, "tierflow_tier_misses_total") >= 1
+        assert cache_counts(here, "tierflow_tier_misses_total") == 0

@@ -145,7 +145,9 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
     if size >= shared_memory_bytes:
         import torch
 
-        payload: Any = torch.empty(size, dtype=torch.uint8).share_memory_()
+        # made in shared memory, as torch's own collate does: share_memory_() on a fresh tensor moves
+        # it there, a second copy of the batch (~9 ms of CPU for a 64 x 224 x 224 x 3 image batch)
+        payload: Any = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
         view = payload.numpy()
     else:
         payload = bytearray(size)

@@ -162,10 +162,24 @@ class ResizedImages:
     @property
     def tier(self) -> Tier:
         """This process's handle on the tier directory (opened on first use in each process)."""
+        return self._tier(None)
+
+    def _tier(self, dataset: Any) -> Tier:
+        """The tier, opened in this process on first use; its counters (hits, misses, bytes in and
+        out) and the cache's own (blocks and bytes made, kept or not) go in the registry of the
+        dataset's source when it has one (a TierStack's), beside the tiers' own: DataLoader workers
+        ship that registry's snapshot with their batches (`Loader.worker_snapshots`), so a worker's
+        cache figures reach the loader's process as its tier figures do."""
         if self._state.get("pid") != os.getpid():
+            registry = getattr(getattr(dataset, "source", None), "registry", None)
+            tier = Tier(self.path, float(self.capacity), policy=self.policy, name=self.name, registry=registry)
+            labels = {"tier": self.name}
             self._state.clear()
-            self._state.update(pid=os.getpid(), blocks=OrderedDict(), unkept=OrderedDict(),
-                               tier=Tier(self.path, float(self.capacity), policy=self.policy, name=self.name))
+            self._state.update(pid=os.getpid(), blocks=OrderedDict(), unkept=OrderedDict(), tier=tier,
+                               made_blocks=tier.registry.counter("tierflow_resized_made_blocks_total", labels,
+                                                                 "blocks of images decoded and resized"),
+                               made_bytes=tier.registry.counter("tierflow_resized_made_bytes_total", labels,
+                                                                "bytes of resized entries made (kept or not)"))
         return self._state["tier"]
 
     def params(self, image: str, decoder: str) -> dict[str, Any]:
@@ -234,7 +248,7 @@ class ResizedImages:
     def _block(self, key: str, source: SampleSource, image: str, decoder: str) -> _Block:
         """The key's block, open in this process, else made or found in the tier (a hit checks the
         size; its images are checked as they are read)."""
-        tier = self.tier
+        tier = self._tier(source.dataset)
         for blocks in (self._state["blocks"], self._state["unkept"]):
             found = blocks.get(key)
             if found is not None:
@@ -287,4 +301,6 @@ class ResizedImages:
         sink = io.BytesIO()
         with pa.ipc.new_file(sink, SCHEMA) as writer:
             writer.write_batch(batch)
+        self._state["made_blocks"].inc()
+        self._state["made_bytes"].inc(sink.tell())
         return sink.getvalue()
