@@ -48,6 +48,7 @@ class PositionOracle:
 
 
 PLAN_SHARE = 10
+_NEVER = 1 << 62
 
 
 class Stager:
@@ -103,6 +104,8 @@ class Stager:
         self._replan = False
         self._oracle: PositionOracle | None = None
         self._wake = threading.Event()
+        self._next_plan: tuple[int, float] = (0, 0.0)  # (steps, monotonic time) a plan is due at: _run sets it
+        self._release_at = _NEVER  # the node sample at which the first held shard's use has passed
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -147,7 +150,11 @@ class Stager:
                 self._rate_steps0 = self._consumed_steps
             if self._oracle is not None:
                 self._oracle.position = (self._consumed_steps - self._plan_steps) * self.node.samples_per_step
-        self._wake.set()
+        steps, at = self._next_plan
+        # wake the thread when a plan is due or a pin can go, not per batch (that cost the loop ~0.3 ms a batch)
+        if self._consumed_steps >= steps and time.monotonic() >= at or \
+                self._consumed_steps * self.node.samples_per_step >= self._release_at:
+            self._wake.set()
 
     def close(self) -> None:
         """Stop staging and release what it holds. Call before forking (the Loader does): a thread
@@ -287,6 +294,7 @@ class Stager:
             if self._stop.is_set():  # close() woke it while it planned: that wake-up was just cleared
                 return
             gap = max(0.05, PLAN_SHARE * cost)  # the same rest as `rested` above, or this loop spins
+            self._next_plan = (planned_at + max(1, self.node.min_batches // 2), planned_time + gap)
             # the node's other ranks do not wake this thread: look at their steps every 50 ms
             idle = 0.5 if self.progress is None else 0.05
             rest = max(0.001, gap - (time.monotonic() - planned_time))
@@ -337,6 +345,7 @@ class Stager:
                 elif self.progress is not None:
                     until.setdefault(shard, last)  # this loop passed it: held until the slowest rank has
             self._held_until = until
+            self._note_release()
         self._release_passed()
         for shard in plan.fetch:
             with self._lock:
@@ -363,6 +372,12 @@ class Stager:
         with self._lock:
             for shard in passed(self._held_until, self._held, position):
                 self._held.pop(shard).release()  # its use has passed: evictable again
+            self._note_release()
+
+    def _note_release(self) -> None:
+        """Where the next held shard's use passes (under the lock): `consumed` wakes the thread there."""
+        until = self._held_until
+        self._release_at = min((until.get(shard, -1) + 1 for shard in self._held), default=_NEVER)
 
     def _shard_size(self, shard: int) -> int:
         info = self.shards[shard]
@@ -434,6 +449,7 @@ class Stager:
                 handle.release()
             else:
                 self._held[shard] = handle
+                self._note_release()
             riding = bool(self._rides)
             if riding and not self._inflight:
                 self._replan = True  # a plan stages a few shards at a time: the next few, now
