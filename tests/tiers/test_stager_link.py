@@ -8,7 +8,6 @@ began; what it asserts is which downloads were in flight together, counted, not 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -16,21 +15,17 @@ from typing import Any
 
 import pytest
 
-import tierflow
 from tierflow.loader import TieredDataset
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
+
+from corpora import pack_lorem
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """13 shards of 256 KB: two lanes with windows of two shards, each window first used apart."""
-    root = tmp_path_factory.mktemp("stager-link")
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(12000):
-            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
-    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
-    return root / "ds"
+    return pack_lorem(tmp_path_factory.mktemp("stager-link"), 12000)
 
 
 class HeldDownloads:

@@ -6,27 +6,22 @@ here in the thread's own rounds, not timed."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-import tierflow
 from tierflow.loader import Loader, TieredDataset
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
+
+from corpora import pack_lorem
 
 BATCHES = 400
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("stager-wakes")
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(12000):
-            f.write(json.dumps({"text": f"{i:05d} " + "lorem ipsum " * (i % 23)}) + "\n")
-    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
-    return root / "ds"
+    return pack_lorem(tmp_path_factory.mktemp("stager-wakes"), 12000)
 
 
 class CountedStager(Stager):
