@@ -296,9 +296,15 @@ def check_block(data: bytes | memoryview | pa.Buffer, name: str, index: int, blo
         raise block_error(name, index, block)
 
 
+def block_stream(data: pa.Buffer, index: int) -> pa.Buffer:
+    """One block's bytes as an IPC message stream; block 0 also holds the file's magic (8 bytes, left
+    out here) and the schema."""
+    return data.slice(8) if index == 0 else data
+
+
 def block_messages(data: pa.Buffer, index: int) -> pa.ipc.MessageReader:
-    """The IPC messages of one block's bytes; block 0 also holds the file's magic (8 bytes) and schema."""
-    return pa.ipc.MessageReader.open_stream(data.slice(8) if index == 0 else data)
+    """The IPC messages of one block's bytes."""
+    return pa.ipc.MessageReader.open_stream(block_stream(data, index))
 
 
 BLOCK_DECODED_LIMIT = 1 << 30
@@ -317,8 +323,8 @@ def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, bloc
     buffers. Any failure is ShardCorruptError naming shard and block, not Arrow's bare error.
     """
     try:
-        stream = data.slice(8) if index == 0 else data
-        source = pa.BufferReader(stream)
+        stream = block_stream(data, index)
+        source = pa.BufferReader(stream)  # its position marks where each message's stored bytes begin
         messages = pa.ipc.MessageReader.open_stream(source)
         while True:
             start = source.tell()
