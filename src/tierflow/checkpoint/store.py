@@ -407,13 +407,15 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
 
-    def restore_warm(self, step: int, loader: Any, stack: Any = None, batches: int | None = None) -> int:
+    def restore_warm(self, step: int, loader: Any, stack: Any = None, batches: int | None = None,
+                     minutes: float | None = None) -> int:
         """Pre-stage, before the first step on a fresh node, the shards the loader's next batches
-        need (recorded at commit, else derived from the loader's cursor) and give the tiers back
-        their saved statistics (policy state per entry); returns shards staged."""
+        need (recorded at commit, else derived from the loader's cursor; `minutes`: as many batches
+        as the loop ran in that time before the stop) and give the tiers back their saved
+        statistics (policy state per entry); returns shards staged."""
         from tierflow.checkpoint.warm import restore_warm
 
-        return restore_warm(self.load(step), loader, stack=stack, batches=batches, rank=self.rank)
+        return restore_warm(self.load(step), loader, stack=stack, batches=batches, rank=self.rank, minutes=minutes)
 
     def prune(self) -> list[int]:
         """Apply retention now (at the destination, then here); returns the removed steps (the

@@ -5,7 +5,8 @@ A fresh node has an empty L2, so the first steps after a resume would all read f
 source ("performance drops after resume"). At commit the loader's cursor says exactly which
 shards its next `batches` batches read (the order is deterministic); that list, in order of
 first use, and each tier's resident entries with their policy statistics (`Tier.heat`) and the
-tier's clock go into the step as `tierflow-warm-R.json`. `restore_warm` stages that list, then
+tier's clock go into the step as `tierflow-warm-R.json`, with the loop's measured batches per second
+(its telemetry) so a resume can ask for "the next N minutes". `restore_warm` stages that list, then
 the top tier's other saved entries hottest first, up to its capacity, and restores the saved
 statistics into every tier that holds them (`Tier.restore_heat`), their times moved by the time
 between the save and the restore. The policies then rank the restored entries as the stopped
@@ -16,6 +17,7 @@ evicted, and the first steps hit as they did before the stop.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -75,12 +77,25 @@ def restore_heat(tiers: Sequence[Tier], saved: dict[str, Any]) -> int:
     return restored
 
 
+def batches_per_second(loader: Any) -> float | None:
+    """The loop's rate so far, step and waits together, from the loader's telemetry (None without it)."""
+    telemetry = getattr(loader, "telemetry", None)
+    if telemetry is None:
+        return None
+    figures = telemetry.figures()
+    seconds = figures.wait_s + figures.step_s + figures.startup_s
+    return figures.batches / seconds if figures.batches and seconds > 0 else None
+
+
 def warm_state(loader: Any, batches: int, stack: Any = None) -> dict[str, Any]:
-    """The JSON written into a step: the loader's state, the next shards, each tier's heat."""
+    """The JSON written into a step: the loader's state, the next shards, each tier's heat, the loop's rate."""
     cursor = cursor_of(loader)
     shards = loader.dataset.manifest.shards
     state: dict[str, Any] = {"format": WARM_FORMAT, "batches": batches, "loader": loader.state_dict(),
                              "next_shards": [shards[i].name for i in next_shards(loader.dataset, cursor, batches)]}
+    rate = batches_per_second(loader)
+    if rate is not None:
+        state["batches_per_s"] = rate
     stack = stack_of(loader, stack)
     if stack is not None:
         state["tiers"] = tier_heat(stack.tiers)
@@ -88,18 +103,23 @@ def warm_state(loader: Any, batches: int, stack: Any = None) -> dict[str, Any]:
 
 
 def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | None = None,
-                 rank: int = 0) -> int:
+                 rank: int = 0, minutes: float | None = None) -> int:
     """Stage the shards recorded in `step_dir` (or, without a record or with `batches`, the ones
     the loader's cursor needs next) through `stack` (default: the loader's stager's), then the
     top tier's other saved entries, and restore the saved statistics; returns how many shards
-    are now in a tier. Stops at the top tier's capacity: staging more would evict the first ones."""
+    are now in a tier. Stops at the top tier's capacity: staging more would evict the first ones.
+    `minutes`: the batches the stopped loop would have read in that time at its recorded rate."""
+    path = Path(step_dir) / warm_name(rank)
+    recorded = _recorded(path) if path.is_file() else {}
+    if minutes is not None:
+        if batches is not None:
+            raise ValueError("restore_warm takes batches= or minutes=, not both")
+        batches = batches_for(path, recorded, minutes)
     stack = stack_of(loader, stack)
     if stack is None or not stack.tiers:
         return 0
     infos = loader.dataset.manifest.shards
     by_name = {info.name: i for i, info in enumerate(infos)}
-    path = Path(step_dir) / warm_name(rank)
-    recorded = _recorded(path) if path.is_file() else {}
     order: list[int] | None = None
     top = stack.tiers[0]
     names = recorded.get("next_shards", [])
@@ -132,6 +152,19 @@ def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | 
     if recorded.get("tiers"):
         restore_heat(stack.tiers, recorded["tiers"])
     return staged
+
+
+def batches_for(path: Path, recorded: dict[str, Any], minutes: float) -> int:
+    """Batches in `minutes` of the loop at the rate its warm record saved."""
+    if not math.isfinite(minutes) or minutes <= 0:
+        raise ValueError(f"minutes must be a positive number, not {minutes!r}")
+    rate = recorded.get("batches_per_s")
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate) or rate <= 0:
+        from tierflow.errors import CheckpointError
+
+        raise CheckpointError(str(path), "records no loop rate (the loader ran with telemetry off, or nothing "
+                              "was consumed before the commit): pass batches= instead of minutes=")
+    return max(1, math.ceil(minutes * 60 * rate))
 
 
 def _recorded(path: Path) -> dict[str, Any]:
