@@ -12,23 +12,34 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def usage_block() -> str:
+def usage_blocks() -> list[str]:
+    """The ```python blocks of README's 'Using it' section, in order."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Using it"):]
-    match = re.search(r"^```python\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
-    assert match, "README.md's 'Using it' section has no ```python block"
-    return match.group(1)
+    section = text[text.index("## Using it"):text.index("## Benchmarks")]
+    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
+    assert blocks, "README.md's 'Using it' section has no ```python block"
+    return blocks
 
 
-def test_the_readme_usage_block_runs_as_written(tmp_path, s3_server, monkeypatch):
-    code = usage_block()
-    assert "s3://my-bucket/" in code and "/nvme/tierflow" in code  # what is substituted below
+def usage_block() -> str:
+    return usage_blocks()[0]
+
+
+def run_usage(tmp_path, s3_server, monkeypatch) -> tuple[dict, Callable[[str], str]]:
+    """README's first block run on a fresh bucket: its globals, and how a block's paths are substituted."""
     bucket = s3_server.create_bucket("readme")
-    code = code.replace("s3://my-bucket/", f"s3://{bucket}/").replace("/nvme/tierflow", str(tmp_path / "nvme"))
+
+    def substituted(code: str) -> str:
+        assert "s3://my-bucket/" in code and "/nvme/" in code  # what is substituted below
+        return code.replace("s3://my-bucket/", f"s3://{bucket}/").replace("/nvme/", f"{tmp_path}/nvme/")
+
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for part in range(3):
@@ -40,6 +51,32 @@ def test_the_readme_usage_block_runs_as_written(tmp_path, s3_server, monkeypatch
     monkeypatch.delenv("AWS_ENDPOINT_URL")  # only the variable the README names
     monkeypatch.chdir(tmp_path)
     block: dict = {"__name__": "__main__"}
-    exec(compile(code, "README.md (Using it)", "exec"), block)
+    exec(compile(substituted(usage_block()), "README.md (Using it)", "exec"), block)
+    return block, substituted
+
+
+def test_the_readme_usage_block_runs_as_written(tmp_path, s3_server, monkeypatch):
+    block, _ = run_usage(tmp_path, s3_server, monkeypatch)
     assert block["epoch"] + 1 == 2 and block["state"]["consumed"] > 0
-    assert (tmp_path / "nvme").is_dir()  # the L2 was used
+    assert (tmp_path / "nvme" / "tierflow").is_dir()  # the L2 was used
+
+
+@pytest.mark.slow  # ~6 s: the fast set keeps the usage block above
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_readme_checkpoint_block_commits_then_resumes_where_it_stopped(tmp_path, s3_server, monkeypatch):
+    """Run once, the block trains an epoch and commits every 10 steps (uploaded to the bucket); run
+    again, as after a crash, it resumes from the newest step and ends the epoch at the same step,
+    which it reaches only if the stream continued where it stopped (from the start it would run a
+    whole epoch past it)."""
+    block, substituted = run_usage(tmp_path, s3_server, monkeypatch)
+    ckpt_block = next(b for b in usage_blocks() if "CheckpointStore" in b)
+    code = compile(substituted(ckpt_block), "README.md (checkpoints)", "exec")
+    exec(code, block)
+    last = block["step"]
+    assert last >= 10 and last % 10 and block["ckpt"].latest() == last - last % 10  # steps left after it
+    from tierflow.checkpoint import CheckpointStore
+
+    fresh = CheckpointStore(block["ckpt"].dest, tmp_path / "fresh-node")
+    assert fresh.latest() == last - last % 10  # at the destination too
+    exec(code, block)
+    assert block["step"] == last
