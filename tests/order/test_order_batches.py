@@ -69,3 +69,25 @@ def test_picks_past_int64_keys_merge_by_the_walkers_rule(monkeypatch):
 def test_a_batch_of_two_lane_epochs_or_more_reads_as_it_always_has():
     order = SampleOrder([3, 2, 4, 3], dataset_id="tiny", partitions=4, lanes=4)
     assert_same_batches(order, order.start(), 1, 8, lambda samples: range(50))
+
+
+def test_a_batch_larger_than_its_lane_reads_every_sample_of_each_lane_epoch_it_spans():
+    """Under carry a batch of 8 from lanes of 2-4 samples holds 8 real samples: the lane's epochs in
+    turn, each sample once per epoch (a batch of two lane epochs or more read only its last ones)."""
+    order = SampleOrder([3, 2, 4, 3], dataset_id="tiny", partitions=4, lanes=4)
+    stream = NodeStream(order, order.start(), node=0, num_nodes=1, batch_size=8)
+    layout = order.layout
+    partition_of_shard = {int(s): p for p, shards in enumerate(layout.partition_shards) for s in shards}
+    lane_of = {p: k for k, lane in enumerate(stream.lanes) for p in lane.members}
+    every = np.arange(sum([3, 2, 4, 3]))
+    lane_of_sample = np.array([lane_of[partition_of_shard[int(s)]] for s in layout.shard_of(every)])
+    seen: dict[tuple[int, int], list[int]] = {}  # (lane, epoch) -> ids read
+    for pick in range(24):
+        micro = stream.read(pick)
+        assert micro.mask.all()
+        for sample, epoch in zip(micro.sample_ids.tolist(), micro.epochs.tolist()):
+            seen.setdefault((int(lane_of_sample[sample]), epoch), []).append(sample)
+    complete = [(k, e) for (k, e) in seen if (k, e + 1) in seen]  # lane epochs read to their end
+    assert len(complete) >= 8
+    for k, e in complete:
+        assert sorted(seen[(k, e)]) == every[lane_of_sample == k].tolist(), (k, e)

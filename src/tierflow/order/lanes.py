@@ -100,22 +100,32 @@ class Lane:
             epoch += 1
 
     def take(self, state: Positions, count: int) -> tuple[list[Span], Positions]:
-        """The next `count` samples from `state` as spans, and the positions after them."""
+        """The next `count` samples from `state` as spans, and the positions after them: every
+        sample, also of a count spanning several of the lane's epochs (a batch larger than the lane)."""
+        return self._walk(state, count, True)
+
+    def advance(self, state: Positions, count: int) -> Positions:
+        """The positions `count` samples after `state`, jumping over whole epochs (no spans: a seek
+        far ahead costs the epochs' count, not their samples)."""
+        return self._walk(state, count, False)[1]
+
+    def _walk(self, state: Positions, count: int, with_spans: bool) -> tuple[list[Span], Positions]:
         after = dict(state)
         spans: list[Span] = []
         left = count
         while left:
-            if left >= 2 * self.size and self._clean(after):  # whole epochs move every partition by one
+            if not with_spans and left >= 2 * self.size and self._clean(after):  # each partition moves by one
                 skip = left // self.size - 1
                 after = {p: (e + skip, 0) for p, (e, _) in after.items()}
                 left -= skip * self.size
             for span in self.spans(after):
                 n = min(left, span.stop - span.start)
-                spans.append(Span(span.partition, span.epoch, span.start, span.start + n))
+                if with_spans:
+                    spans.append(Span(span.partition, span.epoch, span.start, span.start + n))
                 end = span.start + n
                 after[span.partition] = (span.epoch, end) if end < span.stop else (span.epoch + 1, 0)
                 left -= n
-                if left == 0 or (left >= 2 * self.size and self._clean(after)):
+                if left == 0 or (not with_spans and left >= 2 * self.size and self._clean(after)):
                     break
         return spans, after
 

@@ -49,10 +49,10 @@ class _LanePositions:
         epoch, offset = self._target(i)
         for start, (have_epoch, have) in ((self._state, self._clock), (self.base, self._base_clock)):
             if epoch == have_epoch and offset >= have:
-                state = self.lane.take(start, offset - have)[1]
+                state = self.lane.advance(start, offset - have)
                 break
         else:  # drop/pad: a later lane epoch starts with every partition fresh
-            state = self.lane.take({p: (epoch, 0) for p in self.lane.members}, offset)[1]
+            state = self.lane.advance({p: (epoch, 0) for p in self.lane.members}, offset)
         self._state, self._clock = state, (epoch, offset)
         return state
 
