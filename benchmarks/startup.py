@@ -169,8 +169,9 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str
     print()
     print(f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set; shuffle: "
           f"default = the loader's (block groups), window = group_bytes=0 (the full-window shuffle)")
-    header = (f"{'mode':<8}{'shuffle':>10}{'code':>7}{'samples':>9}{'shards':>7}  {'import s':>18}  {'dataset() ms':>20}  "
-              f"{'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  {'anon/file MB':>13}  {'shards read':>11}  {'blocks read':>11}")
+    header = (f"{'mode':<8}{'shuffle':>10}{'code':>7}{'samples':>9}{'shards':>7}  {'import s':>18}  "
+              f"{'dataset() ms':>20}  {'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  "
+              f"{'anon/file MB':>13}  {'shards read':>11}  {'blocks read':>11}")
     print(header)
     print("-" * len(header))
     for mode, group, code in ((m, g, c) for m in ("startup", "resume") for g in groups for c in codes):
@@ -189,7 +190,8 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str
     small, large = sizes[0], sizes[-1]
     print()
     print(f"growth {label(small)} -> {label(large)} samples (ratio of medians; target <= {TARGET_GROWTH:.2f})")
-    print(f"{'mode':<8}{'shuffle':>10}{'code':>7}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}  verdict")
+    print(f"{'mode':<8}{'shuffle':>10}{'code':>7}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}"
+          f"  verdict")
     for mode, group, code in ((m, g, c) for m in ("startup", "resume") for g in groups for c in codes):
         def median_of(samples: int, key: str) -> float:
             return statistics.median(r[key] for r in results[(mode, group, code, samples)])

@@ -144,7 +144,8 @@ class BlockList(SequenceABC):
             if not isinstance(column, list) or not set(map(type, column)) <= allowed:
                 raise TypeError(f"blocks.{name} is not a list of {'/'.join(t.__name__ for t in allowed)}")
         if len({len(c) for c in columns.values()}) > 1:
-            raise ValueError(f"blocks' columns differ in length: {', '.join(f'{k} {len(v)}' for k, v in columns.items())}")
+            lengths = ", ".join(f"{k} {len(v)}" for k, v in columns.items())
+            raise ValueError(f"blocks' columns differ in length: {lengths}")
         try:
             ints = [np.array(columns[k], dtype=np.int64).reshape(-1) for k in ("offset", "length", "rows")]
             counts = np.array(tokens, dtype=np.int64).reshape(-1) if tokens is not None else None
