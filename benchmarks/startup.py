@@ -14,9 +14,12 @@ it read (each verified, and decoded when compressed, on its own).
 Figures are medians of `--runs` runs, spread is min-max. Shard files stay in the page cache
 between runs (a warm local start); the cold path belongs to benchmarks/loader.py --cold.
 `--group-bytes default,0` measures the loader's default shuffle (block groups) and, beside it in
-the same alternating rounds, the full-window shuffle (group_bytes=0).
+the same alternating rounds, the full-window shuffle (group_bytes=0). `--before OTHER/src` measures
+another checkout's code (e.g. `git archive main src | tar -x -C /tmp/before`) beside this one's, in
+the same alternating rounds (rows "before" and "this").
 
     .venv/bin/python benchmarks/startup.py [--sizes 1M,10M,100M] [--runs 3] [--shards 30] [--group-bytes default,0]
+        [--before /tmp/before/src]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import shutil
 import statistics
@@ -143,10 +147,12 @@ def child(mode: str, path: str, cursor_file: str | None, group: str) -> None:
     }))
 
 
-def run_child(mode: str, path: Path, cursor_file: Path, group: str) -> dict:
+def run_child(mode: str, path: Path, cursor_file: Path, group: str, src: str | None = None) -> dict:
+    """One child's figures; `src`: the tierflow source tree it imports (None: this one's)."""
     command = [sys.executable, __file__, "--child", mode, "--path", str(path), "--cursor-file", str(cursor_file),
                "--group", group]
-    done = subprocess.run(command, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": src} if src is not None else None
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{mode} child on {path} exited {done.returncode}:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -157,20 +163,21 @@ def group_label(group: str) -> str:
     return "default" if group == "default" else "window" if group == "0" else f"g={int(group) / 2**20:g}MiB"
 
 
-def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str],
-                results: dict[tuple[str, str, int], list[dict]]) -> None:
+def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str], codes: list[str],
+                results: dict[tuple[str, str, str, int], list[dict]]) -> None:
     mb = 1 / 2**20
     print()
     print(f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set; shuffle: "
           f"default = the loader's (block groups), window = group_bytes=0 (the full-window shuffle)")
-    header = (f"{'mode':<8}{'shuffle':>10}{'samples':>9}{'shards':>7}  {'import s':>18}  {'dataset() ms':>20}  "
-              f"{'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  {'anon/file MB':>13}  {'shards read':>11}")
+    header = (f"{'mode':<8}{'shuffle':>10}{'code':>7}{'samples':>9}{'shards':>7}  {'import s':>18}  "
+              f"{'dataset() ms':>20}  {'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  "
+              f"{'anon/file MB':>13}  {'shards read':>11}  {'blocks read':>11}")
     print(header)
     print("-" * len(header))
-    for mode, group in ((m, g) for m in ("startup", "resume") for g in groups):
+    for mode, group, code in ((m, g, c) for m in ("startup", "resume") for g in groups for c in codes):
         for samples in sizes:
-            runs = results[(mode, group, samples)]
-            print(f"{mode:<8}{group_label(group):>10}{label(samples):>9}{shard_counts[samples]:>7}  "
+            runs = results[(mode, group, code, samples)]
+            print(f"{mode:<8}{group_label(group):>10}{code:>7}{label(samples):>9}{shard_counts[samples]:>7}  "
                   f"{spread([r['import_s'] for r in runs], '.2f', 1):>18}  "
                   f"{spread([r['dataset_s'] for r in runs], '.1f', 1e3):>20}  "
                   f"{spread([r['first_batch_s'] for r in runs], '.1f', 1e3):>20}  "
@@ -183,18 +190,19 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str
     small, large = sizes[0], sizes[-1]
     print()
     print(f"growth {label(small)} -> {label(large)} samples (ratio of medians; target <= {TARGET_GROWTH:.2f})")
-    print(f"{'mode':<8}{'shuffle':>10}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}  verdict")
-    for mode, group in ((m, g) for m in ("startup", "resume") for g in groups):
+    print(f"{'mode':<8}{'shuffle':>10}{'code':>7}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}"
+          f"  verdict")
+    for mode, group, code in ((m, g, c) for m in ("startup", "resume") for g in groups for c in codes):
         def median_of(samples: int, key: str) -> float:
-            return statistics.median(r[key] for r in results[(mode, group, samples)])
+            return statistics.median(r[key] for r in results[(mode, group, code, samples)])
 
         time_ratio = median_of(large, "first_batch_s") / median_of(small, "first_batch_s")
         rss_ratio = median_of(large, "peak_rss") / median_of(small, "peak_rss")
-        added = [statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, group, s)])
+        added = [statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, group, code, s)])
                  for s in (small, large)]
         added_ratio = added[1] / added[0] if added[0] > 0 else float("inf")
         met = time_ratio <= TARGET_GROWTH and rss_ratio <= TARGET_GROWTH
-        print(f"{mode:<8}{group_label(group):>10}{time_ratio:>14.2f}{rss_ratio:>10.2f}{added_ratio:>19.2f}  "
+        print(f"{mode:<8}{group_label(group):>10}{code:>7}{time_ratio:>14.2f}{rss_ratio:>10.2f}{added_ratio:>19.2f}  "
               f"{'met' if met else 'MISSED'}")
 
 
@@ -209,6 +217,8 @@ def main() -> None:
     parser.add_argument("--group-bytes", default="default",
                         help="comma-separated TieredDataset group_bytes to compare ('default': not passed; 0: the "
                              "full-window shuffle)")
+    parser.add_argument("--before", default=None,
+                        help="another checkout's src/ folder, measured beside this one in the same rounds")
     parser.add_argument("--keep", action="store_true", help="leave the datasets on disk and print where")
     parser.add_argument("--child", choices=["startup", "resume", "cursor"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -235,17 +245,20 @@ def main() -> None:
         cursors = {(g, s): root / f"cursor-{g}-{label(s)}.json" for g in groups for s in sizes}
         for (group, samples), cursor in cursors.items():
             run_child("cursor", datasets[samples], cursor, group)
-        results: dict[tuple[str, str, int], list[dict]] = {
-            (m, g, s): [] for m in ("startup", "resume") for g in groups for s in sizes}
+        sources = {"this": None, **({"before": args.before} if args.before else {})}
+        codes = list(sources)[::-1]
+        results: dict[tuple[str, str, str, int], list[dict]] = {
+            (m, g, c, s): [] for m in ("startup", "resume") for g in groups for c in codes for s in sizes}
         for run in range(args.runs):
-            # interleaved, so drift on a shared machine spreads over every size and shuffle
+            # interleaved, so drift on a shared machine spreads over every size, shuffle and code
             for group in groups if run % 2 == 0 else groups[::-1]:
                 for samples in sizes if run % 2 == 0 else sizes[::-1]:
-                    for mode in ("startup", "resume"):
-                        results[(mode, group, samples)].append(
-                            run_child(mode, datasets[samples], cursors[(group, samples)], group))
+                    for code in codes if run % 2 == 0 else codes[::-1]:
+                        for mode in ("startup", "resume"):
+                            results[(mode, group, code, samples)].append(run_child(
+                                mode, datasets[samples], cursors[(group, samples)], group, sources[code]))
             print(f"run {run + 1}/{args.runs} done", flush=True)
-        print_table(sizes, shard_counts, groups, results)
+        print_table(sizes, shard_counts, groups, codes, results)
     finally:
         if args.keep:
             print(f"datasets kept in {root}")

@@ -84,3 +84,21 @@ def test_a_resume_continues_the_shuffle_its_cursor_was_saved_with(small_and_larg
         again = [np.asarray(b["x"]).copy() for _, b in zip(range(3), loader)]
         loader.close()
         assert all(np.array_equal(a, b) for a, b in zip(again, seen[3:]))
+
+
+def test_a_start_makes_block_records_only_for_the_blocks_it_reads(small_and_large):
+    """The manifest lists every block of every shard (64 and 512 here); a start makes a record only
+    of those its first batch reads (and block 0 of each shard it opens, for the schema), so what it
+    pays for the block lists does not grow with the dataset."""
+    made = {}
+    for name, path in small_and_large.items():
+        dataset = TieredDataset(path, batch_size=BATCH, partitions=SHARDS, group_bytes=GROUP_BYTES)
+        shards = dataset.manifest.shards
+        assert sum(s.blocks.made for s in shards) == 0  # the order and the index read the columns alone
+        loader = Loader(dataset)
+        next(iter(loader))
+        source = dataset._open().dataset.source
+        made[name] = sum(s.blocks.made for s in shards)
+        assert 1 <= made[name] <= source.blocks_read + source.opens, (name, made[name], source.blocks_read)
+        loader.close()
+    assert max(made.values()) <= 4 + SHARDS, made

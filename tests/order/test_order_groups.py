@@ -108,3 +108,20 @@ def test_one_group_at_a_time_equals_every_group_at_once():
     whole = groups(np.arange(groups.starts[-1]))
     parts = [groups(np.arange(groups.starts[r], groups.starts[r + 1])) for r in range(groups.count)]
     assert np.array_equal(whole, np.concatenate(parts))
+
+
+def test_evaluating_a_grouped_order_imports_no_masked_arrays():
+    """numpy 2.4's np.unique imports numpy.ma on its first call (~15 ms), which every fresh process
+    paid inside its first batch; the order's window and group edges are made without it."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom tierflow.order import RankStream, SampleOrder\n"
+              "order = SampleOrder([40] * 12, dataset_id='x', seed=3, partitions=4, window_shards=2, group_bytes=100,"
+              " decoded_bytes=[400] * 12)\n"
+              "stream = RankStream(order, order.start(), batch_size=6)\n"
+              "[stream.batch(b) for b in range(40)]\n"
+              "assert 'numpy' in sys.modules\nprint('numpy.ma' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

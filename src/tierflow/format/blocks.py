@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 
 from tierflow.format._regular import fd_path, open_shard_file
-from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, check_block
+from tierflow.format.shard import Block, BlockList, Form, ShardCorruptError, ShardInfo, check_block
 
 
 class BlockBytes:
@@ -29,7 +29,7 @@ class BlockBytes:
 
     def __init__(self, blocks: Sequence[Block], compressed: bool, verified: bool = False,
                  keepalive: Any = None) -> None:
-        self.blocks = list(blocks)
+        self.blocks = blocks if isinstance(blocks, BlockList) else list(blocks)  # records made as blocks are read
         self.compressed = compressed
         self.verified = verified
         self.keepalive = keepalive  # a tier pin: alive as long as decoded blocks may point into the file

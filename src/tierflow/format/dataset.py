@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from tierflow.format.blocks import open_blocks
 from tierflow.format.manifest import Manifest
-from tierflow.format.shard import ShardInfo
+from tierflow.format.shard import ShardInfo, block_tokens
 from tierflow.format.index import BlockTokenCounts, DatasetIndex
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 
@@ -107,7 +107,7 @@ class Dataset:
         info = self.manifest.shards[s]
         table = self.source.open_shard(s, info)
         if self._token_column is not None and isinstance(table, LazyShardTable) and table._tokens is None:
-            table.expect_tokens(self._token_column, self.manifest.token_dtype, [b.tokens for b in info.blocks])
+            table.expect_tokens(self._token_column, self.manifest.token_dtype, block_tokens(info.blocks))
         return table
 
     def __getitem__(self, index: int) -> dict[str, Any]:

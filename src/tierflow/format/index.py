@@ -15,7 +15,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tierflow.format.shard import ShardCorruptError, ShardInfo
+from tierflow.format.shard import ShardCorruptError, ShardInfo, block_rows, block_tokens
 
 BlockTokenCounts = Callable[[int], Sequence[int]]
 """shard -> its blocks' token counts, read from the blocks (for packs that did not record them)."""
@@ -49,8 +49,8 @@ class TokenPlaces(NamedTuple):
 
 def _known_token_counts(info: ShardInfo) -> list[int] | None:
     """The shard's per-block token counts from its manifest entry, None when absent or inconsistent."""
-    counts = [b.tokens for b in info.blocks if b.tokens is not None]
-    if not counts or len(counts) != len(info.blocks) or sum(counts) != info.tokens or min(counts) < 0:
+    counts = block_tokens(info.blocks)
+    if not counts or None in counts or sum(counts) != info.tokens or min(counts) < 0:
         return None
     return counts
 
@@ -68,7 +68,8 @@ class DatasetIndex:
     def __init__(self, shards: Sequence[ShardInfo], read_block_tokens: BlockTokenCounts | None = None) -> None:
         per_shard = [len(s.blocks) for s in shards]
         self.first_block = cumulative(per_shard)
-        self.block_samples = cumulative(b.rows for s in shards for b in s.blocks)
+        rows = [block_rows(s.blocks) for s in shards]  # columns, not records (a manifest lists thousands)
+        self.block_samples = cumulative(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
         self.sample_starts = self.block_samples[self.first_block]
         self.token_starts = cumulative(s.tokens for s in shards)
         known = [_known_token_counts(s) for s in shards]

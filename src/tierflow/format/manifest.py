@@ -24,13 +24,12 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.format._regular import read_regular
-from tierflow.format.shard import COMPRESSIONS, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.errors import ManifestError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}[0-9a-f]{{32}}{re.escape(SHARD_SUFFIX)}$")
-_MAX_COUNT = 1 << 48
 CHECKSUM_KEY = "manifest_checksum"
 MAX_MANIFEST_BYTES = 64 << 20
 """A manifest larger than this is refused unread (a hostile one could be any size): 64 MiB lists
@@ -52,12 +51,15 @@ def check_manifest_size(size: int, where: str) -> None:
                             f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused")
 
 
+def schema_fields(schema: pa.Schema) -> list[dict]:
+    """The readable field list (what `dataset_id` hashes: no IPC serialisation, which took up to 12 ms
+    the first time in a process, paid twice before the first batch)."""
+    return [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in schema]
+
+
 def schema_to_json(schema: pa.Schema) -> dict:
     """Both a readable field list and the exact Arrow schema (IPC-serialised, base64)."""
-    return {
-        "fields": [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in schema],
-        "arrow": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
-    }
+    return {"fields": schema_fields(schema), "arrow": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")}
 
 
 def schema_from_json(d: dict) -> pa.Schema:
@@ -120,7 +122,7 @@ class Manifest:
 
     @property
     def dataset_id(self) -> str:
-        return compute_dataset_id(schema_to_json(self.schema), self.tokenizer,
+        return compute_dataset_id({"fields": schema_fields(self.schema)}, self.tokenizer,
                                   [s.checksum for s in self.shards])
 
     @property
@@ -243,26 +245,13 @@ class Manifest:
                 raise fail(f"shard #{i} name {info.name!r} does not carry its checksum {info.checksum!r}")
             for key in _SHARD_COUNTS:
                 value = getattr(info, key)
-                if not 0 <= value < _MAX_COUNT:
+                if not 0 <= value < MAX_COUNT:
                     raise fail(f"shard {info.name}: {key} = {value} is negative or absurd")
             if info.compression not in COMPRESSIONS:
                 raise fail(f"shard {info.name}: unknown compression {info.compression!r}")
-            if sum(b.rows for b in info.blocks) != info.samples:
-                raise fail(f"shard {info.name}: block rows sum to {sum(b.rows for b in info.blocks)}, "
-                           f"not {info.samples} samples")
-            block_tokens = [b.tokens for b in info.blocks if b.tokens is not None]
-            if block_tokens and (min(block_tokens) < 0 or sum(block_tokens) != info.tokens):
-                raise fail(f"shard {info.name}: block tokens sum to {sum(block_tokens)}, not its {info.tokens} tokens")
-            end = 0  # blocks lie in file order, apart (pack writes them so; `verify` streams them so)
-            for b in info.blocks:
-                if b.rows < 0 or b.rows >= _MAX_COUNT:
-                    raise fail(f"shard {info.name}: a block of {b.rows} rows is negative or absurd")
-                if b.offset < 0 or b.length <= 0 or b.offset + b.length > info.bytes:
-                    raise fail(f"shard {info.name}: block at {b.offset}+{b.length} lies outside the file")
-                if b.offset < end:
-                    raise fail(f"shard {info.name}: block at {b.offset}+{b.length} overlaps the block before it "
-                               f"(ending at {end})")
-                end = b.offset + b.length
+            problem = info.blocks.check(info.name, info.bytes, info.samples, info.tokens)
+            if problem is not None:
+                raise fail(problem)
             shards.append(info)
         at[0] = "the top level"
         names = [s.name for s in shards]

@@ -10,11 +10,13 @@ and xxh3-64, so a ranged read of one block verifies without reading the shard. S
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Sequence
 
+import numpy as np
 import pyarrow as pa
 import xxhash
 
@@ -28,6 +30,8 @@ SHARD_SUFFIX = ".arrow"
 COMPRESSIONS = ("zstd", "lz4", "none")
 #: at-rest compression is kept only when it saves at least this fraction of the decoded size
 MIN_SAVING = 0.15
+MAX_COUNT = 1 << 48
+"""A manifest's counts (samples, bytes, a block's rows) are below this; anything larger is absurd."""
 
 
 class Form(StrEnum):
@@ -65,7 +69,8 @@ class ShardInfo:
     decoded_checksum: str
     compression: str
     tokens: int = 0
-    blocks: list[Block] = field(default_factory=list)
+    blocks: Sequence[Block] = field(default_factory=list)
+    """A list of records (pack, a tier's block list) or, loaded from a manifest, a `BlockList`."""
 
     @property
     def key(self) -> str:
@@ -103,21 +108,133 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, d: dict) -> "ShardInfo":
-        b = d["blocks"]
-        tokens = b.get("tokens")
-        columns = [b["offset"], b["length"], b["rows"], b["checksum"]]
-        columns.append(tokens if tokens is not None else [None] * len(columns[0]))
-        for name, column, allowed in zip(("offset", "length", "rows", "checksum", "tokens"), columns,
-                                         ({int}, {int}, {int}, {str}, {int} if tokens is not None else {type(None)})):
-            if not isinstance(column, list) or not set(map(type, column)) <= allowed:  # untrusted JSON
-                raise TypeError(f"blocks.{name} is not a list of {'/'.join(t.__name__ for t in allowed)}")
-        blocks = list(map(Block._make, zip(*columns, strict=True)))
+        """The shard a manifest entry describes; its blocks stay columns (`BlockList`) until used."""
         return cls(
             name=str(d["name"]), samples=int(d["samples"]), bytes=int(d["bytes"]),
             decoded_bytes=int(d["decoded_bytes"]), checksum=str(d["checksum"]),
             decoded_checksum=str(d["decoded_checksum"]), compression=str(d["compression"]),
-            tokens=int(d.get("tokens", 0)), blocks=blocks,
+            tokens=int(d.get("tokens", 0)), blocks=BlockList.from_json(d["blocks"]),
         )
+
+
+class BlockList(SequenceABC):
+    """A shard's blocks as the manifest lists them: int64 columns (offset, length, rows, tokens) and
+    the checksums, a `Block` record made only when one is asked for. A manifest lists every block of
+    every shard (3,081 at 100M samples in 30 shards) and a start reads a few of one shard: making
+    records for all of them was most of a manifest's parse. The columns are checked whole when the
+    manifest loads (`check`), so a record handed out is a validated one."""
+
+    __slots__ = ("offsets", "lengths", "rows", "tokens", "checksums", "_made")
+
+    def __init__(self, offsets: np.ndarray, lengths: np.ndarray, rows: np.ndarray, checksums: list[str],
+                 tokens: np.ndarray | None = None) -> None:
+        self.offsets, self.lengths, self.rows, self.checksums, self.tokens = offsets, lengths, rows, checksums, tokens
+        self._made: list[Block | None] = [None] * len(checksums)
+
+    @classmethod
+    def from_json(cls, b: dict) -> "BlockList":
+        """The columns of a manifest's `blocks` object; TypeError/ValueError if one is not a list of
+        its type or they differ in length (untrusted JSON: bool, float and huge ints are refused)."""
+        tokens = b.get("tokens")
+        columns = {"offset": b["offset"], "length": b["length"], "rows": b["rows"], "checksum": b["checksum"]}
+        if tokens is not None:
+            columns["tokens"] = tokens
+        for name, column in columns.items():
+            allowed = {str} if name == "checksum" else {int}
+            if not isinstance(column, list) or not set(map(type, column)) <= allowed:
+                raise TypeError(f"blocks.{name} is not a list of {'/'.join(t.__name__ for t in allowed)}")
+        if len({len(c) for c in columns.values()}) > 1:
+            lengths = ", ".join(f"{k} {len(v)}" for k, v in columns.items())
+            raise ValueError(f"blocks' columns differ in length: {lengths}")
+        try:
+            ints = [np.array(columns[k], dtype=np.int64).reshape(-1) for k in ("offset", "length", "rows")]
+            counts = np.array(tokens, dtype=np.int64).reshape(-1) if tokens is not None else None
+        except OverflowError:
+            raise ValueError("a block's offset, length, rows or tokens is beyond 64 bits") from None
+        return cls(*ints, columns["checksum"], counts)
+
+    def check(self, name: str, size: int, samples: int, tokens: int) -> str | None:
+        """What is wrong with these blocks of shard `name` (`size` bytes at rest, `samples` rows,
+        `tokens` tokens), None when nothing: rows summing to the samples, recorded tokens summing to
+        the tokens, then block by block its rows in range, inside the file and after the block before
+        it (pack writes them so; `verify` streams them so). Vectorised: O(blocks) in numpy, not Python."""
+        rows, offsets, lengths = self.rows, self.offsets, self.lengths
+        total = sum(rows.tolist())  # exact, whatever a hostile manifest's numbers add up to
+        if total != samples:
+            return f"shard {name}: block rows sum to {total}, not {samples} samples"
+        if self.tokens is not None and self.tokens.size:
+            counted = sum(self.tokens.tolist())
+            if int(self.tokens.min()) < 0 or counted != tokens:
+                return f"shard {name}: block tokens sum to {counted}, not its {tokens} tokens"
+        before = np.concatenate(([0], (offsets + lengths)[:-1]))  # where the block before ends
+        bad_rows = (rows < 0) | (rows >= MAX_COUNT)
+        # each of offset and length within the size first, so their sum cannot wrap around
+        outside = (offsets < 0) | (lengths <= 0) | (offsets > size) | (lengths > size) | (offsets + lengths > size)
+        wrong = np.flatnonzero(bad_rows | outside | (offsets < before))
+        if not wrong.size:
+            return None
+        i = int(wrong[0])
+        offset, length = int(offsets[i]), int(lengths[i])
+        if bad_rows[i]:
+            return f"shard {name}: a block of {int(rows[i])} rows is negative or absurd"
+        if outside[i]:
+            return f"shard {name}: block at {offset}+{length} lies outside the file"
+        return f"shard {name}: block at {offset}+{length} overlaps the block before it (ending at {int(before[i])})"
+
+    @property
+    def made(self) -> int:
+        """Block records made so far (what a start paid for: the blocks it read, not the manifest's)."""
+        return sum(b is not None for b in self._made)
+
+    def token_counts(self) -> list[int | None]:
+        return self.tokens.tolist() if self.tokens is not None else [None] * len(self)
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        found = self._made[index]
+        if found is None:
+            tokens = int(self.tokens[index]) if self.tokens is not None else None
+            found = self._made[index] = Block(int(self.offsets[index]), int(self.lengths[index]), int(self.rows[index]),
+                                              self.checksums[index], tokens)
+        return found
+
+    def __iter__(self) -> Iterator[Block]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SequenceABC) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"BlockList({len(self)} blocks, {self.made} made)"
+
+    def __getstate__(self) -> tuple:
+        return self.offsets, self.lengths, self.rows, self.checksums, self.tokens
+
+    def __setstate__(self, state: tuple) -> None:
+        self.offsets, self.lengths, self.rows, self.checksums, self.tokens = state
+        self._made = [None] * len(self.checksums)
+
+
+def block_rows(blocks: Sequence[Block]) -> np.ndarray:
+    """Rows of each block (int64), without making a record of each."""
+    if isinstance(blocks, BlockList):
+        return blocks.rows
+    return np.fromiter((b.rows for b in blocks), dtype=np.int64, count=len(blocks))
+
+
+def block_tokens(blocks: Sequence[Block]) -> list[int | None]:
+    """Token count of each block (None where the pack did not record it), without making records."""
+    if isinstance(blocks, BlockList):
+        return blocks.token_counts()
+    return [b.tokens for b in blocks]
 
 
 def shard_name(checksum: str) -> str:

@@ -21,7 +21,7 @@ import pyarrow.types as pat
 from tierflow.format._heap import TRIM_EVERY, release_free_heap
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.index import cumulative
-from tierflow.format.shard import ShardCorruptError, block_error, block_schema, decode_block
+from tierflow.format.shard import ShardCorruptError, block_error, block_rows, block_schema, decode_block
 
 
 class _Views:
@@ -186,7 +186,7 @@ class LazyShardTable(ShardTable):
         self._schema: pa.Schema | None = None
         self._cache = cache
         self._recover = recover
-        self.row_starts = cumulative([b.rows for b in source.blocks])
+        self.row_starts = cumulative(block_rows(source.blocks))
         n = len(source.blocks)
         self._slots: list[tuple[pa.RecordBatch, _Views] | None] = [None] * n
         self._referenced = bytearray(n)
@@ -289,7 +289,7 @@ class LazyShardTable(ShardTable):
 
     def _replace_source(self, source: BlockBytes) -> BlockBytes:
         """Another copy of the same shard (maybe another form: same blocks, other byte ranges)."""
-        if [b.rows for b in source.blocks] != [b.rows for b in self._source.blocks]:
+        if not np.array_equal(block_rows(source.blocks), block_rows(self._source.blocks)):
             raise ShardCorruptError(f"shard {self.name}: the copy fetched again has other blocks")
         self._source = source
         return source

@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSource
-from tierflow.format.shard import Form, ShardInfo
+from tierflow.format.shard import Form, ShardInfo, block_rows
 from tierflow.format.table import BlockCache
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
@@ -451,7 +451,7 @@ def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_s
 
 def _largest_block(shard: ShardInfo) -> int:
     """Decoded bytes of the shard's largest block, from its share of the rows (blocks are cut by bytes)."""
-    rows = max((b.rows for b in shard.blocks), default=0)
+    rows = int(block_rows(shard.blocks).max()) if shard.blocks else 0
     return shard.decoded_bytes * rows // max(shard.samples, 1)
 
 

@@ -50,7 +50,8 @@ def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
         start += count
     if edges[-1] != start:
         edges.append(start)
-    return np.unique(np.array(edges, dtype=np.int64))
+    found = np.array(edges, dtype=np.int64)  # ascending: keep each edge once (np.unique's first call
+    return found[np.concatenate(([True], found[1:] != found[:-1]))]  # imports numpy.ma, ~15 ms of a start)
 
 
 class WindowGroups:
