@@ -21,11 +21,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def loader_for(data: Path, tiers: list[str], staging: bool = True):
-    """A loader over `tiers`; without `staging` its stager is stopped, so what a restore stages is
-    all the tier holds (a running stager fills the same tier at the same time)."""
+    """A loader over `tiers`; without `staging` its stager is stopped and what it staged dropped, so
+    what a restore stages is all the tier holds (a running stager fills the same tier at the same time)."""
     loader = tierflow.open_loader(str(data), tiers=tiers, batch_size=8, seq_len=64)
     if not staging and loader.stager is not None:
         loader.stager.close()
+        for tier in loader.stager.stack.tiers:
+            tier.evict()
+            assert not tier.index.keys()
     return loader
 
 
@@ -169,6 +172,6 @@ def test_minutes_need_a_recorded_rate_and_a_positive_number(data: Path, tmp_path
                 restore_warm(step, loader, minutes=minutes)
         with pytest.raises(ValueError, match="batches= or minutes="):
             restore_warm(step, loader, batches=4, minutes=1)
-        assert not loader.stager.stack.tiers[0].index.keys()
+        assert not loader.stager.stack.tiers[0].index.keys()  # refused before staging anything
     finally:
         loader.close()

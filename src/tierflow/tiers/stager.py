@@ -97,9 +97,11 @@ class Stager:
         self._held: dict[int, Handle] = {}
         self._held_until: dict[int, int] = {}
         self._inflight: set[int] = set()
-        self._queue: queue.Queue[tuple[int, int] | None] = queue.Queue()  # (shard, first use), plan order
+        self._queue: queue.Queue[tuple[int, int, int] | None] = queue.Queue()  # (shard, first use, ticket)
         self._link = threading.Condition()
         self._transfers: list[int] = []  # first uses (node samples) of the transfers from below in flight
+        self._queued: dict[int, int] = {}  # ticket -> first use, of the fetches queued and not yet begun
+        self._tickets = 0
         self._rides: list[Ride] = []
         self._replan = False
         self._oracle: PositionOracle | None = None
@@ -173,6 +175,8 @@ class Stager:
                 log.warning("stager thread %s still busy after 120 s; a fork now is unsafe", t.name)
         self._threads = []
         self._queue = queue.Queue()
+        with self._link:
+            self._queued.clear()
         with self._lock:
             for handle in self._held.values():
                 handle.release()
@@ -352,7 +356,10 @@ class Stager:
                 if shard in self._held or shard in self._inflight:  # staged since the plan was made
                     continue
                 self._inflight.add(shard)
-            self._queue.put((shard, first_use[shard]))
+            with self._link:
+                self._tickets += 1
+                self._queued[self._tickets] = first_use[shard]
+            self._queue.put((shard, first_use[shard], self._tickets))
         with self._lock:
             self.m_ahead.set(sum(self._shard_size(s) for s in self._held))
         self._note_rides(idle=not plan.fetch and not in_flight)
@@ -390,29 +397,42 @@ class Stager:
                 return
             self._fetch(*item)
 
-    def _wait_turn(self, due: int) -> bool:
-        """Wait until no transfer in flight is for a shard first needed before `due`, then count this
-        one in; False when the stager stopped meanwhile."""
+    def _wait_turn(self, due: int, ticket: int) -> bool:
+        """Wait until no transfer in flight, and no fetch queued before this one (a thread has it, or
+        will before this one's), is for a shard first needed before `due`, then count this one in;
+        False when the stager stopped meanwhile. Only earlier tickets count: the earliest never waits
+        on a queued one, so the fetch threads cannot all wait on fetches none of them holds."""
+        def earlier_due() -> bool:
+            return (any(d < due for d in self._transfers)
+                    or any(d < due for t, d in self._queued.items() if t < ticket))
+
         with self._link:
-            while self._transfers and min(self._transfers) < due and not self._stop.is_set():
+            while earlier_due() and not self._stop.is_set():
                 self._link.wait()
             if self._stop.is_set():
                 return False
+            self._queued.pop(ticket, None)
             self._transfers.append(due)
             return True
+
+    def _dequeued(self, ticket: int) -> None:
+        """A queued fetch that moves nothing from below (resident, stopped or failed) stops counting."""
+        with self._link:
+            if self._queued.pop(ticket, None) is not None:
+                self._link.notify_all()
 
     def _transferred(self, due: int) -> None:
         with self._link:
             self._transfers.remove(due)
             self._link.notify_all()
 
-    def _fetch(self, shard: int, due: int) -> None:
+    def _fetch(self, shard: int, due: int, ticket: int) -> None:
         info = self.shards[shard]
         turn = False  # this fetch transfers from below and counts in `_transfers`
         try:
             resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
             if not resident:
-                turn = self._wait_turn(due)
+                turn = self._wait_turn(due, ticket)
                 if not turn:  # the stager stopped while this fetch waited its turn
                     with self._lock:
                         self._inflight.discard(shard)
@@ -433,6 +453,8 @@ class Stager:
         finally:
             if turn:
                 self._transferred(due)
+            else:
+                self._dequeued(ticket)
         if handle is None:  # every tier declined it (the policy prefers what it holds): nothing to hold
             self.m_declined.inc()
             with self._lock:
