@@ -485,7 +485,10 @@ def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_
     root = many_shards["zstd"]
     wide = TieredDataset(root, batch_size=16, seed=3, group_bytes=0)
     ds = TieredDataset(root, batch_size=16, seed=3, group_bytes=1 << 16)
-    assert ds.decoded_bound() < wide.decoded_bound()
+    decoded = sum(s.decoded_bytes for s in ds.manifest.shards)
+    # 13 shards, fewer than one window per lane reads at once: either way a process may hold them all,
+    # and never more (a bound of windows x the mean shard came to 2.5x the dataset)
+    assert ds.decoded_bound() <= wide.decoded_bound() == decoded
     seen, peak = 0, 0
     for batch in ds:
         peak = max(peak, ds._open().dataset.source.cache.bytes)

@@ -179,24 +179,66 @@ def cache_counts(snapshot: dict, name: str) -> float:
     return sum(c["value"] for c in snapshot["counters"] if c["name"] == name and c["labels"].get("tier") == "resized")
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_the_cache_counts_beside_the_tiers_and_workers_ship_its_counts(packed, tmp_path, workers):
-    """Through a tier stack, the cache's tier counters and its made blocks/bytes land in the stack's
-    registry (the main process's at 0 workers; each worker's, shipped with its batches, at 2)."""
-    from tierflow.telemetry import merge_snapshots
+def scraped(registry) -> dict:
+    """{(name, tier): value} of one Prometheus scrape over HTTP of `registry`."""
+    import urllib.request
 
-    cache = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
-    pipeline = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()], cache=cache)
-    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"], batch_size=8, transform=pipeline, seed=3,
-                              columns=COLUMNS, num_workers=workers, epoch_end="rank") as it:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tierflow.telemetry.prometheus import PrometheusExporter
+
+    with PrometheusExporter([registry], port=0) as exporter:
+        text = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+    return {(sample.name, sample.labels.get("tier")): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+@pytest.mark.parametrize("tiers", [False, True], ids=["local", "tiers"])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_caches_counts_reach_the_loaders_telemetry_prometheus_and_top(packed, tmp_path, workers, tiers):
+    """On a plain local dataset or through tiers, built here or in 2 DataLoader workers, one cold
+    epoch's cache counts (a miss and a made block per block, the bytes it wrote) are in the loader's
+    telemetry at the epoch's end, exactly: in its figures, a Prometheus scrape and the event log
+    `tierflow top` reads."""
+    from rich.console import Console
+
+    from tierflow.commands.top import RunState, render
+    from tierflow.telemetry import MetricsRegistry
+    from tierflow.telemetry.eventlog import EventLog, read_events
+    from tierflow.telemetry.loader_metrics import LoaderTelemetry
+    from tierflow.telemetry.tier_figures import tier_figures
+
+    blocks = blocks_of(packed)
+    registry = MetricsRegistry()
+    log = EventLog(tmp_path / "run.jsonl", registry, snapshot_every_s=0.0)
+    pipeline = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()],
+                             cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
+    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"] if tiers else [], batch_size=8,
+                              transform=pipeline, seed=3, columns=COLUMNS, num_workers=workers, epoch_end="rank",
+                              telemetry=LoaderTelemetry(registry, events=log)) as it:
         assert sum(len(b["caption"]) for b in it) == 48
-        here, shipped = it.stager.registry.snapshot(), merge_snapshots(it.worker_snapshots())
-    found = here if workers == 0 else shipped
-    made = cache_counts(found, "tierflow_resized_made_bytes_total")
-    assert made > 0 and made == cache_counts(found, "tierflow_tier_in_bytes_total")
-    assert cache_counts(found, "tierflow_resized_made_blocks_total") == cache_counts(found, "tierflow_tier_misses_total")
-    if workers == 0:
-        assert cache_counts(here, "tierflow_tier_misses_total") == blocks_of(packed)
-    else:  # the counts are the workers' (a worker's snapshot rides with its first batch of every 16)
-        assert cache_counts(shipped, "tierflow_tier_misses_total") >= 1
-        assert cache_counts(here, "tierflow_tier_misses_total") == 0
+        snapshot = it.telemetry.registry.snapshot()
+    log.close()
+    resized = tier_figures(snapshot)["resized"]
+    made = cache_counts(snapshot, "tierflow_resized_made_bytes_total")
+    assert resized.misses == blocks == cache_counts(snapshot, "tierflow_resized_made_blocks_total")
+    assert made > 0 and resized.bytes_in == made and resized.occupancy_bytes == made
+    if tiers:
+        assert tier_figures(snapshot)["L2"].hits + tier_figures(snapshot)["L2"].misses > 0  # the tiers' beside it
+    samples = scraped(registry)
+    assert samples[("tierflow_tier_misses_total", "resized")] == blocks
+    assert samples[("tierflow_resized_made_bytes_total", "resized")] == made
+    state = RunState().fold(read_events(tmp_path / "run.jsonl"))
+    assert tier_figures(state.snapshot)["resized"].misses == blocks
+    console = Console(record=True, width=160)
+    console.print(render(state))
+    assert "resized" in console.export_text()
+
+
+def test_open_loaders_telemetry_is_the_tier_stacks_registry_the_stager_exports(packed, tmp_path):
+    pipeline = ImagePipeline([RandomResizedCrop(SIDE)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
+    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"], batch_size=8, transform=pipeline,
+                              seed=3, columns=COLUMNS, epoch_end="rank") as it:
+        assert sum(len(b["caption"]) for b in it) == 48
+        assert it.telemetry.registry is it.stager.registry
+        assert scraped(it.stager.registry)[("tierflow_tier_misses_total", "resized")] == blocks_of(packed)

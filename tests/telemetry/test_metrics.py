@@ -203,3 +203,29 @@ def test_boundary_timer_reports_blocked_time_on_each_side():
     assert summary["put"]["total"] == pytest.approx(0.002)
     sides = {h["labels"]["side"] for h in registry.snapshot()["histograms"] if h["labels"]["stage"] == "decode"}
     assert sides == {"get", "put"}
+
+
+def test_a_registry_counts_what_it_includes_live_or_shipped_and_forgets_it_on_reset():
+    """A live registry is read at each snapshot; a shipped (cumulative) snapshot replaces the one under
+    its key; including itself changes nothing; a cycle is refused; reset (a forked child) forgets both."""
+    main, readers = MetricsRegistry(), MetricsRegistry()
+    main.counter("tierflow_tier_hits_total", {"tier": "L2"}).inc(1)
+    main.include("readers", readers)
+    main.include("self", main)
+    hits = readers.counter("tierflow_tier_hits_total", {"tier": "L2"})
+    hits.inc(2)
+    worker = MetricsRegistry()
+    shipped = worker.counter("tierflow_tier_hits_total", {"tier": "L2"})
+    for _ in range(2):  # the same worker ships twice: its later, cumulative snapshot replaces the first
+        shipped.inc(10)
+        main.include(("worker", 7), worker.snapshot())
+    hits.inc(100)
+
+    def total(registry: MetricsRegistry) -> float:
+        return sum(c["value"] for c in registry.snapshot()["counters"] if c["name"] == "tierflow_tier_hits_total")
+
+    assert total(main) == 1 + 102 + 20
+    with pytest.raises(ValueError, match="already includes this one"):
+        readers.include("main", main)
+    main.reset()
+    assert total(main) == 0 and total(readers) == 102

@@ -280,3 +280,15 @@ def test_the_windows_being_read_skip_the_budget_only_where_the_top_tier_holds_th
         node = Stager(dataset, stack, min_batches=4).node
         assert node.reading_shards == (dataset.working_set.reading if reading else 0), capacity
         stack.close()
+
+
+def test_the_staging_area_has_room_for_any_working_set_and_the_window_just_left():
+    """The staging area is the working set's size and holds one shard more than it at once (the window
+    just left, pinned until the stager lets it go): sized by the mean, a small last shard left it short
+    of three full ones, so a reader found it full of pins and its shard was fetched twice."""
+    from tierflow.order.working_set import working_set_bytes
+
+    full = 16_800_000
+    assert working_set_bytes(2, [full] * 24 + [13_000_000]) >= 3 * full
+    assert working_set_bytes(2, [10, 30, 20, 5]) == 60
+    assert working_set_bytes(4, [10, 30]) == 40 and working_set_bytes(2, []) == 0

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from tierflow.format.shard import Form
 from tierflow.telemetry.health import HealthFlag, health_flags
 from tierflow.telemetry.loader_metrics import LoaderFigures, LoaderTelemetry, loader_figures
-from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
+from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.telemetry.tier_figures import STACK_SOURCE_BYTES, TierFigures, tier_figures
 from tierflow.telemetry.verdict import Verdict, judge
 
@@ -154,8 +154,7 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
         step(batch)
     dry_run_s = time.perf_counter() - started
 
-    # readers in DataLoader workers fetch there: their tier counters come back with the batches
-    snapshot = merge_snapshots([registry.snapshot(), *loader.worker_snapshots()])
+    snapshot = registry.snapshot()  # the workers' tier counters are included as they ship them
     figures = loader_figures(snapshot)
     tiers = tier_figures(snapshot)
     manifest = getattr(dataset, "manifest", None)

@@ -26,6 +26,7 @@ from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
 from tierflow.loader.tokens import WindowStarts, document_segments, row_segments, window_counts
 from tierflow.order import sample_rng
+from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.transforms.resized import SOURCE_KEY, SampleSource
 
 Transform = Callable[[dict, np.random.Generator], dict]
@@ -36,7 +37,9 @@ Collate = Callable[[list[dict]], dict]
 
 @dataclass
 class SampleContext:
-    """Per-process reading state handed to a batcher (built lazily in each DataLoader worker)."""
+    """Per-process reading state handed to a batcher (built lazily in each DataLoader worker).
+    `registry` is what this process's readers and transforms count into: the tier stack's when the
+    dataset reads through one, else the context's own (a DataLoader worker ships it to the Loader)."""
 
     dataset: Dataset
     seed: int
@@ -44,6 +47,13 @@ class SampleContext:
     filter: Filter | None = None
     collate: Collate | None = None
     cache: dict[str, Any] = field(default_factory=dict)
+    registry: MetricsRegistry = field(default_factory=MetricsRegistry)
+
+
+def reading_registry(dataset: Dataset) -> MetricsRegistry:
+    """The registry a reading context of `dataset` counts into: its tier stack's, else a new one."""
+    registry = getattr(dataset.source, "registry", None)
+    return registry if isinstance(registry, MetricsRegistry) else MetricsRegistry()
 
 
 class Batcher(Protocol):
@@ -132,7 +142,7 @@ def transformed(ctx: SampleContext, sample: dict[str, Any], sample_id: int, epoc
     assert ctx.transform is not None
     if getattr(ctx.transform, "needs_source", False):
         shard, block, row = ctx.dataset.index.locate_sample(int(sample_id))
-        sample[SOURCE_KEY] = SampleSource(ctx.dataset, shard, block, row)
+        sample[SOURCE_KEY] = SampleSource(ctx.dataset, shard, block, row, ctx.registry)
     return ctx.transform(sample, sample_rng(ctx.seed, epoch, sample_id))
 
 

@@ -11,7 +11,9 @@ them out in.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -23,7 +25,10 @@ from tierflow.format.dataset import Dataset, ShardSource
 from tierflow.format.shard import Form, ShardInfo, block_rows
 from tierflow.format.table import BlockCache
 from tierflow.storage.datasets import load_manifest, open_dataset
-from tierflow.loader.batching import Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform
+from tierflow.loader.batching import (
+    Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform,
+    reading_registry,
+)
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
@@ -34,6 +39,7 @@ from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, Shar
 from tierflow.order.groups import GROUP_BYTES
 from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
 from tierflow.policies.auto import Lifecycle
+from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
 from tierflow.tiers.tier import memory_headroom
 
 Resume = LoaderCursor | Mapping[str, Any] | None
@@ -49,6 +55,10 @@ def default_partitions(nonempty_shards: int) -> int:
 
 
 METRICS_EVERY = 16
+METRICS_EVERY_S = 0.1
+"""A DataLoader worker ships its metrics with a batch at least every METRICS_EVERY batches or
+METRICS_EVERY_S seconds (a snapshot costs ~0.1 ms: nothing beside an image batch, much beside a
+small token batch)."""
 _RESET_IN: set[int] = set()
 
 
@@ -282,7 +292,8 @@ class TieredDataset(IterableDataset):
             dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
                                    endpoint_url=self.endpoint_url)
         self._bound_decoded(dataset)
-        self._context = SampleContext(dataset, self.seed, self.transform, self.filter, self.collate)
+        self._context = SampleContext(dataset, self.seed, self.transform, self.filter, self.collate,
+                                      registry=reading_registry(dataset))
         self._context_pid = os.getpid()
         return self._context
 
@@ -340,10 +351,15 @@ class TieredDataset(IterableDataset):
         stream = self.stream(worker, workers)
         stream.compact = self.compact_cursors
         plan = self.batcher.plan(ctx, stream, self._resume)
-        batches = (self._carry(selection, self.batcher.build(ctx, selection)) for selection in plan)
         if info is None:
-            return batches
-        return self._from_worker(batches, worker, getattr(ctx.dataset.source, "registry", None))
+            return (self._carry(selection, self.batcher.build(ctx, selection)) for selection in plan)
+        return self._from_worker(plan, lambda selection: self._carry(selection, self.batcher.build(ctx, selection)),
+                                 worker, [ctx.registry])
+
+    def reading_registries(self) -> list[MetricsRegistry]:
+        """What this process's readers and transforms count into (opening its reading context):
+        a Loader without workers includes it in its telemetry's registry."""
+        return [self._open().registry]
 
     @staticmethod
     def _carry(selection: Selection, built: Built) -> CarriedBatch:
@@ -352,16 +368,35 @@ class TieredDataset(IterableDataset):
         return CarriedBatch(built.data, meta)
 
     @staticmethod
-    def _from_worker(batches: Iterator[CarriedBatch], worker: int, registry: Any) -> Iterator[CarriedBatch]:
-        """Every METRICS_EVERY batches the worker's metrics (its tier counters live in this process)
-        ride along in the batch's meta, cumulative, for the Loader to merge."""
-        if registry is not None and os.getpid() not in _RESET_IN:
-            registry.reset()  # this worker's copy of the parent's totals must not be counted twice
-            _RESET_IN.add(os.getpid())
-        for n, batch in enumerate(batches):
-            if registry is not None and n % METRICS_EVERY == 0:
-                batch.meta.metrics = WorkerSnapshot(worker, registry.snapshot())
+    def _from_worker(plan: Iterator[Selection], build: Callable[[Selection], CarriedBatch], worker: int,
+                     registries: list[MetricsRegistry]) -> Iterator[CarriedBatch]:
+        """The worker's batches; its metrics (its readers' tier and cache counters live in this
+        process), cumulative, ride in a batch's meta for the Loader to include in its telemetry:
+        every METRICS_EVERY batches or METRICS_EVERY_S seconds, and on the worker's last batch of
+        each epoch (the plan is looked at one selection ahead), so at an epoch's end the Loader
+        holds exactly what built that epoch's batches."""
+        unique = list({id(r): r for r in registries}.values())
+        pid = os.getpid()
+        if pid not in _RESET_IN:
+            for registry in unique:
+                registry.reset()  # a forked worker's copy of the parent's totals must not be counted twice
+            _RESET_IN.add(pid)
+        shipped, n = -math.inf, 0
+        selections = iter(plan)
+        selection = next(selections, None)
+        while selection is not None:
+            batch = build(selection)
+            following = next(selections, None)
+            now = time.monotonic()
+            if (following is None or following.epoch != selection.epoch or n % METRICS_EVERY == 0
+                    or now - shipped >= METRICS_EVERY_S):
+                snapshots = [r.snapshot() for r in unique]
+                batch.meta.metrics = WorkerSnapshot(worker, pid, snapshots[0] if len(snapshots) == 1
+                                                    else merge_snapshots(snapshots))
+                shipped = now
+            n += 1
             yield batch
+            selection = following
 
     def stream(self, worker: int = 0, workers: int = 1) -> OrderStream:
         """This rank's order from the resume cursor, as DataLoader worker `worker` of `workers` plans it."""

@@ -112,7 +112,6 @@ class Loader:
         self._planned: LoaderCursor | PlannedCursor | None = self.dataset.cursor
         self._filtered = 0
         self._consumed = 0
-        self._worker_metrics: dict[int, dict[str, Any]] = {}
         self._feed: DeviceFeed | None = None
         self._source: Iterator[Any] | None = None
         self._iterated = False
@@ -137,6 +136,9 @@ class Loader:
             self.dataset.load_state_dict(self._cursor)
             self._dataloader = self._make_dataloader()
         self._iterated = True
+        if self.telemetry is not None and self._loader_options["num_workers"] == 0:
+            for registry in self.dataset.reading_registries():  # batches are built here: count their readers
+                self.telemetry.registry.include(registry, registry)
         self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
         self.start_prefetch()
         self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
@@ -212,8 +214,8 @@ class Loader:
         """The loop has this batch now: its cursor is the state to save (resolved when asked)."""
         self.last_meta = meta
         self._planned = meta.planned
-        if meta.metrics is not None:
-            self._worker_metrics[meta.metrics.worker] = meta.metrics.snapshot
+        if meta.metrics is not None and self.telemetry is not None:
+            self.telemetry.registry.include(("worker", meta.metrics.pid), meta.metrics.snapshot)
         self._filtered += int(meta.stats.get("filtered", 0))
         self._consumed += 1
         if self.stager is not None:
@@ -247,11 +249,6 @@ class Loader:
         """Begin staging the cursor's next window now, so staging overlaps model loading."""
         if self.stager is not None:
             self.stager.start(self._cursor)
-
-    def worker_snapshots(self) -> list[dict[str, Any]]:
-        """The latest metrics snapshot each DataLoader worker shipped (its tier counters: readers in
-        workers fetch there); merge them with `tierflow.telemetry.merge_snapshots`."""
-        return list(self._worker_metrics.values())
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor after the last batch handed to the training loop, plus counts; JSON-able."""

@@ -18,9 +18,11 @@ from tierflow.loader.plan import PlannedCursor
 
 
 class WorkerSnapshot(NamedTuple):
-    """A DataLoader worker's metrics registry, cumulative (its tier counters live in that process)."""
+    """A DataLoader worker's metrics, cumulative since the process started (its readers' tier and
+    cache counters live in that process); `pid` tells a worker of the next iteration from this one."""
 
     worker: int
+    pid: int
     snapshot: dict[str, Any]
 
 

@@ -25,6 +25,7 @@ from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.dataset import Resume, TieredDataset
 from tierflow.loader.plan import Built, OrderBatch, Selection, TrainStream
 from tierflow.order import MixedCursor, MixedOrder, MixedRankStream, ShardUse
+from tierflow.telemetry.metrics import MetricsRegistry
 
 
 class MixedTrainStream(TrainStream):
@@ -150,10 +151,13 @@ class MixedDataset(TieredDataset):
         stream = self.stream(worker, workers)
         stream.compact = self.compact_cursors
         plan = self.batcher.plan(contexts[0], stream, self._resume)
-        batches = (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
         if info is None:
-            return batches
-        return self._from_worker(batches, worker, getattr(contexts[0].dataset.source, "registry", None))
+            return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
+        return self._from_worker(plan, lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)),
+                                 worker, [ctx.registry for ctx in contexts])
+
+    def reading_registries(self) -> list[MetricsRegistry]:
+        return list({id(r): r for r in (child._open().registry for child in self.children)}.values())
 
     def _mixed_carry(self, selection: Selection, built: Built) -> CarriedBatch:
         carried = self._carry(selection, built)

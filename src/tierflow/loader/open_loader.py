@@ -19,6 +19,7 @@ from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.loader import Loader
 from tierflow.loader.topology import node_index, placed_by_cache
+from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -76,6 +77,10 @@ def open_loader(
         stager = Stager(dataset, stacks[0]) if stacks else None
     else:
         dataset = TieredDataset(datasets=sources, weights=weights, **shape, **options)
+    if len(stacks) == 1 and loader_options.get("telemetry", True) is True:
+        # one registry for the loader's figures and the stack's (the stager exports it): the workers'
+        # tier and cache counters, included as they ship them, reach both
+        loader_options["telemetry"] = LoaderTelemetry(stacks[0].registry)
     loader = Loader(dataset, device=device, num_workers=num_workers, stager=stager, **loader_options)
     if resume is not None:
         loader.load_state_dict(resume)

@@ -21,7 +21,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Literal, Mapping, Protocol, Union
+from typing import Any, Hashable, Iterable, Iterator, Literal, Mapping, Protocol, Union
 
 import numpy as np
 
@@ -379,6 +379,25 @@ class MetricsRegistry:
         self._kinds: dict[str, str] = {}
         self._lock = threading.Lock()
         self._buffers: list[Buffered] = []
+        self._included: dict[Hashable, MetricsRegistry | Mapping[str, Any]] = {}
+
+    def include(self, key: Hashable, source: MetricsRegistry | Mapping[str, Any]) -> None:
+        """Count another process's or stage's metrics in this registry's snapshots: a live registry
+        (snapshotted with this one), or a cumulative snapshot (a DataLoader worker's, shipped with
+        its batches), which replaces the one included under the same `key` (say, the worker's pid).
+        Including the registry itself changes nothing; a registry that includes this one is refused
+        (its snapshot would recurse)."""
+        if source is self:
+            return
+        if isinstance(source, MetricsRegistry) and source._includes(self):
+            raise ValueError(f"metrics registry {key!r} already includes this one: including it would count forever")
+        with self._lock:
+            self._included[key] = source
+
+    def _includes(self, other: MetricsRegistry) -> bool:
+        with self._lock:
+            live = [s for s in self._included.values() if isinstance(s, MetricsRegistry)]
+        return any(s is other or s._includes(other) for s in live)
 
     def add_buffer(self, buffer: Buffered) -> None:
         """A recorder that batches its updates (a per-batch hot path): flushed before every snapshot,
@@ -438,9 +457,10 @@ class MetricsRegistry:
         return (MetricsRegistry, (self.const_labels,))
 
     def reset(self) -> None:
-        """Zero every metric and renew every lock: for a forked child, whose copies of the parent's
-        totals would otherwise be counted twice when snapshots merge."""
+        """Zero every metric, forget what was included and renew every lock: for a forked child, whose
+        copies of the parent's totals would otherwise be counted twice when snapshots merge."""
         self._lock = threading.Lock()
+        self._included = {}
         for buffer in self._buffers:
             buffer.clear()
         for metric in self._metrics.values():
@@ -452,7 +472,16 @@ class MetricsRegistry:
         return iter(metrics)
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain JSON-able data: {"schema", "counters", "gauges", "histograms"}, entries sorted by name."""
+        """Plain JSON-able data: {"schema", "counters", "gauges", "histograms"}, entries sorted by name;
+        with what was included (`include`) merged in."""
+        own = self._own_snapshot()
+        with self._lock:
+            included = list(self._included.values())
+        if not included:
+            return own
+        return merge_snapshots([own, *(s.snapshot() if isinstance(s, MetricsRegistry) else s for s in included)])
+
+    def _own_snapshot(self) -> dict[str, Any]:
         for buffer in self._buffers:
             buffer.flush()
         snapshot: dict[str, Any] = {"schema": SNAPSHOT_SCHEMA, "counters": [], "gauges": [], "histograms": []}

@@ -50,6 +50,7 @@ import xxhash
 
 from tierflow.errors import ShardCorruptError
 from tierflow.format._checksum import xxh3_hex
+from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.tiers.config import parse_capacity
 from tierflow.tiers.tier import Tier
 from tierflow.transforms.decode import ImageDecodeError, decode, size_of, to_array
@@ -64,12 +65,14 @@ SCHEMA = pa.schema([("pixels", pa.large_binary()), ("width", pa.int32()), ("heig
 
 
 class SampleSource(NamedTuple):
-    """A sample's dataset, shard, block and row: what names its cache entry and fills it."""
+    """A sample's dataset, shard, block and row: what names its cache entry and fills it; and the
+    registry its reading process counts into (the cache's counters go there)."""
 
     dataset: Any
     shard: int
     block: int
     row: int
+    registry: MetricsRegistry | None = None
 
 
 def resized_size(width: int, height: int, short_side: int) -> tuple[int, int]:
@@ -164,23 +167,29 @@ class ResizedImages:
         """This process's handle on the tier directory (opened on first use in each process)."""
         return self._tier(None)
 
-    def _tier(self, dataset: Any) -> Tier:
+    def _tier(self, registry: MetricsRegistry | None) -> Tier:
         """The tier, opened in this process on first use; its counters (hits, misses, bytes in and
-        out) and the cache's own (blocks and bytes made, kept or not) go in the registry of the
-        dataset's source when it has one (a TierStack's), beside the tiers' own: DataLoader workers
-        ship that registry's snapshot with their batches (`Loader.worker_snapshots`), so a worker's
-        cache figures reach the loader's process as its tier figures do."""
-        if self._state.get("pid") != os.getpid():
-            registry = getattr(getattr(dataset, "source", None), "registry", None)
+        out) and the cache's own (blocks and bytes made) go in `registry`: the reading context's
+        (SampleSource.registry: the tier stack's, else the context's own, which a DataLoader worker
+        ships to the Loader's telemetry with its batches). Read through another context's registry,
+        the cache opens afresh there (its open blocks closed) so each context's counts are its own.
+        None: the handle already open, else one with a registry of its own."""
+        state = self._state
+        ours = state.get("pid") == os.getpid()
+        if not ours or (registry is not None and state["tier"].registry is not registry):
+            if ours:  # a forked child's copies of its parent's pins are the parent's to release
+                for blocks in (state["blocks"], state["unkept"]):
+                    for block in blocks.values():
+                        block.close()
             tier = Tier(self.path, float(self.capacity), policy=self.policy, name=self.name, registry=registry)
             labels = {"tier": self.name}
-            self._state.clear()
-            self._state.update(pid=os.getpid(), blocks=OrderedDict(), unkept=OrderedDict(), tier=tier,
-                               made_blocks=tier.registry.counter("tierflow_resized_made_blocks_total", labels,
-                                                                 "blocks of images decoded and resized"),
-                               made_bytes=tier.registry.counter("tierflow_resized_made_bytes_total", labels,
-                                                                "bytes of resized entries made (kept or not)"))
-        return self._state["tier"]
+            state.clear()
+            state.update(pid=os.getpid(), blocks=OrderedDict(), unkept=OrderedDict(), tier=tier,
+                         made_blocks=tier.registry.counter("tierflow_resized_made_blocks_total", labels,
+                                                           "blocks of images decoded and resized"),
+                         made_bytes=tier.registry.counter("tierflow_resized_made_bytes_total", labels,
+                                                          "bytes of resized entries made (kept or not)"))
+        return state["tier"]
 
     def params(self, image: str, decoder: str) -> dict[str, Any]:
         """What the cached pixels depend on besides the shard's content (hashed into every key)."""
@@ -248,7 +257,7 @@ class ResizedImages:
     def _block(self, key: str, source: SampleSource, image: str, decoder: str) -> _Block:
         """The key's block, open in this process, else made or found in the tier (a hit checks the
         size; its images are checked as they are read)."""
-        tier = self._tier(source.dataset)
+        tier = self._tier(source.registry)
         for blocks in (self._state["blocks"], self._state["unkept"]):
             found = blocks.get(key)
             if found is not None:
