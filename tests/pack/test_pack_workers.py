@@ -32,6 +32,15 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _same_command(child: psutil.Process, parent: psutil.Process) -> bool:
+    """Forked pool workers share the parent's command line (a resource tracker would not); a child
+    that has just exited (a zombie, or gone) is no worker."""
+    try:
+        return child.cmdline() == parent.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return False
+
+
 @pytest.mark.slow
 def test_pack_workers_die_within_seconds_of_a_sigkilled_parent(tmp_path):
     with open(tmp_path / "docs.jsonl", "w") as f:
@@ -45,8 +54,7 @@ def test_pack_workers_die_within_seconds_of_a_sigkilled_parent(tmp_path):
         me = psutil.Process(parent.pid)
         deadline = time.monotonic() + 60
         while len(workers) < 2 and time.monotonic() < deadline and parent.poll() is None:
-            # forked pool workers share the parent's command line (a resource tracker would not)
-            workers = [c.pid for c in me.children() if c.cmdline() == me.cmdline()]
+            workers = [c.pid for c in me.children() if _same_command(c, me)]
             time.sleep(0.05)
         assert len(workers) == 2, "the pack never started its two workers"
         time.sleep(0.5)  # well inside the pack: the workers are busy with units
