@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -195,9 +196,10 @@ def test_sigkill_at_random_points_of_commit_and_upload(tmp_path: Path, request: 
         first = _read_until(child, lambda ls: any(l.startswith("begun") for l in ls))
         time.sleep(rng.uniform(0.0, 1.2))
         _kill_group(child)
-        out = first + [l for l in (child.stdout.read().split("\n") if child.stdout else []) if l]
+        rest = child.stdout.read() if child.stdout else ""
+        out = first + [l for l in rest.split("\n")[:-1] if l]  # whole lines: the kill can cut the last one
         landed["writing or committing" if out and out[-1].startswith("begun") else "after a commit returned"] += 1
-        done = [int(l.split()[1]) for l in out if l.startswith("committed")]
+        done = [int(m.group(1)) for m in map(re.compile(r"committed (\d+)$").match, out) if m]
         last_durable = max(done, default=last_durable)
         store = CheckpointStore(dest, local, keep_last=2, endpoint_url=endpoint)
         step = store.latest()
