@@ -132,3 +132,24 @@ def test_a_dataset_without_tokens_says_so(tmp_path):
         TokenReader(ds)
     with pytest.raises(TypeError, match="not a token dataset"):
         ds.tokens(0, 1)
+
+
+def test_a_manifests_block_columns_are_the_records_pack_wrote(packed):
+    """A loaded shard's `BlockList` equals the list of `Block` records its columns describe (a
+    `ShardInfo` from the manifest compares equal to one built from records), survives pickling for
+    spawned workers, and is no string or shorter list."""
+    import pickle
+
+    from tierflow.format.manifest import Manifest
+    from tierflow.format.shard import BlockList
+
+    info = Manifest.load(packed).shards[0]
+    blocks = info.blocks
+    assert isinstance(blocks, BlockList) and blocks.made == 0 and len(blocks) >= 2
+    records = [Block(int(o), int(n), int(r), c, int(t)) for o, n, r, c, t in
+               zip(blocks.offsets, blocks.lengths, blocks.rows, blocks.checksums, blocks.tokens)]
+    assert blocks == records and blocks[1:] == records[1:] and list(blocks) == records
+    assert ShardInfo(**{**info.__dict__, "blocks": records}) == info
+    assert blocks != records[:-1] and blocks != "not blocks" and blocks != 3
+    again = pickle.loads(pickle.dumps(blocks))
+    assert again.made == 0 and again == records  # records are made again, on demand
