@@ -358,8 +358,9 @@ class Stager:
                 self._inflight.add(shard)
             with self._link:
                 self._tickets += 1
-                self._queued[self._tickets] = first_use[shard]
-            self._queue.put((shard, first_use[shard], self._tickets))
+                ticket = self._tickets
+                self._queued[ticket] = first_use[shard]
+            self._queue.put((shard, first_use[shard], ticket))
         with self._lock:
             self.m_ahead.set(sum(self._shard_size(s) for s in self._held))
         self._note_rides(idle=not plan.fetch and not in_flight)
