@@ -128,7 +128,7 @@ class Loader:
     def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
         if self._held is not None and self._feed is not None:
-            return self._batches(self._feed, self._feed_iterator)  # the last `for` stopped at an epoch edge
+            return self._batches(self._feed_iterator)  # the last `for` stopped at an epoch edge
         self.close()
         if self._restart_eval:  # the last `for` ran the whole eval: this one runs it again
             self._cursor, self._restart_eval, self._iterated = None, False, True
@@ -146,24 +146,26 @@ class Loader:
                                 background=self.background,
                                 registry=self.telemetry.registry if self.telemetry is not None else None)
         self._feed_iterator = iter(self._feed)
-        return self._batches(self._feed, self._feed_iterator)
+        return self._batches(self._feed_iterator)
 
-    def _batches(self, feed: DeviceFeed, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
+    def _batches(self, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
         telemetry = self.telemetry
-        handed: float | None = None
+        handed: float | None = None  # set only with telemetry on
+        ready_ahead = batches.ready  # type: ignore[attr-defined]  # the feed's iterator: its read-ahead depth
         epochs = self._epochs
         if epochs is not None:
             epochs.begin()
         while True:
             asked = time.perf_counter()
-            if telemetry is not None and handed is not None:
-                telemetry.on_step(asked - handed)
+            step_s = None if handed is None else asked - handed  # recorded with the batch, or on leaving
             if self._held is not None:
                 batch, self._held = self._held, None
             else:
                 try:
                     batch = next(batches)
                 except StopIteration:
+                    if step_s is not None:
+                        telemetry.on_step(step_s)  # type: ignore[union-attr]
                     if epochs is not None:
                         epochs.stop_here(None)  # ranks still reading must not wait for this one
                     self._restart_eval = self.dataset.eval
@@ -176,11 +178,13 @@ class Loader:
             meta = batch.meta
             if epochs is not None and epochs.stop_here(meta.epoch):
                 self._held = batch
+                if step_s is not None:
+                    telemetry.on_step(step_s)  # type: ignore[union-attr]
                 return
             self._commit(meta)
             if telemetry is not None:
                 handed = time.perf_counter()
-                telemetry.on_batch(handed - asked, meta.timing, _ready_ahead(feed))
+                telemetry.on_batch(handed - asked, meta.timing, ready_ahead(), step_s)
             yield (batch.data, meta) if self.return_meta else batch.data
 
     def __len__(self) -> int:
@@ -331,12 +335,6 @@ def _as_is(batch: CarriedBatch) -> CarriedBatch:
     """The workers' per-batch conversion: none; the batch's arrays cross the boundary as the numpy
     views the batcher made (collate.py) and arrive as tensors."""
     return batch
-
-
-def _ready_ahead(feed: DeviceFeed) -> int | None:
-    """Batches the feed holds ready for the loop right now (its queue, or its inline read-ahead)."""
-    iterator = feed._iterator
-    return iterator.ready() if iterator is not None else None
 
 
 class _Started:

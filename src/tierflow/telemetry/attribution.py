@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch.utils.data import IterableDataset
 
@@ -21,9 +21,10 @@ from tierflow.telemetry.loader_metrics import MAPPED, SOURCE
 
 
 class FetchLedger:
-    """Running totals of fetch seconds and shard opens per serving tier, for one thread."""
+    """Running totals of fetch seconds and shard opens per serving tier, for one thread, and what was
+    opened since the last `take_batch` (what `TimedBatches` stamps on the batch it is building)."""
 
-    __slots__ = ("seconds", "opens", "bytes", "adds", "_mark")
+    __slots__ = ("seconds", "opens", "bytes", "adds", "_mark", "batch")
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -31,12 +32,27 @@ class FetchLedger:
         self.bytes: dict[str, int] = {}
         self.adds = 0
         self._mark: tuple[int, dict[str, float], dict[str, int], dict[str, int]] | None = None
+        self.batch: dict[str, list[Any]] = {}
+        """{tier: [seconds, opens, bytes]} added since the last `take_batch`; empty for most batches."""
 
     def add(self, tier: str, seconds: float, nbytes: int) -> None:
         self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
         self.opens[tier] = self.opens.get(tier, 0) + 1
         self.bytes[tier] = self.bytes.get(tier, 0) + nbytes
         self.adds += 1
+        added = self.batch.get(tier)
+        if added is None:
+            self.batch[tier] = [seconds, 1, nbytes]
+        else:
+            added[0] += seconds
+            added[1] += 1
+            added[2] += nbytes
+
+    def take_batch(self) -> dict[str, dict[str, Any]]:
+        """Per tier, what was added since the last call (as `since` says it), and start afresh."""
+        added, self.batch = self.batch, {}
+        return {tier: {"seconds": seconds, "opens": opens, "bytes": nbytes}
+                for tier, (seconds, opens, nbytes) in added.items()}
 
     def mark(self) -> tuple[int, dict[str, float], dict[str, int], dict[str, int]]:
         """The totals now (the last mark again while nothing was added: no copies per batch)."""
@@ -70,45 +86,56 @@ def thread_ledger() -> FetchLedger:
 
 class AttributedShardSource:
     """A shard source that records, per open, the seconds it took and the tier that served it, as the
-    tier stack reports them (`TierStack.open_served`); a source without tiers serves every open itself."""
+    tier stack reports them (`TierStack.open_served`); a source without tiers serves every open itself.
+    A table this reader opened before and the stack still holds open is no new open: nothing is recorded,
+    and no clock is read (most batches open only such tables)."""
 
     def __init__(self, source: Any) -> None:
         self.source = source
-        self._tables: dict[int, Any] = {}
-        self._open_served = getattr(source, "open_served", None)
+        # a closure, not a method: attribute reads on a class with __getattr__ are not specialised, and
+        # this runs for every shard a batch touches
+        self.open_shard = _recording_opens(source)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)
 
-    def open_shard(self, index: int, info: Any) -> Any:
-        if self._open_served is not None:
-            table, served_by, seconds = self._open_served(index, info)
+
+def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
+    """`source.open_shard`, recording each open of a table this reader had not seen in the thread's ledger."""
+    tables: dict[int, weakref.ref[Any]] = {}
+    held_open = getattr(source, "held_open", None)
+    open_served = getattr(source, "open_served", None)
+    clock = time.perf_counter
+
+    def open_shard(index: int, info: Any) -> Any:
+        known = tables.get(index)
+        if known is not None and held_open is not None:
+            table = held_open(index)
+            if table is not None and table is known():
+                return table
+        if open_served is not None:
+            table, served_by, seconds = open_served(index, info)
             tier = MAPPED if served_by is None else served_by  # None: the stack had it open, no fetch
         else:
-            started = time.perf_counter()
-            table = self.source.open_shard(index, info)
-            seconds, tier = time.perf_counter() - started, SOURCE
-        known = self._tables.get(index)
+            started = clock()
+            table = source.open_shard(index, info)
+            seconds, tier = clock() - started, SOURCE
         if known is not None and known() is table:
             return table
         # weak: a strong reference would keep the shard's pin, so no tier could ever evict it
-        self._tables[index] = weakref.ref(table)
-        if len(self._tables) > 64:
-            self._tables.pop(next(iter(self._tables)))
-        decoded = int(getattr(info, "decoded_bytes", 0) or 0)
-        thread_ledger().add(tier, seconds, decoded)
+        tables[index] = weakref.ref(table)
+        if len(tables) > 64:
+            tables.pop(next(iter(tables)))
+        thread_ledger().add(tier, seconds, int(getattr(info, "decoded_bytes", 0) or 0))
         return table
+
+    return open_shard
 
 
 def attribute_fetches(dataset: Any) -> None:
     """Make this process's reading context of a `TieredDataset` record its shard opens."""
     dataset.wrap_shard_source(lambda source: source if isinstance(source, AttributedShardSource)
                               else AttributedShardSource(source))
-
-
-def stamp(batch: Any, timing: dict[str, Any]) -> None:
-    """Put `timing` in a carried batch's meta, which travels beside its data to the training process."""
-    batch.meta.timing = timing
 
 
 class TimedBatches(IterableDataset):
@@ -121,15 +148,20 @@ class TimedBatches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         attribute_fetches(self.dataset)
         batches = iter(self.dataset)
+        local, clock = _local, time.perf_counter
         while True:
-            ledger = thread_ledger()  # this generator may move to the feed's thread between batches
-            mark = ledger.mark()
-            started = time.perf_counter()
+            # this generator may move to the feed's thread between batches: the ledger is the thread's
+            ledger = getattr(local, "ledger", None) or thread_ledger()
+            if ledger.batch:
+                ledger.take_batch()  # opened between batches (outside any batch's build): no batch's fetch
+            started = clock()
             try:
                 batch = next(batches)
             except StopIteration:
                 return
-            stamp(batch, {"produce_s": time.perf_counter() - started, "fetch": ledger.since(mark)})
+            produce_s = clock() - started
+            # the timing travels in the batch's meta, beside its data, to the training process
+            batch.meta.timing = {"produce_s": produce_s, "fetch": ledger.take_batch() if ledger.batch else {}}
             yield batch
 
     def __repr__(self) -> str:

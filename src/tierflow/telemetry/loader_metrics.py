@@ -10,9 +10,12 @@ on it, and "prep" (decode, batching, transforms). The parts always add up to the
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+import numpy as np
 
 from tierflow.telemetry.metrics import SIZE_BUCKETS, SNAPSHOT_SCHEMA, Histogram, MetricsRegistry, merge_snapshots
 
@@ -30,7 +33,7 @@ STALLS = "tierflow_loader_stalls_total"
 BATCHES = "tierflow_loader_batches_total"
 FETCH = "tierflow_loader_fetch_seconds_total"
 FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
-FLUSH_EVERY = 64
+FLUSH_EVERY = 256
 """Batches `LoaderTelemetry` records per bulk update of its metrics."""
 
 
@@ -119,13 +122,19 @@ class LoaderTelemetry:
         """The first batches are start-up (processes, threads, first shards): a short run's bubble would be
         mostly start-up, so their waits are counted apart (`LoaderFigures.startup_s`)."""
         self.startup = r.counter(STARTUP, base, "time the training loop waited for the start-up batches")
-        self._pending: collections.deque[tuple[float, Mapping[str, Any] | None, int | None]] = collections.deque()
+        self._pending: collections.deque[tuple[float, Mapping[str, Any] | None, int | None, float | None]] = \
+            collections.deque()
         self._flushing = threading.Lock()
         self.registry.add_buffer(self)
 
-    def on_batch(self, wait_s: float, timing: Mapping[str, Any] | None = None, depth: int | None = None) -> None:
-        """One batch handed over after `wait_s` in next(); `timing` is its meta's (`BatchMeta.timing`).
-        Recorded in bulk every `FLUSH_EVERY` batches and before any snapshot: per batch, an append."""
+    def on_batch(self, wait_s: float, timing: Mapping[str, Any] | None = None, depth: int | None = None,
+                 step_s: float | None = None) -> None:
+        """One batch handed over after `wait_s` in next(); `timing` is its meta's (`BatchMeta.timing`);
+        `step_s`, the loop's step just before it asked for this batch (what `on_step` records), given here
+        so a loader records both in one call. Recorded in bulk every `FLUSH_EVERY` batches and before any
+        snapshot: per batch, an append."""
+        if step_s is not None:
+            self._last_step = step_s
         if self.events is not None:
             self.events.batch(self._handed, wait_s, self._last_step, depth, timing)
         self._handed += 1
@@ -133,40 +142,61 @@ class LoaderTelemetry:
             self.startup.inc(wait_s)
             wait_s = 0.0
         pending = self._pending
-        pending.append((wait_s, timing, depth))
+        pending.append((wait_s, timing, depth, step_s))
         if len(pending) >= FLUSH_EVERY:
             self.flush()
 
     def flush(self) -> None:
-        """Apply the batches recorded since the last flush to the registry's metrics, in bulk."""
+        """Apply the batches recorded since the last flush to the registry's metrics, in bulk: one numpy pass
+        per histogram, one update per counter."""
         pending = self._pending
         if not pending:
             return
         with self._flushing:
-            records = [pending.popleft() for _ in range(len(pending))]
-            if not records:
+            n = len(pending)
+            if not n:
                 return
-            self.wait.observe_many([wait_s for wait_s, _, _ in records])
-            depths = [depth for _, _, depth in records if depth is not None]
-            if depths:
-                self.depth.observe_many(depths)
-                self.depth_now.set(depths[-1])
-            produced, stalls, threshold = [], 0, self.stall_threshold_s
+            waits, timings, depths, steps = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
+            wait = np.asarray(waits, dtype=np.float64)
+            self.wait.observe_many(wait)
+            stalls = int(np.count_nonzero(wait > self.stall_threshold_s))
+            stepped = [step_s for step_s in steps if step_s is not None]
+            if stepped:
+                self.step.observe_many(stepped)
+            known = [depth for depth in depths if depth is not None]
+            if known:
+                self.depth.observe_many(known)
+                self.depth_now.set(known[-1])
+            produced = []
             stalled: dict[tuple[str, str], float] = {}
-            for wait_s, timing, _ in records:
-                if timing is not None:
-                    produced.append(float(timing.get("produce_s", 0.0)))
-                    for tier, fetched in (timing.get("fetch") or {}).items():
+            prep = copy = 0.0  # the waits of batches that opened no shard, split as add_wait would, inline
+            for wait_s, timing in zip(waits, timings):
+                if timing is None:
+                    add_wait(stalled, wait_s, timing)
+                    continue
+                produce = float(timing.get("produce_s", 0.0))
+                produced.append(produce)
+                opened = timing.get("fetch")
+                if opened:
+                    for tier, fetched in opened.items():
                         seconds, nbytes = self._fetch_counters(tier)
                         seconds.inc(fetched["seconds"])
                         nbytes.inc(fetched["bytes"])
-                if wait_s > threshold:
-                    stalls += 1
-                add_wait(stalled, wait_s, timing)
-            self.production.observe_many(produced)
+                    add_wait(stalled, wait_s, timing)
+                elif wait_s > produce:
+                    copy += wait_s - produce
+                    prep += produce
+                elif wait_s > 0:
+                    prep += wait_s
+            if prep > 0:
+                stalled[_PREP] = stalled.get(_PREP, 0.0) + prep
+            if copy > 0:
+                stalled[_COPY] = stalled.get(_COPY, 0.0) + copy
+            if produced:
+                self.production.observe_many(produced)
             if stalls:
                 self.stalls.inc(stalls)
-            self.batches.inc(len(records))
+            self.batches.inc(n)
             for key, seconds in stalled.items():
                 counter = self._stall.get(key)
                 if counter is None:

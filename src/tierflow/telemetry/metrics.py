@@ -17,6 +17,7 @@ updates ahead of another.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import re
 import threading
@@ -187,7 +188,7 @@ class Histogram:
     kind = "histogram"
     __slots__ = (
         "name", "labels", "description", "layout", "_pending",
-        "_counts", "_count", "_sum", "_min", "_max", "_lock", "_lowest", "_inv_lowest", "_per_octave", "_top",
+        "_counts", "_count", "_sum", "_min", "_max", "_lock", "_lowest", "_inv_lowest", "_per_octave", "_top", "_cap",
     )
 
     def __init__(
@@ -201,11 +202,12 @@ class Histogram:
         self._inv_lowest = 1.0 / layout.lowest
         self._per_octave = layout.per_octave
         self._top = layout.size - 1
+        self._cap = layout.lowest * 2.0 ** (self._top / layout.per_octave + 1)  # well inside the top bucket
         self._reset()
 
     def _reset(self) -> None:
         self._pending: collections.deque[float] = collections.deque()
-        self._counts = [0] * self.layout.size
+        self._counts = np.zeros(self.layout.size, dtype=np.int64)
         self._count = 0
         self._sum = 0.0
         self._min = math.inf
@@ -219,11 +221,12 @@ class Histogram:
             self._fold()
 
     def observe_many(self, values: Iterable[float]) -> None:
-        """`observe` each of `values` (one queue extend: a bulk recorder's path)."""
-        pending = self._pending
-        pending.extend(values)
-        if len(pending) >= FOLD_EVERY:
-            self._fold()
+        """`observe` each of `values`, counted into the buckets at once (one numpy pass under the lock, no
+        queue): a bulk recorder's path, which pays the pass's fixed cost once per bulk."""
+        array = np.asarray(values, dtype=np.float64).ravel()
+        if array.size:
+            with self._lock:
+                self._count_in(array)
 
     def _fold(self) -> None:
         """Move queued observations into the buckets (appends racing with this stay queued)."""
@@ -231,21 +234,29 @@ class Histogram:
         if not pending:
             return
         with self._lock:
-            values = [pending.popleft() for _ in range(len(pending))]
-            if not values:
+            n = len(pending)
+            if not n:
                 return
-            array = np.asarray(values, dtype=np.float64)
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                scaled = np.log2(np.maximum(array, self._lowest) * self._inv_lowest) * self._per_octave
-            index = np.where(array < self._lowest, 0, np.clip(scaled, 0, self._top).astype(np.int64) + 1)
-            np.minimum(index, self._top, out=index)
-            counts = self._counts
-            for bucket, n in zip(*np.unique(index, return_counts=True)):
-                counts[int(bucket)] += int(n)
-            self._count += len(values)
-            self._sum += float(array.sum())
-            self._min = min(self._min, float(array.min()))
-            self._max = max(self._max, float(array.max()))
+            self._count_in(np.fromiter(itertools.starmap(pending.popleft, itertools.repeat((), n)), np.float64, n))
+
+    def _count_in(self, array: np.ndarray) -> None:
+        """Count `array`'s values into the buckets, each where `BucketLayout.index` places it; the lock is held."""
+        total = float(np.add.reduce(array))
+        if total != total:
+            raise ValueError(f"histogram {self.name}: a NaN was observed")
+        # clamped: no product overflows, and a value past the top bucket's edge still lands in it
+        clamped = np.minimum(np.maximum(array, self._lowest), self._cap)
+        scaled = np.log2(clamped * self._inv_lowest)
+        scaled *= self._per_octave
+        index = scaled.astype(np.int64)
+        index += 1
+        np.minimum(index, self._top, out=index)
+        index[array < self._lowest] = 0
+        self._counts += np.bincount(index, minlength=self._top + 1)
+        self._count += int(array.size)
+        self._sum += total
+        self._min = min(self._min, float(np.minimum.reduce(array)))
+        self._max = max(self._max, float(np.maximum.reduce(array)))
 
     @property
     def count(self) -> int:
@@ -268,7 +279,7 @@ class Histogram:
             raise ValueError(f"histogram {self.name}: quantile {q} is outside [0, 1]")
         self._fold()
         with self._lock:
-            counts = list(self._counts)
+            counts = self._counts.tolist()
             count, low, high = self._count, self._min, self._max
         return _quantile(self.layout, counts, count, low, high, q)
 
@@ -286,7 +297,7 @@ class Histogram:
     def snapshot(self) -> dict[str, Any]:
         self._fold()
         with self._lock:
-            buckets = [[i, c] for i, c in enumerate(self._counts) if c]
+            buckets = [[i, c] for i, c in enumerate(self._counts.tolist()) if c]
             count, total, low, high = self._count, self._sum, self._min, self._max
         return {
             "name": self.name,

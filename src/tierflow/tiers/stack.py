@@ -381,20 +381,22 @@ class TierStack:
 
     # ------------------------------------------------------------ ShardSource
     def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
-        table = self._already_open(index)
+        table = self.held_open(index)
         return table if table is not None else self._open_new(index, info).table
 
     def open_served(self, index: int, info: ShardInfo) -> Opened:
         """`open_shard`, saying which tier served the shard and the seconds the open took (what
         telemetry charges a batch's fetch time to)."""
         started = time.perf_counter()
-        table = self._already_open(index)
+        table = self.held_open(index)
         if table is not None:
             return Opened(table, None, time.perf_counter() - started)
         opened = self._open_new(index, info)
         return opened._replace(fetch_s=time.perf_counter() - started)
 
-    def _already_open(self, index: int) -> ShardTable | None:
+    def held_open(self, index: int) -> ShardTable | None:
+        """The shard's table if this stack holds it open (refreshing its place among the open ones, as an
+        open does), else None: what a reader that attributes its opens asks before one it must time."""
         with self._lock:
             table = self._open.get(index)
             if table is not None:
