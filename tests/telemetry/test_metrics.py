@@ -9,6 +9,7 @@ import pytest
 
 from tierflow.telemetry.metrics import (
     LATENCY_BUCKETS,
+    SIZE_BUCKETS,
     BucketLayout,
     Histogram,
     MetricsRegistry,
@@ -229,3 +230,30 @@ def test_a_registry_counts_what_it_includes_live_or_shipped_and_forgets_it_on_re
         readers.include("main", main)
     main.reset()
     assert total(main) == 0 and total(readers) == 102
+
+
+@pytest.mark.parametrize("layout", [LATENCY_BUCKETS, SIZE_BUCKETS], ids=["latency", "size"])
+def test_a_bulk_observation_counts_each_value_in_the_bucket_the_layout_places_it(layout):
+    rng = np.random.default_rng(2)
+    edges = [layout.upper_bound(i) for i in range(layout.size - 1)]
+    values = [0.0, -1.0, -math.inf, math.inf, 1e300, layout.lowest, layout.highest, *edges,
+              *(e * (1 - 1e-9) for e in edges), *np.exp(rng.uniform(math.log(layout.lowest) - 2,
+                                                                     math.log(layout.highest) + 2, 3000))]
+    expected: dict[int, int] = {}
+    for value in values:
+        index = 0 if value < layout.lowest else layout.size - 1 if math.isinf(value) else layout.index(value)
+        expected[index] = expected.get(index, 0) + 1
+    bulk, one_by_one = Histogram("tierflow_test_bulk", layout=layout), Histogram("tierflow_test_single", layout=layout)
+    bulk.observe_many(values)
+    for value in values:
+        one_by_one.observe(value)
+    assert dict(bulk.snapshot()["buckets"]) == dict(one_by_one.snapshot()["buckets"]) == expected
+    assert bulk.count == one_by_one.count == len(values)
+
+
+def test_a_nan_observation_is_refused_naming_the_histogram():
+    histogram = Histogram("tierflow_test_seconds")
+    with pytest.raises(ValueError, match="tierflow_test_seconds.*NaN"):
+        histogram.observe_many([0.1, math.nan])
+    histogram.observe_many([0.1])
+    assert histogram.count == 1

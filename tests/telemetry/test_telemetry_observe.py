@@ -111,6 +111,33 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
     assert opened["source"]["bytes"] == info.decoded_bytes
 
 
+def test_a_table_the_stack_let_go_of_is_a_new_open_though_the_reader_still_holds_the_old_one(packed, tmp_path):
+    info = tierflow.open_dataset(packed).manifest.shards[0]
+    stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded")])
+    source = AttributedShardSource(stack)
+    ledger = thread_ledger()
+    mark = ledger.mark()
+    held = source.open_shard(0, info)                 # cold: the source directory serves
+    assert source.open_shard(0, info) is held         # still open: no open recorded
+    stack.close()                                     # the stack lets go of its open tables
+    again = source.open_shard(0, info)                # L1 serves a new table
+    assert again is not held and source.open_shard(0, info) is again
+    assert {tier: f["opens"] for tier, f in ledger.since(mark).items()} == {"source": 1, "L1": 1}
+
+
+def test_a_batch_is_charged_the_opens_of_its_own_build_only(packed):
+    from tierflow.telemetry.attribution import TimedBatches
+
+    ledger = thread_ledger()
+    batches = iter(TimedBatches(samples_dataset(packed, batch_size=64)))
+    first = next(batches).meta.timing
+    assert first["produce_s"] > 0 and first["fetch"]["source"]["opens"] >= 1
+    ledger.add("L9", 1.0, 1)                          # opened between batches: no batch built it
+    later = [next(batches).meta.timing for _ in range(5)]
+    assert all("L9" not in t["fetch"] for t in later)
+    assert "L9" in ledger.opens and ledger.take_batch() == {}  # in the thread's totals, held for no batch
+
+
 def test_the_stack_says_which_tier_served_each_copy_and_how_long_it_took(packed, tmp_path):
     shards = tierflow.open_dataset(packed).manifest.shards
     stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
@@ -160,6 +187,24 @@ def test_the_loader_records_wait_step_production_and_depth_for_every_batch(packe
     assert f.production_p50_s > 0
     assert sum(f.fetch_bytes.values()) > 0
     assert sum(f.stall_s.values()) == pytest.approx(f.wait_s)
+
+
+def test_a_whole_epoch_records_a_step_per_batch_and_the_event_log_a_record_per_batch(packed, tmp_path):
+    from tierflow.telemetry.eventlog import EventLog, read_events
+
+    registry = MetricsRegistry()
+    events = EventLog(tmp_path / "events.jsonl")
+    loader = Loader(TieredDataset(packed, batch_size=8, columns=["tokens"], seed=1, max_batches=20), "cpu",
+                    telemetry=LoaderTelemetry(registry, events=events))
+    assert sum(1 for _ in loader) == 20
+    loader.close()
+    events.close()
+    step = next(h for h in registry.snapshot()["histograms"] if h["name"] == "tierflow_loader_step_seconds")
+    assert step["count"] == 20                        # between batches, and after the last one the loop asked past
+    records = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "batch"]
+    assert [r["i"] for r in records] == list(range(20))
+    assert records[0]["step_s"] is None and all(r["step_s"] is not None for r in records[1:])
+    assert loader_figures(registry.snapshot()).batches == 20
 
 
 def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):

@@ -101,27 +101,11 @@ class AttributedShardSource:
 
 
 def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
-    """`source.open_shard`, recording each open of a table this reader had not seen in the thread's ledger."""
+    """`source.open_shard`, recording in the thread's ledger each open of a table this reader had not seen."""
     tables: dict[int, weakref.ref[Any]] = {}
-    held_open = getattr(source, "held_open", None)
-    open_served = getattr(source, "open_served", None)
     clock = time.perf_counter
 
-    def open_shard(index: int, info: Any) -> Any:
-        known = tables.get(index)
-        if known is not None and held_open is not None:
-            table = held_open(index)
-            if table is not None and table is known():
-                return table
-        if open_served is not None:
-            table, served_by, seconds = open_served(index, info)
-            tier = MAPPED if served_by is None else served_by  # None: the stack had it open, no fetch
-        else:
-            started = clock()
-            table = source.open_shard(index, info)
-            seconds, tier = clock() - started, SOURCE
-        if known is not None and known() is table:
-            return table
+    def record(index: int, info: Any, table: Any, tier: str, seconds: float) -> Any:
         # weak: a strong reference would keep the shard's pin, so no tier could ever evict it
         tables[index] = weakref.ref(table)
         if len(tables) > 64:
@@ -129,7 +113,32 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
         thread_ledger().add(tier, seconds, int(getattr(info, "decoded_bytes", 0) or 0))
         return table
 
-    return open_shard
+    open_served = getattr(source, "open_served", None)
+    held_open = getattr(source, "held_open", None) or (lambda index: None)  # None: ask open_served every time
+    if open_served is None:
+        def open_timed(index: int, info: Any) -> Any:
+            started = clock()
+            table = source.open_shard(index, info)
+            seconds = clock() - started
+            known = tables.get(index)
+            return table if known is not None and known() is table else record(index, info, table, SOURCE, seconds)
+
+        return open_timed
+
+    def open_tiered(index: int, info: Any) -> Any:
+        known = tables.get(index)
+        if known is not None:
+            table = held_open(index)
+            if table is known() and table is not None:
+                return table
+        table, served_by, seconds = open_served(index, info)
+        if served_by is None:  # the stack had it open, no fetch
+            if known is not None and known() is table:
+                return table
+            return record(index, info, table, MAPPED, seconds)
+        return record(index, info, table, served_by, seconds)
+
+    return open_tiered
 
 
 def attribute_fetches(dataset: Any) -> None:
@@ -149,20 +158,20 @@ class TimedBatches(IterableDataset):
         attribute_fetches(self.dataset)
         batches = iter(self.dataset)
         local, clock = _local, time.perf_counter
-        while True:
-            # this generator may move to the feed's thread between batches: the ledger is the thread's
-            ledger = getattr(local, "ledger", None) or thread_ledger()
+        ledger = thread_ledger()
+        ledger.take_batch()  # what was opened before the first build is no batch's
+        started = clock()
+        for batch in batches:
+            # the timing travels in the batch's meta, beside its data, to the training process
+            batch.meta.timing = {"produce_s": clock() - started, "fetch": ledger.take_batch() if ledger.batch else {}}
+            yield batch
+            try:  # this generator may move to the feed's thread between batches: the ledger is the thread's
+                ledger = local.ledger
+            except AttributeError:
+                ledger = thread_ledger()
             if ledger.batch:
                 ledger.take_batch()  # opened between batches (outside any batch's build): no batch's fetch
             started = clock()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            produce_s = clock() - started
-            # the timing travels in the batch's meta, beside its data, to the training process
-            batch.meta.timing = {"produce_s": produce_s, "fetch": ledger.take_batch() if ledger.batch else {}}
-            yield batch
 
     def __repr__(self) -> str:
         return f"TimedBatches({self.dataset!r})"

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import operator
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -45,6 +46,7 @@ def split_wait(wait_s: float, timing: Mapping[str, Any] | None) -> dict[tuple[st
 
 
 _PREP, _COPY = ("prep", ""), ("copy", "")
+_PRODUCED, _FETCHED = operator.itemgetter("produce_s"), operator.itemgetter("fetch")
 
 
 def add_wait(parts: dict[tuple[str, str], float], wait_s: float, timing: Mapping[str, Any] | None) -> None:
@@ -70,6 +72,18 @@ def add_wait(parts: dict[tuple[str, str], float], wait_s: float, timing: Mapping
         explained -= fetch_part
     if explained > 0:
         parts[_PREP] = parts.get(_PREP, 0.0) + explained
+
+
+def _split_unfetched(wait: np.ndarray, produced: np.ndarray, parts: dict[tuple[str, str], float]) -> None:
+    """`add_wait` for batches that opened no shard, all at once: the wait past production is the copy,
+    the rest preparation."""
+    waited = wait > 0
+    copy = float(np.add.reduce(np.where(waited, np.maximum(wait - produced, 0.0), 0.0)))
+    prep = float(np.add.reduce(np.where(waited, np.maximum(np.minimum(wait, produced), 0.0), 0.0)))
+    if copy > 0:
+        parts[_COPY] = parts.get(_COPY, 0.0) + copy
+    if prep > 0:
+        parts[_PREP] = parts.get(_PREP, 0.0) + prep
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,9 @@ class LoaderTelemetry:
         self._stall: dict[tuple[str, str], Any] = {}
         self._fetch: dict[str, tuple[Any, Any]] = {}
         self._handed = 0
+        """Batches recorded with an event log attached (each record's index)."""
+        self._recorded = 0
+        """Batches flushed so far."""
         self.startup_batches = startup_batches
         """The first batches are start-up (processes, threads, first shards): a short run's bubble would be
         mostly start-up, so their waits are counted apart (`LoaderFigures.startup_s`)."""
@@ -133,14 +150,11 @@ class LoaderTelemetry:
         `step_s`, the loop's step just before it asked for this batch (what `on_step` records), given here
         so a loader records both in one call. Recorded in bulk every `FLUSH_EVERY` batches and before any
         snapshot: per batch, an append."""
-        if step_s is not None:
-            self._last_step = step_s
         if self.events is not None:
+            if step_s is not None:
+                self._last_step = step_s
             self.events.batch(self._handed, wait_s, self._last_step, depth, timing)
-        self._handed += 1
-        if self._handed <= self.startup_batches:
-            self.startup.inc(wait_s)
-            wait_s = 0.0
+            self._handed += 1
         pending = self._pending
         pending.append((wait_s, timing, depth, step_s))
         if len(pending) >= FLUSH_EVERY:
@@ -148,7 +162,7 @@ class LoaderTelemetry:
 
     def flush(self) -> None:
         """Apply the batches recorded since the last flush to the registry's metrics, in bulk: one numpy pass
-        per histogram, one update per counter."""
+        per histogram, one update per counter, and no Python step per batch unless a batch opened a shard."""
         pending = self._pending
         if not pending:
             return
@@ -158,41 +172,36 @@ class LoaderTelemetry:
                 return
             waits, timings, depths, steps = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
             wait = np.asarray(waits, dtype=np.float64)
+            startup = min(n, self.startup_batches - self._recorded)
+            self._recorded += n
+            if startup > 0:  # the run's first batches: their waits are start-up, counted apart
+                self.startup.inc(float(np.add.reduce(wait[:startup])))
+                wait[:startup] = 0.0
+                waits = (0.0,) * startup + waits[startup:]
             self.wait.observe_many(wait)
             stalls = int(np.count_nonzero(wait > self.stall_threshold_s))
-            stepped = [step_s for step_s in steps if step_s is not None]
-            if stepped:
-                self.step.observe_many(stepped)
-            known = [depth for depth in depths if depth is not None]
-            if known:
-                self.depth.observe_many(known)
-                self.depth_now.set(known[-1])
-            produced = []
+            for values, histogram in ((steps, self.step), (depths, self.depth)):
+                array = np.asarray(values, dtype=np.float64)  # None (no step before it, no depth known) is NaN
+                if None in values:
+                    array = array[~np.isnan(array)]
+                if array.size:
+                    histogram.observe_many(array)
+            last_depth = next((depth for depth in reversed(depths) if depth is not None), None)
+            if last_depth is not None:
+                self.depth_now.set(last_depth)
             stalled: dict[tuple[str, str], float] = {}
-            prep = copy = 0.0  # the waits of batches that opened no shard, split as add_wait would, inline
-            for wait_s, timing in zip(waits, timings):
-                if timing is None:
-                    add_wait(stalled, wait_s, timing)
-                    continue
-                produce = float(timing.get("produce_s", 0.0))
-                produced.append(produce)
-                opened = timing.get("fetch")
-                if opened:
-                    for tier, fetched in opened.items():
-                        seconds, nbytes = self._fetch_counters(tier)
-                        seconds.inc(fetched["seconds"])
-                        nbytes.inc(fetched["bytes"])
-                    add_wait(stalled, wait_s, timing)
-                elif wait_s > produce:
-                    copy += wait_s - produce
-                    prep += produce
-                elif wait_s > 0:
-                    prep += wait_s
-            if prep > 0:
-                stalled[_PREP] = stalled.get(_PREP, 0.0) + prep
-            if copy > 0:
-                stalled[_COPY] = stalled.get(_COPY, 0.0) + copy
-            if produced:
+            try:  # every batch timed (the usual case): split the waits of those that opened no shard at once
+                produced = np.asarray(list(map(_PRODUCED, timings)), dtype=np.float64)
+                opened = np.fromiter(map(bool, map(_FETCHED, timings)), dtype=bool, count=n)
+            except (TypeError, KeyError):  # a batch without timing (a DataLoader you built) or with part of it
+                produced = np.asarray(self._split_each(waits, timings, stalled), dtype=np.float64)
+            else:
+                plain = ~opened
+                _split_unfetched(wait[plain], produced[plain], stalled)
+                each = np.flatnonzero(opened).tolist()  # a few per flush: a batch that moved to a new shard
+                if each:
+                    self._split_each([waits[i] for i in each], [timings[i] for i in each], stalled)
+            if produced.size:
                 self.production.observe_many(produced)
             if stalls:
                 self.stalls.inc(stalls)
@@ -204,6 +213,20 @@ class LoaderTelemetry:
                     labels = {**self.labels, "cause": cause, **({"tier": tier} if tier else {})}
                     counter = self._stall[key] = self.registry.counter(STALL, labels, "loop wait by cause and tier")
                 counter.inc(seconds)
+
+    def _split_each(self, waits: Sequence[float], timings: Sequence[Mapping[str, Any] | None],
+                    stalled: dict[tuple[str, str], float]) -> list[float]:
+        """Count each batch's fetches and add its wait to `stalled` by cause; returns the production times."""
+        produced = []
+        for wait_s, timing in zip(waits, timings):
+            if timing is not None:
+                produced.append(float(timing.get("produce_s", 0.0)))
+                for tier, fetched in (timing.get("fetch") or {}).items():
+                    seconds, nbytes = self._fetch_counters(tier)
+                    seconds.inc(fetched["seconds"])
+                    nbytes.inc(fetched["bytes"])
+            add_wait(stalled, wait_s, timing)
+        return produced
 
     def clear(self) -> None:
         self._pending.clear()

@@ -241,8 +241,9 @@ class Histogram:
 
     def _count_in(self, array: np.ndarray) -> None:
         """Count `array`'s values into the buckets, each where `BucketLayout.index` places it; the lock is held."""
-        total = float(np.add.reduce(array))
-        if total != total:
+        with np.errstate(invalid="ignore"):
+            total = float(np.add.reduce(array))
+        if total != total and np.isnan(array).any():  # a NaN sum is also inf + -inf, both observed
             raise ValueError(f"histogram {self.name}: a NaN was observed")
         # clamped: no product overflows, and a value past the top bucket's edge still lands in it
         clamped = np.minimum(np.maximum(array, self._lowest), self._cap)
