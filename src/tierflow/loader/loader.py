@@ -150,6 +150,7 @@ class Loader:
 
     def _batches(self, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
         telemetry = self.telemetry
+        record = telemetry.recorder() if telemetry is not None else None
         handed: float | None = None  # set only with telemetry on
         ready_ahead = batches.ready  # type: ignore[attr-defined]  # the feed's iterator: its read-ahead depth
         epochs = self._epochs
@@ -157,15 +158,14 @@ class Loader:
             epochs.begin()
         while True:
             asked = time.perf_counter()
-            step_s = None if handed is None else asked - handed  # recorded with the batch, or on leaving
             if self._held is not None:
                 batch, self._held = self._held, None
             else:
                 try:
                     batch = next(batches)
                 except StopIteration:
-                    if step_s is not None:
-                        telemetry.on_step(step_s)  # type: ignore[union-attr]
+                    if handed is not None:  # the loop's step after the last batch
+                        telemetry.on_step(asked - handed)  # type: ignore[union-attr]
                     if epochs is not None:
                         epochs.stop_here(None)  # ranks still reading must not wait for this one
                     self._restart_eval = self.dataset.eval
@@ -178,13 +178,13 @@ class Loader:
             meta = batch.meta
             if epochs is not None and epochs.stop_here(meta.epoch):
                 self._held = batch
-                if step_s is not None:
-                    telemetry.on_step(step_s)  # type: ignore[union-attr]
+                if handed is not None:
+                    telemetry.on_step(asked - handed)  # type: ignore[union-attr]
                 return
             self._commit(meta)
-            if telemetry is not None:
-                handed = time.perf_counter()
-                telemetry.on_batch(handed - asked, meta.timing, ready_ahead(), step_s)
+            if record is not None:  # clock readings: the wait and the step are taken from them in bulk
+                last, handed = handed, time.perf_counter()
+                record((asked, handed, last, meta.timing, ready_ahead()))
             yield (batch.data, meta) if self.return_meta else batch.data
 
     def __len__(self) -> int:

@@ -14,7 +14,7 @@ import itertools
 import operator
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -34,7 +34,7 @@ STALLS = "tierflow_loader_stalls_total"
 BATCHES = "tierflow_loader_batches_total"
 FETCH = "tierflow_loader_fetch_seconds_total"
 FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
-FLUSH_EVERY = 256
+FLUSH_EVERY = 1024
 """Batches `LoaderTelemetry` records per bulk update of its metrics."""
 
 
@@ -139,7 +139,7 @@ class LoaderTelemetry:
         """The first batches are start-up (processes, threads, first shards): a short run's bubble would be
         mostly start-up, so their waits are counted apart (`LoaderFigures.startup_s`)."""
         self.startup = r.counter(STARTUP, base, "time the training loop waited for the start-up batches")
-        self._pending: collections.deque[tuple[float, Mapping[str, Any] | None, int | None, float | None]] = \
+        self._pending: collections.deque[tuple[float, float, float | None, Mapping[str, Any] | None, int | None]] = \
             collections.deque()
         self._flushing = threading.Lock()
         self.registry.add_buffer(self)
@@ -148,17 +148,39 @@ class LoaderTelemetry:
                  step_s: float | None = None) -> None:
         """One batch handed over after `wait_s` in next(); `timing` is its meta's (`BatchMeta.timing`);
         `step_s`, the loop's step just before it asked for this batch (what `on_step` records), given here
-        so a loader records both in one call. Recorded in bulk every `FLUSH_EVERY` batches and before any
+        so a caller records both in one call. Recorded in bulk every `FLUSH_EVERY` batches and before any
         snapshot: per batch, an append."""
         if self.events is not None:
             if step_s is not None:
                 self._last_step = step_s
             self.events.batch(self._handed, wait_s, self._last_step, depth, timing)
             self._handed += 1
+        # as clock readings: asked at 0, handed at the wait, the last batch handed one step before 0
         pending = self._pending
-        pending.append((wait_s, timing, depth, step_s))
+        pending.append((0.0, wait_s, None if step_s is None else -step_s, timing, depth))
         if len(pending) >= FLUSH_EVERY:
             self.flush()
+
+    def recorder(self) -> Callable[[tuple[float, float, float | None, Mapping[str, Any] | None, int | None]], None]:
+        """What a loader calls per batch, `record((asked, handed, last_handed, timing, depth))`: the clock when
+        the loop asked for the batch, when it got it, when it got the one before (None: the first of a `for`),
+        the batch's timing and the batches ready ahead. The wait and the step are taken from these in bulk
+        when the records are flushed: per batch an append, no arithmetic, no method call."""
+        if self.events is not None:
+            def record_with_events(item: tuple[float, float, float | None, Mapping[str, Any] | None, int | None]) \
+                    -> None:
+                asked, handed, last, timing, depth = item
+                self.on_batch(handed - asked, timing, depth, None if last is None else asked - last)
+
+            return record_with_events
+        pending, append, flush, limit = self._pending, self._pending.append, self.flush, FLUSH_EVERY
+
+        def record(item: tuple[float, float, float | None, Mapping[str, Any] | None, int | None]) -> None:
+            append(item)
+            if len(pending) >= limit:
+                flush()
+
+        return record
 
     def flush(self) -> None:
         """Apply the batches recorded since the last flush to the registry's metrics, in bulk: one numpy pass
@@ -170,22 +192,26 @@ class LoaderTelemetry:
             n = len(pending)
             if not n:
                 return
-            waits, timings, depths, steps = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
-            wait = np.asarray(waits, dtype=np.float64)
+            askeds, handeds, lasts, timings, depths = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
+            asked = np.asarray(askeds, dtype=np.float64)
+            wait = np.asarray(handeds, dtype=np.float64) - asked
+            step = asked - np.asarray(lasts, dtype=np.float64)  # a first batch of a `for` (None) has none: NaN
+            if None in lasts:
+                step = step[~np.isnan(step)]
+            if step.size:
+                self.step.observe_many(step)
             startup = min(n, self.startup_batches - self._recorded)
             self._recorded += n
             if startup > 0:  # the run's first batches: their waits are start-up, counted apart
                 self.startup.inc(float(np.add.reduce(wait[:startup])))
                 wait[:startup] = 0.0
-                waits = (0.0,) * startup + waits[startup:]
             self.wait.observe_many(wait)
             stalls = int(np.count_nonzero(wait > self.stall_threshold_s))
-            for values, histogram in ((steps, self.step), (depths, self.depth)):
-                array = np.asarray(values, dtype=np.float64)  # None (no step before it, no depth known) is NaN
-                if None in values:
-                    array = array[~np.isnan(array)]
-                if array.size:
-                    histogram.observe_many(array)
+            depth = np.asarray(depths, dtype=np.float64)  # None (the feed knew none) is NaN
+            if None in depths:
+                depth = depth[~np.isnan(depth)]
+            if depth.size:
+                self.depth.observe_many(depth)
             last_depth = next((depth for depth in reversed(depths) if depth is not None), None)
             if last_depth is not None:
                 self.depth_now.set(last_depth)
@@ -194,13 +220,13 @@ class LoaderTelemetry:
                 produced = np.asarray(list(map(_PRODUCED, timings)), dtype=np.float64)
                 opened = np.fromiter(map(bool, map(_FETCHED, timings)), dtype=bool, count=n)
             except (TypeError, KeyError):  # a batch without timing (a DataLoader you built) or with part of it
-                produced = np.asarray(self._split_each(waits, timings, stalled), dtype=np.float64)
+                produced = np.asarray(self._split_each(wait.tolist(), timings, stalled), dtype=np.float64)
             else:
                 plain = ~opened
                 _split_unfetched(wait[plain], produced[plain], stalled)
                 each = np.flatnonzero(opened).tolist()  # a few per flush: a batch that moved to a new shard
                 if each:
-                    self._split_each([waits[i] for i in each], [timings[i] for i in each], stalled)
+                    self._split_each([float(wait[i]) for i in each], [timings[i] for i in each], stalled)
             if produced.size:
                 self.production.observe_many(produced)
             if stalls:
