@@ -29,7 +29,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -541,6 +541,9 @@ class _FeedIterator:
         self._slot = 0
         self._closed = False
         self._pending: collections.deque[Any] = collections.deque()
+        self.ready: Callable[[], int] = self._pending.__len__
+        """Batches read and converted ahead of the loop right now (what telemetry asks per batch): the
+        inline read-ahead's length, a C call; with a background thread, that and its queue's."""
         self._exhausted = False
         self._thread: threading.Thread | None = None
         self._gaps: list[float] | None = [] if feed._background is None else None
@@ -552,6 +555,7 @@ class _FeedIterator:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=self._feed.depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="tierflow-device-feed", daemon=True)
+        self.ready = self._ready_with_thread
         _RUNNING.add(self)
         self._thread.start()
 
@@ -560,9 +564,8 @@ class _FeedIterator:
         """Whether a background thread reads ahead now."""
         return self._thread is not None
 
-    def ready(self) -> int:
-        """Batches read and converted ahead of the loop right now."""
-        return len(self._pending) + (self._queue.qsize() if self._thread is not None else 0)
+    def _ready_with_thread(self) -> int:
+        return len(self._pending) + self._queue.qsize()
 
     def __iter__(self) -> _FeedIterator:
         return self

@@ -152,7 +152,6 @@ class Loader:
         telemetry = self.telemetry
         record = telemetry.recorder() if telemetry is not None else None
         handed: float | None = None  # set only with telemetry on
-        ready_ahead = batches.ready  # type: ignore[attr-defined]  # the feed's iterator: its read-ahead depth
         epochs = self._epochs
         if epochs is not None:
             epochs.begin()
@@ -184,7 +183,7 @@ class Loader:
             self._commit(meta)
             if record is not None:  # clock readings: the wait and the step are taken from them in bulk
                 last, handed = handed, time.perf_counter()
-                record((asked, handed, last, meta.timing, ready_ahead()))
+                record((asked, handed, last, meta.timing, batches.ready()))  # type: ignore[attr-defined]
             yield (batch.data, meta) if self.return_meta else batch.data
 
     def __len__(self) -> int:

@@ -75,13 +75,19 @@ class FetchLedger:
         return out
 
 
-_local = threading.local()
+class _ThreadLedgers(threading.local):
+    """Each thread's own `ledger`, made when the thread first reads it."""
+
+    def __init__(self) -> None:
+        self.ledger = FetchLedger()
+
+
+_local = _ThreadLedgers()
+
+
 def thread_ledger() -> FetchLedger:
     """The calling thread's ledger (a DataLoader worker or the feed's producer thread)."""
-    ledger = getattr(_local, "ledger", None)
-    if ledger is None:
-        ledger = _local.ledger = FetchLedger()
-    return ledger
+    return _local.ledger
 
 
 class AttributedShardSource:
@@ -165,10 +171,7 @@ class TimedBatches(IterableDataset):
             # the timing travels in the batch's meta, beside its data, to the training process
             batch.meta.timing = {"produce_s": clock() - started, "fetch": ledger.take_batch() if ledger.batch else {}}
             yield batch
-            try:  # this generator may move to the feed's thread between batches: the ledger is the thread's
-                ledger = local.ledger
-            except AttributeError:
-                ledger = thread_ledger()
+            ledger = local.ledger  # this generator may move to the feed's thread between batches
             if ledger.batch:
                 ledger.take_batch()  # opened between batches (outside any batch's build): no batch's fetch
             started = clock()
