@@ -34,7 +34,7 @@ STALLS = "tierflow_loader_stalls_total"
 BATCHES = "tierflow_loader_batches_total"
 FETCH = "tierflow_loader_fetch_seconds_total"
 FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
-FLUSH_EVERY = 1024
+FLUSH_EVERY = 128
 """Batches `LoaderTelemetry` records per bulk update of its metrics."""
 
 
@@ -75,11 +75,11 @@ def add_wait(parts: dict[tuple[str, str], float], wait_s: float, timing: Mapping
 
 
 def _split_unfetched(wait: np.ndarray, produced: np.ndarray, parts: dict[tuple[str, str], float]) -> None:
-    """`add_wait` for batches that opened no shard, all at once: the wait past production is the copy,
-    the rest preparation."""
-    waited = wait > 0
-    copy = float(np.add.reduce(np.where(waited, np.maximum(wait - produced, 0.0), 0.0)))
-    prep = float(np.add.reduce(np.where(waited, np.maximum(np.minimum(wait, produced), 0.0), 0.0)))
+    """`add_wait` for batches that opened no shard, all at once: of a positive wait, the part past production
+    is the copy, the rest (all of it, when production took longer) preparation."""
+    waited = np.maximum(wait, 0.0)
+    copy = float(np.add.reduce(np.maximum(waited - produced, 0.0)))  # production is never negative
+    prep = float(np.add.reduce(waited)) - copy
     if copy > 0:
         parts[_COPY] = parts.get(_COPY, 0.0) + copy
     if prep > 0:
@@ -193,10 +193,10 @@ class LoaderTelemetry:
             if not n:
                 return
             askeds, handeds, lasts, timings, depths = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
-            asked = np.asarray(askeds, dtype=np.float64)
-            wait = np.asarray(handeds, dtype=np.float64) - asked
-            step = asked - np.asarray(lasts, dtype=np.float64)  # a first batch of a `for` (None) has none: NaN
-            if None in lasts:
+            asked, handed, last = np.array((askeds, handeds, lasts), dtype=np.float64)  # None: NaN
+            wait = handed - asked
+            step = asked - last
+            if None in lasts:  # the first batch of a `for` has no step before it
                 step = step[~np.isnan(step)]
             if step.size:
                 self.step.observe_many(step)
@@ -207,26 +207,25 @@ class LoaderTelemetry:
                 wait[:startup] = 0.0
             self.wait.observe_many(wait)
             stalls = int(np.count_nonzero(wait > self.stall_threshold_s))
-            depth = np.asarray(depths, dtype=np.float64)  # None (the feed knew none) is NaN
-            if None in depths:
-                depth = depth[~np.isnan(depth)]
-            if depth.size:
-                self.depth.observe_many(depth)
-            last_depth = next((depth for depth in reversed(depths) if depth is not None), None)
-            if last_depth is not None:
-                self.depth_now.set(last_depth)
+            known = [d for d in depths if d is not None] if None in depths else depths  # None: the feed knew none
+            if known:
+                self.depth.observe_many(known)
+                self.depth_now.set(known[-1])
             stalled: dict[tuple[str, str], float] = {}
-            try:  # every batch timed (the usual case): split the waits of those that opened no shard at once
-                produced = np.asarray(list(map(_PRODUCED, timings)), dtype=np.float64)
-                opened = np.fromiter(map(bool, map(_FETCHED, timings)), dtype=bool, count=n)
+            try:  # every batch timed (the usual case): the waits of those that opened no shard split at once
+                produced = np.fromiter(map(_PRODUCED, timings), dtype=np.float64, count=n)
+                fetches = list(map(_FETCHED, timings))
             except (TypeError, KeyError):  # a batch without timing (a DataLoader you built) or with part of it
                 produced = np.asarray(self._split_each(wait.tolist(), timings, stalled), dtype=np.float64)
             else:
-                plain = ~opened
-                _split_unfetched(wait[plain], produced[plain], stalled)
-                each = np.flatnonzero(opened).tolist()  # a few per flush: a batch that moved to a new shard
-                if each:
-                    self._split_each([float(wait[i]) for i in each], [timings[i] for i in each], stalled)
+                each = [i for i, fetch in enumerate(fetches) if fetch] if any(fetches) else []
+                if each:  # a few per flush, where a batch moved to a shard its reader had not opened
+                    plain = np.ones(n, dtype=bool)
+                    plain[each] = False
+                    _split_unfetched(wait[plain], produced[plain], stalled)
+                    self._split_each(wait[each].tolist(), [timings[i] for i in each], stalled)
+                else:
+                    _split_unfetched(wait, produced, stalled)
             if produced.size:
                 self.production.observe_many(produced)
             if stalls:

@@ -176,6 +176,8 @@ class Gauge:
 
 FOLD_EVERY = 256
 """Queued observations a histogram folds into its buckets at once."""
+FOLD_ARRAYS = 8
+"""Queued bulks (`Histogram.observe_many`) a histogram folds into its buckets at once."""
 
 
 class Histogram:
@@ -187,7 +189,7 @@ class Histogram:
 
     kind = "histogram"
     __slots__ = (
-        "name", "labels", "description", "layout", "_pending",
+        "name", "labels", "description", "layout", "_pending", "_bulks",
         "_counts", "_count", "_sum", "_min", "_max", "_lock", "_lowest", "_inv_lowest", "_per_octave", "_top", "_cap",
     )
 
@@ -207,6 +209,7 @@ class Histogram:
 
     def _reset(self) -> None:
         self._pending: collections.deque[float] = collections.deque()
+        self._bulks: collections.deque[np.ndarray] = collections.deque()
         self._counts = np.zeros(self.layout.size, dtype=np.int64)
         self._count = 0
         self._sum = 0.0
@@ -221,30 +224,37 @@ class Histogram:
             self._fold()
 
     def observe_many(self, values: Iterable[float]) -> None:
-        """`observe` each of `values`, counted into the buckets at once (one numpy pass under the lock, no
-        queue): a bulk recorder's path, which pays the pass's fixed cost once per bulk."""
+        """`observe` each of `values`: a bulk recorder's path, queued as one array and counted into the
+        buckets with the next `FOLD_ARRAYS` - 1 bulks (one numpy pass for them all) or when anything reads."""
         array = np.asarray(values, dtype=np.float64).ravel()
         if array.size:
-            with self._lock:
-                self._count_in(array)
+            if np.logical_or.reduce(np.isnan(array)):
+                raise ValueError(f"histogram {self.name}: a NaN was observed")
+            bulks = self._bulks
+            bulks.append(array)
+            if len(bulks) >= FOLD_ARRAYS:
+                self._fold()
 
     def _fold(self) -> None:
         """Move queued observations into the buckets (appends racing with this stay queued)."""
-        pending = self._pending
-        if not pending:
+        pending, bulks = self._pending, self._bulks
+        if not pending and not bulks:
             return
         with self._lock:
-            n = len(pending)
-            if not n:
+            n, arrays = len(pending), len(bulks)
+            if not n and not arrays:
                 return
-            self._count_in(np.fromiter(itertools.starmap(pending.popleft, itertools.repeat((), n)), np.float64, n))
+            parts = [bulks.popleft() for _ in range(arrays)]
+            if n:
+                parts.append(np.fromiter(itertools.starmap(pending.popleft, itertools.repeat((), n)), np.float64, n))
+            self._count_in(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
     def _count_in(self, array: np.ndarray) -> None:
         """Count `array`'s values into the buckets, each where `BucketLayout.index` places it; the lock is held."""
         with np.errstate(invalid="ignore"):
             total = float(np.add.reduce(array))
         if total != total and np.isnan(array).any():  # a NaN sum is also inf + -inf, both observed
-            raise ValueError(f"histogram {self.name}: a NaN was observed")
+            raise ValueError(f"histogram {self.name}: a NaN was observed")  # observe's: observe_many refuses one
         # clamped: no product overflows, and a value past the top bucket's edge still lands in it
         clamped = np.minimum(np.maximum(array, self._lowest), self._cap)
         scaled = np.log2(clamped * self._inv_lowest)
