@@ -35,7 +35,10 @@ BATCHES = "tierflow_loader_batches_total"
 FETCH = "tierflow_loader_fetch_seconds_total"
 FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
 FLUSH_EVERY = 128
-"""Batches `LoaderTelemetry` records per bulk update of its metrics."""
+"""Batches `LoaderTelemetry` records per bulk update of its metrics (few enough that the records waiting
+never push the garbage collector past its first threshold: a flush every 1024 collected every ~256 batches)."""
+BatchRecord = tuple[float, float, float | None, Mapping[str, Any] | None, int | None]
+"""One batch as a loader records it: (asked, handed, last handed, timing, depth); see `LoaderTelemetry.recorder`."""
 
 
 def split_wait(wait_s: float, timing: Mapping[str, Any] | None) -> dict[tuple[str, str], float]:
@@ -139,8 +142,7 @@ class LoaderTelemetry:
         """The first batches are start-up (processes, threads, first shards): a short run's bubble would be
         mostly start-up, so their waits are counted apart (`LoaderFigures.startup_s`)."""
         self.startup = r.counter(STARTUP, base, "time the training loop waited for the start-up batches")
-        self._pending: collections.deque[tuple[float, float, float | None, Mapping[str, Any] | None, int | None]] = \
-            collections.deque()
+        self._pending: collections.deque[BatchRecord] = collections.deque()
         self._flushing = threading.Lock()
         self.registry.add_buffer(self)
 
@@ -161,21 +163,20 @@ class LoaderTelemetry:
         if len(pending) >= FLUSH_EVERY:
             self.flush()
 
-    def recorder(self) -> Callable[[tuple[float, float, float | None, Mapping[str, Any] | None, int | None]], None]:
+    def recorder(self) -> Callable[[BatchRecord], None]:
         """What a loader calls per batch, `record((asked, handed, last_handed, timing, depth))`: the clock when
         the loop asked for the batch, when it got it, when it got the one before (None: the first of a `for`),
         the batch's timing and the batches ready ahead. The wait and the step are taken from these in bulk
         when the records are flushed: per batch an append, no arithmetic, no method call."""
         if self.events is not None:
-            def record_with_events(item: tuple[float, float, float | None, Mapping[str, Any] | None, int | None]) \
-                    -> None:
+            def record_with_events(item: BatchRecord) -> None:
                 asked, handed, last, timing, depth = item
                 self.on_batch(handed - asked, timing, depth, None if last is None else asked - last)
 
             return record_with_events
         pending, append, flush, limit = self._pending, self._pending.append, self.flush, FLUSH_EVERY
 
-        def record(item: tuple[float, float, float | None, Mapping[str, Any] | None, int | None]) -> None:
+        def record(item: BatchRecord) -> None:
             append(item)
             if len(pending) >= limit:
                 flush()
