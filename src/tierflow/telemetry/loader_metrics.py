@@ -194,24 +194,26 @@ class LoaderTelemetry:
             if not n:
                 return
             askeds, handeds, lasts, timings, depths = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
-            asked, handed, last = np.array((askeds, handeds, lasts), dtype=np.float64)  # None: NaN
-            wait = handed - asked
-            step = asked - last
-            if None in lasts:  # the first batch of a `for` has no step before it
+            asked = np.fromiter(askeds, dtype=np.float64, count=n)
+            wait = np.fromiter(handeds, dtype=np.float64, count=n) - asked
+            step = asked - np.fromiter(lasts, dtype=np.float64, count=n)  # None (numpy reads NaN): no step
+            if np.isnan(np.add.reduce(step)):  # before the first batch of a `for`
                 step = step[~np.isnan(step)]
             if step.size:
-                self.step.observe_many(step)
+                self.step.observe_vector(step)
             startup = min(n, self.startup_batches - self._recorded)
             self._recorded += n
             if startup > 0:  # the run's first batches: their waits are start-up, counted apart
                 self.startup.inc(float(np.add.reduce(wait[:startup])))
                 wait[:startup] = 0.0
-            self.wait.observe_many(wait)
+            self.wait.observe_vector(wait)
             stalls = int(np.count_nonzero(wait > self.stall_threshold_s))
-            known = [d for d in depths if d is not None] if None in depths else depths  # None: the feed knew none
-            if known:
-                self.depth.observe_many(known)
-                self.depth_now.set(known[-1])
+            depth = np.fromiter(depths, dtype=np.float64, count=n)  # None (NaN): the feed knew no depth
+            if np.isnan(np.add.reduce(depth)):
+                depth = depth[~np.isnan(depth)]
+            if depth.size:
+                self.depth.observe_vector(depth)
+                self.depth_now.set(next(d for d in reversed(depths) if d is not None))
             stalled: dict[tuple[str, str], float] = {}
             try:  # every batch timed (the usual case): the waits of those that opened no shard split at once
                 produced = np.fromiter(map(_PRODUCED, timings), dtype=np.float64, count=n)

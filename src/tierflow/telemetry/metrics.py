@@ -230,10 +230,15 @@ class Histogram:
         if array.size:
             if np.logical_or.reduce(np.isnan(array)):
                 raise ValueError(f"histogram {self.name}: a NaN was observed")
-            bulks = self._bulks
-            bulks.append(array)
-            if len(bulks) >= FOLD_ARRAYS:
-                self._fold()
+            self.observe_vector(array)
+
+    def observe_vector(self, array: np.ndarray) -> None:
+        """`observe_many` for a recorder that made `array` itself: a non-empty float64 vector without NaN,
+        queued as it is (no conversion, no check)."""
+        bulks = self._bulks
+        bulks.append(array)
+        if len(bulks) >= FOLD_ARRAYS:
+            self._fold()
 
     def _fold(self) -> None:
         """Move queued observations into the buckets (appends racing with this stay queued)."""
