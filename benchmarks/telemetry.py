@@ -13,17 +13,22 @@ against issue 17's target (<= 3% per batch with no step), two ways, each row on 
   process, read in alternating chunks of batches; CPU us per batch (process_time) of each chunk and
   the on/off ratio of each adjacent pair of chunks, which cancels the drift a shared machine's load
   puts between rounds. This is the figure the target is judged on.
-Run: .venv/bin/python benchmarks/telemetry.py
+`--opcodes` instead counts the Python opcodes per batch each function runs (sys.settrace), telemetry on
+vs off: exact on a noisy machine, and it names where the per-batch work is.
+Run: .venv/bin/python benchmarks/telemetry.py [--opcodes]
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
+import sys
 import tempfile
 import time
 import timeit
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -222,6 +227,49 @@ def steady_on_vs_off(path: Path, l1: TierConfig, chunks: int, chunk_batches: int
     print("cost = median per-chunk-pair on/off ratio - 1 (issue 17's target: <= 3%)")
 
 
+def opcodes_on_vs_off(batches: int = 512, top: int = 8) -> None:
+    """Python opcodes per batch, telemetry on minus off, over `batches` warm batches (no step, background
+    thread off: the trace would slow the loop past the feed's automatic choice)."""
+    counts: dict[bool, collections.Counter[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path, l1 = warm_token_dataset(Path(tmp))
+        try:
+            for on in (True, False):
+                dataset = warm_dataset(path, l1, batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4)
+                with Loader(dataset, "cpu", telemetry=on, endless=True, background=False) as loader:
+                    it = iter(loader)
+                    for _ in range(300):
+                        next(it)
+                    counts[on] = counted = collections.Counter()
+
+                    def trace(frame: Any, event: str, arg: Any) -> Any:
+                        frame.f_trace_opcodes = True
+                        where = f"{frame.f_code.co_filename.rsplit('/src/', 1)[-1]}:{frame.f_code.co_name}"
+
+                        def opcode(frame: Any, event: str, arg: Any) -> Any:
+                            if event == "opcode":
+                                counted[where] += 1
+                            return opcode
+                        return opcode
+
+                    sys.settrace(trace)
+                    try:
+                        for _ in range(batches):
+                            next(it)
+                    finally:
+                        sys.settrace(None)
+        finally:
+            remove_l1(l1)
+    on, off = counts[True], counts[False]
+    print(f"Python opcodes per batch, {batches} warm batches, no step: on {sum(on.values()) / batches:.0f}, "
+          f"off {sum(off.values()) / batches:.0f}, on - off {(sum(on.values()) - sum(off.values())) / batches:.0f}")
+    for where in sorted(set(on) | set(off), key=lambda w: off[w] - on[w])[:top]:
+        print(f"{(on[where] - off[where]) / batches:>8.1f}  {where}")
+
+
 if __name__ == "__main__":
-    main()
-    loader_on_vs_off()
+    if "--opcodes" in sys.argv[1:]:
+        opcodes_on_vs_off()
+    else:
+        main()
+        loader_on_vs_off()
