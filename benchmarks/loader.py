@@ -18,7 +18,7 @@ request latency or decoding. What it cannot beat is the order's shape: every lan
 is needed within the first few batches, and after the last windows open the rest of the epoch
 runs on shards already fetched.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/loader.py [--quick] [--cold [--rounds N] [--events DIR]]
+    PYTHONPATH=src .venv/bin/python benchmarks/loader.py [--quick] [--cold [--rounds N] [--events DIR]] [--bounds]
 
 `--events DIR` writes each cold epoch's event log (telemetry/eventlog.py) there: the loop's "batch"
 records (wait, fetch attribution) and the stager's "stage" records (shard, first use, when its
@@ -243,6 +243,31 @@ def whole_shard_bound(uses: list, rest_bytes: list[int], throttle: float, steps:
     return clock
 
 
+BOUND_ORDERS = ({}, {"lanes": 8}, {"lanes": 8, "window_shards": 1}, {"partitions": 4, "window_shards": 2},
+                {"lanes": 4, "window_shards": 1}, {"lanes": 2, "window_shards": 1})
+
+
+def bounds(work: Path) -> None:
+    """The whole-shard bound of the cold dataset's first epoch under several orders (docs/order.md):
+    computed, nothing is fetched."""
+    local = make_cold_dataset(work, 48 << 20)
+    manifest = tierflow.Manifest.load(local)
+    at_rest = sum(s.bytes for s in manifest.shards)
+    rest_bytes = [s.bytes for s in manifest.shards]
+    print(f"whole-shard bound of the first epoch, {len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest")
+    print(f"| order | lanes x k | 2 x the needed bandwidth: x step-bound | 0.5 x: achieved / throttle |\n|---|---|---|---|")
+    for order in BOUND_ORDERS:
+        ds = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+        steps = ds.num_order_samples // COLD_BATCH
+        step_bound_s = steps * COLD_STEP_S
+        need = at_rest / step_bound_s
+        uses = ds.future_shard_uses(None, horizon_batches=steps + 1)
+        fast, slow = (whole_shard_bound(uses, rest_bytes, need * f, steps, ds.node_step_samples()) for f in (2.0, 0.5))
+        ws = ds.working_set
+        print(f"| {order or 'default'} | {ws.lanes} x {ws.window_shards} | {fast / step_bound_s:.2f} | "
+              f"{at_rest / slow / (need * 0.5):.2f} |")
+
+
 def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> None:
     local = make_cold_dataset(work, (16 if quick else 48) << 20)
     manifest = tierflow.Manifest.load(local)
@@ -313,7 +338,13 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="the first epoch from a throttled S3 proxy instead of the warm-cache runs")
     parser.add_argument("--events", type=Path, help="--cold: write each epoch's event log to this folder")
+    parser.add_argument("--bounds", action="store_true",
+                        help="only the cold epoch's whole-shard bound under several orders (computed, no S3)")
     args = parser.parse_args()
+    if args.bounds:
+        with tempfile.TemporaryDirectory() as tmp:
+            bounds(Path(tmp))
+        return
     if args.cold:
         with tempfile.TemporaryDirectory() as tmp:
             cold(Path(tmp), args.quick, 1 if args.quick else args.rounds, args.events)
