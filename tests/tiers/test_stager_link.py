@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import tierflow
 from tierflow.loader import TieredDataset
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
@@ -217,3 +218,18 @@ def test_workers_forked_from_the_loops_process_start_with_the_stager_stopped(sha
         batches = iter(loader)
         assert stager.running and not set(stager._threads) & set(threads)
         assert sum(1 for _ in batches) == epoch_batches(shards)
+
+
+def test_a_dataset_smaller_than_the_widest_working_set_leaves_the_stager_the_tiers_room(shards, tmp_path,
+                                                                                     caplog) -> None:
+    """The working set counts at most the dataset's shards: the widest (16 lanes x windows of 4, 128
+    shards) over 13 was counted as 128 of the largest, above any tier of a few shards' room, so the
+    stager warned that the tier was too small and kept one shard ahead (issue 16's cold epoch)."""
+    sizes = [s.bytes for s in tierflow.Manifest.load(shards).shards]
+    capacity = 4 * sum(sizes)
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), capacity, form="at_rest")])
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    assert dataset.working_set.shards > len(sizes)  # the widest
+    stager = Stager(dataset, stack)
+    assert "below the" not in caplog.text
+    assert stager.node.max_bytes == capacity - dataset.working_set.bytes >= 2 * sum(sizes)

@@ -262,7 +262,7 @@ class Stager:
         samples_per_step = view.node_step_samples()
         capacity = min((t.capacity for t in stack.tiers), default=0)
         working = view.working_set
-        active = working.shards * shard_bytes
+        active = working.bytes  # the shards read at once and the window just left, no more than the dataset
         if capacity and active > capacity:
             log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d lanes x windows of "
                         "%d and the next window): shards the tier cannot take are read from below",
