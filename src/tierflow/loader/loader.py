@@ -34,6 +34,9 @@ Handed = dict[str, Any] | tuple[dict[str, Any], BatchMeta]
 """What the loop gets per batch: its tensors, or (tensors, meta) with `return_meta=True`."""
 
 
+_NOT_STAGED = object()
+
+
 class Loader:
     """Iterate batches on `device`; `state_dict`/`load_state_dict` (torchdata's Stateful protocol).
 
@@ -100,7 +103,7 @@ class Loader:
         self._expected = 0
         self.device = device
         self.stager = stager
-        self._staged_from: Any = None  # the cursor the running stager started from
+        self._staged_from: Any = _NOT_STAGED  # the cursor start_prefetch started the running stager from
         self.depth = depth
         self.dtype = dtype
         self.widen = dict(widen or {})
@@ -135,7 +138,7 @@ class Loader:
         if self._restart_eval:  # the last `for` ran the whole eval: this one runs it again
             self._cursor, self._restart_eval, self._iterated = None, False, True
         if self.stager is not None and not self._stager_carries_on():
-            self.stager.close()
+            self._close_stager()
         if self._dataloader is None or self._iterated:
             self.dataset.load_state_dict(self._cursor)
             self._dataloader = self._make_dataloader()
@@ -229,7 +232,12 @@ class Loader:
         """Stop the feed, the stager and the DataLoader's workers (a loop that breaks early may call it)."""
         self._stop_reading()
         if self.stager is not None:
+            self._close_stager()
+
+    def _close_stager(self) -> None:
+        if self.stager is not None:
             self.stager.close()
+        self._staged_from = _NOT_STAGED
 
     def _stop_reading(self) -> None:
         self._held = None
