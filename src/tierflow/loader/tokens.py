@@ -101,8 +101,11 @@ def document_segments(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, int,
     total = rows * length
     if total == 0:
         return row_segments(rows, length)
+    ends = inputs == eos_id
+    if not ends.any():  # most windows of long documents hold no EOS
+        return row_segments(rows, length)
     # a segment starts after every EOS but the one ending a row (the next row starts one anyway)
-    inner = np.flatnonzero(inputs == eos_id)
+    inner = np.flatnonzero(ends)
     inner += 1
     inner = inner[inner % length != 0] if inner.size else inner
     if not inner.size:
