@@ -24,7 +24,7 @@ from tierflow.format.reads import TokenReader
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
-from tierflow.loader.tokens import WindowStarts, document_segments, row_segments, window_counts
+from tierflow.loader.tokens import WindowStarts, row_segments, window_counts, window_segments
 from tierflow.order import sample_rng
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.transforms.resized import SOURCE_KEY, SampleSource
@@ -253,7 +253,7 @@ class TokenWindows(ByPosition):
             cu_seqlens, _, position_ids = row_segments(ids.size, length)
             max_seqlen = length
         else:
-            cu_seqlens, max_seqlen, position_ids = document_segments(inputs, eos)
+            cu_seqlens, max_seqlen, position_ids = window_segments(buffer, eos)
         data = {"input_ids": inputs, "labels": buffer[:, 1:], "position_ids": position_ids,
                 "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "mask": selection.mask.copy()}
         return Built(data, ids, selection.epochs.astype(np.int64),
