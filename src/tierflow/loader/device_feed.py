@@ -153,7 +153,8 @@ def _check_widening(key: str, logical: torch.dtype, wide: torch.dtype) -> None:
         raise ValueError(f"device feed: cannot widen {key!r} from {logical} to {wide} without loss")
 
 
-def _widen_numpy(value: np.ndarray, wide: np.dtype, owners: dict[int, tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
+def _widen_numpy(value: np.ndarray, wide: np.dtype,
+                 owners: dict[int, tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
     """`value` as `wide`, by value, and the bytes widened for it now. Views of one contiguous array
     (input_ids and labels of a window buffer) widen that array once, kept in `owners` with its
     address, and come out as views of the result."""
