@@ -20,12 +20,6 @@ from tierflow.order._keys import MASK64, splitmix64, splitmix64_array
 
 ROUNDS = 6
 _MAX_SIZE = 1 << 62
-TABLE_DOMAIN = 1 << 16
-"""Domains up to this size are evaluated whole once (`_images`) when a call asks for half of them
-or more, or the domain is tiny (1024): cycle-walking then follows the table (a lookup a step)
-instead of running the network again on the elements still outside, which on a small domain is
-numpy's per-call overhead (~40 us a network of 96 array operations) times the longest walk; later
-calls are lookups. The images are the same: the table is the network's own."""
 
 
 class FeistelPermutation:
@@ -38,7 +32,6 @@ class FeistelPermutation:
         self.key = key & MASK64
         self.bits = max(size - 1, 0).bit_length()
         self._round_keys = [np.uint64(splitmix64(self.key ^ r)) for r in range(ROUNDS)]
-        self._table: np.ndarray | None = None  # image of every position (int64), once evaluated whole
         right_width = self.bits // 2
         self._widths = []
         for _ in range(ROUNDS):
@@ -65,9 +58,6 @@ class FeistelPermutation:
             raise IndexError(f"positions outside range({self.size}) for {self!r}")
         if self.size <= 1:
             return np.zeros(positions.shape, dtype=np.int64)
-        domain = 1 << self.bits
-        if self._table is not None or (domain <= TABLE_DOMAIN and domain <= max(2 * positions.size, 1024)):
-            return self._images()[positions.reshape(-1).astype(np.int64, copy=False)].reshape(positions.shape)
         out = self._network(positions.astype(np.uint64))
         limit = np.uint64(self.size)
         pending = np.flatnonzero(out >= limit)
@@ -76,24 +66,6 @@ class FeistelPermutation:
             out[pending] = walked
             pending = pending[walked >= limit]
         return out.astype(np.int64)
-
-    def _images(self) -> np.ndarray:
-        """The image of every position of range(size): the network over the whole domain once, each
-        position walked through that table until it lands inside (the same walk `__call__` runs)."""
-        if self._table is None:
-            step = self._network(np.arange(1 << self.bits, dtype=np.uint64))
-            limit = np.uint64(self.size)
-            out = step[:self.size].copy()
-            pending = np.flatnonzero(out >= limit)
-            while pending.size:
-                walked = step[out[pending]]
-                out[pending] = walked
-                pending = pending[walked >= limit]
-            self._table = out.astype(np.int64)
-        return self._table
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_table": None}  # made again where it is needed
 
     def at(self, position: int) -> int:
         """Image of one position."""
