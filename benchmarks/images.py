@@ -18,7 +18,8 @@ far less than it changes images/s.
    reads it from the JPEG header), at 0 and 2 DataLoader workers; target tierflow >= 1.2 x the
    better peer at 2 workers.
 3. From S3 (moto behind the throttling ProxyProcess, tierflow.testing) on the first --s3-images
-   images in --s3-shard-mb shards: the cold first epoch at 2 workers through an empty L2, the proxy
+   images in --s3-shard-mb shards: the cold first epoch at 2 workers through an empty L2 (the default
+   order, then the tuned one of TUNED_ORDER beside it), the proxy
    throttled to a quarter of what the warm loop consumes (target >= 0.9 x the throttle); bytes per
    epoch with an L2 of 30% of the dataset, 3 epochs (target <= 0.75 x the dataset per warm epoch).
 4. The cached form: per image, an L1 of encoded bytes (decode every time) against one of pixels
@@ -278,8 +279,14 @@ def pack_subset(folder: Path, root: Path, count: int, shard_bytes: int) -> Path:
     return out
 
 
-def s3_epochs(url: str, proxy, tier_dir: Path, capacity: int, epochs: int, workers: int, transform: bool
-              ) -> list[tuple[float, int, float]]:
+TUNED_ORDER = {"partitions": 4, "window_shards": 2}
+"""The cold row's tuned order (benchmarks/loader.py's): 4 lanes x 2 shards read at a time, so shards are
+first needed all through the epoch; the default (an L2 that holds the dataset: the widest) opens
+nearly every shard in its first batches, and the rest of the epoch decodes after the last arrives."""
+
+
+def s3_epochs(url: str, proxy, tier_dir: Path, capacity: int, epochs: int, workers: int, transform: bool,
+              order: dict | None = None) -> list[tuple[float, int, float]]:
     """(wall s, bytes the proxy sent, seconds the proxy was sending) of each epoch through one L2 of
     `capacity` (stager on, defaults); the first epoch's wall includes the loader's start."""
     import shutil
@@ -301,7 +308,8 @@ def s3_epochs(url: str, proxy, tier_dir: Path, capacity: int, epochs: int, worke
                 started = time.perf_counter()
                 if loader is None:
                     loader = tierflow.open_loader(url, tiers=[f"L2={tier_dir}:{capacity}"], endpoint_url=proxy.url,
-                                                  batch_size=BATCH, num_workers=workers, seed=3, **options)
+                                                  batch_size=BATCH, num_workers=workers, seed=3, **options,
+                                                  **(order or {}))
                 for _batch in loader:
                     pass
                 wall = time.perf_counter() - started
@@ -326,18 +334,18 @@ def s3_rows(packed: Path, work: Path, warm_rate: float) -> None:
         consumption = warm_rate * at_rest / samples
         throttle = consumption / 4  # well below the loop: a shared machine's load moves its rate 2-3x
         rig.proxy.set_bandwidth(throttle)
-        (wall, sent, active), = s3_epochs(url, rig.proxy, work / "l2-cold", 4 * at_rest, 1, 2, True)
-        rig.proxy.set_bandwidth(None)
-        achieved = sent / wall
         print(f"\nfrom S3 (moto behind the throttling proxy): {len(shards)} shards, {samples} images, "
               f"{at_rest / 1e6:.0f} MB at rest, {decoded / 1e6:.0f} MB decoded")
-        print(f"cold first epoch, 2 workers, decode + RandomResizedCrop(224), empty L2, throttle {throttle / 1e6:.1f} "
-              f"MB/s (a quarter of the warm loop's {consumption / 1e6:.1f} MB/s): {wall:.1f} s, "
-              f"{sent / 1e6:.0f} MB sent, "
-              f"achieved {achieved / 1e6:.1f} MB/s = {achieved / throttle:.2f} x throttle "
-              f"(target >= 0.9: {'met' if achieved >= 0.9 * throttle else 'MISSED'}); while the source was sending "
-              f"({active:.1f} s of it, sampled every 0.25 s): {sent / active / 1e6:.1f} MB/s = "
-              f"{sent / active / throttle:.2f} x throttle")
+        for name, order in (("default order", None), (f"tuned order {TUNED_ORDER}", TUNED_ORDER)):
+            (wall, sent, active), = s3_epochs(url, rig.proxy, work / "l2-cold", 4 * at_rest, 1, 2, True, order)
+            achieved = sent / wall
+            print(f"cold first epoch, {name}, 2 workers, decode + RandomResizedCrop(224), empty L2, throttle "
+                  f"{throttle / 1e6:.1f} MB/s (a quarter of the warm loop's {consumption / 1e6:.1f} MB/s): {wall:.1f} s, "
+                  f"{sent / 1e6:.0f} MB sent, achieved {achieved / 1e6:.1f} MB/s = {achieved / throttle:.2f} x throttle "
+                  f"(target >= 0.9: {'met' if achieved >= 0.9 * throttle else 'MISSED'}); while the source was "
+                  f"sending ({active:.1f} s of it, sampled every 0.25 s): {sent / active / 1e6:.1f} MB/s = "
+                  f"{sent / active / throttle:.2f} x throttle")
+        rig.proxy.set_bandwidth(None)
         capacity = int(0.3 * decoded)
         epochs = s3_epochs(url, rig.proxy, work / "l2-30", capacity, 3, 0, False)
         ratios = [sent / at_rest for _, sent, _ in epochs]

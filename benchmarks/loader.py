@@ -18,7 +18,7 @@ request latency or decoding. What it cannot beat is the order's shape: every lan
 is needed within the first few batches, and after the last windows open the rest of the epoch
 runs on shards already fetched.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/loader.py [--quick] [--cold [--rounds N] [--events DIR]]
+    PYTHONPATH=src .venv/bin/python benchmarks/loader.py [--quick] [--cold [--rounds N] [--events DIR]] [--bounds]
 
 `--events DIR` writes each cold epoch's event log (telemetry/eventlog.py) there: the loop's "batch"
 records (wait, fetch attribution) and the stager's "stage" records (shard, first use, when its
@@ -179,12 +179,18 @@ class SourceActivity:
         return self.last_byte_s - (self.first_byte_s or 0.0)
 
 
-def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path,
+COLD_ORDERS = {"default": {}, "tuned (partitions=4, window_shards=2)": {"partitions": 4, "window_shards": 2}}
+"""The order's shape decides the bound: the default (an L2 that holds the dataset: the widest, 16
+lanes x windows of 4) opens nearly every shard in the epoch's first batches; the tuned row reads
+4 lanes x 2 shards at a time, so shards are first needed all through the epoch."""
+
+
+def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, order: dict,
                events_path: Path | None = None) -> dict[str, float]:
     """One first epoch through an empty L2; source bytes are what the proxy sent."""
     stack = build_stack(url, [TierConfig("L2", str(tier_dir), 1 << 30, form="decoded")], endpoint_url=endpoint)
     events = EventLog(events_path, stack.registry, name=f"cold epoch {tier_dir.name}") if events_path else None
-    ds = TieredDataset(stack.dataset(), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, partitions=4, window_shards=2)
+    ds = TieredDataset(stack.dataset(), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
     steps = ds.num_order_samples // COLD_BATCH
     proxy.reset_counters()
     waited = 0.0
@@ -237,6 +243,31 @@ def whole_shard_bound(uses: list, rest_bytes: list[int], throttle: float, steps:
     return clock
 
 
+BOUND_ORDERS = ({}, {"lanes": 8}, {"lanes": 8, "window_shards": 1}, {"partitions": 4, "window_shards": 2},
+                {"lanes": 4, "window_shards": 1}, {"lanes": 2, "window_shards": 1})
+
+
+def bounds(work: Path) -> None:
+    """The whole-shard bound of the cold dataset's first epoch under several orders (docs/order.md):
+    computed, nothing is fetched."""
+    local = make_cold_dataset(work, 48 << 20)
+    manifest = tierflow.Manifest.load(local)
+    at_rest = sum(s.bytes for s in manifest.shards)
+    rest_bytes = [s.bytes for s in manifest.shards]
+    print(f"whole-shard bound of the first epoch, {len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest")
+    print(f"| order | lanes x k | 2 x the needed bandwidth: x step-bound | 0.5 x: achieved / throttle |\n|---|---|---|---|")
+    for order in BOUND_ORDERS:
+        ds = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+        steps = ds.num_order_samples // COLD_BATCH
+        step_bound_s = steps * COLD_STEP_S
+        need = at_rest / step_bound_s
+        uses = ds.future_shard_uses(None, horizon_batches=steps + 1)
+        fast, slow = (whole_shard_bound(uses, rest_bytes, need * f, steps, ds.node_step_samples()) for f in (2.0, 0.5))
+        ws = ds.working_set
+        print(f"| {order or 'default'} | {ws.lanes} x {ws.window_shards} | {fast / step_bound_s:.2f} | "
+              f"{at_rest / slow / (need * 0.5):.2f} |")
+
+
 def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> None:
     local = make_cold_dataset(work, (16 if quick else 48) << 20)
     manifest = tierflow.Manifest.load(local)
@@ -245,18 +276,22 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
     with s3_rig("loadercold") as rig:
         proxy = rig.proxy
         url = rig.upload(local, "ds")
-        probe = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, partitions=4, window_shards=2)
+        # the order each row reads (an L2 that holds the dataset reads as the local copy does)
+        probes = {name: TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+                  for name, order in COLD_ORDERS.items()}
+        probe = probes["default"]
         steps = probe.num_order_samples // COLD_BATCH
         step_bound_s = steps * COLD_STEP_S
         consumption = at_rest / step_bound_s  # at-rest bytes/s the step-bound loop needs
-        uses = probe.future_shard_uses(None, horizon_batches=steps + 1)
         rest_bytes = [s.bytes for s in manifest.shards]
         factors = (0.5, 2.0)
-        runs: dict[float, list[dict[str, float]]] = {f: [] for f in factors}
-        for number, factor in alternating(rounds, factors):
+        cases = [(name, factor) for name in COLD_ORDERS for factor in factors]
+        runs: dict[tuple[str, float], list[dict[str, float]]] = {c: [] for c in cases}
+        for number, (name, factor) in alternating(rounds, cases):
             proxy.set_bandwidth(consumption * factor)
-            log = events / f"cold-{factor:g}x-{number}.jsonl" if events else None
-            runs[factor].append(cold_epoch(url, proxy.url, proxy, work / f"l2-{factor:g}-{number}", log))
+            tag = f"{'tuned' if COLD_ORDERS[name] else 'default'}-{factor:g}x-{number}"
+            log = events / f"cold-{tag}.jsonl" if events else None
+            runs[(name, factor)].append(cold_epoch(url, proxy.url, proxy, work / f"l2-{tag}", COLD_ORDERS[name], log))
     print(f"cold first epoch: moto S3 -> throttled ProxyProcess -> empty L2 (decoded), stager on; "
           f"{len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest, {decoded / MB:.1f} MB decoded; "
           f"batch {COLD_BATCH} x {COLD_SEQ_LEN + 1} tokens, {COLD_STEP_S * 1e3:.0f} ms step; "
@@ -264,14 +299,19 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
     print("  achieved = source bytes / epoch wall (start-up and the tail after the last byte included); "
           "active = source bytes / the span the source was sending (sampled every 0.25 s); whole-shard bound: "
           "see the docstring")
+    for name, order in probes.items():
+        ws = order.working_set
+        print(f"  order {name}: {ws.lanes} lanes x windows of {ws.window_shards} ({ws.reason})")
     print(f"  medians of {rounds} alternating rounds (min-max)")
-    print(f"{'throttle MB/s':>13} {'x need':>6} {'epoch s':>17} {'x step-bound':>18} {'bound s':>7} {'x bound':>18} "
+    print(f"{'order':>37} {'throttle MB/s':>13} {'x need':>6} {'epoch s':>17} {'x step-bound':>18} {'bound s':>7} {'x bound':>18} "
           f"{'last byte s':>17} {'source MB':>9} {'achieved/thr.':>18} {'active/thr.':>18} {'bound/thr.':>10} "
           f"{'bubble':>18} {'1st batch s':>17}  target")
-    for factor in factors:
+    for name, factor in cases:
         throttle = consumption * factor
-        rs = runs[factor]
-        bound = whole_shard_bound(uses, rest_bytes, throttle, steps, probe.node_step_samples())
+        rs = runs[(name, factor)]
+        order = probes[name]
+        bound = whole_shard_bound(order.future_shard_uses(None, horizon_batches=steps + 1), rest_bytes, throttle,
+                                  steps, order.node_step_samples())
         achieved = [r["source_bytes"] / r["wall_s"] / throttle for r in rs]
         active = [r["source_bytes"] / r["active_s"] / throttle if r["active_s"] > 0 else None for r in rs]
         wall = statistics.median(r["wall_s"] for r in rs)
@@ -280,7 +320,7 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
             target, met = "achieved >= 0.9 x throttle", statistics.median(achieved) >= 0.9
         else:
             target, met = "epoch <= 1.1 x step-bound", wall <= 1.1 * step_bound_s
-        print(f"{throttle / MB:>13.2f} {factor:>6.1f} {spread([r['wall_s'] for r in rs]):>17} "
+        print(f"{name:>37} {throttle / MB:>13.2f} {factor:>6.1f} {spread([r['wall_s'] for r in rs]):>17} "
               f"{spread([r['wall_s'] / step_bound_s for r in rs], '.2f'):>18} {bound:>7.1f} "
               f"{spread([r['wall_s'] / bound for r in rs], '.2f'):>18} "
               f"{spread([r['last_byte_s'] for r in rs]):>17} {source_mb:>9.1f} "
@@ -298,7 +338,13 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="the first epoch from a throttled S3 proxy instead of the warm-cache runs")
     parser.add_argument("--events", type=Path, help="--cold: write each epoch's event log to this folder")
+    parser.add_argument("--bounds", action="store_true",
+                        help="only the cold epoch's whole-shard bound under several orders (computed, no S3)")
     args = parser.parse_args()
+    if args.bounds:
+        with tempfile.TemporaryDirectory() as tmp:
+            bounds(Path(tmp))
+        return
     if args.cold:
         with tempfile.TemporaryDirectory() as tmp:
             cold(Path(tmp), args.quick, 1 if args.quick else args.rounds, args.events)

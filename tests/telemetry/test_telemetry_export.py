@@ -25,9 +25,9 @@ from tierflow.storage.remote import open_source, upload_dataset
 from tierflow.tiers import TierConfig, TierStack
 from tierflow.tiers.stager import Stager
 
-from corpora import pack_lorem
+from corpora import pack_lorem, pack_pictures
 
-STAGES = ("tier", "stack", "stager", "source", "budget", "loader", "feed", "stage")
+STAGES = ("tier", "stack", "stager", "source", "budget", "loader", "feed", "stage", "resized")
 METRIC_NAME = re.compile(rf"^tierflow_({'|'.join(STAGES)})_[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 
 
@@ -179,5 +179,21 @@ def test_every_metric_of_a_real_run_follows_the_naming_rule(tmp_path, s3_server,
     loader.close()
     snapshot = stack.registry.snapshot()
     names = {e["name"] for kind in ("counters", "gauges", "histograms") for e in snapshot[kind]}
-    assert {name.split("_")[1] for name in names} == set(STAGES), sorted(names)
+    assert {name.split("_")[1] for name in names} == set(STAGES) - {"resized"}, sorted(names)
+    assert naming_problems(snapshot) == []
+
+
+def test_the_image_caches_metrics_follow_the_naming_rule(tmp_path):
+    """The resized-image cache (transforms/resized.py) counts into the loader's registry: its own
+    stage's names and the tier names it reuses follow the rule docs/observe.md gives."""
+    from tierflow.transforms import ImagePipeline, RandomResizedCrop, ResizedImages
+
+    packed = pack_pictures(tmp_path, count=16)
+    pipeline = ImagePipeline([RandomResizedCrop(16)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=24))
+    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"], batch_size=8, transform=pipeline,
+                              columns=["image", "image_width", "image_height"], epoch_end="rank") as loader:
+        assert sum(len(batch["image"]) for batch in loader) == 16
+        snapshot = loader.telemetry.registry.snapshot()
+    names = {e["name"] for kind in ("counters", "gauges", "histograms") for e in snapshot[kind]}
+    assert {"tierflow_resized_made_blocks_total", "tierflow_resized_made_bytes_total"} <= names, sorted(names)
     assert naming_problems(snapshot) == []

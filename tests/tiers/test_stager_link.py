@@ -8,6 +8,7 @@ began; what it asserts is which downloads were in flight together, counted, not 
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import tierflow
 from tierflow.loader import TieredDataset
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
@@ -42,6 +44,9 @@ class HeldDownloads:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)
+
+    def __reduce__(self) -> Any:  # a spawned worker reads the source itself, unheld
+        return operator.itemgetter(0), ([self.source],)
 
     def download(self, name: str, dst: Any, expected_size: int | None = None, **options: Any) -> int:
         with self.changed:
@@ -118,4 +123,113 @@ def test_each_transfer_is_a_stage_record_in_the_event_log_with_its_shard_and_fir
     for r in records:
         assert r["name"] == names[r["shard"]] and r["first_use"] == first_use[r["shard"]]
         assert r["served_by"] == "source" and 0 <= r["began"] <= r["t"]
-    assert [r["first_use"] for r in records] == sorted(r["first_use"] for r in records)
+    # the link is handed on when a shard's bytes are in, before it is admitted (the record's t):
+    # transfers begin in the order their shards are needed, records may be written out of it
+    by_start = sorted(records, key=lambda r: r["began"])
+    assert [r["first_use"] for r in by_start] == sorted(r["first_use"] for r in records), by_start
+
+
+def test_the_next_shard_takes_the_link_while_the_one_before_is_verified_and_admitted(shards, tmp_path) -> None:
+    """A shard whose bytes are in is verified, written and admitted off the link: the next shard's
+    download begins meanwhile (held here: the first shard's verification waits for it), so a
+    throttled source does not idle between transfers (issue 16's cold epoch)."""
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
+    held = HeldDownloads(stack.source)
+    held.all_through = True
+    stack.source = held
+    tier = stack.tiers[0]
+    verify = tier._verify_fetched
+    overlapped: list[bool] = []
+
+    def verify_when_the_next_began(tmp: Any, *args: Any) -> None:
+        if not overlapped:  # the first shard in: hold its verification until another download begins
+            with held.changed:
+                overlapped.append(held.changed.wait_for(lambda: len(held.started) >= 2, timeout=10))
+        verify(tmp, *args)
+
+    tier._verify_fetched = verify_when_the_next_began
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=1, window_shards=1)
+    stager = Stager(dataset, stack, min_batches=4)
+    stager.start()
+    try:
+        with held.changed:
+            assert held.changed.wait_for(lambda: len(held.started) >= 2, timeout=20), "one download only"
+    finally:
+        stager.close()
+    assert overlapped == [True], "the next shard's download waited for the one before to be admitted"
+    assert stager.m_errors.value == 0
+
+
+def epoch_batches(shards: Path) -> int:
+    from tierflow.loader import Loader
+
+    with Loader(TieredDataset(shards, batch_size=8, seq_len=64)) as loader:
+        return sum(1 for _ in loader)
+
+
+@pytest.mark.parametrize("workers, context", [(0, None), pytest.param(1, "forkserver", marks=pytest.mark.slow)],
+                         ids=["in-process", "forkserver"])
+def test_a_stager_started_before_the_loop_stages_on_through_the_loops_start(shards, tmp_path, workers,
+                                                                            context) -> None:
+    """`start_prefetch` (open_loader calls it) begins staging while the model loads; the loop's
+    start keeps that stager running where no worker is forked from this process: it used to stop
+    it, waiting for the transfer in flight, and start again after the workers, the link idle
+    meanwhile (issue 16's cold epoch: ~3 s of a 40 s epoch with forkserver workers)."""
+    from tierflow.loader import Loader
+
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
+    held = HeldDownloads(stack.source)
+    stack.source = held
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    stager = Stager(dataset, stack, min_batches=4)
+    loader = Loader(dataset, num_workers=workers, stager=stager, multiprocessing_context=context)
+    try:
+        loader.start_prefetch()
+        threads = list(stager._threads)
+        with held.changed:
+            assert held.changed.wait_for(lambda: held.in_flight, timeout=20), "the stager fetched nothing"
+        started = threading.Thread(target=lambda: iter(loader), daemon=True)
+        started.start()
+        started.join(timeout=60)
+        assert not started.is_alive(), "the loop's start waited for the stager's transfer in flight"
+        assert stager.running and stager._threads == threads
+        with held.changed:
+            held.all_through = True
+            held.changed.notify_all()
+        assert sum(1 for _ in loader) == epoch_batches(shards)
+    finally:
+        with held.changed:
+            held.all_through = True
+            held.changed.notify_all()
+        loader.close()
+
+
+def test_workers_forked_from_the_loops_process_start_with_the_stager_stopped(shards, tmp_path) -> None:
+    """A fork copies the process with its locks as they are: the stager stops before workers are
+    forked from the loop's process and starts again after (its threads are new ones)."""
+    from tierflow.loader import Loader
+
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    stager = Stager(dataset, stack, min_batches=4)
+    with Loader(dataset, num_workers=1, stager=stager, multiprocessing_context="fork") as loader:
+        loader.start_prefetch()
+        threads = list(stager._threads)
+        batches = iter(loader)
+        assert stager.running and not set(stager._threads) & set(threads)
+        assert sum(1 for _ in batches) == epoch_batches(shards)
+
+
+def test_a_dataset_smaller_than_the_widest_working_set_leaves_the_stager_the_tiers_room(shards, tmp_path,
+                                                                                     caplog) -> None:
+    """The working set counts at most the dataset's shards: the widest (16 lanes x windows of 4, 128
+    shards) over 13 was counted as 128 of the largest, above any tier of a few shards' room, so the
+    stager warned that the tier was too small and kept one shard ahead (issue 16's cold epoch)."""
+    sizes = [s.bytes for s in tierflow.Manifest.load(shards).shards]
+    capacity = 4 * sum(sizes)
+    stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), capacity, form="at_rest")])
+    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    assert dataset.working_set.shards > len(sizes)  # the widest
+    stager = Stager(dataset, stack)
+    assert "below the" not in caplog.text
+    assert stager.node.max_bytes == capacity - dataset.working_set.bytes >= 2 * sum(sizes)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import tierflow
+from tierflow.format._checksum import xxh3_128_hex
 from tierflow.pack.tokenize import PackInputError
 from tierflow.storage.remote import open_source, upload_dataset
 from tierflow.policies.auto import Lifecycle
@@ -355,6 +356,26 @@ def test_a_job_asking_for_other_capacity_gets_a_warning_not_a_second_cache(tmp_p
     t = Tier(tmp_path / "l2", 20 << 20, policy="hotscore", form="at_rest")
     assert t.capacity == 10 << 20 and t.policy_name == "lru"
     assert "belong to the directory" in caplog.text
+
+
+def test_a_look_at_a_tier_leaves_its_configuration_to_the_first_job(tmp_path, capsys, caplog):
+    """`tierflow cache ls|clean|evict` on a directory no job has written (a fresh node, or one whose
+    only job was killed before its first entry) configured it with the command's capacity (the CLI's
+    default 50% of the disk), so the job that came next kept that instead of its own (kill loop)."""
+    from tierflow.commands.cli import main
+
+    for action in ("ls", "clean", "evict"):
+        assert main(["cache", action, "--tier", f"L2={tmp_path / 'l2'}"]) == 0
+    assert Tier(tmp_path / "l2", 10 << 20, policy="lru", form="at_rest").capacity == 10 << 20
+    assert "belong to the directory" not in caplog.text
+    assert main(["cache", "ls", "--tier", f"L2={tmp_path / 'l2'}:20MB:hotscore:decoded"]) == 0
+    looked = Tier(tmp_path / "l2", 30 << 20, policy="hotscore", form="decoded", configure=False)
+    assert (looked.capacity, looked.policy_name, looked.form.value) == (10 << 20, "lru", "at_rest")
+    assert "belong to the directory" not in caplog.text  # a look asks for nothing, so it is not warned
+    fresh = Tier(tmp_path / "fresh", 1 << 20, form="at_rest", configure=False)
+    assert fresh.index.config() == {}
+    assert fresh.ensure("k", 5, xxh3_128_hex(b"hello"), lambda p: p.write_bytes(b"hello")) is not None
+    assert fresh.index.config()["capacity"] == str(1 << 20)  # its first entry configures the directory
 
 
 def test_a_form_is_given_as_a_string_kept_as_one_in_the_index_and_read_back_as_a_form(tmp_path):

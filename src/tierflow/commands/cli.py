@@ -264,7 +264,7 @@ def _cache(args: argparse.Namespace) -> int:
             warmed, declined = stack.warm(lambda: progress.advance(task))
         console.print(f"warmed {warmed} shards of {manifest.dataset_id}"
                       + (f"; {declined} did not fit (no tier would take them)" if declined else ""))
-    tiers = [c.build() for c in configs]
+    tiers = [c.build(configure=False) for c in configs]  # a look: the first job to write decides the config
     if args.action == "evict":
         for t in tiers:
             keys = None

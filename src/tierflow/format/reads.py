@@ -47,9 +47,9 @@ class TokenReader:
             self.pieces += 1
 
     def copy_windows(self, out: np.ndarray, starts: np.ndarray) -> None:
-        """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row; a row inside one
-        block (almost all of them) is one slice copy, the rest go piece by piece. One index lookup
-        for the batch; each shard is opened and each block's values taken once per call."""
+        """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row: one slice copy per
+        block a row touches (almost always one). One index lookup for the batch; each shard is
+        opened and each block's values taken once per call."""
         width = out.shape[1]
         begins = starts.tolist()
         if not begins:
@@ -58,14 +58,11 @@ class TokenReader:
         if last + width > self.dataset.num_tokens:
             raise IndexError(f"{self.dataset.location}: a window of {width} tokens from {last} "
                              f"runs past the stream end {self.dataset.num_tokens}")
-        column, whole, dataset = self.column, 0, self.dataset
+        column, dataset, pieces = self.column, self.dataset, 0
         tables: dict[int, ShardTable] = {}
         views: dict[int, np.ndarray] = {}  # block's first token -> its values from there
-        for row, start, (shard, block, first, end) in zip(range(len(begins)), begins,
-                                                          dataset.index.token_blocks(starts).tolist()):
-            if start + width > end:
-                self.copy_into(out[row], start)
-                continue
+        rows = dataset.index.token_blocks(starts).tolist()
+        for row, start, (shard, block, first, end) in zip(range(len(begins)), begins, rows):
             values = views.get(first)
             if values is None:
                 table = tables.get(shard)
@@ -73,10 +70,25 @@ class TokenReader:
                     table = tables[shard] = dataset.shard(shard)
                 values = views[first] = table.list_values(block, column)
             at = start - first
-            out[row, :] = values[at:at + width]
-            whole += 1
-        self.pieces += whole
-
+            if start + width <= end:
+                out[row] = values[at:at + width]
+                pieces += 1
+                continue
+            target = out[row]
+            done = end - start  # the rest from the blocks after, in this shard or the next
+            target[:done] = values[at:at + done]
+            pieces += 1
+            while done < width:
+                shard, block, first, end = dataset.index.token_blocks(np.array([start + done])).tolist()[0]
+                table = tables.get(shard)
+                if table is None:
+                    table = tables[shard] = dataset.shard(shard)
+                values = table.list_values(block, column)
+                take = min(width - done, end - first)
+                target[done:done + take] = values[:take]
+                done += take
+                pieces += 1
+        self.pieces += pieces
 
 class SampleLengths:
     """Lengths of one list column by global sample id, from each block's offsets (no values read)."""

@@ -10,6 +10,7 @@ and xxh3-64, so a ranged read of one block verifies without reading the shard. S
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -18,10 +19,12 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.types as pat
 import xxhash
+import zstandard
 
 from tierflow.format._checksum import CHUNK, HashingSink, xxh3_hex
-from tierflow.format._ipcmeta import BatchClaims, MalformedMessage, batch_claims, decoded_size
+from tierflow.format._ipcmeta import ZSTD, BatchClaims, MalformedMessage, batch_claims, decoded_size
 from tierflow.format._regular import open_regular
 from tierflow.errors import ShardCorruptError
 
@@ -451,13 +454,16 @@ def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, bloc
                 break
             if message.type == "record batch":
                 limit = BLOCK_DECODED_LIMIT if max_decoded is None else min(max_decoded, BLOCK_DECODED_LIMIT)
-                if _check_claims(message, name, index, block, limit).compressed:
-                    batch = _decompressed(stream.slice(start, source.tell() - start), schema)
+                claims = _check_claims(message, name, index, block, limit)
+                if claims.compressed:
+                    batch = _zstd_batch(message, claims, schema) if claims.codec == ZSTD else None
+                    if batch is None:
+                        batch = _decompressed(stream.slice(start, source.tell() - start), schema)
                 else:
                     batch = pa.ipc.read_record_batch(message, schema)
                 batch.validate(full=True)
                 return batch
-    except (pa.ArrowException, OSError, ValueError) as e:
+    except (pa.ArrowException, OSError, ValueError, zstandard.ZstdError) as e:
         if isinstance(e, ShardCorruptError):
             raise
         raise block_error(name, index, block, f"does not decode ({e})") from None
@@ -478,6 +484,124 @@ def _decompressed(message: pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:
     message does; the schema's bytes are made once per schema)."""
     stream = pa.py_buffer(_schema_bytes(schema) + message.to_pybytes())
     return pa.ipc.open_stream(stream, options=_SINGLE_THREADED, memory_pool=DECODE_POOL).read_next_batch()
+
+
+_ZSTD = threading.local()
+
+
+def _zstd() -> zstandard.ZstdDecompressor:
+    """This thread's zstd context, made once (a context may not be shared between threads)."""
+    context = getattr(_ZSTD, "context", None)
+    if context is None:
+        context = _ZSTD.context = zstandard.ZstdDecompressor()
+    return context
+
+
+def _zstd_batch(message: pa.ipc.Message, claims: BatchClaims, schema: pa.Schema) -> pa.RecordBatch | None:
+    """A zstd record batch decoded by python-zstandard into DECODE_POOL, its arrays built over the
+    decoded buffers; None for a schema it does not lay out (`_layout`: Arrow decodes that one).
+
+    Arrow's reader spends ~1.7x as long on the same frames (~1.0 against ~1.7 GB/s on the peers'
+    token corpus): it makes a zstd context per buffer, this reuses one per thread. The frames
+    must decode to exactly the sizes their prefixes promise (the claims bounded those already);
+    the batch is validated in full by the caller, as Arrow's is."""
+    layout = _layout(schema)
+    if layout is None or len(layout) != len(claims.node_lengths) \
+            or sum(n for _, n in layout) != len(claims.buffers):
+        return None
+    body = message.body
+    view = memoryview(body)
+    context = _zstd()
+    buffers: list[pa.Buffer | None] = []
+    for offset, length in claims.buffers:
+        if length == 0:
+            buffers.append(None)
+            continue
+        promised = int.from_bytes(view[offset:offset + 8], "little", signed=True)
+        if promised == -1:  # stored as is
+            buffers.append(body.slice(offset + 8, length - 8))
+            continue
+        out = pa.allocate_buffer(promised, memory_pool=DECODE_POOL)
+        target, filled = memoryview(out), 0
+        with context.stream_reader(view[offset + 8:offset + length]) as reader:
+            while filled < promised:
+                got = reader.readinto(target[filled:])
+                if not got:
+                    break
+                filled += got
+            if filled != promised or reader.read(1):
+                raise ValueError(f"a zstd buffer decodes to other than the {promised} bytes its prefix promises")
+        buffers.append(out)
+    nodes = iter(zip(claims.node_lengths, claims.null_counts))
+    taken = iter(buffers)
+    columns = [_array(field.type, nodes, taken) for field in schema]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _array(kind: pa.DataType, nodes: Iterator[tuple[int, int]], buffers: Iterator[pa.Buffer | None]) -> pa.Array:
+    """The next array of a batch's field nodes and buffers, depth first as IPC lays them out."""
+    length, nulls = next(nodes)
+    layout = _kind(kind)
+    if layout == "null":  # no buffers in IPC
+        return pa.nulls(length)
+    own = [next(buffers) for _ in range(_BUFFERS[layout])]
+    if own[0] is None and nulls:
+        raise ValueError(f"a {kind} node of {nulls} nulls has no validity buffer")
+    own[1:] = [b if b is not None else _EMPTY for b in own[1:]]
+    children = [_array(child.type, nodes, buffers) for child in _children(kind)]
+    return pa.Array.from_buffers(kind, length, own, nulls, children=children or None)
+
+
+_EMPTY = pa.py_buffer(b"")
+_BUFFERS = {"fixed": 2, "binary": 3, "list": 2, "struct": 1, "null": 0}
+"""IPC buffers of each node by layout: validity first, then offsets and/or data."""
+
+
+def _kind(kind: pa.DataType) -> str | None:
+    if pat.is_null(kind):
+        return "null"
+    if pat.is_integer(kind) or pat.is_floating(kind) or pat.is_boolean(kind):
+        return "fixed"
+    if pat.is_string(kind) or pat.is_binary(kind) or pat.is_large_string(kind) or pat.is_large_binary(kind):
+        return "binary"
+    if pat.is_list(kind) or pat.is_large_list(kind):
+        return "list"
+    if pat.is_struct(kind):
+        return "struct"
+    return None
+
+
+def _children(kind: pa.DataType) -> list[pa.Field]:
+    if pat.is_list(kind) or pat.is_large_list(kind):
+        return [kind.value_field]
+    if pat.is_struct(kind):
+        return [kind.field(i) for i in range(kind.num_fields)]
+    return []
+
+
+_LAYOUTS: dict[int, tuple[pa.Schema, list[tuple[str, int]] | None]] = {}
+
+
+def _layout(schema: pa.Schema) -> list[tuple[str, int]] | None:
+    """(layout, buffers) of each node of a schema, depth first; None when a type has no layout here
+    (dictionaries, unions, views, fixed-size lists, temporal types: Arrow's reader takes those)."""
+    found = _LAYOUTS.get(id(schema))
+    if found is None or found[0] is not schema:
+        nodes: list[tuple[str, int]] | None = []
+
+        def walk(kind: pa.DataType) -> bool:
+            layout = _kind(kind)
+            if layout is None:
+                return False
+            nodes.append((layout, _BUFFERS[layout]))
+            return all(walk(child.type) for child in _children(kind))
+
+        if not all(walk(field.type) for field in schema):
+            nodes = None
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[id(schema)] = (schema, nodes)
+    return found[1]
 
 
 _SCHEMAS: dict[int, tuple[pa.Schema, bytes]] = {}

@@ -24,7 +24,7 @@ from tierflow.format.reads import TokenReader
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
-from tierflow.loader.tokens import WindowStarts, document_segments, row_segments, window_counts
+from tierflow.loader.tokens import WindowStarts, row_segments, window_counts, window_segments
 from tierflow.order import sample_rng
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.transforms.resized import SOURCE_KEY, SampleSource
@@ -133,7 +133,26 @@ class SortedGroups(ByPosition):
 
 
 def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
-    return [ctx.dataset[int(i)] for i in ids]
+    """`ctx.dataset[i]` of each id, located with one index lookup for the batch; each shard opened
+    and each block's getters taken once per batch, not per sample."""
+    dataset = ctx.dataset
+    ids = np.asarray(ids, dtype=np.int64)
+    if not ids.size or int(ids.min()) < 0 or int(ids.max()) >= len(dataset):
+        return [dataset[int(i)] for i in ids]  # what a single read says of an id outside the dataset
+    shards, blocks, rows = dataset.index.locate_samples(ids)
+    columns = dataset.columns
+    tables: dict[int, Any] = {}
+    getters: dict[tuple[int, int], list[tuple[str, Callable[[int], Any]]]] = {}
+    out = []
+    for shard, block, row in zip(shards.tolist(), blocks.tolist(), rows.tolist()):
+        found = getters.get((shard, block))
+        if found is None:
+            table = tables.get(shard)
+            if table is None:
+                table = tables[shard] = dataset.shard(shard)
+            found = getters[(shard, block)] = [(name, table.getter(block, name)) for name in columns]
+        out.append({name: get(row) for name, get in found})
+    return out
 
 
 def transformed(ctx: SampleContext, sample: dict[str, Any], sample_id: int, epoch: int) -> Any:
@@ -234,7 +253,7 @@ class TokenWindows(ByPosition):
             cu_seqlens, _, position_ids = row_segments(ids.size, length)
             max_seqlen = length
         else:
-            cu_seqlens, max_seqlen, position_ids = document_segments(inputs, eos)
+            cu_seqlens, max_seqlen, position_ids = window_segments(buffer, eos)
         data = {"input_ids": inputs, "labels": buffer[:, 1:], "position_ids": position_ids,
                 "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "mask": selection.mask.copy()}
         return Built(data, ids, selection.epochs.astype(np.int64),

@@ -153,22 +153,25 @@ def _check_widening(key: str, logical: torch.dtype, wide: torch.dtype) -> None:
         raise ValueError(f"device feed: cannot widen {key!r} from {logical} to {wide} without loss")
 
 
-def _widen_numpy(value: np.ndarray, wide: np.dtype, owners: dict[int, np.ndarray]) -> tuple[np.ndarray, int]:
+def _widen_numpy(value: np.ndarray, wide: np.dtype,
+                 owners: dict[int, tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
     """`value` as `wide`, by value, and the bytes widened for it now. Views of one contiguous array
-    (input_ids and labels of a window buffer) widen that array once, kept in `owners`, and come
-    out as views of the result."""
+    (input_ids and labels of a window buffer) widen that array once, kept in `owners` with its
+    address, and come out as views of the result."""
     owner = value.base
     size = value.itemsize
-    if type(owner) is np.ndarray and owner.base is None and owner.dtype == value.dtype and owner.flags.c_contiguous \
-            and all(s >= 0 and s % size == 0 for s in value.strides):
-        widened = owners.get(id(owner))
+    if type(owner) is np.ndarray and owner.base is None and owner.dtype == value.dtype \
+            and owner.flags.c_contiguous and not any(s < 0 or s % size for s in value.strides):
+        found = owners.get(id(owner))
         made = 0
-        if widened is None:
-            widened = owners[id(owner)] = owner.astype(wide)
+        if found is None:
+            widened = owner.astype(wide)
+            found = owners[id(owner)] = (widened, owner.ctypes.data)
             made = widened.nbytes
-        offset = (value.ctypes.data - owner.ctypes.data) // size
-        return np.ndarray(value.shape, wide, buffer=widened, offset=offset * wide.itemsize,
-                          strides=tuple(s // size * wide.itemsize for s in value.strides)), made
+        widened, address = found
+        wide_size = wide.itemsize
+        return np.ndarray(value.shape, wide, buffer=widened, offset=(value.ctypes.data - address) // size * wide_size,
+                          strides=tuple(s // size * wide_size for s in value.strides)), made
     widened = value.astype(wide)
     return widened, widened.nbytes
 
@@ -349,7 +352,7 @@ class DeviceFeed:
                 return converted
         converted = {}
         tally = {stage: [0, 0] for stage in COPY_STAGES}
-        owners: dict[int, np.ndarray] = {}
+        owners: dict[int, tuple[np.ndarray, int]] = {}
         together: dict[tuple[int, torch.dtype, torch.dtype], list[tuple[str, torch.Tensor, torch.dtype | None]]] = {}
         for key, value in batch.items():
             if self._ring is None and type(value) is np.ndarray and (key in ID_KEYS or key in self.widen) \
@@ -391,7 +394,7 @@ class DeviceFeed:
         each array converts is decided once per (key, dtype), not per batch. None: a batch holding
         anything else (tensors, byte-swapped or reversed arrays) goes the general way."""
         converted: dict[str, Any] = {}
-        owners: dict[int, np.ndarray] = {}
+        owners: dict[int, tuple[np.ndarray, int]] = {}
         widened = made = 0
         plans = self._array_plans
         for key, value in batch.items():

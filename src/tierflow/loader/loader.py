@@ -10,6 +10,7 @@ for the next batch or saves), so it is right however far workers and the feed ra
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from typing import Any, Iterator, Mapping
 
@@ -31,6 +32,9 @@ from tierflow.errors import BatchOrderError, CursorError
 STATE_VERSION = 1
 Handed = dict[str, Any] | tuple[dict[str, Any], BatchMeta]
 """What the loop gets per batch: its tensors, or (tensors, meta) with `return_meta=True`."""
+
+
+_NOT_STAGED = object()
 
 
 class Loader:
@@ -99,6 +103,7 @@ class Loader:
         self._expected = 0
         self.device = device
         self.stager = stager
+        self._staged_from: Any = _NOT_STAGED  # the cursor start_prefetch started the running stager from
         self.depth = depth
         self.dtype = dtype
         self.widen = dict(widen or {})
@@ -129,9 +134,11 @@ class Loader:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
         if self._held is not None and self._feed is not None:
             return self._batches(self._feed_iterator)  # the last `for` stopped at an epoch edge
-        self.close()
+        self._stop_reading()
         if self._restart_eval:  # the last `for` ran the whole eval: this one runs it again
             self._cursor, self._restart_eval, self._iterated = None, False, True
+        if self.stager is not None and not self._stager_carries_on():
+            self._close_stager()
         if self._dataloader is None or self._iterated:
             self.dataset.load_state_dict(self._cursor)
             self._dataloader = self._make_dataloader()
@@ -225,18 +232,39 @@ class Loader:
             self.stager.consumed(meta.planned)  # the stager's thread resolves it when it plans
 
     def close(self) -> None:
-        """Stop the feed and the DataLoader's workers (a loop that breaks early may call it)."""
+        """Stop the feed, the stager and the DataLoader's workers (a loop that breaks early may call it)."""
+        self._stop_reading()
+        if self.stager is not None:
+            self._close_stager()
+
+    def _close_stager(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+        self._staged_from = _NOT_STAGED
+
+    def _stop_reading(self) -> None:
         self._held = None
         self._expected = 0
         if self._feed is not None:
             self._feed.close()
             self._feed = None
-        if self.stager is not None:
-            self.stager.close()
         shutdown = getattr(self._source, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
         self._source = None
+
+    def _stager_carries_on(self) -> bool:
+        """Whether the stager `start_prefetch` started may stage on through the workers' start: it
+        stages from where this iteration begins, and no worker is forked from this process (a
+        thread running across a fork can leave the child a lock it never gets back). With
+        forkserver or spawn workers (any remote dataset's) it keeps the link busy while they start."""
+        if not (self.stager is not None and self.stager.running and self._staged_from is self._cursor):
+            return False
+        if self._loader_options["num_workers"] == 0:
+            return True
+        context = self._loader_options.get("multiprocessing_context")
+        method = context.get_start_method() if hasattr(context, "get_start_method") else context
+        return (method or multiprocessing.get_start_method(allow_none=True)) in ("forkserver", "spawn")
 
     def __enter__(self) -> Loader:
         return self
@@ -251,6 +279,8 @@ class Loader:
     def start_prefetch(self) -> None:
         """Begin staging the cursor's next window now, so staging overlaps model loading."""
         if self.stager is not None:
+            if not self.stager.running:
+                self._staged_from = self._cursor
             self.stager.start(self._cursor)
 
     def state_dict(self) -> dict[str, Any]:

@@ -74,7 +74,9 @@ def open_loader(
         pending = ((resume or {}).get("cursor") or {}).get("pending") is not None  # a rank's own stream
         if stacks and node_affinity and world is None and not pending:
             _place_by_cache(dataset, stacks[0])
-        stager = Stager(dataset, stacks[0]) if stacks else None
+        telemetry = loader_options.get("telemetry")
+        events = getattr(telemetry, "events", None)  # the user's event log gets the stager's transfers too
+        stager = Stager(dataset, stacks[0], events=events) if stacks else None
     else:
         dataset = TieredDataset(datasets=sources, weights=weights, **shape, **options)
     if len(stacks) == 1 and loader_options.get("telemetry", True) is True:

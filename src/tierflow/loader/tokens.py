@@ -98,13 +98,35 @@ def document_segments(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, int,
     cu_seqlens indexes the flattened batch (row-major), as variable-length attention expects.
     """
     rows, length = inputs.shape
-    total = rows * length
-    if total == 0:
+    if rows * length == 0:
+        return row_segments(rows, length)
+    ends = inputs == eos_id
+    if not ends.any():  # most windows of long documents hold no EOS
         return row_segments(rows, length)
     # a segment starts after every EOS but the one ending a row (the next row starts one anyway)
-    inner = np.flatnonzero(inputs == eos_id)
+    inner = np.flatnonzero(ends)
     inner += 1
-    inner = inner[inner % length != 0] if inner.size else inner
+    return _segments(rows, length, inner[inner % length != 0])
+
+
+def window_segments(windows: np.ndarray, eos_id: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """`document_segments(windows[:, :-1], eos_id)` of a (B, L + 1) window buffer, its EOS found in
+    the contiguous buffer (3x faster to compare than the inputs' strided view)."""
+    rows, width = windows.shape
+    length = width - 1
+    if rows * length == 0:
+        return row_segments(rows, length)
+    hits = np.flatnonzero(windows == eos_id)
+    if not hits.size:
+        return row_segments(rows, length)
+    row, column = np.divmod(hits, width)
+    inside = column < length - 1  # the labels' last token, and an EOS ending a row, start nothing
+    return _segments(rows, length, row[inside] * length + column[inside] + 1)
+
+
+def _segments(rows: int, length: int, inner: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+    """The segments of a (rows, length) batch whose documents also start at flat positions `inner`
+    (ascending, none at a row's start)."""
     if not inner.size:
         return row_segments(rows, length)
     row_cu, row_positions, flat = _row_tables(rows, length)

@@ -94,9 +94,10 @@ class TierConfig:
                              f"on the command line give the node's own path")
         return replace(self, path=self.path.replace(NODE_PLACEHOLDER, str(int(node))))
 
-    def build(self, registry: MetricsRegistry | None = None, node: int | None = None) -> Tier:
-        """The tier itself; `node` fills a `{node}` placeholder in the path."""
+    def build(self, registry: MetricsRegistry | None = None, node: int | None = None,
+              configure: bool = True) -> Tier:
+        """The tier itself; `node` fills a `{node}` placeholder in the path; `configure`: see Tier."""
         if NODE_PLACEHOLDER in self.path:
-            return self.for_node(node).build(registry)
+            return self.for_node(node).build(registry, configure=configure)
         return Tier(self.path, float(self.capacity), policy=self.policy, form=self.form, name=self.name,
-                    registry=registry, policy_options=self.policy_options)
+                    registry=registry, policy_options=self.policy_options, configure=configure)

@@ -31,9 +31,11 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
@@ -56,6 +58,20 @@ STAGING_NAME = "staging"
 STAGING_WAIT_S = 5.0
 """How long a reader waits for room in the node's staging area (every entry in use by the node's
 readers) with no rank of the node moving, before it reads the shard into its own memory."""
+
+_downloaded: ContextVar[Callable[[], None] | None] = ContextVar("tierflow_downloaded", default=None)
+
+
+@contextmanager
+def on_downloaded(callback: Callable[[], None]) -> Iterator[None]:
+    """Call `callback` in this thread as soon as a download from the source has all its bytes,
+    before they are verified, decoded and admitted: the stager hands the link to the next shard
+    then, so the link does not idle while a shard that has arrived is written into its tier."""
+    token = _downloaded.set(callback)
+    try:
+        yield
+    finally:
+        _downloaded.reset(token)
 
 
 @dataclass
@@ -368,6 +384,9 @@ class TierStack:
         """The at-rest bytes from the source; the tier verifies them (size + xxh3) on admission."""
         self.source.download(info.name, dst, expected_size=info.bytes)
         self.m_source_bytes.inc(info.bytes)
+        arrived = _downloaded.get()
+        if arrived is not None:
+            arrived()
 
     def _from_source(self, info: ShardInfo) -> Handle:
         """No tier could hold it: verified bytes in memory."""

@@ -28,7 +28,7 @@ from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.burst import Ride
 from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_staging, size_lookahead
-from tierflow.tiers.stack import STAGING_NAME, Handle, TierStack
+from tierflow.tiers.stack import STAGING_NAME, Handle, TierStack, on_downloaded
 
 log = logging.getLogger("tierflow.stager")
 
@@ -136,6 +136,11 @@ class Stager:
                           for i in range(self.threads)]
         for t in self._threads:
             t.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether its threads are staging (from `start` until `close`)."""
+        return bool(self._threads)
 
     def consumed(self, cursor: Any) -> None:
         """The training loop consumed a batch whose cursor is `cursor`."""
@@ -257,7 +262,7 @@ class Stager:
         samples_per_step = view.node_step_samples()
         capacity = min((t.capacity for t in stack.tiers), default=0)
         working = view.working_set
-        active = working.shards * shard_bytes
+        active = working.bytes  # the shards read at once and the window just left, no more than the dataset
         if capacity and active > capacity:
             log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d lanes x windows of "
                         "%d and the next window): shards the tier cannot take are read from below",
@@ -429,7 +434,15 @@ class Stager:
 
     def _fetch(self, shard: int, due: int, ticket: int) -> None:
         info = self.shards[shard]
-        turn = False  # this fetch transfers from below and counts in `_transfers`
+        turn = False  # this fetch transfers from below and counts in `_transfers` until its bytes are in
+        counted = False
+
+        def arrived() -> None:  # the link is the next shard's while this one is verified and admitted
+            nonlocal counted
+            if turn and not counted:
+                counted = True
+                self._transferred(due)
+
         try:
             resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
             if not resident:
@@ -440,7 +453,8 @@ class Stager:
                     return
             began = self.events.elapsed() if self.events is not None and turn else None
             started = time.perf_counter()  # after the turn: the latency Little's law uses is the transfer's
-            handle = self.stack.ensure(info, prefetch=True)
+            with on_downloaded(arrived):
+                handle = self.stack.ensure(info, prefetch=True)
             if began is not None:
                 self.events.write("stage", shard=shard, name=info.name, first_use=due, began=began,
                                   served_by=None if handle is None else handle.served_by)
@@ -453,7 +467,7 @@ class Stager:
             return
         finally:
             if turn:
-                self._transferred(due)
+                arrived()
             else:
                 self._dequeued(ticket)
         if handle is None:  # every tier declined it (the policy prefers what it holds): nothing to hold

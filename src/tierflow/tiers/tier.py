@@ -131,7 +131,10 @@ class Tier:
                  name: str = "L2", lock_timeout: float = 120.0, verify_hits: bool = True,
                  registry: MetricsRegistry | None = None, policy_options: dict | None = None,
                  ram: bool | None = None, fetch_attempts: int = 3,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, configure: bool = True) -> None:
+        """`configure`: store this capacity, policy and form as the directory's if it has none yet
+        (the first to open a tier decides). False for a look at it (`tierflow cache ls|evict|clean`):
+        the directory is configured by the first entry written through this handle, if any."""
         form = tier_form(form, name)
         self.clock = clock
         """The time the policy is told (`now`); a test replays a sequence with its own."""
@@ -149,14 +152,14 @@ class Tier:
         stored = requested = {"capacity": str(Capacity(capacity).resolve(self.root, 0)), "policy": policy, "form": form.value}
         try:
             requested["capacity"] = str(Capacity(capacity).resolve(self.root, self.index.occupancy()[0]))
-            stored = self.index.set_config_if_absent(requested)
+            stored = self.index.set_config_if_absent(requested) if configure else (self.index.config() or requested)
         except sqlite3.Error as e:  # a full disk: no caching, with what was asked, until the index opens
             if getattr(e, "sqlite_errorcode", 0) & 0xFF in INDEX_DAMAGED:
                 raise TierIndexError(f"tier {name}: {self.root / INDEX_NAME}: {e}; the tier is a cache: remove the "
                                      f"tier directory (its entries are fetched again)") from e
             if not self._index_trouble(e):
                 raise
-        for k, v in requested.items():
+        for k, v in requested.items() if configure else ():  # a look asks for nothing
             if stored[k] != v and not (k == "capacity" and capacity <= 1):
                 log.warning("tier %s (%s): asked for %s=%s but the directory is configured with %s; "
                             "capacity and policy belong to the directory, keeping %s", name, self.root, k, v,
