@@ -140,16 +140,20 @@ def test_the_next_shard_takes_the_link_while_the_one_before_is_verified_and_admi
     tier = stack.tiers[0]
     verify = tier._verify_fetched
     overlapped: list[bool] = []
+    verified: list[Any] = []
 
     def verify_when_the_next_began(tmp: Any, *args: Any) -> None:
-        if not overlapped:  # the first shard in: hold its verification until another download begins
+        with held.changed:
+            verified.append(tmp)
+            first = len(verified) == 1
+        if first:  # the first shard in: hold its verification until another download begins
             with held.changed:
                 overlapped.append(held.changed.wait_for(lambda: len(held.started) >= 2, timeout=10))
         verify(tmp, *args)
 
     tier._verify_fetched = verify_when_the_next_began
     dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=1, window_shards=1)
-    stager = Stager(dataset, stack, min_batches=4)
+    stager = Stager(dataset, stack, min_batches=400)  # a lookahead of several shards
     stager.start()
     try:
         with held.changed:
