@@ -137,7 +137,7 @@ class Loader:
         self._stop_reading()
         if self._restart_eval:  # the last `for` ran the whole eval: this one runs it again
             self._cursor, self._restart_eval, self._iterated = None, False, True
-        if self.stager is not None and not self._stager_carries_on():
+        if not self._stager_carries_on():
             self._close_stager()
         if self._dataloader is None or self._iterated:
             self.dataset.load_state_dict(self._cursor)
@@ -234,8 +234,7 @@ class Loader:
     def close(self) -> None:
         """Stop the feed, the stager and the DataLoader's workers (a loop that breaks early may call it)."""
         self._stop_reading()
-        if self.stager is not None:
-            self._close_stager()
+        self._close_stager()
 
     def _close_stager(self) -> None:
         if self.stager is not None:
