@@ -12,15 +12,18 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 import tierflow
 from tierflow.format._checksum import xxh3_128_hex
 from tierflow.pack.tokenize import PackInputError
+from tierflow.format.manifest import Manifest
 from tierflow.storage.remote import open_source, upload_dataset
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers._staging import staging_root, sweep_unused
 from tierflow.tiers.stack import TierStack
+from tierflow.testing.faults import tier_problems
 from tierflow.tiers.tier import Tier
 
 PROCESSES = mp.get_context("forkserver")  # obstore, used here first, does not survive a fork
@@ -373,6 +376,8 @@ def test_a_look_at_a_tier_leaves_its_configuration_to_the_first_job(tmp_path, ca
     assert (looked.capacity, looked.policy_name, looked.form.value) == (10 << 20, "lru", "at_rest")
     assert "belong to the directory" not in caplog.text  # a look asks for nothing, so it is not warned
     fresh = Tier(tmp_path / "fresh", 1 << 20, form="at_rest", configure=False)
+    assert fresh.index.config() == {}
+    assert tier_problems(tmp_path / "fresh", Manifest(pa.schema([]), [])) == []  # the kill loop's check is a look too
     assert fresh.index.config() == {}
     assert fresh.ensure("k", 5, xxh3_128_hex(b"hello"), lambda p: p.write_bytes(b"hello")) is not None
     assert fresh.index.config()["capacity"] == str(1 << 20)  # its first entry configures the directory
