@@ -179,10 +179,13 @@ class SourceActivity:
         return self.last_byte_s - (self.first_byte_s or 0.0)
 
 
-COLD_ORDERS = {"default": {}, "tuned (partitions=4, window_shards=2)": {"partitions": 4, "window_shards": 2}}
-"""The order's shape decides the bound: the default (an L2 that holds the dataset: the widest, 16
-lanes x windows of 4) opens nearly every shard in the epoch's first batches; the tuned row reads
-4 lanes x 2 shards at a time, so shards are first needed all through the epoch."""
+COLD_ORDERS = {"default": {}, "wide first epoch (narrow_first_epoch=False)": {"narrow_first_epoch": False},
+               "tuned (partitions=4, window_shards=2)": {"partitions": 4, "window_shards": 2}}
+"""The order's shape decides the bound. With an L2 that holds the dataset the breadth is the
+widest, 16 lanes x windows of 4; read that wide from the start, epoch 0 opens nearly every shard
+in its first batches. The default reads epoch 0 at most 1/16 of the node's shards at once
+(working_set.FIRST_EPOCH_SHARE), so shards are first needed all through the epoch; the tuned row
+reads every epoch 4 lanes x 2 shards at a time."""
 
 
 def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, order: dict,
@@ -243,7 +246,7 @@ def whole_shard_bound(uses: list, rest_bytes: list[int], throttle: float, steps:
     return clock
 
 
-BOUND_ORDERS = ({}, {"lanes": 8}, {"lanes": 8, "window_shards": 1}, {"partitions": 4, "window_shards": 2},
+BOUND_ORDERS = ({}, {"narrow_first_epoch": False}, {"lanes": 8}, {"lanes": 8, "window_shards": 1}, {"partitions": 4, "window_shards": 2},
                 {"lanes": 4, "window_shards": 1}, {"lanes": 2, "window_shards": 1})
 
 
@@ -264,7 +267,9 @@ def bounds(work: Path) -> None:
         uses = ds.future_shard_uses(None, horizon_batches=steps + 1)
         fast, slow = (whole_shard_bound(uses, rest_bytes, need * f, steps, ds.node_step_samples()) for f in (2.0, 0.5))
         ws = ds.working_set
-        print(f"| {order or 'default'} | {ws.lanes} x {ws.window_shards} | {fast / step_bound_s:.2f} | "
+        breadth = f"{ws.lanes} x {ws.window_shards}" + (f" (epoch 0: {ws.first_epoch[0]} x {ws.first_epoch[1]})"
+                                                         if ws.first_epoch else "")
+        print(f"| {order or 'default'} | {breadth} | {fast / step_bound_s:.2f} | "
               f"{at_rest / slow / (need * 0.5):.2f} |")
 
 
@@ -289,7 +294,7 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
         runs: dict[tuple[str, float], list[dict[str, float]]] = {c: [] for c in cases}
         for number, (name, factor) in alternating(rounds, cases):
             proxy.set_bandwidth(consumption * factor)
-            tag = f"{'tuned' if COLD_ORDERS[name] else 'default'}-{factor:g}x-{number}"
+            tag = f"order{list(COLD_ORDERS).index(name)}-{factor:g}x-{number}"
             log = events / f"cold-{tag}.jsonl" if events else None
             runs[(name, factor)].append(cold_epoch(url, proxy.url, proxy, work / f"l2-{tag}", COLD_ORDERS[name], log))
     print(f"cold first epoch: moto S3 -> throttled ProxyProcess -> empty L2 (decoded), stager on; "
@@ -301,7 +306,9 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
           "see the docstring")
     for name, order in probes.items():
         ws = order.working_set
-        print(f"  order {name}: {ws.lanes} lanes x windows of {ws.window_shards} ({ws.reason})")
+        first = (f"; epoch 0 {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]}"
+                 if ws.first_epoch else "")
+        print(f"  order {name}: {ws.lanes} lanes x windows of {ws.window_shards} ({ws.reason}){first}")
     print(f"  medians of {rounds} alternating rounds (min-max)")
     print(f"{'order':>37} {'throttle MB/s':>13} {'x need':>6} {'epoch s':>17} {'x step-bound':>18} {'bound s':>7} {'x bound':>18} "
           f"{'last byte s':>17} {'source MB':>9} {'achieved/thr.':>18} {'active/thr.':>18} {'bound/thr.':>10} "

@@ -179,6 +179,7 @@ def test_decoded_blocks_are_the_decode_pools_bytes_and_go_back_to_it_when_droppe
     out = pack_small(tmp_path, n=6000)
     manifest = tierflow.Manifest.load(out)
     assert {s.compression for s in manifest.shards} == {"zstd"}
+    gc.collect()  # an earlier test's blocks still held would leave with this one's
     base = DECODE_POOL.bytes_allocated()
     source = DirectorySource(out, max_decoded_bytes=1, schema=manifest.schema)  # one block at a time
     ds = Dataset(manifest, source, location=str(out))

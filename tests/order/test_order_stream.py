@@ -18,11 +18,16 @@ GROUPED = 64
 cut into runs of <= 6 samples, or merged while they fit."""
 
 
-def make_order(remainder="carry", seed=11, partitions=16, window_shards=3, counts=COUNTS, group_bytes=0):
+NARROW = (3, 1)
+"""first_epoch: epoch 0 reads a node's lanes three at a time, windows of one shard."""
+
+
+def make_order(remainder="carry", seed=11, partitions=16, window_shards=3, counts=COUNTS, group_bytes=0,
+               first_epoch=None):
     return SampleOrder(
         counts, dataset_id="synthetic-64", seed=seed, partitions=partitions,
         window_shards=window_shards, remainder=remainder, group_bytes=group_bytes,
-        decoded_bytes=[10 * c for c in counts],
+        decoded_bytes=[10 * c for c in counts], first_epoch=first_epoch,
     )
 
 
@@ -48,11 +53,13 @@ def run_epoch_zero(order, cursor, nodes, ranks, workers, batch_size, max_steps=N
     return np.concatenate(seen), last_cursor
 
 
+@pytest.mark.parametrize("first_epoch", [None, NARROW])
 @pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("remainder", ["carry", "pad"])
 @pytest.mark.parametrize("nodes,ranks,workers", [(1, 1, 1), (2, 2, 2), (4, 1, 3), (2, 4, 1), (8, 2, 2)])
-def test_every_sample_exactly_once_per_epoch_for_any_world_shape(remainder, nodes, ranks, workers, group_bytes):
-    order = make_order(remainder, group_bytes=group_bytes)
+def test_every_sample_exactly_once_per_epoch_for_any_world_shape(remainder, nodes, ranks, workers, group_bytes,
+                                                                  first_epoch):
+    order = make_order(remainder, group_bytes=group_bytes, first_epoch=first_epoch)
     ids, _ = run_epoch_zero(order, order.start(), nodes, ranks, workers, batch_size=7)
     assert np.array_equal(np.sort(ids), np.arange(sum(COUNTS)))
 
@@ -77,37 +84,46 @@ def test_pad_marks_repeats_in_the_mask_and_keeps_batches_full():
         assert set(b.sample_ids[~b.mask].tolist()) <= set(real.tolist())
 
 
+@pytest.mark.parametrize("first_epoch", [None, NARROW])
 @pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("new_nodes,new_ranks", [(2, 2), (8, 1), (4, 3)])
-def test_elastic_resume_covers_the_epoch_exactly_once(new_nodes, new_ranks, group_bytes):
-    order = make_order(group_bytes=group_bytes)
+def test_elastic_resume_covers_the_epoch_exactly_once(new_nodes, new_ranks, group_bytes, first_epoch):
+    order = make_order(group_bytes=group_bytes, first_epoch=first_epoch)
     first, cursor = run_epoch_zero(order, order.start(), 4, 2, 2, batch_size=5, max_steps=9)
     resumed = order.load(json.loads(json.dumps(cursor)))
     second, _ = run_epoch_zero(order, resumed, new_nodes, new_ranks, 2, batch_size=5)
     assert np.array_equal(np.sort(np.concatenate([first, second])), np.arange(sum(COUNTS)))
 
 
+@pytest.mark.parametrize("first_epoch", [None, NARROW])
 @pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("remainder", ["carry", "drop", "pad"])
-def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuation(remainder, group_bytes):
-    order = make_order(remainder, group_bytes=group_bytes)
+def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuation(remainder, group_bytes,
+                                                                                   first_epoch):
+    order = make_order(remainder, group_bytes=group_bytes, first_epoch=first_epoch)
     world = dict(num_nodes=2, ranks_per_node=3, batch_size=6)
     rng = np.random.default_rng(0)
-    for stop in rng.integers(0, 120, size=5).tolist():
+    stops = rng.integers(0, 120, size=5).tolist()
+    if first_epoch is not None:  # and right before, at and after the first epoch's last batch
+        last = RankStream(order, order.start(), **world).epoch_batches()[1] - 1
+        stops += [last - 1, last, last + 1]
+    for stop in stops:
         for node in range(2):
             for rank in range(3):
                 whole = RankStream(order, order.start(), node=node, rank=rank, **world)
                 saved = whole.batch(stop).cursor
-                again = RankStream(order, make_order(remainder, group_bytes=group_bytes).load(saved), node=node,
+                again = RankStream(order, make_order(remainder, group_bytes=group_bytes,
+                                                     first_epoch=first_epoch).load(saved), node=node,
                                    rank=rank, **world)
                 for k in range(4):
                     assert np.array_equal(again.batch(k).sample_ids, whole.batch(stop + 1 + k).sample_ids)
                     assert again.batch(k).cursor == whole.batch(stop + 1 + k).cursor
 
 
+@pytest.mark.parametrize("first_epoch", [None, NARROW])
 @pytest.mark.parametrize("group_bytes", [0, GROUPED])
-def test_seeking_to_a_batch_equals_iterating_to_it(group_bytes):
-    order = make_order(group_bytes=group_bytes)
+def test_seeking_to_a_batch_equals_iterating_to_it(group_bytes, first_epoch):
+    order = make_order(group_bytes=group_bytes, first_epoch=first_epoch)
     stream = RankStream(order, order.start(), batch_size=4, num_nodes=4, node=1, ranks_per_node=2, rank=1)
     iterated = [b.sample_ids for _, b in zip(range(150), stream.batches())]
     for b in np.random.default_rng(1).integers(0, 150, size=10).tolist():
@@ -191,3 +207,39 @@ def test_node_count_that_does_not_divide_partitions_is_an_error_listing_valid_co
     order = make_order()
     with pytest.raises(ValueError, match=r"valid node counts: \[1, 2, 4, 8, 16\]"):
         RankStream(order, order.start(), batch_size=4, num_nodes=3)
+
+
+def _shards_open(order, batches):
+    """Per batch: how many shards have been started and not yet finished by the epoch-0 samples so far."""
+    first, last = {}, {}
+    ends = np.cumsum(COUNTS)
+    for b, batch in enumerate(batches):
+        for shard in np.searchsorted(ends, batch.sample_ids[(batch.epochs == 0) & batch.mask], side="right"):
+            first.setdefault(int(shard), b)
+            last[int(shard)] = b
+    return max(sum(1 for s in first if first[s] <= b <= last[s]) for b in range(len(batches)))
+
+
+def test_a_narrowed_first_epoch_reads_a_few_shards_at_once_and_later_epochs_all_lanes():
+    wide, narrow = make_order(), make_order(first_epoch=(2, 1))
+    streams = [RankStream(o, o.start(), batch_size=4) for o in (wide, narrow)]
+    epoch = streams[1].epoch_batches()[1]
+    firsts = [[s.batch(b) for b in range(epoch)] for s in streams]
+    assert _shards_open(wide, firsts[0]) >= 16 * 2  # every lane's window of 3 at once
+    assert _shards_open(narrow, firsts[1]) <= 2 * 2  # two lanes, each finishing one shard as it starts the next
+    ends = np.cumsum(COUNTS)
+    seconds = [[s.batch(b) for b in range(epoch, epoch + 40)] for s in streams]
+    shards_read = [len(set(np.searchsorted(ends, np.concatenate([b.sample_ids for b in batches]), side="right")))
+                   for batches in seconds]
+    assert shards_read[1] == shards_read[0] > 16  # epoch 1 as wide as the wide order's
+    through = streams[1].epoch_batches(after=0)[1]  # a lane's carried batch starts its epoch 1 early: from 0
+    ids = np.concatenate([b.sample_ids[(b.epochs == 1) & b.mask] for b in map(streams[1].batch, range(through))])
+    assert np.array_equal(np.sort(ids), np.arange(sum(COUNTS)))
+
+
+def test_a_first_epoch_cursor_is_refused_by_an_order_as_wide_in_every_epoch():
+    narrow = make_order(first_epoch=NARROW)
+    saved = RankStream(narrow, narrow.start(), batch_size=5).batch(3).cursor
+    with pytest.raises(CursorMismatchError, match=r"first_epoch: cursor \[3, 1\] vs order None"):
+        make_order().load(saved)
+    assert make_order().config_hash != make_order(first_epoch=NARROW).config_hash

@@ -258,10 +258,11 @@ def test_verdict_names_preprocessing_when_the_transform_is_slow(packed):
 
 def test_verdict_names_remote_storage_when_the_source_is_throttled(packed, make_proxy):
     with serve_directory(packed) as server:
-        proxy = make_proxy(server.url, bandwidth=8_000_000)  # ~30 ms a shard against a 2 ms step
+        # ~0.25 s a shard against the 0.15 s of 2 ms steps that read it: past the first shard the loop waits
+        proxy = make_proxy(server.url, bandwidth=1_000_000)
         registry = MetricsRegistry()
         stack = build_stack(proxy.url, [], registry=registry)
-        result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry)
+        result = run_bench(samples_dataset(stack.dataset()), 160, simulated_step(2), registry=registry)
     assert result.verdict.bound == "remote storage", format_result(result)
     assert "L2" in result.verdict.change
     assert result.verdict.l2_bytes > 0 and result.verdict.lookahead_batches >= 2
@@ -271,11 +272,11 @@ def test_bandwidth_use_against_the_node_budget_is_a_health_flag(packed, tmp_path
     from tierflow.storage.budget import BandwidthBudget
 
     registry = MetricsRegistry()
-    budget = BandwidthBudget(8e6, path=tmp_path / "budget")
+    budget = BandwidthBudget(1.5e6, path=tmp_path / "budget")  # ~0.17 s a shard against 0.15 s of steps reading it
     stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
                         registry=registry)
     stack.source.budget = budget
-    result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry, budget=budget)
+    result = run_bench(samples_dataset(stack.dataset()), 160, simulated_step(2), registry=registry, budget=budget)
     flag = next(f for f in result.health if f.name == "bandwidth use")
     assert 0.2 < flag.value <= 1.5 and flag.status == "warn"  # cold L2: fetching at the budget's rate
 

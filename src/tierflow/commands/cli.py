@@ -361,6 +361,9 @@ def _plan(args: argparse.Namespace) -> int:
                   f"({top.capacity / total:.0%}), policy {top.policy_name}")
     console.print(f"working set: {ws.lanes} lanes x windows of {ws.window_shards} shards = {ws.shards} shards "
                   f"({ws.reason}); staging area {plan.staging / 1e6:.1f} MB of RAM")
+    if ws.first_epoch is not None:
+        console.print(f"first epoch: {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]} shards "
+                      f"(a cold node streams it at the link's rate; narrow_first_epoch=False reads it as wide)")
     table = Table("epoch", "predicted from below", "of the dataset", "optimum (same room)")
     for got, best in zip(plan.predicted, plan.optimum):
         table.add_row(str(got.epoch + 1), f"{got.fetched / 1e6:.2f} MB", f"{got.ratio:.2f}", f"{best.ratio:.2f}")

@@ -37,7 +37,8 @@ from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, 
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.groups import GROUP_BYTES
-from tierflow.order.working_set import WorkingSet, choose_working_set, working_set_bytes, working_set_shards
+from tierflow.order.working_set import (WorkingSet, choose_working_set, with_first_epoch, working_set_bytes,
+                                        working_set_shards)
 from tierflow.policies.auto import Lifecycle
 from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
 from tierflow.tiers.tier import memory_headroom
@@ -76,6 +77,9 @@ class TieredDataset(IterableDataset):
     groups of about that many decoded bytes inside each window, so a batch decodes a bounded number
     of blocks whatever the dataset's size (order/groups.py); 0 shuffles each window's samples all
     together (every block of a window's shards is read for its first batches).
+    `narrow_first_epoch` (with lanes and window_shards chosen, not given): epoch 0 reads at most
+    1/16 of the node's shards at once (working_set.FIRST_EPOCH_SHARE), so a cold node streams its
+    first epoch at the link's rate; False reads it as wide as the later epochs.
     `datasets=[a, b, ...]` with `weights=` mixes several datasets instead of `data` (mixture.py).
     """
 
@@ -106,6 +110,7 @@ class TieredDataset(IterableDataset):
         remainder: str = "carry",
         shuffle: bool = True,
         group_bytes: int | None = None,
+        narrow_first_epoch: bool = True,
         eval: bool = False,
         resume: Resume = None,
         allow_mismatch: bool = False,
@@ -161,6 +166,8 @@ class TieredDataset(IterableDataset):
         self.seed = seed
         saved = self._parsed(resume)
         partitions, window_shards, lanes = _saved_breadth(saved, partitions, window_shards, lanes)
+        self._first_epoch_chosen = narrow_first_epoch and window_shards is None and lanes is None
+        self._first_epoch = _saved_first_epoch(saved, self._first_epoch_chosen)
         self._groups_given = group_bytes is not None
         if group_bytes is None:
             group_bytes = _saved_group_bytes(saved)
@@ -187,7 +194,8 @@ class TieredDataset(IterableDataset):
 
     def order_with(self, working_set: WorkingSet) -> SampleOrder:
         """This dataset's order read through another working set (what `plan` compares)."""
-        return SampleOrder(**self._order_args, window_shards=working_set.window_shards, lanes=working_set.lanes)
+        return SampleOrder(**self._order_args, window_shards=working_set.window_shards, lanes=working_set.lanes,
+                           first_epoch=working_set.first_epoch)
 
     def _choose_working_set(self, data: Any, partitions: int, window_shards: int | None,
                             lanes: int | None) -> WorkingSet:
@@ -201,11 +209,16 @@ class TieredDataset(IterableDataset):
         chosen = choose_working_set(sizes, per_node, top.capacity if top is not None else None,
                                     memory_headroom() if staged else None)
         if window_shards is None and lanes is None:
-            return chosen
+            if self._first_epoch is _NARROWED:
+                shards = sum(1 for n in self._order_args["shard_sample_counts"] if n > 0)
+                return with_first_epoch(chosen, shards // max(1, self.world.num_nodes))
+            return dataclasses.replace(chosen, first_epoch=self._first_epoch)
         lanes = lanes if lanes is not None else (per_node if window_shards is not None else chosen.lanes)
         window_shards = window_shards if window_shards is not None else chosen.window_shards
         shards = working_set_shards(min(lanes, per_node), window_shards)
-        return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given")
+        first = None if self._first_epoch is _NARROWED else self._first_epoch
+        return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given",
+                          first)
 
     # -- state ---------------------------------------------------------------------------
     def arrangement(self) -> Arrangement:
@@ -252,6 +265,11 @@ class TieredDataset(IterableDataset):
                 groups = _saved_group_bytes(cursor)  # group_bytes not chosen: the cursor's, as at construction
                 if self.order.shuffle and groups != self.order.group_bytes:
                     self._order_args["group_bytes"] = groups
+                    self.order = self.order_with(self.working_set)
+            if isinstance(self.order, SampleOrder) and getattr(self, "_first_epoch_chosen", False):
+                first = _saved_first_epoch(cursor, True)  # breadth not chosen: the cursor's, as at construction
+                if first is not _NARROWED and first != self.order.first_epoch:
+                    self.working_set = dataclasses.replace(self.working_set, first_epoch=first)
                     self.order = self.order_with(self.working_set)
             cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
                                                                       allow_mismatch=self.allow_mismatch))
@@ -482,6 +500,20 @@ def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_s
         value = config.get(name)
         return given if given is not None or not isinstance(value, int) else value
     return saved(partitions, "partitions"), saved(window_shards, "window_shards"), saved(lanes, "lanes")
+
+
+_NARROWED = ("narrowed",)
+"""`_saved_first_epoch`: no cursor says, so the first epoch is narrowed by the default rule."""
+
+
+def _saved_first_epoch(resume: LoaderCursor | None, narrow: bool) -> Any:
+    """A resumed run's first-epoch breadth as its cursor saved it (None: as wide as later epochs), else
+    `_NARROWED` for the default rule (working_set.first_epoch_breadth) or None when not narrowed."""
+    config = getattr(resume.order, "config", None) if resume is not None else None
+    if not config:
+        return _NARROWED if narrow else None
+    saved = config.get("first_epoch")
+    return tuple(int(v) for v in saved) if isinstance(saved, list) and len(saved) == 2 else None
 
 
 def _largest_block(shard: ShardInfo) -> int:

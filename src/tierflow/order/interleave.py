@@ -6,6 +6,12 @@ ties to the lower lane, so every lane advances at a rate proportional to its siz
 is drawn at the same rate and all lanes end an epoch together (within a batch). Keys depend only
 on positions, which the cursor records, so the rule continues exactly after any resume.
 
+A first epoch read in G groups of lanes (SampleOrder.first_epoch) stretches every epoch to G
+epochs' worth of ticks: a lane of group g keys its epoch-0 batches g * TICKS + floor(start *
+TICKS / size), inside the group's own stretch, and every later batch floor(start * G * TICKS /
+size); so the groups read their first epochs one after another and from epoch 1 on every lane
+runs at its proportional rate again, the rule still a function of positions alone.
+
 Pick j from the cursor: the smallest key K with more than j batches at keys <= K (a binary
 search over K, O(lanes) per probe), then lanes in index order at K. Integers throughout.
 """
@@ -15,6 +21,8 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+import numpy as np
+
 from tierflow.order.lanes import LaneBatches
 
 TICKS = 1 << 24
@@ -23,17 +31,42 @@ TICKS = 1 << 24
 class LaneSchedule:
     """Seekable merge of the lanes' batches by key."""
 
-    def __init__(self, lanes: Sequence[LaneBatches]) -> None:
+    def __init__(self, lanes: Sequence[LaneBatches], groups: Sequence[int] | None = None) -> None:
+        """`groups`: each lane's first-epoch group (None: one group)."""
         self.lanes = list(lanes)
         self.sizes = [lane.lane.size for lane in self.lanes]
+        self.groups = list(groups) if groups is not None else [0] * len(self.lanes)
+        self.stretch = max(self.groups, default=0) + 1
+        self.epoch_ticks = TICKS * self.stretch
 
     def key(self, lane: int, i: int) -> int:
-        return self.lanes[lane].start(i) * TICKS // self.sizes[lane]
+        return self.key_of(lane, self.lanes[lane].start(i))
+
+    def key_of(self, lane: int, start: int) -> int:
+        size = self.sizes[lane]
+        if start < size and self.stretch > 1:
+            return self.groups[lane] * TICKS + start * TICKS // size
+        return start * self.epoch_ticks // size
+
+    def keys_of(self, lane: int, starts: np.ndarray) -> np.ndarray:
+        """`key_of` for int64 lane positions at once."""
+        size = self.sizes[lane]
+        later = starts * self.epoch_ticks // size
+        if self.stretch == 1:
+            return later
+        return np.where(starts < size, self.groups[lane] * TICKS + starts * TICKS // size, later)
 
     def _below(self, key: int) -> list[int]:
         """Per lane: batches whose key is below `key`."""
-        # start * TICKS // size < key  <=>  start < ceil(key * size / TICKS)
-        return [lane.count_before(-(-key * size // TICKS)) for lane, size in zip(self.lanes, self.sizes)]
+        # start * E // size < key  <=>  start < ceil(key * size / E); a group's first epoch alike from g * TICKS
+        out = []
+        for lane, size, group in zip(self.lanes, self.sizes, self.groups):
+            if self.stretch > 1 and key <= self.epoch_ticks:
+                position = min(size, max(0, -(-(key - group * TICKS) * size // TICKS)))
+            else:
+                position = -(-key * size // self.epoch_ticks)
+            out.append(lane.count_before(position))
+        return out
 
     def _key_of_pick(self, j: int) -> int:
         low = min(self.key(lane, 0) for lane in range(len(self.lanes)))

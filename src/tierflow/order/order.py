@@ -15,8 +15,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tierflow.order._keys import derive_key
 from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderCursor
 from tierflow.order.layout import PartitionLayout
+from tierflow.order.permutation import FeistelPermutation
 from tierflow.order.remainder import Remainder
 from tierflow.order.windows import EpochWindows
 
@@ -43,7 +45,10 @@ class SampleOrder:
     `group_bytes` > 0 (with every shard's `decoded_bytes`, and the decoded size of its largest
     block, `block_bytes`, when known): samples are shuffled within block groups of about that many
     decoded bytes (at least a block) inside each window, the groups shuffled (groups.py), so a
-    batch reads a bounded number of blocks; 0: each window's samples shuffled all together."""
+    batch reads a bounded number of blocks; 0: each window's samples shuffled all together.
+    `first_epoch` = (lanes at once, window_shards): epoch 0 reads a node's lanes a few at a time, in
+    groups of that many (a seeded draw), each group's whole first epoch before the next group's,
+    with windows of that many shards; later epochs read every lane at once (interleave.py)."""
 
     def __init__(
         self,
@@ -60,6 +65,7 @@ class SampleOrder:
         group_bytes: int = 0,
         decoded_bytes: Sequence[int] | None = None,
         block_bytes: Sequence[int] | None = None,
+        first_epoch: tuple[int, int] | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -67,6 +73,8 @@ class SampleOrder:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
         if group_bytes < 0:
             raise ValueError(f"group_bytes must be >= 0, got {group_bytes}")
+        if first_epoch is not None and (len(first_epoch) != 2 or min(first_epoch) < 1):
+            raise ValueError(f"first_epoch must be (lanes >= 1, window_shards >= 1), got {first_epoch}")
         self.dataset_id = dataset_id
         self.seed = int(seed)
         self.window_shards = window_shards
@@ -75,6 +83,8 @@ class SampleOrder:
         self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes, contiguous=not self.shuffle)
         self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
         self.group_bytes = int(group_bytes) if self.shuffle else 0
+        self.first_epoch = None if first_epoch is None or not self.shuffle else (int(first_epoch[0]),
+                                                                                 int(first_epoch[1]))
         self.decoded_bytes = self.block_bytes = None
         if self.group_bytes:
             shards = self.layout.num_shards
@@ -97,6 +107,8 @@ class SampleOrder:
         }
         if not self.shuffle:  # only then, so a shuffled order's cursors keep their hash
             self.config["shuffle"] = False
+        if self.first_epoch is not None:  # only then, so an order as wide in every epoch keeps its hash
+            self.config["first_epoch"] = list(self.first_epoch)
         if self.decoded_bytes is not None:  # only then, so a full-window order's cursors keep their hash
             self.config["group_bytes"] = self.group_bytes
             sizes = self.decoded_bytes if self.block_bytes is None else np.concatenate([self.decoded_bytes,
@@ -112,6 +124,14 @@ class SampleOrder:
     def partitions(self) -> int:
         return self.layout.partitions
 
+    def first_epoch_groups(self, lanes: int, node: int) -> list[int] | None:
+        """The first-epoch group of each of a node's `lanes` lanes (None: one group, all at once):
+        lanes in a seeded order, dealt `first_epoch[0]` to a group."""
+        if self.first_epoch is None or lanes <= self.first_epoch[0]:
+            return None
+        rank = FeistelPermutation(lanes, derive_key("first-epoch", self.seed, node, lanes))(np.arange(lanes))
+        return (rank // self.first_epoch[0]).tolist()
+
     def start(self) -> OrderCursor:
         """The cursor before the first sample of epoch 0."""
         zeros = (0,) * self.partitions
@@ -126,10 +146,11 @@ class SampleOrder:
                 f"has {self.partitions}; partition positions cannot be mapped (not even with allow_mismatch)"
             )
         if cursor.config_hash != self.config_hash:
+            names = list(self.config) + [name for name in cursor.config if name not in self.config]
             differing = [
-                f"{name}: cursor {cursor.config.get(name)!r} vs order {value!r}"
-                for name, value in self.config.items()
-                if cursor.config.get(name) != value
+                f"{name}: cursor {cursor.config.get(name)!r} vs order {self.config.get(name)!r}"
+                for name in names
+                if cursor.config.get(name) != self.config.get(name)
             ]
             if not allow_mismatch:
                 raise CursorMismatchError(
@@ -163,7 +184,8 @@ class SampleOrder:
         if found is not None:
             self._windows.move_to_end(key)
             return found
-        built = EpochWindows(self.layout, partition, epoch, self.seed, self.window_shards, self.shuffle,
+        window_shards = self.first_epoch[1] if epoch == 0 and self.first_epoch is not None else self.window_shards
+        built = EpochWindows(self.layout, partition, epoch, self.seed, window_shards, self.shuffle,
                              self.group_bytes, self.decoded_bytes, self.block_bytes)
         self._windows[key] = built
         if len(self._windows) > self._windows_capacity:

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from tierflow.order.cursor import OrderCursor
-from tierflow.order.interleave import TICKS, LaneSchedule, ScheduleWalker
+from tierflow.order.interleave import LaneSchedule, ScheduleWalker
 from tierflow.order.lanes import Lane, LaneBatches, Positions, Span, node_lanes
 from tierflow.order.order import MicroBatch, SampleOrder
 from tierflow.order.remainder import Remainder
@@ -165,10 +165,9 @@ class _Picks:
         per_lane = [int(n) + 2 for n in np.ceil(self.shares * wanted)]
         numbers = [np.arange(c, c + n, dtype=np.int64) for c, n in zip(counts, per_lane)]
         starts = [lane.starts(i) for lane, i in zip(schedule.lanes, numbers)]
-        if max(int(s[-1]) for s in starts) >= _KEY_LIMIT // TICKS // max(self.lanes, 1):
+        if max(int(s[-1]) for s in starts) >= _KEY_LIMIT // schedule.epoch_ticks // max(self.lanes, 1):
             return self._walk(counts, wanted)  # keys past int64: the walker's Python integers
-        keys = np.concatenate([s * TICKS // size * self.lanes + m
-                               for m, (s, size) in enumerate(zip(starts, schedule.sizes))])
+        keys = np.concatenate([schedule.keys_of(m, s) * self.lanes + m for m, s in enumerate(starts)])
         order = np.argsort(keys, kind="stable")  # a lane's batches stay in their order
         merged = keys[order]
         last = min(int(k[-1]) for k in np.split(keys, np.cumsum(per_lane)[:-1]))
@@ -205,7 +204,7 @@ class NodeStream:
                       for members in node_lanes(order.layout, node, num_nodes, order.lanes)]
         bases = [{p: (cursor.epochs[p], cursor.offsets[p]) for p in lane.members} for lane in self.lanes]
         self.batches = [LaneBatches(lane, base, batch_size, order.remainder) for lane, base in zip(self.lanes, bases)]
-        self.schedule = LaneSchedule(self.batches)
+        self.schedule = LaneSchedule(self.batches, order.first_epoch_groups(len(self.lanes), node))
         self._reading = ScheduleWalker(self.schedule)
         self._counting = ScheduleWalker(self.schedule)
         self._read_at = [_LanePositions(b, base) for b, base in zip(self.batches, bases)]

@@ -11,6 +11,7 @@ memory, so then RAM_SHARE alone bounds it): up to WIDEST_LANES lanes with window
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 
 from dataclasses import dataclass
@@ -18,6 +19,14 @@ from typing import Sequence
 
 SHARE = 0.0625
 RAM_SHARE = 0.125
+FIRST_EPOCH_SHARE = 16
+"""The first epoch reads at most 1/FIRST_EPOCH_SHARE of the node's shards at once. On a cold node
+the loader runs at full rate only once the shards being read have arrived, and it finishes the
+epoch's last windows after the link has gone quiet: both cost about the breadth's share of an
+epoch. The widest 16 x 4 over 26 shards needed nearly all of them at once, so the cold epoch took
+the download and then the whole epoch's compute (benchmarks/loader.py --bounds: 1.50 x the
+step-bound time at twice the needed bandwidth, 0.67 x the throttle at half of it); at 1/16 the
+bounds are ~1.03 and ~0.97. Later epochs read at the full breadth."""
 WIDEST_WINDOW = 4
 WIDEST_LANES = 16
 """More lanes than this read in lock-step, so a position in the epoch is the same rank in every
@@ -35,6 +44,8 @@ class WorkingSet:
     shards: int
     bytes: int
     reason: str
+    first_epoch: tuple[int, int] | None = None
+    """(lanes read at once, window_shards) of the first epoch when it reads narrower (None: as later)."""
 
     @property
     def reading(self) -> int:
@@ -92,3 +103,19 @@ def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
 
 def _because(chosen: WorkingSet, reason: str) -> WorkingSet:
     return WorkingSet(chosen.lanes, chosen.window_shards, chosen.shards, chosen.bytes, reason)
+
+
+def first_epoch_breadth(shards_per_node: int, lanes: int, window_shards: int) -> tuple[int, int] | None:
+    """(lanes at once, window_shards) for the first epoch: at most the node's shards / FIRST_EPOCH_SHARE
+    read at once (at least one); None when `lanes x window_shards` is already within that."""
+    most = max(1, shards_per_node // FIRST_EPOCH_SHARE)
+    if lanes * window_shards <= most:
+        return None
+    window = min(window_shards, most)
+    return max(1, min(lanes, most // window)), window
+
+
+def with_first_epoch(chosen: WorkingSet, shards_per_node: int) -> WorkingSet:
+    """`chosen` with its first epoch narrowed to `first_epoch_breadth` (the loader's default)."""
+    return dataclasses.replace(chosen, first_epoch=first_epoch_breadth(shards_per_node, chosen.lanes,
+                                                                       chosen.window_shards))
