@@ -80,11 +80,12 @@ def ids_cost(group_bytes: int, total: int = 100_000_000, batches: int = 3000, ba
 
 
 def shuffle_quality(lanes: int, window_shards: int, shards: int = 2000, per_shard: int = 50,
-                    ranks: int = 8, batch: int = 32) -> tuple[float, float, int]:
-    """(|Spearman rho| of position vs stored index over one epoch, mean and min distinct shards per
-    global batch) for one node's order read through `lanes` lanes."""
+                    ranks: int = 8, batch: int = 32, first_epoch: tuple[int, int] | None = None
+                    ) -> tuple[float, float, int]:
+    """(|Spearman rho| of position vs stored index over the first epoch, mean and min distinct shards
+    per global batch) for one node's order read through `lanes` lanes (epoch 0 as `first_epoch`)."""
     order = SampleOrder([per_shard] * shards, dataset_id="quality", seed=3, partitions=64,
-                        window_shards=window_shards, lanes=lanes)
+                        window_shards=window_shards, lanes=lanes, first_epoch=first_epoch)
     streams = [RankStream(order, order.start(), batch_size=batch, rank=r, ranks_per_node=ranks) for r in range(ranks)]
     ids, distinct = [], []
     for step in range(shards * per_shard // (ranks * batch)):
@@ -127,6 +128,12 @@ def main() -> None:
     for lanes, k in ((64, 4), (16, 4), (8, 4), (4, 4), (1, 4), (1, 2), (1, 1)):
         rho, mean, least = shuffle_quality(lanes, k)
         print(f"{lanes:>5} x {k:<2} {lanes * 2 * k:>15} {rho:>12.4f} {'met' if rho <= 0.01 else 'MISS':>8} "
+              f"{mean:>18.1f} {least:>5}")
+    print("a narrowed first epoch (SampleOrder(first_epoch=(m, k0)): 16 x 4 later, m lanes x k0 at once in "
+          "epoch 0; the loader's rule at 400 and at 25 shards a node):")
+    for m, k0 in ((16, 1), (4, 1)):
+        rho, mean, least = shuffle_quality(16, 4, first_epoch=(m, k0))
+        print(f"{m:>5} x {k0:<2} {m * 2 * k0:>15} {rho:>12.4f} {'met' if rho <= 0.01 else 'MISS':>8} "
               f"{mean:>18.1f} {least:>5}")
 
 

@@ -243,3 +243,16 @@ def test_a_first_epoch_cursor_is_refused_by_an_order_as_wide_in_every_epoch():
     with pytest.raises(CursorMismatchError, match=r"first_epoch: cursor \[3, 1\] vs order None"):
         make_order().load(saved)
     assert make_order().config_hash != make_order(first_epoch=NARROW).config_hash
+
+
+@pytest.mark.parametrize("shards,lanes,k,expected", [
+    (25, 16, 4, (4, 1)),  # a small dataset: the least, lanes first
+    (400, 16, 4, (16, 1)),  # 1/16 of 400: 25 shards, one a lane
+    (800, 16, 4, (16, 3)),
+    (2000, 16, 4, None),  # 64 shards at once is already within 1/16
+    (25, 2, 2, None),  # no wider than the least
+    (40, 1, 8, (1, 4)),  # one lane: a narrower window
+])
+def test_the_first_epoch_breadth_is_a_sixteenth_of_the_nodes_shards_and_at_least_four(shards, lanes, k, expected):
+    from tierflow.order.working_set import first_epoch_breadth
+    assert first_epoch_breadth(shards, lanes, k) == expected

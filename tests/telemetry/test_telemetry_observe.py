@@ -37,6 +37,20 @@ def packed(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def packed_large_docs(tmp_path_factory) -> Path:
+    """About 40 shards of 8 documents of 32 KB: a batch of 8 reads about a shard whatever the order's
+    breadth, so a throttled source bounds the loop from its first batches."""
+    root = tmp_path_factory.mktemp("observe_large")
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(320):
+            f.write(json.dumps({"text": f"{i:06d} " + "abcdefgh" * 4096}) + "\n")
+    out = root / "ds"
+    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10,
+                  compression="none")
+    return out
+
+
 def test_wait_split_adds_up_to_the_wait_and_charges_fetch_to_the_slowest_tier():
     timing = {"produce_s": 0.010, "fetch": {"L2": {"seconds": 0.002, "opens": 1, "bytes": 1},
                                             "source": {"seconds": 0.006, "opens": 1, "bytes": 1}}}
@@ -256,27 +270,26 @@ def test_verdict_names_preprocessing_when_the_transform_is_slow(packed):
     assert "num_workers" in result.verdict.change
 
 
-def test_verdict_names_remote_storage_when_the_source_is_throttled(packed, make_proxy):
-    with serve_directory(packed) as server:
-        # ~0.25 s a shard against the 0.15 s of 2 ms steps that read it: past the first shard the loop waits
-        proxy = make_proxy(server.url, bandwidth=1_000_000)
+def test_verdict_names_remote_storage_when_the_source_is_throttled(packed_large_docs, make_proxy):
+    with serve_directory(packed_large_docs) as server:
+        proxy = make_proxy(server.url, bandwidth=8_000_000)  # ~30 ms a shard against a 2 ms step
         registry = MetricsRegistry()
         stack = build_stack(proxy.url, [], registry=registry)
-        result = run_bench(samples_dataset(stack.dataset()), 160, simulated_step(2), registry=registry)
+        result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry)
     assert result.verdict.bound == "remote storage", format_result(result)
     assert "L2" in result.verdict.change
     assert result.verdict.l2_bytes > 0 and result.verdict.lookahead_batches >= 2
 
 
-def test_bandwidth_use_against_the_node_budget_is_a_health_flag(packed, tmp_path):
+def test_bandwidth_use_against_the_node_budget_is_a_health_flag(packed_large_docs, tmp_path):
     from tierflow.storage.budget import BandwidthBudget
 
     registry = MetricsRegistry()
-    budget = BandwidthBudget(1.5e6, path=tmp_path / "budget")  # ~0.17 s a shard against 0.15 s of steps reading it
-    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
+    budget = BandwidthBudget(8e6, path=tmp_path / "budget")
+    stack = build_stack(str(packed_large_docs), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
                         registry=registry)
     stack.source.budget = budget
-    result = run_bench(samples_dataset(stack.dataset()), 160, simulated_step(2), registry=registry, budget=budget)
+    result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry, budget=budget)
     flag = next(f for f in result.health if f.name == "bandwidth use")
     assert 0.2 < flag.value <= 1.5 and flag.status == "warn"  # cold L2: fetching at the budget's rate
 

@@ -25,8 +25,14 @@ the loader runs at full rate only once the shards being read have arrived, and i
 epoch's last windows after the link has gone quiet: both cost about the breadth's share of an
 epoch. The widest 16 x 4 over 26 shards needed nearly all of them at once, so the cold epoch took
 the download and then the whole epoch's compute (benchmarks/loader.py --bounds: 1.50 x the
-step-bound time at twice the needed bandwidth, 0.67 x the throttle at half of it); at 1/16 the
-bounds are ~1.03 and ~0.97. Later epochs read at the full breadth."""
+step-bound time at twice the needed bandwidth, 0.67 x the throttle at half of it). Read narrower,
+what the first batch waits for is the first group's windows, and the epoch's last group ends
+with the link; both shrink with the breadth. Later epochs read at the full breadth."""
+FIRST_EPOCH_LEAST = 4
+"""...and at least this many, so a small dataset's first batches still mix a few shards. Over the
+cold benchmark's 25 shards (benchmarks/loader.py --cold), 4 lanes of one-shard windows measured
+1.16 x the step-bound time at twice the needed bandwidth (bound 1.08) and 0.94 x the throttle at
+half of it; one shard at a time measured 1.13 and 0.98, with each batch drawn from a shard or two."""
 WIDEST_WINDOW = 4
 WIDEST_LANES = 16
 """More lanes than this read in lock-step, so a position in the epoch is the same rank in every
@@ -107,12 +113,14 @@ def _because(chosen: WorkingSet, reason: str) -> WorkingSet:
 
 def first_epoch_breadth(shards_per_node: int, lanes: int, window_shards: int) -> tuple[int, int] | None:
     """(lanes at once, window_shards) for the first epoch: at most the node's shards / FIRST_EPOCH_SHARE
-    read at once (at least one); None when `lanes x window_shards` is already within that."""
-    most = max(1, shards_per_node // FIRST_EPOCH_SHARE)
+    read at once, but never fewer than FIRST_EPOCH_LEAST; lanes first (each of its windows is needed
+    from its own first batch, so lanes of one-shard windows spread the shards' first uses most);
+    None when `lanes x window_shards` is already within that."""
+    most = max(FIRST_EPOCH_LEAST, shards_per_node // FIRST_EPOCH_SHARE)
     if lanes * window_shards <= most:
         return None
-    window = min(window_shards, most)
-    return max(1, min(lanes, most // window)), window
+    at_once = min(lanes, most)
+    return at_once, max(1, min(window_shards, most // at_once))
 
 
 def with_first_epoch(chosen: WorkingSet, shards_per_node: int) -> WorkingSet:
