@@ -226,6 +226,25 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, ord
             "last_byte_s": activity.last_byte_s}
 
 
+def warm_floor(local: Path, order: dict) -> float:
+    """The cold loop's own floor: the same steps read from local disk, nothing fetched, x the step-bound
+    time (what the loop costs beyond its sleeps; the cold rows cannot go below it)."""
+    ds = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+    steps = ds.num_order_samples // COLD_BATCH
+    loader = Loader(ds, endless=True)
+    loader.start_prefetch()
+    try:
+        iterator = iter(loader)
+        next(iterator)
+        started = time.perf_counter()
+        for _ in range(steps):
+            next(iterator)
+            time.sleep(COLD_STEP_S)
+        return (time.perf_counter() - started) / (steps * COLD_STEP_S)
+    finally:
+        loader.close()
+
+
 def whole_shard_bound(uses: list, rest_bytes: list[int], throttle: float, steps: int, step_samples: int) -> float:
     """Seconds of the best epoch that fetches whole shards through one link of `throttle` bytes/s
     (module docstring): shards in order of first use, back to back; batch i starts when every shard
@@ -292,7 +311,10 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
         factors = (0.5, 2.0)
         cases = [(name, factor) for name in COLD_ORDERS for factor in factors]
         runs: dict[tuple[str, float], list[dict[str, float]]] = {c: [] for c in cases}
+        floors: list[float] = []
         for number, (name, factor) in alternating(rounds, cases):
+            if (name, factor) == cases[0]:
+                floors.append(warm_floor(local, COLD_ORDERS["default"]))
             proxy.set_bandwidth(consumption * factor)
             tag = f"order{list(COLD_ORDERS).index(name)}-{factor:g}x-{number}"
             log = events / f"cold-{tag}.jsonl" if events else None
@@ -309,7 +331,8 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
         first = (f"; epoch 0 {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]}"
                  if ws.first_epoch else "")
         print(f"  order {name}: {ws.lanes} lanes x windows of {ws.window_shards} ({ws.reason}){first}")
-    print(f"  medians of {rounds} alternating rounds (min-max)")
+    print(f"  medians of {rounds} alternating rounds (min-max); the loop's own floor, the same steps warm from "
+          f"local disk (default order, nothing fetched): {spread(floors, '.3f')} x step-bound")
     print(f"{'order':>37} {'throttle MB/s':>13} {'x need':>6} {'epoch s':>17} {'x step-bound':>18} {'bound s':>7} {'x bound':>18} "
           f"{'last byte s':>17} {'source MB':>9} {'achieved/thr.':>18} {'active/thr.':>18} {'bound/thr.':>10} "
           f"{'bubble':>18} {'1st batch s':>17}  target")
