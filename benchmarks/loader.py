@@ -265,8 +265,8 @@ def whole_shard_bound(uses: list, rest_bytes: list[int], throttle: float, steps:
     return clock
 
 
-BOUND_ORDERS = ({}, {"narrow_first_epoch": False}, {"lanes": 8}, {"lanes": 8, "window_shards": 1}, {"partitions": 4, "window_shards": 2},
-                {"lanes": 4, "window_shards": 1}, {"lanes": 2, "window_shards": 1})
+BOUND_ORDERS = ({}, {"narrow_first_epoch": False}, {"lanes": 8}, {"lanes": 8, "window_shards": 1},
+                {"partitions": 4, "window_shards": 2}, {"lanes": 4, "window_shards": 1}, {"lanes": 2, "window_shards": 1})
 
 
 def bounds(work: Path) -> None:

@@ -125,16 +125,18 @@ def main() -> None:
     print("shuffle quality against the working set (2,000 shards x 50 samples, 64 partitions, one node, "
           "global batch 8 x 32):")
     print(f"{'lanes x k':>10} {'shards at once':>15} {'|rho| epoch':>12} {'<= 0.01':>8} {'shards/batch mean':>18} {'min':>5}")
+    def quality_row(lanes: int, k: int, first_epoch: tuple[int, int] | None = None) -> None:
+        shown = first_epoch or (lanes, k)
+        rho, mean, least = shuffle_quality(lanes, k, first_epoch=first_epoch)
+        print(f"{shown[0]:>5} x {shown[1]:<2} {shown[0] * 2 * shown[1]:>15} {rho:>12.4f} "
+              f"{'met' if rho <= 0.01 else 'MISS':>8} {mean:>18.1f} {least:>5}")
+
     for lanes, k in ((64, 4), (16, 4), (8, 4), (4, 4), (1, 4), (1, 2), (1, 1)):
-        rho, mean, least = shuffle_quality(lanes, k)
-        print(f"{lanes:>5} x {k:<2} {lanes * 2 * k:>15} {rho:>12.4f} {'met' if rho <= 0.01 else 'MISS':>8} "
-              f"{mean:>18.1f} {least:>5}")
+        quality_row(lanes, k)
     print("a narrowed first epoch (SampleOrder(first_epoch=(m, k0)): 16 x 4 later, m lanes x k0 at once in "
           "epoch 0; the loader's rule at 400 and at 25 shards a node):")
     for m, k0 in ((16, 1), (4, 1)):
-        rho, mean, least = shuffle_quality(16, 4, first_epoch=(m, k0))
-        print(f"{m:>5} x {k0:<2} {m * 2 * k0:>15} {rho:>12.4f} {'met' if rho <= 0.01 else 'MISS':>8} "
-              f"{mean:>18.1f} {least:>5}")
+        quality_row(16, 4, (m, k0))
 
 
 if __name__ == "__main__":

@@ -24,31 +24,28 @@ from tierflow.testing.fileserver import serve_directory
 from tierflow.tiers import TierConfig, build_stack
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> Path:
-    """About 20 near-equal shards (the 256 KB minimum) of equal-length documents."""
-    root = tmp_path_factory.mktemp("observe")
+def pack_equal_docs(root: Path, count: int, repeats: int) -> Path:
+    """`count` documents of `repeats` x 8 bytes (after a number), in shards of the 256 KB minimum."""
     with open(root / "docs.jsonl", "w") as f:
-        for i in range(12000):
-            f.write(json.dumps({"text": f"{i:06d} " + "abcdefgh" * 24}) + "\n")
+        for i in range(count):
+            f.write(json.dumps({"text": f"{i:06d} " + "abcdefgh" * repeats}) + "\n")
     out = root / "ds"
     tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10,
                   compression="none")
     return out
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """About 20 near-equal shards (the 256 KB minimum) of equal-length documents."""
+    return pack_equal_docs(tmp_path_factory.mktemp("observe"), 12000, 24)
 
 
 @pytest.fixture(scope="module")
 def packed_large_docs(tmp_path_factory) -> Path:
     """About 40 shards of 8 documents of 32 KB: a batch of 8 reads about a shard whatever the order's
     breadth, so a throttled source bounds the loop from its first batches."""
-    root = tmp_path_factory.mktemp("observe_large")
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(320):
-            f.write(json.dumps({"text": f"{i:06d} " + "abcdefgh" * 4096}) + "\n")
-    out = root / "ds"
-    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10,
-                  compression="none")
-    return out
+    return pack_equal_docs(tmp_path_factory.mktemp("observe_large"), 320, 4096)
 
 
 def test_wait_split_adds_up_to_the_wait_and_charges_fetch_to_the_slowest_tier():

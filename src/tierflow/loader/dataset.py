@@ -216,7 +216,7 @@ class TieredDataset(IterableDataset):
         lanes = lanes if lanes is not None else (per_node if window_shards is not None else chosen.lanes)
         window_shards = window_shards if window_shards is not None else chosen.window_shards
         shards = working_set_shards(min(lanes, per_node), window_shards)
-        first = None if self._first_epoch is _NARROWED else self._first_epoch
+        first = None if self._first_epoch is _NARROWED else self._first_epoch  # e.g. shuffle=False's one lane
         return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given",
                           first)
 
@@ -490,10 +490,15 @@ class TieredDataset(IterableDataset):
                 f"world={self.world}, eval={self.eval})")
 
 
+def _saved_config(resume: LoaderCursor | None) -> dict[str, Any] | None:
+    """The order config a resumed cursor saved (None: no cursor, or one without an order)."""
+    return getattr(resume.order, "config", None) if resume is not None else None
+
+
 def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_shards: int | None,
                    lanes: int | None) -> tuple[int | None, int | None, int | None]:
     """What a resumed run did not set comes from its cursor, so the order it resumes is the one it saved."""
-    config = getattr(resume.order, "config", None) if resume is not None else None
+    config = _saved_config(resume)
     if not config:
         return partitions, window_shards, lanes
     def saved(given: int | None, name: str) -> int | None:
@@ -509,7 +514,7 @@ _NARROWED = ("narrowed",)
 def _saved_first_epoch(resume: LoaderCursor | None, narrow: bool) -> Any:
     """A resumed run's first-epoch breadth as its cursor saved it (None: as wide as later epochs), else
     `_NARROWED` for the default rule (working_set.first_epoch_breadth) or None when not narrowed."""
-    config = getattr(resume.order, "config", None) if resume is not None else None
+    config = _saved_config(resume)
     if not config:
         return _NARROWED if narrow else None
     saved = config.get("first_epoch")
@@ -524,7 +529,7 @@ def _largest_block(shard: ShardInfo) -> int:
 
 def _saved_group_bytes(resume: LoaderCursor | None) -> int:
     """A resumed cursor's block groups (0 in one saved before them: the full-window shuffle), else the default."""
-    config = getattr(resume.order, "config", None) if resume is not None else None
+    config = _saved_config(resume)
     if not config:
         return GROUP_BYTES
     value = config.get("group_bytes", 0)

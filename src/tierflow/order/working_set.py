@@ -11,10 +11,8 @@ memory, so then RAM_SHARE alone bounds it): up to WIDEST_LANES lanes with window
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 SHARE = 0.0625
@@ -125,5 +123,5 @@ def first_epoch_breadth(shards_per_node: int, lanes: int, window_shards: int) ->
 
 def with_first_epoch(chosen: WorkingSet, shards_per_node: int) -> WorkingSet:
     """`chosen` with its first epoch narrowed to `first_epoch_breadth` (the loader's default)."""
-    return dataclasses.replace(chosen, first_epoch=first_epoch_breadth(shards_per_node, chosen.lanes,
+    return replace(chosen, first_epoch=first_epoch_breadth(shards_per_node, chosen.lanes,
                                                                        chosen.window_shards))
