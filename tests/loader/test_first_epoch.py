@@ -118,3 +118,15 @@ def test_a_cursor_saved_as_wide_resumes_as_wide_under_the_default(packed):
         rest = run(loader, 8)
         assert len(rest) == 8
         assert all(np.array_equal(a.sample_ids, b.sample_ids) for a, b in zip(rest, whole[12:]))
+
+
+def test_a_cursor_with_a_bad_first_epoch_is_refused_naming_the_field_and_the_dataset(packed):
+    from tierflow.errors import CursorMismatchError
+
+    first = Loader(dataset(packed), return_meta=True, endless=True)
+    run(first, 3)
+    state = json.loads(json.dumps(first.state_dict()))
+    state["cursor"]["order"]["config"]["first_epoch"] = ["4", 0]
+    with pytest.raises(CursorMismatchError, match=r"first_epoch: cursor \['4', 0\] vs order None") as info:
+        Loader(dataset(packed), return_meta=True).load_state_dict(state)
+    assert packed in str(info.value)

@@ -517,8 +517,9 @@ def _saved_first_epoch(resume: LoaderCursor | None, narrow: bool) -> Any:
     config = _saved_config(resume)
     if not config:
         return _NARROWED if narrow else None
-    saved = config.get("first_epoch")
-    return tuple(int(v) for v in saved) if isinstance(saved, list) and len(saved) == 2 else None
+    saved = config.get("first_epoch")  # anything but two counts: None, so the config check names the field
+    valid = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int and v >= 1 for v in saved)
+    return (saved[0], saved[1]) if valid else None
 
 
 def _largest_block(shard: ShardInfo) -> int:
