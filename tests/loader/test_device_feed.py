@@ -286,6 +286,22 @@ def test_an_automatic_feed_stays_inline_without_a_step_and_takes_a_thread_with_o
     assert fed == stepped[:len(fed)] and stepped == list(range(len(source)))
 
 
+def test_an_automatic_feed_is_not_swayed_by_a_fresh_processs_first_slow_batches():
+    """A loop with no step spent ~110 us a gap for its first ~15 batches of a fresh process, then
+    10-40 us; a median of its first gaps gave it a thread that cost it ~20%."""
+    import time
+
+    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER
+
+    source = token_batches(3 * AUTO_DECIDE_AFTER)
+    feed = iter(DeviceFeed(source, "cpu"))
+    for n in range(2 * AUTO_DECIDE_AFTER):
+        next(feed)
+        if n < 16:
+            time.sleep(0.0005)
+    assert not feed.background
+
+
 def test_an_automatic_feed_leaves_the_loops_first_slow_gaps_out_of_its_choice():
     import time
 

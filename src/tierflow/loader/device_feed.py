@@ -520,13 +520,16 @@ def _stop_running() -> None:
         iterator.close(timeout=10.0)
 
 
-AUTO_DECIDE_AFTER = 6
+AUTO_DECIDE_AFTER = 32
 """Batches an automatic feed reads inline before it decides whether a background thread pays."""
-AUTO_WARMUP_GAPS = 2
+AUTO_WARMUP_GAPS = 8
 """The loop's first gaps between batches, left out of the decision: they hold its first torch calls
 and first metric updates (a loop with no step showed 0.8-1.4 ms, then 0.2 ms, then its steady ~40 us)."""
 AUTO_MIN_STEP_S = 100e-6
-"""A loop that spends at least this long between batches (median) gets the background thread."""
+"""A loop whose gaps between batches are at least this long (their lower quartile) gets the background
+thread. The quartile, not the median: a loop with no step took ~110 us a gap for its first ~15
+batches of a fresh process, then 10-40 us, and a median of its first gaps chose the thread, which
+cost that loop ~20% (a real step is long in every gap, so its lower quartile is long too)."""
 
 
 class _FeedIterator:
@@ -583,7 +586,7 @@ class _FeedIterator:
             if len(gaps) >= AUTO_DECIDE_AFTER:
                 self._gaps = None
                 steady = sorted(gaps[AUTO_WARMUP_GAPS:])
-                if steady[len(steady) // 2] >= AUTO_MIN_STEP_S and not self._exhausted:
+                if steady[len(steady) // 4] >= AUTO_MIN_STEP_S and not self._exhausted:
                     self._start_thread()
         if self._thread is not None and not self._pending:
             converted, ready = self._next_background()
