@@ -250,9 +250,11 @@ def test_start_up_batches_are_timed_apart_from_the_bubble():
 
 
 def test_bench_of_a_slow_step_names_compute_and_reports_start_up_apart(packed):
-    result = run_bench(samples_dataset(packed), 30, simulated_step(25))
-    assert result.startup_batches == startup_batches(30) > 1 and result.timed_steps == 31 - result.startup_batches
-    assert result.startup_s > 0 and result.loader.startup_s > 0 and result.loader.batches == 30
+    steps = 140  # long enough that the automatic feed's inline batches count as start-up
+    result = run_bench(samples_dataset(packed), steps, simulated_step(5))
+    assert result.startup_batches == startup_batches(steps) > 1
+    assert result.timed_steps == steps + 1 - result.startup_batches
+    assert result.startup_s > 0 and result.loader.startup_s > 0 and result.loader.batches == steps
     assert "start-up" in format_result(result)
     assert result.verdict.bound == "compute", format_result(result)
 
