@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
+
+import tierflow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,3 +83,25 @@ def test_the_readme_checkpoint_block_commits_then_resumes_where_it_stopped(tmp_p
     assert fresh.latest() == last - last % 10  # at the destination too
     exec(code, block)
     assert block["step"] == last
+
+
+def test_the_readme_images_block_runs_as_written_on_the_cpu(tmp_path, monkeypatch):
+    """README's images block on a folder of 70 captioned JPEGs, with device="cuda" read as "cpu"."""
+    from corpora import jpeg
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(70):
+        (images / f"{i:03d}.jpg").write_bytes(jpeg(40 + i, 200 - i, i))
+        (images / f"{i:03d}.txt").write_text(f"picture {i}")
+    block_code = next(b for b in usage_blocks() if "ImagePipeline" in b)
+    assert 'device="cuda"' in block_code
+    monkeypatch.chdir(tmp_path)
+    block: dict = {"__name__": "__main__", "tierflow": tierflow}
+    exec(compile(block_code.replace('device="cuda"', 'device="cpu"'), "README.md (images)", "exec"), block)
+    batch, x = block["batch"], block["x"]
+    assert x.dtype == torch.float32 and x.shape == (64, 3, 224, 224)
+    assert batch["caption_ids"].shape == (64, 77) and len(batch["caption"]) == 64
+    assert all(ids[:n - 1].tolist() == list(text.encode()) for ids, n, text
+               in zip(batch["caption_ids"], batch["caption_length"].tolist(), batch["caption"]))
+    block["loader"].close()

@@ -72,6 +72,26 @@ def test_batches_are_uint8_nhwc_with_captions_and_normalise_on_the_device(packed
     assert x.dtype == torch.float32 and x.shape == (8, 3, SIDE, SIDE)
 
 
+def test_captions_come_tokenised_beside_the_text_cut_to_fit_with_eos_kept(packed, tmp_path):
+    with make(packed, pipeline(tokenizer="bytes", max_tokens=8))(0) as loader:
+        batch = next(iter(loader))
+    assert batch["caption_ids"].shape == (8, 8) and batch["caption_length"].shape == (8,)
+    for text, ids, length in zip(batch["caption"], batch["caption_ids"].tolist(), batch["caption_length"].tolist()):
+        assert length == 8 and ids == [*text.encode()[:7], 256]  # "picture N" is 9 bytes + EOS: cut
+    sample = tierflow.open_dataset(packed)[5]
+    short = pipeline(tokenizer="bytes", max_tokens=16)(sample, np.random.default_rng(0))
+    assert short["caption_ids"].tolist() == [*b"picture 5", 256, 0, 0, 0, 0, 0, 0] and short["caption_length"] == 10
+
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"picture": 0, "5": 1, "</s>": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = pipeline(tokenizer=str(tmp_path / "tokenizer.json"), max_tokens=4)(sample, np.random.default_rng(0))
+    assert hf["caption_ids"].tolist() == [0, 1, 2, 0] and hf["caption_length"] == 3 and hf["caption"] == "picture 5"
+    with pytest.raises(ValueError, match="max_tokens"):
+        pipeline(tokenizer="bytes", max_tokens=0)
+
+
 def test_augmentations_replay_exactly_on_resume(packed):
     assert_resumes_exactly(make(packed), stops=[1, 4], workers=0)
 

@@ -8,18 +8,30 @@ policy, so transforms that must never change should draw from sample_seed(s) dir
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from tierflow.order._keys import derive_key, splitmix64_array
+from tierflow.order._keys import MASK64, derive_key, splitmix64, splitmix64_array
+
+
+@functools.lru_cache(maxsize=64)
+def _epoch_key(seed: int, epoch: int) -> int:
+    """derive_key's fold of ("sample", seed, epoch): the same for every sample of an epoch, so it is
+    folded once, not once per sample (~90 us of string and integer folding)."""
+    return derive_key("sample", seed, epoch)
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
-    return derive_key("sample", seed, epoch, sample_id)
+    sample_id = int(sample_id)
+    if not 0 <= sample_id <= MASK64:
+        raise ValueError(f"sample id {sample_id} is not a 64-bit unsigned integer")
+    return splitmix64(_epoch_key(int(seed), int(epoch)) ^ sample_id)
 
 
 def sample_seeds(seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:
     """Vectorised sample_seed: uint64 array, equal element by element."""
-    base = np.uint64(derive_key("sample", seed, epoch))
+    base = np.uint64(_epoch_key(int(seed), int(epoch)))
     return splitmix64_array(np.asarray(sample_ids).astype(np.uint64) ^ base)
 
 

@@ -186,9 +186,22 @@ class ImagePipeline:
     (fractional box); "auto": torch when importable. The pixels differ by a level or two between
     them; each is deterministic, and the choice is fixed when the pipeline is made."""
 
+    tokenizer: str | None = None
+    """"bytes" or a tokenizer.json: each `keep` column holding text also comes tokenised, as
+    `<column>_ids` (int64, `max_tokens` of them: the caption's ids, EOS last, cut to fit with EOS
+    kept, then 0s) and `<column>_length` (its ids before the padding), so a batch stacks them."""
+    max_tokens: int = 77
+    _tokens: Any = field(default=None, init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if self.layout not in ("HWC", "CHW"):
             raise ValueError(f"layout must be 'HWC' or 'CHW', not {self.layout!r}")
+        if self.tokenizer is not None:
+            from tierflow.pack.tokenize import make_tokenizer
+
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
+            self._tokens = make_tokenizer(self.tokenizer)
         self.decoder = resolve_decoder(self.decoder)  # fixed here: every worker decodes alike
         self.resampler = resolve_resampler(self.resampler)
 
@@ -244,8 +257,18 @@ class ImagePipeline:
         out: dict[str, Any] = {self.image: pixels}
         for k in self.keep:
             value = sample.get(k)
-            out[k] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            out[k] = value = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            if self._tokens is not None and (value is None or isinstance(value, str)):
+                out[f"{k}_ids"], out[f"{k}_length"] = self._tokenized(value or "")
         return out
+
+    def _tokenized(self, text: str) -> tuple[np.ndarray, int]:
+        ids = self._tokens.encode_text(text)
+        if ids.size > self.max_tokens:
+            ids = np.append(ids[:self.max_tokens - 1], ids[-1])
+        padded = np.zeros(self.max_tokens, dtype=np.int64)
+        padded[:ids.size] = ids
+        return padded, int(ids.size)
 
 
 RESAMPLERS = ("torch", "pillow")
