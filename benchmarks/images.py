@@ -322,10 +322,10 @@ def s3_epochs(url: str, proxy, tier_dir: Path, capacity: int, epochs: int, worke
     return out
 
 
-def whole_shard_optimum(shards: list, capacity: int) -> float:
-    """The fewest bytes a reshuffled epoch can fetch, / the dataset, when a cache of `capacity` keeps
-    whole shards (the largest that fit, kept for good): with a few dozen shards this, not 1 - 30%,
-    is the floor."""
+def l2_alone(shards: list, capacity: int) -> float:
+    """Bytes a reshuffled epoch fetches, / the dataset, when an L2 of `capacity` keeps whole shards for
+    good (the largest that fit) and nothing else helps: with a few dozen shards this, not 1 - 30%, is
+    its floor (the RAM staging area serves a shard again at an epoch edge, so an epoch can go below)."""
     kept = 0
     for size in sorted((s.bytes for s in shards), reverse=True):
         if kept + size <= capacity:
@@ -366,7 +366,7 @@ def s3_rows(packed: Path, work: Path, warm_rate: float) -> None:
         warm = max(ratios[1:])
         print(f"bytes per epoch / dataset at rest, L2 = 30% of the dataset ({capacity / 1e6:.0f} MB), 0 workers, "
               f"no decode, epochs 1-3: {' '.join(f'{r:.2f}' for r in ratios)}, warm mean "
-              f"{statistics.mean(ratios[1:]):.2f}, whole-shard optimum {whole_shard_optimum(shards, capacity):.2f} "
+              f"{statistics.mean(ratios[1:]):.2f}, the L2 alone keeping whole shards {l2_alone(shards, capacity):.2f} "
               f"(target <= 0.75 per warm epoch: {'met' if warm <= 0.75 else 'MISSED'}; "
               f"an epoch's bytes are the proxy's between its edges: a transfer the stager began before an "
               f"edge counts where its bytes flowed, so epochs differ by up to a shard, 0.04, that the mean does not)")
