@@ -12,9 +12,10 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -75,6 +76,22 @@ def add_wait(parts: dict[tuple[str, str], float], wait_s: float, timing: Mapping
         explained -= fetch_part
     if explained > 0:
         parts[_PREP] = parts.get(_PREP, 0.0) + explained
+
+
+def _floats(values: Iterable[float | None], n: int) -> tuple[np.ndarray, bool]:
+    """The `n` values as a float64 array and whether none was None (a None reads NaN). Packed by a `struct`,
+    which converts a float in a few instructions where `np.fromiter` spends ~200 (a flush converts five
+    columns of 128)."""
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = _PACKERS[n] = struct.Struct(f"{n}d")
+    try:
+        return np.frombuffer(packer.pack(*values), dtype=np.float64), True
+    except struct.error:  # a None among them
+        return np.fromiter(values, dtype=np.float64, count=n), False
+
+
+_PACKERS: dict[int, struct.Struct] = {}
 
 
 def _split_unfetched(wait: np.ndarray, produced: np.ndarray, parts: dict[tuple[str, str], float]) -> None:
@@ -194,10 +211,11 @@ class LoaderTelemetry:
             if not n:
                 return
             askeds, handeds, lasts, timings, depths = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
-            asked = np.fromiter(askeds, dtype=np.float64, count=n)
-            wait = np.fromiter(handeds, dtype=np.float64, count=n) - asked
-            step = asked - np.fromiter(lasts, dtype=np.float64, count=n)  # None (numpy reads NaN): no step
-            if np.isnan(np.add.reduce(step)):  # before the first batch of a `for`
+            asked = _floats(askeds, n)[0]
+            wait = _floats(handeds, n)[0] - asked
+            last, every = _floats(lasts, n)  # None (NaN): no step, before the first batch of a `for`
+            step = asked - last
+            if not every:
                 step = step[~np.isnan(step)]
             if step.size:
                 self.step.observe_vector(step)
@@ -208,15 +226,15 @@ class LoaderTelemetry:
                 wait[:startup] = 0.0
             self.wait.observe_vector(wait)
             stalls = int(np.count_nonzero(wait > self.stall_threshold_s))
-            depth = np.fromiter(depths, dtype=np.float64, count=n)  # None (NaN): the feed knew no depth
-            if np.isnan(np.add.reduce(depth)):
+            depth, every = _floats(depths, n)  # None (NaN): the feed knew no depth
+            if not every:
                 depth = depth[~np.isnan(depth)]
             if depth.size:
                 self.depth.observe_vector(depth)
                 self.depth_now.set(next(d for d in reversed(depths) if d is not None))
             stalled: dict[tuple[str, str], float] = {}
             try:  # every batch timed (the usual case): the waits of those that opened no shard split at once
-                produced = np.fromiter(map(_PRODUCED, timings), dtype=np.float64, count=n)
+                produced = _floats(tuple(map(_PRODUCED, timings)), n)[0]
                 fetches = list(map(_FETCHED, timings))
             except (TypeError, KeyError):  # a batch without timing (a DataLoader you built) or with part of it
                 produced = np.asarray(self._split_each(wait.tolist(), timings, stalled), dtype=np.float64)
