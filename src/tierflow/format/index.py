@@ -87,8 +87,8 @@ class DatasetIndex:
         known = [_known_token_counts(s) for s in shards]
         # a shard whose counts are unknown yet has all its blocks start at its first token, so a
         # lookup still finds its shard; the counts are read then (`_learn`)
-        self.block_tokens = cumulative(np.concatenate(
-            [c if c is not None else _unknown_token_counts(s) for s, c in zip(shards, known)] or [np.zeros(0, np.int64)]))
+        counts = [c if c is not None else _unknown_token_counts(s) for s, c in zip(shards, known)]
+        self.block_tokens = cumulative(np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64))
         shard_of = np.repeat(np.arange(len(shards), dtype=np.int64), per_shard)
         self._blocks = np.stack([shard_of, np.arange(shard_of.size, dtype=np.int64) - self.first_block[shard_of],
                                  self.block_tokens[:-1], self.block_tokens[1:], self.block_samples[:-1]], axis=1)

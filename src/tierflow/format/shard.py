@@ -162,7 +162,8 @@ class BlockList(SequenceABC):
         block and column (lists of 3,081 blocks were ~60% of a 100M-sample manifest's load)."""
         names, count, table = b.get("columns"), b.get("count"), b.get("table")
         if names not in (list(TABLE_COLUMNS[:3]), list(TABLE_COLUMNS)):
-            raise ValueError(f"blocks.columns = {names!r:.80} is not {list(TABLE_COLUMNS[:3])}, optionally + ['tokens']")
+            raise ValueError(f"blocks.columns = {names!r:.80} is not {list(TABLE_COLUMNS[:3])}, "
+                             f"optionally + ['tokens']")
         if type(count) is not int or not 0 <= count < MAX_COUNT or not isinstance(table, str):
             raise TypeError("blocks.count is not a block count or blocks.table is not a string")
         try:
@@ -226,8 +227,9 @@ class BlockList(SequenceABC):
         if found is None:
             tokens = int(self.tokens[index]) if self.tokens is not None else None
             checksum = self.checksums[index]
+            hexed = checksum if isinstance(checksum, str) else f"{int(checksum):016x}"
             found = self._made[index] = Block(int(self.offsets[index]), int(self.lengths[index]), int(self.rows[index]),
-                                              checksum if isinstance(checksum, str) else f"{int(checksum):016x}", tokens)
+                                              hexed, tokens)
         return found
 
     def __iter__(self) -> Iterator[Block]:
