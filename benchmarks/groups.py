@@ -13,18 +13,23 @@ blocks of 1,000 samples), whose label is clustered: the source file, 500 consecu
   trained one epoch by SGD (batch 256) in this order; the mean squared error on all samples over
   the noise floor's 1.0, averaged over the epoch's second half (the iterate's noise, which
   correlated batches raise), mean of 3 seeds; the ideal is a uniform permutation.
-Rows: the window shuffle (group_bytes=0), block groups of 16, 4 (the default) and 1 MiB, and
-the two bounds, a uniform permutation of the dataset and the stored order.
+Rows: the window shuffle (group_bytes=0), block groups of 16, 4 (the default before issue 17's
+second start-up pass), 1 MiB and 256 KiB (never less than a block: here one 1 MB block), the
+default (256 KiB and at least 1,024 samples: here 1 MiB), and the two bounds, a uniform
+permutation of the dataset and the stored order. `--block-samples 250`
+cuts 256 KB blocks (the packer's smallest), where the default groups are a quarter of 1 MiB's.
 
-    .venv/bin/python benchmarks/groups.py
+    .venv/bin/python benchmarks/groups.py [--block-samples 1000]
 """
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from tierflow.order import RankStream, SampleOrder
-from tierflow.order.groups import GROUP_BYTES
+from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES
 
 SHARDS = 256
 PER_SHARD = 10_000
@@ -37,10 +42,10 @@ DIM = 8
 LR = 0.02
 
 
-def epoch_ids(group_bytes: int, seed: int) -> np.ndarray:
+def epoch_ids(group_bytes: int, seed: int, group_samples: int = 0) -> np.ndarray:
     order = SampleOrder([PER_SHARD] * SHARDS, dataset_id="quality", seed=seed, partitions=64, window_shards=4,
                         lanes=16, group_bytes=group_bytes, decoded_bytes=[PER_SHARD * SAMPLE_BYTES] * SHARDS,
-                        block_bytes=[BLOCK_SAMPLES * SAMPLE_BYTES] * SHARDS)
+                        block_bytes=[BLOCK_SAMPLES * SAMPLE_BYTES] * SHARDS, group_samples=group_samples)
     stream = RankStream(order, order.start(), batch_size=BATCH)
     batches = SHARDS * PER_SHARD // BATCH
     return np.concatenate([stream.node_batch(j).sample_ids for j in range(batches)])
@@ -78,10 +83,16 @@ def quality(ids: np.ndarray, seed: int) -> dict[str, float]:
 
 
 def main() -> None:
+    global BLOCK_SAMPLES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-samples", type=int, default=BLOCK_SAMPLES, help="samples of 1 KB a block")
+    BLOCK_SAMPLES = parser.parse_args().block_samples
     rows: list[tuple[str, object]] = [("window (group_bytes=0)", 0), ("groups 16 MiB", 16 << 20),
-                                      (f"groups {GROUP_BYTES >> 20} MiB (default)", GROUP_BYTES),
-                                      ("groups 1 MiB", 1 << 20), ("uniform permutation", "uniform"),
-                                      ("stored order", "stored")]
+                                      ("groups 4 MiB", 4 << 20), ("groups 1 MiB", 1 << 20),
+                                      (f"groups {GROUP_BYTES >> 10} KiB", GROUP_BYTES),
+                                      (f"{GROUP_BYTES >> 10} KiB, {GROUP_SAMPLES} samples (default)",
+                                       (GROUP_BYTES, GROUP_SAMPLES)),
+                                      ("uniform permutation", "uniform"), ("stored order", "stored")]
     print(f"{SHARDS} shards x {PER_SHARD:,} samples of {SAMPLE_BYTES} B, blocks of {BLOCK_SAMPLES}, source files of "
           f"{FILE_SAMPLES}; one node, 16 lanes x windows of 4, batch {BATCH}; mean over seeds {SEEDS} (min-max)")
     print(f"{'shuffle':<28}{'blocks/batch':>14}{'files/batch':>13}{'eff. files':>12}{'|rho|':>9}"
@@ -94,7 +105,7 @@ def main() -> None:
             elif how == "stored":
                 ids = np.arange(SHARDS * PER_SHARD)
             else:
-                ids = epoch_ids(int(how), seed)
+                ids = epoch_ids(how[0], seed, how[1]) if isinstance(how, tuple) else epoch_ids(int(how), seed)
             per_seed.append(quality(ids, seed))
         mean = {k: float(np.mean([q[k] for q in per_seed])) for k in per_seed[0]}
         losses = [q["loss"] for q in per_seed]

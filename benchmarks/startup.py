@@ -16,7 +16,8 @@ between runs (a warm local start); the cold path belongs to benchmarks/loader.py
 `--group-bytes default,0` measures the loader's default shuffle (block groups) and, beside it in
 the same alternating rounds, the full-window shuffle (group_bytes=0). `--before OTHER/src` measures
 another checkout's code (e.g. `git archive main src | tar -x -C /tmp/before`) beside this one's, in
-the same alternating rounds (rows "before" and "this").
+the same alternating rounds (rows "before" and "this"), each on datasets its own pack wrote (so each
+reads its own manifest format).
 
     .venv/bin/python benchmarks/startup.py [--sizes 1M,10M,100M] [--runs 3] [--shards 30] [--group-bytes default,0]
         [--before /tmp/before/src]
@@ -75,6 +76,8 @@ def write_parquet(path: Path, samples: int) -> None:
 def build_dataset(root: Path, samples: int, shards: int, compression: str) -> tuple[Path, int, float]:
     """(dataset directory, shard count, build seconds); shards hold 8 bytes per sample decoded."""
     import tierflow
+
+    root.mkdir(parents=True, exist_ok=True)
 
     shard_bytes = 8 * math.ceil(samples / shards)  # whole rows, so the last shard is the short one
     if shard_bytes < MIN_SHARD_BYTES:
@@ -145,6 +148,19 @@ def child(mode: str, path: str, cursor_file: str | None, group: str) -> None:
         "blocks_read": getattr(source, "blocks_read", -1),
         **resident,
     }))
+
+
+def build_with(src: str | None, root: Path, samples: int, shards: int, compression: str) -> tuple[Path, int, float]:
+    """`build_dataset` in a child importing the tierflow of `src` (None: this one's), so each code reads
+    the format its own pack writes (a newer format version is refused by an older reader)."""
+    command = [sys.executable, __file__, "--build", str(samples), "--path", str(root), "--shards", str(shards),
+               "--compression", compression]
+    env = {**os.environ, "PYTHONPATH": src} if src is not None else None
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"building {label(samples)} samples exited {done.returncode}:\n{done.stderr[-4000:]}")
+    path, count, seconds = json.loads(done.stdout.strip().splitlines()[-1])
+    return Path(path), count, seconds
 
 
 def run_child(mode: str, path: Path, cursor_file: Path, group: str, src: str | None = None) -> dict:
@@ -221,12 +237,17 @@ def main() -> None:
                         help="another checkout's src/ folder, measured beside this one in the same rounds")
     parser.add_argument("--keep", action="store_true", help="leave the datasets on disk and print where")
     parser.add_argument("--child", choices=["startup", "resume", "cursor"], help=argparse.SUPPRESS)
+    parser.add_argument("--build", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--cursor-file", help=argparse.SUPPRESS)
     parser.add_argument("--group", default="default", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.path, args.cursor_file, args.group)
+        return
+    if args.build:
+        path, count, seconds = build_dataset(Path(args.path), args.build, args.shards, args.compression)
+        print(json.dumps([str(path), count, seconds]))
         return
     groups = [g.strip() for g in args.group_bytes.split(",")]
 
@@ -235,18 +256,21 @@ def main() -> None:
         parser.error("--sizes needs at least two sizes: the figure is the growth from the smallest to the largest")
     root = Path(tempfile.mkdtemp(prefix="tierflow-startup-", dir="/tmp"))
     try:
-        datasets: dict[int, Path] = {}
-        shard_counts: dict[int, int] = {}
-        for samples in sizes:
-            datasets[samples], shard_counts[samples], seconds = build_dataset(root, samples, args.shards, args.compression)
-            print(f"built {label(samples)} samples: {shard_counts[samples]} shards in {seconds:.1f} s", flush=True)
-        if len(set(shard_counts.values())) != 1:
-            print(f"warning: shard counts differ across sizes: {shard_counts}", flush=True)
-        cursors = {(g, s): root / f"cursor-{g}-{label(s)}.json" for g in groups for s in sizes}
-        for (group, samples), cursor in cursors.items():
-            run_child("cursor", datasets[samples], cursor, group)
         sources = {"this": None, **({"before": args.before} if args.before else {})}
         codes = list(sources)[::-1]
+        datasets: dict[tuple[str, int], Path] = {}
+        shard_counts: dict[int, int] = {}
+        for code in codes:
+            for samples in sizes:
+                datasets[(code, samples)], shard_counts[samples], seconds = build_with(
+                    sources[code], root / code, samples, args.shards, args.compression)
+                print(f"built {label(samples)} samples ({code}): {shard_counts[samples]} shards in {seconds:.1f} s",
+                      flush=True)
+        if len(set(shard_counts.values())) != 1:
+            print(f"warning: shard counts differ across sizes: {shard_counts}", flush=True)
+        cursors = {(c, g, s): root / c / f"cursor-{g}-{label(s)}.json" for c in codes for g in groups for s in sizes}
+        for (code, group, samples), cursor in cursors.items():
+            run_child("cursor", datasets[(code, samples)], cursor, group, sources[code])
         results: dict[tuple[str, str, str, int], list[dict]] = {
             (m, g, c, s): [] for m in ("startup", "resume") for g in groups for c in codes for s in sizes}
         for run in range(args.runs):
@@ -256,7 +280,8 @@ def main() -> None:
                     for code in codes if run % 2 == 0 else codes[::-1]:
                         for mode in ("startup", "resume"):
                             results[(mode, group, code, samples)].append(run_child(
-                                mode, datasets[samples], cursors[(group, samples)], group, sources[code]))
+                                mode, datasets[(code, samples)], cursors[(code, group, samples)], group,
+                                sources[code]))
             print(f"run {run + 1}/{args.runs} done", flush=True)
         print_table(sizes, shard_counts, groups, codes, results)
     finally:

@@ -15,6 +15,7 @@ import pytest
 import tierflow
 from tierflow import errors
 from tierflow.errors import ShardCorruptError, SourceError, SourceNotFound, TierflowError
+from tierflow.format.shard import block_lists
 
 
 def _all_error_classes() -> list[type]:
@@ -131,7 +132,8 @@ def test_a_block_that_verifies_but_does_not_decode_is_shard_corrupt_naming_it(tm
     tierflow.pack([tmp_path / "docs.jsonl"], tmp_path / "ds", workers=1, compression="none", block_bytes=16 << 10)
     manifest_path = tmp_path / "ds" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    shard, blocks = manifest["shards"][0], manifest["shards"][0]["blocks"]
+    shard = manifest["shards"][0]
+    blocks = shard["blocks"] = block_lists(shard["blocks"])
     offset, length = blocks["offset"][1], blocks["length"][1]
     path = tmp_path / "ds" / shard["name"]
     data = bytearray(path.read_bytes())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import tierflow
 from tierflow.format import table
+from tierflow.format.shard import block_lists
 
 
 def instrument(log_dir: Path) -> None:
@@ -60,7 +61,7 @@ def main() -> None:
         instrument(log_dir)
         for kind, name in (("tokens", "tierflow-tokens"), ("text", "tierflow-docs")):
             data = Path(args.work) / "data" / name
-            total = sum(len(s["blocks"]["rows"]) for s in json.loads((data / "manifest.json").read_text())["shards"])
+            total = sum(len(block_lists(s["blocks"])["rows"]) for s in json.loads((data / "manifest.json").read_text())["shards"])
             for workers in (0, args.workers):
                 per = epoch(data, kind, workers, log_dir)
                 loads = collections.Counter({pid: n for pid, (n, _, _) in per.items()})

@@ -12,7 +12,7 @@ import tierflow
 from tierflow.format.index import DatasetIndex, cumulative
 from tierflow.format.manifest import MANIFEST_NAME
 from tierflow.format.reads import SampleLengths, TokenReader
-from tierflow.format.shard import Block, ShardInfo
+from tierflow.format.shard import Block, ShardInfo, block_lists
 
 
 def pack_tokens(tmp_path: Path, n: int = 12000) -> Path:
@@ -86,7 +86,9 @@ def test_a_pack_without_block_token_counts_reads_them_for_the_shard_it_needs_onl
     manifest = json.loads((packed / MANIFEST_NAME).read_text())
     for shard in manifest["shards"]:
         (old / shard["name"]).symlink_to(packed / shard["name"])
+        shard["blocks"] = block_lists(shard["blocks"])  # format version 1's lists
         del shard["blocks"]["tokens"]  # a pack from before blocks recorded their token counts
+    manifest["format_version"] = 1
     manifest.pop("manifest_checksum")  # such a pack predates the checksum too
     (old / MANIFEST_NAME).write_text(json.dumps(manifest))
     ds, fresh = tierflow.open_dataset(old), tierflow.open_dataset(packed)
@@ -146,8 +148,10 @@ def test_a_manifests_block_columns_are_the_records_pack_wrote(packed):
     info = Manifest.load(packed).shards[0]
     blocks = info.blocks
     assert isinstance(blocks, BlockList) and blocks.made == 0 and len(blocks) >= 2
-    records = [Block(int(o), int(n), int(r), c, int(t)) for o, n, r, c, t in
-               zip(blocks.offsets, blocks.lengths, blocks.rows, blocks.checksums, blocks.tokens)]
+    lists = block_lists(json.loads((packed / MANIFEST_NAME).read_text())["shards"][0]["blocks"])
+    records = [Block(*values) for values in
+               zip(lists["offset"], lists["length"], lists["rows"], lists["checksum"], lists["tokens"])]
+    assert all(len(c) == 16 for c in lists["checksum"])
     assert blocks == records and blocks[1:] == records[1:] and list(blocks) == records
     assert ShardInfo(**{**info.__dict__, "blocks": records}) == info
     assert blocks != records[:-1] and blocks != "not blocks" and blocks != 3

@@ -27,7 +27,7 @@ from tierflow.format._ipcmeta import MalformedMessage, _Table, batch_claims
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.shard import ShardWriter, block_schema, decode_shard
 
-from hostile import forge, record_batch_metadata, set_rows
+from hostile import forge, listed, record_batch_metadata, set_rows
 
 SRC = Path(tierflow.__file__).resolve().parents[1]  # the tierflow under test, in the child too
 TESTS = Path(__file__).resolve().parent
@@ -60,7 +60,7 @@ def run_child(code: str, timeout: float = 60) -> tuple[int, str, float]:
 
 def test_a_block_claiming_more_rows_than_its_buffers_hold_is_refused(tmp_path):
     root = pack_plain(tmp_path)
-    rows = json.loads((root / MANIFEST_NAME).read_text())["shards"][0]["blocks"]["rows"]
+    rows = listed(json.loads((root / MANIFEST_NAME).read_text()))["shards"][0]["blocks"]["rows"]
     shard = forge(root, 0, lambda data, s: set_rows(data, s, 1, rows[1] + 1001))
     ds = tierflow.open_dataset(root)
     first = rows[0]
@@ -203,7 +203,7 @@ def test_a_remote_manifest_over_the_limit_is_refused_before_download(tmp_path, m
 
 
 def _record_batch_meta(root: Path) -> bytes:
-    m = json.loads((root / MANIFEST_NAME).read_text())
+    m = listed(json.loads((root / MANIFEST_NAME).read_text()))
     shard = m["shards"][0]
     data = (root / shard["name"]).read_bytes()
     start, size = record_batch_metadata(data, shard["blocks"]["offset"][1], shard["blocks"]["length"][1], False)

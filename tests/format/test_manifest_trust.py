@@ -21,6 +21,8 @@ from tierflow.commands.cli import main
 from tierflow.errors import ManifestError, ShardCorruptError, TierflowError
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 
+from hostile import listed
+
 CHECKSUM_KEY = "manifest_checksum"
 
 
@@ -46,7 +48,7 @@ def edit(root: Path, change, keep_checksum: bool = False) -> dict:
     """Apply `change` to the manifest's JSON; without `keep_checksum` the checksum goes too (a legacy
     manifest, or a hostile one whose author dropped it)."""
     path = root / MANIFEST_NAME
-    d = json.loads(path.read_text())
+    d = listed(json.loads(path.read_text()))
     change(d)
     if not keep_checksum:
         d.pop(CHECKSUM_KEY, None)
@@ -271,7 +273,7 @@ def test_a_shard_without_the_token_column_its_manifest_counts_tokens_in_is_refus
             f.write(json.dumps({"id": i, "text": f"doc {i} " + "z" * (i % 50)}) + "\n")
     for name, tokenizer in (("tok", "bytes"), ("plain", None)):
         tierflow.pack([src], tmp_path / name, tokenizer=tokenizer, workers=1, block_bytes=4 << 10)
-    plain = json.loads((tmp_path / "plain" / MANIFEST_NAME).read_text())
+    plain = listed(json.loads((tmp_path / "plain" / MANIFEST_NAME).read_text()))
     (shard,) = plain["shards"]
     shutil.copy(tmp_path / "plain" / shard["name"], tmp_path / "tok" / shard["name"])
 

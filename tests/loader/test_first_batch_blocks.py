@@ -3,6 +3,7 @@ block-group shuffle against the full-window one, counted in blocks read, on real
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -49,6 +50,22 @@ def test_the_first_batch_reads_the_same_few_blocks_at_8x_the_size(small_and_larg
     assert large <= 4 and small <= 4, (small, large)
     full_window, _ = first_batch_blocks(small_and_large["large"], group_bytes=0)
     assert full_window >= 8 * large, (full_window, large)  # what the window shuffle read
+
+
+def test_with_the_default_groups_the_first_batch_reads_a_few_blocks_at_any_size(small_and_large):
+    """No group_bytes given: a group is a run of about 256 KiB (the packer's smallest block), so the
+    first batch, from a start and from a resume, decodes at most those 16 blocks and the two a run
+    straddles, whether a shard holds 256 KB or 8x that (4 MiB groups read all 128 of a large shard)."""
+    read = {}
+    for name, path in small_and_large.items():
+        loader = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS))
+        for step, _ in enumerate(loader):
+            if step == 20:
+                state = loader.state_dict()
+                break
+        loader.close()
+        read[name] = [first_batch_blocks(path)[0], first_batch_blocks(path, resume=state)[0]]
+    assert max(read["small"] + read["large"]) <= (256 << 10) // BLOCK_BYTES + 2, read
 
 
 def test_a_resumed_first_batch_reads_as_few_blocks(small_and_large):
@@ -102,3 +119,28 @@ def test_a_start_makes_block_records_only_for_the_blocks_it_reads(small_and_larg
         assert 1 <= made[name] <= source.blocks_read + source.opens, (name, made[name], source.blocks_read)
         loader.close()
     assert max(made.values()) <= 4 + SHARDS, made
+
+
+def test_a_cursor_saved_before_the_sample_floor_resumes_its_order(small_and_large):
+    """A cursor of the 4 MiB default without group_samples (its config hashed as then) resumes, with
+    the floor it was saved with (none), exactly where it stopped."""
+    path = small_and_large["small"]
+    loader = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, group_bytes=4 << 20))
+    seen = []
+    for step, batch in enumerate(loader):
+        seen.append(np.asarray(batch["x"]).copy())
+        if step == 2:
+            state = json.loads(json.dumps(loader.state_dict()))
+        if step == 5:
+            break
+    loader.close()
+    order = state["cursor"]["order"]
+    assert order["config"].pop("group_samples") == 1024
+    canonical = json.dumps(order["config"], sort_keys=True, separators=(",", ":"))
+    order["config_hash"] = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    dataset = TieredDataset(path, batch_size=BATCH, partitions=SHARDS, resume=state)
+    assert dataset.order.group_samples == 0 and dataset.order.config_hash == order["config_hash"]
+    resumed = Loader(dataset)
+    again = [np.asarray(b["x"]).copy() for _, b in zip(range(3), resumed)]
+    resumed.close()
+    assert all(np.array_equal(a, b) for a, b in zip(again, seen[3:]))

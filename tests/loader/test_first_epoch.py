@@ -30,7 +30,9 @@ def packed(tmp_path_factory) -> str:
 
 
 def dataset(packed, **options) -> TieredDataset:
-    return TieredDataset(packed, batch_size=BATCH, columns=["i"], seed=5, **options)
+    """Groups of 4 MiB, a whole window of these shards: the shards open at once are the breadth's
+    (lanes x window shards) alone, not cut by the default groups of ~1,024 samples, one shard here."""
+    return TieredDataset(packed, batch_size=BATCH, columns=["i"], seed=5, **{"group_bytes": 4 << 20, **options})
 
 
 def samples(ds: TieredDataset) -> int:

@@ -125,3 +125,26 @@ def test_evaluating_a_grouped_order_imports_no_masked_arrays():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_group_holds_at_least_group_samples_samples():
+    """1 KB samples: 256 KiB groups hold 256, one batch (the stored order shuffled within it); a floor
+    of 1,024 samples cuts 1 MiB runs. 8-byte samples: 256 KiB holds 32,768, and the floor changes nothing."""
+    large = [group_edges(np.array([10_000]), np.array([10_000 << 10]), 256 << 10, None, floor)
+             for floor in (0, 1024)]
+    assert np.diff(large[0]).max() <= 256 and np.diff(large[1]).min() >= 1000  # 40 runs against 10
+    small = [group_edges(np.array([1 << 20]), np.array([8 << 20]), 256 << 10, None, floor) for floor in (0, 1024)]
+    assert np.array_equal(small[0], small[1]) and small[0].size == 33
+    merged = group_edges(np.array([300, 300, 300, 300]), np.array([300 << 10] * 4), 256 << 10, None, 1024)
+    assert merged.tolist() == [0, 900, 1200]  # small shards share a group until it holds ~1,024 samples' bytes
+
+
+def test_an_order_without_a_sample_floor_keeps_the_cursor_hash_it_had_before_the_floor():
+    """A cursor saved before group_samples existed (4 MiB groups, the default then) resumes that order."""
+    old = SampleOrder([1000] * 8, dataset_id="x", partitions=4, group_bytes=4 << 20, decoded_bytes=[10 << 20] * 8,
+                      block_bytes=[1 << 20] * 8)
+    assert "group_samples" not in old.config and old.config_hash == "ab268ff562e0832800e2d8e10ef10f63"
+    floored = SampleOrder([1000] * 8, dataset_id="x", partitions=4, group_bytes=4 << 20, decoded_bytes=[10 << 20] * 8,
+                          block_bytes=[1 << 20] * 8, group_samples=1024)
+    with pytest.raises(CursorMismatchError, match="group_samples: cursor None vs order 1024"):
+        floored.load(old.start().to_dict())

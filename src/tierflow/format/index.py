@@ -10,12 +10,11 @@ read from its blocks' list offsets the first time a token of that shard is looke
 from __future__ import annotations
 
 import threading
-from itertools import chain
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tierflow.format.shard import ShardCorruptError, ShardInfo, block_rows, block_tokens
+from tierflow.format.shard import BlockList, ShardCorruptError, ShardInfo, block_rows, block_tokens
 
 BlockTokenCounts = Callable[[int], Sequence[int]]
 """shard -> its blocks' token counts, read from the blocks (for packs that did not record them)."""
@@ -47,11 +46,24 @@ class TokenPlaces(NamedTuple):
     left: np.ndarray
 
 
-def _known_token_counts(info: ShardInfo) -> list[int] | None:
-    """The shard's per-block token counts from its manifest entry, None when absent or inconsistent."""
-    counts = block_tokens(info.blocks)
-    if not counts or None in counts or sum(counts) != info.tokens or min(counts) < 0:
+def _known_token_counts(info: ShardInfo) -> np.ndarray | None:
+    """The shard's per-block token counts from its manifest entry, None when absent or inconsistent
+    (a manifest's columns as they are: no list per block, at every start)."""
+    blocks = info.blocks
+    if isinstance(blocks, BlockList):
+        counts = blocks.tokens
+    else:
+        listed = block_tokens(blocks)
+        counts = None if None in listed else np.array(listed, dtype=np.int64)
+    if counts is None or not counts.size or int(counts.min()) < 0 or sum(counts.tolist()) != info.tokens:
         return None
+    return counts
+
+
+def _unknown_token_counts(info: ShardInfo) -> np.ndarray:
+    """Counts that start every block of the shard at its first token (until they are read)."""
+    counts = np.zeros(len(info.blocks), dtype=np.int64)
+    counts[-1:] = info.tokens
     return counts
 
 
@@ -75,9 +87,8 @@ class DatasetIndex:
         known = [_known_token_counts(s) for s in shards]
         # a shard whose counts are unknown yet has all its blocks start at its first token, so a
         # lookup still finds its shard; the counts are read then (`_learn`)
-        self.block_tokens = cumulative(chain.from_iterable(
-            c if c is not None else ([0] * (len(s.blocks) - 1) + [s.tokens] if s.blocks else [])
-            for s, c in zip(shards, known)))
+        counts = [c if c is not None else _unknown_token_counts(s) for s, c in zip(shards, known)]
+        self.block_tokens = cumulative(np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64))
         shard_of = np.repeat(np.arange(len(shards), dtype=np.int64), per_shard)
         self._blocks = np.stack([shard_of, np.arange(shard_of.size, dtype=np.int64) - self.first_block[shard_of],
                                  self.block_tokens[:-1], self.block_tokens[1:], self.block_samples[:-1]], axis=1)

@@ -28,7 +28,10 @@ from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, SHARD_PREFIX, SHARD_S
 from tierflow.errors import ManifestError
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""What pack writes: version 2 stores each shard's blocks as one binary table (`block_table`), version
+1 as JSON lists; both are read."""
+READ_VERSIONS = (1, 2)
 _SHARD_NAME = re.compile(rf"^{SHARD_PREFIX}[0-9a-f]{{32}}{re.escape(SHARD_SUFFIX)}$")
 CHECKSUM_KEY = "manifest_checksum"
 MAX_MANIFEST_BYTES = 64 << 20
@@ -73,10 +76,21 @@ def compute_dataset_id(schema_json: dict, tokenizer: dict | None, shard_checksum
 
 
 def manifest_checksum(d: dict) -> str:
-    """xxh3-128 of the manifest's canonical JSON (sorted keys, no spaces), its checksum left out:
-    independent of indentation, so a manifest re-formatted by a tool still verifies."""
+    """xxh3-128 of the manifest's canonical JSON (sorted keys, no spaces), its checksum left out and
+    each block table (version 2) standing in as its text's xxh3-128: independent of indentation, so a
+    manifest re-formatted by a tool still verifies, and the tables are hashed at xxh3's speed rather
+    than escaped character by character (a version 1 manifest has none: its checksum is as before)."""
     body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
+    if isinstance(body.get("shards"), list):
+        body["shards"] = [_table_digested(s) for s in body["shards"]]
     return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _table_digested(shard: Any) -> Any:
+    blocks = shard.get("blocks") if isinstance(shard, dict) else None
+    if not isinstance(blocks, dict) or not isinstance(blocks.get("table"), str):
+        return shard
+    return {**shard, "blocks": {**blocks, "table": xxhash.xxh3_128_hexdigest(blocks["table"].encode())}}
 
 
 _SHARD_COUNTS = ("samples", "bytes", "decoded_bytes", "tokens")
@@ -137,7 +151,7 @@ class Manifest:
         schema_json = schema_to_json(self.schema)
         d = {
             "format": "tierflow",
-            "format_version": self.format_version,
+            "format_version": FORMAT_VERSION,  # the blocks are written as tables, whatever was read
             "dataset_id": self.dataset_id,
             "schema": schema_json,
             "tokenizer": self.tokenizer,
@@ -212,8 +226,9 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != "tierflow":
             raise fail("not a tierflow manifest (missing \"format\": \"tierflow\")")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
-            raise fail(f"unknown format_version {version!r}; this tierflow reads version {FORMAT_VERSION}")
+        if type(version) is not int or version not in READ_VERSIONS:
+            raise fail(f"unknown format_version {version!r:.40}; this tierflow reads versions "
+                       f"{', '.join(map(str, READ_VERSIONS))}")
         recorded_sum = d.get(CHECKSUM_KEY)
         if recorded_sum is not None and recorded_sum != manifest_checksum(d):
             raise fail(f"{CHECKSUM_KEY} {recorded_sum!r:.40} does not match the manifest's contents "

@@ -36,7 +36,7 @@ from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
-from tierflow.order.groups import GROUP_BYTES
+from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES
 from tierflow.order.working_set import (WorkingSet, choose_working_set, with_first_epoch, working_set_bytes,
                                         working_set_shards)
 from tierflow.policies.auto import Lifecycle
@@ -73,9 +73,10 @@ class TieredDataset(IterableDataset):
     the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
     samples the rank pulls from its stream at a time. `shuffle=False` trains in stored order (each
     node reads its partitions' shards in order, the same every epoch), resumable and split as ever.
-    `group_bytes` (None: GROUP_BYTES, 4 MiB, or the cursor's of a resume or `load_state_dict`) shuffles samples within block
-    groups of about that many decoded bytes inside each window, so a batch decodes a bounded number
-    of blocks whatever the dataset's size (order/groups.py); 0 shuffles each window's samples all
+    `group_bytes` (None: GROUP_BYTES, 256 KiB, or the cursor's of a resume or `load_state_dict`) shuffles samples within block
+    groups of about that many decoded bytes (and at least GROUP_SAMPLES, 1,024 samples, or the cursor's)
+    inside each window, so a batch decodes a bounded number of blocks whatever the dataset's size
+    (order/groups.py); 0 shuffles each window's samples all
     together (every block of a window's shards is read for its first batches).
     `narrow_first_epoch` (with lanes and window_shards chosen, not given): epoch 0 reads at most
     1/16 of the node's shards at once (working_set.FIRST_EPOCH_SHARE), so a cold node streams its
@@ -170,14 +171,16 @@ class TieredDataset(IterableDataset):
         self._first_epoch = _saved_first_epoch(saved, self._first_epoch_chosen)
         self._groups_given = group_bytes is not None
         if group_bytes is None:
-            group_bytes = _saved_group_bytes(saved)
+            group_bytes = _saved_group(saved, "group_bytes", GROUP_BYTES)
         if not shuffle and lanes is None:
             lanes = 1  # one lane reads the node's contiguous partitions one after another: stored order
         if partitions is None:
             partitions = default_partitions(int((counts > 0).sum()))
         self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
                             "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle,
-                            "group_bytes": group_bytes, "decoded_bytes": [s.decoded_bytes for s in manifest.shards],
+                            "group_bytes": group_bytes,
+                            "group_samples": _saved_group(saved, "group_samples", GROUP_SAMPLES),
+                            "decoded_bytes": [s.decoded_bytes for s in manifest.shards],
                             "block_bytes": [_largest_block(s) for s in manifest.shards]}
         self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
         self.order = self.order_with(self.working_set)
@@ -261,10 +264,13 @@ class TieredDataset(IterableDataset):
             saved = getattr(cursor.order, "config", {}).get("dataset_id")
             if isinstance(self.order, SampleOrder) and saved != self.order.dataset_id and not self.allow_mismatch:
                 raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
-            if isinstance(self.order, SampleOrder) and not getattr(self, "_groups_given", True):
-                groups = _saved_group_bytes(cursor)  # group_bytes not chosen: the cursor's, as at construction
-                if self.order.shuffle and groups != self.order.group_bytes:
-                    self._order_args["group_bytes"] = groups
+            if isinstance(self.order, SampleOrder) and self.order.shuffle:
+                # the cursor's floor, as at construction, and its group_bytes unless they were chosen
+                groups = {"group_samples": _saved_group(cursor, "group_samples", GROUP_SAMPLES)}
+                if not getattr(self, "_groups_given", True):
+                    groups["group_bytes"] = _saved_group(cursor, "group_bytes", GROUP_BYTES)
+                if any(self._order_args[key] != value for key, value in groups.items()):
+                    self._order_args.update(groups)
                     self.order = self.order_with(self.working_set)
             if isinstance(self.order, SampleOrder) and getattr(self, "_first_epoch_chosen", False):
                 first = _saved_first_epoch(cursor, True)  # breadth not chosen: the cursor's, as at construction
@@ -325,9 +331,11 @@ class TieredDataset(IterableDataset):
         order = self.order
         if not (order.shuffle and order.group_bytes) or order.block_bytes is None or not len(order.block_bytes):
             return windows
-        # a group is never cut smaller than its shard's largest block; the largest shard is the headroom
+        # a group is never cut smaller than its shard's largest block, nor its floor of samples; the
+        # largest shard is the headroom
         block = int(order.block_bytes.mean())
-        return min(windows, self.working_set.lanes * (max(order.group_bytes, block) + 2 * block) + max(sizes))
+        floor = order.group_samples * sum(sizes) // max(1, order.layout.num_samples)
+        return min(windows, self.working_set.lanes * (max(order.group_bytes, floor, block) + 2 * block) + max(sizes))
 
     def _bound_decoded(self, dataset: Dataset) -> None:
         cache = getattr(dataset.source, "cache", None)
@@ -528,13 +536,14 @@ def _largest_block(shard: ShardInfo) -> int:
     return shard.decoded_bytes * rows // max(shard.samples, 1)
 
 
-def _saved_group_bytes(resume: LoaderCursor | None) -> int:
-    """A resumed cursor's block groups (0 in one saved before them: the full-window shuffle), else the default."""
+def _saved_group(resume: LoaderCursor | None, key: str, default: int) -> int:
+    """A resumed cursor's `group_bytes` or `group_samples` (0 in one saved before that existed: the
+    full-window shuffle, no floor), else the default."""
     config = _saved_config(resume)
     if not config:
-        return GROUP_BYTES
-    value = config.get("group_bytes", 0)
-    return value if isinstance(value, int) else GROUP_BYTES
+        return default
+    value = config.get(key, 0)
+    return value if isinstance(value, int) else default
 
 
 def _other_dataset(saved: str, ours: str) -> str:

@@ -19,15 +19,21 @@ import numpy as np
 from tierflow.order._keys import derive_key, splitmix64_array
 from tierflow.order.permutation import FeistelPermutation, permute_each
 
-GROUP_BYTES = 4 << 20
-"""The loader's default: see docs/order.md ("Block groups") for the shuffle quality it keeps."""
+GROUP_BYTES = 256 << 10
+"""The loader's default: the packer's smallest block (256 KB), so a group is a run of about the
+shard's largest block (never less) in any pack, and a batch decodes two or three blocks however
+many samples a shard holds. See docs/order.md ("Block groups") for the shuffle quality it keeps."""
+GROUP_SAMPLES = 1024
+"""The loader's default floor in samples: a group of small byte size but large samples (1 KB and
+up) would hold only a batch or two, which is the stored order shuffled within the batch; 1,024
+samples mix as 4 MiB groups did in benchmarks/groups.py's SGD loss (1 MiB at 1 KB a sample)."""
 
 
 def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
-                block_bytes: np.ndarray | None = None) -> np.ndarray:
+                block_bytes: np.ndarray | None = None, group_samples: int = 0) -> np.ndarray:
     """Slot edges (window-relative, from 0 to the window's size) of the groups of a window whose
     shards, in reading order, hold `counts` samples and `decoded_bytes` bytes (the largest block
-    of each `block_bytes`)."""
+    of each `block_bytes`); a group holds at least `group_samples` samples' worth of a shard's bytes."""
     edges = [0]
     start = 0
     open_bytes = 0  # bytes of the small shards in the group still open
@@ -35,8 +41,9 @@ def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
     for count, size, block in zip(counts.tolist(), decoded_bytes.tolist(), blocks):
         if count == 0:
             continue
-        if size <= group_bytes:
-            if open_bytes and open_bytes + size > group_bytes:
+        limit = max(group_bytes, -(-group_samples * size // count))
+        if size <= limit:
+            if open_bytes and open_bytes + size > limit:
                 edges.append(start)
                 open_bytes = 0
             open_bytes += size
@@ -44,7 +51,7 @@ def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
             if open_bytes:
                 edges.append(start)
                 open_bytes = 0
-            runs = -(-size // max(group_bytes, block))
+            runs = -(-size // max(limit, block))
             edges.extend((start + np.arange(1, runs) * count // runs).tolist())
             edges.append(start + count)
         start += count
@@ -59,8 +66,8 @@ class WindowGroups:
     FeistelPermutation: window offsets in, window slots out)."""
 
     def __init__(self, counts: np.ndarray, decoded_bytes: np.ndarray, block_bytes: np.ndarray | None,
-                 group_bytes: int, seed: int, epoch: int, partition: int, window: int) -> None:
-        self.edges = group_edges(counts, decoded_bytes, group_bytes, block_bytes)
+                 group_bytes: int, seed: int, epoch: int, partition: int, window: int, group_samples: int = 0) -> None:
+        self.edges = group_edges(counts, decoded_bytes, group_bytes, block_bytes, group_samples)
         sizes = np.diff(self.edges)
         key = derive_key("groups", seed, epoch, partition, window)
         self.order = FeistelPermutation(sizes.size, key)(np.arange(sizes.size, dtype=np.int64))

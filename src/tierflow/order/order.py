@@ -44,8 +44,9 @@ class SampleOrder:
     stored order (contiguous partitions, no shard, window or lane shuffle), every epoch the same.
     `group_bytes` > 0 (with every shard's `decoded_bytes`, and the decoded size of its largest
     block, `block_bytes`, when known): samples are shuffled within block groups of about that many
-    decoded bytes (at least a block) inside each window, the groups shuffled (groups.py), so a
-    batch reads a bounded number of blocks; 0: each window's samples shuffled all together.
+    decoded bytes (at least a block, and `group_samples` samples' worth) inside each window, the
+    groups shuffled (groups.py), so a batch reads a bounded number of blocks; 0: each window's
+    samples shuffled all together.
     `first_epoch` = (lanes at once, window_shards): epoch 0 reads a node's lanes a few at a time, in
     groups of that many (a seeded draw), each group's whole first epoch before the next group's,
     with windows of that many shards; later epochs read every lane at once (interleave.py)."""
@@ -65,14 +66,15 @@ class SampleOrder:
         group_bytes: int = 0,
         decoded_bytes: Sequence[int] | None = None,
         block_bytes: Sequence[int] | None = None,
+        group_samples: int = 0,
         first_epoch: tuple[int, int] | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
         if lanes is not None and lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
-        if group_bytes < 0:
-            raise ValueError(f"group_bytes must be >= 0, got {group_bytes}")
+        if group_bytes < 0 or group_samples < 0:
+            raise ValueError(f"group_bytes and group_samples must be >= 0, got {group_bytes}, {group_samples}")
         if first_epoch is not None and (len(first_epoch) != 2 or min(first_epoch) < 1):
             raise ValueError(f"first_epoch must be (lanes >= 1, window_shards >= 1), got {first_epoch}")
         self.dataset_id = dataset_id
@@ -83,6 +85,7 @@ class SampleOrder:
         self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes, contiguous=not self.shuffle)
         self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
         self.group_bytes = int(group_bytes) if self.shuffle else 0
+        self.group_samples = int(group_samples) if self.group_bytes else 0
         self.first_epoch = None if first_epoch is None or not self.shuffle else (int(first_epoch[0]),
                                                                                  int(first_epoch[1]))
         self.decoded_bytes = self.block_bytes = None
@@ -111,6 +114,8 @@ class SampleOrder:
             self.config["first_epoch"] = list(self.first_epoch)
         if self.decoded_bytes is not None:  # only then, so a full-window order's cursors keep their hash
             self.config["group_bytes"] = self.group_bytes
+            if self.group_samples:  # only then, so a cursor saved before the floor keeps its hash
+                self.config["group_samples"] = self.group_samples
             sizes = self.decoded_bytes if self.block_bytes is None else np.concatenate([self.decoded_bytes,
                                                                                          self.block_bytes])
             self.config["decoded"] = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
@@ -186,7 +191,7 @@ class SampleOrder:
             return found
         window_shards = self.first_epoch[1] if epoch == 0 and self.first_epoch is not None else self.window_shards
         built = EpochWindows(self.layout, partition, epoch, self.seed, window_shards, self.shuffle,
-                             self.group_bytes, self.decoded_bytes, self.block_bytes)
+                             self.group_bytes, self.decoded_bytes, self.block_bytes, self.group_samples)
         self._windows[key] = built
         if len(self._windows) > self._windows_capacity:
             self._windows.popitem(last=False)

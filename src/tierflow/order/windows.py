@@ -40,7 +40,7 @@ class EpochWindows:
     def __init__(
         self, layout: PartitionLayout, partition: int, epoch: int, seed: int, window_shards: int,
         shuffle: bool = True, group_bytes: int = 0, decoded_bytes: np.ndarray | None = None,
-        block_bytes: np.ndarray | None = None,
+        block_bytes: np.ndarray | None = None, group_samples: int = 0,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -63,6 +63,7 @@ class EpochWindows:
         if group_bytes and decoded_bytes is None:
             raise ValueError("block groups (group_bytes > 0) need the shards' decoded_bytes")
         self.group_bytes = group_bytes
+        self.group_samples = group_samples
         self._decoded_bytes = decoded_bytes if group_bytes else None
         self._block_bytes = block_bytes
         self._window_permutations: OrderedDict[int, FeistelPermutation | WindowGroups] = OrderedDict()
@@ -91,7 +92,8 @@ class EpochWindows:
             shards = self.window_shards(window)
             blocks = self._block_bytes[shards] if self._block_bytes is not None else None
             permutation = WindowGroups(self._layout.shard_sample_counts[shards], self._decoded_bytes[shards], blocks,
-                                       self.group_bytes, self.seed, self.epoch, self.partition, window)
+                                       self.group_bytes, self.seed, self.epoch, self.partition, window,
+                                       self.group_samples)
         else:
             size = int(self.window_starts[window + 1] - self.window_starts[window])
             permutation = FeistelPermutation(size, derive_key("window", self.seed, self.epoch, self.partition, window))
