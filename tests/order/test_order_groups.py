@@ -137,6 +137,8 @@ def test_a_group_holds_at_least_group_samples_samples():
     assert np.array_equal(small[0], small[1]) and small[0].size == 33
     merged = group_edges(np.array([300, 300, 300, 300]), np.array([300 << 10] * 4), 256 << 10, None, 1024)
     assert merged.tolist() == [0, 900, 1200]  # small shards share a group until it holds ~1,024 samples' bytes
+    images = group_edges(np.array([60, 60, 60]), np.array([60 * (130 << 10)] * 3), 256 << 10, None, 1024)
+    assert images.tolist() == [0, 30, 60, 90, 120, 150, 180]  # 130 KB samples: 4 MiB groups, not 130 MB ones
 
 
 def test_an_order_without_a_sample_floor_keeps_the_cursor_hash_it_had_before_the_floor():

@@ -27,13 +27,18 @@ GROUP_SAMPLES = 1024
 """The loader's default floor in samples: a group of small byte size but large samples (1 KB and
 up) would hold only a batch or two, which is the stored order shuffled within the batch; 1,024
 samples mix as 4 MiB groups did in benchmarks/groups.py's SGD loss (1 MiB at 1 KB a sample)."""
+GROUP_FLOOR_CAP = 4 << 20
+"""The sample floor asks for at most this many bytes (the default before the floor): 1,024 images of
+~130 KB would otherwise make 130 MB groups, whole windows of small shards, which a cold first
+epoch must fetch before its first batches."""
 
 
 def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
                 block_bytes: np.ndarray | None = None, group_samples: int = 0) -> np.ndarray:
     """Slot edges (window-relative, from 0 to the window's size) of the groups of a window whose
     shards, in reading order, hold `counts` samples and `decoded_bytes` bytes (the largest block
-    of each `block_bytes`); a group holds at least `group_samples` samples' worth of a shard's bytes."""
+    of each `block_bytes`); a group holds at least `group_samples` samples' worth of a shard's bytes,
+    up to GROUP_FLOOR_CAP."""
     edges = [0]
     start = 0
     open_bytes = 0  # bytes of the small shards in the group still open
@@ -41,7 +46,7 @@ def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
     for count, size, block in zip(counts.tolist(), decoded_bytes.tolist(), blocks):
         if count == 0:
             continue
-        limit = max(group_bytes, -(-group_samples * size // count))
+        limit = max(group_bytes, min(-(-group_samples * size // count), GROUP_FLOOR_CAP))
         if size <= limit:
             if open_bytes and open_bytes + size > limit:
                 edges.append(start)
