@@ -150,3 +150,33 @@ def test_a_changed_block_table_fails_the_manifests_checksum(packs, tmp_path):
     d["shards"][0]["blocks"]["table"] = table
     (root / MANIFEST_NAME).write_text(json.dumps(d, indent=3))
     assert Manifest.load(root).checksummed
+
+
+def test_version_1_block_lists_of_the_wrong_type_or_length_are_refused_naming_the_column():
+    from tierflow.format.shard import BlockList
+
+    lists = {"offset": [0, 10], "length": [10, 5], "rows": [2, 1], "checksum": ["a" * 16, "b" * 16]}
+    assert [b.length for b in BlockList.from_json(lists)] == [10, 5]
+    with pytest.raises(TypeError, match="blocks.rows is not a list of int"):
+        BlockList.from_json({**lists, "rows": [2, "1"]})
+    with pytest.raises(ValueError, match="columns differ in length: offset 2, length 2, rows 1"):
+        BlockList.from_json({**lists, "rows": [2]})
+
+
+def test_blocks_that_are_not_contiguous_from_zero_cannot_become_a_table():
+    from tierflow.format.shard import Block, block_table
+
+    with pytest.raises(ValueError, match="not contiguous from offset 0"):
+        block_table([Block(8, 10, 2, "a" * 16, None)])
+    with pytest.raises(ValueError, match="does not fit"):
+        block_table([Block(0, 1 << 33, 2, "a" * 16, None)])
+
+
+def test_the_checksum_of_a_manifest_without_a_shard_list_is_its_canonical_jsons():
+    import xxhash
+
+    from tierflow.format.manifest import manifest_checksum
+
+    body = {"format": "tierflow", "shards": None}
+    assert manifest_checksum({**body, "manifest_checksum": "x"}) == xxhash.xxh3_128_hexdigest(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode())

@@ -34,18 +34,6 @@ class TokenReader:
         self.column = dataset.token_column
         self.pieces = 0
 
-    def copy_into(self, out: np.ndarray, start: int) -> None:
-        """out[:] = tokens[start : start + len(out)]."""
-        stop = start + out.shape[0]
-        if stop > self.dataset.num_tokens:
-            raise IndexError(f"{self.dataset.location}: tokens [{start}, {stop}) past the stream end "
-                             f"{self.dataset.num_tokens}")
-        at = 0
-        for piece in self.dataset.token_pieces(start, stop):
-            out[at:at + piece.size] = piece
-            at += piece.size
-            self.pieces += 1
-
     def copy_windows(self, out: np.ndarray, starts: np.ndarray) -> None:
         """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row: one slice copy per
         block a row touches (almost always one). One index lookup for the batch; each shard is
