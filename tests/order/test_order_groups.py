@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tierflow.order import CursorMismatchError, RankStream, SampleOrder
-from tierflow.order.groups import WindowGroups, group_edges
+from tierflow.order.groups import GROUP_FLOOR_CAP, WindowGroups, floor_bytes, group_edges
 from tierflow.order.permutation import FeistelPermutation, permute_each
 
 COUNTS = [int(c) for c in np.random.default_rng(7).integers(5, 400, size=48)]
@@ -139,6 +139,8 @@ def test_a_group_holds_at_least_group_samples_samples():
     assert merged.tolist() == [0, 900, 1200]  # small shards share a group until it holds ~1,024 samples' bytes
     images = group_edges(np.array([60, 60, 60]), np.array([60 * (130 << 10)] * 3), 256 << 10, None, 1024)
     assert images.tolist() == [0, 30, 60, 90, 120, 150, 180]  # 130 KB samples: 4 MiB groups, not 130 MB ones
+    assert floor_bytes(1024, 60 * (130 << 10), 60) == GROUP_FLOOR_CAP  # what the decoded-block bound counts too
+    assert floor_bytes(1024, 1000 << 10, 1000) == 1 << 20
 
 
 def test_an_order_without_a_sample_floor_keeps_the_cursor_hash_it_had_before_the_floor():

@@ -36,7 +36,7 @@ from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
-from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES
+from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
 from tierflow.order.working_set import (WorkingSet, choose_working_set, with_first_epoch, working_set_bytes,
                                         working_set_shards)
 from tierflow.policies.auto import Lifecycle
@@ -334,7 +334,7 @@ class TieredDataset(IterableDataset):
         # a group is never cut smaller than its shard's largest block, nor its floor of samples; the
         # largest shard is the headroom
         block = int(order.block_bytes.mean())
-        floor = order.group_samples * sum(sizes) // max(1, order.layout.num_samples)
+        floor = floor_bytes(order.group_samples, sum(sizes), order.layout.num_samples)
         return min(windows, self.working_set.lanes * (max(order.group_bytes, floor, block) + 2 * block) + max(sizes))
 
     def _bound_decoded(self, dataset: Dataset) -> None:

@@ -33,6 +33,12 @@ GROUP_FLOOR_CAP = 4 << 20
 epoch must fetch before its first batches."""
 
 
+def floor_bytes(group_samples: int, size: int, count: int) -> int:
+    """The bytes a group of a shard of `count` samples in `size` bytes holds at least for its floor of
+    `group_samples` samples, up to GROUP_FLOOR_CAP."""
+    return min(-(-group_samples * size // max(count, 1)), GROUP_FLOOR_CAP)
+
+
 def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
                 block_bytes: np.ndarray | None = None, group_samples: int = 0) -> np.ndarray:
     """Slot edges (window-relative, from 0 to the window's size) of the groups of a window whose
@@ -46,7 +52,7 @@ def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
     for count, size, block in zip(counts.tolist(), decoded_bytes.tolist(), blocks):
         if count == 0:
             continue
-        limit = max(group_bytes, min(-(-group_samples * size // count), GROUP_FLOOR_CAP))
+        limit = max(group_bytes, floor_bytes(group_samples, size, count))
         if size <= limit:
             if open_bytes and open_bytes + size > limit:
                 edges.append(start)

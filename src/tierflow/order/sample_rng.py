@@ -24,9 +24,9 @@ def _epoch_key(seed: int, epoch: int) -> int:
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     sample_id = int(sample_id)
-    if not 0 <= sample_id <= MASK64:
-        raise ValueError(f"sample id {sample_id} is not a 64-bit unsigned integer")
-    return splitmix64(_epoch_key(int(seed), int(epoch)) ^ sample_id)
+    if not -(1 << 63) <= sample_id < (1 << 64):  # derive_key's range and folding of the last part
+        raise ValueError(f"key part {sample_id} does not fit in 64 bits")
+    return splitmix64(_epoch_key(int(seed), int(epoch)) ^ (sample_id & MASK64))
 
 
 def sample_seeds(seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:

@@ -46,14 +46,6 @@ class ByteTokenizer:
         ids[eos_at] = self.eos_id  # a scatter of one id per document, not a second masked pass
         return new_offsets, ids
 
-    def encode_text(self, text: str) -> np.ndarray:
-        """One document's ids, EOS last (a caption in a loader worker)."""
-        data = text.encode("utf-8")
-        ids = np.empty(len(data) + 1, dtype=np.int64)
-        ids[:-1] = np.frombuffer(data, dtype=np.uint8)
-        ids[-1] = self.eos_id
-        return ids
-
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json`, identified by its file's hash."""
@@ -94,10 +86,6 @@ class HFTokenizer:
             ids[offsets[i]:offsets[i + 1] - 1] = e.ids
             ids[offsets[i + 1] - 1] = self.eos_id
         return offsets, ids
-
-    def encode_text(self, text: str) -> np.ndarray:
-        """One document's ids, EOS last (a caption in a loader worker)."""
-        return np.array([*self._tokenizer().encode(text, add_special_tokens=False).ids, self.eos_id], dtype=np.int64)
 
 
 @lru_cache(maxsize=4)

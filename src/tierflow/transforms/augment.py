@@ -263,7 +263,9 @@ class ImagePipeline:
         return out
 
     def _tokenized(self, text: str) -> tuple[np.ndarray, int]:
-        ids = self._tokens.encode_text(text)
+        import pyarrow as pa
+
+        ids = self._tokens.encode_arrow(pa.array([text]))[1]  # pack's encoding: the ids, EOS last
         if ids.size > self.max_tokens:
             ids = np.append(ids[:self.max_tokens - 1], ids[-1])
         padded = np.zeros(self.max_tokens, dtype=np.int64)
