@@ -498,6 +498,38 @@ def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_
     assert 0 < peak <= ds.decoded_bound()
     blocks = sum(len(s.blocks) for s in ds.manifest.shards)
     assert ds._open().dataset.source.blocks_read <= 1.1 * blocks
+
+
+def test_a_narrowed_first_epoch_holds_fewer_decoded_blocks_and_widens_with_the_next_epoch(many_shards):
+    """Epoch 0 reads its lanes a group at a time (order.first_epoch), so a reading process holds that
+    epoch's blocks, not the widest epoch's; the bound widens at the first batch of epoch 1, and epoch 0
+    still decodes each block about once."""
+    ds = TieredDataset(many_shards["zstd"], batch_size=16, seed=3, group_bytes=1 << 16)
+    assert ds.order.first_epoch is not None
+    narrow, wide = ds.decoded_bound(0), ds.decoded_bound()
+    assert 0 < narrow < wide
+    source = ds._open().dataset.source
+    seen, peak, epochs = 0, 0, []
+    for batch in ds:
+        epoch = batch.meta.epoch
+        assert source.cache.max_bytes == (narrow if epoch == 0 else wide)
+        if epoch == 0:
+            peak = max(peak, source.cache.bytes)
+            read_in_epoch_0 = source.blocks_read
+        elif epochs[-1] == 0:
+            cursor = ds.stream().cursor(batch.meta.index).to_dict()  # after the first batch of epoch 1
+        epochs.append(epoch)
+        seen += len(batch.meta.sample_ids)
+        if seen >= 2 * ds.num_order_samples:
+            break
+    assert epochs[0] == 0 and epochs[-1] == 1
+    assert 0 < peak <= narrow
+    blocks = sum(len(s.blocks) for s in ds.manifest.shards)
+    assert read_in_epoch_0 <= 1.1 * blocks
+    resumed = TieredDataset(many_shards["zstd"], batch_size=16, seed=3, group_bytes=1 << 16,
+                            resume=cursor)
+    first = next(iter(resumed))
+    assert first.meta.epoch == 1 and resumed._open().dataset.source.cache.max_bytes == wide
 # -- token budget ----------------------------------------------------------------------------
 
 def budget_ds(packed, resume=None, max_tokens=1024, rank=0, ranks=1, **kw):

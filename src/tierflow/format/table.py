@@ -104,6 +104,8 @@ class BlockCache:
     that goes is loaded (read, verified, decoded) again on its next use."""
 
     def __init__(self, max_bytes: int) -> None:
+        self.cap = max_bytes
+        """The source's budget; a reader may bound `max_bytes` below it (TieredDataset.decoded_bound)."""
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[tuple[int, int], int] = OrderedDict()

@@ -48,6 +48,8 @@ class SampleContext:
     collate: Collate | None = None
     cache: dict[str, Any] = field(default_factory=dict)
     registry: MetricsRegistry = field(default_factory=MetricsRegistry)
+    narrow: bool = False
+    """Whether the decoded-block cache is bounded by epoch 0's narrower reading (TieredDataset widens it)."""
 
 
 def reading_registry(dataset: Dataset) -> MetricsRegistry:

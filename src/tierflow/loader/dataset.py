@@ -315,32 +315,41 @@ class TieredDataset(IterableDataset):
         else:
             dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
                                    endpoint_url=self.endpoint_url)
-        self._bound_decoded(dataset)
         self._context = SampleContext(dataset, self.seed, self.transform, self.filter, self.collate,
                                       registry=reading_registry(dataset))
+        self._bound_decoded(self._context, 0)
         self._context_pid = os.getpid()
         return self._context
 
-    def decoded_bound(self) -> int:
+    def decoded_bound(self, epoch: int | None = None) -> int:
         """Decoded bytes of compressed blocks one reading process needs at once: the shards its order
         reads at once (one window per lane), decoded; with block groups, one group per lane and the
         blocks at its edges. Every process holds its own, so a budget of the whole dataset (the
-        sources' 1 GiB default) held every block in every DataLoader worker."""
+        sources' 1 GiB default) held every block in every DataLoader worker. Epoch 0 of a narrowed
+        first epoch (`order.first_epoch`) reads its lanes a group at a time, two groups at a hand-over;
+        None: the widest epoch."""
         sizes = [s.decoded_bytes for s in self.manifest.shards]
-        windows = working_set_bytes(self.working_set.reading, sizes)
         order = self.order
+        lanes, window = self.working_set.lanes, self.working_set.window_shards
+        if epoch == 0 and order.first_epoch is not None:
+            lanes, window = min(lanes, 2 * order.first_epoch[0]), order.first_epoch[1]
+        windows = working_set_bytes(lanes * window, sizes)
         if not (order.shuffle and order.group_bytes) or order.block_bytes is None or not len(order.block_bytes):
             return windows
         # a group is never cut smaller than its shard's largest block, nor its floor of samples; the
         # largest shard is the headroom
         block = int(order.block_bytes.mean())
         floor = floor_bytes(order.group_samples, sum(sizes), order.layout.num_samples)
-        return min(windows, self.working_set.lanes * (max(order.group_bytes, floor, block) + 2 * block) + max(sizes))
+        return min(windows, lanes * (max(order.group_bytes, floor, block) + 2 * block) + max(sizes))
 
-    def _bound_decoded(self, dataset: Dataset) -> None:
-        cache = getattr(dataset.source, "cache", None)
+    def _bound_decoded(self, ctx: SampleContext, epoch: int | None) -> None:
+        """Bound the process's decoded blocks by what `epoch` reads at once: a reading context opens
+        at epoch 0's bound and widens at its first batch of a later epoch (`_built`)."""
+        cache = getattr(ctx.dataset.source, "cache", None)
+        ctx.narrow = epoch == 0 and self.order.first_epoch is not None
         if isinstance(cache, BlockCache):
-            cache.max_bytes = min(cache.max_bytes, self.decoded_bound())
+            bound = self.decoded_bound(epoch)
+            cache.max_bytes = min(cache.max_bytes, bound) if epoch == 0 else min(cache.cap, max(cache.max_bytes, bound))
 
     def __getstate__(self) -> dict[str, Any]:
         """For spawn/forkserver workers: the reading context is per process, made again there."""
@@ -378,14 +387,18 @@ class TieredDataset(IterableDataset):
         stream.compact = self.compact_cursors
         plan = self.batcher.plan(ctx, stream, self._resume)
         if info is None:
-            return (self._carry(selection, self.batcher.build(ctx, selection)) for selection in plan)
-        return self._from_worker(plan, lambda selection: self._carry(selection, self.batcher.build(ctx, selection)),
-                                 worker, [ctx.registry])
+            return (self._built(ctx, selection) for selection in plan)
+        return self._from_worker(plan, lambda selection: self._built(ctx, selection), worker, [ctx.registry])
 
     def reading_registries(self) -> list[MetricsRegistry]:
         """What this process's readers and transforms count into (opening its reading context):
         a Loader without workers includes it in its telemetry's registry."""
         return [self._open().registry]
+
+    def _built(self, ctx: SampleContext, selection: Selection) -> CarriedBatch:
+        if ctx.narrow and selection.epoch:
+            self._bound_decoded(ctx, None)
+        return self._carry(selection, self.batcher.build(ctx, selection))
 
     @staticmethod
     def _carry(selection: Selection, built: Built) -> CarriedBatch:

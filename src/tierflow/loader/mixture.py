@@ -148,6 +148,8 @@ class MixedDataset(TieredDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         contexts = [child._open() for child in self.children]
+        for child, ctx in zip(self.children, contexts):
+            child._bound_decoded(ctx, None)  # the mixture's epochs are not its children's: each reads its widest
         stream = self.stream(worker, workers)
         stream.compact = self.compact_cursors
         plan = self.batcher.plan(contexts[0], stream, self._resume)
