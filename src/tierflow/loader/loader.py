@@ -25,7 +25,7 @@ from tierflow.loader.meta import BatchMeta
 from tierflow.loader.plan import PlannedCursor
 from tierflow.storage.datasets import local_path
 from tierflow.telemetry.attribution import TimedBatches, production_timer
-from tierflow.telemetry.loader_metrics import LoaderTelemetry
+from tierflow.telemetry.loader_metrics import FLUSH_AT, LoaderTelemetry
 from tierflow.tiers.stager import Stager
 from tierflow.errors import BatchOrderError, CursorError
 
@@ -161,7 +161,7 @@ class Loader:
 
     def _batches(self, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
         telemetry = self.telemetry
-        record = telemetry.recorder() if telemetry is not None else None
+        record, pending = telemetry.recorder() if telemetry is not None else (None, ())
         handed: float | None = None  # set only with telemetry on
         epochs = self._epochs
         if epochs is not None:
@@ -195,6 +195,8 @@ class Loader:
             if record is not None:  # clock readings: the wait and the step are taken from them in bulk
                 last, handed = handed, time.perf_counter()
                 record((asked, handed, last, meta.timing, batches.ready()))  # type: ignore[attr-defined]
+                if len(pending) >= FLUSH_AT:
+                    telemetry.flush()  # type: ignore[union-attr]
             yield (batch.data, meta) if self.return_meta else batch.data
 
     def __len__(self) -> int:
