@@ -247,6 +247,20 @@ def test_without_workers_each_batch_carries_its_own_build_time_and_opens(packed,
     assert sum(f.stall_s.values()) == pytest.approx(f.wait_s)
 
 
+def test_a_user_built_dataloader_without_workers_is_timed_from_its_first_pass(packed):
+    from torch.utils.data import DataLoader
+
+    registry = MetricsRegistry()
+    loader = Loader(DataLoader(samples_dataset(packed), batch_size=None), "cpu", telemetry=LoaderTelemetry(registry))
+    for taken, _ in enumerate(loader, 1):
+        assert loader.last_meta.timing["produce_s"] > 0
+        if taken == 4:
+            break
+    loader.close()
+    f = loader_figures(registry.snapshot())
+    assert f.batches == 4 and f.production_p50_s > 0 and sum(f.fetch_bytes.values()) > 0
+
+
 def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):
     loader = Loader(samples_dataset(packed), "cpu", telemetry=False)
     next(iter(loader))
