@@ -608,8 +608,9 @@ class _FeedIterator:
         batch = next(self._source)
         took = time.perf_counter() - started
         self._feed._copy_boundary.blocked_get(took)
-        if self._feed._timed is not None:
-            self._feed._timed(batch, took)
+        timed = self._feed._timed  # an attribute load, then a call: a method load of it is not specialised
+        if timed is not None:
+            timed(batch, took)
         converted, ready = self._feed._prepare(batch, self._slot)
         self._slot = (self._slot + 1) % (self._feed.depth + 1)
         return converted, ready
