@@ -218,6 +218,49 @@ def test_a_whole_epoch_records_a_step_per_batch_and_the_event_log_a_record_per_b
     assert loader_figures(registry.snapshot()).batches == 20
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "feed_thread"])
+def test_without_workers_each_batch_carries_its_own_build_time_and_opens(packed, background):
+    """No DataLoader workers: the device feed builds the batches (inline or on its thread) and its timing
+    of each build is the batch's production time; the build's shard opens are the batch's fetches."""
+    def slow(sample, rng):
+        time.sleep(0.0005)
+        return sample
+
+    registry = MetricsRegistry()
+    loader = Loader(samples_dataset(packed, transform=slow), "cpu", telemetry=LoaderTelemetry(registry),
+                    background=background)
+    timings = []
+    for _ in loader:
+        timings.append(loader.last_meta.timing)
+        if len(timings) == 12:
+            break
+    loader.close()
+    assert all(t["produce_s"] >= 8 * 0.0005 for t in timings)  # 8 samples' transforms inside each build
+    assert timings[0]["fetch"] and all(f["opens"] >= 1 for f in timings[0]["fetch"].values())
+    opened = {}
+    for t in timings:
+        for tier, f in t["fetch"].items():
+            opened[tier] = opened.get(tier, 0) + f["bytes"]
+    f = loader_figures(registry.snapshot())
+    assert f.batches == 12 and f.production_p50_s >= 8 * 0.0005
+    assert f.fetch_bytes == opened                    # each open charged to one batch, none lost
+    assert sum(f.stall_s.values()) == pytest.approx(f.wait_s)
+
+
+def test_a_user_built_dataloader_without_workers_is_timed_from_its_first_pass(packed):
+    from torch.utils.data import DataLoader
+
+    registry = MetricsRegistry()
+    loader = Loader(DataLoader(samples_dataset(packed), batch_size=None), "cpu", telemetry=LoaderTelemetry(registry))
+    for taken, _ in enumerate(loader, 1):
+        assert loader.last_meta.timing["produce_s"] > 0
+        if taken == 4:
+            break
+    loader.close()
+    f = loader_figures(registry.snapshot())
+    assert f.batches == 4 and f.production_p50_s > 0 and sum(f.fetch_bytes.values()) > 0
+
+
 def test_a_loader_without_telemetry_adds_nothing_to_batches(packed):
     loader = Loader(samples_dataset(packed), "cpu", telemetry=False)
     next(iter(loader))

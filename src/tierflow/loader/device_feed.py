@@ -249,6 +249,7 @@ class DeviceFeed:
         registry: MetricsRegistry | None = None,
         labels: Mapping[str, Any] | None = None,
         ids: torch.dtype | None = None,
+        timed: Callable[[Any, float], None] | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"device feed depth must be >= 1, got {depth}")
@@ -262,6 +263,9 @@ class DeviceFeed:
         self.widen = dict(widen or {})
         self.ids = ids
         self._batches = batches
+        self._timed = timed
+        """Called `timed(batch, seconds)` with each source batch and the seconds its `next()` took, in the
+        thread that read it (the Loader's production timing without workers)."""
         self._ring = PinnedRing(depth + 1, pin=self._cuda) if self._staged else None
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._slot_events: list[Any] = [None] * (depth + 1)
@@ -602,7 +606,11 @@ class _FeedIterator:
         """Read and convert the next source batch (raises StopIteration at the end)."""
         started = time.perf_counter()
         batch = next(self._source)
-        self._feed._copy_boundary.blocked_get(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self._feed._copy_boundary.blocked_get(took)
+        timed = self._feed._timed  # an attribute load, then a call: a method load of it is not specialised
+        if timed is not None:
+            timed(batch, took)
         converted, ready = self._feed._prepare(batch, self._slot)
         self._slot = (self._slot + 1) % (self._feed.depth + 1)
         return converted, ready

@@ -24,8 +24,8 @@ from tierflow.loader.device_feed import DeviceFeed
 from tierflow.loader.meta import BatchMeta
 from tierflow.loader.plan import PlannedCursor
 from tierflow.storage.datasets import local_path
-from tierflow.telemetry.attribution import TimedBatches
-from tierflow.telemetry.loader_metrics import LoaderTelemetry
+from tierflow.telemetry.attribution import TimedBatches, production_timer
+from tierflow.telemetry.loader_metrics import FLUSH_AT, LoaderTelemetry
 from tierflow.tiers.stager import Stager
 from tierflow.errors import BatchOrderError, CursorError
 
@@ -124,10 +124,12 @@ class Loader:
         self.telemetry: LoaderTelemetry | None = (
             LoaderTelemetry() if telemetry is True else telemetry if isinstance(telemetry, LoaderTelemetry) else None)
 
-    def _make_dataloader(self) -> DataLoader | TieredDataset | TimedBatches:
-        dataset = TimedBatches(self.dataset) if self.telemetry is not None else self.dataset
+    def _make_dataloader(self) -> DataLoader | TieredDataset:
         if self._loader_options["num_workers"] == 0:
-            return dataset  # it batches itself; the device feed turns its arrays into tensors
+            # it batches itself; the device feed turns its arrays into tensors, and with telemetry times
+            # each batch's production (`production_timer`)
+            return self.dataset
+        dataset = TimedBatches(self.dataset) if self.telemetry is not None else self.dataset
         return DataLoader(dataset, batch_size=None, collate_fn=_as_is, **self._loader_options)
 
     def __iter__(self) -> Iterator[Handed]:
@@ -143,21 +145,23 @@ class Loader:
             self.dataset.load_state_dict(self._cursor)
             self._dataloader = self._make_dataloader()
         self._iterated = True
+        timed = None
         if self.telemetry is not None and self._loader_options["num_workers"] == 0:
             for registry in self.dataset.reading_registries():  # batches are built here: count their readers
                 self.telemetry.registry.include(registry, registry)
+            timed = production_timer(self.dataset)  # the feed times each batch it builds
         self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
         self.start_prefetch()
         self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
                                 ids=self.dtype,
-                                background=self.background,
+                                background=self.background, timed=timed,
                                 registry=self.telemetry.registry if self.telemetry is not None else None)
         self._feed_iterator = iter(self._feed)
         return self._batches(self._feed_iterator)
 
     def _batches(self, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
         telemetry = self.telemetry
-        record = telemetry.recorder() if telemetry is not None else None
+        record, pending = telemetry.recorder() if telemetry is not None else (None, ())
         handed: float | None = None  # set only with telemetry on
         epochs = self._epochs
         if epochs is not None:
@@ -190,7 +194,10 @@ class Loader:
             self._commit(meta)
             if record is not None:  # clock readings: the wait and the step are taken from them in bulk
                 last, handed = handed, time.perf_counter()
-                record((asked, handed, last, meta.timing, batches.ready()))  # type: ignore[attr-defined]
+                ready = batches.ready  # type: ignore[attr-defined]  # an instance attribute: loaded, then called
+                record((asked, handed, last, meta.timing, ready()))
+                if len(pending) >= FLUSH_AT:
+                    telemetry.flush()  # type: ignore[union-attr]
             yield (batch.data, meta) if self.return_meta else batch.data
 
     def __len__(self) -> int:

@@ -3,9 +3,12 @@
 `AttributedShardSource` wraps any shard source (a `TierStack`, a plain directory) and records every
 shard open into the building thread's `FetchLedger`: seconds spent and the tier that served it, as the
 tier stack reports it (the fastest tier that held the shard; a miss in L1 filled from L2 is served
-by L2, a miss everywhere by the source). `TimedBatches` wraps a `TieredDataset` and stamps each
-batch's meta with its timing: production seconds and the fetch seconds per serving tier inside them, so
-the training process can attribute a stall without seeing the worker that built the batch.
+by L2, a miss everywhere by the source). Each batch's meta is stamped with its timing: production seconds
+and the fetch seconds per serving tier inside them, so the training process can attribute a stall without
+seeing the worker that built the batch. A DataLoader worker's batches are timed by `TimedBatches`, which
+wraps the `TieredDataset`; without workers the device feed builds the batches, timing each `next()` of
+the dataset already, and `production_timer` stamps its batches with that time (no generator or clock of
+its own).
 """
 
 from __future__ import annotations
@@ -153,8 +156,24 @@ def attribute_fetches(dataset: Any) -> None:
                               else AttributedShardSource(source))
 
 
+def production_timer(dataset: Any) -> Callable[[Any, float], None]:
+    """`timed(batch, seconds)`, which stamps a batch built in this process with its timing: the device feed
+    calls it with the seconds its `next()` of `dataset` took, in the thread that built the batch (inline, or
+    the feed's own), so that thread's ledger holds the batch's opens. Makes `dataset` record its opens."""
+    attribute_fetches(dataset)
+    thread_ledger().take_batch()  # what was opened before the first build is no batch's
+    local = _local
+
+    def timed(batch: Any, seconds: float) -> None:
+        ledger = local.ledger
+        batch.meta.timing = {"produce_s": seconds, "fetch": ledger.take_batch() if ledger.batch else {}}
+
+    return timed
+
+
 class TimedBatches(IterableDataset):
-    """A `TieredDataset` whose batches' meta carry `timing` = {"produce_s", "fetch": {tier: {...}}}."""
+    """A `TieredDataset` whose batches' meta carry `timing` = {"produce_s", "fetch": {tier: {...}}}: what a
+    DataLoader worker iterates (without workers, `production_timer` stamps the same timing)."""
 
     def __init__(self, dataset: Any) -> None:
         super().__init__()

@@ -9,7 +9,6 @@ on it, and "prep" (decode, batching, transforms). The parts always add up to the
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 import struct
@@ -35,11 +34,17 @@ STALLS = "tierflow_loader_stalls_total"
 BATCHES = "tierflow_loader_batches_total"
 FETCH = "tierflow_loader_fetch_seconds_total"
 FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
-FLUSH_EVERY = 128
-"""Batches `LoaderTelemetry` records per bulk update of its metrics (few enough that the records waiting
-never push the garbage collector past its first threshold: a flush every 1024 collected every ~256 batches)."""
+FLUSH_EVERY = 512
+"""Batches `LoaderTelemetry` records per bulk update of its metrics. A flush's fixed cost (~40 numpy calls)
+is spread over them: 512 costs ~0.6k instructions a batch less than 128 (callgrind). The records wait as
+a flat list, not tuples, so the only GC-tracked object a batch leaves waiting is its timing dict: ten
+young collections per 4,096 batches at 512 (three at 128), each small."""
 BatchRecord = tuple[float, float, float | None, Mapping[str, Any] | None, int | None]
 """One batch as a loader records it: (asked, handed, last handed, timing, depth); see `LoaderTelemetry.recorder`."""
+RECORD_FIELDS = 5
+"""A `BatchRecord`'s length: the records wait flattened, one after another, in one list."""
+FLUSH_AT = FLUSH_EVERY * RECORD_FIELDS
+"""The length of the pending list at which a recorder flushes."""
 
 
 def split_wait(wait_s: float, timing: Mapping[str, Any] | None) -> dict[tuple[str, str], float]:
@@ -159,7 +164,9 @@ class LoaderTelemetry:
         """The first batches are start-up (processes, threads, first shards): a short run's bubble would be
         mostly start-up, so their waits are counted apart (`LoaderFigures.startup_s`)."""
         self.startup = r.counter(STARTUP, base, "time the training loop waited for the start-up batches")
-        self._pending: collections.deque[BatchRecord] = collections.deque()
+        self._pending: list[Any] = []
+        """The `BatchRecord`s not flushed yet, flattened: a record is one `extend` (atomic under the GIL), and
+        a flush takes its columns as slices, with no step per record."""
         self._flushing = threading.Lock()
         self.registry.add_buffer(self)
 
@@ -176,29 +183,23 @@ class LoaderTelemetry:
             self._handed += 1
         # as clock readings: asked at 0, handed at the wait, the last batch handed one step before 0
         pending = self._pending
-        pending.append((0.0, wait_s, None if step_s is None else -step_s, timing, depth))
-        if len(pending) >= FLUSH_EVERY:
+        pending.extend((0.0, wait_s, None if step_s is None else -step_s, timing, depth))
+        if len(pending) >= FLUSH_AT:
             self.flush()
 
-    def recorder(self) -> Callable[[BatchRecord], None]:
-        """What a loader calls per batch, `record((asked, handed, last_handed, timing, depth))`: the clock when
-        the loop asked for the batch, when it got it, when it got the one before (None: the first of a `for`),
-        the batch's timing and the batches ready ahead. The wait and the step are taken from these in bulk
-        when the records are flushed: per batch an append, no arithmetic, no method call."""
+    def recorder(self) -> tuple[Callable[[BatchRecord], None], list[Any]]:
+        """`(record, pending)`: a loader calls `record((asked, handed, last_handed, timing, depth))` per batch
+        (the clock when the loop asked for the batch, when it got it, when it got the one before (None: the
+        first of a `for`), the batch's timing and the batches ready ahead), then `flush()` once
+        `len(pending) >= FLUSH_AT`. The wait and the step are taken from these in bulk when the records are
+        flushed: per batch a C call (the pending list's `extend`), no arithmetic, no Python frame."""
         if self.events is not None:
             def record_with_events(item: BatchRecord) -> None:
                 asked, handed, last, timing, depth = item
                 self.on_batch(handed - asked, timing, depth, None if last is None else asked - last)
 
-            return record_with_events
-        pending, append, flush, limit = self._pending, self._pending.append, self.flush, FLUSH_EVERY
-
-        def record(item: BatchRecord) -> None:
-            append(item)
-            if len(pending) >= limit:
-                flush()
-
-        return record
+            return record_with_events, self._pending
+        return self._pending.extend, self._pending
 
     def flush(self) -> None:
         """Apply the batches recorded since the last flush to the registry's metrics, in bulk: one numpy pass
@@ -207,10 +208,13 @@ class LoaderTelemetry:
         if not pending:
             return
         with self._flushing:
-            n = len(pending)
-            if not n:
+            size = len(pending) // RECORD_FIELDS * RECORD_FIELDS
+            if not size:
                 return
-            askeds, handeds, lasts, timings, depths = zip(*itertools.starmap(pending.popleft, itertools.repeat((), n)))
+            records = pending[:size]
+            del pending[:size]  # records appended meanwhile stay, after these
+            n = size // RECORD_FIELDS
+            askeds, handeds, lasts, timings, depths = (records[i::RECORD_FIELDS] for i in range(RECORD_FIELDS))
             asked = _floats(askeds, n)[0]
             wait = _floats(handeds, n)[0] - asked
             last, every = _floats(lasts, n)  # None (NaN): no step, before the first batch of a `for`
@@ -235,11 +239,12 @@ class LoaderTelemetry:
             stalled: dict[tuple[str, str], float] = {}
             try:  # every batch timed (the usual case): the waits of those that opened no shard split at once
                 produced = _floats(tuple(map(_PRODUCED, timings)), n)[0]
-                fetches = list(map(_FETCHED, timings))
+                # the batches that opened a shard, found in C (a Python loop over 512 records costs ~10 opcodes
+                # a batch: most flushes hold one such batch)
+                each = list(itertools.compress(range(n), map(_FETCHED, timings))) if any(map(_FETCHED, timings)) else []
             except (TypeError, KeyError):  # a batch without timing (a DataLoader you built) or with part of it
                 produced = np.asarray(self._split_each(wait.tolist(), timings, stalled), dtype=np.float64)
             else:
-                each = [i for i, fetch in enumerate(fetches) if fetch] if any(fetches) else []
                 if each:  # a few per flush, where a batch moved to a shard its reader had not opened
                     plain = np.ones(n, dtype=bool)
                     plain[each] = False
