@@ -632,3 +632,67 @@ def test_the_loop_gets_only_its_tensors_and_the_meta_when_it_asks(packed):
         pairs = take(loader, 2)
     assert [m.index for _, m in pairs] == [0, 1] and pairs[1][1] is loader.last_meta
     assert torch.equal(pairs[0][0]["input_ids"], batch["input_ids"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, None], ids=["int64 ids", "wire ids"])
+def test_token_batches_reach_the_loop_identical_and_in_the_same_dtypes_at_0_and_2_workers(packed, dtype):
+    # position_ids (int32, values below L) cross the worker boundary as uint16 and are widened back:
+    # the loop gets int32 at 2 workers as at 0, and the same values, batch for batch
+    def handed(workers):
+        ds = TieredDataset(packed, batch_size=4, seq_len=512, partitions=PARTITIONS, max_batches=6)
+        with Loader(ds, num_workers=workers, dtype=dtype) as loader:
+            return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
+
+    inline, remote = handed(0), handed(2)
+    assert len(inline) == len(remote) == 6
+    assert any(b["cu_seqlens"].numel() > 5 for b in inline)  # documents end inside windows: real segments
+    for a, b in zip(inline, remote):
+        assert list(a) == list(b)
+        for name, value in a.items():
+            if isinstance(value, torch.Tensor):
+                assert b[name].dtype == value.dtype and torch.equal(b[name], value), name
+            else:
+                assert b[name] == value, name
+        assert a["position_ids"].dtype == torch.int32 and a["cu_seqlens"].dtype == torch.int32
+        assert a["input_ids"].dtype == (dtype or torch.uint16)
+
+
+def test_integer_arrays_travel_narrow_and_arrive_in_their_own_dtype_and_values():
+    import pickle
+
+    from tierflow.loader._collate import NARROW_MIN_ELEMENTS, CarriedBatch, wire_dtype
+
+    n = NARROW_MIN_ELEMENTS
+    batch = {
+        "positions": np.arange(4 * n, dtype=np.int32) % 65536,  # fits uint16
+        "signed": np.arange(n, dtype=np.int64) - 3,  # fits int16
+        "wide": np.arange(n, dtype=np.int64) << 33,  # fits nothing narrower
+        "tiny": np.arange(10, dtype=np.int32),  # too small to be checked
+        "strided": (np.arange(4 * n, dtype=np.int32) % 200)[::2],  # a view: its whole buffer travels as it is
+        "unsigned": np.full(n, 2**32 - 1, dtype=np.uint64),
+    }
+    assert wire_dtype(batch["positions"]) == np.uint16 and wire_dtype(batch["signed"]) == np.int16
+    assert wire_dtype(batch["wide"]) is None and wire_dtype(batch["tiny"]) is None
+    message = pickle.dumps(CarriedBatch(dict(batch), None))
+    narrow = 4 * n * 2 + n * 2 + n * 8 + 40 + 4 * n * 4 + n * 4  # uint16, int16, as is, as is, its buffer, uint32
+    assert narrow < len(message) < narrow + 2048
+    received = pickle.loads(message).data
+    for name, value in batch.items():
+        assert received[name].dtype == torch.from_numpy(np.ascontiguousarray(value)).dtype, name
+        assert received[name].numpy().tolist() == value.tolist(), name
+    received["positions"][0] = 7  # the loop's tensors are writable
+    assert int(received["positions"][0]) == 7
+
+
+def test_the_result_pipe_of_a_dataloader_with_workers_is_enlarged_best_effort(packed):
+    from tierflow.loader._collate import RESULT_PIPE_BYTES, enlarge_result_pipe
+
+    assert enlarge_result_pipe(object()) == 0  # not a DataLoader iterator: nothing to do
+    ds = TieredDataset(packed, batch_size=4, seq_len=48, partitions=PARTITIONS, max_batches=2)
+    iterator = iter(DataLoader(ds, batch_size=None, num_workers=1))
+    try:
+        granted = enlarge_result_pipe(iterator)
+        assert granted == 0 or granted >= min(RESULT_PIPE_BYTES, 65536)
+        assert len(list(iterator)) == 2
+    finally:
+        iterator._shutdown_workers()

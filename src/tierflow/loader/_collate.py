@@ -64,12 +64,30 @@ def collate_samples(
 # the data, and unpickles straight into a carrier of CPU tensors viewing that payload. DataLoader's
 # own conversion leaves it alone (it is not a dict), so in a worker its arrays are still the numpy
 # views the batcher made and a buffer shared by views (`input_ids`, `labels`) travels once.
+#
+# The payload is what the main process pays for per byte (the pipe read, pickle's copies), so a
+# wide integer array whose values fit a narrower type travels narrow and is widened back to its
+# own dtype on arrival (`position_ids` of a window batch: int32 values below L, uint16 on the
+# wire, ~1/3 of a token batch's bytes). The receiver gets the dtypes the sender had, always.
 
 _ALIGN = 64
 SHARED_MEMORY_BYTES = 8 << 20
 """Payloads at least this large travel as one shared-memory tensor instead of inside the message."""
+NARROW_MIN_ELEMENTS = 1024
+"""Integer arrays of at least this many elements are checked for a narrower wire dtype (two passes
+over them in the worker, min and max; smaller ones are not worth it)."""
+_NARROWER = {np.dtype(t): tuple((np.dtype(n), int(np.iinfo(n).min), int(np.iinfo(n).max)) for n in narrower)
+             for t, narrower in (
+    (np.int64, (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)),
+    (np.int32, (np.uint8, np.int8, np.uint16, np.int16)),
+    (np.uint64, (np.uint8, np.uint16, np.uint32)),
+    (np.uint32, (np.uint8, np.uint16)),
+)}
 
-Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int], ...]
+Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int, "str | None", int], ...]
+"""Per array: (key, wire dtype, shape, strides in the payload, start in the payload, the dtype it
+is widened back to on arrival or None when it travels as it is, and the start of the buffer it is
+a view of when it shares that buffer with another key, else -1)."""
 
 
 def _owning_base(array: np.ndarray) -> np.ndarray | None:
@@ -101,6 +119,19 @@ def _as_array(value: Any) -> np.ndarray | None:
     return None
 
 
+def wire_dtype(array: np.ndarray) -> np.dtype | None:
+    """The narrowest integer dtype holding every value of `array` when that is narrower than its own
+    (and the array is large enough to be worth checking), else None."""
+    narrower = _NARROWER.get(array.dtype)
+    if narrower is None or array.size < NARROW_MIN_ELEMENTS:
+        return None
+    low, high = int(array.min()), int(array.max())
+    for dtype, least, most in narrower:
+        if least <= low and high <= most:
+            return dtype
+    return None
+
+
 class CarriedBatch:
     """One output batch on its way to the training loop: the user's `data` (a dict of columns)
     and, beside it, its `meta` (a `BatchMeta`); crosses the worker boundary as one message."""
@@ -122,9 +153,12 @@ class CarriedBatch:
 def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMORY_BYTES
                 ) -> tuple[Any, Layout, dict[str, Any], tuple[str, ...]]:
     """(payload, layout, other values, key order): every numeric array of `data` in one buffer,
-    each owning buffer once however many views of it there are; `unpack_arrays` rebuilds it."""
-    placed: dict[int, tuple[np.ndarray, int]] = {}
+    each owning buffer once however many views of it there are, a standalone integer array in the
+    narrowest dtype its values fit (`wire_dtype`); `unpack_arrays` rebuilds it."""
+    placed: dict[int, tuple[np.ndarray, int, np.dtype | None]] = {}
     layout = []
+    views: dict[int, int] = {}  # placed buffer -> keys viewing it
+    shares: list[int] = []  # per layout entry, the buffer it views
     rest: dict[str, Any] = {}
     size = 0
     for name, value in data.items():
@@ -132,15 +166,30 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
         if array is None:
             rest[name] = value
             continue
+        if not array.dtype.isnative:  # travels (and arrives: torch has no other) in native byte order
+            array = array.astype(array.dtype.newbyteorder("="))
         base = _owning_base(array)
         if base is None or any(s < 0 for s in array.strides):
-            base = array = np.array(array, order="C")
-        if id(base) not in placed:
+            if array.base is None and array.flags.c_contiguous:
+                base = array
+            else:
+                base = array = np.array(array, order="C")
+        found = placed.get(id(base))
+        if found is None:
+            narrow = wire_dtype(base) if base is array else None
             size = -(-size // _ALIGN) * _ALIGN
-            placed[id(base)] = (base, size)
-            size += base.nbytes
-        start = placed[id(base)][1] + _address(array) - _address(base)
-        layout.append((name, array.dtype.str, array.shape, array.strides, start))
+            found = placed[id(base)] = (base, size, narrow)
+            size += base.size * narrow.itemsize if narrow is not None else base.nbytes
+        _, at, narrow = found
+        views[id(base)] = views.get(id(base), 0) + 1
+        shares.append(id(base))
+        if narrow is not None:  # a standalone array: C-contiguous in its wire dtype
+            strides = tuple(s // array.itemsize * narrow.itemsize for s in array.strides)
+            layout.append((name, narrow.str, array.shape, strides, at, array.dtype.str, at))
+            continue
+        start = at if base is array else at + _address(array) - _address(base)
+        layout.append((name, array.dtype.str, array.shape, array.strides, start, None, at))
+    layout = [(*entry[:6], entry[6] if views[buffer] > 1 else -1) for entry, buffer in zip(layout, shares)]
     size = -(-size // _ALIGN) * _ALIGN
     if size >= shared_memory_bytes:
         import torch
@@ -149,46 +198,108 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
         # it there, a second copy of the batch (~9 ms of CPU for a 64 x 224 x 224 x 3 image batch)
         payload: Any = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
         view = payload.numpy()
-    else:
-        payload = bytearray(size)
-        view = np.frombuffer(payload, dtype=np.uint8)
-    for base, start in placed.values():
-        view[start:start + base.nbytes] = base.reshape(-1).view(np.uint8)
-    return payload, tuple(layout), rest, tuple(data)
+        for base, start, narrow in placed.values():
+            if narrow is None:
+                view[start:start + base.nbytes] = base.reshape(-1).view(np.uint8)
+            else:
+                np.copyto(view[start:start + base.size * narrow.itemsize].view(narrow), base.reshape(-1),
+                          casting="unsafe")
+        return payload, tuple(layout), rest, tuple(data)
+    # one bytes object, each array copied into it once (pickle, protocol 4, would copy a bytearray
+    # into a bytes object anyway)
+    parts: list[Any] = []
+    end = 0
+    for base, start, narrow in placed.values():
+        if start > end:
+            parts.append(bytes(start - end))
+        wire = base if narrow is None else base.astype(narrow)
+        parts.append(wire.reshape(-1).view(np.uint8).data)
+        end = start + wire.nbytes
+    if size > end:
+        parts.append(bytes(size - end))
+    return b"".join(parts), tuple(layout), rest, tuple(data)
 
 
 def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """The dict `pack_arrays` packed: CPU tensors viewing one payload storage (no copy), plus the rest."""
+    """The dict `pack_arrays` packed: CPU tensors viewing one writable payload (an array that
+    travelled narrow is widened back to its own dtype), plus the rest."""
     import torch
 
     if isinstance(payload, torch.Tensor):
-        whole = payload
+        buffer: Any = payload.numpy()
     else:
-        whole = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        buffer = bytearray(payload)  # writable: the loop may write into its tensors
     values: dict[str, Any] = dict(rest)
-    for name, dtype_str, shape, strides, start in layout:
-        dtype, torch_dtype = _dtypes(dtype_str)
+    shared: dict[int, Any] = {}
+    for name, dtype_str, shape, strides, start, own, within in layout:
+        dtype = _dtype(dtype_str)
         size = dtype.itemsize
-        if start % size or any(s % size for s in strides):
-            array = np.ndarray(shape, dtype=dtype, buffer=whole.numpy(), offset=start, strides=strides)
-            values[name] = torch.from_numpy(array)
+        if within >= 0 and not (start - within) % size and not any(s % size for s in strides):
+            # keys viewing one buffer (input_ids, labels) view one tensor of it, as they did when sent
+            whole = shared.get(within)
+            if whole is None:
+                extent = max(s for *_, s in (_reach(e) for e in layout if e[6] == within))
+                whole = shared[within] = torch.from_numpy(
+                    np.frombuffer(buffer, dtype=np.uint8, count=extent - within, offset=within))
+            values[name] = whole.view(_torch_dtype(dtype)).as_strided(
+                shape, tuple(s // size for s in strides), (start - within) // size)
             continue
-        values[name] = whole.view(torch_dtype).as_strided(shape, tuple(s // size for s in strides), start // size)
+        array = np.ndarray(shape, dtype=dtype, buffer=buffer, offset=start, strides=strides)
+        if own is not None:
+            array = array.astype(_dtype(own))
+        values[name] = torch.from_numpy(array)
     return {key: values[key] for key in keys}
 
 
+def _reach(entry: tuple[Any, ...]) -> tuple[int, int]:
+    """(start, end) of the payload bytes a layout entry's array reaches (its strides non-negative)."""
+    _, dtype_str, shape, strides, start, _, _ = entry
+    if 0 in shape:
+        return start, start
+    return start, start + sum((n - 1) * s for n, s in zip(shape, strides)) + _dtype(dtype_str).itemsize
+
+
 @functools.cache
-def _dtypes(dtype_str: str) -> tuple[np.dtype, Any]:
-    """(numpy dtype, torch dtype) of an array's dtype string (the receiving process's per-batch lookup)."""
+def _torch_dtype(dtype: np.dtype) -> Any:
     import torch
 
-    dtype = np.dtype(dtype_str)
-    return dtype, torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+@functools.cache
+def _dtype(dtype_str: str) -> np.dtype:
+    """The numpy dtype of an array's dtype string (the receiving process's per-array lookup)."""
+    return np.dtype(dtype_str)
 
 
 def _unpack_carried(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
                     meta: Any) -> CarriedBatch:
     return CarriedBatch(unpack_arrays(payload, layout, rest, keys), meta)
+
+
+RESULT_PIPE_BYTES = 1 << 20
+"""What the DataLoader's result pipe is asked to hold (Linux's default is 64 KiB, under one token batch)."""
+
+
+def enlarge_result_pipe(iterator: Any, nbytes: int = RESULT_PIPE_BYTES) -> int:
+    """Give a started DataLoader iterator's result pipe (every worker writes its batches into the one
+    pipe, under a lock) room for `nbytes`, so a worker's write of a batch returns at once, and the
+    other worker may write, instead of the two waiting, 64 KiB at a time, on the main process's
+    reads. Linux only, best effort: the size granted (0 when unchanged)."""
+    import fcntl
+
+    setpipe = getattr(fcntl, "F_SETPIPE_SZ", None)
+    reader = getattr(getattr(iterator, "_worker_result_queue", None), "_reader", None)
+    if setpipe is None or reader is None or not hasattr(reader, "fileno"):
+        return 0
+    try:
+        limit = int(open("/proc/sys/fs/pipe-max-size").read())
+    except (OSError, ValueError):
+        limit = nbytes
+    try:
+        return fcntl.fcntl(reader.fileno(), setpipe, min(nbytes, limit))
+    except OSError:  # over the user's pipe-page allowance, or not a pipe: the pipe stays as it was
+        return 0
 
 
 COLLATED_MESSAGE = (

@@ -49,6 +49,9 @@ _UNSIGNED_AS_SIGNED: dict[torch.dtype, tuple[torch.dtype, int]] = {
 }
 _NUMPY_UNSIGNED = {np.dtype(np.uint16): (np.int16, torch.uint16), np.dtype(np.uint32): (np.int32, torch.uint32)}
 _SIGNED_NUMPY = {unsigned: signed for signed, unsigned in _NUMPY_UNSIGNED.values()}
+_UNSIGNED_NUMPY = {torch.uint16: np.dtype(np.uint16), torch.uint32: np.dtype(np.uint32)}
+_NUMPY_WIDE = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
+"""Integer dtypes a CPU tensor widens to through numpy (a view, one astype, a tensor of the result)."""
 _TENSOR_KINDS = "biufc"
 _RING_ALIGN = 4096
 
@@ -200,6 +203,15 @@ on CPU, in one pass); else they widen from their signed view and are masked back
 
 def _widened(tensor: torch.Tensor, unsigned: torch.dtype | None, wide: torch.dtype) -> torch.Tensor:
     """`tensor` (for unsigned ids: its signed view) as `wide`, by value."""
+    if tensor.device.type == "cpu" and wide in _NUMPY_WIDE:  # numpy widens in one pass, ~2x torch's uint16 .to
+        try:
+            array = tensor.numpy()
+        except (RuntimeError, TypeError):  # a tensor numpy cannot view (conjugate, bfloat16, ...)
+            pass
+        else:
+            if unsigned is not None:
+                array = array.view(_UNSIGNED_NUMPY[unsigned])
+            return torch.from_numpy(array.astype(_NUMPY_WIDE[wide]))
     if unsigned is None:
         return tensor.to(wide)
     kind = tensor.device.type

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader
 
-from tierflow.loader._collate import CarriedBatch
+from tierflow.loader._collate import CarriedBatch, enlarge_result_pipe
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
@@ -151,6 +151,7 @@ class Loader:
                 self.telemetry.registry.include(registry, registry)
             timed = production_timer(self.dataset)  # the feed times each batch it builds
         self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
+        enlarge_result_pipe(self._source)  # a batch per write, not 64 KiB at a time
         self.start_prefetch()
         self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
                                 ids=self.dtype,
