@@ -9,6 +9,7 @@ as a `CarriedBatch` (its data and its meta), one message per batch (below).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -293,7 +294,7 @@ def enlarge_result_pipe(iterator: Any, nbytes: int = RESULT_PIPE_BYTES) -> int:
     if setpipe is None or reader is None or not hasattr(reader, "fileno"):
         return 0
     try:
-        limit = int(open("/proc/sys/fs/pipe-max-size").read())
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
     except (OSError, ValueError):
         limit = nbytes
     try:
