@@ -245,6 +245,11 @@ def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: S
             values[name] = whole.view(_torch_dtype(dtype)).as_strided(
                 shape, tuple(s // size for s in strides), (start - within) // size)
             continue
+        if own is None and isinstance(payload, torch.Tensor) and not start % size and not any(s % size for s in strides):
+            # a view of the shared-memory tensor itself: it stays shared (is_shared, no copy on a re-send)
+            values[name] = payload.view(_torch_dtype(dtype)).as_strided(
+                shape, tuple(s // size for s in strides), start // size)
+            continue
         array = np.ndarray(shape, dtype=dtype, buffer=buffer, offset=start, strides=strides)
         if own is not None:
             array = array.astype(_dtype(own))
