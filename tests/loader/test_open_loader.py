@@ -94,3 +94,17 @@ def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tokens, tmp_p
     done = subprocess.run([sys.executable, str(script), tokens], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "MainGuardError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+
+
+def test_a_reading_process_loads_none_of_packs_input_readers():
+    """Every reading process (a DataLoader worker too) carries what `import tierflow` loads: Arrow's
+    Parquet, JSON and filesystem modules are ~4.5 MB of each one's PSS and only `pack` reads them."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nimport tierflow\nfrom tierflow.loader import open_loader\n"
+              "print(sorted(m for m in ('pyarrow.parquet', 'pyarrow.json', 'pyarrow.fs', "
+              "'concurrent.futures.process') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -23,11 +23,9 @@ import os
 import shutil
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +41,9 @@ from tierflow.pack.sources import estimate_input_bytes, length_histogram, plan_u
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
 from tierflow.pack._workers import die_with_parent
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 log = logging.getLogger("tierflow.pack")
 MIN_SHARD_BYTES = 256 << 10
@@ -480,6 +481,9 @@ def _run_units(units: Iterable[Unit], config: PackConfig, workers: int,
         for unit in units:
             consume(pack_unit(unit, config))
         return
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
     with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
                              initargs=(os.getpid(),)) as pool:  # no orphans if this process is killed
         window: deque[Future] = deque()

@@ -17,8 +17,6 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.json as pajson
-import pyarrow.parquet as pq
 import zstandard
 
 from tierflow.pack import _media as media
@@ -143,6 +141,8 @@ def _plan_jsonl(path: str, options: SourceOptions, counter) -> Iterator[Unit]:
 
 def _plan_parquet(path: str, counter, stats: UnitStats) -> Iterator[Unit]:
     """One unit per row group; their input_bytes share out the file's size (what progress counts)."""
+    import pyarrow.parquet as pq  # here: it loads pyarrow's filesystems too, ~5 MB every reading process would carry
+
     try:
         meta = pq.ParquetFile(path).metadata
     except Exception as e:  # noqa: BLE001 - any parquet failure names the file
@@ -255,6 +255,8 @@ def _read_jsonl(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterato
 
 
 def _read_row_group(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
+    import pyarrow.parquet as pq
+
     try:
         table = pq.ParquetFile(unit.path).read_row_group(unit.start)
     except Exception as e:  # noqa: BLE001 - any parquet failure names the file and row group
@@ -308,6 +310,8 @@ def _parse_jsonl_chunk(data: bytes, unit: Unit, options: SourceOptions, stats: U
                        first_line: int | None = None) -> Iterator[pa.RecordBatch]:
     if not data or data.isspace():  # isspace stops at the first non-space; strip() would copy
         return
+    import pyarrow.json as pajson
+
     try:
         table = pajson.read_json(io.BytesIO(data), read_options=pajson.ReadOptions(
             use_threads=False, block_size=max(1 << 20, len(data) + 1)))
