@@ -85,10 +85,9 @@ _NARROWER = {np.dtype(t): tuple((np.dtype(n), int(np.iinfo(n).min), int(np.iinfo
     (np.uint32, (np.uint8, np.uint16)),
 )}
 
-Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int, "str | None", int], ...]
-"""Per array: (key, wire dtype, shape, strides in the payload, start in the payload, the dtype it
-is widened back to on arrival or None when it travels as it is, and the start of the buffer it is
-a view of when it shares that buffer with another key, else -1)."""
+Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int, "str | None"], ...]
+"""Per array: (key, wire dtype, shape, strides in the payload, start in the payload, and the dtype it
+is widened back to on arrival or None when it travels as it is)."""
 
 
 def _owning_base(array: np.ndarray) -> np.ndarray | None:
@@ -158,8 +157,6 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
     narrowest dtype its values fit (`wire_dtype`); `unpack_arrays` rebuilds it."""
     placed: dict[int, tuple[np.ndarray, int, np.dtype | None]] = {}
     layout = []
-    views: dict[int, int] = {}  # placed buffer -> keys viewing it
-    shares: list[int] = []  # per layout entry, the buffer it views
     rest: dict[str, Any] = {}
     size = 0
     for name, value in data.items():
@@ -182,15 +179,12 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
             found = placed[id(base)] = (base, size, narrow)
             size += base.size * narrow.itemsize if narrow is not None else base.nbytes
         _, at, narrow = found
-        views[id(base)] = views.get(id(base), 0) + 1
-        shares.append(id(base))
         if narrow is not None:  # a standalone array: C-contiguous in its wire dtype
             strides = tuple(s // array.itemsize * narrow.itemsize for s in array.strides)
-            layout.append((name, narrow.str, array.shape, strides, at, array.dtype.str, at))
+            layout.append((name, narrow.str, array.shape, strides, at, array.dtype.str))
             continue
         start = at if base is array else at + _address(array) - _address(base)
-        layout.append((name, array.dtype.str, array.shape, array.strides, start, None, at))
-    layout = [(*entry[:6], entry[6] if views[buffer] > 1 else -1) for entry, buffer in zip(layout, shares)]
+        layout.append((name, array.dtype.str, array.shape, array.strides, start, None))
     size = -(-size // _ALIGN) * _ALIGN
     if size >= shared_memory_bytes:
         import torch
@@ -222,47 +216,28 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
 
 
 def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """The dict `pack_arrays` packed: CPU tensors viewing one writable payload (an array that
-    travelled narrow is widened back to its own dtype), plus the rest."""
+    """The dict `pack_arrays` packed, plus the rest: each array a CPU tensor viewing one writable
+    tensor of the whole payload, so keys that shared a buffer when sent (input_ids, labels) share one
+    storage again, and a shared-memory payload's stay shared (is_shared, no copy on a re-send); an
+    array that travelled narrow is widened back into its own."""
     import torch
 
-    if isinstance(payload, torch.Tensor):
-        buffer: Any = payload.numpy()
-    else:
-        buffer = bytearray(payload)  # writable: the loop may write into its tensors
+    # bytearray: writable, as the loop may write into its tensors
+    whole = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    typed: dict[np.dtype, Any] = {}
     values: dict[str, Any] = dict(rest)
-    shared: dict[int, Any] = {}
-    for name, dtype_str, shape, strides, start, own, within in layout:
+    for name, dtype_str, shape, strides, start, own in layout:
         dtype = _dtype(dtype_str)
         size = dtype.itemsize
-        if within >= 0 and not (start - within) % size and not any(s % size for s in strides):
-            # keys viewing one buffer (input_ids, labels) view one tensor of it, as they did when sent
-            whole = shared.get(within)
-            if whole is None:
-                extent = max(s for *_, s in (_reach(e) for e in layout if e[6] == within))
-                whole = shared[within] = torch.from_numpy(
-                    np.frombuffer(buffer, dtype=np.uint8, count=extent - within, offset=within))
-            values[name] = whole.view(_torch_dtype(dtype)).as_strided(
-                shape, tuple(s // size for s in strides), (start - within) // size)
+        if own is None and not start % size and not any(s % size for s in strides):
+            view = typed.get(dtype)
+            if view is None:
+                view = typed[dtype] = whole.view(_torch_dtype(dtype))
+            values[name] = view.as_strided(shape, tuple(s // size for s in strides), start // size)
             continue
-        if own is None and isinstance(payload, torch.Tensor) and not start % size and not any(s % size for s in strides):
-            # a view of the shared-memory tensor itself: it stays shared (is_shared, no copy on a re-send)
-            values[name] = payload.view(_torch_dtype(dtype)).as_strided(
-                shape, tuple(s // size for s in strides), start // size)
-            continue
-        array = np.ndarray(shape, dtype=dtype, buffer=buffer, offset=start, strides=strides)
-        if own is not None:
-            array = array.astype(_dtype(own))
-        values[name] = torch.from_numpy(array)
+        array = np.ndarray(shape, dtype=dtype, buffer=whole.numpy(), offset=start, strides=strides)
+        values[name] = torch.from_numpy(array.astype(_dtype(own)) if own is not None else array)
     return {key: values[key] for key in keys}
-
-
-def _reach(entry: tuple[Any, ...]) -> tuple[int, int]:
-    """(start, end) of the payload bytes a layout entry's array reaches (its strides non-negative)."""
-    _, dtype_str, shape, strides, start, _, _ = entry
-    if 0 in shape:
-        return start, start
-    return start, start + sum((n - 1) * s for n, s in zip(shape, strides)) + _dtype(dtype_str).itemsize
 
 
 @functools.cache
