@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -379,6 +380,42 @@ def test_batches_from_workers_equal_batches_built_in_process(packed):
                 assert remote.data[name] == value, name
         assert remote.meta.cursor == inline.meta.cursor and remote.meta.index == inline.meta.index
         assert remote.meta.sample_ids.tolist() == inline.meta.sample_ids.tolist()
+
+
+@pytest.mark.parametrize("run,limit", [(3, 13), (1, 7), (4, 4)])
+def test_workers_send_runs_of_consecutive_batches_that_flatten_to_the_in_process_order(packed, run, limit):
+    from tierflow.loader._collate import BatchRuns, flatten_runs
+
+    def dataset(worker_run):
+        ds = TieredDataset(packed, batch_size=4, seq_len=48, partitions=PARTITIONS, max_batches=limit)
+        ds.worker_run = worker_run
+        return ds
+
+    inline = list(dataset(run))
+    messages = list(DataLoader(BatchRuns(dataset(run), run), batch_size=None, num_workers=2, collate_fn=lambda b: b))
+    # run k is worker k mod 2's; each message is one whole run (the last may be short), in order
+    assert [[b.meta.index for b in m] for m in messages] == \
+        [list(range(k, min(k + run, limit))) for k in range(0, limit, run)]
+    received = list(flatten_runs(iter(messages)))
+    assert len(received) == len(inline) == limit
+    for remote, local in zip(received, inline):
+        assert torch.equal(remote.data["input_ids"], torch.as_tensor(local.data["input_ids"]))
+        assert remote.meta.cursor == local.meta.cursor and remote.meta.sample_ids.tolist() == local.meta.sample_ids.tolist()
+
+
+def test_a_workers_runs_cover_every_batch_once():
+    from tierflow.loader.plan import _WorkerView
+
+    for run, workers in ((1, 3), (3, 2), (8, 2), (2, 1)):
+        owned = []
+        for w in range(workers):
+            view = _WorkerView(None, 0, w, workers, None)  # type: ignore[arg-type]
+            view.run = run
+            mine = list(itertools.takewhile(lambda n: n < 40, view.own_batches()))
+            assert all(view.owns(n) for n in mine) and mine == sorted(mine)
+            assert [n for n in range(40) if view.owns(n)] == mine
+            owned += mine
+        assert sorted(owned) == list(range(40)), (run, workers)
 
 
 def _reference_cursor_after(order, base, index, *, batch_size, num_nodes, ranks_per_node):

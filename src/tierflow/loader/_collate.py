@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 from tierflow.errors import LoaderMisuseError
 
@@ -256,6 +257,49 @@ def _dtype(dtype_str: str) -> np.dtype:
 def _unpack_carried(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
                     meta: Any) -> CarriedBatch:
     return CarriedBatch(unpack_arrays(payload, layout, rest, keys), meta)
+
+
+class BatchRuns(IterableDataset):
+    """What a DataLoader worker sends: its batches a run at a time (`TieredDataset.worker_run`), one
+    list per run, so the main process takes one message, and wakes once, per run instead of per
+    batch; `flatten_runs` hands the batches on one by one, in order."""
+
+    def __init__(self, dataset: Any, run: int) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.run = run
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        run, batches = self.run, []
+        for batch in self.dataset:
+            batches.append(batch)
+            if (batch.meta.index + 1) % run == 0:  # the run's last batch: send it now
+                yield batches
+                batches = []
+        if batches:
+            yield batches
+
+
+def flatten_runs(received: Iterator[Any]) -> Iterator[Any]:
+    """The batches of a DataLoader's runs (`BatchRuns`) one by one; a single batch passes as it is."""
+    for item in received:
+        if type(item) is list:
+            yield from item
+        else:
+            yield item
+
+
+RUN_BYTES = 1 << 20
+"""Decoded bytes a run may hold (`run_length`): a token or text run fits the result pipe, an image batch
+travels alone."""
+MAX_RUN = 8
+
+
+def run_length(batch_bytes: int, epoch_batches: int, workers: int) -> int:
+    """Batches a DataLoader worker builds and sends as one message: what fits RUN_BYTES, at most
+    MAX_RUN, and at most half a worker's share of an epoch, so what the workers build past an epoch's
+    end before the loop gets there (a run from each) stays a small part of the next epoch."""
+    return max(1, min(MAX_RUN, RUN_BYTES // max(1, batch_bytes), epoch_batches // (2 * workers)))
 
 
 RESULT_PIPE_BYTES = 1 << 20

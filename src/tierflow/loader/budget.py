@@ -93,7 +93,7 @@ class TokenBudget:
                 planner.add(real, order_batch.epochs[order_batch.mask], lengths(real))
                 pulled += 1
             ids, epochs = planner.take()
-            if n % stream.workers == stream.worker:
+            if stream.owns(n):
                 mask = np.ones(ids.size, dtype=bool)
                 yield Selection(n, ids, epochs, mask, stream.cursor(pulled - 1, pending=planner.state()),
                                 batch_epoch(epochs, mask))

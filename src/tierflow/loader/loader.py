@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader
 
-from tierflow.loader._collate import CarriedBatch, enlarge_result_pipe
+from tierflow.loader._collate import BatchRuns, CarriedBatch, enlarge_result_pipe, flatten_runs, run_length
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
@@ -130,7 +130,10 @@ class Loader:
             # each batch's production (`production_timer`)
             return self.dataset
         dataset = TimedBatches(self.dataset) if self.telemetry is not None else self.dataset
-        return DataLoader(dataset, batch_size=None, collate_fn=_as_is, **self._loader_options)
+        ds, workers = self.dataset, self._loader_options["num_workers"]
+        epoch_batches = ds.num_order_samples // (ds.batch_size * ds.world.world_size)
+        run = ds.worker_run = run_length(ds.batch_bytes(), epoch_batches, workers)
+        return DataLoader(BatchRuns(dataset, run), batch_size=None, collate_fn=_as_is, **self._loader_options)
 
     def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
@@ -153,7 +156,8 @@ class Loader:
         self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
         enlarge_result_pipe(self._source)  # a batch per write, not 64 KiB at a time
         self.start_prefetch()
-        self._feed = DeviceFeed(_Started(self._source), device=self.device, depth=self.depth, widen=self.widen,
+        received = flatten_runs(self._source) if self._loader_options["num_workers"] else self._source
+        self._feed = DeviceFeed(_Started(received), device=self.device, depth=self.depth, widen=self.widen,
                                 ids=self.dtype,
                                 background=self.background, timed=timed,
                                 registry=self.telemetry.registry if self.telemetry is not None else None)

@@ -113,6 +113,9 @@ class MixedDataset(TieredDataset):
     def locations(self) -> list[str]:
         return [c.location for c in self.children]
 
+    def batch_bytes(self) -> int:
+        return max(c.batch_bytes() for c in self.children)
+
     def stream(self, worker: int = 0, workers: int = 1) -> MixedTrainStream:  # type: ignore[override]
         """This rank's mixed order from the resume cursor, as DataLoader worker `worker` plans it."""
         return self._mixed_stream(self._resume, worker, workers)
@@ -151,7 +154,7 @@ class MixedDataset(TieredDataset):
         for child, ctx in zip(self.children, contexts):
             child._bound_decoded(ctx, None)  # the mixture's epochs are not its children's: each reads its widest
         stream = self.stream(worker, workers)
-        stream.compact = self.compact_cursors
+        stream.compact, stream.run = self.compact_cursors, self.worker_run
         plan = self.batcher.plan(contexts[0], stream, self._resume)
         if info is None:
             return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)

@@ -2,7 +2,8 @@
 
 A batcher has two halves. `plan(ctx, stream, state)` walks the rank's order stream from a cursor
 and yields one `Selection` per output batch this DataLoader worker builds (worker w of W builds
-batches n = w (mod W), the order DataLoader's in-order round robin hands them out in); planning
+the runs of R batches n with n // R = w (mod W), the order DataLoader's in-order round robin hands
+the runs out in, R = 1 unless the Loader sends runs as one message); planning
 reads no sample data, at most lengths, so a plan that must see every batch (a token budget) can
 run whole in every worker. `build(ctx, selection)` reads and assembles one of them. The stream
 is train (`TrainStream` over `RankStream`) or eval (`EvalStream` over `EvalOrder`); a batcher
@@ -181,6 +182,14 @@ class OrderStream(Protocol):
     """Output batches from the cursor (None: endless)."""
     compact: bool
     """Whether its `PlannedCursor`s travel unresolved between processes."""
+    run: int
+    """Output batches a worker builds in a row."""
+
+    def owns(self, n: int) -> bool:
+        """Whether this worker builds output batch `n`."""
+
+    def own_batches(self) -> Iterator[int]:
+        """The output batches this worker builds, in order."""
 
     def batch(self, group: int) -> OrderBatch:
         """Order batch `group`, counted from the cursor."""
@@ -201,9 +210,24 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
 
 class _WorkerView:
     """Who plans: the rank (global), the DataLoader worker of how many, under which arrangement.
-    `compact`: its planned cursors travel unresolved between processes (`PlannedCursor`)."""
+    `compact`: its planned cursors travel unresolved between processes (`PlannedCursor`). `run`:
+    output batches a worker builds in a row, so worker w builds batch n when (n // run) mod W = w
+    (the Loader sends each run as one message: `TieredDataset.worker_run`)."""
 
     compact: bool = False
+    run: int = 1
+
+    def owns(self, n: int) -> bool:
+        """Whether this worker builds output batch `n`."""
+        return (n // self.run) % self.workers == self.worker
+
+    def own_batches(self) -> Iterator[int]:
+        """The output batches this worker builds, in order (endless: the caller stops at its limit)."""
+        n = self.worker * self.run
+        while True:
+            for k in range(n, n + self.run):
+                yield k
+            n += self.workers * self.run
 
     def __init__(self, arrangement: Arrangement, rank: int, worker: int, workers: int, limit: int | None) -> None:
         self.arrangement = arrangement
@@ -275,8 +299,9 @@ def plan_groups(stream: OrderStream, state: LoaderCursor | None, per_group: int)
     its position alone locates it, so each worker plans only its own batches."""
     skip = state.skip if state is not None else 0
     cached: tuple[int, OrderBatch | None] = (-1, None)
-    n = stream.worker
-    while stream.limit is None or n < stream.limit:
+    for n in stream.own_batches():
+        if stream.limit is not None and n >= stream.limit:
+            return
         group, part = divmod(skip + n, per_group)
         if cached[0] != group:
             cached = (group, stream.batch(group))
@@ -288,4 +313,3 @@ def plan_groups(stream: OrderStream, state: LoaderCursor | None, per_group: int)
                                                                                     order_batch.mask)
         yield Selection(n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor, epoch, part,
                         order_batch.dataset)
-        n += stream.workers
