@@ -165,14 +165,15 @@ def production_timer(dataset: Any) -> Callable[[Any, float], None]:
     local = _local
 
     def timed(batch: Any, seconds: float) -> None:
-        ledger = local.ledger
-        batch.meta.timing = {"produce_s": seconds, "fetch": ledger.take_batch() if ledger.batch else {}}
+        batch.meta.produce_s = seconds
+        if local.ledger.batch:
+            batch.meta.fetch = local.ledger.take_batch()
 
     return timed
 
 
 class TimedBatches(IterableDataset):
-    """A `TieredDataset` whose batches' meta carry `timing` = {"produce_s", "fetch": {tier: {...}}}: what a
+    """A `TieredDataset` whose batches' meta carry their timing (`BatchMeta.produce_s` and `fetch`): what a
     DataLoader worker iterates (without workers, `production_timer` stamps the same timing)."""
 
     def __init__(self, dataset: Any) -> None:
@@ -188,7 +189,9 @@ class TimedBatches(IterableDataset):
         started = clock()
         for batch in batches:
             # the timing travels in the batch's meta, beside its data, to the training process
-            batch.meta.timing = {"produce_s": clock() - started, "fetch": ledger.take_batch() if ledger.batch else {}}
+            batch.meta.produce_s = clock() - started
+            if ledger.batch:
+                batch.meta.fetch = ledger.take_batch()
             yield batch
             ledger = local.ledger  # this generator may move to the feed's thread between batches
             if ledger.batch:
