@@ -123,7 +123,6 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
         return table
 
     open_served = getattr(source, "open_served", None)
-    held_open = getattr(source, "held_open", None) or (lambda index: None)  # None: ask open_served every time
     if open_served is None:
         def open_timed(index: int, info: Any) -> Any:
             started = clock()
@@ -134,12 +133,23 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
 
         return open_timed
 
+    held_open = source.held_open
+    verified: dict[int, int] = {}
+    """{index: the stack's generation when the table it held for `index` was one in `tables`}: while the
+    generation stays, that table is still the one held, and a lookup is all an open costs."""
+
     def open_tiered(index: int, info: Any) -> Any:
+        table = held_open(index)  # also what keeps the table's place among the open ones, as a plain open does
+        if verified.get(index) == source.generation:  # read after the look: nothing changed since the check
+            return table
+        generation = source.generation  # read before the look that is checked: a change after it shows
+        table = held_open(index)
         known = tables.get(index)
-        if known is not None:
-            table = held_open(index)
-            if table is known() and table is not None:
-                return table
+        if table is not None and known is not None and known() is table:
+            if len(verified) > 64:
+                verified.clear()
+            verified[index] = generation
+            return table
         table, served_by, seconds = open_served(index, info)
         if served_by is None:  # the stack had it open, no fetch
             if known is not None and known() is table:
