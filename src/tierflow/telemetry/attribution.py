@@ -23,6 +23,11 @@ from torch.utils.data import IterableDataset
 from tierflow.telemetry.loader_metrics import MAPPED, SOURCE
 
 
+_unclaimed: list[FetchLedger] = []
+"""The ledgers whose `batch` holds opens no batch has taken yet: while there is none (most batches), a timer
+knows its thread's ledger has nothing for its batch without the thread-local lookup."""
+
+
 class FetchLedger:
     """Running totals of fetch seconds and shard opens per serving tier, for one thread, and what was
     opened since the last `take_batch` (what `TimedBatches` stamps on the batch it is building)."""
@@ -45,6 +50,8 @@ class FetchLedger:
         self.adds += 1
         added = self.batch.get(tier)
         if added is None:
+            if not self.batch:
+                _unclaimed.append(self)
             self.batch[tier] = [seconds, 1, nbytes]
         else:
             added[0] += seconds
@@ -54,6 +61,8 @@ class FetchLedger:
     def take_batch(self) -> dict[str, dict[str, Any]]:
         """Per tier, what was added since the last call (as `since` says it), and start afresh."""
         added, self.batch = self.batch, {}
+        if added:
+            _unclaimed.remove(self)
         return {tier: {"seconds": seconds, "opens": opens, "bytes": nbytes}
                 for tier, (seconds, opens, nbytes) in added.items()}
 
@@ -172,11 +181,11 @@ def production_timer(dataset: Any) -> Callable[[Any, float], None]:
     the feed's own), so that thread's ledger holds the batch's opens. Makes `dataset` record its opens."""
     attribute_fetches(dataset)
     thread_ledger().take_batch()  # what was opened before the first build is no batch's
-    local = _local
+    local, unclaimed = _local, _unclaimed
 
     def timed(batch: Any, seconds: float) -> None:
         batch.meta.produce_s = seconds
-        if local.ledger.batch:
+        if unclaimed and local.ledger.batch:
             batch.meta.fetch = local.ledger.take_batch()
 
     return timed
