@@ -136,6 +136,22 @@ def test_a_table_the_stack_let_go_of_is_a_new_open_though_the_reader_still_holds
     assert {tier: f["opens"] for tier, f in ledger.since(mark).items()} == {"source": 1, "L1": 1}
 
 
+def test_a_table_another_reader_opened_is_one_mapped_open_and_a_known_one_stays_known_while_others_open(
+        packed, tmp_path):
+    shards = tierflow.open_dataset(packed).manifest.shards
+    stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded")])
+    source = AttributedShardSource(stack)
+    ledger = thread_ledger()
+    mark = ledger.mark()
+    held = source.open_shard(0, shards[0])            # cold: the source directory serves
+    assert source.open_shard(0, shards[0]) is held    # known, still open: no open recorded
+    other = stack.open_shard(1, shards[1])            # a reader without attribution opens one: the open ones change
+    assert source.open_shard(0, shards[0]) is held    # still known: no open recorded
+    assert source.open_shard(1, shards[1]) is other   # open already, new to this reader: mapped, once
+    assert source.open_shard(1, shards[1]) is other
+    assert {tier: f["opens"] for tier, f in ledger.since(mark).items()} == {"source": 1, "mapped": 1}
+
+
 def test_a_batch_is_charged_the_opens_of_its_own_build_only(packed):
     from tierflow.telemetry.attribution import TimedBatches
 

@@ -200,7 +200,7 @@ class Loader:
             if record is not None:  # clock readings: the wait and the step are taken from them in bulk
                 last, handed = handed, time.perf_counter()
                 ready = batches.ready  # type: ignore[attr-defined]  # an instance attribute: loaded, then called
-                record((asked, handed, last, meta.timing, ready()))
+                record((asked, handed, last, meta.produce_s, meta.fetch, ready()))
                 if len(pending) >= FLUSH_AT:
                     telemetry.flush()  # type: ignore[union-attr]
             yield (batch.data, meta) if self.return_meta else batch.data

@@ -32,7 +32,7 @@ class BatchMeta:
     use from `planned`, see `PlannedCursor`), its number since the iteration started (`index`),
     the epoch it belongs to, its samples in row order (global ids and their epochs), the batcher's
     counts (`stats`: copied_bytes, filtered, samples, ...), production timing when telemetry is
-    on, now and then its worker's metrics, and in a mixture the dataset of each sample."""
+    on (`timing`), now and then its worker's metrics, and in a mixture the dataset of each sample."""
 
     planned: LoaderCursor | PlannedCursor
     index: int
@@ -40,7 +40,10 @@ class BatchMeta:
     sample_ids: np.ndarray
     epochs: np.ndarray
     stats: dict[str, int]
-    timing: dict[str, Any] | None = None
+    produce_s: float | None = None
+    """Seconds building this batch took where it was built, when telemetry timed it."""
+    fetch: dict[str, dict[str, Any]] | None = None
+    """What its build opened, per serving tier: {tier: {"seconds", "opens", "bytes"}}; None: nothing."""
     metrics: WorkerSnapshot | None = None
     datasets: np.ndarray | None = None
     """In a mixture, the dataset (its index in `datasets=[...]`) each sample came from."""
@@ -49,3 +52,11 @@ class BatchMeta:
     def cursor(self) -> LoaderCursor:
         planned = self.planned
         return planned if isinstance(planned, LoaderCursor) else planned.resolve()
+
+    @property
+    def timing(self) -> dict[str, Any] | None:
+        """{"produce_s", "fetch": {tier: {...}}} when telemetry timed the batch, else None. Made when asked:
+        a timed batch carries two fields, not two dicts, so recording it allocates nothing the collector counts."""
+        if self.produce_s is None:
+            return None
+        return {"produce_s": self.produce_s, "fetch": self.fetch if self.fetch is not None else {}}

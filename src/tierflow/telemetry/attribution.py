@@ -23,6 +23,11 @@ from torch.utils.data import IterableDataset
 from tierflow.telemetry.loader_metrics import MAPPED, SOURCE
 
 
+_unclaimed: list[FetchLedger] = []
+"""The ledgers whose `batch` holds opens no batch has taken yet: while there is none (most batches), a timer
+knows its thread's ledger has nothing for its batch without the thread-local lookup."""
+
+
 class FetchLedger:
     """Running totals of fetch seconds and shard opens per serving tier, for one thread, and what was
     opened since the last `take_batch` (what `TimedBatches` stamps on the batch it is building)."""
@@ -45,6 +50,8 @@ class FetchLedger:
         self.adds += 1
         added = self.batch.get(tier)
         if added is None:
+            if not self.batch:
+                _unclaimed.append(self)
             self.batch[tier] = [seconds, 1, nbytes]
         else:
             added[0] += seconds
@@ -54,6 +61,8 @@ class FetchLedger:
     def take_batch(self) -> dict[str, dict[str, Any]]:
         """Per tier, what was added since the last call (as `since` says it), and start afresh."""
         added, self.batch = self.batch, {}
+        if added:
+            _unclaimed.remove(self)
         return {tier: {"seconds": seconds, "opens": opens, "bytes": nbytes}
                 for tier, (seconds, opens, nbytes) in added.items()}
 
@@ -123,7 +132,6 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
         return table
 
     open_served = getattr(source, "open_served", None)
-    held_open = getattr(source, "held_open", None) or (lambda index: None)  # None: ask open_served every time
     if open_served is None:
         def open_timed(index: int, info: Any) -> Any:
             started = clock()
@@ -134,12 +142,23 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
 
         return open_timed
 
+    held_open = source.held_open
+    verified: dict[int, int] = {}
+    """{index: the stack's generation when the table it held for `index` was one in `tables`}: while the
+    generation stays, that table is still the one held, and a lookup is all an open costs."""
+
     def open_tiered(index: int, info: Any) -> Any:
+        table = held_open(index)  # also what keeps the table's place among the open ones, as a plain open does
+        if verified.get(index) == source.generation:  # read after the look: nothing changed since the check
+            return table
+        generation = source.generation  # read before the look that is checked: a change after it shows
+        table = held_open(index)
         known = tables.get(index)
-        if known is not None:
-            table = held_open(index)
-            if table is known() and table is not None:
-                return table
+        if table is not None and known is not None and known() is table:
+            if len(verified) > 64:
+                verified.clear()
+            verified[index] = generation
+            return table
         table, served_by, seconds = open_served(index, info)
         if served_by is None:  # the stack had it open, no fetch
             if known is not None and known() is table:
@@ -162,17 +181,18 @@ def production_timer(dataset: Any) -> Callable[[Any, float], None]:
     the feed's own), so that thread's ledger holds the batch's opens. Makes `dataset` record its opens."""
     attribute_fetches(dataset)
     thread_ledger().take_batch()  # what was opened before the first build is no batch's
-    local = _local
+    local, unclaimed = _local, _unclaimed
 
     def timed(batch: Any, seconds: float) -> None:
-        ledger = local.ledger
-        batch.meta.timing = {"produce_s": seconds, "fetch": ledger.take_batch() if ledger.batch else {}}
+        batch.meta.produce_s = seconds
+        if unclaimed and local.ledger.batch:
+            batch.meta.fetch = local.ledger.take_batch()
 
     return timed
 
 
 class TimedBatches(IterableDataset):
-    """A `TieredDataset` whose batches' meta carry `timing` = {"produce_s", "fetch": {tier: {...}}}: what a
+    """A `TieredDataset` whose batches' meta carry their timing (`BatchMeta.produce_s` and `fetch`): what a
     DataLoader worker iterates (without workers, `production_timer` stamps the same timing)."""
 
     def __init__(self, dataset: Any) -> None:
@@ -188,7 +208,9 @@ class TimedBatches(IterableDataset):
         started = clock()
         for batch in batches:
             # the timing travels in the batch's meta, beside its data, to the training process
-            batch.meta.timing = {"produce_s": clock() - started, "fetch": ledger.take_batch() if ledger.batch else {}}
+            batch.meta.produce_s = clock() - started
+            if ledger.batch:
+                batch.meta.fetch = ledger.take_batch()
             yield batch
             ledger = local.ledger  # this generator may move to the feed's thread between batches
             if ledger.batch:

@@ -47,12 +47,12 @@ class EventLog:
                 self._file.write(line + "\n")
                 self._file.flush()
 
-    def batch(self, index: int, wait_s: float, step_s: float | None, depth: int | None,
-              timing: Mapping[str, Any] | None) -> None:
-        """One batch's record, then a metrics snapshot when one is due."""
-        self.write("batch", i=index, wait_s=wait_s, step_s=step_s, depth=depth,
-                   produce_s=None if timing is None else timing.get("produce_s"),
-                   fetch=None if timing is None else timing.get("fetch"))
+    def batch(self, index: int, wait_s: float, step_s: float | None, depth: int | None, produce_s: float | None,
+              fetch: Mapping[str, Any] | None) -> None:
+        """One batch's record (`produce_s` and `fetch` as its meta holds them), then a metrics snapshot when
+        one is due."""
+        self.write("batch", i=index, wait_s=wait_s, step_s=step_s, depth=depth, produce_s=produce_s,
+                   fetch=None if produce_s is None else fetch or {})
         if self.registry is not None and self.elapsed() - self._last_snapshot >= self.snapshot_every_s:
             self.snapshot()
 

@@ -10,7 +10,6 @@ on it, and "prep" (decode, batching, transforms). The parts always add up to the
 from __future__ import annotations
 
 import itertools
-import operator
 import struct
 import threading
 from dataclasses import dataclass
@@ -37,11 +36,13 @@ FETCH_BYTES = "tierflow_loader_fetch_bytes_total"
 FLUSH_EVERY = 512
 """Batches `LoaderTelemetry` records per bulk update of its metrics. A flush's fixed cost (~40 numpy calls)
 is spread over them: 512 costs ~0.6k instructions a batch less than 128 (callgrind). The records wait as
-a flat list, not tuples, so the only GC-tracked object a batch leaves waiting is its timing dict: ten
-young collections per 4,096 batches at 512 (three at 128), each small."""
-BatchRecord = tuple[float, float, float | None, Mapping[str, Any] | None, int | None]
-"""One batch as a loader records it: (asked, handed, last handed, timing, depth); see `LoaderTelemetry.recorder`."""
-RECORD_FIELDS = 5
+a flat list of numbers, not tuples or timing dicts: a batch leaves nothing waiting that the garbage collector
+counts (a batch that opened a shard, its fetch dict), so waiting records start no young collection (a timing
+dict and its fetch dict per batch started one every ~350 batches)."""
+BatchRecord = tuple[float, float, float | None, float | None, Mapping[str, Any] | None, int | None]
+"""One batch as a loader records it: (asked, handed, last handed, production seconds, fetch, depth), the last
+three as its meta has them (`BatchMeta.produce_s`, `BatchMeta.fetch`); see `LoaderTelemetry.recorder`."""
+RECORD_FIELDS = 6
 """A `BatchRecord`'s length: the records wait flattened, one after another, in one list."""
 FLUSH_AT = FLUSH_EVERY * RECORD_FIELDS
 """The length of the pending list at which a recorder flushes."""
@@ -55,7 +56,6 @@ def split_wait(wait_s: float, timing: Mapping[str, Any] | None) -> dict[tuple[st
 
 
 _PREP, _COPY = ("prep", ""), ("copy", "")
-_PRODUCED, _FETCHED = operator.itemgetter("produce_s"), operator.itemgetter("fetch")
 
 
 def add_wait(parts: dict[tuple[str, str], float], wait_s: float, timing: Mapping[str, Any] | None) -> None:
@@ -101,9 +101,9 @@ _PACKERS: dict[int, struct.Struct] = {}
 
 def _split_unfetched(wait: np.ndarray, produced: np.ndarray, parts: dict[tuple[str, str], float]) -> None:
     """`add_wait` for batches that opened no shard, all at once: of a positive wait, the part past production
-    is the copy, the rest (all of it, when production took longer) preparation."""
+    is the copy, the rest (all of it, when production took longer or nobody timed the batch: NaN) preparation."""
     waited = np.maximum(wait, 0.0)
-    copy = float(np.add.reduce(np.maximum(waited - produced, 0.0)))  # production is never negative
+    copy = float(np.add.reduce(np.fmax(waited - produced, 0.0)))  # production is never negative
     prep = float(np.add.reduce(waited)) - copy
     if copy > 0:
         parts[_COPY] = parts.get(_COPY, 0.0) + copy
@@ -176,30 +176,30 @@ class LoaderTelemetry:
         `step_s`, the loop's step just before it asked for this batch (what `on_step` records), given here
         so a caller records both in one call. Recorded in bulk every `FLUSH_EVERY` batches and before any
         snapshot: per batch, an append."""
-        if self.events is not None:
-            if step_s is not None:
-                self._last_step = step_s
-            self.events.batch(self._handed, wait_s, self._last_step, depth, timing)
-            self._handed += 1
         # as clock readings: asked at 0, handed at the wait, the last batch handed one step before 0
+        produce_s, fetch = (None, None) if timing is None else (timing.get("produce_s"), timing.get("fetch") or None)
+        self._add((0.0, wait_s, None if step_s is None else -step_s, produce_s, fetch, depth))
+
+    def _add(self, record: BatchRecord) -> None:
+        """Pend one record (and write its event, with an event log), flushing at `FLUSH_AT`."""
+        if self.events is not None:
+            asked, handed, last, produce_s, fetch, depth = record
+            if last is not None:
+                self._last_step = asked - last
+            self.events.batch(self._handed, handed - asked, self._last_step, depth, produce_s, fetch)
+            self._handed += 1
         pending = self._pending
-        pending.extend((0.0, wait_s, None if step_s is None else -step_s, timing, depth))
+        pending.extend(record)
         if len(pending) >= FLUSH_AT:
             self.flush()
 
     def recorder(self) -> tuple[Callable[[BatchRecord], None], list[Any]]:
-        """`(record, pending)`: a loader calls `record((asked, handed, last_handed, timing, depth))` per batch
-        (the clock when the loop asked for the batch, when it got it, when it got the one before (None: the
-        first of a `for`), the batch's timing and the batches ready ahead), then `flush()` once
-        `len(pending) >= FLUSH_AT`. The wait and the step are taken from these in bulk when the records are
+        """`(record, pending)`: a loader calls `record((asked, handed, last_handed, produce_s, fetch, depth))` per
+        batch (the clock when the loop asked for the batch, when it got it, when it got the one before (None: the
+        first of a `for`), the batch's timing as its meta holds it and the batches ready ahead), then `flush()`
+        once `len(pending) >= FLUSH_AT`. The wait and the step are taken from these in bulk when the records are
         flushed: per batch a C call (the pending list's `extend`), no arithmetic, no Python frame."""
-        if self.events is not None:
-            def record_with_events(item: BatchRecord) -> None:
-                asked, handed, last, timing, depth = item
-                self.on_batch(handed - asked, timing, depth, None if last is None else asked - last)
-
-            return record_with_events, self._pending
-        return self._pending.extend, self._pending
+        return (self._add if self.events is not None else self._pending.extend), self._pending
 
     def flush(self) -> None:
         """Apply the batches recorded since the last flush to the registry's metrics, in bulk: one numpy pass
@@ -214,7 +214,8 @@ class LoaderTelemetry:
             records = pending[:size]
             del pending[:size]  # records appended meanwhile stay, after these
             n = size // RECORD_FIELDS
-            askeds, handeds, lasts, timings, depths = (records[i::RECORD_FIELDS] for i in range(RECORD_FIELDS))
+            askeds, handeds, lasts, produces, fetches, depths = (records[i::RECORD_FIELDS]
+                                                                 for i in range(RECORD_FIELDS))
             asked = _floats(askeds, n)[0]
             wait = _floats(handeds, n)[0] - asked
             last, every = _floats(lasts, n)  # None (NaN): no step, before the first batch of a `for`
@@ -237,23 +238,21 @@ class LoaderTelemetry:
                 self.depth.observe_vector(depth)
                 self.depth_now.set(next(d for d in reversed(depths) if d is not None))
             stalled: dict[tuple[str, str], float] = {}
-            try:  # every batch timed (the usual case): the waits of those that opened no shard split at once
-                produced = _floats(tuple(map(_PRODUCED, timings)), n)[0]
-                # the batches that opened a shard, found in C (a Python loop over 512 records costs ~10 opcodes
-                # a batch: most flushes hold one such batch)
-                each = list(itertools.compress(range(n), map(_FETCHED, timings))) if any(map(_FETCHED, timings)) else []
-            except (TypeError, KeyError):  # a batch without timing (a DataLoader you built) or with part of it
-                produced = np.asarray(self._split_each(wait.tolist(), timings, stalled), dtype=np.float64)
+            produced, timed = _floats(produces, n)  # None (NaN): a batch nobody timed (a DataLoader you built)
+            # the batches that opened a shard, found in C (a Python loop over 512 records costs ~10 opcodes a
+            # batch: most flushes hold one such batch)
+            each = list(itertools.compress(range(n), fetches)) if any(fetches) else []
+            if each:  # a few per flush, where a batch moved to a shard its reader had not opened
+                plain = np.ones(n, dtype=bool)
+                plain[each] = False
+                _split_unfetched(wait[plain], produced[plain], stalled)
+                self._split_each(wait[each].tolist(), produced[each].tolist(), [fetches[i] for i in each], stalled)
             else:
-                if each:  # a few per flush, where a batch moved to a shard its reader had not opened
-                    plain = np.ones(n, dtype=bool)
-                    plain[each] = False
-                    _split_unfetched(wait[plain], produced[plain], stalled)
-                    self._split_each(wait[each].tolist(), [timings[i] for i in each], stalled)
-                else:
-                    _split_unfetched(wait, produced, stalled)
+                _split_unfetched(wait, produced, stalled)
+            if not timed:
+                produced = produced[~np.isnan(produced)]
             if produced.size:
-                self.production.observe_many(produced)
+                self.production.observe_vector(produced)
             if stalls:
                 self.stalls.inc(stalls)
             self.batches.inc(n)
@@ -265,19 +264,15 @@ class LoaderTelemetry:
                     counter = self._stall[key] = self.registry.counter(STALL, labels, "loop wait by cause and tier")
                 counter.inc(seconds)
 
-    def _split_each(self, waits: Sequence[float], timings: Sequence[Mapping[str, Any] | None],
-                    stalled: dict[tuple[str, str], float]) -> list[float]:
-        """Count each batch's fetches and add its wait to `stalled` by cause; returns the production times."""
-        produced = []
-        for wait_s, timing in zip(waits, timings):
-            if timing is not None:
-                produced.append(float(timing.get("produce_s", 0.0)))
-                for tier, fetched in (timing.get("fetch") or {}).items():
-                    seconds, nbytes = self._fetch_counters(tier)
-                    seconds.inc(fetched["seconds"])
-                    nbytes.inc(fetched["bytes"])
-            add_wait(stalled, wait_s, timing)
-        return produced
+    def _split_each(self, waits: Sequence[float], produced: Sequence[float], fetches: Sequence[Mapping[str, Any]],
+                    stalled: dict[tuple[str, str], float]) -> None:
+        """Count the fetches of batches that opened a shard and add their waits to `stalled` by cause."""
+        for wait_s, produce_s, fetch in zip(waits, produced, fetches):
+            for tier, fetched in fetch.items():
+                seconds, nbytes = self._fetch_counters(tier)
+                seconds.inc(fetched["seconds"])
+                nbytes.inc(fetched["bytes"])
+            add_wait(stalled, wait_s, {"produce_s": produce_s, "fetch": fetch})
 
     def clear(self) -> None:
         self._pending.clear()

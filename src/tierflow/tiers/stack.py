@@ -148,6 +148,9 @@ class TierStack:
         self._staged_per_byte = 1.0  # staged (decoded) bytes per byte of the top tier's form
         self.staging_wait_s = STAGING_WAIT_S
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
+        self.generation = 0
+        """Changes whenever a table joins or leaves the open ones: while it stays the same, a table the stack
+        held open is still the one it holds (what lets a reader that knows it skip asking again)."""
         self._dropped: set[int] = set()
         self._lock = threading.Lock()
         self.m_source_bytes = self.registry.counter("tierflow_stack_source_bytes_total", {"tier": SOURCE},
@@ -439,6 +442,7 @@ class TierStack:
             while len(self._open) > min(self.max_open, limit):
                 dropped, _ = self._open.popitem(last=False)
                 self._dropped.add(dropped)
+            self.generation += 1
         return Opened(table, handle.served_by, handle.fetch_s)
 
     def _recover(self, info: ShardInfo, block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
@@ -483,6 +487,7 @@ class TierStack:
     def close(self) -> None:
         with self._lock:
             self._open.clear()
+            self.generation += 1
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its configuration, for spawn/forkserver workers: the child opens its own
