@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset
 
 from tierflow.errors import LoaderMisuseError
@@ -107,10 +108,6 @@ def _as_array(value: Any) -> np.ndarray | None:
     """A numeric numpy view of `value` (numpy array or plain CPU tensor), None for anything else."""
     if isinstance(value, np.ndarray):
         return value if value.dtype.kind in _NUMERIC + "b" else None
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is the loader's dependency
-        return None
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided \
             and not value.requires_grad:
         try:
@@ -188,8 +185,6 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
         layout.append((name, array.dtype.str, array.shape, array.strides, start, None))
     size = -(-size // _ALIGN) * _ALIGN
     if size >= shared_memory_bytes:
-        import torch
-
         # made in shared memory, as torch's own collate does: share_memory_() on a fresh tensor moves
         # it there, a second copy of the batch (~9 ms of CPU for a 64 x 224 x 224 x 3 image batch)
         payload: Any = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
@@ -221,8 +216,6 @@ def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: S
     tensor of the whole payload, so keys that shared a buffer when sent (input_ids, labels) share one
     storage again, and a shared-memory payload's stay shared (is_shared, no copy on a re-send); an
     array that travelled narrow is widened back into its own."""
-    import torch
-
     # bytearray: writable, as the loop may write into its tensors
     whole = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     typed: dict[np.dtype, Any] = {}
@@ -243,8 +236,6 @@ def unpack_arrays(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: S
 
 @functools.cache
 def _torch_dtype(dtype: np.dtype) -> Any:
-    import torch
-
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
