@@ -49,9 +49,8 @@ SEQ_LEN = 2048
 HERE = Path(__file__).resolve().parent
 
 
-def zstd_frames(path: Path) -> list[tuple[bytes, int]]:
+def zstd_frames(dataset: tierflow.Dataset) -> list[tuple[bytes, int]]:
     """(frame, decoded size) of every zstd buffer of every block of a packed dataset."""
-    dataset = tierflow.open_dataset(path)
     frames = []
     for s, info in enumerate(dataset.manifest.shards):
         table = dataset.shard(s)
@@ -125,17 +124,17 @@ def main() -> None:
 
     tokens = tierflow.open_dataset(data / "tierflow-tokens")
     token_batches = int(TokenWindows(SEQ_LEN).order_counts(tokens).sum()) // BATCH
-    token_frames = zstd_frames(data / "tierflow-tokens")
-    values = tokens.shard(0).list_values(0, tokens.token_column)
+    token_frames = zstd_frames(tokens)
+    block_tokens = tokens.shard(0).list_values(0, tokens.token_column)
     docs = tierflow.open_dataset(data / "tierflow-docs")
     text = [row["text"].encode() for row in docs]
     text_batches = len(text) // BATCH
-    text_frames = zstd_frames(data / "tierflow-docs")
+    text_frames = zstd_frames(docs)
 
     parts: dict[str, dict[str, list[float]]] = {"tokens": {}, "text": {}}
     for _ in range(args.rounds):
         parts["tokens"].setdefault("zstd decode", []).append(decode_floor(token_frames, token_batches))
-        parts["tokens"].setdefault("copy 8 windows, widen to int64", []).append(token_floor(values, 2000, rng))
+        parts["tokens"].setdefault("copy 8 windows, widen to int64", []).append(token_floor(block_tokens, 2000, rng))
         parts["text"].setdefault("zstd decode", []).append(decode_floor(text_frames, text_batches))
         parts["text"].setdefault("8 documents to str", []).append(text_floor(text, rng))
 
@@ -144,9 +143,9 @@ def main() -> None:
           f"beside the us a batch each target allows ({args.results}'s raw rows)\n")
     print("| data | part | floor us/batch |\n|---|---|---|")
     for kind, found in parts.items():
-        total = [sum(values) for values in zip(*found.values())]
-        for name, values in found.items():
-            print(f"| {kind} | {name} | {spread([v * 1e6 for v in values])} |")
+        total = [sum(round_parts) for round_parts in zip(*found.values())]
+        for name, seconds in found.items():
+            print(f"| {kind} | {name} | {spread([v * 1e6 for v in seconds])} |")
         print(f"| {kind} | **sum: the floor** | {spread([v * 1e6 for v in total])} |")
         for target, budget in allowed[kind].items():
             print(f"| {kind} | allowed by {target} | {budget:.0f} |")
