@@ -33,17 +33,18 @@ from tierflow.loader._collate import run_length
 from tierflow.loader.tokens import WindowStarts
 from tierflow.order.lanes import node_lanes
 
+SEQ_LEN = 2048
 Batches = list[tuple[int, frozenset[int]]]
 """Per batch of the epoch: its lane, and the blocks (global block numbers) its samples read."""
 
 
 def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
-    """Epoch 0's batches of the rank's order at the peers' defaults (batch 8; tokens: windows of 2048)."""
-    shape = {"seq_len": 2048} if kind == "tokens" else {}
+    """Epoch 0's batches of the rank's order at the peers' defaults (batch 8; tokens: windows of SEQ_LEN)."""
+    shape = {"seq_len": SEQ_LEN} if kind == "tokens" else {}
     ds = TieredDataset(str(data), batch_size=8, seed=17, **shape)
     index = ds._open().dataset.index
     order = ds.stream(0, 1)._stream  # the rank's stream: every batch, not one worker's
-    starts = WindowStarts(index.token_starts, 2048) if kind == "tokens" else None
+    starts = WindowStarts(index.token_starts, SEQ_LEN) if kind == "tokens" else None
     lane_of = {p: lane for lane, members in enumerate(node_lanes(ds.order.layout, 0, 1, ds.order.lanes))
                for p in members}
     batches: Batches = []
@@ -55,7 +56,7 @@ def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
         if starts is not None:  # a window reads every block from its first token's to its last's
             first = starts(ids)
             low, high = (index.first_block[rows[:, 0]] + rows[:, 1]
-                         for rows in (index.token_blocks(first), index.token_blocks(first + 2048)))
+                         for rows in (index.token_blocks(first), index.token_blocks(first + SEQ_LEN)))
             read = frozenset(b for a, z in zip(low.tolist(), high.tolist()) for b in range(a, z + 1))
         else:
             shards, blocks, _ = index.locate_samples(ids)
@@ -63,8 +64,12 @@ def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
         batches.append((lane_of[partition], read))
 
 
-def by_runs(batches: Batches, workers: int, run: int) -> list[int]:
-    return [(n // run) % workers for n in range(len(batches))]
+def by_runs(ds: TieredDataset, batches: Batches, workers: int, run: int) -> list[int]:
+    """Today's rule, asked of the workers' own streams (`OrderStream.owns`)."""
+    streams = [ds.stream(w, workers) for w in range(workers)]
+    for stream in streams:
+        stream.run = run
+    return [next(w for w, stream in enumerate(streams) if stream.owns(n)) for n in range(len(batches))]
 
 
 def by_lane(batches: Batches, workers: int) -> list[int]:
@@ -116,7 +121,7 @@ def main() -> None:
         for workers in args.workers:
             run = run_length(ds.batch_bytes(), len(batches), workers)
             rules: dict[str, Callable[[], list[int]]] = {
-                f"runs of {run} (today)": lambda: by_runs(batches, workers, run),
+                f"runs of {run} (today)": lambda: by_runs(ds, batches, workers, run),
                 "lane": lambda: by_lane(batches, workers),
                 "sticky": lambda: sticky(batches, workers, None),
                 "sticky, lag 8": lambda: sticky(batches, workers, 8),
