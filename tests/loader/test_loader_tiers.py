@@ -107,7 +107,7 @@ def test_token_windows_under_a_small_tier_release_what_they_read(tmp_path, s3_to
                         policy="clairvoyant", form="decoded")]
     stack = build_stack(url, tiers, endpoint_url=proxy.url)
     ds = TieredDataset(stack.dataset(), batch_size=8, seq_len=256, partitions=2, window_shards=2)
-    loader = Loader(ds, stager=Stager(ds, stack))
+    loader = Loader(ds, stager=Stager(ds, stack), endless=True)  # two epochs: one `for` would stop at the first's end
     steps = 2 * ds.num_order_samples // 8
     for step, _ in enumerate(loader):
         if step + 1 == steps:
