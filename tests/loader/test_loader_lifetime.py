@@ -1,0 +1,168 @@
+"""Processes die with their trainer (issue 36, item 2).
+
+A trainer reading through an L2 tier, with 0 or 2 DataLoader workers (fork over a local path,
+forkserver over s3://), is killed mid-epoch the ways clusters kill it: SIGKILL to the trainer
+alone (the OOM killer), SIGKILL to its process group (a node's job teardown), SIGTERM (a
+scheduler's preemption). Every process it started (workers, the forkserver, the resource
+tracker) must be gone within 5 s, its stdout pipe must reach EOF (`python train.py | tail`
+ends), and no L2 entry may stay pinned: a fresh process evicts every entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+import tierflow
+from tierflow.storage.remote import upload_dataset
+from tierflow.tiers import TierConfig
+from tierflow.tiers._lock import is_pinned
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+GONE_WITHIN = 5.0
+TRAINER = '''
+import os, signal, sys, time
+import tierflow
+
+def main():
+    url, workers, l2, endpoint, on_term = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    if on_term == "exit":  # a trainer that handles preemption: SystemExit unwinds the loop
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    loader = tierflow.open_loader(url, tiers=[f"L2={l2}:50MB"], batch_size=8, seq_len=64, num_workers=workers,
+                                  device="cpu", endless=True, endpoint_url=endpoint or None)
+    for step, batch in enumerate(loader):
+        if step == 6:
+            print("ready", os.getpid(), flush=True)
+        time.sleep(0.01)
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A few small shards, so the L2 holds several entries a reader pins."""
+    root = tmp_path_factory.mktemp("lifetime")
+    rng = np.random.default_rng(3)
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(5000):
+            n = int(rng.integers(20, 300))
+            f.write(json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()})
+                    + "\n")
+    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    (root / "trainer.py").write_text(TRAINER)
+    return root
+
+
+def _start(tiny: Path, url: str, workers: int, l2: Path, endpoint: str, on_term: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tierflow.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    # stdout is a pipe we read, as `| tail` would; the trainer leads its own session and group
+    return subprocess.Popen([sys.executable, str(tiny / "trainer.py"), url, str(workers), str(l2), endpoint, on_term],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def _read_line(stream, deadline: float) -> bytes:
+    line = b""
+    while time.monotonic() < deadline and not line.endswith(b"\n"):
+        ready, _, _ = select.select([stream], [], [], 0.1)
+        if ready:
+            chunk = os.read(stream.fileno(), 1)
+            if not chunk:
+                break
+            line += chunk
+    return line
+
+
+def _eof_within(stream, seconds: float) -> bool:
+    """Whether every writer of the pipe is gone within `seconds` (what ends `| tail`)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], 0.1)
+        if ready and not os.read(stream.fileno(), 65536):
+            return True
+    return False
+
+
+def _alive(processes: list[psutil.Process]) -> list[str]:
+    left = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def _run_and_kill(tiny: Path, tmp_path: Path, url: str, workers: int, how: str, endpoint: str = "") -> None:
+    l2 = tmp_path / "l2"
+    proc = _start(tiny, url, workers, l2, endpoint, "exit" if how == "sigterm-handled" else "default")
+    try:
+        line = _read_line(proc.stdout, time.monotonic() + 120)
+        if not line.startswith(b"ready"):
+            proc.kill()
+            pytest.fail(f"trainer did not start: {line!r} {proc.communicate(timeout=30)[1].decode()[-3000:]}")
+        trainer = psutil.Process(proc.pid)
+        descendants = trainer.children(recursive=True)
+        if workers:
+            assert len(descendants) >= workers, descendants
+        if how == "sigkill":
+            os.kill(proc.pid, signal.SIGKILL)  # the trainer alone, as the OOM killer does
+        elif how == "sigkill-group":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        killed = time.monotonic()
+        proc.wait(timeout=30)
+        if how.startswith("sigterm"):
+            assert time.monotonic() - killed < 1.5, f"SIGTERMed trainer took {time.monotonic() - killed:.1f} s to exit"
+        assert _eof_within(proc.stdout, GONE_WITHIN - (time.monotonic() - killed)), \
+            f"the trainer's stdout is still held open: {_alive(descendants)}"
+        deadline = killed + GONE_WITHIN
+        while _alive(descendants) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(descendants), f"outlived their trainer ({how}): {_alive(descendants)}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in psutil.Process().children(recursive=True):  # nothing may leak into the next test
+            if p.pid != proc.pid and str(tiny) in " ".join(p.cmdline()):
+                p.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    entries = sorted((l2 / "entries").glob("*.arrow"))
+    assert entries, "the trainer read nothing through its L2"
+    assert [e.name for e in entries if is_pinned(e)] == []
+    tier = TierConfig("L2", str(l2), 50 << 20).build(configure=False)
+    assert tier.evict() == len(entries)  # a fresh process evicts every entry: no pin left
+
+
+KILLS = ["sigkill", "sigkill-group", "sigterm", "sigterm-handled"]
+CASES = [(0, "sigkill"), (0, "sigterm"), (2, "sigkill"), (2, "sigkill-group"), (2, "sigterm"), (2, "sigterm-handled")]
+
+
+@pytest.mark.parametrize("workers,how", CASES)
+def test_a_killed_trainer_over_a_local_path_leaves_no_process_pipe_or_pin(tiny, tmp_path, workers, how):
+    _run_and_kill(tiny, tmp_path, str(tiny / "ds"), workers, how)
+
+
+@pytest.mark.parametrize("workers,how", [(0, "sigkill"), (2, "sigkill"), (2, "sigkill-group"), (2, "sigterm"),
+                                         (2, "sigterm-handled")])
+def test_a_killed_trainer_over_s3_leaves_no_process_pipe_or_pin(tiny, tmp_path, s3_server, s3_bucket, workers, how):
+    url = f"s3://{s3_bucket}/ds"
+    upload_dataset(tiny / "ds", url, endpoint_url=s3_server.endpoint_url)
+    _run_and_kill(tiny, tmp_path, url, workers, how, endpoint=s3_server.endpoint_url)
