@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import islice
 import select
 import signal
 import subprocess
@@ -24,6 +25,8 @@ import psutil
 import pytest
 
 import tierflow
+from tierflow.errors import TierflowError, WorkerLostError
+from tierflow.loader import Loader, TieredDataset
 from tierflow.storage.remote import upload_dataset
 from tierflow.tiers import TierConfig
 from tierflow.tiers._lock import is_pinned
@@ -40,12 +43,12 @@ def main():
     url, workers, l2, endpoint, on_term = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     if on_term == "exit":  # a trainer that handles preemption: SystemExit unwinds the loop
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    loader = tierflow.open_loader(url, tiers=[f"L2={l2}:50MB"], batch_size=8, seq_len=64, num_workers=workers,
+    loader = tierflow.open_loader(url, tiers=[f"L2={l2}:50MB"], batch_size=64, seq_len=2048, num_workers=workers,
                                   device="cpu", endless=True, endpoint_url=endpoint or None)
     for step, batch in enumerate(loader):
         if step == 6:
             print("ready", os.getpid(), flush=True)
-        time.sleep(0.01)
+        time.sleep(0.05)  # a step: the workers run ahead and block writing batches the loop has not read
 
 if __name__ == "__main__":
     main()
@@ -116,6 +119,7 @@ def _run_and_kill(tiny: Path, tmp_path: Path, url: str, workers: int, how: str, 
         if not line.startswith(b"ready"):
             proc.kill()
             pytest.fail(f"trainer did not start: {line!r} {proc.communicate(timeout=30)[1].decode()[-3000:]}")
+        time.sleep(0.5)  # mid-epoch, the workers' batches waiting in the result pipe
         trainer = psutil.Process(proc.pid)
         descendants = trainer.children(recursive=True)
         if workers:
@@ -128,7 +132,7 @@ def _run_and_kill(tiny: Path, tmp_path: Path, url: str, workers: int, how: str, 
             os.kill(proc.pid, signal.SIGTERM)
         killed = time.monotonic()
         proc.wait(timeout=30)
-        if how.startswith("sigterm"):
+        if how.startswith("sigterm"):  # ~0.5 s with a handler that exits (the Loader stops its workers); room for load
             assert time.monotonic() - killed < 1.5, f"SIGTERMed trainer took {time.monotonic() - killed:.1f} s to exit"
         assert _eof_within(proc.stdout, GONE_WITHIN - (time.monotonic() - killed)), \
             f"the trainer's stdout is still held open: {_alive(descendants)}"
@@ -166,3 +170,43 @@ def test_a_killed_trainer_over_s3_leaves_no_process_pipe_or_pin(tiny, tmp_path, 
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(tiny / "ds", url, endpoint_url=s3_server.endpoint_url)
     _run_and_kill(tiny, tmp_path, url, workers, how, endpoint=s3_server.endpoint_url)
+
+
+def test_a_killed_worker_reaches_the_loop_as_a_tierflow_error_and_state_dict_resumes_exactly(tiny):
+    """Not torch's bare RuntimeError: a WorkerLostError that says state_dict() resumes, and it does."""
+    def dataset() -> TieredDataset:
+        return TieredDataset(str(tiny / "ds"), batch_size=8, seq_len=64)
+
+    reference = [b["input_ids"].clone() for b in islice(Loader(dataset(), device="cpu"), 240)]
+    loader = Loader(dataset(), device="cpu", num_workers=2)
+    got = []
+    with pytest.raises(WorkerLostError, match=r"state_dict\(\) .* resumes exactly") as caught:
+        for step, batch in enumerate(loader):
+            got.append(batch["input_ids"].clone())
+            if step == 2:
+                os.kill(loader._source._workers[0].pid, signal.SIGKILL)
+            assert step < 200, "the loop never heard of the dead worker"  # the batches already sent come first
+    assert isinstance(caught.value, TierflowError) and isinstance(caught.value, RuntimeError)
+    state = loader.state_dict()
+    loader.close()
+    resumed = Loader(dataset(), device="cpu")
+    resumed.load_state_dict(state)
+    got += [b["input_ids"] for b in islice(resumed, 240 - len(got))]
+    assert len(got) == 240 and all(a.equal(b) for a, b in zip(got, reference))
+
+
+def test_torchs_sigchld_report_of_a_dead_worker_is_raised_as_a_tierflow_error():
+    """torch's SIGCHLD handler raises its RuntimeError wherever the main thread is; wrapped, it is typed."""
+    from tierflow.loader._lifetime import _LostWorkerHandler
+
+    def torch_handler(signum, frame):
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+
+    def other(signum, frame):
+        raise RuntimeError("something else")
+
+    with pytest.raises(WorkerLostError, match=r"pid 4242\) is killed by signal: Killed; .*state_dict\(\)"):
+        _LostWorkerHandler(torch_handler)(signal.SIGCHLD, None)
+    with pytest.raises(RuntimeError, match="something else") as caught:
+        _LostWorkerHandler(other)(signal.SIGCHLD, None)
+    assert type(caught.value) is RuntimeError
