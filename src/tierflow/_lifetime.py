@@ -132,14 +132,22 @@ def die_with(owner: Owner, *, parent_signal: bool = True) -> None:
     watch_owner(owner)
 
 
+def watch_parent(parent: int, interval: float = POLL_SECONDS) -> None:
+    """Block until this process's parent is no longer `parent` (it exited; the orphan was
+    re-parented), then SIGKILL this process."""
+    while os.getppid() == parent:
+        time.sleep(interval)
+    _kill_self()
+
+
 def die_with_parent(parent: int) -> None:
     """A process pool's initializer: this process ends when process `parent` (the pool's owner,
     single-threaded when it forks) does, however it ends."""
     if not request_parent_death_signal():
-        threading.Thread(target=_poll_owner, args=(Owner(parent, _start_time(parent)), POLL_SECONDS),
-                         name="tierflow-parent-watchdog", daemon=True).start()
+        threading.Thread(target=watch_parent, args=(parent,), name="tierflow-parent-watchdog", daemon=True).start()
     if os.getppid() != parent:  # the parent died before the request took effect
         _kill_self()
 
 
-__all__ = ["Owner", "die_with", "die_with_parent", "request_parent_death_signal", "watch_owner"]
+__all__ = ["Owner", "die_with", "die_with_parent", "request_parent_death_signal", "watch_owner",
+           "watch_parent"]

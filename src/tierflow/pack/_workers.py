@@ -11,5 +11,7 @@ workers: tierflow._lifetime.
 from __future__ import annotations
 
 from tierflow._lifetime import die_with_parent
+from tierflow._lifetime import request_parent_death_signal as _request_parent_death_signal  # noqa: F401
+from tierflow._lifetime import watch_parent as _watch_parent  # noqa: F401  (the fallback's test calls it)
 
 __all__ = ["die_with_parent"]
