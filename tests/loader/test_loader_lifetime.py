@@ -10,8 +10,10 @@ ends), and no L2 entry may stay pinned: a fresh process evicts every entry.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import threading
 from itertools import islice
 import select
 import signal
@@ -26,10 +28,12 @@ import pytest
 
 import tierflow
 from tierflow.errors import TierflowError, WorkerLostError
+from tierflow.loader._lifetime import WorkerLifetime
 from tierflow.loader import Loader, TieredDataset
 from tierflow.storage.remote import upload_dataset
 from tierflow.tiers import TierConfig
 from tierflow.tiers._lock import is_pinned
+from torch.utils.data import DataLoader
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -210,3 +214,31 @@ def test_torchs_sigchld_report_of_a_dead_worker_is_raised_as_a_tierflow_error():
     with pytest.raises(RuntimeError, match="something else") as caught:
         _LostWorkerHandler(other)(signal.SIGCHLD, None)
     assert type(caught.value) is RuntimeError
+
+
+def _mark_worker(folder: Path, worker_id: int) -> None:
+    (folder / f"worker-{worker_id}").write_text(str(os.getpid()))
+
+
+def test_the_users_worker_init_fn_still_runs_after_the_loaders(tiny, tmp_path):
+    ds = TieredDataset(str(tiny / "ds"), batch_size=8, seq_len=64)
+    dataloader = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=functools.partial(_mark_worker, tmp_path))
+    with Loader(dataloader, device="cpu") as loader:
+        assert len(list(islice(loader, 6))) == 6
+        assert isinstance(dataloader.worker_init_fn, WorkerLifetime)
+        pids = {p.read_text() for p in tmp_path.glob("worker-*")}
+        assert len(pids) == 2 and str(os.getpid()) not in pids
+
+
+def test_workers_forked_by_a_thread_that_ends_live_on_with_the_trainer(tiny):
+    """The parent-death signal fires when the forking *thread* exits: a thread that starts the
+    workers and ends must not take them along (the watchdog on the trainer still stands)."""
+    loader = Loader(TieredDataset(str(tiny / "ds"), batch_size=8, seq_len=64), device="cpu", num_workers=2,
+                    background=False)
+    started: list = []
+    thread = threading.Thread(target=lambda: (started.append(iter(loader)), time.sleep(0.5)))  # workers set up
+    thread.start()
+    thread.join()
+    time.sleep(0.3)
+    with loader:
+        assert len(list(islice(started[0], 40))) == 40
