@@ -144,6 +144,9 @@ def _run_and_kill(tiny: Path, tmp_path: Path, url: str, workers: int, how: str, 
         while _alive(descendants) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(descendants), f"outlived their trainer ({how}): {_alive(descendants)}"
+        where = "s3" if url.startswith("s3://") else "local"
+        print(f"{where}, {workers} workers, {how}: {len(descendants)} descendants gone "
+              f"{time.monotonic() - killed:.2f} s after the kill")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
