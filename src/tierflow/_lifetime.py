@@ -46,16 +46,22 @@ def request_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (/proc/PID/stat field 22), or None when it is gone
-    or there is no /proc: with the pid, it names one process, not whichever reuses the pid."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None when the process
+    is gone or there is no /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()  # the command name may hold spaces and parentheses
-    return fields[19].decode() if len(fields) > 19 else None
+    return stat[stat.rfind(b")") + 2:].split()  # the command name may hold spaces and parentheses
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22), or None: with the pid, it names one
+    process, not whichever reuses the pid."""
+    fields = _stat(pid)
+    return fields[19].decode() if fields is not None and len(fields) > 19 else None
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,11 @@ class Owner:
         return cls(pid, _start_time(pid))
 
     def alive(self) -> bool:
+        """Running (a zombie, exited but not yet reaped, is not), and not another process on a reused pid."""
         if self.start is not None:
-            return _start_time(self.pid) == self.start
+            fields = _stat(self.pid)
+            return (fields is not None and len(fields) > 19 and fields[19].decode() == self.start
+                    and fields[0] not in (b"Z", b"X"))
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
