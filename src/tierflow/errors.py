@@ -46,6 +46,11 @@ class BatchOrderError(TierflowError, RuntimeError):
     """Batches arrived out of order (e.g. a DataLoader with in_order=False); exact resume would break."""
 
 
+class WorkerLostError(TierflowError, RuntimeError):
+    """A DataLoader worker died (killed by a signal, the OOM killer, a crash in native code); the
+    message says how `loader.state_dict()` resumes exactly after the last batch the loop got."""
+
+
 class LoaderMisuseError(TierflowError, TypeError):
     """A TieredDataset used in a way that cannot work (e.g. collated by a DataLoader with a
     batch_size); the message says what to write instead."""
@@ -119,4 +124,5 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
 
 __all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
            "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
-           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError", "TierflowError"]
+           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError", "TierflowError",
+           "WorkerLostError"]

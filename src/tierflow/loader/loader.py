@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tierflow.loader._collate import BatchRuns, CarriedBatch, enlarge_result_pipe, flatten_runs, run_length
+from tierflow.loader._lifetime import bind_workers, raising_lost_workers
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
@@ -168,10 +169,12 @@ class Loader:
             for registry in self.dataset.reading_registries():  # batches are built here: count their readers
                 self.telemetry.registry.include(registry, registry)
             timed = production_timer(self.dataset)  # the feed times each batch it builds
+        bind_workers(self._dataloader)  # its workers die with this process, SIGKILL too (loader/_lifetime.py)
         self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
         enlarge_result_pipe(self._source)  # a batch per write, not 64 KiB at a time
         self.start_prefetch()
-        received = flatten_runs(self._source) if self._loader_options["num_workers"] else self._source
+        received = (raising_lost_workers(flatten_runs(self._source), repr(self.dataset))
+                    if self._loader_options["num_workers"] else self._source)
         self._feed = DeviceFeed(_Started(received), device=self.device, depth=self.depth, widen=self.widen,
                                 ids=self.dtype,
                                 background=self.background, timed=timed,
