@@ -13,7 +13,7 @@ from tierflow.loader import Loader, TieredDataset
 from tierflow.commands.plan import plan_cache
 from tierflow.tiers.stager import Stager
 from tierflow.order import RankStream, SampleOrder
-from tierflow.order.working_set import choose_working_set
+from tierflow.order.working_set import choose_working_set, fitting_working_set, narrowing_advice
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.storage.remote import upload_dataset
 
@@ -68,17 +68,22 @@ def test_elastic_resume_4_to_2_to_8_nodes_reads_each_sample_once_per_epoch():
     assert np.array_equal(np.sort(ids), np.arange(sum(COUNTS)))
 
 
-def test_the_working_set_shrinks_with_the_tier_and_widens_when_the_tier_holds_everything():
+def test_the_working_set_depends_on_the_dataset_alone_and_a_small_tier_is_told_how_to_narrow_it():
     sizes = [1000] * 400
-    tiny, mid = choose_working_set(sizes, 64, 20_000), choose_working_set(sizes, 64, 200_000)
-    whole = choose_working_set(sizes, 64, 10_000_000)
-    assert (tiny.lanes, tiny.window_shards) == (1, 1)
-    assert tiny.lanes * tiny.window_shards < mid.lanes * mid.window_shards
-    assert mid.bytes <= 200_000 * 0.0625 + 1000 and mid.shards == mid.lanes * 2 * mid.window_shards
-    assert (whole.lanes, whole.window_shards) == (16, 4)
-    in_place, held = choose_working_set(sizes, 64, None), choose_working_set(sizes, 64, None, memory_bytes=100_000)
-    assert (in_place.lanes, in_place.window_shards) == (16, 4)  # memory-mapped files cost no RAM to hold
-    assert held.bytes <= 100_000 * 0.125 + 1000  # remote shards with no tier are held in memory
+    default = choose_working_set(sizes, 64)
+    assert (default.lanes, default.window_shards) == (16, 4) and default.shards == 128  # the widest
+    assert choose_working_set(sizes, 64) == default  # no tier, disk or memory to ask
+    small = choose_working_set([1000] * 53, 32)  # at most a quarter of the node's shards read at once
+    assert small.reading <= 53 // 4 and (small.lanes, small.window_shards) == (13, 1)
+    huge = choose_working_set([256 << 20] * 4000, 64)  # at most WORKING_SET_BYTES at rest
+    assert huge.bytes <= (8 << 30) + (256 << 20) and huge.reading == 15
+    # the tier never narrows the order; a tier too small for it to pay is told the numbers and the option
+    assert narrowing_advice(default, sizes, 64, 10_000_000) is None
+    tiny, mid = narrowing_advice(default, sizes, 64, 20_000), narrowing_advice(default, sizes, 64, 200_000)
+    assert "lanes=1, window_shards=1" in tiny and "working set of 128 shards (0.1 MB" in tiny
+    fit = fitting_working_set(sizes, 64, 200_000 * 0.0625)
+    assert f"lanes={fit.lanes}, window_shards={fit.window_shards}" in mid and fit.bytes <= 200_000 * 0.0625
+    assert 1 < fit.reading < default.reading and fit.shards == fit.lanes * 2 * fit.window_shards
 
 
 def _pack_tokens(root, docs):
@@ -222,3 +227,40 @@ def test_two_jobs_sharing_one_l2_do_not_thrash_each_other(tmp_path, tokens_on_s3
     together = jobs(tmp_path / "shared", [1, 2])
     print(f"two jobs: alone {alone / at_rest:.2f}x, together {together / at_rest:.2f}x the dataset over 2 epochs")
     assert together <= 1.1 * 2 * alone, (together / at_rest, alone / at_rest)
+
+
+def _first_batches(data, batches=64, **options):
+    ds = TieredDataset(data, batch_size=16, seq_len=128, seed=11, **options)
+    ids = []
+    for batch in ds:
+        ids.append(batch.meta.sample_ids.copy())
+        if len(ids) == batches:
+            break
+    return ds, np.concatenate(ids)
+
+
+def test_the_same_seed_gives_the_same_batches_with_no_tier_and_any_tier(tokens, tmp_path):
+    """The order depends on the dataset, the seed and the options set, never on the cache (issue 37):
+    the first 64 batches are the same read in place, through a stack with no tier, and through an L2
+    of 5%, 30% and 120% of the bytes at rest or 20x the decoded dataset, in either form."""
+    manifest = tierflow.open_dataset(tokens).manifest
+    at_rest, decoded = sum(s.bytes for s in manifest.shards), sum(s.decoded_bytes for s in manifest.shards)
+    reference, ids = _first_batches(str(tokens))
+    assert reference.working_set.reading > 1
+    _, bare = _first_batches(build_stack(str(tokens)).dataset())
+    assert np.array_equal(bare, ids)
+    for i, (capacity, form) in enumerate([(0.05 * at_rest, "at_rest"), (0.30 * at_rest, "at_rest"),
+                                          (1.20 * at_rest, "at_rest"), (0.30 * at_rest, "decoded"),
+                                          (20 * decoded, "decoded")]):
+        stack = build_stack(str(tokens), [TierConfig("L2", str(tmp_path / f"l2-{i}"), int(capacity), form=form)])
+        ds, got = _first_batches(stack.dataset())
+        assert (ds.working_set.lanes, ds.working_set.window_shards) == (reference.working_set.lanes,
+                                                                       reference.working_set.window_shards)
+        assert ds.order.config_hash == reference.order.config_hash, (capacity, form)
+        assert np.array_equal(got, ids), (capacity, form)
+        stack.close()
+    # options the user sets are what changes the order, and a saved cursor resumes its own
+    narrow, other = _first_batches(str(tokens), lanes=1, window_shards=1)
+    assert not np.array_equal(other, ids)
+    resumed = TieredDataset(str(tokens), batch_size=16, seq_len=128, seed=11, resume=next(iter(narrow)).meta.cursor)
+    assert (resumed.working_set.lanes, resumed.working_set.window_shards) == (1, 1)

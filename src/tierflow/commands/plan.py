@@ -1,6 +1,6 @@
 """`plan`: what a run will fetch per epoch through its tiers, predicted from its own order.
 
-For a capacity of the top tier, the working set `TieredDataset` would choose for it, this node's
+For a capacity of the top tier, the dataset's own working set (the same at every capacity), this node's
 window uses over the epochs (the order is known), replayed against the tier's policy and the
 staging area (tiers/forecast.py), beside the optimum with the same room. A curve over capacities
 says how much cache buys what.
@@ -8,15 +8,14 @@ says how much cache buys what.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from tierflow.format.shard import Form
 from tierflow.loader.dataset import TieredDataset
 from tierflow.order import future_shard_uses
-from tierflow.order.working_set import WorkingSet, choose_working_set
+from tierflow.order.working_set import WorkingSet, working_set_bytes
 from tierflow.tiers.forecast import EpochBytes, optimum, replay
-from tierflow.tiers.tier import memory_headroom
 
 
 @dataclass(frozen=True)
@@ -46,14 +45,14 @@ def _warm(per_epoch: list[EpochBytes]) -> float:
 
 def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
                form: Form = Form.DECODED, working_set: WorkingSet | None = None) -> CachePlan:
-    """The plan at `capacity` bytes of the top tier; the working set is the one a fresh run
-    would choose for it unless given."""
+    """The plan at `capacity` bytes of the top tier storing `form`; the working set is the dataset's
+    own (its order does not depend on the tier: order/working_set.py) unless given."""
     shards = dataset.manifest.shards
     tier_sizes = [s.bytes_in(form) for s in shards]
     rest_sizes = [s.bytes for s in shards]
     world = dataset.world
-    per_node = max(1, dataset.order.partitions // world.num_nodes)
-    chosen = working_set or choose_working_set(tier_sizes, per_node, capacity, memory_headroom())
+    chosen = working_set or dataset.working_set
+    chosen = replace(chosen, bytes=working_set_bytes(chosen.shards, tier_sizes))  # in the tier's form
     order = dataset.order_with(chosen)
     node_samples = order.layout.node_samples(world.node, world.num_nodes)
     batch = dataset.batch_size * dataset.batcher.batches_per_group
