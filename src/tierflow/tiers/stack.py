@@ -125,8 +125,10 @@ class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
     def __init__(self, source: Any, tiers: Sequence[Tier] = (), registry: MetricsRegistry | None = None,
-                 max_open: int = 8, fetch_attempts: int = 3, max_decoded_bytes: int = 1 << 30) -> None:
+                 max_open: int = 8, fetch_attempts: int = 3, max_decoded_bytes: int = 1 << 30,
+                 manifest: Manifest | None = None) -> None:
         self.source = source
+        self._manifest = manifest  # read already (build_stack's, to size tiers against it): not fetched again
         self.tiers = list(tiers)
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             if upper.form is Form.AT_REST and lower.form is Form.DECODED:
@@ -168,7 +170,9 @@ class TierStack:
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
-        manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
+        manifest, self._manifest = self._manifest, None
+        if manifest is None:
+            manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
         for tier in self.tiers:  # from now on the dataset has its fair share of each tier
