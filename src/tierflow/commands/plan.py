@@ -27,6 +27,9 @@ class CachePlan:
     working_set: WorkingSet
     predicted: list[EpochBytes]
     optimum: list[EpochBytes]
+    """Belady's MIN with bypass with the same room: the tier and the staging area (RAM)."""
+    tier_optimum: list[EpochBytes] | None = None
+    """Belady's MIN with bypass over the tier's capacity alone (whole shards in its form)."""
 
     @property
     def warm_ratio(self) -> float:
@@ -60,7 +63,8 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
                              batch_size=batch, horizon=epochs * node_samples + batch)
     staging = chosen.bytes
     return CachePlan(capacity, staging, chosen, replay(uses, tier_sizes, rest_sizes, capacity, staging, epochs, policy),
-                     optimum(uses, tier_sizes, rest_sizes, capacity + staging, epochs))
+                     optimum(uses, tier_sizes, rest_sizes, capacity + staging, epochs),
+                     optimum(uses, tier_sizes, rest_sizes, capacity, epochs))
 
 
 def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,

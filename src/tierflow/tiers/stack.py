@@ -201,7 +201,10 @@ class TierStack:
         for tier in self.tiers:
             tier.set_lifecycle(lifecycle)
         shared = readers > 1 and job is not None and bool(self.tiers)
-        wanted = int(readers * working_bytes * self._staged_per_byte) if shared else working_bytes
+        # the area stores the decoded form: `working_bytes` (the top tier's form) scaled to it; an at-rest
+        # L2's working set sized the area in compressed bytes, a seventh of the shards read at once, so
+        # each reopen fetched its shard again (39x the dataset per epoch at 5-30% of byte tokens, issue 37)
+        wanted = int((readers if shared else 1) * working_bytes * self._staged_per_byte)
         if self.tiers and (wanted > self.staging_bytes or (shared and self.staging_job != job)):
             self.staging_bytes = max(wanted, self.staging_bytes)
             self.staging_job = job if shared else None
@@ -483,10 +486,14 @@ class TierStack:
             raise ShardCorruptError(f"{error}; fetching it again failed: {e}") from e
 
     def _open_limit(self, info: ShardInfo) -> int:
-        """Open shards hold pins: keep them to half the top tier so eviction always has room."""
+        """Open shards hold pins: keep them to half the top tier so eviction always has room, but never
+        fewer than the reader declared it reads at once (the order's, whatever the tier: a shard
+        dropped while its window is read is opened, and maybe fetched, again at its next batch; a
+        tier whose entries are all pinned serves from below, through the staging area)."""
         if not self.tiers:
             return 1 << 10
-        return max(4, self.tiers[0].capacity // (2 * max(info.decoded_bytes, info.bytes, 1)))
+        declared = self.max_open if self._open_declared else 0
+        return max(4, declared, self.tiers[0].capacity // (2 * max(info.decoded_bytes, info.bytes, 1)))
 
     def close(self) -> None:
         with self._lock:
