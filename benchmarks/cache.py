@@ -12,8 +12,8 @@ epoch per `for`), three epochs, no step.
 Per capacity: bytes per epoch against the dataset at rest, as run (live), as `tierflow plan`
 predicts it before the run, and the optimum (Belady's MIN with bypass, whole shards, the same room:
 L2 and the staging area in RAM; `L2 optimum`: the L2's capacity alone). Live bytes are counted by the epoch they serve (issue 37): a GET of a
-shard counts in the epoch of that shard's next use at the moment of the GET (the proxy is read every
-POLL batches), so the stager's lookahead at the end of epoch n into n + 1 counts in n + 1;
+shard counts in the epoch of that shard's next use at the moment of the GET (the proxy is read
+POLLS times an epoch), so the stager's lookahead at the end of epoch n into n + 1 counts in n + 1;
 `boundary` is the old count (what was fetched while the `for` of epoch n ran). The order (lanes x
 window shards) is the dataset's own, the same at every capacity.
 
@@ -45,8 +45,10 @@ from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
 EPOCHS = 3
-POLL = 16
-"""Batches between reads of the proxy's per-path counters (the epoch a GET serves is decided then)."""
+POLLS = 400
+"""Reads of the proxy's per-path counters per epoch (at least one per batch): a GET seen at a read
+counts in the epoch of its shard's next use from the previous read's position, the earliest the
+GET can have been made at."""
 TARGETS = {0.30: 0.75}
 KINDS = {"tokens": {"tokenizer": "bytes"}, "text": {}}
 ORDER_OPTIONS = {"tokens": {"seq_len": 512}, "text": {}}
@@ -68,13 +70,15 @@ class ServedEpochs:
             self.uses.setdefault(names[use.shard], []).append((use.last_use, use.epoch))
         for spans in self.uses.values():
             spans.sort()
+        self.every = max(1, node_samples // self.step // POLLS)
+        self._position = 0  # the previous read's
         self.seen: dict[str, int] = {}
         self.served = [0] * (EPOCHS + 1)
         self.boundary: list[int] = []
         self._at_boundary = 0
 
     def poll(self, batches: int) -> None:
-        position = batches * self.step
+        position, self._position = self._position, batches * self.step
         for (method, path), traffic in self.proxy.traffic().by_method_path.items():
             if method != "GET":
                 continue
@@ -113,7 +117,7 @@ def run_epochs(url: str, proxy: ProxyProcess, l2: Path, capacity: str, dataset_b
         began = time.perf_counter()
         for _batch in loader:
             batches += 1
-            if batches % POLL == 0:
+            if batches % meter.every == 0:
                 meter.poll(batches)
         meter.end_of_epoch(batches)
         if epoch:

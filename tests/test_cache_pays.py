@@ -264,3 +264,35 @@ def test_the_same_seed_gives_the_same_batches_with_no_tier_and_any_tier(tokens, 
     assert not np.array_equal(other, ids)
     resumed = TieredDataset(str(tokens), batch_size=16, seq_len=128, seed=11, resume=next(iter(narrow)).meta.cursor)
     assert (resumed.working_set.lanes, resumed.working_set.window_shards) == (1, 1)
+
+
+def test_the_staging_area_holds_the_working_set_at_rest_where_ram_is_short_and_the_order_stays(tokens, tmp_path,
+                                                                                               monkeypatch, caplog):
+    """The cache adapts to the order: with little memory headroom the staging area keeps the working
+    set in its at-rest form (and says so) instead of the order narrowing; the batches are the same."""
+    import tierflow.tiers.stack as stack_module
+
+    _, ids = _first_batches(str(tokens), batches=32)
+    manifest = tierflow.open_dataset(tokens).manifest
+    at_rest = sum(s.bytes for s in manifest.shards)
+    for headroom, form in ((None, "decoded"), (4 * at_rest, "at_rest")):
+        monkeypatch.setattr(stack_module, "memory_headroom", lambda h=headroom: h)
+        stack = build_stack(str(tokens), [TierConfig("L2", str(tmp_path / f"l2-{form}"), "5%")])
+        assert stack.tiers[0].form == "at_rest" and stack.tiers[0].capacity == round(0.05 * at_rest)
+        ds, got = _first_batches(stack.dataset(), batches=32)
+        assert stack.staging_form == form and np.array_equal(got, ids)
+        assert stack.staging_bytes >= ds.working_set.bytes  # the working set, in the form it stages
+        stack.close()
+    assert "holds it at rest instead" in caplog.text
+
+
+def test_plan_states_sizes_against_the_bytes_at_rest_and_predicts_each_form(tokens, tmp_path, capsys, monkeypatch):
+    from tierflow.commands.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps table headers to the terminal's width
+    assert main(["plan", str(tokens), "--tier", f"L2={tmp_path / 'l2'}:30%", "--batch-size", "16",
+                 "--seq-len", "128", "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "30% of the dataset at rest" in out and "form at_rest" in out
+    assert "at_rest from below (this tier)" in out and "decoded from below" in out
+    assert "of the dataset at rest" in out and "the same at any capacity" in out

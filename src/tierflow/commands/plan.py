@@ -68,19 +68,29 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
 
 
 def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,
-                   form: Form = Form.DECODED) -> list[CachePlan]:
-    """Plans at capacities that are `fractions` of the dataset (in the top tier's form)."""
-    total = sum(s.bytes_in(form) for s in dataset.manifest.shards)
-    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form) for f in fractions]
+                   form: Form = Form.DECODED, policy: str = "auto") -> list[CachePlan]:
+    """Plans at capacities that are `fractions` of the dataset's bytes at rest (the user's yardstick:
+    what was uploaded), the tier storing `form`."""
+    total = sum(s.bytes for s in dataset.manifest.shards)
+    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form, policy=policy) for f in fractions]
+
+
+def auto_form(dataset: TieredDataset, capacity: int) -> Form:
+    """The form an `auto` tier of `capacity` bytes takes (tiers/config.py): decoded where it holds the
+    whole decoded dataset, else at rest."""
+    decoded = sum(s.decoded_bytes for s in dataset.manifest.shards)
+    return Form.DECODED if capacity >= decoded else Form.AT_REST
 
 
 CURVE = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0, 1.2)
 
 
 def recommended(curve: Sequence[CachePlan], dataset_bytes: int, warm_share: float = 0.05) -> str:
-    """The smallest capacity on the curve whose warm epochs fetch at most `warm_share` of the dataset."""
+    """The smallest capacity on the curve whose warm epochs fetch at most `warm_share` of the dataset
+    (`dataset_bytes`: at rest, the yardstick capacities are stated against)."""
     for point in curve:
         if point.warm_ratio <= warm_share:
             return (f"recommended: {point.capacity / 1e6:.1f} MB ({point.capacity / dataset_bytes:.0%} of the "
-                    f"dataset) fetches {point.warm_ratio:.0%} of it per warm epoch")
-    return f"no capacity up to {curve[-1].capacity / 1e6:.1f} MB brings warm epochs under {warm_share:.0%} of the dataset"
+                    f"dataset at rest) fetches {point.warm_ratio:.0%} of it per warm epoch")
+    return (f"no capacity up to {curve[-1].capacity / 1e6:.1f} MB ({curve[-1].capacity / dataset_bytes:.0%} of the "
+            f"dataset at rest) brings warm epochs under {warm_share:.0%} of the dataset")

@@ -232,8 +232,8 @@ class TieredDataset(IterableDataset):
                                 "as given", first)
         if top is not None and not self.eval:
             advice = narrowing_advice(chosen, sizes, per_node, top.capacity, f"tier {top.name}")
-            if advice is not None:
-                log.warning("%s: %s", self.location, advice)
+            if advice is not None:  # the cache adapts (the staging area; tiers/stack.py warns where RAM is short)
+                log.info("%s: %s", self.location, advice)
         return chosen
 
     # -- state ---------------------------------------------------------------------------
