@@ -165,13 +165,14 @@ class TierConfig:
         if NODE_PLACEHOLDER in self.path:
             return self.for_node(node).build(registry, configure=configure)
         capacity, form = self.capacity, self.form
-        if not self.resolved:
+        if isinstance(capacity, DatasetShare):
             if configure:
-                raise ValueError(f"tier {self.name}: capacity {self.capacity!r} / form {self.form!r} depend on the "
-                                 f"dataset: resolve(at_rest_bytes, decoded_bytes) first (build_stack does)")
-            # a look at the directory (tierflow cache ls|evict|clean): its stored config is the one used
-            capacity = min(1.0, float(capacity)) if isinstance(capacity, DatasetShare) else capacity
-            form = Form.AT_REST if form == AUTO_FORM else form
+                raise ValueError(f"tier {self.name}: capacity {float(capacity):.0%} is a share of the dataset at rest: "
+                                 f"resolve(at_rest_bytes, decoded_bytes) first (build_stack does), or give bytes "
+                                 f"or a share of the disk (\"30%disk\")")
+            capacity = min(1.0, float(capacity))  # a look (tierflow cache ls|evict|clean): the directory's config rules
+        if form == AUTO_FORM:  # no dataset to measure against: RAM keeps decoded blocks, a disk keeps shards at rest
+            form = Form.DECODED if is_tmpfs(_existing(self.path)) else Form.AT_REST
         return Tier(self.path, float(capacity), policy=self.policy, form=form, name=self.name,
                     registry=registry, policy_options=self.policy_options, configure=configure)
 
