@@ -301,3 +301,30 @@ def test_plan_states_sizes_against_the_bytes_at_rest_and_predicts_each_form(toke
     assert "30% of the dataset at rest" in out and "form at_rest" in out
     assert "at_rest from below (this tier)" in out and "decoded from below" in out
     assert "of the dataset at rest" in out and "the same at any capacity" in out
+
+
+def test_the_stager_counts_its_fetches_in_the_epoch_they_serve(few_tokens, tmp_path):
+    """The cold epoch's lookahead into the next is the next epoch's bytes (issue 37): counted by the
+    epoch of the use each fetch was staged for, the cold epoch reads each shard at most once."""
+    from tierflow.telemetry.tier_figures import STACK_SOURCE_BYTES
+
+    at_rest = sum(s.bytes for s in tierflow.open_dataset(few_tokens).manifest.shards)
+    stack = build_stack(str(few_tokens), [TierConfig("L2", str(tmp_path / "l2"), "30%")])
+    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=128)
+    stager = Stager(ds, stack)
+    loader = Loader(ds, stager=stager)
+    source = stack.registry.counter(STACK_SOURCE_BYTES, {"tier": "source"})
+    windows, staged, mark = [], [], (0, 0)
+    for _ in range(2):
+        for _batch in loader:
+            time.sleep(0.0005)
+        now = (int(source.value), sum(stager.source_bytes_by_epoch.values()))
+        windows.append(now[0] - mark[0])
+        staged.append(now[1] - mark[1])
+        mark = now
+    loader.close()
+    stack.close()
+    assert set(stager.source_bytes_by_epoch) <= {0, 1, 2} and stager.source_bytes_by_epoch.get(0, 0) > 0
+    served = [w - s + stager.source_bytes_by_epoch.get(e, 0) for e, (w, s) in enumerate(zip(windows, staged))]
+    assert served[0] <= at_rest, (served[0] / at_rest, windows[0] / at_rest)  # each shard once, lookahead aside
+    assert sum(served) <= sum(windows)  # what the last epoch staged for the next is not in either
