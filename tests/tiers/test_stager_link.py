@@ -229,6 +229,7 @@ def test_a_dataset_smaller_than_the_widest_working_set_leaves_the_stager_the_tie
     """The working set counts at most the dataset's shards: the widest (16 lanes x windows of 4, 128
     shards) over 13 was counted as 128 of the largest, above any tier of a few shards' room, so the
     stager warned that the tier was too small and kept one shard ahead (issue 16's cold epoch)."""
+    caplog.set_level("INFO", logger="tierflow")  # the tier-smaller-than-the-working-set lines are info
     sizes = [s.bytes for s in tierflow.Manifest.load(shards).shards]
     capacity = 4 * sum(sizes)
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), capacity, form="at_rest")])

@@ -266,10 +266,10 @@ class Stager:
         capacity = min((t.capacity for t in stack.tiers), default=0)
         working = view.working_set
         active = working.bytes  # the shards read at once and the window just left, no more than the dataset
-        if capacity and active > capacity:
-            log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d lanes x windows of "
-                        "%d and the next window): shards the tier cannot take are read from below",
-                        capacity / 1e6, working.shards, working.lanes, working.window_shards)
+        if capacity and active > capacity:  # the order's, not narrowed to the tier: the staging area carries it
+            log.info("tier capacity %.1f MB is below the %d shards of the order's working set (%d lanes x windows of "
+                     "%d and the next window): the tier keeps what its policy chooses, the rest passes through "
+                     "the staging area", capacity / 1e6, working.shards, working.lanes, working.window_shards)
         room = capacity - active if capacity else 0
         return NodeShape(
             shard_bytes=shard_bytes, bytes_per_step=sum(sizes) / max(1, view.num_order_samples) * samples_per_step,
