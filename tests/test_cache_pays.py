@@ -234,7 +234,7 @@ def test_two_jobs_sharing_one_l2_do_not_thrash_each_other(tmp_path, tokens_on_s3
     assert together <= 1.1 * 2 * alone, (together / at_rest, alone / at_rest)
 
 
-def _first_batches(data, batches=64, **options):
+def _first_batches(data, batches=1000, **options):
     ds = TieredDataset(data, batch_size=16, seq_len=128, seed=11, **options)
     ids = []
     for batch in ds:
@@ -246,7 +246,7 @@ def _first_batches(data, batches=64, **options):
 
 def test_the_same_seed_gives_the_same_batches_with_no_tier_and_any_tier(tokens, tmp_path):
     """The order depends on the dataset, the seed and the options set, never on the cache (issue 37):
-    the first 64 batches are the same read in place, through a stack with no tier, and through an L2
+    the first 1,000 batches are the same read in place, through a stack with no tier, and through an L2
     of 5%, 30% and 120% of the bytes at rest or 20x the decoded dataset, in either form."""
     manifest = tierflow.open_dataset(tokens).manifest
     at_rest, decoded = sum(s.bytes for s in manifest.shards), sum(s.decoded_bytes for s in manifest.shards)

@@ -216,7 +216,7 @@ class TieredDataset(IterableDataset):
         at_rest = [s.bytes for s in self.manifest.shards]
         sizes = [s.bytes_in(top.form if top is not None else Form.AT_REST) for s in self.manifest.shards]
         node_shards = sum(1 for n in self._order_args["shard_sample_counts"] if n > 0) // max(1, self.world.num_nodes)
-        default = choose_working_set(at_rest, per_node, max(1, node_shards))
+        default = choose_working_set(at_rest, per_node, node_shards=max(1, node_shards))
         if window_shards is None and lanes is None:
             chosen = dataclasses.replace(default, bytes=working_set_bytes(default.shards, sizes))
             if self._first_epoch is _NARROWED:

@@ -88,7 +88,7 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
     return sum(heapq.nlargest(shards + 1, shard_bytes))
 
 
-def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
+def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int, *,
                        node_shards: int | None = None) -> WorkingSet:
     """The default (lanes, window_shards): the widest within WIDEST_LANES x WIDEST_WINDOW, at most
     1/READING_SHARE of `node_shards` (default: all of `shard_bytes`, the node's share of the non-empty
