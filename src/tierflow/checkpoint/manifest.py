@@ -90,7 +90,7 @@ def named(exc: OSError, path: str | os.PathLike[str]) -> CheckpointError:
     reason = exc.strerror or str(exc) or type(exc).__name__
     code = f" ({errno.errorcode.get(exc.errno, exc.errno)})" if exc.errno else ""
     error = CheckpointError(os.fspath(path), f"{reason}{code}")
-    error.errno, error.strerror = exc.errno, exc.strerror
+    error.errno = exc.errno  # not strerror: OSError.__str__ would then drop the message naming the file
     return error
 
 
