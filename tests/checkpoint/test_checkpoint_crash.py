@@ -195,6 +195,9 @@ def test_a_damaged_newest_remote_step_is_reported_and_the_previous_one_loaded_an
         assert fresh.latest() == 2
     assert set(fresh.skipped) == {3}
     assert (fresh.load(2) / "model.bin").read_bytes() == bytes([2]) * 5000
+    for step in (1, 2):  # what the resume fell back to is never written over
+        with pytest.raises(CheckpointError, match=rf"{step_name(step)}: committed, and older than {step_name(3)}"):
+            fresh.begin(step)
     for step in (3, 4, 5):  # the run goes on from step 2
         write_step(fresh, step)
     fresh.wait(timeout=60)

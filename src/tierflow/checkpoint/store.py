@@ -109,6 +109,7 @@ class CheckpointStore:
         self._rides: dict[int, Ride] = {}
         self._locks: dict[Path, int] = {}  # temporaries this process owns -> the descriptor holding its flock
         self._verified: dict[int, tuple[Any, ...] | None] = {}  # steps verified deeply here -> their files' stat
+        self._remote_seen: set[int] = set()  # steps committed at the destination when latest() last looked
         self.skipped: dict[int, str] = {}
         """Steps `latest()` passed over -> the first problem found (it also warned)."""
         self.swept: list[str] = self.sweep()
@@ -120,6 +121,7 @@ class CheckpointStore:
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for this rank's part of `step`; write into it, then commit.
         It is locked while this process lives; temporaries nobody holds any more are swept."""
+        self._refuse_overwrite(step)
         self.swept.extend(self.sweep())
         tmp = self.local / f".tmp-{step_name(step)}-rank{self.rank}-{os.getpid()}"
         self._unlock(tmp)
@@ -129,6 +131,17 @@ class CheckpointStore:
         self._lock_temporary(tmp)
         self._open[step] = tmp
         return tmp
+
+    def _refuse_overwrite(self, step: int) -> None:
+        """A committed step older than one `latest()` skipped is what a resume falls back to:
+        never written over."""
+        floor = self._floor()
+        if floor is None or step >= floor:
+            return
+        if step in self._remote_seen or (self.local / step_name(step) / COMMIT_NAME).exists():
+            raise CheckpointError(f"{self.dest or self.local}/{step_name(step)}",
+                                  f"committed, and older than {step_name(floor)}, which latest() skipped "
+                                  f"({self.skipped[floor]}); it is never written over")
 
     def _lock_temporary(self, tmp: Path) -> None:
         fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -461,6 +474,7 @@ class CheckpointStore:
         if self.dest is not None:
             remote = {s for s, done in self.remote_steps().items() if done}
             candidates |= remote
+            self._remote_seen = remote
         for step in sorted(candidates, reverse=True):
             report = self._check(step, deep, step in remote)
             if report.ok:
