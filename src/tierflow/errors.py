@@ -122,7 +122,16 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
     """`CheckpointStore.wait(timeout)` outlived its deadline with an upload still running; names the step."""
 
 
-__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
-           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
-           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError", "TierflowError",
-           "WorkerLostError"]
+class TierflowWarning(UserWarning):
+    """The base of every warning tierflow issues on purpose (`warnings.filterwarnings` takes it)."""
+
+
+class CheckpointWarning(TierflowWarning):
+    """A checkpoint step was passed over (damaged, unreadable, bound to another step, a special
+    file) or a checkpoint chore could not be done now; the message names the step and the file."""
+
+
+__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CheckpointWarning", "CursorError",
+           "CursorFormatError", "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError",
+           "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
+           "TierflowError", "TierflowWarning", "TopologyError", "WorkerLostError"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,7 +26,8 @@ from urllib.parse import urlsplit
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.errors import SourceError, SourceNotFound, SourceTimeout
-from tierflow.storage._deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
+from tierflow.storage._deadline import (Deadline, FetchLimits, GuardedChunks, Stalled, call_within,
+                                       call_within_paced)
 from tierflow.format._regular import open_regular, read_regular
 
 CHUNK_BYTES = 1 << 20
@@ -226,18 +228,38 @@ class RetryingSource:
         return self._retrying("download", name, attempt, deadline)
 
     def upload(self, src: str | Path, name: str, *, priority: Priority = "low") -> None:
-        """Upload a local file; large files stream in parts, each charged to the budget."""
+        """Upload a local file; large files stream in parts, each charged to the budget. Bounded
+        as a read of its size is: `limits.total(size)` over every attempt and
+        `limits.chunk_wait(size)` per attempt, counting only time spent on the peer (not on the
+        budget), then SourceTimeout naming the object."""
         key = check_name(self.url, name)
         src = Path(src)
         size = src.stat().st_size
+        deadline = Deadline(self.limits.total(size))
 
-        def chunks() -> Iterator[bytes]:
-            with open(src, "rb") as file:
-                while block := file.read(self.chunk_bytes):
-                    self._charge(len(block), priority, "out")
-                    yield block
+        def attempt() -> None:
+            held = [0.0]  # seconds this attempt's body waited on the budget
+            abandoned = threading.Event()
 
-        self._retrying("put", name, lambda: self._put(key, src, size, chunks))
+            def chunks() -> Iterator[bytes]:
+                with open(src, "rb") as file:
+                    while block := file.read(self.chunk_bytes):
+                        if abandoned.is_set():  # an attempt cut by its deadline sends no more
+                            raise Stalled(f"{join_url(self.url, name)}: attempt abandoned")
+                        started = time.monotonic()
+                        self._charge(len(block), priority, "out")
+                        held[0] += time.monotonic() - started
+                        yield block
+
+            if not self.watchdog:
+                return self._put(key, src, size, chunks)
+            try:
+                return call_within_paced(lambda: self._put(key, src, size, chunks), self.limits.chunk_wait(size),
+                                         deadline, lambda: held[0], join_url(self.url, name))
+            finally:
+                abandoned.set()
+
+        self._retrying("put", name, attempt, deadline)
 
     def list(self, prefix: str = "") -> list[str]:
         """Names of every object under the source that start with `prefix`, sorted."""
