@@ -101,6 +101,9 @@ def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, whe
     tokenizer = make_tokenizer(config.tokenizer, config.eos_token)
     field_name = config.sources.text_field
     texts = text_column(batch, field_name, where)
+    if texts.null_count:
+        batch = _drop_null_texts(batch, texts, config.sources, result.stats, where)
+        texts = batch.column(field_name)
     if "text_bytes" in batch.schema.names and batch.column("text_bytes").null_count < batch.num_rows:
         raw = batch.column("text_bytes").cast(pa.large_binary())
         texts = pa.array([t if t is not None else r for t, r in
@@ -114,6 +117,30 @@ def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, whe
                if config.keep_text or name not in (field_name, "text_bytes")}
     columns["tokens"] = tokens
     return pa.RecordBatch.from_pydict(columns)
+
+
+def _drop_null_texts(batch: pa.RecordBatch, texts: pa.Array, options: SourceOptions, stats: UnitStats,
+                     where: str) -> pa.RecordBatch:
+    """A record with no text to tokenise (null, and no raw bytes of a file) is bad input, never an
+    empty document: raised, or counted and dropped under on_error="skip". (Records read as they are
+    were named with their line by the reader; these come from `fn` or a Parquet file.)"""
+    missing = texts.is_null()
+    if "text_bytes" in batch.schema.names:
+        import pyarrow.compute as pc
+
+        missing = pc.and_(missing, batch.column("text_bytes").is_null())
+    rows = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
+    if not len(rows):
+        return batch
+    source = "the input" if options.require_text else "fn's output"  # tokenising without require_text: fn ran
+    for r in rows:
+        message = f"{where}: record {int(r)} of {source} has no text in {options.text_field!r} (null or missing)"
+        if options.on_error != "skip":
+            raise PackInputError(message + "; pass --on-error skip to count and skip such records")
+        stats.skip_record("null text", message)
+    stats.samples -= len(rows)
+    keep = np.setdiff1d(np.arange(batch.num_rows), rows)
+    return batch.take(pa.array(keep, pa.int64()))
 
 
 def text_column(batch: pa.RecordBatch, name: str, where: str) -> pa.Array:
@@ -346,7 +373,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
     workers = workers or os.cpu_count() or 1
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
-                            on_error=on_error, chunk_bytes=chunk_bytes)
+                            on_error=on_error, chunk_bytes=chunk_bytes, require_text=tok is not None and fn is None)
     image_block_bytes = IMAGE_BLOCK_BYTES if block_bytes is None else None
     if block_bytes is None:
         block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
@@ -611,6 +638,7 @@ class _PackRun:
             "skipped_files": totals.skipped_summary(),
             "kept_as_bytes": totals.kept_as_bytes,
             "skipped_records": totals.skipped_records,
+            "skipped_records_by_reason": totals.skipped_records_summary(),
             "filtered": totals.filtered,
             "errors": totals.errors,
             "input_bytes": self.input_bytes,
@@ -715,7 +743,9 @@ def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
     if m.stats.get("kept_as_bytes"):
         rows.append(("kept as bytes", f"{m.stats['kept_as_bytes']:,} (not valid UTF-8)"))
     if m.stats.get("skipped_records"):
-        rows.append(("skipped", f"{m.stats['skipped_records']:,} malformed records"))
+        reasons = m.stats.get("skipped_records_by_reason") or {}
+        rows.append(("skipped", f"{m.stats['skipped_records']:,} record{'s' * (m.stats['skipped_records'] != 1)}" + (" (" + ", ".join(
+            f"{v['count']:,} {reason}, e.g. {v['example']}" for reason, v in reasons.items()) + ")" if reasons else "")))
     if m.stats.get("skipped_files"):
         rows.append(("skipped files", _describe_skipped(m.stats["skipped_files"])))
     for k, v in rows:
