@@ -212,7 +212,7 @@ def _pack_unit_in_worker(unit: Unit, config: PackConfig) -> UnitResult:
 # ---------------------------------------------------------------- parent side
 
 
-@dataclass
+@dataclass(repr=False)
 class PackSummary:
     manifest: Manifest
     seconds: float
@@ -224,6 +224,15 @@ class PackSummary:
     @property
     def mb_per_s(self) -> float:
         return self.input_bytes / 1e6 / max(self.seconds, 1e-9)
+
+    def __repr__(self) -> str:
+        """One line (the dataclass's own would print the whole manifest, every shard's block table)."""
+        m = self.manifest
+        tokens = f", {m.num_tokens:,} tokens" if m.token_column else ""
+        skipped = m.stats.get("skipped_records", 0)
+        return (f"PackSummary(dataset_id={m.dataset_id!r}, {m.num_samples:,} samples{tokens} in {len(m.shards)} "
+                f"shards, {sum(s.bytes for s in m.shards) / 1e6:.1f} MB at rest, {self.seconds:.2f} s"
+                + (f", {skipped:,} records skipped" if skipped else "") + ")")
 
 
 def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> None:
@@ -371,6 +380,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
     sources = _as_sources(sources)
     _check_options(target_shard_bytes, on_error)
     workers = workers or os.cpu_count() or 1
+    _check_inputs(sources, fn, workers, run_units is not None)
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
                             on_error=on_error, chunk_bytes=chunk_bytes, require_text=tok is not None and fn is None)
@@ -479,6 +489,25 @@ def _as_sources(sources: Any) -> list:
     if not isinstance(sources, (list, tuple)):
         return [sources]  # an iterable of records
     return list(sources)
+
+
+def _check_inputs(sources: list, fn: Callable | None, workers: int, engine: bool) -> None:
+    """Refuse before anything is written: an input path that does not exist (a typo must not leave an
+    empty output directory behind), or an `fn` the worker processes cannot receive."""
+    for source in sources:
+        if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
+            raise PackInputError(f"{os.fspath(source)}: no such file or directory")
+    if fn is not None and workers > 1 and not engine:  # (Ray pickles with cloudpickle, lambdas included)
+        import pickle
+
+        try:
+            pickle.dumps(fn)
+        except Exception:  # noqa: BLE001 - pickle raises several kinds for the same reason
+            name = getattr(fn, "__name__", repr(fn))
+            raise PackInputError(
+                f"fn={name} cannot be sent to the worker processes (they receive it pickled): define it with "
+                f"`def` at the top level of a module (or a notebook cell), not as a lambda or inside a function, "
+                f"or pass workers=1 to run it in this process") from None
 
 
 def _check_options(target_shard_bytes: int, on_error: str) -> None:
