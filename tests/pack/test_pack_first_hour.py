@@ -73,14 +73,15 @@ def test_ctrl_c_during_a_cli_pack_is_one_line_not_a_traceback(tmp_path):
             f.write(json.dumps({"text": f"document {i} " * 20}) + "\n")
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "tierflow", "pack", str(src), "--out", str(out), "--tokenizer",
-                             "bytes", "--workers", "1", "--quiet", "--shard-size", "1MB"],
+                             "bytes", "--workers", "2", "--quiet", "--shard-size", "1MB"], start_new_session=True,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     deadline = time.monotonic() + 60
     while not (out / ".tmp-pack").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the pack and its workers
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
-        "tierflow pack: interrupted; rerun the same command to resume after its last sealed shard")
+        "tierflow pack: interrupted; nothing was published: rerun the same command to carry on (the shards it "
+        "sealed are kept)")

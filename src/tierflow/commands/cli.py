@@ -430,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.verbose:
             raise
-        resume = "; rerun the same command to resume after its last sealed shard" if args.command == "pack" else ""
+        resume = ("; nothing was published: rerun the same command to carry on (the shards it sealed are kept)"
+                  if args.command == "pack" else "")
         print(f"tierflow {args.command}: interrupted{resume}", file=sys.stderr)
         return 130
     except (PackInputError, ManifestError, FileNotFoundError, KeyError, ValueError, OSError) as e:

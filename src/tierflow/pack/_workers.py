@@ -39,7 +39,11 @@ def _watch_parent(parent: int) -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """A worker initializer: this process ends when process `parent` (the pack) does, however it ends."""
+    """A worker initializer: this process ends when process `parent` (the pack) does, however it ends.
+
+    Ctrl-C at a terminal reaches the whole process group: a worker ignores it (no traceback of its
+    own per worker); the pack, interrupted, shuts its pool down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not _request_parent_death_signal():
         threading.Thread(target=_watch_parent, args=(parent,), name="tierflow-parent-watchdog",
                          daemon=True).start()
