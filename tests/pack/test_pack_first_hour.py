@@ -85,3 +85,12 @@ def test_ctrl_c_during_a_cli_pack_is_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         "tierflow pack: interrupted; nothing was published: rerun the same command to carry on (the shards it "
         "sealed are kept)")
+
+
+def test_shard_size_is_the_clis_name_for_target_shard_bytes(tmp_path):
+    src = docs(tmp_path / "a.jsonl", 20000)
+    by_name = tierflow.pack([src], tmp_path / "a", workers=1, shard_size="256KiB").manifest
+    by_bytes = tierflow.pack([src], tmp_path / "b", workers=1, target_shard_bytes=256 << 10).manifest
+    assert len(by_name.shards) > 1 and by_name.dataset_id == by_bytes.dataset_id
+    with pytest.raises(ValueError, match="not both"):
+        tierflow.pack([src], tmp_path / "c", workers=1, shard_size="1MB", target_shard_bytes=1 << 20)

@@ -319,8 +319,11 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
          include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
          overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20,
          block_bytes: int | None = None, endpoint_url: str | None = None, engine: str = "local",
-         address: str | None = None) -> PackSummary:
+         address: str | None = None, shard_size: int | str | None = None) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
+
+    `shard_size` is the CLI's `--shard-size` under its own name ("256MB", "1GiB" or bytes), the same
+    setting as `target_shard_bytes` (give one of them): the decoded size a shard is cut at.
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
     worker processes, so features computed here are paid once, not every epoch. `out` may be
@@ -336,6 +339,12 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     inputs and options: the shards it had sealed are kept and their units not packed again.
     """
     refuse_while_bootstrapping("tierflow.pack")
+    if shard_size is not None:
+        from tierflow.tiers.config import parse_size
+
+        if target_shard_bytes != 256 << 20:
+            raise ValueError("give shard_size= or target_shard_bytes=, not both (they are the same setting)")
+        target_shard_bytes = parse_size(shard_size)
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
                    compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
                    text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,
