@@ -407,5 +407,5 @@ def test_the_verdict_never_recommends_the_worker_count_already_in_use():
         telemetry.on_batch(0.008, {"produce_s": 0.012, "fetch": {}}, depth=0)
         telemetry.on_step(0.010)
     figures = loader_figures(registry.snapshot())
-    assert "num_workers=3" in judge(figures, workers=0).change
-    assert "num_workers=" not in judge(figures, workers=3).change
+    assert "num_workers=3" in judge(figures, workers=0, cores=8).change
+    assert "num_workers=" not in judge(figures, workers=3, cores=8).change
