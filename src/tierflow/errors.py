@@ -112,6 +112,18 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
     """`CheckpointStore.wait(timeout)` outlived its deadline with an upload still running; names the step."""
 
 
+class TierflowWarning(UserWarning):
+    """The base of every warning tierflow issues on purpose (`warnings.simplefilter("error",
+    TierflowWarning)` turns them all into errors)."""
+
+
+class TierUnavailableWarning(TierflowWarning):
+    """A tier directory vanished under a running process (deleted to free a disk, or replaced) or
+    its index broke (truncated, damaged): the tier is bypassed, its reads served from the tier
+    below or the source. Issued once per tier object; the message names the directory."""
+
+
 __all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
            "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
-           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError", "TierflowError"]
+           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
+           "TierUnavailableWarning", "TierflowError", "TierflowWarning"]
