@@ -41,8 +41,9 @@ from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import fd_path
 from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
 from tierflow.format.dataset import Dataset
-from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.manifest import Manifest
 from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
+from tierflow.storage.datasets import read_manifest
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
@@ -169,7 +170,8 @@ class TierStack:
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
-        manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
+        # its size checked before a byte of it is read (a hostile one could be any size), as open_dataset does
+        manifest = read_manifest(self.source)
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
         for tier in self.tiers:  # from now on the dataset has its fair share of each tier
