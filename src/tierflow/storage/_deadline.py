@@ -1,4 +1,4 @@
-"""Deadlines for fetches: a total time per operation and a minimum throughput per attempt.
+"""Deadlines for fetches and uploads: a total time per operation and a minimum throughput per attempt.
 
 A client's read timeout only notices silence: a peer sending one byte every 3 s never trips it,
 and a silent one costs (read timeout) x (attempts) (181 s with the defaults). So every source
@@ -7,7 +7,10 @@ peer (not while the node's bandwidth budget or the caller's disk holds a downloa
 each attempt must keep up `min_throughput`: a chunk that does not arrive within
 `chunk_wait(chunk_bytes)`, or an attempt averaging less once `window` seconds of waiting have
 passed, is cut and retried (a download resumes from its last byte). Past the deadline the
-operation fails with `SourceTimeout` naming the URL.
+operation fails with `SourceTimeout` naming the URL. An upload has the same deadline for its
+size, each attempt (one PUT, or one multipart upload) at most `chunk_wait(size)` of it: a silent
+or trickling peer fails it in about `deadline` seconds, as a read, not after every attempt has
+waited out the client's own timeout (6 x 30 s).
 
 The blocking read runs in a daemon thread the caller waits on with a timeout, since neither
 obstore nor fsspec can be interrupted mid-read; a thread abandoned on a silent peer ends when the
@@ -81,8 +84,12 @@ class Stalled(TimeoutError):
     """One attempt was too slow or silent; retried (transient) while the deadline lasts."""
 
 
-def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str) -> _T:
-    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`)."""
+def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str,
+                held: Callable[[], float] | None = None) -> _T:
+    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`).
+
+    `held()`: seconds fn has spent so far held back by this node (an upload waiting on the
+    bandwidth budget as it reads its body), which are not the peer's and extend the wait."""
     limit = max(0.0, min(seconds, deadline.left()))
     box: queue.Queue = queue.Queue(maxsize=1)
 
@@ -93,13 +100,22 @@ def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: 
             box.put((False, exc))
 
     started = time.monotonic()
+    held_before = held() if held is not None else 0.0
+
+    def waited() -> float:  # on the peer
+        return time.monotonic() - started - (held() - held_before if held is not None else 0.0)
+
     threading.Thread(target=run, daemon=True, name="tierflow-fetch").start()
     try:
-        ok, value = box.get(timeout=limit)
-    except queue.Empty:
-        raise Stalled(f"{what}: no answer within {limit:.3g} s") from None
+        while True:
+            try:
+                ok, value = box.get(timeout=max(0.0, limit - waited()))
+                break
+            except queue.Empty:
+                if held is None or waited() >= limit:
+                    raise Stalled(f"{what}: no answer within {limit:.3g} s") from None
     finally:
-        deadline.spent += time.monotonic() - started
+        deadline.spent += waited()
     if not ok:
         raise value
     return value

@@ -226,18 +226,34 @@ class RetryingSource:
         return self._retrying("download", name, attempt, deadline)
 
     def upload(self, src: str | Path, name: str, *, priority: Priority = "low") -> None:
-        """Upload a local file; large files stream in parts, each charged to the budget."""
+        """Upload a local file; large files stream in parts, each charged to the budget.
+
+        Under the same deadline as a read of its size (FetchLimits.total): an attempt is cut after
+        `chunk_wait(size)` waiting on the peer, and the upload fails with SourceTimeout once the
+        deadline is spent. Time the node's bandwidth budget holds the body back is not the peer's."""
         key = check_name(self.url, name)
         src = Path(src)
         size = src.stat().st_size
+        deadline = Deadline(self.limits.total(size))
 
-        def chunks() -> Iterator[bytes]:
-            with open(src, "rb") as file:
-                while block := file.read(self.chunk_bytes):
-                    self._charge(len(block), priority, "out")
-                    yield block
+        def attempt() -> None:
+            held = [0.0]  # this attempt's: an abandoned one's body may still be read meanwhile
 
-        self._retrying("put", name, lambda: self._put(key, src, size, chunks))
+            def chunks() -> Iterator[bytes]:
+                with open(src, "rb") as file:
+                    while block := file.read(self.chunk_bytes):
+                        started = time.monotonic()
+                        self._charge(len(block), priority, "out")
+                        held[0] += time.monotonic() - started
+                        yield block
+
+            put = lambda: self._put(key, src, size, chunks)  # noqa: E731
+            if not self.watchdog:
+                return put()
+            return call_within(put, self.limits.chunk_wait(size), deadline, join_url(self.url, name),
+                               held=lambda: held[0])
+
+        self._retrying("put", name, attempt, deadline)
 
     def list(self, prefix: str = "") -> list[str]:
         """Names of every object under the source that start with `prefix`, sorted."""
