@@ -327,7 +327,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self._upstream: http.client.HTTPConnection | None = None
+        self._was_reset = False
         self.server.proxy._track(self.connection, True)
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        except ValueError:  # the server flushes the streams an injected reset closed: expected, quiet
+            if not self._was_reset:
+                raise
 
     def finish(self) -> None:
         self._drop_upstream()
@@ -575,6 +583,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _reset(self) -> None:
         """Abort the client connection with a TCP RST instead of an orderly close."""
         self.close_connection = True
+        self._was_reset = True
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         for stream in (self.wfile, self.rfile):
             try:
