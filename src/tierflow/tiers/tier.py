@@ -149,6 +149,7 @@ class Tier:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         root = os.stat(self.root)
         self._identity = (root.st_dev, root.st_ino)
+        self._bypass_lock = threading.Lock()
         self.unavailable: str | None = None
         """Why this process no longer uses the tier (its directory vanished or was replaced, its index
         broke), or None: then every read is served from below (`TierUnavailableWarning`, once)."""
@@ -679,9 +680,10 @@ class Tier:
         return True
 
     def _bypass(self, reason: str) -> None:
-        if self.unavailable is not None:
-            return
-        self.unavailable = reason
+        with self._bypass_lock:  # one warning, whichever thread finds it first
+            if self.unavailable is not None:
+                return
+            self.unavailable = reason
         warnings.warn(TierUnavailableWarning(
             f"tier {self.name} ({self.root}): {reason}; this process bypasses the tier from now on, reading from "
             f"the tier below (or the source); a new process sets the directory up again"), stacklevel=3)
