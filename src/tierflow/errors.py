@@ -46,9 +46,19 @@ class BatchOrderError(TierflowError, RuntimeError):
     """Batches arrived out of order (e.g. a DataLoader with in_order=False); exact resume would break."""
 
 
+class WorkerLostError(TierflowError, RuntimeError):
+    """A DataLoader worker died (killed by a signal, the OOM killer, a crash in native code); the
+    message says how `loader.state_dict()` resumes exactly after the last batch the loop got."""
+
+
 class LoaderMisuseError(TierflowError, TypeError):
     """A TieredDataset used in a way that cannot work (e.g. collated by a DataLoader with a
     batch_size); the message says what to write instead."""
+
+
+class TopologyError(TierflowError, ValueError):
+    """Where this process sits in the job cannot be told, or its launcher's variables and
+    torch.distributed disagree; the message names the variable."""
 
 
 class FetchError(TierflowError, IOError):
@@ -113,8 +123,12 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
 
 
 class TierflowWarning(UserWarning):
-    """The base of every warning tierflow issues on purpose (`warnings.simplefilter("error",
-    TierflowWarning)` turns them all into errors)."""
+    """The base of every warning tierflow issues on purpose (`warnings.filterwarnings` takes it)."""
+
+
+class CheckpointWarning(TierflowWarning):
+    """A checkpoint step was passed over (damaged, unreadable, bound to another step, a special
+    file) or a checkpoint chore could not be done now; the message names the step and the file."""
 
 
 class TierUnavailableWarning(TierflowWarning):
@@ -123,7 +137,7 @@ class TierUnavailableWarning(TierflowWarning):
     below or the source. Issued once per tier object; the message names the directory."""
 
 
-__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
-           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
-           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
-           "TierUnavailableWarning", "TierflowError", "TierflowWarning"]
+__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CheckpointWarning", "CursorError",
+           "CursorFormatError", "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError",
+           "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
+           "TierUnavailableWarning", "TierflowError", "TierflowWarning", "TopologyError", "WorkerLostError"]

@@ -7,10 +7,7 @@ peer (not while the node's bandwidth budget or the caller's disk holds a downloa
 each attempt must keep up `min_throughput`: a chunk that does not arrive within
 `chunk_wait(chunk_bytes)`, or an attempt averaging less once `window` seconds of waiting have
 passed, is cut and retried (a download resumes from its last byte). Past the deadline the
-operation fails with `SourceTimeout` naming the URL. An upload has the same deadline for its
-size, each attempt (one PUT, or one multipart upload) at most `chunk_wait(size)` of it: a silent
-or trickling peer fails it in about `deadline` seconds, as a read, not after every attempt has
-waited out the client's own timeout (6 x 30 s).
+operation fails with `SourceTimeout` naming the URL.
 
 The blocking read runs in a daemon thread the caller waits on with a timeout, since neither
 obstore nor fsspec can be interrupted mid-read; a thread abandoned on a silent peer ends when the
@@ -84,12 +81,8 @@ class Stalled(TimeoutError):
     """One attempt was too slow or silent; retried (transient) while the deadline lasts."""
 
 
-def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str,
-                held: Callable[[], float] | None = None) -> _T:
-    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`).
-
-    `held()`: seconds fn has spent so far held back by this node (an upload waiting on the
-    bandwidth budget as it reads its body), which are not the peer's and extend the wait."""
+def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str) -> _T:
+    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`)."""
     limit = max(0.0, min(seconds, deadline.left()))
     box: queue.Queue = queue.Queue(maxsize=1)
 
@@ -100,22 +93,46 @@ def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: 
             box.put((False, exc))
 
     started = time.monotonic()
-    held_before = held() if held is not None else 0.0
-
-    def waited() -> float:  # on the peer
-        return time.monotonic() - started - (held() - held_before if held is not None else 0.0)
-
     threading.Thread(target=run, daemon=True, name="tierflow-fetch").start()
     try:
+        ok, value = box.get(timeout=limit)
+    except queue.Empty:
+        raise Stalled(f"{what}: no answer within {limit:.3g} s") from None
+    finally:
+        deadline.spent += time.monotonic() - started
+    if not ok:
+        raise value
+    return value
+
+
+def call_within_paced(fn: Callable[[], _T], seconds: float, deadline: Deadline, held: Callable[[], float],
+                      what: str) -> _T:
+    """`call_within` for a call that paces itself (an upload pulling its body through the
+    bandwidth budget): the seconds `held()` reports it spent held back by the pacing count
+    against neither `seconds` nor `deadline`, only the time spent waiting on the peer does."""
+    box: queue.Queue = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        try:
+            box.put((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.put((False, exc))
+
+    limit = max(0.0, min(seconds, deadline.left()))
+    started = time.monotonic()
+    threading.Thread(target=run, daemon=True, name="tierflow-put").start()
+    try:
         while True:
+            left = limit - (time.monotonic() - started - held())
+            if left <= 0:
+                raise Stalled(f"{what}: no answer within {limit:.3g} s")
             try:
-                ok, value = box.get(timeout=max(0.0, limit - waited()))
+                ok, value = box.get(timeout=min(left, 1.0))
                 break
             except queue.Empty:
-                if held is None or waited() >= limit:
-                    raise Stalled(f"{what}: no answer within {limit:.3g} s") from None
+                continue
     finally:
-        deadline.spent += waited()
+        deadline.spent += max(0.0, time.monotonic() - started - held())
     if not ok:
         raise value
     return value

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,7 +27,8 @@ from urllib.parse import urlsplit
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.errors import SourceError, SourceNotFound, SourceTimeout
-from tierflow.storage._deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
+from tierflow.storage._deadline import (Deadline, FetchLimits, GuardedChunks, Stalled, call_within,
+                                       call_within_paced)
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import open_regular, read_regular
 
@@ -232,32 +234,36 @@ class RetryingSource:
         return self._retrying("download", name, attempt, deadline)
 
     def upload(self, src: str | Path, name: str, *, priority: Priority = "low") -> None:
-        """Upload a local file; large files stream in parts, each charged to the budget.
-
-        Under the same deadline as a read of its size (FetchLimits.total): an attempt is cut after
-        `chunk_wait(size)` waiting on the peer, and the upload fails with SourceTimeout once the
-        deadline is spent. Time the node's bandwidth budget holds the body back is not the peer's."""
+        """Upload a local file; large files stream in parts, each charged to the budget. Bounded
+        as a read of its size is: `limits.total(size)` over every attempt and
+        `limits.chunk_wait(size)` per attempt, counting only time spent on the peer (not on the
+        budget), then SourceTimeout naming the object."""
         key = check_name(self.url, name)
         src = Path(src)
         size = src.stat().st_size
         deadline = Deadline(self.limits.total(size))
 
         def attempt() -> None:
-            held = [0.0]  # this attempt's: an abandoned one's body may still be read meanwhile
+            held = [0.0]  # seconds this attempt's body waited on the budget
+            abandoned = threading.Event()
 
             def chunks() -> Iterator[bytes]:
                 with open(src, "rb") as file:
                     while block := file.read(self.chunk_bytes):
+                        if abandoned.is_set():  # an attempt cut by its deadline sends no more
+                            raise Stalled(f"{join_url(self.url, name)}: attempt abandoned")
                         started = time.monotonic()
                         self._charge(len(block), priority, "out")
                         held[0] += time.monotonic() - started
                         yield block
 
-            put = lambda: self._put(key, src, size, chunks)  # noqa: E731
             if not self.watchdog:
-                return put()
-            return call_within(put, self.limits.chunk_wait(size), deadline, join_url(self.url, name),
-                               held=lambda: held[0])
+                return self._put(key, src, size, chunks)
+            try:
+                return call_within_paced(lambda: self._put(key, src, size, chunks), self.limits.chunk_wait(size),
+                                         deadline, lambda: held[0], join_url(self.url, name))
+            finally:
+                abandoned.set()
 
         self._retrying("put", name, attempt, deadline)
 
