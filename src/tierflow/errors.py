@@ -131,7 +131,13 @@ class CheckpointWarning(TierflowWarning):
     file) or a checkpoint chore could not be done now; the message names the step and the file."""
 
 
+class TierUnavailableWarning(TierflowWarning):
+    """A tier directory vanished under a running process (deleted to free a disk, or replaced) or
+    its index broke (truncated, damaged): the tier is bypassed, its reads served from the tier
+    below or the source. Issued once per tier object; the message names the directory."""
+
+
 __all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CheckpointWarning", "CursorError",
            "CursorFormatError", "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError",
            "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
-           "TierflowError", "TierflowWarning", "TopologyError", "WorkerLostError"]
+           "TierUnavailableWarning", "TierflowError", "TierflowWarning", "TopologyError", "WorkerLostError"]

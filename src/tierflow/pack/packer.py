@@ -434,7 +434,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 journal.remove()
             _discard(out, assembler, tmp_dir)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise _no_space(out, run, workers, _planned_units(sources, options)) from e
+                raise _no_space(out, run, workers, _planned_units(sources, options), _expansion(tok)) from e
             raise
         if journal is not None:
             journal.close()
@@ -477,11 +477,23 @@ def _planned_units(sources: list, options: SourceOptions) -> list[int]:
         return []
 
 
-def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int]) -> PackInputError:
+def _expansion(tok: Any) -> float:
+    """Decoded (scratch) bytes a unit may take per byte of its input, at most: its fields (text
+    included) no larger than the input they were parsed from, plus the token ids, one id of the
+    tokenizer's dtype per input byte at most (the byte tokenizer's exactly: 3x its input with
+    the text kept, where counting the input alone under-stated the need by 3)."""
+    if tok is None:
+        return 1.0
+    return 1.0 + np.dtype(token_dtype(tok.vocab_size)).itemsize
+
+
+def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int], expansion: float = 1.0) -> PackInputError:
     """ENOSPC, with what the pack needs: scratch for the units in flight (their decoded Arrow
-    files, a window of two per worker: never the whole dataset) and room for the shards."""
+    files, a window of two per worker: never the whole dataset) and room for the shards.
+    `expansion`: decoded bytes per input byte at most (`_expansion`), for a unit none came back of."""
     window = min(2 * workers + 1 if workers > 1 else 1, len(units) or 1 << 30)
-    unit = run.largest_unit or max(units, default=0)  # before any unit came back: about its input size
+    # the largest unit's scratch seen; before any unit came back, the largest planned one expanded
+    unit = run.largest_unit or int(max(units, default=0) * expansion)
     written = sum(s.bytes for s in run.assembler.shards)
     free = shutil.disk_usage(out).free  # this run's files are removed by now
     return PackInputError(

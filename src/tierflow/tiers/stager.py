@@ -416,7 +416,7 @@ class Stager:
         """The shards the top tier holds now (None without tiers)."""
         if not self.stack.tiers:
             return None
-        keys = self.stack.tiers[0].index.keys()
+        keys = self.stack.tiers[0].resident_keys()
         return {shard for key in keys for shard in self._key_shards.get(key, ())}
 
     def _release_passed(self) -> None:
@@ -486,7 +486,7 @@ class Stager:
                 self._transferred(due)
 
         try:
-            resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
+            resident = bool(self.stack.tiers) and self.stack.tiers[0].is_resident(info.key)
             if not resident:
                 turn = self._wait_turn(due, ticket)
                 if not turn:  # the stager stopped while this fetch waited its turn
