@@ -122,7 +122,22 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
     """`CheckpointStore.wait(timeout)` outlived its deadline with an upload still running; names the step."""
 
 
-__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
-           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
-           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError", "TierflowError",
-           "WorkerLostError"]
+class TierflowWarning(UserWarning):
+    """The base of every warning tierflow issues on purpose (`warnings.filterwarnings` takes it)."""
+
+
+class CheckpointWarning(TierflowWarning):
+    """A checkpoint step was passed over (damaged, unreadable, bound to another step, a special
+    file) or a checkpoint chore could not be done now; the message names the step and the file."""
+
+
+class TierUnavailableWarning(TierflowWarning):
+    """A tier directory vanished under a running process (deleted to free a disk, or replaced) or
+    its index broke (truncated, damaged): the tier is bypassed, its reads served from the tier
+    below or the source. Issued once per tier object; the message names the directory."""
+
+
+__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CheckpointWarning", "CursorError",
+           "CursorFormatError", "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError",
+           "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
+           "TierUnavailableWarning", "TierflowError", "TierflowWarning", "TopologyError", "WorkerLostError"]

@@ -38,9 +38,9 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endp
     manifest = None
     if any(isinstance(c, TierConfig) and not c.resolved for c in configs):
         # a share of the dataset, or a form by what fits: sized against the dataset's bytes at rest
-        from tierflow.format.manifest import MANIFEST_NAME, Manifest
+        from tierflow.storage.datasets import read_manifest
 
-        manifest = Manifest.from_bytes(source.read_bytes(MANIFEST_NAME), f"{source.url}/{MANIFEST_NAME}")
+        manifest = read_manifest(source)  # its size checked first, as TierStack.manifest() does
         at_rest = sum(s.bytes for s in manifest.shards)
         decoded = sum(s.decoded_bytes for s in manifest.shards)
         resolved: list[TierConfig | Tier] = []
