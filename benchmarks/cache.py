@@ -19,7 +19,7 @@ POLLS times an epoch), so the stager's lookahead at the end of epoch n into n + 
 window shards) is the dataset's own, the same at every capacity.
 
 Run: PYTHONPATH=src .venv/bin/python benchmarks/cache.py [--kind tokens|bpe|text|all]
-     [--fractions 5,10,30,60,90,120] [--quick]
+     [--fractions 5,10,30,60,90,120] [--quick] [--extra: 2 workers and a hand-narrowed order beside]
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def fmt(values: list[float]) -> str:
     return " ".join(f"{v:4.2f}" for v in values[:EPOCHS])
 
 
-def bench(kind: str, fractions: list[float], rig: Any, work: Path) -> None:
+def bench(kind: str, fractions: list[float], rig: Any, work: Path, extra: bool = False) -> None:
     local = work / f"dataset-{kind}"
     options = dict(KINDS[kind])
     if kind == "bpe":
@@ -186,6 +186,13 @@ def bench(kind: str, fractions: list[float], rig: Any, work: Path) -> None:
               f"{ds.working_set.window_shards} {plan.staging / 1e6:>10.1f} | {fmt(served):>14} | "
               f"{fmt([e.ratio for e in plan.predicted]):>14} | {fmt([e.ratio for e in plan.optimum]):>14} | "
               f"{fmt([e.ratio for e in plan.tier_optimum]):>14} | {fmt(boundary):>14} | {warm_s:>12.2f}{mark}")
+        if extra:  # the same capacity with 2 DataLoader workers (they share the node's staging area), and a
+            # hand-narrowed order (partitions=2, window_shards=2: the issue 16 configuration)
+            for label, options in (("2 workers", {"workers": 2}), ("tuned 2x2", {"partitions": 2, "window_shards": 2})):
+                got, _, other_ds, _, _ = run_epochs(url, rig.proxy, work / "l2", f"{fraction * 100:g}%", at_rest, kind,
+                                                    **options)
+                print(f"{'':>5} {'':>6} {label:>8} {other_ds.working_set.lanes:>5} x {other_ds.working_set.window_shards} "
+                      f"{'':>10} | {fmt(got):>14} |")
         for form in (Form.AT_REST, Form.DECODED):  # what the other form would fetch at the same capacity
             if form is not top.form:
                 other = plan_cache(ds, top.capacity, epochs=EPOCHS, policy=top.policy_name, form=form,
@@ -201,12 +208,14 @@ def main() -> None:
     parser.add_argument("--fractions", default="5,10,30,60,90,120",
                         help="L2 capacities, %% of the dataset's bytes at rest")
     parser.add_argument("--quick", action="store_true", help="5%%, 30%% and 120%% only")
+    parser.add_argument("--extra", action="store_true", help="rows with 2 DataLoader workers and a hand-narrowed "
+                        "order (partitions=2, window_shards=2) at each capacity")
     args = parser.parse_args()
     logging.getLogger("tierflow").setLevel(logging.ERROR)
     fractions = [0.05, 0.3, 1.2] if args.quick else [int(f) / 100 for f in args.fractions.split(",")]
     with tempfile.TemporaryDirectory() as tmp, s3_rig("cachebench") as rig:
         for kind in (KINDS if args.kind == "all" else [args.kind]):
-            bench(kind, fractions, rig, Path(tmp))
+            bench(kind, fractions, rig, Path(tmp), extra=args.extra)
 
 
 if __name__ == "__main__":
