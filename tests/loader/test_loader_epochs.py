@@ -3,9 +3,13 @@ endless stream opt-in, eval re-run by each `for`, and token ids that reach the m
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+
+import tierflow
 
 from tierflow.loader import LengthBuckets, Loader, Samples, TieredDataset, TokenBudget, WorldPosition
 
@@ -251,3 +255,35 @@ def test_a_loader_refuses_to_be_rebuilt_or_collated_naming_the_supported_path(lo
     batch = next(iter(TieredDataset(long_tailed_docs, batch_size=2, seq_len=64)))
     with pytest.raises(TypeError, match="TierflowTrainer"):
         vars(batch)  # what the transformers Trainer's collator does with a sample
+
+
+@pytest.fixture(scope="module")
+def many_shards_of_long_docs(tmp_path_factory) -> str:
+    """2,000 documents of ~6 KB in ~50 shards: a default order of many lanes, its first epoch narrowed."""
+    root = tmp_path_factory.mktemp("long_docs")
+    rng = np.random.default_rng(3)
+    lines = []
+    for i in range(2000):
+        n = min(int(rng.lognormal(8.3, 0.8)) + 5, 40000)
+        lines.append(json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()}))
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    return str(root / "ds")
+
+
+def test_each_for_under_a_token_budget_holds_every_sample_of_its_epoch(many_shards_of_long_docs):
+    """Lanes reach their epoch ends apart (more so in a narrowed first epoch, read a group of lanes
+    at a time): a budget batch of next-epoch samples must not end the `for` while samples of the
+    epoch are still pending or unread (before: the first `for` held 1,275 of 4,000 documents)."""
+    path = many_shards_of_long_docs
+    loader = Loader(TieredDataset(path, batch_size=8, max_tokens=16384), return_meta=True)
+    assert loader.dataset.order.first_epoch is not None and loader.dataset.working_set.lanes > 1
+    total = len(tierflow.open_dataset(path))
+    trained: list[tuple[int, int]] = []
+    for epoch in range(3):
+        got = list(loader)
+        samples = [(e, i) for _, m in got for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist())]
+        assert {e for e, _ in samples} <= {epoch, epoch + 1}  # nothing of an epoch already ended
+        trained += samples
+        assert sorted(i for e, i in trained if e == epoch) == list(range(total))  # the epoch whole by its end
+    assert len(trained) == len(set(trained))

@@ -22,7 +22,7 @@ from tierflow.format.manifest import Manifest
 from tierflow.format.reads import SampleLengths
 from tierflow.loader.batching import SampleContext, list_column, shard_samples
 from tierflow.loader.cursor import LoaderCursor, Pending
-from tierflow.loader.plan import Built, OrderStream, Selection, batch_epoch
+from tierflow.loader.plan import Built, OrderBatch, OrderStream, Selection, batch_epoch
 
 IGNORE_INDEX = -100
 
@@ -80,23 +80,31 @@ class TokenBudget:
         return planner
 
     def plan(self, ctx: SampleContext, stream: OrderStream, state: LoaderCursor | None) -> Iterator[Selection]:
-        """Every worker plans the rank's whole budget stream (lengths only) and yields its own batches."""
+        """Every worker plans the rank's whole budget stream (lengths only) and yields its own batches.
+
+        A batch's epoch is the oldest still unconsumed once it is taken (its own samples, those
+        pending, the next order batch's: order batches come in epoch order), so an epoch's `for`
+        ends only when every sample of it is in a batch, however the lanes reach their epoch ends."""
         lengths = ctx.cache.get("lengths")
         if lengths is None:
             lengths = ctx.cache["lengths"] = SampleLengths(ctx.dataset, self.columns(ctx.dataset.manifest)[0])
         planner = self.planner(state.pending if state is not None else None, lengths)
         pulled = n = 0
+        upcoming = None  # the next order batch, read ahead for its epoch (`_unfinished`)
         while stream.limit is None or n < stream.limit:
             while planner.wants_more():
-                order_batch = stream.batch(pulled)
+                order_batch = upcoming if upcoming is not None else stream.batch(pulled)
+                upcoming = None
                 real = order_batch.sample_ids[order_batch.mask]
                 planner.add(real, order_batch.epochs[order_batch.mask], lengths(real))
                 pulled += 1
             ids, epochs = planner.take()
+            if upcoming is None:
+                upcoming = stream.batch(pulled)
             if stream.owns(n):
                 mask = np.ones(ids.size, dtype=bool)
-                yield Selection(n, ids, epochs, mask, stream.cursor(pulled - 1, pending=planner.state()),
-                                batch_epoch(epochs, mask))
+                epoch = min(batch_epoch(epochs, mask), planner.oldest_epoch(), _first_epoch(upcoming))
+                yield Selection(n, ids, epochs, mask, stream.cursor(pulled - 1, pending=planner.state()), epoch)
             n += 1
 
     def build(self, ctx: SampleContext, selection: Selection) -> Built:
@@ -127,6 +135,14 @@ class TokenBudget:
                       "truncated": int((full > self.max_tokens).sum())})
 
 
+_NONE_PENDING = 2**62
+
+
+def _first_epoch(order_batch: OrderBatch) -> int:
+    """The epoch an order batch starts in (its oldest real sample's)."""
+    return order_batch.epoch if order_batch.epoch is not None else batch_epoch(order_batch.epochs, order_batch.mask)
+
+
 class BudgetPlanner:
     """The pending buffer and the first-fit choice; deterministic in (pending, stream position)."""
 
@@ -146,8 +162,17 @@ class BudgetPlanner:
         self.epochs = np.concatenate([self.epochs, epochs.astype(np.int64)])
         self.lengths = np.concatenate([self.lengths, np.minimum(lengths.astype(np.int64), self.max_tokens)])
 
+    def oldest_epoch(self) -> int:
+        """The oldest epoch among the pending samples (a huge number when none is pending)."""
+        return int(self.epochs.min()) if self.epochs.size else _NONE_PENDING
+
     def take(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, epochs) of the next batch, removed from the buffer; first-fit in buffer order."""
+        """(ids, epochs) of the next batch, removed from the buffer; first-fit in buffer order, the
+        oldest epoch's samples first (lanes reach their epoch ends apart, so a lane's next-epoch
+        samples can be pulled before another lane's last ones: those go first)."""
+        if self.epochs.size and self.epochs[0] != self.epochs.min():
+            order = np.argsort(self.epochs, kind="stable")
+            self.ids, self.epochs, self.lengths = self.ids[order], self.epochs[order], self.lengths[order]
         lengths = self.lengths
         chosen = np.zeros(lengths.size, dtype=bool)
         budget = self.max_tokens
