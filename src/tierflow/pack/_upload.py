@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.format.manifest import MANIFEST_NAME
+from tierflow.format.metadata import METADATA_NAME, referenced_tables
 from tierflow.format.shard import SHARD_PREFIX, ShardInfo
 from tierflow.storage.remote import RetryingSource, upload_shard
 
@@ -50,7 +51,7 @@ class ShardUploader:
         """Wait for every shard, then upload the manifest: the dataset exists from this moment."""
         while self._pending:
             self._collect()
-        self.source.upload(directory / MANIFEST_NAME, MANIFEST_NAME, priority="low")
+        publish_metadata(self.source, directory)
 
     def __enter__(self) -> "ShardUploader":
         return self
@@ -60,3 +61,15 @@ class ShardUploader:
         for future in self._pending:
             future.cancel()
         self._pool.shutdown(wait=True)
+
+
+def publish_metadata(source: Any, directory: Path, priority: str = "low") -> None:
+    """Upload a dataset's metadata in commit order: the version-3 tables (content-named: never one a
+    published header names), the header, then manifest.json when there is one. A reader that finds
+    a header whose recorded manifest is not there yet reads no dataset, as before the manifest."""
+    for name in sorted(referenced_tables(directory)):
+        source.upload(directory / name, name, priority=priority)
+    if (directory / METADATA_NAME).exists():
+        source.upload(directory / METADATA_NAME, METADATA_NAME, priority=priority)
+    if (directory / MANIFEST_NAME).exists():
+        source.upload(directory / MANIFEST_NAME, MANIFEST_NAME, priority=priority)

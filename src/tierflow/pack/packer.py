@@ -32,6 +32,8 @@ import pyarrow as pa
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.metadata import (TABLE_PREFIX, TABLE_SUFFIX, is_published, referenced_tables,
+                                      write_with_manifest)
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.pack._assemble import ShardAssembler
 from tierflow.pack._journal import JOURNAL_NAME, PackedSoFar, PackJournal, ResumePoint, UnitsDigest, digest_before
@@ -202,25 +204,37 @@ class PackSummary:
 def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> None:
     """Clear what an earlier run left, but the shards in `keep` (those a resumed pack carries on from)."""
     out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST_NAME).exists() and not overwrite:
+    if is_published(out) and not overwrite:
         raise PackInputError(f"{out} already holds a finished dataset; pass --overwrite to replace it")
     shutil.rmtree(out / TMP_DIR, ignore_errors=True)
     for p in out.iterdir():
         if p.name.startswith(".tmp-") and p.is_file():
             p.unlink()
-    if not (out / MANIFEST_NAME).exists():
+    if not is_published(out):
         for p in out.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"):
             if p.name not in keep:
                 p.unlink()  # leftovers of a pack that died before publishing its manifest
 
 
+def _shard_names(manifest: Manifest) -> set[str]:
+    """The shard file names a manifest references; a mapped one's from its checksum column, with no
+    object per shard (gc of a million shards: ~70 MB of names, not gigabytes of records)."""
+    from tierflow.format.metadata import MappedManifest
+    if isinstance(manifest, MappedManifest):
+        column = manifest.tables.column("checksum")
+        return {f"{SHARD_PREFIX}{c.hex()}{SHARD_SUFFIX}" for c in column.view(np.uint8).reshape(-1, 16)}
+    return {s.name for s in manifest.shards}
+
+
 def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
     """Delete shard files, temporaries and a resume journal the manifest (if any) does not reference
     (`tierflow gc`)."""
-    keep = {s.name for s in manifest.shards} if manifest is not None else set()
+    keep = _shard_names(manifest) if manifest is not None else set()
+    keep |= referenced_tables(out)  # the version-3 tables its header names (a header last written keeps them)
     removed = []
     for p in out.iterdir():
         if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in keep) or \
+                (p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX) and p.name not in keep) or \
                 (p.name.startswith(".tmp-") and p.is_file()):
             p.unlink()
             removed.append(p)
@@ -397,7 +411,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
             where = ", ".join(str(s) for s in sources if isinstance(s, (str, os.PathLike))) or "the iterable"
             raise PackInputError(f"no samples found in {where}" + _skipped_note(run.totals))
         manifest = run.manifest(tok)
-        manifest.save(out)
+        write_with_manifest(out, manifest)  # the version-3 tables and header, manifest.json last
         remove_unreferenced(out, manifest)
     return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes, run.units_packed,
                        point.unit if point else 0)
@@ -405,7 +419,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
 
 def _resume_point(journal: PackJournal | None, out: Path, sources: list, options: SourceOptions) -> ResumePoint | None:
     """Where an interrupted pack of the same inputs and options stopped, or None to start over."""
-    if journal is None or (out / MANIFEST_NAME).exists():
+    if journal is None or is_published(out):
         return None
     point = journal.last_point()
     if point is None:
@@ -514,7 +528,7 @@ def _discard(out: Path, assembler: ShardAssembler, tmp_dir: Path) -> None:
     assembler.abort()
     shutil.rmtree(tmp_dir, ignore_errors=True)
     for info in assembler.shards:
-        if not (out / MANIFEST_NAME).exists():
+        if not is_published(out):
             (out / info.name).unlink(missing_ok=True)
 
 

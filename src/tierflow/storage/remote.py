@@ -487,7 +487,8 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     present = set(source.list("shard-"))
     uploaded = sum(upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority)
                    for s in manifest.shards)
-    source.upload(local_dir / MANIFEST_NAME, MANIFEST_NAME, priority=priority)
+    from tierflow.pack._upload import publish_metadata
+    publish_metadata(source, local_dir, priority=priority)  # tables, header, manifest.json last
     return uploaded
 
 
