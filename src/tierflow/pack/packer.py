@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.metadata import (TABLE_PREFIX, TABLE_SUFFIX, is_published, referenced_tables,
+from tierflow.format.metadata import (TABLE_PREFIX, TABLE_SUFFIX, ShardNames, is_published, referenced_tables,
                                       write_with_manifest)
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.pack._assemble import ShardAssembler
@@ -216,25 +216,15 @@ def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> No
                 p.unlink()  # leftovers of a pack that died before publishing its manifest
 
 
-def _shard_names(manifest: Manifest) -> set[str]:
-    """The shard file names a manifest references; a mapped one's from its checksum column, with no
-    object per shard (gc of a million shards: ~70 MB of names, not gigabytes of records)."""
-    from tierflow.format.metadata import MappedManifest
-    if isinstance(manifest, MappedManifest):
-        column = manifest.tables.column("checksum")
-        return {f"{SHARD_PREFIX}{c.hex()}{SHARD_SUFFIX}" for c in column.view(np.uint8).reshape(-1, 16)}
-    return {s.name for s in manifest.shards}
-
-
 def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
     """Delete shard files, temporaries and a resume journal the manifest (if any) does not reference
     (`tierflow gc`)."""
-    keep = _shard_names(manifest) if manifest is not None else set()
-    keep |= referenced_tables(out)  # the version-3 tables its header names (a header last written keeps them)
+    shards = ShardNames(manifest) if manifest is not None else set()  # no string per shard of a mapped one
+    tables = referenced_tables(out)  # the version-3 tables its header names (a header last written keeps them)
     removed = []
     for p in out.iterdir():
-        if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in keep) or \
-                (p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX) and p.name not in keep) or \
+        if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in shards) or \
+                (p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX) and p.name not in tables) or \
                 (p.name.startswith(".tmp-") and p.is_file()):
             p.unlink()
             removed.append(p)
