@@ -674,9 +674,9 @@ def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_sh
     if len(manifest.shards) > limit:
         (directory / MANIFEST_NAME).unlink(missing_ok=True)  # an older pack's: it would shadow the header
         return write_metadata(directory, manifest)
-    raw = json.dumps(manifest.to_json(), indent=1).encode()
+    raw = json.dumps(manifest.to_json(), indent=1).encode()  # the bytes `save` writes
     write_metadata(directory, manifest, manifest_bytes=raw)
-    return _publish(directory, MANIFEST_NAME, raw)
+    return manifest.save(directory)
 
 
 def is_published(directory: str | Path) -> bool:
@@ -690,16 +690,20 @@ def is_published(directory: str | Path) -> bool:
         return False
     try:
         return json.loads((directory / METADATA_NAME).read_bytes()).get("manifest") is None
-    except (ValueError, OSError, AttributeError):
+    except (ValueError, AttributeError):
         return True  # a damaged header is not for pack to overwrite silently
 
 
 def referenced_tables(directory: str | Path) -> set[str]:
     """The table files the directory's header names (gc keeps them, whether or not it is current)."""
     try:
-        d = json.loads((Path(directory) / METADATA_NAME).read_bytes())
+        raw = (Path(directory) / METADATA_NAME).read_bytes()  # an I/O error propagates: never gc on a guess
+    except FileNotFoundError:
+        return set()
+    try:
+        d = json.loads(raw)
         return {d[t]["file"] for t in ("shards", "blocks") if isinstance(d[t]["file"], str)}
-    except (ValueError, OSError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return set()
 
 
