@@ -215,3 +215,40 @@ def test_gc_keeps_the_tables_the_header_names_and_drops_others(packed: Path, tmp
     removed = remove_unreferenced(out, Manifest.load(out))
     assert stale in removed and not stale.exists()
     assert isinstance(Manifest.load(out), md.MappedManifest)
+
+
+def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(packed: Path, tmp_path: Path, s3_server, s3_bucket,
+                                                              monkeypatch) -> None:
+    from tierflow.storage.remote import upload_dataset
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
+    url = f"s3://{s3_bucket}/ds"
+    upload_dataset(packed, url, endpoint_url=s3_server.endpoint_url)
+    remote = tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url)
+    assert isinstance(remote.manifest, md.MappedManifest)
+    local = tierflow.open_dataset(packed)
+    assert len(remote) == len(local) and remote.manifest.dataset_id == local.manifest.dataset_id
+    for i in (0, 17, len(local) - 1):
+        assert {k: np.asarray(v).tolist() for k, v in remote[i].items()} == \
+            {k: np.asarray(v).tolist() for k, v in local[i].items()}
+    cached = list((tmp_path / "cache").glob("*/metadata-*.arrow"))
+    assert len(cached) == 2
+    again = pickle.loads(pickle.dumps(remote.manifest))  # a worker maps the node's copy
+    assert again.dataset_id == local.manifest.dataset_id
+    from tierflow.storage.datasets import collect_garbage
+    from tierflow.storage.remote import open_source
+    assert collect_garbage(open_source(url, endpoint_url=s3_server.endpoint_url)) == []
+
+
+def test_an_s3_dataset_whose_manifest_was_replaced_reads_the_manifest(packed: Path, tmp_path: Path, s3_server,
+                                                                      s3_bucket, monkeypatch) -> None:
+    from tierflow.storage.remote import open_source, upload_dataset
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
+    url = f"s3://{s3_bucket}/ds2"
+    upload_dataset(packed, url, endpoint_url=s3_server.endpoint_url)
+    source = open_source(url, endpoint_url=s3_server.endpoint_url)
+    d = json.loads((packed / MANIFEST_NAME).read_bytes())
+    d["shards"][0]["samples"] += 1
+    (tmp_path / "m.json").write_text(json.dumps(d))
+    source.upload(tmp_path / "m.json", MANIFEST_NAME)
+    with pytest.raises(ManifestError, match="manifest_checksum"):
+        tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url)

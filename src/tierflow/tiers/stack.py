@@ -41,6 +41,7 @@ from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
@@ -168,14 +169,15 @@ class TierStack:
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
-        manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
+        manifest = _read_manifest(self.source)  # version-3 metadata mapped when the dataset has it
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
         for tier in self.tiers:  # from now on the dataset has its fair share of each tier
             tier.add_reader(manifest.dataset_id)
         form = self.tiers[0].form if self.tiers else Form.AT_REST
-        stored = sum(s.bytes_in(form) for s in manifest.shards)
-        self._staged_per_byte = sum(s.decoded_bytes for s in manifest.shards) / stored if stored else 1.0
+        decoded = int(shard_column(manifest, "decoded_bytes").sum())
+        stored = decoded if form == Form.DECODED else int(shard_column(manifest, "bytes").sum())
+        self._staged_per_byte = decoded / stored if stored else 1.0
         return manifest
 
     def dataset(self, columns: Sequence[str] | None = None) -> Dataset:
@@ -520,3 +522,12 @@ def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max
                              name=STAGING_NAME, registry=stack.registry)
         stack.m_served[STAGING_NAME] = stack.registry.counter("stack_served", {"tier": STAGING_NAME})
     return stack
+
+
+def _read_manifest(source: Any) -> Manifest:
+    """The manifest of the stack's source: `storage.datasets.read_manifest` for a source it knows (a
+    version-3 dataset's mapped metadata, or manifest.json), else manifest.json's bytes."""
+    from tierflow.storage.datasets import read_manifest
+    if hasattr(source, "read_into") and hasattr(source, "size"):
+        return read_manifest(source)
+    return Manifest.from_bytes(source.read_bytes(MANIFEST_NAME), f"{source.url}/{MANIFEST_NAME}")
