@@ -252,3 +252,37 @@ def test_an_s3_dataset_whose_manifest_was_replaced_reads_the_manifest(packed: Pa
     source.upload(tmp_path / "m.json", MANIFEST_NAME)
     with pytest.raises(ManifestError, match="manifest_checksum"):
         tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url)
+
+
+def test_the_cli_upgrades_verifies_inspects_and_gcs_a_version_3_dataset(packed: Path, tmp_path: Path, capsys) -> None:
+    from tierflow.commands.cli import main
+    out = copy(packed, tmp_path)
+    for p in out.glob("metadata*"):
+        p.unlink()
+    assert main(["upgrade", str(out)]) == 0
+    assert isinstance(Manifest.load(out), md.MappedManifest)
+    assert main(["verify", str(out)]) == 0
+    assert main(["inspect", str(out), "-n", "1"]) == 0
+    assert "samples in" in capsys.readouterr().out
+    assert main(["gc", str(out)]) == 0
+    assert isinstance(Manifest.load(out), md.MappedManifest) and md.verify_metadata(Manifest.load(out)) == []
+    table = out / header(out)["blocks"]["file"]
+    _flip(table, _column_offset(table, "checksum", 3))
+    assert main(["verify", str(out)]) == 1
+    assert "column checksum does not match" in capsys.readouterr().err
+
+
+def test_the_cli_upgrades_an_s3_dataset(packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch) -> None:
+    from tierflow.commands.cli import main
+    from tierflow.storage.remote import open_source, upload_dataset
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
+    out = copy(packed, tmp_path)
+    for p in out.glob("metadata*"):
+        p.unlink()
+    url = f"s3://{s3_bucket}/v2"
+    upload_dataset(out, url, endpoint_url=s3_server.endpoint_url)
+    assert not isinstance(tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url).manifest, md.MappedManifest)
+    assert main(["upgrade", url, "--endpoint-url", s3_server.endpoint_url]) == 0
+    ds = tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url)
+    assert isinstance(ds.manifest, md.MappedManifest) and ds.manifest.dataset_id == legacy(out).dataset_id
+    assert main(["verify", url, "--endpoint-url", s3_server.endpoint_url]) == 0

@@ -444,8 +444,9 @@ class MetadataTables:
     def name(self, i: int) -> str:
         return shard_name(self.column("checksum")[i].tobytes().hex())
 
-    def block_list(self, i: int) -> BlockList:
-        """Shard i's blocks, their rows checked against its block_digest and bounds (once)."""
+    def block_list(self, i: int, keep: bool = True) -> BlockList:
+        """Shard i's blocks, their rows checked against its block_digest and bounds (once, when
+        `keep`: a pass over every shard keeps none, so its memory stays one shard's)."""
         found = self._block_lists.get(i)
         if found is not None:
             return found
@@ -469,17 +470,18 @@ class MetadataTables:
             problem = f"shard {name}: largest_rows is not its largest block's rows"
         if problem is not None:
             raise ManifestError(f"{self.where}: {problem}")
-        with self._lock:
-            self._block_lists[i] = blocks
+        if keep:
+            with self._lock:
+                self._block_lists[i] = blocks
         return blocks
 
-    def shard(self, i: int) -> ShardInfo:
+    def shard(self, i: int, keep: bool = True) -> ShardInfo:
         col = self.column
         return ShardInfo(name=self.name(i), samples=int(col("samples")[i]), bytes=int(col("bytes")[i]),
                          decoded_bytes=int(col("decoded_bytes")[i]), checksum=col("checksum")[i].tobytes().hex(),
                          decoded_checksum=col("decoded_checksum")[i].tobytes().hex(),
                          compression=COMPRESSIONS[int(col("compression")[i])], tokens=int(col("tokens")[i]),
-                         blocks=self.block_list(i))
+                         blocks=self.block_list(i, keep))
 
 
 class MappedShards(SequenceABC):
@@ -508,7 +510,7 @@ class MappedShards(SequenceABC):
 
     def __iter__(self) -> Iterator[ShardInfo]:
         for i in range(len(self)):
-            yield self._made.get(i) or self.tables.shard(i)  # not kept: a pass over every shard stays bounded
+            yield self._made.get(i) or self.tables.shard(i, keep=False)  # a pass over every shard stays bounded
 
     def __repr__(self) -> str:
         return f"MappedShards({len(self)} shards, {len(self._made)} made)"
@@ -636,8 +638,7 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
     checksums = tables.column("checksum")
     for i in range(tables.num_shards):
         try:
-            tables.block_list(i)
-            tables._block_lists.pop(i, None)  # bounded: one shard's blocks at a time
+            tables.block_list(i, keep=False)  # bounded: one shard's blocks at a time
         except ManifestError as e:
             problems.append(str(e))
     ids = (checksums[i].tobytes().hex() for i in range(len(checksums)))
@@ -862,3 +863,19 @@ class ShardNames:
             return False
         i = int(self._sorted.searchsorted(key[0]))
         return i < len(self._sorted) and self._sorted[i] == key[0]
+
+
+def upgrade_source(source: Any, workdir: str | Path) -> str:
+    """`upgrade` for a dataset at a URL: its manifest.json read and checked, the tables and header
+    written in `workdir`, uploaded tables first and the header last (the commit point); the manifest
+    stays for version-2 readers. Returns the header's URL."""
+    from tierflow.format.manifest import max_manifest_bytes
+    from tierflow.storage.datasets import read_manifest_json
+    workdir = Path(workdir)
+    raw, manifest = read_manifest_json(source)
+    write_metadata(workdir, manifest, manifest_bytes=raw)
+    for name in sorted(referenced_tables(workdir)):
+        source.upload(workdir / name, name)
+    source.upload(workdir / METADATA_NAME, METADATA_NAME)
+    del max_manifest_bytes
+    return f"{source.url}/{METADATA_NAME}"

@@ -114,6 +114,11 @@ def read_manifest(source: RetryingSource) -> Manifest:
     mapped = read_metadata(source)
     if mapped is not None:
         return mapped
+    return read_manifest_json(source)[1]
+
+
+def read_manifest_json(source: RetryingSource) -> tuple[bytes, Manifest]:
+    """The dataset's manifest.json, its bytes and what they say (checked as any reader checks them)."""
     where = join_url(source.url, MANIFEST_NAME)
     try:
         size = source.size(MANIFEST_NAME)
@@ -122,7 +127,8 @@ def read_manifest(source: RetryingSource) -> Manifest:
         source.read_into(MANIFEST_NAME, chunks.append, expected_size=size)  # and no more than that
     except SourceNotFound:
         raise ManifestError(f"{where}: no manifest; {source.url} holds no finished tierflow dataset") from None
-    return Manifest.from_bytes(b"".join(chunks), where)
+    raw = b"".join(chunks)
+    return raw, Manifest.from_bytes(raw, where)
 
 
 def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Manifest:
