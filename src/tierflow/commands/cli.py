@@ -390,11 +390,15 @@ def _plan(args: argparse.Namespace) -> int:
     dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
     plan = plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=top.form,
                       working_set=dataset.working_set)
+    from tierflow.format.metadata import shard_column
+    from tierflow.format.shard import Form
+
     shards = dataset.manifest.shards
-    total = sum(s.bytes_in(top.form) for s in shards)
+    at_rest = int(shard_column(dataset.manifest, "bytes").sum())
+    total = int(shard_column(dataset.manifest, "decoded_bytes").sum()) if top.form == Form.DECODED else at_rest
     console = Console()
     ws = dataset.working_set
-    console.print(f"{args.dataset}: {len(shards)} shards, {sum(s.bytes for s in shards) / 1e6:.1f} MB at rest, "
+    console.print(f"{args.dataset}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, "
                   f"{total / 1e6:.1f} MB in {top.name}'s form ({top.form}); {top.name} {top.capacity / 1e6:.1f} MB "
                   f"({top.capacity / total:.0%}), policy {top.policy_name}")
     console.print(f"working set: {ws.lanes} lanes x windows of {ws.window_shards} shards = {ws.shards} shards "

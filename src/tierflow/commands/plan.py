@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Form
 from tierflow.loader.dataset import TieredDataset
 from tierflow.order import future_shard_uses
@@ -48,9 +49,8 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
                form: Form = Form.DECODED, working_set: WorkingSet | None = None) -> CachePlan:
     """The plan at `capacity` bytes of the top tier; the working set is the one a fresh run
     would choose for it unless given."""
-    shards = dataset.manifest.shards
-    tier_sizes = [s.bytes_in(form) for s in shards]
-    rest_sizes = [s.bytes for s in shards]
+    rest_sizes = shard_column(dataset.manifest, "bytes").tolist()  # columns: no object per shard
+    tier_sizes = shard_column(dataset.manifest, "decoded_bytes").tolist() if form == Form.DECODED else rest_sizes
     world = dataset.world
     per_node = max(1, dataset.order.partitions // world.num_nodes)
     chosen = working_set or choose_working_set(tier_sizes, per_node, capacity, memory_headroom())
@@ -67,7 +67,7 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
 def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,
                    form: Form = Form.DECODED) -> list[CachePlan]:
     """Plans at capacities that are `fractions` of the dataset (in the top tier's form)."""
-    total = sum(s.bytes_in(form) for s in dataset.manifest.shards)
+    total = int(shard_column(dataset.manifest, "decoded_bytes" if form == Form.DECODED else "bytes").sum())
     return [plan_cache(dataset, int(f * total), epochs=epochs, form=form) for f in fractions]
 
 

@@ -879,3 +879,35 @@ def upgrade_source(source: Any, workdir: str | Path) -> str:
     source.upload(workdir / METADATA_NAME, METADATA_NAME)
     del max_manifest_bytes
     return f"{source.url}/{METADATA_NAME}"
+
+
+class ShardKeys:
+    """Entry key (a shard's at-rest checksum) -> the shards that have it, as `.get(key, default)`:
+    for a mapped manifest a sorted view of the checksum column (24 bytes a shard, no string per
+    shard), else a dict. Equal content may repeat under one key in a repacked dataset."""
+
+    _KEY = np.dtype([("hi", ">u8"), ("lo", ">u8")])
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._dict: dict[str, list[int]] | None = None
+        if isinstance(manifest, MappedManifest):
+            keys = manifest.tables.column("checksum").view(self._KEY)
+            self._order = np.argsort(keys, kind="stable")
+            self._sorted = keys[self._order]
+        else:
+            self._dict = {}
+            for shard, info in enumerate(manifest.shards):
+                self._dict.setdefault(info.key, []).append(shard)
+
+    def get(self, key: str, default: Any = ()) -> Any:
+        if self._dict is not None:
+            return self._dict.get(key, default)
+        try:
+            probe = np.frombuffer(bytes.fromhex(key), dtype=self._KEY)
+        except ValueError:
+            return default
+        if probe.size != 1:
+            return default
+        lo = int(self._sorted.searchsorted(probe[0], side="left"))
+        hi = int(self._sorted.searchsorted(probe[0], side="right"))
+        return self._order[lo:hi].tolist() if hi > lo else default
