@@ -869,7 +869,6 @@ def upgrade_source(source: Any, workdir: str | Path) -> str:
     """`upgrade` for a dataset at a URL: its manifest.json read and checked, the tables and header
     written in `workdir`, uploaded tables first and the header last (the commit point); the manifest
     stays for version-2 readers. Returns the header's URL."""
-    from tierflow.format.manifest import max_manifest_bytes
     from tierflow.storage.datasets import read_manifest_json
     workdir = Path(workdir)
     raw, manifest = read_manifest_json(source)
@@ -877,7 +876,6 @@ def upgrade_source(source: Any, workdir: str | Path) -> str:
     for name in sorted(referenced_tables(workdir)):
         source.upload(workdir / name, name)
     source.upload(workdir / METADATA_NAME, METADATA_NAME)
-    del max_manifest_bytes
     return f"{source.url}/{METADATA_NAME}"
 
 
