@@ -229,8 +229,8 @@ def collect_garbage(source: RetryingSource) -> list[str]:
     (shards go first, the manifest last), and goes in the first gc after that pack's manifest.
     """
     entries = source.entries()
-    times = [e.modified for e in entries if e.name in (MANIFEST_NAME, METADATA_NAME)]  # the earlier of the two
-    written = None if not times or None in times else min(times)
+    times = [e.modified for e in entries if e.name in (MANIFEST_NAME, METADATA_NAME)]  # the last publication
+    written = None if not times or None in times else max(times)
     keep = ShardNames(read_manifest(source))  # read after listing: never an older one
     if written is None:  # the store gives no times: nothing can be told apart from a pack in progress
         return []
