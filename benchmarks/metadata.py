@@ -17,7 +17,13 @@ same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x o
 (imports), and the PSS of the mapped metadata files alone (version 3).
 
     PYTHONPATH=src .venv/bin/python benchmarks/metadata.py [--shards 1000,100000,1000000] [--runs 3]
-        [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep]
+        [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--paths]
+
+`--paths` times each per-shard path on the version-3 datasets in a fresh interpreter: `order` (the
+TieredDataset: layout, working set, index), `inspect`, `verify-metadata` (both tables hashed whole,
+every shard's block rows, the dataset id; the shard files themselves are not there to hash),
+`gc-names` (the referenced-name set gc tests files against), `stager-keys` (entry key -> shards),
+and `every-shard-object` (a ShardInfo per shard: what a tool that walks `manifest.shards` pays).
 """
 
 from __future__ import annotations
@@ -146,6 +152,46 @@ def child(path: str, wait: bool) -> None:
     loader.close()
 
 
+PATHS = ("order", "inspect", "verify-metadata", "gc-names", "stager-keys", "every-shard-object")
+
+
+def path_child(name: str, path: str) -> None:
+    """One per-shard path, timed in this fresh interpreter (after imports); prints one JSON line."""
+    import contextlib
+    import io
+
+    import psutil
+
+    import tierflow
+    from tierflow.commands.cli import main as cli
+    from tierflow.format import metadata as md
+    from tierflow.format.manifest import Manifest
+    from tierflow.loader import TieredDataset
+
+    rss_import = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    if name == "order":
+        TieredDataset(path, batch_size=BATCH)
+    elif name == "inspect":
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli(["inspect", path, "-n", "1"])
+    elif name == "verify-metadata":
+        problems = md.verify_metadata(Manifest.load(path))
+        if problems:
+            raise RuntimeError(problems[:3])
+    elif name == "gc-names":
+        names = md.ShardNames(Manifest.load(path))
+        assert f"shard-{'0' * 32}.arrow" not in names
+    elif name == "stager-keys":
+        md.ShardKeys(Manifest.load(path)).get("0" * 32)
+    elif name == "every-shard-object":
+        sum(info.samples for info in Manifest.load(path).shards)
+    took = time.perf_counter() - start
+    del tierflow
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"s": took, "peak_above_import": peak - rss_import}), flush=True)
+
+
 def prepare(path: str, base: str) -> None:
     """Link the shard files the first batch reads (each a real shard of the base under its fresh name)."""
     import tierflow
@@ -252,11 +298,15 @@ def main() -> None:
     ap.add_argument("--child")
     ap.add_argument("--wait", action="store_true")
     ap.add_argument("--prepare", nargs=2)
+    ap.add_argument("--paths", action="store_true", help="also time each per-shard path on the v3 datasets")
+    ap.add_argument("--path-child", nargs=2)
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.wait)
     if args.prepare:
         return prepare(*args.prepare)
+    if args.path_child:
+        return path_child(*args.path_child)
     root = Path(args.root) / f"b{args.blocks}"
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TIERFLOW_MAX_MANIFEST_BYTES": str(1 << 40)}
@@ -266,6 +316,7 @@ def main() -> None:
     print(f"| shards | form | metadata on disk | open | open + first batch | peak RSS above import | "
           f"PSS x8 above bare | PSS x8 of metadata files |")
     print("|---|---|---|---|---|---|---|---|")
+    paths: list[str] = []
     for n in counts:
         began = time.perf_counter()
         new_dir, old_dir = build(root, base, n, old=n <= args.old_max)
@@ -287,6 +338,18 @@ def main() -> None:
                   f"{spread([r['peak_above_import'] for r in rounds], '.0f', 1e-6)} MB | {node[0]} | {node[1]} |",
                   flush=True)
         print(f"<!-- {n:,} shards built in {built:.1f} s -->", file=sys.stderr, flush=True)
+        if args.paths:
+            for name in PATHS:
+                out = subprocess.run([sys.executable, __file__, "--path-child", name, str(new_dir)],
+                                     capture_output=True, text=True, env=env, timeout=1800)
+                if out.returncode:
+                    paths.append(f"| {n:,} | {name} | failed: {out.stderr.strip().splitlines()[-1][:100]} | |")
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                paths.append(f"| {n:,} | {name} | {r['s']:.3f} s | {r['peak_above_import'] / 1e6:.0f} MB |")
+    if paths:
+        print("\n| shards | path (v3) | time | peak RSS above import |\n|---|---|---|---|")
+        print("\n".join(paths))
     if not args.keep:
         shutil.rmtree(args.root, ignore_errors=True)
 

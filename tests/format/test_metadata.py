@@ -8,6 +8,7 @@ was written is read as itself; `upgrade` is atomic (a crash leaves the old datas
 from __future__ import annotations
 
 import json
+import re
 import pickle
 import shutil
 from pathlib import Path
@@ -286,3 +287,48 @@ def test_the_cli_upgrades_an_s3_dataset(packed: Path, tmp_path: Path, s3_server,
     ds = tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url)
     assert isinstance(ds.manifest, md.MappedManifest) and ds.manifest.dataset_id == legacy(out).dataset_id
     assert main(["verify", url, "--endpoint-url", s3_server.endpoint_url]) == 0
+
+
+def _forge(out: Path, edit) -> None:
+    """Rewrite the dataset's tables through the writer with `edit(shards, blocks)` applied: every hash
+    recomputed, so only the reader's own checks stand between it and the lie (issue 18's attacker)."""
+    m = legacy(out)
+    shards, blocks = md.columns_from_shards(m.shards)
+    edit(shards, blocks)
+    fields = {"dataset_id": m.dataset_id, "schema": md.schema_to_json(m.schema), "tokenizer": m.tokenizer,
+              "token_column": m.token_column, "token_dtype": m.token_dtype, "eos_id": m.eos_id, "stats": {}}
+    (out / MANIFEST_NAME).unlink()
+    md.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s, b: s["block_digest"].__setitem__(2, s["block_digest"][2] ^ 1), "block_digest"),
+    (lambda s, b: b["rows"].__setitem__(int(s["first_block"][2]), b["rows"][int(s["first_block"][2])] + 1),
+     "block rows sum to|block_digest"),
+    (lambda s, b: b["length"].__setitem__(int(s["first_block"][2]), 1 << 31), "block_digest|outside the file"),
+    (lambda s, b: s["largest_rows"].__setitem__(2, 1), "largest_rows|block_digest"),
+])
+def test_hostile_tables_with_every_hash_recomputed_are_refused(packed: Path, tmp_path: Path, edit, match) -> None:
+    out = copy(packed, tmp_path)
+    _forge(out, edit)
+    manifest = Manifest.load(out)
+    problems = md.verify_metadata(manifest)
+    assert len(problems) == 1 and re.search(match, problems[0]) and manifest.tables.name(2) in problems[0]
+    with pytest.raises(ManifestError, match=match):
+        manifest.shards[2]
+
+
+def test_hostile_shard_columns_with_every_hash_recomputed_are_refused(packed: Path, tmp_path: Path) -> None:
+    for edit, match in [
+        (lambda s, b: s["samples"].__setitem__(1, -5), "negative or absurd"),
+        (lambda s, b: s["checksum"].__setitem__(3, s["checksum"][1]), "listed twice"),
+        (lambda s, b: s["compression"].__setitem__(0, 9), "unknown compression"),
+        (lambda s, b: s["sample_start"].__setitem__(2, 0), "running sum"),
+        (lambda s, b: s["first_block"].__setitem__(1, 0), "running sum"),
+    ]:
+        out = tmp_path / "ds"
+        shutil.rmtree(out, ignore_errors=True)
+        out = copy(packed, tmp_path)
+        _forge(out, edit)
+        with pytest.raises(ManifestError, match=match):
+            tierflow.open_dataset(out)[0]
