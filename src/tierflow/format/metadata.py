@@ -69,6 +69,7 @@ SHARD_SCHEMA = pa.schema([
     ("samples", pa.int64()), ("bytes", pa.int64()), ("decoded_bytes", pa.int64()), ("tokens", pa.int64()),
     ("sample_start", pa.int64()), ("token_start", pa.int64()), ("first_block", pa.int64()), ("blocks", pa.int64()),
     ("largest_rows", pa.int64()), ("tokens_known", pa.uint8()), ("block_digest", pa.uint64()),
+    ("checksum_order", pa.int64()),
 ])
 BLOCK_SCHEMA = pa.schema([("length", pa.uint32()), ("rows", pa.uint32()), ("checksum", pa.uint64()),
                           ("tokens", pa.uint32())])
@@ -152,6 +153,16 @@ def columns_from_shards(shards: Sequence[ShardInfo]) -> tuple[dict[str, np.ndarr
     return cols, blocks
 
 
+_KEY = np.dtype([("hi", ">u8"), ("lo", ">u8")])
+"""A 16-byte checksum as two big-endian halves: numpy orders these as the bytes (the hex) order."""
+
+
+def checksum_order(checksums: np.ndarray) -> np.ndarray:
+    """The shards in the order of their checksums (the `checksum_order` column): with it a reader
+    checks that no shard is listed twice, and finds a shard by its key, without sorting."""
+    return np.argsort(np.ascontiguousarray(checksums).view(_KEY), kind="stable").astype(np.int64)
+
+
 def _starts(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(counts.size, dtype=np.int64)
     np.cumsum(counts[:-1], out=out[1:])
@@ -222,6 +233,7 @@ def write_metadata(directory: str | Path, manifest: Manifest | None = None, *,
                   "token_dtype": manifest.token_dtype, "eos_id": manifest.eos_id, "stats": manifest.stats}
     assert shard_columns is not None and block_columns is not None and fields is not None
     shard_columns = dict(shard_columns)
+    shard_columns["checksum_order"] = checksum_order(np.asarray(shard_columns["checksum"]))
     for name in ("sample_start", "token_start"):
         if name not in shard_columns:
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
@@ -431,18 +443,32 @@ class MetadataTables:
                 return "first_block is not the running sum of blocks"
             if (int(v[-1] + counts[-1]) if v.size else 0) != self.blocks.rows:
                 return f"the shards' blocks do not add up to the block table's {self.blocks.rows} rows"
-        if name == "checksum" and n > 1:
-            first = v.view("<u8").reshape(n, 2)[:, 0]  # two equal checksums have equal first halves
-            keys = np.sort(first)
-            same = keys[1:][keys[1:] == keys[:-1]]
-            if same.size:
-                candidates = v[np.isin(first, same)]
-                if len({c.tobytes() for c in candidates}) < len(candidates):
-                    return "a shard is listed twice"
+        if name == "checksum_order" and n:
+            # a permutation of the shards along which the checksums strictly increase: no shard is
+            # listed twice (O(shards) compares, no sort)
+            if int(v.min()) < 0 or int(v.max()) >= n:
+                return "checksum_order is not a permutation of the shards"
+            seen = np.zeros(n, dtype=bool)
+            seen[v] = True
+            if not seen.all():
+                return "checksum_order is not a permutation of the shards"
+            keys = self.column("checksum").view(_KEY)[v]
+            hi, lo = keys["hi"], keys["lo"]
+            rising = (hi[1:] > hi[:-1]) | ((hi[1:] == hi[:-1]) & (lo[1:] > lo[:-1]))
+            if not rising.all():
+                i = int(np.argmin(rising))
+                if keys[i] == keys[i + 1]:
+                    return f"a shard is listed twice (shards #{int(v[i])} and #{int(v[i + 1])})"
+                return "checksum_order does not sort the checksums"
         return None
 
+    def checksums(self) -> np.ndarray:
+        """The checksum column, checked to hold no shard twice (with `checksum_order`)."""
+        self.column("checksum_order")
+        return self.column("checksum")
+
     def name(self, i: int) -> str:
-        return shard_name(self.column("checksum")[i].tobytes().hex())
+        return shard_name(self.checksums()[i].tobytes().hex())
 
     def block_list(self, i: int, keep: bool = True) -> BlockList:
         """Shard i's blocks, their rows checked against its block_digest and bounds (once, when
@@ -478,7 +504,7 @@ class MetadataTables:
     def shard(self, i: int, keep: bool = True) -> ShardInfo:
         col = self.column
         return ShardInfo(name=self.name(i), samples=int(col("samples")[i]), bytes=int(col("bytes")[i]),
-                         decoded_bytes=int(col("decoded_bytes")[i]), checksum=col("checksum")[i].tobytes().hex(),
+                         decoded_bytes=int(col("decoded_bytes")[i]), checksum=self.checksums()[i].tobytes().hex(),
                          decoded_checksum=col("decoded_checksum")[i].tobytes().hex(),
                          compression=COMPRESSIONS[int(col("compression")[i])], tokens=int(col("tokens")[i]),
                          blocks=self.block_list(i, keep))
@@ -884,7 +910,8 @@ class ShardNames:
 
     def __init__(self, manifest: Manifest) -> None:
         if isinstance(manifest, MappedManifest):
-            self._sorted: np.ndarray | None = np.sort(manifest.tables.column("checksum").view(self._KEY))
+            tables = manifest.tables
+            self._sorted: np.ndarray | None = tables.checksums().view(self._KEY)[tables.column("checksum_order")]
             self._names: set[str] = set()
         else:
             self._sorted = None
@@ -929,9 +956,9 @@ class ShardKeys:
     def __init__(self, manifest: Manifest) -> None:
         self._dict: dict[str, list[int]] | None = None
         if isinstance(manifest, MappedManifest):
-            keys = manifest.tables.column("checksum").view(self._KEY)
-            self._order = np.argsort(keys, kind="stable")
-            self._sorted = keys[self._order]
+            tables = manifest.tables
+            self._order = tables.column("checksum_order")  # checked: a permutation sorting the keys
+            self._sorted = tables.checksums().view(self._KEY)[self._order]
         else:
             self._dict = {}
             for shard, info in enumerate(manifest.shards):
