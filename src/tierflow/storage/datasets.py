@@ -9,6 +9,7 @@ deletes the shard objects no manifest references, under the same rules as on a d
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,12 +41,13 @@ def local_path(location: str | Path) -> Path | None:
 
 def metadata_cache_dir() -> Path:
     """Where a node keeps the version-3 metadata of remote datasets (TIERFLOW_METADATA_CACHE, else
-    ~/.cache/tierflow/metadata): the table files are content-named, so the node's ranks and workers
-    download each once and map the same files."""
+    tierflow-metadata-<uid> in the node's temporary directory): the table files are content-named, so
+    the node's ranks and workers download each once and map the same files, and a stale one is never
+    mistaken for a newer one."""
     configured = os.environ.get("TIERFLOW_METADATA_CACHE")
     if configured:
         return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierflow" / "metadata"
+    return Path(tempfile.gettempdir()) / f"tierflow-metadata-{os.getuid()}"
 
 
 def read_metadata(source: RetryingSource, cache: Path | None = None) -> Manifest | None:
