@@ -17,7 +17,7 @@ same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x o
 (imports), and the PSS of the mapped metadata files alone (version 3).
 
     PYTHONPATH=src .venv/bin/python benchmarks/metadata.py [--shards 1000,100000,1000000] [--runs 3]
-        [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--paths]
+        [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--pss-old-max 10000] [--paths]
 
 `--paths` times each per-shard path on the version-3 datasets in a fresh interpreter: `order` (the
 TieredDataset: layout, working set, index), `inspect`, `verify-metadata` (both tables hashed whole,
@@ -294,6 +294,8 @@ def main() -> None:
     ap.add_argument("--old-max", type=parse_count, default=100_000)
     ap.add_argument("--root", default="/tmp/tierflow-metadata-bench")
     ap.add_argument("--no-pss", action="store_true")
+    ap.add_argument("--pss-old-max", type=parse_count, default=10_000,
+                    help="8 processes of a parsed manifest only up to this many shards (each holds its own copy)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--wait", action="store_true")
@@ -330,7 +332,7 @@ def main() -> None:
             size = sum(p.stat().st_size for p in path.iterdir() if not p.name.startswith("shard-"))
             rounds = [run_child(path, env) for _ in range(args.runs)]
             node = ("-", "-")
-            if bare is not None:
+            if bare is not None and (form == "v3 mapped" or n <= args.pss_old_max):  # 8 parsed copies: GBs
                 total, files = node_pss(path, env)
                 node = (f"{(total - bare) / 1e6:.0f} MB", f"{files / 1e6:.1f} MB" if files else "-")
             print(f"| {n:,} | {form} | {size / 1e6:.1f} MB | {spread([r['open_s'] for r in rounds], '.3f')} s | "
