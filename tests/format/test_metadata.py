@@ -332,3 +332,20 @@ def test_hostile_shard_columns_with_every_hash_recomputed_are_refused(packed: Pa
         _forge(out, edit)
         with pytest.raises(ManifestError, match=match):
             tierflow.open_dataset(out)[0]
+
+
+def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_header(packed: Path, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    out = copy(packed, tmp_path)
+    old = legacy(out)
+    md.write_with_manifest(out, old, legacy_max_shards=0)
+    assert not (out / MANIFEST_NAME).exists() and md.is_published(out)
+    assert isinstance(Manifest.load(out), md.MappedManifest)
+    out2 = tmp_path / "again"
+    shutil.copytree(packed, out2)
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(OSError("killed")))
+    with pytest.raises(OSError):
+        md.write_with_manifest(out2, old, legacy_max_shards=0)
+    monkeypatch.undo()
+    still = Manifest.load(out2)  # the header recording no manifest beside an older manifest.json: the old one
+    assert not isinstance(still, md.MappedManifest) and still.dataset_id == old.dataset_id

@@ -739,8 +739,11 @@ def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_sh
     directory = Path(directory)
     limit = LEGACY_MANIFEST_SHARDS if legacy_max_shards is None else legacy_max_shards
     if len(manifest.shards) > limit:
-        (directory / MANIFEST_NAME).unlink(missing_ok=True)  # an older pack's: it would shadow the header
-        return write_metadata(directory, manifest)
+        # the header first: while an older pack's manifest.json is beside it, readers read that one (a
+        # header recording none is current only alone), so a crash before the unlink leaves the old dataset
+        path = write_metadata(directory, manifest)
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+        return path
     raw = json.dumps(manifest.to_json(), indent=1).encode()  # the bytes `save` writes
     write_metadata(directory, manifest, manifest_bytes=raw)
     return manifest.save(directory)
