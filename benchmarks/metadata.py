@@ -12,7 +12,7 @@ read the same order and the same shards.
 Each measurement is a fresh interpreter (imports not counted, shown apart): `open`: seconds from
 `open_dataset` to `len()`; `open+batch`: to the first batch as the loader gives it
 (`Loader(TieredDataset(path, batch_size=256))`, its order, working set and index included);
-`peak RSS`: getrusage's peak less the RSS after `import tierflow`. `PSS x8`: 8 processes open the
+`peak RSS`: the peak resident set (VmHWM) less the RSS after `import tierflow`. `PSS x8`: 8 processes open the
 same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x one bare interpreter's
 (imports), and the PSS of the mapped metadata files alone (version 3).
 
@@ -123,6 +123,16 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
 
 
 # -- the measured child ---------------------------------------------------------------------------
+def vm_hwm() -> int:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: that survives exec, so a
+    child of a parent that just built a million-shard table starts at the parent's size."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child(path: str, wait: bool) -> None:
     began = time.perf_counter()
     import psutil
@@ -144,7 +154,7 @@ def child(path: str, wait: bool) -> None:
     arrived = time.perf_counter()
     if len(first["x"]) != BATCH:
         raise RuntimeError(f"first batch has {len(first['x'])} samples")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = vm_hwm()
     print(json.dumps({"import_s": imported - began, "open_s": opened - start, "batch_s": arrived - start2,
                       "peak_above_import": peak - rss_import, "rss_import": rss_import}), flush=True)
     if wait:
@@ -188,7 +198,7 @@ def path_child(name: str, path: str) -> None:
         sum(info.samples for info in Manifest.load(path).shards)
     took = time.perf_counter() - start
     del tierflow
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = vm_hwm()
     print(json.dumps({"s": took, "peak_above_import": peak - rss_import}), flush=True)
 
 
