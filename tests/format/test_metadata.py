@@ -349,3 +349,30 @@ def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_hea
     monkeypatch.undo()
     still = Manifest.load(out2)  # the header recording no manifest beside an older manifest.json: the old one
     assert not isinstance(still, md.MappedManifest) and still.dataset_id == old.dataset_id
+
+
+def test_the_loader_reads_the_same_batches_through_either_form_and_resumes_across_an_upgrade(
+        packed: Path, tmp_path: Path) -> None:
+    from tierflow.loader import Loader, TieredDataset
+    v2 = copy(packed, tmp_path)
+    for p in v2.glob("metadata*"):
+        p.unlink()
+    v3 = packed
+
+    def batches(path: Path, n: int, resume=None) -> tuple[list, object]:
+        loader = Loader(TieredDataset(str(path), batch_size=16, seq_len=64, resume=resume), endless=True)
+        out = []
+        for batch in loader:
+            out.append(np.asarray(batch["input_ids"]).tolist())
+            if len(out) == n:
+                break
+        state = loader.state_dict()
+        loader.close()
+        return out, state
+
+    old, state = batches(v2, 6)
+    new, _ = batches(v3, 6)
+    assert old == new
+    after_old, _ = batches(v2, 3, resume=state)
+    after_new, _ = batches(v3, 3, resume=state)  # a cursor saved before the upgrade resumes after it
+    assert after_old == after_new

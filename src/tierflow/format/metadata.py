@@ -10,7 +10,8 @@ per-block rows in two uncompressed Arrow IPC files, memory-mapped read-only:
   COMPRESSIONS), samples, bytes, decoded_bytes, tokens, sample_start, token_start (the running sums,
   so an index needs no pass over the shards), first_block, blocks (its rows of the block table),
   largest_rows (rows of its largest block), tokens_known (1 when every block's token count was
-  recorded) and block_digest (xxh3-64 of its rows of the block table);
+  recorded), block_digest (xxh3-64 of its rows of the block table) and checksum_order (the shards
+  sorted by checksum: no shard twice is O(shards) compares, and a key finds its shards without a sort);
 - the block table, one row a block, shard after shard: length, rows, checksum (the xxh3-64 value),
   tokens (uint32; the blocks are contiguous from offset 0, so offsets are the lengths' running sum).
 
@@ -33,7 +34,11 @@ Integrity, as strong as the manifest's checksum, paid as it is used:
   the dataset id against the shards, in bounded memory.
 The trade-off: a damaged row in a shard-table column is refused when the column is first used (the
 whole column), a damaged block row when its shard is first used, never later than that and never
-served. Anything wrong is a ManifestError naming the dataset, the file and what is wrong.
+served; a process pays for the columns and shards it uses, not for the dataset (hashing every column
+and every block row at open would be ~1.4 GB read at a million shards, by every process). What is
+not checked at open is the dataset id against the checksums (a JSON of every name): the header's
+checksum covers the recorded id, and `verify` recomputes it. Anything wrong is a ManifestError
+naming the dataset, the file and what is wrong.
 """
 
 from __future__ import annotations
