@@ -387,6 +387,40 @@ class _Table:
         view = np.frombuffer(buf, dtype=kind, count=len(arr) + arr.offset)[arr.offset:]
         return view
 
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a column read from the file (pread), not through the mapping: a pass
+        over a whole table (verify) keeps its memory to a chunk instead of mapping every page."""
+        arr = self._batch.column(name)
+        kind = _numpy_dtype(arr.type)
+        buf = arr.buffers()[1]
+        if buf is None or stop <= start:
+            return np.zeros(0, dtype=kind)
+        base = self._map_base()
+        offset = buf.address - base + (arr.offset + start) * kind.itemsize
+        size = (stop - start) * kind.itemsize
+        if not 0 <= offset <= offset + size <= os.fstat(self._fd()).st_size:
+            raise ManifestError(f"{self.where}: column {name} lies outside the file")
+        data = os.pread(self._fd(), size, offset)
+        if len(data) != size:
+            raise ManifestError(f"{self.where}: column {name} is cut short")
+        return np.frombuffer(data, dtype=kind)
+
+    def _map_base(self) -> int:
+        if not hasattr(self, "_base"):
+            self._base = _mapping_address(self._map)
+        return self._base
+
+    def _fd(self) -> int:
+        with self._lock:
+            if not hasattr(self, "_file"):
+                self._file = os.open(self.path, os.O_RDONLY)
+        return self._file
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_file", None)
+        if fd is not None:
+            os.close(fd)
+
     def column(self, name: str, check: Callable[[np.ndarray], str | None] | None = None) -> np.ndarray:
         found = self._checked.get(name)
         if found is not None:
@@ -404,6 +438,12 @@ class _Table:
                 raise ManifestError(f"{self.where}: {problem}")
             self._checked[name] = values
             return values
+
+
+def _mapping_address(mapped: pa.MemoryMappedFile) -> int:
+    """The address where a memory-mapped file's byte 0 lies (its buffers' offsets in the file follow)."""
+    mapped.seek(0)
+    return mapped.read_buffer(1).address
 
 
 class MetadataTables:
@@ -656,12 +696,11 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
             tables.column(name)
         except ManifestError as e:
             problems.append(str(e))
-    for name in BLOCK_SCHEMA.names:
-        values = tables.blocks.raw(name)
+    for name in BLOCK_SCHEMA.names:  # read, not mapped: memory stays a chunk's, whatever the table's size
         h = xxhash.xxh3_128()
-        step = 1 << 22
-        for start in range(0, len(values), step):
-            h.update(memoryview(np.ascontiguousarray(values[start:start + step])).cast("B"))
+        step = 1 << 20
+        for start in range(0, tables.blocks.rows, step):
+            h.update(memoryview(tables.blocks.read(name, start, min(start + step, tables.blocks.rows))).cast("B"))
         if h.hexdigest() != tables.blocks.hashes[name]:
             problems.append(f"{tables.blocks.where}: column {name} does not match its hash in the header")
     if problems:
@@ -672,12 +711,26 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
             tables.block_list(i, keep=False)
         except ManifestError as e:
             problems.append(str(e))
-    ids = (checksums[i].tobytes().hex() for i in range(len(checksums)))
-    recomputed = compute_dataset_id({"fields": schema_fields(manifest.schema)}, manifest.tokenizer, list(ids))
+    recomputed = streamed_dataset_id({"fields": schema_fields(manifest.schema)}, manifest.tokenizer, checksums)
     if recomputed != manifest.dataset_id:
         problems.append(f"{manifest.where}/{METADATA_NAME}: dataset_id {manifest.dataset_id} does not match its "
                         f"schema, tokenizer and shards ({recomputed})")
     return problems
+
+
+def streamed_dataset_id(schema_json: dict, tokenizer: dict | None, checksums: np.ndarray, chunk: int = 1 << 16) -> str:
+    """`compute_dataset_id` of a checksum column, its canonical JSON hashed as it is made, a chunk of
+    names at a time (the same bytes: sorted keys, no spaces; hex names need no escaping), so a million
+    shards cost ~35 MB of strings a chunk at a time, not the whole document at once."""
+    h = xxhash.xxh3_128()
+    h.update(b'{"schema":' + json.dumps(schema_json["fields"], sort_keys=True, separators=(",", ":")).encode()
+             + b',"shards":[')
+    for start in range(0, len(checksums), chunk):
+        hexed = np.ascontiguousarray(checksums[start:start + chunk]).tobytes().hex()
+        names = ",".join(f'"{hexed[i:i + 32]}"' for i in range(0, len(hexed), 32))
+        h.update((("," if start else "") + names).encode())
+    h.update(b'],"tokenizer":' + json.dumps(tokenizer, sort_keys=True, separators=(",", ":")).encode() + b"}")
+    return h.hexdigest()
 
 
 def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
@@ -689,12 +742,12 @@ def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
     first, count, digest = col("first_block"), col("blocks"), col("block_digest")
     samples, tokens, size, largest, known = (col("samples"), col("tokens"), col("bytes"), col("largest_rows"),
                                              col("tokens_known"))
-    blocks = {name: tables.blocks.raw(name) for name in BLOCK_SCHEMA.names}
     for lo in range(0, tables.num_shards, chunk):
         hi = min(lo + chunk, tables.num_shards)
         b0, b1 = int(first[lo]), int(first[hi - 1] + count[hi - 1])
         n = count[lo:hi]
-        length, rows, toks = (blocks[k][b0:b1].astype(np.int64) for k in ("length", "rows", "tokens"))
+        blocks = {name: tables.blocks.read(name, b0, b1) for name in BLOCK_SCHEMA.names}  # this chunk's rows
+        length, rows, toks = (blocks[k].astype(np.int64) for k in ("length", "rows", "tokens"))
         starts = (first[lo:hi] - b0)[n > 0]
         bad = np.zeros(hi - lo, dtype=bool)
         full = n > 0
@@ -712,7 +765,7 @@ def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
         for i in range(lo, hi):
             if bad[i - lo]:
                 continue
-            a, z = int(first[i]), int(first[i] + count[i])
+            a, z = int(first[i]) - b0, int(first[i] + count[i]) - b0
             h = xxhash.xxh3_64()
             for name in ("length", "rows", "checksum", "tokens"):
                 h.update(memoryview(blocks[name][a:z]).cast("B"))

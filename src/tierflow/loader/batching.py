@@ -88,7 +88,7 @@ class Batcher(Protocol):
 def shard_samples(dataset: Dataset) -> np.ndarray:
     """Order samples per shard for batchers whose sample is a dataset row."""
     from tierflow.format.metadata import shard_column
-    return np.array(shard_column(dataset.manifest, "samples"), dtype=np.int64)  # mapped: no object per shard
+    return np.asarray(shard_column(dataset.manifest, "samples"), dtype=np.int64)  # mapped, read-only: no copy
 
 
 class ByPosition:

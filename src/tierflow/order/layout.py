@@ -122,8 +122,10 @@ def _assign_longest_first(
     weight = counts / max(int(counts.sum()), 1)
     if shard_bytes is not None:
         weight = weight + shard_bytes / max(int(shard_bytes.sum()), 1)
-    heaviest_first = np.argsort(-weight, kind="stable")
-    ordered = weight[heaviest_first]
+    np.negative(weight, out=weight)  # in place: a million shards' weights once, not twice
+    heaviest_first = np.argsort(weight, kind="stable")
+    ordered = np.negative(weight[heaviest_first])  # exact: negation only flips the sign
+    del weight
     loads = np.zeros(partitions, dtype=np.float64)
     index = np.arange(partitions)
     dealt = np.empty(counts.size, dtype=np.int64)  # partition of the i-th heaviest shard
