@@ -300,7 +300,9 @@ def test_upload_dataset_sends_shards_first_and_the_manifest_last(
     url = f"s3://{s3_bucket}/datasets/ds"
     assert upload_dataset(tmp_path / "ds", url, endpoint_url=s3_proxy.url) == len(local.shards)
     puts = [r.path.rsplit("/", 1)[1] for r in s3_proxy.traffic().records if r.method == "PUT"]
-    assert puts[-1] == MANIFEST_NAME and sorted(puts[:-1]) == sorted(s.name for s in local.shards)
+    shards = len(local.shards)  # then the version-3 tables and their header, the manifest last
+    assert puts[-1] == MANIFEST_NAME and sorted(puts[:shards]) == sorted(s.name for s in local.shards)
+    assert puts[-2] == "metadata.json" and all(p.startswith("metadata-") for p in puts[shards:-2])
     source = open_source(url, endpoint_url=s3_proxy.url)
     remote = Manifest.from_bytes(source.read_bytes(MANIFEST_NAME), url)
     assert remote.to_json() == local.to_json()

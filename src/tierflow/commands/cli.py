@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", help="dataset directory or URL (on a URL, shards written after the manifest stay)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
+    p = sub.add_parser("upgrade", help="write a dataset's version-3 metadata (mapped shard and block tables "
+                                       "beside a small header) in place, from its manifest.json; atomic")
+    p.add_argument("dataset", help="dataset directory or URL (the manifest.json stays for older readers)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
+
     p = sub.add_parser("bench", help="the loader driving a step vs the dry run (same batches preloaded)")
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--steps", type=int, default=100, help="training steps to run")
@@ -164,12 +169,13 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tierflow import open_dataset
+    from tierflow.format.metadata import shard_column
 
     ds = open_dataset(args.dataset, endpoint_url=args.endpoint_url)
     m = ds.manifest
     console = Console()
-    at_rest = sum(s.bytes for s in m.shards)
-    decoded = sum(s.decoded_bytes for s in m.shards)
+    at_rest = int(shard_column(m, "bytes").sum())  # a mapped column: no object per shard
+    decoded = int(shard_column(m, "decoded_bytes").sum())
     console.print(f"[bold]{args.dataset}[/]  dataset {m.dataset_id}  format v{m.format_version}")
     console.print(f"{m.num_samples:,} samples in {len(m.shards)} shards; {at_rest / 1e6:.1f} MB at rest, "
                   f"{decoded / 1e6:.1f} MB decoded")
@@ -192,16 +198,22 @@ def _verify(args: argparse.Namespace) -> int:
     from tierflow.storage.datasets import local_path, read_manifest, verify_source
     from tierflow.storage.remote import open_source
 
+    from tierflow.format.metadata import MappedManifest, verify_metadata
+
     root = local_path(args.dataset)
     if root is not None:
         manifest = Manifest.load(root)
-        problems = [p for info in manifest.shards for p in verify_shard(root / info.name, info)]
+        # version 3: both tables hashed whole, every shard's block rows and the dataset id, streaming
+        problems = verify_metadata(manifest) if isinstance(manifest, MappedManifest) else []
+        if not problems:  # the shards' entries are sound: now the shards against them
+            problems = [p for info in manifest.shards for p in verify_shard(root / info.name, info)]
         if not problems:  # the hashes hold: now the manifest's counts against the bytes
             problems = audit_manifest(root, manifest)
     else:
         source = open_source(args.dataset, endpoint_url=args.endpoint_url)
         manifest = read_manifest(source)
-        problems = verify_source(source, manifest)
+        problems = verify_metadata(manifest) if isinstance(manifest, MappedManifest) else []
+        problems = problems or verify_source(source, manifest)
     if not manifest.checksummed:
         print(f"{args.dataset}: the manifest has no checksum (packed before tierflow wrote one); its counts "
               f"were checked against the shard bytes instead", file=sys.stderr)
@@ -230,6 +242,32 @@ def _gc(args: argparse.Namespace) -> int:
     with DatasetLock(root):
         removed = remove_unreferenced(root, Manifest.load(root))  # the manifest a finished pack left
     print(f"{root}: removed {len(removed)} unreferenced file(s)")
+    return 0
+
+
+@command("upgrade")
+def _upgrade(args: argparse.Namespace) -> int:
+    """Version-3 metadata for a dataset, in place: tables under content-named files, the header last
+    (temp file, fsync, rename); a crash before that leaves the dataset as it was."""
+    import tempfile
+
+    from tierflow.format.metadata import upgrade, upgrade_source
+    from tierflow.pack.packer import DatasetLock
+    from tierflow.storage.datasets import local_path
+    from tierflow.storage.remote import open_source
+
+    root = local_path(args.dataset)
+    if root is None:
+        with tempfile.TemporaryDirectory(prefix="tierflow-upgrade-") as work:
+            where = upgrade_source(open_source(args.dataset, endpoint_url=args.endpoint_url), work)
+    else:
+        from tierflow.format.manifest import MANIFEST_NAME
+        if not (root / MANIFEST_NAME).is_file():
+            print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
+            return 1
+        with DatasetLock(root):
+            where = str(upgrade(root))
+    print(f"{args.dataset}: version-3 metadata written ({where})")
     return 0
 
 
@@ -373,8 +411,11 @@ def _plan(args: argparse.Namespace) -> int:
     stack = build_stack(args.dataset, parse_tiers(args.tier), endpoint_url=args.endpoint_url)
     top = stack.tiers[0]
     dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
+    from tierflow.format.metadata import shard_column
+
     shards = dataset.manifest.shards
-    at_rest, decoded = sum(s.bytes for s in shards), sum(s.decoded_bytes for s in shards)
+    at_rest = int(shard_column(dataset.manifest, "bytes").sum())
+    decoded = int(shard_column(dataset.manifest, "decoded_bytes").sum())
     plans = {form: plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=form,
                               working_set=dataset.working_set) for form in (Form.AT_REST, Form.DECODED)}
     plan = plans[top.form]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Form
 from tierflow.loader.dataset import TieredDataset
 from tierflow.order import future_shard_uses
@@ -50,9 +51,8 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
                form: Form = Form.DECODED, working_set: WorkingSet | None = None) -> CachePlan:
     """The plan at `capacity` bytes of the top tier storing `form`; the working set is the dataset's
     own (its order does not depend on the tier: order/working_set.py) unless given."""
-    shards = dataset.manifest.shards
-    tier_sizes = [s.bytes_in(form) for s in shards]
-    rest_sizes = [s.bytes for s in shards]
+    rest_sizes = shard_column(dataset.manifest, "bytes").tolist()  # columns: no object per shard
+    tier_sizes = shard_column(dataset.manifest, "decoded_bytes").tolist() if form == Form.DECODED else rest_sizes
     world = dataset.world
     chosen = working_set or dataset.working_set
     chosen = replace(chosen, bytes=working_set_bytes(chosen.shards, tier_sizes))  # in the tier's form
@@ -71,14 +71,14 @@ def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs
                    form: Form = Form.DECODED, policy: str = "auto") -> list[CachePlan]:
     """Plans at capacities that are `fractions` of the dataset's bytes at rest (the user's yardstick:
     what was uploaded), the tier storing `form`."""
-    total = sum(s.bytes for s in dataset.manifest.shards)
+    total = int(shard_column(dataset.manifest, "bytes").sum())
     return [plan_cache(dataset, int(f * total), epochs=epochs, form=form, policy=policy) for f in fractions]
 
 
 def auto_form(dataset: TieredDataset, capacity: int) -> Form:
     """The form an `auto` tier of `capacity` bytes takes (tiers/config.py): decoded where it holds the
     whole decoded dataset, else at rest."""
-    decoded = sum(s.decoded_bytes for s in dataset.manifest.shards)
+    decoded = int(shard_column(dataset.manifest, "decoded_bytes").sum())
     return Form.DECODED if capacity >= decoded else Form.AT_REST
 
 

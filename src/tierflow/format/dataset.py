@@ -91,9 +91,17 @@ class Dataset:
                 raise KeyError(f"{location}: no column(s) {unknown}; the dataset has {names}")
         self.columns = list(columns) if columns is not None else list(names)
         self._token_column = manifest.token_column
-        self.index = DatasetIndex(manifest.shards, _block_token_reader(manifest, source))
-        self.sample_starts = self.index.sample_starts
-        self.token_starts = self.index.token_starts
+        self.index = _index(manifest, _block_token_reader(manifest, source))
+
+    @property
+    def sample_starts(self) -> np.ndarray:
+        """Where each shard's samples start, length shards + 1."""
+        return self.index.sample_starts
+
+    @property
+    def token_starts(self) -> np.ndarray:
+        """Where each shard's tokens start in the concatenated stream, length shards + 1."""
+        return self.index.token_starts
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -160,6 +168,14 @@ class Dataset:
         if not pieces:
             return np.zeros(0, dtype=self.manifest.token_dtype or np.uint16)
         return np.concatenate(pieces)
+
+
+def _index(manifest: Manifest, read_block_tokens: BlockTokenCounts | None) -> Any:
+    """The index of a manifest: over mapped metadata (version 3) nothing is made per shard."""
+    from tierflow.format.metadata import MappedIndex, MappedManifest
+    if isinstance(manifest, MappedManifest):
+        return MappedIndex(manifest, read_block_tokens)
+    return DatasetIndex(manifest.shards, read_block_tokens)
 
 
 def _block_token_reader(manifest: Manifest, source: ShardSource) -> BlockTokenCounts | None:

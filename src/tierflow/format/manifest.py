@@ -232,6 +232,10 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: str | Path) -> "Manifest":
+        from tierflow.format.metadata import current_metadata  # version 3: opened, not parsed
+        mapped = current_metadata(directory)
+        if mapped is not None:
+            return mapped
         path = Path(directory) / MANIFEST_NAME
         try:
             raw = read_regular(path, max_manifest_bytes(), ManifestError)

@@ -87,7 +87,8 @@ class Batcher(Protocol):
 
 def shard_samples(dataset: Dataset) -> np.ndarray:
     """Order samples per shard for batchers whose sample is a dataset row."""
-    return np.array([s.samples for s in dataset.manifest.shards], dtype=np.int64)
+    from tierflow.format.metadata import shard_column
+    return np.asarray(shard_column(dataset.manifest, "samples"), dtype=np.int64)  # mapped, read-only: no copy
 
 
 class ByPosition:

@@ -18,11 +18,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSource
+from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Form, ShardInfo, block_rows
 from tierflow.format.table import BlockCache
 from tierflow.storage.datasets import load_manifest, open_dataset
@@ -178,18 +180,18 @@ class TieredDataset(IterableDataset):
             lanes = 1  # one lane reads the node's contiguous partitions one after another: stored order
         if partitions is None:
             partitions = default_partitions(int((counts > 0).sum()))
-        self._order_args = {"shard_sample_counts": counts.tolist(), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
+        self._order_args = {"shard_sample_counts": np.asarray(counts, dtype=np.int64), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
                             "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle,
                             "group_bytes": group_bytes,
                             "group_samples": _saved_group(saved, "group_samples", GROUP_SAMPLES),
-                            "decoded_bytes": [s.decoded_bytes for s in manifest.shards],
-                            "block_bytes": [_largest_block(s) for s in manifest.shards]}
+                            "decoded_bytes": shard_column(manifest, "decoded_bytes"),
+                            "block_bytes": _largest_blocks(manifest)}
         self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
         self.order = self.order_with(self.working_set)
         declare = getattr(getattr(data, "source", None), "declare", None)
         if callable(declare):
-            sizes = [s.decoded_bytes for s in manifest.shards]
-            declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=sum(sizes)),
+            sizes = shard_column(manifest, "decoded_bytes")
+            declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=int(sizes.sum())),
                     self.working_set.bytes, self.working_set.reading, readers=self.world.ranks_per_node,
                     job=job_identity())
         self._resume: LoaderCursor | None = None
@@ -213,9 +215,10 @@ class TieredDataset(IterableDataset):
         source = getattr(data, "source", None)
         tiers = getattr(source, "tiers", None) or []
         top = tiers[0] if tiers else None
-        at_rest = [s.bytes for s in self.manifest.shards]
-        sizes = [s.bytes_in(top.form if top is not None else Form.AT_REST) for s in self.manifest.shards]
-        node_shards = sum(1 for n in self._order_args["shard_sample_counts"] if n > 0) // max(1, self.world.num_nodes)
+        at_rest = shard_column(self.manifest, "bytes")
+        form = top.form if top is not None else Form.AT_REST
+        sizes = shard_column(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
+        node_shards = int((np.asarray(self._order_args["shard_sample_counts"]) > 0).sum()) // max(1, self.world.num_nodes)
         default = choose_working_set(at_rest, per_node, node_shards=max(1, node_shards))
         if window_shards is None and lanes is None:
             chosen = dataclasses.replace(default, bytes=working_set_bytes(default.shards, sizes))
@@ -310,7 +313,7 @@ class TieredDataset(IterableDataset):
     def _check_pending(self, cursor: LoaderCursor) -> None:
         """A token budget's pending samples are this dataset's, and this rank's to resume."""
         assert cursor.pending is not None
-        samples = sum(s.samples for s in self.manifest.shards)
+        samples = self.manifest.num_samples
         if any(not 0 <= i < samples for i in cursor.pending.ids):
             raise CursorError(f"the cursor's pending samples are not two equal lists of sample ids in "
                               f"[0, {samples}) and epochs")
@@ -345,7 +348,7 @@ class TieredDataset(IterableDataset):
         sources' 1 GiB default) held every block in every DataLoader worker. Epoch 0 of a narrowed
         first epoch (`order.first_epoch`) reads its lanes a group at a time, two groups at a hand-over;
         None: the widest epoch."""
-        sizes = [s.decoded_bytes for s in self.manifest.shards]
+        sizes = shard_column(self.manifest, "decoded_bytes")
         order = self.order
         lanes, window = self.working_set.lanes, self.working_set.window_shards
         if epoch == 0 and order.first_epoch is not None:
@@ -356,8 +359,8 @@ class TieredDataset(IterableDataset):
         # a group is never cut smaller than its shard's largest block, nor its floor of samples; the
         # largest shard is the headroom
         block = int(order.block_bytes.mean())
-        floor = floor_bytes(order.group_samples, sum(sizes), order.layout.num_samples)
-        return min(windows, lanes * (max(order.group_bytes, floor, block) + 2 * block) + max(sizes))
+        floor = floor_bytes(order.group_samples, int(np.sum(sizes)), order.layout.num_samples)
+        return min(windows, lanes * (max(order.group_bytes, floor, block) + 2 * block) + int(np.max(sizes)))
 
     def _bound_decoded(self, ctx: SampleContext, epoch: int | None) -> None:
         """Bound the process's decoded blocks by what `epoch` reads at once: a reading context opens
@@ -545,7 +548,7 @@ class TieredDataset(IterableDataset):
 
     def batch_bytes(self) -> int:
         """Decoded bytes an output batch holds on average (what sizes a worker's run: `worker_run`)."""
-        decoded = sum(s.decoded_bytes for s in self.manifest.shards)
+        decoded = int(shard_column(self.manifest, "decoded_bytes").sum())
         return int(decoded / max(1, self.num_order_samples) * self.batch_size)
 
     def node_step_samples(self) -> int:
@@ -592,6 +595,12 @@ def _saved_first_epoch(resume: LoaderCursor | None, narrow: bool) -> Any:
     saved = config.get("first_epoch")  # anything but two counts: None, so the config check names the field
     valid = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int and v >= 1 for v in saved)
     return (saved[0], saved[1]) if valid else None
+
+
+def _largest_blocks(manifest: Any) -> Any:
+    """`_largest_block` of every shard, from the per-shard columns (no object per shard)."""
+    decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
+    return decoded * rows // np.maximum(shard_column(manifest, "samples"), 1)
 
 
 def _largest_block(shard: ShardInfo) -> int:

@@ -100,10 +100,11 @@ def _place_by_cache(dataset: TieredDataset, stack: Any) -> None:
     if (world.num_nodes < 2 or not stack.tiers or dataset.eval or not (dist.is_available() and dist.is_initialized())
             or dist.get_world_size() != world.world_size):
         return
-    top, shards = stack.tiers[0], dataset.manifest.shards
-    by_key: dict[str, list[int]] = {}
-    for shard, info in enumerate(shards):
-        by_key.setdefault(info.key, []).append(shard)
+    from tierflow.format.metadata import ShardKeys, shard_column
+    from tierflow.format.shard import Form
+
+    top = stack.tiers[0]
+    by_key = ShardKeys(dataset.manifest)  # mapped: a sorted checksum column, no object per shard
     held = [s for key in top.index.keys() for s in by_key.get(key, ())] if world.local_rank == 0 else None
     layout = dataset.order.layout
     owned = [[int(s) for p in layout.node_partitions(logical, world.num_nodes) for s in layout.partition_shards[p]]
@@ -114,7 +115,8 @@ def _place_by_cache(dataset: TieredDataset, stack: Any) -> None:
         dist.all_gather_object(out, obj)
         return out
 
-    dataset.world = placed_by_cache(world, held, owned, [info.bytes_in(top.form) for info in shards], gather)
+    sizes = shard_column(dataset.manifest, "decoded_bytes" if top.form == Form.DECODED else "bytes").tolist()
+    dataset.world = placed_by_cache(world, held, owned, sizes, gather)
 
 
 def _is_local(url: str | Path) -> bool:

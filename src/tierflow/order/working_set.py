@@ -23,6 +23,8 @@ import heapq
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
+
 READING_SHARE = 4
 """The default reads at most 1/READING_SHARE of a node's shards at once: a small dataset is not read
 whole at once (every shard in use for the whole epoch leaves a tier's policy nothing to choose and
@@ -85,6 +87,9 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
     left the room a fraction of a shard short of three 16 MB shards, so a reader found every entry
     pinned, read its shard from below, and the stager fetched it again (benchmarks/images.py, a
     30% L2: 0.77 of the dataset per warm epoch against the plan's 0.72)."""
+    if isinstance(shard_bytes, np.ndarray):  # a mapped column: a partition, not a pass in Python
+        k = min(shards + 1, shard_bytes.size)
+        return int(np.partition(shard_bytes, shard_bytes.size - k)[shard_bytes.size - k:].sum()) if k > 0 else 0
     return sum(heapq.nlargest(shards + 1, shard_bytes))
 
 

@@ -32,6 +32,8 @@ import pyarrow as pa
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.metadata import (TABLE_PREFIX, TABLE_SUFFIX, ShardNames, is_published, referenced_tables,
+                                      write_with_manifest)
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.pack._assemble import ShardAssembler
 from tierflow.pack._journal import JOURNAL_NAME, PackedSoFar, PackJournal, ResumePoint, UnitsDigest, digest_before
@@ -238,13 +240,13 @@ class PackSummary:
 def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> None:
     """Clear what an earlier run left, but the shards in `keep` (those a resumed pack carries on from)."""
     out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST_NAME).exists() and not overwrite:
+    if is_published(out) and not overwrite:
         raise PackInputError(f"{out} already holds a finished dataset; pass --overwrite to replace it")
     shutil.rmtree(out / TMP_DIR, ignore_errors=True)
     for p in out.iterdir():
         if p.name.startswith(".tmp-") and p.is_file():
             p.unlink()
-    if not (out / MANIFEST_NAME).exists():
+    if not is_published(out):
         for p in out.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"):
             if p.name not in keep:
                 p.unlink()  # leftovers of a pack that died before publishing its manifest
@@ -253,10 +255,12 @@ def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> No
 def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
     """Delete shard files, temporaries and a resume journal the manifest (if any) does not reference
     (`tierflow gc`)."""
-    keep = {s.name for s in manifest.shards} if manifest is not None else set()
+    shards = ShardNames(manifest) if manifest is not None else set()  # no string per shard of a mapped one
+    tables = referenced_tables(out)  # the version-3 tables its header names (a header last written keeps them)
     removed = []
     for p in out.iterdir():
-        if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in keep) or \
+        if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in shards) or \
+                (p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX) and p.name not in tables) or \
                 (p.name.startswith(".tmp-") and p.is_file()):
             p.unlink()
             removed.append(p)
@@ -443,7 +447,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
             where = ", ".join(str(s) for s in sources if isinstance(s, (str, os.PathLike))) or "the iterable"
             raise PackInputError(f"no samples found in {where}" + _skipped_note(run.totals))
         manifest = run.manifest(tok)
-        manifest.save(out)
+        write_with_manifest(out, manifest)  # the version-3 tables and header, manifest.json last
         remove_unreferenced(out, manifest)
     return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes, run.units_packed,
                        point.unit if point else 0)
@@ -451,7 +455,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
 
 def _resume_point(journal: PackJournal | None, out: Path, sources: list, options: SourceOptions) -> ResumePoint | None:
     """Where an interrupted pack of the same inputs and options stopped, or None to start over."""
-    if journal is None or (out / MANIFEST_NAME).exists():
+    if journal is None or is_published(out):
         return None
     point = journal.last_point()
     if point is None:
@@ -591,7 +595,7 @@ def _discard(out: Path, assembler: ShardAssembler, tmp_dir: Path) -> None:
     assembler.abort()
     shutil.rmtree(tmp_dir, ignore_errors=True)
     for info in assembler.shards:
-        if not (out / MANIFEST_NAME).exists():
+        if not is_published(out):
             (out / info.name).unlink(missing_ok=True)
 
 

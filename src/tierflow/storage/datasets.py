@@ -8,12 +8,15 @@ deletes the shard objects no manifest references, under the same rules as on a d
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import pyarrow as pa
+import xxhash
 
 from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
@@ -21,6 +24,8 @@ from tierflow.format.dataset import Dataset, open_directory
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
+from tierflow.format.metadata import (MAX_HEADER_BYTES, METADATA_NAME, ShardNames, current_metadata, load_metadata,
+                                      parse_header)
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
 from tierflow.storage.remote import RetryingSource, join_url, open_source
 
@@ -34,8 +39,88 @@ def local_path(location: str | Path) -> Path | None:
     return Path(parts.path) if parts.scheme == "file" else None
 
 
+def metadata_cache_dir() -> Path:
+    """Where a node keeps the version-3 metadata of remote datasets (TIERFLOW_METADATA_CACHE, else
+    tierflow-metadata-<uid> in the node's temporary directory): the table files are content-named, so
+    the node's ranks and workers download each once and map the same files, and a stale one is never
+    mistaken for a newer one."""
+    configured = os.environ.get("TIERFLOW_METADATA_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(tempfile.gettempdir()) / f"tierflow-metadata-{os.getuid()}"
+
+
+def read_metadata(source: RetryingSource, cache: Path | None = None) -> Manifest | None:
+    """A remote dataset's version-3 metadata, mapped from a node-local copy, or None when it has none
+    that is current (no header; or a manifest.json beside it other than the one it recorded: then the
+    manifest is read as before). The header is read each time (a few KB); a table is downloaded only
+    when the node has no file of its name and size (a temporary name, then a rename), and checked
+    column by column on use as a local one is."""
+    root = getattr(source, "root", None)
+    if isinstance(root, Path):  # a local directory (LocalSource): mapped where it lies, no copy
+        return current_metadata(root)
+    where = join_url(source.url, METADATA_NAME)
+    try:
+        size = source.size(METADATA_NAME)
+    except SourceNotFound:
+        return None
+    if size > MAX_HEADER_BYTES:
+        raise ManifestError(f"{where}: {size} bytes, more than the {MAX_HEADER_BYTES} a metadata header may have")
+    raw = source.read_bytes(METADATA_NAME)
+    header = parse_header(raw, where)
+    beside = header.get("manifest")
+    if beside is not None:
+        try:
+            if source.size(MANIFEST_NAME) != beside["size"]:
+                return None
+            digest = xxhash.xxh3_128()
+            source.read_into(MANIFEST_NAME, digest.update, expected_size=beside["size"])
+        except SourceNotFound:
+            return None
+        if digest.hexdigest() != beside["xxh3"]:
+            return None
+    elif _exists(source, MANIFEST_NAME):
+        return None
+    local = (cache or metadata_cache_dir()) / xxhash.xxh3_64_hexdigest(source.url.encode())
+    local.mkdir(parents=True, exist_ok=True)
+    for table in ("shards", "blocks"):
+        name, expected = header[table]["file"], header[table]["size"]
+        path = local / name
+        if path.is_file() and path.stat().st_size == expected:
+            continue
+        tmp = local / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
+        try:
+            source.download(name, tmp, expected_size=expected)
+            os.replace(tmp, path)
+        except SourceNotFound:
+            raise ManifestError(f"{where}: names {name}, which {source.url} does not hold") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    tmp = local / f".tmp-{os.getpid()}-{threading.get_ident()}-{METADATA_NAME}"
+    tmp.write_bytes(raw)
+    os.replace(tmp, local / METADATA_NAME)  # this node's copy of the header names the tables it maps
+    return load_metadata(local, where=source.url)
+
+
+def _exists(source: RetryingSource, name: str) -> bool:
+    try:
+        source.size(name)
+    except SourceNotFound:
+        return False
+    return True
+
+
 def read_manifest(source: RetryingSource) -> Manifest:
-    """The dataset's manifest; a prefix without one is refused as a local directory is."""
+    """The dataset's manifest (version-3 metadata when current, mapped from a node-local copy); a
+    prefix without one is refused as a local directory is."""
+    mapped = read_metadata(source)
+    if mapped is not None:
+        return mapped
+    return read_manifest_json(source)[1]
+
+
+def read_manifest_json(source: RetryingSource) -> tuple[bytes, Manifest]:
+    """The dataset's manifest.json, its bytes and what they say (checked as any reader checks them)."""
     where = join_url(source.url, MANIFEST_NAME)
     try:
         size = source.size(MANIFEST_NAME)
@@ -44,7 +129,8 @@ def read_manifest(source: RetryingSource) -> Manifest:
         source.read_into(MANIFEST_NAME, chunks.append, expected_size=size)  # and no more than that
     except SourceNotFound:
         raise ManifestError(f"{where}: no manifest; {source.url} holds no finished tierflow dataset") from None
-    return Manifest.from_bytes(b"".join(chunks), where)
+    raw = b"".join(chunks)
+    return raw, Manifest.from_bytes(raw, where)
 
 
 def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Manifest:
@@ -145,8 +231,9 @@ def collect_garbage(source: RetryingSource) -> list[str]:
     (shards go first, the manifest last), and goes in the first gc after that pack's manifest.
     """
     entries = source.entries()
-    written = next((e.modified for e in entries if e.name == MANIFEST_NAME), None)
-    keep = {s.name for s in read_manifest(source).shards}  # read after listing: never an older one
+    times = [e.modified for e in entries if e.name in (MANIFEST_NAME, METADATA_NAME)]  # the last publication
+    written = None if not times or None in times else max(times)
+    keep = ShardNames(read_manifest(source))  # read after listing: never an older one
     if written is None:  # the store gives no times: nothing can be told apart from a pack in progress
         return []
     victims = [e.name for e in entries

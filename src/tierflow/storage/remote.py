@@ -527,7 +527,7 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     """Publish a packed dataset: shards first, manifest last, so readers never see a manifest
     whose shards are missing. Shards already present with the right size are skipped (their
     names are their content). Returns the number of shards uploaded."""
-    from tierflow.format.manifest import MANIFEST_NAME, Manifest
+    from tierflow.format.manifest import Manifest
 
     local_dir = Path(local_dir)
     manifest = Manifest.load(local_dir)
@@ -538,7 +538,8 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     present = set(source.list("shard-"))
     uploaded = sum(upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority)
                    for s in manifest.shards)
-    source.publish(local_dir / MANIFEST_NAME, MANIFEST_NAME, priority=priority)
+    from tierflow.pack._upload import publish_metadata
+    publish_metadata(source, local_dir, priority=priority)  # tables, header, manifest.json last
     return uploaded
 
 

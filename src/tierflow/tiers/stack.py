@@ -41,7 +41,8 @@ from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import fd_path
 from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
 from tierflow.format.dataset import Dataset
-from tierflow.format.manifest import Manifest
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
 from tierflow.storage.datasets import read_manifest
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
@@ -181,16 +182,19 @@ class TierStack:
     def manifest(self) -> Manifest:
         manifest, self._manifest = self._manifest, None  # build_stack's, read to size the tiers against it
         if manifest is None:
-            # its size checked before a byte of it is read (a hostile one could be any size), as open_dataset does
-            manifest = read_manifest(self.source)
+            # size-checked before a byte of it is read (a hostile one could be any size), as open_dataset
+            # does; a version-3 dataset's metadata mapped
+            manifest = _read_manifest(self.source)
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
         for tier in self.tiers:  # from now on the dataset has its fair share of each tier
             tier.add_reader(manifest.dataset_id)
         form = self.tiers[0].form if self.tiers else Form.AT_REST
-        stored = sum(s.bytes_in(form) for s in manifest.shards)
-        self._staged_per_byte = sum(s.decoded_bytes for s in manifest.shards) / stored if stored else 1.0
-        self._rest_per_byte = sum(s.bytes for s in manifest.shards) / stored if stored else 1.0
+        decoded = int(shard_column(manifest, "decoded_bytes").sum())
+        at_rest = int(shard_column(manifest, "bytes").sum())
+        stored = decoded if form == Form.DECODED else at_rest
+        self._staged_per_byte = decoded / stored if stored else 1.0
+        self._rest_per_byte = at_rest / stored if stored else 1.0
         return manifest
 
     def dataset(self, columns: Sequence[str] | None = None) -> Dataset:
@@ -574,3 +578,11 @@ def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max
                              name=STAGING_NAME, registry=stack.registry)
         stack.m_served[STAGING_NAME] = stack.registry.counter("stack_served", {"tier": STAGING_NAME})
     return stack
+
+
+def _read_manifest(source: Any) -> Manifest:
+    """The manifest of the stack's source: `storage.datasets.read_manifest` for a source it knows (a
+    version-3 dataset's mapped metadata, or manifest.json), else manifest.json's bytes."""
+    if hasattr(source, "read_into") and hasattr(source, "size"):
+        return read_manifest(source)
+    return Manifest.from_bytes(source.read_bytes(MANIFEST_NAME), f"{source.url}/{MANIFEST_NAME}")

@@ -24,6 +24,7 @@ import queue
 from typing import Any
 
 from tierflow.errors import FetchError, ShardCorruptError, SourceNotFound
+from tierflow.format.metadata import ShardKeys, shard_column
 from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
@@ -101,9 +102,7 @@ class Stager:
         self.threads = threads
         self.enabled = view.world.local_rank == 0 if enabled is None else enabled
         self.shards = view.manifest.shards
-        self._key_shards: dict[str, list[int]] = {}  # equal content, one key: a repacked shard may repeat
-        for shard, info in enumerate(self.shards):
-            self._key_shards.setdefault(info.key, []).append(shard)
+        self._key_shards = ShardKeys(view.manifest)  # equal content, one key: a repacked shard may repeat
         self.node = self._shape(min_batches, max_bytes)
         self.registry = registry or stack.registry
         r = self.registry
@@ -302,8 +301,9 @@ class Stager:
     def _shape(self, min_batches: int, max_bytes: int | None) -> NodeShape:
         """The node's sizes, measured once from the view and the stack's tiers."""
         view, stack = self.view, self.stack
-        sizes = [self._shard_size(shard) for shard in range(len(self.shards))]
-        shard_bytes = max(sizes) if sizes else 0
+        form = self.stack.tiers[0].form if self.stack.tiers else Form.AT_REST
+        sizes = shard_column(view.manifest, "decoded_bytes" if form == Form.DECODED else "bytes")
+        shard_bytes = int(sizes.max()) if len(sizes) else 0
         samples_per_step = view.node_step_samples()
         capacity = min((t.capacity for t in stack.tiers), default=0)
         working = view.working_set
@@ -314,11 +314,11 @@ class Stager:
                      "the staging area", capacity / 1e6, working.shards, working.lanes, working.window_shards)
         room = capacity - active if capacity else 0
         return NodeShape(
-            shard_bytes=shard_bytes, bytes_per_step=sum(sizes) / max(1, view.num_order_samples) * samples_per_step,
+            shard_bytes=shard_bytes, bytes_per_step=int(sizes.sum()) / max(1, view.num_order_samples) * samples_per_step,
             samples_per_step=samples_per_step, min_batches=min_batches,
             max_bytes=max_bytes if max_bytes is not None else max(room, shard_bytes),
             # at least the next window of every lane, or each window boundary is a stall
-            next_windows_bytes=working.reading * shard_bytes, capacity=capacity, dataset_bytes=sum(sizes),
+            next_windows_bytes=working.reading * shard_bytes, capacity=capacity, dataset_bytes=int(sizes.sum()),
             staging_slots=working.reading,
             # the windows being read are staged whole only where the top tier holds the working set:
             # in a smaller one they would push out the warm entries the next windows hit

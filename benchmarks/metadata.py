@@ -1,0 +1,370 @@
+"""Metadata at scale (issue 38): open + first batch, peak RSS and a node's shared PSS, at 10^3-10^6 shards,
+for a version-2 manifest (parsed) beside version-3 metadata (a header and mapped Arrow tables).
+
+The datasets are synthetic, made through the project's own writers: a real pack of a few shards of
+the default geometry's block count (`--blocks` a shard, 8 bytes a sample), then N shard entries that
+repeat those shards' entries under fresh names (random checksums; the shard file a run reads is a hard
+link to the real one, made the first time a run asks for it: only those exist). The new form is
+written by `format.metadata.write_metadata` from columns; the old by `Manifest.save` (old at up to
+`--old-max` shards: above 10^5 a manifest is gigabytes). Both carry the same dataset id, so both
+read the same order and the same shards.
+
+Each measurement is a fresh interpreter (imports not counted, shown apart): `open`: seconds from
+`open_dataset` to `len()`; `open+batch`: to the first batch as the loader gives it
+(`Loader(TieredDataset(path, batch_size=256))`, its order, working set and index included);
+`peak RSS`: the peak resident set (VmHWM) less the RSS after `import tierflow`. `PSS x8`: 8 processes open the
+same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x one bare interpreter's
+(imports), and the PSS of the mapped metadata files alone (version 3).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/metadata.py [--shards 1000,100000,1000000] [--runs 3]
+        [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--pss-old-max 10000] [--paths]
+
+`--paths` times each per-shard path on the version-3 datasets in a fresh interpreter: `order` (the
+TieredDataset: layout, working set, index), `inspect`, `verify-metadata` (both tables hashed whole,
+every shard's block rows, the dataset id; the shard files themselves are not there to hash),
+`gc-names` (the referenced-name set gc tests files against), `stager-keys` (entry key -> shards),
+and `every-shard-object` (a ShardInfo per shard: what a tool that walks `manifest.shards` pays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _harness import spread
+
+BATCH = 256
+BASE_SHARDS = 4
+ROWS_PER_BLOCK = 512
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6}
+    return int(float(text[:-1]) * scale[text[-1]]) if text[-1] in scale else int(text)
+
+
+# -- building -----------------------------------------------------------------------------------
+def build_base(root: Path, blocks: int) -> Path:
+    """A real pack of BASE_SHARDS shards of `blocks` blocks each (int64 `x`, uncompressed)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import tierflow
+
+    base = root / "base"
+    if (base / "manifest.json").exists():
+        return base
+    rows = BASE_SHARDS * blocks * ROWS_PER_BLOCK
+    parquet = root / "x.parquet"
+    pq.write_table(pa.table({"x": np.arange(rows, dtype=np.int64)}), parquet, row_group_size=1 << 20)
+    shard_bytes = max(256 << 10, blocks * ROWS_PER_BLOCK * 8)
+    tierflow.pack([parquet], base, workers=1, target_shard_bytes=shard_bytes, compression="none",
+                  block_bytes=ROWS_PER_BLOCK * 8, overwrite=True)
+    parquet.unlink()
+    return base
+
+
+def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]:
+    """(new dataset dir, old dataset dir or None) of n shards repeating the base's."""
+    import numpy as np
+
+    from tierflow.format import metadata as md
+    from tierflow.format.manifest import Manifest, compute_dataset_id, schema_fields, schema_to_json
+    from tierflow.format.shard import ShardInfo
+
+    new_dir, old_dir = root / f"new-{n}", root / f"old-{n}"
+    if (new_dir / md.METADATA_NAME).exists() and (not old or (old_dir / "manifest.json").exists()):
+        return new_dir, old_dir if old else None
+    manifest = Manifest.load(base)
+    real = list(manifest.shards)
+    rng = np.random.default_rng(n)
+    checksums = rng.integers(0, 2**63, size=(n, 2), dtype=np.int64).view("V16").reshape(n)
+    pick = np.arange(n) % len(real)
+    shard_cols, block_cols = md.columns_from_shards(real)
+    per = shard_cols["blocks"]
+    shards = {name: shard_cols[name][pick] for name in md.SHARD_SCHEMA.names
+              if name not in ("checksum", "sample_start", "token_start", "first_block")}
+    shards["checksum"] = checksums
+    reps, tail = divmod(n, len(real))  # shard i repeats base shard i % K: the block rows tile
+    blocks = {name: np.concatenate([np.tile(block_cols[name], reps), block_cols[name][:int(per[:tail].sum())]])
+              for name in md.BLOCK_SCHEMA.names}
+    shards["first_block"] = np.concatenate([[0], np.cumsum(shards["blocks"])[:-1]]).astype(np.int64)
+    names = [c.tobytes().hex() for c in checksums]
+    dataset_id = compute_dataset_id({"fields": schema_fields(manifest.schema)}, manifest.tokenizer, names)
+    stats = {"samples": int(shards["samples"].sum()), "tokens": int(shards["tokens"].sum())}
+    fields = {"dataset_id": dataset_id, "schema": schema_to_json(manifest.schema), "tokenizer": manifest.tokenizer,
+              "token_column": manifest.token_column, "token_dtype": manifest.token_dtype,
+              "eos_id": manifest.eos_id, "stats": stats}
+    shutil.rmtree(new_dir, ignore_errors=True)
+    new_dir.mkdir(parents=True)
+    md.write_metadata(new_dir, shard_columns=shards, block_columns=blocks, fields=fields)
+    del blocks
+    if not old:
+        return new_dir, None
+    shutil.rmtree(old_dir, ignore_errors=True)
+    old_dir.mkdir(parents=True)
+    infos = [ShardInfo(name=f"shard-{name}.arrow", samples=real[k].samples, bytes=real[k].bytes,
+                       decoded_bytes=real[k].decoded_bytes, checksum=name, decoded_checksum=real[k].decoded_checksum,
+                       compression=real[k].compression, tokens=real[k].tokens, blocks=real[k].blocks)
+             for name, k in zip(names, pick.tolist())]
+    Manifest(schema=manifest.schema, shards=infos, tokenizer=manifest.tokenizer, token_column=manifest.token_column,
+             token_dtype=manifest.token_dtype, eos_id=manifest.eos_id, stats=stats).save(old_dir)
+    return new_dir, old_dir
+
+
+# -- the measured child ---------------------------------------------------------------------------
+def vm_hwm() -> int:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: that survives exec, so a
+    child of a parent that just built a million-shard table starts at the parent's size."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child(path: str, wait: bool) -> None:
+    began = time.perf_counter()
+    import psutil
+
+    import tierflow
+    from tierflow.loader import Loader, TieredDataset
+
+    imported = time.perf_counter()
+    rss_import = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    ds = tierflow.open_dataset(path)
+    len(ds)
+    opened = time.perf_counter()
+    del ds
+    start2 = time.perf_counter()
+    dataset = TieredDataset(path, batch_size=BATCH)
+    loader = Loader(dataset)
+    first = next(iter(loader))
+    arrived = time.perf_counter()
+    if len(first["x"]) != BATCH:
+        raise RuntimeError(f"first batch has {len(first['x'])} samples")
+    peak = vm_hwm()
+    print(json.dumps({"import_s": imported - began, "open_s": opened - start, "batch_s": arrived - start2,
+                      "peak_above_import": peak - rss_import, "rss_import": rss_import}), flush=True)
+    if wait:
+        sys.stdin.readline()
+    loader.close()
+
+
+PATHS = ("order", "inspect", "verify-metadata", "gc-names", "stager-keys", "every-shard-object")
+
+
+def path_child(name: str, path: str) -> None:
+    """One per-shard path, timed in this fresh interpreter (after imports); prints one JSON line."""
+    import contextlib
+    import io
+
+    import psutil
+
+    import tierflow
+    from tierflow.commands.cli import main as cli
+    from tierflow.format import metadata as md
+    from tierflow.format.manifest import Manifest
+    from tierflow.loader import TieredDataset
+
+    rss_import = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    if name == "order":
+        TieredDataset(path, batch_size=BATCH)
+    elif name == "inspect":
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli(["inspect", path, "-n", "1"])
+    elif name == "verify-metadata":
+        problems = md.verify_metadata(Manifest.load(path))
+        if problems:
+            raise RuntimeError(problems[:3])
+    elif name == "gc-names":
+        names = md.ShardNames(Manifest.load(path))
+        assert f"shard-{'0' * 32}.arrow" not in names
+    elif name == "stager-keys":
+        md.ShardKeys(Manifest.load(path)).get("0" * 32)
+    elif name == "every-shard-object":
+        sum(info.samples for info in Manifest.load(path).shards)
+    took = time.perf_counter() - start
+    del tierflow
+    peak = vm_hwm()
+    print(json.dumps({"s": took, "peak_above_import": peak - rss_import}), flush=True)
+
+
+def prepare(path: str, base: str) -> None:
+    """Link the shard files the first batch reads (each a real shard of the base under its fresh name)."""
+    import tierflow
+    from tierflow.format.manifest import Manifest
+    from tierflow.loader import Loader, TieredDataset
+
+    sources = {s.decoded_checksum: s.name for s in Manifest.load(base).shards}
+    for _ in range(1000):
+        try:
+            loader = Loader(TieredDataset(path, batch_size=BATCH))
+            next(iter(loader))
+            loader.close()
+            ds = tierflow.open_dataset(path)
+            len(ds)
+            return
+        except Exception as e:  # noqa: BLE001 - a missing shard names itself
+            found = re.search(r"shard-([0-9a-f]{32})\.arrow", str(e))
+            if not found:
+                raise
+            name = found.group(0)
+            manifest = Manifest.load(path)
+            info = next(s for s in (manifest.shards[i] for i in _shard_of(manifest, name)))
+            os.link(Path(base) / sources[info.decoded_checksum], Path(path) / name)
+    raise RuntimeError("too many shards to link")
+
+
+def _shard_of(manifest, name: str) -> list[int]:
+    from tierflow.format.metadata import MappedManifest
+    if isinstance(manifest, MappedManifest):
+        import numpy as np
+        column = manifest.tables.column("checksum")
+        key = np.frombuffer(bytes.fromhex(name[6:38]), dtype="V16")[0]
+        return np.flatnonzero(column == key).tolist()
+    return [i for i, s in enumerate(manifest.shards) if s.name == name]
+
+
+def run_child(path: Path, env: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"child failed on {path}:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def pss(pid: int) -> tuple[int, int]:
+    """(PSS of the process, PSS of its mapped metadata files), bytes."""
+    total = metadata = 0
+    current = ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if not line[0].isupper() or ":" not in line.split()[0]:
+                current = line.split()[-1] if len(line.split()) >= 6 else ""
+                continue
+            if line.startswith("Pss:"):
+                kb = int(line.split()[1]) * 1024
+                total += kb
+                if "/metadata-" in current:
+                    metadata += kb
+    return total, metadata
+
+
+def node_pss(path: Path, env: dict, processes: int = 8) -> tuple[int, int]:
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", str(path), "--wait"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(processes)]
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError("a PSS child died")
+        sums = [pss(p.pid) for p in procs]
+    finally:
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        for p in procs:
+            p.wait(timeout=120)
+    return sum(s[0] for s in sums), sum(s[1] for s in sums)
+
+
+def bare_pss(env: dict, processes: int = 8) -> int:
+    code = "import sys, tierflow, tierflow.loader, psutil; print('ready', flush=True); sys.stdin.readline()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env) for _ in range(processes)]
+    try:
+        for p in procs:
+            p.stdout.readline()
+        return sum(pss(p.pid)[0] for p in procs)
+    finally:
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+            p.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shards", default="1000,100000,1000000")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--old-max", type=parse_count, default=100_000)
+    ap.add_argument("--root", default="/tmp/tierflow-metadata-bench")
+    ap.add_argument("--no-pss", action="store_true")
+    ap.add_argument("--pss-old-max", type=parse_count, default=10_000,
+                    help="8 processes of a parsed manifest only up to this many shards (each holds its own copy)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--child")
+    ap.add_argument("--wait", action="store_true")
+    ap.add_argument("--prepare", nargs=2)
+    ap.add_argument("--paths", action="store_true", help="also time each per-shard path on the v3 datasets")
+    ap.add_argument("--path-child", nargs=2)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.wait)
+    if args.prepare:
+        return prepare(*args.prepare)
+    if args.path_child:
+        return path_child(*args.path_child)
+    root = Path(args.root) / f"b{args.blocks}"
+    root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TIERFLOW_MAX_MANIFEST_BYTES": str(1 << 40)}
+    base = build_base(root, args.blocks)
+    counts = [parse_count(c) for c in args.shards.split(",")]
+    bare = None if args.no_pss else bare_pss(env)
+    print(f"| shards | form | metadata on disk | open | open + first batch | peak RSS above import | "
+          f"PSS x8 above bare | PSS x8 of metadata files |")
+    print("|---|---|---|---|---|---|---|---|")
+    paths: list[str] = []
+    for n in counts:
+        began = time.perf_counter()
+        new_dir, old_dir = build(root, base, n, old=n <= args.old_max)
+        built = time.perf_counter() - began
+        for form, path in (("v2 manifest", old_dir), ("v3 mapped", new_dir)):
+            if path is None:
+                print(f"| {n:,} | {form} | - | not measured (> --old-max) | | | | |", flush=True)
+                continue
+            subprocess.run([sys.executable, __file__, "--prepare", str(path), str(base)], check=True, env=env,
+                           timeout=1800)
+            size = sum(p.stat().st_size for p in path.iterdir() if not p.name.startswith("shard-"))
+            rounds = [run_child(path, env) for _ in range(args.runs)]
+            node = ("-", "-")
+            if bare is not None and (form == "v3 mapped" or n <= args.pss_old_max):  # 8 parsed copies: GBs
+                total, files = node_pss(path, env)
+                node = (f"{(total - bare) / 1e6:.0f} MB", f"{files / 1e6:.1f} MB" if files else "-")
+            print(f"| {n:,} | {form} | {size / 1e6:.1f} MB | {spread([r['open_s'] for r in rounds], '.3f')} s | "
+                  f"{spread([r['batch_s'] for r in rounds], '.3f')} s | "
+                  f"{spread([r['peak_above_import'] for r in rounds], '.0f', 1e-6)} MB | {node[0]} | {node[1]} |",
+                  flush=True)
+        print(f"<!-- {n:,} shards built in {built:.1f} s -->", file=sys.stderr, flush=True)
+        if args.paths:
+            for name in PATHS:
+                out = subprocess.run([sys.executable, __file__, "--path-child", name, str(new_dir)],
+                                     capture_output=True, text=True, env=env, timeout=1800)
+                if out.returncode:
+                    paths.append(f"| {n:,} | {name} | failed: {out.stderr.strip().splitlines()[-1][:100]} | |")
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                paths.append(f"| {n:,} | {name} | {r['s']:.3f} s | {r['peak_above_import'] / 1e6:.0f} MB |")
+    if paths:
+        print("\n| shards | path (v3) | time | peak RSS above import |\n|---|---|---|---|")
+        print("\n".join(paths))
+    if not args.keep:
+        shutil.rmtree(args.root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
