@@ -110,8 +110,9 @@ def test_a_loader_keeps_its_batches_when_its_l2_is_deleted_mid_epoch(packed, tmp
         try:
             for i, batch in enumerate(running):
                 got.append(batch["input_ids"].numpy().tobytes())
-                if i == 2:
-                    shutil.rmtree(tmp_path / "l2")
+                if i == 2:  # gone at once (the stager thread may be writing into it: rmtree alone races it)
+                    os.rename(tmp_path / "l2", tmp_path / "l2-deleted")
+                    shutil.rmtree(tmp_path / "l2-deleted", ignore_errors=True)
         finally:
             running.close()
     assert got == expected
