@@ -1,0 +1,56 @@
+"""Lightning with the Loader returned by `train_dataloader()`, as is (docs/frameworks.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import needs
+from harness import check_resumed, check_uninterrupted, load, run
+
+pytestmark = needs("lightning")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_epochs_and_resume_from_its_ckpt(corpus, tmp_path, workers):
+    """2 epochs, len() right each; resumed from Lightning's .ckpt at 3 points (one in epoch 2) in
+    a new process, each trains exactly the rest of the uninterrupted run."""
+    at = [30, 77, 150]  # an epoch is ~108 batches
+    base = {"data": corpus, "epochs": 2, "workers": workers, "ckpt_dir": str(tmp_path)}
+    run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": at})
+    full = load(tmp_path / "full.0.json")
+    check_uninterrupted(corpus, [full])
+    for step in at:
+        run("run_lightning.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")})
+        resumed = load(tmp_path / f"r{step}.0.json")
+        check_resumed(full, resumed, step)
+        assert set(resumed["lens"]) == set(full["lens"]), "len() after load_state_dict is not the whole epoch's"
+
+
+@pytest.mark.slow
+def test_ddp_two_gloo_processes(corpus, tmp_path):
+    """strategy="ddp", 2 processes on CPU (gloo): 2 epochs, none empty, each (sample, epoch) once,
+    and a resume from the .ckpt saved in the second epoch trains the rest exactly on both ranks."""
+    base = {"data": corpus, "epochs": 2, "devices": 2, "ckpt_dir": str(tmp_path)}
+    run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, timeout=300)
+    full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
+    check_uninterrupted(corpus, full)
+    run("run_lightning.py", {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-70.ckpt")},
+        timeout=300)
+    for rank in range(2):
+        check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 70)
+
+
+@pytest.mark.parametrize("shape", ["endless", "max_tokens"])
+def test_without_len_the_ckpt_holds_the_trained_batch(corpus, tmp_path, shape):
+    """A Loader without len() (endless=True, or a token budget) makes Lightning fetch one batch
+    ahead; the .ckpt must still resume right after the batch the step trained."""
+    cfg = {"data": corpus, "max_steps": 160, "ckpt_dir": str(tmp_path), "endless": True}
+    if shape == "max_tokens":
+        cfg["max_tokens"] = 16 * 128
+    run("run_lightning.py", {**cfg, "out": str(tmp_path / "full"), "save_at": [40, 130]})
+    full = load(tmp_path / "full.0.json")
+    if shape == "endless":
+        check_uninterrupted(corpus, [full], epochs=None)
+    for step in (40, 130):
+        run("run_lightning.py", {**cfg, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")})
+        check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
