@@ -51,6 +51,11 @@ class LoaderMisuseError(TierflowError, TypeError):
     batch_size); the message says what to write instead."""
 
 
+class TopologyError(TierflowError, ValueError):
+    """Where this process sits in the job cannot be told, or its launcher's variables and
+    torch.distributed disagree; the message names the variable."""
+
+
 class FetchError(TierflowError, IOError):
     """Bytes produced for a tier entry did not verify; names the entry and the tier."""
 

@@ -63,6 +63,39 @@ dist.destroy_process_group()
 '''
 
 
+LEN_THEN_ITER_SCRIPT = r'''
+import json, sys
+import torch.distributed as dist
+from tierflow.loader import Loader, TieredDataset
+
+path, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo")
+calls = []
+for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce"):
+    real = getattr(dist, name)
+    def counted(*args, _real=real, _name=name, **kwargs):
+        calls.append(_name)
+        return _real(*args, **kwargs)
+    setattr(dist, name, counted)
+# made after init_process_group, as Lightning and the Trainer do; rank and world from the group
+loader = Loader(TieredDataset(path, batch_size=4, seq_len=64, partitions=4), num_workers=workers, return_meta=True)
+epochs = []
+for epoch in range(3):
+    n = len(loader)
+    it = iter(loader)
+    got = [next(it) for _ in range(n)]   # what Lightning's fetcher and the Trainer do: len() batches, then iter()
+    epochs.append({"len": n, "samples": [list(zip(m.epochs.tolist(), m.sample_ids.tolist())) for _, m in got], "calls": len(calls)})
+loader.close()
+result = {"epochs": epochs, "world": [loader.dataset.world.rank, loader.dataset.world.world_size]}
+calls_before_gather = len(calls)
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, result)
+if dist.get_rank() == 0:
+    json.dump({"ranks": gathered, "calls": calls_before_gather}, open(out, "w"))
+dist.destroy_process_group()
+'''
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("loader_mp")
@@ -75,6 +108,7 @@ def packed(tmp_path_factory) -> str:
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     (root / "rank.py").write_text(RANK_SCRIPT)
     (root / "agree.py").write_text(AGREE_SCRIPT)
+    (root / "len_then_iter.py").write_text(LEN_THEN_ITER_SCRIPT)
     return str(root / "ds")
 
 
@@ -151,3 +185,22 @@ def test_ranks_agree_on_the_epoch_end_under_a_token_budget_and_lose_nothing(pack
     assert sorted(i for e, i in pairs if e == 0) == list(range(n))
     first = [batch_epoch for rank in ranks for _, batch_epoch in rank[0]]
     assert set(first) == {0}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_gloo_ranks_taking_len_batches_then_iter_get_whole_epochs_without_collectives(packed, tmp_path, workers):
+    """The loop of Lightning's fetcher and the Trainer under an uneven split: every epoch has the same
+    length on both ranks and is never empty; the ranks read the node's stream once, nothing skipped
+    or repeated; the epoch edge costs no collective (at most 4 an epoch allowed)."""
+    out = tmp_path / "out.json"
+    result = run_script(Path(packed).parent / "len_then_iter.py", 2, [packed, str(out), str(workers)], out)
+    ranks = result["ranks"]
+    assert [r["world"] for r in ranks] == [[0, 2], [1, 2]]
+    lengths = [[e["len"] for e in r["epochs"]] for r in ranks]
+    assert lengths[0] == lengths[1] and min(lengths[0]) > 0
+    assert result["calls"] <= 4 * 3
+    windows = TieredDataset(packed, batch_size=4, seq_len=64, partitions=4).num_order_samples
+    seen = [tuple(pair) for r in ranks for e in r["epochs"] for batch in e["samples"] for pair in batch]
+    assert len(seen) == len(set(seen))  # no (sample, epoch) twice
+    for epoch in (0, 1):  # every window of the first two epochs, across the ranks
+        assert sorted(i for e, i in seen if e == epoch) == list(range(windows))

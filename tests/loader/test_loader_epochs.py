@@ -55,15 +55,53 @@ def test_len_is_exact_after_a_resume_mid_epoch_and_for_every_rank(long_tailed_do
     for step, _ in enumerate(first):
         if step == 6:
             break
-    resumed = Loader(windows(long_tailed_docs, resume=first.state_dict()), return_meta=True)
-    rest = len(resumed)
-    assert rest == len(list(resumed)) == len(Loader(windows(long_tailed_docs))) - 7
-    assert len(resumed) == len(list(resumed))  # the next epoch, whole
+    whole = len(Loader(windows(long_tailed_docs)))
+    # len() is the whole epoch before and after a resume (what Lightning and the Trainer count on);
+    # `remaining` is what the next `for` yields, by the dataset's resume= or load_state_dict alike
+    by_resume = Loader(windows(long_tailed_docs, resume=first.state_dict()), return_meta=True)
+    by_load = Loader(windows(long_tailed_docs), return_meta=True)
+    by_load.load_state_dict(first.state_dict())
+    for resumed in (by_resume, by_load):
+        assert len(resumed) == whole and resumed.remaining == whole - 7
+        assert len(list(resumed)) == whole - 7 and resumed.remaining == len(resumed)
+        assert len(resumed) == len(list(resumed))  # the next epoch, whole
     for rank in range(3):  # ranks of one node hold a batch more or less of an epoch
         ranked = Loader(windows(long_tailed_docs, world=WorldPosition(0, 1, rank, 3)))
         assert len(ranked) == len(list(ranked))
     lanes = Loader(windows(long_tailed_docs, lanes=2, window_shards=1, max_batches=5))
     assert len(lanes) == len(list(lanes)) == 5
+
+
+@pytest.mark.parametrize("drain", [True, False], ids=["drained", "len-then-iter"])
+def test_ranks_of_an_uneven_split_run_whole_epochs_whether_the_loop_drains_or_stops_at_len(long_tailed_docs, drain):
+    """What Lightning's fetcher and the Trainer do: take len() batches, then iter() again. Three
+    ranks whose epoch does not split evenly agree on every epoch's length without a collective, no
+    epoch is empty, and each rank's batches are its endless stream's, nothing skipped or repeated."""
+    ranks = [Loader(windows(long_tailed_docs, world=WorldPosition(0, 1, r, 3)), return_meta=True) for r in range(3)]
+    handed: list[list[list[int]]] = [[] for _ in ranks]
+    lengths = []
+    for epoch in range(3):
+        lengths.append([len(loader) for loader in ranks])
+        for r, loader in enumerate(ranks):
+            if drain:
+                got = list(loader)
+            else:
+                it = iter(loader)
+                got = [next(it) for _ in range(len(loader))]
+            assert loader.remaining == len(loader)  # the next epoch, whole
+            assert epochs_of(got)[-1] == epoch
+            handed[r] += [m.sample_ids.tolist() for _, m in got]
+    assert all(len(set(row)) == 1 and row[0] > 0 for row in lengths)
+    node_batches = sum(len(handed[r]) for r in range(3))
+    for r, loader in enumerate(ranks):
+        endless = Loader(windows(long_tailed_docs, world=WorldPosition(0, 1, r, 3)), endless=True, return_meta=True)
+        expected = []
+        for _, meta in endless:
+            if len(expected) == len(handed[r]):
+                break
+            expected.append(meta.sample_ids.tolist())
+        assert handed[r] == expected
+    assert node_batches == 3 * sum(row[0] for row in lengths)
 
 
 def test_the_endless_stream_is_opt_in_and_has_no_length(long_tailed_docs):

@@ -18,6 +18,7 @@ import pytest
 
 import tierflow
 from tierflow.loader.topology import WorldPosition, assign_nodes, job_identity, node_index, placed_by_cache
+from tierflow.errors import TopologyError
 from tierflow.storage.remote import upload_dataset
 from tierflow.testing import LoopbackProxy
 from tierflow.tiers import TierConfig
@@ -219,3 +220,18 @@ def test_a_restart_onto_the_nodes_in_reverse_order_reads_on_each_what_its_cache_
         print(f"machine {machine}: warm {w:.2f}, restarted reversed {p:.2f} (without affinity {u:.2f}) x dataset/N")
         assert p <= 1.1 * w, (machine, w, p)  # within 10% of the uninterrupted run's warm epoch
         assert u >= 1.5 * w, (machine, w, u)  # the node order reversed, without affinity: its cache is no use
+
+
+def test_rank_from_lightnings_launcher_variables_and_errors_that_name_what_is_missing():
+    lightning = {"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}  # no RANK, no LOCAL_WORLD_SIZE
+    assert WorldPosition.from_env(lightning) == WorldPosition(node=0, num_nodes=1, local_rank=1, ranks_per_node=2)
+    two_nodes = {"LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    assert WorldPosition.from_env(two_nodes).rank == 3
+    with pytest.raises(TopologyError, match="without LOCAL_WORLD_SIZE"):
+        WorldPosition.from_env({"LOCAL_RANK": "0", "NODE_RANK": "1", "WORLD_SIZE": "4"})
+    with pytest.raises(TopologyError, match="nothing says which rank"):
+        WorldPosition.from_env({"WORLD_SIZE": "2"})
+    # torch.distributed's group wins where the environment says nothing, and must agree where it does
+    assert WorldPosition.from_env({}, process_group=(1, 2)).rank == 1
+    with pytest.raises(TopologyError, match="RANK=0 disagrees with torch.distributed's 1"):
+        WorldPosition.from_env({"RANK": "0", "WORLD_SIZE": "2"}, process_group=(1, 2))

@@ -192,6 +192,7 @@ class TieredDataset(IterableDataset):
                     job=job_identity())
         self._resume: LoaderCursor | None = None
         self.load_state_dict(saved)
+        self.resumed_epoch = resume.get("epoch") if isinstance(resume, Mapping) else None
         self._context: SampleContext | None = None
         self._context_pid = -1
 
@@ -237,9 +238,13 @@ class TieredDataset(IterableDataset):
         """`cursor` as JSON; the Loader's state is the one to save (it follows the batches consumed)."""
         return self._resume.to_dict() if self._resume is not None else None
 
+    resumed_epoch: Mapping[str, Any] | None = None
+    """A resumed `Loader.state_dict()`'s epoch clock (loader/epochs.py), for the Loader made over it."""
+
     def load_state_dict(self, state: Resume) -> None:
         """Resume from a cursor (typed or JSON) or a Loader state_dict; checked now, O(partitions)."""
         cursor = self._parsed(state)
+        self.resumed_epoch = state.get("epoch") if isinstance(state, Mapping) else None
         if cursor is not None:
             try:
                 cursor = self._checked(cursor)
@@ -462,10 +467,17 @@ class TieredDataset(IterableDataset):
 
     def epoch_length(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> int:
         """Output batches of this rank from `cursor` (default: the resume cursor) to the end of the
-        epoch they finish (the first batch's epoch, and past `after`, the epoch last finished): what
-        one `for` over a `Loader` yields before `max_batches`; eval: the steps left. With `agree`, the
-        fewest of any rank (they stop together). Exact and O(nodes x lanes) for batchers that locate
-        batches by position; a token budget's count depends on lengths it has not planned: TypeError."""
+        epoch they finish; `epoch_span`'s count."""
+        return self.epoch_span(cursor, after, agree)[1]
+
+    def epoch_span(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> tuple[int, int]:
+        """(epoch, batches): the epoch a run of this rank's output batches from `cursor` (default:
+        the resume cursor) finishes (its first batch's, and past `after`, the epoch last finished)
+        and how many of them belong to it or an older one: what one `for` over a `Loader` yields
+        before `max_batches`; eval: (0, the steps left). With `agree`, the fewest of any rank, so
+        every rank stops at the same step: each rank computes every rank's count from the order,
+        no collective. Exact and O(nodes x lanes) for batchers that locate batches by position; a
+        token budget's count depends on lengths it has not planned: TypeError."""
         if not isinstance(self.batcher, ByPosition):
             raise TypeError(f"{type(self.batcher).__name__} packs a varying number of samples per batch, so "
                             f"an epoch's batch count is known only once it is planned: iterate it (one epoch "
@@ -474,10 +486,10 @@ class TieredDataset(IterableDataset):
         if self.eval:
             steps = EvalOrder(self.num_order_samples, batch_size=self.batch_size,
                               world_size=self.world.world_size).steps
-            return max(0, steps - (start.step + 1 if start is not None and start.step is not None else 0))
+            return 0, max(0, steps - (start.step + 1 if start is not None and start.step is not None else 0))
         skip = start.skip if start is not None else 0
-        batches = self._rank_stream(start).epoch_batches(after, agree)[1]
-        return max(0, batches * self.batcher.batches_per_group - skip)
+        epoch, batches = self._rank_stream(start).epoch_batches(after, agree)
+        return epoch, max(0, batches * self.batcher.batches_per_group - skip)
 
     # -- hooks for the stager ------------------------------------------------------------
     def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:

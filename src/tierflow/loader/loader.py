@@ -21,13 +21,14 @@ from tierflow.loader._collate import BatchRuns, CarriedBatch, enlarge_result_pip
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
+from tierflow.loader.epochs import EpochClock, EpochVote
 from tierflow.loader.meta import BatchMeta
 from tierflow.loader.plan import PlannedCursor
 from tierflow.storage.datasets import local_path
 from tierflow.telemetry.attribution import TimedBatches, production_timer
 from tierflow.telemetry.loader_metrics import FLUSH_AT, LoaderTelemetry
 from tierflow.tiers.stager import Stager
-from tierflow.errors import BatchOrderError, CursorError
+from tierflow.errors import BatchOrderError, CursorError, TopologyError
 
 STATE_VERSION = 1
 Handed = dict[str, Any] | tuple[dict[str, Any], BatchMeta]
@@ -40,8 +41,11 @@ _NOT_STAGED = object()
 class Loader:
     """Iterate batches on `device`; `state_dict`/`load_state_dict` (torchdata's Stateful protocol).
 
-    Each `for` is one epoch (`len(loader)` batches; `epoch_end="agree"` stops every rank at the
-    same step, "rank" each at its own edge; `endless=True` never stops). Token ids (`input_ids`,
+    Each `for` is one epoch (loader/epochs.py): `len(loader)` is this rank's batches of the whole
+    epoch, `remaining` those not yet consumed; a loop may drain the `for` or stop after `len()`
+    batches and call `iter()` again. `epoch_end="agree"` stops every rank at the same step (the
+    count computed from the order, no collective), "rank" each at its own edge; `endless=True`
+    never stops. Token ids (`input_ids`,
     `labels`) reach the loop as `dtype` (int64; None keeps the wire's uint16/int32). Use it as a
     context manager, or call `close()`, to stop the feed and the workers when a loop ends early
     (they also stop when the Loader is collected, and at interpreter exit).
@@ -96,7 +100,9 @@ class Loader:
         self.epoch_end = epoch_end
         self.endless = endless
         # eval runs the same number of steps on every rank and ends by itself: no edge to agree on
-        self._epochs = None if endless or self.dataset.eval else EpochBoundary(agree=epoch_end == "agree", group=group)
+        self._clock = None if endless or self.dataset.eval else EpochClock.parse(self.dataset.resumed_epoch)
+        self._vote = EpochVote(agree=epoch_end == "agree", group=group)
+        self._at_edge = False  # the last `for` finished its epoch by count, the feed reading on
         self._restart_eval = False
         self._held: CarriedBatch | None = None
         self._feed_iterator: Iterator[CarriedBatch] | None = None
@@ -137,9 +143,10 @@ class Loader:
 
     def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
-        if self._held is not None and self._feed is not None:
+        if self._feed is not None and (self._held is not None or self._at_edge):
             return self._batches(self._feed_iterator)  # the last `for` stopped at an epoch edge
         self._stop_reading()
+        self._check_world()
         if self._restart_eval:  # the last `for` ran the whole eval: this one runs it again
             self._cursor, self._restart_eval, self._iterated = None, False, True
         if not self._stager_carries_on():
@@ -164,25 +171,64 @@ class Loader:
         self._feed_iterator = iter(self._feed)
         return self._batches(self._feed_iterator)
 
+    def _check_world(self) -> None:
+        """torch.distributed, initialised since the dataset was made, must agree with its world."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            position = self.dataset.world
+            if (rank, world) != (position.rank, position.world_size):
+                raise TopologyError(f"{self.dataset!r} was made for rank {position.rank} of {position.world_size}, "
+                                    f"but torch.distributed runs rank {rank} of {world}: make the dataset after "
+                                    f"init_process_group (or pass world=WorldPosition(...))")
+
+    def _epoch_left(self) -> tuple[int, int] | None:
+        """(epoch, batches of it this rank has left) from the consumed cursor; None where the count
+        is known only once planned (a token budget: `EpochVote` finds the edge)."""
+        clock = self._clock
+        if clock is None:
+            return None
+        try:
+            return self.dataset.epoch_span(self._cursor, clock.finished, agree=self.epoch_end == "agree")
+        except TypeError:
+            return None
+
+    def _stream_left(self) -> int | None:
+        """Batches `max_batches` still lets the stream being read give (None: no cap)."""
+        limit = self.dataset.max_batches
+        if limit is None:
+            return None
+        return limit - (self._expected if self._feed is not None else 0)
+
     def _batches(self, batches: Iterator[CarriedBatch]) -> Iterator[Handed]:
         telemetry = self.telemetry
         record, pending = telemetry.recorder() if telemetry is not None else (None, ())
         handed: float | None = None  # set only with telemetry on
-        epochs = self._epochs
-        if epochs is not None:
-            epochs.begin()
+        clock = self._clock
+        self._at_edge = False
+        counted = self._epoch_left()
+        epoch, left = counted if counted is not None else (None, None)
+        stream_left = self._stream_left()
+        vote = self._vote if clock is not None and counted is None else None
+        if vote is not None:
+            vote.begin()
         while True:
             asked = time.perf_counter()
+            if left == 0 or stream_left == 0:
+                if handed is not None:  # the loop's step after the last batch
+                    telemetry.on_step(asked - handed)  # type: ignore[union-attr]
+                return
             if self._held is not None:
                 batch, self._held = self._held, None
             else:
                 try:
                     batch = next(batches)
                 except StopIteration:
-                    if handed is not None:  # the loop's step after the last batch
+                    if handed is not None:
                         telemetry.on_step(asked - handed)  # type: ignore[union-attr]
-                    if epochs is not None:
-                        epochs.stop_here(None)  # ranks still reading must not wait for this one
+                    if vote is not None:
+                        vote.stop_here(None, clock)  # type: ignore[arg-type]  # ranks still reading must not wait
                     self._restart_eval = self.dataset.eval
                     return
                 if batch.meta.index != self._expected:
@@ -191,12 +237,21 @@ class Loader:
                                           f"batches?)")
                 self._expected += 1
             meta = batch.meta
-            if epochs is not None and epochs.stop_here(meta.epoch):
+            if vote is not None and vote.stop_here(meta.epoch, clock):  # type: ignore[arg-type]
                 self._held = batch
                 if handed is not None:
                     telemetry.on_step(asked - handed)  # type: ignore[union-attr]
                 return
             self._commit(meta)
+            if clock is not None:
+                clock.done += 1
+            if stream_left is not None:
+                stream_left -= 1
+            if left is not None:
+                left -= 1
+                if left == 0:  # the epoch's last batch: the next `for`, or `iter()` now, is the next epoch
+                    clock.finish(epoch)  # type: ignore[union-attr,arg-type]
+                    self._at_edge = True
             if record is not None:  # clock readings: the wait and the step are taken from them in bulk
                 last, handed = handed, time.perf_counter()
                 ready = batches.ready  # type: ignore[attr-defined]  # an instance attribute: loaded, then called
@@ -206,21 +261,29 @@ class Loader:
             yield (batch.data, meta) if self.return_meta else batch.data
 
     def __len__(self) -> int:
-        """Batches the next `for` yields: this rank's batches of the epoch it finishes (the rest of
-        it after a resume mid-epoch; with epoch_end="agree" under torch.distributed, the fewest of
-        any rank), capped by `max_batches`; eval: its steps. Endless or a token budget: TypeError."""
-        if self._epochs is None and not self.dataset.eval:
+        """This rank's batches of the epoch the next (or current) `for` finishes, the whole of it
+        however many are consumed (`remaining`: those left), capped by `max_batches`; with
+        epoch_end="agree" under several ranks, the fewest of any rank; eval: its steps.
+        Endless or a token budget: TypeError."""
+        if self._clock is None and not self.dataset.eval:
             raise TypeError("an endless Loader (endless=True) has no length; drop endless=True for one epoch "
                             "per `for`, or count steps yourself")
-        continuing = self._held is not None and self._feed is not None
-        cursor = None if self._restart_eval else self._cursor
-        epochs = self._epochs
-        count = self.dataset.epoch_length(cursor, epochs.finished if epochs else None,
-                                          agree=epochs is not None and epochs.collective())
-        limit = self.dataset.max_batches
-        if limit is not None:
-            count = min(count, limit - (self._expected - 1 if continuing else 0))
-        return max(0, count)
+        if self._clock is None:  # eval: the steps the next `for` runs
+            return self.dataset.epoch_length(None if self._restart_eval else self._cursor)
+        return self._clock.done + self.remaining
+
+    @property
+    def remaining(self) -> int:
+        """Batches of the current epoch this rank has not consumed yet (after a resume mid-epoch,
+        what its next `for` yields), capped by `max_batches`."""
+        counted = self._epoch_left()
+        if counted is None:
+            if self._clock is None and self.dataset.eval:
+                return len(self)
+            self.dataset.epoch_span()  # raises the TypeError that says why there is no count
+        left = counted[1]  # type: ignore[index]
+        stream_left = self._stream_left()
+        return max(0, left if stream_left is None else min(left, stream_left))
 
     @property
     def _cursor(self) -> LoaderCursor | None:
@@ -296,8 +359,11 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor after the last batch handed to the training loop, plus counts; JSON-able."""
-        return {"version": STATE_VERSION, "cursor": self._cursor.to_dict() if self._cursor is not None else None,
-                "consumed": self._consumed, "filtered": self._filtered}
+        state = {"version": STATE_VERSION, "cursor": self._cursor.to_dict() if self._cursor is not None else None,
+                 "consumed": self._consumed, "filtered": self._filtered}
+        if self._clock is not None:
+            state["epoch"] = self._clock.to_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Seek to a saved state (O(partitions)); the next iteration starts right after it."""
@@ -307,68 +373,11 @@ class Loader:
         self.dataset.load_state_dict(state["cursor"])
         self._cursor = self.dataset.cursor
         self._restart_eval = False
-        if self._epochs is not None:
-            self._epochs.finished = None
+        if self._clock is not None:
+            self._clock = EpochClock.parse(state.get("epoch"))
         self._consumed = int(state.get("consumed", 0))
         self._filtered = int(state.get("filtered", 0))
         self._dataloader = None
-
-
-class EpochBoundary:
-    """Where a `for` over the Loader ends when it runs one epoch at a time.
-
-    Iteration k finishes epoch E_k: the epoch of its first batch, and at least one past the epoch
-    the previous iteration finished. A batch of a later epoch ends it and is held for the next
-    one, so nothing is skipped. With `agree`, the ranks of `group` (default: the default process
-    group) all-reduce one flag per step and all stop at the first step where any rank has run
-    past E_k (ranks may hold different numbers of batches of an epoch, e.g. under a token
-    budget); a rank's batches of E_k left over then open its next iteration.
-    """
-
-    def __init__(self, agree: bool, group: Any = None) -> None:
-        self.agree = agree
-        self.group = group
-        self.finished: int | None = None
-        self.target: int | None = None
-        self._voting = False
-
-    def begin(self) -> None:
-        self.target = None
-        self._voting = self.collective()  # once per `for`: asking torch.distributed per batch costs
-
-    def stop_here(self, epoch: int | None) -> bool:
-        """True when the batch of `epoch` (None: this rank has no more batches) ends the iteration."""
-        if self.target is None:
-            proposal = epoch if epoch is not None else _NO_EPOCH
-            if self.finished is not None:
-                proposal = max(proposal, self.finished + 1)
-            self.target = self._reduce_min(proposal)
-        go_on = epoch is not None and epoch <= self.target
-        if self._reduce_min(int(go_on)):
-            return False
-        self.finished = self.target
-        return True
-
-    def collective(self) -> bool:
-        """Whether the ranks really vote: `agree`, under torch.distributed with more than one rank."""
-        if not self.agree:
-            return False
-        import torch.distributed as dist
-
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
-
-    def _reduce_min(self, value: int) -> int:
-        if not self._voting:
-            return value
-        import torch.distributed as dist
-
-        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
-        flag = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return int(flag.item())
-
-
-_NO_EPOCH = 2**62
 
 
 def _as_is(batch: CarriedBatch) -> CarriedBatch:

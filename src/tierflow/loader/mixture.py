@@ -130,9 +130,9 @@ class MixedDataset(TieredDataset):
                                 limit=self.max_batches, samples_per_epoch=self.num_order_samples,
                                 num_nodes=world.num_nodes)
 
-    def epoch_length(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> int:
-        """Batches of this rank from `cursor` through the mixture epoch they finish (see
-        `TieredDataset.epoch_length`); every node draws alike, so `agree` takes the last local rank."""
+    def epoch_span(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> tuple[int, int]:
+        """The epoch and batches of this rank from `cursor` through the mixture epoch they finish
+        (see `TieredDataset.epoch_span`); every node draws alike, so `agree` takes the last local rank."""
         start = self._parsed(cursor) if cursor is not None else self._resume
         stream = self._mixed_stream(start)
         draws = stream._stream.base.draws
@@ -145,7 +145,7 @@ class MixedDataset(TieredDataset):
         rank = ranks - 1 if agree else own
         batches = max(0, -(-(left - rank) // ranks))
         skip = start.skip if start is not None else 0
-        return max(0, batches * self.batcher.batches_per_group - skip)
+        return epoch, max(0, batches * self.batcher.batches_per_group - skip)
 
     def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Mapping, Sequence
 
+from tierflow.errors import TopologyError
+
 
 @dataclass(frozen=True)
 class WorldPosition:
@@ -33,24 +35,73 @@ class WorldPosition:
         return self.num_nodes * self.ranks_per_node
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "WorldPosition":
-        """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE when set; a single process otherwise."""
+    def from_env(cls, env: Mapping[str, str] | None = None, process_group: tuple[int, int] | None = None
+                 ) -> "WorldPosition":
+        """This process's position: rank and world from torch.distributed when it is initialised
+        (`process_group`: its (rank, world size); the environment must agree with it), else from
+        RANK and WORLD_SIZE, or with RANK missing from NODE_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK
+        (Lightning's launcher); a single process when nothing says otherwise. A rank that nothing
+        identifies in a job of several is an error, never every rank reading the same data."""
         env = os.environ if env is None else env
-        world = int(env.get("WORLD_SIZE", "1"))
-        rank = int(env.get("RANK", "0"))
-        per_node = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        if process_group is None and env is os.environ:
+            process_group = _initialised_group()
+
+        def number(name: str) -> int | None:
+            text = env.get(name, "")
+            if text == "":
+                return None
+            try:
+                return int(text)
+            except ValueError:
+                raise TopologyError(f"{name}={text!r} is not an integer") from None
+
+        world, rank, local = number("WORLD_SIZE"), number("RANK"), number("LOCAL_RANK")
+        per_node = number("LOCAL_WORLD_SIZE")
+        node = next((n for n in (number(name) for name in NODE_VARIABLES) if n is not None), None)
+        if process_group is not None:
+            group_rank, group_world = process_group
+            for name, value, actual in (("RANK", rank, group_rank), ("WORLD_SIZE", world, group_world)):
+                if value is not None and value != actual:
+                    raise TopologyError(f"{name}={value} disagrees with torch.distributed's {actual} "
+                                        f"(the default process group is what the job runs)")
+            rank, world = group_rank, group_world
+        world = 1 if world is None else world
+        if per_node is None:
+            if node not in (None, 0) and world > 1:
+                raise TopologyError(f"{'NODE_RANK' if env.get('NODE_RANK') else 'GROUP_RANK'}={node} without "
+                                    f"LOCAL_WORLD_SIZE: set LOCAL_WORLD_SIZE (ranks per node), as torchrun does, "
+                                    f"so every rank agrees on which ranks share a node")
+            per_node = world
         if per_node < 1 or world % per_node:
-            raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={per_node}")
+            raise TopologyError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={per_node}")
+        if rank is None:
+            if world > 1 and local is None:
+                raise TopologyError(f"WORLD_SIZE={world} but nothing says which rank this process is: set RANK "
+                                    f"(or NODE_RANK and LOCAL_RANK), or initialise torch.distributed first")
+            rank = (node or 0) * per_node + (local or 0) if world > 1 else 0
         if not 0 <= rank < world:
-            raise ValueError(f"RANK={rank} outside WORLD_SIZE={world}")
-        local = int(env.get("LOCAL_RANK", str(rank % per_node)))
+            raise TopologyError(f"RANK={rank} outside WORLD_SIZE={world}")
+        if local is None:
+            local = rank % per_node
         if local != rank % per_node:
-            raise ValueError(f"LOCAL_RANK={local} disagrees with RANK={rank} % LOCAL_WORLD_SIZE={per_node}")
+            raise TopologyError(f"LOCAL_RANK={local} disagrees with RANK={rank} % LOCAL_WORLD_SIZE={per_node}")
         for name in NODE_VARIABLES:
             if env.get(name, "") != "" and world > 1 and int(env[name]) != rank // per_node:
-                raise ValueError(f"{name}={env[name]} disagrees with RANK={rank} // LOCAL_WORLD_SIZE={per_node}: "
-                                 f"the partitions a node owns follow RANK, so its cache must too")
+                raise TopologyError(f"{name}={env[name]} disagrees with RANK={rank} // LOCAL_WORLD_SIZE={per_node}: "
+                                    f"the partitions a node owns follow RANK, so its cache must too")
         return cls(node=rank // per_node, num_nodes=world // per_node, local_rank=local, ranks_per_node=per_node)
+
+
+def _initialised_group() -> tuple[int, int] | None:
+    """(rank, world size) of torch.distributed's default group when it is initialised (torch is
+    looked up, not imported: a pack-only process has none)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank(), dist.get_world_size()
 
 
 #: launchers' node index variables, checked against RANK and used where no WORLD_SIZE is set
