@@ -51,16 +51,17 @@ class Recorder:
 
     def __init__(self) -> None:
         self.batches: list[list[Any]] = []  # [framework epoch, [row fingerprints]]
-        self.lens: list[Any] = []  # len(loader) at each epoch's start (None: no len)
+        self.lens: list[Any] = []  # len(loader) at each epoch's first trained batch (None: no len)
 
-    def step(self, epoch: int, ids: Any) -> None:
+    def step(self, epoch: int, ids: Any, loader: Any = None) -> None:
+        """The step trains rows `ids` in the framework's `epoch`; `len(loader)` is read at the first
+        batch of each epoch (a resumed epoch included: frameworks skip their epoch-start hooks then)."""
+        if loader is not None and (not self.batches or self.batches[-1][0] != epoch):
+            try:
+                self.lens.append(len(loader))
+            except TypeError:
+                self.lens.append(None)
         self.batches.append([int(epoch), fingerprint(ids)])
-
-    def epoch_start(self, loader: Any) -> None:
-        try:
-            self.lens.append(len(loader))
-        except TypeError:
-            self.lens.append(None)
 
     def dump(self, path: str | os.PathLike, **extra: Any) -> None:
         Path(path).write_text(json.dumps({"batches": self.batches, "lens": self.lens, **extra}))
@@ -149,3 +150,5 @@ def check_resumed(full: dict[str, Any], resumed: dict[str, Any], at: int) -> Non
     assert len(got) == len(want), f"resumed at {at}: trained {len(got)} batches, the uninterrupted run {len(want)}"
     for i, (a, b) in enumerate(zip(got, want)):
         assert a == b, f"resumed at {at}: batch {at + i} differs from the uninterrupted run's"
+    tail = full["lens"][len(full["lens"]) - len(resumed["lens"]):]
+    assert resumed["lens"] == tail, f"resumed at {at}: len() said {resumed['lens']}, the uninterrupted run {tail}"

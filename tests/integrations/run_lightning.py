@@ -29,12 +29,9 @@ class TinyLM(L.LightningModule):
         dataset = TieredDataset(self.cfg["data"], batch_size=BATCH, **shape)
         return Loader(dataset, num_workers=self.cfg.get("workers", 0), endless=self.cfg.get("endless", False))
 
-    def on_train_epoch_start(self):
-        self.record.epoch_start(self.trainer.train_dataloader)
-
     def training_step(self, batch, batch_idx):
         ids = batch["input_ids"]
-        self.record.step(self.current_epoch, ids)
+        self.record.step(self.current_epoch, ids, self.trainer.train_dataloader)
         logits = self.head(self.emb(ids))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
 

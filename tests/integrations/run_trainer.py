@@ -23,15 +23,12 @@ class Record(TrainerCallback):
         model.register_forward_pre_hook(self.forward, with_kwargs=True)
 
     def forward(self, module, args, kwargs):
-        self.record.step(self.epoch, kwargs["input_ids"])
+        self.record.step(self.epoch, kwargs["input_ids"], self.loader)
         labels, ids = kwargs["labels"], kwargs["input_ids"]
         assert torch.equal(labels[labels != -100], ids[labels != -100]), "labels are not the input ids (HF shifts them)"
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self.record.epoch_start(self.loader)
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        self.epoch += 1
+        self.epoch = int(state.epoch or 0)  # a resumed run starts inside the checkpoint's epoch
 
 
 class SaveAt(TrainerCallback):

@@ -21,9 +21,7 @@ def test_two_epochs_and_resume_from_its_ckpt(corpus, tmp_path, workers):
     check_uninterrupted(corpus, [full])
     for step in at:
         run("run_lightning.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")})
-        resumed = load(tmp_path / f"r{step}.0.json")
-        check_resumed(full, resumed, step)
-        assert set(resumed["lens"]) == set(full["lens"]), "len() after load_state_dict is not the whole epoch's"
+        check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
 
 
 @pytest.mark.slow
