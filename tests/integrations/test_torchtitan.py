@@ -49,3 +49,18 @@ def test_state_is_per_dp_rank_and_refuses_another_degree(corpus):
         c.load_state_dict({"dp_rank_1": state["dp_rank_1"], "world_size": 2})
     for loader in (a, b, c):
         loader.close()
+
+
+def test_built_from_a_trainer_config(corpus):
+    """What torchtitan's Trainer does with `config.dataloader`: build(dp_world_size, dp_rank,
+    tokenizer, seq_len, local_batch_size, snapshot_every_n_steps)."""
+    from tierflow.integrations.torchtitan import TierflowDataLoader
+
+    config = TierflowDataLoader.Config(dataset_path=corpus)
+    loader = config.build(dp_world_size=2, dp_rank=0, tokenizer=None, seq_len=64, local_batch_size=4,
+                          snapshot_every_n_steps=None)
+    assert isinstance(loader, TierflowDataLoader) and loader.dp_rank == 0
+    inputs, labels = next(iter(loader))
+    assert inputs["input"].shape == (4, 64)
+    assert loader.loader.dataset.world.world_size == 2
+    loader.close()

@@ -3,7 +3,12 @@
     from tierflow.integrations.torchtitan import TierflowDataLoader
     dataloader = TierflowDataLoader("s3://bucket/packed", dp_rank=dp_rank, dp_world_size=dp_degree,
                                     batch_size=local_batch_size, seq_len=seq_len, tiers=["L2=/nvme/tf:30%"])
-    # the trainer's build_dataloader returns it; CheckpointManager(dataloader=dataloader, ...) saves it
+    # CheckpointManager(dataloader=dataloader, ...) saves and loads it with the model
+
+or, in a torchtitan trainer config, `dataloader=TierflowDataLoader.Config(dataset_path="s3://bucket/packed",
+tiers=["L2=/nvme/tf:30%"])`: the trainer's `config.dataloader.build(dp_world_size=..., dp_rank=...,
+seq_len=..., local_batch_size=..., tokenizer=...)` makes one per rank (the tokenizer is unused:
+the dataset was tokenized when packed).
 
 torchtitan shards data over the data-parallel mesh dimension, not over all ranks (tensor and
 pipeline ranks of one replica read the same batches), so the adapter takes the data-parallel
@@ -23,6 +28,7 @@ so DCP stores one entry per DP rank and a resume with another DP degree is refus
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -47,9 +53,28 @@ def dp_world(dp_rank: int, dp_world_size: int, ranks_per_node: int = 1) -> World
 class TierflowDataLoader(BaseDataLoader):
     """torchtitan's dataloader protocol over a tierflow Loader of data-parallel rank `dp_rank`."""
 
-    def __init__(self, url: str | Path | None = None, *, dp_rank: int, dp_world_size: int, batch_size: int,
-                 seq_len: int | None = None, ranks_per_node: int = 1, keep: Iterable[str] = (),
-                 endless: bool = True, loader: Loader | None = None, **options: Any) -> None:
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        """`dataset_path` (or `dataset`): the packed dataset's path or URL; the rest as open_loader's."""
+
+        tiers: list[str] = field(default_factory=list)
+        num_workers: int = 0
+        seed: int = 0
+        ranks_per_node: int = 1
+        endless: bool = True
+
+    def __init__(self, url: str | Path | None = None, *, dp_rank: int, dp_world_size: int,
+                 batch_size: int | None = None, seq_len: int | None = None, ranks_per_node: int = 1,
+                 keep: Iterable[str] = (), endless: bool = True, loader: Loader | None = None,
+                 config: "TierflowDataLoader.Config | None" = None, local_batch_size: int | None = None,
+                 tokenizer: Any = None, snapshot_every_n_steps: int | None = None, **options: Any) -> None:
+        if config is not None:  # built by a torchtitan trainer: config.dataloader.build(...)
+            url = url if url is not None else (config.dataset_path or config.dataset)
+            options = {"tiers": list(config.tiers), "num_workers": config.num_workers, "seed": config.seed, **options}
+            ranks_per_node, endless = config.ranks_per_node, config.endless
+        batch_size = batch_size if batch_size is not None else local_batch_size
+        if batch_size is None and loader is None:
+            raise ValueError("TierflowDataLoader needs batch_size= (torchtitan passes local_batch_size=)")
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self._rank_id = f"dp_rank_{dp_rank}"
