@@ -136,6 +136,21 @@ class TierflowTrainer(Trainer):
     def get_train_dataloader(self) -> TrainerLoader:  # type: ignore[override]
         return self.train_loader
 
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
+                             resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
+        """The Trainer's (epochs trained, batches trained in the resumed epoch), the second from the
+        Loader's restored state: the Trainer takes it as global_step % its first epoch's steps, which
+        is wrong where epochs differ in length (a remainder carried into the next epoch)."""
+        epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
+                                                       resume_from_checkpoint, trial)
+        loader = self.train_loader.loader
+        if resume_from_checkpoint is not None and not self.args.ignore_data_skip and hasattr(loader, "remaining"):
+            try:
+                batches = len(loader) - loader.remaining
+            except TypeError:  # no len(): the Trainer counts max_steps in one "epoch"; so does the Loader
+                pass
+        return epochs, batches
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -152,9 +167,11 @@ def _skip_resumed(dataloader: Any, num_batches: int = 0) -> Any:
     if not isinstance(dataloader, TrainerLoader):
         return _ORIGINAL_SKIP(dataloader, num_batches)
     loader = dataloader.loader
-    remaining = getattr(loader, "remaining", None)
-    if remaining is not None:
-        done = len(loader) - remaining
+    try:
+        done: int | None = len(loader) - loader.remaining
+    except (AttributeError, TypeError):  # no count (endless): the state alone says where it stands
+        done = None
+    if done is not None:
         if done != num_batches:
             raise RuntimeError(
                 f"the Trainer resumes {num_batches} batches into the epoch, the tierflow Loader's restored state "
