@@ -97,6 +97,9 @@ class LoaderCheckpointCallback(TrainerCallback):
 
     def __init__(self, loader: Loader | TrainerLoader) -> None:
         self.loader = loader
+        self.counts: dict[str, int] = {}
+        """The Trainer's own step counts, saved beside the state (TierflowTrainer fills and reads them)."""
+        self.restored: dict[str, int] = {}
 
     @staticmethod
     def path(checkpoint_dir: str | os.PathLike, rank: int) -> Path:
@@ -107,7 +110,7 @@ class LoaderCheckpointCallback(TrainerCallback):
         path = self.path(folder, _rank(args))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.loader.state_dict()))
+        tmp.write_text(json.dumps({"loader": self.loader.state_dict(), "trainer": self.counts}))
         os.replace(tmp, path)
 
     def load(self, checkpoint_dir: str | os.PathLike, args: Any) -> None:
@@ -116,7 +119,9 @@ class LoaderCheckpointCallback(TrainerCallback):
             raise FileNotFoundError(
                 f"{path}: no tierflow Loader state in {checkpoint_dir} (was it saved by a Trainer with "
                 f"LoaderCheckpointCallback / TierflowTrainer?); resuming without it would replay the epoch from its start")
-        self.loader.load_state_dict(json.loads(path.read_text()))
+        saved = json.loads(path.read_text())
+        self.loader.load_state_dict(saved["loader"])
+        self.restored = dict(saved.get("trainer") or {})
 
 
 class TierflowTrainer(Trainer):
@@ -135,6 +140,18 @@ class TierflowTrainer(Trainer):
 
     def get_train_dataloader(self) -> TrainerLoader:  # type: ignore[override]
         return self.train_loader
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple[Any, ...]:
+        """The Trainer's step counts, taken from the uninterrupted run's when resuming: it counts an
+        epoch's steps as the first epoch's len() and max_steps as epochs x that, where a resumed run
+        reads the len() of the epoch it resumes in (epochs may differ by a batch or two, a remainder
+        carried into the next), and would stop short of the uninterrupted run or cut an epoch."""
+        values = list(super().set_initial_training_values(args, dataloader))
+        saved = self.loader_callback.restored
+        if saved and args.max_steps <= 0 and "steps_per_epoch" in saved:
+            values[1], values[5], values[6] = saved["steps_per_epoch"], saved["steps_in_epoch"], saved["max_steps"]
+        self.loader_callback.counts = {"steps_per_epoch": values[1], "steps_in_epoch": values[5], "max_steps": values[6]}
+        return tuple(values)
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
