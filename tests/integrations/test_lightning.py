@@ -42,9 +42,11 @@ def test_ddp_two_gloo_processes(corpus, tmp_path):
 def test_without_len_the_ckpt_holds_the_trained_batch(corpus, tmp_path, shape):
     """A Loader without len() (endless=True, or a token budget) makes Lightning fetch one batch
     ahead; the .ckpt must still resume right after the batch the step trained."""
-    cfg = {"data": corpus, "max_steps": 160, "ckpt_dir": str(tmp_path), "endless": True}
+    cfg = {"data": corpus, "max_steps": 160, "ckpt_dir": str(tmp_path)}  # 160: into the second epoch
     if shape == "max_tokens":
-        cfg["max_tokens"] = 16 * 128
+        cfg["max_tokens"] = 16 * 128  # one epoch per `for`, its length unknown until planned
+    else:
+        cfg["endless"] = True
     run("run_lightning.py", {**cfg, "out": str(tmp_path / "full"), "save_at": [40, 130]})
     full = load(tmp_path / "full.0.json")
     if shape == "endless":

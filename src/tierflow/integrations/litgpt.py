@@ -1,8 +1,11 @@
 """litgpt: `TierflowDataModule`, a litgpt `DataModule` that Fabric accepts, yielding (B, L+1) tokens.
 
-    from litgpt.pretrain import setup
-    from tierflow.integrations.litgpt import TierflowDataModule
-    setup("pythia-14m", data=TierflowDataModule("s3://bucket/packed", tiers=["L2=/nvme/tf:30%"]), ...)
+    litgpt pretrain pythia-14m --data tierflow.integrations.litgpt.TierflowDataModule \
+        --data.url s3://bucket/packed --data.tiers '["L2=/nvme/tf:30%"]' ...
+
+(litgpt's CLI instantiates the DataModule from its import path; `litgpt.pretrain.setup(...,
+data=TierflowDataModule(...))` from Python trains the same, but litgpt saves each checkpoint's
+hyperparameters by re-parsing `sys.argv` as its CLI's.)
 
 litgpt calls `connect(tokenizer, batch_size=micro_batch_size, max_seq_length=block_size)`,
 `setup()`, then `train_dataloader()` / `val_dataloader()` and hands both to Fabric's
@@ -29,13 +32,15 @@ from tierflow.loader.open_loader import open_loader
 
 
 class TierflowDataModule(DataModule):
-    """Pretraining data for litgpt from a packed tierflow dataset (`url`: a path or s3://...,
-    with `open_loader`'s keywords: tiers, seed, num_workers, ...). `val_url` (default: `url`)
+    """Pretraining data for litgpt from a packed tierflow dataset (`url`: a path or s3://...;
+    tiers, num_workers, seed, and in `options` any other open_loader keyword). `val_url` (default: `url`)
     is read in eval mode, `val_batches` batches of it (None: all)."""
 
-    def __init__(self, url: str | Path, *, val_url: str | Path | None = None, val_batches: int | None = 8,
-                 endless: bool = True, **options: Any) -> None:
+    def __init__(self, url: str, *, val_url: str | None = None, val_batches: int | None = 8, endless: bool = True,
+                 tiers: list[str] | None = None, num_workers: int = 0, seed: int = 0,
+                 options: dict[str, Any] | None = None) -> None:
         super().__init__()
+        options = {"tiers": list(tiers or ()), "num_workers": num_workers, "seed": seed, **(options or {})}
         self.url = url
         self.val_url = val_url if val_url is not None else url
         self.val_batches = val_batches
