@@ -67,14 +67,17 @@ class Recorder:
         Path(path).write_text(json.dumps({"batches": self.batches, "lens": self.lens, **extra}))
 
 
-def reference(data: str, batches: int, rank: int = 0, world: int = 1, **options: Any) -> list[dict[str, Any]]:
-    """The first `batches` batches tierflow's own loop hands rank `rank` of `world` (one node):
-    each {"rows": fingerprints, "ids": sample ids, "epochs": sample epochs, "epoch": batch epoch}."""
+def reference(data: str, batches: int, rank: int = 0, world: int = 1, nodes: bool = False,
+              **options: Any) -> list[dict[str, Any]]:
+    """The first `batches` batches tierflow's own loop hands rank `rank` of `world` (one node, or
+    with `nodes` each rank a node of its own): each {"rows": fingerprints, "ids": sample ids,
+    "epochs": sample epochs, "epoch": batch epoch}."""
     from tierflow.loader import Loader, TieredDataset, WorldPosition
 
     options.setdefault("batch_size", BATCH)
     options.setdefault("seq_len", SEQ)
-    ds = TieredDataset(data, world=WorldPosition(0, 1, rank, world), **options)
+    position = WorldPosition(rank, world, 0, 1) if nodes else WorldPosition(0, 1, rank, world)
+    ds = TieredDataset(data, world=position, **options)
     out = []
     with Loader(ds, endless=True, return_meta=True) as loader:
         for batch, meta in loader:
@@ -110,7 +113,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def check_uninterrupted(data: str, runs: list[dict[str, Any]], epochs: int | None = 2, **options: Any) -> None:
+def check_uninterrupted(data: str, runs: list[dict[str, Any]], epochs: int | None = 2, nodes: bool = False,
+                        **options: Any) -> None:
     """Each rank trained exactly tierflow's own batches for its rank, in order; no (sample, epoch)
     twice across the ranks; with `epochs`, that many framework epochs, each as long as `len()` said
     at its start, and every sample of epoch 0 trained."""
@@ -119,7 +123,7 @@ def check_uninterrupted(data: str, runs: list[dict[str, Any]], epochs: int | Non
     first_epoch: set[int] = set()
     for rank, got in enumerate(runs):
         trained = [rows for _, rows in got["batches"]]
-        ref = reference(data, len(trained), rank, world, **options)
+        ref = reference(data, len(trained), rank, world, nodes, **options)
         assert len(ref) == len(trained)
         for step, (rows, want) in enumerate(zip(trained, ref)):
             assert rows == want["rows"], f"rank {rank} step {step}: trained another batch than tierflow's own loop"

@@ -31,6 +31,17 @@ class Record(TrainerCallback):
         self.epoch = int(state.epoch or 0)  # a resumed run starts inside the checkpoint's epoch
 
 
+class Arguments(TrainingArguments):
+    """transformers 5.3 resumes a multi-process CPU run with torch.load(map_location=args.device),
+    which is cpu:<local rank> there and which torch cannot map a CPU tensor to ("don't know how to
+    restore data location ... cpu:0"): the CPU has no index."""
+
+    @property
+    def device(self):
+        device = super().device
+        return torch.device("cpu") if device.type == "cpu" else device
+
+
 class SaveAt(TrainerCallback):
     def __init__(self, at):
         self.at = set(at)
@@ -46,7 +57,7 @@ def main():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
     loader = Loader(TieredDataset(cfg["data"], batch_size=BATCH, seq_len=SEQ), num_workers=cfg.get("workers", 0),
                     endless=cfg.get("endless", False))
-    args = TrainingArguments(output_dir=cfg["output_dir"], num_train_epochs=cfg.get("epochs", 1),
+    args = Arguments(output_dir=cfg["output_dir"], num_train_epochs=cfg.get("epochs", 1),
                              max_steps=cfg.get("max_steps", -1), per_device_train_batch_size=BATCH,
                              save_strategy="no", report_to=[], logging_strategy="no", use_cpu=True,
                              disable_tqdm=True, learning_rate=1e-3, save_only_model=False)

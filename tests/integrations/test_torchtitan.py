@@ -22,7 +22,7 @@ def test_dcp_checkpoint_two_dp_ranks(corpus, tmp_path, workers):
     base = {"data": corpus, "steps": 130, "workers": workers, "ckpt_dir": str(tmp_path)}
     run("run_torchtitan.py", {**base, "out": str(tmp_path / "full"), "save_at": at}, torchrun=2, timeout=300)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
-    check_uninterrupted(corpus, full, epochs=None)
+    check_uninterrupted(corpus, full, epochs=None, nodes=True)  # dp ranks: a node each (ranks_per_node=1)
     for step in at:
         run("run_torchtitan.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": step}, torchrun=2, timeout=300)
         for rank in range(2):
