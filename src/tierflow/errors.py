@@ -46,6 +46,11 @@ class BatchOrderError(TierflowError, RuntimeError):
     """Batches arrived out of order (e.g. a DataLoader with in_order=False); exact resume would break."""
 
 
+class WorkerLostError(TierflowError, RuntimeError):
+    """A DataLoader worker died (killed by a signal, the OOM killer, a crash in native code); the
+    message says how `loader.state_dict()` resumes exactly after the last batch the loop got."""
+
+
 class LoaderMisuseError(TierflowError, TypeError):
     """A TieredDataset used in a way that cannot work (e.g. collated by a DataLoader with a
     batch_size); the message says what to write instead."""
@@ -117,6 +122,22 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
     """`CheckpointStore.wait(timeout)` outlived its deadline with an upload still running; names the step."""
 
 
-__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CursorError", "CursorFormatError",
-           "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError", "PackInputError",
-           "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError", "TierflowError"]
+class TierflowWarning(UserWarning):
+    """The base of every warning tierflow issues on purpose (`warnings.filterwarnings` takes it)."""
+
+
+class CheckpointWarning(TierflowWarning):
+    """A checkpoint step was passed over (damaged, unreadable, bound to another step, a special
+    file) or a checkpoint chore could not be done now; the message names the step and the file."""
+
+
+class TierUnavailableWarning(TierflowWarning):
+    """A tier directory vanished under a running process (deleted to free a disk, or replaced) or
+    its index broke (truncated, damaged): the tier is bypassed, its reads served from the tier
+    below or the source. Issued once per tier object; the message names the directory."""
+
+
+__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CheckpointWarning", "CursorError",
+           "CursorFormatError", "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError",
+           "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
+           "TierUnavailableWarning", "TierflowError", "TierflowWarning", "TopologyError", "WorkerLostError"]

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import tierflow
 from tierflow.checkpoint import COMMIT_NAME, CheckpointError, CheckpointStore, LoaderState, step_name
 from tierflow.commands.cli import main as cli_main
-from tierflow.errors import TierflowError
+from tierflow.errors import CheckpointWarning, TierflowError
 
 from ckpt_rig import inputs, make_letter_dataset, make_token_dataset
 
@@ -146,8 +146,10 @@ def test_a_flipped_byte_is_named_and_skipped(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="part1.bin") as caught:
         fresh.load(2)
     assert isinstance(caught.value, TierflowError)
-    assert fresh.latest() == 1
-    assert fresh.local_steps() == []  # the failed download left nothing that looks like a step
+    with pytest.warns(CheckpointWarning, match=r"step-00000002 skipped: .*part1.bin"):
+        assert fresh.latest() == 1
+    # the failed download left nothing that looks like a step; the verified one is kept for load()
+    assert fresh.local_steps() == [1]
 
 
 def test_local_only_store_keeps_its_retention(tmp_path: Path) -> None:

@@ -198,7 +198,7 @@ def test_two_gloo_ranks_taking_len_batches_then_iter_get_whole_epochs_without_co
     assert [r["world"] for r in ranks] == [[0, 2], [1, 2]]
     lengths = [[e["len"] for e in r["epochs"]] for r in ranks]
     assert lengths[0] == lengths[1] and min(lengths[0]) > 0
-    assert result["calls"] <= 4 * 3
+    assert result["calls"] == 0  # the issue allows 4 an epoch; the order makes the edge need none
     windows = TieredDataset(packed, batch_size=4, seq_len=64, partitions=4).num_order_samples
     seen = [tuple(pair) for r in ranks for e in r["epochs"] for batch in e["samples"] for pair in batch]
     assert len(seen) == len(set(seen))  # no (sample, epoch) twice

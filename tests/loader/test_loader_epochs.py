@@ -194,3 +194,36 @@ def test_shuffle_false_resumes_exactly(long_tailed_docs, workers):
 
     assert_resumes_exactly(lambda w: Loader(stored(long_tailed_docs), num_workers=w), stops=[1, 17],
                            workers=workers)
+
+
+@pytest.mark.parametrize("endless", [False, True])
+def test_a_loop_that_fetches_one_batch_ahead_saves_the_state_of_the_batch_it_trained(long_tailed_docs, endless):
+    """Lightning's fetcher (a Loader without len()) and accelerate's DataLoaderShard hold one batch
+    ahead of the step; with `lookahead=1` the state saved resumes right after the trained batch,
+    and once the `for` has ended (nothing held ahead) after the last one."""
+    def make():
+        return Loader(windows(long_tailed_docs), endless=endless, return_meta=True)
+    epochs = Loader(windows(long_tailed_docs), return_meta=True)
+    reference = [[m.sample_ids.tolist() for _, m in epochs] for _ in range(2)]
+    loader = make()
+    loader.lookahead = 1
+    it = iter(loader)
+    trained, (_, meta) = [], next(it)
+    saved = {}
+    for step in range(len(reference[0]) - 1):
+        ahead = next(it)  # the framework fetches the next batch before the step trains this one
+        trained.append(meta.sample_ids.tolist())
+        if step in (0, 5):
+            saved[step + 1] = loader.state_dict()  # resumes at the batch after the trained one
+        meta = ahead[1]
+    trained.append(meta.sample_ids.tolist())
+    if not endless:
+        with pytest.raises(StopIteration):
+            next(it)  # the fetch ahead finds the epoch's end: the last batch is the one being trained
+        saved[len(reference[0])] = loader.state_dict()
+    assert trained == reference[0]
+    following = reference[0] + reference[1]
+    for at, state in saved.items():
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert next(iter(resumed))[1].sample_ids.tolist() == following[at]

@@ -7,20 +7,31 @@ the commit marker (`tierflow-commit.json`: the world size and each part manifest
 Writers put a part manifest after its files and the marker after every part, so a step whose
 marker is absent, or whose files do not match, is never resumed from. The same layout is used
 locally and at the destination, so one verifier serves both.
+
+A step is bound to its name: the marker and every part manifest record the step (and a part its
+rank), the marker records each part manifest's hash, and verification compares the recorded step
+with the name the step was found under, so a step copied or moved under another name (an rsync
+or a restore gone wrong) is refused. Local manifests and files are opened only when they are
+regular files (O_NONBLOCK, then fstat: a FIFO never blocks a reader), and every I/O error of a
+commit is a CheckpointError naming its file.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import xxhash
 
-from tierflow.errors import CheckpointError
+from tierflow.errors import CheckpointError, TierflowError
+from tierflow.format._regular import open_regular, read_regular
 
 STEP_PREFIX = "step-"
 COMMIT_NAME = "tierflow-commit.json"
@@ -28,6 +39,8 @@ PART_PATTERN = re.compile(r"^tierflow-part-(\d+)\.json$")
 STEP_PATTERN = re.compile(r"^step-(\d{8,})$")
 FORMAT = "tierflow-checkpoint/1"
 HASH_CHUNK = 8 << 20
+MANIFEST_MAX_BYTES = 256 << 20
+"""The largest marker or part manifest read (a part lists every file: ~100 bytes each)."""
 
 
 def step_name(step: int) -> str:
@@ -59,10 +72,38 @@ class FileEntry:
 def hash_file(path: Path) -> str:
     """xxh3-128 of a local file, streamed (checkpoint files can be larger than RAM)."""
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
+    with open(open_regular(path, CheckpointError), "rb") as f:  # a FIFO or directory: refused, never waited on
         while block := f.read(HASH_CHUNK):
             h.update(block)
     return h.hexdigest()
+
+
+def read_manifest(path: Path) -> bytes:
+    """A local marker or part manifest: a regular file of at most MANIFEST_MAX_BYTES, else a
+    CheckpointError naming it (FileNotFoundError passes through)."""
+    return read_regular(path, MANIFEST_MAX_BYTES, CheckpointError)
+
+
+def named(exc: OSError, path: str | os.PathLike[str]) -> CheckpointError:
+    """`exc` (e.g. ENOSPC from a write, which names no file) as a CheckpointError naming `path`;
+    it keeps the errno, so code testing `errno == ENOSPC` still works."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    code = f" ({errno.errorcode.get(exc.errno, exc.errno)})" if exc.errno else ""
+    error = CheckpointError(os.fspath(path), f"{reason}{code}")
+    error.errno = exc.errno  # not strerror: OSError.__str__ would then drop the message naming the file
+    return error
+
+
+@contextmanager
+def naming(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Re-raise a bare OSError of the block as a CheckpointError naming `path` (its own file
+    name, when the error has one)."""
+    try:
+        yield
+    except TierflowError:
+        raise
+    except OSError as exc:
+        raise named(exc, exc.filename or path) from exc
 
 
 def part_files(root: Path, exclude: Iterable[str] = ()) -> list[FileEntry]:
@@ -145,6 +186,9 @@ def verify_step(step: int, read: Callable[[str], bytes], sized: Callable[[str], 
         return StepReport(step, [], [f"{where}/{COMMIT_NAME}: missing (step not committed)"])
     except CheckpointError as exc:
         return StepReport(step, [], [str(exc)])
+    if marker.get("step") != step:
+        return StepReport(step, [], [f"{where}/{COMMIT_NAME}: records step {marker.get('step')!r}, found under "
+                                     f"{step_name(step)} (a step copied or moved under another name); refused"])
     parts = marker.get("parts", {})
     if not isinstance(parts, dict) or len(parts) != marker.get("world_size"):
         return StepReport(step, [], [f"{where}/{COMMIT_NAME}: parts do not match world_size"])
@@ -157,23 +201,36 @@ def verify_step(step: int, read: Callable[[str], bytes], sized: Callable[[str], 
         except FileNotFoundError:
             problems.append(f"{where}/{name}: missing")
             continue
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
         if xxhash.xxh3_128_hexdigest(raw) != expected:
             problems.append(f"{where}/{name}: does not match the commit marker")
             continue
         try:
-            entries = part_entries(decode(raw, f"{where}/{name}"), f"{where}/{name}")
+            body = decode(raw, f"{where}/{name}")
+            entries = part_entries(body, f"{where}/{name}")
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
+        if body.get("step") != step or body.get("rank") != int(rank):
+            problems.append(f"{where}/{name}: records step {body.get('step')!r} rank {body.get('rank')!r}, found "
+                            f"under {step_name(step)} as rank {int(rank)}; refused")
+            continue
         for entry in entries:
             files.append(entry)
-            size = sized(entry.name)
-            if size is None:
+            try:
+                size = sized(entry.name)
+                if size is None:
+                    problems.append(f"{where}/{entry.name}: missing")
+                elif size != entry.size:
+                    problems.append(f"{where}/{entry.name}: is {size} bytes, manifest says {entry.size}")
+                elif hashed is not None and hashed(entry.name) != entry.xxh3:
+                    problems.append(f"{where}/{entry.name}: checksum mismatch (xxh3 {entry.xxh3} expected)")
+            except FileNotFoundError:
                 problems.append(f"{where}/{entry.name}: missing")
-            elif size != entry.size:
-                problems.append(f"{where}/{entry.name}: is {size} bytes, manifest says {entry.size}")
-            elif hashed is not None and hashed(entry.name) != entry.xxh3:
-                problems.append(f"{where}/{entry.name}: checksum mismatch (xxh3 {entry.xxh3} expected)")
+            except CheckpointError as exc:
+                problems.append(str(exc))
     return StepReport(step, files, problems)
 
 
@@ -181,40 +238,67 @@ def verify_local(step_dir: Path, step: int, deep: bool = True) -> StepReport:
     """`verify_step` on a local step directory."""
 
     def read(name: str) -> bytes:
-        return (step_dir / name).read_bytes()
+        try:
+            return read_manifest(step_dir / name)
+        except FileNotFoundError:
+            raise
+        except NotADirectoryError:  # the step "directory" is a file
+            raise FileNotFoundError(str(step_dir / name)) from None
+        except TierflowError:
+            raise
+        except OSError as exc:
+            raise named(exc, step_dir / name) from None
 
     def sized(name: str) -> int | None:
+        path = step_dir / name
         try:
-            return (step_dir / name).stat().st_size
-        except FileNotFoundError:
+            info = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as exc:
+            raise named(exc, path) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(str(path), "not a regular file; refused")
+        return info.st_size
 
-    return verify_step(step, read, sized, (lambda n: hash_file(step_dir / n)) if deep else None, str(step_dir))
+    def hashed(name: str) -> str:
+        with naming(step_dir / name):
+            return hash_file(step_dir / name)
+
+    return verify_step(step, read, sized, hashed if deep else None, str(step_dir))
 
 
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (renames, new files) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with naming(path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with naming(path):
+        fd = open_regular(path, CheckpointError)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Write a small file under a temporary name, fsync, rename: it is whole or absent."""
+    """Write a small file under a temporary name, fsync, rename: it is whole or absent. An I/O
+    error (a full disk) is a CheckpointError naming `path`, and leaves no temporary."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with naming(path):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)

@@ -21,16 +21,30 @@ stager's lookahead covers that long at the loop's measured consumption rate (wit
 room), and returns when the upload's answer comes. `commit_async` hands the step to the
 uploader once that much is staged (or the expected duration, at most PRESTAGE_WAIT_S, passed);
 `commit` does not wait for it, since the loop it blocks is what consumes.
+
+Crashes. Opening a store with a destination reconciles the two sides: the committed local
+steps retention keeps that the destination lacks, or holds incomplete, are queued to the
+uploader again, newest first (`requeued`), so `wait()` returns once a step committed just before
+a node crash is at the destination. Temporaries of commits and downloads are locked (flock) by
+their owner while it lives; those of dead or failed ones are removed at open and at each
+`begin` (`swept`). `latest()` warns (`CheckpointWarning`) for every step it passes over, naming
+the step and the file (`skipped`), and retention then never deletes a step older than one it
+skipped. A remote candidate that `latest()` verifies deeply is downloaded once, verified while it
+streams, and kept here, so `load()` hands it out without reading it again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,17 +52,22 @@ from typing import Any
 import xxhash
 
 from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepReport, decode, encode_commit,
-                                          encode_part, fsync_dir, fsync_file, hash_file, parse_step,
-                                          part_entries, part_files, part_name, step_name, verify_local,
-                                          write_durably)
-from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, remote_steps, verify_remote
+                                          encode_part, fsync_dir, fsync_file, naming, parse_step, part_entries,
+                                          part_files, part_name, step_name, verify_local, write_durably)
+from tierflow.checkpoint.remote import (open_dest, prune_local, prune_remote, remote_steps, retained,
+                                        verify_remote)
 from tierflow.storage.budget import BandwidthBudget
-from tierflow.errors import CheckpointTimeout
+from tierflow.errors import CheckpointTimeout, CheckpointWarning, SourceError
 from tierflow.tiers.burst import Ride, RidesBursts
 
 
 PRESTAGE_WAIT_S = 30.0
 """The longest `commit_async` holds an upload back while the stager pre-stages for it."""
+
+UNOWNED_TEMPORARY_AGE_S = 3600.0
+"""A temporary whose name carries no process id is swept once unlocked and this old."""
+
+_TEMPORARY_PID = re.compile(r"-(\d+)$")
 
 
 class CheckpointStore:
@@ -88,15 +107,104 @@ class CheckpointStore:
         self.upload_rate: float | None = None
         """Bytes/s of the last upload (its answer's bytes over its seconds); None until one is done."""
         self._rides: dict[int, Ride] = {}
+        self._locks: dict[Path, int] = {}  # temporaries this process owns -> the descriptor holding its flock
+        self._verified: dict[int, tuple[Any, ...] | None] = {}  # steps verified deeply here -> their files' stat
+        self._remote_seen: set[int] = set()  # steps committed at the destination when latest() last looked
+        self.skipped: dict[int, str] = {}
+        """Steps `latest()` passed over -> the first problem found (it also warned)."""
+        self.swept: list[str] = self.sweep()
+        """Temporaries of dead or failed commits and downloads removed when the store opened."""
+        self.requeued: list[int] = self._reconcile()
+        """Committed local steps queued again at open because the destination lacked them, newest first."""
 
     # ------------------------------------------------------------ writing
     def begin(self, step: int) -> Path:
-        """A fresh temporary directory for this rank's part of `step`; write into it, then commit."""
+        """A fresh temporary directory for this rank's part of `step`; write into it, then commit.
+        It is locked while this process lives; temporaries nobody holds any more are swept."""
+        self._refuse_overwrite(step)
+        self.swept.extend(self.sweep())
         tmp = self.local / f".tmp-{step_name(step)}-rank{self.rank}-{os.getpid()}"
+        self._unlock(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        with naming(tmp):
+            tmp.mkdir(parents=True)
+        self._lock_temporary(tmp)
         self._open[step] = tmp
         return tmp
+
+    def _refuse_overwrite(self, step: int) -> None:
+        """A committed step older than one `latest()` skipped is what a resume falls back to:
+        never written over."""
+        floor = self._floor()
+        if floor is None or step >= floor:
+            return
+        if step in self._remote_seen or (self.local / step_name(step) / COMMIT_NAME).exists():
+            raise CheckpointError(f"{self.dest or self.local}/{step_name(step)}",
+                                  f"committed, and older than {step_name(floor)}, which latest() skipped "
+                                  f"({self.skipped[floor]}); it is never written over")
+
+    def _lock_temporary(self, tmp: Path) -> None:
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # just made, under this process's own name: free
+        self._locks[tmp] = fd
+
+    def _unlock(self, tmp: Path) -> None:
+        fd = self._locks.pop(tmp, None)
+        if fd is not None:
+            os.close(fd)
+
+    def sweep(self) -> list[str]:
+        """Remove the temporaries (`.tmp-*` directories) of commits and downloads that no live
+        owner holds: unlocked (its owner's flock went with its process, or its commit failed) and
+        made by a process of this node that is gone or by this one, or unnamed and an hour old.
+        Returns the names removed."""
+        removed: list[str] = []
+        try:
+            children = [c for c in self.local.iterdir() if c.name.startswith(".tmp-")]
+        except OSError:
+            return removed
+        for child in children:
+            if child in self._locks:
+                continue
+            try:
+                fd = os.open(child, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone, or not a directory
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # a live commit or download holds it
+                if not _abandoned(child, fd):
+                    continue
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child.name)
+            finally:
+                os.close(fd)
+        return removed
+
+    def _reconcile(self) -> list[int]:
+        """Queue the committed local steps retention keeps that the destination lacks or holds
+        incomplete, newest first; a destination that cannot be listed now is a warning."""
+        if self.dest is None or self.world_size > 1:
+            return []
+        local = {s for s in self.local_steps() if verify_local(self.local / step_name(s), s, deep=False).ok}
+        if not local:
+            return []
+        try:
+            source = self._dest()
+            remote = {s for s, done in remote_steps(source).items() if done}
+            keep = retained(local | remote, self.keep_last, self.keep_every)
+            missing = [s for s in sorted(local & keep, reverse=True)
+                       if s not in remote or not verify_remote(source, s, deep=False).ok]
+        except SourceError as exc:
+            warnings.warn(f"{self.dest}: cannot compare the destination with {self.local} now ({exc}); committed "
+                          f"local steps {sorted(local)} are not queued for upload again", CheckpointWarning,
+                          stacklevel=3)
+            return []
+        for step in missing:
+            self._submit(step, self.local / step_name(step))
+        return missing
 
     def commit(self, step: int, *, loader: Any = None, warm_batches: int = 256, stack: Any = None) -> Path:
         """Make `step` durable and visible locally, then queue its upload; returns the step directory.
@@ -115,7 +223,11 @@ class CheckpointStore:
         tmp = self._open.pop(step)
         ride = self._ride(step, tmp)
         try:
-            final = self._durable(step, tmp, warm)
+            try:
+                final = self._durable(step, tmp, warm)
+            finally:  # a failed commit leaves no temporary behind (it cannot be committed again)
+                self._unlock(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
             if ride is not None and prestage:
                 ride.wait(timeout=min(ride.seconds, PRESTAGE_WAIT_S))
             if self.dest is not None:
@@ -124,7 +236,7 @@ class CheckpointStore:
             self._end_ride(step)
             raise
         if self.dest is None and self.world_size == 1:
-            prune_local(self.local, None, self.keep_last, self.keep_every)
+            prune_local(self.local, None, self.keep_last, self.keep_every, self._floor())
         if self.world_size > 1:
             self._awaiting_marker.append(step)
         return final
@@ -153,8 +265,10 @@ class CheckpointStore:
         if warm is not None:
             from tierflow.checkpoint.warm import warm_name
 
-            (tmp / warm_name(self.rank)).write_text(json.dumps(warm, sort_keys=True))
-        entries = part_files(tmp)
+            with naming(tmp / warm_name(self.rank)):
+                (tmp / warm_name(self.rank)).write_text(json.dumps(warm, sort_keys=True))
+        with naming(tmp):
+            entries = part_files(tmp)
         for entry in entries:
             fsync_file(tmp / entry.name)
         part = encode_part(step, self.rank, entries)
@@ -165,7 +279,9 @@ class CheckpointStore:
         for directory, _, _ in os.walk(tmp):
             fsync_dir(Path(directory))
         final = self.local / step_name(step)
-        self._install(tmp, final)
+        with naming(final):
+            self._install(tmp, final)
+        self._verified.pop(step, None)
         return final
 
     def commit_async(self, step: int, after: Any = None, *, loader: Any = None,
@@ -218,7 +334,7 @@ class CheckpointStore:
         job = {"step": step, "rank": self.rank, "dir": str(final), "dest": self.dest,
                "endpoint_url": self.endpoint_url, "budget": _budget_spec(self.budget),
                "marker": self.world_size == 1, "local": str(self.local),
-               "keep_last": self.keep_last, "keep_every": self.keep_every}
+               "keep_last": self.keep_last, "keep_every": self.keep_every, "floor": self._floor()}
         with self._lock:
             self._pending[step] = threading.Event()
             self._results.pop(step, None)
@@ -319,10 +435,10 @@ class CheckpointStore:
                     source.upload(tmp, f"{step_name(step)}/{COMMIT_NAME}", priority="high")
                 finally:
                     tmp.unlink(missing_ok=True)
-                prune_remote(source, self.keep_last, self.keep_every)
+                prune_remote(source, self.keep_last, self.keep_every, self._floor())
             dist.barrier(group=self.group)  # the marker is up before any rank prunes its local copies
             prune_local(self.local, self._dest() if self.dest is not None else None, self.keep_last,
-                        self.keep_every)
+                        self.keep_every, self._floor())
 
     def _dest(self) -> Any:
         if self._source is None:
@@ -349,62 +465,120 @@ class CheckpointStore:
 
     def latest(self, deep: bool = True) -> int | None:
         """The newest step whose marker exists and whose files match it, here or at the
-        destination (`deep`: every checksum, which reads every byte of remote candidates)."""
+        destination (`deep`: every checksum; a remote candidate is then downloaded once, verified
+        as it streams, and kept here for `load()`). Every step passed over is a
+        `CheckpointWarning` naming the step and the file, and is recorded in `skipped`; retention
+        then keeps every step older than it."""
         candidates = set(self.local_steps())
+        remote: set[int] = set()
         if self.dest is not None:
-            candidates |= {s for s, done in self.remote_steps().items() if done}
+            remote = {s for s, done in self.remote_steps().items() if done}
+            candidates |= remote
+            self._remote_seen = remote
         for step in sorted(candidates, reverse=True):
-            if self.verify(step, deep).ok:
+            report = self._check(step, deep, step in remote)
+            if report.ok:
                 return step
+            self.skipped[step] = report.problems[0]
+            more = f" (and {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else ""
+            warnings.warn(f"checkpoint {step_name(step)} skipped: {report.problems[0]}{more}", CheckpointWarning,
+                          stacklevel=2)
         return None
+
+    def _check(self, step: int, deep: bool, at_dest: bool) -> StepReport:
+        """The local copy's report when it is whole; else (the destination has the step) the
+        destination's, which a deep check takes by downloading the step here."""
+        final = self.local / step_name(step)
+        if deep and self._still_verified(step):
+            return StepReport(step, [], [])
+        local = verify_local(final, step, deep)
+        if local.ok:
+            if deep:
+                self._verified[step] = _fingerprint(final)
+            return local
+        if self.dest is None or not at_dest:
+            return local
+        if not deep:
+            return verify_remote(self._dest(), step, deep=False)
+        try:
+            self._download(step, final)
+        except CheckpointError as exc:
+            return StepReport(step, [], [str(exc)])
+        return StepReport(step, [], [])
+
+    def _still_verified(self, step: int) -> bool:
+        seen = self._verified.get(step)
+        return seen is not None and seen == _fingerprint(self.local / step_name(step))  # None never matches
+
+    def _floor(self) -> int | None:
+        """The newest step `latest()` skipped: retention keeps every step older than it."""
+        return max(self.skipped) if self.skipped else None
 
     def load(self, step: int | None = None) -> Path:
         """A verified local directory of `step` (default: latest), downloaded when only the
-        destination has it whole. Raises CheckpointError naming the first bad file."""
+        destination has it whole; one `latest()` verified (or downloaded) is handed out without
+        reading it again while its files are unchanged. Raises CheckpointError naming the first
+        bad file."""
         if step is None:
             step = self.latest(deep=False)
             if step is None:
                 raise CheckpointError(self.dest or str(self.local), "no committed checkpoint")
         final = self.local / step_name(step)
+        if self._still_verified(step):
+            return final
         local = verify_local(final, step, deep=True)
         if local.ok:
+            self._verified[step] = _fingerprint(final)
             return final
         if self.dest is None:
             raise CheckpointError(str(final), "; ".join(local.problems))
         return self._download(step, final)
 
     def _download(self, step: int, final: Path) -> Path:
+        """Copy a step from the destination, hashing each file as it streams (one read), into a
+        locked temporary, then rename it over the local copy."""
         source = self._dest()
+        prefix = step_name(step)
+        where = f"{source.url.rstrip('/')}/{prefix}"
         report = verify_remote(source, step, deep=False)
         if not report.ok:
-            raise CheckpointError(f"{source.url.rstrip('/')}/{step_name(step)}", "; ".join(report.problems))
-        tmp = self.local / f".tmp-load-{step_name(step)}-{os.getpid()}"
+            raise CheckpointError(where, "; ".join(report.problems))
+        tmp = self.local / f".tmp-load-{prefix}-{os.getpid()}"
+        self._unlock(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        prefix = step_name(step)
-        marker = decode(source.read_bytes(f"{prefix}/{COMMIT_NAME}"), f"{prefix}/{COMMIT_NAME}")
+        with naming(tmp):
+            tmp.mkdir(parents=True)
+        self._lock_temporary(tmp)
         try:
+            marker_raw = _read_remote(source, f"{prefix}/{COMMIT_NAME}", where)
+            marker = decode(marker_raw, f"{where}/{COMMIT_NAME}")
             for rank in sorted(int(r) for r in marker["parts"]):
-                raw = source.read_bytes(f"{prefix}/{part_name(rank)}")
-                for entry in part_entries(decode(raw, part_name(rank)), part_name(rank)):
+                raw = _read_remote(source, f"{prefix}/{part_name(rank)}", where)
+                for entry in part_entries(decode(raw, f"{where}/{part_name(rank)}"), f"{where}/{part_name(rank)}"):
                     target = tmp / entry.name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    source.download(f"{prefix}/{entry.name}", target, entry.size, priority="high")
-                    if hash_file(target) != entry.xxh3:
-                        raise CheckpointError(f"{source.url.rstrip('/')}/{prefix}/{entry.name}",
-                                              f"checksum mismatch (xxh3 {entry.xxh3} expected)")
-                (tmp / part_name(rank)).write_bytes(raw)
-            (tmp / COMMIT_NAME).write_bytes(source.read_bytes(f"{prefix}/{COMMIT_NAME}"))
+                    with naming(target):
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        digest = _download_hashed(source, f"{prefix}/{entry.name}", target, entry.size, where)
+                    if digest != entry.xxh3:
+                        raise CheckpointError(f"{where}/{entry.name}", f"checksum mismatch (xxh3 {entry.xxh3} expected)")
+                write_durably(tmp / part_name(rank), raw)
+            write_durably(tmp / COMMIT_NAME, marker_raw)
+            check = verify_local(tmp, step, deep=False)  # what was written is the step verified above
+            if not check.ok:
+                raise CheckpointError(where, "; ".join(check.problems))
             for directory, _, files in os.walk(tmp):
                 for file in files:
                     fsync_file(Path(directory, file))
                 fsync_dir(Path(directory))
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            with naming(final):
+                if final.exists():
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
             fsync_dir(self.local)
         finally:
+            self._unlock(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
+        self._verified[step] = _fingerprint(final)
         return final
 
     def restore_warm(self, step: int, loader: Any, stack: Any = None, batches: int | None = None,
@@ -420,10 +594,11 @@ class CheckpointStore:
     def prune(self) -> list[int]:
         """Apply retention now (at the destination, then here); returns the removed steps (the
         destination's, or the local ones when there is no destination)."""
+        self.swept.extend(self.sweep())
         if self.dest is None:
-            return prune_local(self.local, None, self.keep_last, self.keep_every)
-        removed = prune_remote(self._dest(), self.keep_last, self.keep_every)
-        prune_local(self.local, self._dest(), self.keep_last, self.keep_every)
+            return prune_local(self.local, None, self.keep_last, self.keep_every, self._floor())
+        removed = prune_remote(self._dest(), self.keep_last, self.keep_every, self._floor())
+        prune_local(self.local, self._dest(), self.keep_last, self.keep_every, self._floor())
         return removed
 
     def close(self, wait: bool = True) -> None:
@@ -444,6 +619,63 @@ class CheckpointStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close(wait=exc[0] is None)
+
+
+def _abandoned(tmp: Path, fd: int) -> bool:
+    """Whether an unlocked temporary has no live owner: its process (the id its name ends with)
+    is gone from this node or is this one, or, without an id, it is an hour old."""
+    match = _TEMPORARY_PID.search(tmp.name)
+    if match is None:
+        return time.time() - os.fstat(fd).st_mtime > UNOWNED_TEMPORARY_AGE_S
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return True  # this process holds the lock of each temporary it is still writing
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _fingerprint(step_dir: Path) -> tuple[Any, ...] | None:
+    """What identifies the bytes of a verified step without reading them: each file's stat (None:
+    no such directory)."""
+    if not step_dir.is_dir():
+        return None
+    found = []
+    for directory, _, files in os.walk(step_dir):
+        for file in files:
+            try:
+                info = os.stat(os.path.join(directory, file))
+            except OSError:
+                return None
+            found.append((os.path.join(directory, file), info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns))
+    return tuple(sorted(found))
+
+
+def _read_remote(source: Any, name: str, where: str) -> bytes:
+    try:
+        return source.read_bytes(name)
+    except SourceError as exc:
+        raise CheckpointError(f"{where}/{name.rsplit('/', 1)[-1]}", f"unreadable ({exc.reason or exc})") from None
+
+
+def _download_hashed(source: Any, name: str, target: Path, size: int, where: str) -> str:
+    """Stream one object to `target`, hashing the bytes as they arrive; its xxh3-128."""
+    digest = xxhash.xxh3_128()
+    with open(target, "wb") as out:
+        def write(chunk: Any) -> None:
+            out.write(chunk)
+            digest.update(chunk)
+        try:
+            source.read_into(name, write, size, priority="high")
+        except SourceError as exc:
+            raise CheckpointError(f"{where}/{name.split('/', 1)[-1]}", f"unreadable ({exc.reason or exc})") from None
+        out.flush()
+        os.fsync(out.fileno())
+    return digest.hexdigest()
 
 
 def _distributed(group: Any) -> tuple[int, int]:

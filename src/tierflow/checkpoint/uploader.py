@@ -6,7 +6,10 @@ line per job on stdout. Every byte goes through the node's bandwidth budget at l
 training reads keep theirs; a step's files go first, its part manifest after them, and (for a
 single-rank job) the commit marker last, then retention runs. When its parent dies it finishes
 the job in hand and those queued, and exits at end of input: steps committed just before a
-crash still arrive (their answers, with no one to read them, are dropped).
+crash still arrive (their answers, with no one to read them, are dropped). A job whose step
+directory retention already removed (a step re-queued at open that a newer one made redundant)
+is answered `ok` with `gone`. Each PUT is bounded by the same deadline as reads (see
+storage/_deadline.py), so a silent or trickling peer fails the job instead of hanging it.
 
     python -m tierflow.checkpoint.uploader     # started by CheckpointStore, not by hand
 """
@@ -21,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tierflow.checkpoint.manifest import COMMIT_NAME, decode, part_entries, part_name, step_name
+from tierflow.checkpoint.manifest import COMMIT_NAME, decode, part_entries, part_name, read_manifest, step_name
 from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote
 from tierflow.storage.budget import BandwidthBudget
 
@@ -38,10 +41,16 @@ def upload_part(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     step, rank = int(job["step"]), int(job["rank"])
     step_dir = Path(job["dir"])
-    source = open_dest(job["dest"], job.get("endpoint_url"), budget_from(job.get("budget")))
     prefix = step_name(step)
     manifest = step_dir / part_name(rank)
-    entries = part_entries(decode(manifest.read_bytes(), str(manifest)), str(manifest))
+    try:
+        raw = read_manifest(manifest)
+    except FileNotFoundError:
+        if not step_dir.exists():  # retention dropped it after the job was queued: nothing to send
+            return {"step": step, "ok": True, "bytes": 0, "seconds": 0.0, "pruned": [], "gone": True}
+        raise
+    entries = part_entries(decode(raw, str(manifest)), str(manifest))
+    source = open_dest(job["dest"], job.get("endpoint_url"), budget_from(job.get("budget")))
     sent = 0
     for entry in entries:
         source.upload(step_dir / entry.name, f"{prefix}/{entry.name}", priority="low")
@@ -50,8 +59,8 @@ def upload_part(job: dict[str, Any]) -> dict[str, Any]:
     pruned: list[int] = []
     if job.get("marker"):
         source.upload(step_dir / COMMIT_NAME, f"{prefix}/{COMMIT_NAME}", priority="low")
-        pruned = prune_remote(source, job.get("keep_last"), job.get("keep_every"))
-        prune_local(Path(job["local"]), source, job.get("keep_last"), job.get("keep_every"))
+        pruned = prune_remote(source, job.get("keep_last"), job.get("keep_every"), job.get("floor"))
+        prune_local(Path(job["local"]), source, job.get("keep_last"), job.get("keep_every"), job.get("floor"))
     seconds = time.perf_counter() - started
     return {"step": step, "ok": True, "bytes": sent, "seconds": seconds, "pruned": pruned}
 

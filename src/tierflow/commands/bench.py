@@ -68,6 +68,16 @@ class BytesPerEpoch:
     optimum: float
     epochs: float
 
+    def describe(self) -> str:
+        """The figures as a sentence: per epoch over a run of one epoch or more; over a shorter run,
+        what it fetched in all (a cold start spread over 0.04 epochs is no per-epoch figure)."""
+        if self.epochs >= 1:
+            return (f"per epoch: {self.measured:.2f}x the dataset over {self.epochs:.1f} epochs "
+                    f"(plan {self.predicted:.2f}x; optimum with the same room {self.optimum:.2f}x)")
+        e = self.epochs
+        return (f"in all: {self.measured * e:.2f}x the dataset in {e:.2g} of an epoch, too short a run for a "
+                f"per-epoch figure (plan {self.predicted * e:.2f}x; optimum with the same room {self.optimum * e:.2f}x)")
+
 
 @dataclass(frozen=True)
 class BenchResult:
@@ -161,7 +171,8 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     dataset_bytes = sum(s.decoded_bytes for s in manifest.shards) if manifest is not None else None
     shard_bytes = dataset_bytes // max(1, len(manifest.shards)) if manifest is not None and dataset_bytes else None
     verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / len(timed), dataset_bytes=dataset_bytes,
-                    shard_bytes=shard_bytes, workers=num_workers)
+                    shard_bytes=shard_bytes, workers=num_workers,
+                    loader_ratio=dry_run_s / loader_s if loader_s > 0 else None)
     per_epoch = _bytes_per_epoch(dataset, snapshot, len(kept), tier_layout) if tier_layout else None
     if events is not None:
         events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)
@@ -223,8 +234,7 @@ def format_result(result: BenchResult, step_ms: float | None = None) -> str:
                          f"{t.fetch_p99_s * 1e3:9.1f}ms")
     b = result.bytes_per_epoch
     if b is not None:
-        lines.append(f"bytes from below per epoch: {b.measured:.2f}x the dataset over {b.epochs:.1f} epochs "
-                     f"(plan {b.predicted:.2f}x; optimum with the same room {b.optimum:.2f}x)")
+        lines.append("bytes from below " + b.describe())
     v = result.verdict
     lines += ["", f"verdict: {v.bound} - {v.reason}", f"change: {v.change}",
               f"recommended L1 {v.l1_bytes / 1e6:.1f} MB, L2 {v.l2_bytes / 1e6:.1f} MB, lookahead "

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("ls", "warm", "evict", "clean"),
                    help="list entries, pre-stage a dataset, evict entries, or remove leftover files")
     p.add_argument("dataset", nargs="?", help="dataset URL (warm) or dataset id (evict)")
+    p.add_argument("--all", action="store_true", dest="all_datasets",
+                   help="evict every dataset's entries: the tiers are the node's, other jobs' entries included")
     p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
                    help="a tier of this node (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
@@ -243,6 +245,24 @@ def parse_tiers(specs: list[str]) -> list:
     return [TierConfig.parse(spec) for spec in specs]
 
 
+def _confirm_evict_all(tiers: list) -> None:
+    """`cache evict` without a dataset id empties tiers every job on the node shares: asked at a
+    terminal, refused elsewhere unless --all says so. Tiers with nothing in them need no asking."""
+    entries = [r for t in tiers for r in t.index.entries()]
+    if not entries:
+        return
+    datasets = len({r.dataset for r in entries})
+    what = (f"{len(entries)} entries of {datasets} dataset{'s' * (datasets != 1)} from "
+            + ", ".join(f"{t.name} ({t.root})" for t in tiers))
+    if sys.stdin.isatty():
+        answer = input(f"evict {what}? These tiers are the node's: other jobs' entries go too. [y/N] ")
+        if answer.strip().lower() in ("y", "yes"):
+            return
+        raise ValueError("nothing evicted")
+    raise ValueError(f"without a dataset id this would evict {what}, other jobs' included; pass a dataset id "
+                     f"(see `tierflow cache ls`) or --all")
+
+
 @command("cache")
 def _cache(args: argparse.Namespace) -> int:
     from rich.console import Console
@@ -266,6 +286,8 @@ def _cache(args: argparse.Namespace) -> int:
                       + (f"; {declined} did not fit (no tier would take them)" if declined else ""))
     tiers = [c.build(configure=False) for c in configs]  # a look: the first job to write decides the config
     if args.action == "evict":
+        if not args.dataset and not args.all_datasets:
+            _confirm_evict_all(tiers)
         for t in tiers:
             keys = None
             if args.dataset:
@@ -405,6 +427,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        resume = ("; nothing was published: rerun the same command to carry on (the shards it sealed are kept)"
+                  if args.command == "pack" else "")
+        print(f"tierflow {args.command}: interrupted{resume}", file=sys.stderr)
+        return 130
     except (PackInputError, ManifestError, FileNotFoundError, KeyError, ValueError, OSError) as e:
         if args.verbose:
             raise

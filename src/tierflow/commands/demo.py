@@ -142,8 +142,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     ]
     if l2 is not None:
         lines.append(f"L2 demand hit ratio {l2.demand_hit_ratio:.1%}"
-                     + (f"; bytes from L4 {result.bytes_per_epoch.measured:.2f}x the dataset per epoch (plan "
-                        f"{result.bytes_per_epoch.predicted:.2f}x, optimum {result.bytes_per_epoch.optimum:.2f}x)"
+                     + (f"; bytes from L4 {result.bytes_per_epoch.describe()}"
                         if result.bytes_per_epoch is not None else ""))
     lines += [f"verdict: {result.verdict.bound} - {result.verdict.change}",
               f"model: {params:,} parameters, loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps "

@@ -35,7 +35,8 @@ def audit_blocks(blocks: BlockBytes, info: ShardInfo, manifest: Manifest) -> lis
     """`audit_shard` over any block source (a remote shard's ranged reads)."""
     table = LazyShardTable(info.name, blocks, manifest.schema)  # both only note what to check: no read yet
     if manifest.token_column is not None:
-        table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks])
+        table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks],
+                            manifest.eos_id)
     problems = []
     for b in range(table.num_blocks):
         try:
@@ -61,7 +62,8 @@ class StreamedAudit(BlockBytes):
         self.problems: list[str] = []
         self._table = LazyShardTable(info.name, self, manifest.schema)
         if manifest.token_column is not None:
-            self._table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks])
+            self._table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks],
+                                      manifest.eos_id)
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         if self._current is None or self._current[0] != index:

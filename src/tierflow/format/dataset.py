@@ -107,7 +107,8 @@ class Dataset:
         info = self.manifest.shards[s]
         table = self.source.open_shard(s, info)
         if self._token_column is not None and isinstance(table, LazyShardTable) and table._tokens is None:
-            table.expect_tokens(self._token_column, self.manifest.token_dtype, block_tokens(info.blocks))
+            table.expect_tokens(self._token_column, self.manifest.token_dtype, block_tokens(info.blocks),
+                                self.manifest.eos_id)
         return table
 
     def __getitem__(self, index: int) -> dict[str, Any]:

@@ -109,6 +109,51 @@ def _check_fields(d: dict, fail: Callable[[str], ManifestError]) -> None:
     eos = d.get("eos_id")
     if eos is not None and not (type(eos) is int and 0 <= eos < 1 << 32):
         raise fail(f"eos_id = {eos!r:.80} is not a token id")
+    said = d["tokenizer"].get("eos_id") if isinstance(d.get("tokenizer"), dict) else None
+    if eos is not None and type(said) is int and said != eos:  # the tokenizer's is in the dataset_id
+        raise fail(f"eos_id = {eos}, but its tokenizer's eos_id is {said} (edited, or resealed)")
+
+
+MAX_INT_DIGITS = 40
+"""No integer of a manifest has more digits (counts, offsets and ids are below 2**64: 20 digits)."""
+
+
+class _LongInteger:
+    """What the JSON parser makes of an integer literal of more than MAX_INT_DIGITS digits (int()
+    of 5,000 digits is a bare ValueError, and would cost quadratic time): found and named below."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+
+def _long_integer_error(raw: bytes, where: str, error: ValueError) -> ManifestError:
+    """The ManifestError for a manifest the JSON parser refused with a bare ValueError (an integer
+    of more digits than int() takes), naming the field: parsed again, such integers kept aside."""
+    def parse_int(text: str) -> int | _LongInteger:
+        return int(text) if len(text) <= MAX_INT_DIGITS else _LongInteger(text)
+
+    try:
+        found = _long_integer(json.loads(raw, parse_int=parse_int), "")
+    except (ValueError, RecursionError):
+        found = None
+    if found is None:
+        return ManifestError(f"{where}: not valid JSON ({error})")
+    return ManifestError(f"{where}: field {found[0] or '(the whole document)'} is an integer of {found[1].digits} "
+                         f"digits; no field of a manifest has more than {MAX_INT_DIGITS}")
+
+
+def _long_integer(value: Any, path: str) -> tuple[str, _LongInteger] | None:
+    """The first over-long integer in a parsed manifest, with its field's path, or None."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, _LongInteger):
+            return path, value
+        if isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
+    return None
 
 
 def _check_totals(manifest: "Manifest", fail: Callable[[str], ManifestError]) -> None:
@@ -203,6 +248,8 @@ class Manifest:
             raise ManifestError(f"{where}: not valid JSON ({e})") from None
         except RecursionError:
             raise ManifestError(f"{where}: JSON nested too deeply to be a manifest") from None
+        except ValueError as e:  # an integer longer than int() takes (4300 digits): find its field
+            raise _long_integer_error(raw, where, e) from None
         return cls.from_json(d, where)
 
     @classmethod

@@ -21,6 +21,7 @@ import pyarrow.types as pat
 from tierflow.format._heap import TRIM_EVERY, release_free_heap
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.index import cumulative
+from tierflow.errors import ManifestError
 from tierflow.format.shard import ShardCorruptError, block_error, block_rows, block_schema, decode_block
 
 
@@ -197,25 +198,28 @@ class LazyShardTable(ShardTable):
         self.blocks_loaded = 0
         """Blocks read, verified and decoded so far (a block the cache dropped counts again)."""
         self.blocks_verified = 0
-        self._tokens: tuple[str, str | None, list[int | None]] | None = None
+        self._tokens: tuple[str, str | None, list[int | None], int | None] | None = None
 
-    def expect_tokens(self, column: str, dtype: str | None, counts: Sequence[int | None]) -> None:
+    def expect_tokens(self, column: str, dtype: str | None, counts: Sequence[int | None],
+                      eos: int | None = None) -> None:
         """Check each block's token count (`counts`, the manifest's; None: not recorded) and token
         dtype against its list offsets when it is decoded, before any view of it is handed out:
-        a manifest whose counts were moved between blocks would otherwise serve wrong windows."""
+        a manifest whose counts were moved between blocks would otherwise serve wrong windows.
+        `eos`: the manifest's eos_id, which ends every document pack writes: a block whose
+        documents end with another token is ManifestError (windows would cut documents wrongly)."""
         with self._lock:
             if self._tokens is not None:
                 return
             if len(counts) != len(self._slots):
                 raise ShardCorruptError(f"shard {self.name}: {len(counts)} block token counts for "
                                         f"{len(self._slots)} blocks")
-            self._tokens = (column, dtype, list(counts))
+            self._tokens = (column, dtype, list(counts), eos)
             for b, slot in enumerate(self._slots):
                 if slot is not None:
                     self._check_tokens(b, slot[0])
 
     def _check_tokens(self, b: int, decoded: pa.RecordBatch) -> None:
-        column, dtype, counts = self._tokens  # type: ignore[misc]
+        column, dtype, counts, eos = self._tokens  # type: ignore[misc]
         idx = decoded.schema.get_field_index(column)
         block = self._source.blocks[b]
         if idx < 0:
@@ -232,6 +236,16 @@ class LazyShardTable(ShardTable):
             got = int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
             if got != counts[b]:
                 raise block_error(self.name, b, block, f"holds {got} tokens, the manifest says {counts[b]}")
+        if eos is not None and len(arr):
+            offsets = arr.offsets.to_numpy()
+            ends = offsets[1:][offsets[1:] > offsets[:-1]]  # of the documents with tokens
+            last = arr.values.to_numpy(zero_copy_only=False)[ends - 1] if len(ends) else ends
+            wrong = np.flatnonzero(last != eos)
+            if len(wrong):
+                raise ManifestError(f"shard {self.name}: block {b}: its documents end with token "
+                                    f"{int(last[wrong[0]])}, not the manifest's eos_id {eos} ({len(wrong)} of "
+                                    f"{len(ends)}): the manifest's eos_id is wrong (edited, or resealed); re-pack, "
+                                    f"or restore the manifest")
 
     @property
     def blocks(self) -> "_LazyBlocks":  # type: ignore[override]

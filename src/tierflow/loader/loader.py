@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from typing import Any, Iterator, Mapping
+from collections import deque
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
 
 from tierflow.loader._collate import BatchRuns, CarriedBatch, enlarge_result_pipe, flatten_runs, run_length
+from tierflow.loader._lifetime import bind_workers, raising_lost_workers
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.device_feed import DeviceFeed
@@ -103,6 +105,13 @@ class Loader:
         self._clock = None if endless or self.dataset.eval else EpochClock.parse(self.dataset.resumed_epoch)
         self._vote = EpochVote(agree=epoch_end == "agree", group=group)
         self._at_edge = False  # the last `for` finished its epoch by count, the feed reading on
+        self.lookahead = 0
+        """Batches the training loop's framework fetches ahead of its step (Lightning's fetcher on
+        a Loader without len(), accelerate's DataLoaderShard: 1): `state_dict()` is then the state
+        of the batch the step trained, not of the last one handed out, until the `for` ends
+        (tierflow.integrations sets it)."""
+        self._before: deque[_Saved] = deque(maxlen=_KEEP_BEFORE)  # the state before each recent hand-out
+        self._drained = True  # the last `for` has ended: the framework holds no batch ahead
         self._restart_eval = False
         self._held: CarriedBatch | None = None
         self._feed_iterator: Iterator[CarriedBatch] | None = None
@@ -160,10 +169,12 @@ class Loader:
             for registry in self.dataset.reading_registries():  # batches are built here: count their readers
                 self.telemetry.registry.include(registry, registry)
             timed = production_timer(self.dataset)  # the feed times each batch it builds
+        bind_workers(self._dataloader)  # its workers die with this process, SIGKILL too (loader/_lifetime.py)
         self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
         enlarge_result_pipe(self._source)  # a batch per write, not 64 KiB at a time
         self.start_prefetch()
-        received = flatten_runs(self._source) if self._loader_options["num_workers"] else self._source
+        received = (raising_lost_workers(flatten_runs(self._source), repr(self.dataset))
+                    if self._loader_options["num_workers"] else self._source)
         self._feed = DeviceFeed(_Started(received), device=self.device, depth=self.depth, widen=self.widen,
                                 ids=self.dtype,
                                 background=self.background, timed=timed,
@@ -207,6 +218,7 @@ class Loader:
         handed: float | None = None  # set only with telemetry on
         clock = self._clock
         self._at_edge = False
+        self._drained = False
         counted = self._epoch_left()
         epoch, left = counted if counted is not None else (None, None)
         stream_left = self._stream_left()
@@ -218,6 +230,7 @@ class Loader:
             if left == 0 or stream_left == 0:
                 if handed is not None:  # the loop's step after the last batch
                     telemetry.on_step(asked - handed)  # type: ignore[union-attr]
+                self._drained = True  # nothing handed ahead of the step any more
                 return
             if self._held is not None:
                 batch, self._held = self._held, None
@@ -230,6 +243,7 @@ class Loader:
                     if vote is not None:
                         vote.stop_here(None, clock)  # type: ignore[arg-type]  # ranks still reading must not wait
                     self._restart_eval = self.dataset.eval
+                    self._drained = True
                     return
                 if batch.meta.index != self._expected:
                     raise BatchOrderError(f"{self.dataset!r}: got batch {batch.meta.index}, expected "
@@ -241,7 +255,10 @@ class Loader:
                 self._held = batch
                 if handed is not None:
                     telemetry.on_step(asked - handed)  # type: ignore[union-attr]
+                self._drained = True
                 return
+            if self.lookahead:
+                self._before.append(self._saved())
             self._commit(meta)
             if clock is not None:
                 clock.done += 1
@@ -357,12 +374,23 @@ class Loader:
                 self._staged_from = self._cursor
             self.stager.start(self._cursor)
 
+    def _saved(self) -> _Saved:
+        clock = self._clock
+        return _Saved(self._planned, self._consumed, self._filtered,
+                      clock.to_dict() if clock is not None else None)
+
     def state_dict(self) -> dict[str, Any]:
-        """The cursor after the last batch handed to the training loop, plus counts; JSON-able."""
-        state = {"version": STATE_VERSION, "cursor": self._cursor.to_dict() if self._cursor is not None else None,
-                 "consumed": self._consumed, "filtered": self._filtered}
-        if self._clock is not None:
-            state["epoch"] = self._clock.to_dict()
+        """The cursor after the batch the training loop's step has (the last handed out, or with
+        `lookahead` k and the `for` still running the one k before it), plus counts; JSON-able."""
+        saved = self._saved()
+        if self.lookahead and not self._drained and self._before:
+            saved = self._before[-min(self.lookahead, len(self._before))]
+        planned = saved.planned
+        cursor = planned.resolve() if isinstance(planned, PlannedCursor) else planned
+        state = {"version": STATE_VERSION, "cursor": cursor.to_dict() if cursor is not None else None,
+                 "consumed": saved.consumed, "filtered": saved.filtered}
+        if saved.clock is not None:
+            state["epoch"] = saved.clock
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -375,9 +403,22 @@ class Loader:
         self._restart_eval = False
         if self._clock is not None:
             self._clock = EpochClock.parse(state.get("epoch"))
+        self._before.clear()
         self._consumed = int(state.get("consumed", 0))
         self._filtered = int(state.get("filtered", 0))
         self._dataloader = None
+
+
+class _Saved(NamedTuple):
+    """What `state_dict` saves, as it stood before a hand-out (`Loader.lookahead`)."""
+
+    planned: LoaderCursor | PlannedCursor | None
+    consumed: int
+    filtered: int
+    clock: dict[str, Any] | None
+
+
+_KEEP_BEFORE = 8
 
 
 def _as_is(batch: CarriedBatch) -> CarriedBatch:

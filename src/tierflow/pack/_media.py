@@ -75,11 +75,15 @@ def image_info(values: Sequence[bytes | None], where: Callable[[int], str], opti
     return arrays, kept
 
 
-def skip_or_raise(message: str, options: SourceOptions, stats: UnitStats) -> None:
+def skip_or_raise(message: str, options: SourceOptions, stats: UnitStats, file: str | None = None) -> None:
+    """Raise, or count a corrupt image and go on: a record, or with `file` an input file of its own."""
     if options.on_error != "skip":
         raise PackInputError(message + "; pass --on-error skip to count and skip such images")
-    stats.skipped_records += 1
     stats.corrupt_images += 1
+    if file is None:
+        stats.skip_record("corrupt image", message)
+        return
+    stats.skip_file("corrupt image", file)
     if len(stats.errors) < 50:
         stats.errors.append(message)
 

@@ -47,10 +47,11 @@ class ShardUploader:
         self.uploaded += self._pending.popleft().result()
 
     def publish(self, directory: Path) -> None:
-        """Wait for every shard, then upload the manifest: the dataset exists from this moment."""
+        """Wait for every shard, then upload the manifest: the dataset exists from this moment. A
+        manifest PUT whose answer is lost is checked at the store before the pack fails (`publish`)."""
         while self._pending:
             self._collect()
-        self.source.upload(directory / MANIFEST_NAME, MANIFEST_NAME, priority="low")
+        self.source.publish(directory / MANIFEST_NAME, MANIFEST_NAME, priority="low")
 
     def __enter__(self) -> "ShardUploader":
         return self

@@ -101,6 +101,9 @@ def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, whe
     tokenizer = make_tokenizer(config.tokenizer, config.eos_token)
     field_name = config.sources.text_field
     texts = text_column(batch, field_name, where)
+    if texts.null_count:
+        batch = _drop_null_texts(batch, texts, config.sources, result.stats, where)
+        texts = batch.column(field_name)
     if "text_bytes" in batch.schema.names and batch.column("text_bytes").null_count < batch.num_rows:
         raw = batch.column("text_bytes").cast(pa.large_binary())
         texts = pa.array([t if t is not None else r for t, r in
@@ -114,6 +117,30 @@ def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, whe
                if config.keep_text or name not in (field_name, "text_bytes")}
     columns["tokens"] = tokens
     return pa.RecordBatch.from_pydict(columns)
+
+
+def _drop_null_texts(batch: pa.RecordBatch, texts: pa.Array, options: SourceOptions, stats: UnitStats,
+                     where: str) -> pa.RecordBatch:
+    """A record with no text to tokenise (null, and no raw bytes of a file) is bad input, never an
+    empty document: raised, or counted and dropped under on_error="skip". (Records read as they are
+    were named with their line by the reader; these come from `fn` or a Parquet file.)"""
+    missing = texts.is_null()
+    if "text_bytes" in batch.schema.names:
+        import pyarrow.compute as pc
+
+        missing = pc.and_(missing, batch.column("text_bytes").is_null())
+    rows = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
+    if not len(rows):
+        return batch
+    source = "the input" if options.require_text else "fn's output"  # tokenising without require_text: fn ran
+    for r in rows:
+        message = f"{where}: record {int(r)} of {source} has no text in {options.text_field!r} (null or missing)"
+        if options.on_error != "skip":
+            raise PackInputError(message + "; pass --on-error skip to count and skip such records")
+        stats.skip_record("null text", message)
+    stats.samples -= len(rows)
+    keep = np.setdiff1d(np.arange(batch.num_rows), rows)
+    return batch.take(pa.array(keep, pa.int64()))
 
 
 def text_column(batch: pa.RecordBatch, name: str, where: str) -> pa.Array:
@@ -185,7 +212,7 @@ def _pack_unit_in_worker(unit: Unit, config: PackConfig) -> UnitResult:
 # ---------------------------------------------------------------- parent side
 
 
-@dataclass
+@dataclass(repr=False)
 class PackSummary:
     manifest: Manifest
     seconds: float
@@ -197,6 +224,15 @@ class PackSummary:
     @property
     def mb_per_s(self) -> float:
         return self.input_bytes / 1e6 / max(self.seconds, 1e-9)
+
+    def __repr__(self) -> str:
+        """One line (the dataclass's own would print the whole manifest, every shard's block table)."""
+        m = self.manifest
+        tokens = f", {m.num_tokens:,} tokens" if m.token_column else ""
+        skipped = m.stats.get("skipped_records", 0)
+        return (f"PackSummary(dataset_id={m.dataset_id!r}, {m.num_samples:,} samples{tokens} in {len(m.shards)} "
+                f"shards, {sum(s.bytes for s in m.shards) / 1e6:.1f} MB at rest, {self.seconds:.2f} s"
+                + (f", {skipped:,} records skipped" if skipped else "") + ")")
 
 
 def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> None:
@@ -283,8 +319,11 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
          include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
          overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20,
          block_bytes: int | None = None, endpoint_url: str | None = None, engine: str = "local",
-         address: str | None = None) -> PackSummary:
+         address: str | None = None, shard_size: int | str | None = None) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
+
+    `shard_size` is the CLI's `--shard-size` under its own name ("256MB", "1GiB" or bytes), the same
+    setting as `target_shard_bytes` (give one of them): the decoded size a shard is cut at.
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
     worker processes, so features computed here are paid once, not every epoch. `out` may be
@@ -300,6 +339,12 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     inputs and options: the shards it had sealed are kept and their units not packed again.
     """
     refuse_while_bootstrapping("tierflow.pack")
+    if shard_size is not None:
+        from tierflow.tiers.config import parse_size
+
+        if target_shard_bytes != 256 << 20:
+            raise ValueError("give shard_size= or target_shard_bytes=, not both (they are the same setting)")
+        target_shard_bytes = parse_size(shard_size)
     options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
                    compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
                    text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,
@@ -344,9 +389,10 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
     sources = _as_sources(sources)
     _check_options(target_shard_bytes, on_error)
     workers = workers or os.cpu_count() or 1
+    _check_inputs(sources, fn, workers, run_units is not None)
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
-                            on_error=on_error, chunk_bytes=chunk_bytes)
+                            on_error=on_error, chunk_bytes=chunk_bytes, require_text=tok is not None and fn is None)
     image_block_bytes = IMAGE_BLOCK_BYTES if block_bytes is None else None
     if block_bytes is None:
         block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
@@ -388,7 +434,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 journal.remove()
             _discard(out, assembler, tmp_dir)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise _no_space(out, run, workers, _planned_units(sources, options)) from e
+                raise _no_space(out, run, workers, _planned_units(sources, options), _expansion(tok)) from e
             raise
         if journal is not None:
             journal.close()
@@ -431,11 +477,23 @@ def _planned_units(sources: list, options: SourceOptions) -> list[int]:
         return []
 
 
-def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int]) -> PackInputError:
+def _expansion(tok: Any) -> float:
+    """Decoded (scratch) bytes a unit may take per byte of its input, at most: its fields (text
+    included) no larger than the input they were parsed from, plus the token ids, one id of the
+    tokenizer's dtype per input byte at most (the byte tokenizer's exactly: 3x its input with
+    the text kept, where counting the input alone under-stated the need by 3)."""
+    if tok is None:
+        return 1.0
+    return 1.0 + np.dtype(token_dtype(tok.vocab_size)).itemsize
+
+
+def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int], expansion: float = 1.0) -> PackInputError:
     """ENOSPC, with what the pack needs: scratch for the units in flight (their decoded Arrow
-    files, a window of two per worker: never the whole dataset) and room for the shards."""
+    files, a window of two per worker: never the whole dataset) and room for the shards.
+    `expansion`: decoded bytes per input byte at most (`_expansion`), for a unit none came back of."""
     window = min(2 * workers + 1 if workers > 1 else 1, len(units) or 1 << 30)
-    unit = run.largest_unit or max(units, default=0)  # before any unit came back: about its input size
+    # the largest unit's scratch seen; before any unit came back, the largest planned one expanded
+    unit = run.largest_unit or int(max(units, default=0) * expansion)
     written = sum(s.bytes for s in run.assembler.shards)
     free = shutil.disk_usage(out).free  # this run's files are removed by now
     return PackInputError(
@@ -452,6 +510,25 @@ def _as_sources(sources: Any) -> list:
     if not isinstance(sources, (list, tuple)):
         return [sources]  # an iterable of records
     return list(sources)
+
+
+def _check_inputs(sources: list, fn: Callable | None, workers: int, engine: bool) -> None:
+    """Refuse before anything is written: an input path that does not exist (a typo must not leave an
+    empty output directory behind), or an `fn` the worker processes cannot receive."""
+    for source in sources:
+        if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
+            raise PackInputError(f"{os.fspath(source)}: no such file or directory")
+    if fn is not None and workers > 1 and not engine:  # (Ray pickles with cloudpickle, lambdas included)
+        import pickle
+
+        try:
+            pickle.dumps(fn)
+        except Exception:  # noqa: BLE001 - pickle raises several kinds for the same reason
+            name = getattr(fn, "__name__", repr(fn))
+            raise PackInputError(
+                f"fn={name} cannot be sent to the worker processes (they receive it pickled): define it with "
+                f"`def` at the top level of a module (or a notebook cell), not as a lambda or inside a function, "
+                f"or pass workers=1 to run it in this process") from None
 
 
 def _check_options(target_shard_bytes: int, on_error: str) -> None:
@@ -611,6 +688,7 @@ class _PackRun:
             "skipped_files": totals.skipped_summary(),
             "kept_as_bytes": totals.kept_as_bytes,
             "skipped_records": totals.skipped_records,
+            "skipped_records_by_reason": totals.skipped_records_summary(),
             "filtered": totals.filtered,
             "errors": totals.errors,
             "input_bytes": self.input_bytes,
@@ -715,7 +793,9 @@ def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
     if m.stats.get("kept_as_bytes"):
         rows.append(("kept as bytes", f"{m.stats['kept_as_bytes']:,} (not valid UTF-8)"))
     if m.stats.get("skipped_records"):
-        rows.append(("skipped", f"{m.stats['skipped_records']:,} malformed records"))
+        reasons = m.stats.get("skipped_records_by_reason") or {}
+        rows.append(("skipped", f"{m.stats['skipped_records']:,} record{'s' * (m.stats['skipped_records'] != 1)}" + (" (" + ", ".join(
+            f"{v['count']:,} {reason}, e.g. {v['example']}" for reason, v in reasons.items()) + ")" if reasons else "")))
     if m.stats.get("skipped_files"):
         rows.append(("skipped files", _describe_skipped(m.stats["skipped_files"])))
     for k, v in rows:

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -185,6 +185,95 @@ def estimate_input_bytes(sources: Sequence[Any], options: SourceOptions) -> int 
 # ---------------------------------------------------------------- reading units
 
 
+SKIP_HINT = "; pass --on-error skip to count and skip such records"
+
+
+def _text_problem(row: dict, name: str) -> tuple[str, str] | None:
+    """(reason, what is wrong) when a record has no string to tokenise in `name`, else None."""
+    if name not in row:
+        keys = ", ".join(list(row)[:8]) + (", ..." if len(row) > 8 else "")
+        return "no text field", f"no text field {name!r} (keys: {keys or 'none'})"
+    value = row[name]
+    if value is None:
+        return "null text", f"text field {name!r} is null"
+    if not isinstance(value, str):
+        return "text not a string", f"text field {name!r} is {_kind(value)} ({_short(value)}), expected a string"
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", bytes: "bytes", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=repr) if not isinstance(value, bytes) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _bad_record(message: str, reason: str, options: SourceOptions, stats: UnitStats) -> None:
+    """Raise `message` (FILE:LINE: what is wrong) with the --on-error hint, or count it by reason."""
+    if options.on_error != "skip":
+        raise PackInputError(message + ("; pass --text-field to choose the field to tokenise, or --on-error skip to "
+                                        "count and skip such records" if reason == "no text field" else SKIP_HINT))
+    stats.skip_record(reason, message)
+
+
+def _mixed_types(rows: Sequence[dict]) -> dict[int, tuple[str, str]]:
+    """{row: (column, what is wrong)} for values whose kind differs from the column's usual one
+    (the kind most rows hold; numbers are one kind, nulls fit any)."""
+    kinds: dict[str, list[str | None]] = {}
+    for i, row in enumerate(rows):
+        for name, value in (row.items() if isinstance(row, dict) else ()):
+            kinds.setdefault(name, [None] * len(rows))[i] = None if value is None else _kind(value)
+    bad: dict[int, tuple[str, str]] = {}
+    for name, column in kinds.items():
+        counts: dict[str, int] = {}
+        for k in column:
+            if k is not None:
+                counts[k] = counts.get(k, 0) + 1
+        if len(counts) < 2:
+            continue
+        usual = max(counts, key=lambda k: counts[k])  # first seen wins a tie
+        for i, k in enumerate(column):
+            if k is not None and k != usual and i not in bad:
+                bad[i] = (name, f"column {name!r} is {k} ({_short(rows[i][name])}) where the other records "
+                                f"hold {usual.split(' ', 1)[1]}s")
+    return bad
+
+
+def records_batch(rows: list[dict], where: Callable[[int], str], label: str, options: SourceOptions,
+                  stats: UnitStats, text_checked: bool = False) -> pa.RecordBatch | None:
+    """The batch of the records that can be packed (None when none can). A record without its text
+    (when one is required) or with a value of another kind than its column's is bad input, raised
+    as `where(i): what is wrong` or, under on_error="skip", counted by reason and left out."""
+    index = list(range(len(rows)))
+    if options.require_text and not text_checked:
+        index = []
+        for i, row in enumerate(rows):
+            problem = _text_problem(row, options.text_field) if isinstance(row, dict) else None
+            if problem is not None:
+                _bad_record(f"{where(i)}: {problem[1]}", problem[0], options, stats)
+                continue
+            index.append(i)
+    kept = [rows[i] for i in index]
+    try:
+        batch = rows_to_batch(kept, label) if kept else None
+    except PackInputError:
+        bad = _mixed_types(kept)  # only where Arrow refused: it takes kinds (ints and floats, numpy) we would not
+        if not bad:
+            raise
+        for j in sorted(bad):
+            _bad_record(f"{where(index[j])}: {bad[j][1]}", "mixed types", options, stats)
+        kept = [row for j, row in enumerate(kept) if j not in bad]
+        batch = rows_to_batch(kept, label) if kept else None
+    stats.samples += len(kept)
+    return batch
+
+
 def rows_to_batch(rows: Sequence[dict], where: str) -> pa.RecordBatch:
     """Columns are the union of keys in order of first appearance; types inferred over all rows."""
     names: dict[str, None] = {}
@@ -217,8 +306,10 @@ def read_unit(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[
     elif unit.kind == "webdataset":
         yield from media.read_webdataset(unit, options, stats)
     elif unit.kind == "records":
-        stats.samples += len(unit.records)
-        yield rows_to_batch(unit.records, f"records {unit.index * options.records_per_unit}..")
+        first = unit.index * options.records_per_unit
+        batch = records_batch(unit.records, lambda i: f"record {first + i}", f"records {first}..", options, stats)
+        if batch is not None:
+            yield batch
     else:
         raise PackInputError(f"{unit.path}: unknown unit kind {unit.kind!r}")
 
@@ -289,9 +380,11 @@ def _read_json_document(unit: Unit, options: SourceOptions, stats: UnitStats) ->
         stats.errors.append(message)
         return
     stats.files += 1
-    stats.samples += len(rows)
     for start in range(0, len(rows), options.records_per_unit):
-        yield rows_to_batch(rows[start:start + options.records_per_unit], unit.path)
+        batch = records_batch(rows[start:start + options.records_per_unit], lambda i: f"{unit.path}: item {start + i}",
+                              unit.path, options, stats)
+        if batch is not None:
+            yield batch
 
 
 def _line_number(unit: Unit, offset_in_chunk_lines: int) -> int:
@@ -317,12 +410,21 @@ def _parse_jsonl_chunk(data: bytes, unit: Unit, options: SourceOptions, stats: U
             use_threads=False, block_size=max(1 << 20, len(data) + 1)))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
         table = None
-    if table is not None:
+    if table is not None and not (options.require_text and _text_missing(table, options.text_field)):
         stats.samples += table.num_rows
         yield from table.to_batches()
         return
-    # slow path: locate the bad line, then raise with its number or skip it
-    rows = []
+    # slow path: locate each bad line, then raise with its number or count and skip it
+    before: list[int] = []
+
+    def where(i: int) -> str:  # FILE:LINE of the chunk's line i (0-based)
+        if first_line is not None:
+            return f"{unit.path}:{first_line + i}"
+        if not before:
+            before.append(_line_number(unit, 0))
+        return f"{unit.path}:{before[0] + i + 1}"
+
+    rows, lines = [], []
     for i, line in enumerate(data.split(b"\n")):
         if not line.strip():
             continue
@@ -331,18 +433,27 @@ def _parse_jsonl_chunk(data: bytes, unit: Unit, options: SourceOptions, stats: U
             if not isinstance(row, dict):
                 raise ValueError(f"expected a JSON object, got {type(row).__name__}")
         except (ValueError, UnicodeDecodeError) as e:
-            lineno = (first_line + i) if first_line is not None else _line_number(unit, i + 1)
-            message = f"{unit.path}:{lineno}: malformed JSON line ({e})"
+            message = f"{where(i)}: malformed JSON line ({e})"
             if options.on_error != "skip":
                 raise PackInputError(message + "; pass --on-error skip to skip such lines") from None
-            stats.skipped_records += 1
-            if len(stats.errors) < 50:
-                stats.errors.append(message)
+            stats.skip_record("malformed JSON", message)
+            continue
+        problem = _text_problem(row, options.text_field) if options.require_text else None
+        if problem is not None:  # here, so the first bad line is the one named
+            _bad_record(f"{where(i)}: {problem[1]}", problem[0], options, stats)
             continue
         rows.append(row)
-    if rows:
-        stats.samples += len(rows)
-        yield rows_to_batch(rows, unit.path)
+        lines.append(i)
+    batch = records_batch(rows, lambda j: where(lines[j]), unit.path, options, stats, text_checked=True)
+    if batch is not None:
+        yield batch
+
+
+def _text_missing(table: pa.Table, name: str) -> bool:
+    """Whether some record of a parsed chunk has no value in `name` (then the slow path names it).
+    A column that is missing throughout, or of another type throughout, is the wrong --text-field:
+    the tokenizer's check names it with its columns or its type."""
+    return name in table.column_names and table.column(name).null_count > 0
 
 
 def _read_files(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
@@ -382,9 +493,7 @@ def _read_images(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterat
         try:
             info = media.probe(row["image"])
         except media.CorruptImage as e:
-            media.skip_or_raise(f"{full}: {e}", options, stats)
-            stats.skipped_records -= 1  # a file, counted by reason with the skipped files
-            stats.skip_file("corrupt image", full)
+            media.skip_or_raise(f"{full}: {e}", options, stats, file=full)  # a file, counted with the skipped files
             continue
         row.update({f"image_{name}": value for (name, _), value in
                     zip(media.INFO_FIELDS, (*info, len(row["image"])))})

@@ -1,4 +1,4 @@
-"""Deadlines for fetches: a total time per operation and a minimum throughput per attempt.
+"""Deadlines for fetches and uploads: a total time per operation and a minimum throughput per attempt.
 
 A client's read timeout only notices silence: a peer sending one byte every 3 s never trips it,
 and a silent one costs (read timeout) x (attempts) (181 s with the defaults). So every source
@@ -100,6 +100,39 @@ def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: 
         raise Stalled(f"{what}: no answer within {limit:.3g} s") from None
     finally:
         deadline.spent += time.monotonic() - started
+    if not ok:
+        raise value
+    return value
+
+
+def call_within_paced(fn: Callable[[], _T], seconds: float, deadline: Deadline, held: Callable[[], float],
+                      what: str) -> _T:
+    """`call_within` for a call that paces itself (an upload pulling its body through the
+    bandwidth budget): the seconds `held()` reports it spent held back by the pacing count
+    against neither `seconds` nor `deadline`, only the time spent waiting on the peer does."""
+    box: queue.Queue = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        try:
+            box.put((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.put((False, exc))
+
+    limit = max(0.0, min(seconds, deadline.left()))
+    started = time.monotonic()
+    threading.Thread(target=run, daemon=True, name="tierflow-put").start()
+    try:
+        while True:
+            left = limit - (time.monotonic() - started - held())
+            if left <= 0:
+                raise Stalled(f"{what}: no answer within {limit:.3g} s")
+            try:
+                ok, value = box.get(timeout=min(left, 1.0))
+                break
+            except queue.Empty:
+                continue
+    finally:
+        deadline.spent += max(0.0, time.monotonic() - started - held())
     if not ok:
         raise value
     return value

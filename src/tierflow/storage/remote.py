@@ -12,8 +12,10 @@ and again after a fork, since none of them survive one.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,7 +27,9 @@ from urllib.parse import urlsplit
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.errors import SourceError, SourceNotFound, SourceTimeout
-from tierflow.storage._deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
+from tierflow.storage._deadline import (Deadline, FetchLimits, GuardedChunks, Stalled, call_within,
+                                       call_within_paced)
+from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import open_regular, read_regular
 
 CHUNK_BYTES = 1 << 20
@@ -33,6 +37,10 @@ CHUNK_BYTES = 1 << 20
 
 MULTIPART_BYTES = 8 << 20
 """Uploads larger than this go in parts (S3 multipart), streamed from the file."""
+LANDED_CHECK_BYTES = 64 << 20
+"""`publish` reads back an object of at most this size to tell whether a failed upload landed."""
+
+log = logging.getLogger("tierflow.storage")
 
 _T = TypeVar("_T")
 
@@ -226,18 +234,61 @@ class RetryingSource:
         return self._retrying("download", name, attempt, deadline)
 
     def upload(self, src: str | Path, name: str, *, priority: Priority = "low") -> None:
-        """Upload a local file; large files stream in parts, each charged to the budget."""
+        """Upload a local file; large files stream in parts, each charged to the budget. Bounded
+        as a read of its size is: `limits.total(size)` over every attempt and
+        `limits.chunk_wait(size)` per attempt, counting only time spent on the peer (not on the
+        budget), then SourceTimeout naming the object."""
         key = check_name(self.url, name)
         src = Path(src)
         size = src.stat().st_size
+        deadline = Deadline(self.limits.total(size))
 
-        def chunks() -> Iterator[bytes]:
-            with open(src, "rb") as file:
-                while block := file.read(self.chunk_bytes):
-                    self._charge(len(block), priority, "out")
-                    yield block
+        def attempt() -> None:
+            held = [0.0]  # seconds this attempt's body waited on the budget
+            abandoned = threading.Event()
 
-        self._retrying("put", name, lambda: self._put(key, src, size, chunks))
+            def chunks() -> Iterator[bytes]:
+                with open(src, "rb") as file:
+                    while block := file.read(self.chunk_bytes):
+                        if abandoned.is_set():  # an attempt cut by its deadline sends no more
+                            raise Stalled(f"{join_url(self.url, name)}: attempt abandoned")
+                        started = time.monotonic()
+                        self._charge(len(block), priority, "out")
+                        held[0] += time.monotonic() - started
+                        yield block
+
+            if not self.watchdog:
+                return self._put(key, src, size, chunks)
+            try:
+                return call_within_paced(lambda: self._put(key, src, size, chunks), self.limits.chunk_wait(size),
+                                         deadline, lambda: held[0], join_url(self.url, name))
+            finally:
+                abandoned.set()
+
+        self._retrying("put", name, attempt, deadline)
+
+    def publish(self, src: str | Path, name: str, *, priority: Priority = "low") -> None:
+        """`upload` for an object whose arrival means something (a dataset's manifest: it exists
+        from that moment): when the upload fails, the object is looked at (HEAD, then its bytes
+        against `src`'s) before failing, since a PUT whose answer was lost may have landed.
+        Landed whole, it is a success (logged); otherwise the upload's error is raised."""
+        try:
+            self.upload(src, name, priority=priority)
+        except SourceError as failed:
+            if not self._landed(Path(src), name):
+                raise
+            log.warning("%s: the upload failed (%s), but the object is there with the bytes sent; "
+                        "it landed, its answer was lost", join_url(self.url, name), failed.reason or failed)
+
+    def _landed(self, src: Path, name: str) -> bool:
+        """Whether the object `name` holds `src`'s bytes (what a lost PUT answer leaves unknown)."""
+        try:
+            size = src.stat().st_size
+            if self.size(name) != size or size > LANDED_CHECK_BYTES:
+                return False
+            return xxh3_128_hex(self.read_bytes(name)) == file_xxh3_128(src)
+        except (SourceError, OSError):
+            return False  # not there, or the store cannot be asked either: the upload's error stands
 
     def list(self, prefix: str = "") -> list[str]:
         """Names of every object under the source that start with `prefix`, sorted."""
@@ -487,7 +538,7 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     present = set(source.list("shard-"))
     uploaded = sum(upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority)
                    for s in manifest.shards)
-    source.upload(local_dir / MANIFEST_NAME, MANIFEST_NAME, priority=priority)
+    source.publish(local_dir / MANIFEST_NAME, MANIFEST_NAME, priority=priority)
     return uploaded
 
 

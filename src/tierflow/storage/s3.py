@@ -14,12 +14,27 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tierflow.errors import SourceError
+from tierflow.errors import SourceError, SourceNotFound
 from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingSource, TruncatedBody
 
 _obstore_runtime_pid: int | None = None  # the process whose obstore (tokio) runtime has started
 _CLIENT_ERROR = re.compile(r"status code: (4\d\d)")
 _RETRYABLE_CLIENT_STATUSES = {"408", "429"}
+_STATUS = re.compile(r"status code: (\d{3}[^:]*)")
+_XML_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]+)</Message>")
+_METADATA_MARKERS = ("169.254.169.254", "/latest/api/token", "/latest/meta-data/")
+_CREDENTIAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                     "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"}
+CREDENTIALS_HINT = (
+    "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary ones), or "
+    "AWS_PROFILE naming a profile of ~/.aws/config (read through boto3); for an S3-compatible store (MinIO, "
+    "Ceph, R2) also its endpoint: endpoint_url=, --endpoint-url or AWS_ENDPOINT_URL_S3. See docs/scale-out.md, \"Credentials for s3://\"")
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 class S3Source(RetryingSource):
@@ -147,9 +162,66 @@ class S3Source(RetryingSource):
 
         obstore.delete(self.store, key)
 
+    def _retrying(self, op: str, name: str, attempt: Callable[[], Any], deadline: Any = None) -> Any:
+        """The shared retry loop, its final error said in S3's terms (see `_explain`)."""
+        try:
+            return super()._retrying(op, name, attempt, deadline)
+        except SourceNotFound:
+            if self._bucket_missing():  # a 404 on HEAD has no body: NoSuchBucket and NoSuchKey look alike
+                raise SourceError(self.url, name, self._no_bucket()) from None
+            raise
+        except SourceError as e:
+            reason = None if e.__cause__ is None else self._explain(e.__cause__)
+            if reason is None:
+                raise
+            raise type(e)(self.url, name, f"{op} failed: {reason}", e.attempts) from e.__cause__
+
+    def _bucket_missing(self) -> bool:
+        """Whether the bucket itself does not exist (one listing request, asked once an object was not found)."""
+        if getattr(self, "_bucket_seen", False):
+            return False
+        import obstore
+
+        try:
+            next(iter(obstore.list(self.store, None, chunk_size=1)), None)
+        except Exception as e:  # noqa: BLE001 - only NoSuchBucket is an answer; anything else is not ours to say
+            return "NoSuchBucket" in str(e)
+        self._bucket_seen = True
+        return False
+
+    def _no_bucket(self) -> str:
+        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        return (f"bucket {self.bucket!r} does not exist{where}; check the bucket's name in the URL "
+                f"(s3://BUCKET/prefix) and the endpoint (endpoint_url=, --endpoint-url or AWS_ENDPOINT_URL_S3)")
+
+    def _explain(self, exc: BaseException) -> str | None:
+        """What an obstore error means for the user, or None to keep tierflow's generic description:
+        S3's XML reduced to its code and message; a missing bucket or missing or refused
+        credentials with what to set."""
+        text = str(exc)
+        if any(marker in text for marker in _METADATA_MARKERS):
+            detail = _first_line(text.split(" - ", 1)[-1])
+            at = " (169.254.169.254)" if "169.254.169.254" in text else ""
+            return (f"no S3 credentials found, so the client asked the EC2 instance metadata service{at}, "
+                    f"which failed ({detail}). " + CREDENTIALS_HINT)
+        code = _XML_CODE.search(text)
+        if code is None:
+            return None
+        message = _XML_MESSAGE.search(text)
+        said = f"{code.group(1)}: {message.group(1).strip().rstrip('.')}" if message else code.group(1)
+        status = _STATUS.search(text)
+        said = f"{status.group(1).strip()}: {said}" if status else said
+        if code.group(1) == "NoSuchBucket":
+            return self._no_bucket()
+        if code.group(1) in _CREDENTIAL_CODES:
+            return f"{said}. The credentials were refused: " + CREDENTIALS_HINT
+        return said
+
     def _transient(self, exc: BaseException) -> bool:
         from obstore.exceptions import GenericError
 
+        if any(marker in str(exc) for marker in _METADATA_MARKERS):
+            return False  # no credentials: asking the metadata service again will not find any
         if super()._transient(exc):
             return True
         if not isinstance(exc, GenericError):

@@ -3,8 +3,8 @@
 It forwards every request unchanged (any method, streamed bodies, Range, the client's own Host
 header, so signed S3 requests stay valid), counts requests and body bytes per method and path
 exactly, paces responses through a token bucket, and injects faults on the next N matching
-requests: an S3-style 503, a connection reset mid-response, or a body cut short of its
-Content-Length. It runs as threads in the calling process; query it from that process.
+requests: an S3-style 503, a connection reset mid-response, a body cut short of its
+Content-Length, or silence after the request. It runs as threads in the calling process; query it from that process.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ class Fault(str, enum.Enum):
     UNAVAILABLE = "503"
     RESET = "reset"
     TRUNCATE = "truncate"
+    SILENT = "silent"
+    """The request is read whole, then nothing comes back until the client hangs up (a peer that
+    went quiet: what a client's deadline must cut)."""
 
 
 @dataclass
@@ -323,7 +327,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self._upstream: http.client.HTTPConnection | None = None
+        self._was_reset = False
         self.server.proxy._track(self.connection, True)
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        except ValueError:  # the server flushes the streams an injected reset closed: expected, quiet
+            if not self._was_reset:
+                raise
 
     def finish(self) -> None:
         self._drop_upstream()
@@ -359,6 +371,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             for _ in body:
                 pass
             self._send_unavailable(record)
+            return
+        if fault is not None and fault.kind is Fault.SILENT:
+            for _ in body:
+                pass
+            self._stay_silent()
             return
         try:
             response = self._send_upstream(proxy._upstream_prefix + target, body)
@@ -549,9 +566,24 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         )
         self._write_body(record, body, False)
 
+    def _stay_silent(self) -> None:
+        """Answer nothing until the client hangs up (or the proxy stops, or `timeout` passes)."""
+        self.close_connection = True
+        until = time.monotonic() + self.timeout
+        while time.monotonic() < until:
+            readable, _, _ = select.select([self.connection], [], [], 0.1)
+            if not readable:
+                continue
+            try:
+                if not self.connection.recv(_IO_CHUNK):
+                    return  # the client hung up
+            except OSError:
+                return
+
     def _reset(self) -> None:
         """Abort the client connection with a TCP RST instead of an orderly close."""
         self.close_connection = True
+        self._was_reset = True
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         for stream in (self.wfile, self.rfile):
             try:

@@ -15,10 +15,11 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tierflow.telemetry.metrics import Counter
 
@@ -49,6 +50,26 @@ class EntryRow:
     stats: dict[str, Any]
 
 
+BUSY_TIMEOUT_S = 60.0
+"""How long a statement waits for another process's transaction on the index."""
+OPEN_BUSY_S = 0.25
+"""How long opening waits on a lock at a time before it looks at the file (`TierIndex._open`)."""
+SQLITE_HEADER_BYTES = 100
+DAMAGED_CODES = frozenset({11, 26})
+"""SQLITE_CORRUPT, SQLITE_NOTADB: the index file is damaged or not SQLite."""
+
+
+class IndexDamaged(sqlite3.DatabaseError):
+    """The index file is damaged in a way SQLite would not say, or only after a long wait."""
+
+
+def index_damaged(error: BaseException) -> bool:
+    """Whether `error` says the index file is damaged or not SQLite at all."""
+    if isinstance(error, IndexDamaged):
+        return True
+    return isinstance(error, sqlite3.Error) and (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF in DAMAGED_CODES
+
+
 _UNWRITABLE = {10, 13, 14}  # SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (primary result codes)
 
 
@@ -65,13 +86,20 @@ class IndexTrouble:
     count it, warn once, and have the caller serve from the tier below instead of crashing.
     Nothing is cached meanwhile; once the index opens and writes again, the tier caches again."""
 
-    def __init__(self, counter: Counter, where: str) -> None:
+    def __init__(self, counter: Counter, where: str, broken: Callable[[BaseException], bool] | None = None) -> None:
         self.counter = counter
         self.where = where
         self.warned = False
+        # weakly: a tier holding its IndexTrouble must be freed (closing its connections) when dropped
+        self._broken = weakref.WeakMethod(broken) if broken is not None else None  # type: ignore[arg-type]
+        """The tier's own check, asked first: True when `error` means the tier is gone or its index
+        damaged (the tier is then bypassed, with its own warning)."""
 
     def __call__(self, error: sqlite3.Error) -> bool:
         """True (counted, warned once) when `error` is such trouble; False for anything else."""
+        broken = self._broken() if self._broken is not None else None
+        if broken is not None and broken(error):
+            return True
         if not index_unwritable(error):
             return False
         self.counter.inc()
@@ -120,12 +148,49 @@ class TierIndex:
                 raise sqlite3.OperationalError(f"unable to open the index's open-lock ({e})") from e
             with guard:
                 fcntl.flock(guard, fcntl.LOCK_EX)
-                conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-                conn.executescript(SCHEMA)
+                conn = self._open()
             local.conn, local.pid = conn, os.getpid()
         return local.conn
+
+    def _open(self) -> sqlite3.Connection:
+        """A new connection, in WAL mode with the schema. Opening waits on a lock only briefly at a
+        time: between waits it looks at the file, and one that a running process's index can no
+        longer be (truncated below SQLite's header beside a live write-ahead log: SQLite would wait
+        on it for ever) is `IndexDamaged` at once, not "database is locked" after a minute."""
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout={int(OPEN_BUSY_S * 1000)}")
+            deadline = time.monotonic() + BUSY_TIMEOUT_S
+            while True:
+                try:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    conn.execute("PRAGMA synchronous=NORMAL")
+                    conn.executescript(SCHEMA)
+                    break
+                except sqlite3.OperationalError as e:
+                    if not str(e).startswith("database is locked") or time.monotonic() > deadline:
+                        raise
+                    damage = self.damage()
+                    if damage is not None:
+                        raise IndexDamaged(damage) from e
+            conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def damage(self) -> str | None:
+        """What is wrong with the index file as seen from outside SQLite, or None when nothing shows."""
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return None
+        # an index in WAL mode has its header (a page) before its log and shared memory exist; a
+        # connection opening one shorter than that deletes the log, then waits on the memory for ever
+        beside = [side for side in ("-wal", "-shm") if os.path.exists(self.path.with_name(self.path.name + side))]
+        if size < SQLITE_HEADER_BYTES and beside:
+            return f"truncated to {size} bytes under the processes using it (its {' and '.join(beside)} remain)"
+        return None
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

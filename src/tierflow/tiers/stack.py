@@ -38,10 +38,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
+from tierflow.format._regular import fd_path
 from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
 from tierflow.format.dataset import Dataset
-from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.manifest import Manifest
 from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
+from tierflow.storage.datasets import read_manifest
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
@@ -168,7 +170,8 @@ class TierStack:
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
-        manifest = Manifest.from_bytes(self.source.read_bytes(MANIFEST_NAME), f"{self.source.url}/{MANIFEST_NAME}")
+        # its size checked before a byte of it is read (a hostile one could be any size), as open_dataset does
+        manifest = read_manifest(self.source)
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
         for tier in self.tiers:  # from now on the dataset has its fair share of each tier
@@ -349,10 +352,16 @@ class TierStack:
         """Write `form` of the shard to `tmp` from `lower` (released after), or from the source."""
         try:
             if lower is not None and lower.path is not None:
+                # the pinned file itself: the lower tier's directory may vanish meanwhile (an
+                # operator freeing its disk), the pinned file stays readable until released
+                pinned = lower.pin.fd if lower.pin is not None else None
+                path = lower.path
+                if pinned is not None and not path.exists():  # errors name the entry while it is there
+                    path = Path(fd_path(pinned, lower.path))
                 if lower.form == form:
-                    shutil.copyfile(lower.path, tmp)
+                    shutil.copyfile(path, tmp)
                 else:
-                    decode_shard(lower.path, tmp, info)
+                    decode_shard(path, tmp, info)
                 return
             if lower is not None and lower.buffer is not None:
                 self._write_form(lower.buffer, form, tmp, info)
@@ -428,11 +437,18 @@ class TierStack:
     def _open_new(self, index: int, info: ShardInfo) -> Opened:
         handle = self.ensure(info, read=True)
         assert handle is not None  # a reader's ensure falls back to memory, never None
+        try:
+            blocks = handle.block_bytes(info)
+        except FileNotFoundError:  # its tier's directory vanished since the pin: that tier is bypassed now
+            handle.release()
+            handle = self.ensure(info, read=True)
+            assert handle is not None
+            blocks = handle.block_bytes(info)
 
         def recover(block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
             return self._recover(info, block, error, current)
 
-        table = LazyShardTable(info.name, handle.block_bytes(info), self.schema, self.cache, recover=recover)
+        table = LazyShardTable(info.name, blocks, self.schema, self.cache, recover=recover)
         with self._lock:
             limit = self._open_limit(info)
             if index in self._dropped and self.max_open < limit and not self._open_declared:
@@ -457,11 +473,12 @@ class TierStack:
         if tier is None:
             raise error
         unreadable = isinstance(error.__cause__, OSError) and not isinstance(error.__cause__, ShardCorruptError)
-        log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
         again: Callable[[], Handle]
         try:
             tier.quarantine(info.key, f"{'could not be read' if unreadable else 'failed verification'} "
                                       f"at block {block}", pin=handle.pin)
+            if tier.unavailable is None:  # else the tier warned that it is bypassed: its files are gone
+                log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
         except OSError as e:  # the tier's device fails: it would serve the same entry again
             log.warning("tier %s could not quarantine %s (%s); reading it from the source", tier.name, info.name, e)
             again = lambda: self._from_source(info)  # noqa: E731

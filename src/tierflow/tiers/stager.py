@@ -23,6 +23,7 @@ import time
 import queue
 from typing import Any
 
+from tierflow.errors import FetchError, ShardCorruptError, SourceNotFound
 from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
@@ -31,6 +32,41 @@ from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_s
 from tierflow.tiers.stack import STAGING_NAME, Handle, TierStack, on_downloaded
 
 log = logging.getLogger("tierflow.stager")
+
+
+class FaultLog:
+    """One warning per cause (the error's type and message), not one traceback per occurrence: a
+    shard whose bytes never verify, or a full disk, fails every staging attempt, and the stager
+    retries. Repeats are counted; `close()` says how many there were. A traceback goes to DEBUG."""
+
+    def __init__(self, logger: logging.Logger, limit: int = 1000) -> None:
+        self.log = logger
+        self.limit = limit
+        self.counts: dict[tuple[str, str], int] = {}
+        self.said: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, what: str, error: BaseException, then: str) -> None:
+        """`what` failed with `error`; `then` is what happens instead. Warned once per cause."""
+        cause = (type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        with self._lock:
+            first = cause not in self.counts
+            if first and len(self.counts) >= self.limit:
+                return
+            self.counts[cause] = self.counts.get(cause, 0) + 1
+        if first:
+            self.said[cause] = f"{what}: {cause[0]}: {cause[1]}"
+            self.log.warning("%s; %s (repeats of this cause are counted, and their count logged when the "
+                             "stager stops)", self.said[cause], then)
+        self.log.debug("%s", what, exc_info=error)
+
+    def close(self) -> None:
+        """Log the count of every cause that happened more than once, then start again."""
+        with self._lock:
+            counts, self.counts = self.counts, {}
+        for cause, n in counts.items():
+            if n > 1:
+                self.log.warning("%s: %d times in all", self.said[cause], n)
 
 
 class PositionOracle:
@@ -97,6 +133,10 @@ class Stager:
         self._held: dict[int, Handle] = {}
         self._held_until: dict[int, int] = {}
         self._inflight: set[int] = set()
+        self._given_up: set[int] = set()
+        """Shards whose staging failed for good (bytes that never verify, an object not found): not
+        staged again, readers fetch them on demand (and raise)."""
+        self.faults = FaultLog(log)
         self._queue: queue.Queue[tuple[int, int, int] | None] = queue.Queue()  # (shard, first use, ticket)
         self._link = threading.Condition()
         self._transfers: list[int] = []  # first uses (node samples) of the transfers from below in flight
@@ -187,8 +227,10 @@ class Stager:
                 handle.release()
             self._held.clear()
             self._inflight.clear()
+            self._given_up.clear()
             for ride in self._rides:
                 ride.staged()  # no one stages for it any more: its owner must not wait
+        self.faults.close()
 
     # ------------------------------------------------------------ planning
     def _node_steps(self) -> tuple[int, int]:
@@ -292,9 +334,9 @@ class Stager:
                 self._replan = False
                 try:
                     self._plan_and_fetch()
-                except Exception:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
+                except Exception as e:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
                     self.m_errors.inc()
-                    log.exception("stager planning failed; readers fetch on demand")
+                    self.faults.warn("stager planning failed", e, "readers fetch on demand")
                 cost = time.monotonic() - planned_time
                 self.m_plan.observe(cost)
             else:
@@ -358,8 +400,8 @@ class Stager:
         self._release_passed()
         for shard in plan.fetch:
             with self._lock:
-                if shard in self._held or shard in self._inflight:  # staged since the plan was made
-                    continue
+                if shard in self._held or shard in self._inflight or shard in self._given_up:  # staged since
+                    continue  # the plan was made, or failed for good
                 self._inflight.add(shard)
             with self._link:
                 self._tickets += 1
@@ -374,7 +416,7 @@ class Stager:
         """The shards the top tier holds now (None without tiers)."""
         if not self.stack.tiers:
             return None
-        keys = self.stack.tiers[0].index.keys()
+        keys = self.stack.tiers[0].resident_keys()
         return {shard for key in keys for shard in self._key_shards.get(key, ())}
 
     def _release_passed(self) -> None:
@@ -444,7 +486,7 @@ class Stager:
                 self._transferred(due)
 
         try:
-            resident = bool(self.stack.tiers) and self.stack.tiers[0].index.get(info.key) is not None
+            resident = bool(self.stack.tiers) and self.stack.tiers[0].is_resident(info.key)
             if not resident:
                 turn = self._wait_turn(due, ticket)
                 if not turn:  # the stager stopped while this fetch waited its turn
@@ -458,12 +500,13 @@ class Stager:
             if began is not None:
                 self.events.write("stage", shard=shard, name=info.name, first_use=due, began=began,
                                   served_by=None if handle is None else handle.served_by)
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             self.m_errors.inc()
-            log.warning("stager could not stage shard %s; readers will fetch it on demand",
-                        self.shards[shard].name, exc_info=True)
+            self.faults.warn("stager could not stage a shard", e, "readers will fetch it on demand")
             with self._lock:
                 self._inflight.discard(shard)
+                if isinstance(e, (FetchError, ShardCorruptError, SourceNotFound)):
+                    self._given_up.add(shard)  # its bytes will not verify (or exist) on another try either
             return
         finally:
             if turn:

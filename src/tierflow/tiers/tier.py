@@ -30,6 +30,7 @@ import shutil
 import sqlite3
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from contextlib import contextmanager
@@ -43,9 +44,9 @@ from tierflow.policies.auto import Lifecycle
 from tierflow.policies.base import CachePolicy, EntryStats, NextUseOracle, rebase_stats
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.tiers._fairshare import FairShare
-from tierflow.tiers._index import EntryRow, IndexTrouble, TierIndex, process_alive
+from tierflow.tiers._index import EntryRow, IndexTrouble, TierIndex, index_damaged, process_alive
 from tierflow.tiers._lock import FileLock, Pin, is_pinned, try_remove_unpinned
-from tierflow.errors import FetchError, ShardCorruptError, TierIndexError
+from tierflow.errors import FetchError, ShardCorruptError, TierIndexError, TierUnavailableWarning
 
 log = logging.getLogger("tierflow.tiers")
 INDEX_NAME = "tierflow-index.sqlite"
@@ -53,8 +54,7 @@ MAX_BLOCK_LIST_BYTES = 64 << 20
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 DEVICE_FAILED = frozenset({errno.EIO, errno.EROFS})
 """Write errors of a tier's own files after which the read is served from below (tiers are optional)."""
-INDEX_DAMAGED = frozenset({11, 26})
-"""SQLITE_CORRUPT, SQLITE_NOTADB: the index file is damaged or not SQLite (TierIndexError)."""
+SUBDIRS = ("entries", "locks", "tmp", "quarantine", "blocks")
 
 
 @dataclass(frozen=True)
@@ -131,10 +131,12 @@ class Tier:
                  name: str = "L2", lock_timeout: float = 120.0, verify_hits: bool = True,
                  registry: MetricsRegistry | None = None, policy_options: dict | None = None,
                  ram: bool | None = None, fetch_attempts: int = 3,
-                 clock: Callable[[], float] = time.time, configure: bool = True) -> None:
+                 clock: Callable[[], float] = time.time, configure: bool = True, strict: bool = True) -> None:
         """`configure`: store this capacity, policy and form as the directory's if it has none yet
         (the first to open a tier decides). False for a look at it (`tierflow cache ls|evict|clean`):
-        the directory is configured by the first entry written through this handle, if any."""
+        the directory is configured by the first entry written through this handle, if any.
+        `strict`: a damaged index is TierIndexError; False (a running job's tier reopened in its
+        worker process) bypasses the tier instead (`unavailable`, TierUnavailableWarning)."""
         form = tier_form(form, name)
         self.clock = clock
         """The time the policy is told (`now`); a test replays a sequence with its own."""
@@ -143,10 +145,16 @@ class Tier:
         self.lock_timeout = lock_timeout
         self.verify_hits = verify_hits
         self.fetch_attempts = fetch_attempts
-        for sub in ("entries", "locks", "tmp", "quarantine", "blocks"):
+        for sub in SUBDIRS:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        root = os.stat(self.root)
+        self._identity = (root.st_dev, root.st_ino)
+        self._bypass_lock = threading.Lock()
+        self.unavailable: str | None = None
+        """Why this process no longer uses the tier (its directory vanished or was replaced, its index
+        broke), or None: then every read is served from below (`TierUnavailableWarning`, once)."""
         self._metrics(registry)
-        self._index_trouble = IndexTrouble(self.m_index_unwritable, f"tier {name} ({self.root})")
+        self._index_trouble = IndexTrouble(self.m_index_unwritable, f"tier {name} ({self.root})", self._broken)
         self.index = TierIndex(self.root / INDEX_NAME)
         # what is used while the index cannot be opened (a full disk): what was asked
         stored = requested = {"capacity": str(Capacity(capacity).resolve(self.root, 0)), "policy": policy, "form": form.value}
@@ -154,7 +162,9 @@ class Tier:
             requested["capacity"] = str(Capacity(capacity).resolve(self.root, self.index.occupancy()[0]))
             stored = self.index.set_config_if_absent(requested) if configure else (self.index.config() or requested)
         except sqlite3.Error as e:  # a full disk: no caching, with what was asked, until the index opens
-            if getattr(e, "sqlite_errorcode", 0) & 0xFF in INDEX_DAMAGED:
+            if index_damaged(e) and not strict:
+                self._broken(e)
+            elif index_damaged(e):
                 raise TierIndexError(f"tier {name}: {self.root / INDEX_NAME}: {e}; the tier is a cache: remove the "
                                      f"tier directory (its entries are fetched again)") from e
             if not self._index_trouble(e):
@@ -204,6 +214,8 @@ class Tier:
         self.m_in_use = count("full_in_use", "served from below: every resident entry in use")
         self.m_prefetch_no_room = count("prefetch_no_room", "prefetches dropped: every resident entry in use")
         self.m_takeovers = count("lock_takeovers", "fetch lock timed out; fetched anyway")
+        self.m_unavailable = count("unavailable_fallbacks", "served from below: the tier's directory vanished or "
+                                   "was replaced, or its index broke, under this process")
         self.m_latency = r.histogram("tierflow_tier_fetch_seconds", labels, "time to fill a miss")
         self.m_occupancy = r.gauge("tierflow_tier_occupancy_bytes", labels, aggregate="max")
         self.m_capacity = r.gauge("tierflow_tier_capacity_bytes", labels, aggregate="max")
@@ -219,7 +231,10 @@ class Tier:
         own = 0
         with self._index_trouble.tolerated():
             own = self.index.occupancy()[0]
-        free = shutil.disk_usage(self.root).free
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:  # the directory vanished: the tier is bypassed (`unavailable`), nothing more fits
+            return 0 if self.unavailable is not None or self._vanished() else self.configured_capacity
         limits = [self.configured_capacity, free + own]
         headroom = memory_headroom()
         if headroom is not None:
@@ -325,6 +340,8 @@ class Tier:
         size is checked here; with `block_list` (how to cut a verified file into blocks) the
         entry must have its block list, which is made now, after one whole-file check, if it
         has none (an entry admitted without one)."""
+        if self.unavailable is not None:
+            return None
         row = None
         with self._index_trouble.tolerated():  # an index that cannot be opened: a miss
             row = self.index.get(key)
@@ -418,7 +435,8 @@ class Tier:
             try:
                 if os.stat(self.path_of(key)).st_ino != os.fstat(pin.fd).st_ino:
                     return False
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                self._broken(e)  # the whole directory may be gone: then the tier is bypassed
                 return False
         self._quarantine(key, why)
         return True
@@ -442,12 +460,27 @@ class Tier:
         a reader asks for it counts as an eviction before use (a demand fetch is its own first use).
         `verify_hit=False`: the caller verifies blocks as it reads them (see `lookup`);
         `block_list` cuts a fetched, verified file into blocks, recorded with the entry.
+        A tier whose directory vanished or whose index broke under this process returns None from
+        then on (`unavailable`, `TierUnavailableWarning` once).
         """
+        try:
+            return self._ensure(key, size, checksum, produce, dataset, prefetch, verify_hit, block_list)
+        except (OSError, sqlite3.Error) as e:
+            if not self._broken(e):
+                raise
+            self.m_unavailable.inc()
+            return None
+
+    def _ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None], dataset: str | None,
+                prefetch: bool, verify_hit: bool | None,
+                block_list: Callable[[Path], Sequence[Block]] | None) -> Pin | None:
         if dataset is not None:
             self.add_reader(dataset)
         pin = self.lookup(key, verify_hit, block_list)
         if pin is not None:
             return pin
+        if self._bypassed():
+            return None
         with self._fetch_lock(key) as lock:
             if lock is None:
                 return None  # its lock file cannot be made (a failing or full device): serve from below
@@ -465,11 +498,23 @@ class Tier:
         per node) and its bytes are what is reserved, written, verified and admitted like any fill.
         Returns (the pin, None) on a hit, else (the pin or None where the tier keeps nothing, the bytes);
         `verify_hit=False`: the caller checks the entry's contents as it reads them."""
+        try:
+            return self._ensure_made(key, make, dataset, verify_hit)
+        except (OSError, sqlite3.Error) as e:
+            if not self._broken(e):
+                raise
+            self.m_unavailable.inc()
+            return None, make()
+
+    def _ensure_made(self, key: str, make: Callable[[], bytes], dataset: str | None,
+                     verify_hit: bool | None) -> tuple[Pin | None, bytes | None]:
         if dataset is not None:
             self.add_reader(dataset)
         pin = self.lookup(key, verify_hit)
         if pin is not None:
             return pin, None
+        if self._bypassed():
+            return None, make()
         with self._fetch_lock(key) as lock:
             if lock is not None:
                 if not lock.acquired:
@@ -576,6 +621,72 @@ class Tier:
         finally:
             if lock is not None:
                 lock.__exit__()
+
+    def resident_keys(self) -> set[str]:
+        """The keys of the admitted entries; none where the tier is bypassed or its index unreadable."""
+        if self.unavailable is None:
+            with self._index_trouble.tolerated():
+                return self.index.keys()
+        return set()
+
+    def is_resident(self, key: str) -> bool:
+        """Whether the index lists `key` (False where the tier is bypassed or its index unreadable)."""
+        if self.unavailable is None:
+            with self._index_trouble.tolerated():
+                return self.index.get(key) is not None
+        return False
+
+    # ------------------------------------------------------------ a tier that vanished or broke
+    def _vanished(self) -> str | None:
+        """What is gone of the tier's directory (an operator deleted it to free a disk, or replaced
+        it), or None while it is the directory this tier opened, whole."""
+        try:
+            found = os.stat(self.root)
+        except FileNotFoundError:
+            return "its directory vanished"
+        except OSError:
+            return None  # a failing device: the write-error paths decide
+        if (found.st_dev, found.st_ino) != self._identity:
+            return "its directory was replaced by another"
+        missing = [sub for sub in SUBDIRS if not os.path.lexists(self.root / sub)]
+        return f"{', '.join(missing)} vanished from its directory" if missing else None
+
+    def _bypassed(self) -> bool:
+        """Whether this tier is no longer used (checked on a miss: one look at the directory)."""
+        if self.unavailable is None:
+            reason = self._vanished()
+            if reason is not None:
+                self._bypass(reason)
+        if self.unavailable is not None:
+            self.m_unavailable.inc()
+            return True
+        return False
+
+    def _broken(self, error: BaseException) -> bool:
+        """Whether `error`, raised using the tier's files or index, means the tier cannot be used by
+        this process any more: its directory vanished or was replaced, or its index is damaged.
+        Then the tier is bypassed from now on (warned once) and True is returned; any other error
+        (the source's, a bug) is False, for the caller to raise."""
+        if self.unavailable is not None:
+            return True
+        reason = None
+        if index_damaged(error):
+            reason = f"its index {self.root / INDEX_NAME} is damaged ({error})"
+        elif isinstance(error, (OSError, sqlite3.Error)):
+            reason = self._vanished()
+        if reason is None:
+            return False
+        self._bypass(reason)
+        return True
+
+    def _bypass(self, reason: str) -> None:
+        with self._bypass_lock:  # one warning, whichever thread finds it first
+            if self.unavailable is not None:
+                return
+            self.unavailable = reason
+        warnings.warn(TierUnavailableWarning(
+            f"tier {self.name} ({self.root}): {reason}; this process bypasses the tier from now on, reading from "
+            f"the tier below (or the source); a new process sets the directory up again"), stacklevel=3)
 
     def _write_failed(self, error: OSError) -> None:
         self.m_write_errors.inc()
@@ -745,7 +856,7 @@ class Tier:
         opens its own index connection and locks."""
         return (Tier, (self.root, self.configured_capacity, self.policy_name, self.form, self.name,
                        self.lock_timeout, self.verify_hits, self.registry, self.policy_options, self.ram,
-                       self.fetch_attempts, self.clock))
+                       self.fetch_attempts, self.clock, True, False))
 
     def snapshot(self) -> dict:
         resident = reserved = entries = 0

@@ -1,0 +1,96 @@
+"""The small things a notebook user hits first in `pack` and `cache` (issue 39, item 6)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tierflow
+from tierflow.pack.tokenize import PackInputError
+
+SMALL = 256 << 10
+
+
+def docs(path: Path, n: int = 200) -> Path:
+    path.write_text("".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_pack_summary_prints_as_one_short_line(tmp_path):
+    summary = tierflow.pack([docs(tmp_path / "a.jsonl", 5000)], tmp_path / "out", workers=1, tokenizer="bytes",
+                            target_shard_bytes=SMALL)
+    text = repr(summary)
+    assert len(text) < 300 and "\n" not in text, text
+    assert summary.manifest.dataset_id in text and "5,000 samples" in text and "tokens" in text
+
+
+def test_a_typo_in_an_input_creates_no_output_directory(tmp_path):
+    docs(tmp_path / "a.jsonl")
+    with pytest.raises(PackInputError, match=r"b\.jsonl: no such file or directory"):
+        tierflow.pack([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lambda_fn_with_workers_is_refused_saying_what_to_do(tmp_path):
+    src = docs(tmp_path / "a.jsonl")
+    with pytest.raises(PackInputError, match=r"fn=<lambda> cannot be sent to the worker processes.*`def` at the "
+                                             r"top level.*workers=1") as caught:
+        tierflow.pack([src], tmp_path / "out", fn=lambda r: {"text": r["text"].upper()}, workers=2)
+    assert caught.value.__cause__ is None
+    assert not (tmp_path / "out").exists()
+    m = tierflow.pack([src], tmp_path / "out1", fn=lambda r: {"text": r["text"].upper()}, workers=1).manifest
+    assert m.num_samples == 200
+
+
+def test_cache_evict_without_a_dataset_id_asks_for_all(tmp_path, capsys):
+    from tierflow.commands.cli import main
+
+    packed = tmp_path / "packed"
+    tierflow.pack([docs(tmp_path / "a.jsonl")], packed, workers=1, target_shard_bytes=SMALL)
+    tier = ["--tier", f"L2={tmp_path / 'l2'}:64MB"]
+    assert main(["cache", "warm", str(packed), *tier]) == 0
+    assert main(["cache", "evict", *tier]) == 2
+    err = capsys.readouterr().err
+    assert "would evict 1 entries of 1 dataset" in err and "--all" in err and "other jobs'" in err
+    from tierflow.tiers.tier import Tier
+
+    assert len(Tier(tmp_path / "l2", 64 << 20, configure=False).index.entries()) == 1  # still there
+    assert main(["cache", "evict", "--all", *tier]) == 0
+    assert "evicted 1 entries" in capsys.readouterr().out
+
+
+def test_ctrl_c_during_a_cli_pack_is_one_line_not_a_traceback(tmp_path):
+    src = tmp_path / "big.jsonl"
+    with open(src, "w") as f:
+        for i in range(200_000):
+            f.write(json.dumps({"text": f"document {i} " * 20}) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "tierflow", "pack", str(src), "--out", str(out), "--tokenizer",
+                             "bytes", "--workers", "2", "--quiet", "--shard-size", "1MB"], start_new_session=True,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    deadline = time.monotonic() + 60
+    while not (out / ".tmp-pack").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the pack and its workers
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "tierflow pack: interrupted; nothing was published: rerun the same command to carry on (the shards it "
+        "sealed are kept)")
+
+
+def test_shard_size_is_the_clis_name_for_target_shard_bytes(tmp_path):
+    src = docs(tmp_path / "a.jsonl", 20000)
+    by_name = tierflow.pack([src], tmp_path / "a", workers=1, shard_size="256KiB").manifest
+    by_bytes = tierflow.pack([src], tmp_path / "b", workers=1, target_shard_bytes=256 << 10).manifest
+    assert len(by_name.shards) > 1 and by_name.dataset_id == by_bytes.dataset_id
+    with pytest.raises(ValueError, match="not both"):
+        tierflow.pack([src], tmp_path / "c", workers=1, shard_size="1MB", target_shard_bytes=1 << 20)
