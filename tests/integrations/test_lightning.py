@@ -52,5 +52,9 @@ def test_without_len_the_ckpt_holds_the_trained_batch(corpus, tmp_path, shape):
     if shape == "endless":
         check_uninterrupted(corpus, [full], epochs=None)
     for step in (40, 130):
-        run("run_lightning.py", {**cfg, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")})
+        again = [100] if step == 40 else []  # a resumed run's own checkpoints hold the trained batch too
+        run("run_lightning.py", {**cfg, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt"),
+                                 "save_at": again})
         check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
+    run("run_lightning.py", {**cfg, "out": str(tmp_path / "r100"), "resume": str(tmp_path / "step-100.ckpt")})
+    check_resumed(full, load(tmp_path / "r100.0.json"), 100)

@@ -11,7 +11,7 @@ Lightning's fetcher hold one batch ahead (`_PrefetchDataFetcher`, `prefetch_batc
 the last batch in advance): when the step trains batch k the Loader has already handed batch
 k + 1, and a plain `state_dict()` would resume one batch late. `LoaderStateCallback` tells each
 Loader of the fit loop how far ahead the fetcher runs (`Loader.lookahead`), so the state saved is
-that of the batch the step trained:
+that of the batch the step trained (without the callback a resume skips one batch):
 
     trainer = L.Trainer(max_steps=..., callbacks=[LoaderStateCallback()])
 """
@@ -34,7 +34,12 @@ def _loaders(trainer: pl.Trainer) -> list[Any]:
 
 class LoaderStateCallback(pl.Callback):
     """Sets each tierflow Loader's `lookahead` to the batches Lightning's fetcher holds ahead of
-    the step (0 with `len()`, `prefetch_batches` without), at the start of each epoch."""
+    the step (0 with `len()`, `prefetch_batches` without): when training starts (a resumed run
+    included, whose epoch-start hook Lightning skips mid-epoch) and at the start of each epoch,
+    each time before the fetcher asks for the batch after the one it prefetched."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_train_epoch_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
