@@ -13,6 +13,8 @@ pytestmark = needs("accelerate")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_epochs_and_resume_from_save_state(corpus, tmp_path, workers):
     at = [30, 77, 150]
+    if workers:  # the workers' run: the point in the second epoch (CI's time)
+        at = at[-1:]
     base = {"data": corpus, "epochs": 2, "workers": workers, "ckpt_dir": str(tmp_path)}
     run("run_accelerate.py", {**base, "out": str(tmp_path / "full"), "save_at": at})
     full = load(tmp_path / "full.0.json")

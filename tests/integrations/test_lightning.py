@@ -15,6 +15,8 @@ def test_two_epochs_and_resume_from_its_ckpt(corpus, tmp_path, workers):
     """2 epochs, len() right each; resumed from Lightning's .ckpt at 3 points (one in epoch 2) in
     a new process, each trains exactly the rest of the uninterrupted run."""
     at = [30, 77, 150]  # an epoch is ~108 batches
+    if workers:  # the workers' run: the point in the second epoch (CI's time)
+        at = at[-1:]
     base = {"data": corpus, "epochs": 2, "workers": workers, "ckpt_dir": str(tmp_path)}
     run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": at})
     full = load(tmp_path / "full.0.json")
