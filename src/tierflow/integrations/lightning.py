@@ -14,6 +14,11 @@ Loader of the fit loop how far ahead the fetcher runs (`Loader.lookahead`), so t
 that of the batch the step trained (without the callback a resume skips one batch):
 
     trainer = L.Trainer(max_steps=..., callbacks=[LoaderStateCallback()])
+
+Under several ranks Lightning writes the `.ckpt` from rank 0, so every rank would resume from
+rank 0's Loader state: right for token windows (every rank's cursor is the node's), wrong for a
+token budget (each rank its own stream: the Loader refuses another rank's). The callback also
+gathers every rank's states into the `.ckpt` and gives each rank its own back on resume.
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ from typing import Any
 import lightning.pytorch as pl
 
 from tierflow.loader.loader import Loader
+
+
+RANKS_KEY = "tierflow_loader_states"
+"""Where `LoaderStateCallback` keeps every rank's Loader states in a `.ckpt` (one list per rank)."""
+
+
+def _loader_states(checkpoint: dict[str, Any]) -> Any:
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
 
 
 def _loaders(trainer: pl.Trainer) -> list[Any]:
@@ -37,6 +50,31 @@ class LoaderStateCallback(pl.Callback):
     the step (0 with `len()`, `prefetch_batches` without): when training starts (a resumed run
     included, whose epoch-start hook Lightning skips mid-epoch) and at the start of each epoch,
     each time before the fetcher asks for the batch after the one it prefetched."""
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Every rank's Loader states into the `.ckpt` (Lightning writes rank 0's alone: right for
+        token windows, whose cursor every rank shares, not for a token budget's own streams)."""
+        states = _loader_states(checkpoint)
+        if states is None or trainer.world_size < 2:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, states)
+        checkpoint[RANKS_KEY] = gathered
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """This rank's own Loader states back, before Lightning's fit loop loads them."""
+        ranks = checkpoint.get(RANKS_KEY)
+        loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+        if ranks is None or loop is None:
+            return
+        if len(ranks) != trainer.world_size:
+            raise ValueError(f"the checkpoint holds the Loader states of {len(ranks)} ranks, this run has "
+                             f"{trainer.world_size}")
+        loop["combined_loader"] = ranks[trainer.global_rank]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_train_epoch_start(trainer, pl_module)
