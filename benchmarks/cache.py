@@ -1,17 +1,25 @@
 """Benchmark of the cache's central promise: bytes from the object store per epoch, at every L2 size.
 
-A user's setup with defaults only: the standard library's *.py files packed into ~512 KB
-byte-token shards, served by moto's S3 behind a metering proxy (each in its own process; GET
-bytes are counted where the server answers them), one L2 directory of a given capacity (a share
-of the decoded dataset), `TieredDataset(stack.dataset(), batch_size=16, seq_len=512)` with the
-stager, `Loader(...)` (one epoch per `for`), three epochs, no step. Per capacity: bytes per epoch
-against the dataset at rest, as run (live), as `tierflow plan` predicts it before the run, and
-the optimum (Belady's MIN with bypass with the same room: L2 and the staging area); then the
-issue's hand-tuned configuration (partitions=2, window_shards=2) beside it, and the default
-with 2 DataLoader workers (they share the node's staging area). Epoch n's bytes are those
-fetched while the loop consumed epoch n, the stager's lookahead into n + 1 included.
+A user's setup with defaults only, sized on the user's yardstick: the L2 is given a share of the
+dataset's bytes at rest (what was uploaded), `TierConfig("L2", path, "30%")`, with the default
+form (`auto`: shards at rest unless the L2 holds the whole decoded dataset) and policy. Datasets:
+the standard library's *.py files packed into ~512 KB shards as byte tokens (`--kind tokens`,
+~8x larger decoded), as tokens of a 32k BPE vocabulary trained on the same files (`--kind bpe`,
+uint16 ids), or as raw text documents (`--kind text`), served by moto's S3 behind a metering
+proxy (each in its own process; GET bytes are counted where the server answers them),
+`TieredDataset(stack.dataset(), batch_size=16[, seq_len=512])` with the stager, `Loader(...)` (one
+epoch per `for`), three epochs, no step.
 
-Run: .venv/bin/python benchmarks/cache.py [--fractions 5,10,30,60,90,120] [--quick]
+Per capacity: bytes per epoch against the dataset at rest, as run (live), as `tierflow plan`
+predicts it before the run, and the optimum (Belady's MIN with bypass, whole shards, the same room:
+L2 and the staging area in RAM; `L2 optimum`: the L2's capacity alone). Live bytes are counted by the epoch they serve (issue 37): a GET of a
+shard counts in the epoch of that shard's next use at the moment of the GET (the proxy is read
+POLLS times an epoch), so the stager's lookahead at the end of epoch n into n + 1 counts in n + 1;
+`boundary` is the old count (what was fetched while the `for` of epoch n ran). The order (lanes x
+window shards) is the dataset's own, the same at every capacity.
+
+Run: PYTHONPATH=src .venv/bin/python benchmarks/cache.py [--kind tokens|bpe|text|all]
+     [--fractions 5,10,30,60,90,120] [--quick] [--extra: 2 workers and a hand-narrowed order beside]
 """
 
 from __future__ import annotations
@@ -20,81 +28,194 @@ import argparse
 import logging
 import shutil
 import tempfile
+import time
+from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
 from _harness import s3_rig
 from tierflow.commands.demo import INCLUDE, STDLIB_EXCLUDE, stdlib_dir
-from tierflow.storage.datasets import open_dataset
-from tierflow.loader import Loader, TieredDataset
 from tierflow.commands.plan import plan_cache
-from tierflow.tiers.stager import Stager
+from tierflow.format.shard import Form
+from tierflow.loader import Loader, TieredDataset
+from tierflow.order import future_shard_uses
 from tierflow.pack.packer import pack
+from tierflow.storage.datasets import open_dataset
 from tierflow.testing import ProxyProcess
 from tierflow.tiers import TierConfig, build_stack
+from tierflow.tiers.stager import Stager
 
-TARGETS = {0.05: 1.0, 0.10: 0.93, 0.30: 0.75, 0.60: 0.45, 0.90: 0.15}
 EPOCHS = 3
+POLLS = 400
+"""Reads of the proxy's per-path counters per epoch (at least one per batch): a GET seen at a read
+counts in the epoch of its shard's next use from the previous read's position, the earliest the
+GET can have been made at."""
+TARGETS = {0.30: 0.75}
+KINDS = {"tokens": {"tokenizer": "bytes"}, "bpe": {}, "text": {}}
+ORDER_OPTIONS = {"tokens": {"seq_len": 512}, "bpe": {"seq_len": 512}, "text": {}}
+BPE_VOCAB = 32000
 
 
-def run_epochs(url: str, proxy: ProxyProcess, l2: Path, capacity: int, dataset_bytes: int, workers: int = 0,
-               **order: Any) -> tuple[list[float], TieredDataset]:
-    """Bytes GET from S3 per epoch / dataset at rest, one `for` per epoch."""
+def bpe_tokenizer(files: list[Path], out: Path) -> Path:
+    """A byte-level BPE of BPE_VOCAB ids trained on `files` (ids stored as uint16: ~1.3x compression)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((f.read_bytes().decode("utf-8", "replace") for f in files), trainer)  # a few are not UTF-8
+    tok.save(str(out))
+    return out
+
+
+class ServedEpochs:
+    """GET bytes per shard from the proxy, each counted in the epoch of the shard's next use."""
+
+    def __init__(self, proxy: ProxyProcess, ds: TieredDataset) -> None:
+        self.proxy = proxy
+        order, world = ds.order, ds.world
+        self.step = ds.node_step_samples()
+        node_samples = order.layout.node_samples(world.node, world.num_nodes)
+        uses = future_shard_uses(order, order.start(), node=world.node, num_nodes=world.num_nodes,
+                                 batch_size=self.step, horizon=(EPOCHS + 1) * node_samples + self.step)
+        self.uses: dict[str, list[tuple[int, int]]] = {}  # shard name -> [(last_use, epoch)] sorted
+        names = [s.name for s in ds.manifest.shards]
+        for use in uses:
+            self.uses.setdefault(names[use.shard], []).append((use.last_use, use.epoch))
+        for spans in self.uses.values():
+            spans.sort()
+        self.every = max(1, node_samples // self.step // POLLS)
+        self._position = 0  # the previous read's
+        self.seen: dict[str, int] = {}
+        self.served = [0] * (EPOCHS + 1)
+        self.boundary: list[int] = []
+        self._at_boundary = 0
+
+    def poll(self, batches: int) -> None:
+        position, self._position = self._position, batches * self.step
+        for (method, path), traffic in self.proxy.traffic().by_method_path.items():
+            if method != "GET":
+                continue
+            new = traffic.response_bytes - self.seen.get(path, 0)
+            if new <= 0:
+                continue
+            self.seen[path] = traffic.response_bytes
+            name = path.rsplit("/", 1)[-1]
+            spans = self.uses.get(name)
+            epoch = 0
+            if spans:  # the next use still running or to come at `position`
+                i = bisect_left(spans, (position, -1))
+                epoch = spans[min(i, len(spans) - 1)][1]
+            self.served[min(epoch, EPOCHS)] += new
+
+    def end_of_epoch(self, batches: int) -> None:
+        self.poll(batches)
+        total = sum(self.seen.values())
+        self.boundary.append(total - self._at_boundary)
+        self._at_boundary = total
+
+
+def run_epochs(url: str, proxy: ProxyProcess, l2: Path, capacity: str, dataset_bytes: int, kind: str,
+               workers: int = 0, **order: Any) -> tuple[list[float], list[float], TieredDataset, Any, float]:
+    """(served, boundary) GET bytes per epoch / dataset at rest, one `for` per epoch."""
     shutil.rmtree(l2, ignore_errors=True)
+    proxy.reset_counters()
     stack = build_stack(url, [TierConfig("L2", str(l2), capacity)], endpoint_url=proxy.url)
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=512, **order)
+    ds = TieredDataset(stack.dataset(), batch_size=16, **ORDER_OPTIONS[kind], **order)
+    meter = ServedEpochs(proxy, ds)
     loader = Loader(ds, stager=Stager(ds, stack), num_workers=workers)
-    ratios = []
-    for _ in range(EPOCHS):
-        proxy.reset_counters()
+    batches = 0
+    started = time.perf_counter()
+    warm_s = 0.0
+    for epoch in range(EPOCHS):
+        began = time.perf_counter()
         for _batch in loader:
-            pass
-        ratios.append(proxy.traffic().response_bytes(method="GET") / dataset_bytes)
+            batches += 1
+            if batches % meter.every == 0:
+                meter.poll(batches)
+        meter.end_of_epoch(batches)
+        if epoch:
+            warm_s += time.perf_counter() - began
+    del started
     loader.close()
+    top = stack.tiers[0]
     stack.close()
-    return ratios, ds
+    served = [b / dataset_bytes for b in meter.served[:EPOCHS]]
+    if meter.served[EPOCHS]:  # what the last epoch staged for the one after it
+        served.append(meter.served[EPOCHS] / dataset_bytes)
+    return served, [b / dataset_bytes for b in meter.boundary], ds, top, warm_s / max(1, EPOCHS - 1)
 
 
 def fmt(values: list[float]) -> str:
-    return " ".join(f"{v:5.2f}" for v in values)
+    return " ".join(f"{v:4.2f}" for v in values[:EPOCHS])
+
+
+def bench(kind: str, fractions: list[float], rig: Any, work: Path, extra: bool = False) -> None:
+    local = work / f"dataset-{kind}"
+    options = dict(KINDS[kind])
+    if kind == "bpe":
+        from tierflow.pack._tree import walk_files
+        from tierflow.pack.units import SourceOptions
+
+        root = stdlib_dir()
+        files = [root / f for f in walk_files(str(root), SourceOptions(include=INCLUDE, exclude=STDLIB_EXCLUDE))]
+        options["tokenizer"] = str(bpe_tokenizer(files, work / "bpe.json"))
+    pack([stdlib_dir()], local, target_shard_bytes=512 << 10, include=INCLUDE, exclude=STDLIB_EXCLUDE,
+         overwrite=True, **options)
+    shards = open_dataset(local).manifest.shards
+    at_rest, decoded = sum(s.bytes for s in shards), sum(s.decoded_bytes for s in shards)
+    url = rig.upload(local, f"stdlib-{kind}")
+    print(f"\n{kind}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB decoded "
+          f"({decoded / at_rest:.1f}x); GET bytes from S3 per epoch / dataset at rest, epochs 1-{EPOCHS}, "
+          f"counted in the epoch they serve; L2 sized as a share of the bytes at rest, defaults")
+    header = (f"{'L2':>5} {'MB':>6} {'form':>8} {'lanes x k':>9} {'staging MB':>10} | {'live':>14} | "
+              f"{'predicted':>14} | {'optimum':>14} | {'L2 optimum':>14} | {'boundary':>14} | {'warm s/epoch':>12}")
+    print(header)
+    print("-" * len(header))
+    for fraction in fractions:
+        served, boundary, ds, top, warm_s = run_epochs(url, rig.proxy, work / "l2", f"{fraction * 100:g}%", at_rest,
+                                                       kind)
+        plan = plan_cache(ds, top.capacity, epochs=EPOCHS, policy=top.policy_name, form=top.form,
+                          working_set=ds.working_set)
+        warm = max(served[1:EPOCHS])
+        target = TARGETS.get(round(fraction, 2))
+        mark = "" if target is None else (" (met)" if warm <= target else " (MISS)")
+        print(f"{fraction:>5.0%} {top.capacity / 1e6:>6.1f} {top.form.value:>8} {ds.working_set.lanes:>5} x "
+              f"{ds.working_set.window_shards} {plan.staging / 1e6:>10.1f} | {fmt(served):>14} | "
+              f"{fmt([e.ratio for e in plan.predicted]):>14} | {fmt([e.ratio for e in plan.optimum]):>14} | "
+              f"{fmt([e.ratio for e in plan.tier_optimum]):>14} | {fmt(boundary):>14} | {warm_s:>12.2f}{mark}")
+        if extra:  # the same capacity with 2 DataLoader workers (they share the node's staging area), and a
+            # hand-narrowed order (partitions=2, window_shards=2: the issue 16 configuration)
+            for label, options in (("2 workers", {"workers": 2}), ("tuned 2x2", {"partitions": 2, "window_shards": 2})):
+                got, _, other_ds, _, _ = run_epochs(url, rig.proxy, work / "l2", f"{fraction * 100:g}%", at_rest, kind,
+                                                    **options)
+                print(f"{'':>5} {'':>6} {label:>8} {other_ds.working_set.lanes:>5} x {other_ds.working_set.window_shards} "
+                      f"{'':>10} | {fmt(got):>14} |")
+        for form in (Form.AT_REST, Form.DECODED):  # what the other form would fetch at the same capacity
+            if form is not top.form:
+                other = plan_cache(ds, top.capacity, epochs=EPOCHS, policy=top.policy_name, form=form,
+                                   working_set=ds.working_set)
+                print(f"{'':>5} {'':>6} {form.value:>8} {'(plan)':>9} {other.staging / 1e6:>10.1f} | {'':>14} | "
+                      f"{fmt([e.ratio for e in other.predicted]):>14} | {fmt([e.ratio for e in other.optimum]):>14} | "
+                      f"{fmt([e.ratio for e in other.tier_optimum]):>14} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fractions", default="5,10,30,60,90,120", help="L2 capacities, %% of the decoded dataset")
-    parser.add_argument("--quick", action="store_true", help="10%% and 30%% only, no tuned or worker rows")
+    parser.add_argument("--kind", default="all", choices=[*KINDS, "all"])
+    parser.add_argument("--fractions", default="5,10,30,60,90,120",
+                        help="L2 capacities, %% of the dataset's bytes at rest")
+    parser.add_argument("--quick", action="store_true", help="5%%, 30%% and 120%% only")
+    parser.add_argument("--extra", action="store_true", help="rows with 2 DataLoader workers and a hand-narrowed "
+                        "order (partitions=2, window_shards=2) at each capacity")
     args = parser.parse_args()
     logging.getLogger("tierflow").setLevel(logging.ERROR)
-    fractions = [0.1, 0.3] if args.quick else [int(f) / 100 for f in args.fractions.split(",")]
+    fractions = [0.05, 0.3, 1.2] if args.quick else [int(f) / 100 for f in args.fractions.split(",")]
     with tempfile.TemporaryDirectory() as tmp, s3_rig("cachebench") as rig:
-        proxy = rig.proxy
-        work = Path(tmp)
-        local = work / "dataset"
-        pack([stdlib_dir()], local, target_shard_bytes=512 << 10, include=INCLUDE, exclude=STDLIB_EXCLUDE,
-             tokenizer="bytes", overwrite=True)
-        shards = open_dataset(local).manifest.shards
-        at_rest, decoded = sum(s.bytes for s in shards), sum(s.decoded_bytes for s in shards)
-        url = rig.upload(local, "stdlib")
-        print(f"{len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB decoded; "
-              f"bytes GET from S3 per epoch / dataset at rest, epochs 1-{EPOCHS}; defaults unless named")
-        header = (f"{'L2':>5} {'lanes x k':>9} {'staging MB':>10} | {'live (defaults)':>17} | {'predicted':>17} | "
-                  f"{'optimum':>17} | {'target warm':>11} | {'hand-tuned':>17} | {'2 workers':>17}")
-        print(header)
-        print("-" * len(header))
-        for fraction in fractions:
-            capacity = int(fraction * decoded)
-            live, ds = run_epochs(url, proxy, work / "l2", capacity, at_rest)
-            plan = plan_cache(ds, capacity, epochs=EPOCHS)
-            tuned = workers = "-"
-            if not args.quick:
-                tuned = fmt(run_epochs(url, proxy, work / "l2", capacity, at_rest, partitions=2, window_shards=2)[0])
-                workers = fmt(run_epochs(url, proxy, work / "l2", capacity, at_rest, workers=2)[0])
-            target = TARGETS.get(round(fraction, 2))
-            warm = max(live[1:])
-            verdict = "-" if target is None else f"{target:.2f} {'met' if warm <= target else 'MISS'}"
-            print(f"{fraction:>5.0%} {ds.working_set.lanes:>5} x {ds.working_set.window_shards} "
-                  f"{plan.staging / 1e6:>10.1f} | {fmt(live):>17} | {fmt([e.ratio for e in plan.predicted]):>17} | "
-                  f"{fmt([e.ratio for e in plan.optimum]):>17} | {verdict:>11} | {tuned:>17} | {workers:>17}")
+        for kind in (KINDS if args.kind == "all" else [args.kind]):
+            bench(kind, fractions, rig, Path(tmp), extra=args.extra)
 
 
 if __name__ == "__main__":

@@ -518,7 +518,17 @@ def test_a_reading_process_holds_the_decoded_blocks_of_its_windows_not_of_the_da
     assert ds._open().dataset.source.blocks_read <= 1.1 * blocks
 
 
-def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_each_block_about_once(many_shards):
+def _widest_default(monkeypatch):
+    """The default breadth as wide as 16 lanes x windows of 4 over a small dataset (it reads at most a
+    quarter of the node's shards at once otherwise: order/working_set.py), as these tests were written."""
+    from tierflow.order import working_set
+
+    monkeypatch.setattr(working_set, "READING_SHARE", 1)
+
+
+def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_each_block_about_once(many_shards,
+                                                                                                       monkeypatch):
+    _widest_default(monkeypatch)
     root = many_shards["zstd"]
     wide = TieredDataset(root, batch_size=16, seed=3, group_bytes=0)
     ds = TieredDataset(root, batch_size=16, seed=3, group_bytes=1 << 16)
@@ -537,10 +547,11 @@ def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_
     assert ds._open().dataset.source.blocks_read <= 1.1 * blocks
 
 
-def test_a_narrowed_first_epoch_holds_fewer_decoded_blocks_and_widens_with_the_next_epoch(many_shards):
+def test_a_narrowed_first_epoch_holds_fewer_decoded_blocks_and_widens_with_the_next_epoch(many_shards, monkeypatch):
     """Epoch 0 reads its lanes a group at a time (order.first_epoch), so a reading process holds that
     epoch's blocks, not the widest epoch's; the bound widens at the first batch of epoch 1, and epoch 0
     still decodes each block about once."""
+    _widest_default(monkeypatch)
     ds = TieredDataset(many_shards["zstd"], batch_size=16, seed=3, group_bytes=1 << 16)
     assert ds.order.first_epoch is not None
     narrow, wide = ds.decoded_bound(0), ds.decoded_bound()

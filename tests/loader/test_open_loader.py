@@ -6,7 +6,7 @@ import pytest
 
 import tierflow
 from tierflow.storage.remote import upload_dataset
-from tierflow.tiers import TierConfig, parse_capacity, parse_size
+from tierflow.tiers import DatasetShare, DiskShare, TierConfig, parse_capacity, parse_size
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,14 @@ def test_capacities_take_shares_and_sizes_and_refuse_nonsense():
     assert parse_capacity("2GB") == 2e9
     tier = TierConfig.parse("L2=/nvme/tf:30%:lru:at_rest")
     assert (tier.name, tier.path, tier.capacity, tier.policy, tier.form) == ("L2", "/nvme/tf", 0.3, "lru", "at_rest")
-    for bad in ("150%", "-1", "lots", "0"):
+    # a share is of the dataset's bytes at rest (may exceed it); "%disk" names the disk's share
+    assert isinstance(parse_capacity("30%"), DatasetShare) and parse_capacity("150%") == pytest.approx(1.5)
+    assert isinstance(parse_capacity("30%disk"), DiskShare) and parse_capacity("30% disk") == pytest.approx(0.3)
+    assert TierConfig.parse("L2=/nvme/tf").capacity == DiskShare(0.5)  # no capacity: half the disk, as before
+    resolved = TierConfig.parse("L2=/nvme/tf:30%").resolve(1000, 7000)
+    assert (resolved.capacity, resolved.form) == (300, "at_rest")  # 30% of the bytes at rest, kept compressed
+    assert TierConfig.parse("L2=/nvme/tf:800%").resolve(1000, 7000).form == "decoded"  # holds it all decoded
+    for bad in ("150%disk", "-1", "lots", "0", "0%", "x%"):
         with pytest.raises(ValueError, match="capacity|size"):
             parse_capacity(bad)
     with pytest.raises(ValueError, match="NAME=PATH"):

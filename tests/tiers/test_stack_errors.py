@@ -117,13 +117,15 @@ def test_a_larger_declaration_replaces_the_staging_area_with_a_larger_one(packed
     from tierflow.policies.auto import Lifecycle
 
     stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")])
-    stack.manifest()
+    shards = stack.manifest().shards
+    decoded_per_byte = sum(s.decoded_bytes for s in shards) / sum(s.bytes for s in shards)
     stack.declare(Lifecycle(), working_bytes=1 << 20, open_shards=2)
     first = stack.staging
     stack.declare(Lifecycle(), working_bytes=1 << 20, open_shards=2)  # the same: kept
     assert stack.staging is first
     stack.declare(Lifecycle(), working_bytes=4 << 20, open_shards=2)
-    assert stack.staging is not first and stack.staging.configured_capacity == 4 << 20
+    # the working set is declared in the top tier's form (at rest) and staged decoded
+    assert stack.staging is not first and stack.staging.configured_capacity == int((4 << 20) * decoded_per_byte)
 
 
 def test_an_upper_tier_fills_from_a_verified_memory_copy_when_the_tier_below_keeps_nothing(packed, tmp_path) -> None:

@@ -275,8 +275,9 @@ def test_the_stager_reads_a_dataset_only_through_the_future_view(tmp_path):
 def test_the_windows_being_read_skip_the_budget_only_where_the_top_tier_holds_the_working_set(tmp_path):
     pack_lorem(tmp_path, 3000)
     for capacity, reading in ((1 << 30, True), (64 << 10, False)):
-        stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / f"l2-{capacity}"), capacity)])
-        dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+        stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / f"l2-{capacity}"), capacity,
+                                                             form="decoded")])
+        dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, lanes=4, window_shards=1)
         node = Stager(dataset, stack, min_batches=4).node
         assert node.reading_shards == (dataset.working_set.reading if reading else 0), capacity
         stack.close()

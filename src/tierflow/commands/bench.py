@@ -67,6 +67,10 @@ class BytesPerEpoch:
     predicted: float
     optimum: float
     epochs: float
+    tier: str = ""
+    capacity: int = 0
+    """The top tier's capacity in bytes, stated against `dataset_bytes` (at rest, the user's yardstick)."""
+    dataset_bytes: int = 0
 
     def describe(self) -> str:
         """The figures as a sentence: per epoch over a run of one epoch or more; over a shorter run,
@@ -195,7 +199,7 @@ def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
     node_samples = dataset.order.layout.node_samples(world.node, world.num_nodes)
     samples = steps * dataset.batch_size * dataset.batcher.batches_per_group * world.ranks_per_node
     epochs = samples / max(1, node_samples)
-    _, capacity, decoded = tier_layout[0]
+    top, capacity, decoded = tier_layout[0]
     plan = plan_cache(dataset, capacity, epochs=max(1, -(-samples // max(1, node_samples))),
                       form=Form.DECODED if decoded else Form.AT_REST, working_set=dataset.working_set)
 
@@ -205,7 +209,7 @@ def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
         return total / epochs if epochs else 0.0
 
     return BytesPerEpoch(fetched / at_rest / epochs if epochs and at_rest else 0.0,
-                         prorated(plan.predicted), prorated(plan.optimum), epochs)
+                         prorated(plan.predicted), prorated(plan.optimum), epochs, top, int(capacity), at_rest)
 
 
 
@@ -235,6 +239,9 @@ def format_result(result: BenchResult, step_ms: float | None = None) -> str:
     b = result.bytes_per_epoch
     if b is not None:
         lines.append("bytes from below " + b.describe())
+        if b.dataset_bytes:
+            lines.append(f"{b.tier} {b.capacity / 1e6:.1f} MB: {b.capacity / b.dataset_bytes:.0%} of the dataset's "
+                         f"{b.dataset_bytes / 1e6:.1f} MB at rest")
     v = result.verdict
     lines += ["", f"verdict: {v.bound} - {v.reason}", f"change: {v.change}",
               f"recommended L1 {v.l1_bytes / 1e6:.1f} MB, L2 {v.l2_bytes / 1e6:.1f} MB, lookahead "

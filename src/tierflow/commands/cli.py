@@ -241,7 +241,7 @@ def parse_tiers(specs: list[str]) -> list:
 
     if not specs:
         root = os.environ.get("TIERFLOW_CACHE", os.path.expanduser("~/.cache/tierflow"))
-        specs = [f"L2={root}/L2:50%"]
+        specs = [f"L2={root}/L2:50%disk"]
     return [TierConfig.parse(spec) for spec in specs]
 
 
@@ -367,37 +367,47 @@ def _plan(args: argparse.Namespace) -> int:
 
     from tierflow.loader import TieredDataset
     from tierflow.commands.plan import CURVE, capacity_curve, plan_cache, recommended
+    from tierflow.format.shard import Form
     from tierflow.tiers import build_stack
 
     stack = build_stack(args.dataset, parse_tiers(args.tier), endpoint_url=args.endpoint_url)
     top = stack.tiers[0]
     dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
-    plan = plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=top.form,
-                      working_set=dataset.working_set)
     shards = dataset.manifest.shards
-    total = sum(s.bytes_in(top.form) for s in shards)
+    at_rest, decoded = sum(s.bytes for s in shards), sum(s.decoded_bytes for s in shards)
+    plans = {form: plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=form,
+                              working_set=dataset.working_set) for form in (Form.AT_REST, Form.DECODED)}
+    plan = plans[top.form]
     console = Console()
     ws = dataset.working_set
-    console.print(f"{args.dataset}: {len(shards)} shards, {sum(s.bytes for s in shards) / 1e6:.1f} MB at rest, "
-                  f"{total / 1e6:.1f} MB in {top.name}'s form ({top.form}); {top.name} {top.capacity / 1e6:.1f} MB "
-                  f"({top.capacity / total:.0%}), policy {top.policy_name}")
+    console.print(f"{args.dataset}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB "
+                  f"decoded ({decoded / max(at_rest, 1):.1f}x); {top.name} {top.capacity / 1e6:.1f} MB "
+                  f"({top.capacity / max(at_rest, 1):.0%} of the dataset at rest, {top.capacity / max(decoded, 1):.0%} "
+                  f"of it decoded), form {top.form}, policy {top.policy_name}")
     console.print(f"working set: {ws.lanes} lanes x windows of {ws.window_shards} shards = {ws.shards} shards "
-                  f"({ws.reason}); staging area {plan.staging / 1e6:.1f} MB of RAM")
+                  f"({ws.reason}; the same at any capacity); staging area {plan.staging / 1e6:.1f} MB in "
+                  f"{top.name}'s form")
     if ws.first_epoch is not None:
         console.print(f"first epoch: {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]} shards "
                       f"(a cold node streams it at the link's rate; narrow_first_epoch=False reads it as wide)")
-    table = Table("epoch", "predicted from below", "of the dataset", "optimum (same room)")
-    for got, best in zip(plan.predicted, plan.optimum):
-        table.add_row(str(got.epoch + 1), f"{got.fetched / 1e6:.2f} MB", f"{got.ratio:.2f}", f"{best.ratio:.2f}")
+    mark = {form: " (this tier)" if form is top.form else "" for form in plans}
+    table = Table("epoch", *(f"{form} from below{mark[form]}" for form in plans), "of the dataset",
+                  "optimum (same room)", f"optimum ({top.name} alone)")
+    for epoch, got in enumerate(plan.predicted):
+        table.add_row(str(got.epoch + 1), *(f"{p.predicted[epoch].fetched / 1e6:.2f} MB ({p.predicted[epoch].ratio:.2f})"
+                                            for p in plans.values()),
+                      f"{got.ratio:.2f}", f"{plan.optimum[epoch].ratio:.2f}",
+                      f"{plan.tier_optimum[epoch].ratio:.2f}" if plan.tier_optimum else "-")
     console.print(table)
-    curve = capacity_curve(dataset, CURVE, epochs=args.epochs, form=top.form)
-    table = Table(f"{top.name} capacity", "of the dataset", "lanes x k", "warm epoch from below", "optimum")
+    console.print("bytes from below per epoch, predicted for each form at this capacity; ratios are of the dataset "
+                  "at rest (a tier keeps shards at rest unless it holds the whole decoded dataset: docs/tiers.md)")
+    curve = capacity_curve(dataset, CURVE, epochs=args.epochs, form=top.form, policy=top.policy_name)
+    table = Table(f"{top.name} capacity", "of the dataset at rest", "warm epoch from below", "optimum")
     for point, fraction in zip(curve, CURVE):
-        table.add_row(f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}",
-                      f"{point.working_set.lanes} x {point.working_set.window_shards}",
-                      f"{point.warm_ratio:.2f}", f"{point.warm_optimum:.2f}")
+        table.add_row(f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}", f"{point.warm_ratio:.2f}",
+                      f"{point.warm_optimum:.2f}")
     console.print(table)
-    console.print(recommended(curve, total))
+    console.print(recommended(curve, at_rest))
     return 0
 
 

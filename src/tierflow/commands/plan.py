@@ -1,6 +1,6 @@
 """`plan`: what a run will fetch per epoch through its tiers, predicted from its own order.
 
-For a capacity of the top tier, the working set `TieredDataset` would choose for it, this node's
+For a capacity of the top tier, the dataset's own working set (the same at every capacity), this node's
 window uses over the epochs (the order is known), replayed against the tier's policy and the
 staging area (tiers/forecast.py), beside the optimum with the same room. A curve over capacities
 says how much cache buys what.
@@ -8,15 +8,14 @@ says how much cache buys what.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from tierflow.format.shard import Form
 from tierflow.loader.dataset import TieredDataset
 from tierflow.order import future_shard_uses
-from tierflow.order.working_set import WorkingSet, choose_working_set
+from tierflow.order.working_set import WorkingSet, working_set_bytes
 from tierflow.tiers.forecast import EpochBytes, optimum, replay
-from tierflow.tiers.tier import memory_headroom
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,9 @@ class CachePlan:
     working_set: WorkingSet
     predicted: list[EpochBytes]
     optimum: list[EpochBytes]
+    """Belady's MIN with bypass with the same room: the tier and the staging area (RAM)."""
+    tier_optimum: list[EpochBytes] | None = None
+    """Belady's MIN with bypass over the tier's capacity alone (whole shards in its form)."""
 
     @property
     def warm_ratio(self) -> float:
@@ -46,14 +48,14 @@ def _warm(per_epoch: list[EpochBytes]) -> float:
 
 def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
                form: Form = Form.DECODED, working_set: WorkingSet | None = None) -> CachePlan:
-    """The plan at `capacity` bytes of the top tier; the working set is the one a fresh run
-    would choose for it unless given."""
+    """The plan at `capacity` bytes of the top tier storing `form`; the working set is the dataset's
+    own (its order does not depend on the tier: order/working_set.py) unless given."""
     shards = dataset.manifest.shards
     tier_sizes = [s.bytes_in(form) for s in shards]
     rest_sizes = [s.bytes for s in shards]
     world = dataset.world
-    per_node = max(1, dataset.order.partitions // world.num_nodes)
-    chosen = working_set or choose_working_set(tier_sizes, per_node, capacity, memory_headroom())
+    chosen = working_set or dataset.working_set
+    chosen = replace(chosen, bytes=working_set_bytes(chosen.shards, tier_sizes))  # in the tier's form
     order = dataset.order_with(chosen)
     node_samples = order.layout.node_samples(world.node, world.num_nodes)
     batch = dataset.batch_size * dataset.batcher.batches_per_group
@@ -61,23 +63,34 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
                              batch_size=batch, horizon=epochs * node_samples + batch)
     staging = chosen.bytes
     return CachePlan(capacity, staging, chosen, replay(uses, tier_sizes, rest_sizes, capacity, staging, epochs, policy),
-                     optimum(uses, tier_sizes, rest_sizes, capacity + staging, epochs))
+                     optimum(uses, tier_sizes, rest_sizes, capacity + staging, epochs),
+                     optimum(uses, tier_sizes, rest_sizes, capacity, epochs))
 
 
 def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,
-                   form: Form = Form.DECODED) -> list[CachePlan]:
-    """Plans at capacities that are `fractions` of the dataset (in the top tier's form)."""
-    total = sum(s.bytes_in(form) for s in dataset.manifest.shards)
-    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form) for f in fractions]
+                   form: Form = Form.DECODED, policy: str = "auto") -> list[CachePlan]:
+    """Plans at capacities that are `fractions` of the dataset's bytes at rest (the user's yardstick:
+    what was uploaded), the tier storing `form`."""
+    total = sum(s.bytes for s in dataset.manifest.shards)
+    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form, policy=policy) for f in fractions]
+
+
+def auto_form(dataset: TieredDataset, capacity: int) -> Form:
+    """The form an `auto` tier of `capacity` bytes takes (tiers/config.py): decoded where it holds the
+    whole decoded dataset, else at rest."""
+    decoded = sum(s.decoded_bytes for s in dataset.manifest.shards)
+    return Form.DECODED if capacity >= decoded else Form.AT_REST
 
 
 CURVE = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0, 1.2)
 
 
 def recommended(curve: Sequence[CachePlan], dataset_bytes: int, warm_share: float = 0.05) -> str:
-    """The smallest capacity on the curve whose warm epochs fetch at most `warm_share` of the dataset."""
+    """The smallest capacity on the curve whose warm epochs fetch at most `warm_share` of the dataset
+    (`dataset_bytes`: at rest, the yardstick capacities are stated against)."""
     for point in curve:
         if point.warm_ratio <= warm_share:
             return (f"recommended: {point.capacity / 1e6:.1f} MB ({point.capacity / dataset_bytes:.0%} of the "
-                    f"dataset) fetches {point.warm_ratio:.0%} of it per warm epoch")
-    return f"no capacity up to {curve[-1].capacity / 1e6:.1f} MB brings warm epochs under {warm_share:.0%} of the dataset"
+                    f"dataset at rest) fetches {point.warm_ratio:.0%} of it per warm epoch")
+    return (f"no capacity up to {curve[-1].capacity / 1e6:.1f} MB ({curve[-1].capacity / dataset_bytes:.0%} of the "
+            f"dataset at rest) brings warm epochs under {warm_share:.0%} of the dataset")

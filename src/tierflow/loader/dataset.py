@@ -11,6 +11,7 @@ them out in.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -37,11 +38,12 @@ from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, 
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
-from tierflow.order.working_set import (WorkingSet, choose_working_set, with_first_epoch, working_set_bytes,
-                                        working_set_shards)
+from tierflow.order.working_set import (WorkingSet, choose_working_set, narrowing_advice, with_first_epoch,
+                                        working_set_bytes, working_set_shards)
 from tierflow.policies.auto import Lifecycle
 from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
-from tierflow.tiers.tier import memory_headroom
+
+log = logging.getLogger("tierflow.loader")
 
 Resume = LoaderCursor | Mapping[str, Any] | None
 """What `resume=` and `load_state_dict` take: a cursor, its JSON dict, or a `Loader.state_dict()`."""
@@ -203,26 +205,36 @@ class TieredDataset(IterableDataset):
 
     def _choose_working_set(self, data: Any, partitions: int, window_shards: int | None,
                             lanes: int | None) -> WorkingSet:
-        """Lanes and window size: as given, else sized to the top tier of the stack being read."""
+        """Lanes and window size: as given (or a resumed cursor's), else the dataset's default
+        (order/working_set.py), a function of the dataset, the world layout and these options only.
+        Its bytes are counted in the form the top tier stores (what the staging area and the stager
+        hold); a tier too small for it to pay is told so (`narrowing_advice`), never narrowed."""
         per_node = max(1, partitions // max(1, self.world.num_nodes))
         source = getattr(data, "source", None)
         tiers = getattr(source, "tiers", None) or []
         top = tiers[0] if tiers else None
+        at_rest = [s.bytes for s in self.manifest.shards]
         sizes = [s.bytes_in(top.form if top is not None else Form.AT_REST) for s in self.manifest.shards]
-        staged = source is not None and hasattr(source, "declare")  # a tier stack: held in RAM unless in a tier
-        chosen = choose_working_set(sizes, per_node, top.capacity if top is not None else None,
-                                    memory_headroom() if staged else None)
+        node_shards = sum(1 for n in self._order_args["shard_sample_counts"] if n > 0) // max(1, self.world.num_nodes)
+        default = choose_working_set(at_rest, per_node, node_shards=max(1, node_shards))
         if window_shards is None and lanes is None:
+            chosen = dataclasses.replace(default, bytes=working_set_bytes(default.shards, sizes))
             if self._first_epoch is _NARROWED:
-                shards = sum(1 for n in self._order_args["shard_sample_counts"] if n > 0)
-                return with_first_epoch(chosen, shards // max(1, self.world.num_nodes))
-            return dataclasses.replace(chosen, first_epoch=self._first_epoch)
-        lanes = lanes if lanes is not None else (per_node if window_shards is not None else chosen.lanes)
-        window_shards = window_shards if window_shards is not None else chosen.window_shards
-        shards = working_set_shards(min(lanes, per_node), window_shards)
-        first = None if self._first_epoch is _NARROWED else self._first_epoch  # e.g. shuffle=False's one lane
-        return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given",
-                          first)
+                chosen = with_first_epoch(chosen, node_shards)
+            else:
+                chosen = dataclasses.replace(chosen, first_epoch=self._first_epoch)
+        else:
+            lanes = lanes if lanes is not None else (per_node if window_shards is not None else default.lanes)
+            window_shards = window_shards if window_shards is not None else default.window_shards
+            shards = working_set_shards(min(lanes, per_node), window_shards)
+            first = None if self._first_epoch is _NARROWED else self._first_epoch  # e.g. shuffle=False's one lane
+            chosen = WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes),
+                                "as given", first)
+        if top is not None and not self.eval:
+            advice = narrowing_advice(chosen, sizes, per_node, top.capacity, f"tier {top.name}")
+            if advice is not None:  # the cache adapts (the staging area; tiers/stack.py warns where RAM is short)
+                log.info("%s: %s", self.location, advice)
+        return chosen
 
     # -- state ---------------------------------------------------------------------------
     def arrangement(self) -> Arrangement:

@@ -188,8 +188,8 @@ class Loader:
 
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
-            position = self.dataset.world
-            if (rank, world) != (position.rank, position.world_size):
+            position = self.dataset.world  # its node may be another's logical index (open_loader's node affinity)
+            if world != position.world_size or rank % position.ranks_per_node != position.local_rank:
                 raise TopologyError(f"{self.dataset!r} was made for rank {position.rank} of {position.world_size}, "
                                     f"but torch.distributed runs rank {rank} of {world}: make the dataset after "
                                     f"init_process_group (or pass world=WorldPosition(...))")

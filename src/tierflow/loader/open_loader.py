@@ -44,8 +44,9 @@ def open_loader(
     **options: Any,
 ) -> Loader:
     """A started Loader over the dataset at `url` (a local path or s3://, with `tiers` as
-    TierConfigs or `"NAME=PATH[:CAPACITY[:POLICY[:FORM]]]"` strings, capacities like "50GB" or
-    "30%"; a `{node}` in a path becomes this node's index, see loader.topology.node_index), or over
+    TierConfigs or `"NAME=PATH[:CAPACITY[:POLICY[:FORM]]]"` strings, capacities like "50GB", "30%"
+    (of the dataset's bytes at rest) or "30%disk"; the form `auto` by default: at rest unless the tier
+    holds the whole decoded dataset; a `{node}` in a path becomes this node's index, see loader.topology.node_index), or over
     several URLs mixed by `weights` (each read through its own stack over the same tiers, on
     demand: no stager). Other keywords go to TieredDataset (seed, columns, transform, filter,
     collate, shuffle, eval, ...) or to Loader (depth, widen, dtype, epoch_end, endless, ...);

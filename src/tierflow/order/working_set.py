@@ -1,12 +1,20 @@
-"""How many lanes and how large a window a node reads through, chosen from its top tier.
+"""How many lanes and how large a window a node reads through: a function of the dataset alone.
 
 The shards a node needs at once are, per lane, the window being read and the next one being
-staged: lanes * 2k shards (room for that many of the mean size and one of the largest). Those the tier does not keep pass through the
-stack's staging area in host RAM, so the working set takes at most `SHARE` of the top tier (the
-RAM it may use beside it) and `RAM_SHARE` of the memory headroom; within that the widest shuffle wins
-(most shards mixed at once, lanes * k; ties to more lanes, whose partitions differ). With no tier,
-or one that holds the whole dataset, the widest (remote shards read with no tier are held in
-memory, so then RAM_SHARE alone bounds it): up to WIDEST_LANES lanes with windows of 4 shards.
+staged: lanes * 2k shards (room for that many of the mean size and one of the largest). The
+default breadth depends only on the dataset (its shards' sizes at rest), the world layout
+(partitions per node) and what the user sets (`lanes=`, `window_shards=`), never on a tier's
+capacity, the free disk or the free memory: the same seed gives the same batches on every node,
+with no tier or any tier (docs/order.md). The cache adapts to the order (tiers/stack.py: the
+staging area; tiers/stager.py), not the order to the cache.
+
+The widest shuffle (most shards mixed at once, lanes * k; ties to more lanes, whose partitions
+differ) within: at most WIDEST_LANES lanes and windows of WIDEST_WINDOW shards; at most
+1/READING_SHARE of the node's shards read at once (so an epoch passes through several working
+sets and a tier's policy chooses what stays); a working set of at most WORKING_SET_BYTES at rest
+(the staging area in host RAM holds what no tier keeps). A tier too small for that breadth to pay
+is named with numbers and the `lanes=`/`window_shards=` that fit it (`fitting_working_set`,
+`narrowing_advice`); the order is never narrowed behind the user's back.
 """
 
 from __future__ import annotations
@@ -15,8 +23,17 @@ import heapq
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-SHARE = 0.0625
-RAM_SHARE = 0.125
+READING_SHARE = 4
+"""The default reads at most 1/READING_SHARE of a node's shards at once: a small dataset is not read
+whole at once (every shard in use for the whole epoch leaves a tier's policy nothing to choose and
+the staging area holding the dataset in RAM)."""
+WORKING_SET_BYTES = 8 << 30
+"""The default working set holds at most this many bytes of shards at rest (the staging area in host
+RAM holds the working set's shards no tier keeps: 8 GiB is 31 shards of 256 MB, 15 lanes of one-shard
+windows)."""
+TIER_SHARE = 0.0625
+"""`fitting_working_set`'s advice: a working set within this share of a tier (what the cache-sized
+orders of before issue 37 read) leaves the rest of it to the entries kept across epochs."""
 FIRST_EPOCH_SHARE = 16
 """The first epoch reads at most 1/FIRST_EPOCH_SHARE of the node's shards at once. On a cold node
 the loader runs at full rate only once the shards being read have arrived, and it finishes the
@@ -71,38 +88,69 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
     return sum(heapq.nlargest(shards + 1, shard_bytes))
 
 
-def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int,
-                       capacity_bytes: int | None, memory_bytes: int | None = None) -> WorkingSet:
-    """The widest (lanes, window_shards) whose working set fits SHARE of `capacity_bytes` (None: no
-    tier) and RAM_SHARE of `memory_bytes` (None: shards are read in place, memory-mapped)."""
-    most = min(partitions_per_node, WIDEST_LANES)
-    widest_shards = working_set_shards(most, WIDEST_WINDOW)
-    widest = WorkingSet(most, WIDEST_WINDOW, widest_shards, working_set_bytes(widest_shards, shard_bytes), "")
-    if capacity_bytes is None and memory_bytes is None:
-        return _because(widest, "read in place: the widest shuffle")
-    if capacity_bytes is not None and capacity_bytes >= sum(shard_bytes) + widest.bytes:
-        return _because(widest, "the top tier holds the dataset and the working set")
-    if capacity_bytes is None:  # remote shards with no tier are held in memory while read
-        room = memory_bytes * RAM_SHARE
-        where = f"{RAM_SHARE:.1%} of free memory"
-    else:
-        room = capacity_bytes * SHARE if memory_bytes is None else min(capacity_bytes * SHARE, memory_bytes * RAM_SHARE)
-        where = f"{SHARE:.0%} of the top tier, at most {RAM_SHARE:.1%} of free memory"
+def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int, *,
+                       node_shards: int | None = None) -> WorkingSet:
+    """The default (lanes, window_shards): the widest within WIDEST_LANES x WIDEST_WINDOW, at most
+    1/READING_SHARE of `node_shards` (default: all of `shard_bytes`, the node's share of the non-empty
+    shards) read at once, and a working set of at most WORKING_SET_BYTES of `shard_bytes` (at rest).
+    A function of its arguments only: never of a tier, the free disk or the free memory."""
+    node_shards = len(shard_bytes) if node_shards is None else node_shards
+    by_share = max(1, node_shards // READING_SHARE)
     mean = sum(shard_bytes) / max(len(shard_bytes), 1)
-    budget = max(0, int((room - max(shard_bytes, default=0)) // max(mean, 1)))
-    best: tuple[int, int, int] | None = None
-    for k in range(WIDEST_WINDOW, 0, -1):
-        lanes = min(most, budget // (2 * k))
-        if lanes >= 1 and (best is None or (lanes * k, lanes) > (best[0], best[1])):
-            best = (lanes * k, lanes, k)
-    if best is None:
-        lanes, k = 1, 1
-        reason = f"{room / 1e6:.1f} MB ({where}) holds less than one lane of single-shard windows"
-    else:
-        _, lanes, k = best
-        reason = f"{room / 1e6:.1f} MB ({where}) holds {budget} shards"
+    by_bytes = max(0, int((WORKING_SET_BYTES - max(shard_bytes, default=0)) // max(mean, 1))) // 2
+    reading = max(1, min(by_share, by_bytes))
+    lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), reading)
     shards = working_set_shards(lanes, k)
-    return WorkingSet(lanes, k, shards, working_set_bytes(shards, shard_bytes), reason)
+    limit = ("the widest" if lanes * k == min(partitions_per_node, WIDEST_LANES) * WIDEST_WINDOW else
+             f"at most 1/{READING_SHARE} of the node's {node_shards} shards" if by_share <= by_bytes else
+             f"a working set of at most {WORKING_SET_BYTES / 2**30:.0f} GiB at rest")
+    return WorkingSet(lanes, k, shards, working_set_bytes(shards, shard_bytes),
+                      f"the dataset's default: {lanes} x {k} shards read at once, {limit}")
+
+
+def _widest(most_lanes: int, reading: int) -> tuple[int, int]:
+    """(lanes, k) with lanes <= most_lanes, k <= WIDEST_WINDOW, lanes * k <= reading: most shards
+    mixed at once, ties to more lanes; (1, 1) at the least."""
+    best = (1, 1, 1)
+    for k in range(WIDEST_WINDOW, 0, -1):
+        lanes = min(most_lanes, reading // k)
+        if lanes >= 1 and (lanes * k, lanes) > (best[0], best[1]):
+            best = (lanes * k, lanes, k)
+    return best[1], best[2]
+
+
+def fitting_working_set(shard_bytes: Sequence[int], partitions_per_node: int, room_bytes: float) -> WorkingSet:
+    """The widest (lanes, window_shards) whose working set (in `shard_bytes`' form) fits `room_bytes`:
+    what `narrowing_advice` tells a user whose tier is too small for the default order; never chosen
+    for them."""
+    mean = sum(shard_bytes) / max(len(shard_bytes), 1)
+    budget = max(0, int((room_bytes - max(shard_bytes, default=0)) // max(mean, 1)))
+    lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), budget // 2)
+    shards = working_set_shards(lanes, k)
+    return WorkingSet(lanes, k, shards, working_set_bytes(shards, shard_bytes),
+                      f"{room_bytes / 1e6:.1f} MB holds {budget} shards")
+
+
+def narrowing_advice(chosen: WorkingSet, shard_bytes: Sequence[int], partitions_per_node: int,
+                     capacity: int, tier: str = "the top tier") -> str | None:
+    """What to tell a user whose `tier` (`capacity` bytes in `shard_bytes`' form) cannot hold the order's
+    working set beside what it keeps: the numbers, where the rest goes (the staging area in RAM: every
+    epoch still fetches each shard at most once), and the `lanes=`/`window_shards=` whose working set
+    takes at most TIER_SHARE of the tier. None where the tier holds the dataset beside the working set,
+    or the working set takes at most TIER_SHARE of it. The order is never narrowed for the user."""
+    if capacity <= 0 or capacity >= sum(shard_bytes) + chosen.bytes or chosen.bytes <= TIER_SHARE * capacity:
+        return None
+    fit = fitting_working_set(shard_bytes, partitions_per_node, TIER_SHARE * capacity)
+    narrower = (fit.lanes * fit.window_shards, fit.lanes) < (chosen.reading, chosen.lanes)
+    option = (f"where RAM is short, lanes={fit.lanes}, window_shards={fit.window_shards} keeps the working set "
+              f"within {TIER_SHARE:.2%} of the tier ({fit.bytes / 1e6:.1f} MB), at a narrower shuffle (a new "
+              f"order: a saved cursor resumes its own)" if narrower else "no narrower order fits the tier")
+    return (f"{tier} holds {capacity / 1e6:.1f} MB; the order reads {chosen.lanes} lanes x windows of "
+            f"{chosen.window_shards} shards, a working set of {chosen.shards} shards ({chosen.bytes / 1e6:.1f} MB, "
+            f"{chosen.bytes / capacity:.0%} of the tier): the tier keeps what its policy chooses across epochs "
+            f"and the shards being read that it does not keep pass through the staging area in RAM, so every "
+            f"epoch fetches each shard at most once (benchmarks/cache.py: at 5% of the bytes at rest, warm "
+            f"epochs fetch 0.6-0.7 of the dataset); {option}")
 
 
 def _because(chosen: WorkingSet, reason: str) -> WorkingSet:

@@ -49,7 +49,7 @@ from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers._lock import Pin
 from tierflow.tiers._staging import Membership, NodeProgress, area_path, staging_root, sweep_unused
-from tierflow.tiers.tier import FetchError, Tier
+from tierflow.tiers.tier import FetchError, Tier, memory_headroom
 
 log = logging.getLogger("tierflow.tiers")
 
@@ -60,6 +60,9 @@ STAGING_NAME = "staging"
 STAGING_WAIT_S = 5.0
 """How long a reader waits for room in the node's staging area (every entry in use by the node's
 readers) with no rank of the node moving, before it reads the shard into its own memory."""
+STAGING_RAM_SHARE = 0.25
+"""The staging area holds the order's working set decoded while that is at most this share of the
+memory headroom, else at rest (the order never narrows to fit it: order/working_set.py)."""
 
 _downloaded: ContextVar[Callable[[], None] | None] = ContextVar("tierflow_downloaded", default=None)
 
@@ -127,8 +130,10 @@ class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
     def __init__(self, source: Any, tiers: Sequence[Tier] = (), registry: MetricsRegistry | None = None,
-                 max_open: int = 8, fetch_attempts: int = 3, max_decoded_bytes: int = 1 << 30) -> None:
+                 max_open: int = 8, fetch_attempts: int = 3, max_decoded_bytes: int = 1 << 30,
+                 manifest: Manifest | None = None) -> None:
         self.source = source
+        self._manifest = manifest  # read already (build_stack's, to size tiers against it): not fetched again
         self.tiers = list(tiers)
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             if upper.form is Form.AT_REST and lower.form is Form.DECODED:
@@ -148,6 +153,10 @@ class TierStack:
         self.progress: NodeProgress | None = None  # the node's ranks' steps, beside their staging area
         self.staging_readers = 1
         self._staged_per_byte = 1.0  # staged (decoded) bytes per byte of the top tier's form
+        self._rest_per_byte = 1.0  # at-rest bytes per byte of the top tier's form
+        self.staging_form = Form.DECODED
+        """The staging area's form: decoded (decoded once per node), or at rest where the working set
+        decoded would take more than STAGING_RAM_SHARE of the memory headroom (`declare`)."""
         self.staging_wait_s = STAGING_WAIT_S
         self._open: OrderedDict[int, ShardTable] = OrderedDict()
         self.generation = 0
@@ -170,8 +179,10 @@ class TierStack:
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
-        # its size checked before a byte of it is read (a hostile one could be any size), as open_dataset does
-        manifest = read_manifest(self.source)
+        manifest, self._manifest = self._manifest, None  # build_stack's, read to size the tiers against it
+        if manifest is None:
+            # its size checked before a byte of it is read (a hostile one could be any size), as open_dataset does
+            manifest = read_manifest(self.source)
         self.dataset_id = manifest.dataset_id
         self.schema = manifest.schema
         for tier in self.tiers:  # from now on the dataset has its fair share of each tier
@@ -179,6 +190,7 @@ class TierStack:
         form = self.tiers[0].form if self.tiers else Form.AT_REST
         stored = sum(s.bytes_in(form) for s in manifest.shards)
         self._staged_per_byte = sum(s.decoded_bytes for s in manifest.shards) / stored if stored else 1.0
+        self._rest_per_byte = sum(s.bytes for s in manifest.shards) / stored if stored else 1.0
         return manifest
 
     def dataset(self, columns: Sequence[str] | None = None) -> Dataset:
@@ -200,8 +212,26 @@ class TierStack:
         for tier in self.tiers:
             tier.set_lifecycle(lifecycle)
         shared = readers > 1 and job is not None and bool(self.tiers)
-        wanted = int(readers * working_bytes * self._staged_per_byte) if shared else working_bytes
-        if self.tiers and (wanted > self.staging_bytes or (shared and self.staging_job != job)):
+        # the area stores the decoded form: `working_bytes` (the top tier's form) scaled to it; an at-rest
+        # L2's working set sized the area in compressed bytes, a seventh of the shards read at once, so
+        # each reopen fetched its shard again (39x the dataset per epoch at 5-30% of byte tokens, issue 37)
+        wanted = int((readers if shared else 1) * working_bytes * self._staged_per_byte)
+        form = Form.DECODED
+        headroom = memory_headroom()
+        if self.tiers and headroom is not None and wanted > STAGING_RAM_SHARE * headroom:
+            # the cache adapts to the order, not the order to the cache: the working set at rest (the
+            # readers decode the blocks they read), and a warning with the numbers where even that is more
+            at_rest = int((readers if shared else 1) * working_bytes * self._rest_per_byte)
+            log.warning("the staging area would hold the order's working set decoded, %.1f MB, more than %.0f%% "
+                        "of the memory headroom (%.1f MB); it holds it at rest instead (%.1f MB)%s", wanted / 1e6,
+                        STAGING_RAM_SHARE * 100, headroom / 1e6, at_rest / 1e6,
+                        "" if at_rest <= STAGING_RAM_SHARE * headroom else
+                        "; that is still more: shards it cannot hold are read into each process's memory and "
+                        "fetched again; lanes= and window_shards= narrow the order (a new order)")
+            wanted, form = at_rest, Form.AT_REST
+        if self.tiers and (wanted > self.staging_bytes or form is not self.staging_form
+                           or (shared and self.staging_job != job)):
+            self.staging_form = form
             self.staging_bytes = max(wanted, self.staging_bytes)
             self.staging_job = job if shared else None
             self.staging_readers = readers if shared else 1
@@ -221,7 +251,7 @@ class TierStack:
                     self.progress = NodeProgress(path, self.staging_readers)
                 else:
                     path = root / f"staging-{os.getpid()}-{secrets.token_hex(4)}"
-                self.staging = Tier(path, self.staging_bytes, policy="lru", form=Form.DECODED, name=STAGING_NAME,
+                self.staging = Tier(path, self.staging_bytes, policy="lru", form=self.staging_form, name=STAGING_NAME,
                                     registry=self.registry)
             except OSError as e:
                 log.warning("no staging area in %s (%s): shards no tier keeps are read into memory", root, e)
@@ -295,14 +325,16 @@ class TierStack:
             fetched.append(True)
             self._fill(info, staging.form, None, tmp)
 
+        decoded = staging.form is Form.DECODED
         pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
-                             verify_hit=False, block_list=scan_blocks)
+                             verify_hit=False, block_list=scan_blocks if decoded else None)
         if pin is None and not prefetch and self.progress is not None and size <= staging.capacity:
             pin = self._wait_for_room(staging, info, size, checksum, produce)
         if pin is None:
             return None
         self.m_served[STAGING_NAME].inc()
-        return Handle(staging.form, STAGING_NAME, pin.path, pin, blocks=staging.blocks_of(info.key, size, checksum),
+        return Handle(staging.form, STAGING_NAME, pin.path, pin,
+                      blocks=staging.blocks_of(info.key, size, checksum) if decoded else None,
                       served_by=SOURCE if fetched else STAGING_NAME)
 
     def _wait_for_room(self, staging: Tier, info: ShardInfo, size: int, checksum: str,
@@ -324,8 +356,8 @@ class TierStack:
             while True:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-                pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id,
-                                     verify_hit=False, block_list=scan_blocks)
+                pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, verify_hit=False,
+                                     block_list=scan_blocks if staging.form is Form.DECODED else None)
                 if pin is not None:
                     return pin
                 now_mine, now_slowest = self.progress.lag()
@@ -496,10 +528,14 @@ class TierStack:
             raise ShardCorruptError(f"{error}; fetching it again failed: {e}") from e
 
     def _open_limit(self, info: ShardInfo) -> int:
-        """Open shards hold pins: keep them to half the top tier so eviction always has room."""
+        """Open shards hold pins: keep them to half the top tier so eviction always has room, but never
+        fewer than the reader declared it reads at once (the order's, whatever the tier: a shard
+        dropped while its window is read is opened, and maybe fetched, again at its next batch; a
+        tier whose entries are all pinned serves from below, through the staging area)."""
         if not self.tiers:
             return 1 << 10
-        return max(4, self.tiers[0].capacity // (2 * max(info.decoded_bytes, info.bytes, 1)))
+        declared = self.max_open if self._open_declared else 0
+        return max(4, declared, self.tiers[0].capacity // (2 * max(info.decoded_bytes, info.bytes, 1)))
 
     def close(self) -> None:
         with self._lock:
@@ -513,7 +549,7 @@ class TierStack:
         state = {"dataset_id": self.dataset_id, "schema": self.schema, "declared": self._open_declared,
                  "staging_bytes": self.staging_bytes, "staging": staging, "staging_job": self.staging_job,
                  "staging_readers": self.staging_readers,
-                 "staged_per_byte": self._staged_per_byte}
+                 "staged_per_byte": self._staged_per_byte, "staging_form": self.staging_form.value}
         return (_reopened, (self.source, self.tiers, self.registry, self.max_open, self.fetch_attempts,
                             self.cache.max_bytes, state))
 
@@ -533,7 +569,8 @@ def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max
             stack._membership = Membership(Path(state["staging"]))
             stack.staging_readers = state["staging_readers"]
             stack.progress = NodeProgress(Path(state["staging"]), stack.staging_readers)
-        stack.staging = Tier(state["staging"], stack.staging_bytes, policy="lru", form=Form.DECODED,
+        stack.staging_form = Form(state.get("staging_form", Form.DECODED))
+        stack.staging = Tier(state["staging"], stack.staging_bytes, policy="lru", form=stack.staging_form,
                              name=STAGING_NAME, registry=stack.registry)
         stack.m_served[STAGING_NAME] = stack.registry.counter("stack_served", {"tier": STAGING_NAME})
     return stack

@@ -29,7 +29,7 @@ from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.burst import Ride
 from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_staging, size_lookahead
-from tierflow.tiers.stack import STAGING_NAME, Handle, TierStack, on_downloaded
+from tierflow.tiers.stack import SOURCE, STAGING_NAME, Handle, TierStack, on_downloaded
 
 log = logging.getLogger("tierflow.stager")
 
@@ -117,6 +117,9 @@ class Stager:
                                    description="bytes the stager aims ahead")
         self.m_declined = r.counter("tierflow_stager_declined_total", description="planned shards no tier would take")
         self.m_plan = r.histogram("tierflow_stager_plan_seconds", description="time to plan the lookahead once")
+        self.source_bytes_by_epoch: dict[int, int] = {}
+        """At-rest bytes this stager's fetches took from the source, by the epoch of the use each was
+        staged for: the cold epoch's lookahead into the next is the next epoch's (issue 37)."""
         self.m_errors = r.counter("tierflow_stager_errors_total",
                                   description="fetches that failed (readers fetch on demand)")
         self._cursor: Any = None  # opaque: the loader's cursor, handed to the view as is
@@ -305,10 +308,10 @@ class Stager:
         capacity = min((t.capacity for t in stack.tiers), default=0)
         working = view.working_set
         active = working.bytes  # the shards read at once and the window just left, no more than the dataset
-        if capacity and active > capacity:
-            log.warning("tier capacity %.1f MB is below the %d shards being read at once (%d lanes x windows of "
-                        "%d and the next window): shards the tier cannot take are read from below",
-                        capacity / 1e6, working.shards, working.lanes, working.window_shards)
+        if capacity and active > capacity:  # the order's, not narrowed to the tier: the staging area carries it
+            log.info("tier capacity %.1f MB is below the %d shards of the order's working set (%d lanes x windows of "
+                     "%d and the next window): the tier keeps what its policy chooses, the rest passes through "
+                     "the staging area", capacity / 1e6, working.shards, working.lanes, working.window_shards)
         room = capacity - active if capacity else 0
         return NodeShape(
             shard_bytes=shard_bytes, bytes_per_step=sum(sizes) / max(1, view.num_order_samples) * samples_per_step,
@@ -369,8 +372,10 @@ class Stager:
         self.m_lookahead.set(ahead.bytes)
         uses = self.view.future_shard_uses(cursor, horizon_batches=ahead.view_steps + lead)
         first_use: dict[int, int] = {}
+        serves: dict[int, int] = {}  # the epoch of that next use: what a fetch for it is counted in
         for use in uses:  # sorted by first use: a shard's next use is its first entry
             first_use.setdefault(use.shard, plan_base * sps + use.first_use)
+            serves.setdefault(use.shard, use.epoch)
         with self._lock:
             held, in_flight = set(self._held), set(self._inflight)
             position = (self._consumed_steps - plan_base) * sps
@@ -407,7 +412,7 @@ class Stager:
                 self._tickets += 1
                 ticket = self._tickets
                 self._queued[ticket] = first_use[shard]
-            self._queue.put((shard, first_use[shard], ticket))
+            self._queue.put((shard, first_use[shard], ticket, serves[shard]))
         with self._lock:
             self.m_ahead.set(sum(self._shard_size(s) for s in self._held))
         self._note_rides(idle=not plan.fetch and not in_flight)
@@ -474,7 +479,7 @@ class Stager:
             self._transfers.remove(due)
             self._link.notify_all()
 
-    def _fetch(self, shard: int, due: int, ticket: int) -> None:
+    def _fetch(self, shard: int, due: int, ticket: int, epoch: int = 0) -> None:
         info = self.shards[shard]
         turn = False  # this fetch transfers from below and counts in `_transfers` until its bytes are in
         counted = False
@@ -523,6 +528,9 @@ class Stager:
         else:
             self.m_latency.observe(time.perf_counter() - started)
             self.m_fetched.inc()
+        if handle.served_by == SOURCE:
+            with self._lock:
+                self.source_bytes_by_epoch[epoch] = self.source_bytes_by_epoch.get(epoch, 0) + info.bytes
         with self._lock:
             self._inflight.discard(shard)
             if self._stop.is_set():

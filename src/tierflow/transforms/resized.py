@@ -138,7 +138,8 @@ class _Block:
 @dataclass
 class ResizedImages:
     """The decoded-and-resized form of a pipeline's images, cached per block in a tier directory
-    (`path`, `capacity` as bytes, "4GB" or a share like "30%", `policy`); give it to
+    (`path`, `capacity` as bytes, "4GB" or a share of its disk like "30%disk" ("30%" reads the same
+    here: there is no dataset at rest to measure a resized cache against), `policy`); give it to
     `ImagePipeline(cache=...)`. Use its own directory (tmpfs for RAM): the tier's capacity and
     policy belong to the directory."""
 
