@@ -1,7 +1,8 @@
 """A tiny LightningModule over a tierflow Loader from `train_dataloader()` (docs/frameworks.md).
 
 argv[1]: JSON {"data", "out", "epochs" | "max_steps", "workers", "devices", "save_at": [steps],
-"ckpt_dir", "resume": .ckpt path or null, "endless", "max_tokens"}; each rank writes out.<rank>.json.
+"ckpt_dir", "resume": .ckpt path or null, "endless", "max_tokens", "world": [rank, world] (one process
+reading that rank's batches)}; each rank writes out.<rank>.json.
 """
 
 import json
@@ -13,7 +14,7 @@ import torch
 
 from harness import BATCH, SEQ, VOCAB, Recorder
 from tierflow.integrations.lightning import LoaderStateCallback
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, WorldPosition
 
 
 class TinyLM(L.LightningModule):
@@ -26,6 +27,8 @@ class TinyLM(L.LightningModule):
 
     def train_dataloader(self):
         shape = {"max_tokens": self.cfg["max_tokens"]} if self.cfg.get("max_tokens") else {"seq_len": SEQ}
+        if self.cfg.get("world"):  # [rank, world]: one process reading rank `rank`'s batches
+            shape["world"] = WorldPosition(0, 1, *self.cfg["world"])
         dataset = TieredDataset(self.cfg["data"], batch_size=BATCH, **shape)
         return Loader(dataset, num_workers=self.cfg.get("workers", 0), endless=self.cfg.get("endless", False))
 

@@ -26,6 +26,20 @@ def test_two_epochs_and_resume_from_its_ckpt(corpus, tmp_path, workers):
         check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
 
 
+def test_an_epoch_longer_than_the_first_is_trained_whole(corpus, tmp_path):
+    """Rank 0 of 2 read by one process: its epochs are 53 then 54 batches (remainders carry over).
+    Lightning fixes its epoch's batch limit at the first len(); LoaderStateCallback refreshes it at
+    each epoch's start, so the second epoch is not cut; resumed in each epoch, the rest exactly."""
+    base = {"data": corpus, "epochs": 2, "world": [0, 2], "ckpt_dir": str(tmp_path)}
+    run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [30, 80]})
+    full = load(tmp_path / "full.0.json")
+    assert full["lens"][1] > full["lens"][0], full["lens"]
+    check_uninterrupted(corpus, [full], world=2)
+    for step in (30, 80):
+        run("run_lightning.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")})
+        check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
+
+
 @pytest.mark.slow
 def test_ddp_two_gloo_processes(corpus, tmp_path):
     """strategy="ddp", 2 processes on CPU (gloo): 2 epochs, none empty, each (sample, epoch) once,

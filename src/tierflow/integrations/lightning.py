@@ -26,6 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage
 
 from tierflow.loader.loader import Loader
 
@@ -43,6 +46,29 @@ def _loaders(trainer: pl.Trainer) -> list[Any]:
     if combined is None:
         return []
     return [dl for dl in combined.flattened if isinstance(getattr(dl, "loader", dl), Loader)]
+
+
+def _epoch_limits(trainer: pl.Trainer) -> None:
+    """Lightning's batch limit of the epoch about to run, from `len()` now. Lightning fixes it at
+    the first `len()` (before a resumed run's state is loaded, too), but a Loader's epochs differ
+    by a batch where remainders carry over: a longer epoch would be cut, its last batch spilling
+    into the next. Read live: `combined_loader.limits` by the epoch's iterator (made after this
+    hook, or in `on_train_start` before it, hence the iterator's too) and `fit_loop.max_batches`
+    (`trainer.num_training_batches`) by the epoch loop's end-of-epoch check."""
+    loop = trainer.fit_loop
+    combined = getattr(loop, "_combined_loader", None)
+    if combined is None or not any(isinstance(getattr(dl, "loader", dl), Loader) for dl in combined.flattened):
+        return
+    limits = []
+    for dl in combined.flattened:
+        length = sized_len(dl)
+        limits.append(float("inf") if length is None else
+                      _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches))
+    combined.limits = limits
+    if combined._iterator is not None:
+        combined._iterator.limits = limits
+        length = sized_len(combined)
+        loop.max_batches = float("inf") if length is None else length
 
 
 class LoaderStateCallback(pl.Callback):
@@ -78,8 +104,14 @@ class LoaderStateCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_train_epoch_start(trainer, pl_module)
+        # the epoch's iterator exists already (a resumed run: made after the Loader's state was loaded)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if fetcher is not None and fetcher.length is not None:
+            fetcher.length = sized_len(fetcher.combined_loader)
+            fetcher.done = fetcher.length == 0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _epoch_limits(trainer)
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
         ahead = 0
         if fetcher is not None and getattr(fetcher, "length", None) is None:
