@@ -227,3 +227,27 @@ def test_a_loop_that_fetches_one_batch_ahead_saves_the_state_of_the_batch_it_tra
         resumed = make()
         resumed.load_state_dict(state)
         assert next(iter(resumed))[1].sample_ids.tolist() == following[at]
+
+
+@pytest.mark.parametrize("kind", ["windows", "buckets"])
+def test_epoch_lengths_are_what_the_epochs_yield_from_the_start_and_mid_epoch(long_tailed_docs, kind):
+    loader = Loader(BATCHERS[kind](long_tailed_docs, world=WorldPosition(0, 1, 1, 3)))
+    lengths = loader.epoch_lengths(4)
+    assert lengths[0] == len(loader)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    assert loader.epoch_lengths(4) == lengths  # the epoch in progress counts whole
+    ran = [5 + sum(1 for _ in it)] + [sum(1 for _ in loader) for _ in range(3)]
+    assert ran == lengths
+    if kind == "windows":
+        assert len(set(lengths)) > 1  # carried remainders: epochs differ by a batch or so, and are counted so
+
+
+def test_a_loader_refuses_to_be_rebuilt_or_collated_naming_the_supported_path(long_tailed_docs):
+    loader = Loader(windows(long_tailed_docs))
+    with pytest.raises(AttributeError, match="load_state_dict"):
+        loader.drop_last  # accelerate's skip_first_batches reads it
+    batch = next(iter(TieredDataset(long_tailed_docs, batch_size=2, seq_len=64)))
+    with pytest.raises(TypeError, match="TierflowTrainer"):
+        vars(batch)  # what the transformers Trainer's collator does with a sample

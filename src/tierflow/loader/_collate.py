@@ -147,6 +147,12 @@ class CarriedBatch:
     def __repr__(self) -> str:
         return f"CarriedBatch(keys={list(self.data)}, meta={self.meta!r})"
 
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        """A collator that reads a sample's attributes (the transformers Trainer's calls vars())
+        was handed a whole tierflow batch: say what to do instead."""
+        raise LoaderMisuseError(COLLATED_MESSAGE + TRAINER_HINT)
+
 
 def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMORY_BYTES
                 ) -> tuple[Any, Layout, dict[str, Any], tuple[str, ...]]:
@@ -323,6 +329,8 @@ COLLATED_MESSAGE = (
     "batch_size), and DataLoader's batch_size (default 1) would stack batches of batches. Iterate "
     "tierflow.Loader(ds, num_workers=...) instead (it keeps the resume cursor), or pass "
     "DataLoader(ds, batch_size=None) and read item.data / item.meta")
+TRAINER_HINT = ("; under the transformers Trainer pass the Loader: "
+                "tierflow.integrations.transformers.TierflowTrainer(train_loader=Loader(dataset)) (docs/frameworks.md)")
 
 
 def _refuse_collate(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:

@@ -503,6 +503,23 @@ class TieredDataset(IterableDataset):
         epoch, batches = self._rank_stream(start).epoch_batches(after, agree)
         return epoch, max(0, batches * self.batcher.batches_per_group - skip)
 
+    def cursor_after(self, cursor: Resume, batches: int) -> LoaderCursor | None:
+        """The cursor once this rank has consumed `batches` more output batches from `cursor`
+        (None: the start), every rank as many (a positional batcher's; the order alone, no I/O)."""
+        start = self._parsed(cursor) if cursor is not None else None
+        if batches <= 0:
+            return start
+        saved = self._resume
+        self._resume = start
+        try:
+            stream = self.stream()
+        finally:
+            self._resume = saved
+        group, part = divmod((start.skip if start is not None else 0) + batches - 1, self.batcher.batches_per_group)
+        if part + 1 == self.batcher.batches_per_group:
+            return stream.cursor(group)
+        return stream.cursor(group - 1, skip=part + 1)
+
     # -- hooks for the stager ------------------------------------------------------------
     def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:
         """This node's shard uses from `cursor` (default: the resume cursor) for the next

@@ -277,6 +277,31 @@ class Loader:
                     telemetry.flush()  # type: ignore[union-attr]
             yield (batch.data, meta) if self.return_meta else batch.data
 
+    @property
+    def drop_last(self) -> bool:
+        """A Loader is not a DataLoader to rebuild (accelerate's `skip_first_batches` reads this
+        first): it resumes by its own state."""
+        raise AttributeError(
+            "a tierflow Loader is not rebuilt to skip batches: it resumes exactly from its own state "
+            "(loader.load_state_dict(state)); under accelerate register it with "
+            "accelerator.register_for_checkpointing(tierflow.integrations.accelerate.ranked(loader)) and "
+            "load_state() restores it (docs/frameworks.md)")
+
+    def epoch_lengths(self, epochs: int) -> list[int]:
+        """This rank's batches in each of the next `epochs` epochs from where the Loader stands (the
+        current epoch whole first), from the order alone: what a framework that sizes its schedule
+        by len() (max_steps) needs, since carried remainders make epochs differ by a batch or so."""
+        clock = self._clock
+        if clock is None:
+            raise TypeError("an endless or eval Loader has no epochs to count")
+        cursor, finished, done = self._cursor, clock.finished, clock.done
+        lengths = []
+        for _ in range(epochs):
+            epoch, left = self.dataset.epoch_span(cursor, finished, agree=self.epoch_end == "agree")
+            lengths.append(done + left)
+            cursor, finished, done = self.dataset.cursor_after(cursor, left), epoch, 0
+        return lengths
+
     def __len__(self) -> int:
         """This rank's batches of the epoch the next (or current) `for` finishes, the whole of it
         however many are consumed (`remaining`: those left), capped by `max_batches`; with
