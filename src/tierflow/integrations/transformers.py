@@ -28,6 +28,7 @@ each document's first token masked -100, so no position learns across a document
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -97,9 +98,9 @@ class LoaderCheckpointCallback(TrainerCallback):
 
     def __init__(self, loader: Loader | TrainerLoader) -> None:
         self.loader = loader
-        self.counts: dict[str, int] = {}
-        """The Trainer's own step counts, saved beside the state (TierflowTrainer fills and reads them)."""
-        self.restored: dict[str, int] = {}
+        self.counts: dict[str, Any] = {}
+        """The run's epoch plan, saved beside the state with the step (TierflowTrainer fills and reads them)."""
+        self.restored: dict[str, Any] = {}
 
     @staticmethod
     def path(checkpoint_dir: str | os.PathLike, rank: int) -> Path:
@@ -110,7 +111,8 @@ class LoaderCheckpointCallback(TrainerCallback):
         path = self.path(folder, _rank(args))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"loader": self.loader.state_dict(), "trainer": self.counts}))
+        counts = {**self.counts, "global_step": state.global_step}
+        tmp.write_text(json.dumps({"loader": self.loader.state_dict(), "trainer": counts}))
         os.replace(tmp, path)
 
     def load(self, checkpoint_dir: str | os.PathLike, args: Any) -> None:
@@ -135,6 +137,8 @@ class TierflowTrainer(Trainer):
         self.train_loader = TrainerLoader(train_loader, hf=hf_labels, keep=keep)
         self.loader_callback = LoaderCheckpointCallback(self.train_loader)
         callbacks = list(kwargs.pop("callbacks", None) or []) + [self.loader_callback]
+        self.epochs: list[int] | None = None
+        """This run's batches per epoch from its start (None without len())."""
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _install_skip()
 
@@ -142,31 +146,81 @@ class TierflowTrainer(Trainer):
         return self.train_loader
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple[Any, ...]:
-        """The Trainer's step counts, taken from the uninterrupted run's when resuming: it counts an
-        epoch's steps as the first epoch's len() and max_steps as epochs x that, where a resumed run
-        reads the len() of the epoch it resumes in (epochs may differ by a batch or two, a remainder
-        carried into the next), and would stop short of the uninterrupted run or cut an epoch."""
+        """The Trainer's step counts from this run's epochs as they are. The Trainer takes every
+        epoch as long as the first len() (max_steps = epochs x that), but a Loader's epochs differ
+        by a batch (remainders carry over): it would cut a longer epoch or stop before the last
+        batch. The plan (each epoch's batches, `Loader.epoch_lengths`) is saved with each checkpoint:
+        a resumed run takes the epochs before its own from it and the rest from the Loader."""
         values = list(super().set_initial_training_values(args, dataloader))
-        saved = self.loader_callback.restored
-        if saved and args.max_steps <= 0 and "steps_per_epoch" in saved:
-            values[1], values[5], values[6] = saved["steps_per_epoch"], saved["steps_in_epoch"], saved["max_steps"]
-        self.loader_callback.counts = {"steps_per_epoch": values[1], "steps_in_epoch": values[5], "max_steps": values[6]}
+        self.epochs = plan = self._epoch_plan(args)
+        if plan:
+            updates = [math.ceil(n / args.gradient_accumulation_steps) for n in plan]
+            if args.max_steps > 0:
+                values[0] = len(plan)
+            else:
+                whole = int(args.num_train_epochs)
+                fraction = args.num_train_epochs - whole
+                values[6] = sum(updates[:whole]) + (math.ceil(fraction * updates[whole]) if fraction else 0)
+            values[1], values[5] = updates[0], plan[0]
+        self.loader_callback.counts = {"epochs": plan}
         return tuple(values)
+
+    def _epoch_plan(self, args: Any) -> list[int] | None:
+        """Each epoch's batches from the run's start, as many epochs as `num_train_epochs` or as reach
+        `max_steps`; None without len() (then the Trainer counts max_steps in one "epoch", and so
+        does the Loader)."""
+        loader = self.train_loader.loader
+        try:
+            len(loader)
+        except TypeError:
+            return None
+        accum = args.gradient_accumulation_steps
+        saved = self.loader_callback.restored
+        past: list[int] = []
+        if saved.get("epochs"):  # resumed: the epochs before the one the Loader stands in
+            steps = 0
+            for n in saved["epochs"]:
+                if steps + math.ceil(n / accum) > saved["global_step"]:
+                    break
+                past.append(n)
+                steps += math.ceil(n / accum)
+        if args.max_steps <= 0:
+            return past + loader.epoch_lengths(max(0, math.ceil(args.num_train_epochs) - len(past)))
+        steps = sum(math.ceil(n / accum) for n in past)
+        count = math.ceil(max(0, args.max_steps - steps) / max(1, len(loader) // accum - 1)) + 1
+        while True:
+            plan, total = list(past), steps
+            for n in loader.epoch_lengths(count):
+                if total >= args.max_steps:
+                    return plan
+                plan.append(n)
+                total += math.ceil(n / accum)
+            if total >= args.max_steps:
+                return plan
+            count *= 2
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
-        """The Trainer's (epochs trained, batches trained in the resumed epoch), the second from the
-        Loader's restored state: the Trainer takes it as global_step % its first epoch's steps, which
-        is wrong where epochs differ in length (a remainder carried into the next epoch)."""
+        """The Trainer's (epochs trained, batches trained in the resumed epoch) from the plan: it
+        takes them as global_step // and % the first epoch's steps."""
         epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
                                                        resume_from_checkpoint, trial)
-        loader = self.train_loader.loader
-        if resume_from_checkpoint is not None and not self.args.ignore_data_skip and hasattr(loader, "remaining"):
-            try:
-                batches = len(loader) - loader.remaining
-            except TypeError:  # no len(): the Trainer counts max_steps in one "epoch"; so does the Loader
-                pass
+        if resume_from_checkpoint is not None and self.epochs:
+            accum = self.args.gradient_accumulation_steps
+            left, epochs = self.state.global_step, 0
+            while epochs < len(self.epochs) and left >= math.ceil(self.epochs[epochs] / accum):
+                left -= math.ceil(self.epochs[epochs] / accum)
+                epochs += 1
+            batches = 0 if self.args.ignore_data_skip else left * accum
         return epochs, batches
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        """One epoch with its own length (the Trainer passes the first epoch's to every epoch)."""
+        epoch = kwargs["epoch"]
+        if self.epochs and epoch < len(self.epochs):
+            kwargs["steps_in_epoch"] = self.epochs[epoch]
+            kwargs["num_update_steps_per_epoch"] = math.ceil(self.epochs[epoch] / self.args.gradient_accumulation_steps)
+        return super()._run_epoch(*args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
