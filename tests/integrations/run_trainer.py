@@ -1,7 +1,7 @@
 """The transformers Trainer (TierflowTrainer) over a tierflow Loader, a tiny GPT-2 (docs/frameworks.md).
 
 argv[1]: JSON {"data", "out", "epochs" | "max_steps", "workers", "save_at": [steps], "output_dir",
-"resume": checkpoint dir, true or null}; each rank writes out.<rank>.json. Runs under torchrun too.
+"resume": checkpoint dir, true or null, "world": [rank, world]}; each rank writes out.<rank>.json. Runs under torchrun too.
 """
 
 import json
@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 
 from harness import BATCH, SEQ, VOCAB, Recorder
 from tierflow.integrations.transformers import TierflowTrainer
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, WorldPosition
 
 
 class Record(TrainerCallback):
@@ -55,7 +55,8 @@ def main():
     cfg = json.loads(sys.argv[1])
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
-    loader = Loader(TieredDataset(cfg["data"], batch_size=BATCH, seq_len=SEQ), num_workers=cfg.get("workers", 0),
+    world = {"world": WorldPosition(0, 1, *cfg["world"])} if cfg.get("world") else {}  # one process, that rank's batches
+    loader = Loader(TieredDataset(cfg["data"], batch_size=BATCH, seq_len=SEQ, **world), num_workers=cfg.get("workers", 0),
                     endless=cfg.get("endless", False))
     args = Arguments(output_dir=cfg["output_dir"], num_train_epochs=cfg.get("epochs", 1),
                              max_steps=cfg.get("max_steps", -1), per_device_train_batch_size=BATCH,

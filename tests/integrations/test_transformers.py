@@ -86,6 +86,20 @@ def test_two_epochs_and_resume_from_checkpoint_n(corpus, tmp_path, workers):
         assert resumed["global_step"] == full["global_step"]
 
 
+@pytest.mark.parametrize("length", [{"epochs": 2}, {"max_steps": 120}])
+def test_an_epoch_longer_than_the_first_is_trained_whole(corpus, tmp_path, length):
+    """Rank 0 of 2 read by one process: its epochs are 53, 54, 53 batches. The Trainer sizes every
+    epoch and max_steps by the first len(); TierflowTrainer by Loader.epoch_lengths: 2 epochs are
+    107 steps, max_steps=120 ends 13 batches into the third; resumed in the second, the rest exactly."""
+    base = {"data": corpus, "world": [0, 2], "output_dir": str(tmp_path / "out"), **length}
+    run("run_trainer.py", {**base, "out": str(tmp_path / "full"), "save_at": [80]})
+    full = load(tmp_path / "full.0.json")
+    assert full["global_step"] == (107 if "epochs" in length else 120), full["global_step"]
+    check_uninterrupted(corpus, [full], epochs=2, world=2)
+    run("run_trainer.py", {**base, "out": str(tmp_path / "r80"), "resume": str(tmp_path / "out" / "checkpoint-80")})
+    check_resumed(full, load(tmp_path / "r80.0.json"), 80)
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes(corpus, tmp_path):
     """The Trainer under torchrun with 2 processes: 2 epochs, none empty, each (sample, epoch)
