@@ -1,10 +1,14 @@
-"""PyTorch Lightning: return the Loader from `train_dataloader()`; nothing else is needed when the
-Loader has a length (one epoch per `for`, the default).
+"""PyTorch Lightning: return the Loader from `train_dataloader()`, with `LoaderStateCallback`.
 
 Lightning treats the Loader as a stateful iterable (`state_dict` / `load_state_dict`): it saves
 the Loader's state in its own `.ckpt` (`loops.fit_loop.state_dict.combined_loader`) and loads it
 on `trainer.fit(..., ckpt_path=...)`; it injects no sampler (the Loader is not a DataLoader) and
-reads `len()` for the epoch's steps.
+reads `len()` for the epoch's steps, once: at the first `len()` (before a resumed run's state is
+loaded) it fixes `combined_loader.limits` and `fit_loop.max_batches` for every epoch. A Loader's
+epochs differ by a batch where remainders carry over (53, 54, 53), so a longer epoch would be
+cut and its last batch trained in the next: the callback sets both from `len()` at each epoch's
+start (`reload_dataloaders_every_n_epochs=1` calls `train_dataloader()` again, and a new Loader
+starts over at epoch 0).
 
 A Loader without `len()` (`endless=True`; a token budget while its epochs have no length) makes
 Lightning's fetcher hold one batch ahead (`_PrefetchDataFetcher`, `prefetch_batches=1`, to know
@@ -72,7 +76,8 @@ def _epoch_limits(trainer: pl.Trainer) -> None:
 
 
 class LoaderStateCallback(pl.Callback):
-    """Sets each tierflow Loader's `lookahead` to the batches Lightning's fetcher holds ahead of
+    """Sets Lightning's batch limit of each epoch from `len()` at its start (`_epoch_limits`), and
+    each tierflow Loader's `lookahead` to the batches Lightning's fetcher holds ahead of
     the step (0 with `len()`, `prefetch_batches` without): when training starts (a resumed run
     included, whose epoch-start hook Lightning skips mid-epoch) and at the start of each epoch,
     each time before the fetcher asks for the batch after the one it prefetched."""

@@ -13,6 +13,10 @@ What it does, and why the plain `Trainer` cannot take the Loader:
 - `LoaderCheckpointCallback` writes each rank's Loader state into `checkpoint-N/tierflow-loader/`
   on every save; `train(resume_from_checkpoint=...)` loads it before training resumes, so the
   Loader starts right after the last batch the checkpointed step trained (O(1), nothing re-read).
+- The Trainer takes every epoch as long as the first `len()` (max_steps = epochs x that); a
+  Loader's epochs differ by a batch where remainders carry over, so `TierflowTrainer` sizes
+  each epoch, `max_steps` and the resumed position from `Loader.epoch_lengths` (the plan is
+  saved with each checkpoint).
 - The Trainer still counts the batches it already trained in the resumed epoch and asks
   accelerate's `skip_first_batches` for a loader that skips them (which would rebuild a
   DataLoader from the object: `'Loader' object has no attribute 'drop_last'`). For a
