@@ -27,6 +27,7 @@ PUBLIC_PACKAGES = (
     "tierflow.transforms",
     "tierflow.telemetry",
     "tierflow.checkpoint",
+    "tierflow.integrations",  # its submodules import their framework: the `frameworks` extra (in dev)
 )
 #: subpackages of tierflow deliberately without a page
 LEFT_OUT = ("tierflow.testing", "tierflow.commands")
