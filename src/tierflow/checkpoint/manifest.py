@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 import xxhash
 
 from tierflow.errors import CheckpointError, TierflowError
+from tierflow.format._atomic import write_atomically
 from tierflow.format._regular import open_regular, read_regular
 
 STEP_PREFIX = "step-"
@@ -288,17 +289,7 @@ def fsync_file(path: Path) -> None:
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Write a small file under a temporary name, fsync, rename: it is whole or absent. An I/O
-    error (a full disk) is a CheckpointError naming `path`, and leaves no temporary."""
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
-        with naming(path):
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    """Write a small file whole or not at all (format/_atomic.py); an I/O error (a full disk) is
+    a CheckpointError naming `path`, and leaves no temporary."""
+    with naming(path):
+        write_atomically(path, data)

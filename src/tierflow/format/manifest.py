@@ -23,6 +23,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import xxhash
 
+from tierflow.format._atomic import write_atomically
 from tierflow.format._regular import read_regular
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.errors import ManifestError
@@ -210,25 +211,8 @@ class Manifest:
         return d
 
     def save(self, directory: str | Path) -> Path:
-        """Atomically publish the manifest (temp file, fsync, rename, fsync directory)."""
-        directory = Path(directory)
-        path = directory / MANIFEST_NAME
-        tmp = directory / f".tmp-{os.getpid()}-{MANIFEST_NAME}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a torn manifest never lies next to the shards
-            raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        return path
+        """Atomically publish the manifest: a torn manifest never lies next to the shards."""
+        return write_atomically(Path(directory) / MANIFEST_NAME, json.dumps(self.to_json(), indent=1).encode())
 
     @classmethod
     def load(cls, directory: str | Path) -> "Manifest":

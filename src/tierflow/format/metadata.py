@@ -55,8 +55,9 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.errors import ManifestError
-from tierflow.format.manifest import (MANIFEST_NAME, Manifest, _check_fields, compute_dataset_id, schema_fields,
-                                      schema_from_json, schema_to_json)
+from tierflow.format._atomic import write_atomically
+from tierflow.format.manifest import (MANIFEST_NAME, Manifest, _check_fields, schema_fields, schema_from_json,
+                                      schema_to_json)
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
 METADATA_NAME = "metadata.json"
@@ -255,23 +256,7 @@ def write_metadata(directory: str | Path, manifest: Manifest | None = None, *,
 
 
 def _publish(directory: Path, name: str, data: bytes) -> Path:
-    path = directory / name
-    tmp = directory / f".tmp-{os.getpid()}-{name}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
+    return write_atomically(directory / name, data)
 
 
 # ------------------------------------------------------------------------------------------ reading
