@@ -109,6 +109,16 @@ def run(script: str, config: dict[str, Any], *, torchrun: int | None = None, tim
         raise AssertionError(f"{script} {config} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
 
 
+def leave_process_group() -> None:
+    """End a torchrun child cleanly: a gloo group left to the interpreter's exit can abort it
+    ("terminate called without an active exception"), which reads as the framework failing."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def load(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 

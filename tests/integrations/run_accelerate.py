@@ -11,7 +11,7 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from harness import BATCH, SEQ, VOCAB, Recorder
+from harness import BATCH, SEQ, VOCAB, Recorder, leave_process_group
 from tierflow.integrations.accelerate import ranked
 from tierflow.loader import Loader, TieredDataset
 
@@ -58,6 +58,7 @@ def main():
         progress.epoch += 1
     record.dump(f"{cfg['out']}.{accelerator.process_index}.json")
     loader.close()
+    leave_process_group()
 
 
 if __name__ == "__main__":

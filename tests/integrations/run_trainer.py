@@ -10,7 +10,7 @@ import sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
-from harness import BATCH, SEQ, VOCAB, Recorder
+from harness import BATCH, SEQ, VOCAB, Recorder, leave_process_group
 from tierflow.integrations.transformers import TierflowTrainer
 from tierflow.loader import Loader, TieredDataset, WorldPosition
 
@@ -67,6 +67,7 @@ def main():
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     record.record.dump(f"{cfg['out']}.{rank}.json", global_step=trainer.state.global_step)
+    leave_process_group()
 
 
 if __name__ == "__main__":
