@@ -175,6 +175,8 @@ class CommitRig:
                 assert store.latest() == 2, f"N={trial.n} ({trial.fault}): the retry did not commit"
                 assert_whole(store.load(2), 2)
         finally:
+            for opened in (here, away):  # a store opened re-queues what the destination lacks: let it land
+                opened.close()
             for n in (f"fresh-{trial.n}", f"fresh-retry-{trial.n}"):
                 shutil.rmtree(self.root / n, ignore_errors=True)
 

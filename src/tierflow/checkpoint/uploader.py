@@ -24,8 +24,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tierflow.checkpoint.manifest import COMMIT_NAME, decode, part_entries, part_name, read_manifest, step_name
-from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote
+from tierflow.checkpoint.manifest import (COMMIT_NAME, decode, parse_step, part_entries, part_name, read_manifest,
+                                          step_name)
+from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, retained
 from tierflow.storage.budget import BandwidthBudget
 
 
@@ -43,19 +44,23 @@ def upload_part(job: dict[str, Any]) -> dict[str, Any]:
     step_dir = Path(job["dir"])
     prefix = step_name(step)
     manifest = step_dir / part_name(rank)
+    gone = {"step": step, "ok": True, "bytes": 0, "seconds": 0.0, "pruned": [], "gone": True}
     try:
         raw = read_manifest(manifest)
+        entries = part_entries(decode(raw, str(manifest)), str(manifest))
+        source = open_dest(job["dest"], job.get("endpoint_url"), budget_from(job.get("budget")))
+        sent = 0
+        for entry in entries:
+            source.upload(step_dir / entry.name, f"{prefix}/{entry.name}", priority="low")
+            sent += entry.size
+        source.upload(manifest, f"{prefix}/{manifest.name}", priority="low")
     except FileNotFoundError:
-        if not step_dir.exists():  # retention dropped it after the job was queued: nothing to send
-            return {"step": step, "ok": True, "bytes": 0, "seconds": 0.0, "pruned": [], "gone": True}
+        # retention dropped the step after the job was queued (a step re-queued at open, newest first,
+        # that newer commits have since pushed out of keep_last): nothing to send, and what was sent
+        # is a step without its marker, which no reader takes
+        if not (step_dir / COMMIT_NAME).exists() or _superseded(step, job):
+            return gone
         raise
-    entries = part_entries(decode(raw, str(manifest)), str(manifest))
-    source = open_dest(job["dest"], job.get("endpoint_url"), budget_from(job.get("budget")))
-    sent = 0
-    for entry in entries:
-        source.upload(step_dir / entry.name, f"{prefix}/{entry.name}", priority="low")
-        sent += entry.size
-    source.upload(manifest, f"{prefix}/{manifest.name}", priority="low")
     pruned: list[int] = []
     if job.get("marker"):
         source.upload(step_dir / COMMIT_NAME, f"{prefix}/{COMMIT_NAME}", priority="low")
@@ -63,6 +68,16 @@ def upload_part(job: dict[str, Any]) -> dict[str, Any]:
         prune_local(Path(job["local"]), source, job.get("keep_last"), job.get("keep_every"), job.get("floor"))
     seconds = time.perf_counter() - started
     return {"step": step, "ok": True, "bytes": sent, "seconds": seconds, "pruned": pruned}
+
+
+def _superseded(step: int, job: dict[str, Any]) -> bool:
+    """Whether local retention keeps `step` no longer: newer committed steps push it out of
+    keep_last, so the local copy may be going under the upload (its removal is not atomic)."""
+    local = Path(job["local"])
+    committed = {s for s in (parse_step(p.name) for p in local.iterdir()) if s is not None
+                 and (local / step_name(s) / COMMIT_NAME).is_file()} if local.is_dir() else set()
+    keep = retained(committed | {step}, job.get("keep_last"), job.get("keep_every"), job.get("floor"))
+    return step not in keep
 
 
 def main() -> int:
