@@ -165,15 +165,14 @@ def _short(value: Any, limit: int = 80) -> str:
 
 @command("inspect")
 def _inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from tierflow._console import folding_table, output_console
 
     from tierflow import open_dataset
     from tierflow.format.metadata import shard_column
 
     ds = open_dataset(args.dataset, endpoint_url=args.endpoint_url)
     m = ds.manifest
-    console = Console()
+    console = output_console()
     at_rest = int(shard_column(m, "bytes").sum())  # a mapped column: no object per shard
     decoded = int(shard_column(m, "decoded_bytes").sum())
     console.print(f"[bold]{args.dataset}[/]  dataset {m.dataset_id}  format v{m.format_version}")
@@ -182,7 +181,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if m.token_column:
         console.print(f"{m.num_tokens:,} tokens ({m.token_dtype}), tokenizer {m.tokenizer}")
     console.print("columns: " + ", ".join(f"{f.name}: {f.type}" for f in m.schema))
-    table = Table("#", *ds.columns)
+    table = folding_table("#", *ds.columns)
     for i in range(min(args.n, len(ds))):
         sample = ds[i]
         table.add_row(str(i), *(_short(sample[c]) for c in ds.columns))
@@ -303,13 +302,12 @@ def _confirm_evict_all(tiers: list) -> None:
 
 @command("cache")
 def _cache(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from tierflow._console import folding_table, output_console
 
     from tierflow.tiers import build_stack
 
     configs = parse_tiers(args.tier)
-    console = Console()
+    console = output_console()
     if args.action == "warm":
         if not args.dataset:
             raise ValueError("tierflow cache warm DATASET_URL")
@@ -335,7 +333,7 @@ def _cache(args: argparse.Namespace) -> int:
         for t in tiers:
             console.print(f"{t.name}: removed {t.clean()} leftover files")
     if args.action in ("ls", "warm"):
-        table = Table("tier", "path", "form", "policy", "dataset", "entries", "bytes", "capacity")
+        table = folding_table("tier", "path", "form", "policy", "dataset", "entries", "bytes", "capacity")
         for t in tiers:
             per_dataset: dict[str, list[int]] = {}
             for r in t.index.entries():
@@ -400,8 +398,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 @command("plan")
 def _plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from tierflow._console import folding_table, output_console
 
     from tierflow.loader import TieredDataset
     from tierflow.commands.plan import CURVE, capacity_curve, plan_cache, recommended
@@ -419,7 +416,7 @@ def _plan(args: argparse.Namespace) -> int:
     plans = {form: plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=form,
                               working_set=dataset.working_set) for form in (Form.AT_REST, Form.DECODED)}
     plan = plans[top.form]
-    console = Console()
+    console = output_console()
     ws = dataset.working_set
     console.print(f"{args.dataset}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB "
                   f"decoded ({decoded / max(at_rest, 1):.1f}x); {top.name} {top.capacity / 1e6:.1f} MB "
@@ -432,7 +429,7 @@ def _plan(args: argparse.Namespace) -> int:
         console.print(f"first epoch: {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]} shards "
                       f"(a cold node streams it at the link's rate; narrow_first_epoch=False reads it as wide)")
     mark = {form: " (this tier)" if form is top.form else "" for form in plans}
-    table = Table("epoch", *(f"{form} from below{mark[form]}" for form in plans), "of the dataset",
+    table = folding_table("epoch", *(f"{form} from below{mark[form]}" for form in plans), "of the dataset",
                   "optimum (same room)", f"optimum ({top.name} alone)")
     for epoch, got in enumerate(plan.predicted):
         table.add_row(str(got.epoch + 1), *(f"{p.predicted[epoch].fetched / 1e6:.2f} MB ({p.predicted[epoch].ratio:.2f})"
@@ -443,7 +440,7 @@ def _plan(args: argparse.Namespace) -> int:
     console.print("bytes from below per epoch, predicted for each form at this capacity; ratios are of the dataset "
                   "at rest (a tier keeps shards at rest unless it holds the whole decoded dataset: docs/tiers.md)")
     curve = capacity_curve(dataset, CURVE, epochs=args.epochs, form=top.form, policy=top.policy_name)
-    table = Table(f"{top.name} capacity", "of the dataset at rest", "warm epoch from below", "optimum")
+    table = folding_table(f"{top.name} capacity", "of the dataset at rest", "warm epoch from below", "optimum")
     for point, fraction in zip(curve, CURVE):
         table.add_row(f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}", f"{point.warm_ratio:.2f}",
                       f"{point.warm_optimum:.2f}")

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
+
+from tierflow._console import folding_table, output_console
 
 from tierflow.storage.datasets import open_dataset
 from tierflow.format.shard import Form, verify_shard
@@ -80,7 +81,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     from tierflow.tiers import TierConfig, build_stack
 
     logging.getLogger("tierflow.pack").setLevel(logging.ERROR)  # the demo's shards are small on purpose
-    console = console or Console()
+    console = console or output_console()
     out = Path(out)
     started = time.perf_counter()
     source = stdlib_dir()
@@ -133,7 +134,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     # stager's for it whenever they ran (the cold epoch's lookahead into the next is the next one's)
     per_epoch = [w - st + stager.source_bytes_by_epoch.get(e, 0) for e, (w, st) in enumerate(zip(windows, staged))]
     console.print(format_result(result, step_ms))
-    table = Table("epoch", "bytes from L4 (at rest) for it", "of the dataset")
+    table = folding_table("epoch", "bytes from L4 (at rest) for it", "of the dataset")
     for e, nbytes in enumerate(per_epoch):
         table.add_row(f"{e + 1} ({'cold' if e == 0 else 'warm'})", f"{nbytes / 1e6:.2f} MB", f"{nbytes / at_rest:.0%}")
     console.print(table)

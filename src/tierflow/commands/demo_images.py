@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from tierflow._console import output_console
+
 SIDE = 48
 """Training resolution of the demo's model."""
 
@@ -109,7 +111,7 @@ def run_images_demo(out: str | os.PathLike = "demo-images", images: int = 2000, 
     from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop
 
     logging.getLogger("tierflow.pack").setLevel(logging.ERROR)
-    console = console or Console()
+    console = console or output_console()
     out = Path(out)
     started = time.perf_counter()
     console.rule("[bold]1. a corpus cut from this machine's sample photographs")

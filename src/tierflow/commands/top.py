@@ -49,8 +49,9 @@ def render(state: RunState) -> Any:
     """A rich renderable of the run's state."""
     from rich.console import Group
     from rich.progress_bar import ProgressBar
-    from rich.table import Table
     from rich.text import Text
+
+    from tierflow._console import folding_table
 
     header = Text(f"{state.facts.get('name', 'run')}  {state.batches_per_s():.1f} batches/s"
                   + ("  (ended)" if state.ended else ""), style="bold")
@@ -60,7 +61,7 @@ def render(state: RunState) -> Any:
         return Group(*parts)
     tiers = tier_figures(state.snapshot)
     loader = loader_figures(state.snapshot)
-    table = Table("tier", "occupancy", "", "hit ratio", "hits", "misses", "evicted unread", "fetch p99")
+    table = folding_table("tier", "occupancy", "", "hit ratio", "hits", "misses", "evicted unread", "fetch p99")
     for t in tiers.values():
         total = max(t.capacity_bytes, 1)
         table.add_row(t.tier, ProgressBar(total=total, completed=min(t.occupancy_bytes, total), width=24),
@@ -79,12 +80,13 @@ def render(state: RunState) -> Any:
 
 def run_top(log: str | Path, refresh_s: float = 1.0, once: bool = False) -> RunState:
     """Follow `log` until the run ends (or once); returns the last state shown."""
-    from rich.console import Console
     from rich.live import Live
+
+    from tierflow._console import output_console
 
     state = RunState().fold(read_events(log))
     if once:
-        Console().print(render(state))
+        output_console().print(render(state))
         return state
     with Live(render(state), refresh_per_second=max(1, int(1 / refresh_s))) as live:
         while not state.ended:

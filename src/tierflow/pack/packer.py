@@ -771,14 +771,14 @@ class _PackProgress:
 
 
 def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from tierflow._console import folding_table, output_console
 
     m = summary.manifest
     at_rest = sum(s.bytes for s in m.shards)
     decoded = sum(s.decoded_bytes for s in m.shards)
-    table = Table(title=f"packed {out}", show_header=False)
+    table = folding_table("", "", title="packed", show_header=False)
     rows = [
+        ("output", str(out)),
         ("dataset id", m.dataset_id),
         ("samples", f"{m.num_samples:,}"),
         ("shards", f"{len(m.shards)} (at rest {at_rest / 1e6:.1f} MB, decoded {decoded / 1e6:.1f} MB, "
@@ -804,4 +804,4 @@ def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
         rows.append(("skipped files", _describe_skipped(m.stats["skipped_files"])))
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    output_console().print(table)
