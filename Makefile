@@ -37,13 +37,21 @@ docs: $(BIN)/.installed
 	$(BIN)/python docs/gen_cli.py docs/cli.md
 	$(BIN)/python docs/gen_api.py docs/_build/api
 
+# ruff (lint, then the format check) over the project and mypy over src/ (pyproject.toml's [tool.ruff]
+# and [tool.mypy]); cheap next to the suite (mypy ~35 s), so `make test` runs it first.
+lint: $(BIN)/.installed
+	$(BIN)/ruff check
+	$(BIN)/ruff format --check
+	$(BIN)/mypy
+
 # The whole suite under coverage.py (branch coverage of format/, tiers/ and checkpoint/, child
 # processes included: pyproject.toml's [tool.coverage]; ~20% slower than without), then its
 # report and the branch-only figure per folder (issue 18 holds these folders to >= 95% of their
 # branches; coverage's Cover column mixes in statements); `make test-plain` runs the suite without it.
 # The report is printed whether or not the tests passed; the target fails if either did. The kill
 # loop's children SIGKILLed while saving their data leave files coverage cannot read: removed.
-test: $(BIN)/.installed
+# `make lint` runs first and stops the target when it fails.
+test: $(BIN)/.installed lint
 	rm -rf .coverage-data
 	$(BIN)/coverage run -m pytest; tests=$$?; \
 	$(BIN)/coverage combine -q 2>/dev/null; rm -f .coverage-data/coverage.*; \
@@ -60,4 +68,4 @@ test-plain: $(BIN)/.installed
 test-fast: $(BIN)/.installed
 	$(BIN)/pytest -m "not slow" -n auto --dist worksteal
 
-.PHONY: install demo docs test test-fast test-plain bench-peers coverage-branches
+.PHONY: install demo docs lint test test-fast test-plain bench-peers coverage-branches

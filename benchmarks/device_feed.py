@@ -54,7 +54,7 @@ def feed_rate(batches: list[dict], depth: int) -> float:
     feed = DeviceFeed(batches, "cuda", depth=depth, widen=WIDEN)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    for batch in feed:
+    for _ in feed:
         pass
     torch.cuda.synchronize()
     return sum(batch_bytes(b) for b in batches) / (time.perf_counter() - started)

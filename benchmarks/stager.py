@@ -48,7 +48,7 @@ def us_per_plan(uses: list[ShardUse], oracle: bool, repeat: int) -> float:
         plan = plan_staging(uses, NODE, consumption_bytes_s=2e9, fetch_p99_s=0.2, fetch_mean_s=0.1, position=3,
                             resident=resident, held=held, in_flight=in_flight)
         if oracle:
-            IntervalOracle((str(s), f, l) for s, f, l in plan.intervals)
+            IntervalOracle((str(shard), first, last) for shard, first, last in plan.intervals)
     return (time.perf_counter() - started) / repeat * 1e6
 
 

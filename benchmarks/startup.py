@@ -179,6 +179,10 @@ def group_label(group: str) -> str:
     return "default" if group == "default" else "window" if group == "0" else f"g={int(group) / 2**20:g}MiB"
 
 
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
 def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str], codes: list[str],
                 results: dict[tuple[str, str, str, int], list[dict]]) -> None:
     mb = 1 / 2**20
@@ -209,11 +213,9 @@ def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str
     print(f"{'mode':<8}{'shuffle':>10}{'code':>7}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}"
           f"  verdict")
     for mode, group, code in ((m, g, c) for m in ("startup", "resume") for g in groups for c in codes):
-        def median_of(samples: int, key: str) -> float:
-            return statistics.median(r[key] for r in results[(mode, group, code, samples)])
-
-        time_ratio = median_of(large, "first_batch_s") / median_of(small, "first_batch_s")
-        rss_ratio = median_of(large, "peak_rss") / median_of(small, "peak_rss")
+        small_runs, large_runs = results[(mode, group, code, small)], results[(mode, group, code, large)]
+        time_ratio = median_of(large_runs, "first_batch_s") / median_of(small_runs, "first_batch_s")
+        rss_ratio = median_of(large_runs, "peak_rss") / median_of(small_runs, "peak_rss")
         added = [statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, group, code, s)])
                  for s in (small, large)]
         added_ratio = added[1] / added[0] if added[0] > 0 else float("inf")

@@ -30,7 +30,7 @@ import tempfile
 import time
 import timeit
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -232,6 +232,22 @@ def steady_on_vs_off(path: Path, l1: TierConfig, chunks: int, chunk_batches: int
           "over all chunks")
 
 
+def opcode_tracer(counted: collections.Counter[str]) -> Callable[[Any, str, Any], Any]:
+    """A `sys.settrace` function that counts every Python opcode run into `counted`, by file:function."""
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        where = f"{frame.f_code.co_filename.rsplit('/src/', 1)[-1]}:{frame.f_code.co_name}"
+
+        def opcode(frame: Any, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                counted[where] += 1
+            return opcode
+        return opcode
+
+    return trace
+
+
 def opcodes_on_vs_off(batches: int = 512, top: int = 8) -> None:
     """Python opcodes per batch, telemetry on minus off, over `batches` warm batches (no step, background
     thread off: the trace would slow the loop past the feed's automatic choice)."""
@@ -245,19 +261,8 @@ def opcodes_on_vs_off(batches: int = 512, top: int = 8) -> None:
                     it = iter(loader)
                     for _ in range(300):
                         next(it)
-                    counts[on] = counted = collections.Counter()
-
-                    def trace(frame: Any, event: str, arg: Any) -> Any:
-                        frame.f_trace_opcodes = True
-                        where = f"{frame.f_code.co_filename.rsplit('/src/', 1)[-1]}:{frame.f_code.co_name}"
-
-                        def opcode(frame: Any, event: str, arg: Any) -> Any:
-                            if event == "opcode":
-                                counted[where] += 1
-                            return opcode
-                        return opcode
-
-                    sys.settrace(trace)
+                    counts[on] = collections.Counter()
+                    sys.settrace(opcode_tracer(counts[on]))
                     try:
                         for _ in range(batches):
                             next(it)

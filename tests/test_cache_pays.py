@@ -89,7 +89,7 @@ def test_the_working_set_depends_on_the_dataset_alone_and_a_small_tier_is_told_h
 def _pack_tokens(root, docs):
     rng = np.random.default_rng(12)
     with open(root / "docs.jsonl", "w") as f:
-        for i in range(docs):
+        for _ in range(docs):
             n = int(rng.integers(30, 300))
             text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
             f.write(json.dumps({"text": text}) + "\n")

@@ -134,8 +134,8 @@ def build_corpus(work: Path, max_mb: float | None = None, min_mb: float = 0.0) -
     repeats = 1
     while min_mb and total * repeats < min_mb * 1e6:
         repeats += 1
-    for r in range(repeats):
-        for label, text in kept:
+    for _ in range(repeats):
+        for _label, text in kept:
             name = f"{len(names):06d}.txt"
             (root / "docs" / name).write_bytes(text)
             names.append(name)

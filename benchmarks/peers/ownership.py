@@ -23,6 +23,7 @@ Reads run.py's packed datasets (make bench-peers ARGS="--only raw" builds them).
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -121,11 +122,11 @@ def main() -> None:
         for workers in args.workers:
             run = run_length(ds.batch_bytes(), len(batches), workers)
             rules: dict[str, Callable[[], list[int]]] = {
-                f"runs of {run} (today)": lambda: by_runs(ds, batches, workers, run),
-                "lane": lambda: by_lane(batches, workers),
-                "sticky": lambda: sticky(batches, workers, None),
-                "sticky, lag 8": lambda: sticky(batches, workers, 8),
-                "sticky, lag 32": lambda: sticky(batches, workers, 32),
+                f"runs of {run} (today)": partial(by_runs, ds, batches, workers, run),
+                "lane": partial(by_lane, batches, workers),
+                "sticky": partial(sticky, batches, workers, None),
+                "sticky, lag 8": partial(sticky, batches, workers, 8),
+                "sticky, lag 32": partial(sticky, batches, workers, 32),
             }
             for rule, assign in rules.items():
                 decodes, busiest, waiting = measure(batches, assign(), workers)

@@ -123,7 +123,7 @@ def _run_child(name: str, env: dict[str, str], watch: Path | None, timeout: floa
     except subprocess.TimeoutExpired:
         process.kill()
         out, err = process.communicate()
-        raise RuntimeError(f"{name} {kwargs.get('system')} timed out after {timeout:.0f} s:\n{err[-3000:]}")
+        raise RuntimeError(f"{name} {kwargs.get('system')} timed out after {timeout:.0f} s:\n{err[-3000:]}") from None
     finally:
         sampler.stop()
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

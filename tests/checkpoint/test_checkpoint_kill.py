@@ -119,7 +119,7 @@ def test_sigkill_mid_training_resumes_model_and_stream_together(tokens: Path, tm
     for trial in range(3):
         dest, local = tmp_path / f"dest{trial}", tmp_path / f"local{trial}"
         child = _spawn(TRAINER, str(tokens), str(dest), str(local), mode, str(tmp_path / f"budget{trial}"))
-        lines = _read_until(child, lambda ls: sum(l.startswith("committed") for l in ls) >= 2)
+        lines = _read_until(child, lambda ls: sum(line.startswith("committed") for line in ls) >= 2)
         if trial == 0:  # one kill after an upload landed, however slow the machine: a fresh node resumes
             uploaded = CheckpointStore(dest, tmp_path / "probe")
             deadline = time.monotonic() + 60
@@ -193,11 +193,11 @@ def test_sigkill_at_random_points_of_commit_and_upload(tmp_path: Path, request: 
     landed = {"writing or committing": 0, "after a commit returned": 0}
     for trial in range(trials):
         child = _spawn(COMMITTER, dest, str(local), str(tmp_path / "budget"), env=env)
-        first = _read_until(child, lambda ls: any(l.startswith("begun") for l in ls))
+        first = _read_until(child, lambda ls: any(line.startswith("begun") for line in ls))
         time.sleep(rng.uniform(0.0, 1.2))
         _kill_group(child)
         rest = child.stdout.read() if child.stdout else ""
-        out = first + [l for l in rest.split("\n")[:-1] if l]  # whole lines: the kill can cut the last one
+        out = first + [line for line in rest.split("\n")[:-1] if line]  # whole lines: the kill can cut the last one
         landed["writing or committing" if out and out[-1].startswith("begun") else "after a commit returned"] += 1
         done = [int(m.group(1)) for m in map(re.compile(r"committed (\d+)$").match, out) if m]
         last_durable = max(done, default=last_durable)
@@ -443,7 +443,7 @@ def test_tiny_lm_killed_mid_upload_resumes_on_an_empty_node_warm_and_exact(
     dest = f"s3://{s3_bucket}/tiny/ckpt"
     endpoint = s3_server.endpoint_url
     child = _spawn(TINY_LM, str(tokens), dest, str(tmp_path / "node-a"), endpoint, env=s3_server.endpoint.env())
-    _read_until(child, lambda ls: any(l.startswith("uploaded") for l in ls), timeout=120)
+    _read_until(child, lambda ls: any(line.startswith("uploaded") for line in ls), timeout=120)
     time.sleep(random.Random(5).uniform(0.2, 0.6))
     _kill_group(child)
 
@@ -512,7 +512,7 @@ def test_two_gloo_ranks_saved_through_dcp_resume_as_one(tokens: Path, tmp_path: 
         for proc in ranks:
             out, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, err
-            seen += [int(i) for i in next(l for l in out.splitlines() if l.startswith("seen")).split()[1:]]
+            seen += [int(i) for i in next(line for line in out.splitlines() if line.startswith("seen")).split()[1:]]
     finally:
         for proc in ranks:
             _kill_group(proc)

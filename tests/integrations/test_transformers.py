@@ -40,7 +40,7 @@ def test_trained_model_learns_the_next_token_not_the_one_after(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=32, n_layer=1, n_head=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with Loader(TieredDataset(pack_lorem(tmp_path, 400), batch_size=16, seq_len=64), endless=True) as loader:
-        for step, batch in zip(range(60), loader):
+        for _, batch in zip(range(60), loader):
             loss = model(**hf_batch(batch)).loss
             loss.backward()
             opt.step()

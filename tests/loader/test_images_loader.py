@@ -36,7 +36,10 @@ def pipeline(**kw) -> ImagePipeline:
     return ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()], **kw)
 
 
-def make(packed: Path, transform=pipeline(), batcher=None, batch_size: int = 8, epoch_end: str | None = None):
+PIPELINE = pipeline()
+
+
+def make(packed: Path, transform=PIPELINE, batcher=None, batch_size: int = 8, epoch_end: str | None = None):
     def make_loader(workers: int) -> Loader:
         ds = TieredDataset(packed, batch_size=batch_size, transform=transform, seed=3,
                            batcher=batcher or ImageSamples(select=COLUMNS))

@@ -3,6 +3,7 @@ endless stream opt-in, eval re-run by each `for`, and token ids that reach the m
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -97,7 +98,7 @@ def test_ranks_of_an_uneven_split_run_whole_epochs_whether_the_loop_drains_or_st
             handed[r] += [m.sample_ids.tolist() for _, m in got]
     assert all(len(set(row)) == 1 and row[0] > 0 for row in lengths)
     node_batches = sum(len(handed[r]) for r in range(3))
-    for r, loader in enumerate(ranks):
+    for r in range(len(ranks)):
         endless = Loader(windows(long_tailed_docs, world=WorldPosition(0, 1, r, 3)), endless=True, return_meta=True)
         expected = []
         for _, meta in endless:
@@ -114,9 +115,7 @@ def test_the_endless_stream_is_opt_in_and_has_no_length(long_tailed_docs):
     with pytest.raises(TypeError, match="endless"):
         len(endless)
     count = len(one)
-    for step, (_, meta) in enumerate(endless):
-        if step == count + 3:
-            break
+    _, meta = next(itertools.islice(endless, count + 3, None))
     assert meta.epoch == 1  # it ran past the epoch edge
     with pytest.raises(ValueError, match="endless=True"):
         Loader(windows(long_tailed_docs), epoch_end=None)
@@ -251,7 +250,7 @@ def test_epoch_lengths_are_what_the_epochs_yield_from_the_start_and_mid_epoch(lo
 def test_a_loader_refuses_to_be_rebuilt_or_collated_naming_the_supported_path(long_tailed_docs):
     loader = Loader(windows(long_tailed_docs))
     with pytest.raises(AttributeError, match="load_state_dict"):
-        loader.drop_last  # accelerate's skip_first_batches reads it
+        _ = loader.drop_last  # accelerate's skip_first_batches reads it
     batch = next(iter(TieredDataset(long_tailed_docs, batch_size=2, seq_len=64)))
     with pytest.raises(TypeError, match="TierflowTrainer"):
         vars(batch)  # what the transformers Trainer's collator does with a sample

@@ -2,6 +2,8 @@
 the batches read one at a time through the lanes' spans: same ids, epochs, masks and partitions,
 for every remainder rule, world shape, skewed (elastic) cursor, stride and jump back."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -50,12 +52,13 @@ def test_batches_evaluated_in_runs_are_the_batches_read_one_by_one(seed):
         order, cursor, nodes, batch_size = random_case(rng)
         stride = int(rng.choice([1, 2, 3, 8, 64]))
         back = rng.random() < 0.3
+        assert_same_batches(order, cursor, nodes, batch_size, partial(strided_picks, rng, batch_size, stride, back))
 
-        def picks(samples):
-            run = list(range(int(rng.integers(0, 3)), min(3 * samples // batch_size + 5, 1000), stride))
-            return run + run[: len(run) // 3] if back else run
 
-        assert_same_batches(order, cursor, nodes, batch_size, picks)
+def strided_picks(rng: np.random.Generator, batch_size: int, stride: int, back: bool, samples: int) -> list[int]:
+    """Every `stride`-th batch from a random start; `back`: then a third of them again (a rewind)."""
+    run = list(range(int(rng.integers(0, 3)), min(3 * samples // batch_size + 5, 1000), stride))
+    return run + run[: len(run) // 3] if back else run
 
 
 def test_picks_past_int64_keys_merge_by_the_walkers_rule(monkeypatch):

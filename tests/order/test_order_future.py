@@ -52,7 +52,7 @@ def test_each_window_interval_runs_exactly_from_its_first_read_to_its_last():
     windows = {}
     for use in uses:
         windows.setdefault((use.partition, use.epoch, use.first_use, use.last_use), set()).add(use.shard)
-    for (partition, epoch, first_use, last_use), shards in windows.items():
+    for (_partition, epoch, first_use, last_use), shards in windows.items():
         positions = [p for p, s, e in reads if s in shards and e == epoch and first_use <= p <= last_use]
         assert min(positions) == first_use
         assert max(positions) + batch_size - 1 == last_use

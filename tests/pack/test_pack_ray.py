@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import tierflow
+from tierflow.errors import ManifestError
 from tierflow.format.manifest import MANIFEST_NAME
 from tierflow.pack._journal import JOURNAL_NAME
 from tierflow.pack.tokenize import PackInputError
@@ -129,7 +130,7 @@ def test_killed_driver_leaves_no_dataset_and_the_rerun_resumes_from_finished_uni
     if _group_alive(proc.pid):
         os.killpg(proc.pid, signal.SIGKILL)  # Ray's processes the driver started, if any outlived it
     assert not (out / MANIFEST_NAME).exists()
-    with pytest.raises(Exception):
+    with pytest.raises(ManifestError):
         tierflow.open_dataset(out)
     rerun = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]

@@ -247,7 +247,7 @@ def test_a_child_forked_after_obstore_ran_is_refused_at_once_saying_what_to_do(s
 
 def test_a_pickled_s3_source_reads_in_a_spawned_process_through_its_own_client(s3_source: S3Source, blob: Path) -> None:
     s3_source.upload(blob, "x.bin")
-    s3_source.store  # this process's client exists, and does not travel
+    assert s3_source.store is not None  # this process's client exists, and does not travel
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     child = context.Process(target=_read_in_child, args=(s3_source, queue))

@@ -22,22 +22,22 @@ def fewest_fetches(trace: list[int], slots: int) -> int:
     best = {frozenset(): 0}
     for shard in trace:
         nxt: dict[frozenset, int] = {}
-
-        def keep(state: frozenset, cost: int) -> None:
-            if cost < nxt.get(state, 1 << 30):
-                nxt[state] = cost
-
         for state, cost in best.items():
             if shard in state:
-                keep(state, cost)
+                keep_cheapest(nxt, state, cost)
                 continue
-            keep(state, cost + 1)  # bypass: read once, not kept
+            keep_cheapest(nxt, state, cost + 1)  # bypass: read once, not kept
             if len(state) < slots:
-                keep(state | {shard}, cost + 1)
+                keep_cheapest(nxt, state | {shard}, cost + 1)
             for victim in state:
-                keep((state - {victim}) | {shard}, cost + 1)
+                keep_cheapest(nxt, (state - {victim}) | {shard}, cost + 1)
         best = nxt
     return min(best.values())
+
+
+def keep_cheapest(costs: dict[frozenset, int], state: frozenset, cost: int) -> None:
+    if cost < costs.get(state, 1 << 30):
+        costs[state] = cost
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -28,7 +28,7 @@ def fill(tier: Tier, dataset: str, names: list[str]) -> list[bool]:
     cached = []
     for name in names:
         data = (dataset + name).encode().ljust(ENTRY, b".")
-        pin = tier.ensure(xxh3_128_hex(data), ENTRY, xxh3_128_hex(data), lambda p: p.write_bytes(data),
+        pin = tier.ensure(xxh3_128_hex(data), ENTRY, xxh3_128_hex(data), lambda p, data=data: p.write_bytes(data),
                           dataset=dataset)
         cached.append(pin is not None)
         if pin is not None:

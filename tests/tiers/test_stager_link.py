@@ -82,7 +82,7 @@ def test_the_next_windows_shards_wait_for_the_shard_needed_before_them(shards, t
                 gone = held.in_flight[0]
                 held.let_through.add(gone)
                 held.changed.notify_all()
-                held.changed.wait_for(lambda: gone not in held.in_flight, timeout=10)
+                held.changed.wait_for(lambda gone=gone: gone not in held.in_flight, timeout=10)
     finally:
         with held.changed:
             held.all_through = True

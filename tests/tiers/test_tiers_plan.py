@@ -230,14 +230,14 @@ def test_across_the_epoch_edge_the_next_epochs_first_windows_are_planned_and_eac
     for shard, first, last in plan.intervals:
         by_shard.setdefault(shard, []).append((first, last))
     for use in uses:  # the oracle knows every use, across the edge
-        assert any(f <= use.first_use and use.last_use <= l for f, l in by_shard[use.shard])
+        assert any(first <= use.first_use and use.last_use <= last for first, last in by_shard[use.shard])
     again = [s for s in plan.fetch if (s, 0) in planned and (s, 1) in planned]
     assert again, "some shard is read at the end of epoch 0 and again at the start of epoch 1"
     for shard in again:  # held through epoch 0's use (the next plan holds epoch 1's); the oracle joins them
         e0, e1 = (next(u for u in uses if u.shard == shard and u.epoch == e) for e in (0, 1))
         assert plan.hold_until[shard] == e0.last_use
         joined = e1.first_use <= e0.last_use
-        assert any(f <= e0.first_use and e1.last_use <= l for f, l in by_shard[shard]) == joined
+        assert any(first <= e0.first_use and e1.last_use <= last for first, last in by_shard[shard]) == joined
 
 
 # ---------------------------------------------------------------- the view the stager reads

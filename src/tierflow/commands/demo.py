@@ -57,8 +57,10 @@ def pack_and_check(source: Path, out: Path, shard_bytes: int, console: Console) 
     ds = open_dataset(out)
     bad = [p for info in ds.manifest.shards for p in verify_shard(out / info.name, info)]
     eos = ds.manifest.eos_id
-    mismatched = sum(1 for sample in ds if not np.array_equal(
-        sample["tokens"], np.append(np.frombuffer((source / sample["path"]).read_bytes(), np.uint8), eos)))
+    assert eos is not None, "the bytes tokenizer ends each document with an eos id"
+    mismatched = sum(not np.array_equal(
+        sample["tokens"], np.append(np.frombuffer((source / sample["path"]).read_bytes(), np.uint8), eos))
+        for sample in ds)
     if bad or mismatched:
         raise SystemExit(f"demo: {len(bad)} bad shards, {mismatched} samples differ from their files")
     console.print(f"verified {len(ds.manifest.shards)} shards; all {len(ds):,} samples equal their files "
@@ -144,14 +146,14 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     losses, params, train_s = train_tiny_lm(stack, train_steps, console)
     total = time.perf_counter() - started
     console.rule("[bold]summary")
-    l2 = result.tiers.get("L2")
+    l2_figures = result.tiers.get("L2")
     lines = [
         f"pack: {manifest.num_samples:,} files -> {len(manifest.shards)} shards in {pack_s:.1f} s",
         f"loader: {result.throughput:.0f} batches/s vs dry run {result.dry_run_throughput:.0f} "
         f"(ratio {result.ratio:.2f}); bubble rate {result.loader.bubble_rate:.1%}",
     ]
-    if l2 is not None:
-        lines.append(f"L2 demand hit ratio {l2.demand_hit_ratio:.1%}"
+    if l2_figures is not None:
+        lines.append(f"L2 demand hit ratio {l2_figures.demand_hit_ratio:.1%}"
                      + (f"; bytes from L4 {result.bytes_per_epoch.describe()}"
                         if result.bytes_per_epoch is not None else ""))
     lines += [f"verdict: {result.verdict.bound} - {result.verdict.change}",

@@ -61,10 +61,11 @@ class TierflowDataModule(DataModule):
     def setup(self, stage: str = "") -> None:
         if self.seq_length is None:
             raise RuntimeError("connect(batch_size=..., max_seq_length=...) before setup()")
-        shape = {"batch_size": self.batch_size, "seq_len": self.seq_length}
-        train = open_loader(self.url, **shape, endless=self.endless, **self.options)
+        batch_size, seq_len = self.batch_size, self.seq_length
+        train = open_loader(self.url, batch_size=batch_size, seq_len=seq_len, endless=self.endless, **self.options)
         val_options = {k: v for k, v in self.options.items() if k not in ("resume",)}
-        val = open_loader(self.val_url, **shape, eval=True, max_batches=self.val_batches, **val_options)
+        val = open_loader(self.val_url, batch_size=batch_size, seq_len=seq_len, eval=True,
+                          max_batches=self.val_batches, **val_options)
         self.train = LoaderDataLoader(train, map=token_rows)
         self.val = LoaderDataLoader(val, map=token_rows)
 

@@ -73,13 +73,13 @@ class TierflowDataLoader(BaseDataLoader):
             options = {"tiers": list(config.tiers), "num_workers": config.num_workers, "seed": config.seed, **options}
             ranks_per_node, endless = config.ranks_per_node, config.endless
         batch_size = batch_size if batch_size is not None else local_batch_size
-        if batch_size is None and loader is None:
-            raise ValueError("TierflowDataLoader needs batch_size= (torchtitan passes local_batch_size=)")
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self._rank_id = f"dp_rank_{dp_rank}"
         self.keep = tuple(keep)
         if loader is None:
+            if batch_size is None:
+                raise ValueError("TierflowDataLoader needs batch_size= (torchtitan passes local_batch_size=)")
             if url is None:
                 raise ValueError("TierflowDataLoader needs a dataset url (or loader=)")
             world = dp_world(dp_rank, dp_world_size, ranks_per_node)
@@ -92,6 +92,8 @@ class TierflowDataLoader(BaseDataLoader):
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for batch in self.loader:
+            if not isinstance(batch, dict):
+                raise TypeError("TierflowDataLoader reads a Loader's tensors alone: open it without return_meta=True")
             inputs = {"input": batch["input_ids"]}
             for key in self.keep:
                 inputs[key] = batch[key]

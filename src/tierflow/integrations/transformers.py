@@ -5,9 +5,10 @@
     trainer.train()                              # or train(resume_from_checkpoint=True / "out/checkpoint-300")
 
 What it does, and why the plain `Trainer` cannot take the Loader:
-- `get_train_dataloader()` returns the Loader (through `TrainerLoader`, which hands batches in
-  the Hugging Face convention, `hf_batch`). The plain `Trainer` wraps `train_dataset` in a
-  `DataLoader(batch_size=per_device_train_batch_size)` and `accelerator.prepare`s it: a
+- `get_train_dataloader()` returns the Loader (through `TrainerLoader`, a `LoaderDataLoader`
+  that hands batches in the Hugging Face convention, `hf_batch`). The plain `Trainer` wraps
+  `train_dataset` in a `DataLoader(batch_size=per_device_train_batch_size)` and
+  `accelerator.prepare`s it: a
   TieredDataset batches itself, and accelerate would dispatch an iterable dataset's batches
   from rank 0 instead of letting each rank read its own.
 - `LoaderCheckpointCallback` writes each rank's Loader state into `checkpoint-N/tierflow-loader/`
@@ -34,14 +35,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from tierflow.integrations.dataloader import LoaderDataLoader
 from tierflow.loader.loader import Loader
 
 IGNORE_INDEX = -100
@@ -66,28 +69,13 @@ def hf_batch(batch: Mapping[str, Any], keep: Iterable[str] = ()) -> dict[str, An
     return out
 
 
-class TrainerLoader:
-    """A Loader as the `Trainer` iterates it: `hf_batch` batches (`hf=False`: as the Loader hands
-    them), the Loader's `len()` and state. Not a DataLoader, so `accelerator.prepare` leaves it
-    alone and each rank reads its own batches."""
+class TrainerLoader(LoaderDataLoader):
+    """A Loader as the `Trainer` iterates it: a `LoaderDataLoader` that hands `hf_batch` batches
+    (`hf=False`: as the Loader hands them), with the Loader's `len()` and state. The Trainer never
+    `accelerator.prepare`s what `get_train_dataloader()` returns, so each rank reads its own batches."""
 
     def __init__(self, loader: Loader, hf: bool = True, keep: Iterable[str] = ()) -> None:
-        self.loader = loader
-        self.hf = hf
-        self.keep = tuple(keep)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.loader:
-            yield hf_batch(batch, self.keep) if self.hf else batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        super().__init__(loader, map=partial(hf_batch, keep=tuple(keep)) if hf else None)
 
 
 def _rank(args: Any) -> int:
@@ -140,13 +128,13 @@ class TierflowTrainer(Trainer):
             raise ValueError("TierflowTrainer reads train_loader=; pass no train_dataset")
         self.train_loader = TrainerLoader(train_loader, hf=hf_labels, keep=keep)
         self.loader_callback = LoaderCheckpointCallback(self.train_loader)
-        callbacks = list(kwargs.pop("callbacks", None) or []) + [self.loader_callback]
+        kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [self.loader_callback]
         self.epochs: list[int] | None = None
         """This run's batches per epoch from its start (None without len())."""
-        super().__init__(*args, callbacks=callbacks, **kwargs)
+        super().__init__(*args, **kwargs)
         _install_skip()
 
-    def get_train_dataloader(self) -> TrainerLoader:  # type: ignore[override]
+    def get_train_dataloader(self) -> TrainerLoader:
         return self.train_loader
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple[Any, ...]:
@@ -227,13 +215,16 @@ class TierflowTrainer(Trainer):
         return super()._run_epoch(*args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        checkpoint: str | None
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+            if checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint:
-            self.loader_callback.load(resume_from_checkpoint, self.args)
-        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        else:
+            checkpoint = resume_from_checkpoint or None
+        if checkpoint:
+            self.loader_callback.load(checkpoint, self.args)
+        return super().train(checkpoint, *args, **kwargs)
 
 
 def _skip_resumed(dataloader: Any, num_batches: int = 0) -> Any:

@@ -86,7 +86,7 @@ class MachineView:
         self._last: tuple[float, Any, Any] | None = None
         self._nvml: Any = None
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
 
             pynvml.nvmlInit()
             self._nvml = pynvml

@@ -316,7 +316,7 @@ def loader_figures(snapshot: Mapping[str, Any]) -> LoaderFigures:
 
     wait, step, production, depth = histogram(WAIT), histogram(STEP), histogram(PRODUCTION), histogram(DEPTH)
     busy = wait.sum + step.sum
-    stall = by_label(STALL, "", key=lambda l: l["cause"] + (f":{l['tier']}" if "tier" in l else ""))
+    stall = by_label(STALL, "", key=lambda labels: labels["cause"] + (f":{labels['tier']}" if "tier" in labels else ""))
     return LoaderFigures(
         batches=int(sum(by_label(BATCHES, "").values())),
         wait_s=wait.sum, step_s=step.sum, bubble_rate=wait.sum / busy if busy > 0 else 0.0,

@@ -22,7 +22,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Iterator, Literal, Mapping, Protocol, Union
+from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, Mapping, Protocol, TypeVar
 
 import numpy as np
 
@@ -343,11 +343,7 @@ def _quantile(layout: BucketLayout, counts: list[int], count: int, low: float, h
     if count == 0:
         return 0.0
     rank = max(1, math.ceil(q * count))
-    cumulative = 0
-    for index, bucket_count in enumerate(counts):
-        cumulative += bucket_count
-        if cumulative >= rank:
-            break
+    index = next((i for i, below in enumerate(itertools.accumulate(counts)) if below >= rank), len(counts) - 1)
     lower, upper = layout.lower_bound(index), layout.upper_bound(index)
     if index == 0 or math.isinf(upper):
         estimate = low if index == 0 else high
@@ -382,7 +378,8 @@ class BoundaryTimer:
         return {"get": self.get.summary(), "put": self.put.summary()}
 
 
-Metric = Union[Counter, Gauge, Histogram]
+Metric = Counter | Gauge | Histogram
+MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 
 BOUNDARY_METRIC = "tierflow_stage_blocked_seconds"
 
@@ -432,7 +429,7 @@ class MetricsRegistry:
         self._buffers.append(buffer)
 
     def counter(self, name: str, labels: Mapping[str, Any] | None = None, description: str = "") -> Counter:
-        return self._get_or_create(Counter, name, labels, description=description)  # type: ignore[return-value]
+        return self._get_or_create(Counter, name, labels, description=description)
 
     def gauge(
         self,
@@ -441,7 +438,7 @@ class MetricsRegistry:
         description: str = "",
         aggregate: GaugeAggregate = "sum",
     ) -> Gauge:
-        return self._get_or_create(Gauge, name, labels, description=description, aggregate=aggregate)  # type: ignore[return-value]
+        return self._get_or_create(Gauge, name, labels, description=description, aggregate=aggregate)
 
     def histogram(
         self,
@@ -451,9 +448,9 @@ class MetricsRegistry:
         layout: BucketLayout = LATENCY_BUCKETS,
     ) -> Histogram:
         histogram = self._get_or_create(Histogram, name, labels, description=description, layout=layout)
-        if histogram.layout != layout:  # type: ignore[union-attr]
-            raise ValueError(f"histogram {name} already exists with bucket layout {histogram.layout}")  # type: ignore[union-attr]
-        return histogram  # type: ignore[return-value]
+        if histogram.layout != layout:
+            raise ValueError(f"histogram {name} already exists with bucket layout {histogram.layout}")
+        return histogram
 
     def boundary(self, stage: str, labels: Mapping[str, Any] | None = None) -> BoundaryTimer:
         """The blocked-on-get/put timer of `stage` (fetch, decode, batch, device_copy, train_loop...)."""
@@ -462,21 +459,23 @@ class MetricsRegistry:
         put = self.histogram(BOUNDARY_METRIC, {**base, "stage": stage, "side": "put"})
         return BoundaryTimer(get, put, stage)
 
-    def _get_or_create(self, cls: type, name: str, labels: Mapping[str, Any] | None, **options: Any) -> Metric:
+    def _get_or_create(self, cls: type[MetricT], name: str, labels: Mapping[str, Any] | None,
+                       **options: Any) -> MetricT:
         merged = {**self.const_labels, **(labels or {})}
         key = (name, _label_key(name, merged))
         metric = self._metrics.get(key)
-        if metric is not None and type(metric) is cls:
+        if isinstance(metric, cls):
             return metric
         with self._lock:
             kind = self._kinds.setdefault(name, cls.kind)
             if kind != cls.kind:
                 raise ValueError(f"metric {name} is already registered as a {kind}, not a {cls.kind}")
-            metric = self._metrics.get(key)
-            if metric is None:
-                metric = cls(name, key[1], **options)
-                self._metrics[key] = metric
-            return metric
+            existing = self._metrics.get(key)
+            if isinstance(existing, cls):  # another thread made it first
+                return existing
+            created = cls(name, key[1], **options)
+            self._metrics[key] = created
+            return created
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Unpickled empty, with the same constant labels: counts belong to the process that made
@@ -557,7 +556,8 @@ def merge_snapshots(snapshots: Iterable[Mapping[str, Any]], drop_labels: Iterabl
             merged = gauges[key]
             if merged["aggregate"] != entry["aggregate"]:
                 raise ValueError(f"gauge {entry['name']} {labels} is merged with both {merged['aggregate']} and {entry['aggregate']}")
-            combine = {"sum": lambda a, b: a + b, "max": max, "min": min}[merged["aggregate"]]
+            combines: dict[str, Callable[[float, float], float]] = {"sum": lambda a, b: a + b, "max": max, "min": min}
+            combine = combines[merged["aggregate"]]
             merged["value"] = combine(merged["value"], entry["value"])
         for entry in snapshot["histograms"]:
             key, labels = keyed(entry)

@@ -55,22 +55,22 @@ def families(snapshot: Mapping[str, Any], const_labels: Mapping[str, str] | None
 
     for name, entries in grouped(snapshot["counters"]).items():
         names = label_set(entries)
-        family = CounterMetricFamily(name.removesuffix("_total"), descriptions.get(name, name), labels=names)
+        counter = CounterMetricFamily(name.removesuffix("_total"), descriptions.get(name, name), labels=names)
         for entry in entries:
-            family.add_metric(values(entry, names), entry["value"])
-        yield family
+            counter.add_metric(values(entry, names), entry["value"])
+        yield counter
     for name, entries in grouped(snapshot["gauges"]).items():
         names = label_set(entries)
-        family = GaugeMetricFamily(name, descriptions.get(name, name), labels=names)
+        gauge = GaugeMetricFamily(name, descriptions.get(name, name), labels=names)
         for entry in entries:
-            family.add_metric(values(entry, names), entry["value"])
-        yield family
+            gauge.add_metric(values(entry, names), entry["value"])
+        yield gauge
     for name, entries in grouped(snapshot["histograms"]).items():
         names = label_set(entries)
-        family = HistogramMetricFamily(name, descriptions.get(name, name), labels=names)
+        histogram = HistogramMetricFamily(name, descriptions.get(name, name), labels=names)
         for entry in entries:
-            family.add_metric(values(entry, names), cumulative_buckets(entry), entry["sum"])
-        yield family
+            histogram.add_metric(values(entry, names), cumulative_buckets(entry), entry["sum"])
+        yield histogram
 
 
 def cumulative_buckets(entry: Mapping[str, Any]) -> list[tuple[str, float]]:
@@ -94,7 +94,7 @@ class PrometheusExporter:
                  addr: str = "127.0.0.1", const_labels: Mapping[str, Any] | None = None) -> None:
         sources = [r.snapshot if isinstance(r, MetricsRegistry) else r for r in registries]
         self.registry = CollectorRegistry()
-        self.registry.register(SnapshotCollector(sources, const_labels))  # type: ignore[arg-type]
+        self.registry.register(SnapshotCollector(sources, const_labels))
         self.requested_port = port
         self.addr = addr
         self.port: int | None = None

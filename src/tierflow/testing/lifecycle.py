@@ -51,6 +51,7 @@ class ThreadedHTTPService(Startable):
         if self._server is None:
             raise RuntimeError(self._not_started())
         host, port = self._server.server_address[:2]
+        assert isinstance(host, str), "an AF_INET/AF_INET6 server's host is a str"
         return f"http://{host}:{port}"
 
     def start(self) -> Any:

@@ -27,6 +27,7 @@ def take(loader: Loader, count: int) -> Taken:
     if count <= 0:
         return out
     for batch in loader:
+        assert isinstance(batch, dict), "a Loader opened without return_meta=True: its meta is last_meta"
         assert loader.last_meta is not None
         out.append((batch, loader.last_meta))
         if len(out) == count:

@@ -47,7 +47,7 @@ class Geometry:
 
 
 class Step(Protocol):
-    def __call__(self, geometry: Geometry, rng: np.random.Generator, sample: dict) -> Geometry: ...
+    def __call__(self, geometry: Geometry, rng: np.random.Generator, sample: dict, /) -> Geometry: ...
 
 
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:

@@ -69,7 +69,7 @@ def decode_pil(data: bytes, min_size: tuple[int, int] | None = None) -> Any:
     """A Pillow RGB image, JPEGs decoded at the smallest DCT scale still >= min_size (w, h)."""
     from PIL import Image
 
-    img = Image.open(io.BytesIO(data))
+    img: Image.Image = Image.open(io.BytesIO(data))
     if min_size is not None and img.format == "JPEG":
         img.draft("RGB", (max(1, int(min_size[0])), max(1, int(min_size[1]))))
     if img.mode != "RGB":

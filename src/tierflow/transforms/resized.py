@@ -121,7 +121,7 @@ class _Block:
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
         values = self.data[start:end]
         if not self.verified[row]:
-            if xxhash.xxh3_64_intdigest(values) != int(self.checksums[row]):
+            if xxhash.xxh3_64_intdigest(values.data) != int(self.checksums[row]):
                 raise _Damaged(f"row {row} does not match its checksum")
             self.verified[row] = True
         try:
@@ -292,8 +292,10 @@ class ResizedImages:
         its error, raised when that sample is read)."""
         table = source.dataset.shard(source.shard)
         get = table.getter(source.block, image)
-        pixels, widths, heights, checksums, errors = [], [], [], [], []
+        pixels, widths, heights, checksums = [], [], [], []
+        errors: list[str | None] = []
         for row in range(table.block_rows(source.block)):
+            error: str | None
             try:
                 arr = self.resize(get(row), decoder)
             except ImageDecodeError as e:
