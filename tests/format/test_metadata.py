@@ -353,14 +353,14 @@ def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_hea
 
 def test_the_loader_reads_the_same_batches_through_either_form_and_resumes_across_an_upgrade(
         packed: Path, tmp_path: Path) -> None:
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import BatchSpec, Loader, TieredDataset
     v2 = copy(packed, tmp_path)
     for p in v2.glob("metadata*"):
         p.unlink()
     v3 = packed
 
     def batches(path: Path, n: int, resume=None) -> tuple[list, object]:
-        loader = Loader(TieredDataset(str(path), batch_size=16, seq_len=64, resume=resume), endless=True)
+        loader = Loader(TieredDataset(str(path), BatchSpec(batch_size=16, seq_len=64), resume=resume), endless=True)
         out = []
         for batch in loader:
             out.append(np.asarray(batch["input_ids"]).tolist())

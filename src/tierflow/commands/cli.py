@@ -364,7 +364,7 @@ def _demo(args: argparse.Namespace) -> int:
 @command("bench")
 def _bench(args: argparse.Namespace) -> int:
     from tierflow.format.shard import Form
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
     from tierflow.telemetry import MetricsRegistry
     from tierflow.commands.bench import format_result, run_bench, simulated_step
     from tierflow.telemetry.eventlog import EventLog
@@ -374,7 +374,7 @@ def _bench(args: argparse.Namespace) -> int:
     configs = parse_tiers(args.tier) if args.tier else []
     stack = build_stack(args.dataset, configs, endpoint_url=args.endpoint_url, bandwidth=args.bandwidth,
                         registry=registry)
-    dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=args.batch_size, seq_len=args.seq_len))
     events = EventLog(args.log, registry, name=f"bench {args.dataset}", steps=args.steps,
                       step_ms=args.step_ms) if args.log else None
     exporter = None
@@ -403,14 +403,14 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
     from tierflow.commands.plan import CURVE, capacity_curve, plan_cache, recommended
     from tierflow.format.shard import Form
     from tierflow.tiers import build_stack
 
     stack = build_stack(args.dataset, parse_tiers(args.tier), endpoint_url=args.endpoint_url)
     top = stack.tiers[0]
-    dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=args.batch_size, seq_len=args.seq_len))
     from tierflow.format.metadata import shard_column
 
     shards = dataset.manifest.shards

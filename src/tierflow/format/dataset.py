@@ -3,7 +3,7 @@
 `open_dataset(path)` gives `len()`, `ds[i]` (a dict of columns; token and other primitive
 list columns as numpy views, no copy), iteration, and `ds.tokens(start, stop)` over the
 concatenated token stream. Where a sample or a token lives is `ds.index` (index.py); where
-shards come from is a `ShardSource`: by default the dataset directory itself; the tier stack
+shards come from is a `ShardSupply`: by default the dataset directory itself; the tier stack
 supplies decoded, memory-mapped files instead. Either way a shard opens in O(its block list)
 and a row costs its block: read, verified (xxh3-64), decoded on first use (docs/format.md,
 "Reading and verification").
@@ -25,7 +25,7 @@ from tierflow.format.index import BlockTokenCounts, DatasetIndex
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 
 
-class ShardSource(Protocol):
+class ShardSupply(Protocol):
     """Supplies the blocks of a shard; the tier stack is one, a plain directory another."""
 
     def open_shard(self, index: int, info: ShardInfo) -> "ShardTable": ...
@@ -79,7 +79,7 @@ class Dataset:
     Where a sample or a token lives is `index`'s answer (built once, from the manifest); the
     bytes come from `source`, a shard at a time."""
 
-    def __init__(self, manifest: Manifest, source: ShardSource, columns: Sequence[str] | None = None,
+    def __init__(self, manifest: Manifest, source: ShardSupply, columns: Sequence[str] | None = None,
                  location: str = "") -> None:
         self.manifest = manifest
         self.source = source
@@ -178,7 +178,7 @@ def _index(manifest: Manifest, read_block_tokens: BlockTokenCounts | None) -> An
     return DatasetIndex(manifest.shards, read_block_tokens)
 
 
-def _block_token_reader(manifest: Manifest, source: ShardSource) -> BlockTokenCounts | None:
+def _block_token_reader(manifest: Manifest, source: ShardSupply) -> BlockTokenCounts | None:
     """How the index reads a shard's block token counts from its blocks' offsets (packs that did not
     record them); holds the source, not the dataset, so the two stay free of a reference cycle."""
     return _BlockTokens(manifest, source) if manifest.token_column is not None else None
@@ -187,7 +187,7 @@ def _block_token_reader(manifest: Manifest, source: ShardSource) -> BlockTokenCo
 class _BlockTokens:
     """A callable object, not a closure, so a Dataset pickles for spawn/forkserver workers."""
 
-    def __init__(self, manifest: Manifest, source: ShardSource) -> None:
+    def __init__(self, manifest: Manifest, source: ShardSupply) -> None:
         self.manifest = manifest
         self.source = source
 

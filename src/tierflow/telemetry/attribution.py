@@ -171,7 +171,7 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
 
 def attribute_fetches(dataset: Any) -> None:
     """Make this process's reading context of a `TieredDataset` record its shard opens."""
-    dataset.wrap_shard_source(lambda source: source if isinstance(source, AttributedShardSource)
+    dataset.wrap_shards(lambda source: source if isinstance(source, AttributedShardSource)
                               else AttributedShardSource(source))
 
 
