@@ -14,7 +14,7 @@ from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.stager import Stager
 from tierflow.telemetry import MetricsRegistry
-from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
+from tierflow.telemetry.attribution import AttributedShards, thread_ledger
 from tierflow.commands.bench import format_result, run_bench, simulated_step, startup_batches
 from tierflow.telemetry.health import health_flags
 from tierflow.telemetry.loader_metrics import LoaderTelemetry, loader_figures, split_wait
@@ -108,7 +108,7 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
     mark = ledger.mark()
 
     def open_through_a_fresh_source() -> None:
-        source = AttributedShardSource(stack)
+        source = AttributedShards(stack)
         source.open_shard(0, info)
         source.open_shard(0, info)                    # the same table again: not a fetch
         stack.close()
@@ -125,7 +125,7 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
 def test_a_table_the_stack_let_go_of_is_a_new_open_though_the_reader_still_holds_the_old_one(packed, tmp_path):
     info = tierflow.open_dataset(packed).manifest.shards[0]
     stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded")])
-    source = AttributedShardSource(stack)
+    source = AttributedShards(stack)
     ledger = thread_ledger()
     mark = ledger.mark()
     held = source.open_shard(0, info)                 # cold: the source directory serves
@@ -140,7 +140,7 @@ def test_a_table_another_reader_opened_is_one_mapped_open_and_a_known_one_stays_
         packed, tmp_path):
     shards = tierflow.open_dataset(packed).manifest.shards
     stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded")])
-    source = AttributedShardSource(stack)
+    source = AttributedShards(stack)
     ledger = thread_ledger()
     mark = ledger.mark()
     held = source.open_shard(0, shards[0])            # cold: the source directory serves

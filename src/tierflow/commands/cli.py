@@ -196,7 +196,7 @@ def _verify(args: argparse.Namespace) -> int:
     from tierflow.format._audit import audit_manifest
     from tierflow.format.shard import verify_shard
     from tierflow.storage.datasets import local_path, read_manifest, verify_source
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     from tierflow.format.metadata import MappedManifest, verify_metadata
 
@@ -210,7 +210,7 @@ def _verify(args: argparse.Namespace) -> int:
         if not problems:  # the hashes hold: now the manifest's counts against the bytes
             problems = audit_manifest(root, manifest)
     else:
-        source = open_source(args.dataset, endpoint_url=args.endpoint_url)
+        source = open_store(args.dataset, endpoint_url=args.endpoint_url)
         manifest = read_manifest(source)
         problems = verify_metadata(manifest) if isinstance(manifest, MappedManifest) else []
         problems = problems or verify_source(source, manifest)
@@ -231,11 +231,11 @@ def _gc(args: argparse.Namespace) -> int:
     from tierflow.format.manifest import Manifest
     from tierflow.pack.packer import DatasetLock, remove_unreferenced
     from tierflow.storage.datasets import collect_garbage, local_path
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     root = local_path(args.dataset)
     if root is None:
-        removed = collect_garbage(open_source(args.dataset, endpoint_url=args.endpoint_url))
+        removed = collect_garbage(open_store(args.dataset, endpoint_url=args.endpoint_url))
         print(f"{args.dataset}: removed {len(removed)} unreferenced object(s)")
         return 0
     Manifest.load(root)  # not a dataset (no manifest): refuse before writing the lock into it
@@ -254,12 +254,12 @@ def _upgrade(args: argparse.Namespace) -> int:
     from tierflow.format.metadata import upgrade, upgrade_source
     from tierflow.pack.packer import DatasetLock
     from tierflow.storage.datasets import local_path
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     root = local_path(args.dataset)
     if root is None:
         with tempfile.TemporaryDirectory(prefix="tierflow-upgrade-") as work:
-            where = upgrade_source(open_source(args.dataset, endpoint_url=args.endpoint_url), work)
+            where = upgrade_source(open_store(args.dataset, endpoint_url=args.endpoint_url), work)
     else:
         from tierflow.format.manifest import MANIFEST_NAME
         if not (root / MANIFEST_NAME).is_file():

@@ -31,7 +31,7 @@ class ShardSupply(Protocol):
     def open_shard(self, index: int, info: ShardInfo) -> "ShardTable": ...
 
 
-class DirectorySource:
+class DirectoryShards:
     """Shards read straight from the dataset directory, block by block, each block verified on use.
 
     Opening a shard costs its block list (from the manifest); reading a row costs its block:
@@ -203,4 +203,4 @@ def open_directory(path: str | Path, columns: Sequence[str] | None = None,
     """Open a packed dataset directory for random access by global sample index (`manifest`: the
     directory's manifest, already loaded). `tierflow.open_dataset` takes URLs as well."""
     manifest = manifest if manifest is not None else Manifest.load(path)
-    return Dataset(manifest, DirectorySource(path, schema=manifest.schema), columns=columns, location=str(path))
+    return Dataset(manifest, DirectoryShards(path, schema=manifest.schema), columns=columns, location=str(path))

@@ -153,9 +153,9 @@ class TieredDataset(IterableDataset):
         stores; a tier too small for it to pay is told so (`narrowing_advice`), never narrowed."""
         per_node = max(1, self.settled.partitions // max(1, self.world.num_nodes))
         top = stack.tiers[0] if stack is not None and stack.tiers else None
-        at_rest = shard_column(self.manifest, "bytes")
+        at_rest: Any = shard_column(self.manifest, "bytes")
         form = top.form if top is not None else Form.AT_REST
-        sizes = shard_column(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
+        sizes: Any = shard_column(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
         node_shards = int((counts > 0).sum()) // max(1, self.world.num_nodes)
         chosen = working_set_for(self.settled, at_rest, sizes, per_node, node_shards)
         if top is not None and not self.eval:
@@ -263,7 +263,7 @@ class TieredDataset(IterableDataset):
         sources' 1 GiB default) held every block in every DataLoader worker. Epoch 0 of a narrowed
         first epoch (`order.first_epoch`) reads its lanes a group at a time, two groups at a hand-over;
         None: the widest epoch."""
-        sizes = shard_column(self.manifest, "decoded_bytes")
+        sizes: Any = shard_column(self.manifest, "decoded_bytes")
         order = self.order
         lanes, window = self.working_set.lanes, self.working_set.window_shards
         if epoch == 0 and order.first_epoch is not None:
@@ -449,7 +449,7 @@ class TieredDataset(IterableDataset):
         """The order cursor of `cursor` in this order (the start for none, or for eval)."""
         if cursor is None or cursor.order is None:
             return self.order.start()
-        if cursor.order.config_hash == self.order.config_hash:
+        if isinstance(cursor.order, OrderCursor) and cursor.order.config_hash == self.order.config_hash:
             return cursor.order
         return self.order.load(cursor.order.to_dict(), self.allow_mismatch)
 

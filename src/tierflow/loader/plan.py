@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Protocol
 
 import numpy as np
@@ -225,8 +224,7 @@ class _WorkerView:
         """The output batches this worker builds, in order (endless: the caller stops at its limit)."""
         n = self.worker * self.run
         while True:
-            for k in range(n, n + self.run):
-                yield k
+            yield from range(n, n + self.run)
             n += self.workers * self.run
 
     def __init__(self, arrangement: Arrangement, rank: int, worker: int, workers: int, limit: int | None) -> None:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
-
-import numpy as np
+from typing import Any, Literal, Sequence, cast
 
 from tierflow.loader.batching import Batcher, Collate, Filter, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
@@ -55,15 +53,14 @@ class BatchSpec:
 
     def make_batcher(self) -> Batcher:
         """The batcher this spec names (a new one per call unless `batcher` was given)."""
-        batcher: Batcher
         if self.batcher is not None:
             batcher = self.batcher
         elif self.seq_len is not None:
-            batcher = TokenWindows(self.seq_len)
+            batcher = cast(Batcher, TokenWindows(self.seq_len))
         elif self.max_tokens is not None:
-            batcher = TokenBudget(self.max_tokens)
+            batcher = cast(Batcher, TokenBudget(self.max_tokens))
         else:
-            batcher = Samples(select=list(self.columns) if self.columns is not None else None)
+            batcher = cast(Batcher, Samples(select=list(self.columns) if self.columns is not None else None))
         if not batcher.runs_transforms and (self.transform is not None or self.filter is not None
                                             or self.collate is not None):
             raise ValueError(f"{type(batcher).__name__} does not run filter/transform/collate (use Samples)")
@@ -136,11 +133,11 @@ def settle_order(spec: OrderSpec, saved: LoaderCursor | None, nonempty_shards: i
         groups_given=spec.group_bytes is not None, breadth_chosen=breadth_chosen)
 
 
-def working_set_for(settled: SettledOrder, at_rest: np.ndarray, sizes: np.ndarray, per_node: int,
-                    node_shards: int) -> WorkingSet:
+def working_set_for(settled: SettledOrder, at_rest: Any, sizes: Any, per_node: int, node_shards: int) -> WorkingSet:
     """Lanes and window size: as settled, else the dataset's default (order/working_set.py), a function
-    of the dataset, the world layout and the spec only. Its bytes are counted in `sizes` (the form the
-    top tier stores: what the staging area and the stager hold)."""
+    of the dataset, the world layout and the spec only. `at_rest` and `sizes` are per-shard byte
+    columns (int64 numpy): the shards at rest, and in the form the top tier stores (what the staging
+    area and the stager hold), which the working set's bytes count."""
     default = choose_working_set(at_rest, per_node, node_shards=max(1, node_shards))
     lanes, window_shards = settled.lanes, settled.window_shards
     if window_shards is None and lanes is None:
@@ -182,8 +179,9 @@ def saved_first_epoch(resume: LoaderCursor | None, narrow: bool) -> FirstEpoch:
     if not config:
         return NARROWED if narrow else None
     saved = config.get("first_epoch")  # anything but two counts: None, so the config check names the field
-    valid = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int and v >= 1 for v in saved)
-    return (saved[0], saved[1]) if valid else None
+    if isinstance(saved, list) and len(saved) == 2 and all(type(v) is int and v >= 1 for v in saved):
+        return saved[0], saved[1]
+    return None
 
 
 def saved_group(resume: LoaderCursor | None, key: str, default: int) -> int:

@@ -81,35 +81,17 @@ class Stalled(TimeoutError):
     """One attempt was too slow or silent; retried (transient) while the deadline lasts."""
 
 
-def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str) -> _T:
-    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`)."""
-    limit = max(0.0, min(seconds, deadline.left()))
-    box: queue.Queue = queue.Queue(maxsize=1)
-
-    def run() -> None:
-        try:
-            box.put((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box.put((False, exc))
-
-    started = time.monotonic()
-    threading.Thread(target=run, daemon=True, name="tierflow-fetch").start()
-    try:
-        ok, value = box.get(timeout=limit)
-    except queue.Empty:
-        raise Stalled(f"{what}: no answer within {limit:.3g} s") from None
-    finally:
-        deadline.spent += time.monotonic() - started
-    if not ok:
-        raise value
-    return value
+def _never_held() -> float:
+    return 0.0
 
 
-def call_within_paced(fn: Callable[[], _T], seconds: float, deadline: Deadline, held: Callable[[], float],
-                      what: str) -> _T:
-    """`call_within` for a call that paces itself (an upload pulling its body through the
-    bandwidth budget): the seconds `held()` reports it spent held back by the pacing count
-    against neither `seconds` nor `deadline`, only the time spent waiting on the peer does."""
+def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str,
+                held: Callable[[], float] = _never_held) -> _T:
+    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`).
+
+    A call that paces itself (an upload pulling its body through the bandwidth budget) says through
+    `held()` how many seconds it has spent held back by the pacing: they count against neither
+    `seconds` nor `deadline`, only the time spent waiting on the peer does."""
     box: queue.Queue = queue.Queue(maxsize=1)
 
     def run() -> None:
@@ -120,7 +102,7 @@ def call_within_paced(fn: Callable[[], _T], seconds: float, deadline: Deadline, 
 
     limit = max(0.0, min(seconds, deadline.left()))
     started = time.monotonic()
-    threading.Thread(target=run, daemon=True, name="tierflow-put").start()
+    threading.Thread(target=run, daemon=True, name="tierflow-call").start()
     try:
         while True:
             left = limit - (time.monotonic() - started - held())

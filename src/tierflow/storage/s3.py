@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tierflow.errors import SourceError, SourceNotFound
-from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingSource, TruncatedBody
+from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingStore, TruncatedBody
 
 _obstore_runtime_pid: int | None = None  # the process whose obstore (tokio) runtime has started
 _CLIENT_ERROR = re.compile(r"status code: (4\d\d)")
@@ -37,7 +37,7 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-class S3Source(RetryingSource):
+class S3Store(RetryingStore):
     """s3:// on AWS or any S3-compatible endpoint, through obstore (Rust, object_store).
 
     obstore's own retries are off: this class retries, so every retry is counted and a resumed
