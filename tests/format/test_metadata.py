@@ -20,7 +20,8 @@ import pytest
 import tierflow
 from tierflow.errors import ManifestError
 from tierflow.format import metadata as md
-from tierflow.format.dataset import Dataset, DirectoryShards
+from tierflow.format.dataset import Dataset
+from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.index import DatasetIndex
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.testing.faults import write_corpus
@@ -68,7 +69,7 @@ def test_pack_writes_the_tables_and_they_say_what_the_manifest_says(packed: Path
 def test_the_mapped_index_answers_as_the_parsed_one(packed: Path) -> None:
     mapped = tierflow.open_dataset(packed)
     assert isinstance(mapped.index, md.MappedIndex)
-    old = Dataset(legacy(packed), DirectoryShards(packed), location=str(packed))
+    old = Dataset(legacy(packed), ShardReader(DirectoryBlocks(packed)), location=str(packed))
     assert isinstance(old.index, DatasetIndex)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, len(old), 500)

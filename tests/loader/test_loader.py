@@ -472,10 +472,10 @@ def many_shards(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_directory_source_opens_each_shard_once_however_often_the_order_revisits_it(many_shards, compression):
-    from tierflow.format.dataset import DirectoryShards
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
 
     dataset = tierflow.open_dataset(many_shards[compression])
-    assert isinstance(dataset.source, DirectoryShards)
+    assert isinstance(dataset.source, ShardReader) and isinstance(dataset.source.blocks, DirectoryBlocks)
     shards = len(dataset.manifest.shards)
     assert shards > 8  # more than the old LRU of 8 shards held
     for _ in range(3):
@@ -485,11 +485,12 @@ def test_directory_source_opens_each_shard_once_however_often_the_order_revisits
 
 
 def test_directory_source_bounds_decoded_shards_by_bytes_and_still_serves_every_row(many_shards):
-    from tierflow.format.dataset import Dataset, DirectoryShards
+    from tierflow.format.dataset import Dataset
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
 
     root = many_shards["zstd"]
     manifest = tierflow.Manifest.load(root)
-    source = DirectoryShards(root, max_decoded_bytes=1)
+    source = ShardReader(DirectoryBlocks(root), max_decoded_bytes=1)
     bounded = Dataset(manifest, source, location=root)
     every_seventh = list(range(0, len(bounded), 7))
     for _ in range(2):

@@ -3,7 +3,7 @@
 The order is `MixedOrder` (order/mixed.py): node batch g comes from the dataset the closed-form
 schedule gives for draw g and is that dataset's own next node batch, so resume is exact and a
 world-size change resumes too (elastic). Each dataset keeps its own reading state, working set and
-shard source (its own tier stack, if any); one batcher builds every batch from the context of the
+shard supply (its own tier stack, if any); one batcher builds every batch from the context of the
 dataset it came from, and `meta.datasets` says which, per sample (sample ids are the dataset's
 own). An epoch of a mixture is the datasets' total samples drawn at the weights (a small dataset
 repeats within it, a large one is partly read), counted in node draws, so every rank reaches an

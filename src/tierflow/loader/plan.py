@@ -174,6 +174,7 @@ class Built(NamedTuple):
 class OrderStream(Protocol):
     """The rank's order batches from a cursor, as one DataLoader worker plans them."""
 
+    arrangement: Arrangement
     rank: int
     worker: int
     workers: int
@@ -247,6 +248,7 @@ class TrainStream(_WorkerView):
 
     def batch(self, group: int) -> OrderBatch:
         stream = self._stream
+        assert isinstance(stream, RankStream)  # a mixed stream's batches are MixedTrainStream's
         _, ids, epochs, mask, epoch = stream.node_parts(group * stream.ranks_per_node + stream.rank)
         return OrderBatch(ids, epochs, mask, 0, epoch)
 

@@ -12,7 +12,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -21,7 +21,7 @@ import xxhash
 from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_directory
-from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
+from tierflow.format.reader import ShardReader
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
 from tierflow.format.metadata import (MAX_HEADER_BYTES, METADATA_NAME, ShardNames, current_metadata, load_metadata,
@@ -152,36 +152,21 @@ def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest
     url = str(url)
     source = open_store(url, endpoint_url=endpoint_url)
     manifest = manifest if manifest is not None else read_manifest(source)
-    return Dataset(manifest, SourceShards(source, manifest.schema), columns=columns, location=url)
+    return Dataset(manifest, ShardReader(StoreBlocks(source), manifest.schema), columns=columns, location=url)
 
 
-class SourceShards:
-    """Shards read from a source (s3://...) with one ranged read per block, each verified on use.
+class StoreBlocks:
+    """An object store's shards for a `ShardReader`: one ranged read per block (`RangeBlocks`). It
+    pickles as its store (clients are made again in the process that unpickles it: a spawned worker)."""
 
-    Reading a sample costs its block, not its shard; compressed blocks stay decoded in memory up
-    to `max_decoded_bytes`. It pickles as its source (clients are made again in the process that
-    unpickles it: a spawned DataLoader worker).
-    """
+    def __init__(self, store: RetryingStore) -> None:
+        self.store = store
 
-    def __init__(self, source: RetryingStore, schema: pa.Schema | None = None,
-                 max_decoded_bytes: int = 1 << 30) -> None:
-        self.source = source
-        self.schema = schema
-        self.max_decoded_bytes = max_decoded_bytes
-        self.cache = BlockCache(max_decoded_bytes)
-        self._tables: dict[int, LazyShardTable] = {}  # a table is its block list: cheap to keep
-        self._lock = threading.Lock()
+    def __call__(self, info: ShardInfo) -> BlockBytes:
+        return RangeBlocks(self.store, info)
 
-    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
-        with self._lock:
-            table = self._tables.get(index)
-            if table is None:
-                table = self._tables[index] = LazyShardTable(info.name, RangeBlocks(self.source, info),
-                                                             self.schema, self.cache)
-        return table
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (SourceShards, (self.source, self.schema, self.max_decoded_bytes))
+    def __repr__(self) -> str:
+        return f"StoreBlocks({self.store.url!r})"
 
 
 class RangeBlocks(BlockBytes):
@@ -232,7 +217,8 @@ def collect_garbage(source: RetryingStore) -> list[str]:
     """
     entries = source.entries()
     times = [e.modified for e in entries if e.name in (MANIFEST_NAME, METADATA_NAME)]  # the last publication
-    written = None if not times or None in times else max(times)
+    known = [t for t in times if t is not None]
+    written = max(known) if times and len(known) == len(times) else None
     keep = ShardNames(read_manifest(source))  # read after listing: never an older one
     if written is None:  # the store gives no times: nothing can be told apart from a pack in progress
         return []

@@ -12,6 +12,7 @@ and again after a fork, since none of them survive one.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import random
@@ -199,7 +200,7 @@ class RetryingStore:
         A size other than `expected_size` fails at once (the manifest and the store disagree).
         """
         key = check_name(self.url, name)
-        progress = {"written": 0, "size": expected_size}
+        progress: dict[str, Any] = {"written": 0, "size": expected_size}
         deadline = Deadline(self.limits.total(expected_size))
 
         def attempt() -> int:
@@ -293,9 +294,9 @@ class RetryingStore:
         """Names of every object under the source that start with `prefix`, sorted."""
         return [entry.name for entry in self.entries(prefix)]
 
-    def entries(self, prefix: str = "") -> list[ObjectEntry]:
+    def entries(self, prefix: str = "") -> builtins.list[ObjectEntry]:
         """Every object under the source whose name starts with `prefix`, with size and age, by name."""
-        def attempt() -> list[ObjectEntry]:
+        def attempt() -> builtins.list[ObjectEntry]:
             return sorted((e for e in self._entries(prefix) if e.name.startswith(prefix)), key=lambda e: e.name)
 
         return self._retrying("list", prefix, attempt)
@@ -400,7 +401,7 @@ class RetryingStore:
     def _put(self, key: str, src: Path, size: int, chunks: Callable[[], Iterator[bytes]]) -> None:
         raise NotImplementedError
 
-    def _entries(self, prefix: str) -> list[ObjectEntry]:
+    def _entries(self, prefix: str) -> builtins.list[ObjectEntry]:
         """Objects in the smallest listing that holds every name starting with `prefix`."""
         raise NotImplementedError
 
@@ -463,7 +464,7 @@ class LocalStore(RetryingStore):
         finally:
             temporary.unlink(missing_ok=True)
 
-    def _entries(self, prefix: str) -> list[ObjectEntry]:
+    def _entries(self, prefix: str) -> builtins.list[ObjectEntry]:
         start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         found = []
         for directory, _, files in os.walk(start):

@@ -1,6 +1,6 @@
 """Which tier served each batch's shards, and how long fetching them took, measured where the batch is built.
 
-`AttributedShards` wraps any shard source (a `TierStack`, a plain directory) and records every
+`AttributedShards` wraps any shard supply (a `TierStack`, a plain directory) and records every
 shard open into the building thread's `FetchLedger`: seconds spent and the tier that served it, as the
 tier stack reports it (the fastest tier that held the shard; a miss in L1 filled from L2 is served
 by L2, a miss everywhere by the source). Each batch's meta is stamped with its timing: production seconds
@@ -103,7 +103,7 @@ def thread_ledger() -> FetchLedger:
 
 
 class AttributedShards:
-    """A shard source that records, per open, the seconds it took and the tier that served it, as the
+    """A shard supply that records, per open, the seconds it took and the tier that served it, as the
     tier stack reports them (`TierStack.open_served`); a source without tiers serves every open itself.
     A table this reader opened before and the stack still holds open is no new open: nothing is recorded,
     and no clock is read (most batches open only such tables)."""
