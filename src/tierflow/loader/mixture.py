@@ -222,6 +222,13 @@ class MixedDataset(IterableDataset):
             plan, lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)), worker,
             [ctx.registry for ctx in contexts])
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For spawn/forkserver workers: the resolver's stream is this process's (the children drop
+        their reading contexts themselves)."""
+        state = self.__dict__.copy()
+        state.update(_resolver=None)
+        return state
+
     def reading_registries(self) -> list[MetricsRegistry]:
         return list({id(r): r for r in (child._open().registry for child in self.children)}.values())
 
