@@ -12,7 +12,8 @@ and a row costs its block: read, verified (xxh3-64), decoded on first use (docs/
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from tierflow.format.table import LazyShardTable, ShardTable
 class ShardSupply(Protocol):
     """Supplies the blocks of a shard: the tier stack, or a `ShardReader` (a directory, an object store)."""
 
-    def open_shard(self, index: int, info: ShardInfo) -> "ShardTable": ...
+    def open_shard(self, index: int, info: ShardInfo) -> ShardTable: ...
 
 
 class Dataset:

@@ -16,7 +16,8 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info

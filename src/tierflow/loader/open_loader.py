@@ -11,7 +11,8 @@ shards arrive while the model loads. A local path with no tiers reads the files 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence, cast
+from typing import Any, Literal, cast
+from collections.abc import Sequence
 
 from tierflow.loader.batching import Batcher, Collate, Filter, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget

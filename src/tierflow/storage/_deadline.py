@@ -49,7 +49,7 @@ class FetchLimits:
     window: float = 10.0
 
     @classmethod
-    def from_env(cls) -> "FetchLimits":
+    def from_env(cls) -> FetchLimits:
         return cls(deadline=_env_float("TIERFLOW_FETCH_DEADLINE", cls.deadline),
                    min_throughput=_env_float("TIERFLOW_FETCH_MIN_THROUGHPUT", cls.min_throughput))
 
@@ -97,7 +97,7 @@ def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: 
     def run() -> None:
         try:
             box.put((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        except BaseException as exc:  # handed to the caller
             box.put((False, exc))
 
     limit = max(0.0, min(seconds, deadline.left()))
@@ -151,19 +151,19 @@ class GuardedChunks:
                 if self._stop.is_set():
                     break
             item: tuple[bool, Any] = (True, self._END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        except BaseException as exc:  # handed to the consumer
             item = (False, exc)
         finally:
             close = getattr(chunks, "close", None)
             if close is not None and self._stop.is_set():
                 try:
                     close()
-                except Exception:  # noqa: BLE001 - the stream is abandoned either way
+                except Exception:  # the stream is abandoned either way
                     pass
         if not self._stop.is_set():
             self._queue.put(item)
 
-    def __iter__(self) -> "GuardedChunks":
+    def __iter__(self) -> GuardedChunks:
         return self
 
     def __next__(self) -> Any:

@@ -12,7 +12,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import pyarrow as pa
