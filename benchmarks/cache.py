@@ -37,7 +37,7 @@ from _harness import s3_rig
 from tierflow.commands.demo import INCLUDE, STDLIB_EXCLUDE, stdlib_dir
 from tierflow.commands.plan import plan_cache
 from tierflow.format.shard import Form
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.order import future_shard_uses
 from tierflow.pack.packer import pack
 from tierflow.storage.datasets import open_dataset
@@ -123,7 +123,7 @@ def run_epochs(url: str, proxy: ProxyProcess, l2: Path, capacity: str, dataset_b
     shutil.rmtree(l2, ignore_errors=True)
     proxy.reset_counters()
     stack = build_stack(url, [TierConfig("L2", str(l2), capacity)], endpoint_url=proxy.url)
-    ds = TieredDataset(stack.dataset(), batch_size=16, **ORDER_OPTIONS[kind], **order)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, **ORDER_OPTIONS[kind]), OrderSpec(**order))
     meter = ServedEpochs(proxy, ds)
     loader = Loader(ds, stager=Stager(ds, stack), num_workers=workers)
     batches = 0

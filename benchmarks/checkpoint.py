@@ -59,9 +59,9 @@ import numpy as np
 
 import tierflow
 from tierflow.checkpoint import CheckpointStore
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec
 from tierflow.storage.budget import BandwidthBudget
-from tierflow.storage.remote import open_source
+from tierflow.storage.remote import open_store
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers import TierConfig, TierStack
 from tierflow.tiers.stager import Stager
@@ -87,9 +87,9 @@ def make_dataset(root: Path, mb: int) -> Path:
 def build_loader(data: Path, work: Path, budget: BandwidthBudget, batch: int, seq: int) -> Loader:
     registry = MetricsRegistry()
     shutil.rmtree(work / "L2", ignore_errors=True)
-    stack = TierStack(open_source(str(data), budget=budget, registry=registry),
+    stack = TierStack(open_store(str(data), budget=budget, registry=registry),
                       [TierConfig.parse(f"L2={work / 'L2'}:4GB").build(registry)], registry=registry)
-    dataset = TieredDataset(stack.dataset(), batch_size=batch, seq_len=seq)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=batch, seq_len=seq))
     loader = Loader(dataset, stager=Stager(dataset, stack), endless=True)
     loader.start_prefetch()
     return loader

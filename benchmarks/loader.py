@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.telemetry.eventlog import EventLog
 from tierflow.tiers.stager import Stager
@@ -193,7 +193,7 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, ord
     """One first epoch through an empty L2; source bytes are what the proxy sent."""
     stack = build_stack(url, [TierConfig("L2", str(tier_dir), 1 << 30, form="decoded")], endpoint_url=endpoint)
     events = EventLog(events_path, stack.registry, name=f"cold epoch {tier_dir.name}") if events_path else None
-    ds = TieredDataset(stack.dataset(), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN), OrderSpec(**order))
     steps = ds.num_order_samples // COLD_BATCH
     proxy.reset_counters()
     waited = 0.0
@@ -229,7 +229,7 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, ord
 def warm_floor(local: Path, order: dict) -> float:
     """The cold loop's own floor: the same steps read from local disk, nothing fetched, x the step-bound
     time (what the loop costs beyond its sleeps; the cold rows cannot go below it)."""
-    ds = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+    ds = TieredDataset(str(local), BatchSpec(batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN), OrderSpec(**order))
     steps = ds.num_order_samples // COLD_BATCH
     loader = Loader(ds, endless=True)
     loader.start_prefetch()
@@ -279,7 +279,7 @@ def bounds(work: Path) -> None:
     print(f"whole-shard bound of the first epoch, {len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest")
     print(f"| order | lanes x k | 2 x the needed bandwidth: x step-bound | 0.5 x: achieved / throttle |\n|---|---|---|---|")
     for order in BOUND_ORDERS:
-        ds = TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+        ds = TieredDataset(str(local), BatchSpec(batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN), OrderSpec(**order))
         steps = ds.num_order_samples // COLD_BATCH
         step_bound_s = steps * COLD_STEP_S
         need = at_rest / step_bound_s
@@ -301,7 +301,7 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
         proxy = rig.proxy
         url = rig.upload(local, "ds")
         # the order each row reads (an L2 that holds the dataset reads as the local copy does)
-        probes = {name: TieredDataset(str(local), batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN, **order)
+        probes = {name: TieredDataset(str(local), BatchSpec(batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN), OrderSpec(**order))
                   for name, order in COLD_ORDERS.items()}
         probe = probes["default"]
         steps = probe.num_order_samples // COLD_BATCH

@@ -138,7 +138,7 @@ def child(path: str, wait: bool) -> None:
     import psutil
 
     import tierflow
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, TieredDataset, BatchSpec
 
     imported = time.perf_counter()
     rss_import = psutil.Process().memory_info().rss
@@ -148,7 +148,7 @@ def child(path: str, wait: bool) -> None:
     opened = time.perf_counter()
     del ds
     start2 = time.perf_counter()
-    dataset = TieredDataset(path, batch_size=BATCH)
+    dataset = TieredDataset(path, BatchSpec(batch_size=BATCH))
     loader = Loader(dataset)
     first = next(iter(loader))
     arrived = time.perf_counter()
@@ -176,12 +176,12 @@ def path_child(name: str, path: str) -> None:
     from tierflow.commands.cli import main as cli
     from tierflow.format import metadata as md
     from tierflow.format.manifest import Manifest
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
 
     rss_import = psutil.Process().memory_info().rss
     start = time.perf_counter()
     if name == "order":
-        TieredDataset(path, batch_size=BATCH)
+        TieredDataset(path, BatchSpec(batch_size=BATCH))
     elif name == "inspect":
         with contextlib.redirect_stdout(io.StringIO()):
             cli(["inspect", path, "-n", "1"])
@@ -206,12 +206,12 @@ def prepare(path: str, base: str) -> None:
     """Link the shard files the first batch reads (each a real shard of the base under its fresh name)."""
     import tierflow
     from tierflow.format.manifest import Manifest
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, TieredDataset, BatchSpec
 
     sources = {s.decoded_checksum: s.name for s in Manifest.load(base).shards}
     for _ in range(1000):
         try:
-            loader = Loader(TieredDataset(path, batch_size=BATCH))
+            loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH)))
             next(iter(loader))
             loader.close()
             ds = tierflow.open_dataset(path)

@@ -24,8 +24,8 @@ from tierflow.telemetry.metrics import MetricsRegistry
 from _harness import s3_rig
 from tierflow.testing import ProxyProcess, S3Endpoint
 from tierflow.storage.budget import BandwidthBudget
-from tierflow.storage.fsspec_source import FsspecSource
-from tierflow.storage.s3 import S3Source
+from tierflow.storage.fsspec_store import FsspecStore
+from tierflow.storage.s3 import S3Store
 
 BLOCK = 1 << 20
 
@@ -71,10 +71,10 @@ def main() -> None:
             print("s3fs is not installed (it comes with the bench extra, never with s3): obstore rows only")
         store = S3Store(bucket, prefix="ds", **endpoint.obstore_options())
         budget = BandwidthBudget(1e12, path=Path(tmp) / "budget")  # charged, never binding
-        ours_obstore = S3Source(f"s3://{bucket}/ds", endpoint_url=proxy.url, budget=budget, registry=MetricsRegistry())
+        ours_obstore = S3Store(f"s3://{bucket}/ds", endpoint_url=proxy.url, budget=budget, registry=MetricsRegistry())
         if s3fs is not None:
             filesystem = s3fs.S3FileSystem(**endpoint.s3fs_storage_options(), skip_instance_cache=True)
-            ours_s3fs = FsspecSource(f"s3://{bucket}/ds", storage_options=endpoint.s3fs_storage_options(),
+            ours_s3fs = FsspecStore(f"s3://{bucket}/ds", storage_options=endpoint.s3fs_storage_options(),
                                      budget=budget, registry=MetricsRegistry())
 
         def obstore_download() -> int:
@@ -96,23 +96,23 @@ def main() -> None:
         def s3fs_ranges() -> int:
             return sum(len(filesystem.cat_file(f"{bucket}/ds/{n}", start=o, end=o + BLOCK)) for n, o in offsets)
 
-        def ours_download(source: S3Source | FsspecSource) -> Callable[[], int]:
+        def ours_download(source: S3Store | FsspecStore) -> Callable[[], int]:
             return lambda: sum(source.download(name, dst, expected_size=size) for name in names)
 
-        def ours_ranges(source: S3Source | FsspecSource) -> Callable[[], int]:
+        def ours_ranges(source: S3Store | FsspecStore) -> Callable[[], int]:
             return lambda: sum(len(source.read_range(n, o, BLOCK)) for n, o in offsets)
 
         runs = [("download  obstore (bare)", obstore_download),
-                ("download  tierflow S3Source (obstore)", ours_download(ours_obstore)),
+                ("download  tierflow S3Store (obstore)", ours_download(ours_obstore)),
                 ("1MiB range obstore (bare)", obstore_ranges),
-                ("1MiB range tierflow S3Source (obstore)", ours_ranges(ours_obstore))]
+                ("1MiB range tierflow S3Store (obstore)", ours_ranges(ours_obstore))]
         obstore_ranges()  # warm: connections, credentials, imports
         if s3fs is not None:
             s3fs_ranges()
             runs += [("download  s3fs (bare, get_file)", s3fs_download),
-                     ("download  tierflow FsspecSource (s3fs)", ours_download(ours_s3fs)),
+                     ("download  tierflow FsspecStore (s3fs)", ours_download(ours_s3fs)),
                      ("1MiB range s3fs (bare, cat_file)", s3fs_ranges),
-                     ("1MiB range tierflow FsspecSource (s3fs)", ours_ranges(ours_s3fs))]
+                     ("1MiB range tierflow FsspecStore (s3fs)", ours_ranges(ours_s3fs))]
         rows = [measure(label, run, proxy) for label, run in runs]
 
     print(f"\n{args.objects} objects x {args.object_mb} MiB downloaded, {args.blocks} ranged 1 MiB reads, "

@@ -111,13 +111,13 @@ def child(mode: str, path: str, cursor_file: str | None, group: str) -> None:
     began = time.perf_counter()
     import psutil
 
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 
     imported = time.perf_counter()
     rss_after_import = psutil.Process().memory_info().rss
     options = {} if group == "default" else {"group_bytes": int(group)}
     if mode == "cursor":
-        loader = Loader(TieredDataset(path, batch_size=BATCH, **options), endless=True)
+        loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(**options)), endless=True)
         for step, _ in enumerate(loader):
             if step + 1 == CURSOR_STEPS:
                 Path(cursor_file).write_text(json.dumps(loader.state_dict()))
@@ -127,7 +127,7 @@ def child(mode: str, path: str, cursor_file: str | None, group: str) -> None:
         return
     resume = json.loads(Path(cursor_file).read_text()) if mode == "resume" else None
     start = time.perf_counter()
-    dataset = TieredDataset(path, batch_size=BATCH, resume=resume, **options)
+    dataset = TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(**options), resume=resume)
     constructed = time.perf_counter()
     loader = Loader(dataset)
     first = next(iter(loader))

@@ -37,7 +37,8 @@ from typing import Callable
 import numpy as np
 
 import tierflow
-from tierflow.format.dataset import Dataset, DirectorySource
+from tierflow.format.dataset import Dataset
+from tierflow.format.reader import ShardReader
 from tierflow.storage.datasets import open_dataset
 from tierflow.tiers import TierConfig, TierStack, build_stack
 from _harness import round_order, s3_rig, spread
@@ -126,7 +127,7 @@ def read_token_windows(dataset: Dataset, windows: list[tuple[int, int]], buffer:
 def shard_opens(dataset: Dataset) -> int:
     """How many times the reader opened (verified, mapped or decoded) a shard."""
     source = dataset.source
-    if isinstance(source, DirectorySource):
+    if isinstance(source, ShardReader):
         return source.opens
     return int(sum(counter.value for counter in source.m_served.values()))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.loader import TieredDataset
+from tierflow.loader.spec import specs_from
 from tierflow.tiers import TierConfig, build_stack
 
 
@@ -30,7 +31,8 @@ def warm_l1(path: str | Path) -> TierConfig:
 
 def warm_dataset(path: str | Path, l1: TierConfig, **options: Any) -> TieredDataset:
     """A TieredDataset reading `path` through the warmed L1."""
-    return TieredDataset(build_stack(str(path), [l1]).dataset(), **options)
+    batching, order = specs_from(options)
+    return TieredDataset(build_stack(str(path), [l1]).dataset(), batching, order, **options)
 
 
 def remove_l1(l1: TierConfig) -> None:

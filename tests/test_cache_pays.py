@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
+from tierflow.loader.spec import specs_from
 from tierflow.commands.plan import plan_cache
 from tierflow.tiers.stager import Stager
 from tierflow.order import RankStream, SampleOrder
@@ -113,7 +114,7 @@ def few_tokens(tmp_path_factory):
 def test_one_for_under_epoch_end_rank_finishes_its_epoch_exactly_once(few_tokens):
     """By the end of `for` number e every window of epoch e was read once; of epoch e + 1 at most the
     carried-over remainders (each lane's last batch of e runs on into e + 1) were read before."""
-    ds = TieredDataset(str(few_tokens), batch_size=16, seq_len=128)
+    ds = TieredDataset(str(few_tokens), BatchSpec(batch_size=16, seq_len=128))
     assert ds.working_set.lanes > 1  # lanes carry remainders over the epoch edge
     loader = Loader(ds, epoch_end="rank", background=False, return_meta=True)
     seen: dict[int, list[np.ndarray]] = {}
@@ -130,7 +131,7 @@ def test_one_for_under_epoch_end_rank_finishes_its_epoch_exactly_once(few_tokens
 
 
 def test_token_windows_are_drawn_at_the_same_rate(few_tokens):
-    ds = TieredDataset(str(few_tokens), batch_size=16, seq_len=128, partitions=4, lanes=2)
+    ds = TieredDataset(str(few_tokens), BatchSpec(batch_size=16, seq_len=128), OrderSpec(partitions=4, lanes=2))
     drawn = np.zeros(ds.num_order_samples, dtype=np.int64)
     for batch in ds:
         np.add.at(drawn, batch.meta.sample_ids[batch.data["mask"]], 1)
@@ -143,7 +144,7 @@ def _epochs_through_s3(url, proxy, l2, capacity, epochs=3, **order):
     """GET bytes per `for`; `capacity` as a user writes it ("30%": of the dataset at rest), default form."""
     stack = build_stack(url, [TierConfig("L2", str(l2), capacity)], endpoint_url=proxy.url)
     tier = stack.tiers[0]
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=512, **order)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, seq_len=512), OrderSpec(**order))
     loader = Loader(ds, stager=Stager(ds, stack), epoch_end="rank")
     fetched = []
     for _ in range(epochs):
@@ -195,12 +196,12 @@ def test_warm_epochs_fetch_near_the_optimum_with_the_same_room(tmp_path, tokens_
 
 JOB = """
 import sys
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
 url, endpoint, l2, capacity, seed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 stack = build_stack(url, [TierConfig("L2", l2, capacity)], endpoint_url=endpoint)
-ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=512, seed=seed)
+ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, seq_len=512), OrderSpec(seed=seed))
 loader = Loader(ds, stager=Stager(ds, stack), epoch_end="rank")
 for _ in range(2):
     for _batch in loader:
@@ -235,7 +236,7 @@ def test_two_jobs_sharing_one_l2_do_not_thrash_each_other(tmp_path, tokens_on_s3
 
 
 def _first_batches(data, batches=1000, **options):
-    ds = TieredDataset(data, batch_size=16, seq_len=128, seed=11, **options)
+    ds = TieredDataset(data, *specs_from({"batch_size": 16, "seq_len": 128, "seed": 11, **options}))
     ids = []
     for batch in ds:
         ids.append(batch.meta.sample_ids.copy())
@@ -267,7 +268,8 @@ def test_the_same_seed_gives_the_same_batches_with_no_tier_and_any_tier(tokens, 
     # options the user sets are what changes the order, and a saved cursor resumes its own
     narrow, other = _first_batches(str(tokens), lanes=1, window_shards=1)
     assert not np.array_equal(other, ids)
-    resumed = TieredDataset(str(tokens), batch_size=16, seq_len=128, seed=11, resume=next(iter(narrow)).meta.cursor)
+    resumed = TieredDataset(str(tokens), BatchSpec(batch_size=16, seq_len=128), OrderSpec(seed=11),
+                            resume=next(iter(narrow)).meta.cursor)
     assert (resumed.working_set.lanes, resumed.working_set.window_shards) == (1, 1)
 
 
@@ -310,7 +312,7 @@ def test_the_stager_counts_its_fetches_in_the_epoch_they_serve(few_tokens, tmp_p
 
     at_rest = sum(s.bytes for s in tierflow.open_dataset(few_tokens).manifest.shards)
     stack = build_stack(str(few_tokens), [TierConfig("L2", str(tmp_path / "l2"), "30%")])
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=128)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, seq_len=128))
     stager = Stager(ds, stack)
     loader = Loader(ds, stager=stager)
     source = stack.registry.counter(STACK_SOURCE_BYTES, {"tier": "source"})

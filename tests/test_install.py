@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 ROUND_TRIP = r'''
 import importlib.util, sys
-from tierflow.storage.remote import open_source
+from tierflow.storage.remote import open_store
 
 assert importlib.util.find_spec("s3fs") is None and importlib.util.find_spec("aiobotocore") is None
-source = open_source(sys.argv[1], endpoint_url=sys.argv[2])
+source = open_store(sys.argv[1], endpoint_url=sys.argv[2])
 source.upload(sys.argv[3], "blob")
 assert source.read_bytes("blob") == open(sys.argv[3], "rb").read()
 print("round trip ok")

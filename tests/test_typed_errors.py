@@ -68,11 +68,11 @@ def _loop_error(data: Path, tiers: list, damage) -> BaseException:
     after the dataset was opened; return what the training loop caught."""
     from torch.utils.data import DataLoader
 
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec, OrderSpec
     from tierflow.tiers import build_stack
 
     stack = build_stack(str(data), tiers)
-    ds = TieredDataset(stack.dataset(), batch_size=8, partitions=2)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=8), OrderSpec(partitions=2))
     for info in stack.manifest().shards:
         damage(data / info.name)
     with pytest.raises(TierflowError) as caught:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from tierflow.loader import TieredDataset
+from tierflow.loader import BatchSpec, OrderSpec, TieredDataset
 from tierflow.loader._collate import run_length
 from tierflow.loader.tokens import WindowStarts
 from tierflow.order.lanes import node_lanes
@@ -42,7 +42,7 @@ Batches = list[tuple[int, frozenset[int]]]
 def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
     """Epoch 0's batches of the rank's order at the peers' defaults (batch 8; tokens: windows of SEQ_LEN)."""
     shape = {"seq_len": SEQ_LEN} if kind == "tokens" else {}
-    ds = TieredDataset(str(data), batch_size=8, seed=17, **shape)
+    ds = TieredDataset(str(data), BatchSpec(batch_size=8, **shape), OrderSpec(seed=17))
     index = ds._open().dataset.index
     order = ds.stream(0, 1)._stream  # the rank's stream: every batch, not one worker's
     starts = WindowStarts(index.token_starts, SEQ_LEN) if kind == "tokens" else None

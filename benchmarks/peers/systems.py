@@ -183,7 +183,7 @@ class Tierflow(System):
 class TierflowReader(Reader):
     def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
                  endpoint: str | None, resume: Any, stager: bool) -> None:
-        from tierflow.loader import Loader, TieredDataset
+        from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
         from tierflow.tiers.stager import Stager
         from tierflow.tiers import TierConfig, build_stack
 
@@ -192,9 +192,11 @@ class TierflowReader(Reader):
         # defaults: the order sizes its working set to the cache
         self.stack = build_stack(data, [TierConfig("L2", str(cache), capacity)], endpoint_url=endpoint)
         if kind == "tokens":
-            self.ds = TieredDataset(self.stack.dataset(), batch_size=BATCH, seq_len=SEQ_LEN, seed=seed, resume=resume)
+            self.ds = TieredDataset(self.stack.dataset(), BatchSpec(batch_size=BATCH, seq_len=SEQ_LEN),
+                                    OrderSpec(seed=seed), resume=resume)
         else:
-            self.ds = TieredDataset(self.stack.dataset(), batch_size=INT_BATCH, columns=["x"], seed=seed, resume=resume)
+            self.ds = TieredDataset(self.stack.dataset(), BatchSpec(batch_size=INT_BATCH, columns=["x"]),
+                                    OrderSpec(seed=seed), resume=resume)
         self.batch = self.ds.batch_size
         self.loader = Loader(self.ds, num_workers=workers, stager=Stager(self.ds, self.stack) if stager else None,
                              endless=True)

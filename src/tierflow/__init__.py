@@ -16,12 +16,12 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """The loader's names import torch; they load on first use so `pack` and the CLI start fast."""
-    if name in ("Loader", "TieredDataset", "open_loader"):
+    if name in ("BatchSpec", "Loader", "MixedDataset", "OrderSpec", "TieredDataset", "open_loader"):
         from tierflow import loader
 
         return getattr(loader, name)
     raise AttributeError(f"module 'tierflow' has no attribute {name!r}")
 
 
-__all__ = ["Dataset", "Loader", "Manifest", "TierConfig", "TieredDataset", "TierflowError", "open_dataset",
-           "open_loader", "pack", "__version__"]
+__all__ = ["BatchSpec", "Dataset", "Loader", "Manifest", "MixedDataset", "OrderSpec", "TierConfig", "TieredDataset",
+           "TierflowError", "open_dataset", "open_loader", "pack", "__version__"]

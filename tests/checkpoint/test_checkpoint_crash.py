@@ -425,13 +425,13 @@ def test_an_upload_held_by_the_budget_is_not_cut_by_the_deadline(s3_server, s3_b
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Time spent waiting on the bandwidth budget is not time spent on the peer: a 512 KiB upload at
     256 KiB/s (~2 s) to S3 outlives a 1 s deadline and still succeeds."""
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     monkeypatch.setenv("TIERFLOW_FETCH_DEADLINE", "1")
     budget = BandwidthBudget(256 << 10, tmp_path / "budget", burst=64 << 10, node_rate=None)
     src = tmp_path / "blob"
     src.write_bytes(os.urandom(512 << 10))
-    source = open_source(f"s3://{s3_bucket}/x", endpoint_url=s3_server.endpoint_url, budget=budget)
+    source = open_store(f"s3://{s3_bucket}/x", endpoint_url=s3_server.endpoint_url, budget=budget)
     started = time.monotonic()
     source.upload(src, "blob")
     assert time.monotonic() - started > 1.5

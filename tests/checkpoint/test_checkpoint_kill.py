@@ -314,15 +314,16 @@ def test_upload_rate_follows_the_budget_and_training_reads_keep_theirs(tmp_path:
 def _tiered_loader(data: Path, l2: Path, state: dict | None = None):
     """A Loader reading through one L2 tier with no stager, so every shard read is counted as a
     demand hit or miss of the tier (a stager turns waits into hits and hides the difference)."""
-    from tierflow.loader import Loader, TieredDataset
-    from tierflow.storage.remote import open_source
+    from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
+    from tierflow.storage.remote import open_store
     from tierflow.telemetry import MetricsRegistry
     from tierflow.tiers import TierConfig, TierStack
 
     registry = MetricsRegistry()
-    stack = TierStack(open_source(str(data), registry=registry),
+    stack = TierStack(open_store(str(data), registry=registry),
                       [TierConfig.parse(f"L2={l2}:256MB").build(registry)], registry=registry)
-    dataset = TieredDataset(stack.dataset(), batch_size=32, seq_len=1024, partitions=1, window_shards=1, lanes=1)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=32, seq_len=1024),
+                            OrderSpec(partitions=1, window_shards=1, lanes=1))
     loader = Loader(dataset, endless=True)  # the test counts steps across the epoch edge
     if state is not None:
         loader.load_state_dict(state)

@@ -75,11 +75,11 @@ def test_open_dataset_reads_s3_straight_from_the_source_block_by_block(s3_ds):
 
 
 def test_a_tiered_dataset_takes_an_s3_url(s3_ds):
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
 
     local, url, proxy = s3_ds
-    remote = TieredDataset(url, endpoint_url=proxy.url, batch_size=8, max_batches=5)
-    here = TieredDataset(str(local), batch_size=8, max_batches=5)
+    remote = TieredDataset(url, BatchSpec(batch_size=8), endpoint_url=proxy.url, max_batches=5)
+    here = TieredDataset(str(local), BatchSpec(batch_size=8), max_batches=5)
     assert remote.location == url
     got, want = list(remote), list(here)
     assert [b.meta.sample_ids.tolist() for b in got] == [b.meta.sample_ids.tolist() for b in want]

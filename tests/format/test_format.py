@@ -140,12 +140,13 @@ def test_decoded_blocks_stay_within_the_byte_bound_under_concurrent_readers(tmp_
     import random
     import threading
 
-    from tierflow.format.dataset import Dataset, DirectorySource
+    from tierflow.format.dataset import Dataset
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
 
     out = pack_small(tmp_path, n=6000)
     manifest = tierflow.Manifest.load(out)
     largest = max(b.rows for s in manifest.shards for b in s.blocks)
-    source = DirectorySource(out, max_decoded_bytes=3 * largest * 600, schema=manifest.schema)
+    source = ShardReader(DirectoryBlocks(out), max_decoded_bytes=3 * largest * 600, schema=manifest.schema)
     ds = Dataset(manifest, source, location=str(out))
     errors = []
 
@@ -173,7 +174,8 @@ def test_decoded_blocks_are_the_decode_pools_bytes_and_go_back_to_it_when_droppe
     resident than it held), so the bytes alive are the cache's, and none once it is gone."""
     import gc
 
-    from tierflow.format.dataset import Dataset, DirectorySource
+    from tierflow.format.dataset import Dataset
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
     from tierflow.format.shard import DECODE_POOL
 
     out = pack_small(tmp_path, n=6000)
@@ -181,7 +183,7 @@ def test_decoded_blocks_are_the_decode_pools_bytes_and_go_back_to_it_when_droppe
     assert {s.compression for s in manifest.shards} == {"zstd"}
     gc.collect()  # an earlier test's blocks still held would leave with this one's
     base = DECODE_POOL.bytes_allocated()
-    source = DirectorySource(out, max_decoded_bytes=1, schema=manifest.schema)  # one block at a time
+    source = ShardReader(DirectoryBlocks(out), max_decoded_bytes=1, schema=manifest.schema)  # one block at a time
     ds = Dataset(manifest, source, location=str(out))
     for i in range(0, len(ds), 97):
         assert ds[i]["i"] == i
@@ -199,11 +201,12 @@ def test_the_cache_hands_the_heap_back_after_each_trim_every_bytes_it_evicted(tm
     import sys
 
     import tierflow.format.table as table
-    from tierflow.format.dataset import Dataset, DirectorySource
+    from tierflow.format.dataset import Dataset
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
 
     out = pack_small(tmp_path, n=6000)
     manifest = tierflow.Manifest.load(out)
-    source = DirectorySource(out, max_decoded_bytes=1, schema=manifest.schema)
+    source = ShardReader(DirectoryBlocks(out), max_decoded_bytes=1, schema=manifest.schema)
     ds = Dataset(manifest, source, location=str(out))
     monkeypatch.setattr(table, "TRIM_EVERY", 200_000)
     for i in range(0, len(ds), 97):  # one block held at a time: every read evicts the one before

@@ -14,7 +14,7 @@ import pytest
 
 import tierflow
 from tierflow.errors import ShardCorruptError
-from tierflow.format.dataset import DirectorySource
+from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.manifest import Manifest
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.reads import TokenReader
@@ -66,7 +66,7 @@ def test_a_missing_or_truncated_shard_is_named(packed, tmp_path) -> None:
 def test_blocks_out_of_range_are_an_index_error_naming_the_shard(packed) -> None:
     manifest = Manifest.load(packed)
     info = manifest.shards[0]
-    table = DirectorySource(packed, schema=manifest.schema).open_shard(0, info)
+    table = ShardReader(DirectoryBlocks(packed), schema=manifest.schema).open_shard(0, info)
     blocks = table.blocks
     n = len(blocks)
     assert n == len(info.blocks) >= 3
@@ -82,7 +82,7 @@ def test_decoded_blocks_stay_bounded_after_the_tables_holding_them_are_gone(pack
     """The block cache forgets a table that was dropped (its finalizer), so its bytes stop counting
     against the bound and the next tables' blocks are kept, not evicted at once."""
     manifest = Manifest.load(packed)
-    source = DirectorySource(packed, max_decoded_bytes=1 << 20, schema=manifest.schema)
+    source = ShardReader(DirectoryBlocks(packed), max_decoded_bytes=1 << 20, schema=manifest.schema)
     first = source.open_shard(0, manifest.shards[0])
     for b in range(first.num_blocks):
         first.block(b)

@@ -190,11 +190,11 @@ def test_a_100_mb_manifest_is_refused_fast_and_unread(tmp_path):
 
 def test_a_remote_manifest_over_the_limit_is_refused_before_download(tmp_path, monkeypatch):
     from tierflow.storage.datasets import read_manifest
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     (tmp_path / MANIFEST_NAME).write_bytes(b" " * 5000)
     monkeypatch.setenv("TIERFLOW_MAX_MANIFEST_BYTES", "4096")
-    source = open_source(str(tmp_path))
+    source = open_store(str(tmp_path))
     read = []
     monkeypatch.setattr(source, "read_into", lambda *a, **k: read.append(a))
     with pytest.raises(ManifestError, match="5000 bytes, more than the 4096"):

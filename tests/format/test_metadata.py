@@ -20,7 +20,8 @@ import pytest
 import tierflow
 from tierflow.errors import ManifestError
 from tierflow.format import metadata as md
-from tierflow.format.dataset import Dataset, DirectorySource
+from tierflow.format.dataset import Dataset
+from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.index import DatasetIndex
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.testing.faults import write_corpus
@@ -68,7 +69,7 @@ def test_pack_writes_the_tables_and_they_say_what_the_manifest_says(packed: Path
 def test_the_mapped_index_answers_as_the_parsed_one(packed: Path) -> None:
     mapped = tierflow.open_dataset(packed)
     assert isinstance(mapped.index, md.MappedIndex)
-    old = Dataset(legacy(packed), DirectorySource(packed), location=str(packed))
+    old = Dataset(legacy(packed), ShardReader(DirectoryBlocks(packed)), location=str(packed))
     assert isinstance(old.index, DatasetIndex)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, len(old), 500)
@@ -236,17 +237,17 @@ def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(packed: Path, tmp_
     again = pickle.loads(pickle.dumps(remote.manifest))  # a worker maps the node's copy
     assert again.dataset_id == local.manifest.dataset_id
     from tierflow.storage.datasets import collect_garbage
-    from tierflow.storage.remote import open_source
-    assert collect_garbage(open_source(url, endpoint_url=s3_server.endpoint_url)) == []
+    from tierflow.storage.remote import open_store
+    assert collect_garbage(open_store(url, endpoint_url=s3_server.endpoint_url)) == []
 
 
 def test_an_s3_dataset_whose_manifest_was_replaced_reads_the_manifest(packed: Path, tmp_path: Path, s3_server,
                                                                       s3_bucket, monkeypatch) -> None:
-    from tierflow.storage.remote import open_source, upload_dataset
+    from tierflow.storage.remote import open_store, upload_dataset
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
     url = f"s3://{s3_bucket}/ds2"
     upload_dataset(packed, url, endpoint_url=s3_server.endpoint_url)
-    source = open_source(url, endpoint_url=s3_server.endpoint_url)
+    source = open_store(url, endpoint_url=s3_server.endpoint_url)
     d = json.loads((packed / MANIFEST_NAME).read_bytes())
     d["shards"][0]["samples"] += 1
     (tmp_path / "m.json").write_text(json.dumps(d))
@@ -275,7 +276,7 @@ def test_the_cli_upgrades_verifies_inspects_and_gcs_a_version_3_dataset(packed: 
 
 def test_the_cli_upgrades_an_s3_dataset(packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch) -> None:
     from tierflow.commands.cli import main
-    from tierflow.storage.remote import open_source, upload_dataset
+    from tierflow.storage.remote import open_store, upload_dataset
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
     out = copy(packed, tmp_path)
     for p in out.glob("metadata*"):
@@ -353,14 +354,14 @@ def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_hea
 
 def test_the_loader_reads_the_same_batches_through_either_form_and_resumes_across_an_upgrade(
         packed: Path, tmp_path: Path) -> None:
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import BatchSpec, Loader, TieredDataset
     v2 = copy(packed, tmp_path)
     for p in v2.glob("metadata*"):
         p.unlink()
     v3 = packed
 
     def batches(path: Path, n: int, resume=None) -> tuple[list, object]:
-        loader = Loader(TieredDataset(str(path), batch_size=16, seq_len=64, resume=resume), endless=True)
+        loader = Loader(TieredDataset(str(path), BatchSpec(batch_size=16, seq_len=64), resume=resume), endless=True)
         out = []
         for batch in loader:
             out.append(np.asarray(batch["input_ids"]).tolist())

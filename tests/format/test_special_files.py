@@ -16,7 +16,7 @@ import tierflow
 from tierflow.errors import ManifestError, ShardCorruptError, SourceError
 from tierflow.format._regular import read_regular
 from tierflow.format.shard import verify_shard
-from tierflow.storage.remote import open_source
+from tierflow.storage.remote import open_store
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
 
@@ -122,7 +122,7 @@ def test_a_special_shard_is_a_shard_error_naming_it(dataset, make):
 
 
 def test_a_special_file_in_the_local_source_is_a_source_error(dataset, tmp_path):
-    stack = TierStack(open_source(str(dataset)), [Tier(tmp_path / "l2", 1 << 30, name="L2", form="at_rest")])
+    stack = TierStack(open_store(str(dataset)), [Tier(tmp_path / "l2", 1 << 30, name="L2", form="at_rest")])
     ds = stack.dataset()
     shard = fifo_at(first_shard(dataset))
     with pytest.raises(SourceError, match=rf"{shard}: a FIFO, not a regular file"):
@@ -139,13 +139,13 @@ def test_a_special_file_in_the_local_source_is_a_source_error(dataset, tmp_path)
 def test_a_special_file_as_a_tier_entry_is_quarantined_and_fetched_again(dataset, tmp_path, form, make):
     expected = [tierflow.open_dataset(dataset)[i] for i in range(5)]
     tier = Tier(tmp_path / "l2", 1 << 30, name="L2", form=form)
-    stack = TierStack(open_source(str(dataset)), [tier])
+    stack = TierStack(open_store(str(dataset)), [tier])
     info = stack.manifest().shards[0]
     stack.ensure(info).release()
     entry = make(tier.path_of(info.key))
     # a fresh process's view of the same tier directory: nothing cached in memory
     fresh = Tier(tmp_path / "l2", 1 << 30, name="L2", form=form)
-    ds = TierStack(open_source(str(dataset)), [fresh]).dataset()
+    ds = TierStack(open_store(str(dataset)), [fresh]).dataset()
     assert promptly(lambda: [ds[i] for i in range(5)], [entry]) == expected
     assert fresh.m_corruptions.value == 1
     assert fresh.path_of(info.key).is_file() and not fresh.path_of(info.key).is_symlink()

@@ -73,11 +73,13 @@ def reference(data: str, batches: int, rank: int = 0, world: int = 1, nodes: boo
     with `nodes` each rank a node of its own): each {"rows": fingerprints, "ids": sample ids,
     "epochs": sample epochs, "epoch": batch epoch}."""
     from tierflow.loader import Loader, TieredDataset, WorldPosition
+    from tierflow.loader.spec import specs_from
 
     options.setdefault("batch_size", BATCH)
     options.setdefault("seq_len", SEQ)
     position = WorldPosition(rank, world, 0, 1) if nodes else WorldPosition(0, 1, rank, world)
-    ds = TieredDataset(data, world=position, **options)
+    batching, order = specs_from(options)
+    ds = TieredDataset(data, batching, order, world=position, **options)
     out = []
     with Loader(ds, endless=True, return_meta=True) as loader:
         for batch, meta in loader:
@@ -150,10 +152,12 @@ def check_uninterrupted(data: str, runs: list[dict[str, Any]], epochs: int | Non
             assert all(n > 0 for n in per_epoch), f"rank {rank}: an empty epoch {per_epoch}"
     if epochs is not None and epochs >= 2 and len(runs) == world:
         from tierflow.loader import TieredDataset
+        from tierflow.loader.spec import specs_from
 
         options.setdefault("batch_size", BATCH)
         options.setdefault("seq_len", SEQ)
-        total = TieredDataset(data, **options).num_order_samples
+        batching, order = specs_from(options)
+        total = TieredDataset(data, batching, order, **options).num_order_samples
         assert first_epoch == set(range(total)), f"{total - len(first_epoch)} samples of epoch 0 never trained"
 
 

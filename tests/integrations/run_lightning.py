@@ -14,7 +14,7 @@ import torch
 
 from harness import BATCH, SEQ, VOCAB, Recorder
 from tierflow.integrations.lightning import LoaderStateCallback
-from tierflow.loader import Loader, TieredDataset, WorldPosition
+from tierflow.loader import BatchSpec, Loader, TieredDataset, WorldPosition
 
 
 class TinyLM(L.LightningModule):
@@ -29,7 +29,8 @@ class TinyLM(L.LightningModule):
         shape = {"max_tokens": self.cfg["max_tokens"]} if self.cfg.get("max_tokens") else {"seq_len": SEQ}
         if self.cfg.get("world"):  # [rank, world]: one process reading rank `rank`'s batches
             shape["world"] = WorldPosition(0, 1, *self.cfg["world"])
-        dataset = TieredDataset(self.cfg["data"], batch_size=BATCH, **shape)
+        world = shape.pop("world", None)
+        dataset = TieredDataset(self.cfg["data"], BatchSpec(batch_size=BATCH, **shape), world=world)
         return Loader(dataset, num_workers=self.cfg.get("workers", 0), endless=self.cfg.get("endless", False))
 
     def training_step(self, batch, batch_idx):

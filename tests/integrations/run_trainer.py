@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 
 from harness import BATCH, SEQ, VOCAB, Recorder, leave_process_group
 from tierflow.integrations.transformers import TierflowTrainer
-from tierflow.loader import Loader, TieredDataset, WorldPosition
+from tierflow.loader import BatchSpec, Loader, TieredDataset, WorldPosition
 
 
 class Record(TrainerCallback):
@@ -56,7 +56,7 @@ def main():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
     world = {"world": WorldPosition(0, 1, *cfg["world"])} if cfg.get("world") else {}  # one process, that rank's batches
-    loader = Loader(TieredDataset(cfg["data"], batch_size=BATCH, seq_len=SEQ, **world), num_workers=cfg.get("workers", 0),
+    loader = Loader(TieredDataset(cfg["data"], BatchSpec(batch_size=BATCH, seq_len=SEQ), **world), num_workers=cfg.get("workers", 0),
                     endless=cfg.get("endless", False))
     args = Arguments(output_dir=cfg["output_dir"], num_train_epochs=cfg.get("epochs", 1),
                              max_steps=cfg.get("max_steps", -1), per_device_train_batch_size=BATCH,

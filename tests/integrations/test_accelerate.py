@@ -43,8 +43,8 @@ def test_skip_first_batches_names_the_supported_path(corpus):
     fail saying how a Loader resumes, not with a bare AttributeError."""
     from accelerate import skip_first_batches
 
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, TieredDataset, BatchSpec
 
-    with Loader(TieredDataset(corpus, batch_size=4, seq_len=64)) as loader:
+    with Loader(TieredDataset(corpus, BatchSpec(batch_size=4, seq_len=64))) as loader:
         with pytest.raises(AttributeError, match="load_state_dict"):
             skip_first_batches(loader, 3)

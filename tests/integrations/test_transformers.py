@@ -34,12 +34,12 @@ def test_trained_model_learns_the_next_token_not_the_one_after(tmp_path):
     from corpora import pack_lorem
 
     from tierflow.integrations.transformers import hf_batch
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, TieredDataset, BatchSpec
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=32, n_layer=1, n_head=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with Loader(TieredDataset(pack_lorem(tmp_path, 400), batch_size=16, seq_len=64), endless=True) as loader:
+    with Loader(TieredDataset(pack_lorem(tmp_path, 400), BatchSpec(batch_size=16, seq_len=64)), endless=True) as loader:
         for _, batch in zip(range(60), loader):
             loss = model(**hf_batch(batch)).loss
             loss.backward()
@@ -58,11 +58,11 @@ def test_plain_trainer_refuses_a_tiered_dataset_clearly(corpus, tmp_path):
     """`Trainer(train_dataset=TieredDataset)` is not the supported path: the error names it."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=16, n_layer=1, n_head=2))
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], use_cpu=True, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=TieredDataset(corpus, batch_size=4, seq_len=64))
+    trainer = Trainer(model=model, args=args, train_dataset=TieredDataset(corpus, BatchSpec(batch_size=4, seq_len=64)))
     with pytest.raises(TypeError, match="TierflowTrainer"):
         trainer.train()
 

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
+from tierflow.loader.spec import specs_from
 
 SHARDS = 4
 BLOCK_BYTES = 16 << 10
@@ -35,7 +36,9 @@ def small_and_large(tmp_path_factory):
 
 
 def first_batch_blocks(path, **options) -> tuple[int, np.ndarray]:
-    dataset = TieredDataset(path, batch_size=BATCH, partitions=SHARDS, **options)
+    options = {"batch_size": BATCH, "partitions": SHARDS, **options}
+    batching, order = specs_from(options)
+    dataset = TieredDataset(path, batching, order, **options)
     loader = Loader(dataset)
     try:
         batch = next(iter(loader))
@@ -58,7 +61,7 @@ def test_with_the_default_groups_the_first_batch_reads_a_few_blocks_at_any_size(
     straddles, whether a shard holds 256 KB or 8x that (4 MiB groups read all 128 of a large shard)."""
     read = {}
     for name, path in small_and_large.items():
-        loader = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS))
+        loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS)))
         for step, _ in enumerate(loader):
             if step == 20:
                 state = loader.state_dict()
@@ -70,7 +73,8 @@ def test_with_the_default_groups_the_first_batch_reads_a_few_blocks_at_any_size(
 
 def test_a_resumed_first_batch_reads_as_few_blocks(small_and_large):
     path = small_and_large["large"]
-    loader = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, group_bytes=GROUP_BYTES))
+    loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH),
+                                  OrderSpec(partitions=SHARDS, group_bytes=GROUP_BYTES)))
     for step, _ in enumerate(loader):
         if step == 20:
             state = loader.state_dict()
@@ -84,7 +88,8 @@ def test_a_resumed_first_batch_reads_as_few_blocks(small_and_large):
 def test_a_resume_continues_the_shuffle_its_cursor_was_saved_with(small_and_large, saved_with):
     """A cursor saved under the window shuffle (as every cursor before block groups was) resumes it."""
     path = small_and_large["small"]
-    loader = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, group_bytes=saved_with))
+    loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH),
+                                  OrderSpec(partitions=SHARDS, group_bytes=saved_with)))
     seen = []
     for step, batch in enumerate(loader):
         seen.append(np.asarray(batch["x"]).copy())
@@ -94,8 +99,8 @@ def test_a_resume_continues_the_shuffle_its_cursor_was_saved_with(small_and_larg
             break
     loader.close()
     assert ("group_bytes" in json.dumps(state)) == bool(saved_with)
-    resumed = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, resume=state))
-    loaded = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS))  # the Stateful way
+    resumed = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS), resume=state))
+    loaded = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS)))  # the Stateful way
     loaded.load_state_dict(state)
     for loader in (resumed, loaded):
         again = [np.asarray(b["x"]).copy() for _, b in zip(range(3), loader)]
@@ -109,7 +114,8 @@ def test_a_start_makes_block_records_only_for_the_blocks_it_reads(small_and_larg
     pays for the block lists does not grow with the dataset."""
     made = {}
     for name, path in small_and_large.items():
-        dataset = TieredDataset(path, batch_size=BATCH, partitions=SHARDS, group_bytes=GROUP_BYTES)
+        dataset = TieredDataset(path, BatchSpec(batch_size=BATCH),
+                                OrderSpec(partitions=SHARDS, group_bytes=GROUP_BYTES))
         shards = dataset.manifest.shards
         assert sum(s.blocks.made for s in shards) == 0  # the order and the index read the columns alone
         loader = Loader(dataset)
@@ -125,7 +131,7 @@ def test_a_cursor_saved_before_the_sample_floor_resumes_its_order(small_and_larg
     """A cursor of the 4 MiB default without group_samples (its config hashed as then) resumes, with
     the floor it was saved with (none), exactly where it stopped."""
     path = small_and_large["small"]
-    loader = Loader(TieredDataset(path, batch_size=BATCH, partitions=SHARDS, group_bytes=4 << 20))
+    loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS, group_bytes=4 << 20)))
     seen = []
     for step, batch in enumerate(loader):
         seen.append(np.asarray(batch["x"]).copy())
@@ -138,7 +144,7 @@ def test_a_cursor_saved_before_the_sample_floor_resumes_its_order(small_and_larg
     assert order["config"].pop("group_samples") == 1024
     canonical = json.dumps(order["config"], sort_keys=True, separators=(",", ":"))
     order["config_hash"] = hashlib.sha256(canonical.encode()).hexdigest()[:32]
-    dataset = TieredDataset(path, batch_size=BATCH, partitions=SHARDS, resume=state)
+    dataset = TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS), resume=state)
     assert dataset.order.group_samples == 0 and dataset.order.config_hash == order["config_hash"]
     resumed = Loader(dataset)
     again = [np.asarray(b["x"]).copy() for _, b in zip(range(3), resumed)]

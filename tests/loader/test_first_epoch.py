@@ -11,6 +11,7 @@ import pytest
 
 import tierflow
 from tierflow.loader import Loader, TieredDataset
+from tierflow.loader.spec import specs_from
 from tierflow.order.working_set import FIRST_EPOCH_LEAST, FIRST_EPOCH_SHARE
 
 BATCH = 16
@@ -32,7 +33,9 @@ def packed(tmp_path_factory) -> str:
 def dataset(packed, **options) -> TieredDataset:
     """Groups of 4 MiB, a whole window of these shards: the shards open at once are the breadth's
     (lanes x window shards) alone, not cut by the default groups of ~1,024 samples, one shard here."""
-    return TieredDataset(packed, batch_size=BATCH, columns=["i"], seed=5, **{"group_bytes": 4 << 20, **options})
+    options = {"batch_size": BATCH, "columns": ["i"], "seed": 5, "group_bytes": 4 << 20, **options}
+    batching, order = specs_from(options)
+    return TieredDataset(packed, batching, order, **options)
 
 
 def samples(ds: TieredDataset) -> int:

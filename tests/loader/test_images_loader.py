@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import tierflow
-from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset
+from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset, BatchSpec, OrderSpec
 from tierflow.testing import assert_resumes_exactly
 from tierflow.testing.resume import assert_same_batches, take
 from tierflow.transforms import (
@@ -41,8 +41,9 @@ PIPELINE = pipeline()
 
 def make(packed: Path, transform=PIPELINE, batcher=None, batch_size: int = 8, epoch_end: str | None = None):
     def make_loader(workers: int) -> Loader:
-        ds = TieredDataset(packed, batch_size=batch_size, transform=transform, seed=3,
-                           batcher=batcher or ImageSamples(select=COLUMNS))
+        ds = TieredDataset(packed,
+                           BatchSpec(batch_size=batch_size, batcher=batcher or ImageSamples(select=COLUMNS), transform=transform),
+                           OrderSpec(seed=3))
         return Loader(ds, num_workers=workers, **({"endless": True} if epoch_end is None else {"epoch_end": epoch_end}))
     return make_loader
 

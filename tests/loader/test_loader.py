@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import tierflow
 from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, TieredDataset, TokenBudget,
-                             WorldPosition, bucket_shapes)
+                             WorldPosition, bucket_shapes, BatchSpec, OrderSpec)
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.tokens import (
     WindowStarts, document_segments, num_windows, tokens_outside_windows, window_counts, window_token_starts,
@@ -101,7 +101,7 @@ def test_window_token_starts_are_the_same_with_the_tables_made_once():
 
 def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
     length = 64
-    ds = TieredDataset(packed, batch_size=8, seq_len=length, partitions=PARTITIONS)
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=length), OrderSpec(partitions=PARTITIONS))
     total = int(window_counts(ds._token_starts, length).sum())
     assert ds.num_order_samples == total
     seen: dict[int, np.ndarray] = {}
@@ -122,7 +122,7 @@ def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
 
 
 def test_token_batches_are_narrow_and_labels_are_next_tokens(packed):
-    carried = next(iter(TieredDataset(packed, batch_size=4, seq_len=32, partitions=PARTITIONS)))
+    carried = next(iter(TieredDataset(packed, BatchSpec(batch_size=4, seq_len=32), OrderSpec(partitions=PARTITIONS))))
     batch = carried.data
     assert batch["input_ids"].dtype == np.uint16 and batch["labels"].dtype == np.uint16
     assert np.array_equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
@@ -134,7 +134,8 @@ def test_cu_seqlens_match_document_boundaries(packed):
     length = 48
     reader = tierflow.open_dataset(packed)
     doc_ends = np.cumsum([len(reader[i]["tokens"]) for i in range(len(reader))])
-    ds = TieredDataset(packed, batch_size=8, seq_len=length, partitions=PARTITIONS, max_batches=20)
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=length), OrderSpec(partitions=PARTITIONS),
+                       max_batches=20)
     checked = 0
     for carried in ds:
         batch = carried.data
@@ -155,7 +156,7 @@ def test_cu_seqlens_match_document_boundaries(packed):
 
 
 def test_future_shard_uses_list_every_shard_holding_windows_once_per_epoch(packed):
-    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS))
     uses = ds.future_shard_uses(horizon_batches=2000)
     holding = set(np.flatnonzero(window_counts(ds._token_starts, 64)).tolist())
     epoch_zero = [u.shard for u in uses if u.epoch == 0]
@@ -178,7 +179,7 @@ def test_collation_stacks_equal_shapes_pads_others_and_lists_strings():
 
 
 def test_columns_projection_reads_only_the_selected_columns(packed):
-    ds = TieredDataset(packed, batch_size=4, columns=["id", "text"], partitions=PARTITIONS)
+    ds = TieredDataset(packed, BatchSpec(batch_size=4, columns=["id", "text"]), OrderSpec(partitions=PARTITIONS))
     carried = next(iter(ds))
     assert set(carried.data) == {"id", "text", "mask"}
     assert ds._open().dataset.columns == ["id", "text"]
@@ -195,8 +196,8 @@ def _noise(sample, rng):
 
 
 def test_filtered_samples_leave_their_batch_and_are_counted_and_transforms_see_each_sample(packed):
-    loader = Loader(TieredDataset(packed, batch_size=6, columns=["id"], filter=_keep, transform=_noise,
-                                  partitions=PARTITIONS), return_meta=True)
+    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=6, columns=["id"], transform=_noise, filter=_keep),
+                                  OrderSpec(partitions=PARTITIONS)), return_meta=True)
     batches = take(loader, 12)
     assert all(all(i % 3 for i in b["id"].tolist()) for b, _ in batches)
     assert all(b["id"].tolist() == meta.sample_ids.tolist() and len(b["noise"]) == len(b["id"]) for b, meta in batches)
@@ -210,8 +211,8 @@ def test_eval_mode_reads_every_sample_once_with_a_masked_last_batch(packed):
     seen = []
     steps = set()
     for rank in range(world):
-        ds = TieredDataset(packed, batch_size=64, columns=["id"], eval=True, partitions=PARTITIONS,
-                           world=WorldPosition(0, 1, rank, world))
+        ds = TieredDataset(packed, BatchSpec(batch_size=64, columns=["id"]), OrderSpec(partitions=PARTITIONS),
+                           eval=True, world=WorldPosition(0, 1, rank, world))
         batches = list(DataLoader(ds, batch_size=None))  # a plain DataLoader passes the carried batches on
         steps.add(len(batches))
         for b in batches:
@@ -232,7 +233,8 @@ def test_bucket_shapes_are_bounded_multiples():
 def test_bucketing_reduces_padding_against_random_batches_within_the_shape_bound(packed):
     def waste(group):
         batcher = LengthBuckets(max_length=2560, pad_to_multiple_of=64, max_shapes=6, group=group)
-        ds = TieredDataset(packed, batch_size=16, batcher=batcher, partitions=PARTITIONS, max_batches=160)
+        ds = TieredDataset(packed, BatchSpec(batch_size=16, batcher=batcher), OrderSpec(partitions=PARTITIONS),
+                           max_batches=160)
         real = padded = 0
         shapes = set()
         for b in ds:
@@ -247,13 +249,13 @@ def test_bucketing_reduces_padding_against_random_batches_within_the_shape_bound
 
 
 def test_a_cursor_inside_a_group_resumes_only_under_its_arrangement(packed):
-    loader = Loader(TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
-                                  partitions=PARTITIONS))
+    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
+                                  OrderSpec(partitions=PARTITIONS)))
     take(loader, 6)
     state = loader.state_dict()
     assert state["cursor"]["skip"] == 2
-    other_world = TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
-                                partitions=PARTITIONS, world=WorldPosition(0, 1, 0, 2))
+    other_world = TieredDataset(packed, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
+                                OrderSpec(partitions=PARTITIONS), world=WorldPosition(0, 1, 0, 2))
     with pytest.raises(CursorError, match="group"):
         other_world.load_state_dict(state)
 
@@ -261,8 +263,8 @@ def test_a_cursor_inside_a_group_resumes_only_under_its_arrangement(packed):
 # -- cursor, Loader, resume ------------------------------------------------------------------
 
 def test_loader_continues_after_load_state_dict_and_after_a_break(packed):
-    loader = Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS), return_meta=True)
-    full = take(Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS), return_meta=True), 9)
+    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)), return_meta=True)
+    full = take(Loader(TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)), return_meta=True), 9)
     head = take(loader, 3)
     middle = take(loader, 3)  # a new `for` continues after the last consumed batch
     saved = loader.state_dict()
@@ -275,8 +277,8 @@ def test_loader_continues_after_load_state_dict_and_after_a_break(packed):
 def test_cursor_is_identical_on_every_rank_and_resumes_a_smaller_world(packed):
     """4 ranks of one node, then 2: the node's batch sequence continues exactly."""
     def rank_ds(rank, ranks, resume=None):
-        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, resume=resume,
-                             world=WorldPosition(0, 1, rank, ranks))
+        return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
+                             resume=resume, world=WorldPosition(0, 1, rank, ranks))
     single = ids_of(take(rank_ds(0, 1), 4 * 5 + 2 * 6))
     four = [take(rank_ds(r, 4), 5) for r in range(4)]
     cursors = {json.dumps(batches[-1].meta.cursor.to_dict(), sort_keys=True) for batches in four}
@@ -289,7 +291,8 @@ def test_cursor_is_identical_on_every_rank_and_resumes_a_smaller_world(packed):
 
 def test_loader_on_cpu_yields_the_same_batches_as_the_dataloader(packed):
     def make():
-        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, max_batches=10)
+        return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
+                             max_batches=10)
     plain = list(DataLoader(make(), batch_size=None))
     fed = list(Loader(make(), device="cpu", return_meta=True))
     assert len(plain) == len(fed) == 10
@@ -303,7 +306,7 @@ def test_loader_on_cpu_yields_the_same_batches_as_the_dataloader(packed):
 
 
 def test_loader_refuses_dataloaders_that_would_break_exactness(packed):
-    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS))
     with pytest.raises(ValueError, match="batch_size=None"):
         Loader(DataLoader(ds, batch_size=2))
     with pytest.raises(ValueError, match="in_order=False"):
@@ -317,23 +320,23 @@ def test_loader_detects_batches_out_of_order(packed):
             a, b = next(it), next(it)
             yield b
             yield a
-    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, max_batches=4)
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), max_batches=4)
     with pytest.raises(BatchOrderError):
         list(Loader(Swapped(ds, batch_size=None)))
 
 
 def test_loader_is_torchdata_stateful(packed):
     from torchdata.stateful_dataloader import Stateful
-    loader = Loader(TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS))
+    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)))
     assert isinstance(loader, Stateful)
 
 
 def test_cursor_from_another_dataset_is_refused(packed):
-    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS))
     cursor = next(iter(ds)).meta.cursor
     for saved in (cursor, cursor.to_dict()):
         with pytest.raises(CursorError, match="'windows:64' samples .* reads 'windows:32'"):
-            TieredDataset(packed, batch_size=8, seq_len=32, partitions=PARTITIONS, resume=saved)
+            TieredDataset(packed, BatchSpec(batch_size=8, seq_len=32), OrderSpec(partitions=PARTITIONS), resume=saved)
 
 
 # -- the worker boundary, cursors per batch, shard reuse --------------------------------------
@@ -368,7 +371,7 @@ def test_a_worker_batch_unpickles_into_tensors_with_one_token_storage_and_its_me
 
 def test_batches_from_workers_equal_batches_built_in_process(packed):
     def batches(workers):
-        ds = TieredDataset(packed, batch_size=4, seq_len=48, partitions=PARTITIONS, max_batches=6)
+        ds = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=48), OrderSpec(partitions=PARTITIONS), max_batches=6)
         return list(DataLoader(ds, batch_size=None, num_workers=workers))
 
     for inline, remote in zip(batches(0), batches(2), strict=True):
@@ -387,7 +390,8 @@ def test_workers_send_runs_of_consecutive_batches_that_flatten_to_the_in_process
     from tierflow.loader._collate import BatchRuns, flatten_runs
 
     def dataset(worker_run):
-        ds = TieredDataset(packed, batch_size=4, seq_len=48, partitions=PARTITIONS, max_batches=limit)
+        ds = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=48), OrderSpec(partitions=PARTITIONS),
+                           max_batches=limit)
         ds.worker_run = worker_run
         return ds
 
@@ -468,10 +472,10 @@ def many_shards(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_directory_source_opens_each_shard_once_however_often_the_order_revisits_it(many_shards, compression):
-    from tierflow.format.dataset import DirectorySource
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
 
     dataset = tierflow.open_dataset(many_shards[compression])
-    assert isinstance(dataset.source, DirectorySource)
+    assert isinstance(dataset.source, ShardReader) and isinstance(dataset.source.blocks, DirectoryBlocks)
     shards = len(dataset.manifest.shards)
     assert shards > 8  # more than the old LRU of 8 shards held
     for _ in range(3):
@@ -481,11 +485,12 @@ def test_directory_source_opens_each_shard_once_however_often_the_order_revisits
 
 
 def test_directory_source_bounds_decoded_shards_by_bytes_and_still_serves_every_row(many_shards):
-    from tierflow.format.dataset import Dataset, DirectorySource
+    from tierflow.format.dataset import Dataset
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
 
     root = many_shards["zstd"]
     manifest = tierflow.Manifest.load(root)
-    source = DirectorySource(root, max_decoded_bytes=1)
+    source = ShardReader(DirectoryBlocks(root), max_decoded_bytes=1)
     bounded = Dataset(manifest, source, location=root)
     every_seventh = list(range(0, len(bounded), 7))
     for _ in range(2):
@@ -501,7 +506,7 @@ def test_a_reading_process_holds_the_decoded_blocks_of_its_windows_not_of_the_da
     (one window per lane), not by a 1 GiB default that let every process hold the whole dataset;
     an epoch still decodes each block about once."""
     root = many_shards["zstd"]
-    ds = TieredDataset(root, batch_size=16, lanes=1, window_shards=2, seed=3, group_bytes=0)
+    ds = TieredDataset(root, BatchSpec(batch_size=16), OrderSpec(seed=3, window_shards=2, lanes=1, group_bytes=0))
     manifest = ds.manifest
     decoded = sum(s.decoded_bytes for s in manifest.shards)
     assert ds.working_set.reading == 2 and ds.decoded_bound() < decoded / 3
@@ -530,8 +535,8 @@ def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_
                                                                                                        monkeypatch):
     _widest_default(monkeypatch)
     root = many_shards["zstd"]
-    wide = TieredDataset(root, batch_size=16, seed=3, group_bytes=0)
-    ds = TieredDataset(root, batch_size=16, seed=3, group_bytes=1 << 16)
+    wide = TieredDataset(root, BatchSpec(batch_size=16), OrderSpec(seed=3, group_bytes=0))
+    ds = TieredDataset(root, BatchSpec(batch_size=16), OrderSpec(seed=3, group_bytes=1 << 16))
     decoded = sum(s.decoded_bytes for s in ds.manifest.shards)
     # 13 shards, fewer than one window per lane reads at once: either way a process may hold them all,
     # and never more (a bound of windows x the mean shard came to 2.5x the dataset)
@@ -552,7 +557,7 @@ def test_a_narrowed_first_epoch_holds_fewer_decoded_blocks_and_widens_with_the_n
     epoch's blocks, not the widest epoch's; the bound widens at the first batch of epoch 1, and epoch 0
     still decodes each block about once."""
     _widest_default(monkeypatch)
-    ds = TieredDataset(many_shards["zstd"], batch_size=16, seed=3, group_bytes=1 << 16)
+    ds = TieredDataset(many_shards["zstd"], BatchSpec(batch_size=16), OrderSpec(seed=3, group_bytes=1 << 16))
     assert ds.order.first_epoch is not None
     narrow, wide = ds.decoded_bound(0), ds.decoded_bound()
     assert 0 < narrow < wide
@@ -574,15 +579,15 @@ def test_a_narrowed_first_epoch_holds_fewer_decoded_blocks_and_widens_with_the_n
     assert 0 < peak <= narrow
     blocks = sum(len(s.blocks) for s in ds.manifest.shards)
     assert read_in_epoch_0 <= 1.1 * blocks
-    resumed = TieredDataset(many_shards["zstd"], batch_size=16, seed=3, group_bytes=1 << 16,
+    resumed = TieredDataset(many_shards["zstd"], BatchSpec(batch_size=16), OrderSpec(seed=3, group_bytes=1 << 16),
                             resume=cursor)
     first = next(iter(resumed))
     assert first.meta.epoch == 1 and resumed._open().dataset.source.cache.max_bytes == wide
 # -- token budget ----------------------------------------------------------------------------
 
 def budget_ds(packed, resume=None, max_tokens=1024, rank=0, ranks=1, **kw):
-    return TieredDataset(packed, batch_size=16, batcher=TokenBudget(max_tokens, **kw), partitions=PARTITIONS,
-                         resume=resume, world=WorldPosition(0, 1, rank, ranks))
+    return TieredDataset(packed, BatchSpec(batch_size=16, batcher=TokenBudget(max_tokens, **kw)),
+                         OrderSpec(partitions=PARTITIONS), resume=resume, world=WorldPosition(0, 1, rank, ranks))
 
 
 def test_token_budget_batches_hold_whole_samples_within_the_budget(packed):
@@ -624,7 +629,8 @@ def test_token_budget_cursor_resumes_only_its_own_rank(packed):
     with pytest.raises(CursorError, match="rank 1"):
         budget_ds(packed, resume=state, rank=0, ranks=2)
     with pytest.raises(CursorError, match="pending"):
-        TieredDataset(packed, batch_size=16, partitions=PARTITIONS, resume=state, world=WorldPosition(0, 1, 1, 2))
+        TieredDataset(packed, BatchSpec(batch_size=16), OrderSpec(partitions=PARTITIONS), resume=state,
+                      world=WorldPosition(0, 1, 1, 2))
     torn = {**state, "pending": {"ids": state["pending"]["ids"] + [10**9], "epochs": state["pending"]["epochs"] + [0]}}
     with pytest.raises(CursorError, match="pending samples are not"):
         budget_ds(packed, resume=torn, rank=1, ranks=2)
@@ -655,8 +661,8 @@ def test_epoch_end_ends_each_for_at_the_epoch_edge_and_skips_nothing(packed):
 
 def test_a_seek_elsewhere_reads_the_group_sought_not_the_one_last_sorted(packed):
     def make():
-        return TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=2560, group=4),
-                             partitions=PARTITIONS)
+        return TieredDataset(packed, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
+                             OrderSpec(partitions=PARTITIONS))
     full = take(Loader(make(), return_meta=True), 14)
     state = Loader(make())
     take(state, 10)
@@ -668,7 +674,7 @@ def test_a_seek_elsewhere_reads_the_group_sought_not_the_one_last_sorted(packed)
 
 def test_the_loop_gets_only_its_tensors_and_the_meta_when_it_asks(packed):
     def make():
-        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+        return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS))
     with Loader(make()) as loader:
         batch = next(iter(loader))
         assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "mask"}
@@ -687,7 +693,8 @@ def test_token_batches_reach_the_loop_identical_and_in_the_same_dtypes_at_0_and_
     # position_ids (int32, values below L) cross the worker boundary as uint16 and are widened back:
     # the loop gets int32 at 2 workers as at 0, and the same values, batch for batch
     def handed(workers):
-        ds = TieredDataset(packed, batch_size=4, seq_len=512, partitions=PARTITIONS, max_batches=6)
+        ds = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=512), OrderSpec(partitions=PARTITIONS),
+                           max_batches=6)
         with Loader(ds, num_workers=workers, dtype=dtype) as loader:
             return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
 
@@ -736,7 +743,7 @@ def test_the_result_pipe_of_a_dataloader_with_workers_is_enlarged_best_effort(pa
     from tierflow.loader._collate import RESULT_PIPE_BYTES, enlarge_result_pipe
 
     assert enlarge_result_pipe(object()) == 0  # not a DataLoader iterator: nothing to do
-    ds = TieredDataset(packed, batch_size=4, seq_len=48, partitions=PARTITIONS, max_batches=2)
+    ds = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=48), OrderSpec(partitions=PARTITIONS), max_batches=2)
     iterator = iter(DataLoader(ds, batch_size=None, num_workers=1))
     try:
         granted = enlarge_result_pipe(iterator)

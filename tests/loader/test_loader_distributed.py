@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.loader import TieredDataset
+from tierflow.loader import TieredDataset, BatchSpec, OrderSpec
 from tierflow.testing.distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -23,12 +23,13 @@ BATCH = 16
 RANK_SCRIPT = r'''
 import json, sys
 import torch.distributed as dist
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.testing.distributed import gathered_stream
 
 path, out, steps, workers, resume, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 state = json.load(open(resume)) if resume != "-" else None
-ds = TieredDataset(path, batch_size=BATCH, seq_len=seq_len or None, partitions=PARTITIONS, resume=state)
+ds = TieredDataset(path, BatchSpec(batch_size=BATCH, seq_len=seq_len or None), OrderSpec(partitions=PARTITIONS),
+                   resume=state)
 world = ds.world.world_size
 if world > 1:
     dist.init_process_group("gloo")
@@ -45,11 +46,11 @@ if ds.world.rank == 0:
 AGREE_SCRIPT = r'''
 import json, sys
 import torch.distributed as dist
-from tierflow.loader import Loader, TieredDataset, TokenBudget
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset, TokenBudget
 
 path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
-ds = TieredDataset(path, batch_size=8, batcher=TokenBudget(1024), partitions=4)
+ds = TieredDataset(path, BatchSpec(batch_size=8, batcher=TokenBudget(1024)), OrderSpec(partitions=4))
 loader = Loader(ds, device="cpu", num_workers=1, epoch_end=mode, return_meta=True)
 iterations = []
 for epoch in range(2):
@@ -66,7 +67,7 @@ dist.destroy_process_group()
 LEN_THEN_ITER_SCRIPT = r'''
 import json, sys
 import torch.distributed as dist
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 
 path, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dist.init_process_group("gloo")
@@ -78,7 +79,8 @@ for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barr
         return _real(*args, **kwargs)
     setattr(dist, name, counted)
 # made after init_process_group, as Lightning and the Trainer do; rank and world from the group
-loader = Loader(TieredDataset(path, batch_size=4, seq_len=64, partitions=4), num_workers=workers, return_meta=True)
+loader = Loader(TieredDataset(path, BatchSpec(batch_size=4, seq_len=64), OrderSpec(partitions=4)), num_workers=workers,
+                return_meta=True)
 epochs = []
 for epoch in range(3):
     n = len(loader)
@@ -143,7 +145,7 @@ def node_sequence(result: dict) -> list[list[int]]:
 
 def test_four_ranks_with_two_workers_read_every_sample_exactly_once_per_epoch(packed, tmp_path):
     n = len(tierflow.open_dataset(packed))
-    ds = TieredDataset(packed, batch_size=BATCH, partitions=PARTITIONS)
+    ds = TieredDataset(packed, BatchSpec(batch_size=BATCH), OrderSpec(partitions=PARTITIONS))
     longest = int(ds.order.layout.partition_sizes.max())
     steps = -(-longest // BATCH) * PARTITIONS // 4 + 1
     result = run_ranks(packed, tmp_path / "out.json", ranks=4, steps=steps, workers=2)
@@ -199,7 +201,7 @@ def test_two_gloo_ranks_taking_len_batches_then_iter_get_whole_epochs_without_co
     lengths = [[e["len"] for e in r["epochs"]] for r in ranks]
     assert lengths[0] == lengths[1] and min(lengths[0]) > 0
     assert result["calls"] == 0  # the issue allows 4 an epoch; the order makes the edge need none
-    windows = TieredDataset(packed, batch_size=4, seq_len=64, partitions=4).num_order_samples
+    windows = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=64), OrderSpec(partitions=4)).num_order_samples
     seen = [tuple(pair) for r in ranks for e in r["epochs"] for batch in e["samples"] for pair in batch]
     assert len(seen) == len(set(seen))  # no (sample, epoch) twice
     for epoch in (0, 1):  # every window of the first two epochs, across the ranks

@@ -12,22 +12,28 @@ import torch
 
 import tierflow
 
-from tierflow.loader import LengthBuckets, Loader, Samples, TieredDataset, TokenBudget, WorldPosition
+from tierflow.loader import LengthBuckets, Loader, Samples, TieredDataset, TokenBudget, WorldPosition, BatchSpec, OrderSpec
+from tierflow.loader.spec import specs_from
 
 PARTITIONS = 4
 
 
+def dataset(packed, **options):
+    batching, order = specs_from(options)
+    return TieredDataset(packed, batching, order, **options)
+
+
 def windows(packed, **kw):
     kw.setdefault("partitions", PARTITIONS)
-    return TieredDataset(packed, batch_size=8, seq_len=64, **kw)
+    return dataset(packed, batch_size=8, seq_len=64, **kw)
 
 
 BATCHERS = {
-    "samples": lambda packed, **kw: TieredDataset(packed, batch_size=16, batcher=Samples(select=["tokens"]),
-                                                  partitions=PARTITIONS, **kw),
+    "samples": lambda packed, **kw: dataset(packed, batch_size=16, batcher=Samples(select=["tokens"]),
+                                            partitions=PARTITIONS, **kw),
     "windows": windows,
-    "buckets": lambda packed, **kw: TieredDataset(packed, batch_size=4, batcher=LengthBuckets(max_length=512, group=4),
-                                                  partitions=PARTITIONS, **kw),
+    "buckets": lambda packed, **kw: dataset(packed, batch_size=4, batcher=LengthBuckets(max_length=512, group=4),
+                                            partitions=PARTITIONS, **kw),
 }
 
 
@@ -122,7 +128,8 @@ def test_the_endless_stream_is_opt_in_and_has_no_length(long_tailed_docs):
 
 
 def test_a_token_budget_has_no_length_but_still_ends_each_epoch(long_tailed_docs):
-    loader = Loader(TieredDataset(long_tailed_docs, batch_size=16, batcher=TokenBudget(8192), partitions=PARTITIONS),
+    loader = Loader(TieredDataset(long_tailed_docs, BatchSpec(batch_size=16, batcher=TokenBudget(8192)),
+                                  OrderSpec(partitions=PARTITIONS)),
                     return_meta=True)
     with pytest.raises(TypeError, match="planned"):
         len(loader)
@@ -141,8 +148,8 @@ def test_token_ids_reach_the_loop_as_int64_or_the_dtype_asked_for(long_tailed_do
     made = {
         "windows": lambda: windows(long_tailed_docs, max_batches=2),
         "buckets": lambda: BATCHERS["buckets"](long_tailed_docs, max_batches=2),
-        "budget": lambda: TieredDataset(long_tailed_docs, batch_size=16, max_tokens=1024, partitions=PARTITIONS,
-                                        max_batches=2),
+        "budget": lambda: TieredDataset(long_tailed_docs, BatchSpec(batch_size=16, max_tokens=1024),
+                                        OrderSpec(partitions=PARTITIONS), max_batches=2),
     }
     for name, make in made.items():
         wire = next(iter(make())).data
@@ -164,7 +171,7 @@ def test_token_ids_reach_the_loop_as_int64_or_the_dtype_asked_for(long_tailed_do
 
 def stored(packed, **kw):
     kw.setdefault("partitions", PARTITIONS)
-    return TieredDataset(packed, batch_size=16, columns=["id"], shuffle=False, **kw)
+    return dataset(packed, batch_size=16, columns=["id"], shuffle=False, **kw)
 
 
 def epoch_ids(pairs, epoch):
@@ -184,7 +191,8 @@ def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_ta
         ids = [epoch_ids(r, 0) for r in ranks]
         assert sorted(ids[0] + ids[1]) == list(range(n))
         assert all(rank == sorted(rank) for rank in ids)
-    shuffled = Loader(TieredDataset(long_tailed_docs, batch_size=16, columns=["id"], partitions=PARTITIONS),
+    shuffled = Loader(TieredDataset(long_tailed_docs, BatchSpec(batch_size=16, columns=["id"]),
+                                    OrderSpec(partitions=PARTITIONS)),
                       return_meta=True)
     assert epoch_ids(list(shuffled), 0) != list(range(n))
 
@@ -251,7 +259,7 @@ def test_a_loader_refuses_to_be_rebuilt_or_collated_naming_the_supported_path(lo
     loader = Loader(windows(long_tailed_docs))
     with pytest.raises(AttributeError, match="load_state_dict"):
         _ = loader.drop_last  # accelerate's skip_first_batches reads it
-    batch = next(iter(TieredDataset(long_tailed_docs, batch_size=2, seq_len=64)))
+    batch = next(iter(TieredDataset(long_tailed_docs, BatchSpec(batch_size=2, seq_len=64))))
     with pytest.raises(TypeError, match="TierflowTrainer"):
         vars(batch)  # what the transformers Trainer's collator does with a sample
 
@@ -275,7 +283,7 @@ def test_each_for_under_a_token_budget_holds_every_sample_of_its_epoch(many_shar
     at a time): a budget batch of next-epoch samples must not end the `for` while samples of the
     epoch are still pending or unread (before: the first `for` held 1,275 of 4,000 documents)."""
     path = many_shards_of_long_docs
-    loader = Loader(TieredDataset(path, batch_size=8, max_tokens=16384), return_meta=True)
+    loader = Loader(TieredDataset(path, BatchSpec(batch_size=8, max_tokens=16384)), return_meta=True)
     assert loader.dataset.order.first_epoch is not None and loader.dataset.working_set.lanes > 1
     total = len(tierflow.open_dataset(path))
     trained: list[tuple[int, int]] = []

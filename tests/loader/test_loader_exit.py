@@ -22,9 +22,9 @@ RUNS = 12
 """The crash came in about a third of runs: 12 clean runs leave a 1% chance it is still there."""
 SCRIPT = '''
 import sys
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, TieredDataset
 
-ds = TieredDataset(sys.argv[1], batch_size=8, seq_len=64)
+ds = TieredDataset(sys.argv[1], BatchSpec(batch_size=8, seq_len=64))
 loader = Loader(ds, device="cpu", num_workers=int(sys.argv[2]), background=True)
 for step, batch in enumerate(loader):
     if step == 3:

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 import tierflow
 from tierflow.errors import CursorMismatchError, LoaderMisuseError, TierflowError
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
 
 PARTITIONS = 4
 
@@ -29,10 +29,11 @@ def drop_short(sample: dict) -> bool:
 
 def test_collate_assembles_each_batch_from_the_filtered_samples_in_workers(long_tailed_docs):
     def make():
-        return TieredDataset(long_tailed_docs, batch_size=8, columns=["tokens"], collate=longest_first,
-                             filter=drop_short, partitions=PARTITIONS, max_batches=6)
-    plain = TieredDataset(long_tailed_docs, batch_size=8, columns=["tokens"], filter=drop_short,
-                          partitions=PARTITIONS, max_batches=6)
+        return TieredDataset(long_tailed_docs,
+                             BatchSpec(batch_size=8, columns=["tokens"], filter=drop_short, collate=longest_first),
+                             OrderSpec(partitions=PARTITIONS), max_batches=6)
+    plain = TieredDataset(long_tailed_docs, BatchSpec(batch_size=8, columns=["tokens"], filter=drop_short),
+                          OrderSpec(partitions=PARTITIONS), max_batches=6)
     expected = [b.data for b in plain]
     with Loader(make(), num_workers=2, return_meta=True) as loader:
         got = list(loader)
@@ -45,16 +46,17 @@ def test_collate_assembles_each_batch_from_the_filtered_samples_in_workers(long_
 
 
 def test_collate_must_return_a_dict(long_tailed_docs):
-    ds = TieredDataset(long_tailed_docs, batch_size=4, columns=["tokens"], collate=len, partitions=PARTITIONS)
+    ds = TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, columns=["tokens"], collate=len),
+                       OrderSpec(partitions=PARTITIONS))
     with pytest.raises(TypeError, match="must return the batch as a dict"):
         next(iter(ds))
     with pytest.raises(ValueError, match="collate"):
-        TieredDataset(long_tailed_docs, batch_size=4, seq_len=32, collate=longest_first)
+        TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=32, collate=longest_first))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataloader_with_a_batch_size_is_told_to_use_loader(long_tailed_docs, workers):
-    ds = TieredDataset(long_tailed_docs, batch_size=4, seq_len=32, partitions=PARTITIONS)
+    ds = TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=32), OrderSpec(partitions=PARTITIONS))
     for dataloader in (DataLoader(ds, batch_size=8, num_workers=workers), DataLoader(ds, num_workers=workers)):
         with pytest.raises(LoaderMisuseError, match=r"Loader\(ds.*batch_size=None"):
             next(iter(dataloader))
@@ -66,10 +68,10 @@ def test_a_cursor_from_another_dataset_names_both(long_tailed_docs, tmp_path):
     (tmp_path / "other.jsonl").write_text("".join(f'{{"text": "other document {i} " }}\n' for i in range(300)))
     other = tmp_path / "other"
     tierflow.pack([tmp_path / "other.jsonl"], other, tokenizer="bytes", workers=1)
-    loader = Loader(TieredDataset(other, batch_size=4, seq_len=16, partitions=1))
+    loader = Loader(TieredDataset(other, BatchSpec(batch_size=4, seq_len=16), OrderSpec(partitions=1)))
     next(iter(loader))
     saved = loader.state_dict()
-    ours = TieredDataset(long_tailed_docs, batch_size=4, seq_len=16, partitions=1)
+    ours = TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=16), OrderSpec(partitions=1))
     with pytest.raises(CursorMismatchError) as error:
         ours.load_state_dict(saved)
     message = str(error.value)

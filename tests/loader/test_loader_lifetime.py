@@ -29,7 +29,7 @@ import pytest
 import tierflow
 from tierflow.errors import TierflowError, WorkerLostError
 from tierflow.loader._lifetime import WorkerLifetime
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec
 from tierflow.storage.remote import upload_dataset
 from tierflow.tiers import TierConfig
 from tierflow.tiers._lock import is_pinned
@@ -180,7 +180,7 @@ def test_a_killed_trainer_over_s3_leaves_no_process_pipe_or_pin(tiny, tmp_path, 
 def test_a_killed_worker_reaches_the_loop_as_a_tierflow_error_and_state_dict_resumes_exactly(tiny):
     """Not torch's bare RuntimeError: a WorkerLostError that says state_dict() resumes, and it does."""
     def dataset() -> TieredDataset:
-        return TieredDataset(str(tiny / "ds"), batch_size=8, seq_len=64)
+        return TieredDataset(str(tiny / "ds"), BatchSpec(batch_size=8, seq_len=64))
 
     reference = [b["input_ids"].clone() for b in islice(Loader(dataset(), device="cpu"), 240)]
     loader = Loader(dataset(), device="cpu", num_workers=2)
@@ -222,7 +222,7 @@ def _mark_worker(folder: Path, worker_id: int) -> None:
 
 
 def test_the_users_worker_init_fn_still_runs_after_the_loaders(tiny, tmp_path):
-    ds = TieredDataset(str(tiny / "ds"), batch_size=8, seq_len=64)
+    ds = TieredDataset(str(tiny / "ds"), BatchSpec(batch_size=8, seq_len=64))
     dataloader = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=functools.partial(_mark_worker, tmp_path))
     with Loader(dataloader, device="cpu") as loader:
         assert len(list(islice(loader, 6))) == 6
@@ -234,7 +234,7 @@ def test_the_users_worker_init_fn_still_runs_after_the_loaders(tiny, tmp_path):
 def test_workers_forked_by_a_thread_that_ends_live_on_with_the_trainer(tiny):
     """The parent-death signal fires when the forking *thread* exits: a thread that starts the
     workers and ends must not take them along (the watchdog on the trainer still stands)."""
-    loader = Loader(TieredDataset(str(tiny / "ds"), batch_size=8, seq_len=64), device="cpu", num_workers=2,
+    loader = Loader(TieredDataset(str(tiny / "ds"), BatchSpec(batch_size=8, seq_len=64)), device="cpu", num_workers=2,
                     background=False)
     started: list = []
     thread = threading.Thread(target=lambda: (started.append(iter(loader)), time.sleep(0.5)))  # workers set up

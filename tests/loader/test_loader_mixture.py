@@ -11,7 +11,8 @@ import torch
 
 import tierflow
 from tierflow.errors import CursorError
-from tierflow.loader import Loader, TieredDataset, WorldPosition
+from tierflow.loader import Loader, TieredDataset, WorldPosition, BatchSpec, MixedDataset, OrderSpec
+from tierflow.loader.spec import specs_from
 from tierflow.testing import assert_resumes_exactly
 
 
@@ -30,8 +31,9 @@ def two(tmp_path_factory) -> list[str]:
 
 def mixed(two, world=None, **kw):
     kw.setdefault("columns", ["id"])
-    return TieredDataset(datasets=two, weights=[0.7, 0.3], batch_size=8, partitions=2,
-                         world=world or WorldPosition(), **kw)
+    kw = {"batch_size": 8, "partitions": 2, **kw}
+    batching, order = specs_from(kw)
+    return MixedDataset(two, batching, order, weights=[0.7, 0.3], world=world or WorldPosition(), **kw)
 
 
 def test_batches_come_from_each_dataset_at_its_weight_and_say_which(two):
@@ -93,7 +95,7 @@ def test_a_mixture_resumes_elastically_from_two_nodes_to_one(two):
         epoch0 = [i for d, e, i in drawn if d == dataset and e == 0]
         assert sorted(epoch0) == list(range(size)), dataset  # nothing skipped or repeated across the change
     with pytest.raises(CursorError):
-        TieredDataset(two[0], batch_size=8, columns=["id"], partitions=2, resume=states[0])
+        TieredDataset(two[0], BatchSpec(batch_size=8, columns=["id"]), OrderSpec(partitions=2), resume=states[0])
 
 
 def test_open_loader_mixes_urls_by_weight(two):
@@ -101,8 +103,8 @@ def test_open_loader_mixes_urls_by_weight(two):
                                   return_meta=True)
     batch, meta = next(iter(loader))
     assert batch["input_ids"].dtype == torch.int64 and meta.datasets is not None
-    with pytest.raises(ValueError, match="datasets="):
-        TieredDataset(two[0], batch_size=4, weights=[1.0])
+    with pytest.raises(TypeError, match="weights"):
+        TieredDataset(two[0], BatchSpec(batch_size=4), weights=[1.0])
     with pytest.raises(ValueError, match="token budget"):
-        TieredDataset(datasets=two, batch_size=4, max_tokens=64)
+        MixedDataset(two, BatchSpec(batch_size=4, max_tokens=64))
     np.testing.assert_array_equal(meta.datasets, np.full(4, meta.datasets[0]))

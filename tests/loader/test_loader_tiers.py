@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
 from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.storage.remote import upload_dataset
@@ -55,7 +55,7 @@ def node_tiers(root: Path, l2_capacity: float = 1 << 30) -> list[TierConfig]:
 def test_stager_stages_ahead_and_each_shard_crosses_the_network_once(tmp_path, s3_tokens):
     local, url, proxy = s3_tokens
     stack = build_stack(url, node_tiers(tmp_path / "node"), endpoint_url=proxy.url)
-    ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH), OrderSpec(partitions=PARTITIONS))
     stager = Stager(ds, stack, min_batches=50)
     loader = Loader(ds, num_workers=0, stager=stager)
     loader.start_prefetch()  # staging begins before the first next(), overlapping model loading
@@ -86,7 +86,7 @@ def test_staged_entries_are_never_evicted_before_use(tmp_path, s3_tokens):
     tiers = [TierConfig("L1", str(tmp_path / "node" / "l1"), biggest * (len(manifest.shards) // 3 + 4),
                         policy="lru", form="decoded")]
     stack = build_stack(url, tiers, endpoint_url=proxy.url)
-    ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=2, window_shards=2)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH), OrderSpec(partitions=2, window_shards=2))
     stager = Stager(ds, stack, min_batches=8)
     loader = Loader(ds, num_workers=0, stager=stager)
     steps = 2 * ds.num_order_samples // BATCH
@@ -106,7 +106,7 @@ def test_token_windows_under_a_small_tier_release_what_they_read(tmp_path, s3_to
     tiers = [TierConfig("L2", str(tmp_path / "node" / "l2"), biggest * (2 * len(manifest.shards) // 3),
                         policy="clairvoyant", form="decoded")]
     stack = build_stack(url, tiers, endpoint_url=proxy.url)
-    ds = TieredDataset(stack.dataset(), batch_size=8, seq_len=256, partitions=2, window_shards=2)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=256), OrderSpec(partitions=2, window_shards=2))
     loader = Loader(ds, stager=Stager(ds, stack), endless=True)  # two epochs: one `for` would stop at the first's end
     steps = 2 * ds.num_order_samples // 8
     for step, _ in enumerate(loader):
@@ -125,7 +125,7 @@ def test_token_windows_under_a_small_tier_release_what_they_read(tmp_path, s3_to
 RANK_SCRIPT = r'''
 import json, sys
 import torch.distributed as dist
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.testing.distributed import gathered_stream
 from tierflow.tiers.stager import Stager
 from tierflow.tiers import TierConfig, build_stack
@@ -135,7 +135,7 @@ def main():
     url, endpoint, root, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
     tiers = [TierConfig("L1", root + "/l1", 1 << 30, form="decoded"), TierConfig("L2", root + "/l2", 1 << 30, form="at_rest")]
     stack = build_stack(url, tiers, endpoint_url=endpoint)
-    ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH), OrderSpec(partitions=PARTITIONS))
     dist.init_process_group("gloo")
     loader = Loader(ds, num_workers=2, stager=Stager(ds, stack), endless=True)  # `steps` steps
     gathered = gathered_stream(loader, steps)
@@ -154,7 +154,7 @@ if __name__ == "__main__":  # workers start with forkserver over an object store
 @pytest.mark.slow
 def test_four_ranks_two_workers_read_every_sample_once_from_s3_through_l2_and_l1(tmp_path, s3_tokens, s3_server):
     local, url, proxy = s3_tokens
-    ds = TieredDataset(str(local), batch_size=BATCH, partitions=PARTITIONS)
+    ds = TieredDataset(str(local), BatchSpec(batch_size=BATCH), OrderSpec(partitions=PARTITIONS))
     ranks = 4
     # partitions differ in size and interleave batch by batch: the largest one finishes epoch 0
     # last, so run well into epoch 1
@@ -193,7 +193,7 @@ def test_the_stager_serves_the_nodes_prometheus_endpoint(tmp_path, s3_tokens):
 
     local, url, proxy = s3_tokens
     stack = build_stack(url, node_tiers(tmp_path / "node"), endpoint_url=proxy.url)
-    ds = TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH), OrderSpec(partitions=PARTITIONS))
     stager = Stager(ds, stack, prometheus_port=0)
     loader = Loader(ds, stager=stager)
     for step, _ in enumerate(loader):
@@ -208,14 +208,14 @@ def test_the_stager_serves_the_nodes_prometheus_endpoint(tmp_path, s3_tokens):
 
 WORKERS_SCRIPT = r'''
 import json, sys
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.tiers import TierConfig, build_stack
 
 
 def main():
     url, endpoint, root, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
     stack = build_stack(url, [TierConfig("L2", root + "/l2", 1 << 30, form="at_rest")], endpoint_url=endpoint)
-    loader = Loader(TieredDataset(stack.dataset(), batch_size=BATCH, partitions=PARTITIONS), num_workers=2,
+    loader = Loader(TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH), OrderSpec(partitions=PARTITIONS)), num_workers=2,
                     return_meta=True)
     ids, epochs, tokens = [], [], []
     for step, (batch, meta) in enumerate(loader):
@@ -237,7 +237,7 @@ if __name__ == "__main__":  # workers start with forkserver over an object store
 @pytest.mark.slow  # a fresh interpreter and two forkserver workers, each importing torch: seconds
 def test_two_workers_read_an_epoch_from_s3_through_l2_with_obstore_in_every_process(tmp_path, s3_tokens, s3_server):
     local, url, proxy = s3_tokens
-    here = TieredDataset(str(local), batch_size=BATCH, partitions=PARTITIONS)
+    here = TieredDataset(str(local), BatchSpec(batch_size=BATCH), OrderSpec(partitions=PARTITIONS))
     steps = 3 * here.num_order_samples // (2 * BATCH)  # into epoch 1: every partition finished epoch 0
     script = tmp_path / "workers.py"
     script.write_text(WORKERS_SCRIPT)

@@ -15,7 +15,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from tierflow.errors import CursorError
-from tierflow.loader import LengthBuckets, LoaderCursor, TieredDataset
+from tierflow.loader import LengthBuckets, LoaderCursor, TieredDataset, BatchSpec, OrderSpec
 from tierflow.loader.plan import PlannedCursor
 
 PARTITIONS = 4
@@ -40,9 +40,10 @@ def eager_cursors(ds: TieredDataset, selections) -> list[dict]:
 
 
 @pytest.mark.parametrize("make", [
-    lambda p: TieredDataset(p, batch_size=8, seq_len=64, partitions=PARTITIONS),
-    lambda p: TieredDataset(p, batch_size=4, batcher=LengthBuckets(max_length=512, group=3), partitions=PARTITIONS),
-    lambda p: TieredDataset(p, batch_size=8, seq_len=64, partitions=PARTITIONS, eval=True),
+    lambda p: TieredDataset(p, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)),
+    lambda p: TieredDataset(p, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=512, group=3)),
+                            OrderSpec(partitions=PARTITIONS)),
+    lambda p: TieredDataset(p, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), eval=True),
 ])
 def test_planned_cursors_resolve_to_the_eager_ones_in_any_order(packed, make):
     ds = make(packed)
@@ -62,7 +63,7 @@ def test_planned_cursors_resolve_to_the_eager_ones_in_any_order(packed, make):
 
 
 def test_a_pickled_planned_cursor_travels_resolved_unless_its_stream_is_compact(packed):
-    ds = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS)
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS))
     plain = list(itertools.islice(ds.batcher.plan(ds._open(), ds.stream(), None), 5))
     copy = pickle.loads(pickle.dumps(plain[3].planned))
     assert copy.resolved and copy.resolve().to_dict() == plain[3].cursor.to_dict()
@@ -77,7 +78,8 @@ def test_a_pickled_planned_cursor_travels_resolved_unless_its_stream_is_compact(
     with pytest.raises(CursorError, match="resolve"):
         travelled.resolve()
     assert ds.resolve_cursor(travelled).to_dict() == plain[3].cursor.to_dict()
-    elsewhere = TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, resume=plain[1].cursor)
+    elsewhere = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
+                              resume=plain[1].cursor)
     with pytest.raises(CursorError, match="another start"):
         elsewhere.resolve_cursor(pickle.loads(data))
 
@@ -85,7 +87,8 @@ def test_a_pickled_planned_cursor_travels_resolved_unless_its_stream_is_compact(
 @pytest.mark.parametrize("compact", [False, True])
 def test_cursors_from_dataloader_workers_are_the_in_process_ones(packed, compact):
     def dataset():
-        return TieredDataset(packed, batch_size=8, seq_len=64, partitions=PARTITIONS, max_batches=12)
+        return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
+                             max_batches=12)
 
     want = [b.meta.cursor.to_dict() for b in dataset()]
     ds = dataset()

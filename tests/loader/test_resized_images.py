@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tierflow
-from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset
+from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset, BatchSpec, OrderSpec
 from tierflow.testing import assert_resumes_exactly
 from tierflow.testing.resume import assert_same_batches, take
 from tierflow.transforms import (
@@ -36,7 +36,8 @@ def blocks_of(packed: Path) -> int:
 
 def loader(packed: Path, cache: ResizedImages, workers: int = 0, **kw) -> Loader:
     pipeline = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()], cache=cache)
-    ds = TieredDataset(packed, batch_size=8, transform=pipeline, seed=3, batcher=ImageSamples(select=COLUMNS))
+    ds = TieredDataset(packed, BatchSpec(batch_size=8, batcher=ImageSamples(select=COLUMNS), transform=pipeline),
+                       OrderSpec(seed=3))
     return Loader(ds, num_workers=workers, **(kw or {"epoch_end": "rank"}))
 
 
@@ -70,7 +71,8 @@ def test_the_pipeline_crops_from_the_resized_image(packed, tmp_path):
     ResizedImages.resize, whether the sample comes through the loader (its block's entry) or alone."""
     cache = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
     whole = ImagePipeline([], cache=cache)
-    ds = TieredDataset(packed, batch_size=1, transform=whole, seed=3, batcher=ImageSamples(select=COLUMNS))
+    ds = TieredDataset(packed, BatchSpec(batch_size=1, batcher=ImageSamples(select=COLUMNS), transform=whole),
+                       OrderSpec(seed=3))
     sample = tierflow.open_dataset(packed)[0]
     alone = whole(sample, np.random.default_rng(0))["image"]
     with Loader(ds, num_workers=0, epoch_end="rank") as it:
@@ -123,8 +125,9 @@ def test_aspect_buckets_crop_from_the_cache_one_shape_per_batch_cold_and_warm(pa
     buckets = aspect_buckets(area=SIDE * SIDE, multiple=8, max_ratio=2.0, count=5)
 
     def run(cache: ResizedImages) -> list:
-        ds = TieredDataset(packed, batch_size=8, seed=3, batcher=AspectBuckets(buckets, group=3, select=COLUMNS),
-                           transform=ImagePipeline([ResizeToBucket(buckets), HorizontalFlip()], cache=cache))
+        ds = TieredDataset(packed,
+                           BatchSpec(batch_size=8, batcher=AspectBuckets(buckets, group=3, select=COLUMNS), transform=ImagePipeline([ResizeToBucket(buckets), HorizontalFlip()], cache=cache)),
+                           OrderSpec(seed=3))
         with Loader(ds, num_workers=0, epoch_end="rank") as it:
             return take(it, 1000)
 
@@ -155,8 +158,9 @@ def test_a_corrupt_jpeg_in_a_cached_block_is_skipped_and_counted(tmp_path):
     packed = pack_with_a_corrupt_jpeg(tmp_path, 12, 96, 72)
     pipeline = ImagePipeline([RandomResizedCrop(SIDE)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
     for _ in range(2):  # cold, then warm: the error is kept in the entry
-        ds = TieredDataset(packed, batch_size=4, transform=pipeline, seed=3,
-                           batcher=ImageSamples(select=COLUMNS, on_error="skip"))
+        ds = TieredDataset(packed,
+                           BatchSpec(batch_size=4, batcher=ImageSamples(select=COLUMNS, on_error="skip"), transform=pipeline),
+                           OrderSpec(seed=3))
         with Loader(ds, num_workers=0, epoch_end="rank") as it:
             got = take(it, 100)
         assert sum(m.stats["corrupt"] for _, m in got) == 1 and sum(len(b["caption"]) for b, _ in got) == 11

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierflow.loader import LengthBuckets, Loader, TieredDataset, TokenBudget
+from tierflow.loader import LengthBuckets, Loader, TieredDataset, TokenBudget, BatchSpec, OrderSpec
 from tierflow.testing import assert_resumes_exactly
 
 PARTITIONS = 4
@@ -31,17 +31,17 @@ def _noise(sample, rng):
 
 
 BATCHERS = {
-    "samples": dict(batch_size=6, columns=["id", "text", "tokens"]),
-    "samples-filter-transform": dict(batch_size=6, columns=["id"], filter=_keep, transform=_noise),
-    "token-windows": dict(batch_size=8, seq_len=64),
-    "length-buckets": dict(batch_size=4, batcher=LengthBuckets(max_length=2048, group=4)),
-    "token-budget": dict(batch_size=16, max_tokens=1024),
+    "samples": BatchSpec(batch_size=6, columns=["id", "text", "tokens"]),
+    "samples-filter-transform": BatchSpec(batch_size=6, columns=["id"], filter=_keep, transform=_noise),
+    "token-windows": BatchSpec(batch_size=8, seq_len=64),
+    "length-buckets": BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2048, group=4)),
+    "token-budget": BatchSpec(batch_size=16, max_tokens=1024),
 }
 EVAL = {
-    "samples": dict(batch_size=320, columns=["id", "tokens"]),
-    "samples-filter-transform": dict(batch_size=320, columns=["id"], filter=_keep, transform=_noise),
-    "token-windows": dict(batch_size=320, seq_len=64),
-    "length-buckets": dict(batch_size=320, batcher=LengthBuckets(max_length=2048, group=1)),
+    "samples": BatchSpec(batch_size=320, columns=["id", "tokens"]),
+    "samples-filter-transform": BatchSpec(batch_size=320, columns=["id"], filter=_keep, transform=_noise),
+    "token-windows": BatchSpec(batch_size=320, seq_len=64),
+    "length-buckets": BatchSpec(batch_size=320, batcher=LengthBuckets(max_length=2048, group=1)),
 }
 
 
@@ -56,14 +56,14 @@ def with_workers(names, fast_with_workers=()):
 @pytest.mark.parametrize("name,workers", with_workers(BATCHERS, fast_with_workers=["samples"]))
 def test_training_resumes_exactly_after_any_batch(packed, name, workers):
     def make_loader(num_workers):
-        return Loader(TieredDataset(packed, partitions=PARTITIONS, **BATCHERS[name]), num_workers=num_workers)
+        return Loader(TieredDataset(packed, BATCHERS[name], OrderSpec(partitions=PARTITIONS)), num_workers=num_workers)
     assert_resumes_exactly(make_loader, STOPS, workers)
 
 
 @pytest.mark.parametrize("name,workers", with_workers(EVAL))
 def test_eval_resumes_exactly_and_ends_where_it_would_have(packed, name, workers):
     def make_loader(num_workers):
-        return Loader(TieredDataset(packed, partitions=PARTITIONS, eval=True, **EVAL[name]), num_workers=num_workers)
+        return Loader(TieredDataset(packed, EVAL[name], OrderSpec(partitions=PARTITIONS), eval=True), num_workers=num_workers)
     assert_resumes_exactly(make_loader, STOPS, workers, batches=12)
 
 
@@ -73,13 +73,14 @@ def test_a_loader_that_does_not_resume_fails_the_check_naming_the_batch(packed):
             pass  # starts over instead
 
     def make_loader(num_workers):
-        return Forgetful(TieredDataset(packed, partitions=PARTITIONS, **BATCHERS["samples"]), num_workers=num_workers)
+        return Forgetful(TieredDataset(packed, BATCHERS["samples"], OrderSpec(partitions=PARTITIONS)), num_workers=num_workers)
     with pytest.raises(AssertionError, match="resumed after 2 batches with 0 workers: batch 2: 'id' differs"):
         assert_resumes_exactly(make_loader, (2,), 0)
 
 
 def test_the_budget_cursor_carries_its_pending_samples(packed):
-    loader = Loader(TieredDataset(packed, partitions=PARTITIONS, batch_size=16, batcher=TokenBudget(1024)))
+    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=16, batcher=TokenBudget(1024)),
+                                  OrderSpec(partitions=PARTITIONS)))
     with loader:
         next(iter(loader))
     assert loader.state_dict()["cursor"]["pending"]["ids"]

@@ -16,7 +16,7 @@ import pytest
 import tierflow
 from tierflow.errors import SourceError
 from tierflow.storage.remote import RetryPolicy
-from tierflow.storage.s3 import S3Source
+from tierflow.storage.s3 import S3Store
 from tierflow.testing import LoopbackProxy
 
 
@@ -47,7 +47,7 @@ def test_publish_raises_when_the_object_did_not_land(tmp_path, s3_proxy: Loopbac
     upload's error stands."""
     src = tmp_path / "manifest.json"
     src.write_text("{}")
-    s3 = S3Source(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url,
+    s3 = S3Store(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url,
                   retry_policy=RetryPolicy(retries=2, base_delay=0.01, max_delay=0.02))
     s3_proxy.inject("503", count=100, method="PUT")
     with pytest.raises(SourceError, match="manifest.json: put failed"):
@@ -56,7 +56,7 @@ def test_publish_raises_when_the_object_did_not_land(tmp_path, s3_proxy: Loopbac
 
 def test_publish_raises_when_another_object_is_there(tmp_path, s3_proxy: LoopbackProxy, s3_bucket):
     """An object of the same name with other bytes (an older manifest, same size): not landed."""
-    s3 = S3Source(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url,
+    s3 = S3Store(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url,
                   retry_policy=RetryPolicy(retries=2, base_delay=0.01, max_delay=0.02))
     old = tmp_path / "old.json"
     old.write_text('{"a": 1}')

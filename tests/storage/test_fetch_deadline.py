@@ -17,7 +17,7 @@ import pytest
 
 from tierflow.errors import SourceError, SourceTimeout
 from tierflow.storage._deadline import FetchLimits
-from tierflow.storage.remote import RetryPolicy, RetryingSource
+from tierflow.storage.remote import RetryPolicy, RetryingStore
 
 LIMITS = FetchLimits(deadline=0.3, slow_rate=1e9, min_throughput=50_000, window=0.1)
 ROOMY = FetchLimits(deadline=2.0, slow_rate=1e9, min_throughput=50_000, window=0.1)  # for peers that must succeed
@@ -25,7 +25,7 @@ FAST = RetryPolicy(retries=3, base_delay=0.01, max_delay=0.02)
 PAYLOAD = bytes(range(256)) * 400  # 102,400 bytes
 
 
-class ScriptedPeer(RetryingSource):
+class ScriptedPeer(RetryingStore):
     """A network source whose peer behaves as scripted: `pace(attempt)` -> seconds between chunks
     (None: silent for ever)."""
 
@@ -153,9 +153,9 @@ def test_the_timeout_error_survives_a_process_boundary():
 
 
 def test_s3_behind_a_stalling_proxy_fails_at_the_deadline(s3_proxy, s3_bucket, tmp_path: Path):
-    from tierflow.storage.s3 import S3Source
+    from tierflow.storage.s3 import S3Store
 
-    source = S3Source(f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url, retry_policy=FAST, limits=LIMITS,
+    source = S3Store(f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url, retry_policy=FAST, limits=LIMITS,
                       chunk_bytes=64 << 10)
     blob = tmp_path / "blob.bin"
     blob.write_bytes(PAYLOAD * 4)

@@ -16,15 +16,15 @@ from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.testing import Fault, LoopbackProxy
 from tierflow.storage.budget import BandwidthBudget
 from tierflow.storage.remote import (
-    LocalSource,
+    LocalStore,
     RetryPolicy,
-    Source,
+    Store,
     SourceError,
     SourceNotFound,
-    open_source,
+    open_store,
     upload_dataset,
 )
-from tierflow.storage.s3 import S3Source
+from tierflow.storage.s3 import S3Store
 
 FAST_RETRIES = RetryPolicy(retries=3, base_delay=0.001, max_delay=0.01)
 
@@ -38,8 +38,8 @@ def counter(registry: MetricsRegistry, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def s3_source(s3_proxy: LoopbackProxy, s3_bucket: str) -> S3Source:
-    return S3Source(
+def s3_source(s3_proxy: LoopbackProxy, s3_bucket: str) -> S3Store:
+    return S3Store(
         f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url, registry=MetricsRegistry(), retry_policy=FAST_RETRIES
     )
 
@@ -57,8 +57,8 @@ def blob(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("as_url", [False, True], ids=["path", "file-url"])
 def test_a_local_directory_round_trips_upload_download_range_and_list(tmp_path: Path, blob: Path, as_url: bool) -> None:
     root = tmp_path / "store"
-    source = open_source(f"file://{root}" if as_url else str(root))
-    assert isinstance(source, LocalSource) and isinstance(source, Source)
+    source = open_store(f"file://{root}" if as_url else str(root))
+    assert isinstance(source, LocalStore) and isinstance(source, Store)
     source.upload(blob, "a/shard.arrow")
     source.upload(blob, "b.bin")
     data = blob.read_bytes()
@@ -73,7 +73,7 @@ def test_a_local_directory_round_trips_upload_download_range_and_list(tmp_path: 
 
 def test_a_missing_local_object_is_source_not_found_and_not_retried(tmp_path: Path) -> None:
     registry = MetricsRegistry()
-    source = open_source(str(tmp_path), registry=registry)
+    source = open_store(str(tmp_path), registry=registry)
     with pytest.raises(FileNotFoundError) as raised:
         source.read_bytes("manifest.json")
     assert isinstance(raised.value, SourceNotFound)
@@ -84,14 +84,14 @@ def test_a_missing_local_object_is_source_not_found_and_not_retried(tmp_path: Pa
 @pytest.mark.parametrize("name", ["../escape", "/abs", "a//b", "", "a/./b"])
 def test_names_that_leave_the_source_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(ValueError, match="not a relative object name"):
-        open_source(str(tmp_path)).read_bytes(name)
+        open_store(str(tmp_path)).read_bytes(name)
 
 
 # s3 through the proxy
 
 
 def test_s3_round_trips_upload_download_range_list_and_size(
-    s3_source: S3Source, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path
+    s3_source: S3Store, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path
 ) -> None:
     data = blob.read_bytes()
     s3_source.upload(blob, "shard-1.arrow")
@@ -110,13 +110,13 @@ def test_s3_round_trips_upload_download_range_list_and_size(
     assert counter(s3_source.registry, "tierflow_source_bytes_total", direction="in") >= len(data)
 
 
-def test_objects_live_under_the_url_prefix_in_the_bucket(s3_source: S3Source, s3_server, s3_bucket: str, blob: Path) -> None:
+def test_objects_live_under_the_url_prefix_in_the_bucket(s3_source: S3Store, s3_server, s3_bucket: str, blob: Path) -> None:
     s3_source.upload(blob, "x.bin")
     keys = [o["Key"] for o in s3_server.endpoint.boto3_client().list_objects_v2(Bucket=s3_bucket)["Contents"]]
     assert keys == ["data/x.bin"]
 
 
-def test_a_large_upload_goes_in_parts_and_reads_back_identical(s3_source: S3Source, s3_proxy: LoopbackProxy, tmp_path: Path) -> None:
+def test_a_large_upload_goes_in_parts_and_reads_back_identical(s3_source: S3Store, s3_proxy: LoopbackProxy, tmp_path: Path) -> None:
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(9 << 20))
     s3_source.upload(big, "big.bin")
@@ -126,7 +126,7 @@ def test_a_large_upload_goes_in_parts_and_reads_back_identical(s3_source: S3Sour
 
 @pytest.mark.parametrize("fault", [Fault.UNAVAILABLE, Fault.RESET, Fault.TRUNCATE])
 def test_download_faults_are_retried_counted_and_the_file_is_identical(
-    s3_source: S3Source, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path, fault: Fault
+    s3_source: S3Store, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path, fault: Fault
 ) -> None:
     data = blob.read_bytes()
     s3_source.upload(blob, "shard.arrow")
@@ -138,7 +138,7 @@ def test_download_faults_are_retried_counted_and_the_file_is_identical(
 
 
 def test_a_retried_download_resumes_from_the_last_byte_received(
-    s3_source: S3Source, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path
+    s3_source: S3Store, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path
 ) -> None:
     data = blob.read_bytes()
     s3_source.upload(blob, "shard.arrow")
@@ -156,7 +156,7 @@ def test_a_retried_download_resumes_from_the_last_byte_received(
 
 @pytest.mark.parametrize("fault", [Fault.UNAVAILABLE, Fault.RESET, Fault.TRUNCATE])
 def test_range_and_manifest_reads_survive_faults(
-    s3_source: S3Source, s3_proxy: LoopbackProxy, blob: Path, fault: Fault
+    s3_source: S3Store, s3_proxy: LoopbackProxy, blob: Path, fault: Fault
 ) -> None:
     data = blob.read_bytes()
     s3_source.upload(blob, "shard.arrow")
@@ -167,7 +167,7 @@ def test_range_and_manifest_reads_survive_faults(
     assert counter(s3_source.registry, "tierflow_source_retries_total") == 2
 
 
-def test_upload_faults_are_retried(s3_source: S3Source, s3_proxy: LoopbackProxy, blob: Path) -> None:
+def test_upload_faults_are_retried(s3_source: S3Store, s3_proxy: LoopbackProxy, blob: Path) -> None:
     s3_proxy.inject(Fault.UNAVAILABLE, count=2, method="PUT")
     s3_source.upload(blob, "up.bin")
     assert s3_source.read_bytes("up.bin") == blob.read_bytes()
@@ -175,7 +175,7 @@ def test_upload_faults_are_retried(s3_source: S3Source, s3_proxy: LoopbackProxy,
 
 
 def test_past_the_retry_budget_the_error_names_the_object_and_url(
-    s3_source: S3Source, s3_proxy: LoopbackProxy, s3_bucket: str, blob: Path, tmp_path: Path
+    s3_source: S3Store, s3_proxy: LoopbackProxy, s3_bucket: str, blob: Path, tmp_path: Path
 ) -> None:
     s3_source.upload(blob, "shard-dead.arrow")
     s3_proxy.inject(Fault.UNAVAILABLE, count=FAST_RETRIES.retries + 1, method="GET")
@@ -187,14 +187,14 @@ def test_past_the_retry_budget_the_error_names_the_object_and_url(
     assert s3_proxy.traffic().requests("GET", key="shard-dead.arrow") == FAST_RETRIES.retries + 1
 
 
-def test_a_missing_s3_object_fails_at_once_as_not_found(s3_source: S3Source, s3_proxy: LoopbackProxy) -> None:
+def test_a_missing_s3_object_fails_at_once_as_not_found(s3_source: S3Store, s3_proxy: LoopbackProxy) -> None:
     with pytest.raises(SourceNotFound, match="manifest.json"):
         s3_source.read_bytes("manifest.json")
     assert s3_proxy.traffic().requests("GET", key="manifest.json") == 1  # (and one listing: is it the bucket?)
 
 
 def test_a_size_other_than_expected_fails_without_retrying(
-    s3_source: S3Source, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path
+    s3_source: S3Store, s3_proxy: LoopbackProxy, blob: Path, tmp_path: Path
 ) -> None:
     s3_source.upload(blob, "shard.arrow")
     with pytest.raises(SourceError, match="expected 5"):
@@ -202,7 +202,7 @@ def test_a_size_other_than_expected_fails_without_retrying(
     assert counter(s3_source.registry, "tierflow_source_retries_total") == 0
 
 
-def test_a_full_local_disk_is_raised_as_enospc_and_not_retried(s3_source: S3Source, blob: Path) -> None:
+def test_a_full_local_disk_is_raised_as_enospc_and_not_retried(s3_source: S3Store, blob: Path) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
     s3_source.upload(blob, "shard.arrow")
@@ -216,7 +216,7 @@ def test_every_byte_moved_is_charged_to_the_budget_at_its_priority(
     s3_proxy: LoopbackProxy, s3_bucket: str, blob: Path, tmp_path: Path
 ) -> None:
     budget = BandwidthBudget(1e12, path=tmp_path / "budget")
-    source = open_source(f"s3://{s3_bucket}", endpoint_url=s3_proxy.url, budget=budget)
+    source = open_store(f"s3://{s3_bucket}", endpoint_url=s3_proxy.url, budget=budget)
     size = blob.stat().st_size
     source.upload(blob, "b.bin")
     source.download("b.bin", tmp_path / "out")
@@ -224,14 +224,14 @@ def test_every_byte_moved_is_charged_to_the_budget_at_its_priority(
     assert budget.acquired_bytes == {"low": size, "high": 2 * size}
 
 
-def _read_in_child(source: S3Source, queue: multiprocessing.Queue) -> None:
+def _read_in_child(source: S3Store, queue: multiprocessing.Queue) -> None:
     try:
         queue.put(("read", source.read_range("x.bin", 0, 1000)))
     except SourceError as exc:
         queue.put(("refused", str(exc)))
 
 
-def test_a_child_forked_after_obstore_ran_is_refused_at_once_saying_what_to_do(s3_source: S3Source, blob: Path) -> None:
+def test_a_child_forked_after_obstore_ran_is_refused_at_once_saying_what_to_do(s3_source: S3Store, blob: Path) -> None:
     s3_source.upload(blob, "x.bin")
     parent_store = s3_source.store
     context = multiprocessing.get_context("fork")
@@ -245,7 +245,7 @@ def test_a_child_forked_after_obstore_ran_is_refused_at_once_saying_what_to_do(s
     assert s3_source.store is parent_store
 
 
-def test_a_pickled_s3_source_reads_in_a_spawned_process_through_its_own_client(s3_source: S3Source, blob: Path) -> None:
+def test_a_pickled_s3_source_reads_in_a_spawned_process_through_its_own_client(s3_source: S3Store, blob: Path) -> None:
     s3_source.upload(blob, "x.bin")
     assert s3_source.store is not None  # this process's client exists, and does not travel
     context = multiprocessing.get_context("spawn")
@@ -268,14 +268,14 @@ def test_s3_urls_never_need_s3fs(s3_proxy: LoopbackProxy, s3_bucket: str, blob: 
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_s3fs)
-    source = open_source(f"s3://{s3_bucket}/plain", endpoint_url=s3_proxy.url)
+    source = open_store(f"s3://{s3_bucket}/plain", endpoint_url=s3_proxy.url)
     source.upload(blob, "f.bin")
     assert source.read_range("f.bin", 3, 30) == blob.read_bytes()[3:33] and source.list() == ["f.bin"]
 
 
 def test_other_fsspec_urls_go_through_fsspec(blob: Path, tmp_path: Path) -> None:
     pytest.importorskip("fsspec")
-    source = open_source(f"memory://tierflow-test-{os.getpid()}/via")
+    source = open_store(f"memory://tierflow-test-{os.getpid()}/via")
     source.upload(blob, "f.bin")
     data = blob.read_bytes()
     assert source.list() == ["f.bin"] and [e.size for e in source.entries()] == [len(data)]
@@ -303,7 +303,7 @@ def test_upload_dataset_sends_shards_first_and_the_manifest_last(
     shards = len(local.shards)  # then the version-3 tables and their header, the manifest last
     assert puts[-1] == MANIFEST_NAME and sorted(puts[:shards]) == sorted(s.name for s in local.shards)
     assert puts[-2] == "metadata.json" and all(p.startswith("metadata-") for p in puts[shards:-2])
-    source = open_source(url, endpoint_url=s3_proxy.url)
+    source = open_store(url, endpoint_url=s3_proxy.url)
     remote = Manifest.from_bytes(source.read_bytes(MANIFEST_NAME), url)
     assert remote.to_json() == local.to_json()
     for shard in remote.shards:
@@ -313,9 +313,9 @@ def test_upload_dataset_sends_shards_first_and_the_manifest_last(
 
 def test_an_explicit_endpoint_wins_over_aws_endpoint_url_s3_in_the_environment(
         s3_server, s3_bucket: str, s3_proxy: LoopbackProxy, blob: Path, monkeypatch) -> None:
-    S3Source(f"s3://{s3_bucket}/data", endpoint_url=s3_server.endpoint_url).upload(blob, "obj")
+    S3Store(f"s3://{s3_bucket}/data", endpoint_url=s3_server.endpoint_url).upload(blob, "obj")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
-    source = S3Source(f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url)
+    source = S3Store(f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url)
     assert source.read_range("obj", 0, 10) == blob.read_bytes()[:10]
     assert s3_proxy.traffic().requests(method="GET") == 1  # it went where it was told, not where the env points

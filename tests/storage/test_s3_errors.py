@@ -12,7 +12,7 @@ import pytest
 
 import tierflow
 from tierflow.errors import ManifestError, SourceError
-from tierflow.storage.remote import open_source
+from tierflow.storage.remote import open_store
 
 
 def docs(path: Path) -> Path:
@@ -56,7 +56,7 @@ def test_missing_credentials_say_what_to_set_and_are_not_retried(s3_server, s3_b
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_METADATA_ENDPOINT", f"http://127.0.0.1:{port}")
-    source = open_source(f"s3://{s3_bucket}/ds", endpoint_url=s3_server.endpoint_url)
+    source = open_store(f"s3://{s3_bucket}/ds", endpoint_url=s3_server.endpoint_url)
     with pytest.raises(SourceError) as caught:
         source.size("manifest.json")
     message = str(caught.value)

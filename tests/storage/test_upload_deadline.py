@@ -22,7 +22,7 @@ from tierflow.errors import SourceTimeout
 from tierflow.storage._deadline import FetchLimits
 from tierflow.storage.budget import BandwidthBudget
 from tierflow.storage.remote import RetryPolicy
-from tierflow.storage.s3 import S3Source
+from tierflow.storage.s3 import S3Store
 from tierflow.telemetry import MetricsRegistry
 from tierflow.testing import LoopbackProxy
 
@@ -31,10 +31,10 @@ FAST = RetryPolicy(retries=5, base_delay=0.01, max_delay=0.02)
 CLIENT_TIMEOUT = 5.0
 
 
-def source(proxy: LoopbackProxy, bucket: str, **options) -> S3Source:
+def source(proxy: LoopbackProxy, bucket: str, **options) -> S3Store:
     options = {"limits": LIMITS, "retry_policy": FAST, "timeout": CLIENT_TIMEOUT, "registry": MetricsRegistry(),
                **options}
-    return S3Source(f"s3://{bucket}/data", endpoint_url=proxy.url, **options)
+    return S3Store(f"s3://{bucket}/data", endpoint_url=proxy.url, **options)
 
 
 @pytest.fixture

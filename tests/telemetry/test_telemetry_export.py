@@ -19,9 +19,9 @@ from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.telemetry.prometheus import PrometheusExporter
 from tierflow.commands.report import plotted_series, run_series, write_report
 from tierflow.commands.top import RunState, render
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec
 from tierflow.storage.budget import BandwidthBudget
-from tierflow.storage.remote import open_source, upload_dataset
+from tierflow.storage.remote import open_store, upload_dataset
 from tierflow.tiers import TierConfig, TierStack
 from tierflow.tiers.stager import Stager
 
@@ -167,11 +167,11 @@ def test_every_metric_of_a_real_run_follows_the_naming_rule(tmp_path, s3_server,
     upload_dataset(tmp_path / "ds", url, endpoint_url=s3_server.endpoint_url)
     registry = MetricsRegistry()
     budget = BandwidthBudget(1e9, tmp_path / "budget", registry=registry)  # not the node's: others' runs share it
-    source = open_source(url, endpoint_url=s3_server.endpoint_url, budget=budget, registry=registry)
+    source = open_store(url, endpoint_url=s3_server.endpoint_url, budget=budget, registry=registry)
     stack = TierStack(source, [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded").build(registry),
                                TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest").build(registry)],
                       registry=registry)
-    ds = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64))
     loader = Loader(ds, stager=Stager(ds, stack), telemetry=LoaderTelemetry(stack.registry))
     for step, _ in enumerate(loader):
         if step == 20:

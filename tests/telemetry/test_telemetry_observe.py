@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import tierflow
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers.stager import Stager
 from tierflow.telemetry import MetricsRegistry
-from tierflow.telemetry.attribution import AttributedShardSource, thread_ledger
+from tierflow.telemetry.attribution import AttributedShards, thread_ledger
 from tierflow.commands.bench import format_result, run_bench, simulated_step, startup_batches
 from tierflow.telemetry.health import health_flags
 from tierflow.telemetry.loader_metrics import LoaderTelemetry, loader_figures, split_wait
@@ -108,7 +108,7 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
     mark = ledger.mark()
 
     def open_through_a_fresh_source() -> None:
-        source = AttributedShardSource(stack)
+        source = AttributedShards(stack)
         source.open_shard(0, info)
         source.open_shard(0, info)                    # the same table again: not a fetch
         stack.close()
@@ -125,7 +125,7 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
 def test_a_table_the_stack_let_go_of_is_a_new_open_though_the_reader_still_holds_the_old_one(packed, tmp_path):
     info = tierflow.open_dataset(packed).manifest.shards[0]
     stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded")])
-    source = AttributedShardSource(stack)
+    source = AttributedShards(stack)
     ledger = thread_ledger()
     mark = ledger.mark()
     held = source.open_shard(0, info)                 # cold: the source directory serves
@@ -140,7 +140,7 @@ def test_a_table_another_reader_opened_is_one_mapped_open_and_a_known_one_stays_
         packed, tmp_path):
     shards = tierflow.open_dataset(packed).manifest.shards
     stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded")])
-    source = AttributedShardSource(stack)
+    source = AttributedShards(stack)
     ledger = thread_ledger()
     mark = ledger.mark()
     held = source.open_shard(0, shards[0])            # cold: the source directory serves
@@ -194,7 +194,8 @@ def test_the_stack_says_which_tier_served_each_copy_and_how_long_it_took(packed,
 
 
 def samples_dataset(data, transform=None, batch_size=8):
-    return TieredDataset(data, batch_size=batch_size, columns=["tokens"], transform=transform, seed=1)
+    return TieredDataset(data, BatchSpec(batch_size=batch_size, columns=["tokens"], transform=transform),
+                         OrderSpec(seed=1))
 
 
 def test_the_loader_records_wait_step_production_and_depth_for_every_batch(packed):
@@ -221,7 +222,8 @@ def test_a_whole_epoch_records_a_step_per_batch_and_the_event_log_a_record_per_b
 
     registry = MetricsRegistry()
     events = EventLog(tmp_path / "events.jsonl")
-    loader = Loader(TieredDataset(packed, batch_size=8, columns=["tokens"], seed=1, max_batches=20), "cpu",
+    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=8, columns=["tokens"]), OrderSpec(seed=1),
+                                  max_batches=20), "cpu",
                     telemetry=LoaderTelemetry(registry, events=events))
     assert sum(1 for _ in loader) == 20
     loader.close()
@@ -377,7 +379,7 @@ def test_tier_figures_include_what_readers_in_workers_fetched(packed, tmp_path):
     registry = MetricsRegistry()
     stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
                         registry=registry)
-    ds = TieredDataset(stack.dataset(), batch_size=16, partitions=2)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16), OrderSpec(partitions=2))
     result = run_bench(ds, 40, simulated_step(1), registry=registry, num_workers=2)
     l2 = result.tiers["L2"]
     # the readers run in the two workers: their misses reach the main process with the batches
@@ -391,7 +393,7 @@ def test_bench_sets_bytes_per_epoch_beside_the_plan_and_never_below_the_optimum(
     shards = tierflow.open_dataset(packed).manifest.shards
     capacity = int(0.3 * sum(s.decoded_bytes for s in shards))
     stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity)], registry=registry)
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=64)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, seq_len=64))
     per_epoch = ds.num_order_samples // 16
     result = run_bench(ds, 2 * per_epoch, simulated_step(1), registry=registry, stager=Stager(ds, stack),
                        tier_layout=[("L2", capacity, True)])

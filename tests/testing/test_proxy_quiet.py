@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 
 from tierflow.storage.remote import RetryPolicy
-from tierflow.storage.s3 import S3Source
+from tierflow.storage.s3 import S3Store
 from tierflow.testing import LoopbackProxy
 
 
 def test_injected_resets_print_no_traceback(tmp_path, s3_proxy: LoopbackProxy, s3_bucket, capsys):
-    s3 = S3Source(f"s3://{s3_bucket}/d", endpoint_url=s3_proxy.url,
+    s3 = S3Store(f"s3://{s3_bucket}/d", endpoint_url=s3_proxy.url,
                   retry_policy=RetryPolicy(retries=5, base_delay=0.01, max_delay=0.02))
     blob = tmp_path / "blob"
     blob.write_bytes(os.urandom(300_000))

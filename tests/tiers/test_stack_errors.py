@@ -16,7 +16,7 @@ import pytest
 import tierflow
 from tierflow.errors import FetchError, ShardCorruptError
 from tierflow.format.manifest import Manifest
-from tierflow.storage.remote import RetryPolicy, open_source
+from tierflow.storage.remote import RetryPolicy, open_store
 from tierflow.testing.faults import write_corpus
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
@@ -51,7 +51,7 @@ def damaged(packed: Path, tmp_path: Path) -> tuple[Path, str]:
 def test_source_bytes_that_never_verify_are_a_typed_error_and_no_tier_admits_them(packed, tmp_path, form) -> None:
     local, name = damaged(packed, tmp_path)
     tier = Tier(tmp_path / "l2", 1 << 30, form=form, name="L2")
-    stack = TierStack(open_source(str(local)), [tier])
+    stack = TierStack(open_store(str(local)), [tier])
     with pytest.raises(FetchError, match=name.removeprefix("shard-").removesuffix(".arrow")):
         stack.dataset()[0]
     # fetched again, each copy refused: at admission (at rest) or before decoding (decoded)
@@ -64,10 +64,10 @@ def test_a_shard_no_tier_keeps_is_verified_in_memory_and_a_damaged_one_refused(p
     """A tier smaller than a shard keeps none, and no staging area was declared: each read is
     served from memory, after its bytes verified against the manifest."""
     tiny = Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")
-    stack = TierStack(open_source(str(packed)), [tiny])
+    stack = TierStack(open_store(str(packed)), [tiny])
     assert stack.dataset()[0]["id"] == 0 and stack.m_served["memory"].value == 1
     local, name = damaged(packed, tmp_path)
-    stack = TierStack(open_source(str(local)), [Tier(tmp_path / "l2b", 1 << 10, form="at_rest", name="L2")],
+    stack = TierStack(open_store(str(local)), [Tier(tmp_path / "l2b", 1 << 10, form="at_rest", name="L2")],
                       fetch_attempts=2)
     with pytest.raises(ShardCorruptError, match=rf"shard {name} from .*: bytes do not match the manifest"):
         stack.dataset()[0]
@@ -78,7 +78,7 @@ def test_a_stack_with_an_at_rest_tier_above_a_decoded_one_is_refused(tmp_path) -
     upper = Tier(tmp_path / "l1", 1 << 20, form="at_rest", name="L1")
     lower = Tier(tmp_path / "l2", 1 << 20, form="decoded", name="L2")
     with pytest.raises(ValueError, match="tier L1 stores at-rest shards above L2, which stores decoded ones"):
-        TierStack(open_source(str(tmp_path)), [upper, lower])
+        TierStack(open_store(str(tmp_path)), [upper, lower])
 
 
 def test_a_stack_pickled_for_a_spawned_worker_reopens_its_tiers_and_shares_the_staging_area(packed, tmp_path) -> None:
@@ -88,7 +88,7 @@ def test_a_stack_pickled_for_a_spawned_worker_reopens_its_tiers_and_shares_the_s
 
     from tierflow.policies.auto import Lifecycle
 
-    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")])
+    stack = TierStack(open_store(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")])
     ds = stack.dataset()
     stack.declare(Lifecycle(passes=2, pattern="reshuffle"), working_bytes=8 << 20, open_shards=2)
     assert stack.staging is not None
@@ -104,7 +104,7 @@ def test_a_stack_pickled_for_a_spawned_worker_reopens_its_tiers_and_shares_the_s
 def test_an_undeclared_reader_that_comes_back_to_a_dropped_shard_keeps_more_open(packed, tmp_path) -> None:
     """Without a declaration the stack guesses its reader's working set: a shard it dropped and
     is asked for again means the set is larger than what it keeps open, so it keeps one more."""
-    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")],
+    stack = TierStack(open_store(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")],
                       max_open=1)
     infos = stack.manifest().shards
     for index in (0, 1, 0, 1):
@@ -116,7 +116,7 @@ def test_an_undeclared_reader_that_comes_back_to_a_dropped_shard_keeps_more_open
 def test_a_larger_declaration_replaces_the_staging_area_with_a_larger_one(packed, tmp_path) -> None:
     from tierflow.policies.auto import Lifecycle
 
-    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")])
+    stack = TierStack(open_store(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")])
     shards = stack.manifest().shards
     decoded_per_byte = sum(s.decoded_bytes for s in shards) / sum(s.bytes for s in shards)
     stack.declare(Lifecycle(), working_bytes=1 << 20, open_shards=2)
@@ -131,7 +131,7 @@ def test_a_larger_declaration_replaces_the_staging_area_with_a_larger_one(packed
 def test_an_upper_tier_fills_from_a_verified_memory_copy_when_the_tier_below_keeps_nothing(packed, tmp_path) -> None:
     upper = Tier(tmp_path / "l1", 1 << 30, form="at_rest", name="L1")
     lower = Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")  # smaller than any shard
-    stack = TierStack(open_source(str(packed)), [upper, lower])
+    stack = TierStack(open_store(str(packed)), [upper, lower])
     info = stack.manifest().shards[0]
     handle = stack.ensure(info)
     assert handle is not None and handle.tier == "L1" and handle.served_by == "source"
@@ -147,7 +147,7 @@ def test_a_staging_area_copy_that_cannot_be_read_is_read_from_the_source(packed,
     from tierflow.testing.faults import FailNth
 
     expected = [tierflow.open_dataset(packed)[i]["id"] for i in range(0, 600, 50)]
-    stack = TierStack(open_source(str(packed)), [Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")])
+    stack = TierStack(open_store(str(packed)), [Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")])
     ds = stack.dataset()
     stack.declare(Lifecycle(), working_bytes=8 << 20, open_shards=2)
     assert stack.staging is not None

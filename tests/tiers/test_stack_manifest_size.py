@@ -14,7 +14,7 @@ import pytest
 import tierflow
 from tierflow.errors import ManifestError
 from tierflow.storage.remote import RetryPolicy
-from tierflow.storage.s3 import S3Source
+from tierflow.storage.s3 import S3Store
 from tierflow.telemetry import MetricsRegistry
 from tierflow.testing import LoopbackProxy
 from tierflow.tiers.stack import TierStack
@@ -37,7 +37,7 @@ def test_a_stack_over_s3_refuses_an_oversized_manifest_before_downloading_it(tmp
                                                                               s3_bucket: str, monkeypatch):
     data = padded_dataset(tmp_path)
     size = (data / "manifest.json").stat().st_size
-    source = S3Source(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url, registry=MetricsRegistry(),
+    source = S3Store(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url, registry=MetricsRegistry(),
                       retry_policy=RetryPolicy(retries=1, base_delay=0.01, max_delay=0.02))
     for path in sorted(data.iterdir()):
         source.upload(path, path.name)

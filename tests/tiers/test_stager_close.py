@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tierflow.loader import TieredDataset
+from tierflow.loader import TieredDataset, BatchSpec
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -20,7 +20,7 @@ from corpora import pack_lorem
 def test_close_during_a_plan_returns_when_the_plan_ends(tmp_path):
     pack_lorem(tmp_path, 2000)
     stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
-    stager = Stager(TieredDataset(stack.dataset(), batch_size=8, seq_len=64), stack, min_batches=4)
+    stager = Stager(TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64)), stack, min_batches=4)
     planning, release = threading.Event(), threading.Event()
     plan = stager._plan_and_fetch
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import tierflow
-from tierflow.loader import TieredDataset
+from tierflow.loader import TieredDataset, BatchSpec
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -24,7 +24,7 @@ def lorem(tmp_path_factory: pytest.TempPathFactory):
 def stager_for(lorem, tmp_path, tiers=True, **kw) -> Stager:
     configs = [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)] if tiers else []
     stack = build_stack(str(lorem), configs)
-    return Stager(TieredDataset(stack.dataset(), batch_size=8, seq_len=64), stack, min_batches=4, **kw)
+    return Stager(TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64)), stack, min_batches=4, **kw)
 
 
 def test_a_disabled_stager_stages_nothing_and_measures_nothing(lorem, tmp_path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import tierflow
-from tierflow.loader import TieredDataset
+from tierflow.loader import TieredDataset, BatchSpec, OrderSpec
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -66,7 +66,8 @@ def test_the_next_windows_shards_wait_for_the_shard_needed_before_them(shards, t
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
     held = HeldDownloads(stack.source)
     stack.source = held
-    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=2, window_shards=2)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
+                            OrderSpec(partitions=2, window_shards=2))
     names = [s.name for s in dataset.manifest.shards]
     first_use: dict[str, int] = {}
     for use in dataset.future_shard_uses(None, horizon_batches=4000):
@@ -101,7 +102,8 @@ def test_each_transfer_is_a_stage_record_in_the_event_log_with_its_shard_and_fir
     from tierflow.telemetry.eventlog import EventLog, read_events
 
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
-    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=2, window_shards=2)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
+                            OrderSpec(partitions=2, window_shards=2))
     first_use: dict[int, int] = {}
     for use in dataset.future_shard_uses(None, horizon_batches=4000):
         first_use.setdefault(use.shard, use.first_use)
@@ -152,7 +154,8 @@ def test_the_next_shard_takes_the_link_while_the_one_before_is_verified_and_admi
         verify(tmp, *args)
 
     tier._verify_fetched = verify_when_the_next_began
-    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, partitions=1, window_shards=1)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
+                            OrderSpec(partitions=1, window_shards=1))
     stager = Stager(dataset, stack, min_batches=400)  # a lookahead of several shards
     stager.start()
     try:
@@ -167,7 +170,7 @@ def test_the_next_shard_takes_the_link_while_the_one_before_is_verified_and_admi
 def epoch_batches(shards: Path) -> int:
     from tierflow.loader import Loader
 
-    with Loader(TieredDataset(shards, batch_size=8, seq_len=64)) as loader:
+    with Loader(TieredDataset(shards, BatchSpec(batch_size=8, seq_len=64))) as loader:
         return sum(1 for _ in loader)
 
 
@@ -184,7 +187,7 @@ def test_a_stager_started_before_the_loop_stages_on_through_the_loops_start(shar
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
     held = HeldDownloads(stack.source)
     stack.source = held
-    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64))
     stager = Stager(dataset, stack, min_batches=4)
     loader = Loader(dataset, num_workers=workers, stager=stager, multiprocessing_context=context)
     try:
@@ -214,7 +217,7 @@ def test_workers_forked_from_the_loops_process_start_with_the_stager_stopped(sha
     from tierflow.loader import Loader
 
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
-    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64))
     stager = Stager(dataset, stack, min_batches=4)
     with Loader(dataset, num_workers=1, stager=stager, multiprocessing_context="fork") as loader:
         loader.start_prefetch()
@@ -233,7 +236,7 @@ def test_a_dataset_smaller_than_the_widest_working_set_leaves_the_stager_the_tie
     sizes = [s.bytes for s in tierflow.Manifest.load(shards).shards]
     capacity = 4 * sum(sizes)
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), capacity, form="at_rest")])
-    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, lanes=16, window_shards=4)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64), OrderSpec(window_shards=4, lanes=16))
     assert dataset.working_set.shards > len(sizes)  # the widest (the default reads a quarter of 13 at once)
     stager = Stager(dataset, stack)
     assert "below the" not in caplog.text and "too small" not in caplog.text and "narrower" not in caplog.text

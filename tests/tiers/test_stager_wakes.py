@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -37,7 +37,7 @@ class CountedStager(Stager):
 def test_a_warm_loop_does_not_wake_the_stager_per_batch(dataset: Path, tmp_path: Path) -> None:
     stack = build_stack(str(dataset), [TierConfig("L2", str(tmp_path / "l2"), 1.0)])
     try:
-        ds = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, seed=3)
+        ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64), OrderSpec(seed=3))
         for info in stack.manifest().shards:
             stack.ensure(info).release()
         stager = CountedStager(ds, stack)

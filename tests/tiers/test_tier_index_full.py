@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import tierflow
-from tierflow.storage.remote import open_source
+from tierflow.storage.remote import open_store
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
 
@@ -53,7 +53,7 @@ def test_a_full_disk_under_the_index_serves_from_below_warns_once_and_counts(tmp
 
     def stack() -> tuple[Tier, TierStack]:
         tier = Tier(small_disk / "l2", 1 << 30, name="L2", form=form, ram=False)
-        return tier, TierStack(open_source(str(tmp_path / "ds")), [tier])
+        return tier, TierStack(open_store(str(tmp_path / "ds")), [tier])
 
     tier, running = stack()
     running.dataset()[0]  # one shard admitted while there was room
@@ -78,12 +78,12 @@ def test_a_full_disk_under_the_index_serves_from_below_warns_once_and_counts(tmp
 
 READER = """
 import hashlib, json, sys
-from tierflow.storage.remote import open_source
+from tierflow.storage.remote import open_store
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier
 
 tier = Tier(sys.argv[1], 1 << 30, name="L2", form=sys.argv[2], ram=False)
-ds = TierStack(open_source(sys.argv[3]), [tier]).dataset()
+ds = TierStack(open_store(sys.argv[3]), [tier]).dataset()
 rows = [ds[i] for i in range(int(sys.argv[4]) if len(sys.argv) > 4 else len(ds))]
 digest = hashlib.sha256(json.dumps(rows, default=lambda v: v.tolist(), sort_keys=True).encode()).hexdigest()
 print(json.dumps({"digest": digest, "unwritable": tier.m_index_unwritable.value, "snapshot": tier.snapshot()}))

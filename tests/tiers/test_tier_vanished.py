@@ -23,7 +23,7 @@ import pytest
 
 import tierflow
 from tierflow.errors import TierIndexError, TierUnavailableWarning
-from tierflow.storage.remote import open_source
+from tierflow.storage.remote import open_store
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import INDEX_NAME, Tier
 
@@ -45,7 +45,7 @@ def samples(ds) -> list:
 def stack_of(packed: Path, where: Path, form: str) -> tuple[Tier, Tier, TierStack]:
     l1 = Tier(where / "l1", 1 << 30, name="L1", form="decoded", ram=False)
     l2 = Tier(where / "l2", 1 << 30, name="L2", form=form, ram=False)
-    return l1, l2, TierStack(open_source(str(packed)), [l1, l2])
+    return l1, l2, TierStack(open_store(str(packed)), [l1, l2])
 
 
 def unavailable(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -131,7 +131,7 @@ def test_an_index_truncated_under_a_running_process_is_bypassed_at_once(packed, 
     write-ahead log waited 60 s for 'database is locked'; now the tier is bypassed at once."""
     expected = samples(tierflow.open_dataset(packed))
     l2 = Tier(tmp_path / "l2", 1 << 30, name="L2", form="at_rest", ram=False)
-    stack = TierStack(open_source(str(packed)), [l2])
+    stack = TierStack(open_store(str(packed)), [l2])
     ds = stack.dataset()
     ds[0]
     _truncate_index(l2.root)
@@ -161,7 +161,7 @@ def test_a_new_tier_on_an_index_truncated_under_a_running_process(packed, tmp_pa
     """A Tier a user opens on it is TierIndexError naming the file at once (not after 60 s); the
     same tier unpickled in a running job's worker is bypassed with the warning instead."""
     running = Tier(tmp_path / "l2", 1 << 30, name="L2", form="at_rest", ram=False)
-    stack = TierStack(open_source(str(packed)), [running])
+    stack = TierStack(open_store(str(packed)), [running])
     stack.dataset()[0]
     index = _truncate_index(running.root)
     started = time.monotonic()

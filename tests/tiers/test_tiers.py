@@ -19,7 +19,7 @@ import tierflow
 from tierflow.format._checksum import xxh3_128_hex
 from tierflow.pack.tokenize import PackInputError
 from tierflow.format.manifest import Manifest
-from tierflow.storage.remote import open_source, upload_dataset
+from tierflow.storage.remote import open_store, upload_dataset
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers._staging import staging_root, sweep_unused
 from tierflow.tiers.stack import TierStack
@@ -61,7 +61,7 @@ def stack_for(url: str, proxy_url: str, root: Path, l2_capacity: float = 1 << 30
     if l1:
         tiers.append(Tier(root / "l1", l1_capacity, policy="lru", form="decoded", name="L1", **tier_kw))
     tiers.append(Tier(root / "l2", l2_capacity, policy=l2_policy, form="at_rest", name="L2", **tier_kw))
-    return TierStack(open_source(url, endpoint_url=proxy_url), tiers)
+    return TierStack(open_store(url, endpoint_url=proxy_url), tiers)
 
 
 def all_samples(ds) -> list[dict]:
@@ -318,7 +318,7 @@ def test_a_block_corrupt_in_every_copy_raises_naming_shard_and_block(tmp_path):
 
     local = make_dataset(tmp_path)
     tier = Tier(tmp_path / "node" / "l2", 1 << 30, policy="lru", form="at_rest", name="L2")
-    stack = TierStack(open_source(str(local)), [tier])
+    stack = TierStack(open_store(str(local)), [tier])
     info = stack.manifest().shards[0]
     stack.ensure(info).release()
     bad = info.blocks[1]
@@ -326,7 +326,7 @@ def test_a_block_corrupt_in_every_copy_raises_naming_shard_and_block(tmp_path):
         data = bytearray(path.read_bytes())
         data[bad.offset + 10] ^= 0x01
         path.write_bytes(bytes(data))
-    fresh = TierStack(open_source(str(local)), [Tier(tmp_path / "node" / "l2", 1 << 30, name="L2", form="at_rest")])
+    fresh = TierStack(open_store(str(local)), [Tier(tmp_path / "node" / "l2", 1 << 30, name="L2", form="at_rest")])
     ds = fresh.dataset()
     assert ds[0]["i"] == 0
     with pytest.raises(ShardCorruptError, match=f"shard {info.name}: block 1 "):
@@ -420,7 +420,7 @@ def test_full_disk_falls_back_to_the_tier_below_without_a_partial_file(tmp_path,
         expected = all_samples(tierflow.open_dataset(local))
         # L2 configured far larger than the disk really is: the disk fills before the accounting does
         tier = Tier(mount / "l2", 1 << 30, policy="lru", form="decoded", name="L2", ram=False)
-        stack = TierStack(open_source(url, endpoint_url=proxy.url), [tier])
+        stack = TierStack(open_store(url, endpoint_url=proxy.url), [tier])
         assert all_samples(stack.dataset()) == expected
         assert tier.m_enospc.value >= 1
         assert not list((mount / "l2" / "tmp").iterdir())
@@ -452,7 +452,7 @@ def test_cache_warm_stages_every_shard_so_reading_costs_no_request(tmp_path, s3_
     assert main(["cache", "warm", url, "--tier", f"L2={tmp_path / 'l2'}:{1 << 30}", "--endpoint-url", proxy.url]) == 0
     assert f"warmed {len(shards)} shards" in capsys.readouterr().out
     proxy.reset_counters()
-    stack = TierStack(open_source(url, endpoint_url=proxy.url), [Tier(tmp_path / "l2", 1 << 30, name="L2")])
+    stack = TierStack(open_store(url, endpoint_url=proxy.url), [Tier(tmp_path / "l2", 1 << 30, name="L2")])
     assert all_samples(stack.dataset()) == all_samples(tierflow.open_dataset(local))
     assert proxy.traffic().response_bytes("GET") < 64 << 10  # the manifest, no shard
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from tierflow.loader import TieredDataset
+from tierflow.loader import TieredDataset, BatchSpec, OrderSpec
 from tierflow.order import RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.plan import FutureView, NodeShape, merged_spans, passed, plan_staging, size_lookahead
@@ -261,7 +261,7 @@ class OnlyTheView:
 def test_the_stager_reads_a_dataset_only_through_the_future_view(tmp_path):
     pack_lorem(tmp_path, 3000)
     stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")])
-    dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64))
     assert isinstance(dataset, FutureView)
     stager = Stager(OnlyTheView(dataset), stack, min_batches=4)
     stager.start()
@@ -277,7 +277,8 @@ def test_the_windows_being_read_skip_the_budget_only_where_the_top_tier_holds_th
     for capacity, reading in ((1 << 30, True), (64 << 10, False)):
         stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / f"l2-{capacity}"), capacity,
                                                              form="decoded")])
-        dataset = TieredDataset(stack.dataset(), batch_size=8, seq_len=64, lanes=4, window_shards=1)
+        dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
+                                OrderSpec(window_shards=1, lanes=4))
         node = Stager(dataset, stack, min_batches=4).node
         assert node.reading_shards == (dataset.working_set.reading if reading else 0), capacity
         stack.close()

@@ -13,19 +13,19 @@ import xxhash
 
 from tierflow.checkpoint.manifest import (COMMIT_NAME, HASH_CHUNK, StepReport, parse_step, step_name,
                                           verify_step)
-from tierflow.storage.remote import RetryingSource, open_source
+from tierflow.storage.remote import RetryingStore, open_store
 from tierflow.errors import CheckpointError, SourceError, SourceNotFound
 
 
-def open_dest(dest: str | Path, endpoint_url: str | None = None, budget: Any = None) -> RetryingSource:
+def open_dest(dest: str | Path, endpoint_url: str | None = None, budget: Any = None) -> RetryingStore:
     """The destination as a source; a local directory is created so it can be listed at once."""
     text = str(dest)
     if "://" not in text or text.startswith("file://"):
         Path(text.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
-    return open_source(text, endpoint_url=endpoint_url, budget=budget)
+    return open_store(text, endpoint_url=endpoint_url, budget=budget)
 
 
-def remote_steps(source: RetryingSource) -> dict[int, bool]:
+def remote_steps(source: RetryingStore) -> dict[int, bool]:
     """Every step with any object at the destination -> whether its commit marker is there."""
     steps: dict[int, bool] = {}
     for name in source.list(""):
@@ -37,7 +37,7 @@ def remote_steps(source: RetryingSource) -> dict[int, bool]:
     return steps
 
 
-def verify_remote(source: RetryingSource, step: int, deep: bool = True) -> StepReport:
+def verify_remote(source: RetryingStore, step: int, deep: bool = True) -> StepReport:
     """`verify_step` at the destination; `deep` streams every file through xxh3 (reads it all).
     An object that cannot be read (a 403, 503s past the retries, a deadline) is a problem of the
     report naming it, as a damaged one is: the caller falls back past the step."""
@@ -79,7 +79,7 @@ def verify_remote(source: RetryingSource, step: int, deep: bool = True) -> StepR
     return verify_step(step, read, sized, hashed if deep else None, where)
 
 
-def delete_objects(source: RetryingSource, names: Iterable[str]) -> int:
+def delete_objects(source: RetryingStore, names: Iterable[str]) -> int:
     """Delete objects of a source (retention is the only deleter of checkpoints)."""
     names = list(names)
     for name in names:
@@ -87,7 +87,7 @@ def delete_objects(source: RetryingSource, names: Iterable[str]) -> int:
     return len(names)
 
 
-def delete_step(source: RetryingSource, step: int) -> int:
+def delete_step(source: RetryingStore, step: int) -> int:
     """Remove a step at the destination: its marker first, so it stops being a checkpoint before
     any of its files go."""
     prefix = f"{step_name(step)}/"
@@ -111,7 +111,7 @@ def retained(committed: Iterable[int], keep_last: int | None, keep_every: int | 
     return keep
 
 
-def prune_remote(source: RetryingSource, keep_last: int | None, keep_every: int | None,
+def prune_remote(source: RetryingStore, keep_last: int | None, keep_every: int | None,
                  floor: int | None = None) -> list[int]:
     """Apply retention at the destination: committed steps outside the kept set, and leftovers
     of uploads that never committed and are older than the newest committed step (never one
@@ -129,7 +129,7 @@ def prune_remote(source: RetryingSource, keep_last: int | None, keep_every: int 
     return sorted(doomed)
 
 
-def prune_local(local: Path, source: RetryingSource | None, keep_last: int | None, keep_every: int | None,
+def prune_local(local: Path, source: RetryingStore | None, keep_last: int | None, keep_every: int | None,
                 floor: int | None = None) -> list[int]:
     """Local retention: drop committed steps outside the kept set once the destination has them
     or has gone past them (older than every step committed there: retention dropped them there

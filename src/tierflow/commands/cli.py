@@ -195,7 +195,7 @@ def _verify(args: argparse.Namespace) -> int:
     from tierflow.format._audit import audit_manifest
     from tierflow.format.shard import verify_shard
     from tierflow.storage.datasets import local_path, read_manifest, verify_source
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     from tierflow.format.metadata import MappedManifest, verify_metadata
 
@@ -209,7 +209,7 @@ def _verify(args: argparse.Namespace) -> int:
         if not problems:  # the hashes hold: now the manifest's counts against the bytes
             problems = audit_manifest(root, manifest)
     else:
-        source = open_source(args.dataset, endpoint_url=args.endpoint_url)
+        source = open_store(args.dataset, endpoint_url=args.endpoint_url)
         manifest = read_manifest(source)
         problems = verify_metadata(manifest) if isinstance(manifest, MappedManifest) else []
         problems = problems or verify_source(source, manifest)
@@ -230,12 +230,12 @@ def _gc(args: argparse.Namespace) -> int:
     from tierflow.format.manifest import Manifest
     from tierflow.pack.packer import DatasetLock, remove_unreferenced
     from tierflow.storage.datasets import collect_garbage, local_path
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     root = local_path(args.dataset)
     if root is None:
-        removed_objects = collect_garbage(open_source(args.dataset, endpoint_url=args.endpoint_url))
-        print(f"{args.dataset}: removed {len(removed_objects)} unreferenced object(s)")
+        removed = collect_garbage(open_store(args.dataset, endpoint_url=args.endpoint_url))
+        print(f"{args.dataset}: removed {len(removed)} unreferenced object(s)")
         return 0
     Manifest.load(root)  # not a dataset (no manifest): refuse before writing the lock into it
     with DatasetLock(root):
@@ -253,12 +253,12 @@ def _upgrade(args: argparse.Namespace) -> int:
     from tierflow.format.metadata import upgrade, upgrade_source
     from tierflow.pack.packer import DatasetLock
     from tierflow.storage.datasets import local_path
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     root = local_path(args.dataset)
     if root is None:
         with tempfile.TemporaryDirectory(prefix="tierflow-upgrade-") as work:
-            where = upgrade_source(open_source(args.dataset, endpoint_url=args.endpoint_url), work)
+            where = upgrade_source(open_store(args.dataset, endpoint_url=args.endpoint_url), work)
     else:
         from tierflow.format.manifest import MANIFEST_NAME
         if not (root / MANIFEST_NAME).is_file():
@@ -362,7 +362,7 @@ def _demo(args: argparse.Namespace) -> int:
 @command("bench")
 def _bench(args: argparse.Namespace) -> int:
     from tierflow.format.shard import Form
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
     from tierflow.telemetry import MetricsRegistry
     from tierflow.commands.bench import format_result, run_bench, simulated_step
     from tierflow.telemetry.eventlog import EventLog
@@ -372,7 +372,7 @@ def _bench(args: argparse.Namespace) -> int:
     configs = parse_tiers(args.tier) if args.tier else []
     stack = build_stack(args.dataset, configs, endpoint_url=args.endpoint_url, bandwidth=args.bandwidth,
                         registry=registry)
-    dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=args.batch_size, seq_len=args.seq_len))
     events = EventLog(args.log, registry, name=f"bench {args.dataset}", steps=args.steps,
                       step_ms=args.step_ms) if args.log else None
     exporter = None
@@ -400,14 +400,14 @@ def _bench(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from tierflow._console import folding_table, output_console
 
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
     from tierflow.commands.plan import CURVE, capacity_curve, plan_cache, recommended
     from tierflow.format.shard import Form
     from tierflow.tiers import build_stack
 
     stack = build_stack(args.dataset, parse_tiers(args.tier), endpoint_url=args.endpoint_url)
     top = stack.tiers[0]
-    dataset = TieredDataset(stack.dataset(), batch_size=args.batch_size, seq_len=args.seq_len)
+    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=args.batch_size, seq_len=args.seq_len))
     from tierflow.format.metadata import shard_column
 
     shards = dataset.manifest.shards

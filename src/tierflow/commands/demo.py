@@ -73,7 +73,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
              seq_len: int = 1024, batch_size: int = 16, console: Console | None = None) -> dict:
     import logging
 
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
     from tierflow.tiers.stager import Stager
     from tierflow.telemetry import MetricsRegistry
     from tierflow.commands.bench import format_result, run_bench, simulated_step
@@ -108,7 +108,7 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
                   f"{l2_capacity / 1e6:.1f} MB, {l2_capacity / at_rest:.0%} of the dataset's {at_rest / 1e6:.1f} MB at "
                   f"rest ({decoded / 1e6:.1f} MB decoded), kept {l2.form}; step {step_ms:g} ms; batches of "
                   f"{batch_size} x {seq_len + 1} tokens")
-    ds = TieredDataset(stack.dataset(), batch_size=batch_size, seq_len=seq_len)  # defaults: the dataset's order
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=batch_size, seq_len=seq_len))  # defaults: the dataset's order
     ws = ds.working_set
     console.print(f"order: {ws.lanes} lane(s) x windows of {ws.window_shards} shard(s) ({ws.reason}); "
                   f"staging area {stack.staging_bytes / 1e6:.1f} MB of RAM")
@@ -171,7 +171,7 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
     import torch
     from torch import nn
 
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
 
     torch.manual_seed(0)
     seq_len = 128
@@ -193,7 +193,7 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
             return self.head(self.blocks(x, mask=mask, is_causal=True))
 
     model = TinyLM()
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=seq_len, seed=1)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, seq_len=seq_len), OrderSpec(seed=1))
 
     def loss_of(batch: dict) -> torch.Tensor:  # ids arrive as int64
         logits = model(batch["input_ids"])

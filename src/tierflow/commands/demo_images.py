@@ -102,7 +102,7 @@ def run_images_demo(out: str | os.PathLike = "demo-images", images: int = 2000, 
     from tierflow.commands.report import write_report
     from tierflow.storage.datasets import open_dataset
     from tierflow.format.shard import Form
-    from tierflow.loader import TieredDataset
+    from tierflow.loader import TieredDataset, BatchSpec
     from tierflow.pack.packer import pack
     from tierflow.telemetry import MetricsRegistry
     from tierflow.telemetry.eventlog import EventLog
@@ -146,7 +146,7 @@ def run_images_demo(out: str | os.PathLike = "demo-images", images: int = 2000, 
                         registry=registry)
     pipeline = ImagePipeline([RandomResizedCrop(SIDE, scale=(0.25, 1.0)), HorizontalFlip()], keep=["label"])
     columns = ["image", "image_width", "image_height", "label"]
-    bench_ds = TieredDataset(stack.dataset(), batch_size=batch_size, transform=pipeline, columns=columns)
+    bench_ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=batch_size, columns=columns, transform=pipeline))
     console.print(f"L4: {dataset_dir} at {bandwidth / 1e6:.0f} MB/s; L2 holds {l2_capacity / 1e6:.0f} of "
                   f"{at_rest / 1e6:.0f} MB; step {step_ms:g} ms; batches of {batch_size} images")
     steps_per_epoch = max(1, len(manifest.shards) and manifest.num_samples // batch_size)
@@ -184,7 +184,7 @@ def train_tiny_cnn(stack: Any, pipeline: Any, columns: list[str], classes: int, 
     from torch import nn
 
     from tierflow.commands.demo import train
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
     from tierflow.transforms import normalize
 
     torch.manual_seed(0)
@@ -192,7 +192,8 @@ def train_tiny_cnn(stack: Any, pipeline: Any, columns: list[str], classes: int, 
         nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
         nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(32, classes))
-    ds = TieredDataset(stack.dataset(), batch_size=32, transform=pipeline, columns=columns, seed=1)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=32, columns=columns, transform=pipeline),
+                       OrderSpec(seed=1))
 
     def loss_of(batch: dict) -> torch.Tensor:
         return nn.functional.cross_entropy(model(normalize(batch["image"])), batch["label"].long())

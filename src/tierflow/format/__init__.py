@@ -3,10 +3,11 @@ by sample or token (docs/format.md). Depends on nothing else of tierflow but err
 lazily, to open a URL)."""
 
 from tierflow.errors import ManifestError, ShardCorruptError
-from tierflow.format.dataset import Dataset, DirectorySource, ShardSource, open_directory
+from tierflow.format.dataset import Dataset, ShardSupply, open_directory
+from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.index import DatasetIndex
 from tierflow.format.manifest import Manifest
 from tierflow.format.shard import Form, ShardInfo, verify_shard
 
-__all__ = ["Dataset", "DatasetIndex", "DirectorySource", "Form", "Manifest", "ManifestError", "ShardCorruptError",
-           "ShardInfo", "ShardSource", "open_directory", "verify_shard"]
+__all__ = ["Dataset", "DatasetIndex", "DirectoryBlocks", "Form", "Manifest", "ManifestError", "ShardCorruptError",
+           "ShardInfo", "ShardReader", "ShardSupply", "open_directory", "verify_shard"]

@@ -3,74 +3,31 @@
 `open_dataset(path)` gives `len()`, `ds[i]` (a dict of columns; token and other primitive
 list columns as numpy views, no copy), iteration, and `ds.tokens(start, stop)` over the
 concatenated token stream. Where a sample or a token lives is `ds.index` (index.py); where
-shards come from is a `ShardSource`: by default the dataset directory itself; the tier stack
-supplies decoded, memory-mapped files instead. Either way a shard opens in O(its block list)
+shards come from is a `ShardSupply`: without tiers a `ShardReader` (reader.py) of the dataset
+directory or the object store; the tier stack supplies decoded, memory-mapped files instead. Either way a shard opens in O(its block list)
 and a row costs its block: read, verified (xxh3-64), decoded on first use (docs/format.md,
 "Reading and verification").
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
 
 import numpy as np
-import pyarrow as pa
 
-from tierflow.format.blocks import open_blocks
 from tierflow.format.manifest import Manifest
+from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.shard import ShardInfo, block_tokens
 from tierflow.format.index import BlockTokenCounts, DatasetIndex
-from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
+from tierflow.format.table import LazyShardTable, ShardTable
 
 
-class ShardSource(Protocol):
-    """Supplies the blocks of a shard; the tier stack is one, a plain directory another."""
+class ShardSupply(Protocol):
+    """Supplies the blocks of a shard: the tier stack, or a `ShardReader` (a directory, an object store)."""
 
-    def open_shard(self, index: int, info: ShardInfo) -> "ShardTable": ...
-
-
-class DirectorySource:
-    """Shards read straight from the dataset directory, block by block, each block verified on use.
-
-    Opening a shard costs its block list (from the manifest); reading a row costs its block:
-    read, checked against the block's xxh3-64, decoded. Uncompressed shards are memory-mapped
-    and their verified blocks stay (a mapping costs address space, not memory: the page cache
-    holds the bytes). Compressed blocks decode into memory, bounded by `max_decoded_bytes`
-    across shards; a block that falls out is read, verified and decoded again when next used.
-    Wrong bytes are never served, and no whole file is read to serve one sample.
-    """
-
-    def __init__(self, root: str | Path, max_decoded_bytes: int = 1 << 30, schema: pa.Schema | None = None) -> None:
-        self.root = Path(root)
-        self.max_decoded_bytes = max_decoded_bytes
-        self.schema = schema
-        self.cache = BlockCache(max_decoded_bytes)
-        self._tables: dict[int, LazyShardTable] = {}
-        self._lock = threading.Lock()
-        self.opens = 0
-        """Shard files opened so far (a count that stays at the shard count means no thrash)."""
-
-    @property
-    def blocks_read(self) -> int:
-        """Blocks read, verified and decoded so far, over every shard."""
-        with self._lock:
-            tables = list(self._tables.values())
-        return sum(t.blocks_loaded for t in tables)
-
-    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
-        table = self._tables.get(index)
-        if table is not None:
-            return table
-        table = LazyShardTable(info.name, open_blocks(self.root / info.name, info), self.schema, self.cache)
-        with self._lock:
-            found = self._tables.get(index)
-            if found is not None:
-                return found
-            self.opens += 1
-            self._tables[index] = table
-        return table
+    def open_shard(self, index: int, info: ShardInfo) -> ShardTable: ...
 
 
 class Dataset:
@@ -79,7 +36,7 @@ class Dataset:
     Where a sample or a token lives is `index`'s answer (built once, from the manifest); the
     bytes come from `source`, a shard at a time."""
 
-    def __init__(self, manifest: Manifest, source: ShardSource, columns: Sequence[str] | None = None,
+    def __init__(self, manifest: Manifest, source: ShardSupply, columns: Sequence[str] | None = None,
                  location: str = "") -> None:
         self.manifest = manifest
         self.source = source
@@ -178,7 +135,7 @@ def _index(manifest: Manifest, read_block_tokens: BlockTokenCounts | None) -> An
     return DatasetIndex(manifest.shards, read_block_tokens)
 
 
-def _block_token_reader(manifest: Manifest, source: ShardSource) -> BlockTokenCounts | None:
+def _block_token_reader(manifest: Manifest, source: ShardSupply) -> BlockTokenCounts | None:
     """How the index reads a shard's block token counts from its blocks' offsets (packs that did not
     record them); holds the source, not the dataset, so the two stay free of a reference cycle."""
     return _BlockTokens(manifest, source) if manifest.token_column is not None else None
@@ -187,12 +144,13 @@ def _block_token_reader(manifest: Manifest, source: ShardSource) -> BlockTokenCo
 class _BlockTokens:
     """A callable object, not a closure, so a Dataset pickles for spawn/forkserver workers."""
 
-    def __init__(self, manifest: Manifest, source: ShardSource) -> None:
+    def __init__(self, manifest: Manifest, source: ShardSupply) -> None:
         self.manifest = manifest
         self.source = source
 
     def __call__(self, s: int) -> list[int]:
         column = self.manifest.token_column
+        assert column is not None  # made only for a dataset with a token column
         table = self.source.open_shard(s, self.manifest.shards[s])
         return [int(offsets[-1] - offsets[0]) for offsets, _ in
                 (table.list_parts(b, column) for b in range(table.num_blocks))]
@@ -203,4 +161,4 @@ def open_directory(path: str | Path, columns: Sequence[str] | None = None,
     """Open a packed dataset directory for random access by global sample index (`manifest`: the
     directory's manifest, already loaded). `tierflow.open_dataset` takes URLs as well."""
     manifest = manifest if manifest is not None else Manifest.load(path)
-    return Dataset(manifest, DirectorySource(path, schema=manifest.schema), columns=columns, location=str(path))
+    return Dataset(manifest, ShardReader(DirectoryBlocks(path), manifest.schema), columns=columns, location=str(path))

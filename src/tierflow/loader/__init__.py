@@ -4,7 +4,10 @@ from tierflow.loader.batching import Batcher, LengthBuckets, SampleContext, Samp
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
-from tierflow.loader.dataset import CursorError, TieredDataset, default_partitions
+from tierflow.errors import CursorError
+from tierflow.loader.dataset import TieredDataset
+from tierflow.loader.mixture import MixedDataset
+from tierflow.loader.spec import BatchSpec, OrderSpec, default_partitions
 from tierflow.loader.images import AspectBuckets, ImageSamples
 from tierflow.loader.loader import BatchOrderError, Loader
 from tierflow.loader.meta import BatchMeta
@@ -17,6 +20,7 @@ __all__ = [
     "AspectBuckets",
     "BatchMeta",
     "BatchOrderError",
+    "BatchSpec",
     "Batcher",
     "Built",
     "CarriedBatch",
@@ -24,7 +28,9 @@ __all__ = [
     "ImageSamples",
     "LengthBuckets",
     "Loader",
+    "MixedDataset",
     "LoaderCursor",
+    "OrderSpec",
     "OrderStream",
     "Pending",
     "SampleContext",

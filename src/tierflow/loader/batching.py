@@ -27,7 +27,7 @@ from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
 from tierflow.loader.tokens import WindowStarts, row_segments, window_counts, window_segments
 from tierflow.order import sample_rng
 from tierflow.telemetry.metrics import MetricsRegistry
-from tierflow.transforms.resized import SOURCE_KEY, SampleSource
+from tierflow.transforms.resized import SOURCE_KEY, SampleLocation
 
 Transform = Callable[[dict, np.random.Generator], dict]
 Filter = Callable[[dict], bool]
@@ -164,7 +164,7 @@ def transformed(ctx: SampleContext, sample: dict[str, Any], sample_id: int, epoc
     assert ctx.transform is not None
     if getattr(ctx.transform, "needs_source", False):
         shard, block, row = ctx.dataset.index.locate_sample(int(sample_id))
-        sample[SOURCE_KEY] = SampleSource(ctx.dataset, shard, block, row, ctx.registry)
+        sample[SOURCE_KEY] = SampleLocation(ctx.dataset, shard, block, row, ctx.registry)
     return ctx.transform(sample, sample_rng(ctx.seed, epoch, sample_id))
 
 

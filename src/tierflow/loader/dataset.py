@@ -16,34 +16,33 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
-from tierflow.format.dataset import Dataset, ShardSource
+from tierflow.format.dataset import Dataset, ShardSupply
 from tierflow.format.metadata import shard_column
-from tierflow.format.shard import Form, ShardInfo, block_rows
+from tierflow.format.shard import Form
 from tierflow.format.table import BlockCache
-from tierflow.storage.datasets import load_manifest, open_dataset
-from tierflow.loader.batching import (
-    Batcher, ByPosition, Collate, Filter, LengthBuckets, SampleContext, Samples, TokenWindows, Transform,
-    reading_registry,
-)
-from tierflow.loader.budget import TokenBudget
 from tierflow.loader._collate import CarriedBatch
+from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
 from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
+from tierflow.loader.spec import (NARROWED, BatchSpec, OrderSpec, saved_first_epoch, saved_group, settle_order,
+                                  working_set_for)
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
-from tierflow.order.working_set import (WorkingSet, choose_working_set, narrowing_advice, with_first_epoch,
-                                        working_set_bytes, working_set_shards)
+from tierflow.order.working_set import WorkingSet, narrowing_advice, working_set_bytes
 from tierflow.policies.auto import Lifecycle
+from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
+from tierflow.tiers.stack import TierStack
 
 log = logging.getLogger("tierflow.loader")
 
@@ -51,13 +50,8 @@ Resume = LoaderCursor | Mapping[str, Any] | None
 """What `resume=` and `load_state_dict` take: a cursor, its JSON dict, or a `Loader.state_dict()`."""
 
 
-def default_partitions(nonempty_shards: int) -> int:
-    """64, or the largest power of two the dataset's non-empty shards allow."""
-    partitions = 1
-    while partitions * 2 <= min(64, nonempty_shards):
-        partitions *= 2
-    return partitions
-
+DEFAULT_ORDER = OrderSpec()
+"""The order of a dataset whose spec sets nothing: seed 0, the defaults, or a resumed cursor's."""
 
 METRICS_EVERY = 16
 METRICS_EVERY_S = 0.1
@@ -71,85 +65,43 @@ class TieredDataset(IterableDataset):
     """Batches of a packed dataset in the order's sequence for this rank; endless unless `eval`.
 
     `data` is a dataset directory, a URL (s3://..., with `endpoint_url`; read straight from the
-    source) or an opened `Dataset`; `shard_source_factory()` makes the
-    per-process shard source (the tier stack) when given. Nothing that opens files or clients is
-    created before iteration, so DataLoader workers build their own after fork. `batch_size` is
-    the order's batch: samples per output batch, or with `max_tokens` (a token budget) how many
-    samples the rank pulls from its stream at a time. `shuffle=False` trains in stored order (each
-    node reads its partitions' shards in order, the same every epoch), resumable and split as ever.
-    `group_bytes` (None: GROUP_BYTES, 256 KiB, or the cursor's of a resume or `load_state_dict`) shuffles samples within block
-    groups of about that many decoded bytes (and at least GROUP_SAMPLES, 1,024 samples, or the cursor's)
-    inside each window, so a batch decodes a bounded number of blocks whatever the dataset's size
-    (order/groups.py); 0 shuffles each window's samples all
-    together (every block of a window's shards is read for its first batches).
-    `narrow_first_epoch` (with lanes and window_shards chosen, not given): epoch 0 reads at most
-    1/16 of the node's shards at once (working_set.FIRST_EPOCH_SHARE), so a cold node streams its
-    first epoch at the link's rate; False reads it as wide as the later epochs.
-    `datasets=[a, b, ...]` with `weights=` mixes several datasets instead of `data` (mixture.py).
+    object store) or an opened `Dataset`; `shards()` makes the per-process shard supply (the tier
+    stack) when given. Nothing that opens files or clients is created before iteration, so
+    DataLoader workers build their own after fork. `batching` says how samples become batches and
+    `order` how the order walks the dataset (loader/spec.py); what `order` leaves unset comes from
+    the cursor of a resume or `load_state_dict`. Several datasets mixed by weight: `MixedDataset`
+    (mixture.py).
     """
-
-    def __new__(cls, *args: Any, datasets: Any = None, **kwargs: Any) -> TieredDataset:
-        """`TieredDataset(datasets=[...], weights=[...])` is a mixture (loader/mixture.py)."""
-        if datasets is not None and cls is TieredDataset:
-            from tierflow.loader.mixture import MixedDataset
-
-            return super().__new__(MixedDataset)
-        return super().__new__(cls)
 
     def __init__(
         self,
         data: str | Path | Dataset,
+        batching: BatchSpec,
+        order: OrderSpec = DEFAULT_ORDER,
         *,
-        batch_size: int,
-        seq_len: int | None = None,
-        max_tokens: int | None = None,
-        batcher: Batcher | None = None,
-        columns: list[str] | None = None,
-        transform: Transform | None = None,
-        filter: Filter | None = None,
-        collate: Collate | None = None,
-        seed: int = 0,
-        partitions: int | None = None,
-        window_shards: int | None = None,
-        lanes: int | None = None,
-        remainder: str = "carry",
-        shuffle: bool = True,
-        group_bytes: int | None = None,
-        narrow_first_epoch: bool = True,
         eval: bool = False,
         resume: Resume = None,
         allow_mismatch: bool = False,
         world: WorldPosition | None = None,
         max_batches: int | None = None,
-        shard_source_factory: Callable[[], ShardSource] | None = None,
+        shards: Callable[[], ShardSupply] | None = None,
         endpoint_url: str | None = None,
-        datasets: Any = None,
-        weights: Any = None,
     ) -> None:
         refuse_while_bootstrapping("TieredDataset")
-        if weights is not None:
-            raise ValueError("weights= mixes several datasets: TieredDataset(datasets=[a, b], weights=[...])")
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if sum(x is not None for x in (seq_len, max_tokens, batcher)) > 1:
-            raise ValueError("pass one of seq_len (token windows), max_tokens (token budget) or batcher")
-        if batcher is None:
-            batcher = (TokenWindows(seq_len) if seq_len is not None else
-                       TokenBudget(max_tokens) if max_tokens is not None else Samples(select=columns))
-        if not batcher.runs_transforms and (transform is not None or filter is not None or collate is not None):
-            raise ValueError(f"{type(batcher).__name__} does not run filter/transform/collate (use Samples)")
+        batcher = batching.make_batcher()
         if eval and not batcher.plans_eval:
             raise ValueError("eval mode reads every sample once in stored order; use a batcher without groups")
+        self.batching = batching
         self.batcher = batcher
-        self.batch_size = batch_size
-        self.transform = transform
-        self.filter = filter
-        self.collate = collate
+        self.batch_size = batching.batch_size
+        self.transform = batching.transform
+        self.filter = batching.filter
+        self.collate = batching.collate
         self.eval = eval
         self.max_batches = max_batches
         self.allow_mismatch = allow_mismatch
-        self.shard_source_factory = shard_source_factory
+        self.shards = shards
         self.endpoint_url = endpoint_url
         self.world = world if world is not None else WorldPosition.from_env()
         if isinstance(data, Dataset):
@@ -168,32 +120,24 @@ class TieredDataset(IterableDataset):
         self.num_order_samples = int(counts.sum())
         if self.num_order_samples == 0:
             raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
-        self.seed = seed
+        self.seed = order.seed
         saved = self._parsed(resume)
-        partitions, window_shards, lanes = _saved_breadth(saved, partitions, window_shards, lanes)
-        self._first_epoch_chosen = narrow_first_epoch and window_shards is None and lanes is None
-        self._first_epoch = _saved_first_epoch(saved, self._first_epoch_chosen)
-        self._groups_given = group_bytes is not None
-        if group_bytes is None:
-            group_bytes = _saved_group(saved, "group_bytes", GROUP_BYTES)
-        if not shuffle and lanes is None:
-            lanes = 1  # one lane reads the node's contiguous partitions one after another: stored order
-        if partitions is None:
-            partitions = default_partitions(int((counts > 0).sum()))
-        self._order_args = {"shard_sample_counts": np.asarray(counts, dtype=np.int64), "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
-                            "seed": seed, "partitions": partitions, "remainder": remainder, "shuffle": shuffle,
-                            "group_bytes": group_bytes,
-                            "group_samples": _saved_group(saved, "group_samples", GROUP_SAMPLES),
+        self.settled = settle_order(order, saved, int((counts > 0).sum()))
+        self._order_args = {"shard_sample_counts": np.asarray(counts, dtype=np.int64),
+                            "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
+                            "seed": order.seed, "partitions": self.settled.partitions,
+                            "remainder": order.remainder, "shuffle": order.shuffle,
+                            "group_bytes": self.settled.group_bytes, "group_samples": self.settled.group_samples,
                             "decoded_bytes": shard_column(manifest, "decoded_bytes"),
                             "block_bytes": _largest_blocks(manifest)}
-        self.working_set = self._choose_working_set(data, partitions, window_shards, lanes)
+        stack = data.source if isinstance(data, Dataset) and isinstance(data.source, TierStack) else None
+        self.working_set = self._choose_working_set(stack, np.asarray(counts))
         self.order = self.order_with(self.working_set)
-        declare = getattr(getattr(data, "source", None), "declare", None)
-        if callable(declare):
+        if stack is not None:
             sizes = shard_column(manifest, "decoded_bytes")
-            declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=int(sizes.sum())),
-                    self.working_set.bytes, self.working_set.reading, readers=self.world.ranks_per_node,
-                    job=job_identity())
+            stack.declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=int(sizes.sum())),
+                          self.working_set.bytes, self.working_set.reading, readers=self.world.ranks_per_node,
+                          job=job_identity())
         self._resume: LoaderCursor | None = None
         self.load_state_dict(saved)
         self.resumed_epoch = resume.get("epoch") if isinstance(resume, Mapping) else None
@@ -205,34 +149,16 @@ class TieredDataset(IterableDataset):
         return SampleOrder(**self._order_args, window_shards=working_set.window_shards, lanes=working_set.lanes,
                            first_epoch=working_set.first_epoch)
 
-    def _choose_working_set(self, data: Any, partitions: int, window_shards: int | None,
-                            lanes: int | None) -> WorkingSet:
-        """Lanes and window size: as given (or a resumed cursor's), else the dataset's default
-        (order/working_set.py), a function of the dataset, the world layout and these options only.
-        Its bytes are counted in the form the top tier stores (what the staging area and the stager
-        hold); a tier too small for it to pay is told so (`narrowing_advice`), never narrowed."""
-        per_node = max(1, partitions // max(1, self.world.num_nodes))
-        source = getattr(data, "source", None)
-        tiers = getattr(source, "tiers", None) or []
-        top = tiers[0] if tiers else None
-        at_rest = shard_column(self.manifest, "bytes")
+    def _choose_working_set(self, stack: TierStack | None, counts: np.ndarray) -> WorkingSet:
+        """The settled breadth (spec.working_set_for), its bytes counted in the form the top tier
+        stores; a tier too small for it to pay is told so (`narrowing_advice`), never narrowed."""
+        per_node = max(1, self.settled.partitions // max(1, self.world.num_nodes))
+        top = stack.tiers[0] if stack is not None and stack.tiers else None
+        at_rest: Any = shard_column(self.manifest, "bytes")
         form = top.form if top is not None else Form.AT_REST
-        sizes = shard_column(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
-        node_shards = int((np.asarray(self._order_args["shard_sample_counts"]) > 0).sum()) // max(1, self.world.num_nodes)
-        default = choose_working_set(at_rest, per_node, node_shards=max(1, node_shards))
-        if window_shards is None and lanes is None:
-            chosen = dataclasses.replace(default, bytes=working_set_bytes(default.shards, sizes))
-            if self._first_epoch is _NARROWED:
-                chosen = with_first_epoch(chosen, node_shards)
-            else:
-                chosen = dataclasses.replace(chosen, first_epoch=self._first_epoch)
-        else:
-            lanes = lanes if lanes is not None else (per_node if window_shards is not None else default.lanes)
-            window_shards = window_shards if window_shards is not None else default.window_shards
-            shards = working_set_shards(min(lanes, per_node), window_shards)
-            first = None if self._first_epoch is _NARROWED else self._first_epoch  # e.g. shuffle=False's one lane
-            chosen = WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes),
-                                "as given", first)
+        sizes: Any = shard_column(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
+        node_shards = int((counts > 0).sum()) // max(1, self.world.num_nodes)
+        chosen = working_set_for(self.settled, at_rest, sizes, per_node, node_shards)
         if top is not None and not self.eval:
             advice = narrowing_advice(chosen, sizes, per_node, top.capacity, f"tier {top.name}")
             if advice is not None:  # the cache adapts (the staging area; tiers/stack.py warns where RAM is short)
@@ -268,12 +194,7 @@ class TieredDataset(IterableDataset):
         self._resume = cursor
 
     def _parsed(self, state: Resume) -> LoaderCursor | None:
-        if isinstance(state, PlannedCursor):  # a consumed batch's, handed on unresolved (the stager's view)
-            return state.resolve()
-        try:
-            return LoaderCursor.parse(state)
-        except CursorError as error:
-            raise type(error)(f"{self.location}: {error}") from None
+        return parsed_cursor(state, self.location)
 
     def _checked(self, cursor: LoaderCursor) -> LoaderCursor:
         """`cursor` if this dataset can resume it (its order position loaded into this order)."""
@@ -286,15 +207,15 @@ class TieredDataset(IterableDataset):
                 raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
             if isinstance(self.order, SampleOrder) and self.order.shuffle:
                 # the cursor's floor, as at construction, and its group_bytes unless they were chosen
-                groups = {"group_samples": _saved_group(cursor, "group_samples", GROUP_SAMPLES)}
-                if not getattr(self, "_groups_given", True):
-                    groups["group_bytes"] = _saved_group(cursor, "group_bytes", GROUP_BYTES)
+                groups = {"group_samples": saved_group(cursor, "group_samples", GROUP_SAMPLES)}
+                if not self.settled.groups_given:
+                    groups["group_bytes"] = saved_group(cursor, "group_bytes", GROUP_BYTES)
                 if any(self._order_args[key] != value for key, value in groups.items()):
                     self._order_args.update(groups)
                     self.order = self.order_with(self.working_set)
-            if isinstance(self.order, SampleOrder) and getattr(self, "_first_epoch_chosen", False):
-                first = _saved_first_epoch(cursor, True)  # breadth not chosen: the cursor's, as at construction
-                if first is not _NARROWED and first != self.order.first_epoch:
+            if isinstance(self.order, SampleOrder) and self.settled.breadth_chosen:
+                first = saved_first_epoch(cursor, True)  # breadth not chosen: the cursor's, as at construction
+                if first != NARROWED and first != self.order.first_epoch:
                     self.working_set = dataclasses.replace(self.working_set, first_epoch=first)
                     self.order = self.order_with(self.working_set)
             cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
@@ -302,12 +223,7 @@ class TieredDataset(IterableDataset):
         self.batcher.check_resume(cursor)
         if cursor.pending is not None:
             self._check_pending(cursor)
-        if cursor.inside_group and cursor.arrangement != self.arrangement():
-            saved = cursor.arrangement.to_dict()
-            raise CursorError(
-                f"cursor stopped inside a group of {saved['group']} batches (or in eval) under {saved}; "
-                f"resuming it needs the same arrangement, not {self.arrangement().to_dict()} "
-                f"(change world size or batch size at a group boundary)")
+        check_arrangement(cursor, self.arrangement())
         return cursor
 
     def _check_pending(self, cursor: LoaderCursor) -> None:
@@ -328,10 +244,10 @@ class TieredDataset(IterableDataset):
             return self._context
         if self._given is not None:
             given = self._given
-            source = self.shard_source_factory() if self.shard_source_factory else given.source
-            dataset = Dataset(given.manifest, source, columns=self._columns, location=given.location)
-        elif self.shard_source_factory is not None:
-            dataset = Dataset(self.manifest, self.shard_source_factory(), columns=self._columns, location=self.location)
+            supply = self.shards() if self.shards else given.source
+            dataset = Dataset(given.manifest, supply, columns=self._columns, location=given.location)
+        elif self.shards is not None:
+            dataset = Dataset(self.manifest, self.shards(), columns=self._columns, location=self.location)
         else:
             dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
                                    endpoint_url=self.endpoint_url)
@@ -348,7 +264,7 @@ class TieredDataset(IterableDataset):
         sources' 1 GiB default) held every block in every DataLoader worker. Epoch 0 of a narrowed
         first epoch (`order.first_epoch`) reads its lanes a group at a time, two groups at a hand-over;
         None: the widest epoch."""
-        sizes = shard_column(self.manifest, "decoded_bytes")
+        sizes: Any = shard_column(self.manifest, "decoded_bytes")
         order = self.order
         lanes, window = self.working_set.lanes, self.working_set.window_shards
         if epoch == 0 and order.first_epoch is not None:
@@ -518,10 +434,7 @@ class TieredDataset(IterableDataset):
             stream = self.stream()
         finally:
             self._resume = saved
-        group, part = divmod((start.skip if start is not None else 0) + batches - 1, self.batcher.batches_per_group)
-        if part + 1 == self.batcher.batches_per_group:
-            return stream.cursor(group)
-        return stream.cursor(group - 1, skip=part + 1)
+        return cursor_after_batches(stream, start, batches, self.batcher.batches_per_group)
 
     # -- hooks for the stager ------------------------------------------------------------
     def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:
@@ -537,12 +450,12 @@ class TieredDataset(IterableDataset):
         """The order cursor of `cursor` in this order (the start for none, or for eval)."""
         if cursor is None or cursor.order is None:
             return self.order.start()
-        if cursor.order.config_hash == self.order.config_hash:
+        if isinstance(cursor.order, OrderCursor) and cursor.order.config_hash == self.order.config_hash:
             return cursor.order
         return self.order.load(cursor.order.to_dict(), self.allow_mismatch)
 
-    def wrap_shard_source(self, wrap: Callable[[ShardSource], ShardSource]) -> None:
-        """Read this process's shards through `wrap(source)` (telemetry's fetch attribution)."""
+    def wrap_shards(self, wrap: Callable[[ShardSupply], ShardSupply]) -> None:
+        """Read this process's shards through `wrap(supply)` (telemetry's fetch attribution)."""
         dataset = self._open().dataset
         dataset.source = wrap(dataset.source)
 
@@ -565,58 +478,39 @@ class TieredDataset(IterableDataset):
                 f"world={self.world}, eval={self.eval})")
 
 
-def _saved_config(resume: LoaderCursor | None) -> dict[str, Any] | None:
-    """The order config a resumed cursor saved (None: no cursor, or one without an order)."""
-    return getattr(resume.order, "config", None) if resume is not None else None
+def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
+    """`state` as a typed cursor (a consumed batch's planned one resolved); errors name `location`."""
+    if isinstance(state, PlannedCursor):  # a consumed batch's, handed on unresolved (the stager's view)
+        return state.resolve()
+    try:
+        return LoaderCursor.parse(state)
+    except CursorError as error:
+        raise type(error)(f"{location}: {error}") from None
 
 
-def _saved_breadth(resume: LoaderCursor | None, partitions: int | None, window_shards: int | None,
-                   lanes: int | None) -> tuple[int | None, int | None, int | None]:
-    """What a resumed run did not set comes from its cursor, so the order it resumes is the one it saved."""
-    config = _saved_config(resume)
-    if not config:
-        return partitions, window_shards, lanes
-    def saved(given: int | None, name: str) -> int | None:
-        value = config.get(name)
-        return given if given is not None or not isinstance(value, int) else value
-    return saved(partitions, "partitions"), saved(window_shards, "window_shards"), saved(lanes, "lanes")
+def check_arrangement(cursor: LoaderCursor, arrangement: Arrangement) -> None:
+    """A cursor stopped inside a group resumes only under the arrangement it was saved with."""
+    if cursor.inside_group and cursor.arrangement != arrangement:
+        saved = cursor.arrangement.to_dict()
+        raise CursorError(
+            f"cursor stopped inside a group of {saved['group']} batches (or in eval) under {saved}; "
+            f"resuming it needs the same arrangement, not {arrangement.to_dict()} "
+            f"(change world size or batch size at a group boundary)")
 
 
-_NARROWED = ("narrowed",)
-"""`_saved_first_epoch`: no cursor says, so the first epoch is narrowed by the default rule."""
-
-
-def _saved_first_epoch(resume: LoaderCursor | None, narrow: bool) -> Any:
-    """A resumed run's first-epoch breadth as its cursor saved it (None: as wide as later epochs), else
-    `_NARROWED` for the default rule (working_set.first_epoch_breadth) or None when not narrowed."""
-    config = _saved_config(resume)
-    if not config:
-        return _NARROWED if narrow else None
-    saved = config.get("first_epoch")  # anything but two counts: None, so the config check names the field
-    valid = isinstance(saved, list) and len(saved) == 2 and all(type(v) is int and v >= 1 for v in saved)
-    return (saved[0], saved[1]) if valid else None
+def cursor_after_batches(stream: OrderStream, start: LoaderCursor | None, batches: int,
+                         batches_per_group: int) -> LoaderCursor:
+    """The cursor once `batches` (> 0) more output batches of `stream` (from `start`) are consumed."""
+    group, part = divmod((start.skip if start is not None else 0) + batches - 1, batches_per_group)
+    if part + 1 == batches_per_group:
+        return stream.cursor(group)
+    return stream.cursor(group - 1, skip=part + 1)
 
 
 def _largest_blocks(manifest: Any) -> Any:
     """`_largest_block` of every shard, from the per-shard columns (no object per shard)."""
     decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
     return decoded * rows // np.maximum(shard_column(manifest, "samples"), 1)
-
-
-def _largest_block(shard: ShardInfo) -> int:
-    """Decoded bytes of the shard's largest block, from its share of the rows (blocks are cut by bytes)."""
-    rows = int(block_rows(shard.blocks).max()) if shard.blocks else 0
-    return shard.decoded_bytes * rows // max(shard.samples, 1)
-
-
-def _saved_group(resume: LoaderCursor | None, key: str, default: int) -> int:
-    """A resumed cursor's `group_bytes` or `group_samples` (0 in one saved before that existed: the
-    full-window shuffle, no floor), else the default."""
-    config = _saved_config(resume)
-    if not config:
-        return default
-    value = config.get(key, 0)
-    return value if isinstance(value, int) else default
 
 
 def _other_dataset(saved: str, ours: str) -> str:
@@ -632,7 +526,7 @@ def _other_dataset(saved: str, ours: str) -> str:
 
 
 class _NoShards:
-    """A shard source for the main process's index-only Dataset: opening a shard there is a bug."""
+    """A shard supply for the main process's index-only Dataset: opening a shard there is a bug."""
 
     def __init__(self, location: str) -> None:
         self.location = location
@@ -641,5 +535,5 @@ class _NoShards:
         raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
 
 
-__all__ = ["CursorError", "LengthBuckets", "LoaderCursor", "Samples", "TieredDataset", "TokenBudget",
-           "TokenWindows", "default_partitions"]
+__all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset", "check_arrangement", "cursor_after_batches",
+           "parsed_cursor"]

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from tierflow.loader._collate import BatchRuns, CarriedBatch, enlarge_result_pipe, flatten_runs, run_length
 from tierflow.loader._lifetime import bind_workers, raising_lost_workers
 from tierflow.loader.cursor import LoaderCursor
-from tierflow.loader.dataset import TieredDataset
+from tierflow.loader.mixture import ReadDataset
 from tierflow.loader.device_feed import DeviceFeed
 from tierflow.loader.epochs import EpochClock, EpochVote
 from tierflow.loader.meta import BatchMeta
@@ -55,7 +55,7 @@ class Loader:
 
     def __init__(
         self,
-        source: TieredDataset | DataLoader,
+        source: ReadDataset | DataLoader,
         device: str | torch.device | None = None,
         *,
         num_workers: int = 0,
@@ -74,7 +74,7 @@ class Loader:
         return_meta: bool = False,
     ) -> None:
         if isinstance(source, DataLoader):
-            if not isinstance(source.dataset, TieredDataset):
+            if not isinstance(source.dataset, ReadDataset):
                 raise TypeError(f"Loader wraps a DataLoader over a TieredDataset, not {type(source.dataset).__name__}")
             if source.batch_size is not None:
                 raise ValueError(f"{source.dataset!r} batches itself: build the DataLoader with batch_size=None "
@@ -82,7 +82,7 @@ class Loader:
             if getattr(source, "in_order", True) is False:
                 raise ValueError(f"DataLoader over {source.dataset!r} has in_order=False: batches would arrive out "
                                  f"of order and the saved cursor would skip or repeat batches")
-            self.dataset: TieredDataset = source.dataset
+            self.dataset: ReadDataset = source.dataset
             self._loader_options = _options_of(source)
             self._dataloader: DataLoader | None = source
         else:
@@ -139,7 +139,7 @@ class Loader:
         self.telemetry: LoaderTelemetry | None = (
             LoaderTelemetry() if telemetry is True else telemetry if isinstance(telemetry, LoaderTelemetry) else None)
 
-    def _make_dataloader(self) -> DataLoader | TieredDataset:
+    def _make_dataloader(self) -> DataLoader | ReadDataset:
         if self._loader_options["num_workers"] == 0:
             # it batches itself; the device feed turns its arrays into tensors, and with telemetry times
             # each batch's production (`production_timer`)

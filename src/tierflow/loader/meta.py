@@ -46,7 +46,7 @@ class BatchMeta:
     """What its build opened, per serving tier: {tier: {"seconds", "opens", "bytes"}}; None: nothing."""
     metrics: WorkerSnapshot | None = None
     datasets: np.ndarray | None = None
-    """In a mixture, the dataset (its index in `datasets=[...]`) each sample came from."""
+    """In a mixture, the dataset (its index in `MixedDataset`'s datasets) each sample came from."""
 
     @property
     def cursor(self) -> LoaderCursor:

@@ -11,13 +11,16 @@ shards arrive while the model loads. A local path with no tiers reads the files 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.loader.dataset import TieredDataset
 from tierflow.loader.loader import Loader
+from tierflow.loader.mixture import MixedDataset
+from tierflow.loader.spec import specs_from
 from tierflow.loader.topology import node_index, placed_by_cache
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
 from tierflow.tiers import TierConfig, build_stack
@@ -48,8 +51,9 @@ def open_loader(
     (of the dataset's bytes at rest) or "30%disk"; the form `auto` by default: at rest unless the tier
     holds the whole decoded dataset; a `{node}` in a path becomes this node's index, see loader.topology.node_index), or over
     several URLs mixed by `weights` (each read through its own stack over the same tiers, on
-    demand: no stager). Other keywords go to TieredDataset (seed, columns, transform, filter,
-    collate, shuffle, eval, ...) or to Loader (depth, widen, dtype, epoch_end, endless, ...);
+    demand: no stager). Other keywords go to the dataset's BatchSpec (batcher, columns, transform,
+    filter, collate), its OrderSpec (seed, partitions, shuffle, group_bytes, ...), the dataset (eval,
+    world, max_batches, allow_mismatch) or to Loader (depth, widen, dtype, epoch_end, endless, ...);
     `resume` is a `loader.state_dict()` to continue from.
 
     In a job of several nodes with tiers (torch.distributed initialised, every rank calling
@@ -66,12 +70,14 @@ def open_loader(
     stacks = [] if direct else [build_stack(str(u), tiers, endpoint_url=endpoint_url, bandwidth=bandwidth,
                                             node=node) for u in urls]
     sources: list[Any] = urls if direct else [stack.dataset() for stack in stacks]
-    shape = {"batch_size": batch_size, "seq_len": seq_len, "max_tokens": max_tokens}
+    options.update(batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens)
+    batching, order = specs_from(options)  # what is left goes to the dataset
     stager = None
+    dataset: TieredDataset | MixedDataset
     if isinstance(url, (str, Path)):
         if weights is not None:
             raise ValueError("weights= mixes several datasets: pass a list of URLs")
-        dataset = TieredDataset(sources[0], **shape, **options)
+        dataset = TieredDataset(sources[0], batching, order, **options)
         pending = ((resume or {}).get("cursor") or {}).get("pending") is not None  # a rank's own stream
         if stacks and node_affinity and world is None and not pending:
             _place_by_cache(dataset, stacks[0])
@@ -79,7 +85,9 @@ def open_loader(
         events = getattr(telemetry, "events", None)  # the user's event log gets the stager's transfers too
         stager = Stager(dataset, stacks[0], events=events) if stacks else None
     else:
-        dataset = TieredDataset(datasets=sources, weights=weights, **shape, **options)
+        if options.pop("eval", False):
+            raise ValueError("eval reads one dataset once in stored order: evaluate each dataset on its own")
+        dataset = MixedDataset(sources, batching, order, weights=weights, **options)
     if len(stacks) == 1 and loader_options.get("telemetry", True) is True:
         # one registry for the loader's figures and the stack's (the stager exports it): the workers'
         # tier and cache counters, included as they ship them, reach both

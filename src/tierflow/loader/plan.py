@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Protocol
 
 import numpy as np
@@ -175,6 +174,7 @@ class Built(NamedTuple):
 class OrderStream(Protocol):
     """The rank's order batches from a cursor, as one DataLoader worker plans them."""
 
+    arrangement: Arrangement
     rank: int
     worker: int
     workers: int
@@ -225,8 +225,7 @@ class _WorkerView:
         """The output batches this worker builds, in order (endless: the caller stops at its limit)."""
         n = self.worker * self.run
         while True:
-            for k in range(n, n + self.run):
-                yield k
+            yield from range(n, n + self.run)
             n += self.workers * self.run
 
     def __init__(self, arrangement: Arrangement, rank: int, worker: int, workers: int, limit: int | None) -> None:
@@ -249,6 +248,7 @@ class TrainStream(_WorkerView):
 
     def batch(self, group: int) -> OrderBatch:
         stream = self._stream
+        assert isinstance(stream, RankStream)  # a mixed stream's batches are MixedTrainStream's
         _, ids, epochs, mask, epoch = stream.node_parts(group * stream.ranks_per_node + stream.rank)
         return OrderBatch(ids, epochs, mask, 0, epoch)
 

@@ -17,7 +17,7 @@ from typing import Any
 from tierflow.format.manifest import MANIFEST_NAME
 from tierflow.format.metadata import METADATA_NAME, referenced_tables
 from tierflow.format.shard import SHARD_PREFIX, ShardInfo
-from tierflow.storage.remote import RetryingSource, upload_shard
+from tierflow.storage.remote import RetryingStore, upload_shard
 
 UPLOADS_IN_FLIGHT = 2
 
@@ -25,7 +25,7 @@ UPLOADS_IN_FLIGHT = 2
 class ShardUploader:
     """The packer's `on_shard` hook for a remote `out`: uploads each sealed shard, then deletes it."""
 
-    def __init__(self, source: RetryingSource, in_flight: int = UPLOADS_IN_FLIGHT) -> None:
+    def __init__(self, source: RetryingStore, in_flight: int = UPLOADS_IN_FLIGHT) -> None:
         self.source = source
         self.in_flight = in_flight
         self.present = set(source.list(SHARD_PREFIX))

@@ -368,9 +368,9 @@ def _pack_remote(sources: Any, url: str, endpoint_url: str | None, **options: An
     import tempfile
 
     from tierflow.pack._upload import ShardUploader
-    from tierflow.storage.remote import SourceNotFound, open_source
+    from tierflow.storage.remote import SourceNotFound, open_store
 
-    remote = open_source(url, endpoint_url=endpoint_url)
+    remote = open_store(url, endpoint_url=endpoint_url)
     if not options["overwrite"]:
         try:
             remote.size(MANIFEST_NAME)

@@ -3,6 +3,6 @@ under a node's bandwidth budget. Below both `pack` (which writes) and `tiers` (w
 
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.storage.datasets import open_dataset
-from tierflow.storage.remote import SourceError, SourceNotFound, open_source, upload_dataset
+from tierflow.storage.remote import SourceError, SourceNotFound, open_store, upload_dataset
 
-__all__ = ["BandwidthBudget", "Priority", "SourceError", "SourceNotFound", "open_dataset", "open_source", "upload_dataset"]
+__all__ = ["BandwidthBudget", "Priority", "SourceError", "SourceNotFound", "open_dataset", "open_store", "upload_dataset"]

@@ -49,7 +49,7 @@ class FetchLimits:
     window: float = 10.0
 
     @classmethod
-    def from_env(cls) -> "FetchLimits":
+    def from_env(cls) -> FetchLimits:
         return cls(deadline=_env_float("TIERFLOW_FETCH_DEADLINE", cls.deadline),
                    min_throughput=_env_float("TIERFLOW_FETCH_MIN_THROUGHPUT", cls.min_throughput))
 
@@ -81,46 +81,28 @@ class Stalled(TimeoutError):
     """One attempt was too slow or silent; retried (transient) while the deadline lasts."""
 
 
-def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str) -> _T:
-    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`)."""
-    limit = max(0.0, min(seconds, deadline.left()))
+def _never_held() -> float:
+    return 0.0
+
+
+def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str,
+                held: Callable[[], float] = _never_held) -> _T:
+    """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`).
+
+    A call that paces itself (an upload pulling its body through the bandwidth budget) says through
+    `held()` how many seconds it has spent held back by the pacing: they count against neither
+    `seconds` nor `deadline`, only the time spent waiting on the peer does."""
     box: queue.Queue = queue.Queue(maxsize=1)
 
     def run() -> None:
         try:
             box.put((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box.put((False, exc))
-
-    started = time.monotonic()
-    threading.Thread(target=run, daemon=True, name="tierflow-fetch").start()
-    try:
-        ok, value = box.get(timeout=limit)
-    except queue.Empty:
-        raise Stalled(f"{what}: no answer within {limit:.3g} s") from None
-    finally:
-        deadline.spent += time.monotonic() - started
-    if not ok:
-        raise value
-    return value
-
-
-def call_within_paced(fn: Callable[[], _T], seconds: float, deadline: Deadline, held: Callable[[], float],
-                      what: str) -> _T:
-    """`call_within` for a call that paces itself (an upload pulling its body through the
-    bandwidth budget): the seconds `held()` reports it spent held back by the pacing count
-    against neither `seconds` nor `deadline`, only the time spent waiting on the peer does."""
-    box: queue.Queue = queue.Queue(maxsize=1)
-
-    def run() -> None:
-        try:
-            box.put((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        except BaseException as exc:  # handed to the caller
             box.put((False, exc))
 
     limit = max(0.0, min(seconds, deadline.left()))
     started = time.monotonic()
-    threading.Thread(target=run, daemon=True, name="tierflow-put").start()
+    threading.Thread(target=run, daemon=True, name="tierflow-call").start()
     try:
         while True:
             left = limit - (time.monotonic() - started - held())
@@ -169,19 +151,19 @@ class GuardedChunks:
                 if self._stop.is_set():
                     break
             item: tuple[bool, Any] = (True, self._END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        except BaseException as exc:  # handed to the consumer
             item = (False, exc)
         finally:
             close = getattr(chunks, "close", None)
             if close is not None and self._stop.is_set():
                 try:
                     close()
-                except Exception:  # noqa: BLE001 - the stream is abandoned either way
+                except Exception:  # the stream is abandoned either way
                     pass
         if not self._stop.is_set():
             self._queue.put(item)
 
-    def __iter__(self) -> "GuardedChunks":
+    def __iter__(self) -> GuardedChunks:
         return self
 
     def __next__(self) -> Any:

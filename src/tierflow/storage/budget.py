@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from tierflow.telemetry.metrics import MetricsRegistry
 
@@ -89,13 +89,13 @@ class BandwidthBudget:
     ) -> None:
         if not 0.0 <= reserve < 1.0:
             raise ValueError(f"bandwidth budget reserve must be in [0, 1), got {reserve!r}")
-        node = node_bandwidth() if node_rate is _UNSET else node_rate
+        node = node_bandwidth() if node_rate is _UNSET else cast("float | None", node_rate)
         self.reserve = reserve
         self.job = _Bucket(rate_bytes_per_s, path, burst, reserve) if rate_bytes_per_s is not None else None
         if self.job is not None and path is None:
             _private(self.job)
         self.node = _Bucket(node, node_path or budget_root() / "tierflow-bandwidth-node", None, reserve) \
-            if node is not None else None  # type: ignore[arg-type]
+            if node is not None else None
         self.waited_seconds: dict[str, float] = {"high": 0.0, "low": 0.0}
         self.acquired_bytes: dict[str, int] = {"high": 0, "low": 0}
         self._registry = registry

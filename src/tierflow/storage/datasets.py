@@ -12,7 +12,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -21,13 +21,13 @@ import xxhash
 from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_directory
-from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
+from tierflow.format.reader import ShardReader
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
 from tierflow.format.metadata import (MAX_HEADER_BYTES, METADATA_NAME, ShardNames, current_metadata, load_metadata,
                                       parse_header)
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
-from tierflow.storage.remote import RetryingSource, join_url, open_source
+from tierflow.storage.remote import RetryingStore, join_url, open_store
 
 
 def local_path(location: str | Path) -> Path | None:
@@ -50,14 +50,14 @@ def metadata_cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"tierflow-metadata-{os.getuid()}"
 
 
-def read_metadata(source: RetryingSource, cache: Path | None = None) -> Manifest | None:
+def read_metadata(source: RetryingStore, cache: Path | None = None) -> Manifest | None:
     """A remote dataset's version-3 metadata, mapped from a node-local copy, or None when it has none
     that is current (no header; or a manifest.json beside it other than the one it recorded: then the
     manifest is read as before). The header is read each time (a few KB); a table is downloaded only
     when the node has no file of its name and size (a temporary name, then a rename), and checked
     column by column on use as a local one is."""
     root = getattr(source, "root", None)
-    if isinstance(root, Path):  # a local directory (LocalSource): mapped where it lies, no copy
+    if isinstance(root, Path):  # a local directory (LocalStore): mapped where it lies, no copy
         return current_metadata(root)
     where = join_url(source.url, METADATA_NAME)
     try:
@@ -102,7 +102,7 @@ def read_metadata(source: RetryingSource, cache: Path | None = None) -> Manifest
     return load_metadata(local, where=source.url)
 
 
-def _exists(source: RetryingSource, name: str) -> bool:
+def _exists(source: RetryingStore, name: str) -> bool:
     try:
         source.size(name)
     except SourceNotFound:
@@ -110,7 +110,7 @@ def _exists(source: RetryingSource, name: str) -> bool:
     return True
 
 
-def read_manifest(source: RetryingSource) -> Manifest:
+def read_manifest(source: RetryingStore) -> Manifest:
     """The dataset's manifest (version-3 metadata when current, mapped from a node-local copy); a
     prefix without one is refused as a local directory is."""
     mapped = read_metadata(source)
@@ -119,7 +119,7 @@ def read_manifest(source: RetryingSource) -> Manifest:
     return read_manifest_json(source)[1]
 
 
-def read_manifest_json(source: RetryingSource) -> tuple[bytes, Manifest]:
+def read_manifest_json(source: RetryingStore) -> tuple[bytes, Manifest]:
     """The dataset's manifest.json, its bytes and what they say (checked as any reader checks them)."""
     where = join_url(source.url, MANIFEST_NAME)
     try:
@@ -138,7 +138,7 @@ def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Mani
     path = local_path(location)
     if path is not None:
         return Manifest.load(path)
-    return read_manifest(open_source(str(location), endpoint_url=endpoint_url))
+    return read_manifest(open_store(str(location), endpoint_url=endpoint_url))
 
 
 def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None, *,
@@ -150,45 +150,30 @@ def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest
     if path is not None:
         return open_directory(path, columns, manifest)
     url = str(url)
-    source = open_source(url, endpoint_url=endpoint_url)
+    source = open_store(url, endpoint_url=endpoint_url)
     manifest = manifest if manifest is not None else read_manifest(source)
-    return Dataset(manifest, SourceShards(source, manifest.schema), columns=columns, location=url)
+    return Dataset(manifest, ShardReader(StoreBlocks(source), manifest.schema), columns=columns, location=url)
 
 
-class SourceShards:
-    """Shards read from a source (s3://...) with one ranged read per block, each verified on use.
+class StoreBlocks:
+    """An object store's shards for a `ShardReader`: one ranged read per block (`RangeBlocks`). It
+    pickles as its store (clients are made again in the process that unpickles it: a spawned worker)."""
 
-    Reading a sample costs its block, not its shard; compressed blocks stay decoded in memory up
-    to `max_decoded_bytes`. It pickles as its source (clients are made again in the process that
-    unpickles it: a spawned DataLoader worker).
-    """
+    def __init__(self, store: RetryingStore) -> None:
+        self.store = store
 
-    def __init__(self, source: RetryingSource, schema: pa.Schema | None = None,
-                 max_decoded_bytes: int = 1 << 30) -> None:
-        self.source = source
-        self.schema = schema
-        self.max_decoded_bytes = max_decoded_bytes
-        self.cache = BlockCache(max_decoded_bytes)
-        self._tables: dict[int, LazyShardTable] = {}  # a table is its block list: cheap to keep
-        self._lock = threading.Lock()
+    def __call__(self, info: ShardInfo) -> BlockBytes:
+        return RangeBlocks(self.store, info)
 
-    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
-        with self._lock:
-            table = self._tables.get(index)
-            if table is None:
-                table = self._tables[index] = LazyShardTable(info.name, RangeBlocks(self.source, info),
-                                                             self.schema, self.cache)
-        return table
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (SourceShards, (self.source, self.schema, self.max_decoded_bytes))
+    def __repr__(self) -> str:
+        return f"StoreBlocks({self.store.url!r})"
 
 
 class RangeBlocks(BlockBytes):
     """One shard's blocks, each fetched whole with a ranged read; the last one fetched is kept, since
     opening a shard reads block 0's head for the schema and then block 0 itself."""
 
-    def __init__(self, source: RetryingSource, info: ShardInfo) -> None:
+    def __init__(self, source: RetryingStore, info: ShardInfo) -> None:
         super().__init__(info.blocks, compressed=info.compression != "none")
         self.source = source
         self.name = info.name
@@ -204,7 +189,7 @@ class RangeBlocks(BlockBytes):
         return data if length is None or length >= data.size else data.slice(0, length)
 
 
-def verify_source(source: RetryingSource, manifest: Manifest) -> list[str]:
+def verify_source(source: RetryingStore, manifest: Manifest) -> list[str]:
     """Every problem with the dataset's shards at the source, each shard hashed as it streams past
     (size, every block, the whole file) and its manifest counts checked against each block as it
     completes (the bytes cross the network once and are not kept), as sentences naming the shard and block; empty if sound."""
@@ -221,7 +206,7 @@ def verify_source(source: RetryingSource, manifest: Manifest) -> list[str]:
     return problems
 
 
-def collect_garbage(source: RetryingSource) -> list[str]:
+def collect_garbage(source: RetryingStore) -> list[str]:
     """Delete the shard objects directly under the source that its manifest does not reference
     (`tierflow gc` on a URL); returns their names.
 
@@ -232,7 +217,8 @@ def collect_garbage(source: RetryingSource) -> list[str]:
     """
     entries = source.entries()
     times = [e.modified for e in entries if e.name in (MANIFEST_NAME, METADATA_NAME)]  # the last publication
-    written = None if not times or None in times else max(times)
+    known = [t for t in times if t is not None]
+    written = max(known) if times and len(known) == len(times) else None
     keep = ShardNames(read_manifest(source))  # read after listing: never an older one
     if written is None:  # the store gives no times: nothing can be told apart from a pack in progress
         return []

@@ -3,7 +3,7 @@
 A source is a URL prefix: a local directory (a path or file://), s3:// on any S3-compatible
 endpoint (through obstore, chosen by measurement: see benchmarks/sources.py), or any other
 fsspec URL (gs, az, http, hdfs, ...: an untested pass-through to fsspec); the last two live in
-storage/s3.py and storage/fsspec_source.py. Every source retries
+storage/s3.py and storage/fsspec_store.py. Every source retries
 transient failures (5xx, throttling, resets, timeouts, bodies shorter than promised) with
 exponential backoff and full jitter, charges the bytes it moves to the node's bandwidth
 budget, and counts requests, retries and bytes. Clients are created lazily in each process
@@ -12,6 +12,7 @@ and again after a fork, since none of them survive one.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import random
@@ -27,8 +28,7 @@ from urllib.parse import urlsplit
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.errors import SourceError, SourceNotFound, SourceTimeout
-from tierflow.storage._deadline import (Deadline, FetchLimits, GuardedChunks, Stalled, call_within,
-                                       call_within_paced)
+from tierflow.storage._deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import open_regular, read_regular
 
@@ -46,7 +46,7 @@ _T = TypeVar("_T")
 
 
 @runtime_checkable
-class Source(Protocol):
+class Store(Protocol):
     """Where at-rest shards and the manifest live. Names are relative to `url` ('manifest.json')."""
 
     url: str
@@ -108,7 +108,7 @@ def check_name(url: str, name: str) -> str:
     return name
 
 
-class RetryingSource:
+class RetryingStore:
     """The retrying, budgeted, counted half every source shares; subclasses move the bytes."""
 
     scheme = "?"
@@ -137,7 +137,7 @@ class RetryingSource:
         self.chunk_bytes = chunk_bytes
         self.limits = limits or FetchLimits.from_env()
 
-    # the Source protocol
+    # the Store protocol
 
     def read_bytes(self, name: str, *, priority: Priority = "high") -> bytes:
         key = check_name(self.url, name)
@@ -200,7 +200,7 @@ class RetryingSource:
         A size other than `expected_size` fails at once (the manifest and the store disagree).
         """
         key = check_name(self.url, name)
-        progress = {"written": 0, "size": expected_size}
+        progress: dict[str, Any] = {"written": 0, "size": expected_size}
         deadline = Deadline(self.limits.total(expected_size))
 
         def attempt() -> int:
@@ -260,8 +260,8 @@ class RetryingSource:
             if not self.watchdog:
                 return self._put(key, src, size, chunks)
             try:
-                return call_within_paced(lambda: self._put(key, src, size, chunks), self.limits.chunk_wait(size),
-                                         deadline, lambda: held[0], join_url(self.url, name))
+                return call_within(lambda: self._put(key, src, size, chunks), self.limits.chunk_wait(size),
+                                   deadline, join_url(self.url, name), held=lambda: held[0])
             finally:
                 abandoned.set()
 
@@ -294,9 +294,9 @@ class RetryingSource:
         """Names of every object under the source that start with `prefix`, sorted."""
         return [entry.name for entry in self.entries(prefix)]
 
-    def entries(self, prefix: str = "") -> list[ObjectEntry]:
+    def entries(self, prefix: str = "") -> builtins.list[ObjectEntry]:
         """Every object under the source whose name starts with `prefix`, with size and age, by name."""
-        def attempt() -> list[ObjectEntry]:
+        def attempt() -> builtins.list[ObjectEntry]:
             return sorted((e for e in self._entries(prefix) if e.name.startswith(prefix)), key=lambda e: e.name)
 
         return self._retrying("list", prefix, attempt)
@@ -401,7 +401,7 @@ class RetryingSource:
     def _put(self, key: str, src: Path, size: int, chunks: Callable[[], Iterator[bytes]]) -> None:
         raise NotImplementedError
 
-    def _entries(self, prefix: str) -> list[ObjectEntry]:
+    def _entries(self, prefix: str) -> builtins.list[ObjectEntry]:
         """Objects in the smallest listing that holds every name starting with `prefix`."""
         raise NotImplementedError
 
@@ -412,7 +412,7 @@ class RetryingSource:
         return f"{type(self).__name__}({self.url!r})"
 
 
-class LocalSource(RetryingSource):
+class LocalStore(RetryingStore):
     """A directory (a local disk, or a POSIX mount of a shared file system)."""
 
     scheme = "file"
@@ -464,7 +464,7 @@ class LocalSource(RetryingSource):
         finally:
             temporary.unlink(missing_ok=True)
 
-    def _entries(self, prefix: str) -> list[ObjectEntry]:
+    def _entries(self, prefix: str) -> builtins.list[ObjectEntry]:
         start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         found = []
         for directory, _, files in os.walk(start):
@@ -495,7 +495,7 @@ class LocalSource(RetryingSource):
         return isinstance(exc, OSError)  # EIO, ESTALE: what a network mount says when it hiccups
 
 
-def open_source(
+def open_store(
     url: str,
     *,
     endpoint_url: str | None = None,
@@ -505,22 +505,22 @@ def open_source(
     registry: MetricsRegistry | None = None,
     storage_options: dict[str, Any] | None = None,
     limits: FetchLimits | None = None,
-) -> RetryingSource:
-    """The source for `url`: a path or file:// -> LocalSource, s3:// -> S3Source (obstore, never
-    s3fs), anything else -> FsspecSource (`storage_options` go to its filesystem). Without a
+) -> RetryingStore:
+    """The source for `url`: a path or file:// -> LocalStore, s3:// -> S3Store (obstore, never
+    s3fs), anything else -> FsspecStore (`storage_options` go to its filesystem). Without a
     `budget`, the source charges the node's (TIERFLOW_NODE_BANDWIDTH), which no job opts out of."""
-    from tierflow.storage.fsspec_source import FsspecSource
-    from tierflow.storage.s3 import S3Source
+    from tierflow.storage.fsspec_store import FsspecStore
+    from tierflow.storage.s3 import S3Store
 
     budget = budget if budget is not None else BandwidthBudget(registry=registry)
     options: dict[str, Any] = {"budget": budget, "retries": retries, "timeout": timeout, "registry": registry,
                                "limits": limits}
     scheme = urlsplit(url).scheme if "://" in url else ""
     if scheme in ("", "file"):
-        return LocalSource(urlsplit(url).path if scheme else url, **options)
+        return LocalStore(urlsplit(url).path if scheme else url, **options)
     if scheme == "s3":
-        return S3Source(url, endpoint_url=endpoint_url, **options)
-    return FsspecSource(url, storage_options=storage_options, **options)
+        return S3Store(url, endpoint_url=endpoint_url, **options)
+    return FsspecStore(url, storage_options=storage_options, **options)
 
 
 def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low", **options: Any) -> int:
@@ -534,7 +534,7 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     missing = [s.name for s in manifest.shards if not (local_dir / s.name).is_file()]
     if missing:
         raise FileNotFoundError(f"{local_dir}: manifest lists {len(missing)} shards not in the directory, e.g. {missing[0]}")
-    source = open_source(url, **options)
+    source = open_store(url, **options)
     present = set(source.list("shard-"))
     uploaded = sum(upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority)
                    for s in manifest.shards)
@@ -543,7 +543,7 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     return uploaded
 
 
-def upload_shard(source: RetryingSource, path: Path, name: str, nbytes: int, present: set[str], *,
+def upload_shard(source: RetryingStore, path: Path, name: str, nbytes: int, present: set[str], *,
                  priority: Priority = "low") -> bool:
     """Upload one shard unless `present` (names listed at the source) has it at its size: a shard's
     name is its content, so an unfinished earlier upload's shards are kept, not sent again."""

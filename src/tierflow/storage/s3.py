@@ -11,11 +11,14 @@ import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from tierflow.errors import SourceError, SourceNotFound
-from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingSource, TruncatedBody
+from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingStore, TruncatedBody
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig
 
 _obstore_runtime_pid: int | None = None  # the process whose obstore (tokio) runtime has started
 _CLIENT_ERROR = re.compile(r"status code: (4\d\d)")
@@ -37,7 +40,7 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-class S3Source(RetryingSource):
+class S3Store(RetryingStore):
     """s3:// on AWS or any S3-compatible endpoint, through obstore (Rust, object_store).
 
     obstore's own retries are off: this class retries, so every retry is counted and a resumed
@@ -89,10 +92,10 @@ class S3Source(RetryingSource):
         return state
 
     def _make_store(self) -> Any:
-        from obstore.store import S3Store
+        from obstore.store import S3Store as ObstoreS3
 
         seconds = timedelta(seconds=self.timeout)
-        client_options: dict[str, Any] = {
+        client_options: ClientConfig = {
             "connect_timeout": seconds,
             "read_timeout": seconds,
             "timeout": timedelta(days=1),  # a whole-request limit would cut off large, slow downloads
@@ -107,7 +110,7 @@ class S3Source(RetryingSource):
         if not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
             options["region"] = _boto3_region() or "us-east-1"
         provider = None if os.environ.get("AWS_ACCESS_KEY_ID") else _boto3_credentials()
-        return S3Store(
+        return ObstoreS3(
             self.bucket,
             prefix=self.prefix or None,
             client_options=client_options,

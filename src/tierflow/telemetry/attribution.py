@@ -1,6 +1,6 @@
 """Which tier served each batch's shards, and how long fetching them took, measured where the batch is built.
 
-`AttributedShardSource` wraps any shard source (a `TierStack`, a plain directory) and records every
+`AttributedShards` wraps any shard supply (a `TierStack`, a plain directory) and records every
 shard open into the building thread's `FetchLedger`: seconds spent and the tier that served it, as the
 tier stack reports it (the fastest tier that held the shard; a miss in L1 filled from L2 is served
 by L2, a miss everywhere by the source). Each batch's meta is stamped with its timing: production seconds
@@ -102,8 +102,8 @@ def thread_ledger() -> FetchLedger:
     return _local.ledger
 
 
-class AttributedShardSource:
-    """A shard source that records, per open, the seconds it took and the tier that served it, as the
+class AttributedShards:
+    """A shard supply that records, per open, the seconds it took and the tier that served it, as the
     tier stack reports them (`TierStack.open_served`); a source without tiers serves every open itself.
     A table this reader opened before and the stack still holds open is no new open: nothing is recorded,
     and no clock is read (most batches open only such tables)."""
@@ -171,8 +171,8 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
 
 def attribute_fetches(dataset: Any) -> None:
     """Make this process's reading context of a `TieredDataset` record its shard opens."""
-    dataset.wrap_shard_source(lambda source: source if isinstance(source, AttributedShardSource)
-                              else AttributedShardSource(source))
+    dataset.wrap_shards(lambda source: source if isinstance(source, AttributedShards)
+                              else AttributedShards(source))
 
 
 def production_timer(dataset: Any) -> Callable[[Any, float], None]:

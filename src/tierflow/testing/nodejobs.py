@@ -49,12 +49,12 @@ def pack_letters(root: Path, name: str, docs: int, seed: int) -> Path:
 
 def run_job(url: str, endpoint: str, tiers: Sequence[str], seed: int, epochs: int, out: Path) -> None:
     """One job: `epochs` epochs through `tiers` with the stager, the figures written to `out` (JSON)."""
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
     from tierflow.tiers import TierConfig, build_stack
     from tierflow.tiers.stager import Stager
 
     stack = build_stack(url, [TierConfig.parse(t) for t in tiers], endpoint_url=endpoint)
-    ds = TieredDataset(stack.dataset(), batch_size=16, seq_len=512, seed=seed)
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, seq_len=512), OrderSpec(seed=seed))
     loader = Loader(ds, stager=Stager(ds, stack), epoch_end="rank")
     dataset_bytes = sum(s.bytes for s in stack.dataset().manifest.shards)
     fetched, resident = [], []

@@ -29,11 +29,11 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endp
     capacity is a share of the dataset (`"30%"`) or whose form is `auto` (the default) is resolved
     against the dataset's manifest, read once here (`TierConfig.resolve`)."""
     from tierflow.storage.budget import BandwidthBudget
-    from tierflow.storage.remote import open_source
+    from tierflow.storage.remote import open_store
 
     registry = registry or MetricsRegistry()
     budget = BandwidthBudget(bandwidth or None, registry=registry)
-    source = open_source(url, endpoint_url=endpoint_url, budget=budget, registry=registry)
+    source = open_store(url, endpoint_url=endpoint_url, budget=budget, registry=registry)
     configs = [TierConfig.parse(t) if isinstance(t, str) else t for t in tiers]
     manifest = None
     if any(isinstance(c, TierConfig) and not c.resolved for c in configs):

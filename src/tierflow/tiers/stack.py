@@ -2,7 +2,7 @@
 
 Data moves source (L4, or a remote L3) -> L2 -> L1, each tier storing its own form (at rest
 or decoded); decoding happens once, at the first tier that stores the decoded form. The stack
-is a `ShardSource`, so `Dataset(manifest, source=stack)` reads samples through it.
+is a `ShardSupply`, so `Dataset(manifest, source=stack)` reads samples through it.
 
 A shard no tier will keep (the policy prefers what it holds, or it is larger than the tier)
 is still read once per node: it goes to the stack's staging area, a small LRU tier in host
@@ -446,7 +446,7 @@ class TierStack:
                 return Handle(Form.AT_REST, "memory", buffer=data, served_by=SOURCE)
         raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest")
 
-    # ------------------------------------------------------------ ShardSource
+    # ------------------------------------------------------------ ShardSupply
     def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
         table = self.held_open(index)
         return table if table is not None else self._open_new(index, info).table

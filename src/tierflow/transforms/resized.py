@@ -56,7 +56,7 @@ from tierflow.tiers.tier import Tier
 from tierflow.transforms.decode import ImageDecodeError, decode, size_of, to_array
 
 SOURCE_KEY = "__source__"
-"""Where a sample lives (SampleSource), set by the batchers for a transform with `needs_source`."""
+"""Where a sample lives (SampleLocation), set by the batchers for a transform with `needs_source`."""
 ENTRY_FORMAT = 2
 UNKEPT_BLOCKS = 4
 """Blocks the tier did not keep (full, or smaller than an entry) that a process holds in its memory."""
@@ -64,7 +64,7 @@ SCHEMA = pa.schema([("pixels", pa.large_binary()), ("width", pa.int32()), ("heig
                     ("checksum", pa.uint64()), ("error", pa.string())])
 
 
-class SampleSource(NamedTuple):
+class SampleLocation(NamedTuple):
     """A sample's dataset, shard, block and row: what names its cache entry and fills it; and the
     registry its reading process counts into (the cache's counters go there)."""
 
@@ -171,7 +171,7 @@ class ResizedImages:
     def _tier(self, registry: MetricsRegistry | None) -> Tier:
         """The tier, opened in this process on first use; its counters (hits, misses, bytes in and
         out) and the cache's own (blocks and bytes made) go in `registry`: the reading context's
-        (SampleSource.registry: the tier stack's, else the context's own, which a DataLoader worker
+        (SampleLocation.registry: the tier stack's, else the context's own, which a DataLoader worker
         ships to the Loader's telemetry with its batches). Read through another context's registry,
         the cache opens afresh there (its open blocks closed) so each context's counts are its own.
         None: the handle already open, else one with a registry of its own."""
@@ -228,7 +228,7 @@ class ResizedImages:
     def image(self, sample: dict, image: str, decoder: str) -> np.ndarray:
         """The sample's resized pixels: from its block's entry when the batcher said where it lives
         (SOURCE_KEY), made here otherwise (the same pixels, not kept)."""
-        source: SampleSource | None = sample.get(SOURCE_KEY)
+        source: SampleLocation | None = sample.get(SOURCE_KEY)
         if source is None:
             return self.resize(sample.get(image), decoder)
         info = source.dataset.manifest.shards[source.shard]
@@ -243,7 +243,7 @@ class ResizedImages:
                     raise self._damaged_again(key, source, e) from None
         raise AssertionError("unreachable")
 
-    def _damaged_again(self, key: str, source: SampleSource, error: _Damaged) -> ShardCorruptError:
+    def _damaged_again(self, key: str, source: SampleLocation, error: _Damaged) -> ShardCorruptError:
         name = source.dataset.manifest.shards[source.shard].name
         return ShardCorruptError(f"resized cache {self.tier.root}: entry {key} (shard {name} block {source.block}) "
                                  f"{error}, again after it was made again")
@@ -255,7 +255,7 @@ class ResizedImages:
             self.tier.quarantine(key, why, block.pin)
         block.close()
 
-    def _block(self, key: str, source: SampleSource, image: str, decoder: str) -> _Block:
+    def _block(self, key: str, source: SampleLocation, image: str, decoder: str) -> _Block:
         """The key's block, open in this process, else made or found in the tier (a hit checks the
         size; its images are checked as they are read)."""
         tier = self._tier(source.registry)
@@ -287,7 +287,7 @@ class ResizedImages:
             blocks.popitem(last=False)[1].close()
         return found
 
-    def _make(self, source: SampleSource, image: str, decoder: str) -> bytes:
+    def _make(self, source: SampleLocation, image: str, decoder: str) -> bytes:
         """The entry's bytes: every image of the block resized (an image that does not decode keeps
         its error, raised when that sample is read)."""
         table = source.dataset.shard(source.shard)

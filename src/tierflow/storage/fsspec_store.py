@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingSource
+from tierflow.storage.remote import MULTIPART_BYTES, ObjectEntry, RetryingStore
 
 
-class FsspecSource(RetryingSource):
+class FsspecStore(RetryingStore):
     """Any fsspec URL (gs://, az://, http://, hdfs://, ...). Untested pass-through: fsspec and its
     backends do the I/O, this class adds the budget, the counting and its own retries."""
 
@@ -43,7 +43,7 @@ class FsspecSource(RetryingSource):
         return state
 
     def _path(self, key: str) -> str:
-        self.fs  # resolves the root
+        _ = self.fs  # resolves the root
         return f"{self._root}/{key}" if self._root else key
 
     def _head(self, key: str) -> int:
