@@ -194,7 +194,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from tierflow.format.manifest import Manifest
     from tierflow.format._audit import audit_manifest
-    from tierflow.format.shard import verify_shard
+    from tierflow.format.verify import verify_shard
     from tierflow.storage.datasets import local_path, read_manifest, verify_source
     from tierflow.storage.remote import open_source
 

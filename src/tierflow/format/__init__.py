@@ -6,7 +6,8 @@ from tierflow.errors import ManifestError, ShardCorruptError
 from tierflow.format.dataset import Dataset, DirectorySource, ShardSource, open_directory
 from tierflow.format.index import DatasetIndex
 from tierflow.format.manifest import Manifest
-from tierflow.format.shard import Form, ShardInfo, verify_shard
+from tierflow.format.shard import Form, ShardInfo
+from tierflow.format.verify import verify_shard
 
 __all__ = ["Dataset", "DatasetIndex", "DirectorySource", "Form", "Manifest", "ManifestError", "ShardCorruptError",
            "ShardInfo", "ShardSource", "open_directory", "verify_shard"]

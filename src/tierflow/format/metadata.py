@@ -54,7 +54,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from tierflow.errors import ManifestError
+from tierflow.errors import ManifestError, ShardCorruptError
 from tierflow.format._atomic import write_atomically
 from tierflow.format.manifest import (MANIFEST_NAME, Manifest, _check_fields, schema_fields, schema_from_json,
                                       schema_to_json)
@@ -893,7 +893,6 @@ class MappedIndex:
                                  f"and this index has no way to read them")
             counts = np.asarray(self._read_block_tokens(s), dtype=np.int64)
             if counts.size != len(blocks) or int(counts.sum()) != expected:
-                from tierflow.format.shard import ShardCorruptError
                 raise ShardCorruptError(f"shard {self.tables.name(s)}: its blocks hold {int(counts.sum())} tokens in "
                                         f"{counts.size} blocks, the metadata says {expected} in {len(blocks)}")
         found = np.zeros(len(counts) + 1, dtype=np.int64)

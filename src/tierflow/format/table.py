@@ -21,8 +21,10 @@ import pyarrow.types as pat
 from tierflow.format._heap import TRIM_EVERY, release_free_heap
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.index import cumulative
-from tierflow.errors import ManifestError
-from tierflow.format.shard import ShardCorruptError, block_error, block_rows, block_schema, decode_block
+from tierflow.errors import ManifestError, ShardCorruptError
+from tierflow.format.block_decoder import block_schema, decode_block
+from tierflow.format.shard import block_rows
+from tierflow.format.verify import block_error
 
 
 class _Views:
