@@ -145,6 +145,8 @@ def _array(kind: pa.DataType, nodes: Iterator[tuple[int, int]], buffers: Iterato
     layout = _kind(kind)
     if layout == "null":  # no buffers in IPC
         return pa.nulls(length)
+    if layout is None:
+        raise ValueError(f"no buffer layout for {kind} (the schema's layout was checked first)")
     own = [next(buffers) for _ in range(_BUFFERS[layout])]
     if own[0] is None and nulls:
         raise ValueError(f"a {kind} node of {nulls} nulls has no validity buffer")
@@ -188,7 +190,7 @@ def _layout(schema: pa.Schema) -> list[tuple[str, int]] | None:
     (dictionaries, unions, views, fixed-size lists, temporal types: Arrow's reader takes those)."""
     found = _LAYOUTS.get(id(schema))
     if found is None or found[0] is not schema:
-        nodes: list[tuple[str, int]] | None = []
+        nodes: list[tuple[str, int]] = []
 
         def walk(kind: pa.DataType) -> bool:
             layout = _kind(kind)
@@ -197,11 +199,10 @@ def _layout(schema: pa.Schema) -> list[tuple[str, int]] | None:
             nodes.append((layout, _BUFFERS[layout]))
             return all(walk(child.type) for child in _children(kind))
 
-        if not all(walk(field.type) for field in schema):
-            nodes = None
+        laid_out = nodes if all(walk(field.type) for field in schema) else None
         if len(_LAYOUTS) >= 256:
             _LAYOUTS.clear()
-        found = _LAYOUTS[id(schema)] = (schema, nodes)
+        found = _LAYOUTS[id(schema)] = (schema, laid_out)
     return found[1]
 
 

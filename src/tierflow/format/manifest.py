@@ -25,7 +25,7 @@ import xxhash
 
 from tierflow.format._atomic import write_atomically
 from tierflow.format._regular import read_regular
-from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, SHARD_PREFIX, SHARD_SUFFIX, BlockList, ShardInfo
 from tierflow.errors import ManifestError
 
 MANIFEST_NAME = "manifest.json"
@@ -299,6 +299,7 @@ class Manifest:
                     raise fail(f"shard {info.name}: {key} = {value} is negative or absurd")
             if info.compression not in COMPRESSIONS:
                 raise fail(f"shard {info.name}: unknown compression {info.compression!r}")
+            assert isinstance(info.blocks, BlockList)  # from_json keeps a manifest's blocks as columns
             problem = info.blocks.check(info.name, info.bytes, info.samples, info.tokens)
             if problem is not None:
                 raise fail(problem)

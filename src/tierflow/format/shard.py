@@ -17,7 +17,7 @@ import binascii
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -142,7 +142,7 @@ class BlockList(Sequence[Block]):
             counts = np.array(tokens, dtype=np.int64).reshape(-1) if tokens is not None else None
         except OverflowError:
             raise ValueError("a block's offset, length, rows or tokens is beyond 64 bits") from None
-        return cls(*ints, columns["checksum"], counts)
+        return cls(ints[0], ints[1], ints[2], columns["checksum"], counts)
 
     @classmethod
     def _from_table(cls, b: dict) -> "BlockList":
@@ -209,7 +209,13 @@ class BlockList(Sequence[Block]):
     def __len__(self) -> int:
         return len(self._made)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> Block: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Block]: ...
+
+    def __getitem__(self, index: int | slice) -> Block | list[Block]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         found = self._made[index]

@@ -5,7 +5,7 @@ same way (`scan_blocks` finds them again in any such file)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -42,7 +42,7 @@ def _block_tokens(block: pa.RecordBatch, column: str | None) -> int | None:
     return int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
 
 
-def _write_ipc(blocks: Sequence[pa.RecordBatch], schema: pa.Schema, sink: HashingSink,
+def _write_ipc(blocks: Iterable[pa.RecordBatch], schema: pa.Schema, sink: HashingSink,
                options: pa.ipc.IpcWriteOptions, token_column: str | None = None) -> list[Block]:
     """Write an IPC file of `blocks` through `sink`; return where each landed."""
     written = []

@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, overload
 
 import numpy as np
 import pyarrow as pa
@@ -331,7 +331,7 @@ class LazyShardTable(ShardTable):
         return self._schema
 
 
-class _LazyBlocks(SequenceABC):
+class _LazyBlocks(SequenceABC[pa.RecordBatch]):
     """`table.blocks` of a lazy table: indexing loads (and verifies) that block."""
 
     def __init__(self, table: LazyShardTable) -> None:
@@ -340,7 +340,13 @@ class _LazyBlocks(SequenceABC):
     def __len__(self) -> int:
         return self._table.num_blocks
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> pa.RecordBatch: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[pa.RecordBatch]: ...
+
+    def __getitem__(self, index: int | slice) -> pa.RecordBatch | list[pa.RecordBatch]:
         if isinstance(index, slice):
             return [self._table.block(i) for i in range(*index.indices(len(self)))]
         if index < 0:
