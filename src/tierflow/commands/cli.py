@@ -198,7 +198,8 @@ def _verify(args: argparse.Namespace) -> int:
     from tierflow.storage.datasets import local_path, read_manifest, verify_source
     from tierflow.storage.remote import open_source
 
-    from tierflow.format.metadata import MappedManifest, verify_metadata
+    from tierflow.format.metadata import MappedManifest
+    from tierflow.format.metadata_verify import verify_metadata
 
     root = local_path(args.dataset)
     if root is not None:
@@ -251,7 +252,7 @@ def _upgrade(args: argparse.Namespace) -> int:
     (temp file, fsync, rename); a crash before that leaves the dataset as it was."""
     import tempfile
 
-    from tierflow.format.metadata import upgrade, upgrade_source
+    from tierflow.format.metadata_writer import upgrade, upgrade_source
     from tierflow.pack.packer import DatasetLock
     from tierflow.storage.datasets import local_path
     from tierflow.storage.remote import open_source

@@ -18,7 +18,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import xxhash
@@ -170,7 +171,7 @@ def _check_totals(manifest: "Manifest", fail: Callable[[str], ManifestError]) ->
 @dataclass
 class Manifest:
     schema: pa.Schema
-    shards: list[ShardInfo]
+    shards: Sequence[ShardInfo]
     tokenizer: dict | None = None
     token_column: str | None = None
     token_dtype: str | None = None

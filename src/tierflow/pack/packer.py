@@ -32,8 +32,9 @@ import pyarrow as pa
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.metadata import (TABLE_PREFIX, TABLE_SUFFIX, ShardNames, is_published, referenced_tables,
-                                      write_with_manifest)
+from tierflow.format.metadata import TABLE_PREFIX, TABLE_SUFFIX
+from tierflow.format.metadata_index import ShardNames
+from tierflow.format.metadata_writer import is_published, referenced_tables, write_with_manifest
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.pack._assemble import ShardAssembler
 from tierflow.pack._journal import JOURNAL_NAME, PackedSoFar, PackJournal, ResumePoint, UnitsDigest, digest_before
