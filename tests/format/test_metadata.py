@@ -210,7 +210,7 @@ def test_a_hostile_header_with_a_valid_checksum_is_still_checked(packed: Path, t
 
 
 def test_gc_keeps_the_tables_the_header_names_and_drops_others(packed: Path, tmp_path: Path) -> None:
-    from tierflow.pack.packer import remove_unreferenced
+    from tierflow.pack.dataset_dir import remove_unreferenced
     out = copy(packed, tmp_path)
     stale = out / f"{md.TABLE_PREFIX}shards-{'0' * 32}{md.TABLE_SUFFIX}"
     stale.write_bytes(b"old")

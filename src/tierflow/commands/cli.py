@@ -230,7 +230,7 @@ def _verify(args: argparse.Namespace) -> int:
 @command("gc")
 def _gc(args: argparse.Namespace) -> int:
     from tierflow.format.manifest import Manifest
-    from tierflow.pack.packer import DatasetLock, remove_unreferenced
+    from tierflow.pack.dataset_dir import DatasetLock, remove_unreferenced
     from tierflow.storage.datasets import collect_garbage, local_path
     from tierflow.storage.remote import open_source
 
@@ -253,7 +253,7 @@ def _upgrade(args: argparse.Namespace) -> int:
     import tempfile
 
     from tierflow.format.metadata_writer import upgrade, upgrade_source
-    from tierflow.pack.packer import DatasetLock
+    from tierflow.pack.dataset_dir import DatasetLock
     from tierflow.storage.datasets import local_path
     from tierflow.storage.remote import open_source
 
