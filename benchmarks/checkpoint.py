@@ -139,7 +139,7 @@ def run(data: Path, work: Path, args: argparse.Namespace, checkpoints: str | Non
         t0 = time.perf_counter()
         store.wait()
         drain = time.perf_counter() - t0
-        uploads.append(store.last_upload)
+        uploads.append(store.uploads.last_answer)
         store.close()
     loader.close()
     result: dict[str, Any] = {"steps_per_s": args.steps / elapsed, "stalls": stalls}

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from tierflow import open_dataset
-from tierflow.format.shard import read_block
+from tierflow.format.block_decoder import read_block
 from tierflow.pack.packer import pack
 from _harness import alternating, spread
 

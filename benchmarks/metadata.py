@@ -79,6 +79,7 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
     import numpy as np
 
     from tierflow.format import metadata as md
+    from tierflow.format import metadata_writer
     from tierflow.format.manifest import Manifest, compute_dataset_id, schema_fields, schema_to_json
     from tierflow.format.shard import ShardInfo
 
@@ -90,7 +91,7 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
     rng = np.random.default_rng(n)
     checksums = rng.integers(0, 2**63, size=(n, 2), dtype=np.int64).view("V16").reshape(n)
     pick = np.arange(n) % len(real)
-    shard_cols, block_cols = md.columns_from_shards(real)
+    shard_cols, block_cols = metadata_writer.columns_from_shards(real)
     per = shard_cols["blocks"]
     shards = {name: shard_cols[name][pick] for name in md.SHARD_SCHEMA.names
               if name not in ("checksum", "sample_start", "token_start", "first_block")}
@@ -107,7 +108,7 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
               "eos_id": manifest.eos_id, "stats": stats}
     shutil.rmtree(new_dir, ignore_errors=True)
     new_dir.mkdir(parents=True)
-    md.write_metadata(new_dir, shard_columns=shards, block_columns=blocks, fields=fields)
+    metadata_writer.write_metadata(new_dir, shard_columns=shards, block_columns=blocks, fields=fields)
     del blocks
     if not old:
         return new_dir, None
@@ -174,7 +175,7 @@ def path_child(name: str, path: str) -> None:
 
     import tierflow
     from tierflow.commands.cli import main as cli
-    from tierflow.format import metadata as md
+    from tierflow.format import metadata_index, metadata_verify
     from tierflow.format.manifest import Manifest
     from tierflow.loader import TieredDataset, BatchSpec
 
@@ -186,14 +187,14 @@ def path_child(name: str, path: str) -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             cli(["inspect", path, "-n", "1"])
     elif name == "verify-metadata":
-        problems = md.verify_metadata(Manifest.load(path))
+        problems = metadata_verify.verify_metadata(Manifest.load(path))
         if problems:
             raise RuntimeError(problems[:3])
     elif name == "gc-names":
-        names = md.ShardNames(Manifest.load(path))
+        names = metadata_index.ShardNames(Manifest.load(path))
         assert f"shard-{'0' * 32}.arrow" not in names
     elif name == "stager-keys":
-        md.ShardKeys(Manifest.load(path)).get("0" * 32)
+        metadata_index.ShardKeys(Manifest.load(path)).get("0" * 32)
     elif name == "every-shard-object":
         sum(info.samples for info in Manifest.load(path).shards)
     took = time.perf_counter() - start

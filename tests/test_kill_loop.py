@@ -40,7 +40,8 @@ from tierflow.checkpoint.remote import open_dest, remote_steps
 from tierflow.commands.cli import main as cli_main
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.metadata import METADATA_NAME, referenced_tables
+from tierflow.format.metadata import METADATA_NAME
+from tierflow.format.metadata_writer import referenced_tables
 from tierflow.testing.faults import sample_digests, tier_problems, verified_golden as golden, write_corpus
 from tierflow.testing.killer import ForkServer, RunResult
 from tierflow.tiers import build_stack

@@ -63,7 +63,7 @@ def epoch(path: Path, kind: str) -> dict[str, float]:
 
 def decode(path: Path) -> dict[str, float]:
     """Every block read and verified, then decoded once: GB/s of decoded bytes of the decoding."""
-    from tierflow.format.shard import decode_block
+    from tierflow.format.block_decoder import decode_block
     from tierflow.storage.datasets import open_dataset
 
     dataset = open_dataset(path)

@@ -38,7 +38,7 @@ import zstandard
 
 import tierflow
 from tierflow.format._ipcmeta import batch_claims
-from tierflow.format.shard import block_stream
+from tierflow.format.block_decoder import block_stream
 from tierflow.loader import TokenWindows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

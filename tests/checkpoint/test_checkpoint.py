@@ -305,7 +305,7 @@ def test_an_upload_stretches_the_stagers_lookahead_until_it_is_done(tmp_path: Pa
     assert stager.consumption_rate() > 0 and calm < stager.node.max_bytes
     budget = BandwidthBudget(64 << 20, tmp_path / "budget", burst=1 << 20)
     store = CheckpointStore(tmp_path / "dest", tmp_path / "local", budget=budget, stager=stager)
-    store.upload_rate = 1.0  # as if the last upload had gone at 1 B/s: this one is expected to take 2**20 s
+    store.uploads.rate = 1.0  # as if the last upload had gone at 1 B/s: this one is expected to take 2**20 s
     (store.begin(8) / "model.bin").write_bytes(b"\x01" * (1 << 20))
     with budget._locked():  # the uploader cannot take a byte: the upload is in flight until released
         assert store.commit_async(8).result() == tmp_path / "local" / step_name(8)
@@ -321,7 +321,7 @@ def test_an_upload_stretches_the_stagers_lookahead_until_it_is_done(tmp_path: Pa
             next(stream)
         assert tier.m_misses.value == misses  # every read during the upload was staged ahead
     store.wait()
-    assert stager.burst_seconds() == 0.0 and store.upload_rate > 1.0  # measured on this upload
+    assert stager.burst_seconds() == 0.0 and store.uploads.rate > 1.0  # measured on this upload
     assert stager.lookahead().bytes < riding
     loader.close()
     store.close()

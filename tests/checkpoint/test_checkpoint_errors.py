@@ -38,14 +38,14 @@ def test_wait_past_its_deadline_is_a_typed_timeout_naming_the_step(tmp_path: Pat
         assert isinstance(e.value, TimeoutError) and store.uploading() == [4]
     finally:
         store.close(wait=False)  # the uploader is killed, not waited for
-    assert store._proc is None and store.latest() == 4  # the local copy is whole
+    assert store.uploads._proc is None and store.latest() == 4  # the local copy is whole
 
 
 def test_an_uploader_that_dies_fails_its_queued_steps_and_the_next_commit_starts_another(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "dest", tmp_path / "local", budget=throttled(tmp_path), keep_last=None)
     write_step(store, 1, PAYLOAD)
     write_step(store, 2, PAYLOAD)
-    dead = store._proc
+    dead = store.uploads._proc
     assert dead is not None
     dead.send_signal(signal.SIGKILL)
     with pytest.raises(CheckpointError, match=rf"dest/{step_name(1)}: upload failed: uploader exited \(-9\)"):
@@ -53,7 +53,7 @@ def test_an_uploader_that_dies_fails_its_queued_steps_and_the_next_commit_starts
     assert store.uploading() == []
     store.budget = None  # the next upload at full speed
     write_step(store, 3)
-    assert store._proc is not dead
+    assert store.uploads._proc is not dead
     store.wait(timeout=30)
     assert store.remote_steps() == {3: True} and store.latest() == 3
     store.close()
@@ -224,7 +224,7 @@ def test_an_upload_nothing_gives_a_duration_for_is_not_announced_to_the_stager(t
         write_step(store, 1)
         store.wait(timeout=30)
         assert stager.rides == [] and store.remote_steps() == {1: True}
-        assert store.upload_rate is not None and store.upload_rate > 0
+        assert store.uploads.rate is not None and store.uploads.rate > 0
 
 
 def test_an_uploader_that_dies_ends_the_stagers_rides_for_its_uploads(tmp_path: Path) -> None:
@@ -233,10 +233,10 @@ def test_an_uploader_that_dies_ends_the_stagers_rides_for_its_uploads(tmp_path: 
     write_step(store, 1, PAYLOAD)
     (ride,) = stager.rides
     assert not ride._ended.is_set()
-    store._proc.send_signal(signal.SIGKILL)
+    store.uploads._proc.send_signal(signal.SIGKILL)
     with pytest.raises(CheckpointError, match="uploader exited"):
         store.wait(timeout=30)
-    assert ride._ended.is_set() and store._rides == {}  # the loop's lookahead is not left stretched
+    assert ride._ended.is_set() and store.uploads._rides == {}  # the loop's lookahead is not left stretched
     store.close(wait=False)
 
 

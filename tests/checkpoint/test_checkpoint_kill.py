@@ -303,7 +303,7 @@ def test_upload_rate_follows_the_budget_and_training_reads_keep_theirs(tmp_path:
     store.wait()
     stop.set()
     thread.join()
-    answer = store.last_upload
+    answer = store.uploads.last_answer
     store.close()
     assert answer is not None
     reader_rate = got["bytes"] / got["seconds"]
@@ -424,8 +424,8 @@ for step, batch in enumerate(loader, start=1):
         dcp.save({"model": model_sd, "optim": opt_sd, "loader": LoaderState(loader)}, checkpoint_id=step_dir)
         store.commit(step, loader=loader, warm_batches=64)
         print("committed", step, flush=True)
-    if store.last_upload is not None and store.last_upload["step"] != uploaded:
-        uploaded = store.last_upload["step"]
+    if store.uploads.last_answer is not None and store.uploads.last_answer["step"] != uploaded:
+        uploaded = store.uploads.last_answer["step"]
         print("uploaded", uploaded, flush=True)
     time.sleep(0.01)
 """

@@ -83,12 +83,12 @@ def in_process(store: CheckpointStore) -> CheckpointStore:
     import threading
 
     def uploader() -> Any:
-        if store._proc is None:
-            store._proc = InProcessUploader()  # type: ignore[assignment]
-            threading.Thread(target=store._read_answers, args=(store._proc,), daemon=True).start()
-        return store._proc
+        if store.uploads._proc is None:
+            store.uploads._proc = InProcessUploader()  # type: ignore[assignment]
+            threading.Thread(target=store.uploads._read_answers, args=(store.uploads._proc,), daemon=True).start()
+        return store.uploads._proc
 
-    store._uploader = uploader  # type: ignore[method-assign]
+    store.uploads._uploader = uploader  # type: ignore[method-assign]
     return store
 
 

@@ -27,7 +27,9 @@ from hypothesis import strategies as st
 
 from tierflow.errors import ShardCorruptError
 from tierflow.format.blocks import open_blocks
-from tierflow.format.shard import Block, ShardWriter, decode_block
+from tierflow.format.block_decoder import decode_block
+from tierflow.format.shard import Block
+from tierflow.format.shard_writer import ShardWriter
 from tierflow.format.table import ShardTable
 
 from hostile import record_batch_metadata

@@ -16,7 +16,9 @@ import pytest
 import tierflow
 from tierflow.commands.cli import main
 from tierflow.format.manifest import ManifestError
-from tierflow.format.shard import ShardCorruptError, decode_shard, read_block
+from tierflow.errors import ShardCorruptError
+from tierflow.format.block_decoder import read_block
+from tierflow.format.shard_writer import decode_shard
 
 
 def pack_small(tmp_path: Path, n: int = 3000, **kw) -> Path:
@@ -88,11 +90,11 @@ def _row_in_block(ds, shard: int, block: int) -> int:
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_reading_a_row_verifies_and_decodes_only_its_block(tmp_path, compression, monkeypatch):
-    import tierflow.format.shard as shard_module
+    import tierflow.format.verify as verify_module
 
     out = pack_small(tmp_path, n=6000, compression=compression)
     whole = []
-    monkeypatch.setattr(shard_module, "ShardVerifier", lambda *a, **k: whole.append(a))  # whole-file checks
+    monkeypatch.setattr(verify_module, "ShardVerifier", lambda *a, **k: whole.append(a))  # whole-file checks
     ds = tierflow.open_dataset(out)
     info = ds.manifest.shards[1]
     assert info.compression == compression and len(info.blocks) >= 4
@@ -174,9 +176,9 @@ def test_decoded_blocks_are_the_decode_pools_bytes_and_go_back_to_it_when_droppe
     resident than it held), so the bytes alive are the cache's, and none once it is gone."""
     import gc
 
+    from tierflow.format.block_decoder import DECODE_POOL
     from tierflow.format.dataset import Dataset
     from tierflow.format.reader import DirectoryBlocks, ShardReader
-    from tierflow.format.shard import DECODE_POOL
 
     out = pack_small(tmp_path, n=6000)
     manifest = tierflow.Manifest.load(out)

@@ -18,7 +18,8 @@ from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.manifest import Manifest
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format.reads import TokenReader
-from tierflow.format.shard import ShardWriter, decode_shard, verify_shard
+from tierflow.format.shard_writer import ShardWriter, decode_shard
+from tierflow.format.verify import verify_shard
 from tierflow.testing.faults import write_corpus
 
 

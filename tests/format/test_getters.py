@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from tierflow.format.blocks import open_blocks
-from tierflow.format.shard import ShardWriter
+from tierflow.format.shard_writer import ShardWriter
 from tierflow.format.table import LazyShardTable, ShardTable
 
 

@@ -25,7 +25,8 @@ import tierflow
 from tierflow.errors import ManifestError, ShardCorruptError
 from tierflow.format._ipcmeta import MalformedMessage, _Table, batch_claims
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.shard import ShardWriter, block_schema, decode_shard
+from tierflow.format.block_decoder import block_schema
+from tierflow.format.shard_writer import ShardWriter, decode_shard
 
 from hostile import forge, listed, record_batch_metadata, set_rows
 
@@ -151,7 +152,8 @@ def test_decoding_a_shard_is_bounded_by_its_declared_decoded_size(tmp_path):
     info.decoded_bytes = 1 << 20  # the manifest lies: admission sized the entry at 1 MB
     rc, out, peak = run_child(f"""
         import json
-        from tierflow.format.shard import ShardInfo, decode_shard
+        from tierflow.format.shard import ShardInfo
+        from tierflow.format.shard_writer import decode_shard
         from tierflow.errors import ShardCorruptError
         info = ShardInfo.from_json(json.loads({json.dumps(info.to_json())!r}))
         try:

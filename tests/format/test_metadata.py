@@ -20,10 +20,11 @@ import pytest
 import tierflow
 from tierflow.errors import ManifestError
 from tierflow.format import metadata as md
+from tierflow.format import metadata_index, metadata_verify, metadata_writer
 from tierflow.format.dataset import Dataset
 from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.index import DatasetIndex
-from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.manifest import MANIFEST_NAME, Manifest, schema_to_json
 from tierflow.testing.faults import write_corpus
 
 
@@ -61,14 +62,14 @@ def test_pack_writes_the_tables_and_they_say_what_the_manifest_says(packed: Path
                 a.compression) == (b.name, b.samples, b.bytes, b.decoded_bytes, b.tokens, b.checksum,
                                    b.decoded_checksum, b.compression)
         assert list(a.blocks) == list(b.blocks)
-    assert md.verify_metadata(mapped) == []
+    assert metadata_verify.verify_metadata(mapped) == []
     for name in ("samples", "decoded_bytes", "largest_rows"):
         assert md.shard_column(mapped, name).tolist() == md.shard_column(old, name).tolist()
 
 
 def test_the_mapped_index_answers_as_the_parsed_one(packed: Path) -> None:
     mapped = tierflow.open_dataset(packed)
-    assert isinstance(mapped.index, md.MappedIndex)
+    assert isinstance(mapped.index, metadata_index.MappedIndex)
     old = Dataset(legacy(packed), ShardReader(DirectoryBlocks(packed)), location=str(packed))
     assert isinstance(old.index, DatasetIndex)
     rng = np.random.default_rng(1)
@@ -86,7 +87,7 @@ def test_the_mapped_index_answers_as_the_parsed_one(packed: Path) -> None:
     assert mapped.tokens(1000, 40000).tolist() == old.tokens(1000, 40000).tolist()
     again = pickle.loads(pickle.dumps(mapped.manifest))  # a worker maps the same files again
     assert isinstance(again, md.MappedManifest) and len(pickle.dumps(mapped.manifest)) < 1000
-    assert md.MappedIndex(again).locate_sample(77) == mapped.index.locate_sample(77)
+    assert metadata_index.MappedIndex(again).locate_sample(77) == mapped.index.locate_sample(77)
 
 
 def test_upgrade_turns_a_version_2_dataset_into_version_3_keeping_its_id(packed: Path, tmp_path: Path) -> None:
@@ -95,10 +96,10 @@ def test_upgrade_turns_a_version_2_dataset_into_version_3_keeping_its_id(packed:
         p.unlink()
     before = Manifest.load(out)
     assert not isinstance(before, md.MappedManifest)
-    md.upgrade(out)
+    metadata_writer.upgrade(out)
     after = Manifest.load(out)
     assert isinstance(after, md.MappedManifest) and after.dataset_id == before.dataset_id
-    assert md.verify_metadata(after) == []
+    assert metadata_verify.verify_metadata(after) == []
 
 
 def test_a_crash_before_the_header_leaves_the_old_dataset(packed: Path, tmp_path: Path, monkeypatch) -> None:
@@ -108,9 +109,9 @@ def test_a_crash_before_the_header_leaves_the_old_dataset(packed: Path, tmp_path
 
     def crash(*args, **kwargs):
         raise OSError("killed")
-    monkeypatch.setattr(md, "_publish", crash)
+    monkeypatch.setattr(metadata_writer, "_publish", crash)
     with pytest.raises(OSError):
-        md.upgrade(out)
+        metadata_writer.upgrade(out)
     loaded = Manifest.load(out)
     assert not isinstance(loaded, md.MappedManifest) and len(loaded.shards)
     assert not list(out.glob(".tmp-*"))
@@ -130,7 +131,7 @@ def test_an_unfinished_pack_has_no_dataset(packed: Path, tmp_path: Path) -> None
     (out / MANIFEST_NAME).unlink()  # the header records the manifest pack was about to publish
     with pytest.raises(ManifestError, match="no manifest"):
         Manifest.load(out)
-    assert not md.is_published(out)
+    assert not metadata_writer.is_published(out)
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -171,7 +172,7 @@ def test_a_damaged_block_row_is_refused_when_its_shard_is_used(packed: Path, tmp
     assert len(ds) == legacy(out).num_samples
     with pytest.raises(ManifestError, match="shard-.*block_digest"):
         ds[0]
-    problems = md.verify_metadata(Manifest.load(out))
+    problems = metadata_verify.verify_metadata(Manifest.load(out))
     assert problems and "column rows does not match" in problems[0]
 
 
@@ -210,7 +211,7 @@ def test_a_hostile_header_with_a_valid_checksum_is_still_checked(packed: Path, t
 
 
 def test_gc_keeps_the_tables_the_header_names_and_drops_others(packed: Path, tmp_path: Path) -> None:
-    from tierflow.pack.packer import remove_unreferenced
+    from tierflow.pack.dataset_dir import remove_unreferenced
     out = copy(packed, tmp_path)
     stale = out / f"{md.TABLE_PREFIX}shards-{'0' * 32}{md.TABLE_SUFFIX}"
     stale.write_bytes(b"old")
@@ -267,7 +268,7 @@ def test_the_cli_upgrades_verifies_inspects_and_gcs_a_version_3_dataset(packed: 
     assert main(["inspect", str(out), "-n", "1"]) == 0
     assert "samples in" in capsys.readouterr().out
     assert main(["gc", str(out)]) == 0
-    assert isinstance(Manifest.load(out), md.MappedManifest) and md.verify_metadata(Manifest.load(out)) == []
+    assert isinstance(Manifest.load(out), md.MappedManifest) and metadata_verify.verify_metadata(Manifest.load(out)) == []
     table = out / header(out)["blocks"]["file"]
     _flip(table, _column_offset(table, "checksum", 3))
     assert main(["verify", str(out)]) == 1
@@ -294,12 +295,12 @@ def _forge(out: Path, edit) -> None:
     """Rewrite the dataset's tables through the writer with `edit(shards, blocks)` applied: every hash
     recomputed, so only the reader's own checks stand between it and the lie (issue 18's attacker)."""
     m = legacy(out)
-    shards, blocks = md.columns_from_shards(m.shards)
+    shards, blocks = metadata_writer.columns_from_shards(m.shards)
     edit(shards, blocks)
-    fields = {"dataset_id": m.dataset_id, "schema": md.schema_to_json(m.schema), "tokenizer": m.tokenizer,
+    fields = {"dataset_id": m.dataset_id, "schema": schema_to_json(m.schema), "tokenizer": m.tokenizer,
               "token_column": m.token_column, "token_dtype": m.token_dtype, "eos_id": m.eos_id, "stats": {}}
     (out / MANIFEST_NAME).unlink()
-    md.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields)
+    metadata_writer.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields)
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -313,7 +314,7 @@ def test_hostile_tables_with_every_hash_recomputed_are_refused(packed: Path, tmp
     out = copy(packed, tmp_path)
     _forge(out, edit)
     manifest = Manifest.load(out)
-    problems = md.verify_metadata(manifest)
+    problems = metadata_verify.verify_metadata(manifest)
     assert len(problems) == 1 and re.search(match, problems[0]) and manifest.tables.name(2) in problems[0]
     with pytest.raises(ManifestError, match=match):
         manifest.shards[2]
@@ -339,14 +340,14 @@ def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_hea
                                                                                    monkeypatch) -> None:
     out = copy(packed, tmp_path)
     old = legacy(out)
-    md.write_with_manifest(out, old, legacy_max_shards=0)
-    assert not (out / MANIFEST_NAME).exists() and md.is_published(out)
+    metadata_writer.write_with_manifest(out, old, legacy_max_shards=0)
+    assert not (out / MANIFEST_NAME).exists() and metadata_writer.is_published(out)
     assert isinstance(Manifest.load(out), md.MappedManifest)
     out2 = tmp_path / "again"
     shutil.copytree(packed, out2)
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError):
-        md.write_with_manifest(out2, old, legacy_max_shards=0)
+        metadata_writer.write_with_manifest(out2, old, legacy_max_shards=0)
     monkeypatch.undo()
     still = Manifest.load(out2)  # the header recording no manifest beside an older manifest.json: the old one
     assert not isinstance(still, md.MappedManifest) and still.dataset_id == old.dataset_id

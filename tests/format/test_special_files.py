@@ -15,7 +15,7 @@ import pytest
 import tierflow
 from tierflow.errors import ManifestError, ShardCorruptError, SourceError
 from tierflow.format._regular import read_regular
-from tierflow.format.shard import verify_shard
+from tierflow.format.verify import verify_shard
 from tierflow.storage.remote import open_store
 from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import Tier

@@ -10,11 +10,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import tierflow.format.shard as shard
+import tierflow.format.block_decoder as block_decoder
 from tierflow.errors import ShardCorruptError
 from tierflow.format._ipcmeta import batch_claims
+from tierflow.format.block_decoder import block_schema, decode_block
 from tierflow.format.blocks import open_blocks
-from tierflow.format.shard import Block, ShardWriter, block_schema, decode_block
+from tierflow.format.shard import Block, ShardInfo
+from tierflow.format.shard_writer import ShardWriter, decode_shard
 
 
 def _columns(n: int, rng: np.random.Generator) -> dict[str, pa.Array]:
@@ -33,7 +35,7 @@ def _columns(n: int, rng: np.random.Generator) -> dict[str, pa.Array]:
     }
 
 
-def _shard(tmp_path, columns) -> tuple[shard.ShardInfo, pa.Schema, list[bytes]]:
+def _shard(tmp_path, columns) -> tuple[ShardInfo, pa.Schema, list[bytes]]:
     rng = np.random.default_rng(3)
     first = columns(41, rng)
     schema = pa.schema([(k, v.type) for k, v in first.items()])
@@ -58,7 +60,7 @@ def test_zstd_blocks_decode_without_arrows_reader_to_the_batches_arrow_reads(tmp
     def refuse(*_):
         raise AssertionError("Arrow's reader decoded a zstd block this schema lays out")
 
-    monkeypatch.setattr(shard, "_decompressed", refuse)
+    monkeypatch.setattr(block_decoder, "_decompressed", refuse)
     for i, (data, expected) in enumerate(zip(blocks, _arrows(tmp_path, info))):
         got = decode_block(pa.py_buffer(data), schema, info.name, i, info.blocks[i], info.decoded_bytes)
         assert got.equals(expected) and got.schema.equals(schema)
@@ -72,8 +74,8 @@ def test_a_schema_without_a_layout_here_decodes_through_arrows_reader(tmp_path, 
 
     info, schema, blocks = _shard(tmp_path, columns)
     called = []
-    arrow = shard._decompressed
-    monkeypatch.setattr(shard, "_decompressed", lambda *a: called.append(1) or arrow(*a))
+    arrow = block_decoder._decompressed
+    monkeypatch.setattr(block_decoder, "_decompressed", lambda *a: called.append(1) or arrow(*a))
     for i, (data, expected) in enumerate(zip(blocks, _arrows(tmp_path, info))):
         got = decode_block(pa.py_buffer(data), schema, info.name, i, info.blocks[i], info.decoded_bytes)
         assert got.equals(expected)
@@ -100,12 +102,12 @@ def test_a_zstd_buffer_that_decodes_to_other_than_its_promise_is_refused_naming_
 def test_the_schema_read_from_block_zero_lays_out_for_the_fast_path(tmp_path):
     info, schema, blocks = _shard(tmp_path, _columns)
     found = block_schema(pa.py_buffer(blocks[0]), info.name, info.blocks[0])
-    assert shard._layout(found) is not None
+    assert block_decoder._layout(found) is not None
 
 
 def test_the_decoded_form_written_from_these_batches_is_the_one_the_manifest_hashed(tmp_path):
     """A tier's decoded copy is written from decoded blocks and verified by the manifest's decoded
     xxh3-128: the batches must serialise byte for byte as Arrow's own do."""
     info, _, _ = _shard(tmp_path, _columns)
-    size, digest = shard.decode_shard(tmp_path / info.name, tmp_path / "decoded.arrow", info)
+    size, digest = decode_shard(tmp_path / info.name, tmp_path / "decoded.arrow", info)
     assert (size, digest) == (info.decoded_bytes, info.decoded_checksum)

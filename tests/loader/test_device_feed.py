@@ -271,7 +271,7 @@ def test_views_of_one_id_buffer_widen_once_by_value(mode, tensors):
 def test_an_automatic_feed_stays_inline_without_a_step_and_takes_a_thread_with_one():
     import time
 
-    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER
+    from tierflow.loader.device_feed_readahead import AUTO_DECIDE_AFTER
 
     source = token_batches(3 * AUTO_DECIDE_AFTER)
     raw = iter(DeviceFeed(source, "cpu"))
@@ -291,7 +291,7 @@ def test_an_automatic_feed_is_not_swayed_by_a_fresh_processs_first_slow_batches(
     10-40 us; a median of its first gaps gave it a thread that cost it ~20%."""
     import time
 
-    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER
+    from tierflow.loader.device_feed_readahead import AUTO_DECIDE_AFTER
 
     source = token_batches(3 * AUTO_DECIDE_AFTER)
     feed = iter(DeviceFeed(source, "cpu"))
@@ -305,7 +305,7 @@ def test_an_automatic_feed_is_not_swayed_by_a_fresh_processs_first_slow_batches(
 def test_an_automatic_feed_leaves_the_loops_first_slow_gaps_out_of_its_choice():
     import time
 
-    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER, AUTO_WARMUP_GAPS
+    from tierflow.loader.device_feed_readahead import AUTO_DECIDE_AFTER, AUTO_WARMUP_GAPS
 
     source = token_batches(3 * AUTO_DECIDE_AFTER)
     feed = iter(DeviceFeed(source, "cpu"))

@@ -117,7 +117,8 @@ def test_a_shard_whose_compression_does_not_pay_is_rewritten_plain_from_its_own_
     import numpy as np
     import pyarrow as pa
 
-    from tierflow.format.shard import ShardWriter, verify_shard
+    from tierflow.format.shard_writer import ShardWriter
+    from tierflow.format.verify import verify_shard
 
     schema = pa.schema([("blob", pa.binary()), ("tokens", pa.list_(pa.uint16()))])
     rng = np.random.default_rng(3)

@@ -314,7 +314,7 @@ def test_a_corrupted_block_of_a_staged_entry_is_never_served(tmp_path, s3_datase
 
 
 def test_a_block_corrupt_in_every_copy_raises_naming_shard_and_block(tmp_path):
-    from tierflow.format.shard import ShardCorruptError
+    from tierflow.errors import ShardCorruptError
 
     local = make_dataset(tmp_path)
     tier = Tier(tmp_path / "node" / "l2", 1 << 30, policy="lru", form="at_rest", name="L2")
@@ -384,7 +384,8 @@ def test_a_look_at_a_tier_leaves_its_configuration_to_the_first_job(tmp_path, ca
 
 
 def test_a_form_is_given_as_a_string_kept_as_one_in_the_index_and_read_back_as_a_form(tmp_path):
-    from tierflow.format.shard import Form, verify_shard
+    from tierflow.format.shard import Form
+    from tierflow.format.verify import verify_shard
     from tierflow.tiers import TierConfig
 
     config = TierConfig("L2", str(tmp_path / "l2"), 10 << 20, form="at_rest")

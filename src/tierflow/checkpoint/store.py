@@ -35,15 +35,9 @@ streams, and kept here, so `load()` hands it out without reading it again.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
-import threading
-import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,23 +45,21 @@ from typing import Any
 
 import xxhash
 
-from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepReport, decode, encode_commit,
-                                          encode_part, fsync_dir, fsync_file, naming, parse_step, part_entries,
-                                          part_files, part_name, step_name, verify_local, write_durably)
+from tierflow.checkpoint.download import download_step
+from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepReport, encode_commit, encode_part,
+                                          fsync_dir, fsync_file, naming, parse_step, part_files, part_name,
+                                          step_name, verify_local, write_durably)
 from tierflow.checkpoint.remote import (open_dest, prune_local, prune_remote, remote_steps, retained,
                                         verify_remote)
+from tierflow.checkpoint.temporaries import Temporaries
+from tierflow.checkpoint.upload_queue import UploadQueue, stop_uploader
+from tierflow.errors import CheckpointWarning, SourceError
 from tierflow.storage.budget import BandwidthBudget
-from tierflow.errors import CheckpointTimeout, CheckpointWarning, SourceError
 from tierflow.tiers.burst import Ride, RidesBursts
 
 
 PRESTAGE_WAIT_S = 30.0
 """The longest `commit_async` holds an upload back while the stager pre-stages for it."""
-
-UNOWNED_TEMPORARY_AGE_S = 3600.0
-"""A temporary whose name carries no process id is swept once unlocked and this old."""
-
-_TEMPORARY_PID = re.compile(r"-(\d+)$")
 
 
 class CheckpointStore:
@@ -92,27 +84,20 @@ class CheckpointStore:
         dist_rank, dist_world = _distributed(group)
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world if world_size is None else world_size
-        self.last_upload: dict[str, Any] | None = None
+        self.uploads = UploadQueue(self.dest)
+        """The uploader process's jobs and answers (`uploads.last_answer`, `uploads.rate`)."""
+        self.temporaries = Temporaries(self.local)
         self._open: dict[int, Path] = {}
         self._part_hash: dict[int, str] = {}
         self._awaiting_marker: list[int] = []
-        self._results: dict[int, dict[str, Any]] = {}
-        self._pending: dict[int, threading.Event] = {}
-        self._failed: list[dict[str, Any]] = []  # failed answers `wait` has not raised yet
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen[str] | None = None
         self._source: Any = None
         self._committer: ThreadPoolExecutor | None = None
         self.stager = stager
-        self.upload_rate: float | None = None
-        """Bytes/s of the last upload (its answer's bytes over its seconds); None until one is done."""
-        self._rides: dict[int, Ride] = {}
-        self._locks: dict[Path, int] = {}  # temporaries this process owns -> the descriptor holding its flock
         self._verified: dict[int, tuple[Any, ...] | None] = {}  # steps verified deeply here -> their files' stat
         self._remote_seen: set[int] = set()  # steps committed at the destination when latest() last looked
         self.skipped: dict[int, str] = {}
         """Steps `latest()` passed over -> the first problem found (it also warned)."""
-        self.swept: list[str] = self.sweep()
+        self.swept: list[str] = self.temporaries.sweep()
         """Temporaries of dead or failed commits and downloads removed when the store opened."""
         self.requeued: list[int] = self._reconcile()
         """Committed local steps queued again at open because the destination lacked them, newest first."""
@@ -122,13 +107,8 @@ class CheckpointStore:
         """A fresh temporary directory for this rank's part of `step`; write into it, then commit.
         It is locked while this process lives; temporaries nobody holds any more are swept."""
         self._refuse_overwrite(step)
-        self.swept.extend(self.sweep())
-        tmp = self.local / f".tmp-{step_name(step)}-rank{self.rank}-{os.getpid()}"
-        self._unlock(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        with naming(tmp):
-            tmp.mkdir(parents=True)
-        self._lock_temporary(tmp)
+        self.swept.extend(self.temporaries.sweep())
+        tmp = self.temporaries.make(self.local / f".tmp-{step_name(step)}-rank{self.rank}-{os.getpid()}")
         self._open[step] = tmp
         return tmp
 
@@ -142,46 +122,6 @@ class CheckpointStore:
             raise CheckpointError(f"{self.dest or self.local}/{step_name(step)}",
                                   f"committed, and older than {step_name(floor)}, which latest() skipped "
                                   f"({self.skipped[floor]}); it is never written over")
-
-    def _lock_temporary(self, tmp: Path) -> None:
-        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # just made, under this process's own name: free
-        self._locks[tmp] = fd
-
-    def _unlock(self, tmp: Path) -> None:
-        fd = self._locks.pop(tmp, None)
-        if fd is not None:
-            os.close(fd)
-
-    def sweep(self) -> list[str]:
-        """Remove the temporaries (`.tmp-*` directories) of commits and downloads that no live
-        owner holds: unlocked (its owner's flock went with its process, or its commit failed) and
-        made by a process of this node that is gone or by this one, or unnamed and an hour old.
-        Returns the names removed."""
-        removed: list[str] = []
-        try:
-            children = [c for c in self.local.iterdir() if c.name.startswith(".tmp-")]
-        except OSError:
-            return removed
-        for child in children:
-            if child in self._locks:
-                continue
-            try:
-                fd = os.open(child, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue  # gone, or not a directory
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # a live commit or download holds it
-                if not _abandoned(child, fd):
-                    continue
-                shutil.rmtree(child, ignore_errors=True)
-                removed.append(child.name)
-            finally:
-                os.close(fd)
-        return removed
 
     def _reconcile(self) -> list[int]:
         """Queue the committed local steps retention keeps that the destination lacks or holds
@@ -226,14 +166,13 @@ class CheckpointStore:
             try:
                 final = self._durable(step, tmp, warm)
             finally:  # a failed commit leaves no temporary behind (it cannot be committed again)
-                self._unlock(tmp)
-                shutil.rmtree(tmp, ignore_errors=True)
+                self.temporaries.remove(tmp)
             if ride is not None and prestage:
                 ride.wait(timeout=min(ride.seconds, PRESTAGE_WAIT_S))
             if self.dest is not None:
                 self._submit(step, final)
         except BaseException:
-            self._end_ride(step)
+            self.uploads.end_ride(step)
             raise
         if self.dest is None and self.world_size == 1:
             prune_local(self.local, None, self.keep_last, self.keep_every, self._floor())
@@ -245,20 +184,13 @@ class CheckpointStore:
         """Tell the stager an upload of `tmp`'s bytes is coming (None: no stager, no upload, no rate)."""
         if self.stager is None or self.dest is None:
             return None
-        rate = self.upload_rate or (self.budget.rate if self.budget is not None else None)
+        rate = self.uploads.rate or (self.budget.rate if self.budget is not None else None)
         if not rate:
             return None  # nothing to expect its duration from until one upload is measured
         nbytes = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         ride = self.stager.ride_through(nbytes / rate)
-        with self._lock:
-            self._rides[step] = ride
+        self.uploads.hold_ride(step, ride)
         return ride
-
-    def _end_ride(self, step: int) -> None:
-        with self._lock:
-            ride = self._rides.pop(step, None)
-        if ride is not None:
-            ride.end()
 
     def _durable(self, step: int, tmp: Path, warm: dict[str, Any] | None) -> Path:
         """fsync, hash, manifest, rename: the step is whole and visible here."""
@@ -330,64 +262,14 @@ class CheckpointStore:
 
     # ------------------------------------------------------------ the uploader process
     def _submit(self, step: int, final: Path) -> None:
-        proc = self._uploader()
-        job = {"step": step, "rank": self.rank, "dir": str(final), "dest": self.dest,
-               "endpoint_url": self.endpoint_url, "budget": _budget_spec(self.budget),
-               "marker": self.world_size == 1, "local": str(self.local),
-               "keep_last": self.keep_last, "keep_every": self.keep_every, "floor": self._floor()}
-        with self._lock:
-            self._pending[step] = threading.Event()
-            self._results.pop(step, None)
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(job) + "\n")
-        proc.stdin.flush()
-
-    def _uploader(self) -> subprocess.Popen[str]:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        import tierflow
-
-        env = dict(os.environ)
-        root = str(Path(tierflow.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen([sys.executable, "-m", "tierflow.checkpoint.uploader"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, env=env)
-        threading.Thread(target=self._read_answers, args=(self._proc,), daemon=True,
-                         name="tierflow-ckpt-answers").start()
-        return self._proc
-
-    def _read_answers(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                continue
-            with self._lock:
-                self._results[int(answer["step"])] = answer
-                event = self._pending.pop(int(answer["step"]), None)
-                if not answer.get("ok"):
-                    self._failed.append(answer)
-            self.last_upload = answer
-            if answer.get("ok") and answer.get("bytes") and answer.get("seconds"):
-                self.upload_rate = float(answer["bytes"]) / float(answer["seconds"])
-            self._end_ride(int(answer["step"]))
-            if event is not None:
-                event.set()
-        with self._lock:  # the uploader died: nothing pending will ever be answered
-            for step, event in self._pending.items():
-                self._results[step] = {"step": step, "ok": False, "error": f"uploader exited ({proc.wait()})"}
-                self._failed.append(self._results[step])
-                event.set()
-            self._pending.clear()
-            rides, self._rides = list(self._rides.values()), {}
-        for ride in rides:
-            ride.end()
+        self.uploads.submit({"step": step, "rank": self.rank, "dir": str(final), "dest": self.dest,
+                             "endpoint_url": self.endpoint_url, "budget": _budget_spec(self.budget),
+                             "marker": self.world_size == 1, "local": str(self.local),
+                             "keep_last": self.keep_last, "keep_every": self.keep_every, "floor": self._floor()})
 
     def uploading(self) -> list[int]:
         """Steps whose upload has not finished yet."""
-        with self._lock:
-            return sorted(self._pending)
+        return self.uploads.uploading()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every queued upload has finished (raise if one failed since the last wait,
@@ -396,13 +278,7 @@ class CheckpointStore:
         if self._committer is not None:
             self._committer.shutdown(wait=True)  # background commits first: they queue uploads
             self._committer = None
-        with self._lock:
-            events = list(self._pending.items())
-        for step, event in events:
-            if not event.wait(timeout):
-                raise CheckpointTimeout(f"{self.dest}/{step_name(step)}", f"upload still running after {timeout} s")
-        with self._lock:  # every failure since the last wait, answered before this one was called or not
-            failed, self._failed = self._failed, []
+        failed = self.uploads.wait(timeout)  # every failure since the last wait
         if self.world_size > 1:
             self._settle_markers()
         if failed:
@@ -414,7 +290,7 @@ class CheckpointStore:
         import torch.distributed as dist
 
         for step in list(self._awaiting_marker):
-            result = self._results.get(step)
+            result = self.uploads.result(step)
             mine_ok = self.dest is None or bool(result and result.get("ok"))
             flag = torch.tensor([int(mine_ok)], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)  # the barrier: every part is up
@@ -535,49 +411,7 @@ class CheckpointStore:
         return self._download(step, final)
 
     def _download(self, step: int, final: Path) -> Path:
-        """Copy a step from the destination, hashing each file as it streams (one read), into a
-        locked temporary, then rename it over the local copy."""
-        source = self._dest()
-        prefix = step_name(step)
-        where = f"{source.url.rstrip('/')}/{prefix}"
-        report = verify_remote(source, step, deep=False)
-        if not report.ok:
-            raise CheckpointError(where, "; ".join(report.problems))
-        tmp = self.local / f".tmp-load-{prefix}-{os.getpid()}"
-        self._unlock(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        with naming(tmp):
-            tmp.mkdir(parents=True)
-        self._lock_temporary(tmp)
-        try:
-            marker_raw = _read_remote(source, f"{prefix}/{COMMIT_NAME}", where)
-            marker = decode(marker_raw, f"{where}/{COMMIT_NAME}")
-            for rank in sorted(int(r) for r in marker["parts"]):
-                raw = _read_remote(source, f"{prefix}/{part_name(rank)}", where)
-                for entry in part_entries(decode(raw, f"{where}/{part_name(rank)}"), f"{where}/{part_name(rank)}"):
-                    target = tmp / entry.name
-                    with naming(target):
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        digest = _download_hashed(source, f"{prefix}/{entry.name}", target, entry.size, where)
-                    if digest != entry.xxh3:
-                        raise CheckpointError(f"{where}/{entry.name}", f"checksum mismatch (xxh3 {entry.xxh3} expected)")
-                write_durably(tmp / part_name(rank), raw)
-            write_durably(tmp / COMMIT_NAME, marker_raw)
-            check = verify_local(tmp, step, deep=False)  # what was written is the step verified above
-            if not check.ok:
-                raise CheckpointError(where, "; ".join(check.problems))
-            for directory, _, files in os.walk(tmp):
-                for file in files:
-                    fsync_file(Path(directory, file))
-                fsync_dir(Path(directory))
-            with naming(final):
-                if final.exists():
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-            fsync_dir(self.local)
-        finally:
-            self._unlock(tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
+        download_step(self._dest(), step, final, self.temporaries)
         self._verified[step] = _fingerprint(final)
         return final
 
@@ -594,7 +428,7 @@ class CheckpointStore:
     def prune(self) -> list[int]:
         """Apply retention now (at the destination, then here); returns the removed steps (the
         destination's, or the local ones when there is no destination)."""
-        self.swept.extend(self.sweep())
+        self.swept.extend(self.temporaries.sweep())
         if self.dest is None:
             return prune_local(self.local, None, self.keep_last, self.keep_every, self._floor())
         removed = prune_remote(self._dest(), self.keep_last, self.keep_every, self._floor())
@@ -603,40 +437,18 @@ class CheckpointStore:
 
     def close(self, wait: bool = True) -> None:
         """Stop the uploader after the jobs in hand (`wait`), or at once."""
-        proc, self._proc = self._proc, None
+        proc = self.uploads.detach()
         if proc is None:
             return
         if wait:
             self.wait()
-        assert proc.stdin is not None  # opened as a pipe in _uploader
-        proc.stdin.close()
-        if not wait:
-            proc.kill()
-        proc.wait()
+        stop_uploader(proc, kill=not wait)
 
     def __enter__(self) -> CheckpointStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close(wait=exc[0] is None)
-
-
-def _abandoned(tmp: Path, fd: int) -> bool:
-    """Whether an unlocked temporary has no live owner: its process (the id its name ends with)
-    is gone from this node or is this one, or, without an id, it is an hour old."""
-    match = _TEMPORARY_PID.search(tmp.name)
-    if match is None:
-        return time.time() - os.fstat(fd).st_mtime > UNOWNED_TEMPORARY_AGE_S
-    pid = int(match.group(1))
-    if pid == os.getpid():
-        return True  # this process holds the lock of each temporary it is still writing
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _fingerprint(step_dir: Path) -> tuple[Any, ...] | None:
@@ -653,29 +465,6 @@ def _fingerprint(step_dir: Path) -> tuple[Any, ...] | None:
                 return None
             found.append((os.path.join(directory, file), info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns))
     return tuple(sorted(found))
-
-
-def _read_remote(source: Any, name: str, where: str) -> bytes:
-    try:
-        return source.read_bytes(name)
-    except SourceError as exc:
-        raise CheckpointError(f"{where}/{name.rsplit('/', 1)[-1]}", f"unreadable ({exc.reason or exc})") from None
-
-
-def _download_hashed(source: Any, name: str, target: Path, size: int, where: str) -> str:
-    """Stream one object to `target`, hashing the bytes as they arrive; its xxh3-128."""
-    digest = xxhash.xxh3_128()
-    with open(target, "wb") as out:
-        def write(chunk: Any) -> None:
-            out.write(chunk)
-            digest.update(chunk)
-        try:
-            source.read_into(name, write, size, priority="high")
-        except SourceError as exc:
-            raise CheckpointError(f"{where}/{name.split('/', 1)[-1]}", f"unreadable ({exc.reason or exc})") from None
-        out.flush()
-        os.fsync(out.fileno())
-    return digest.hexdigest()
 
 
 def _distributed(group: Any) -> tuple[int, int]:

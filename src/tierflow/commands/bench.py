@@ -52,7 +52,7 @@ def startup_batches(steps: int) -> int:
     """Batches of a `steps`-step run counted as start-up: the first one (processes, threads, the first
     shards) and those an automatic device feed reads inline before it settles on a thread, where the run
     is long enough to leave most of it timed."""
-    from tierflow.loader.device_feed import AUTO_DECIDE_AFTER
+    from tierflow.loader.device_feed_readahead import AUTO_DECIDE_AFTER
 
     settled = 1 + AUTO_DECIDE_AFTER
     return settled if steps >= 4 * settled else 1 if steps > 1 else 0

@@ -193,11 +193,12 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from tierflow.format.manifest import Manifest
     from tierflow.format._audit import audit_manifest
-    from tierflow.format.shard import verify_shard
+    from tierflow.format.verify import verify_shard
     from tierflow.storage.datasets import local_path, read_manifest, verify_source
     from tierflow.storage.remote import open_store
 
-    from tierflow.format.metadata import MappedManifest, verify_metadata
+    from tierflow.format.metadata import MappedManifest
+    from tierflow.format.metadata_verify import verify_metadata
 
     root = local_path(args.dataset)
     if root is not None:
@@ -228,7 +229,7 @@ def _verify(args: argparse.Namespace) -> int:
 @command("gc")
 def _gc(args: argparse.Namespace) -> int:
     from tierflow.format.manifest import Manifest
-    from tierflow.pack.packer import DatasetLock, remove_unreferenced
+    from tierflow.pack.dataset_dir import DatasetLock, remove_unreferenced
     from tierflow.storage.datasets import collect_garbage, local_path
     from tierflow.storage.remote import open_store
 
@@ -250,8 +251,8 @@ def _upgrade(args: argparse.Namespace) -> int:
     (temp file, fsync, rename); a crash before that leaves the dataset as it was."""
     import tempfile
 
-    from tierflow.format.metadata import upgrade, upgrade_source
-    from tierflow.pack.packer import DatasetLock
+    from tierflow.format.metadata_writer import upgrade, upgrade_source
+    from tierflow.pack.dataset_dir import DatasetLock
     from tierflow.storage.datasets import local_path
     from tierflow.storage.remote import open_store
 

@@ -25,7 +25,8 @@ from rich.console import Console
 from tierflow._console import folding_table, output_console
 
 from tierflow.storage.datasets import open_dataset
-from tierflow.format.shard import Form, verify_shard
+from tierflow.format.shard import Form
+from tierflow.format.verify import verify_shard
 from tierflow.pack.packer import pack
 
 STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__", "*.pyc")

@@ -7,7 +7,8 @@ from tierflow.format.dataset import Dataset, ShardSupply, open_directory
 from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.index import DatasetIndex
 from tierflow.format.manifest import Manifest
-from tierflow.format.shard import Form, ShardInfo, verify_shard
+from tierflow.format.shard import Form, ShardInfo
+from tierflow.format.verify import verify_shard
 
 __all__ = ["Dataset", "DatasetIndex", "DirectoryBlocks", "Form", "Manifest", "ManifestError", "ShardCorruptError",
            "ShardInfo", "ShardReader", "ShardSupply", "open_directory", "verify_shard"]

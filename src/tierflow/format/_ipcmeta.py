@@ -4,7 +4,7 @@ Arrow's IPC reader believes a message: a row count of 2^33, or a compressed buff
 promises a gigabyte, is allocated (or read past the body) before any check runs. This reads the
 few numbers that decide the cost (rows, field node lengths, buffer ranges, the uncompressed size
 each compressed buffer promises) straight from the message, bounds-checked, so a block can be
-refused in microseconds with no memory spent (see `tierflow.format.shard.decode_block`).
+refused in microseconds with no memory spent (see `tierflow.format.block_decoder.decode_block`).
 Layout: Arrow's Message.fbs / Schema.fbs (Message.header = RecordBatch; RecordBatch.length,
 nodes [FieldNode{length, null_count}], buffers [Buffer{offset, length}], compression
 BodyCompression{codec: LZ4_FRAME 0 | ZSTD 1}).

@@ -16,7 +16,9 @@ from typing import Any, Sequence
 import pyarrow as pa
 
 from tierflow.format._regular import fd_path, open_shard_file
-from tierflow.format.shard import Block, BlockList, Form, ShardCorruptError, ShardInfo, check_block
+from tierflow.errors import ShardCorruptError
+from tierflow.format.shard import Block, BlockList, Form, ShardInfo
+from tierflow.format.verify import check_block
 
 
 class BlockBytes:

@@ -129,7 +129,8 @@ class Dataset:
 
 def _index(manifest: Manifest, read_block_tokens: BlockTokenCounts | None) -> Any:
     """The index of a manifest: over mapped metadata (version 3) nothing is made per shard."""
-    from tierflow.format.metadata import MappedIndex, MappedManifest
+    from tierflow.format.metadata import MappedManifest
+    from tierflow.format.metadata_index import MappedIndex
     if isinstance(manifest, MappedManifest):
         return MappedIndex(manifest, read_block_tokens)
     return DatasetIndex(manifest.shards, read_block_tokens)

@@ -14,7 +14,8 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tierflow.format.shard import BlockList, ShardCorruptError, ShardInfo, block_rows, block_tokens
+from tierflow.errors import ShardCorruptError
+from tierflow.format.shard import BlockList, ShardInfo, block_rows, block_tokens
 
 BlockTokenCounts = Callable[[int], Sequence[int]]
 """shard -> its blocks' token counts, read from the blocks (for packs that did not record them)."""

@@ -18,14 +18,15 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import xxhash
 
 from tierflow.format._atomic import write_atomically
 from tierflow.format._regular import read_regular
-from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, SHARD_PREFIX, SHARD_SUFFIX, BlockList, ShardInfo
 from tierflow.errors import ManifestError
 
 MANIFEST_NAME = "manifest.json"
@@ -170,7 +171,7 @@ def _check_totals(manifest: "Manifest", fail: Callable[[str], ManifestError]) ->
 @dataclass
 class Manifest:
     schema: pa.Schema
-    shards: list[ShardInfo]
+    shards: Sequence[ShardInfo]
     tokenizer: dict | None = None
     token_column: str | None = None
     token_dtype: str | None = None
@@ -299,6 +300,7 @@ class Manifest:
                     raise fail(f"shard {info.name}: {key} = {value} is negative or absurd")
             if info.compression not in COMPRESSIONS:
                 raise fail(f"shard {info.name}: unknown compression {info.compression!r}")
+            assert isinstance(info.blocks, BlockList)  # from_json keeps a manifest's blocks as columns
             problem = info.blocks.check(info.name, info.bytes, info.samples, info.tokens)
             if problem is not None:
                 raise fail(problem)

@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, overload
 
 import numpy as np
 import pyarrow as pa
@@ -21,8 +21,10 @@ import pyarrow.types as pat
 from tierflow.format._heap import TRIM_EVERY, release_free_heap
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.index import cumulative
-from tierflow.errors import ManifestError
-from tierflow.format.shard import ShardCorruptError, block_error, block_rows, block_schema, decode_block
+from tierflow.errors import ManifestError, ShardCorruptError
+from tierflow.format.block_decoder import block_schema, decode_block
+from tierflow.format.shard import block_rows
+from tierflow.format.verify import block_error
 
 
 class _Views:
@@ -329,7 +331,7 @@ class LazyShardTable(ShardTable):
         return self._schema
 
 
-class _LazyBlocks(SequenceABC):
+class _LazyBlocks(SequenceABC[pa.RecordBatch]):
     """`table.blocks` of a lazy table: indexing loads (and verifies) that block."""
 
     def __init__(self, table: LazyShardTable) -> None:
@@ -338,7 +340,13 @@ class _LazyBlocks(SequenceABC):
     def __len__(self) -> int:
         return self._table.num_blocks
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> pa.RecordBatch: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[pa.RecordBatch]: ...
+
+    def __getitem__(self, index: int | slice) -> pa.RecordBatch | list[pa.RecordBatch]:
         if isinstance(index, slice):
             return [self._table.block(i) for i in range(*index.indices(len(self)))]
         if index < 0:

@@ -108,7 +108,8 @@ def _place_by_cache(dataset: TieredDataset, stack: Any) -> None:
     if (world.num_nodes < 2 or not stack.tiers or dataset.eval or not (dist.is_available() and dist.is_initialized())
             or dist.get_world_size() != world.world_size):
         return
-    from tierflow.format.metadata import ShardKeys, shard_column
+    from tierflow.format.metadata import shard_column
+    from tierflow.format.metadata_index import ShardKeys
     from tierflow.format.shard import Form
 
     top = stack.tiers[0]

@@ -2,6 +2,7 @@
 manifest, on every core, byte-identical whatever the number of workers (docs/format.md)."""
 
 from tierflow.errors import PackInputError
-from tierflow.pack.packer import PackSummary, pack
+from tierflow.pack.packer import pack
+from tierflow.pack.report import PackSummary
 
 __all__ = ["PackInputError", "PackSummary", "pack"]

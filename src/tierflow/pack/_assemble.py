@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from tierflow.format.shard import ShardInfo, ShardWriter
+from tierflow.format.shard import ShardInfo
+from tierflow.format.shard_writer import ShardWriter
 from tierflow.pack.tokenize import PackInputError
 
 #: shards compressing at once in the parent

@@ -27,7 +27,7 @@ import marshal
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 import pyarrow as pa
@@ -125,7 +125,7 @@ class PackJournal:
     def __init__(self, out: Path, fingerprint: str) -> None:
         self.path = out / JOURNAL_NAME
         self.fingerprint = fingerprint
-        self._file = None
+        self._file: TextIO | None = None
 
     def last_point(self) -> ResumePoint | None:
         """The last sealed shard's resume point, if the journal is this pack's and its shards are intact."""

@@ -60,7 +60,8 @@ def image_info(values: Sequence[bytes | None], where: Callable[[int], str], opti
                stats: UnitStats) -> tuple[list[pa.Array], list[int]]:
     """Info arrays (INFO_FIELDS order) of the rows kept, and the rows kept (a corrupt one is skipped
     or raises, per on_error). A null image is kept, with null info."""
-    kept, info = [], []
+    kept: list[int] = []
+    info: list[tuple[int, int, str, int] | tuple[None, None, None, None]] = []
     for i, data in enumerate(values):
         if data is None:
             info.append((None, None, None, None))

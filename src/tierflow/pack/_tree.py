@@ -183,7 +183,8 @@ def walk_file_entries(root: str, options: SourceOptions) -> Iterator[tuple[str, 
                 entries = list(listing)
         except OSError as e:
             _raise_walk_error(e)
-        files, dirs = [], []
+        files: list[os.DirEntry[str]] = []
+        dirs: list[os.DirEntry[str]] = []
         for entry in entries:
             try:
                 is_dir = entry.is_dir()

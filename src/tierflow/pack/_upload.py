@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.format.manifest import MANIFEST_NAME
-from tierflow.format.metadata import METADATA_NAME, referenced_tables
+from tierflow.format.metadata import METADATA_NAME
+from tierflow.format.metadata_writer import referenced_tables
 from tierflow.format.shard import SHARD_PREFIX, ShardInfo
 from tierflow.storage.remote import RetryingStore, upload_shard
 

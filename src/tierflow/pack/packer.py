@@ -17,303 +17,37 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
 import shutil
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.metadata import (TABLE_PREFIX, TABLE_SUFFIX, ShardNames, is_published, referenced_tables,
-                                      write_with_manifest)
-from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+from tierflow.format.metadata_writer import is_published, write_with_manifest
+from tierflow.format.shard import ShardInfo
 from tierflow.pack._assemble import ShardAssembler
-from tierflow.pack._journal import JOURNAL_NAME, PackedSoFar, PackJournal, ResumePoint, UnitsDigest, digest_before
+from tierflow.pack._journal import PackedSoFar, PackJournal, ResumePoint, UnitsDigest, digest_before
 from tierflow.pack._journal import fingerprint as options_fingerprint
-from tierflow.pack._media import has_images
-from tierflow.pack.sources import estimate_input_bytes, length_histogram, plan_units, read_unit, rows_to_batch
+from tierflow.pack.dataset_dir import TMP_DIR, DatasetLock, prepare_out, remove_unreferenced
+from tierflow.pack.report import PackProgress, PackSummary, report, skipped_note
+from tierflow.pack.sources import estimate_input_bytes, plan_units
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
+from tierflow.pack.unit_packer import PackConfig, UnitResult, run_units
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
-from tierflow.pack._workers import die_with_parent
-
-if TYPE_CHECKING:
-    from concurrent.futures import Future
 
 log = logging.getLogger("tierflow.pack")
 MIN_SHARD_BYTES = 256 << 10
 WARN_SHARD_BYTES = 64 << 20
-TMP_DIR = ".tmp-pack"
 IMAGE_BLOCK_BYTES = 1 << 20
 """Default block size of image shards: 4 MB blocks cost 3.6 CPU ms per decoded + cropped image at 2
 workers, 1 MB blocks 3.1 (benchmarks/images.py), the rest being each worker hashing whole blocks."""
-LOCK_NAME = ".tierflow.lock"
-
-
-@dataclass
-class PackConfig:
-    """Everything a worker needs; plain data so it crosses the process boundary cheaply."""
-
-    sources: SourceOptions
-    fn: Callable[[dict], dict | None] | None = None
-    tokenizer: str | None = None
-    eos_token: str | None = None
-    keep_text: bool = False
-    block_bytes: int = 1 << 20
-    tmp_dir: str = ""
-    image_block_bytes: int | None = None
-    """Blocks of a batch holding images (when block_bytes was not chosen): a read of one image
-    verifies its whole block, so big blocks multiply the bytes hashed per random image."""
-
-
-@dataclass
-class UnitResult:
-    index: int
-    where: str
-    parts: list[str]
-    stats: UnitStats
-    input_bytes: int
-    tokens: int = 0
-    histogram: np.ndarray = field(default_factory=lambda: np.zeros(64, np.int64))
-
-
-# ---------------------------------------------------------------- worker side
-
-
-def _apply_fn(batch: pa.RecordBatch, fn: Callable, stats: UnitStats, where: str) -> pa.RecordBatch | None:
-    out = []
-    for row in batch.to_pylist():
-        sample = fn(row)
-        if sample is None:
-            stats.filtered += 1
-            continue
-        out.append(sample)
-    stats.samples -= batch.num_rows - len(out)
-    return rows_to_batch(out, where) if out else None
-
-
-def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, where: str) -> pa.RecordBatch:
-    tokenizer = make_tokenizer(config.tokenizer, config.eos_token)
-    field_name = config.sources.text_field
-    texts = text_column(batch, field_name, where)
-    if texts.null_count:
-        batch = _drop_null_texts(batch, texts, config.sources, result.stats, where)
-        texts = batch.column(field_name)
-    if "text_bytes" in batch.schema.names and batch.column("text_bytes").null_count < batch.num_rows:
-        raw = batch.column("text_bytes").cast(pa.large_binary())
-        texts = pa.array([t if t is not None else r for t, r in
-                          zip(texts.cast(pa.large_binary()).to_pylist(), raw.to_pylist())], pa.large_binary())
-    offsets, ids = tokenizer.encode_arrow(texts)
-    ids = ids.astype(token_dtype(tokenizer.vocab_size), copy=False)
-    tokens = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(ids))
-    result.tokens += len(ids)
-    result.histogram += length_histogram(np.diff(offsets) - 1)
-    columns = {name: batch.column(name) for name in batch.schema.names
-               if config.keep_text or name not in (field_name, "text_bytes")}
-    columns["tokens"] = tokens
-    return pa.RecordBatch.from_pydict(columns)
-
-
-def _drop_null_texts(batch: pa.RecordBatch, texts: pa.Array, options: SourceOptions, stats: UnitStats,
-                     where: str) -> pa.RecordBatch:
-    """A record with no text to tokenise (null, and no raw bytes of a file) is bad input, never an
-    empty document: raised, or counted and dropped under on_error="skip". (Records read as they are
-    were named with their line by the reader; these come from `fn` or a Parquet file.)"""
-    missing = texts.is_null()
-    if "text_bytes" in batch.schema.names:
-        import pyarrow.compute as pc
-
-        missing = pc.and_(missing, batch.column("text_bytes").is_null())
-    rows = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
-    if not len(rows):
-        return batch
-    source = "the input" if options.require_text else "fn's output"  # tokenising without require_text: fn ran
-    for r in rows:
-        message = f"{where}: record {int(r)} of {source} has no text in {options.text_field!r} (null or missing)"
-        if options.on_error != "skip":
-            raise PackInputError(message + "; pass --on-error skip to count and skip such records")
-        stats.skip_record("null text", message)
-    stats.samples -= len(rows)
-    keep = np.setdiff1d(np.arange(batch.num_rows), rows)
-    return batch.take(pa.array(keep, pa.int64()))
-
-
-def text_column(batch: pa.RecordBatch, name: str, where: str) -> pa.Array:
-    """The column to tokenise, checked here so a wrong one is named with its file, not a cast traceback."""
-    idx = batch.schema.get_field_index(name)
-    if idx < 0:
-        raise PackInputError(f"{where}: no text field {name!r} to tokenise "
-                             f"(columns: {batch.schema.names}); pass --text-field")
-    kind = batch.schema.field(idx).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-            or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
-        raise PackInputError(f"{where}: column {name!r} is {kind}, expected string (or binary) text to tokenise; "
-                             f"pass --text-field to choose another column")
-    return batch.column(idx)
-
-
-def _split_blocks(batch: pa.RecordBatch, block_bytes: int, image_block_bytes: int | None = None
-                  ) -> Iterable[pa.RecordBatch]:
-    if batch.num_rows == 0:
-        return
-    if image_block_bytes is not None and has_images(batch.schema):
-        block_bytes = min(block_bytes, image_block_bytes)
-    per_row = max(1, batch.nbytes // batch.num_rows)
-    rows = max(1, block_bytes // per_row)
-    for start in range(0, batch.num_rows, rows):
-        yield batch.slice(start, rows)
-
-
-def pack_unit(unit: Unit, config: PackConfig) -> UnitResult:
-    """Turn one unit into uncompressed Arrow stream files (one per schema run)."""
-    stats = UnitStats()
-    where = f"{unit.path}" + (f" [bytes {unit.start}..{unit.end}]" if unit.kind == "jsonl" and unit.start else "")
-    result = UnitResult(unit.index, where, [], stats, unit.input_bytes)
-    writer, schema, sink_path = None, None, None
-    try:
-        for batch in read_unit(unit, config.sources, stats):
-            if config.fn is not None:
-                try:
-                    batch = _apply_fn(batch, config.fn, stats, where)
-                except PackInputError:
-                    raise
-                except Exception as e:
-                    raise PackInputError(f"{where}: fn raised {type(e).__name__}: {e}") from e
-                if batch is None:
-                    continue
-            if config.tokenizer is not None:
-                batch = _tokenize(batch, config, result, where)
-            if batch.num_rows == 0:
-                continue
-            if writer is None or batch.schema != schema:
-                if writer is not None:
-                    writer.close()
-                schema = batch.schema
-                sink_path = os.path.join(config.tmp_dir, f"unit-{unit.index:09d}-{len(result.parts)}.arrows")
-                writer = pa.ipc.new_stream(sink_path, schema)
-                result.parts.append(sink_path)
-            for block in _split_blocks(batch, config.block_bytes, config.image_block_bytes):
-                writer.write_batch(block)
-    finally:
-        if writer is not None:
-            writer.close()
-    return result
-
-
-def _pack_unit_in_worker(unit: Unit, config: PackConfig) -> UnitResult:
-    return pack_unit(unit, config)
-
-
-# ---------------------------------------------------------------- parent side
-
-
-@dataclass(repr=False)
-class PackSummary:
-    manifest: Manifest
-    seconds: float
-    input_bytes: int
-    units_packed: int = 0
-    """Units this run packed; with `units_resumed`, those an interrupted run had finished."""
-    units_resumed: int = 0
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.input_bytes / 1e6 / max(self.seconds, 1e-9)
-
-    def __repr__(self) -> str:
-        """One line (the dataclass's own would print the whole manifest, every shard's block table)."""
-        m = self.manifest
-        tokens = f", {m.num_tokens:,} tokens" if m.token_column else ""
-        skipped = m.stats.get("skipped_records", 0)
-        return (f"PackSummary(dataset_id={m.dataset_id!r}, {m.num_samples:,} samples{tokens} in {len(m.shards)} "
-                f"shards, {sum(s.bytes for s in m.shards) / 1e6:.1f} MB at rest, {self.seconds:.2f} s"
-                + (f", {skipped:,} records skipped" if skipped else "") + ")")
-
-
-def _prepare_out(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> None:
-    """Clear what an earlier run left, but the shards in `keep` (those a resumed pack carries on from)."""
-    out.mkdir(parents=True, exist_ok=True)
-    if is_published(out) and not overwrite:
-        raise PackInputError(f"{out} already holds a finished dataset; pass --overwrite to replace it")
-    shutil.rmtree(out / TMP_DIR, ignore_errors=True)
-    for p in out.iterdir():
-        if p.name.startswith(".tmp-") and p.is_file():
-            p.unlink()
-    if not is_published(out):
-        for p in out.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"):
-            if p.name not in keep:
-                p.unlink()  # leftovers of a pack that died before publishing its manifest
-
-
-def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
-    """Delete shard files, temporaries and a resume journal the manifest (if any) does not reference
-    (`tierflow gc`)."""
-    shards = ShardNames(manifest) if manifest is not None else set()  # no string per shard of a mapped one
-    tables = referenced_tables(out)  # the version-3 tables its header names (a header last written keeps them)
-    removed = []
-    for p in out.iterdir():
-        if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in shards) or \
-                (p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX) and p.name not in tables) or \
-                (p.name.startswith(".tmp-") and p.is_file()):
-            p.unlink()
-            removed.append(p)
-    if (out / TMP_DIR).exists():
-        shutil.rmtree(out / TMP_DIR)
-        removed.append(out / TMP_DIR)
-    if (out / JOURNAL_NAME).exists():
-        (out / JOURNAL_NAME).unlink()
-        removed.append(out / JOURNAL_NAME)
-    return removed
-
-
-_HELD_LOCK_FDS: set[int] = set()
-
-
-def _close_inherited_locks() -> None:
-    """In a forked child (a pack worker): drop the copies of the parent's lock descriptors.
-
-    An flock belongs to the open file, which fork shares: a worker still holding a copy would
-    keep the dataset locked after its parent died. Closing the copy leaves the parent's lock.
-    """
-    for fd in _HELD_LOCK_FDS:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD_LOCK_FDS.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-class DatasetLock:
-    """An exclusive kernel lock on a dataset directory, released if the holder dies."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / LOCK_NAME
-        self.fd: int | None = None
-
-    def __enter__(self) -> "DatasetLock":
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise PackInputError(f"{self.path.parent}: another tierflow process is writing this dataset") from None
-        _HELD_LOCK_FDS.add(self.fd)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self.fd is not None
-        _HELD_LOCK_FDS.discard(self.fd)
-        os.close(self.fd)
 
 
 def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None] | None = None, *,
@@ -349,17 +83,18 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
         if target_shard_bytes != 256 << 20:
             raise ValueError("give shard_size= or target_shard_bytes=, not both (they are the same setting)")
         target_shard_bytes = parse_size(shard_size)
-    options = dict(fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
-                   compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token,
-                   text_field=text_field, keep_text=keep_text, kind=kind, include=include, exclude=exclude,
-                   on_error=on_error, overwrite=overwrite, progress=progress, chunk_bytes=chunk_bytes,
-                   block_bytes=block_bytes, run_units=_engine(engine, address, workers))
+    options: dict[str, Any] = dict(
+        fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
+        compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token, text_field=text_field,
+        keep_text=keep_text, kind=kind, include=include, exclude=exclude, on_error=on_error, overwrite=overwrite,
+        progress=progress, chunk_bytes=chunk_bytes, block_bytes=block_bytes,
+        engine_run=_engine(engine, address, workers))
     target = str(out)
     if "://" not in target or target.startswith("file://"):
         summary = _pack_local(sources, Path(target.removeprefix("file://")), **options)
     else:
         summary = _pack_remote(sources, target, endpoint_url, **options)
-    _report(summary, target, progress)
+    report(summary, target, progress)
     return summary
 
 
@@ -388,12 +123,12 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 target_shard_bytes: int, compression: str, compression_level: int | None, tokenizer: str | None,
                 eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
                 exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
-                chunk_bytes: int, block_bytes: int | None, run_units: Callable | None = None,
+                chunk_bytes: int, block_bytes: int | None, engine_run: Callable | None = None,
                 on_shard: Callable[[Path, ShardInfo], None] | None = None) -> PackSummary:
     sources = _as_sources(sources)
     _check_options(target_shard_bytes, on_error)
     workers = workers or os.cpu_count() or 1
-    _check_inputs(sources, fn, workers, run_units is not None)
+    _check_inputs(sources, fn, workers, engine_run is not None)
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
                             on_error=on_error, chunk_bytes=chunk_bytes, require_text=tok is not None and fn is None)
@@ -410,14 +145,14 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                 block_bytes=block_bytes, image_block_bytes=image_block_bytes, target=target_shard_bytes,
                 compression=compression, level=compression_level), fn))
         point = _resume_point(journal, out, sources, options)
-        _prepare_out(out, overwrite, {s.name for s in point.shards} if point else set())
+        prepare_out(out, overwrite, {s.name for s in point.shards} if point else set())
         tmp_dir = out / TMP_DIR
         tmp_dir.mkdir()
         config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir),
                             image_block_bytes)
         assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
                                    "tokens" if tok is not None else None, on_shard)
-        run = _PackRun(assembler, _PackProgress(estimate_input_bytes(sources, options) if progress else None,
+        run = _PackRun(assembler, PackProgress(estimate_input_bytes(sources, options) if progress else None,
                                                 progress))
         units: Iterable[Unit] = plan_units(sources, options, run.totals)
         if journal is not None:
@@ -425,7 +160,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
             units = run.journal_to(journal, UnitsDigest(units), point)
         try:
             with run.bar:
-                (run_units or _run_units)(units, config, workers, run.consume)
+                (engine_run or run_units)(units, config, workers, run.consume)
                 assembler.flush()
                 run.bar.finish(run.totals, len(assembler.shards))
         except BaseException as e:
@@ -445,7 +180,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if not assembler.shards:
             where = ", ".join(str(s) for s in sources if isinstance(s, (str, os.PathLike))) or "the iterable"
-            raise PackInputError(f"no samples found in {where}" + _skipped_note(run.totals))
+            raise PackInputError(f"no samples found in {where}" + skipped_note(run.totals))
         manifest = run.manifest(tok)
         write_with_manifest(out, manifest)  # the version-3 tables and header, manifest.json last
         remove_unreferenced(out, manifest)
@@ -554,42 +289,6 @@ def _engine(engine: str, address: str | None, workers: int | None) -> Callable |
     return RayRunner(address, workers)
 
 
-def _run_units(units: Iterable[Unit], config: PackConfig, workers: int,
-               consume: Callable[[UnitResult], None]) -> None:
-    """Pack every unit on `workers` processes; results are consumed in unit order, from a window
-    of two units per worker, so the output never depends on which worker finished first."""
-    if workers == 1:
-        for unit in units:
-            consume(pack_unit(unit, config))
-        return
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
-                             initargs=(os.getpid(),)) as pool:  # no orphans if this process is killed
-        window: deque[Future] = deque()
-        try:
-            for unit in units:
-                window.append(pool.submit(_pack_unit_in_worker, unit, config))
-                if len(window) >= 2 * workers:
-                    consume(_unit_result(window.popleft()))
-            while window:
-                consume(_unit_result(window.popleft()))
-        except BaseException:
-            for f in window:
-                f.cancel()
-            raise
-
-
-def _unit_result(future: Future) -> UnitResult:
-    """A worker's result. Bad input is raised without the worker's traceback: its message names
-    the file and what is wrong, and 40 lines of pyarrow frames would only bury that."""
-    try:
-        return future.result()
-    except PackInputError as e:
-        raise e from None
-
-
 def _discard(out: Path, assembler: ShardAssembler, tmp_dir: Path) -> None:
     """A failed pack: drop what it wrote, unless a manifest (of an earlier pack) still needs it."""
     assembler.abort()
@@ -605,7 +304,7 @@ class _PackRun:
     `totals` also receives planning's counts (files skipped by reason, sidecars) as it goes.
     """
 
-    def __init__(self, assembler: ShardAssembler, bar: "_PackProgress") -> None:
+    def __init__(self, assembler: ShardAssembler, bar: "PackProgress") -> None:
         self.assembler = assembler
         self.bar = bar
         self.totals = UnitStats()
@@ -708,100 +407,3 @@ class _PackRun:
             token_dtype=str(token_dtype(tok.vocab_size)) if tok is not None else None,
             eos_id=tok.eos_id if tok is not None else None, stats=stats,
         )
-
-
-def _skipped_note(totals: UnitStats) -> str:
-    skipped = totals.skipped_summary()
-    return "; skipped " + _describe_skipped(skipped) if skipped else ""
-
-
-def _describe_skipped(skipped: dict[str, dict[str, Any]]) -> str:
-    return ", ".join(f"{v['count']:,} file{'s' * (v['count'] != 1)} ({reason}, e.g. {v['example']})"
-                     for reason, v in skipped.items())
-
-
-def _report(summary: PackSummary, target: str, progress: bool) -> None:
-    """Say what was not packed (always: a log warning) and, with progress, the summary table."""
-    skipped = summary.manifest.stats.get("skipped_files")
-    if skipped:
-        log.warning("%s: packed without %s", target, _describe_skipped(skipped))
-    if progress:
-        print_summary(summary, target)
-
-
-class _PackProgress:
-    """A rich progress bar (input bytes, files, samples, shards, MB/s, ETA) or nothing."""
-
-    def __init__(self, total: int | None, enabled: bool) -> None:
-        self.enabled = enabled
-        self.total = total
-        self.progress = None
-        self.started = time.perf_counter()
-        self.done = 0
-
-    def __enter__(self) -> "_PackProgress":
-        if self.enabled:
-            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(TextColumn("[bold]pack"), BarColumn(), TaskProgressColumn(),
-                                     TextColumn("{task.description}"), TimeRemainingColumn(), transient=False)
-            self.progress.start()
-            self.task = self.progress.add_task("starting", total=self.total)
-        return self
-
-    def advance(self, nbytes: int, totals: UnitStats, shards: int) -> None:
-        self.done += nbytes
-        if self.progress is not None:
-            self.progress.update(self.task, advance=nbytes, description=self._describe(totals, shards))
-
-    def finish(self, totals: UnitStats, shards: int) -> None:
-        """The final counts: every shard sealed, and the bar full (the total is known by now)."""
-        if self.progress is not None:
-            self.progress.update(self.task, total=self.done, completed=self.done,
-                                 description=self._describe(totals, shards))
-
-    def _describe(self, totals: UnitStats, shards: int) -> str:
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        return (f"{totals.files:,} files  {totals.samples:,} samples  {shards} shards  "
-                f"{self.done / 1e6 / elapsed:.1f} MB/s")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-
-def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
-    from tierflow._console import folding_table, output_console
-
-    m = summary.manifest
-    at_rest = sum(s.bytes for s in m.shards)
-    decoded = sum(s.decoded_bytes for s in m.shards)
-    table = folding_table("", "", title="packed", show_header=False)
-    rows = [
-        ("output", str(out)),
-        ("dataset id", m.dataset_id),
-        ("samples", f"{m.num_samples:,}"),
-        ("shards", f"{len(m.shards)} (at rest {at_rest / 1e6:.1f} MB, decoded {decoded / 1e6:.1f} MB, "
-                   f"ratio {decoded / max(at_rest, 1):.2f}x)"),
-        ("input", f"{summary.input_bytes / 1e6:.1f} MB, {m.stats.get('files', 0):,} files"),
-        ("time", f"{summary.seconds:.2f} s, {summary.mb_per_s:.1f} MB/s, "
-                 f"{m.stats.get('files', 0) / max(summary.seconds, 1e-9):,.0f} files/s"),
-    ]
-    if summary.units_resumed:
-        rows.append(("resumed", f"{summary.units_resumed:,} units an interrupted run had packed, "
-                                f"{summary.units_packed:,} packed now"))
-    if m.token_column:
-        rows.append(("tokens", f"{m.num_tokens:,} ({m.token_dtype}, {m.tokenizer['name']})"))
-    if m.stats.get("sidecars"):
-        rows.append(("sidecars", f"{m.stats['sidecars']:,} caption files, read with their images"))
-    if m.stats.get("kept_as_bytes"):
-        rows.append(("kept as bytes", f"{m.stats['kept_as_bytes']:,} (not valid UTF-8)"))
-    if m.stats.get("skipped_records"):
-        reasons = m.stats.get("skipped_records_by_reason") or {}
-        rows.append(("skipped", f"{m.stats['skipped_records']:,} record{'s' * (m.stats['skipped_records'] != 1)}" + (" (" + ", ".join(
-            f"{v['count']:,} {reason}, e.g. {v['example']}" for reason, v in reasons.items()) + ")" if reasons else "")))
-    if m.stats.get("skipped_files"):
-        rows.append(("skipped files", _describe_skipped(m.stats["skipped_files"])))
-    for k, v in rows:
-        table.add_row(k, v)
-    output_console().print(table)

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable
 
-from tierflow.pack.packer import PackConfig, UnitResult, pack_unit
+from tierflow.pack.unit_packer import PackConfig, UnitResult, pack_unit
 from tierflow.pack.units import Unit
 from tierflow.pack.tokenize import PackInputError
 

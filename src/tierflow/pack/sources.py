@@ -206,7 +206,8 @@ def _kind(value: Any) -> str:
         return "a boolean"
     if isinstance(value, (int, float)):
         return "a number"
-    return {str: "a string", bytes: "bytes", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    names: dict[type, str] = {str: "a string", bytes: "bytes", list: "a list", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _short(value: Any) -> str:
@@ -306,6 +307,7 @@ def read_unit(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[
     elif unit.kind == "webdataset":
         yield from media.read_webdataset(unit, options, stats)
     elif unit.kind == "records":
+        assert unit.records is not None, "a records unit carries its records"
         first = unit.index * options.records_per_unit
         batch = records_batch(unit.records, lambda i: f"record {first + i}", f"records {first}..", options, stats)
         if batch is not None:
@@ -381,10 +383,15 @@ def _read_json_document(unit: Unit, options: SourceOptions, stats: UnitStats) ->
         return
     stats.files += 1
     for start in range(0, len(rows), options.records_per_unit):
-        batch = records_batch(rows[start:start + options.records_per_unit], lambda i: f"{unit.path}: item {start + i}",
+        batch = records_batch(rows[start:start + options.records_per_unit], _item_names(unit.path, start),
                               unit.path, options, stats)
         if batch is not None:
             yield batch
+
+
+def _item_names(path: str, first: int) -> Callable[[int], str]:
+    """How a batch of a JSON array's items that starts at item `first` names its item i."""
+    return lambda i: f"{path}: item {first + i}"
 
 
 def _line_number(unit: Unit, offset_in_chunk_lines: int) -> int:
@@ -457,7 +464,9 @@ def _text_missing(table: pa.Table, name: str) -> bool:
 
 
 def _read_files(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
-    paths, texts, raw = [], [], []
+    paths: list[str] = []
+    texts: list[str | None] = []
+    raw: list[bytes | None] = []
     for rel in unit.members:
         full = os.path.join(unit.path, rel)
         try:

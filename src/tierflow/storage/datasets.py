@@ -24,9 +24,10 @@ from tierflow.format.dataset import Dataset, open_directory
 from tierflow.format.reader import ShardReader
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
-from tierflow.format.metadata import (MAX_HEADER_BYTES, METADATA_NAME, ShardNames, current_metadata, load_metadata,
-                                      parse_header)
-from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo, ShardVerifier
+from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, current_metadata, load_metadata, parse_header
+from tierflow.format.metadata_index import ShardNames
+from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
+from tierflow.format.verify import ShardVerifier
 from tierflow.storage.remote import RetryingStore, join_url, open_store
 
 

@@ -503,7 +503,7 @@ def verified_golden(out: str | os.PathLike) -> tuple[str, list[str]]:
     import tierflow
     from tierflow.format._audit import audit_manifest
     from tierflow.format.manifest import Manifest
-    from tierflow.format.shard import verify_shard
+    from tierflow.format.verify import verify_shard
 
     out = Path(out)
     manifest = Manifest.load(out)

@@ -37,13 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
+from tierflow.errors import ShardCorruptError
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import fd_path
 from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.metadata import shard_column
-from tierflow.format.shard import Block, Form, ShardCorruptError, ShardInfo, decode_shard, scan_blocks
+from tierflow.format.shard import Block, Form, ShardInfo
+from tierflow.format.shard_writer import decode_shard, scan_blocks
 from tierflow.storage.datasets import read_manifest
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry

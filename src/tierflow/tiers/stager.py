@@ -24,7 +24,8 @@ import queue
 from typing import Any
 
 from tierflow.errors import FetchError, ShardCorruptError, SourceNotFound
-from tierflow.format.metadata import ShardKeys, shard_column
+from tierflow.format.metadata import shard_column
+from tierflow.format.metadata_index import ShardKeys
 from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry

@@ -1,0 +1,193 @@
+"""Lookups over a manifest's shards that use the mapped version-3 tables when there are some: where a
+sample or a token lives (`MappedIndex`), whether a file name is a shard of the dataset (`ShardNames`),
+which shards hold an entry key (`ShardKeys`); none makes an object per shard."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tierflow.errors import ShardCorruptError
+from tierflow.format.manifest import Manifest
+from tierflow.format.metadata import CHECKSUM_HALVES, TABLE_SUFFIX, MappedManifest
+
+class MappedIndex:
+    """`DatasetIndex` over mapped metadata: where a sample or a token lives, from the shard table's
+    running sums (sample_start, token_start) and, inside a shard, its own blocks' counts, made the
+    first time that shard is looked up. Opening costs nothing per shard; a lookup costs one
+    searchsorted over the shards and one over the blocks of each shard it lands in."""
+
+    def __init__(self, manifest: MappedManifest, read_block_tokens: Callable[[int], Sequence[int]] | None = None) -> None:
+        self.manifest = manifest
+        self.tables = manifest.tables
+        self._read_block_tokens = read_block_tokens
+        self._rows: dict[int, np.ndarray] = {}
+        self._tokens: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._sample_starts: np.ndarray | None = None
+        self._token_starts: np.ndarray | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MappedIndex, (self.manifest, self._read_block_tokens))
+
+    @property
+    def first_block(self) -> np.ndarray:
+        """Shard s's first row of the block table (a global block number), length shards."""
+        return self.tables.column("first_block")
+
+    @property
+    def sample_starts(self) -> np.ndarray:
+        """[sample_start..., num_samples], length shards + 1 (made on first use: 8 bytes a shard)."""
+        if self._sample_starts is None:
+            self._sample_starts = np.append(self.tables.column("sample_start"), self.num_samples)
+        return self._sample_starts
+
+    @property
+    def token_starts(self) -> np.ndarray:
+        if self._token_starts is None:
+            self._token_starts = np.append(self.tables.column("token_start"), self.num_tokens)
+        return self._token_starts
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.tables.totals["samples"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tables.totals["tokens"])
+
+    def _block_rows(self, s: int) -> np.ndarray:
+        found = self._rows.get(s)
+        if found is None:
+            rows = self.tables.block_list(s).rows
+            found = np.zeros(rows.size + 1, dtype=np.int64)
+            np.cumsum(rows, out=found[1:])
+            self._rows[s] = found
+        return found
+
+    def _block_tokens(self, s: int) -> np.ndarray:
+        found = self._tokens.get(s)
+        if found is not None:
+            return found
+        blocks = self.tables.block_list(s)
+        expected = int(self.tables.column("tokens")[s])
+        counts = blocks.tokens
+        if counts is None:
+            if self._read_block_tokens is None:
+                raise ValueError(f"shard {self.tables.name(s)}: its blocks' token counts are not in the metadata "
+                                 f"and this index has no way to read them")
+            counts = np.asarray(self._read_block_tokens(s), dtype=np.int64)
+            if counts.size != len(blocks) or int(counts.sum()) != expected:
+                raise ShardCorruptError(f"shard {self.tables.name(s)}: its blocks hold {int(counts.sum())} tokens in "
+                                        f"{counts.size} blocks, the metadata says {expected} in {len(blocks)}")
+        found = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=found[1:])
+        with self._lock:
+            self._tokens[s] = found
+        return found
+
+    def locate_samples(self, ids: np.ndarray):
+        from tierflow.format.index import SamplePlaces
+        ids = np.asarray(ids, dtype=np.int64)
+        starts = self.tables.column("sample_start")
+        shard = starts.searchsorted(ids, side="right") - 1
+        block = np.empty_like(ids)
+        row = np.empty_like(ids)
+        for s in np.unique(shard).tolist():
+            here = shard == s
+            local = ids[here] - int(starts[s])
+            cum = self._block_rows(s)
+            b = cum.searchsorted(local, side="right") - 1
+            block[here], row[here] = b, local - cum[b]
+        return SamplePlaces(shard, block, row)
+
+    def locate_sample(self, i: int) -> tuple[int, int, int]:
+        places = self.locate_samples(np.array([i]))
+        return int(places.shard[0]), int(places.block[0]), int(places.row[0])
+
+    def token_blocks(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        starts = self.tables.column("token_start")
+        n = len(starts)
+        shard = np.clip(starts.searchsorted(positions, side="right") - 1, 0, max(n - 1, 0))
+        out = np.empty((positions.size, 4), dtype=np.int64)
+        for s in np.unique(shard).tolist():
+            here = shard == s
+            first = int(starts[s])
+            cum = self._block_tokens(s)
+            b = np.minimum(cum[1:].searchsorted(positions[here] - first, side="right"), len(cum) - 2)
+            out[here, 0], out[here, 1] = s, b
+            out[here, 2], out[here, 3] = first + cum[b], first + cum[b + 1]
+        return out
+
+    def locate_tokens(self, positions: np.ndarray):
+        from tierflow.format.index import TokenPlaces
+        positions = np.asarray(positions, dtype=np.int64)
+        rows = self.token_blocks(positions)
+        return TokenPlaces(rows[:, 0], rows[:, 1], positions - rows[:, 2], rows[:, 3] - positions)
+
+    def locate_token(self, t: int) -> tuple[int, int, int, int]:
+        shard, block, first, end = self.token_blocks(np.array([t]))[0].tolist()
+        return shard, block, t - first, end - t
+
+
+class ShardNames:
+    """The shard file names a manifest references, as a container (`name in names`): for a mapped
+    manifest a sorted copy of the checksum column (16 bytes a shard, no string per shard: gc of a
+    million shards in ~16 MB), else a set of the names."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        if isinstance(manifest, MappedManifest):
+            tables = manifest.tables
+            self._sorted: np.ndarray | None = tables.checksums().view(CHECKSUM_HALVES)[tables.column("checksum_order")]
+            self._names: set[str] = set()
+        else:
+            self._sorted = None
+            self._names = {s.name for s in manifest.shards}
+
+    def __contains__(self, name: object) -> bool:
+        if self._sorted is None:
+            return name in self._names
+        if not isinstance(name, str) or not (name.startswith("shard-") and name.endswith(TABLE_SUFFIX)):
+            return False
+        try:
+            key = np.frombuffer(bytes.fromhex(name[len("shard-"):-len(TABLE_SUFFIX)]), dtype=CHECKSUM_HALVES)
+        except ValueError:
+            return False
+        if key.size != 1:
+            return False
+        i = int(self._sorted.searchsorted(key[0]))
+        return i < len(self._sorted) and self._sorted[i] == key[0]
+
+
+class ShardKeys:
+    """Entry key (a shard's at-rest checksum) -> the shards that have it, as `.get(key, default)`:
+    for a mapped manifest a sorted view of the checksum column (24 bytes a shard, no string per
+    shard), else a dict. Equal content may repeat under one key in a repacked dataset."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._dict: dict[str, list[int]] | None = None
+        if isinstance(manifest, MappedManifest):
+            tables = manifest.tables
+            self._order = tables.column("checksum_order")  # checked: a permutation sorting the keys
+            self._sorted = tables.checksums().view(CHECKSUM_HALVES)[self._order]
+        else:
+            self._dict = {}
+            for shard, info in enumerate(manifest.shards):
+                self._dict.setdefault(info.key, []).append(shard)
+
+    def get(self, key: str, default: Any = ()) -> Any:
+        if self._dict is not None:
+            return self._dict.get(key, default)
+        try:
+            probe = np.frombuffer(bytes.fromhex(key), dtype=CHECKSUM_HALVES)
+        except ValueError:
+            return default
+        if probe.size != 1:
+            return default
+        lo = int(self._sorted.searchsorted(probe[0], side="left"))
+        hi = int(self._sorted.searchsorted(probe[0], side="right"))
+        return self._order[lo:hi].tolist() if hi > lo else default

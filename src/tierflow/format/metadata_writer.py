@@ -1,0 +1,249 @@
+"""Writing version-3 metadata (format/metadata.py describes it): the two tables under their content
+names, then the header last, atomically; publishing it beside a manifest.json (pack), upgrading a
+version-2 dataset in place or at a URL, and which table files a directory's header names (gc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from tierflow.errors import ManifestError
+from tierflow.format._atomic import write_atomically
+from tierflow.format._regular import read_regular
+from tierflow.format.manifest import MANIFEST_NAME, Manifest, max_manifest_bytes, schema_to_json
+from tierflow.format.metadata import (BLOCK_SCHEMA, CHECKSUM_HALVES, HEADER_CHECKSUM_KEY, LEGACY_MANIFEST_SHARDS,
+                                      METADATA_NAME, METADATA_VERSION, SHARD_SCHEMA, TABLE_PREFIX, TABLE_SUFFIX,
+                                      block_digest, column_digest, column_dtype, has_metadata, header_checksum)
+from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
+
+def columns_from_shards(shards: Sequence[ShardInfo]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The shard and block tables' columns for a list of shards (pack, upgrade). ValueError for a
+    shard the tables cannot hold (blocks not contiguous from 0, a value beyond its column)."""
+    n = len(shards)
+    cols: dict[str, np.ndarray] = {name: np.zeros(n, dtype=column_dtype(SHARD_SCHEMA.field(name).type))
+                                   for name in SHARD_SCHEMA.names}
+    lengths, rows, sums, tokens = [], [], [], []
+    first = 0
+    for i, s in enumerate(shards):
+        blocks = s.blocks
+        if isinstance(blocks, BlockList):
+            b_len, b_rows, b_off = blocks.lengths, blocks.rows, blocks.offsets
+            b_sum = (np.asarray(blocks.checksums, dtype=np.uint64) if not isinstance(blocks.checksums, list)
+                     else np.array([int(c, 16) for c in blocks.checksums], dtype=np.uint64))
+            b_tok = blocks.tokens
+        else:
+            b_len = np.array([b.length for b in blocks], dtype=np.int64)
+            b_rows = np.array([b.rows for b in blocks], dtype=np.int64)
+            b_off = np.array([b.offset for b in blocks], dtype=np.int64)
+            b_sum = np.array([int(b.checksum, 16) for b in blocks], dtype=np.uint64)
+            listed = [b.tokens for b in blocks]
+            b_tok = None if (not listed or None in listed) else np.array(listed, dtype=np.int64)
+        count = len(b_len)
+        if count and (int(b_off[0]) != 0 or np.any(b_off[1:] != np.cumsum(b_len)[:-1])):
+            raise ValueError(f"shard {s.name}: its blocks are not contiguous from offset 0")
+        known = b_tok is not None and count > 0
+        t = np.asarray(b_tok, dtype=np.int64) if known else np.zeros(count, dtype=np.int64)
+        for name, values in (("length", b_len), ("rows", b_rows), ("tokens", t)):
+            if count and (int(np.min(values)) < 0 or int(np.max(values)) >= 1 << 32):
+                raise ValueError(f"shard {s.name}: a block's {name} does not fit 32 bits")
+        lengths.append(np.asarray(b_len, dtype=np.uint32))
+        rows.append(np.asarray(b_rows, dtype=np.uint32))
+        sums.append(b_sum)
+        tokens.append(t.astype(np.uint32))
+        cols["checksum"][i] = np.frombuffer(bytes.fromhex(s.checksum), dtype="V16")[0]
+        cols["decoded_checksum"][i] = np.frombuffer(bytes.fromhex(s.decoded_checksum), dtype="V16")[0]
+        cols["compression"][i] = COMPRESSIONS.index(s.compression)
+        for name in ("samples", "bytes", "decoded_bytes", "tokens"):
+            cols[name][i] = getattr(s, name)
+        cols["first_block"][i], cols["blocks"][i] = first, count
+        cols["largest_rows"][i] = int(np.max(b_rows)) if count else 0
+        cols["tokens_known"][i] = int(known)
+        cols["block_digest"][i] = block_digest(lengths[-1], rows[-1], sums[-1], tokens[-1])
+        first += count
+    cols["sample_start"] = _starts(cols["samples"])
+    cols["token_start"] = _starts(cols["tokens"])
+
+    def cat(parts: list[np.ndarray], kind: str) -> np.ndarray:
+        return np.concatenate(parts).astype(kind) if parts else np.zeros(0, dtype=kind)
+    block_columns = {"length": cat(lengths, "<u4"), "rows": cat(rows, "<u4"), "checksum": cat(sums, "<u8"),
+                     "tokens": cat(tokens, "<u4")}
+    return cols, block_columns
+
+
+def checksum_order(checksums: np.ndarray) -> np.ndarray:
+    """The shards in the order of their checksums (the `checksum_order` column): with it a reader
+    checks that no shard is listed twice, and finds a shard by its key, without sorting."""
+    return np.argsort(np.ascontiguousarray(checksums).view(CHECKSUM_HALVES), kind="stable").astype(np.int64)
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(counts.size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def _arrow_column(values: np.ndarray, kind: pa.DataType) -> pa.Array:
+    if pa.types.is_fixed_size_binary(kind):
+        data = np.ascontiguousarray(values).view(np.uint8)
+        return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(data)])
+    return pa.array(np.ascontiguousarray(values, dtype=column_dtype(kind)), type=kind)
+
+
+def _write_table(directory: Path, kind: str, schema: pa.Schema, columns: dict[str, np.ndarray]) -> dict:
+    """One table as an uncompressed Arrow IPC file named by its content hash (temp file, fsync,
+    rename); its entry for the header."""
+    rows = len(next(iter(columns.values()))) if columns else 0
+    arrays = [_arrow_column(columns[name], schema.field(name).type) for name in schema.names]
+    batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+    tmp = directory / f".tmp-{os.getpid()}-{threading.get_ident()}-{kind}{TABLE_SUFFIX}"
+    digest = xxhash.xxh3_128()
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink:
+            with pa.ipc.new_file(sink, schema) as writer:
+                writer.write_batch(batch)
+        with open(tmp, "rb") as f:
+            while chunk := f.read(8 << 20):
+                digest.update(chunk)
+            os.fsync(f.fileno())
+        name = f"{TABLE_PREFIX}{kind}-{digest.hexdigest()}{TABLE_SUFFIX}"
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    hashes = {name: column_digest(_column_bytes(arr)) for name, arr in zip(schema.names, arrays)}
+    return {"file": name, "rows": rows, "size": (directory / name).stat().st_size, "columns": hashes}
+
+
+def _column_bytes(arr: pa.Array) -> memoryview:
+    width = arr.type.byte_width
+    buf = arr.buffers()[1]
+    if buf is None:
+        return memoryview(b"")
+    return memoryview(buf).cast("B")[arr.offset * width:(arr.offset + len(arr)) * width]
+
+
+def write_metadata(directory: str | Path, manifest: Manifest | None = None, *,
+                   shard_columns: dict[str, np.ndarray] | None = None,
+                   block_columns: dict[str, np.ndarray] | None = None, fields: dict | None = None,
+                   manifest_bytes: bytes | None = None) -> Path:
+    """Write the version-3 metadata of a dataset directory: both tables, then the header last
+    (atomically), so a reader sees the old metadata or the new, whole. From a `manifest` (pack,
+    upgrade) or from ready columns (`shard_columns`/`block_columns` as `columns_from_shards` gives
+    them, `fields` the header's dataset-wide fields: what a synthetic or converted dataset writes).
+    `manifest_bytes`: the manifest.json published beside it (pack, upgrade), recorded by size and
+    hash: a reader takes the header only while the manifest beside it is that one, so an edited or
+    replaced manifest.json is read (and judged) as itself, never shadowed by an older header."""
+    directory = Path(directory)
+    if manifest is not None:
+        shard_columns, block_columns = columns_from_shards(manifest.shards)
+        fields = {"dataset_id": manifest.dataset_id, "schema": schema_to_json(manifest.schema),
+                  "tokenizer": manifest.tokenizer, "token_column": manifest.token_column,
+                  "token_dtype": manifest.token_dtype, "eos_id": manifest.eos_id, "stats": manifest.stats}
+    assert shard_columns is not None and block_columns is not None and fields is not None
+    shard_columns = dict(shard_columns)
+    shard_columns["checksum_order"] = checksum_order(np.asarray(shard_columns["checksum"]))
+    for name in ("sample_start", "token_start"):
+        if name not in shard_columns:
+            shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
+    shards = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
+    blocks = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
+    totals = {key: int(np.asarray(shard_columns[key], dtype=np.int64).sum())
+              for key in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")}
+    header = {"format": "tierflow", "format_version": METADATA_VERSION, **fields,
+              "shards": shards, "blocks": blocks, "totals": totals,
+              "manifest": None if manifest_bytes is None else
+              {"size": len(manifest_bytes), "xxh3": xxhash.xxh3_128_hexdigest(manifest_bytes)}}
+    header[HEADER_CHECKSUM_KEY] = header_checksum(header)
+    return _publish(directory, METADATA_NAME, json.dumps(header, indent=1).encode())
+
+
+def _publish(directory: Path, name: str, data: bytes) -> Path:
+    return write_atomically(directory / name, data)
+
+
+def upgrade(directory: str | Path) -> Path:
+    """Write the version-3 metadata of the dataset in `directory` from its manifest.json, in place:
+    tables under new names, the header last, atomically; manifest.json is kept (older readers). A crash
+    leaves the old dataset as it was (at worst, unreferenced table files that gc removes)."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    try:
+        raw = read_regular(path, max_manifest_bytes(), ManifestError)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
+    manifest = Manifest.from_bytes(raw, str(path))  # checked as any reader checks it
+    return write_metadata(directory, manifest, manifest_bytes=raw)
+
+
+def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_shards: int | None = None) -> Path:
+    """What pack publishes: the version-3 tables and header, then manifest.json last (version-2
+    readers and tools) while the dataset has at most `legacy_max_shards` shards
+    (LEGACY_MANIFEST_SHARDS); above that the header alone (a manifest of 10,000 shards is ~30 MB that
+    a version-2 reader parses in ~1 s per process)."""
+    directory = Path(directory)
+    limit = LEGACY_MANIFEST_SHARDS if legacy_max_shards is None else legacy_max_shards
+    if len(manifest.shards) > limit:
+        # the header first: while an older pack's manifest.json is beside it, readers read that one (a
+        # header recording none is current only alone), so a crash before the unlink leaves the old dataset
+        path = write_metadata(directory, manifest)
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+        return path
+    raw = json.dumps(manifest.to_json(), indent=1).encode()  # the bytes `save` writes
+    write_metadata(directory, manifest, manifest_bytes=raw)
+    return manifest.save(directory)
+
+
+def is_published(directory: str | Path) -> bool:
+    """Whether a directory holds a finished dataset: a manifest.json, or a header that publishes
+    none beside it (pack writes the header before manifest.json: a header that records one whose
+    manifest is missing is an unfinished pack)."""
+    directory = Path(directory)
+    if (directory / MANIFEST_NAME).exists():
+        return True
+    if not has_metadata(directory):
+        return False
+    try:
+        return json.loads((directory / METADATA_NAME).read_bytes()).get("manifest") is None
+    except (ValueError, AttributeError):
+        return True  # a damaged header is not for pack to overwrite silently
+
+
+def referenced_tables(directory: str | Path) -> set[str]:
+    """The table files the directory's header names (gc keeps them, whether or not it is current)."""
+    try:
+        raw = (Path(directory) / METADATA_NAME).read_bytes()  # an I/O error propagates: never gc on a guess
+    except FileNotFoundError:
+        return set()
+    try:
+        d = json.loads(raw)
+        return {d[t]["file"] for t in ("shards", "blocks") if isinstance(d[t]["file"], str)}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+def table_files(directory: str | Path) -> Iterable[str]:
+    """The metadata table files of the directory (for gc: those its header does not name may go)."""
+    return (p.name for p in Path(directory).iterdir()
+            if p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX))
+
+
+def upgrade_source(source: Any, workdir: str | Path) -> str:
+    """`upgrade` for a dataset at a URL: its manifest.json read and checked, the tables and header
+    written in `workdir`, uploaded tables first and the header last (the commit point); the manifest
+    stays for version-2 readers. Returns the header's URL."""
+    from tierflow.storage.datasets import read_manifest_json
+    workdir = Path(workdir)
+    raw, manifest = read_manifest_json(source)
+    write_metadata(workdir, manifest, manifest_bytes=raw)
+    for name in sorted(referenced_tables(workdir)):
+        source.upload(workdir / name, name)
+    source.upload(workdir / METADATA_NAME, METADATA_NAME)
+    return f"{source.url}/{METADATA_NAME}"
