@@ -16,7 +16,7 @@ from tierflow.policies.base import CachePolicy, EntryStats
 
 @dataclass
 class CachedEntry:
-    """One resident of a simulated cache."""
+    """One resident of a simulated cache (of one dataset: no fair share to keep)."""
 
     key: str
     size: int
@@ -60,8 +60,7 @@ class Cache:
     def size_of(self, key: str) -> int:
         return self._entries[key].size
 
-    def access(self, key: str, size: int, now: float, *, required: bool = False,
-               dataset: str | None = None) -> bool:
+    def access(self, key: str, size: int, now: float, *, required: bool = False) -> bool:
         """Read `key` at `now`; True on a hit. On a miss, cache it if admitted and room is made."""
         entry = self._entries.get(key)
         if entry is not None:
@@ -71,14 +70,14 @@ class Cache:
         if size < 0:
             raise ValueError(f"entry {key!r} has a negative size {size}")
         admission = self.admission.reserve(self._entries, key, size, now, self.capacity_bytes, self.used_bytes,
-                                           required=required, dataset=dataset)
+                                           required=required)
         for victim in admission.evicted:
             self.used_bytes -= self._entries.pop(victim.key).size
             self.evictions += 1
             if self._on_evict is not None:
                 self._on_evict(victim.key)
         if admission.admitted:
-            self._entries[key] = CachedEntry(key, size, now, dataset)
+            self._entries[key] = CachedEntry(key, size, now)
             self.used_bytes += size
             self.admission.inserted(key, size, now)
         return False
