@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -38,7 +39,7 @@ class Refusal(Enum):
     """Room could not be made: every resident is in use (or another dataset's within its share)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Admission:
     """One space decision: admitted or why not, and the residents evicted on the way (evictions made
     before room ran out stand)."""
@@ -49,10 +50,6 @@ class Admission:
     @property
     def admitted(self) -> bool:
         return self.refused is None
-
-
-def _always(key: str) -> bool:
-    return True
 
 
 class AdmissionController:
@@ -143,10 +140,11 @@ class AdmissionController:
     # ------------------------------------------------------------ space
     def reserve(self, residents: Mapping[str, Resident], key: str, size: int, now: float, capacity: int,
                 used: int, *, required: bool, extra: int = 0, dataset: str | None = None,
-                readers: frozenset[str] | set[str] = frozenset(),
-                remove: Callable[[str], bool] = _always) -> Admission:
+                readers: AbstractSet[str] = frozenset(),
+                remove: Callable[[str], bool] | None = None) -> Admission:
         """Whether `key` (`size` bytes) gets room in a cache of `capacity` with `used` bytes taken,
-        evicting victims through `remove` (False: in use, passed over for this decision).
+        evicting victims through `remove` (False: in use, passed over for this decision; None: the
+        caller's ledger holds no files, and what is in use is pinned in the policy).
 
         A reader's entry is `required`: it is read now, so the policy says only whether it is worth
         keeping (`admit_read`; if not, it is read from below this once); a prefetch asks whether it
@@ -159,7 +157,7 @@ class AdmissionController:
         if size > capacity:
             return Admission(Refusal.DECLINED)
         policy = self.policy
-        fair = FairShare.of(residents, set(readers), dataset, capacity)
+        fair = None if dataset is None else FairShare.of(residents, readers, dataset, capacity)
         decide = policy.admit_read if required else policy.admit
         if not decide(key, size, now, capacity - used) and \
                 not (fair is not None and fair.under_share(size) and fair.claim(set()) is not None):
@@ -173,7 +171,7 @@ class AdmissionController:
 
     def _make_room(self, policy: CachePolicy, residents: Mapping[str, Resident], size: int, extra: int,
                    used: int, capacity: int, now: float, held: list[str], fair: FairShare | None,
-                   remove: Callable[[str], bool]) -> Admission:
+                   remove: Callable[[str], bool] | None) -> Admission:
         """Evict victims until the entry fits; those in use are skipped via `held`. Under a fair
         share, a dataset below its share takes its victims from those above theirs first."""
         admission = Admission()
@@ -189,7 +187,7 @@ class AdmissionController:
                     policy.pin(victim)  # another dataset's, within its share: not ours to take
                     held.append(victim)
                     continue
-            if not remove(victim):
+            if remove is not None and not remove(victim):
                 # in use: skip it for this decision (a victim is never one pinned already: the
                 # policy names none, and a fair claim takes none a share protects)
                 in_use.add(victim)

@@ -14,7 +14,7 @@ from tierflow.policies.admission import AdmissionController
 from tierflow.policies.base import CachePolicy, EntryStats
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedEntry:
     """One resident of a simulated cache (of one dataset: no fair share to keep)."""
 

@@ -15,6 +15,7 @@ shard of two datasets counts for the dataset that admitted it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 
@@ -37,7 +38,7 @@ class Resident(Protocol):
 class FairShare:
     """One space decision's view of the shares: bytes resident per dataset against capacity / readers."""
 
-    def __init__(self, rows: Mapping[str, Resident], readers: set[str], mine: str, capacity: int) -> None:
+    def __init__(self, rows: Mapping[str, Resident], readers: AbstractSet[str], mine: str, capacity: int) -> None:
         self.mine = mine
         self.readers = readers | {mine}
         self.share = capacity // len(self.readers)
@@ -47,7 +48,7 @@ class FairShare:
         self.rows: dict[str, Resident] = dict(rows)
 
     @classmethod
-    def of(cls, rows: Mapping[str, Resident], readers: set[str], mine: str | None,
+    def of(cls, rows: Mapping[str, Resident], readers: AbstractSet[str], mine: str | None,
            capacity: int) -> FairShare | None:
         """The shares, or None when the tier holds and serves only `mine` (or none is named)."""
         if mine is None or not (readers - {mine} or any(r.dataset != mine for r in rows.values())):
