@@ -123,7 +123,7 @@ class TierConfig:
         """Capacity and form known without the dataset."""
         return not isinstance(self.capacity, DatasetShare) and self.form != AUTO_FORM
 
-    def resolve(self, at_rest_bytes: int, decoded_bytes: int, node: int | None = None) -> "TierConfig":
+    def resolve(self, at_rest_bytes: int, decoded_bytes: int, node: int | None = None) -> TierConfig:
         """This tier for a dataset of `at_rest_bytes` (`decoded_bytes` decoded): a share of the dataset
         made bytes, and `auto` made a form by what fits: `decoded` where the capacity holds the whole
         decoded dataset, else `at_rest` (a disk budget keeps as much of the dataset as it can)."""
@@ -139,7 +139,7 @@ class TierConfig:
         return replace(self, capacity=capacity, form=form)
 
     @classmethod
-    def parse(cls, spec: str) -> "TierConfig":
+    def parse(cls, spec: str) -> TierConfig:
         """`NAME=PATH[:CAPACITY[:POLICY[:FORM]]]`, e.g. `L2=/nvme/tf:30%:auto:at_rest`, `L1=/dev/shm/tf:8G`."""
         name, _, rest = spec.partition("=")
         parts = rest.split(":")
@@ -152,7 +152,7 @@ class TierConfig:
         except ValueError as e:
             raise ValueError(f"tier {spec!r}: {e}") from None
 
-    def for_node(self, node: int | None) -> "TierConfig":
+    def for_node(self, node: int | None) -> TierConfig:
         """This tier on node `node`: `{node}` in the path replaced (the same config where there is none)."""
         if NODE_PLACEHOLDER not in self.path:
             return self

@@ -35,7 +35,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
 
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import fd_path
