@@ -104,6 +104,9 @@ class _HashOracle:
     def next_use(self, key: str, now: float) -> float:
         return now + (hash(key) & 0xFFFFF)
 
+    def use_after_current(self, key: str, now: float) -> float:
+        return self.next_use(key, now)
+
 
 def cost_per_access(entries: int, accesses: int) -> dict[str, float]:
     results = {}

@@ -41,6 +41,10 @@ class _Reference:
         self.latest = max(self.latest, now)
         return True
 
+    def admit_read(self, key, size, now, free_bytes) -> bool:
+        self.latest = max(self.latest, now)
+        return True
+
     def on_insert(self, key, size, now) -> None:
         self.latest = max(self.latest, now)
         self.touched[key] = now
@@ -119,6 +123,9 @@ class ReferenceNoChurn(_Reference):
         oldest = self._oldest()
         return size <= free_bytes or (oldest is not None and self.stamp[oldest] < self.epoch - 1)
 
+    def admit_read(self, key, size, now, free_bytes):
+        return self.admit(key, size, now, free_bytes)
+
     def victim(self, now):
         oldest = self._oldest()
         if oldest is None or self.stamp[oldest] < self.epoch - 1:
@@ -139,6 +146,13 @@ class ReferenceClairvoyant(_Reference):
             return False
         if size <= free_bytes:
             return True
+        rival = self.victim(now)
+        return rival is not None and wanted < -self.rank(rival, now)[0]
+
+    def admit_read(self, key, size, now, free_bytes):
+        if size <= free_bytes:
+            return True
+        wanted = self.oracle.use_after_current(key, now)
         rival = self.victim(now)
         return rival is not None and wanted < -self.rank(rival, now)[0]
 

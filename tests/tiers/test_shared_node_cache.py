@@ -1,6 +1,6 @@
 """Jobs sharing one node's tiers: on the same dataset they share entries by content id (one fetch
 per shard per node for both); on different datasets each keeps a fair share of the room, so a job
-arriving on a node another job filled is not starved (tiers/_fairshare.py).
+arriving on a node another job filled is not starved (policies/fairshare.py).
 
 The fast test drives one tier directly with two datasets; the slow ones run independent jobs as
 separate processes (tierflow.testing.nodejobs) through the node's proxy.

@@ -96,6 +96,8 @@ def test_a_stack_pickled_for_a_spawned_worker_reopens_its_tiers_and_shares_the_s
     assert child is not stack and child.staging is not None and child.staging.root == stack.staging.root
     assert (child.dataset_id, child.max_open, child.staging_bytes) == (stack.dataset_id, 2, stack.staging_bytes)
     assert [t.root for t in child.tiers] == [t.root for t in stack.tiers] and child.tiers[0] is not stack.tiers[0]
+    served = {c["name"] for c in child.registry.snapshot()["counters"] if c["labels"].get("tier") == "staging"}
+    assert "tierflow_stack_served_total" in served and "stack_served" not in served  # Prometheus names
     again = child.dataset()
     assert [again[i]["id"] for i in (0, 311, len(ds) - 1)] == [0, 311, len(ds) - 1]
     assert all((again[i]["tokens"] == ds[i]["tokens"]).all() for i in (0, 311, len(ds) - 1))

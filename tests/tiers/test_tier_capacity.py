@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tierflow.tiers.config import parse_size
-from tierflow.tiers.tier import memory_headroom
+from tierflow.tiers.capacity import memory_headroom
 
 MEMINFO = "MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    2000000 kB\n"
 

@@ -25,7 +25,8 @@ import tierflow
 from tierflow.errors import TierIndexError, TierUnavailableWarning
 from tierflow.storage.remote import open_store
 from tierflow.tiers.stack import TierStack
-from tierflow.tiers.tier import INDEX_NAME, Tier
+from tierflow.tiers.entries import INDEX_NAME
+from tierflow.tiers.tier import Tier
 
 
 @pytest.fixture(scope="module")

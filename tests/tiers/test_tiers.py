@@ -216,7 +216,7 @@ def _row_in_block(ds, shard: int, block: int) -> int:
 
 def test_a_new_process_reads_a_staged_entry_by_block_without_hashing_it_whole(tmp_path, s3_dataset, monkeypatch):
     import tierflow.tiers.stack as stack_module
-    import tierflow.tiers.tier as tier_module
+    import tierflow.tiers.entries as entries_module
 
     local, url, proxy = s3_dataset
     stack = stack_for(url, proxy.url, tmp_path / "node")
@@ -229,7 +229,7 @@ def test_a_new_process_reads_a_staged_entry_by_block_without_hashing_it_whole(tm
     stack.close()
     proxy.reset_counters()
     whole = []
-    for module in (tier_module, stack_module):
+    for module in (entries_module, stack_module):
         monkeypatch.setattr(module, "file_xxh3_128", lambda *a, **k: whole.append(a) or "")
     fresh = stack_for(url, proxy.url, tmp_path / "node")  # a new process's view: nothing in memory
     ds = fresh.dataset()

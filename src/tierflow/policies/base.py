@@ -84,7 +84,7 @@ class CachePolicy(ABC):
     def victim(self, now: float) -> str | None:
         """The unpinned resident to evict next, or None when every resident is pinned."""
 
-    def on_epoch_end(self, now: float) -> None:
+    def on_epoch_end(self, now: float) -> None:  # noqa: B027 - a hook: most policies ignore epochs
         """An epoch of the caller's order ended; policies that care about epochs override this."""
 
     def set_oracle(self, oracle: NextUseOracle | None) -> None:

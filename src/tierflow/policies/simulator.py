@@ -1,9 +1,10 @@
 """Replay a trace against a policy at a capacity, and compute the offline optimum beside it.
 
-Windowed traces are replayed as the tier will see them: an in-use shard must be cached
-to be read, so it is admitted regardless of the policy and pinned until its last use;
-the k shards of a shuffle window therefore count against capacity. Hits are counted
-per request (a shard-interval or a point read).
+Windowed traces are replayed as the tier will see them: a shard-interval is a reader's
+entry, so the tier's own admission (policies/admission.py) asks the policy's `admit_read`
+whether it is worth keeping; if so it is cached and pinned until its last use (the k shards
+of a shuffle window cached together count against capacity), else it is read from below
+for its window. Hits are counted per request (a shard-interval or a point read).
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ def _next_request_start(trace: Trace) -> list[float]:
 def optimum(trace: Trace, capacity_bytes: int) -> SimResult:
     """The offline optimum: Belady's MIN with bypass on the whole trace, computed directly.
 
-    Exact for equal-sized entries (points, or windowed intervals that must be cached
-    while in use); with mixed sizes it is the furthest-next-use heuristic, not a bound.
+    A windowed interval is cached (and held while in use) only when its next use is sooner than
+    the furthest resident's, else read from below for its window, as a tier's `admit_read` allows.
+    Exact for equal-sized point reads; with intervals or mixed sizes it is the furthest-next-use
+    rule, not a bound.
     """
     following = _next_request_start(trace)
     names, sizes, keys = trace.key_names, trace.sizes.tolist(), trace.keys.tolist()
@@ -140,7 +143,7 @@ def optimum(trace: Trace, capacity_bytes: int) -> SimResult:
 
     events = _schedule(trace) if trace.windowed else [(t, 0, i) for i, t in enumerate(trace.start.tolist())]
     starts, ends = trace.start.tolist(), trace.end.tolist()
-    for now, kind, request in events:
+    for _now, kind, request in events:
         key = keys[request]
         interval = ends[request] > starts[request]
         if kind == 1:
@@ -156,8 +159,7 @@ def optimum(trace: Trace, capacity_bytes: int) -> SimResult:
         elif size <= capacity_bytes:
             wanted = following[request]
             top = furthest()
-            admit = interval or (wanted < math.inf and (
-                used + size <= capacity_bytes or (top is not None and wanted < -top[0])))
+            admit = wanted < math.inf and (used + size <= capacity_bytes or (top is not None and wanted < -top[0]))
             while admit and used + size > capacity_bytes:
                 top = furthest()
                 if top is None:

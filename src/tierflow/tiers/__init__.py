@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from collections.abc import Sequence
 
 from tierflow.format.shard import Form
 from tierflow.telemetry import MetricsRegistry

@@ -19,7 +19,8 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from tierflow.telemetry.metrics import Counter
 
@@ -91,7 +92,7 @@ class IndexTrouble:
         self.where = where
         self.warned = False
         # weakly: a tier holding its IndexTrouble must be freed (closing its connections) when dropped
-        self._broken = weakref.WeakMethod(broken) if broken is not None else None  # type: ignore[arg-type]
+        self._broken = weakref.WeakMethod(broken) if broken is not None else None
         """The tier's own check, asked first: True when `error` means the tier is gone or its index
         damaged (the tier is then bypassed, with its own warning)."""
 
@@ -251,7 +252,8 @@ class TierIndex:
     def reserve(self, conn: sqlite3.Connection, key: str, size: int) -> int:
         cur = conn.execute("INSERT INTO reservations (key, size, pid, created) VALUES (?, ?, ?, ?)",
                            (key, size, os.getpid(), time.time()))
-        return int(cur.lastrowid)
+        assert cur.lastrowid is not None, "an INSERT gives its row id"
+        return cur.lastrowid
 
     def release(self, reservation: int) -> None:
         self.conn.execute("DELETE FROM reservations WHERE id=?", (reservation,))

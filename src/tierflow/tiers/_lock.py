@@ -25,7 +25,7 @@ class FileLock:
         self.fd: int | None = None
         self.acquired = False
 
-    def __enter__(self) -> "FileLock":
+    def __enter__(self) -> FileLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.timeout
         delay = 0.002

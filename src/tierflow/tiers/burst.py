@@ -13,7 +13,8 @@ lives in tiers/ so that checkpoint/ can use it without tiers/ knowing checkpoint
 from __future__ import annotations
 
 import threading
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+from collections.abc import Callable
 
 
 class Ride:

@@ -18,7 +18,8 @@ from typing import Any
 
 from tierflow.telemetry import MetricsRegistry
 from tierflow.format.shard import Form
-from tierflow.tiers.tier import Tier, is_tmpfs, tier_form
+from tierflow.tiers.capacity import is_tmpfs
+from tierflow.tiers.tier import Tier, tier_form
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -70,10 +71,10 @@ def parse_capacity(value: str | float) -> float:
     text = value.strip().lower().replace(" ", "") if isinstance(value, str) else None
     if text is not None and (text.endswith("%disk") or text.endswith("%")):
         disk = text.endswith("%disk")
-        number = text[:-5] if disk else text[:-1]
-        if not _is_number(number):
+        digits = text[:-5] if disk else text[:-1]
+        if not _is_number(digits):
             raise ValueError(f"capacity {value!r}: expected a share like 30% (of the dataset at rest) or 30%disk")
-        share = float(number) / 100
+        share = float(digits) / 100
         if disk and not 0 < share <= 1:
             raise ValueError(f"capacity {value!r}: a share of the disk must be in (0%, 100%]")
         if share <= 0:
@@ -122,11 +123,13 @@ class TierConfig:
         """Capacity and form known without the dataset."""
         return not isinstance(self.capacity, DatasetShare) and self.form != AUTO_FORM
 
-    def resolve(self, at_rest_bytes: int, decoded_bytes: int, node: int | None = None) -> "TierConfig":
+    def resolve(self, at_rest_bytes: int, decoded_bytes: int, node: int | None = None) -> TierConfig:
         """This tier for a dataset of `at_rest_bytes` (`decoded_bytes` decoded): a share of the dataset
         made bytes, and `auto` made a form by what fits: `decoded` where the capacity holds the whole
         decoded dataset, else `at_rest` (a disk budget keeps as much of the dataset as it can)."""
-        capacity = float(self.capacity.of(at_rest_bytes)) if isinstance(self.capacity, DatasetShare) else self.capacity
+        current = self.capacity
+        assert not isinstance(current, str), "parsed by __post_init__"
+        capacity = float(current.of(at_rest_bytes)) if isinstance(current, DatasetShare) else current
         form = self.form
         if form == AUTO_FORM:
             where = _existing(self.for_node(node).path)
@@ -136,7 +139,7 @@ class TierConfig:
         return replace(self, capacity=capacity, form=form)
 
     @classmethod
-    def parse(cls, spec: str) -> "TierConfig":
+    def parse(cls, spec: str) -> TierConfig:
         """`NAME=PATH[:CAPACITY[:POLICY[:FORM]]]`, e.g. `L2=/nvme/tf:30%:auto:at_rest`, `L1=/dev/shm/tf:8G`."""
         name, _, rest = spec.partition("=")
         parts = rest.split(":")
@@ -149,7 +152,7 @@ class TierConfig:
         except ValueError as e:
             raise ValueError(f"tier {spec!r}: {e}") from None
 
-    def for_node(self, node: int | None) -> "TierConfig":
+    def for_node(self, node: int | None) -> TierConfig:
         """This tier on node `node`: `{node}` in the path replaced (the same config where there is none)."""
         if NODE_PLACEHOLDER not in self.path:
             return self

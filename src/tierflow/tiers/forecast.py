@@ -2,11 +2,11 @@
 
 The order is known, so what a run will fetch from below is too. `replay` walks the node's window
 uses (first use first) through the same two places the stack reads from: the top tier with its
-policy (a reader's miss is cached only if the policy admits it), then the staging area, an LRU
-in RAM of the working set's size; a shard neither holds is fetched, at its at-rest size, and
-charged to the epoch of the use that needed it. `optimum` is Belady's MIN with bypass on the same
-uses with the room of both together: no schedule of fetches with that much room does better, so
-no live figure should either.
+policy (a miss is cached only if the tier's own admission, policies/admission.py, takes it as it
+takes the stager's prefetch), then the staging area, an LRU in RAM of the working set's size; a
+shard neither holds is fetched, at its at-rest size, and charged to the epoch of the use that
+needed it. `optimum` is Belady's MIN with bypass on the same uses with the room of both together:
+no schedule of fetches with that much room does better, so no live figure should either.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from tierflow.order.future import ShardUse
 from tierflow.policies.cache import Cache

@@ -35,7 +35,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
 
 from tierflow.errors import ShardCorruptError
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
@@ -52,7 +53,9 @@ from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers._lock import Pin
 from tierflow.tiers._staging import Membership, NodeProgress, area_path, staging_root, sweep_unused
-from tierflow.tiers.tier import FetchError, Tier, memory_headroom
+from tierflow.errors import FetchError
+from tierflow.tiers.capacity import memory_headroom
+from tierflow.tiers.tier import Tier
 
 log = logging.getLogger("tierflow.tiers")
 
@@ -511,7 +514,7 @@ class TierStack:
         if tier is None:
             raise error
         unreadable = isinstance(error.__cause__, OSError) and not isinstance(error.__cause__, ShardCorruptError)
-        again: Callable[[], Handle]
+        again: Callable[[], Handle | None]
         try:
             tier.quarantine(info.key, f"{'could not be read' if unreadable else 'failed verification'} "
                                       f"at block {block}", pin=handle.pin)
@@ -519,17 +522,19 @@ class TierStack:
                 log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
         except OSError as e:  # the tier's device fails: it would serve the same entry again
             log.warning("tier %s could not quarantine %s (%s); reading it from the source", tier.name, info.name, e)
-            again = lambda: self._from_source(info)  # noqa: E731
+            again = lambda: self._from_source(info)
         else:
             below = self.tiers.index(tier) + 1 if tier in self.tiers else len(self.tiers) + 1
             if not unreadable:
-                again = lambda: self.ensure(info, read=True)  # noqa: E731
+                again = lambda: self.ensure(info, read=True)
             elif below <= len(self.tiers):
-                again = lambda: self.ensure(info, level=below, read=True)  # noqa: E731
+                again = lambda: self.ensure(info, level=below, read=True)
             else:  # the staging area's device: nothing between it and the source
-                again = lambda: self._from_source(info)  # noqa: E731
+                again = lambda: self._from_source(info)
         try:
-            return again().block_bytes(info)
+            copy = again()
+            assert copy is not None, "a reader's copy always comes (from the source at worst)"
+            return copy.block_bytes(info)
         except (OSError, ValueError) as e:
             raise ShardCorruptError(f"{error}; fetching it again failed: {e}") from e
 
@@ -578,7 +583,7 @@ def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max
         stack.staging_form = Form(state.get("staging_form", Form.DECODED))
         stack.staging = Tier(state["staging"], stack.staging_bytes, policy="lru", form=stack.staging_form,
                              name=STAGING_NAME, registry=stack.registry)
-        stack.m_served[STAGING_NAME] = stack.registry.counter("stack_served", {"tier": STAGING_NAME})
+        stack.m_served[STAGING_NAME] = stack._served_counter(STAGING_NAME)
     return stack
 
 

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierflow.errors import FetchError, ShardCorruptError, SourceNotFound
 from tierflow.format.metadata import shard_column
@@ -32,6 +32,9 @@ from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.burst import Ride
 from tierflow.tiers.plan import FutureView, Lookahead, NodeShape, passed, plan_staging, size_lookahead
 from tierflow.tiers.stack import SOURCE, STAGING_NAME, Handle, TierStack, on_downloaded
+
+if TYPE_CHECKING:
+    from tierflow.telemetry.prometheus import PrometheusExporter
 
 log = logging.getLogger("tierflow.stager")
 
@@ -140,7 +143,7 @@ class Stager:
         """Shards whose staging failed for good (bytes that never verify, an object not found): not
         staged again, readers fetch them on demand (and raise)."""
         self.faults = FaultLog(log)
-        self._queue: queue.Queue[tuple[int, int, int] | None] = queue.Queue()  # (shard, first use, ticket)
+        self._queue: queue.Queue[tuple[int, int, int, int] | None] = queue.Queue()  # (shard, first use, ticket, epoch)
         self._link = threading.Condition()
         self._transfers: list[int] = []  # first uses (node samples) of the transfers from below in flight
         self._queued: dict[int, int] = {}  # ticket -> first use, of the fetches queued and not yet begun
@@ -155,7 +158,7 @@ class Stager:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.prometheus_port = prometheus_port
-        self.exporter = None
+        self.exporter: PrometheusExporter | None = None
 
     # ------------------------------------------------------------ control
     def start(self, cursor: Any = None) -> None:
@@ -338,7 +341,7 @@ class Stager:
                 self._replan = False
                 try:
                     self._plan_and_fetch()
-                except Exception as e:  # noqa: BLE001 - the stager is an optimisation: readers fetch on demand
+                except Exception as e:  # the stager is an optimisation: readers fetch on demand
                     self.m_errors.inc()
                     self.faults.warn("stager planning failed", e, "readers fetch on demand")
                 cost = time.monotonic() - planned_time
@@ -383,7 +386,7 @@ class Stager:
         plan = plan_staging(uses, self.node, consumption_bytes_s=rate, fetch_p99_s=p99, fetch_mean_s=mean,
                             position=position, resident=self._resident(), held=held, in_flight=in_flight,
                             lead=lead * sps, cover_s=cover)
-        oracle = PositionOracle(IntervalOracle((self.shards[s].key, f, l) for s, f, l in plan.intervals), 0.0)
+        oracle = PositionOracle(IntervalOracle((self.shards[s].key, f, last) for s, f, last in plan.intervals), 0.0)
         with self._lock:
             self._plan_steps = plan_base
             oracle.position = (self._consumed_steps - plan_base) * self.node.samples_per_step
@@ -506,7 +509,7 @@ class Stager:
             if began is not None:
                 self.events.write("stage", shard=shard, name=info.name, first_use=due, began=began,
                                   served_by=None if handle is None else handle.served_by)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.m_errors.inc()
             self.faults.warn("stager could not stage a shard", e, "readers will fetch it on demand")
             with self._lock:

@@ -14,24 +14,42 @@ shard of two datasets counts for the dataset that admitted it.
 
 from __future__ import annotations
 
-from tierflow.tiers._index import EntryRow
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from typing import Protocol
+
+
+class Resident(Protocol):
+    """What a space decision knows of a resident entry (a tier's index row, a simulation's entry)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def dataset(self) -> str | None: ...
+
+    @property
+    def last_access(self) -> float: ...
 
 
 class FairShare:
     """One space decision's view of the shares: bytes resident per dataset against capacity / readers."""
 
-    def __init__(self, rows: dict[str, EntryRow], readers: set[str], mine: str, capacity: int) -> None:
+    def __init__(self, rows: Mapping[str, Resident], readers: AbstractSet[str], mine: str, capacity: int) -> None:
         self.mine = mine
         self.readers = readers | {mine}
         self.share = capacity // len(self.readers)
         self.usage: dict[str | None, int] = {}
         for row in rows.values():
             self.usage[row.dataset] = self.usage.get(row.dataset, 0) + row.size
-        self.rows = dict(rows)
+        self.rows: dict[str, Resident] = dict(rows)
 
     @classmethod
-    def of(cls, rows: dict[str, EntryRow], readers: set[str], mine: str | None,
-           capacity: int) -> "FairShare | None":
+    def of(cls, rows: Mapping[str, Resident], readers: AbstractSet[str], mine: str | None,
+           capacity: int) -> FairShare | None:
         """The shares, or None when the tier holds and serves only `mine` (or none is named)."""
         if mine is None or not (readers - {mine} or any(r.dataset != mine for r in rows.values())):
             return None
@@ -41,7 +59,7 @@ class FairShare:
         """Whether `mine` would still be within its share with `size` more bytes."""
         return self.usage.get(self.mine, 0) + size <= self.share
 
-    def _claimable(self, row: EntryRow) -> bool:
+    def _claimable(self, row: Resident) -> bool:
         return row.dataset != self.mine and (row.dataset not in self.readers
                                              or self.usage.get(row.dataset, 0) > self.share)
 
