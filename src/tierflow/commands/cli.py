@@ -235,8 +235,8 @@ def _gc(args: argparse.Namespace) -> int:
 
     root = local_path(args.dataset)
     if root is None:
-        removed = collect_garbage(open_store(args.dataset, endpoint_url=args.endpoint_url))
-        print(f"{args.dataset}: removed {len(removed)} unreferenced object(s)")
+        removed_objects = collect_garbage(open_store(args.dataset, endpoint_url=args.endpoint_url))
+        print(f"{args.dataset}: removed {len(removed_objects)} unreferenced object(s)")
         return 0
     Manifest.load(root)  # not a dataset (no manifest): refuse before writing the lock into it
     with DatasetLock(root):
