@@ -187,8 +187,9 @@ def test_image_shards_default_to_small_blocks_a_chosen_block_size_wins(tmp_path)
         Image.fromarray(rng.integers(0, 256, (200, 260, 3), dtype=np.uint8)).save(out, format="JPEG", quality=95)
         (src / f"{i:02d}.jpg").write_bytes(out.getvalue())
     largest = max(p.stat().st_size for p in src.iterdir())
-    default = tierflow.pack([src], tmp_path / "default", workers=1).manifest
+    shards = 256 << 20  # one shard, whatever the small-corpus default would cut
+    default = tierflow.pack([src], tmp_path / "default", workers=1, target_shard_bytes=shards).manifest
     blocks = [b for s in default.shards for b in s.blocks]
     assert len(blocks) >= 2 and max(b.length for b in blocks) <= (1 << 20) + largest
-    chosen = tierflow.pack([src], tmp_path / "chosen", workers=1, block_bytes=8 << 20).manifest
+    chosen = tierflow.pack([src], tmp_path / "chosen", workers=1, block_bytes=8 << 20, target_shard_bytes=shards).manifest
     assert [b.rows for s in chosen.shards for b in s.blocks] == [24]

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="'bytes' or PATH/tokenizer.json")
     p.add_argument("--eos-token", help="end-of-document token of a tokenizer.json")
     p.add_argument("--keep-text", action="store_true", help="keep the text column next to the tokens")
-    p.add_argument("--shard-size", type=_size, default=256 << 20, help="target decoded shard size (256MB)")
+    p.add_argument("--shard-size", type=_size, default=None,
+                   help="target decoded shard size (256MB; input files under 16GB: their size / 64, at least 1MB)")
     p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd",
                    help="block compression of the shards at rest (zstd)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")

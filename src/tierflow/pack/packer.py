@@ -45,13 +45,19 @@ from tierflow.pack.units import SourceOptions, Unit, UnitStats
 log = logging.getLogger("tierflow.pack")
 MIN_SHARD_BYTES = 256 << 10
 WARN_SHARD_BYTES = 64 << 20
+DEFAULT_SHARD_BYTES = 256 << 20
+SMALL_CORPUS_SHARDS = 64
+"""A corpus whose input files the default shard size would cut into fewer shards is cut into about
+this many (the default order's 64 partitions, each with shards of its own): a 56 MB corpus in one
+256 MB shard left one rank with all the data and the others none."""
+SMALL_CORPUS_MIN_SHARD_BYTES = 1 << 20
 IMAGE_BLOCK_BYTES = 1 << 20
 """Default block size of image shards: 4 MB blocks cost 3.6 CPU ms per decoded + cropped image at 2
 workers, 1 MB blocks 3.1 (benchmarks/images.py), the rest being each worker hashing whole blocks."""
 
 
 def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None] | None = None, *,
-         workers: int | None = None, target_shard_bytes: int = 256 << 20, compression: str = "zstd",
+         workers: int | None = None, target_shard_bytes: int | None = None, compression: str = "zstd",
          compression_level: int | None = None, tokenizer: str | None = None, eos_token: str | None = None,
          text_field: str = "text", keep_text: bool = False, kind: str = "auto",
          include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
@@ -61,7 +67,9 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
 
     `shard_size` is the CLI's `--shard-size` under its own name ("256MB", "1GiB" or bytes), the same
-    setting as `target_shard_bytes` (give one of them): the decoded size a shard is cut at.
+    setting as `target_shard_bytes` (give one of them): the decoded size a shard is cut at. Default:
+    256 MB, or, for input files under 64 x 256 MB, their size / 64 (at least 1 MB), so a small corpus
+    still has a shard for each of the order's partitions (`default_shard_bytes`).
 
     `fn` maps one raw record (a dict) to a sample dict, or None to drop it; it runs in the
     worker processes, so features computed here are paid once, not every epoch. `out` may be
@@ -80,7 +88,7 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
     if shard_size is not None:
         from tierflow.tiers.config import parse_size
 
-        if target_shard_bytes != 256 << 20:
+        if target_shard_bytes is not None:
             raise ValueError("give shard_size= or target_shard_bytes=, not both (they are the same setting)")
         target_shard_bytes = parse_size(shard_size)
     options: dict[str, Any] = dict(
@@ -120,18 +128,23 @@ def _pack_remote(sources: Any, url: str, endpoint_url: str | None, **options: An
 
 
 def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | None, *, workers: int | None,
-                target_shard_bytes: int, compression: str, compression_level: int | None, tokenizer: str | None,
+                target_shard_bytes: int | None, compression: str, compression_level: int | None, tokenizer: str | None,
                 eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
                 exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
                 chunk_bytes: int, block_bytes: int | None, engine_run: Callable | None = None,
                 on_shard: Callable[[Path, ShardInfo], None] | None = None) -> PackSummary:
     sources = _as_sources(sources)
-    _check_options(target_shard_bytes, on_error)
+    if target_shard_bytes is not None:
+        _check_shard_bytes(target_shard_bytes)
+    _check_on_error(on_error)
     workers = workers or os.cpu_count() or 1
     _check_inputs(sources, fn, workers, engine_run is not None)
     tok = make_tokenizer(tokenizer, eos_token)
     options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
                             on_error=on_error, chunk_bytes=chunk_bytes, require_text=tok is not None and fn is None)
+    input_bytes = estimate_input_bytes(sources, options)
+    if target_shard_bytes is None:
+        target_shard_bytes = default_shard_bytes(input_bytes)
     image_block_bytes = IMAGE_BLOCK_BYTES if block_bytes is None else None
     if block_bytes is None:
         block_bytes = int(min(4 << 20, max(256 << 10, target_shard_bytes // 64)))
@@ -152,8 +165,7 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
                             image_block_bytes)
         assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
                                    "tokens" if tok is not None else None, on_shard)
-        run = _PackRun(assembler, PackProgress(estimate_input_bytes(sources, options) if progress else None,
-                                                progress))
+        run = _PackRun(assembler, PackProgress(input_bytes if progress else None, progress))
         units: Iterable[Unit] = plan_units(sources, options, run.totals)
         if journal is not None:
             journal.start(point)
@@ -270,12 +282,24 @@ def _check_inputs(sources: list, fn: Callable | None, workers: int, engine: bool
                 f"or pass workers=1 to run it in this process") from None
 
 
-def _check_options(target_shard_bytes: int, on_error: str) -> None:
+def default_shard_bytes(input_bytes: int | None) -> int:
+    """DEFAULT_SHARD_BYTES, or for input files it would cut into fewer than SMALL_CORPUS_SHARDS
+    shards, their size / SMALL_CORPUS_SHARDS (at least SMALL_CORPUS_MIN_SHARD_BYTES); records from an
+    iterable (`input_bytes` None) are not counted ahead and get the default."""
+    if input_bytes is None:
+        return DEFAULT_SHARD_BYTES
+    return int(min(DEFAULT_SHARD_BYTES, max(SMALL_CORPUS_MIN_SHARD_BYTES, input_bytes // SMALL_CORPUS_SHARDS)))
+
+
+def _check_shard_bytes(target_shard_bytes: int) -> None:
     if target_shard_bytes < MIN_SHARD_BYTES:
         raise ValueError(f"target_shard_bytes {target_shard_bytes} < {MIN_SHARD_BYTES} (256 KB)")
     if target_shard_bytes < WARN_SHARD_BYTES:
         log.warning("shards of %d bytes are small: each costs a request and a cache entry; "
                     "256 MB is the default", target_shard_bytes)
+
+
+def _check_on_error(on_error: str) -> None:
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
 
