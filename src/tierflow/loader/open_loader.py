@@ -22,7 +22,9 @@ from tierflow.loader.loader import Loader
 from tierflow.loader.mixture import MixedDataset
 from tierflow.loader.spec import specs_from
 from tierflow.loader.topology import node_index, placed_by_cache
+from tierflow.telemetry.eventlog import EventLog
 from tierflow.telemetry.loader_metrics import LoaderTelemetry
+from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
@@ -44,6 +46,7 @@ def open_loader(
     weights: Sequence[float] | None = None,
     resume: dict[str, Any] | None = None,
     node_affinity: bool = True,
+    events: str | Path | None = None,
     **options: Any,
 ) -> Loader:
     """A started Loader over the dataset at `url` (a local path or s3://, with `tiers` as
@@ -54,7 +57,9 @@ def open_loader(
     demand: no stager). Other keywords go to the dataset's BatchSpec (batcher, columns, transform,
     filter, collate), its OrderSpec (seed, partitions, shuffle, group_bytes, ...), the dataset (eval,
     world, max_batches, allow_mismatch) or to Loader (depth, widen, dtype, epoch_end, endless, ...);
-    `resume` is a `loader.state_dict()` to continue from.
+    `resume` is a `loader.state_dict()` to continue from. `events` is a path for the run's event log
+    (one JSON line per batch, per stager transfer and per second's metrics; `tierflow top PATH`
+    follows it live, `tierflow report PATH` draws it), closed with the Loader.
 
     In a job of several nodes with tiers (torch.distributed initialised, every rank calling
     open_loader), each node reads the partitions its top tier already holds the most of
@@ -72,6 +77,12 @@ def open_loader(
     sources: list[Any] = urls if direct else [stack.dataset() for stack in stacks]
     options.update(batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens)
     batching, order = specs_from(options)  # what is left goes to the dataset
+    if events is not None:
+        if "telemetry" in loader_options:
+            raise ValueError("events= logs the telemetry open_loader makes: pass events= or telemetry=, not both")
+        registry = stacks[0].registry if len(stacks) == 1 else MetricsRegistry()
+        log = EventLog(events, registry, name=f"open_loader {', '.join(map(str, urls))}", batch_size=batch_size)
+        loader_options["telemetry"] = LoaderTelemetry(registry, events=log, owns_events=True)
     stager = None
     dataset: TieredDataset | MixedDataset
     if isinstance(url, (str, Path)):
@@ -82,8 +93,8 @@ def open_loader(
         if stacks and node_affinity and world is None and not pending:
             _place_by_cache(dataset, stacks[0])
         telemetry = loader_options.get("telemetry")
-        events = getattr(telemetry, "events", None)  # the user's event log gets the stager's transfers too
-        stager = Stager(dataset, stacks[0], events=events) if stacks else None
+        event_log = getattr(telemetry, "events", None)  # the event log gets the stager's transfers too
+        stager = Stager(dataset, stacks[0], events=event_log) if stacks else None
     else:
         if options.pop("eval", False):
             raise ValueError("eval reads one dataset once in stored order: evaluate each dataset on its own")

@@ -139,11 +139,14 @@ class LoaderTelemetry:
     """Records what `Loader` sees per batch into a `MetricsRegistry` (shared with the tiers if you like)."""
 
     def __init__(self, registry: MetricsRegistry | None = None, labels: Mapping[str, Any] | None = None,
-                 stall_threshold_s: float = 1e-3, events: Any = None, startup_batches: int = 0) -> None:
+                 stall_threshold_s: float = 1e-3, events: Any = None, startup_batches: int = 0,
+                 owns_events: bool = False) -> None:
         self.registry = registry if registry is not None else MetricsRegistry()
         self.labels = dict(labels or {})
         self.events = events
         """An `EventLog` that gets one record per batch, or None."""
+        self.owns_events = owns_events
+        """`close()` ends the event log (`open_loader(events=...)` made it for this telemetry alone)."""
         self._last_step: float | None = None
         self.stall_threshold_s = stall_threshold_s
         r, base = self.registry, self.labels
@@ -294,6 +297,13 @@ class LoaderTelemetry:
 
     def figures(self) -> LoaderFigures:
         return loader_figures(self.registry.snapshot())  # the snapshot flushes
+
+    def close(self) -> None:
+        """The Loader closes: an event log this telemetry owns gets its last snapshot and its `end`
+        record, with the run's figures."""
+        if self.events is not None and self.owns_events:
+            figures = self.figures()
+            self.events.close(batches=figures.batches, wait_s=figures.wait_s, step_s=figures.step_s)
 
 
 def loader_figures(snapshot: Mapping[str, Any]) -> LoaderFigures:
