@@ -406,13 +406,19 @@ class TieredDataset(IterableDataset):
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:  # a DataLoader worker
+            return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
+        ctx = self._open()
+        plan = self.batcher.plan(ctx, self.stream(), self._resume)
+        return (self._built(ctx, selection) for selection in plan)
+
+    def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
+        """The batches worker `worker` of `workers` builds (output batches n = worker mod workers), its
+        metrics riding in their meta (`_from_worker`); `compact`: their cursors travel unresolved."""
         ctx = self._open()
         stream = self.stream(worker, workers)
-        stream.compact, stream.run = self.compact_cursors, self.worker_run
+        stream.compact = compact
         plan = self.batcher.plan(ctx, stream, self._resume)
-        if info is None:
-            return (self._built(ctx, selection) for selection in plan)
         return self._from_worker(plan, lambda selection: self._built(ctx, selection), worker, [ctx.registry])
 
     def reading_registries(self) -> list[MetricsRegistry]:

@@ -19,6 +19,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.format.dataset import Dataset
+from tierflow.loader.batching import SampleContext
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.cursor import Arrangement, LoaderCursor
@@ -149,17 +150,25 @@ class MixedDataset(TieredDataset):
 
     def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:  # a DataLoader worker
+            return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
+        contexts = self._contexts()
+        plan = self.batcher.plan(contexts[0], self.stream(), self._resume)
+        return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
+
+    def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
+        contexts = self._contexts()
+        stream = self.stream(worker, workers)
+        stream.compact = compact
+        plan = self.batcher.plan(contexts[0], stream, self._resume)
+        return self._from_worker(plan, lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)),
+                                 worker, [ctx.registry for ctx in contexts])
+
+    def _contexts(self) -> list[SampleContext]:
         contexts = [child._open() for child in self.children]
         for child, ctx in zip(self.children, contexts):
             child._bound_decoded(ctx, None)  # the mixture's epochs are not its children's: each reads its widest
-        stream = self.stream(worker, workers)
-        stream.compact, stream.run = self.compact_cursors, self.worker_run
-        plan = self.batcher.plan(contexts[0], stream, self._resume)
-        if info is None:
-            return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
-        return self._from_worker(plan, lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)),
-                                 worker, [ctx.registry for ctx in contexts])
+        return contexts
 
     def reading_registries(self) -> list[MetricsRegistry]:
         return list({id(r): r for r in (child._open().registry for child in self.children)}.values())

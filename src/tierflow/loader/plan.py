@@ -91,6 +91,15 @@ class PlannedCursor:
         self._stream = None  # a resolved cursor holds nothing of the stream
         return cursor
 
+    def bind(self, stream: OrderStream) -> None:
+        """Resolve a compact cursor that travelled here against `stream` (from the same start as the
+        one that planned it) when it is asked for, in any thread."""
+        if self._cursor is None and self._stream is None:
+            if stream_key(stream) != self._base:
+                raise CursorError("this batch was planned from another start than the stream it is bound to "
+                                  "(the dataset was resumed elsewhere since)")
+            self._stream = stream
+
     def __reduce__(self) -> tuple[Any, ...]:
         if self._cursor is None and self._stream is not None and getattr(self._stream, "compact", False):
             return _planned, (self.last, self.skip, self.pending, self.base)
