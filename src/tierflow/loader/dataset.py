@@ -383,11 +383,6 @@ class TieredDataset(IterableDataset):
     integers, not the order's position); the process that receives them resolves the one it needs
     with `resolve_cursor`. Off: a worker resolves each batch's cursor as it sends it."""
 
-    worker_run: int = 1
-    """Output batches each DataLoader worker builds in a row (`OrderStream.run`): the Loader sends a
-    run as one message (`BatchRuns`), so a worker builds consecutive batches, which read the same
-    blocks, and the main process takes one message per run. 1: one batch per message."""
-
     _resolver: tuple[LoaderCursor | None, OrderStream] | None = None
 
     def resolve_cursor(self, cursor: LoaderCursor | PlannedCursor) -> LoaderCursor:
@@ -551,11 +546,6 @@ class TieredDataset(IterableDataset):
         """Read this process's shards through `wrap(source)` (telemetry's fetch attribution)."""
         dataset = self._open().dataset
         dataset.source = wrap(dataset.source)
-
-    def batch_bytes(self) -> int:
-        """Decoded bytes an output batch holds on average (what sizes a worker's run: `worker_run`)."""
-        decoded = int(shard_column(self.manifest, "decoded_bytes").sum())
-        return int(decoded / max(1, self.num_order_samples) * self.batch_size)
 
     def node_step_samples(self) -> int:
         """Samples this node's ranks consume per step together (the stager's clock, `FutureView`)."""

@@ -114,9 +114,6 @@ class MixedDataset(TieredDataset):
     def locations(self) -> list[str]:
         return [c.location for c in self.children]
 
-    def batch_bytes(self) -> int:
-        return max(c.batch_bytes() for c in self.children)
-
     def stream(self, worker: int = 0, workers: int = 1) -> MixedTrainStream:  # type: ignore[override]
         """This rank's mixed order from the resume cursor, as DataLoader worker `worker` plans it."""
         return self._mixed_stream(self._resume, worker, workers)

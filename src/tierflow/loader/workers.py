@@ -35,7 +35,7 @@ from typing import Any, Iterator
 from tierflow._lifetime import Owner, die_with
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader._lifetime import lost_worker
-from tierflow.loader.plan import PlannedCursor
+from tierflow.loader.plan import PlannedCursor, worker_of
 from tierflow.loader.ring import Arena, anonymous_memory, lay_out, view_batch
 from tierflow.telemetry.attribution import time_batches
 
@@ -44,11 +44,6 @@ DEFAULT_PREFETCH = 2
 STOP_SECONDS = 2.0
 """How long `close()` waits for the workers to stop by themselves before killing them."""
 _FREE = struct.Struct("<II")  # (arena generation, slot): the training process gives a slot back
-
-
-def worker_of(index: int, workers: int) -> int:
-    """The worker that builds output batch `index` (`OrderStream.owns`)."""
-    return index % workers
 
 
 class WorkerPool:
@@ -332,4 +327,4 @@ def _work(dataset: Any, worker: int, workers: int, slots: int, timed: bool, owne
             pass
 
 
-__all__ = ["PoolIterator", "WorkerPool", "worker_of"]
+__all__ = ["PoolIterator", "WorkerPool"]
