@@ -33,7 +33,8 @@ def collate_column(values: Sequence[Any], pad: bool, pad_value: int | float) -> 
             longest = tuple(max(v.shape[d] for v in values) for d in range(values[0].ndim))
             out = np.full((len(values), *longest), pad_value, dtype=dtype)
             for row, value in enumerate(values):
-                out[(row, *(slice(0, n) for n in value.shape))] = value
+                index: tuple[int | slice, ...] = (row, *(slice(0, n) for n in value.shape))
+                out[index] = value
             lengths = np.array([v.shape[0] if v.ndim else 1 for v in values], dtype=np.int32)
             return out, lengths, sum(v.nbytes for v in values)
         return list(values), None, 0
@@ -159,7 +160,7 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
     each owning buffer once however many views of it there are, a standalone integer array in the
     narrowest dtype its values fit (`wire_dtype`); `unpack_arrays` rebuilds it."""
     placed: dict[int, tuple[np.ndarray, int, np.dtype | None]] = {}
-    layout = []
+    layout: list[tuple[str, str, tuple[int, ...], tuple[int, ...], int, str | None]] = []
     rest: dict[str, Any] = {}
     size = 0
     for name, value in data.items():

@@ -157,7 +157,7 @@ class Loader:
 
     def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
-        if self._feed is not None and (self._held is not None or self._at_edge):
+        if self._feed_iterator is not None and self._feed is not None and (self._held is not None or self._at_edge):
             return self._batches(self._feed_iterator)  # the last `for` stopped at an epoch edge
         self._stop_reading()
         self._check_world()
@@ -175,11 +175,11 @@ class Loader:
                 self.telemetry.registry.include(registry, registry)
             timed = production_timer(self.dataset)  # the feed times each batch it builds
         bind_workers(self._dataloader)  # a DataLoader's workers die with this process, SIGKILL too (loader/_lifetime.py)
-        self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
+        source: Iterator[Any] = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
+        self._source = source
         self.start_prefetch()
-        received = (raising_lost_workers(self._source, repr(self.dataset))
-                    if self._wraps_dataloader and self._loader_options["num_workers"]
-                    else self._source)
+        received = (raising_lost_workers(source, repr(self.dataset))
+                    if self._wraps_dataloader and self._loader_options["num_workers"] else source)
         self._feed = DeviceFeed(_Started(received), device=self.device, depth=self.depth, widen=self.widen,
                                 ids=self.dtype,
                                 background=self.background, timed=timed,
@@ -384,7 +384,7 @@ class Loader:
         if self._loader_options["num_workers"] == 0:
             return True
         context = self._loader_options.get("multiprocessing_context")
-        method = context.get_start_method() if hasattr(context, "get_start_method") else context
+        method = context if context is None or isinstance(context, str) else context.get_start_method()
         return (method or multiprocessing.get_start_method(allow_none=True)) in ("forkserver", "spawn")
 
     def __enter__(self) -> Loader:

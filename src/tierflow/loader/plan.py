@@ -17,7 +17,6 @@ import hashlib
 import itertools
 import json
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Protocol
 
 import numpy as np
@@ -185,6 +184,7 @@ class Built(NamedTuple):
 class OrderStream(Protocol):
     """The rank's order batches from a cursor, as one DataLoader worker plans them."""
 
+    arrangement: Arrangement
     rank: int
     worker: int
     workers: int

@@ -136,7 +136,7 @@ class PoolIterator:
                 args=(dataset, worker, workers, slots, pool.timed, owner, parent_signal,
                       multiprocessing.connection.Connection(theirs.detach())))
             process.start()
-            process._args = ()  # type: ignore[attr-defined]  # no reference to the worker's end stays here
+            process._args = ()  # no reference to the worker's end stays here
             self.processes.append(process)
             self._channels.append(_Channel(ours))
         self._stream = dataset.stream()  # where the workers' compact cursors are resolved (the same start)
