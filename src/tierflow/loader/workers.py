@@ -102,7 +102,8 @@ class _Channel:
     def shutdown(self) -> None:
         """End both directions now: the worker's next read or write fails, and it stops."""
         try:
-            socket.socket(fileno=os.dup(self._free_fd)).shutdown(socket.SHUT_RDWR)
+            with socket.socket(fileno=os.dup(self._free_fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.connection.close()
