@@ -1,7 +1,8 @@
 """Loader: what the training loop iterates; remembers the cursor of the last batch it handed over.
 
-`Loader(TieredDataset(...), device="cuda", num_workers=2)` builds the DataLoader and the device
-feed (L0); `Loader(DataLoader(ds, batch_size=None, ...))` wraps one you made. Batches travel as
+`Loader(TieredDataset(...), device="cuda", num_workers=2)` starts its own worker pool (workers.py:
+batches through shared-memory rings) and the device feed (L0); `Loader(DataLoader(ds,
+batch_size=None, ...))` reads through torch's DataLoader you made. Batches travel as
 `CarriedBatch`es (the user's data, its `BatchMeta` beside it); the loop gets only the data, or
 (data, meta) with `return_meta=True`, and `last_meta` is the meta of the batch last handed out.
 `state_dict()` holds the cursor of the last batch the loop consumed (committed when the loop asks
@@ -354,7 +355,7 @@ class Loader:
             self.stager.consumed(meta.planned)  # the stager's thread resolves it when it plans
 
     def close(self) -> None:
-        """Stop the feed, the stager and the DataLoader's workers (a loop that breaks early may call it)."""
+        """Stop the feed, the stager and the workers (a loop that breaks early may call it)."""
         self._stop_reading()
         self._close_stager()
 
