@@ -86,6 +86,7 @@ class _Channel:
     def __init__(self, sock: socket.socket) -> None:
         self.connection = multiprocessing.connection.Connection(sock.detach())
         self._free_fd = os.dup(self.connection.fileno())
+        self._pid = os.getpid()
         self.returned: collections.deque[None] = collections.deque()
 
     def returned_slot(self, generation: int, slot: int) -> None:
@@ -94,6 +95,8 @@ class _Channel:
         self.give_back(generation, slot)
 
     def give_back(self, generation: int, slot: int) -> None:
+        if os.getpid() != self._pid:  # a forked child collecting what it inherited: the slot is not its to give
+            return
         try:
             os.write(self._free_fd, _FREE.pack(generation, slot))
         except OSError:  # the worker is gone (or the pool shut down): nothing waits for the slot
