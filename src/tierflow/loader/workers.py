@@ -176,6 +176,7 @@ class PoolIterator:
                 self._ended = True
                 raise StopIteration
             _, error, text = message  # "error": what the worker raised, re-raised here
+            self._ended = True
             error.add_note(f"raised in tierflow worker {worker} (pid {self.processes[worker].pid}):\n{text}")
             raise error
         _, generation, slot, layout, rest, keys, meta = message
@@ -217,6 +218,7 @@ class PoolIterator:
             raise self._lost(worker) from None
 
     def _lost(self, worker: int) -> Exception:
+        self._ended = True
         process = self.processes[worker]
         code = process.exitcode
         if code is not None and code < 0:
