@@ -68,6 +68,28 @@ def test_pool_batches_equal_the_main_processs_in_order(docs, workers):
         assert (ids, index, epoch, cursor) == (rids, rindex, repoch, rcursor)
 
 
+def test_text_columns_travel_in_the_ring_as_the_strings_they_were(docs):
+    text = docs.parent / "text"
+    if not (text / "manifest.json").exists():
+        tierflow.pack([docs.parent / "docs.jsonl"], text, workers=1, target_shard_bytes=256 << 10)
+
+    def batches(workers):
+        ds = TieredDataset(str(text), batch_size=8, batcher=Samples())
+        with Loader(ds, device="cpu", num_workers=workers, return_meta=True) as loader:
+            return [(batch, meta.sample_ids.tolist()) for batch, meta in islice(loader, 40)]
+
+    for (got, ids), (want, want_ids) in zip(batches(2), batches(0), strict=True):
+        assert ids == want_ids and list(got) == list(want)
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert got[key].equal(value), key
+            elif isinstance(value, np.ndarray):
+                assert np.array_equal(got[key], value), key
+            else:
+                assert got[key] == value, key
+        assert any(isinstance(v, list) and v and isinstance(v[0], str) for v in got.values())
+
+
 def test_pool_resumes_exactly_mid_epoch(docs):
     assert_resumes_exactly(lambda workers: Loader(_windows(docs), device="cpu", num_workers=workers),
                            stops=[7, 33], workers=2)

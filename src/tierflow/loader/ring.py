@@ -4,10 +4,12 @@ A worker's `Arena` is an anonymous memory file (memfd; an unlinked file in /dev/
 is not offered) cut into equal slots. It has no name, so nothing is left behind however its
 processes end: the memory goes with the last descriptor and mapping. The worker hands the
 descriptor to the training process once (SCM_RIGHTS over their socket); from then on a batch is
-its arrays copied once into a slot (`write_batch`) and one small message saying where
+its arrays copied once into a slot (`Arena.write`) and one small message saying where
 (`Layout`), and the training process views them where they lie (`view_batch`): no pickling of
 arrays, no per-array segment. Views of one buffer (`input_ids` and `labels` of a token batch)
-stay views of one place in the slot.
+stay views of one place in the slot. A column of strings (or bytes) travels in the slot too, as
+its UTF-8 bytes end to end and their offsets, so a batch of long documents is no large message
+(one that outgrows the socket's buffer would hold its worker until the loop reads it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ SLOT_HEADROOM = 1.25
 (a longer padded shape) still fits; a batch that does not fit makes a new arena."""
 
 Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int], ...]
-"""Per array: (key, dtype, shape, strides, start in the slot)."""
+"""Per array: (key, dtype, shape, strides, start in the slot); a text column's dtype is "str" or
+"bytes", its shape (rows,), and it starts at its offsets (int64, rows + 1) followed by its bytes."""
+_TEXT = {str: "str", bytes: "bytes"}
 
 
 def anonymous_memory(nbytes: int) -> int:
@@ -86,7 +90,16 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
     for name, value in data.items():
         array = _as_array(value)
         if array is None:
-            rest[name] = value
+            text = _text_column(value)
+            if text is None:
+                rest[name] = value
+                continue
+            kind, offsets, blob = text
+            size = -(-size // _ALIGN) * _ALIGN
+            placed[id(offsets)] = (offsets, size)
+            placed[id(blob)] = (blob, size + offsets.nbytes)
+            layout.append((name, kind, (len(value),), (), size))
+            size += offsets.nbytes + blob.nbytes
             continue
         if not array.dtype.isnative:
             array = array.astype(array.dtype.newbyteorder("="))
@@ -111,9 +124,33 @@ def view_batch(slot: np.ndarray, layout: Layout, rest: Mapping[str, Any], keys: 
     """The batch `write`/`lay_out` put in `slot`: numpy views of it (copies with `copy`), in key order."""
     values: dict[str, Any] = dict(rest)
     for name, dtype_str, shape, strides, start in layout:
+        if dtype_str in ("str", "bytes"):
+            values[name] = _read_text(slot, dtype_str, shape[0], start)
+            continue
         array = np.ndarray(shape, dtype=_dtype(dtype_str), buffer=slot, offset=start, strides=strides)
         values[name] = array.copy() if copy else array
     return {key: values[key] for key in keys}
+
+
+def _text_column(value: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """("str" or "bytes", offsets, bytes) of a list of strings or of bytes, else None."""
+    if type(value) is not list or not value:
+        return None
+    kind = _TEXT.get(type(value[0]))
+    if kind is None or any(type(v) is not type(value[0]) for v in value):
+        return None
+    encoded = [v.encode() for v in value] if kind == "str" else value
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    return kind, offsets, np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+
+def _read_text(slot: np.ndarray, kind: str, rows: int, start: int) -> list[Any]:
+    offsets = np.ndarray((rows + 1,), dtype=np.int64, buffer=slot, offset=start).tolist()
+    blob = slot[start + (rows + 1) * 8:].data
+    if kind == "str":
+        return [str(blob[a:z], "utf-8") for a, z in zip(offsets, offsets[1:])]
+    return [bytes(blob[a:z]) for a, z in zip(offsets, offsets[1:])]
 
 
 @functools.cache
