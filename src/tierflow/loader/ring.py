@@ -33,7 +33,7 @@ SLOT_HEADROOM = 1.25
 Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int], ...]
 """Per array: (key, dtype, shape, strides, start in the slot); a text column's dtype is "str" or
 "bytes", its shape (rows,), and it starts at its offsets (int64, rows + 1) followed by its bytes."""
-_TEXT = {str: "str", bytes: "bytes"}
+_TEXT: dict[type, str] = {str: "str", bytes: "bytes"}
 
 
 def anonymous_memory(nbytes: int) -> int:
@@ -84,7 +84,7 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
     """(buffers and their starts, layout, other values, bytes): every numeric array of `data` placed
     in one slot, each owning buffer once however many views of it there are."""
     placed: dict[int, tuple[np.ndarray, int]] = {}
-    layout = []
+    layout: list[tuple[str, str, tuple[int, ...], tuple[int, ...], int]] = []
     rest: dict[str, Any] = {}
     size = 0
     for name, value in data.items():
