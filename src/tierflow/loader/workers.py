@@ -48,7 +48,12 @@ _FREE = struct.Struct("<II")  # (arena generation, slot): the training process g
 
 class WorkerPool:
     """`workers` processes building `dataset`'s batches; iterating it starts them and yields the
-    batches (`CarriedBatch`es of numpy arrays viewing the rings) in the plan's order."""
+    batches (`CarriedBatch`es of numpy arrays viewing the rings) in the plan's order.
+
+    `context`: a multiprocessing context or start method (None: the platform's default). Each
+    worker has `prefetch_factor + hold` slots: `hold` of its batches the loop may keep viewing in
+    place (more are copied out), `prefetch_factor` it may build beyond them. `timed`: each batch's
+    meta carries its production timing (telemetry)."""
 
     def __init__(self, dataset: Any, workers: int, *, context: Any = None, prefetch_factor: int | None = None,
                  hold: int = 4, timed: bool = False) -> None:
@@ -71,6 +76,7 @@ class WorkerPool:
 
 
 def _context(context: Any) -> Any:
+    """The multiprocessing context of a context, a start method's name, or None (the default)."""
     if context is None:
         return multiprocessing.get_context()
     if isinstance(context, str):
