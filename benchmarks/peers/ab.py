@@ -5,8 +5,9 @@ source trees in alternating rounds, so a change's peak PSS and samples/s are com
 
 Run `make bench-peers ARGS="--only raw"` once first: it builds the corpus and the packed datasets
 under --work, which this reads. Prints, per cell (tokens / text x main process / 2 workers), the
-median (min-max) of each tree's peak PSS summed over the child and its workers, samples/s, and (in
-the main-process cells) CPU microseconds per sample, which a loaded machine inflates far less than the wall.
+median (min-max) of each tree's peak PSS summed over the child and its workers, samples/s, and CPU
+microseconds per sample of the child and its workers (the epoch after its first batch), which a
+loaded machine inflates far less than the wall.
 """
 
 from __future__ import annotations
@@ -60,15 +61,15 @@ def main() -> None:
         runs = cells[f"{kind}_w{workers}"]
         pss = [spread([x["peak_pss"] for x in runs[t]], ".0f", 1 / MB) for t in trees]
         rate = [spread([x["samples_per_s"] for x in runs[t]], ".1f", 1e-3) for t in trees]
-        cpu = [spread([cpu_us(x) for x in runs[t]], ".1f") if workers == 0 else "-" for t in trees]
+        cpu = [spread([cpu_us(x) for x in runs[t]], ".1f") for t in trees]
         mode = "main process" if workers == 0 else f"{workers} workers"
         print(f"| {kind} | {mode} | {pss[0]} | {pss[1]} | {rate[0]} | {rate[1]} | {cpu[0]} | {cpu[1]} |")
-    print("\nCPU us/sample: the child's own threads over the epoch (with workers, the main process alone: '-').")
+    print("\nCPU us/sample: the child and its workers over the epoch.")
 
 
 def cpu_us(result: dict) -> float:
-    """CPU microseconds per sample of the child's own threads (a loaded machine stretches the wall far more)."""
-    return result["cpu_s"] / max(1, result["samples"]) * 1e6
+    """CPU microseconds per sample of the child and its workers (a loaded machine stretches the wall far more)."""
+    return result.get("cpu_all_s", result["cpu_s"]) / max(1, result["samples"]) * 1e6
 
 
 if __name__ == "__main__":

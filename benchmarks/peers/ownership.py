@@ -1,7 +1,6 @@
 """Which batches each DataLoader worker should build: blocks decoded against batches waiting out of order.
 
-Today worker w of W builds the runs of R batches n with (n // R) mod W = w, so batches leave the
-workers in order, but the batches of one lane's block group go to every worker and each decodes its
+Today worker w of W builds the batches n with n mod W = w, so batches leave the workers in order, but the batches of one lane's block group go to every worker and each decodes its
 blocks (decodes.py counts ~1.85 x the blocks with 2 workers). This plans one raw epoch (no data read:
 the order's batches and the index's block of each sample) and computes, for other rules of who
 builds which batch:
@@ -12,7 +11,7 @@ builds which batch:
   order, one per tick, and the loop takes batch n as soon as batches 0..n exist (what a Loader that
   restores the order would hold).
 
-Rules: "runs" (today's); "lane": a batch goes to the worker of its lane (lane mod W); "sticky, lag L":
+Rules: "n mod W" (today's); "lane": a batch goes to the worker of its lane (lane mod W); "sticky, lag L":
 a lane stays on its worker while its batches share a block with its previous one, and otherwise, or
 once that worker has L more batches than the least loaded one, moves to the least loaded worker.
 Reads run.py's packed datasets (make bench-peers ARGS="--only raw" builds them).
@@ -30,7 +29,6 @@ from typing import Callable
 import numpy as np
 
 from tierflow.loader import BatchSpec, OrderSpec, TieredDataset
-from tierflow.loader._collate import run_length
 from tierflow.loader.tokens import WindowStarts
 from tierflow.order.lanes import node_lanes
 
@@ -65,11 +63,9 @@ def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
         batches.append((lane_of[partition], read))
 
 
-def by_runs(ds: TieredDataset, batches: Batches, workers: int, run: int) -> list[int]:
+def by_streams(ds: TieredDataset, batches: Batches, workers: int) -> list[int]:
     """Today's rule, asked of the workers' own streams (`OrderStream.owns`)."""
     streams = [ds.stream(w, workers) for w in range(workers)]
-    for stream in streams:
-        stream.run = run
     return [next(w for w, stream in enumerate(streams) if stream.owns(n)) for n in range(len(batches))]
 
 
@@ -120,9 +116,8 @@ def main() -> None:
         print("| workers | rule | decodes ÷ blocks | busiest ÷ even share | batches waiting, at most |")
         print("|---|---|---|---|---|")
         for workers in args.workers:
-            run = run_length(ds.batch_bytes(), len(batches), workers)
             rules: dict[str, Callable[[], list[int]]] = {
-                f"runs of {run} (today)": partial(by_runs, ds, batches, workers, run),
+                "n mod W (today)": partial(by_streams, ds, batches, workers),
                 "lane": partial(by_lane, batches, workers),
                 "sticky": partial(sticky, batches, workers, None),
                 "sticky, lag 8": partial(sticky, batches, workers, 8),

@@ -385,41 +385,18 @@ def test_batches_from_workers_equal_batches_built_in_process(packed):
         assert remote.meta.sample_ids.tolist() == inline.meta.sample_ids.tolist()
 
 
-@pytest.mark.parametrize("run,limit", [(3, 13), (1, 7), (4, 4)])
-def test_workers_send_runs_of_consecutive_batches_that_flatten_to_the_in_process_order(packed, run, limit):
-    from tierflow.loader._collate import BatchRuns, flatten_runs
+def test_workers_cover_every_batch_once_in_order():
+    from tierflow.loader.plan import _WorkerView, worker_of
 
-    def dataset(worker_run):
-        ds = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=48), OrderSpec(partitions=PARTITIONS),
-                           max_batches=limit)
-        ds.worker_run = worker_run
-        return ds
-
-    inline = list(dataset(run))
-    messages = list(DataLoader(BatchRuns(dataset(run), run), batch_size=None, num_workers=2, collate_fn=lambda b: b))
-    # run k is worker k mod 2's; each message is one whole run (the last may be short), in order
-    assert [[b.meta.index for b in m] for m in messages] == \
-        [list(range(k, min(k + run, limit))) for k in range(0, limit, run)]
-    received = list(flatten_runs(iter(messages)))
-    assert len(received) == len(inline) == limit
-    for remote, local in zip(received, inline):
-        assert torch.equal(remote.data["input_ids"], torch.as_tensor(local.data["input_ids"]))
-        assert remote.meta.cursor == local.meta.cursor and remote.meta.sample_ids.tolist() == local.meta.sample_ids.tolist()
-
-
-def test_a_workers_runs_cover_every_batch_once():
-    from tierflow.loader.plan import _WorkerView
-
-    for run, workers in ((1, 3), (3, 2), (8, 2), (2, 1)):
+    for workers in (1, 2, 3):
         owned = []
         for w in range(workers):
             view = _WorkerView(None, 0, w, workers, None)  # type: ignore[arg-type]
-            view.run = run
             mine = list(itertools.takewhile(lambda n: n < 40, view.own_batches()))
-            assert all(view.owns(n) for n in mine) and mine == sorted(mine)
+            assert all(view.owns(n) and worker_of(n, workers) == w for n in mine) and mine == sorted(mine)
             assert [n for n in range(40) if view.owns(n)] == mine
             owned += mine
-        assert sorted(owned) == list(range(40)), (run, workers)
+        assert sorted(owned) == list(range(40)), workers
 
 
 def _reference_cursor_after(order, base, index, *, batch_size, num_nodes, ranks_per_node):
@@ -739,15 +716,3 @@ def test_integer_arrays_travel_narrow_and_arrive_in_their_own_dtype_and_values()
     assert int(received["positions"][0]) == 7
 
 
-def test_the_result_pipe_of_a_dataloader_with_workers_is_enlarged_best_effort(packed):
-    from tierflow.loader._collate import RESULT_PIPE_BYTES, enlarge_result_pipe
-
-    assert enlarge_result_pipe(object()) == 0  # not a DataLoader iterator: nothing to do
-    ds = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=48), OrderSpec(partitions=PARTITIONS), max_batches=2)
-    iterator = iter(DataLoader(ds, batch_size=None, num_workers=1))
-    try:
-        granted = enlarge_result_pipe(iterator)
-        assert granted == 0 or granted >= min(RESULT_PIPE_BYTES, 65536)
-        assert len(list(iterator)) == 2
-    finally:
-        iterator._shutdown_workers()

@@ -189,7 +189,7 @@ def test_a_killed_worker_reaches_the_loop_as_a_tierflow_error_and_state_dict_res
         for step, batch in enumerate(loader):
             got.append(batch["input_ids"].clone())
             if step == 2:
-                os.kill(loader._source._workers[0].pid, signal.SIGKILL)
+                os.kill(loader._source.processes[0].pid, signal.SIGKILL)
             assert step < 200, "the loop never heard of the dead worker"  # the batches already sent come first
     assert isinstance(caught.value, TierflowError) and isinstance(caught.value, RuntimeError)
     state = loader.state_dict()

@@ -1,4 +1,4 @@
-"""Dict-of-columns collation, and the batch as it crosses the DataLoader worker boundary.
+"""Dict-of-columns collation, and the batch as it crosses a DataLoader's worker boundary.
 
 Numeric arrays of one shape are stacked, and with `pad` arrays of different lengths are padded
 into one buffer (plus `<column>_lengths`): either way one copy, from the shard's mapped view into
@@ -9,12 +9,10 @@ as a `CarriedBatch` (its data and its meta), one message per batch (below).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
 from tierflow.errors import LoaderMisuseError
 
@@ -35,7 +33,8 @@ def collate_column(values: Sequence[Any], pad: bool, pad_value: int | float) -> 
             longest = tuple(max(v.shape[d] for v in values) for d in range(values[0].ndim))
             out = np.full((len(values), *longest), pad_value, dtype=dtype)
             for row, value in enumerate(values):
-                out[(row, *(slice(0, n) for n in value.shape))] = value
+                index: tuple[int | slice, ...] = (row, *(slice(0, n) for n in value.shape))
+                out[index] = value
             lengths = np.array([v.shape[0] if v.ndim else 1 for v in values], dtype=np.int32)
             return out, lengths, sum(v.nbytes for v in values)
         return list(values), None, 0
@@ -59,7 +58,8 @@ def collate_samples(
     return batch, copied
 
 
-# -- crossing the DataLoader worker boundary ------------------------------------------------
+# -- crossing the boundary of a DataLoader the user built -------------------------------------
+# (the Loader's own workers write batches into shared memory instead: loader/ring.py)
 # DataLoader sends each tensor through its own shared-memory segment, and receiving a segment
 # costs the main process a socket connection and an fd hand-over (~0.7 ms measured): with ~7
 # arrays per batch that alone cost more than building the batch. A `CarriedBatch` (the user's
@@ -160,7 +160,7 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
     each owning buffer once however many views of it there are, a standalone integer array in the
     narrowest dtype its values fit (`wire_dtype`); `unpack_arrays` rebuilds it."""
     placed: dict[int, tuple[np.ndarray, int, np.dtype | None]] = {}
-    layout = []
+    layout: list[tuple[str, str, tuple[int, ...], tuple[int, ...], int, str | None]] = []
     rest: dict[str, Any] = {}
     size = 0
     for name, value in data.items():
@@ -254,74 +254,6 @@ def _dtype(dtype_str: str) -> np.dtype:
 def _unpack_carried(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
                     meta: Any) -> CarriedBatch:
     return CarriedBatch(unpack_arrays(payload, layout, rest, keys), meta)
-
-
-class BatchRuns(IterableDataset):
-    """What a DataLoader worker sends: its batches a run at a time (`TieredDataset.worker_run`), one
-    list per run, so the main process takes one message, and wakes once, per run instead of per
-    batch; `flatten_runs` hands the batches on one by one, in order."""
-
-    def __init__(self, dataset: Any, run: int) -> None:
-        super().__init__()
-        self.dataset = dataset
-        self.run = run
-
-    def __iter__(self) -> Iterator[list[Any]]:
-        run, batches = self.run, []
-        for batch in self.dataset:
-            batches.append(batch)
-            if (batch.meta.index + 1) % run == 0:  # the run's last batch: send it now
-                yield batches
-                batches = []
-        if batches:
-            yield batches
-
-
-def flatten_runs(received: Iterator[Any]) -> Iterator[Any]:
-    """The batches of a DataLoader's runs (`BatchRuns`) one by one; a single batch passes as it is."""
-    for item in received:
-        if type(item) is list:
-            yield from item
-        else:
-            yield item
-
-
-RUN_BYTES = 1 << 20
-"""Decoded bytes a run may hold (`run_length`): a token or text run fits the result pipe, an image batch
-travels alone."""
-MAX_RUN = 8
-
-
-def run_length(batch_bytes: int, epoch_batches: int, workers: int) -> int:
-    """Batches a DataLoader worker builds and sends as one message: what fits RUN_BYTES, at most
-    MAX_RUN, and at most half a worker's share of an epoch, so what the workers build past an epoch's
-    end before the loop gets there (a run from each) stays a small part of the next epoch."""
-    return max(1, min(MAX_RUN, RUN_BYTES // max(1, batch_bytes), epoch_batches // (2 * workers)))
-
-
-RESULT_PIPE_BYTES = 1 << 20
-"""What the DataLoader's result pipe is asked to hold (Linux's default is 64 KiB, under one token batch)."""
-
-
-def enlarge_result_pipe(iterator: Any, nbytes: int = RESULT_PIPE_BYTES) -> int:
-    """Give a started DataLoader iterator's result pipe (every worker writes its batches into the one
-    pipe, under a lock) room for `nbytes`, so a worker's write of a batch returns at once, and the
-    other worker may write, instead of the two waiting, 64 KiB at a time, on the main process's
-    reads. Linux only, best effort: the size granted (0 when unchanged)."""
-    import fcntl
-
-    setpipe = getattr(fcntl, "F_SETPIPE_SZ", None)
-    reader = getattr(getattr(iterator, "_worker_result_queue", None), "_reader", None)
-    if setpipe is None or reader is None or not hasattr(reader, "fileno"):
-        return 0
-    try:
-        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
-    except (OSError, ValueError):
-        limit = nbytes
-    try:
-        return fcntl.fcntl(reader.fileno(), setpipe, min(nbytes, limit))
-    except OSError:  # over the user's pipe-page allowance, or not a pipe: the pipe stays as it was
-        return 0
 
 
 COLLATED_MESSAGE = (

@@ -68,6 +68,11 @@ def bind_workers(dataloader: Any) -> None:
     _wrap_sigchld()
 
 
+def lost_worker(what: str, where: str = "") -> WorkerLostError:
+    """The error for a worker that died (`what` says which and how), saying how to resume."""
+    return WorkerLostError(f"{where + ': ' if where else ''}{what.rstrip('. ')}; {_RESUME}")
+
+
 def worker_lost(error: BaseException, where: str = "") -> WorkerLostError | None:
     """The tierflow error for torch's report that a DataLoader worker died; None for other errors."""
     if isinstance(error, WorkerLostError) or not isinstance(error, RuntimeError):
@@ -75,7 +80,7 @@ def worker_lost(error: BaseException, where: str = "") -> WorkerLostError | None
     text = str(error)
     if not _TORCH_WORKER_DIED.search(text):
         return None
-    return WorkerLostError(f"{where + ': ' if where else ''}{text.rstrip('. ')}; {_RESUME}")
+    return lost_worker(text, where)
 
 
 def raising_lost_workers(received: Iterator[Any], where: str = "") -> Iterator[Any]:
@@ -120,4 +125,4 @@ def _wrap_sigchld() -> None:
         signal.signal(signal.SIGCHLD, _LostWorkerHandler(current))
 
 
-__all__ = ["WorkerLifetime", "bind_workers", "raising_lost_workers", "worker_lost"]
+__all__ = ["WorkerLifetime", "bind_workers", "lost_worker", "raising_lost_workers", "worker_lost"]

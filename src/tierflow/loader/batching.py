@@ -176,7 +176,7 @@ class Samples(ByPosition):
     pad: bool = False
     pad_value: int | float = 0
     select: Sequence[str] | None = None
-    batches_per_group: ClassVar[int] = 1
+    batches_per_group = 1
     runs_transforms: ClassVar[bool] = True
 
     def tag(self) -> str:
@@ -223,7 +223,7 @@ class TokenWindows(ByPosition):
     (B, L+1) buffer."""
 
     seq_len: int
-    batches_per_group: ClassVar[int] = 1
+    batches_per_group = 1
     runs_transforms: ClassVar[bool] = False
 
     def tag(self) -> str:

@@ -59,7 +59,7 @@ class TokenBudget:
     def tag(self) -> str:
         return "samples"
 
-    def columns(self, manifest: Manifest) -> list[str] | None:
+    def columns(self, manifest: Manifest) -> list[str]:
         return [list_column("TokenBudget", self.column, manifest)]
 
     def order_counts(self, dataset: Dataset) -> np.ndarray:

@@ -299,11 +299,6 @@ class TieredDataset(IterableDataset):
     integers, not the order's position); the process that receives them resolves the one it needs
     with `resolve_cursor`. Off: a worker resolves each batch's cursor as it sends it."""
 
-    worker_run: int = 1
-    """Output batches each DataLoader worker builds in a row (`OrderStream.run`): the Loader sends a
-    run as one message (`BatchRuns`), so a worker builds consecutive batches, which read the same
-    blocks, and the main process takes one message per run. 1: one batch per message."""
-
     _resolver: tuple[LoaderCursor | None, OrderStream] | None = None
 
     def resolve_cursor(self, cursor: LoaderCursor | PlannedCursor) -> LoaderCursor:
@@ -322,13 +317,19 @@ class TieredDataset(IterableDataset):
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:  # a DataLoader worker
+            return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
+        ctx = self._open()
+        plan = self.batcher.plan(ctx, self.stream(), self._resume)
+        return (self._built(ctx, selection) for selection in plan)
+
+    def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
+        """The batches worker `worker` of `workers` builds (output batches n = worker mod workers), its
+        metrics riding in their meta (`_from_worker`); `compact`: their cursors travel unresolved."""
         ctx = self._open()
         stream = self.stream(worker, workers)
-        stream.compact, stream.run = self.compact_cursors, self.worker_run
+        stream.compact = compact
         plan = self.batcher.plan(ctx, stream, self._resume)
-        if info is None:
-            return (self._built(ctx, selection) for selection in plan)
         return self._from_worker(plan, lambda selection: self._built(ctx, selection), worker, [ctx.registry])
 
     def reading_registries(self) -> list[MetricsRegistry]:
@@ -458,11 +459,6 @@ class TieredDataset(IterableDataset):
         """Read this process's shards through `wrap(supply)` (telemetry's fetch attribution)."""
         dataset = self._open().dataset
         dataset.source = wrap(dataset.source)
-
-    def batch_bytes(self) -> int:
-        """Decoded bytes an output batch holds on average (what sizes a worker's run: `worker_run`)."""
-        decoded = int(shard_column(self.manifest, "decoded_bytes").sum())
-        return int(decoded / max(1, self.num_order_samples) * self.batch_size)
 
     def node_step_samples(self) -> int:
         """Samples this node's ranks consume per step together (the stager's clock, `FutureView`)."""

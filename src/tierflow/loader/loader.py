@@ -1,7 +1,8 @@
 """Loader: what the training loop iterates; remembers the cursor of the last batch it handed over.
 
-`Loader(TieredDataset(...), device="cuda", num_workers=2)` builds the DataLoader and the device
-feed (L0); `Loader(DataLoader(ds, batch_size=None, ...))` wraps one you made. Batches travel as
+`Loader(TieredDataset(...), device="cuda", num_workers=2)` starts its own worker pool (workers.py:
+batches through shared-memory rings) and the device feed (L0); `Loader(DataLoader(ds,
+batch_size=None, ...))` reads through torch's DataLoader you made. Batches travel as
 `CarriedBatch`es (the user's data, its `BatchMeta` beside it); the loop gets only the data, or
 (data, meta) with `return_meta=True`, and `last_meta` is the meta of the batch last handed out.
 `state_dict()` holds the cursor of the last batch the loop consumed (committed when the loop asks
@@ -18,7 +19,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from tierflow.loader._collate import BatchRuns, CarriedBatch, enlarge_result_pipe, flatten_runs, run_length
+from tierflow.loader._collate import CarriedBatch
 from tierflow.loader._lifetime import bind_workers, raising_lost_workers
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.mixture import ReadDataset
@@ -27,7 +28,8 @@ from tierflow.loader.epochs import EpochClock, EpochVote
 from tierflow.loader.meta import BatchMeta
 from tierflow.loader.plan import PlannedCursor
 from tierflow.storage.datasets import local_path
-from tierflow.telemetry.attribution import TimedBatches, production_timer
+from tierflow.loader.workers import WorkerPool
+from tierflow.telemetry.attribution import production_timer
 from tierflow.telemetry.loader_metrics import FLUSH_AT, LoaderTelemetry
 from tierflow.tiers.stager import Stager
 from tierflow.errors import BatchOrderError, CursorError, TopologyError
@@ -84,9 +86,11 @@ class Loader:
                                  f"of order and the saved cursor would skip or repeat batches")
             self.dataset: ReadDataset = source.dataset
             self._loader_options = _options_of(source)
-            self._dataloader: DataLoader | None = source
+            self._wraps_dataloader = True
+            self._dataloader: DataLoader | WorkerPool | ReadDataset | None = source
         else:
             self.dataset = source
+            self._wraps_dataloader = False
             self._loader_options = {"num_workers": num_workers, "persistent_workers": persistent_workers and num_workers > 0}
             if prefetch_factor is not None:
                 self._loader_options["prefetch_factor"] = prefetch_factor
@@ -139,20 +143,22 @@ class Loader:
         self.telemetry: LoaderTelemetry | None = (
             LoaderTelemetry() if telemetry is True else telemetry if isinstance(telemetry, LoaderTelemetry) else None)
 
-    def _make_dataloader(self) -> DataLoader | ReadDataset:
-        if self._loader_options["num_workers"] == 0:
+    def _make_dataloader(self) -> DataLoader | WorkerPool | ReadDataset:
+        options = self._loader_options
+        if self._wraps_dataloader:  # rebuilt with the user's options: its workers hold the old position
+            return DataLoader(self.dataset, batch_size=None, **options)
+        if options["num_workers"] == 0:
             # it batches itself; the device feed turns its arrays into tensors, and with telemetry times
             # each batch's production (`production_timer`)
             return self.dataset
-        dataset = TimedBatches(self.dataset) if self.telemetry is not None else self.dataset
-        ds, workers = self.dataset, self._loader_options["num_workers"]
-        epoch_batches = ds.num_order_samples // (ds.batch_size * ds.world.world_size)
-        run = ds.worker_run = run_length(ds.batch_bytes(), epoch_batches, workers)
-        return DataLoader(BatchRuns(dataset, run), batch_size=None, collate_fn=_as_is, **self._loader_options)
+        # the Loader's own workers: batches through shared-memory rings (loader/workers.py)
+        return WorkerPool(self.dataset, options["num_workers"], context=options.get("multiprocessing_context"),
+                          prefetch_factor=options.get("prefetch_factor"), hold=self.depth + 2,
+                          timed=self.telemetry is not None)
 
     def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
-        if self._feed is not None and (self._held is not None or self._at_edge):
+        if self._feed_iterator is not None and self._feed is not None and (self._held is not None or self._at_edge):
             return self._batches(self._feed_iterator)  # the last `for` stopped at an epoch edge
         self._stop_reading()
         self._check_world()
@@ -169,12 +175,12 @@ class Loader:
             for registry in self.dataset.reading_registries():  # batches are built here: count their readers
                 self.telemetry.registry.include(registry, registry)
             timed = production_timer(self.dataset)  # the feed times each batch it builds
-        bind_workers(self._dataloader)  # its workers die with this process, SIGKILL too (loader/_lifetime.py)
-        self._source = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
-        enlarge_result_pipe(self._source)  # a batch per write, not 64 KiB at a time
+        bind_workers(self._dataloader)  # a DataLoader's workers die with this process, SIGKILL too (loader/_lifetime.py)
+        source: Iterator[Any] = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
+        self._source = source
         self.start_prefetch()
-        received = (raising_lost_workers(flatten_runs(self._source), repr(self.dataset))
-                    if self._loader_options["num_workers"] else self._source)
+        received = (raising_lost_workers(source, repr(self.dataset))
+                    if self._wraps_dataloader and self._loader_options["num_workers"] else source)
         self._feed = DeviceFeed(_Started(received), device=self.device, depth=self.depth, widen=self.widen,
                                 ids=self.dtype,
                                 background=self.background, timed=timed,
@@ -349,7 +355,7 @@ class Loader:
             self.stager.consumed(meta.planned)  # the stager's thread resolves it when it plans
 
     def close(self) -> None:
-        """Stop the feed, the stager and the DataLoader's workers (a loop that breaks early may call it)."""
+        """Stop the feed, the stager and the workers (a loop that breaks early may call it)."""
         self._stop_reading()
         self._close_stager()
 
@@ -364,7 +370,7 @@ class Loader:
         if self._feed is not None:
             self._feed.close()
             self._feed = None
-        shutdown = getattr(self._source, "_shutdown_workers", None)
+        shutdown = getattr(self._source, "_shutdown_workers", None) or getattr(self._source, "close", None)
         if shutdown is not None:
             shutdown()
         self._source = None
@@ -379,7 +385,7 @@ class Loader:
         if self._loader_options["num_workers"] == 0:
             return True
         context = self._loader_options.get("multiprocessing_context")
-        method = context.get_start_method() if hasattr(context, "get_start_method") else context
+        method = context if context is None or isinstance(context, str) else context.get_start_method()
         return (method or multiprocessing.get_start_method(allow_none=True)) in ("forkserver", "spawn")
 
     def __enter__(self) -> Loader:
@@ -444,12 +450,6 @@ class _Saved(NamedTuple):
 
 
 _KEEP_BEFORE = 8
-
-
-def _as_is(batch: CarriedBatch) -> CarriedBatch:
-    """The workers' per-batch conversion: none; the batch's arrays cross the boundary as the numpy
-    views the batcher made (collate.py) and arrive as tensors."""
-    return batch
 
 
 class _Started:

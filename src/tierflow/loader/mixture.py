@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset, ShardSupply
+from tierflow.loader.batching import SampleContext
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.cursor import Arrangement, LoaderCursor
@@ -72,8 +73,6 @@ class MixedDataset(IterableDataset):
     eval = False
     compact_cursors: bool = False
     """As `TieredDataset.compact_cursors`."""
-    worker_run: int = 1
-    """As `TieredDataset.worker_run`."""
     _resolver: tuple[LoaderCursor | None, MixedTrainStream] | None = None
 
     def __init__(self, datasets: Sequence[str | Path | Dataset], batching: BatchSpec,
@@ -148,9 +147,6 @@ class MixedDataset(IterableDataset):
                 raise type(error)(f"{self.location}: {error}") from None
         self._resume = cursor
 
-    def batch_bytes(self) -> int:
-        return max(c.batch_bytes() for c in self.children)
-
     def node_step_samples(self) -> int:
         return self.batch_size * self.batcher.batches_per_group * self.world.ranks_per_node
 
@@ -210,18 +206,25 @@ class MixedDataset(IterableDataset):
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[CarriedBatch]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:  # a DataLoader worker
+            return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
+        contexts = self._contexts()
+        plan = self.batcher.plan(contexts[0], self.stream(), self._resume)
+        return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
+
+    def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
+        contexts = self._contexts()
+        stream = self.stream(worker, workers)
+        stream.compact = compact
+        plan = self.batcher.plan(contexts[0], stream, self._resume)
+        return TieredDataset._from_worker(plan, lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)),
+                                 worker, [ctx.registry for ctx in contexts])
+
+    def _contexts(self) -> list[SampleContext]:
         contexts = [child._open() for child in self.children]
         for child, ctx in zip(self.children, contexts):
             child._bound_decoded(ctx, None)  # the mixture's epochs are not its children's: each reads its widest
-        stream = self.stream(worker, workers)
-        stream.compact, stream.run = self.compact_cursors, self.worker_run
-        plan = self.batcher.plan(contexts[0], stream, self._resume)
-        if info is None:
-            return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
-        return TieredDataset._from_worker(
-            plan, lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)), worker,
-            [ctx.registry for ctx in contexts])
+        return contexts
 
     def __getstate__(self) -> dict[str, Any]:
         """For spawn/forkserver workers: the resolver's stream is this process's (the children drop

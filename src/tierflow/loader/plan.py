@@ -1,9 +1,9 @@
 """Planning batches: which samples each output batch holds, and the cursor once it is consumed.
 
 A batcher has two halves. `plan(ctx, stream, state)` walks the rank's order stream from a cursor
-and yields one `Selection` per output batch this DataLoader worker builds (worker w of W builds
-the runs of R batches n with n // R = w (mod W), the order DataLoader's in-order round robin hands
-the runs out in, R = 1 unless the Loader sends runs as one message); planning
+and yields one `Selection` per output batch this worker builds (worker w of W builds the batches
+n = w (mod W): `worker_of`, the order in which the Loader's pool, and DataLoader's in-order round
+robin, take them); planning
 reads no sample data, at most lengths, so a plan that must see every batch (a token budget) can
 run whole in every worker. `build(ctx, selection)` reads and assembles one of them. The stream
 is train (`TrainStream` over `RankStream`) or eval (`EvalStream` over `EvalOrder`); a batcher
@@ -14,6 +14,7 @@ cursor is planned, not computed (`PlannedCursor`): only the last consumed batch'
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import threading
 from typing import Any, Iterator, NamedTuple, Protocol
@@ -89,6 +90,15 @@ class PlannedCursor:
         cursor = self._cursor = bound.cursor(self.last, skip=self.skip, pending=self.pending)
         self._stream = None  # a resolved cursor holds nothing of the stream
         return cursor
+
+    def bind(self, stream: OrderStream) -> None:
+        """Resolve a compact cursor that travelled here against `stream` (from the same start as the
+        one that planned it) when it is asked for, in any thread."""
+        if self._cursor is None and self._stream is None:
+            if stream_key(stream) != self._base:
+                raise CursorError("this batch was planned from another start than the stream it is bound to "
+                                  "(the dataset was resumed elsewhere since)")
+            self._stream = stream
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._cursor is None and self._stream is not None and getattr(self._stream, "compact", False):
@@ -182,8 +192,6 @@ class OrderStream(Protocol):
     """Output batches from the cursor (None: endless)."""
     compact: bool
     """Whether its `PlannedCursor`s travel unresolved between processes."""
-    run: int
-    """Output batches a worker builds in a row."""
 
     def owns(self, n: int) -> bool:
         """Whether this worker builds output batch `n`."""
@@ -208,25 +216,24 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
     return int(real.min()) if real.size else 0
 
 
+def worker_of(n: int, workers: int) -> int:
+    """The worker of `workers` that builds output batch `n`."""
+    return n % workers
+
+
 class _WorkerView:
-    """Who plans: the rank (global), the DataLoader worker of how many, under which arrangement.
-    `compact`: its planned cursors travel unresolved between processes (`PlannedCursor`). `run`:
-    output batches a worker builds in a row, so worker w builds batch n when (n // run) mod W = w
-    (the Loader sends each run as one message: `TieredDataset.worker_run`)."""
+    """Who plans: the rank (global), the worker of how many, under which arrangement. `compact`:
+    its planned cursors travel unresolved between processes (`PlannedCursor`)."""
 
     compact: bool = False
-    run: int = 1
 
     def owns(self, n: int) -> bool:
         """Whether this worker builds output batch `n`."""
-        return (n // self.run) % self.workers == self.worker
+        return worker_of(n, self.workers) == self.worker
 
     def own_batches(self) -> Iterator[int]:
         """The output batches this worker builds, in order (endless: the caller stops at its limit)."""
-        n = self.worker * self.run
-        while True:
-            yield from range(n, n + self.run)
-            n += self.workers * self.run
+        return itertools.count(self.worker, self.workers)
 
     def __init__(self, arrangement: Arrangement, rank: int, worker: int, workers: int, limit: int | None) -> None:
         self.arrangement = arrangement

@@ -199,23 +199,27 @@ class TimedBatches(IterableDataset):
         super().__init__()
         self.dataset = dataset
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        attribute_fetches(self.dataset)
-        batches = iter(self.dataset)
-        local, clock = _local, time.perf_counter
-        ledger = thread_ledger()
-        ledger.take_batch()  # what was opened before the first build is no batch's
-        started = clock()
-        for batch in batches:
-            # the timing travels in the batch's meta, beside its data, to the training process
-            batch.meta.produce_s = clock() - started
-            if ledger.batch:
-                batch.meta.fetch = ledger.take_batch()
-            yield batch
-            ledger = local.ledger  # this generator may move to the feed's thread between batches
-            if ledger.batch:
-                ledger.take_batch()  # opened between batches (outside any batch's build): no batch's fetch
-            started = clock()
+    def __iter__(self) -> Iterator[Any]:
+        return time_batches(self.dataset, iter(self.dataset))
 
     def __repr__(self) -> str:
         return f"TimedBatches({self.dataset!r})"
+
+
+def time_batches(dataset: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches` (of `dataset`, built in this process: a worker's), each stamped with its timing."""
+    attribute_fetches(dataset)
+    local, clock = _local, time.perf_counter
+    ledger = thread_ledger()
+    ledger.take_batch()  # what was opened before the first build is no batch's
+    started = clock()
+    for batch in batches:
+        # the timing travels in the batch's meta, beside its data, to the training process
+        batch.meta.produce_s = clock() - started
+        if ledger.batch:
+            batch.meta.fetch = ledger.take_batch()
+        yield batch
+        ledger = local.ledger  # this generator may move to the feed's thread between batches
+        if ledger.batch:
+            ledger.take_batch()  # opened between batches (outside any batch's build): no batch's fetch
+        started = clock()

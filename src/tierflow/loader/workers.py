@@ -1,0 +1,350 @@
+"""The Loader's own worker processes: each builds whole batches of the plan into its shared-memory ring.
+
+Worker w of W builds output batches n = w (mod W) (`TieredDataset.worker_batches`), writes each
+into a free slot of its `Arena` (ring.py) and sends one small message (where the arrays lie, the
+batch's meta) over its socket; the training process takes batch n from worker n mod W, so the
+order and the cursors are exactly those of building in process. A slot comes back to its worker
+once nothing in the training process views it any more (the numpy views' base is collected): a
+worker has `prefetch_factor + hold` slots, so it runs at most that far ahead (backpressure from
+the consumer's position), and when the loop keeps more than `hold` of one worker's batches alive
+(a list of batches), later ones are copied out of their slot at once, so no worker waits for ever.
+
+Lifetime: a worker ends with the trainer however it ends (tierflow._lifetime: parent-death signal
+and a watchdog on the trainer), a worker that dies reaches the loop as `WorkerLostError` naming it,
+and `close()` (or collecting the pool) stops the workers. The rings have no names: their memory
+goes with the last process mapping them, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import struct
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any, Iterator
+
+from tierflow._lifetime import Owner, die_with
+from tierflow.loader._collate import CarriedBatch
+from tierflow.loader._lifetime import lost_worker
+from tierflow.loader.plan import PlannedCursor, worker_of
+from tierflow.loader.ring import Arena, anonymous_memory, lay_out, view_batch
+from tierflow.telemetry.attribution import time_batches
+
+DEFAULT_PREFETCH = 2
+"""Batches a worker may build ahead of the loop beyond those the loop holds (DataLoader's default)."""
+RING_BYTES = 4 << 20
+"""A worker's ring holds at least this many bytes of batches (more slots than `prefetch_factor + hold`
+where batches are small), so a worker that stalls a moment (decoding a block, descheduled on a busy
+node) does not stall the other: with 6 token batches of slack each, the workers of a 2-core run
+waited for slots ~0.9 s of a 2.6 s epoch, with 16 about half that."""
+MAX_SLOTS = 64
+STOP_SECONDS = 2.0
+"""How long `close()` waits for the workers to stop by themselves before killing them."""
+_FREE = struct.Struct("<II")  # (arena generation, slot): the training process gives a slot back
+
+
+class WorkerPool:
+    """`workers` processes building `dataset`'s batches; iterating it starts them and yields the
+    batches (`CarriedBatch`es of numpy arrays viewing the rings) in the plan's order.
+
+    `context`: a multiprocessing context or start method (None: the platform's default). Each
+    worker has `prefetch_factor + hold` slots: `hold` of its batches the loop may keep viewing in
+    place (more are copied out), `prefetch_factor` it may build beyond them. `timed`: each batch's
+    meta carries its production timing (telemetry)."""
+
+    def __init__(self, dataset: Any, workers: int, *, context: Any = None, prefetch_factor: int | None = None,
+                 hold: int = 4, timed: bool = False) -> None:
+        if workers < 1:
+            raise ValueError(f"a worker pool has at least one worker, got {workers}")
+        self.dataset = dataset
+        self.workers = workers
+        self.context = context
+        self.prefetch_factor = DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor
+        if self.prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor must be >= 1, got {self.prefetch_factor}")
+        self.hold = hold
+        self.timed = timed
+
+    def __iter__(self) -> PoolIterator:
+        return PoolIterator(self)
+
+    def __repr__(self) -> str:
+        return f"WorkerPool({self.dataset!r}, workers={self.workers})"
+
+
+def _context(context: Any) -> Any:
+    """The multiprocessing context of a context, a start method's name, or None (the default)."""
+    if context is None:
+        return multiprocessing.get_context()
+    if isinstance(context, str):
+        return multiprocessing.get_context(context)
+    return context
+
+
+class _Channel:
+    """The training process's end of one worker's socket: messages in, freed slots out. Slots are
+    given back by finalizers, from whichever thread drops a batch's last view: each is one write of
+    8 bytes on a descriptor of its own, closed only once no finalizer can write to it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.connection = multiprocessing.connection.Connection(sock.detach())
+        self._free_fd = os.dup(self.connection.fileno())
+        self._pid = os.getpid()
+        self.returned: collections.deque[None] = collections.deque()
+
+    def returned_slot(self, generation: int, slot: int) -> None:
+        """A finalizer's: the training process no longer views this slot."""
+        self.returned.append(None)
+        self.give_back(generation, slot)
+
+    def give_back(self, generation: int, slot: int) -> None:
+        if os.getpid() != self._pid:  # a forked child collecting what it inherited: the slot is not its to give
+            return
+        try:
+            os.write(self._free_fd, _FREE.pack(generation, slot))
+        except OSError:  # the worker is gone (or the pool shut down): nothing waits for the slot
+            pass
+
+    def shutdown(self) -> None:
+        """End both directions now: the worker's next read or write fails, and it stops."""
+        try:
+            with socket.socket(fileno=os.dup(self._free_fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.connection.close()
+
+    def __del__(self) -> None:
+        try:
+            os.close(self._free_fd)
+        except (OSError, AttributeError):  # AttributeError: at interpreter exit, `os` may be gone
+            pass
+
+
+class PoolIterator:
+    """One run of a pool's workers from the dataset's resume cursor: batch n from worker n mod W."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        dataset, workers = pool.dataset, pool.workers
+        context = _context(pool.context)
+        method = context.get_start_method()
+        # the parent-death signal fires when the forking *thread* exits: safe from the main thread, and
+        # from the forkserver (the parent of forkserver workers); otherwise the watchdog alone
+        parent_signal = threading.current_thread() is threading.main_thread() or method == "forkserver"
+        owner = Owner.current()
+        self.processes: list[Any] = []
+        self._channels: list[_Channel] = []
+        slots = pool.prefetch_factor + pool.hold
+        for worker in range(workers):
+            ours, theirs = socket.socketpair()
+            process = context.Process(
+                target=_work, name=f"tierflow-worker-{worker}", daemon=True,
+                args=(dataset, worker, workers, slots, pool.timed, owner, parent_signal,
+                      multiprocessing.connection.Connection(theirs.detach())))
+            process.start()
+            process._args = ()  # no reference to the worker's end stays here
+            self.processes.append(process)
+            self._channels.append(_Channel(ours))
+        self._stream = dataset.stream()  # where the workers' compact cursors are resolved (the same start)
+        self._arenas: list[Arena | None] = [None] * workers
+        self._held = [0] * workers
+        self._next = 0
+        self._ended = False
+        self._where = repr(dataset)
+        self._stopper = weakref.finalize(self, _stop, list(self.processes), list(self._channels))
+
+    def __iter__(self) -> PoolIterator:
+        return self
+
+    def __next__(self) -> CarriedBatch:
+        if self._ended:
+            raise StopIteration
+        worker = worker_of(self._next, self.pool.workers)
+        channel = self._channels[worker]
+        while True:
+            message = self._receive(worker)
+            kind = message[0]
+            if kind == "batch":
+                break
+            if kind == "arena":
+                _, generation, slots, slot_bytes = message
+                fd = recv_handle(channel.connection)
+                try:
+                    self._arenas[worker] = Arena(fd, slots, slot_bytes, generation, reader=True)
+                finally:
+                    os.close(fd)
+                continue
+            if kind == "end":
+                self._ended = True
+                raise StopIteration
+            _, error, text = message  # "error": what the worker raised, re-raised here
+            self._ended = True
+            error.add_note(f"raised in tierflow worker {worker} (pid {self.processes[worker].pid}):\n{text}")
+            raise error
+        _, generation, slot, layout, rest, keys, meta = message
+        arena = self._arenas[worker]
+        assert arena is not None and arena.generation == generation
+        returned = channel.returned
+        while returned:
+            returned.popleft()
+            self._held[worker] -= 1
+        holder = arena.slot(slot)
+        copy = self._held[worker] >= self.pool.hold  # the loop keeps its batches: copy, so the worker goes on
+        data = view_batch(holder, layout, rest, keys, copy=copy)
+        if copy:
+            channel.give_back(generation, slot)
+        else:
+            self._held[worker] += 1
+            weakref.finalize(holder, channel.returned_slot, generation, slot).atexit = False
+        planned = meta.planned
+        if isinstance(planned, PlannedCursor):
+            planned.bind(self._stream)
+        self._next += 1
+        return CarriedBatch(data, meta)
+
+    def _receive(self, worker: int) -> Any:
+        """The next message of `worker`; WorkerLostError once it is gone with nothing left to read."""
+        connection = self._channels[worker].connection
+        process = self.processes[worker]
+        while not connection.poll():
+            ready = multiprocessing.connection.wait([connection, process.sentinel])
+            if connection in ready:
+                break
+            process.join(0.1)
+            if not connection.poll():
+                raise self._lost(worker)
+        try:
+            return connection.recv()
+        except (EOFError, OSError):
+            process.join(1.0)
+            raise self._lost(worker) from None
+
+    def _lost(self, worker: int) -> Exception:
+        self._ended = True
+        process = self.processes[worker]
+        code = process.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        elif code is not None:
+            how = f"exited with code {code}"
+        else:
+            how = "closed its connection"
+        return lost_worker(f"tierflow worker {worker} of {self.pool.workers} (pid {process.pid}) {how}",
+                           self._where)
+
+    def close(self) -> None:
+        """Stop the workers (at once if they do not stop by themselves); the rings go with the last view."""
+        self._ended = True
+        self._stopper()
+
+
+def _stop(processes: list[Any], channels: list[_Channel]) -> None:
+    for channel in channels:
+        channel.shutdown()
+    deadline = time.monotonic() + STOP_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+
+
+# -- in the worker ------------------------------------------------------------------------------
+class _Stopped(Exception):
+    """The training process closed the pool (or is gone): the worker ends quietly."""
+
+
+class _Ring:
+    """The worker's side: its arena's free slots, given back over the socket by the training process.
+    At least `slots` slots, more where they fit `RING_BYTES`."""
+
+    def __init__(self, connection: Any, slots: int) -> None:
+        self.connection = connection
+        self.least_slots = slots
+        self.arena: Arena | None = None
+        self._fd = -1
+        self._free: collections.deque[int] = collections.deque()
+        self._unread = b""
+
+    def send(self, batch: CarriedBatch) -> None:
+        placed, layout, rest, size = lay_out(batch.data)
+        arena = self.arena
+        if arena is None or size > arena.slot_bytes:
+            arena = self._grow(size)
+        slot = self._take()
+        arena.write(slot, placed)
+        self.connection.send(("batch", arena.generation, slot, layout, rest, tuple(batch.data), batch.meta))
+
+    def _grow(self, size: int) -> Arena:
+        """A new arena whose slots hold `size` bytes; the old one's slots are the training process's to drop."""
+        generation = self.arena.generation + 1 if self.arena is not None else 0
+        slot_bytes = Arena.sized_for(size)
+        slots = max(self.least_slots, min(MAX_SLOTS, RING_BYTES // slot_bytes))
+        fd = anonymous_memory(slots * slot_bytes)
+        try:
+            self.arena = Arena(fd, slots, slot_bytes, generation, reader=False)
+            self.connection.send(("arena", generation, slots, slot_bytes))
+            send_handle(self.connection, fd, os.getppid())
+        finally:
+            os.close(fd)
+        self._free = collections.deque(range(slots))
+        return self.arena
+
+    def _take(self) -> int:
+        """A free slot of the current arena, waiting for the training process to give one back."""
+        assert self.arena is not None
+        while not self._free:
+            data = os.read(self.connection.fileno(), 4096)
+            if not data:
+                raise _Stopped
+            data = self._unread + data
+            whole = len(data) - len(data) % _FREE.size
+            self._unread = data[whole:]
+            for generation, slot in _FREE.iter_unpack(data[:whole]):
+                if generation == self.arena.generation:
+                    self._free.append(slot)
+        return self._free.popleft()
+
+
+def _work(dataset: Any, worker: int, workers: int, slots: int, timed: bool, owner: Owner, parent_signal: bool,
+          connection: Any) -> None:
+    """A worker process: build this worker's batches into its ring until the plan ends or the pool stops."""
+    die_with(owner, parent_signal=parent_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training loop's to handle
+    ring = _Ring(connection, slots)
+    try:
+        batches: Iterator[CarriedBatch] = dataset.worker_batches(worker, workers, compact=True)
+        if timed:
+            batches = time_batches(dataset, batches)
+        for batch in batches:
+            ring.send(batch)
+        connection.send(("end",))
+    except (_Stopped, BrokenPipeError, ConnectionResetError):
+        return
+    except Exception as error:  # handed to the training loop, which raises it
+        text = traceback.format_exc()
+        try:
+            pickle.dumps(error)
+        except Exception:
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        try:
+            connection.send(("error", error, text))
+        except OSError:
+            pass
+
+
+__all__ = ["PoolIterator", "WorkerPool"]

@@ -1,0 +1,205 @@
+"""The Loader's own worker pool (loader/workers.py): batches through shared-memory rings.
+
+Exact order and resume against the main process, a lost worker named in a `WorkerLostError`, a
+worker's error raised in the loop, the backpressure bound (a worker runs at most its slots ahead),
+a loop that keeps every batch (copied out, so no worker waits for ever), and a SIGKILLed trainer
+that leaves no worker and no shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import tierflow
+from tierflow.errors import WorkerLostError
+from tierflow.loader import Loader, TieredDataset
+from tierflow.loader.batching import Samples
+from tierflow.testing import assert_resumes_exactly
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pool")
+    rng = np.random.default_rng(5)
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(3000):
+            n = int(rng.integers(20, 300))
+            f.write(json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()})
+                    + "\n")
+    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
+    return root / "ds"
+
+
+def _windows(docs: Path, **kwargs) -> TieredDataset:
+    return TieredDataset(str(docs), batch_size=8, seq_len=64, **kwargs)
+
+
+def _fingerprint(loader: Loader, n: int) -> list[tuple]:
+    out = []
+    for batch, meta in islice(loader, n):
+        out.append(({k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)},
+                    meta.sample_ids.tolist(), meta.index, meta.epoch, meta.cursor.to_dict()))
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_pool_batches_equal_the_main_processs_in_order(docs, workers):
+    reference = _fingerprint(Loader(_windows(docs), device="cpu", return_meta=True, endless=True), 90)
+    with Loader(_windows(docs), device="cpu", num_workers=workers, return_meta=True, endless=True) as loader:
+        got = _fingerprint(loader, 90)
+        assert len(loader._source.processes) == workers
+    assert len(got) == len(reference) == 90
+    for (data, ids, index, epoch, cursor), (rdata, rids, rindex, repoch, rcursor) in zip(got, reference):
+        assert data.keys() == rdata.keys() and all(data[k].equal(rdata[k]) for k in data)
+        assert (ids, index, epoch, cursor) == (rids, rindex, repoch, rcursor)
+
+
+def test_text_columns_travel_in_the_ring_as_the_strings_they_were(docs):
+    text = docs.parent / "text"
+    if not (text / "manifest.json").exists():
+        tierflow.pack([docs.parent / "docs.jsonl"], text, workers=1, target_shard_bytes=256 << 10)
+
+    def batches(workers):
+        ds = TieredDataset(str(text), batch_size=8, batcher=Samples())
+        with Loader(ds, device="cpu", num_workers=workers, return_meta=True) as loader:
+            return [(batch, meta.sample_ids.tolist()) for batch, meta in islice(loader, 40)]
+
+    for (got, ids), (want, want_ids) in zip(batches(2), batches(0), strict=True):
+        assert ids == want_ids and list(got) == list(want)
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert got[key].equal(value), key
+            elif isinstance(value, np.ndarray):
+                assert np.array_equal(got[key], value), key
+            else:
+                assert got[key] == value, key
+        assert any(isinstance(v, list) and v and isinstance(v[0], str) for v in got.values())
+
+
+def test_pool_resumes_exactly_mid_epoch(docs):
+    assert_resumes_exactly(lambda workers: Loader(_windows(docs), device="cpu", num_workers=workers),
+                           stops=[7, 33], workers=2)
+    reference = [b["input_ids"] for b in islice(Loader(_windows(docs), device="cpu"), 60)]
+    with Loader(_windows(docs), device="cpu", num_workers=2) as loader:
+        got = [b["input_ids"].clone() for b in islice(loader, 25)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    with Loader(_windows(docs), device="cpu", num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        got += [b["input_ids"].clone() for b in islice(resumed, 35)]
+    assert all(a.equal(b) for a, b in zip(got, reference, strict=True))
+
+
+def test_a_loop_that_keeps_every_batch_gets_them_all(docs):
+    """Beyond `hold` batches of a worker alive in the loop, batches are copied out of their slot."""
+    reference = [b["input_ids"] for b in islice(Loader(_windows(docs), device="cpu", endless=True), 120)]
+    with Loader(_windows(docs), device="cpu", num_workers=2, endless=True) as loader:
+        kept = list(islice(loader, 120))  # far more than any worker's slots
+    assert all(a["input_ids"].equal(b) for a, b in zip(kept, reference, strict=True))
+
+
+def test_a_killed_worker_is_named_in_the_error(docs):
+    loader = Loader(_windows(docs), device="cpu", num_workers=2, endless=True)
+    with pytest.raises(WorkerLostError, match=r"tierflow worker 1 of 2 \(pid \d+\) was killed by signal SIGKILL"):
+        for step, _ in enumerate(loader):
+            if step == 3:
+                os.kill(loader._source.processes[1].pid, signal.SIGKILL)
+            assert step < 500
+    loader.close()
+
+
+def _fail_at_sample_100(sample, rng):
+    if int(sample["id"]) == 100:
+        raise KeyError("sample 100 is bad")
+    return sample
+
+
+def test_a_workers_error_is_raised_in_the_loop_with_its_traceback(docs):
+    ds = TieredDataset(str(docs), batch_size=8, batcher=Samples(), transform=_fail_at_sample_100, shuffle=False)
+    with Loader(ds, device="cpu", num_workers=2) as loader, pytest.raises(KeyError, match="sample 100") as caught:
+        for _ in loader:
+            pass
+    assert any("raised in tierflow worker" in note for note in getattr(caught.value, "__notes__", []))
+
+
+def _count_built(sample):
+    with open(os.environ["TIERFLOW_TEST_BUILT"], "a") as f:
+        f.write("x")
+    return True
+
+
+def test_workers_run_ahead_only_as_far_as_their_slots(docs, tmp_path, monkeypatch):
+    built = tmp_path / "built"
+    built.touch()
+    monkeypatch.setenv("TIERFLOW_TEST_BUILT", str(built))
+    ds = TieredDataset(str(docs), batch_size=8, batcher=Samples(), filter=_count_built)
+    workers, depth = 2, 2
+    with Loader(ds, device="cpu", num_workers=workers, depth=depth, background=False, endless=True) as loader:
+        iterator = iter(loader)
+        held = [next(iterator) for _ in range(3)]
+        time.sleep(1.5)
+        first = built.stat().st_size
+        time.sleep(1.0)
+        assert built.stat().st_size == first, "the workers kept building with the loop standing still"
+        slots = [arena.slots for arena in loader._source._arenas]
+        assert all(s >= 2 + depth + 2 for s in slots)  # at least prefetch_factor + hold
+        received = 3 + 1  # what the loop took, and the feed's one read ahead
+        assert first <= 8 * (received + sum(s + 1 for s in slots))  # + one built while waiting for a slot
+        assert first < 8 * 300, "the workers ran far ahead"
+        assert len(held) == 3
+
+
+TRAINER = '''
+import os, sys, time
+from tierflow.loader import Loader, TieredDataset
+
+if __name__ == "__main__":
+    loader = Loader(TieredDataset(sys.argv[1], batch_size=8, seq_len=64), device="cpu", num_workers=2, endless=True)
+    for step, batch in enumerate(loader):
+        if step == 20:
+            print("ready", flush=True)
+        time.sleep(0.01)
+'''
+
+
+@pytest.mark.slow
+def test_a_sigkilled_trainer_leaves_no_worker_and_no_shared_memory(docs, tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tierflow.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(docs)], stdout=subprocess.PIPE, env=env,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith(b"ready")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2
+        rings = [p for p in children for m in p.memory_maps(grouped=False) if "tierflow-ring" in m.path]
+        assert rings, "the workers map no ring"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        assert not [name for name in shm_after - shm_before if "tierflow" in name or name.startswith("torch")]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stdout.close()
