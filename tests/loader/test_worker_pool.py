@@ -24,7 +24,7 @@ import torch
 
 import tierflow
 from tierflow.errors import WorkerLostError
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.loader.batching import Samples
 from tierflow.testing import assert_resumes_exactly
 
@@ -44,8 +44,8 @@ def docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "ds"
 
 
-def _windows(docs: Path, **kwargs) -> TieredDataset:
-    return TieredDataset(str(docs), batch_size=8, seq_len=64, **kwargs)
+def _windows(docs: Path) -> TieredDataset:
+    return TieredDataset(str(docs), BatchSpec(batch_size=8, seq_len=64))
 
 
 def _fingerprint(loader: Loader, n: int) -> list[tuple]:
@@ -74,7 +74,7 @@ def test_text_columns_travel_in_the_ring_as_the_strings_they_were(docs):
         tierflow.pack([docs.parent / "docs.jsonl"], text, workers=1, target_shard_bytes=256 << 10)
 
     def batches(workers):
-        ds = TieredDataset(str(text), batch_size=8, batcher=Samples())
+        ds = TieredDataset(str(text), BatchSpec(batch_size=8, batcher=Samples()))
         with Loader(ds, device="cpu", num_workers=workers, return_meta=True) as loader:
             return [(batch, meta.sample_ids.tolist()) for batch, meta in islice(loader, 40)]
 
@@ -128,7 +128,8 @@ def _fail_at_sample_100(sample, rng):
 
 
 def test_a_workers_error_is_raised_in_the_loop_with_its_traceback(docs):
-    ds = TieredDataset(str(docs), batch_size=8, batcher=Samples(), transform=_fail_at_sample_100, shuffle=False)
+    ds = TieredDataset(str(docs), BatchSpec(batch_size=8, batcher=Samples(), transform=_fail_at_sample_100),
+                       OrderSpec(shuffle=False))
     with Loader(ds, device="cpu", num_workers=2) as loader, pytest.raises(KeyError, match="sample 100") as caught:
         for _ in loader:
             pass
@@ -145,7 +146,7 @@ def test_workers_run_ahead_only_as_far_as_their_slots(docs, tmp_path, monkeypatc
     built = tmp_path / "built"
     built.touch()
     monkeypatch.setenv("TIERFLOW_TEST_BUILT", str(built))
-    ds = TieredDataset(str(docs), batch_size=8, batcher=Samples(), filter=_count_built)
+    ds = TieredDataset(str(docs), BatchSpec(batch_size=8, batcher=Samples(), filter=_count_built))
     workers, depth = 2, 2
     with Loader(ds, device="cpu", num_workers=workers, depth=depth, background=False, endless=True) as loader:
         iterator = iter(loader)
@@ -164,10 +165,10 @@ def test_workers_run_ahead_only_as_far_as_their_slots(docs, tmp_path, monkeypatc
 
 TRAINER = '''
 import os, sys, time
-from tierflow.loader import Loader, TieredDataset
+from tierflow.loader import BatchSpec, Loader, TieredDataset
 
 if __name__ == "__main__":
-    loader = Loader(TieredDataset(sys.argv[1], batch_size=8, seq_len=64), device="cpu", num_workers=2, endless=True)
+    loader = Loader(TieredDataset(sys.argv[1], BatchSpec(batch_size=8, seq_len=64)), device="cpu", num_workers=2, endless=True)
     for step, batch in enumerate(loader):
         if step == 20:
             print("ready", flush=True)
