@@ -434,10 +434,18 @@ class TierStack:
 
     def _from_source(self, info: ShardInfo) -> Handle:
         """No tier could hold it: the source's blocks, as a reader without tiers reads them (one ranged
-        read per block when first used, checked against its xxh3-64; `stack_source_bytes` counts each).
-        Nothing is fetched until a reader reads (`_blocks`), so a tier filled from below downloads."""
-        return Handle(Form.AT_REST, MEMORY, store_blocks=StoreBlocks(self.source, self.m_source_bytes.inc),
-                      served_by=SOURCE)
+        read per block when first used, checked against its xxh3-64). Nothing is fetched until a reader
+        reads (`_blocks`), so a tier filled from below downloads instead."""
+        return Handle(Form.AT_REST, MEMORY, store_blocks=StoreBlocks(self.source, self._fetched), served_by=SOURCE)
+
+    def _fetched(self, nbytes: int, seconds: float) -> None:
+        """A block read from the source for a reader: its bytes counted, its seconds charged to the
+        source as the building batch's fetch time, as a whole fetch's are (imported here: the
+        attribution module imports torch, which a stack alone does not need)."""
+        from tierflow.telemetry.attribution import thread_ledger
+
+        self.m_source_bytes.inc(nbytes)
+        thread_ledger().add(SOURCE, seconds, 0)
 
     def _blocks(self, handle: Handle, info: ShardInfo) -> BlockBytes:
         """Where a reader reads `handle`'s blocks; a copy read from the source is served from memory."""
