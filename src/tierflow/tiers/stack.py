@@ -12,7 +12,7 @@ node's ranks (tiers/_staging.py), whose entry locks make one of them fetch a sha
 others wait for that copy; the node's stager holds what it stages until the slowest rank has
 passed it, and a faster rank that finds the area full waits while the slowest moves rather
 than fetch a shard once more. Only when even that cannot take it is it read into the
-process's memory.
+process's memory, block by block from the source (see the end of this docstring).
 
 Whole files are verified where whole files move (a fetch, a copy or a decode into a tier). A
 reader opening a shard already resident verifies only what it reads, block by block (the
