@@ -62,7 +62,12 @@ def first_rows(url: str, proxy: str, tmp_path: Path) -> dict[str, Callable[[int]
     def tiered_dataset(i: int) -> Any:  # the shard supply a TieredDataset over the URL reads through
         dataset = TieredDataset(url, BatchSpec(batch_size=1), OrderSpec(seed=0), endpoint_url=proxy)
         supplies: list[ShardSupply] = []
-        dataset.wrap_shards(lambda supply: supplies.append(supply) or supply)
+
+        def keep(supply: ShardSupply) -> ShardSupply:
+            supplies.append(supply)
+            return supply
+
+        dataset.wrap_shards(keep)
         return Dataset(dataset.manifest, supplies[0])[i]
 
     return {"open_dataset": lambda i: tierflow.open_dataset(url, endpoint_url=proxy)[i],
