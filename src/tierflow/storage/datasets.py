@@ -177,7 +177,8 @@ class RangeBlocks(BlockBytes):
     """One shard's blocks, each fetched whole with a ranged read; the last one fetched is kept, since
     opening a shard reads block 0's head for the schema and then block 0 itself."""
 
-    def __init__(self, source: RetryingStore, info: ShardInfo, on_fetched: Callable[[int, float], None] | None = None) -> None:
+    def __init__(self, source: RetryingStore, info: ShardInfo,
+                 on_fetched: Callable[[int, float], None] | None = None) -> None:
         super().__init__(info.blocks, compressed=info.compression != "none")
         self.source = source
         self.on_fetched = on_fetched
