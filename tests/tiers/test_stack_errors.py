@@ -1,7 +1,7 @@
 """The tier stack over a damaged source and in its less travelled paths, with real files: shard
 bytes that never verify reach the reader as a typed error naming the shard (after the fetch
-attempts) and no tier admits them; sound bytes no tier keeps are verified in memory, and fill an
-upper tier from there; a staging copy that cannot be read sends the reader to the source; tiers
+attempts) and no tier admits them; a shard no tier keeps is read block by block from the source,
+each block verified, and an upper tier above such a tier fills from the source; a staging copy that cannot be read sends the reader to the source; tiers
 out of order are refused; a pickled stack, an undeclared reader's working set and a larger
 declaration behave as the workers and the stager rely on.
 """
@@ -60,18 +60,24 @@ def test_source_bytes_that_never_verify_are_a_typed_error_and_no_tier_admits_the
     assert not [p for p in (tmp_path / "l2" / "tmp").iterdir()]  # no temporary left either
 
 
-def test_a_shard_no_tier_keeps_is_verified_in_memory_and_a_damaged_one_refused(packed, tmp_path) -> None:
+def test_a_shard_no_tier_keeps_is_read_block_by_block_and_a_damaged_block_refused(packed, tmp_path) -> None:
     """A tier smaller than a shard keeps none, and no staging area was declared: each read is
-    served from memory, after its bytes verified against the manifest."""
+    served from memory, the source's blocks fetched as they are used and each verified, as a
+    reader without tiers reads them; the block that fails is named, as that reader names it."""
     tiny = Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")
     stack = TierStack(open_store(str(packed)), [tiny])
+    first = Manifest.load(packed).shards[0]
     assert stack.dataset()[0]["id"] == 0 and stack.m_served["memory"].value == 1
+    assert stack.m_source_bytes.value == first.blocks[0].length  # block 0 only, not the shard
     local, name = damaged(packed, tmp_path)
-    stack = TierStack(open_store(str(local)), [Tier(tmp_path / "l2b", 1 << 10, form="at_rest", name="L2")],
-                      fetch_attempts=2)
-    with pytest.raises(ShardCorruptError, match=rf"shard {name} from .*: bytes do not match the manifest"):
-        stack.dataset()[0]
-    assert stack.m_source_bytes.value == 2 * Manifest.load(local).shards[0].bytes  # both attempts read it whole
+    stack = TierStack(open_store(str(local)), [Tier(tmp_path / "l2b", 1 << 10, form="at_rest", name="L2")])
+    ds = stack.dataset()
+    assert ds[0]["id"] == 0  # block 0 is sound
+    with pytest.raises(ShardCorruptError) as raised:
+        ds[first.blocks[0].rows]  # the first row of block 1
+    with pytest.raises(ShardCorruptError) as directly:
+        tierflow.open_dataset(local.as_uri())[first.blocks[0].rows]
+    assert name in str(raised.value) and "block 1" in str(raised.value) and str(raised.value) == str(directly.value)
 
 
 def test_a_stack_with_an_at_rest_tier_above_a_decoded_one_is_refused(tmp_path) -> None:
@@ -130,7 +136,7 @@ def test_a_larger_declaration_replaces_the_staging_area_with_a_larger_one(packed
     assert stack.staging is not first and stack.staging.configured_capacity == int((4 << 20) * decoded_per_byte)
 
 
-def test_an_upper_tier_fills_from_a_verified_memory_copy_when_the_tier_below_keeps_nothing(packed, tmp_path) -> None:
+def test_an_upper_tier_fills_from_the_source_when_the_tier_below_keeps_nothing(packed, tmp_path) -> None:
     upper = Tier(tmp_path / "l1", 1 << 30, form="at_rest", name="L1")
     lower = Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")  # smaller than any shard
     stack = TierStack(open_store(str(packed)), [upper, lower])
@@ -139,7 +145,7 @@ def test_an_upper_tier_fills_from_a_verified_memory_copy_when_the_tier_below_kee
     assert handle is not None and handle.tier == "L1" and handle.served_by == "source"
     handle.release()
     assert upper.path_of(info.key).stat().st_size == info.bytes and not lower.index.entries()
-    assert stack.m_served["memory"].value == 1  # the copy L1 was filled from
+    assert stack.m_served["memory"].value == 0 and stack.m_source_bytes.value == info.bytes  # downloaded once
 
 
 def test_a_staging_area_copy_that_cannot_be_read_is_read_from_the_source(packed, tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""A shard file's blocks and where their bytes come from: a memory map, positioned reads, a buffer.
+"""A shard file's blocks and where their bytes come from: a memory map or positioned reads.
 
 A block is one Arrow record batch of a shard file, with its byte range and xxh3-64 (from the
 manifest for the at-rest form, from the tier's block list for the decoded form). A source hands
@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import pyarrow as pa
 
@@ -22,7 +23,7 @@ from tierflow.format.verify import check_block
 
 
 class BlockBytes:
-    """Where the bytes of one shard file's blocks come from (a mapped file, a file, a buffer).
+    """Where the bytes of one shard file's blocks come from (a mapped file, a file, an object store's ranged reads).
 
     `blocks` are the file's blocks (the manifest's for the at-rest form, the tier's block list
     for the decoded form); `verified` means every byte was checked already (a whole buffer
@@ -114,18 +115,6 @@ class FileBlocks(BlockBytes):
                                          block.offset))
         finally:
             os.close(fd)
-
-
-class BufferBlocks(BlockBytes):
-    """Blocks sliced out of a shard file held in memory (verified whole when it was downloaded)."""
-
-    def __init__(self, data: bytes, blocks: Sequence[Block], compressed: bool, verified: bool) -> None:
-        super().__init__(blocks, compressed, verified=verified)
-        self._buffer = pa.py_buffer(data)
-
-    def read(self, index: int, length: int | None = None) -> pa.Buffer:
-        block = self.blocks[index]
-        return self._buffer.slice(block.offset, block.length if length is None else min(length, block.length))
 
 
 def open_blocks(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST, blocks: Sequence[Block] | None = None,

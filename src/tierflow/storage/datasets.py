@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -157,14 +158,16 @@ def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest
 
 
 class StoreBlocks:
-    """An object store's shards for a `ShardReader`: one ranged read per block (`RangeBlocks`). It
-    pickles as its store (clients are made again in the process that unpickles it: a spawned worker)."""
+    """An object store's shards for a `ShardReader` or a tier stack's copy no tier took: one ranged read
+    per block (`RangeBlocks`); `on_fetched(nbytes, seconds)` hears of each (the stack counts and times them).
+    It pickles as its store (clients are made again in the process that unpickles it: a spawned worker)."""
 
-    def __init__(self, store: RetryingStore) -> None:
+    def __init__(self, store: RetryingStore, on_fetched: Callable[[int, float], None] | None = None) -> None:
         self.store = store
+        self.on_fetched = on_fetched
 
     def __call__(self, info: ShardInfo) -> BlockBytes:
-        return RangeBlocks(self.store, info)
+        return RangeBlocks(self.store, info, self.on_fetched)
 
     def __repr__(self) -> str:
         return f"StoreBlocks({self.store.url!r})"
@@ -174,9 +177,11 @@ class RangeBlocks(BlockBytes):
     """One shard's blocks, each fetched whole with a ranged read; the last one fetched is kept, since
     opening a shard reads block 0's head for the schema and then block 0 itself."""
 
-    def __init__(self, source: RetryingStore, info: ShardInfo) -> None:
+    def __init__(self, source: RetryingStore, info: ShardInfo,
+                 on_fetched: Callable[[int, float], None] | None = None) -> None:
         super().__init__(info.blocks, compressed=info.compression != "none")
         self.source = source
+        self.on_fetched = on_fetched
         self.name = info.name
         self.max_decoded = info.decoded_bytes
         self._last: tuple[int, pa.Buffer] | None = None
@@ -185,7 +190,10 @@ class RangeBlocks(BlockBytes):
         last = self._last
         if last is None or last[0] != index:
             block = self.blocks[index]
+            started = time.perf_counter()
             last = self._last = (index, pa.py_buffer(self.source.read_range(self.name, block.offset, block.length)))
+            if self.on_fetched is not None:
+                self.on_fetched(last[1].size, time.perf_counter() - started)
         data = last[1]
         return data if length is None or length >= data.size else data.slice(0, length)
 

@@ -12,13 +12,15 @@ node's ranks (tiers/_staging.py), whose entry locks make one of them fetch a sha
 others wait for that copy; the node's stager holds what it stages until the slowest rank has
 passed it, and a faster rank that finds the area full waits while the slowest moves rather
 than fetch a shard once more. Only when even that cannot take it is it read into the
-process's memory.
+process's memory, block by block from the source (see the end of this docstring).
 
 Whole files are verified where whole files move (a fetch, a copy or a decode into a tier). A
 reader opening a shard already resident verifies only what it reads, block by block (the
 manifest's block checksums for the at-rest form, the tier's block list for the decoded form);
 a block that fails is quarantined with its entry, fetched again from below and read from the
-new copy, so wrong bytes are never served and a corrupted entry costs one refetch.
+new copy, so wrong bytes are never served and a corrupted entry costs one refetch. A shard no
+tier (and no staging area) takes is read as a stack-less reader reads it (`format/reader.py`): the
+store's blocks, one ranged read each when first used, each checked against its xxh3-64.
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ from typing import Any, NamedTuple
 from collections.abc import Callable, Iterator, Sequence
 
 from tierflow.errors import ShardCorruptError
-from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
+from tierflow.format._checksum import file_xxh3_128
 from tierflow.format._regular import fd_path
-from tierflow.format.blocks import BlockBytes, BufferBlocks, open_blocks
+from tierflow.format.blocks import BlockBytes, open_blocks
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Block, Form, ShardInfo
 from tierflow.format.shard_writer import decode_shard, scan_blocks
-from tierflow.storage.datasets import read_manifest
+from tierflow.format.reader import BlockOpener
+from tierflow.storage.datasets import StoreBlocks, read_manifest
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.policies.auto import Lifecycle
@@ -62,6 +65,8 @@ log = logging.getLogger("tierflow.tiers")
 
 SOURCE = "source"
 """`served_by` of bytes no tier held: fetched from the stack's source."""
+MEMORY = "memory"
+"""`tier` of a copy no tier took: the source's blocks, read into memory as the reader uses them."""
 STAGING_NAME = "staging"
 STAGING_WAIT_S = 5.0
 """How long a reader waits for room in the node's staging area (every entry in use by the node's
@@ -87,7 +92,7 @@ def on_downloaded(callback: Callable[[], None]) -> Iterator[None]:
 
 @dataclass
 class Handle:
-    """A readable copy of a shard: a pinned file in some tier, or verified bytes in memory.
+    """A readable copy of a shard: a pinned file in some tier, or the source's blocks read on use.
 
     `tier` is where this copy lives (a tier's name, "staging" or "memory"); `served_by` is where
     its bytes were found: the fastest tier that held the shard (a miss in L1 filled from L2 is
@@ -98,7 +103,7 @@ class Handle:
     tier: str
     path: Path | None = None
     pin: Pin | None = None
-    buffer: bytes | None = None
+    store_blocks: BlockOpener | None = None  # "memory": the source's ranged block reads
     blocks: list[Block] | None = None  # the decoded form's block list (the at-rest one is the manifest's)
     served_by: str = SOURCE
     fetch_s: float = 0.0
@@ -109,8 +114,8 @@ class Handle:
 
     def block_bytes(self, info: ShardInfo) -> BlockBytes:
         """Where the table reads this copy's blocks from; the pin lives as long as that does."""
-        if self.buffer is not None:
-            return BufferBlocks(self.buffer, info.blocks, compressed=info.compression != "none", verified=True)
+        if self.store_blocks is not None:
+            return self.store_blocks(info)
         assert self.path is not None
         return open_blocks(self.path, info, self.form, self.blocks, keepalive=self)
 
@@ -136,7 +141,7 @@ class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
     def __init__(self, source: Any, tiers: Sequence[Tier] = (), registry: MetricsRegistry | None = None,
-                 max_open: int = 8, fetch_attempts: int = 3, max_decoded_bytes: int = 1 << 30,
+                 max_open: int = 8, max_decoded_bytes: int = 1 << 30,
                  manifest: Manifest | None = None) -> None:
         self.source = source
         self._manifest = manifest  # read already (build_stack's, to size tiers against it): not fetched again
@@ -148,7 +153,6 @@ class TierStack:
         self.registry = registry or (self.tiers[0].registry if self.tiers else MetricsRegistry())
         self.max_open = max_open
         self.dataset_id: str | None = None
-        self.fetch_attempts = fetch_attempts
         self.cache = BlockCache(max_decoded_bytes)  # blocks of at-rest (compressed) copies, decoded
         self.schema = None
         self._open_declared = False  # a reader that declared what it reads at once: no guessing
@@ -172,7 +176,7 @@ class TierStack:
         self._lock = threading.Lock()
         self.m_source_bytes = self.registry.counter("tierflow_stack_source_bytes_total", {"tier": SOURCE},
                                                     "at-rest bytes fetched from the source")
-        self.m_served = {name: self._served_counter(name) for name in [t.name for t in self.tiers] + ["memory"]}
+        self.m_served = {name: self._served_counter(name) for name in [t.name for t in self.tiers] + [MEMORY]}
         self.m_staging_waits = self.registry.counter(
             "tierflow_stack_staging_waits_total", description="reads that waited for room in the node's staging area")
         self.m_staging_wait_s = self.registry.counter(
@@ -390,7 +394,8 @@ class TierStack:
         return served_by
 
     def _fill(self, info: ShardInfo, form: Form, lower: Handle | None, tmp: Path) -> None:
-        """Write `form` of the shard to `tmp` from `lower` (released after), or from the source."""
+        """Write `form` of the shard to `tmp` from `lower`'s file (released after), or from the source
+        (no lower copy, or only the source's blocks: `_from_source`)."""
         try:
             if lower is not None and lower.path is not None:
                 # the pinned file itself: the lower tier's directory may vanish meanwhile (an
@@ -403,9 +408,6 @@ class TierStack:
                     shutil.copyfile(path, tmp)
                 else:
                     decode_shard(path, tmp, info)
-                return
-            if lower is not None and lower.buffer is not None:
-                self._write_form(lower.buffer, form, tmp, info)
                 return
             if form is Form.AT_REST:
                 self._download(info, tmp)
@@ -422,17 +424,6 @@ class TierStack:
             if lower is not None:
                 lower.release()
 
-    def _write_form(self, at_rest: bytes, form: Form, tmp: Path, info: ShardInfo) -> None:
-        rest = tmp.with_name(tmp.name + ".rest")
-        rest.write_bytes(at_rest)
-        try:
-            if form is Form.AT_REST:
-                os.replace(rest, tmp)
-            else:
-                decode_shard(rest, tmp, info)
-        finally:
-            rest.unlink(missing_ok=True)
-
     def _download(self, info: ShardInfo, dst: Path) -> None:
         """The at-rest bytes from the source; the tier verifies them (size + xxh3) on admission."""
         self.source.download(info.name, dst, expected_size=info.bytes)
@@ -442,14 +433,26 @@ class TierStack:
             arrived()
 
     def _from_source(self, info: ShardInfo) -> Handle:
-        """No tier could hold it: verified bytes in memory."""
-        for _ in range(self.fetch_attempts):
-            data = self.source.read_range(info.name, 0, info.bytes)
-            self.m_source_bytes.inc(len(data))
-            if len(data) == info.bytes and xxh3_128_hex(data) == info.checksum:
-                self.m_served["memory"].inc()
-                return Handle(Form.AT_REST, "memory", buffer=data, served_by=SOURCE)
-        raise ShardCorruptError(f"shard {info.name} from {self.source.url}: bytes do not match the manifest")
+        """No tier could hold it: the source's blocks, as a reader without tiers reads them (one ranged
+        read per block when first used, checked against its xxh3-64). Nothing is fetched until a reader
+        reads (`_blocks`), so a tier filled from below downloads instead."""
+        return Handle(Form.AT_REST, MEMORY, store_blocks=StoreBlocks(self.source, self._fetched), served_by=SOURCE)
+
+    def _fetched(self, nbytes: int, seconds: float) -> None:
+        """A block read from the source for a reader: its bytes counted, its seconds charged to the
+        source as the building batch's fetch time, as a whole fetch's are (imported here: the
+        attribution module imports torch, which a stack alone does not need)."""
+        from tierflow.telemetry.attribution import thread_ledger
+
+        self.m_source_bytes.inc(nbytes)
+        thread_ledger().add(SOURCE, seconds, 0)
+
+    def _blocks(self, handle: Handle, info: ShardInfo) -> BlockBytes:
+        """Where a reader reads `handle`'s blocks; a copy read from the source is served from memory."""
+        blocks = handle.block_bytes(info)
+        if handle.tier == MEMORY:
+            self.m_served[MEMORY].inc()
+        return blocks
 
     # ------------------------------------------------------------ ShardSupply
     def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
@@ -479,12 +482,12 @@ class TierStack:
         handle = self.ensure(info, read=True)
         assert handle is not None  # a reader's ensure falls back to memory, never None
         try:
-            blocks = handle.block_bytes(info)
+            blocks = self._blocks(handle, info)
         except FileNotFoundError:  # its tier's directory vanished since the pin: that tier is bypassed now
             handle.release()
             handle = self.ensure(info, read=True)
             assert handle is not None
-            blocks = handle.block_bytes(info)
+            blocks = self._blocks(handle, info)
 
         def recover(block: int, error: ShardCorruptError, current: BlockBytes) -> BlockBytes:
             return self._recover(info, block, error, current)
@@ -534,7 +537,7 @@ class TierStack:
         try:
             copy = again()
             assert copy is not None, "a reader's copy always comes (from the source at worst)"
-            return copy.block_bytes(info)
+            return self._blocks(copy, info)
         except (OSError, ValueError) as e:
             raise ShardCorruptError(f"{error}; fetching it again failed: {e}") from e
 
@@ -561,17 +564,17 @@ class TierStack:
                  "staging_bytes": self.staging_bytes, "staging": staging, "staging_job": self.staging_job,
                  "staging_readers": self.staging_readers,
                  "staged_per_byte": self._staged_per_byte, "staging_form": self.staging_form.value}
-        return (_reopened, (self.source, self.tiers, self.registry, self.max_open, self.fetch_attempts,
+        return (_reopened, (self.source, self.tiers, self.registry, self.max_open,
                             self.cache.max_bytes, state))
 
     def snapshot(self) -> dict:
         return {"tiers": [t.snapshot() for t in self.tiers], "metrics": self.registry.snapshot()}
 
 
-def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max_open: int, fetch_attempts: int,
+def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max_open: int,
               max_decoded_bytes: int, state: dict[str, Any]) -> TierStack:
     """A pickled stack in the process that unpickles it (`TierStack.__reduce__`)."""
-    stack = TierStack(source, tiers, registry, max_open, fetch_attempts, max_decoded_bytes)
+    stack = TierStack(source, tiers, registry, max_open, max_decoded_bytes)
     stack.dataset_id, stack.schema = state["dataset_id"], state["schema"]
     stack._open_declared, stack.staging_bytes = state["declared"], state["staging_bytes"]
     stack._staged_per_byte, stack.staging_job = state["staged_per_byte"], state["staging_job"]
