@@ -9,6 +9,9 @@ cursor version) lands."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 import pytest
 
@@ -83,3 +86,21 @@ def test_a_loader_for_over_lanes_mixes_epochs_in_at_most_one_batch(long_tailed_d
         for epoch in range(EPOCHS):
             mixed = sum(int(meta.epochs.min()) != int(meta.epochs.max()) for _, meta in loader)
             assert mixed <= 1, (rank, epoch, mixed)
+
+
+SAVED_V2 = {"version": 2, "seed": 3, "epoch": 0, "partitions": 6, "epochs": [0, 1, 0, 0, 1, 0],
+            "offsets": [30, 0, 48, 48, 0, 30], "config_hash": "1bfb80e7bdb73285c888bec3c99e7040",
+            "config": {"dataset_id": "images-6x50", "seed": 3, "partitions": 6, "window_shards": 2, "lanes": 4,
+                       "remainder": "carry", "num_shards": 6, "num_samples": 300, "layout": "193150b31b3312f5"}}
+"""A version-2 cursor saved after batch 15 of 4 lanes over 300 images, just before the epoch edge."""
+SAVED_V2_NEXT = "ec0a254986ffe246ae8a46cd9e0c643f5196c563c4c7c780314b6b7f78d2fd90"
+"""sha256 of the 8 batches (ids, epochs) it resumes into under version 2's interleave."""
+
+
+def test_a_saved_version_2_cursor_keeps_resuming_its_own_order():
+    """Whatever the edge rule becomes, a cursor saved before it resumes the order it was saved in."""
+    order = SampleOrder([50] * 6, dataset_id="images-6x50", seed=3, partitions=6, window_shards=2, lanes=4)
+    stream = RankStream(order, order.load(SAVED_V2), batch_size=16)
+    rows = [[stream.batch(i).sample_ids.tolist(), stream.batch(i).epochs.tolist()] for i in range(8)]
+    assert hashlib.sha256(json.dumps(rows).encode()).hexdigest() == SAVED_V2_NEXT
+    assert stream.batch(7).cursor["version"] == SAVED_V2["version"]
