@@ -2,10 +2,10 @@
 holds samples of two epochs is the rare exception: at most one per rank at each epoch edge, and
 only under remainder="carry" (none under drop or pad).
 
-Main's interleave keeps each lane's carry batches consecutive slices of its own walk, so with `a`
-lanes up to `a` node batches straddle an edge (measured by benchmarks/epoch_edges.py); the
-configurations that fail that bar today are xfail(strict=True) until the epoch-major edge (a new
-cursor version) lands."""
+Under cursor version 2 each lane's carry batches were consecutive slices of its own walk, so with
+`a` lanes up to `a` node batches straddled an edge (benchmarks/epoch_edges.py: up to 16 batches and
+129 samples per rank and edge); version 3 reads a node's epoch before the next (order/edges.py).
+A version-2 cursor keeps resuming its own order."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import json
 import numpy as np
 import pytest
 
+from tierflow.errors import CursorFormatError
 from tierflow.loader import Loader, OrderSpec, Samples, TieredDataset, WorldPosition, BatchSpec
 from tierflow.order import RankStream, SampleOrder
 
@@ -26,12 +27,6 @@ DATASETS = {
 BATCH = 16
 EPOCHS = 2
 
-# (dataset, lanes, ranks) whose carry stream mixes epochs in more than one batch per rank and edge
-CARRY_GAP = {
-    ("images-6x50", 2, 1), ("images-6x50", 4, 1), ("images-6x50", 4, 2), ("images-6x50", 16, 1),
-    ("images-6x50", 16, 2), ("images-20x15", 2, 1), ("images-20x15", 4, 1), ("images-20x15", 4, 2),
-    ("images-20x15", 16, 1), ("images-20x15", 16, 2), ("uneven-64", 16, 1), ("uneven-64", 16, 2),
-}
 
 
 def mixed_batches_per_edge(stream: RankStream) -> list[int]:
@@ -56,10 +51,7 @@ def cases() -> list:
                 if remainder == "drop" and min(counts) < BATCH and len(counts) >= 16:
                     continue  # 16 partitions of one shard smaller than a batch: drop refuses them
                 for ranks in (1, 2):
-                    gap = remainder == "carry" and (name, lanes, ranks) in CARRY_GAP
-                    marks = [pytest.mark.xfail(strict=True, reason="lanes' carry batches straddle the edge")] \
-                        if gap else []
-                    out.append(pytest.param(name, lanes, remainder, ranks, marks=marks,
+                    out.append(pytest.param(name, lanes, remainder, ranks,
                                             id=f"{name}-{lanes}lanes-{remainder}-{ranks}ranks"))
     return out
 
@@ -75,7 +67,6 @@ def test_at_most_one_batch_per_rank_mixes_epochs_at_an_edge_and_only_under_carry
         assert max(mixed_batches_per_edge(stream)) <= allowed, (rank, mixed_batches_per_edge(stream))
 
 
-@pytest.mark.xfail(strict=True, reason="lanes' carry batches straddle the edge")
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_loader_for_over_lanes_mixes_epochs_in_at_most_one_batch(long_tailed_docs, ranks):
     """The same bar through TieredDataset's world layout and a Samples batcher (its `for`s)."""
@@ -104,3 +95,26 @@ def test_a_saved_version_2_cursor_keeps_resuming_its_own_order():
     rows = [[stream.batch(i).sample_ids.tolist(), stream.batch(i).epochs.tolist()] for i in range(8)]
     assert hashlib.sha256(json.dumps(rows).encode()).hexdigest() == SAVED_V2_NEXT
     assert stream.batch(7).cursor["version"] == SAVED_V2["version"]
+
+
+def test_a_fresh_cursor_is_version_3_and_other_versions_are_refused_by_name():
+    order = SampleOrder([50] * 6, dataset_id="images-6x50", seed=3, partitions=6, window_shards=2, lanes=4)
+    saved = RankStream(order, order.start(), batch_size=16).batch(3).cursor
+    assert saved["version"] == 3 and order.load(saved).version == 3
+    for version in (1, 4):
+        with pytest.raises(CursorFormatError, match=f"order cursor version {version}; this tierflow reads versions"):
+            order.load({**saved, "version": version})
+
+
+@pytest.mark.parametrize("lanes", [2, 4, 16])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_version_3_cursor_saved_at_any_batch_resumes_exactly_across_the_edges(lanes, ranks):
+    order = SampleOrder(DATASETS["uneven-64"], dataset_id="uneven", seed=3, partitions=16, lanes=lanes)
+    whole = [RankStream(order, order.start(), batch_size=BATCH, rank=r, ranks_per_node=ranks) for r in range(ranks)]
+    steps = -(-3 * sum(DATASETS["uneven-64"]) // (BATCH * ranks))
+    for saved_at in range(0, steps, 3):
+        cursor = order.load(whole[0].batch(saved_at).cursor)
+        for rank, stream in enumerate(whole):
+            resumed = RankStream(order, cursor, batch_size=BATCH, rank=rank, ranks_per_node=ranks)
+            for b in range(min(8, steps - saved_at)):
+                assert resumed.batch(b).sample_ids.tolist() == stream.batch(saved_at + 1 + b).sample_ids.tolist()
