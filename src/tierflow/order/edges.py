@@ -91,6 +91,7 @@ class EpochEdges:
         self._last = [max(e for e, _ in base.values()) for base in self.bases]
         self.plans: list[EpochPlan] = []
         self._index: dict[tuple[int, int], int] = {}
+        self._located = 0  # the stage the last pick was found in: where the next search starts
         self._pending: tuple[EpochPlan, int] | None = None  # the plan whose last batch still needs samples
         self._reading: dict[int, ScheduleWalker] = {}
         self._counting: dict[int, ScheduleWalker] = {}
@@ -193,11 +194,12 @@ class EpochEdges:
     def locate(self, pick: int) -> EpochPlan:
         """The stage whose batches include node batch `pick`."""
         B = self.batch_size
-        plan = self._at(0)
+        plan = self._at(self._located if self.plans and self.plans[self._located].first_pick <= pick else 0)
         while plan.first_pick + plan.picks(B) <= pick:
             plan = self._at(plan.index + 1)
         while self._pending is not None and self._pending[0].index <= plan.index:  # its last batch's heads
             self._extend()
+        self._located = plan.index
         return plan
 
     @staticmethod
