@@ -40,12 +40,12 @@ def future_shard_uses(
     sorted by first_use then shard."""
     stream = NodeStream(order, cursor, node=node, num_nodes=num_nodes, batch_size=batch_size)
     picks = -(-horizon // batch_size)
-    counts = stream.schedule.counts_after(picks)
+    edges = stream.edges  # epoch-major: picks from each sample's lane clock, no lane batch counts
+    counts = stream.schedule.counts_after(picks) if edges is None else [picks] * len(stream.lanes)
     shard_counts = order.layout.shard_sample_counts
     uses: list[ShardUse] = []
-    edges = stream.edges
     for lane_index, (lane, batches) in enumerate(zip(stream.lanes, stream.batches)):
-        if counts[lane_index] == 0 and edges is None:
+        if counts[lane_index] == 0:
             continue
         carry = batches.remainder is Remainder.CARRY
         read = 0  # carry: samples read from the cursor
