@@ -406,10 +406,17 @@ def _reference_cursor_after(order, base, index, *, batch_size, num_nodes, ranks_
     epochs, offsets = list(base.epochs), list(base.offsets)
     for node in range(num_nodes):
         stream = NodeStream(order, base, node=node, num_nodes=num_nodes, batch_size=batch_size)
-        counts = stream.schedule.counts_after((index + 1) * ranks_per_node)
-        for lane, count in zip(stream._count_at, counts):
-            for p, (e, o) in lane.before(count).items():
-                epochs[p], offsets[p] = e, o
+        picks = (index + 1) * ranks_per_node
+        if stream.edges is not None:  # the epoch-major edge: each lane's clock, its positions from the cursor's
+            positions = {}
+            for lane, (epoch, offset) in enumerate(stream.edges.clocks_after(picks)):
+                walked = stream.edges.walk_index(lane, epoch, offset)
+                positions.update(stream.lanes[lane].advance(stream._bases[lane], walked))
+        else:
+            counts = stream.schedule.counts_after(picks)
+            positions = {p: eo for lane, count in zip(stream._count_at, counts) for p, eo in lane.before(count).items()}
+        for p, (e, o) in positions.items():
+            epochs[p], offsets[p] = e, o
     return order.cursor(epochs, offsets)
 
 

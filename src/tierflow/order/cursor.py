@@ -11,7 +11,10 @@ from typing import Any
 
 from tierflow.errors import CursorFormatError, CursorMismatchError
 
-CURSOR_VERSION = 2
+CURSOR_VERSION = 3
+"""3: remainder="carry" reads a node's epoch before the next (edges.py); 2: each lane's batches ran
+straight across its epoch edges. A cursor keeps its version, so it resumes the order it was saved in."""
+READABLE_VERSIONS = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class OrderCursor:
     offsets: tuple[int, ...]
     config_hash: str
     config: dict[str, Any] = field(default_factory=dict)
+    version: int = CURSOR_VERSION
 
     @property
     def partitions(self) -> int:
@@ -36,7 +40,7 @@ class OrderCursor:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "version": CURSOR_VERSION,
+            "version": self.version,
             "seed": self.seed,
             "epoch": self.epoch,
             "partitions": self.partitions,
@@ -53,9 +57,9 @@ class OrderCursor:
         missing = [k for k in ("version", "seed", "partitions", "epochs", "offsets", "config_hash") if k not in state]
         if missing:
             raise CursorFormatError(f"order cursor lacks fields {missing}")
-        if state["version"] != CURSOR_VERSION:
+        if state["version"] not in READABLE_VERSIONS:
             raise CursorFormatError(
-                f"order cursor version {state['version']!r}; this tierflow reads version {CURSOR_VERSION}"
+                f"order cursor version {state['version']!r}; this tierflow reads versions {READABLE_VERSIONS}"
             )
         partitions = state["partitions"]
         for name in ("epochs", "offsets"):
@@ -70,4 +74,5 @@ class OrderCursor:
             offsets=tuple(state["offsets"]),
             config_hash=str(state["config_hash"]),
             config=dict(state.get("config", {})),
+            version=int(state["version"]),
         )

@@ -40,7 +40,8 @@ def future_shard_uses(
     sorted by first_use then shard."""
     stream = NodeStream(order, cursor, node=node, num_nodes=num_nodes, batch_size=batch_size)
     picks = -(-horizon // batch_size)
-    counts = stream.schedule.counts_after(picks)
+    edges = stream.edges  # epoch-major: picks from each sample's lane clock, no lane batch counts
+    counts = stream.schedule.counts_after(picks) if edges is None else [picks] * len(stream.lanes)
     shard_counts = order.layout.shard_sample_counts
     uses: list[ShardUse] = []
     for lane_index, (lane, batches) in enumerate(zip(stream.lanes, stream.batches)):
@@ -60,6 +61,18 @@ def future_shard_uses(
             while window < windows.num_windows and windows.window_starts[window] < span.stop:
                 start = max(int(windows.window_starts[window]), span.start)
                 stop = min(int(windows.window_starts[window + 1]), span.stop)
+                if edges is not None:  # the node batches reading the window's first and last samples
+                    first = edges.pick_of(lane_index, *edges.clock_of(lane_index, read + start - span.start))
+                    last = edges.pick_of(lane_index, *edges.clock_of(lane_index, read + stop - 1 - span.start))
+                    if first >= picks:
+                        done = True
+                        break
+                    for shard in windows.window_shards(window).tolist():
+                        if shard_counts[shard]:
+                            uses.append(ShardUse(shard, first * batch_size, last * batch_size + batch_size - 1,
+                                                 span.epoch, span.partition))
+                    window += 1
+                    continue
                 if carry:
                     first, last = (read + start - span.start) // batch_size, (read + stop - 1 - span.start) // batch_size
                 else:

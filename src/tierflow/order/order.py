@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tierflow.order._keys import derive_key
-from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderCursor
+from tierflow.order.cursor import CURSOR_VERSION, CursorFormatError, CursorMismatchError, OrderCursor
 from tierflow.order.layout import PartitionLayout
 from tierflow.order.permutation import FeistelPermutation
 from tierflow.order.remainder import Remainder
@@ -169,7 +169,8 @@ class SampleOrder:
                 past_end = cursor.offsets[p] >= size
                 epochs.append(cursor.epochs[p] + past_end)
                 offsets.append(0 if past_end else cursor.offsets[p])
-            return OrderCursor(self.seed, tuple(epochs), tuple(offsets), self.config_hash, dict(self.config))
+            return OrderCursor(self.seed, tuple(epochs), tuple(offsets), self.config_hash, dict(self.config),
+                               cursor.version)
         for p, offset in enumerate(cursor.offsets):
             if offset >= self.layout.partition_sizes[p]:
                 raise CursorFormatError(
@@ -178,9 +179,10 @@ class SampleOrder:
                 )
         return cursor
 
-    def cursor(self, epochs: Sequence[int], offsets: Sequence[int]) -> OrderCursor:
+    def cursor(self, epochs: Sequence[int], offsets: Sequence[int], version: int = CURSOR_VERSION) -> OrderCursor:
+        """`version`: the edge rule the positions continue under (a resumed cursor's own)."""
         return OrderCursor(self.seed, tuple(int(e) for e in epochs), tuple(int(o) for o in offsets),
-                           self.config_hash, self.config)
+                           self.config_hash, self.config, version)
 
     def windows(self, partition: int, epoch: int) -> EpochWindows:
         """The (cached) shuffle of one partition's epoch; O(shards of the partition) to build."""

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from tierflow.order.cursor import OrderCursor
+from tierflow.order.edges import EpochEdges, Piece
 from tierflow.order.interleave import LaneSchedule, ScheduleWalker
 from tierflow.order.lanes import Lane, LaneBatches, Positions, Span, node_lanes
 from tierflow.order.order import MicroBatch, SampleOrder
@@ -221,6 +222,40 @@ class NodeStream:
         # a batch of two lane epochs or more is read the long way: `Lane.take` of that many samples
         # gives the spans of its last epochs only, which is what such a batch has always read
         self._by_spans = any(batch_size >= 2 * lane.size for lane in self.lanes)
+        # version 3 under carry: the epoch-major edge (edges.py); a version-2 cursor keeps its lanes' batches
+        self.edges = EpochEdges(self.lanes, bases, batch_size, order.first_epoch_groups(len(self.lanes), node)) \
+            if self._carry and cursor.version >= 3 else None
+        self._edge_states = [(0, base) for base in bases]  # (walk position, the lane's positions there)
+
+    def _edge_parts(self, pick: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int]:
+        """`read_parts` under the epoch-major edge: the batch's pieces read from the lanes' walks."""
+        assert self.edges is not None
+        epoch, pieces = self.edges.pieces(pick)
+        ids, epochs, partition = [], [], -1
+        for piece in pieces:
+            at = self.edges.walk_index(piece.lane, piece.epoch, piece.start)
+            some_ids, some_epochs, first = self._walk(piece.lane, -1).read(at, piece.stop - piece.start)
+            partition = first if partition < 0 else partition
+            ids.append(some_ids)
+            epochs.append(some_epochs)
+        if len(ids) == 1:
+            return partition, ids[0], epochs[0], self._full, epoch
+        return partition, np.concatenate(ids), np.concatenate(epochs), self._full, epoch
+
+    def _edge_spans(self, piece: Piece) -> list[Span]:
+        assert self.edges is not None
+        walked = self.edges.walk_index(piece.lane, piece.epoch, piece.start)
+        lane = self.lanes[piece.lane]
+        return lane.take(lane.advance(self._bases[piece.lane], walked), piece.stop - piece.start)[0]
+
+    def _edge_positions(self, lane: int, walked: int) -> Positions:
+        """The lane's positions `walked` samples after the cursor, moved on from the last ones asked for."""
+        have, state = self._edge_states[lane]
+        if walked < have:
+            have, state = 0, self._bases[lane]
+        state = self.lanes[lane].advance(state, walked - have)
+        self._edge_states[lane] = (walked, state)
+        return state
 
     def positions_before(self, lane: int, i: int) -> Positions:
         """The lane's positions where its batch i starts (drop: a dropped tail already skipped)."""
@@ -244,6 +279,8 @@ class NodeStream:
     def read_parts(self, pick: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int]:
         """`read` as (partition, sample ids, epochs, mask, the batch's epoch: its oldest sample's),
         the arrays read-only and shared with the stream."""
+        if self.edges is not None:
+            return self._edge_parts(pick)
         if self._by_spans:
             micro = self.read_by_spans(pick)
             real = micro.epochs[micro.mask] if micro.mask.any() else micro.epochs
@@ -281,8 +318,11 @@ class NodeStream:
     def read_by_spans(self, pick: int) -> MicroBatch:
         """`read` the long way, batch by batch through the lanes' spans (the reference `read` is
         checked against)."""
-        lane, i = self._reading.pick(pick)
-        spans = self.spans(lane, i)
+        if self.edges is not None:
+            spans = [span for piece in self.edges.pieces(pick)[1] for span in self._edge_spans(piece)]
+        else:
+            lane, i = self._reading.pick(pick)
+            spans = self.spans(lane, i)
         ids = [self.order.windows(s.partition, s.epoch).range_ids(s.start, s.stop) for s in spans]
         epochs = [np.full(s.stop - s.start, s.epoch, dtype=np.int64) for s in spans]
         sample_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
@@ -297,18 +337,26 @@ class NodeStream:
 
     def epoch_of_pick(self, pick: int) -> int:
         """The epoch of node batch `pick` (its oldest sample's: where its lane batch starts)."""
+        if self.edges is not None:
+            return self.edges.locate(pick).epoch
         lane, i = self.lane_batch(pick)
         return self.batches[lane].start(i) // self.lanes[lane].size
 
     def picks_through(self, epoch: int) -> int:
         """Node batches from the cursor whose epoch is <= `epoch`: a prefix of the stream, since
         the interleave puts every batch starting in epoch e before any starting in e + 1."""
+        if self.edges is not None:
+            return self.edges.plan(epoch + 1).first_pick if epoch + 1 >= min(self.edges.first_epochs) else 0
         return sum(b.count_before((epoch + 1) * b.lane.size) for b in self.batches)
 
     def positions_after(self, picks: int) -> Positions:
         """Every partition's position once the node has consumed `picks` batches."""
-        self._counting.advance(picks)
         out: Positions = {}
+        if self.edges is not None:
+            for lane, (epoch, offset) in enumerate(self.edges.clocks_after(picks)):
+                out.update(self._edge_positions(lane, self.edges.walk_index(lane, epoch, offset)))
+            return out
+        self._counting.advance(picks)
         for lane, count in enumerate(self._counting.counts):
             out.update(self._count_at[lane].before(count))
         return out
@@ -401,4 +449,4 @@ class RankStream:
         for node in self.nodes:
             for p, (e, o) in node.positions_after(picks).items():
                 epochs[p], offsets[p] = e, o
-        return self.order.cursor(epochs, offsets)
+        return self.order.cursor(epochs, offsets, self.base.version)
