@@ -201,6 +201,13 @@ def shard_file_name(manifest: Manifest, index: int) -> str:
     return manifest.shards[index].name
 
 
+def shard_key(manifest: Manifest, index: int) -> str:
+    """Shard `index`'s entry key (its at-rest checksum); from the mapped column when there is one."""
+    if isinstance(manifest, MappedManifest):
+        return manifest.tables.checksums()[index].tobytes().hex()
+    return manifest.shards[index].key
+
+
 def shards_named(manifest: Manifest, names: Sequence[str], keys: ShardKeys | None = None) -> list[int] | None:
     """The index of each shard file name, in order; None when one is not a shard of the dataset. A
     mapped manifest looks each up in its sorted checksums (a version-3 name is its checksum), so the
