@@ -23,7 +23,9 @@ same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x o
 TieredDataset: layout, working set, index), `inspect`, `verify-metadata` (both tables hashed whole,
 every shard's block rows, the dataset id; the shard files themselves are not there to hash),
 `gc-names` (the referenced-name set gc tests files against), `stager-keys` (entry key -> shards),
-and `every-shard-object` (a ShardInfo per shard: what a tool that walks `manifest.shards` pays).
+`every-shard-object` (a ShardInfo per shard: what a tool that walks `manifest.shards` pays), `plan`
+(`tierflow plan` with an L2 of 30% at rest, 3 epochs, both forms) and `stager-plan` (a Stager made over
+an opened dataset and its first plan, the dataset's own cost left out).
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ def child(path: str, wait: bool) -> None:
     loader.close()
 
 
-PATHS = ("order", "inspect", "verify-metadata", "gc-names", "stager-keys", "every-shard-object")
+PATHS = ("order", "inspect", "verify-metadata", "gc-names", "stager-keys", "every-shard-object", "plan",
+         "stager-plan")
 
 
 def path_child(name: str, path: str) -> None:
@@ -197,6 +200,18 @@ def path_child(name: str, path: str) -> None:
         metadata_index.ShardKeys(Manifest.load(path)).get("0" * 32)
     elif name == "every-shard-object":
         sum(info.samples for info in Manifest.load(path).shards)
+    elif name == "plan":
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli(["plan", path, "--tier", f"L2={path}-plan-l2:30%", "--batch-size", str(BATCH)])
+    elif name == "stager-plan":
+        from tierflow.tiers import TierConfig, build_stack
+        from tierflow.tiers.stager import Stager
+
+        stack = build_stack(path, [TierConfig.parse(f"L2={path}-plan-l2:30%")])
+        dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH))
+        start = time.perf_counter()  # the dataset's part is `order`'s: this is the stager's own
+        stager = Stager(dataset, stack)
+        stager._plan_and_fetch()  # one plan from the start, as a rank's first: threads not started
     took = time.perf_counter() - start
     del tierflow
     peak = vm_hwm()

@@ -146,7 +146,7 @@ def test_a_commit_records_the_loops_rate_and_minutes_stage_what_that_many_batche
     finally:
         loader.close()
     minutes = 359.5 / 60 / record["batches_per_s"]  # 360 batches at that rate, far past the 2 recorded
-    fresh = loader_for(data, [f"L2={tmp_path}/fresh:64MB:lru:at_rest"], staging=False)
+    fresh = loader_for(data, [f"L2={tmp_path}/fresh:1MB:lru:at_rest"], staging=False)
     try:
         wanted = next_shards(fresh.dataset, cursor_of(fresh), 360)
         assert len(wanted) > len(record["next_shards"])
@@ -173,5 +173,46 @@ def test_minutes_need_a_recorded_rate_and_a_positive_number(data: Path, tmp_path
         with pytest.raises(ValueError, match="batches= or minutes="):
             restore_warm(step, loader, batches=4, minutes=1)
         assert not loader.stager.stack.tiers[0].index.keys()  # refused before staging anything
+    finally:
+        loader.close()
+
+
+def test_a_resume_on_a_version_3_dataset_makes_no_shard_info_per_shard(tmp_path: Path, monkeypatch) -> None:
+    """The record's names and keys are looked up in the mapped checksum column: commit and restore
+    make a ShardInfo only for the shards they stage, not one per shard of the dataset."""
+    from tierflow.checkpoint import CheckpointStore
+    from tierflow.format.metadata import MappedManifest, MetadataTables
+
+    (tmp_path / "many").mkdir()
+    data = make_token_dataset(tmp_path / "many", docs=6000)
+    loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"])
+    try:
+        manifest = loader.dataset.manifest
+        assert isinstance(manifest, MappedManifest) and len(manifest.shards) >= 8
+        made: list[int] = []
+        shard = MetadataTables.shard
+
+        def counted(self: MetadataTables, i: int, keep: bool = True):
+            made.append(i)
+            return shard(self, i, keep)
+
+        stream = iter(loader)
+        for _ in range(3):
+            next(stream)
+        loader.stager.close()  # what the loop and the stager make is theirs; the commit's is counted
+        monkeypatch.setattr(MetadataTables, "shard", counted)
+        store = CheckpointStore(None, tmp_path / "local")
+        store.begin(3)
+        final = store.commit(3, loader=loader, warm_batches=4)
+        record = json.loads((final / warm_name(0)).read_text())
+        assert made == [] and record["next_shards"]
+        loader.close()
+        fresh = loader_for(data, [f"L2={tmp_path}/fresh:1MB:lru:at_rest"], staging=False)
+        fresh.load_state_dict(loader.state_dict())
+        made.clear()
+        fresh.dataset.manifest.shards._made.clear()
+        staged = restore_warm(final, fresh)
+        assert staged >= len(record["next_shards"]) and len(set(made)) == staged < len(manifest.shards) / 2
+        fresh.close()
     finally:
         loader.close()

@@ -20,7 +20,8 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 if TYPE_CHECKING:  # the uploader process imports this package: it stays without the tiers
     from tierflow.tiers.tier import Tier
@@ -89,10 +90,13 @@ def batches_per_second(loader: Any) -> float | None:
 
 def warm_state(loader: Any, batches: int, stack: Any = None) -> dict[str, Any]:
     """The JSON written into a step: the loader's state, the next shards, each tier's heat, the loop's rate."""
+    from tierflow.format.metadata_index import shard_file_name
+
     cursor = cursor_of(loader)
-    shards = loader.dataset.manifest.shards
+    manifest = loader.dataset.manifest
     state: dict[str, Any] = {"format": WARM_FORMAT, "batches": batches, "loader": loader.state_dict(),
-                             "next_shards": [shards[i].name for i in next_shards(loader.dataset, cursor, batches)]}
+                             "next_shards": [shard_file_name(manifest, i)
+                                             for i in next_shards(loader.dataset, cursor, batches)]}
     rate = batches_per_second(loader)
     if rate is not None:
         state["batches_per_s"] = rate
@@ -118,22 +122,24 @@ def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | 
     stack = stack_of(loader, stack)
     if stack is None or not stack.tiers:
         return 0
-    infos = loader.dataset.manifest.shards
-    by_name = {info.name: i for i, info in enumerate(infos)}
+    from tierflow.format.metadata_index import ShardKeys, shards_named
+
+    manifest = loader.dataset.manifest
+    infos = manifest.shards
     order: list[int] | None = None
     top = stack.tiers[0]
     names = recorded.get("next_shards", [])
     if batches is None and recorded and isinstance(names, list) and all(isinstance(n, str) for n in names):
-        if all(n in by_name for n in names):  # the same dataset: its names are its content
-            order = [by_name[n] for n in names]
-            by_key = {info.key: i for i, info in enumerate(infos)}
+        keys = ShardKeys(manifest)
+        order = shards_named(manifest, names, keys)  # None: a name not in this dataset (its names are its content)
+        if order is not None:
             saved_top = recorded.get("tiers", {}).get(top.name, {})
             resident = saved_top.get("entries", []) if isinstance(saved_top, dict) else []
             chosen = set(order)
-            for shard in (by_key[e["key"]] for e in resident if e["key"] in by_key):
-                if shard not in chosen:
-                    chosen.add(shard)
-                    order.append(shard)
+            for found in (keys.get(e["key"]) for e in resident if isinstance(e, dict) and isinstance(e.get("key"), str)):
+                if found and found[-1] not in chosen:
+                    chosen.add(found[-1])
+                    order.append(found[-1])
     if order is None:
         order = next_shards(loader.dataset, cursor_of(loader), batches or 256)
     room = top.capacity

@@ -14,7 +14,7 @@ from typing import Sequence
 from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Form
 from tierflow.loader.dataset import TieredDataset
-from tierflow.order import future_shard_uses
+from tierflow.order import ShardUse, future_shard_uses
 from tierflow.order.working_set import WorkingSet, working_set_bytes
 from tierflow.tiers.forecast import EpochBytes, optimum, replay
 
@@ -47,20 +47,28 @@ def _warm(per_epoch: list[EpochBytes]) -> float:
     return sum(e.ratio for e in warm) / len(warm)
 
 
-def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
-               form: Form = Form.DECODED, working_set: WorkingSet | None = None) -> CachePlan:
-    """The plan at `capacity` bytes of the top tier storing `form`; the working set is the dataset's
-    own (its order does not depend on the tier: order/working_set.py) unless given."""
-    rest_sizes = shard_column(dataset.manifest, "bytes").tolist()  # columns: no object per shard
-    tier_sizes = shard_column(dataset.manifest, "decoded_bytes").tolist() if form == Form.DECODED else rest_sizes
+def node_uses(dataset: TieredDataset, working_set: WorkingSet, epochs: int) -> list[ShardUse]:
+    """This node's shard uses over `epochs` epochs read through `working_set` (its lanes and windows;
+    not its bytes): the same for every capacity and form, so a curve computes them once."""
     world = dataset.world
-    chosen = working_set or dataset.working_set
-    chosen = replace(chosen, bytes=working_set_bytes(chosen.shards, tier_sizes))  # in the tier's form
-    order = dataset.order_with(chosen)
+    order = dataset.order_with(working_set)
     node_samples = order.layout.node_samples(world.node, world.num_nodes)
     batch = dataset.batch_size * dataset.batcher.batches_per_group
-    uses = future_shard_uses(order, order.start(), node=world.node, num_nodes=world.num_nodes,
+    return future_shard_uses(order, order.start(), node=world.node, num_nodes=world.num_nodes,
                              batch_size=batch, horizon=epochs * node_samples + batch)
+
+
+def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
+               form: Form = Form.DECODED, working_set: WorkingSet | None = None,
+               uses: list[ShardUse] | None = None) -> CachePlan:
+    """The plan at `capacity` bytes of the top tier storing `form`; the working set is the dataset's
+    own (its order does not depend on the tier: order/working_set.py) unless given. `uses`: its
+    `node_uses`, when already made."""
+    rest_sizes = shard_column(dataset.manifest, "bytes").tolist()  # columns: no object per shard
+    tier_sizes = shard_column(dataset.manifest, "decoded_bytes").tolist() if form == Form.DECODED else rest_sizes
+    chosen = working_set or dataset.working_set
+    chosen = replace(chosen, bytes=working_set_bytes(chosen.shards, tier_sizes))  # in the tier's form
+    uses = uses if uses is not None else node_uses(dataset, chosen, epochs)
     staging = chosen.bytes
     return CachePlan(capacity, staging, chosen, replay(uses, tier_sizes, rest_sizes, capacity, staging, epochs, policy),
                      optimum(uses, tier_sizes, rest_sizes, capacity + staging, epochs),
@@ -68,11 +76,13 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
 
 
 def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,
-                   form: Form = Form.DECODED, policy: str = "auto") -> list[CachePlan]:
+                   form: Form = Form.DECODED, policy: str = "auto", uses: list[ShardUse] | None = None) -> list[CachePlan]:
     """Plans at capacities that are `fractions` of the dataset's bytes at rest (the user's yardstick:
-    what was uploaded), the tier storing `form`."""
+    what was uploaded), the tier storing `form`; the node's uses made once (`node_uses`) unless given."""
     total = int(shard_column(dataset.manifest, "bytes").sum())
-    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form, policy=policy) for f in fractions]
+    uses = uses if uses is not None else node_uses(dataset, dataset.working_set, epochs)
+    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form, policy=policy, uses=uses)
+            for f in fractions]
 
 
 def auto_form(dataset: TieredDataset, capacity: int) -> Form:

@@ -46,6 +46,7 @@ whole-dataset check `metadata_verify`, the lookups over the mapped tables `metad
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -58,7 +59,7 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.errors import ManifestError
-from tierflow.format._regular import read_regular
+from tierflow.format._regular import fd_path, open_regular, read_regular
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, _check_fields, schema_from_json
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
@@ -192,14 +193,12 @@ class _Table:
         self.rows = entry["rows"]
         self.hashes = entry["columns"]
         self.schema = schema
+        fd = open_table(self.path, self.where)
+        size = os.fstat(fd).st_size
         try:
-            size = os.stat(self.path).st_size
-        except FileNotFoundError:
-            raise ManifestError(f"{self.where}: missing (the header names a table the dataset does not hold)") from None
-        if size != entry["size"]:
-            raise ManifestError(f"{self.where}: {size} bytes, the header says {entry['size']} (damaged or replaced)")
-        try:
-            self._map = pa.memory_map(str(self.path), "r")
+            if size != entry["size"]:
+                raise ManifestError(f"{self.where}: {size} bytes, the header says {entry['size']} (damaged or replaced)")
+            self._map = pa.memory_map(fd_path(fd, self.path), "r")
             reader = pa.ipc.open_file(self._map)
             if reader.num_record_batches != 1:
                 raise ValueError(f"{reader.num_record_batches} record batches, not 1")
@@ -210,9 +209,12 @@ class _Table:
                 raise ValueError(f"{batch.num_rows} rows, the header says {self.rows}")
             batch.validate()
         except ManifestError:
+            os.close(fd)
             raise
-        except Exception as e:  # noqa: BLE001 - whatever pyarrow says of a damaged file
+        except Exception as e:
+            os.close(fd)
             raise ManifestError(f"{self.where}: not a readable metadata table ({type(e).__name__}: {e})") from None
+        self._file = fd  # its shared lock keeps gc from removing the table while this process reads it
         self._batch = batch
         self._checked: dict[str, np.ndarray] = {}
         self._lock = threading.RLock()  # a column's check may use another column of the table
@@ -253,9 +255,6 @@ class _Table:
         return self._base
 
     def _fd(self) -> int:
-        with self._lock:
-            if not hasattr(self, "_file"):
-                self._file = os.open(self.path, os.O_RDONLY)
         return self._file
 
     def __del__(self) -> None:
@@ -280,6 +279,50 @@ class _Table:
                 raise ManifestError(f"{self.where}: {problem}")
             self._checked[name] = values
             return values
+
+
+class TableGone(ManifestError):
+    """A table the header named was removed before it was opened: gc removed a superseded one (a
+    newer header was published), so the header is read again; or the dataset lost it (damaged)."""
+
+
+def open_table(path: Path, where: str) -> int:
+    """A table file opened, with a shared lock held as long as the descriptor is open (gc removes
+    only tables it can lock exclusively: none a process has open), and still linked after the lock
+    was taken (gc unlinks under its exclusive lock, so a table removed between the header's read and
+    this open is TableGone, not a file mapped after its removal)."""
+    try:
+        fd = open_regular(path, ManifestError)
+    except FileNotFoundError:
+        raise TableGone(f"{where}: missing (the header names a table the dataset does not hold)") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_nlink == 0:
+            raise TableGone(f"{where}: removed while it was opened (a newer header superseded it)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_if_unused(path: Path) -> bool:
+    """Unlink a table file no process has open (`open_table`'s shared lock), under an exclusive
+    lock; False (kept) when one has it open, or it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if os.fstat(fd).st_nlink == 0:
+            return False
+        path.unlink()
+        return True
+    finally:
+        os.close(fd)
 
 
 def _mapping_address(mapped: pa.MemoryMappedFile) -> int:
@@ -501,15 +544,23 @@ def load_metadata(directory: str | Path, where: str | None = None) -> MappedMani
     directory = Path(directory)
     path = directory / METADATA_NAME
     where = where or str(directory)
-    try:
-        raw = read_regular(path, MAX_HEADER_BYTES, ManifestError)
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: no metadata header; {directory} holds no version-3 dataset") from None
-    header = parse_header(raw, f"{where}/{METADATA_NAME}" if where else str(path))
-    tables = MetadataTables(directory, header, where)
+    last = b""
+    while True:
+        try:
+            raw = read_regular(path, MAX_HEADER_BYTES, ManifestError)
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: no metadata header; {directory} holds no version-3 dataset") from None
+        header = parse_header(raw, f"{where}/{METADATA_NAME}" if where else str(path))
+        try:
+            tables = MetadataTables(directory, header, where)
+            break
+        except TableGone:
+            if raw == last:  # the same header names a missing table: the dataset lost it
+                raise
+            last = raw  # a newer header replaced this one and gc removed its tables: read that one
     try:
         schema = schema_from_json(header["schema"])
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ManifestError(f"{where}/{METADATA_NAME}: schema does not decode ({e})") from None
     if header.get("token_column") is not None and header["token_column"] not in schema.names:
         raise ManifestError(f"{where}/{METADATA_NAME}: token_column {header['token_column']!r} is not in the schema")

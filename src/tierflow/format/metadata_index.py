@@ -13,6 +13,7 @@ import numpy as np
 from tierflow.errors import ShardCorruptError
 from tierflow.format.manifest import Manifest
 from tierflow.format.metadata import CHECKSUM_HALVES, TABLE_SUFFIX, MappedManifest
+from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX
 
 class MappedIndex:
     """`DatasetIndex` over mapped metadata: where a sample or a token lives, from the shard table's
@@ -191,3 +192,36 @@ class ShardKeys:
         lo = int(self._sorted.searchsorted(probe[0], side="left"))
         hi = int(self._sorted.searchsorted(probe[0], side="right"))
         return self._order[lo:hi].tolist() if hi > lo else default
+
+
+def shard_file_name(manifest: Manifest, index: int) -> str:
+    """Shard `index`'s file name; from the mapped checksum column when there is one (no ShardInfo made)."""
+    if isinstance(manifest, MappedManifest):
+        return manifest.tables.name(index)
+    return manifest.shards[index].name
+
+
+def shard_key(manifest: Manifest, index: int) -> str:
+    """Shard `index`'s entry key (its at-rest checksum); from the mapped column when there is one."""
+    if isinstance(manifest, MappedManifest):
+        return manifest.tables.checksums()[index].tobytes().hex()
+    return manifest.shards[index].key
+
+
+def shards_named(manifest: Manifest, names: Sequence[str], keys: ShardKeys | None = None) -> list[int] | None:
+    """The index of each shard file name, in order; None when one is not a shard of the dataset. A
+    mapped manifest looks each up in its sorted checksums (a version-3 name is its checksum), so the
+    cost is the names asked for, not the shards."""
+    if not isinstance(manifest, MappedManifest):
+        by_name = {info.name: i for i, info in enumerate(manifest.shards)}
+        return [by_name[n] for n in names] if all(n in by_name for n in names) else None
+    keys = keys if keys is not None else ShardKeys(manifest)
+    found = []
+    for name in names:
+        if not (name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)):
+            return None
+        shards = keys.get(name[len(SHARD_PREFIX):-len(SHARD_SUFFIX)])
+        if not shards:
+            return None
+        found.append(shards[-1])
+    return found

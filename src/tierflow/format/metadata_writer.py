@@ -222,10 +222,15 @@ def referenced_tables(directory: str | Path) -> set[str]:
         raw = (Path(directory) / METADATA_NAME).read_bytes()  # an I/O error propagates: never gc on a guess
     except FileNotFoundError:
         return set()
+    return header_tables(raw)
+
+
+def header_tables(raw: bytes) -> set[str]:
+    """The table files a header's bytes name, read leniently (a damaged header names none)."""
     try:
         d = json.loads(raw)
         return {d[t]["file"] for t in ("shards", "blocks") if isinstance(d[t]["file"], str)}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return set()
 
 

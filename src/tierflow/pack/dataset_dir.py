@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.format.manifest import Manifest
-from tierflow.format.metadata import TABLE_PREFIX, TABLE_SUFFIX
+from tierflow.format.metadata import TABLE_PREFIX, TABLE_SUFFIX, remove_if_unused
 from tierflow.format.metadata_index import ShardNames
 from tierflow.format.metadata_writer import is_published, referenced_tables
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX
@@ -41,13 +41,17 @@ def prepare_out(out: Path, overwrite: bool, keep: Container[str] = frozenset()) 
 
 def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
     """Delete shard files, temporaries and a resume journal the manifest (if any) does not reference
-    (`tierflow gc`)."""
+    (`tierflow gc`), and the metadata tables the header does not name that no process has open (a
+    reader holds its tables' shared lock; gc, holding the dataset lock, takes each one's exclusive
+    lock before the unlink, so a table in use stays until a gc after its readers closed it)."""
     shards: Container[str] = ShardNames(manifest) if manifest is not None else set()  # no string per shard of a mapped one
     tables = referenced_tables(out)  # the version-3 tables its header names (a header last written keeps them)
     removed = []
     for p in out.iterdir():
-        if (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in shards) or \
-                (p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX) and p.name not in tables) or \
+        if p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX):
+            if p.name not in tables and remove_if_unused(p):
+                removed.append(p)
+        elif (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in shards) or \
                 (p.name.startswith(".tmp-") and p.is_file()):
             p.unlink()
             removed.append(p)
@@ -87,7 +91,7 @@ class DatasetLock:
         self.path = directory / LOCK_NAME
         self.fd: int | None = None
 
-    def __enter__(self) -> "DatasetLock":
+    def __enter__(self) -> DatasetLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -8,16 +8,12 @@ deletes the shard objects no manifest references, under the same rules as on a d
 
 from __future__ import annotations
 
-import os
-import tempfile
-import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import pyarrow as pa
-import xxhash
 
 from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
@@ -25,10 +21,12 @@ from tierflow.format.dataset import Dataset, open_directory
 from tierflow.format.reader import ShardReader
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
-from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, current_metadata, load_metadata, parse_header
+from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, TABLE_PREFIX, TABLE_SUFFIX
+from tierflow.format.metadata_writer import header_tables
 from tierflow.format.metadata_index import ShardNames
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.format.verify import ShardVerifier
+from tierflow.storage.metadata_cache import read_metadata
 from tierflow.storage.remote import RetryingStore, join_url, open_store
 
 
@@ -39,77 +37,6 @@ def local_path(location: str | Path) -> Path | None:
         return Path(text)
     parts = urlsplit(text)
     return Path(parts.path) if parts.scheme == "file" else None
-
-
-def metadata_cache_dir() -> Path:
-    """Where a node keeps the version-3 metadata of remote datasets (TIERFLOW_METADATA_CACHE, else
-    tierflow-metadata-<uid> in the node's temporary directory): the table files are content-named, so
-    the node's ranks and workers download each once and map the same files, and a stale one is never
-    mistaken for a newer one."""
-    configured = os.environ.get("TIERFLOW_METADATA_CACHE")
-    if configured:
-        return Path(configured)
-    return Path(tempfile.gettempdir()) / f"tierflow-metadata-{os.getuid()}"
-
-
-def read_metadata(source: RetryingStore, cache: Path | None = None) -> Manifest | None:
-    """A remote dataset's version-3 metadata, mapped from a node-local copy, or None when it has none
-    that is current (no header; or a manifest.json beside it other than the one it recorded: then the
-    manifest is read as before). The header is read each time (a few KB); a table is downloaded only
-    when the node has no file of its name and size (a temporary name, then a rename), and checked
-    column by column on use as a local one is."""
-    root = getattr(source, "root", None)
-    if isinstance(root, Path):  # a local directory (LocalStore): mapped where it lies, no copy
-        return current_metadata(root)
-    where = join_url(source.url, METADATA_NAME)
-    try:
-        size = source.size(METADATA_NAME)
-    except SourceNotFound:
-        return None
-    if size > MAX_HEADER_BYTES:
-        raise ManifestError(f"{where}: {size} bytes, more than the {MAX_HEADER_BYTES} a metadata header may have")
-    raw = source.read_bytes(METADATA_NAME)
-    header = parse_header(raw, where)
-    beside = header.get("manifest")
-    if beside is not None:
-        try:
-            if source.size(MANIFEST_NAME) != beside["size"]:
-                return None
-            digest = xxhash.xxh3_128()
-            source.read_into(MANIFEST_NAME, digest.update, expected_size=beside["size"])
-        except SourceNotFound:
-            return None
-        if digest.hexdigest() != beside["xxh3"]:
-            return None
-    elif _exists(source, MANIFEST_NAME):
-        return None
-    local = (cache or metadata_cache_dir()) / xxhash.xxh3_64_hexdigest(source.url.encode())
-    local.mkdir(parents=True, exist_ok=True)
-    for table in ("shards", "blocks"):
-        name, expected = header[table]["file"], header[table]["size"]
-        path = local / name
-        if path.is_file() and path.stat().st_size == expected:
-            continue
-        tmp = local / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
-        try:
-            source.download(name, tmp, expected_size=expected)
-            os.replace(tmp, path)
-        except SourceNotFound:
-            raise ManifestError(f"{where}: names {name}, which {source.url} does not hold") from None
-        finally:
-            tmp.unlink(missing_ok=True)
-    tmp = local / f".tmp-{os.getpid()}-{threading.get_ident()}-{METADATA_NAME}"
-    tmp.write_bytes(raw)
-    os.replace(tmp, local / METADATA_NAME)  # this node's copy of the header names the tables it maps
-    return load_metadata(local, where=source.url)
-
-
-def _exists(source: RetryingStore, name: str) -> bool:
-    try:
-        source.size(name)
-    except SourceNotFound:
-        return False
-    return True
 
 
 def read_manifest(source: RetryingStore) -> Manifest:
@@ -216,24 +143,39 @@ def verify_source(source: RetryingStore, manifest: Manifest) -> list[str]:
 
 
 def collect_garbage(source: RetryingStore) -> list[str]:
-    """Delete the shard objects directly under the source that its manifest does not reference
-    (`tierflow gc` on a URL); returns their names.
+    """Delete the shard objects and metadata tables directly under the source that its manifest and
+    header do not reference (`tierflow gc` on a URL); returns their names.
 
-    The rules of gc on a directory: no manifest, no deletion; only shard names at the top are
-    candidates, nothing else under the prefix. An object store has no lock a pack could hold,
-    so a shard written after the manifest is kept too: it may belong to a pack in progress
-    (shards go first, the manifest last), and goes in the first gc after that pack's manifest.
+    The rules of gc on a directory: no manifest, no deletion; only shard and table names at the top
+    are candidates, nothing else under the prefix. An object store has no lock a pack could hold,
+    so an object written after the last publication (manifest or header) is kept too: it may belong
+    to a pack or an upgrade in progress (shards and tables go first, the header and manifest last),
+    and goes in the first gc after that publication. A reader that read an older header before its
+    tables went reads the header again (`read_metadata`); one that mapped them has the node's copy.
     """
     entries = source.entries()
     times = [e.modified for e in entries if e.name in (MANIFEST_NAME, METADATA_NAME)]  # the last publication
     known = [t for t in times if t is not None]
     written = max(known) if times and len(known) == len(times) else None
     keep = ShardNames(read_manifest(source))  # read after listing: never an older one
+    tables = _header_tables(source)
     if written is None:  # the store gives no times: nothing can be told apart from a pack in progress
         return []
     victims = [e.name for e in entries
-               if "/" not in e.name and e.name.startswith(SHARD_PREFIX) and e.name.endswith(SHARD_SUFFIX)
-               and e.name not in keep and e.modified is not None and e.modified < written]
+               if "/" not in e.name and e.modified is not None and e.modified < written
+               and ((e.name.startswith(SHARD_PREFIX) and e.name.endswith(SHARD_SUFFIX) and e.name not in keep)
+                    or (e.name.startswith(TABLE_PREFIX) and e.name.endswith(TABLE_SUFFIX) and e.name not in tables))]
     for name in victims:
         source.delete(name)
     return victims
+
+
+def _header_tables(source: RetryingStore) -> set[str]:
+    """The tables the source's header names (kept whether or not the header is current), read after
+    the listing as the manifest is."""
+    try:
+        if source.size(METADATA_NAME) > MAX_HEADER_BYTES:
+            return set()
+        return header_tables(source.read_bytes(METADATA_NAME))
+    except SourceNotFound:
+        return set()

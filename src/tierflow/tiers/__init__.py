@@ -38,11 +38,12 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endp
     manifest = None
     if any(isinstance(c, TierConfig) and not c.resolved for c in configs):
         # a share of the dataset, or a form by what fits: sized against the dataset's bytes at rest
+        from tierflow.format.metadata import shard_column
         from tierflow.storage.datasets import read_manifest
 
         manifest = read_manifest(source)  # its size checked first, as TierStack.manifest() does
-        at_rest = sum(s.bytes for s in manifest.shards)
-        decoded = sum(s.decoded_bytes for s in manifest.shards)
+        at_rest = int(shard_column(manifest, "bytes").sum())  # mapped columns: no object per shard
+        decoded = int(shard_column(manifest, "decoded_bytes").sum())
         resolved: list[TierConfig | Tier] = []
         below_decoded = False  # decoded bytes never move down to a compressed form: auto above one is decoded
         for c in reversed(configs):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierflow.errors import FetchError, ShardCorruptError, SourceNotFound
 from tierflow.format.metadata import shard_column
-from tierflow.format.metadata_index import ShardKeys
+from tierflow.format.metadata_index import ShardKeys, shard_key
 from tierflow.format.shard import Form
 from tierflow.policies.oracle import IntervalOracle
 from tierflow.telemetry import MetricsRegistry
@@ -386,7 +386,8 @@ class Stager:
         plan = plan_staging(uses, self.node, consumption_bytes_s=rate, fetch_p99_s=p99, fetch_mean_s=mean,
                             position=position, resident=self._resident(), held=held, in_flight=in_flight,
                             lead=lead * sps, cover_s=cover)
-        oracle = PositionOracle(IntervalOracle((self.shards[s].key, f, last) for s, f, last in plan.intervals), 0.0)
+        manifest = self.view.manifest  # keys from the mapped column: no ShardInfo per planned shard
+        oracle = PositionOracle(IntervalOracle((shard_key(manifest, s), f, last) for s, f, last in plan.intervals), 0.0)
         with self._lock:
             self._plan_steps = plan_base
             oracle.position = (self._consumed_steps - plan_base) * self.node.samples_per_step
