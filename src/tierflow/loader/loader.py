@@ -355,9 +355,12 @@ class Loader:
             self.stager.consumed(meta.planned)  # the stager's thread resolves it when it plans
 
     def close(self) -> None:
-        """Stop the feed, the stager and the workers (a loop that breaks early may call it)."""
+        """Stop the feed, the stager and the workers (a loop that breaks early may call it), and end
+        the event log `open_loader(events=...)` opened."""
         self._stop_reading()
         self._close_stager()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def _close_stager(self) -> None:
         if self.stager is not None:
