@@ -204,3 +204,40 @@ def test_a_sigkilled_trainer_leaves_no_worker_and_no_shared_memory(docs, tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.stdout.close()
+
+
+FORKSERVER_CHILD = """
+import multiprocessing.forkserver as fs, sys, time
+from tierflow.loader import BatchSpec, Loader, TieredDataset
+loader = Loader(TieredDataset(sys.argv[1], BatchSpec(batch_size=8, seq_len=64)), num_workers=2,
+                multiprocessing_context="forkserver")
+loader.start_prefetch()
+deadline = time.monotonic() + 60
+while fs._forkserver._forkserver_pid is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(fs._forkserver._forkserver_pid)
+sys.stdout.flush()
+time.sleep(20 if len(sys.argv) > 2 else 0)
+next(iter(loader))
+loader.close()
+"""
+
+
+def test_start_prefetch_starts_the_forkserver_with_torch_already_imported(docs: Path) -> None:
+    """Over an object store the workers come from a forkserver: `start_prefetch` (open_loader calls
+    it) starts it at once, with torch and tierflow imported there, so that cost overlaps the model's
+    loading and no worker pays it again."""
+    env = {**os.environ, "PYTHONPATH": str(Path(tierflow.__file__).parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", FORKSERVER_CHILD, str(docs), "wait"], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        line = child.stdout.readline().strip() if child.stdout else ""
+        assert line.isdigit(), f"no forkserver started before the first batch: {line!r}"
+        server = psutil.Process(int(line))
+        deadline = time.monotonic() + 60
+        while not any("libtorch" in m.path for m in server.memory_maps()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any("libtorch" in m.path for m in server.memory_maps())
+    finally:
+        child.kill()
+        child.wait()

@@ -28,7 +28,7 @@ from tierflow.loader.epochs import EpochClock, EpochVote
 from tierflow.loader.meta import BatchMeta
 from tierflow.loader.plan import PlannedCursor
 from tierflow.storage.datasets import local_path
-from tierflow.loader.workers import WorkerPool
+from tierflow.loader.workers import WorkerPool, start_forkserver
 from tierflow.telemetry.attribution import production_timer
 from tierflow.telemetry.loader_metrics import FLUSH_AT, LoaderTelemetry
 from tierflow.tiers.stager import Stager
@@ -402,7 +402,10 @@ class Loader:
             self.close()
 
     def start_prefetch(self) -> None:
-        """Begin staging the cursor's next window now, so staging overlaps model loading."""
+        """Begin staging the cursor's next window (and starting the workers' forkserver) now, so both
+        overlap model loading."""
+        if self._loader_options["num_workers"] and not self._wraps_dataloader:
+            start_forkserver(self._loader_options.get("multiprocessing_context"))
         if self.stager is not None:
             if not self.stager.running:
                 self._staged_from = self._cursor
