@@ -115,3 +115,28 @@ def test_a_reading_process_loads_none_of_packs_input_readers():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+EXIT_AFTER_WITH = """
+import sys
+import tierflow
+with tierflow.open_loader(sys.argv[1], batch_size=8, seq_len=64, tiers=[f"L2={sys.argv[2]}:50%"]) as loader:
+    for step, batch in enumerate(loader):
+        if step == 3:
+            break
+"""
+
+
+def test_a_script_that_closed_its_loader_exits_without_a_traceback(tokens, tmp_path):
+    """The Loader is collected again at interpreter exit: closing the stager a second time must not
+    reach module globals the interpreter has already torn down ("Exception ignored in Loader.__del__")."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(tierflow.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", EXIT_AFTER_WITH, tokens, str(tmp_path / "l2")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr

@@ -225,7 +225,8 @@ class Stager:
             if t.is_alive():
                 log.warning("stager thread %s still busy after 120 s; a fork now is unsafe", t.name)
         self._threads = []
-        self._queue = queue.Queue()
+        with self._queue.mutex:  # the stop marks no thread took: a restart starts with none (no module
+            self._queue.queue.clear()  # global here: close may run while the interpreter shuts down)
         with self._link:
             self._queued.clear()
         with self._lock:
