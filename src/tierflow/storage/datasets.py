@@ -91,8 +91,9 @@ READAHEAD_BYTES = 8 << 20
 """The most bytes one ranged read of a shard fetches: a run of consecutive blocks in one GET (a GET
 costs ~10-50 ms of latency and a request's price on S3, whatever its size up to a few MiB)."""
 MAX_HELD_BYTES = 32 << 20
-"""At-rest bytes fetched ahead and not yet used that one `StoreBlocks` (a reading process's) holds,
-over all its shards; past it the oldest go and are fetched again if used."""
+"""At-rest block bytes that one `StoreBlocks` (a reading process's) holds over all its shards
+(`HeldBlocks`): blocks fetched ahead until used, used ones while there is room; past it the used
+ones go first, then the oldest fetched ahead (fetched again if used)."""
 
 
 class StoreBlocks:
@@ -233,11 +234,14 @@ class RangeBlocks(BlockBytes):
         blocks = self.blocks
         offset = blocks[first].offset
         started = time.perf_counter()
-        run = pa.py_buffer(self.source.read_range(self.name, offset, blocks[last - 1].offset
-                                                  + blocks[last - 1].length - offset))
+        run = self.source.read_range(self.name, offset, blocks[last - 1].offset + blocks[last - 1].length - offset)
         if self.on_fetched is not None:
-            self.on_fetched(run.size, time.perf_counter() - started)
-        parts = {j: run.slice(blocks[j].offset - offset, blocks[j].length) for j in range(first, last)}
+            self.on_fetched(len(run), time.perf_counter() - started)
+        # each block a copy of its own (~1 ms for 8 MiB): a slice would keep the whole run alive while any
+        # block of it is held or decoded over it, outside `held`'s count
+        parts = {j: pa.py_buffer(run[blocks[j].offset - offset:blocks[j].offset - offset + blocks[j].length])
+                 for j in range(first, last)}
+        del run
         ahead[first:last] = b"\x01" * (last - first)
         self.held.add(self.name, parts, index)
         return parts[index] if keep else self.held.get(self.name, index, use=True) or parts[index]
