@@ -1,8 +1,10 @@
 """A dataset URL is read one way, whatever the entry point (issue 41, item 2).
 
 `open_dataset`, `TieredDataset`, `open_loader` without tiers and a tier stack whose tiers keep
-nothing all read a shard block by block: the store's request log (the loopback proxy in front of
-moto) shows one ranged GET per block used, never a GET of a whole shard; a damaged block is
+nothing all read a shard in runs of whole blocks: the store's request log (the loopback proxy in
+front of moto) shows one ranged GET per run of consecutive blocks (up to the readahead budget),
+never a GET of a whole shard larger than that, and block 0 fetched once though the schema is read
+from it first; a damaged block is
 refused with the same error on each path, and `tierflow verify` names that block too.
 """
 
@@ -22,6 +24,7 @@ from tierflow.errors import ShardCorruptError
 from tierflow.format.dataset import Dataset, ShardSupply
 from tierflow.format.manifest import Manifest
 from tierflow.loader import BatchSpec, OrderSpec, TieredDataset
+from tierflow.storage import datasets
 from tierflow.storage.remote import open_store, upload_dataset
 from tierflow.testing import LoopbackProxy
 from tierflow.testing.faults import write_corpus
@@ -88,28 +91,63 @@ def shard_gets(proxy: LoopbackProxy) -> list[tuple[str, int, int]]:
     return gets
 
 
-def test_every_entry_point_reads_a_url_block_by_block(packed, s3_proxy, s3_bucket, tmp_path) -> None:
+def block_runs(manifest: Manifest, gets: list[tuple[str, int, int]]) -> list[list[int]]:
+    """The blocks each GET fetched (a GET of anything but a run of whole blocks fails)."""
+    shards = {s.name: s for s in manifest.shards}
+    runs = []
+    for name, start, length in gets:
+        edges = {b.offset: i for i, b in enumerate(shards[name].blocks)}
+        ends = {b.offset + b.length: i for i, b in enumerate(shards[name].blocks)}
+        assert start in edges and start + length in ends, (name, start, length)
+        runs.append(list(range(edges[start], ends[start + length] + 1)))
+    return runs
+
+
+def test_every_entry_point_reads_a_url_in_runs_of_blocks(packed, s3_proxy, s3_bucket, tmp_path, monkeypatch) -> None:
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(packed, url, endpoint_url=s3_proxy.url)
     manifest = Manifest.load(packed)
-    blocks = {(s.name, b.offset, b.length) for s in manifest.shards for b in s.blocks}
     expected = tierflow.open_dataset(packed)[0]["id"]
     first = manifest.shards[0]
+    assert len(first.blocks) > 3
+    budget = first.blocks[0].length + first.blocks[1].length  # a run of two blocks, not the shard
+    monkeypatch.setattr(datasets, "READAHEAD_BYTES", budget)
     for path, read in first_rows(url, s3_proxy.url, tmp_path).items():
         s3_proxy.reset_counters()
         assert read(0)["id"] == expected, path
-        # the sample's block, once (its head gave the schema): not the shard
-        assert shard_gets(s3_proxy) == [(first.name, first.blocks[0].offset, first.blocks[0].length)], path
+        # the sample's run, once (block 0's head gave the schema and is not fetched again): not the shard
+        assert block_runs(manifest, shard_gets(s3_proxy)) == [[0, 1]], path
+        assert {name for name, _, _ in shard_gets(s3_proxy)} == {first.name}
     s3_proxy.reset_counters()
     assert main(["inspect", url, "--endpoint-url", s3_proxy.url, "-n", "1"]) == 0
-    assert shard_gets(s3_proxy) == [(first.name, first.blocks[0].offset, first.blocks[0].length)]
+    assert block_runs(manifest, shard_gets(s3_proxy)) == [[0, 1]]
     s3_proxy.reset_counters()
     with tierflow.open_loader(url, endpoint_url=s3_proxy.url, batch_size=4) as loader:  # no tiers: a TierStack
         next(iter(loader))
     gets = shard_gets(s3_proxy)
-    assert gets and set(gets) <= blocks, gets  # whole blocks, of the shards the first batch drew from
+    runs = block_runs(manifest, gets)  # runs of whole blocks, within the budget
+    assert runs and all(len(run) == 1 or length <= budget for (_, _, length), run in zip(gets, runs)), gets
     opened = {name for name, _, _ in gets}
     assert len(gets) < sum(len(s.blocks) for s in manifest.shards if s.name in opened), gets
+
+
+def test_the_loader_without_tiers_fetches_a_shard_in_one_get_per_run(packed, s3_proxy, s3_bucket) -> None:
+    """An epoch of `open_loader(url)` without tiers costs about one ranged GET per shard read (each
+    shard here is smaller than the readahead budget), and fetches each shard's bytes once."""
+    url = f"s3://{s3_bucket}/epoch"
+    upload_dataset(packed, url, endpoint_url=s3_proxy.url)
+    manifest = Manifest.load(packed)
+    assert all(s.bytes < datasets.READAHEAD_BYTES for s in manifest.shards)
+    s3_proxy.reset_counters()
+    with tierflow.open_loader(url, endpoint_url=s3_proxy.url, batch_size=4, seq_len=64) as loader:
+        batches = sum(1 for _ in loader)
+    gets = shard_gets(s3_proxy)
+    read = {name for name, _, _ in gets}
+    assert batches and len(read) >= len(manifest.shards) - 1, (len(read), len(manifest.shards))
+    assert len(gets) <= len(read) + 3, gets
+    fetched = sum(length for _, _, length in gets)
+    assert fetched <= sum(s.bytes for s in manifest.shards if s.name in read) * 1.1, fetched
+    block_runs(manifest, gets)  # runs of whole blocks
 
 
 def test_a_damaged_block_is_refused_the_same_way_on_every_path(packed, s3_proxy, s3_bucket, tmp_path, capsys) -> None:

@@ -16,6 +16,7 @@ import pytest
 import tierflow
 from tierflow.errors import FetchError, ShardCorruptError
 from tierflow.format.manifest import Manifest
+from tierflow.storage import datasets
 from tierflow.storage.remote import RetryPolicy, open_store
 from tierflow.testing.faults import write_corpus
 from tierflow.tiers.stack import TierStack
@@ -60,15 +61,19 @@ def test_source_bytes_that_never_verify_are_a_typed_error_and_no_tier_admits_the
     assert not [p for p in (tmp_path / "l2" / "tmp").iterdir()]  # no temporary left either
 
 
-def test_a_shard_no_tier_keeps_is_read_block_by_block_and_a_damaged_block_refused(packed, tmp_path) -> None:
+def test_a_shard_no_tier_keeps_is_read_block_by_block_and_a_damaged_block_refused(packed, tmp_path,
+                                                                                    monkeypatch) -> None:
     """A tier smaller than a shard keeps none, and no staging area was declared: each read is
-    served from memory, the source's blocks fetched as they are used and each verified, as a
-    reader without tiers reads them; the block that fails is named, as that reader names it."""
+    served from memory, the source's blocks fetched as they are used (in runs up to the readahead
+    budget) and each verified, as a reader without tiers reads them; the block that fails is
+    named, as that reader names it."""
     tiny = Tier(tmp_path / "l2", 1 << 10, form="at_rest", name="L2")
     stack = TierStack(open_store(str(packed)), [tiny])
     first = Manifest.load(packed).shards[0]
+    monkeypatch.setattr(datasets, "READAHEAD_BYTES", first.blocks[0].length)  # a run of one block
     assert stack.dataset()[0]["id"] == 0 and stack.m_served["memory"].value == 1
-    assert stack.m_source_bytes.value == first.blocks[0].length  # block 0 only, not the shard
+    assert stack.m_source_bytes.value == first.blocks[0].length  # block 0 only, once, not the shard
+    monkeypatch.undo()
     local, name = damaged(packed, tmp_path)
     stack = TierStack(open_store(str(local)), [Tier(tmp_path / "l2b", 1 << 10, form="at_rest", name="L2")])
     ds = stack.dataset()

@@ -39,6 +39,9 @@ class BlockBytes:
         self.max_decoded: int | None = None
         """Decoded bytes a block may take (the shard's decoded size, when known): a hostile block
         promising more is refused before it is decompressed."""
+        self.loaded: Sequence[object | None] | None = None
+        """Its reader's decoded blocks (None where not loaded, `LazyShardTable`'s slots): a source that
+        fetches blocks ahead of use fetches none of these again."""
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         raise NotImplementedError

@@ -194,6 +194,7 @@ class LazyShardTable(ShardTable):
         self.row_starts = cumulative(block_rows(source.blocks))
         n = len(source.blocks)
         self._slots: list[tuple[pa.RecordBatch, _Views] | None] = [None] * n
+        source.loaded = self._slots  # what a source reading ahead need not fetch (no reference back)
         self._referenced = bytearray(n)
         self._lock = threading.RLock()
         self.token = next(_tokens)
@@ -310,6 +311,7 @@ class LazyShardTable(ShardTable):
         if not np.array_equal(block_rows(source.blocks), block_rows(self._source.blocks)):
             raise ShardCorruptError(f"shard {self.name}: the copy fetched again has other blocks")
         self._source = source
+        source.loaded = self._slots
         return source
 
     def _shard_schema(self) -> pa.Schema:

@@ -8,14 +8,17 @@ deletes the shard objects no manifest references, under the same rules as on a d
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import pyarrow as pa
 
-from tierflow.errors import ManifestError, SourceNotFound
+from tierflow.errors import ManifestError, ShardCorruptError, SourceNotFound
 from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset, open_directory
 from tierflow.format.reader import ShardReader
@@ -74,7 +77,7 @@ def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest
                  endpoint_url: str | None = None) -> Dataset:
     """A packed dataset for random access by global sample index, at a directory or any URL
     build_stack takes (s3://, with `endpoint_url` for an S3-compatible store; read straight from
-    its source, one ranged read per block). `manifest`: its manifest, already loaded."""
+    its source, in ranged reads of runs of blocks). `manifest`: its manifest, already loaded."""
     path = local_path(str(url))
     if path is not None:
         return open_directory(path, columns, manifest)
@@ -84,45 +87,178 @@ def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest
     return Dataset(manifest, ShardReader(StoreBlocks(source), manifest.schema), columns=columns, location=url)
 
 
-class StoreBlocks:
-    """An object store's shards for a `ShardReader` or a tier stack's copy no tier took: one ranged read
-    per block (`RangeBlocks`); `on_fetched(nbytes, seconds)` hears of each (the stack counts and times them).
-    It pickles as its store (clients are made again in the process that unpickles it: a spawned worker)."""
+READAHEAD_BYTES = 8 << 20
+"""The most bytes one ranged read of a shard fetches: a run of consecutive blocks in one GET (a GET
+costs ~10-50 ms of latency and a request's price on S3, whatever its size up to a few MiB)."""
+MAX_HELD_BYTES = 32 << 20
+"""At-rest block bytes that one `StoreBlocks` (a reading process's) holds over all its shards
+(`HeldBlocks`): blocks fetched ahead until used, used ones while there is room; past it the used
+ones go first, then the oldest fetched ahead (fetched again if used)."""
 
-    def __init__(self, store: RetryingStore, on_fetched: Callable[[int, float], None] | None = None) -> None:
+
+class StoreBlocks:
+    """An object store's shards for a `ShardReader` or a tier stack's copy no tier took, read in
+    ranged reads of runs of blocks (`RangeBlocks`: up to `readahead` bytes each); `on_fetched(nbytes,
+    seconds)` hears of each read (the stack counts and times them). Blocks fetched ahead of use share
+    one bound, `max_held` bytes. It pickles as its store and bounds (clients are made again in the
+    process that unpickles it: a spawned worker)."""
+
+    def __init__(self, store: RetryingStore, on_fetched: Callable[[int, float], None] | None = None,
+                 readahead: int | None = None, max_held: int | None = None) -> None:
         self.store = store
         self.on_fetched = on_fetched
+        self.readahead = READAHEAD_BYTES if readahead is None else readahead
+        self.held = HeldBlocks(MAX_HELD_BYTES if max_held is None else max_held)
 
     def __call__(self, info: ShardInfo) -> BlockBytes:
-        return RangeBlocks(self.store, info, self.on_fetched)
+        return RangeBlocks(self.store, info, self.on_fetched, self.readahead, self.held)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StoreBlocks, (self.store, self.on_fetched, self.readahead, self.held.max_bytes))
 
     def __repr__(self) -> str:
         return f"StoreBlocks({self.store.url!r})"
 
 
+class HeldBlocks:
+    """At-rest block bytes fetched from a store, over every shard of one `StoreBlocks` (a reading
+    process's), keyed by shard name and block: at most `max_bytes`. Blocks fetched ahead wait here
+    for their first use; used ones stay while there is room (a reader whose decoded-block cache let
+    a block go, or that opened the shard again, reads it from here, not the store) and go first:
+    the oldest used block, then the oldest unused one (fetched again if read: `dropped` counts them)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.dropped = 0
+        """Blocks fetched ahead that went unused (each fetched again if read: bytes over the shard's size)."""
+        self._ahead: OrderedDict[tuple[str, int], pa.Buffer] = OrderedDict()
+        self._used: OrderedDict[tuple[str, int], pa.Buffer] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, blocks: dict[int, pa.Buffer], keep: int) -> None:
+        """Blocks just fetched, not used yet; then the oldest go while over the bound (not block `keep`
+        of `name`, the one being read)."""
+        with self._lock:
+            for index, data in blocks.items():
+                key = (name, index)
+                old = self._ahead.pop(key, None) or self._used.pop(key, None)
+                self.bytes += data.size - (old.size if old is not None else 0)
+                self._ahead[key] = data
+            for queue in (self._used, self._ahead):
+                while self.bytes > self.max_bytes and queue:
+                    key, data = next(iter(queue.items()))
+                    if key == (name, keep):
+                        if len(queue) == 1:
+                            break
+                        queue.move_to_end(key)
+                        continue
+                    del queue[key]
+                    self.bytes -= data.size
+                    self.dropped += queue is self._ahead
+
+    def get(self, name: str, index: int, use: bool) -> pa.Buffer | None:
+        """Block `index` of shard `name` if held; `use`: its reader uses it now (it joins the used ones)."""
+        key = (name, index)
+        with self._lock:
+            data = self._ahead.pop(key, None) if use else self._ahead.get(key)
+            if data is not None:
+                if use:
+                    self._used[key] = data
+                return data
+            data = self._used.get(key)
+            if data is not None:
+                self._used.move_to_end(key)
+            return data
+
+    def discard(self, name: str, index: int) -> None:
+        with self._lock:
+            data = self._ahead.pop((name, index), None) or self._used.pop((name, index), None)
+            if data is not None:
+                self.bytes -= data.size
+
+    def holds(self, name: str, index: int) -> bool:
+        key = (name, index)
+        return key in self._ahead or key in self._used
+
+
 class RangeBlocks(BlockBytes):
-    """One shard's blocks, each fetched whole with a ranged read; the last one fetched is kept, since
-    opening a shard reads block 0's head for the schema and then block 0 itself."""
+    """One shard's blocks, fetched in runs: a block not held yet is fetched with the blocks around it
+    in one ranged read, up to `readahead` bytes (the shard cut into runs of consecutive blocks of at
+    most that many bytes; the run holding the block, less the blocks its reader holds decoded or that
+    are held already, or were fetched ahead before). The others wait in `held` until used; each is
+    checked against its xxh3-64 when used, as any block. A block is fetched ahead once per open: one
+    that was dropped unused (the order reached it after `held`'s bound pushed it out) is fetched
+    alone when used, so an open costs at most twice the shard's bytes, and its bytes once while
+    `held` has room. The head read of block 0 for the schema is block 0's fetch."""
 
     def __init__(self, source: RetryingStore, info: ShardInfo,
-                 on_fetched: Callable[[int, float], None] | None = None) -> None:
+                 on_fetched: Callable[[int, float], None] | None = None, readahead: int = READAHEAD_BYTES,
+                 held: HeldBlocks | None = None) -> None:
         super().__init__(info.blocks, compressed=info.compression != "none")
         self.source = source
         self.on_fetched = on_fetched
         self.name = info.name
         self.max_decoded = info.decoded_bytes
-        self._last: tuple[int, pa.Buffer] | None = None
+        self.held = held if held is not None else HeldBlocks(max(readahead, MAX_HELD_BYTES))
+        self._runs = _runs([b.length for b in self.blocks], readahead)
+        self._ahead = bytearray(len(self.blocks))  # fetched ahead once: never again (a drop costs one refetch)
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
-        last = self._last
-        if last is None or last[0] != index:
-            block = self.blocks[index]
-            started = time.perf_counter()
-            last = self._last = (index, pa.py_buffer(self.source.read_range(self.name, block.offset, block.length)))
-            if self.on_fetched is not None:
-                self.on_fetched(last[1].size, time.perf_counter() - started)
-        data = last[1]
+        data = self.held.get(self.name, index, use=length is None)
+        if data is None:
+            data = self._fetch(index, keep=length is not None)
         return data if length is None or length >= data.size else data.slice(0, length)
+
+    def checked(self, index: int, name: str) -> pa.Buffer:
+        try:
+            return super().checked(index, name)
+        except ShardCorruptError:  # not kept: the next attempt reads the store again
+            self.held.discard(self.name, index)
+            raise
+
+    def _fetch(self, index: int, keep: bool) -> pa.Buffer:
+        """Block `index`, fetched with the blocks of its run that no one holds (one ranged read); the
+        others held for their use (and block `index` itself when `keep`: a head read)."""
+        start, end = self._runs[index]
+        loaded = self.loaded
+        ahead, held = self._ahead, self.held
+        wanted = [j == index or (not ahead[j] and not held.holds(self.name, j) and (loaded is None or loaded[j] is None))
+                  for j in range(start, end)]
+        first = index
+        while first > start and wanted[first - 1 - start]:
+            first -= 1
+        last = index + 1
+        while last < end and wanted[last - start]:
+            last += 1
+        blocks = self.blocks
+        offset = blocks[first].offset
+        started = time.perf_counter()
+        run = self.source.read_range(self.name, offset, blocks[last - 1].offset + blocks[last - 1].length - offset)
+        if self.on_fetched is not None:
+            self.on_fetched(len(run), time.perf_counter() - started)
+        # each block a copy of its own (~1 ms for 8 MiB): a slice would keep the whole run alive while any
+        # block of it is held or decoded over it, outside `held`'s count
+        parts = {j: pa.py_buffer(run[blocks[j].offset - offset:blocks[j].offset - offset + blocks[j].length])
+                 for j in range(first, last)}
+        del run
+        ahead[first:last] = b"\x01" * (last - first)
+        self.held.add(self.name, parts, index)
+        return parts[index] if keep else self.held.get(self.name, index, use=True) or parts[index]
+
+
+def _runs(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Per block, the [start, end) of its run: consecutive blocks cut into runs of at most `budget`
+    bytes (a block larger than that is a run of its own)."""
+    runs: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and size + length > budget:
+            runs += [(start, i)] * (i - start)
+            start, size = i, 0
+        size += length
+    runs += [(start, len(lengths))] * (len(lengths) - start)
+    return runs
 
 
 def verify_source(source: RetryingStore, manifest: Manifest) -> list[str]:

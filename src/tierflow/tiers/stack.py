@@ -20,7 +20,7 @@ manifest's block checksums for the at-rest form, the tier's block list for the d
 a block that fails is quarantined with its entry, fetched again from below and read from the
 new copy, so wrong bytes are never served and a corrupted entry costs one refetch. A shard no
 tier (and no staging area) takes is read as a stack-less reader reads it (`format/reader.py`): the
-store's blocks, one ranged read each when first used, each checked against its xxh3-64.
+store's blocks, in ranged reads of runs of blocks, each block checked against its xxh3-64 when used.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from tierflow.format.reader import BlockOpener
 from tierflow.storage.datasets import StoreBlocks, read_manifest
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
+from tierflow.telemetry.ledger import thread_ledger
 from tierflow.policies.auto import Lifecycle
 from tierflow.tiers._lock import Pin
 from tierflow.tiers._staging import Membership, NodeProgress, area_path, staging_root, sweep_unused
@@ -173,6 +174,7 @@ class TierStack:
         """Changes whenever a table joins or leaves the open ones: while it stays the same, a table the stack
         held open is still the one it holds (what lets a reader that knows it skip asking again)."""
         self._dropped: set[int] = set()
+        self._store_blocks: StoreBlocks | None = None
         self._lock = threading.Lock()
         self.m_source_bytes = self.registry.counter("tierflow_stack_source_bytes_total", {"tier": SOURCE},
                                                     "at-rest bytes fetched from the source")
@@ -433,17 +435,16 @@ class TierStack:
             arrived()
 
     def _from_source(self, info: ShardInfo) -> Handle:
-        """No tier could hold it: the source's blocks, as a reader without tiers reads them (one ranged
-        read per block when first used, checked against its xxh3-64). Nothing is fetched until a reader
+        """No tier could hold it: the source's blocks, as a reader without tiers reads them (ranged reads
+        of runs of blocks, each block checked against its xxh3-64 when used). Nothing is fetched until a reader
         reads (`_blocks`), so a tier filled from below downloads instead."""
-        return Handle(Form.AT_REST, MEMORY, store_blocks=StoreBlocks(self.source, self._fetched), served_by=SOURCE)
+        if self._store_blocks is None:  # one for the stack: its blocks fetched ahead share one bound
+            self._store_blocks = StoreBlocks(self.source, self._fetched)
+        return Handle(Form.AT_REST, MEMORY, store_blocks=self._store_blocks, served_by=SOURCE)
 
     def _fetched(self, nbytes: int, seconds: float) -> None:
         """A block read from the source for a reader: its bytes counted, its seconds charged to the
-        source as the building batch's fetch time, as a whole fetch's are (imported here: the
-        attribution module imports torch, which a stack alone does not need)."""
-        from tierflow.telemetry.attribution import thread_ledger
-
+        source as the building batch's fetch time, as a whole fetch's are."""
         self.m_source_bytes.inc(nbytes)
         thread_ledger().add(SOURCE, seconds, 0)
 
