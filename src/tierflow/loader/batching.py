@@ -129,6 +129,13 @@ class SortedGroups(ByPosition):
     def order_counts(self, dataset: Dataset) -> np.ndarray:
         return shard_samples(dataset)
 
+    @staticmethod
+    def epoch_major(keys: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+        """The group's order by `keys` within each epoch, epochs in turn: a group that straddles an
+        epoch edge sorts the older epoch's samples first, so one of its batches, not all `group`,
+        holds samples of two epochs (stable: a group within one epoch sorts by `keys` alone)."""
+        return np.lexsort((keys, epochs))
+
     def part_of(self, order: np.ndarray, selection: Selection) -> np.ndarray:
         """The positions in the group (sorted `order`) that output batch `selection.part` holds."""
         size = selection.sample_ids.size // self.group
@@ -315,7 +322,8 @@ class LengthBuckets(SortedGroups):
         index = min(int(np.searchsorted(self.shapes, longest, side="left")), self.shapes.size - 1)
         return int(self.shapes[index])
 
-    def _sorted_group(self, ctx: SampleContext, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    def _sorted_group(self, ctx: SampleContext, ids: np.ndarray,
+                      epochs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
         """The group's rows and their order by length, kept while its parts are built (every part
         of a group is planned with the same `ids` array)."""
         cached = ctx.cache.get("bucket_group")
@@ -324,13 +332,13 @@ class LengthBuckets(SortedGroups):
         column = list_column("LengthBuckets", self.column, ctx.dataset.manifest)
         rows = [ctx.dataset[int(i)][column] for i in ids]
         lengths = np.array([len(r) for r in rows], dtype=np.int64)
-        order = np.argsort(lengths, kind="stable")
+        order = self.epoch_major(lengths, epochs)
         ctx.cache["bucket_group"] = (ids, rows, order)
         return rows, order
 
     def build(self, ctx: SampleContext, selection: Selection) -> Built:
         ids = selection.sample_ids
-        rows, order = self._sorted_group(ctx, ids)
+        rows, order = self._sorted_group(ctx, ids, selection.epochs)
         pick = self.part_of(order, selection)
         lengths = np.array([len(rows[i]) for i in pick], dtype=np.int64)
         shape = self.shape_for(int(lengths.max()) if lengths.size else 1)

@@ -114,7 +114,7 @@ class AspectBuckets(SortedGroups):
             return None
         return list(dict.fromkeys([*self.select, *size]))
 
-    def _sorted_group(self, ctx: SampleContext, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _sorted_group(self, ctx: SampleContext, ids: np.ndarray, epochs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The group's order by aspect ratio and each sample's bucket, kept while its parts are built."""
         cached = ctx.cache.get("aspect_group")
         if cached is not None and cached[0] is ids:
@@ -127,14 +127,14 @@ class AspectBuckets(SortedGroups):
             w = table.getter(block, f"{self.image}_width")(row)
             h = table.getter(block, f"{self.image}_height")(row)
             ratios[k] = math.log(max(w or 1, 1) / max(h or 1, 1))
-        order = np.argsort(ratios, kind="stable")
+        order = self.epoch_major(ratios, epochs)
         chosen = np.array([nearest_bucket(math.exp(r), 1.0, self.buckets) for r in ratios], dtype=np.int64)
         ctx.cache["aspect_group"] = (ids, order, chosen)
         return order, chosen
 
     def build(self, ctx: SampleContext, selection: Selection) -> Built:
         ids = selection.sample_ids
-        order, chosen = self._sorted_group(ctx, ids)
+        order, chosen = self._sorted_group(ctx, ids, selection.epochs)
         pick = self.part_of(order, selection)
         bucket = self.buckets[int(chosen[pick[pick.size // 2]])] if pick.size else self.buckets[0]
         built = build_samples(ctx, selection, pick, self.on_error, {BUCKET_KEY: bucket})
