@@ -63,9 +63,9 @@ class Sample:
     the order walks only those), thinned by a hash of the shard index. Capacities and the staging
     area are scaled to the sample's share of the node's bytes, the bytes fetched back up by it
     (spatial sampling, as in SHARDS, Waldspurger et al., FAST '15): a reshuffled order gives every
-    shard the same chance of each reuse distance. The error is about one shard of the sample's room
-    (a sample of 4,096 shards: ~0.005 of the dataset at the curve's 5%); at 10^5 shards the sample's
-    figures matched the full replay's to the second decimal at every capacity."""
+    shard the same chance of each reuse distance. The error is a shard or two of the sample's room
+    (each 1/4,096 of what the node reads, at the default size) and the sampling noise; at 10^5 shards
+    the sample's figures matched the full replay's to the second decimal at every capacity."""
 
     partitions: frozenset[int]
     mask: np.ndarray
