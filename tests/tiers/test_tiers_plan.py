@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from tierflow.loader import TieredDataset, BatchSpec, OrderSpec
 from tierflow.order import RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.tiers import TierConfig, build_stack
-from tierflow.tiers.plan import FutureView, NodeShape, merged_spans, passed, plan_staging, size_lookahead
+from tierflow.tiers.plan import ORACLE_SHARDS, FutureView, NodeShape, merged_spans, passed, plan_staging, size_lookahead
 from tierflow.tiers.stager import Stager
 
 from corpora import pack_lorem
@@ -75,6 +75,12 @@ def test_the_view_covers_twice_what_the_tier_holds_or_the_dataset_without_a_tier
     assert size_lookahead(shape(), 0.0, 1.0, 1.0).view_steps == math.ceil(2 * 20_000 / 50)
     assert size_lookahead(shape(capacity=0), 0.0, 1.0, 1.0).view_steps == math.ceil(2 * 50_000 / 50)
     assert size_lookahead(shape(capacity=10), 1e9, 1.0, 1.0).view_steps == 200  # never short of the horizon
+
+
+def test_the_view_of_a_huge_tier_stops_at_oracle_shards_and_never_short_of_the_horizon():
+    huge = shape(capacity=SHARD * 300_000, dataset_bytes=SHARD * 1_000_000, max_bytes=SHARD * 300_000)
+    assert size_lookahead(huge, 0.0, 1.0, 1.0).view_steps == math.ceil(ORACLE_SHARDS * SHARD / 50)
+    assert size_lookahead(huge, 1e9, 1.0, 1.0).view_steps == math.ceil(SHARD * 300_000 / 50)  # the horizon
 
 
 def test_a_faster_loop_plans_further_ahead():

@@ -403,7 +403,7 @@ def _plan(args: argparse.Namespace) -> int:
     from tierflow._console import folding_table, output_console
 
     from tierflow.loader import TieredDataset, BatchSpec
-    from tierflow.commands.plan import CURVE, capacity_curve, node_uses, plan_cache, recommended
+    from tierflow.commands.plan import CURVE, capacity_curve, choose_sample, node_uses, plan_cache, recommended
     from tierflow.format.shard import Form
     from tierflow.tiers import build_stack
 
@@ -415,9 +415,11 @@ def _plan(args: argparse.Namespace) -> int:
     shards = dataset.manifest.shards
     at_rest = int(shard_column(dataset.manifest, "bytes").sum())
     decoded = int(shard_column(dataset.manifest, "decoded_bytes").sum())
-    uses = node_uses(dataset, dataset.working_set, args.epochs)  # one walk of the order for every plan below
+    sample = choose_sample(dataset)  # a huge dataset: a sample of its shards (said below)
+    uses = node_uses(dataset, dataset.working_set, args.epochs, sample)  # one walk of the order for every plan below
     plans = {form: plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=form,
-                              working_set=dataset.working_set, uses=uses) for form in (Form.AT_REST, Form.DECODED)}
+                              working_set=dataset.working_set, uses=uses, sample=sample)
+             for form in (Form.AT_REST, Form.DECODED)}
     plan = plans[top.form]
     console = output_console()
     ws = dataset.working_set
@@ -442,7 +444,10 @@ def _plan(args: argparse.Namespace) -> int:
     console.print(table)
     console.print("bytes from below per epoch, predicted for each form at this capacity; ratios are of the dataset "
                   "at rest (a tier keeps shards at rest unless it holds the whole decoded dataset: docs/tiers.md)")
-    curve = capacity_curve(dataset, CURVE, epochs=args.epochs, form=top.form, policy=top.policy_name, uses=uses)
+    if sample is not None:
+        console.print(sample.describe())
+    curve = capacity_curve(dataset, CURVE, epochs=args.epochs, form=top.form, policy=top.policy_name, uses=uses,
+                           sample=sample)
     table = folding_table(f"{top.name} capacity", "of the dataset at rest", "warm epoch from below", "optimum")
     for point, fraction in zip(curve, CURVE):
         table.add_row(f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}", f"{point.warm_ratio:.2f}",

@@ -11,6 +11,7 @@ per epoch (window) in which it is read. This is what the stager and the clairvoy
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import NamedTuple
 
 from tierflow.order.cursor import OrderCursor
@@ -35,9 +36,11 @@ def future_shard_uses(
     num_nodes: int,
     batch_size: int,
     horizon: int,
+    partitions: Container[int] | None = None,
 ) -> list[ShardUse]:
     """Shard intervals of every window the node starts reading before position `horizon`,
-    sorted by first_use then shard."""
+    sorted by first_use then shard. `partitions`: only those partitions' windows (a sample, for a
+    forecast of a huge dataset: the rest are stepped over a span at a time)."""
     stream = NodeStream(order, cursor, node=node, num_nodes=num_nodes, batch_size=batch_size)
     picks = -(-horizon // batch_size)
     edges = stream.edges  # epoch-major: picks from each sample's lane clock, no lane batch counts
@@ -56,6 +59,17 @@ def future_shard_uses(
             span = next(spans)
             if not carry and span.epoch != lane_epoch:
                 lane_epoch, lane_offset = span.epoch, 0
+            if partitions is not None and span.partition not in partitions:
+                at = read if carry or edges is not None else lane_offset
+                if edges is not None:
+                    done = edges.pick_of(lane_index, *edges.clock_of(lane_index, at)) >= picks
+                elif carry:
+                    done = at // batch_size >= counts[lane_index]
+                else:
+                    done = _batch_range(batches, lane_epoch, at, at)[0] >= counts[lane_index]
+                read += span.stop - span.start
+                lane_offset += span.stop - span.start
+                continue
             windows = order.windows(span.partition, span.epoch)
             window = windows.window_of(span.start)
             while window < windows.num_windows and windows.window_starts[window] < span.stop:
