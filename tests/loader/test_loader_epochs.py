@@ -294,3 +294,22 @@ def test_each_for_under_a_token_budget_holds_every_sample_of_its_epoch(many_shar
         trained += samples
         assert sorted(i for e, i in trained if e == epoch) == list(range(total))  # the epoch whole by its end
     assert len(trained) == len(set(trained))
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_length_buckets_make_no_batch_of_two_epochs(long_tailed_docs, lanes):
+    """A group of 8 order batches sorted by length straddles each epoch edge; sorted epoch-major,
+    the older epoch's samples fill its first batches and no batch holds two epochs (sorted by
+    length alone, all 8 did)."""
+    from tierflow.loader.batching import LengthBuckets
+
+    batcher = LengthBuckets(max_length=1024, column="tokens")
+    loader = Loader(TieredDataset(long_tailed_docs, BatchSpec(batch_size=8, batcher=batcher), OrderSpec(lanes=lanes)),
+                    return_meta=True)
+    mixed, seen = 0, set()
+    for _ in range(2):
+        for _, meta in loader:
+            epochs = set(np.unique(meta.epochs).tolist())
+            seen |= epochs
+            mixed += len(epochs) > 1
+    assert seen == {0, 1, 2} and mixed == 0
