@@ -26,8 +26,10 @@ def main(path: str) -> None:
     print("branch-only coverage (covered / all branches):")
     for package in sorted(packages, key=lambda p: (p == "total", p)):
         covered, total = packages[package]
-        print(f"  {package + '/' if package != 'total' else 'total':<12} {covered:>5} / {total:<5} "
-              f"{100 * covered / total if total else 100.0:5.1f}%")
+        print(
+            f"  {package + '/' if package != 'total' else 'total':<12} {covered:>5} / {total:<5} "
+            f"{100 * covered / total if total else 100.0:5.1f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,9 @@ def bpe_tokenizer(files: list[Path], out: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator((f.read_bytes().decode("utf-8", "replace") for f in files), trainer)  # a few are not UTF-8
     tok.save(str(out))
     return out
@@ -78,8 +79,14 @@ class ServedEpochs:
         order, world = ds.order, ds.world
         self.step = ds.node_step_samples()
         node_samples = order.layout.node_samples(world.node, world.num_nodes)
-        uses = future_shard_uses(order, order.start(), node=world.node, num_nodes=world.num_nodes,
-                                 batch_size=self.step, horizon=(EPOCHS + 1) * node_samples + self.step)
+        uses = future_shard_uses(
+            order,
+            order.start(),
+            node=world.node,
+            num_nodes=world.num_nodes,
+            batch_size=self.step,
+            horizon=(EPOCHS + 1) * node_samples + self.step,
+        )
         self.uses: dict[str, list[tuple[int, int]]] = {}  # shard name -> [(last_use, epoch)] sorted
         names = [s.name for s in ds.manifest.shards]
         for use in uses:
@@ -117,8 +124,16 @@ class ServedEpochs:
         self._at_boundary = total
 
 
-def run_epochs(url: str, proxy: ProxyProcess, l2: Path, capacity: str, dataset_bytes: int, kind: str,
-               workers: int = 0, **order: Any) -> tuple[list[float], list[float], TieredDataset, Any, float]:
+def run_epochs(
+    url: str,
+    proxy: ProxyProcess,
+    l2: Path,
+    capacity: str,
+    dataset_bytes: int,
+    kind: str,
+    workers: int = 0,
+    **order: Any,
+) -> tuple[list[float], list[float], TieredDataset, Any, float]:
     """(served, boundary) GET bytes per epoch / dataset at rest, one `for` per epoch."""
     shutil.rmtree(l2, ignore_errors=True)
     proxy.reset_counters()
@@ -162,59 +177,85 @@ def bench(kind: str, fractions: list[float], rig: Any, work: Path, extra: bool =
         root = stdlib_dir()
         files = [root / f for f in walk_files(str(root), SourceOptions(include=INCLUDE, exclude=STDLIB_EXCLUDE))]
         options["tokenizer"] = str(bpe_tokenizer(files, work / "bpe.json"))
-    pack([stdlib_dir()], local, target_shard_bytes=512 << 10, include=INCLUDE, exclude=STDLIB_EXCLUDE,
-         overwrite=True, **options)
+    pack(
+        [stdlib_dir()],
+        local,
+        target_shard_bytes=512 << 10,
+        include=INCLUDE,
+        exclude=STDLIB_EXCLUDE,
+        overwrite=True,
+        **options,
+    )
     shards = open_dataset(local).manifest.shards
     at_rest, decoded = sum(s.bytes for s in shards), sum(s.decoded_bytes for s in shards)
     url = rig.upload(local, f"stdlib-{kind}")
-    print(f"\n{kind}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB decoded "
-          f"({decoded / at_rest:.1f}x); GET bytes from S3 per epoch / dataset at rest, epochs 1-{EPOCHS}, "
-          f"counted in the epoch they serve; L2 sized as a share of the bytes at rest, defaults")
-    header = (f"{'L2':>5} {'MB':>6} {'form':>8} {'lanes x k':>9} {'staging MB':>10} | {'live':>14} | "
-              f"{'predicted':>14} | {'optimum':>14} | {'L2 optimum':>14} | {'boundary':>14} | {'warm s/epoch':>12}")
+    print(
+        f"\n{kind}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB decoded "
+        f"({decoded / at_rest:.1f}x); GET bytes from S3 per epoch / dataset at rest, epochs 1-{EPOCHS}, "
+        f"counted in the epoch they serve; L2 sized as a share of the bytes at rest, defaults"
+    )
+    header = (
+        f"{'L2':>5} {'MB':>6} {'form':>8} {'lanes x k':>9} {'staging MB':>10} | {'live':>14} | "
+        f"{'predicted':>14} | {'optimum':>14} | {'L2 optimum':>14} | {'boundary':>14} | {'warm s/epoch':>12}"
+    )
     print(header)
     print("-" * len(header))
     for fraction in fractions:
-        served, boundary, ds, top, warm_s = run_epochs(url, rig.proxy, work / "l2", f"{fraction * 100:g}%", at_rest,
-                                                       kind)
-        plan = plan_cache(ds, top.capacity, epochs=EPOCHS, policy=top.policy_name, form=top.form,
-                          working_set=ds.working_set)
+        served, boundary, ds, top, warm_s = run_epochs(
+            url, rig.proxy, work / "l2", f"{fraction * 100:g}%", at_rest, kind
+        )
+        plan = plan_cache(
+            ds, top.capacity, epochs=EPOCHS, policy=top.policy_name, form=top.form, working_set=ds.working_set
+        )
         warm = max(served[1:EPOCHS])
         target = TARGETS.get(round(fraction, 2))
         mark = "" if target is None else (" (met)" if warm <= target else " (MISS)")
-        print(f"{fraction:>5.0%} {top.capacity / 1e6:>6.1f} {top.form.value:>8} {ds.working_set.lanes:>5} x "
-              f"{ds.working_set.window_shards} {plan.staging / 1e6:>10.1f} | {fmt(served):>14} | "
-              f"{fmt([e.ratio for e in plan.predicted]):>14} | {fmt([e.ratio for e in plan.optimum]):>14} | "
-              f"{fmt([e.ratio for e in plan.tier_optimum]):>14} | {fmt(boundary):>14} | {warm_s:>12.2f}{mark}")
+        print(
+            f"{fraction:>5.0%} {top.capacity / 1e6:>6.1f} {top.form.value:>8} {ds.working_set.lanes:>5} x "
+            f"{ds.working_set.window_shards} {plan.staging / 1e6:>10.1f} | {fmt(served):>14} | "
+            f"{fmt([e.ratio for e in plan.predicted]):>14} | {fmt([e.ratio for e in plan.optimum]):>14} | "
+            f"{fmt([e.ratio for e in plan.tier_optimum]):>14} | {fmt(boundary):>14} | {warm_s:>12.2f}{mark}"
+        )
         if extra:  # the same capacity with 2 DataLoader workers (they share the node's staging area), and a
             # hand-narrowed order (partitions=2, window_shards=2: the issue 16 configuration)
             for label, options in (("2 workers", {"workers": 2}), ("tuned 2x2", {"partitions": 2, "window_shards": 2})):
-                got, _, other_ds, _, _ = run_epochs(url, rig.proxy, work / "l2", f"{fraction * 100:g}%", at_rest, kind,
-                                                    **options)
-                print(f"{'':>5} {'':>6} {label:>8} {other_ds.working_set.lanes:>5} x {other_ds.working_set.window_shards} "
-                      f"{'':>10} | {fmt(got):>14} |")
+                got, _, other_ds, _, _ = run_epochs(
+                    url, rig.proxy, work / "l2", f"{fraction * 100:g}%", at_rest, kind, **options
+                )
+                print(
+                    f"{'':>5} {'':>6} {label:>8} {other_ds.working_set.lanes:>5} x {other_ds.working_set.window_shards} "
+                    f"{'':>10} | {fmt(got):>14} |"
+                )
         for form in (Form.AT_REST, Form.DECODED):  # what the other form would fetch at the same capacity
             if form is not top.form:
-                other = plan_cache(ds, top.capacity, epochs=EPOCHS, policy=top.policy_name, form=form,
-                                   working_set=ds.working_set)
-                print(f"{'':>5} {'':>6} {form.value:>8} {'(plan)':>9} {other.staging / 1e6:>10.1f} | {'':>14} | "
-                      f"{fmt([e.ratio for e in other.predicted]):>14} | {fmt([e.ratio for e in other.optimum]):>14} | "
-                      f"{fmt([e.ratio for e in other.tier_optimum]):>14} |")
+                other = plan_cache(
+                    ds, top.capacity, epochs=EPOCHS, policy=top.policy_name, form=form, working_set=ds.working_set
+                )
+                print(
+                    f"{'':>5} {'':>6} {form.value:>8} {'(plan)':>9} {other.staging / 1e6:>10.1f} | {'':>14} | "
+                    f"{fmt([e.ratio for e in other.predicted]):>14} | {fmt([e.ratio for e in other.optimum]):>14} | "
+                    f"{fmt([e.ratio for e in other.tier_optimum]):>14} |"
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", default="all", choices=[*KINDS, "all"])
-    parser.add_argument("--fractions", default="5,10,30,60,90,120",
-                        help="L2 capacities, %% of the dataset's bytes at rest")
+    parser.add_argument(
+        "--fractions", default="5,10,30,60,90,120", help="L2 capacities, %% of the dataset's bytes at rest"
+    )
     parser.add_argument("--quick", action="store_true", help="5%%, 30%% and 120%% only")
-    parser.add_argument("--extra", action="store_true", help="rows with 2 DataLoader workers and a hand-narrowed "
-                        "order (partitions=2, window_shards=2) at each capacity")
+    parser.add_argument(
+        "--extra",
+        action="store_true",
+        help="rows with 2 DataLoader workers and a hand-narrowed "
+        "order (partitions=2, window_shards=2) at each capacity",
+    )
     args = parser.parse_args()
     logging.getLogger("tierflow").setLevel(logging.ERROR)
     fractions = [0.05, 0.3, 1.2] if args.quick else [int(f) / 100 for f in args.fractions.split(",")]
     with tempfile.TemporaryDirectory() as tmp, s3_rig("cachebench") as rig:
-        for kind in (KINDS if args.kind == "all" else [args.kind]):
+        for kind in KINDS if args.kind == "all" else [args.kind]:
             bench(kind, fractions, rig, Path(tmp), extra=args.extra)
 
 

@@ -87,8 +87,11 @@ def make_dataset(root: Path, mb: int) -> Path:
 def build_loader(data: Path, work: Path, budget: BandwidthBudget, batch: int, seq: int) -> Loader:
     registry = MetricsRegistry()
     shutil.rmtree(work / "L2", ignore_errors=True)
-    stack = TierStack(open_store(str(data), budget=budget, registry=registry),
-                      [TierConfig.parse(f"L2={work / 'L2'}:4GB").build(registry)], registry=registry)
+    stack = TierStack(
+        open_store(str(data), budget=budget, registry=registry),
+        [TierConfig.parse(f"L2={work / 'L2'}:4GB").build(registry)],
+        registry=registry,
+    )
     dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=batch, seq_len=seq))
     loader = Loader(dataset, stager=Stager(dataset, stack), endless=True)
     loader.start_prefetch()
@@ -105,8 +108,13 @@ def run(data: Path, work: Path, args: argparse.Namespace, checkpoints: str | Non
     if checkpoints:
         shutil.rmtree(work / "dest", ignore_errors=True)
         shutil.rmtree(work / "local", ignore_errors=True)
-        store = CheckpointStore(work / "dest", work / "local", keep_last=1, budget=budget,
-                                stager=loader.stager if checkpoints == "async-ride" else None)
+        store = CheckpointStore(
+            work / "dest",
+            work / "local",
+            keep_last=1,
+            budget=budget,
+            stager=loader.stager if checkpoints == "async-ride" else None,
+        )
     payload = np.random.default_rng(0).integers(0, 255, size=args.ckpt_mb * MB, dtype=np.uint8)
     writes, commits, stalls = [], [], 0
     writer = ThreadPoolExecutor(1, thread_name_prefix="bench-ckpt-write")
@@ -145,9 +153,13 @@ def run(data: Path, work: Path, args: argparse.Namespace, checkpoints: str | Non
     result: dict[str, Any] = {"steps_per_s": args.steps / elapsed, "stalls": stalls}
     if store is not None:
         last = uploads[-1] or {}
-        result.update(write_s=writes, commit_s=commits, drain_after_loop_s=drain,
-                      upload_mb_per_s=(last.get("bytes", 0) / MB) / max(last.get("seconds", 1e-9), 1e-9),
-                      budget_mb_per_s=args.rate_mb)
+        result.update(
+            write_s=writes,
+            commit_s=commits,
+            drain_after_loop_s=drain,
+            upload_mb_per_s=(last.get("bytes", 0) / MB) / max(last.get("seconds", 1e-9), 1e-9),
+            budget_mb_per_s=args.rate_mb,
+        )
     return result
 
 
@@ -178,16 +190,28 @@ def main() -> None:
     base = [r["steps_per_s"] for r in rounds["baseline"]]
     summary: dict[str, Any] = {}
     for mode, runs in rounds.items():
-        row: dict[str, Any] = {"steps_per_s": spread([r["steps_per_s"] for r in runs]),
-                               "stalls": spread([r["stalls"] for r in runs])}
+        row: dict[str, Any] = {
+            "steps_per_s": spread([r["steps_per_s"] for r in runs]),
+            "stalls": spread([r["stalls"] for r in runs]),
+        }
         if mode != "baseline":
             row["ratio"] = spread([r["steps_per_s"] / b for r, b in zip(runs, base)])
             row["commit_s"] = spread([s for r in runs for s in r["commit_s"]])
             row["write_s"] = spread([s for r in runs for s in r["write_s"]])
             row["upload_mb_per_s"] = spread([r["upload_mb_per_s"] for r in runs])
         summary[mode] = row
-    print(json.dumps({"budget_mb_per_s": args.rate_mb, "ckpt_mb": args.ckpt_mb, "every": args.every,
-                      "step_ms": args.step_ms, "rounds": args.rounds, "figures": "[median, min, max] over rounds"}))
+    print(
+        json.dumps(
+            {
+                "budget_mb_per_s": args.rate_mb,
+                "ckpt_mb": args.ckpt_mb,
+                "every": args.every,
+                "step_ms": args.step_ms,
+                "rounds": args.rounds,
+                "figures": "[median, min, max] over rounds",
+            }
+        )
+    )
     for mode, row in summary.items():
         print(json.dumps({"mode": mode, **row}))
     if args.work is None:

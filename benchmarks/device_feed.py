@@ -110,7 +110,9 @@ def checksums_match(steps: int, rows: int, length: int) -> tuple[bool, int]:
         if step % 16 == 15:
             torch.cuda.synchronize()
     observed = torch.stack(sums).cpu().tolist()
-    mismatches = sum(tuple(observed[2 * i]) != expected[i] or tuple(observed[2 * i + 1]) != expected[i] for i in range(steps))
+    mismatches = sum(
+        tuple(observed[2 * i]) != expected[i] or tuple(observed[2 * i + 1]) != expected[i] for i in range(steps)
+    )
     return mismatches == 0, mismatches
 
 
@@ -120,7 +122,9 @@ def main() -> int:
         return 0
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print()
-    print(f"{'batch (rows x tokens)':<24}{'MiB':>8}{'bare GB/s':>11}{'feed GB/s':>11}{'ratio':>8}{'target':>8}{'met':>6}")
+    print(
+        f"{'batch (rows x tokens)':<24}{'MiB':>8}{'bare GB/s':>11}{'feed GB/s':>11}{'ratio':>8}{'target':>8}{'met':>6}"
+    )
     rng = np.random.default_rng(0)
     for rows, length, count in ((8, 8192, 200), (64, 8192, 100), (256, 8192, 40)):
         batches = [token_batch(rng, rows, length) for _ in range(count)]
@@ -128,7 +132,9 @@ def main() -> int:
         bare = bare_copy_rate(nbytes, repeats=count)
         ours = feed_rate(batches, depth=2)
         ratio = ours / bare
-        print(f"{f'{rows} x {length}':<24}{nbytes / 2**20:8.1f}{bare / 1e9:11.1f}{ours / 1e9:11.1f}{ratio:8.2f}{'0.80':>8}{'yes' if ratio >= 0.8 else 'NO':>6}")
+        print(
+            f"{f'{rows} x {length}':<24}{nbytes / 2**20:8.1f}{bare / 1e9:11.1f}{ours / 1e9:11.1f}{ratio:8.2f}{'0.80':>8}{'yes' if ratio >= 0.8 else 'NO':>6}"
+        )
     print()
     share, step_s = wait_share(step_ms=20.0, steps=100, rows=64, length=8192)
     print(f"{'20 ms device step, 64 x 8192 tokens':<40}{'wait share':>12}{'target':>8}{'met':>6}")

@@ -16,11 +16,13 @@ import numpy as np
 from tierflow.order import RankStream, SampleOrder
 
 
-def edge_counts(counts: list[int], *, lanes: int, remainder: str, ranks: int, batch_size: int,
-                partitions: int, epochs: int) -> tuple[int, int]:
+def edge_counts(
+    counts: list[int], *, lanes: int, remainder: str, ranks: int, batch_size: int, partitions: int, epochs: int
+) -> tuple[int, int]:
     """(most mixed batches of one rank at one edge, most samples over one edge of one rank)."""
-    order = SampleOrder(counts, dataset_id="edges", seed=3, partitions=partitions, window_shards=2,
-                        lanes=lanes, remainder=remainder)
+    order = SampleOrder(
+        counts, dataset_id="edges", seed=3, partitions=partitions, window_shards=2, lanes=lanes, remainder=remainder
+    )
     worst_batches = worst_samples = 0
     for rank in range(ranks):
         stream = RankStream(order, order.start(), batch_size=batch_size, rank=rank, ranks_per_node=ranks)
@@ -58,9 +60,15 @@ def main() -> None:
             for remainder in ("carry", "drop", "pad"):
                 for ranks in (1, 2):
                     try:
-                        batches, samples = edge_counts(counts, lanes=lanes, remainder=remainder, ranks=ranks,
-                                                       batch_size=args.batch_size,
-                                                       partitions=min(16, len(counts)), epochs=args.epochs)
+                        batches, samples = edge_counts(
+                            counts,
+                            lanes=lanes,
+                            remainder=remainder,
+                            ranks=ranks,
+                            batch_size=args.batch_size,
+                            partitions=min(16, len(counts)),
+                            epochs=args.epochs,
+                        )
                     except ValueError as error:  # drop with partitions smaller than a batch
                         print(f"{name} | {lanes} | {remainder} | {ranks} | refused: {error}")
                         continue

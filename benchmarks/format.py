@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -75,17 +75,23 @@ class Readers:
 
         self.parquet_path = work / "blocks.parquet"
         rows_per_group = int(np.median([b.rows for b in self.info.blocks]))
-        pq.write_table(pa.Table.from_batches(table.blocks), self.parquet_path,
-                       row_group_size=rows_per_group, compression="zstd")
+        pq.write_table(
+            pa.Table.from_batches(table.blocks), self.parquet_path, row_group_size=rows_per_group, compression="zstd"
+        )
         self.parquet = pq.ParquetFile(self.parquet_path)
         self.group_starts = np.concatenate(
-            [[0], np.cumsum([self.parquet.metadata.row_group(g).num_rows
-                             for g in range(self.parquet.metadata.num_row_groups)])])
+            [
+                [0],
+                np.cumsum(
+                    [self.parquet.metadata.row_group(g).num_rows for g in range(self.parquet.metadata.num_row_groups)]
+                ),
+            ]
+        )
         self.block_mb = float(np.median([b.length for b in self.info.blocks])) / 1e6
         self.rows_per_block = rows_per_group
 
     def numpy_view(self, i: int) -> np.ndarray:
-        return self.values[self.row_block[i]][self.row_start[i]:self.row_stop[i]]
+        return self.values[self.row_block[i]][self.row_start[i] : self.row_stop[i]]
 
     def open_dataset(self, i: int) -> np.ndarray:
         return self.dataset[i]["tokens"]
@@ -101,11 +107,11 @@ class Readers:
     def compressed_block(self, i: int) -> np.ndarray:
         b = int(np.searchsorted(self.block_starts, i, side="right")) - 1
         block = self.info.blocks[b]
-        decoded = read_block(self.at_rest[block.offset:block.offset + block.length], self.schema, self.info, b)
+        decoded = read_block(self.at_rest[block.offset : block.offset + block.length], self.schema, self.info, b)
         column = decoded.column("tokens")
         offsets = column.offsets.to_numpy()
         r = i - int(self.block_starts[b])
-        return column.values.to_numpy()[offsets[r]:offsets[r + 1]]
+        return column.values.to_numpy()[offsets[r] : offsets[r + 1]]
 
     def parquet_group(self, i: int) -> np.ndarray:
         g = int(np.searchsorted(self.group_starts, i, side="right")) - 1
@@ -153,14 +159,18 @@ def main() -> None:
         for _, (label, read, n) in alternating(args.rounds, methods):
             times[label].append(per_sample_us(read, rng.integers(0, readers.rows, n)))
         buffer = np.random.default_rng(2).integers(0, 256, 256 << 20, dtype=np.uint8).tobytes()
-        hashes = {"xxh3-64": xxh3_gb_s(buffer, xxhash.xxh3_64_hexdigest, args.rounds),
-                  "xxh3-128": xxh3_gb_s(buffer, xxhash.xxh3_128_hexdigest, args.rounds)}
+        hashes = {
+            "xxh3-64": xxh3_gb_s(buffer, xxhash.xxh3_64_hexdigest, args.rounds),
+            "xxh3-128": xxh3_gb_s(buffer, xxhash.xxh3_128_hexdigest, args.rounds),
+        }
 
         base = statistics.median(times[methods[0][0]])
-        print(f"dataset: {readers.count:,} documents of list<uint16> tokens; random samples within one "
-              f"{SHARD_BYTES >> 20} MB shard of {readers.rows:,} rows; blocks / row groups of "
-              f"{readers.rows_per_block:,} rows ({readers.block_mb:.2f} MB at rest, {readers.info.compression}, "
-              f"{readers.info.decoded_bytes / readers.info.bytes:.2f}x); {args.rounds} rounds")
+        print(
+            f"dataset: {readers.count:,} documents of list<uint16> tokens; random samples within one "
+            f"{SHARD_BYTES >> 20} MB shard of {readers.rows:,} rows; blocks / row groups of "
+            f"{readers.rows_per_block:,} rows ({readers.block_mb:.2f} MB at rest, {readers.info.compression}, "
+            f"{readers.info.decoded_bytes / readers.info.bytes:.2f}x); {args.rounds} rounds"
+        )
         print(f"{'read path':32} {'us/sample median (min-max)':>30} {'x numpy views':>14}")
         for label, _, _ in methods:
             values = times[label]

@@ -43,9 +43,18 @@ LR = 0.02
 
 
 def epoch_ids(group_bytes: int, seed: int, group_samples: int = 0) -> np.ndarray:
-    order = SampleOrder([PER_SHARD] * SHARDS, dataset_id="quality", seed=seed, partitions=64, window_shards=4,
-                        lanes=16, group_bytes=group_bytes, decoded_bytes=[PER_SHARD * SAMPLE_BYTES] * SHARDS,
-                        block_bytes=[BLOCK_SAMPLES * SAMPLE_BYTES] * SHARDS, group_samples=group_samples)
+    order = SampleOrder(
+        [PER_SHARD] * SHARDS,
+        dataset_id="quality",
+        seed=seed,
+        partitions=64,
+        window_shards=4,
+        lanes=16,
+        group_bytes=group_bytes,
+        decoded_bytes=[PER_SHARD * SAMPLE_BYTES] * SHARDS,
+        block_bytes=[BLOCK_SAMPLES * SAMPLE_BYTES] * SHARDS,
+        group_samples=group_samples,
+    )
     stream = RankStream(order, order.start(), batch_size=BATCH)
     batches = SHARDS * PER_SHARD // BATCH
     return np.concatenate([stream.node_batch(j).sample_ids for j in range(batches)])
@@ -64,7 +73,7 @@ def sgd_excess_loss(ids: np.ndarray, seed: int) -> float:
     steps = ids.size // BATCH
     losses = []
     for step in range(steps):
-        chosen = ids[step * BATCH:(step + 1) * BATCH]
+        chosen = ids[step * BATCH : (step + 1) * BATCH]
         xb = x[chosen]
         w -= LR * (xb.T @ (xb @ w - y[chosen])) / BATCH
         if step >= steps // 2 and step % 200 == 0:
@@ -77,7 +86,7 @@ def quality(ids: np.ndarray, seed: int) -> dict[str, float]:
     blocks = np.mean([np.unique(b // BLOCK_SAMPLES).size for b in usable])
     counts = [np.unique(b // FILE_SAMPLES, return_counts=True)[1] for b in usable]
     files = np.mean([c.size for c in counts])
-    effective = np.mean([BATCH ** 2 / np.sum(c.astype(float) ** 2) for c in counts])
+    effective = np.mean([BATCH**2 / np.sum(c.astype(float) ** 2) for c in counts])
     rho = abs(float(np.corrcoef(np.arange(ids.size), ids)[0, 1]))
     return {"blocks": blocks, "files": files, "effective": effective, "rho": rho, "loss": sgd_excess_loss(ids, seed)}
 
@@ -87,16 +96,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-samples", type=int, default=BLOCK_SAMPLES, help="samples of 1 KB a block")
     BLOCK_SAMPLES = parser.parse_args().block_samples
-    rows: list[tuple[str, object]] = [("window (group_bytes=0)", 0), ("groups 16 MiB", 16 << 20),
-                                      ("groups 4 MiB", 4 << 20), ("groups 1 MiB", 1 << 20),
-                                      (f"groups {GROUP_BYTES >> 10} KiB", GROUP_BYTES),
-                                      (f"{GROUP_BYTES >> 10} KiB, {GROUP_SAMPLES} samples (default)",
-                                       (GROUP_BYTES, GROUP_SAMPLES)),
-                                      ("uniform permutation", "uniform"), ("stored order", "stored")]
-    print(f"{SHARDS} shards x {PER_SHARD:,} samples of {SAMPLE_BYTES} B, blocks of {BLOCK_SAMPLES}, source files of "
-          f"{FILE_SAMPLES}; one node, 16 lanes x windows of 4, batch {BATCH}; mean over seeds {SEEDS} (min-max)")
-    print(f"{'shuffle':<28}{'blocks/batch':>14}{'files/batch':>13}{'eff. files':>12}{'|rho|':>9}"
-          f"{'SGD excess loss':>24}")
+    rows: list[tuple[str, object]] = [
+        ("window (group_bytes=0)", 0),
+        ("groups 16 MiB", 16 << 20),
+        ("groups 4 MiB", 4 << 20),
+        ("groups 1 MiB", 1 << 20),
+        (f"groups {GROUP_BYTES >> 10} KiB", GROUP_BYTES),
+        (f"{GROUP_BYTES >> 10} KiB, {GROUP_SAMPLES} samples (default)", (GROUP_BYTES, GROUP_SAMPLES)),
+        ("uniform permutation", "uniform"),
+        ("stored order", "stored"),
+    ]
+    print(
+        f"{SHARDS} shards x {PER_SHARD:,} samples of {SAMPLE_BYTES} B, blocks of {BLOCK_SAMPLES}, source files of "
+        f"{FILE_SAMPLES}; one node, 16 lanes x windows of 4, batch {BATCH}; mean over seeds {SEEDS} (min-max)"
+    )
+    print(
+        f"{'shuffle':<28}{'blocks/batch':>14}{'files/batch':>13}{'eff. files':>12}{'|rho|':>9}{'SGD excess loss':>24}"
+    )
     for name, how in rows:
         per_seed = []
         for seed in SEEDS:
@@ -109,8 +125,10 @@ def main() -> None:
             per_seed.append(quality(ids, seed))
         mean = {k: float(np.mean([q[k] for q in per_seed])) for k in per_seed[0]}
         losses = [q["loss"] for q in per_seed]
-        print(f"{name:<28}{mean['blocks']:>14.1f}{mean['files']:>13.1f}{mean['effective']:>12.1f}{mean['rho']:>9.4f}"
-              f"{mean['loss']:>10.4f} ({min(losses):.4f}-{max(losses):.4f})")
+        print(
+            f"{name:<28}{mean['blocks']:>14.1f}{mean['files']:>13.1f}{mean['effective']:>12.1f}{mean['rho']:>9.4f}"
+            f"{mean['loss']:>10.4f} ({min(losses):.4f}-{max(losses):.4f})"
+        )
 
 
 if __name__ == "__main__":

@@ -48,12 +48,12 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import alternating, round_order, spread  # noqa: E402
+from _harness import alternating, round_order, spread
 
 BATCH = 64
 
@@ -79,8 +79,9 @@ def make_corpus(root: Path, count: int, seed: int = 0) -> Path:
         img = Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC)
         pixels = np.asarray(img, dtype=np.int16) + rng.integers(-12, 13, (h, w, 3), dtype=np.int16)
         tmp = path.with_suffix(".part")
-        Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(tmp, format="JPEG", quality=int(
-            rng.integers(80, 95)))
+        Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(
+            tmp, format="JPEG", quality=int(rng.integers(80, 95))
+        )
         path.with_suffix(".txt").write_text(f"generated picture {i}, {w} by {h}")
         tmp.rename(path)
     return folder
@@ -88,8 +89,10 @@ def make_corpus(root: Path, count: int, seed: int = 0) -> Path:
 
 def corpus_sizes(folder: Path) -> str:
     sizes = np.array([p.stat().st_size for p in folder.glob("*.jpg")])
-    return (f"{len(sizes)} JPEGs, {sizes.sum() / 1e6:.0f} MB, median {np.median(sizes) / 1e3:.0f} KB, "
-            f"p99 {np.percentile(sizes, 99) / 1e3:.0f} KB, max {sizes.max() / 1e6:.1f} MB")
+    return (
+        f"{len(sizes)} JPEGs, {sizes.sum() / 1e6:.0f} MB, median {np.median(sizes) / 1e3:.0f} KB, "
+        f"p99 {np.percentile(sizes, 99) / 1e3:.0f} KB, max {sizes.max() / 1e6:.1f} MB"
+    )
 
 
 # ---------------------------------------------------------------- 1. decoders
@@ -117,8 +120,10 @@ def bench_decoders(folder: Path, rounds: int, limit: int = 300) -> list[tuple[st
                 spent[(name, scaled)] += time.perf_counter() - start
         for case in cases:
             rates[case].append(len(blobs) / spent[case])
-    return [(f"{name}{' (DCT-scaled for 224)' if scaled else ' (full)'}", spread(rates[(name, scaled)], ".0f"))
-            for name, scaled in cases]
+    return [
+        (f"{name}{' (DCT-scaled for 224)' if scaled else ' (full)'}", spread(rates[(name, scaled)], ".0f"))
+        for name, scaled in cases
+    ]
 
 
 # ---------------------------------------------------------------- 2. loaders
@@ -143,7 +148,7 @@ def write_wds(folder: Path, root: Path) -> Path:
     per_shard = max(1, min(1000, len(images) // 10))
     for s in range(0, len(images), per_shard):
         with tarfile.open(out / f"shard-{s // per_shard:05d}.tar", "w") as tar:
-            for p in images[s:s + per_shard]:
+            for p in images[s : s + per_shard]:
                 tar.add(p, arcname=f"{p.stem}.jpg")
                 tar.add(p.with_suffix(".txt"), arcname=f"{p.stem}.txt")
     return out
@@ -156,8 +161,15 @@ def tierflow_epoch(packed: Path, workers: int, limit: int, cache=None) -> tuple[
     from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop
 
     pipeline = ImagePipeline([RandomResizedCrop(224), HorizontalFlip()], cache=cache)
-    loader = tierflow.open_loader(packed, batch_size=BATCH, transform=pipeline, num_workers=workers, seed=1,
-                                  endless=True, columns=["image", "image_width", "image_height", "caption"])
+    loader = tierflow.open_loader(
+        packed,
+        batch_size=BATCH,
+        transform=pipeline,
+        num_workers=workers,
+        seed=1,
+        endless=True,
+        columns=["image", "image_width", "image_height", "caption"],
+    )
     return _drain(iter(loader), limit, loader.close)
 
 
@@ -166,9 +178,19 @@ def wds_epoch(tars: Path, workers: int, limit: int) -> tuple[float, float]:
     import webdataset as wds
 
     urls = [str(p) for p in sorted(tars.glob("*.tar"))]
-    ds = (wds.WebDataset(urls, shardshuffle=False, empty_check=False, nodesplitter=wds.split_by_node,
-                         workersplitter=wds.split_by_worker)
-          .shuffle(1000).map(_PeerTransform("jpg", "txt")).to_tuple("image", "caption").batched(BATCH))
+    ds = (
+        wds.WebDataset(
+            urls,
+            shardshuffle=False,
+            empty_check=False,
+            nodesplitter=wds.split_by_node,
+            workersplitter=wds.split_by_worker,
+        )
+        .shuffle(1000)
+        .map(_PeerTransform("jpg", "txt"))
+        .to_tuple("image", "caption")
+        .batched(BATCH)
+    )
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
     return _drain(iter(loader), limit, lambda: None)
 
@@ -200,8 +222,15 @@ def write_litdata(folder: Path, root: Path) -> Path:
 def _optimize(inputs: list[str], out: str) -> None:
     from litdata import optimize
 
-    optimize(fn=_LitDataItem(), inputs=inputs, output_dir=out, num_workers=1, verbose=False, mode="overwrite",
-             chunk_bytes="64MB")
+    optimize(
+        fn=_LitDataItem(),
+        inputs=inputs,
+        output_dir=out,
+        num_workers=1,
+        verbose=False,
+        mode="overwrite",
+        chunk_bytes="64MB",
+    )
 
 
 class _PeerTransform:
@@ -287,8 +316,16 @@ epoch; read as wide from epoch 0 (narrow_first_epoch=False) it opened nearly eve
 first batches and decoded the rest of the epoch after the last arrived (0.82 x the throttle)."""
 
 
-def s3_epochs(url: str, proxy, tier_dir: Path, capacity: int, epochs: int, workers: int, transform: bool,
-              order: dict | None = None) -> list[tuple[float, int, float]]:
+def s3_epochs(
+    url: str,
+    proxy,
+    tier_dir: Path,
+    capacity: int,
+    epochs: int,
+    workers: int,
+    transform: bool,
+    order: dict | None = None,
+) -> list[tuple[float, int, float]]:
     """(wall s, bytes the proxy sent, seconds the proxy was sending) of each epoch through one L2 of
     `capacity` (stager on, defaults); the first epoch's wall includes the loader's start."""
     import shutil
@@ -298,9 +335,14 @@ def s3_epochs(url: str, proxy, tier_dir: Path, capacity: int, epochs: int, worke
     from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop
 
     shutil.rmtree(tier_dir, ignore_errors=True)
-    options = dict(transform=ImagePipeline([RandomResizedCrop(224), HorizontalFlip()]),
-                   columns=["image", "image_width", "image_height", "caption"]) if transform else dict(
-                       columns=["image"])
+    options = (
+        dict(
+            transform=ImagePipeline([RandomResizedCrop(224), HorizontalFlip()]),
+            columns=["image", "image_width", "image_height", "caption"],
+        )
+        if transform
+        else dict(columns=["image"])
+    )
     out = []
     loader = None
     try:
@@ -309,9 +351,16 @@ def s3_epochs(url: str, proxy, tier_dir: Path, capacity: int, epochs: int, worke
             with SourceActivity(proxy) as activity:
                 started = time.perf_counter()
                 if loader is None:
-                    loader = tierflow.open_loader(url, tiers=[f"L2={tier_dir}:{capacity}"], endpoint_url=proxy.url,
-                                                  batch_size=BATCH, num_workers=workers, seed=3, **options,
-                                                  **(order or {}))
+                    loader = tierflow.open_loader(
+                        url,
+                        tiers=[f"L2={tier_dir}:{capacity}"],
+                        endpoint_url=proxy.url,
+                        batch_size=BATCH,
+                        num_workers=workers,
+                        seed=3,
+                        **options,
+                        **(order or {}),
+                    )
                 for _batch in loader:
                     pass
                 wall = time.perf_counter() - started
@@ -348,35 +397,42 @@ def s3_rows(packed: Path, work: Path, warm_rate: float) -> None:
         consumption = warm_rate * at_rest / samples
         throttle = consumption / 4  # well below the loop: a shared machine's load moves its rate 2-3x
         rig.proxy.set_bandwidth(throttle)
-        print(f"\nfrom S3 (moto behind the throttling proxy): {len(shards)} shards, {samples} images, "
-              f"{at_rest / 1e6:.0f} MB at rest, {decoded / 1e6:.0f} MB decoded")
+        print(
+            f"\nfrom S3 (moto behind the throttling proxy): {len(shards)} shards, {samples} images, "
+            f"{at_rest / 1e6:.0f} MB at rest, {decoded / 1e6:.0f} MB decoded"
+        )
         for name, order in (("default order", None), (f"tuned order {TUNED_ORDER}", TUNED_ORDER)):
-            (wall, sent, active), = s3_epochs(url, rig.proxy, work / "l2-cold", 4 * at_rest, 1, 2, True, order)
+            ((wall, sent, active),) = s3_epochs(url, rig.proxy, work / "l2-cold", 4 * at_rest, 1, 2, True, order)
             achieved = sent / wall
-            print(f"cold first epoch, {name}, 2 workers, decode + RandomResizedCrop(224), empty L2, throttle "
-                  f"{throttle / 1e6:.1f} MB/s (a quarter of the warm loop's {consumption / 1e6:.1f} MB/s): {wall:.1f} s, "
-                  f"{sent / 1e6:.0f} MB sent, achieved {achieved / 1e6:.1f} MB/s = {achieved / throttle:.2f} x throttle "
-                  f"(target >= 0.9: {'met' if achieved >= 0.9 * throttle else 'MISSED'}); while the source was "
-                  f"sending ({active:.1f} s of it, sampled every 0.25 s): {sent / active / 1e6:.1f} MB/s = "
-                  f"{sent / active / throttle:.2f} x throttle")
+            print(
+                f"cold first epoch, {name}, 2 workers, decode + RandomResizedCrop(224), empty L2, throttle "
+                f"{throttle / 1e6:.1f} MB/s (a quarter of the warm loop's {consumption / 1e6:.1f} MB/s): {wall:.1f} s, "
+                f"{sent / 1e6:.0f} MB sent, achieved {achieved / 1e6:.1f} MB/s = {achieved / throttle:.2f} x throttle "
+                f"(target >= 0.9: {'met' if achieved >= 0.9 * throttle else 'MISSED'}); while the source was "
+                f"sending ({active:.1f} s of it, sampled every 0.25 s): {sent / active / 1e6:.1f} MB/s = "
+                f"{sent / active / throttle:.2f} x throttle"
+            )
         rig.proxy.set_bandwidth(None)
         capacity = int(0.3 * decoded)
         epochs = s3_epochs(url, rig.proxy, work / "l2-30", capacity, 3, 0, False)
         ratios = [sent / at_rest for _, sent, _ in epochs]
         warm = max(ratios[1:])
-        print(f"bytes per epoch / dataset at rest, L2 = 30% of the dataset ({capacity / 1e6:.0f} MB), 0 workers, "
-              f"no decode, epochs 1-3: {' '.join(f'{r:.2f}' for r in ratios)}, warm mean "
-              f"{statistics.mean(ratios[1:]):.2f}, the L2 alone keeping whole shards {l2_alone(shards, capacity):.2f} "
-              f"(target <= 0.75 per warm epoch: {'met' if warm <= 0.75 else 'MISSED'}; "
-              f"an epoch's bytes are the proxy's between its edges: a transfer the stager began before an "
-              f"edge counts where its bytes flowed, so epochs differ by up to a shard, 0.04, that the mean does not)")
+        print(
+            f"bytes per epoch / dataset at rest, L2 = 30% of the dataset ({capacity / 1e6:.0f} MB), 0 workers, "
+            f"no decode, epochs 1-3: {' '.join(f'{r:.2f}' for r in ratios)}, warm mean "
+            f"{statistics.mean(ratios[1:]):.2f}, the L2 alone keeping whole shards {l2_alone(shards, capacity):.2f} "
+            f"(target <= 0.75 per warm epoch: {'met' if warm <= 0.75 else 'MISSED'}; "
+            f"an epoch's bytes are the proxy's between its edges: a transfer the stager began before an "
+            f"edge counts where its bytes flowed, so epochs differ by up to a shard, 0.04, that the mean does not)"
+        )
 
 
 # ---------------------------------------------------------------- 5. the cached form (L1)
 
 
-def cached_forms(folder: Path, count: int, rounds: int, short_sides: tuple[int, ...] = (256, 0)
-                 ) -> list[tuple[str, str, str, float]]:
+def cached_forms(
+    folder: Path, count: int, rounds: int, short_sides: tuple[int, ...] = (256, 0)
+) -> list[tuple[str, str, str, float]]:
     """Per image, what an L1 of each form costs to serve one decoded + RandomResizedCrop(224) + flip
     sample: the encoded bytes (decode every time, DCT-scaled), or pixels decoded once and resized to
     a short side (0: full size) held as uint8 in RAM (only the crop and resize left). Rows: (form,
@@ -400,8 +456,13 @@ def cached_forms(folder: Path, count: int, rounds: int, short_sides: tuple[int, 
             pixels = to_array(decode(data))
             if side:
                 scale = side / min(w, h)
-                pixels = to_array(Image.fromarray(pixels).resize((max(1, round(w * scale)), max(1, round(h * scale))),
-                                                                   Image.Resampling.BILINEAR, reducing_gap=None))
+                pixels = to_array(
+                    Image.fromarray(pixels).resize(
+                        (max(1, round(w * scale)), max(1, round(h * scale))),
+                        Image.Resampling.BILINEAR,
+                        reducing_gap=None,
+                    )
+                )
             arrays.append(pixels)
         forms[f"decoded, short side {side}" if side else "decoded, full size"] = arrays
     names = list(forms)
@@ -439,8 +500,15 @@ def batch_build_times(packed: Path, batches: int) -> tuple[list[float], list[flo
     from tierflow.transforms import HorizontalFlip, ImagePipeline, RandomResizedCrop
 
     pipeline = ImagePipeline([RandomResizedCrop(224), HorizontalFlip()])
-    loader = tierflow.open_loader(packed, batch_size=BATCH, transform=pipeline, num_workers=0, seed=2,
-                                  endless=True, columns=["image", "image_width", "image_height", "caption"])
+    loader = tierflow.open_loader(
+        packed,
+        batch_size=BATCH,
+        transform=pipeline,
+        num_workers=0,
+        seed=2,
+        endless=True,
+        columns=["image", "image_width", "image_height", "caption"],
+    )
     times, cpu = [], []
     it = iter(loader)
     next(it)
@@ -459,8 +527,14 @@ def batch_build_times(packed: Path, batches: int) -> tuple[list[float], list[flo
 PEERS = {"webdataset": (write_wds, wds_epoch), "litdata": (write_litdata, litdata_epoch)}
 
 
-def loader_rows(folder: Path, packed: Path, args: argparse.Namespace, root: Path | None = None,
-                tuned: dict[str, Callable] | None = None, what: str = "warm") -> float:
+def loader_rows(
+    folder: Path,
+    packed: Path,
+    args: argparse.Namespace,
+    root: Path | None = None,
+    tuned: dict[str, Callable] | None = None,
+    what: str = "warm",
+) -> float:
     """The loaders side by side, alternating; returns tierflow's 2-worker median (for the S3 rows).
     The peers' data goes under `root` (--dir); `tuned` adds tierflow rows with an option, beside the
     default row and after it, and says how each compares with the better peer too."""
@@ -483,8 +557,10 @@ def loader_rows(folder: Path, packed: Path, args: argparse.Namespace, root: Path
         rate, ms = epochs[name](data[name], workers, limit)
         rates[(name, workers)].append(rate)
         cpu[(name, workers)].append(ms)
-    print(f"\n| loader (decode + RandomResizedCrop(224) + flip), {what} | workers | images/s ({limit} images, "
-          f"{args.rounds} rounds) | CPU ms per image (all processes) |\n|---|---|---|---|")
+    print(
+        f"\n| loader (decode + RandomResizedCrop(224) + flip), {what} | workers | images/s ({limit} images, "
+        f"{args.rounds} rounds) | CPU ms per image (all processes) |\n|---|---|---|---|"
+    )
     for name, workers in cases:
         print(f"| {name} | {workers} | {spread(rates[(name, workers)], '.0f')} | {spread(cpu[(name, workers)])} |")
     ours = statistics.median(rates[("tierflow", 2)])
@@ -493,8 +569,10 @@ def loader_rows(folder: Path, packed: Path, args: argparse.Namespace, root: Path
         best = max(peers, key=peers.get)
         for name in ["tierflow", *(tuned or {})]:
             rate = statistics.median(rates[(name, 2)])
-            print(f"2 workers: {name} / {best} (the better peer) = {rate / peers[best]:.2f} "
-                  f"(target >= 1.2: {'met' if rate >= 1.2 * peers[best] else 'MISSED'})")
+            print(
+                f"2 workers: {name} / {best} (the better peer) = {rate / peers[best]:.2f} "
+                f"(target >= 1.2: {'met' if rate >= 1.2 * peers[best] else 'MISSED'})"
+            )
     return ours
 
 
@@ -514,11 +592,14 @@ def resized_tuned(packed: Path, encoded: int, args: argparse.Namespace, fill_wor
     tierflow_epoch(packed, fill_workers, samples - BATCH, cache)  # every block: the warm rows find them all
     fill = time.perf_counter() - started
     snap = cache.tier.snapshot()
-    print(f"resized cache (short side 256, {args.cache_dir}) filled by one epoch at {fill_workers} workers in "
-          f"{fill:.1f} s: {snap['entries']} entries, {snap['resident_bytes'] / 1e6:.0f} MB "
-          f"({snap['resident_bytes'] / encoded:.1f} x the encoded bytes)")
-    return {"tierflow, resized L1 (tuned)": lambda p, w, n: tierflow_epoch(p, w, n, ResizedImages(args.cache_dir,
-                                                                                                  "16GB"))}
+    print(
+        f"resized cache (short side 256, {args.cache_dir}) filled by one epoch at {fill_workers} workers in "
+        f"{fill:.1f} s: {snap['entries']} entries, {snap['resident_bytes'] / 1e6:.0f} MB "
+        f"({snap['resident_bytes'] / encoded:.1f} x the encoded bytes)"
+    )
+    return {
+        "tierflow, resized L1 (tuned)": lambda p, w, n: tierflow_epoch(p, w, n, ResizedImages(args.cache_dir, "16GB"))
+    }
 
 
 def hot_rows(folder: Path, args: argparse.Namespace) -> None:
@@ -550,19 +631,39 @@ def before_after(before_src: Path, args: argparse.Namespace) -> None:
     cpu: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
     for _, (label, workers) in alternating(args.rounds, cases):
         env = {**os.environ, "PYTHONPATH": str(before_src if label == "before" else here)}
-        out = subprocess.run([sys.executable, __file__, "--dir", str(args.dir), "--images", str(args.images),
-                              "--hot-images", str(args.hot_images), "--limit", str(limit),
-                              "--child", f"{label}:{workers}{':hot' if hot else ''}"], env=env, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--dir",
+                str(args.dir),
+                "--images",
+                str(args.images),
+                "--hot-images",
+                str(args.hot_images),
+                "--limit",
+                str(limit),
+                "--child",
+                f"{label}:{workers}{':hot' if hot else ''}",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         rate, ms = out.split()[-2:]
         rates[(label, workers)].append(float(rate))
         cpu[(label, workers)].append(float(ms))
     what = f"warm, {min(args.hot_images, args.images)} hot images" if hot else "warm"
-    print(f"\n| tierflow (decode + RandomResizedCrop(224) + flip), {what} | workers | images/s ({limit} images, "
-          f"{args.rounds} rounds, child processes) | CPU ms per image (all processes) |\n|---|---|---|---|")
+    print(
+        f"\n| tierflow (decode + RandomResizedCrop(224) + flip), {what} | workers | images/s ({limit} images, "
+        f"{args.rounds} rounds, child processes) | CPU ms per image (all processes) |\n|---|---|---|---|"
+    )
     for label, workers in cases:
-        print(f"| {label} ({before_src if label == 'before' else here}) | {workers} | "
-              f"{spread(rates[(label, workers)], '.0f')} | {spread(cpu[(label, workers)])} |")
+        print(
+            f"| {label} ({before_src if label == 'before' else here}) | {workers} | "
+            f"{spread(rates[(label, workers)], '.0f')} | {spread(cpu[(label, workers)])} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -572,17 +673,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "tierflow-images")
     parser.add_argument("--only", choices=("decoders", "loaders", "s3", "cached-form", "hot", "blocking"), default=None)
     parser.add_argument("--hot-images", type=int, default=1000, help="the small hot dataset of the cached-form rows")
-    parser.add_argument("--cache-dir", type=Path, default=Path("/dev/shm/tierflow-bench-resized"),
-                        help="the tuned rows' resized cache (a tmpfs: an L1); emptied at the start")
-    parser.add_argument("--resized", action="store_true",
-                        help="the loaders section gets the tuned row too (its cache holds the whole corpus)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path("/dev/shm/tierflow-bench-resized"),
+        help="the tuned rows' resized cache (a tmpfs: an L1); emptied at the start",
+    )
+    parser.add_argument(
+        "--resized",
+        action="store_true",
+        help="the loaders section gets the tuned row too (its cache holds the whole corpus)",
+    )
     parser.add_argument("--limit", type=int, default=1280, help="images timed per loader run")
     parser.add_argument("--s3-images", type=int, default=3000, help="images of the S3 rows' dataset")
-    parser.add_argument("--s3-shard-mb", type=int, default=8,
-                        help="its shard size: ~50 shards, so a 30%% L2 keeps ~15 and whole shards cost 0.70-0.71, "
-                             "where 16 MB (25 shards, 7 kept) cost 0.72 at best and an epoch edge's shard 0.04 more")
-    parser.add_argument("--before", type=Path, default=None,
-                        help="only tierflow rows: the src/ of another checkout against this one, alternating")
+    parser.add_argument(
+        "--s3-shard-mb",
+        type=int,
+        default=8,
+        help="its shard size: ~50 shards, so a 30%% L2 keeps ~15 and whole shards cost 0.70-0.71, "
+        "where 16 MB (25 shards, 7 kept) cost 0.72 at best and an epoch edge's shard 0.04 more",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="only tierflow rows: the src/ of another checkout against this one, alternating",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # LABEL:WORKERS, one run's figures
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -620,8 +736,10 @@ def main(argv: list[str] | None = None) -> None:
         hot = min(args.hot_images, args.images)
         rows = cached_forms(folder, hot, args.rounds)
         encoded = rows[0][3]
-        print(f"\n| L1 form ({hot} hot images, one core) | CPU ms per image | images/s | bytes per image in L1 |"
-              f" L1 bytes / encoded |\n|---|---|---|---|---|")
+        print(
+            f"\n| L1 form ({hot} hot images, one core) | CPU ms per image | images/s | bytes per image in L1 |"
+            f" L1 bytes / encoded |\n|---|---|---|---|---|"
+        )
         for name, ms, rate, nbytes in rows:
             print(f"| {name} | {ms} | {rate} | {nbytes / 1e3:.0f} KB | {nbytes / encoded:.1f} |")
     if args.only in (None, "hot"):
@@ -631,8 +749,10 @@ def main(argv: list[str] | None = None) -> None:
         for what, times in (("wall", walls), ("CPU", cpus)):
             p50, p99 = statistics.median(times), float(np.percentile(times, 99))
             slow = sum(t > 2 * p50 for t in times)
-            print(f"batch build ({BATCH} images, 0 workers, {len(times)} batches), {what}: p50 {p50 * 1e3:.0f} ms, "
-                  f"p99 {p99 * 1e3:.0f} ms (p99/p50 {p99 / p50:.2f}), {slow} batches over 2x p50")
+            print(
+                f"batch build ({BATCH} images, 0 workers, {len(times)} batches), {what}: p50 {p50 * 1e3:.0f} ms, "
+                f"p99 {p99 * 1e3:.0f} ms (p99/p50 {p99 / p50:.2f}), {slow} batches over 2x p50"
+            )
 
 
 if __name__ == "__main__":

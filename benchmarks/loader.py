@@ -73,8 +73,9 @@ def dataset(path: str) -> TieredDataset:
     return warm_dataset(path, L1[0], batch_size=BATCH, seq_len=SEQ_LEN, partitions=8)
 
 
-def tierflow_round(path: str, workers: int, steps: int, step_s: float,
-                   background: bool | None = None) -> tuple[float, float]:
+def tierflow_round(
+    path: str, workers: int, steps: int, step_s: float, background: bool | None = None
+) -> tuple[float, float]:
     loader = Loader(dataset(path), device="cpu", num_workers=workers, background=background, endless=True)
     try:
         return steps_per_second(loader, steps, step_s)
@@ -107,10 +108,15 @@ def raw_speed(path: str, workers: int, batches: int, background: bool | None = N
     loader.close()
     self_after = resource.getrusage(resource.RUSAGE_SELF)
     kids_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = sum(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-              for before, after in ((self_before, self_after), (kids_before, kids_after)))
-    return {"samples_per_s": batches * BATCH / wall, "us_per_batch": wall / batches * 1e6,
-            "cpu_us_per_batch": cpu / (batches + 1) * 1e6}
+    cpu = sum(
+        after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        for before, after in ((self_before, self_after), (kids_before, kids_after))
+    )
+    return {
+        "samples_per_s": batches * BATCH / wall,
+        "us_per_batch": wall / batches * 1e6,
+        "cpu_us_per_batch": cpu / (batches + 1) * 1e6,
+    }
 
 
 MB = 1e6
@@ -179,8 +185,11 @@ class SourceActivity:
         return self.last_byte_s - (self.first_byte_s or 0.0)
 
 
-COLD_ORDERS = {"default": {}, "wide first epoch (narrow_first_epoch=False)": {"narrow_first_epoch": False},
-               "tuned (partitions=4, window_shards=2)": {"partitions": 4, "window_shards": 2}}
+COLD_ORDERS = {
+    "default": {},
+    "wide first epoch (narrow_first_epoch=False)": {"narrow_first_epoch": False},
+    "tuned (partitions=4, window_shards=2)": {"partitions": 4, "window_shards": 2},
+}
 """The order's shape decides the bound. With an L2 that holds the dataset the breadth is the
 widest, 16 lanes x windows of 4; read that wide from the start, epoch 0 opens nearly every shard
 in its first batches. The default reads epoch 0 at most 1/16 of the node's shards at once
@@ -188,8 +197,9 @@ in its first batches. The default reads epoch 0 at most 1/16 of the node's shard
 reads every epoch 4 lanes x 2 shards at a time."""
 
 
-def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, order: dict,
-               events_path: Path | None = None) -> dict[str, float]:
+def cold_epoch(
+    url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, order: dict, events_path: Path | None = None
+) -> dict[str, float]:
     """One first epoch through an empty L2; source bytes are what the proxy sent."""
     stack = build_stack(url, [TierConfig("L2", str(tier_dir), 1 << 30, form="decoded")], endpoint_url=endpoint)
     events = EventLog(events_path, stack.registry, name=f"cold epoch {tier_dir.name}") if events_path else None
@@ -201,8 +211,12 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, ord
     done = 0
     with SourceActivity(proxy) as activity:
         started = time.perf_counter()
-        loader = Loader(ds, stager=Stager(ds, stack, events=events), endless=True,
-                        telemetry=LoaderTelemetry(events=events) if events is not None else True)
+        loader = Loader(
+            ds,
+            stager=Stager(ds, stack, events=events),
+            endless=True,
+            telemetry=LoaderTelemetry(events=events) if events is not None else True,
+        )
         loader.start_prefetch()
         try:
             iterator = iter(loader)
@@ -221,9 +235,16 @@ def cold_epoch(url: str, endpoint: str, proxy: ProxyProcess, tier_dir: Path, ord
             if events is not None:
                 events.close()
     source_bytes = proxy.traffic().response_bytes("GET")
-    return {"steps": steps, "wall_s": wall, "source_bytes": source_bytes, "first_s": first,
-            "bubble": waited / wall, "step_bound_s": steps * COLD_STEP_S, "active_s": activity.active_s,
-            "last_byte_s": activity.last_byte_s}
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "source_bytes": source_bytes,
+        "first_s": first,
+        "bubble": waited / wall,
+        "step_bound_s": steps * COLD_STEP_S,
+        "active_s": activity.active_s,
+        "last_byte_s": activity.last_byte_s,
+    }
 
 
 def warm_floor(local: Path, order: dict) -> float:
@@ -265,8 +286,15 @@ def whole_shard_bound(uses: list, rest_bytes: list[int], throttle: float, steps:
     return clock
 
 
-BOUND_ORDERS = ({}, {"narrow_first_epoch": False}, {"lanes": 8}, {"lanes": 8, "window_shards": 1},
-                {"partitions": 4, "window_shards": 2}, {"lanes": 4, "window_shards": 1}, {"lanes": 2, "window_shards": 1})
+BOUND_ORDERS = (
+    {},
+    {"narrow_first_epoch": False},
+    {"lanes": 8},
+    {"lanes": 8, "window_shards": 1},
+    {"partitions": 4, "window_shards": 2},
+    {"lanes": 4, "window_shards": 1},
+    {"lanes": 2, "window_shards": 1},
+)
 
 
 def bounds(work: Path) -> None:
@@ -277,7 +305,9 @@ def bounds(work: Path) -> None:
     at_rest = sum(s.bytes for s in manifest.shards)
     rest_bytes = [s.bytes for s in manifest.shards]
     print(f"whole-shard bound of the first epoch, {len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest")
-    print(f"| order | lanes x k | 2 x the needed bandwidth: x step-bound | 0.5 x: achieved / throttle |\n|---|---|---|---|")
+    print(
+        "| order | lanes x k | 2 x the needed bandwidth: x step-bound | 0.5 x: achieved / throttle |\n|---|---|---|---|"
+    )
     for order in BOUND_ORDERS:
         ds = TieredDataset(str(local), BatchSpec(batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN), OrderSpec(**order))
         steps = ds.num_order_samples // COLD_BATCH
@@ -286,10 +316,10 @@ def bounds(work: Path) -> None:
         uses = ds.future_shard_uses(None, horizon_batches=steps + 1)
         fast, slow = (whole_shard_bound(uses, rest_bytes, need * f, steps, ds.node_step_samples()) for f in (2.0, 0.5))
         ws = ds.working_set
-        breadth = f"{ws.lanes} x {ws.window_shards}" + (f" (epoch 0: {ws.first_epoch[0]} x {ws.first_epoch[1]})"
-                                                         if ws.first_epoch else "")
-        print(f"| {order or 'default'} | {breadth} | {fast / step_bound_s:.2f} | "
-              f"{at_rest / slow / (need * 0.5):.2f} |")
+        breadth = f"{ws.lanes} x {ws.window_shards}" + (
+            f" (epoch 0: {ws.first_epoch[0]} x {ws.first_epoch[1]})" if ws.first_epoch else ""
+        )
+        print(f"| {order or 'default'} | {breadth} | {fast / step_bound_s:.2f} | {at_rest / slow / (need * 0.5):.2f} |")
 
 
 def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> None:
@@ -301,8 +331,10 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
         proxy = rig.proxy
         url = rig.upload(local, "ds")
         # the order each row reads (an L2 that holds the dataset reads as the local copy does)
-        probes = {name: TieredDataset(str(local), BatchSpec(batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN), OrderSpec(**order))
-                  for name, order in COLD_ORDERS.items()}
+        probes = {
+            name: TieredDataset(str(local), BatchSpec(batch_size=COLD_BATCH, seq_len=COLD_SEQ_LEN), OrderSpec(**order))
+            for name, order in COLD_ORDERS.items()
+        }
         probe = probes["default"]
         steps = probe.num_order_samples // COLD_BATCH
         step_bound_s = steps * COLD_STEP_S
@@ -319,29 +351,43 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
             tag = f"order{list(COLD_ORDERS).index(name)}-{factor:g}x-{number}"
             log = events / f"cold-{tag}.jsonl" if events else None
             runs[(name, factor)].append(cold_epoch(url, proxy.url, proxy, work / f"l2-{tag}", COLD_ORDERS[name], log))
-    print(f"cold first epoch: moto S3 -> throttled ProxyProcess -> empty L2 (decoded), stager on; "
-          f"{len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest, {decoded / MB:.1f} MB decoded; "
-          f"batch {COLD_BATCH} x {COLD_SEQ_LEN + 1} tokens, {COLD_STEP_S * 1e3:.0f} ms step; "
-          f"step-bound epoch {step_bound_s:.1f} s = {consumption / MB:.2f} MB/s at rest consumed")
-    print("  achieved = source bytes / epoch wall (start-up and the tail after the last byte included); "
-          "active = source bytes / the span the source was sending (sampled every 0.25 s); whole-shard bound: "
-          "see the docstring")
+    print(
+        f"cold first epoch: moto S3 -> throttled ProxyProcess -> empty L2 (decoded), stager on; "
+        f"{len(manifest.shards)} shards, {at_rest / MB:.1f} MB at rest, {decoded / MB:.1f} MB decoded; "
+        f"batch {COLD_BATCH} x {COLD_SEQ_LEN + 1} tokens, {COLD_STEP_S * 1e3:.0f} ms step; "
+        f"step-bound epoch {step_bound_s:.1f} s = {consumption / MB:.2f} MB/s at rest consumed"
+    )
+    print(
+        "  achieved = source bytes / epoch wall (start-up and the tail after the last byte included); "
+        "active = source bytes / the span the source was sending (sampled every 0.25 s); whole-shard bound: "
+        "see the docstring"
+    )
     for name, order in probes.items():
         ws = order.working_set
-        first = (f"; epoch 0 {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]}"
-                 if ws.first_epoch else "")
+        first = (
+            f"; epoch 0 {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]}" if ws.first_epoch else ""
+        )
         print(f"  order {name}: {ws.lanes} lanes x windows of {ws.window_shards} ({ws.reason}){first}")
-    print(f"  medians of {rounds} alternating rounds (min-max); the loop's own floor, the same steps warm from "
-          f"local disk (default order, nothing fetched): {spread(floors, '.3f')} x step-bound")
-    print(f"{'order':>37} {'throttle MB/s':>13} {'x need':>6} {'epoch s':>17} {'x step-bound':>18} {'bound s':>7} {'x bound':>18} "
-          f"{'last byte s':>17} {'source MB':>9} {'achieved/thr.':>18} {'active/thr.':>18} {'bound/thr.':>10} "
-          f"{'bubble':>18} {'1st batch s':>17}  target")
+    print(
+        f"  medians of {rounds} alternating rounds (min-max); the loop's own floor, the same steps warm from "
+        f"local disk (default order, nothing fetched): {spread(floors, '.3f')} x step-bound"
+    )
+    print(
+        f"{'order':>37} {'throttle MB/s':>13} {'x need':>6} {'epoch s':>17} {'x step-bound':>18} {'bound s':>7} {'x bound':>18} "
+        f"{'last byte s':>17} {'source MB':>9} {'achieved/thr.':>18} {'active/thr.':>18} {'bound/thr.':>10} "
+        f"{'bubble':>18} {'1st batch s':>17}  target"
+    )
     for name, factor in cases:
         throttle = consumption * factor
         rs = runs[(name, factor)]
         order = probes[name]
-        bound = whole_shard_bound(order.future_shard_uses(None, horizon_batches=steps + 1), rest_bytes, throttle,
-                                  steps, order.node_step_samples())
+        bound = whole_shard_bound(
+            order.future_shard_uses(None, horizon_batches=steps + 1),
+            rest_bytes,
+            throttle,
+            steps,
+            order.node_step_samples(),
+        )
         achieved = [r["source_bytes"] / r["wall_s"] / throttle for r in rs]
         active = [r["source_bytes"] / r["active_s"] / throttle if r["active_s"] > 0 else None for r in rs]
         wall = statistics.median(r["wall_s"] for r in rs)
@@ -350,26 +396,35 @@ def cold(work: Path, quick: bool, rounds: int, events: Path | None = None) -> No
             target, met = "achieved >= 0.9 x throttle", statistics.median(achieved) >= 0.9
         else:
             target, met = "epoch <= 1.1 x step-bound", wall <= 1.1 * step_bound_s
-        print(f"{name:>37} {throttle / MB:>13.2f} {factor:>6.1f} {spread([r['wall_s'] for r in rs]):>17} "
-              f"{spread([r['wall_s'] / step_bound_s for r in rs], '.2f'):>18} {bound:>7.1f} "
-              f"{spread([r['wall_s'] / bound for r in rs], '.2f'):>18} "
-              f"{spread([r['last_byte_s'] for r in rs]):>17} {source_mb:>9.1f} "
-              f"{spread(achieved, '.2f'):>18} {spread(active, '.2f'):>18} {at_rest / bound / throttle:>10.2f} "
-              f"{spread([r['bubble'] for r in rs], '.1%'):>18} {spread([r['first_s'] for r in rs], '.2f'):>17}  "
-              f"{target}: {'met' if met else 'MISSED'}")
+        print(
+            f"{name:>37} {throttle / MB:>13.2f} {factor:>6.1f} {spread([r['wall_s'] for r in rs]):>17} "
+            f"{spread([r['wall_s'] / step_bound_s for r in rs], '.2f'):>18} {bound:>7.1f} "
+            f"{spread([r['wall_s'] / bound for r in rs], '.2f'):>18} "
+            f"{spread([r['last_byte_s'] for r in rs]):>17} {source_mb:>9.1f} "
+            f"{spread(achieved, '.2f'):>18} {spread(active, '.2f'):>18} {at_rest / bound / throttle:>10.2f} "
+            f"{spread([r['bubble'] for r in rs], '.1%'):>18} {spread([r['first_s'] for r in rs], '.2f'):>17}  "
+            f"{target}: {'met' if met else 'MISSED'}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--feed-thread", action="store_true",
-                        help="with workers, receive batches on the device feed's thread (Loader(background=True))")
-    parser.add_argument("--cold", action="store_true",
-                        help="the first epoch from a throttled S3 proxy instead of the warm-cache runs")
+    parser.add_argument(
+        "--feed-thread",
+        action="store_true",
+        help="with workers, receive batches on the device feed's thread (Loader(background=True))",
+    )
+    parser.add_argument(
+        "--cold", action="store_true", help="the first epoch from a throttled S3 proxy instead of the warm-cache runs"
+    )
     parser.add_argument("--events", type=Path, help="--cold: write each epoch's event log to this folder")
-    parser.add_argument("--bounds", action="store_true",
-                        help="only the cold epoch's whole-shard bound under several orders (computed, no S3)")
+    parser.add_argument(
+        "--bounds",
+        action="store_true",
+        help="only the cold epoch's whole-shard bound under several orders (computed, no S3)",
+    )
     args = parser.parse_args()
     if args.bounds:
         with tempfile.TemporaryDirectory() as tmp:
@@ -396,8 +451,10 @@ def main() -> None:
 def measure(path: str, plan: dict[float, int], rounds: int, background: bool | None, raw_batches: int) -> None:
     preloaded = preload(path, max(plan.values()) + 2)
     print(f"dataset: {tierflow.open_dataset(path)!r}; batch {BATCH} x {SEQ_LEN + 1} tokens (uint16)")
-    print(f"{'workers':>7} {'step ms':>7} {'tierflow steps/s':>24} {'dry run steps/s':>24} {'ratio':>6} "
-          f"{'target':>6} {'first batch ms':>14}")
+    print(
+        f"{'workers':>7} {'step ms':>7} {'tierflow steps/s':>24} {'dry run steps/s':>24} {'ratio':>6} "
+        f"{'target':>6} {'first batch ms':>14}"
+    )
     for workers in (0, 2):
         for step_s, steps in plan.items():
             ours, dry, firsts = [], [], []
@@ -408,14 +465,18 @@ def measure(path: str, plan: dict[float, int], rounds: int, background: bool | N
                 dry.append(steps_per_second(preloaded, steps, step_s)[0])
             ratio = statistics.median(ours) / statistics.median(dry)
             target = 0.9 if step_s < 0.005 else 0.95
-            print(f"{workers:>7} {step_s * 1e3:>7.0f} {spread(ours):>24} {spread(dry):>24} {ratio:>6.3f} "
-                  f"{'met' if ratio >= target else 'MISSED':>6} {statistics.median(firsts):>14.0f}")
+            print(
+                f"{workers:>7} {step_s * 1e3:>7.0f} {spread(ours):>24} {spread(dry):>24} {ratio:>6.3f} "
+                f"{'met' if ratio >= target else 'MISSED':>6} {statistics.median(firsts):>14.0f}"
+            )
     print()
     print(f"{'workers':>7} {'samples/s':>12} {'us/batch':>10} {'CPU us/batch':>13}  (raw, no step; median of {rounds})")
     for workers in (0, 2):
         runs = [raw_speed(path, workers, raw_batches, background) for _ in range(rounds)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{workers:>7} {med['samples_per_s']:>12.0f} {med['us_per_batch']:>10.0f} {med['cpu_us_per_batch']:>13.0f}")
+        print(
+            f"{workers:>7} {med['samples_per_s']:>12.0f} {med['us_per_batch']:>10.0f} {med['cpu_us_per_batch']:>13.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -70,8 +70,15 @@ def build_base(root: Path, blocks: int) -> Path:
     parquet = root / "x.parquet"
     pq.write_table(pa.table({"x": np.arange(rows, dtype=np.int64)}), parquet, row_group_size=1 << 20)
     shard_bytes = max(256 << 10, blocks * ROWS_PER_BLOCK * 8)
-    tierflow.pack([parquet], base, workers=1, target_shard_bytes=shard_bytes, compression="none",
-                  block_bytes=ROWS_PER_BLOCK * 8, overwrite=True)
+    tierflow.pack(
+        [parquet],
+        base,
+        workers=1,
+        target_shard_bytes=shard_bytes,
+        compression="none",
+        block_bytes=ROWS_PER_BLOCK * 8,
+        overwrite=True,
+    )
     parquet.unlink()
     return base
 
@@ -95,19 +102,30 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
     pick = np.arange(n) % len(real)
     shard_cols, block_cols = metadata_writer.columns_from_shards(real)
     per = shard_cols["blocks"]
-    shards = {name: shard_cols[name][pick] for name in md.SHARD_SCHEMA.names
-              if name not in ("checksum", "sample_start", "token_start", "first_block")}
+    shards = {
+        name: shard_cols[name][pick]
+        for name in md.SHARD_SCHEMA.names
+        if name not in ("checksum", "sample_start", "token_start", "first_block")
+    }
     shards["checksum"] = checksums
     reps, tail = divmod(n, len(real))  # shard i repeats base shard i % K: the block rows tile
-    blocks = {name: np.concatenate([np.tile(block_cols[name], reps), block_cols[name][:int(per[:tail].sum())]])
-              for name in md.BLOCK_SCHEMA.names}
+    blocks = {
+        name: np.concatenate([np.tile(block_cols[name], reps), block_cols[name][: int(per[:tail].sum())]])
+        for name in md.BLOCK_SCHEMA.names
+    }
     shards["first_block"] = np.concatenate([[0], np.cumsum(shards["blocks"])[:-1]]).astype(np.int64)
     names = [c.tobytes().hex() for c in checksums]
     dataset_id = compute_dataset_id({"fields": schema_fields(manifest.schema)}, manifest.tokenizer, names)
     stats = {"samples": int(shards["samples"].sum()), "tokens": int(shards["tokens"].sum())}
-    fields = {"dataset_id": dataset_id, "schema": schema_to_json(manifest.schema), "tokenizer": manifest.tokenizer,
-              "token_column": manifest.token_column, "token_dtype": manifest.token_dtype,
-              "eos_id": manifest.eos_id, "stats": stats}
+    fields = {
+        "dataset_id": dataset_id,
+        "schema": schema_to_json(manifest.schema),
+        "tokenizer": manifest.tokenizer,
+        "token_column": manifest.token_column,
+        "token_dtype": manifest.token_dtype,
+        "eos_id": manifest.eos_id,
+        "stats": stats,
+    }
     shutil.rmtree(new_dir, ignore_errors=True)
     new_dir.mkdir(parents=True)
     metadata_writer.write_metadata(new_dir, shard_columns=shards, block_columns=blocks, fields=fields)
@@ -116,12 +134,29 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
         return new_dir, None
     shutil.rmtree(old_dir, ignore_errors=True)
     old_dir.mkdir(parents=True)
-    infos = [ShardInfo(name=f"shard-{name}.arrow", samples=real[k].samples, bytes=real[k].bytes,
-                       decoded_bytes=real[k].decoded_bytes, checksum=name, decoded_checksum=real[k].decoded_checksum,
-                       compression=real[k].compression, tokens=real[k].tokens, blocks=real[k].blocks)
-             for name, k in zip(names, pick.tolist())]
-    Manifest(schema=manifest.schema, shards=infos, tokenizer=manifest.tokenizer, token_column=manifest.token_column,
-             token_dtype=manifest.token_dtype, eos_id=manifest.eos_id, stats=stats).save(old_dir)
+    infos = [
+        ShardInfo(
+            name=f"shard-{name}.arrow",
+            samples=real[k].samples,
+            bytes=real[k].bytes,
+            decoded_bytes=real[k].decoded_bytes,
+            checksum=name,
+            decoded_checksum=real[k].decoded_checksum,
+            compression=real[k].compression,
+            tokens=real[k].tokens,
+            blocks=real[k].blocks,
+        )
+        for name, k in zip(names, pick.tolist())
+    ]
+    Manifest(
+        schema=manifest.schema,
+        shards=infos,
+        tokenizer=manifest.tokenizer,
+        token_column=manifest.token_column,
+        token_dtype=manifest.token_dtype,
+        eos_id=manifest.eos_id,
+        stats=stats,
+    ).save(old_dir)
     return new_dir, old_dir
 
 
@@ -158,15 +193,24 @@ def child(path: str, wait: bool) -> None:
     if len(first["x"]) != BATCH:
         raise RuntimeError(f"first batch has {len(first['x'])} samples")
     peak = vm_hwm()
-    print(json.dumps({"import_s": imported - began, "open_s": opened - start, "batch_s": arrived - start2,
-                      "peak_above_import": peak - rss_import, "rss_import": rss_import}), flush=True)
+    print(
+        json.dumps(
+            {
+                "import_s": imported - began,
+                "open_s": opened - start,
+                "batch_s": arrived - start2,
+                "peak_above_import": peak - rss_import,
+                "rss_import": rss_import,
+            }
+        ),
+        flush=True,
+    )
     if wait:
         sys.stdin.readline()
     loader.close()
 
 
-PATHS = ("order", "inspect", "verify-metadata", "gc-names", "stager-keys", "every-shard-object", "plan",
-         "stager-plan")
+PATHS = ("order", "inspect", "verify-metadata", "gc-names", "stager-keys", "every-shard-object", "plan", "stager-plan")
 
 
 def path_child(name: str, path: str) -> None:
@@ -233,7 +277,7 @@ def prepare(path: str, base: str) -> None:
             ds = tierflow.open_dataset(path)
             len(ds)
             return
-        except Exception as e:  # noqa: BLE001 - a missing shard names itself
+        except Exception as e:
             found = re.search(r"shard-([0-9a-f]{32})\.arrow", str(e))
             if not found:
                 raise
@@ -246,8 +290,10 @@ def prepare(path: str, base: str) -> None:
 
 def _shard_of(manifest, name: str) -> list[int]:
     from tierflow.format.metadata import MappedManifest
+
     if isinstance(manifest, MappedManifest):
         import numpy as np
+
         column = manifest.tables.column("checksum")
         key = np.frombuffer(bytes.fromhex(name[6:38]), dtype="V16")[0]
         return np.flatnonzero(column == key).tolist()
@@ -255,8 +301,9 @@ def _shard_of(manifest, name: str) -> list[int]:
 
 
 def run_child(path: Path, env: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(path)], capture_output=True, text=True, env=env, timeout=600
+    )
     if out.returncode:
         raise RuntimeError(f"child failed on {path}:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -280,8 +327,16 @@ def pss(pid: int) -> tuple[int, int]:
 
 
 def node_pss(path: Path, env: dict, processes: int = 8) -> tuple[int, int]:
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", str(path), "--wait"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(processes)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--child", str(path), "--wait"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(processes)
+    ]
     try:
         for p in procs:
             line = p.stdout.readline()
@@ -299,8 +354,12 @@ def node_pss(path: Path, env: dict, processes: int = 8) -> tuple[int, int]:
 
 def bare_pss(env: dict, processes: int = 8) -> int:
     code = "import sys, tierflow, tierflow.loader, psutil; print('ready', flush=True); sys.stdin.readline()"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env) for _ in range(processes)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(processes)
+    ]
     try:
         for p in procs:
             p.stdout.readline()
@@ -320,8 +379,12 @@ def main() -> None:
     ap.add_argument("--old-max", type=parse_count, default=100_000)
     ap.add_argument("--root", default="/tmp/tierflow-metadata-bench")
     ap.add_argument("--no-pss", action="store_true")
-    ap.add_argument("--pss-old-max", type=parse_count, default=10_000,
-                    help="8 processes of a parsed manifest only up to this many shards (each holds its own copy)")
+    ap.add_argument(
+        "--pss-old-max",
+        type=parse_count,
+        default=10_000,
+        help="8 processes of a parsed manifest only up to this many shards (each holds its own copy)",
+    )
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--wait", action="store_true")
@@ -341,8 +404,10 @@ def main() -> None:
     base = build_base(root, args.blocks)
     counts = [parse_count(c) for c in args.shards.split(",")]
     bare = None if args.no_pss else bare_pss(env)
-    print(f"| shards | form | metadata on disk | open | open + first batch | peak RSS above import | "
-          f"PSS x8 above bare | PSS x8 of metadata files |")
+    print(
+        "| shards | form | metadata on disk | open | open + first batch | peak RSS above import | "
+        "PSS x8 above bare | PSS x8 of metadata files |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     paths: list[str] = []
     for n in counts:
@@ -353,23 +418,31 @@ def main() -> None:
             if path is None:
                 print(f"| {n:,} | {form} | - | not measured (> --old-max) | | | | |", flush=True)
                 continue
-            subprocess.run([sys.executable, __file__, "--prepare", str(path), str(base)], check=True, env=env,
-                           timeout=1800)
+            subprocess.run(
+                [sys.executable, __file__, "--prepare", str(path), str(base)], check=True, env=env, timeout=1800
+            )
             size = sum(p.stat().st_size for p in path.iterdir() if not p.name.startswith("shard-"))
             rounds = [run_child(path, env) for _ in range(args.runs)]
             node = ("-", "-")
             if bare is not None and (form == "v3 mapped" or n <= args.pss_old_max):  # 8 parsed copies: GBs
                 total, files = node_pss(path, env)
                 node = (f"{(total - bare) / 1e6:.0f} MB", f"{files / 1e6:.1f} MB" if files else "-")
-            print(f"| {n:,} | {form} | {size / 1e6:.1f} MB | {spread([r['open_s'] for r in rounds], '.3f')} s | "
-                  f"{spread([r['batch_s'] for r in rounds], '.3f')} s | "
-                  f"{spread([r['peak_above_import'] for r in rounds], '.0f', 1e-6)} MB | {node[0]} | {node[1]} |",
-                  flush=True)
+            print(
+                f"| {n:,} | {form} | {size / 1e6:.1f} MB | {spread([r['open_s'] for r in rounds], '.3f')} s | "
+                f"{spread([r['batch_s'] for r in rounds], '.3f')} s | "
+                f"{spread([r['peak_above_import'] for r in rounds], '.0f', 1e-6)} MB | {node[0]} | {node[1]} |",
+                flush=True,
+            )
         print(f"<!-- {n:,} shards built in {built:.1f} s -->", file=sys.stderr, flush=True)
         if args.paths:
             for name in PATHS:
-                out = subprocess.run([sys.executable, __file__, "--path-child", name, str(new_dir)],
-                                     capture_output=True, text=True, env=env, timeout=1800)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--path-child", name, str(new_dir)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=1800,
+                )
                 if out.returncode:
                     paths.append(f"| {n:,} | {name} | failed: {out.stderr.strip().splitlines()[-1][:100]} | |")
                     continue

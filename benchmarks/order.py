@@ -69,8 +69,15 @@ def measure_hot_path(total: int, batches: int = 300) -> tuple[float, float, floa
 
 def ids_cost(group_bytes: int, total: int = 100_000_000, batches: int = 3000, batch: int = 256) -> float:
     """Microseconds per sample id of node batches (ids only) of an order with 8-byte samples."""
-    order = SampleOrder([total // SHARDS] * SHARDS, dataset_id=f"bench-{total}", seed=1, partitions=64, lanes=16,
-                        group_bytes=group_bytes, decoded_bytes=[8 * (total // SHARDS)] * SHARDS)
+    order = SampleOrder(
+        [total // SHARDS] * SHARDS,
+        dataset_id=f"bench-{total}",
+        seed=1,
+        partitions=64,
+        lanes=16,
+        group_bytes=group_bytes,
+        decoded_bytes=[8 * (total // SHARDS)] * SHARDS,
+    )
     stream = RankStream(order, order.start(), batch_size=batch, node=0, num_nodes=8, ranks_per_node=8)
     stream.node_batch(0)
     began = time.perf_counter()
@@ -79,13 +86,26 @@ def ids_cost(group_bytes: int, total: int = 100_000_000, batches: int = 3000, ba
     return (time.perf_counter() - began) / (batches * batch) * 1e6
 
 
-def shuffle_quality(lanes: int, window_shards: int, shards: int = 2000, per_shard: int = 50,
-                    ranks: int = 8, batch: int = 32, first_epoch: tuple[int, int] | None = None
-                    ) -> tuple[float, float, int]:
+def shuffle_quality(
+    lanes: int,
+    window_shards: int,
+    shards: int = 2000,
+    per_shard: int = 50,
+    ranks: int = 8,
+    batch: int = 32,
+    first_epoch: tuple[int, int] | None = None,
+) -> tuple[float, float, int]:
     """(|Spearman rho| of position vs stored index over the first epoch, mean and min distinct shards
     per global batch) for one node's order read through `lanes` lanes (epoch 0 as `first_epoch`)."""
-    order = SampleOrder([per_shard] * shards, dataset_id="quality", seed=3, partitions=64,
-                        window_shards=window_shards, lanes=lanes, first_epoch=first_epoch)
+    order = SampleOrder(
+        [per_shard] * shards,
+        dataset_id="quality",
+        seed=3,
+        partitions=64,
+        window_shards=window_shards,
+        lanes=lanes,
+        first_epoch=first_epoch,
+    )
     streams = [RankStream(order, order.start(), batch_size=batch, rank=r, ranks_per_node=ranks) for r in range(ranks)]
     ids, distinct = [], []
     for step in range(shards * per_shard // (ranks * batch)):
@@ -104,7 +124,9 @@ def main() -> None:
     for total in SIZES:
         seconds, peak = measure_start(total)
         base = base or (seconds, peak)
-        print(f"{total:>14,} {seconds * 1e3:>9.2f} {seconds / base[0]:>8.2f} {peak / 1024:>9.0f} {peak / base[1]:>8.2f}")
+        print(
+            f"{total:>14,} {seconds * 1e3:>9.2f} {seconds / base[0]:>8.2f} {peak / 1024:>9.0f} {peak / base[1]:>8.2f}"
+        )
     print()
     print(f"hot path, batches of {BATCH} (node 0 of 8, 8 ranks):")
     print(f"{'samples':>14} {'us/id ids':>10} {'us/id +cursor':>14} {'future 1M ms':>13}")
@@ -112,8 +134,10 @@ def main() -> None:
         ids_only, with_cursor, future_ms = measure_hot_path(total)
         print(f"{total:>14,} {ids_only:>10.3f} {with_cursor:>14.3f} {future_ms:>13.1f}")
     print()
-    print("hot path by shuffle, 100M samples of 8 B, node batches of 256 (node 0 of 8, 16 lanes), us per id, "
-          "median (min-max) of 5 alternating rounds:")
+    print(
+        "hot path by shuffle, 100M samples of 8 B, node batches of 256 (node 0 of 8, 16 lanes), us per id, "
+        "median (min-max) of 5 alternating rounds:"
+    )
     shuffles = {"window": 0, "groups 4 MiB": 4 << 20, "groups 1 MiB": 1 << 20}
     costs: dict[str, list[float]] = {name: [] for name in shuffles}
     for round_ in range(5):
@@ -122,19 +146,28 @@ def main() -> None:
     for name, values in costs.items():
         print(f"{name:>14} {spread(values, '.3f')}")
     print()
-    print("shuffle quality against the working set (2,000 shards x 50 samples, 64 partitions, one node, "
-          "global batch 8 x 32):")
-    print(f"{'lanes x k':>10} {'shards at once':>15} {'|rho| epoch':>12} {'<= 0.01':>8} {'shards/batch mean':>18} {'min':>5}")
+    print(
+        "shuffle quality against the working set (2,000 shards x 50 samples, 64 partitions, one node, "
+        "global batch 8 x 32):"
+    )
+    print(
+        f"{'lanes x k':>10} {'shards at once':>15} {'|rho| epoch':>12} {'<= 0.01':>8} {'shards/batch mean':>18} {'min':>5}"
+    )
+
     def quality_row(lanes: int, k: int, first_epoch: tuple[int, int] | None = None) -> None:
         shown = first_epoch or (lanes, k)
         rho, mean, least = shuffle_quality(lanes, k, first_epoch=first_epoch)
-        print(f"{shown[0]:>5} x {shown[1]:<2} {shown[0] * 2 * shown[1]:>15} {rho:>12.4f} "
-              f"{'met' if rho <= 0.01 else 'MISS':>8} {mean:>18.1f} {least:>5}")
+        print(
+            f"{shown[0]:>5} x {shown[1]:<2} {shown[0] * 2 * shown[1]:>15} {rho:>12.4f} "
+            f"{'met' if rho <= 0.01 else 'MISS':>8} {mean:>18.1f} {least:>5}"
+        )
 
     for lanes, k in ((64, 4), (16, 4), (8, 4), (4, 4), (1, 4), (1, 2), (1, 1)):
         quality_row(lanes, k)
-    print("a narrowed first epoch (SampleOrder(first_epoch=(m, k0)): 16 x 4 later, m lanes x k0 at once in "
-          "epoch 0; the loader's rule at 400 and at 25 shards a node):")
+    print(
+        "a narrowed first epoch (SampleOrder(first_epoch=(m, k0)): 16 x 4 later, m lanes x k0 at once in "
+        "epoch 0; the loader's rule at 400 and at 25 shards a node):"
+    )
     for m, k0 in ((16, 1), (4, 1)):
         quality_row(16, 4, (m, k0))
 

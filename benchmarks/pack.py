@@ -80,8 +80,10 @@ def make_jsonl(path: Path, target_bytes: int, seed: int = 0) -> int:
             starts = rng.integers(0, len(pool) - 60_001, 4096)
             lines = []
             for start, n in zip(starts.tolist(), lengths.tolist()):
-                lines.append(b'{"id": %d, "source": "synthetic", "score": %d, "text": "%s"}\n'
-                             % (doc, doc % 97, pool[start:start + n]))
+                lines.append(
+                    b'{"id": %d, "source": "synthetic", "score": %d, "text": "%s"}\n'
+                    % (doc, doc % 97, pool[start : start + n])
+                )
                 doc += 1
             block = b"".join(lines)
             f.write(block)
@@ -105,8 +107,9 @@ def _floor_jsonl_chunk(path: str, start: int, end: int, out: str) -> int:
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(end - start)
-    table = pajson.read_json(pa.BufferReader(data), read_options=pajson.ReadOptions(
-        use_threads=False, block_size=len(data) + 1))
+    table = pajson.read_json(
+        pa.BufferReader(data), read_options=pajson.ReadOptions(use_threads=False, block_size=len(data) + 1)
+    )
     with pa.ipc.new_file(out, table.schema, options=pa.ipc.IpcWriteOptions(compression=CODEC)) as writer:
         writer.write_table(table, max_chunksize=8192)
     return table.num_rows
@@ -117,8 +120,9 @@ def _floor_files_chunk(root: str, members: list[str], out: str) -> int:
     for rel in members:
         with open(os.path.join(root, rel), "rb") as f:
             data.append(f.read())
-    batch = pa.RecordBatch.from_arrays([pa.array(members, pa.string()), pa.array(data, pa.binary())],
-                                       names=["path", "data"])
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array(members, pa.string()), pa.array(data, pa.binary())], names=["path", "data"]
+    )
     with pa.ipc.new_file(out, batch.schema, options=pa.ipc.IpcWriteOptions(compression=CODEC)) as writer:
         writer.write_batch(batch)
     return batch.num_rows
@@ -144,8 +148,10 @@ def run_floor(kind: str, source: str, out: str, workers: int) -> dict:
     started = time.perf_counter()
     with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
         if kind == "jsonl":
-            jobs = [pool.submit(_floor_jsonl_chunk, source, s, e, f"{out}/{i:06d}.arrow")
-                    for i, (s, e) in enumerate(_jsonl_ranges(source))]
+            jobs = [
+                pool.submit(_floor_jsonl_chunk, source, s, e, f"{out}/{i:06d}.arrow")
+                for i, (s, e) in enumerate(_jsonl_ranges(source))
+            ]
             files = 1
             input_bytes = os.path.getsize(source)
         else:
@@ -161,29 +167,38 @@ def run_floor(kind: str, source: str, out: str, workers: int) -> dict:
                 chunks[-1].append(rel)
                 chunk_bytes += size
                 input_bytes += size
-            jobs = [pool.submit(_floor_files_chunk, str(root), c, f"{out}/{i:06d}.arrow")
-                    for i, c in enumerate(chunks)]
+            jobs = [pool.submit(_floor_files_chunk, str(root), c, f"{out}/{i:06d}.arrow") for i, c in enumerate(chunks)]
             files = len(members)
         samples = sum(j.result() for j in jobs)
-    return {"seconds": time.perf_counter() - started, "input_bytes": input_bytes, "files": files,
-            "samples": samples}
+    return {"seconds": time.perf_counter() - started, "input_bytes": input_bytes, "files": files, "samples": samples}
 
 
-def run_tierflow(kind: str, source: str, out: str, workers: int, tokenizer: str | None,
-                 engine: str = "local") -> dict:
+def run_tierflow(kind: str, source: str, out: str, workers: int, tokenizer: str | None, engine: str = "local") -> dict:
     from tierflow.pack.packer import pack
 
     started = time.perf_counter()
     if kind == "jsonl":
         summary = pack([source], out, workers=workers, tokenizer=tokenizer, overwrite=True, engine=engine)
     else:
-        summary = pack([source], out, workers=workers, tokenizer=tokenizer, include=("*.py",),
-                       exclude=STDLIB_EXCLUDE, overwrite=True)
+        summary = pack(
+            [source],
+            out,
+            workers=workers,
+            tokenizer=tokenizer,
+            include=("*.py",),
+            exclude=STDLIB_EXCLUDE,
+            overwrite=True,
+        )
     seconds = time.perf_counter() - started
     stats = summary.manifest.stats
-    return {"seconds": seconds, "input_bytes": summary.input_bytes, "files": stats["files"],
-            "samples": stats["samples"], "shards": len(summary.manifest.shards),
-            "dataset_id": summary.manifest.dataset_id}
+    return {
+        "seconds": seconds,
+        "input_bytes": summary.input_bytes,
+        "files": stats["files"],
+        "samples": stats["samples"],
+        "shards": len(summary.manifest.shards),
+        "dataset_id": summary.manifest.dataset_id,
+    }
 
 
 def run_ray(source: str, out: str, workers: int, tokenizer: str | None) -> dict:
@@ -224,8 +239,7 @@ def tree_pss(proc: psutil.Process) -> int:
 
 def run_child(spec: dict) -> dict:
     """Run one pack (tierflow or floor) in a fresh process; return its figures and peak tree PSS."""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE, text=True)
     watched = psutil.Process(proc.pid)
     peak = driver = 0
     done = threading.Event()
@@ -301,9 +315,11 @@ def main() -> None:
         jsonl = work / "synthetic.jsonl"
         t = time.perf_counter()
         size = make_jsonl(jsonl, jsonl_mb * 1_000_000)
-        print(f"inputs: stdlib {root} ({len(members):,} *.py files, {tree_bytes / 1e6:.1f} MB); "
-              f"synthetic JSONL {size / 1e6:.0f} MB (made in {time.perf_counter() - t:.1f} s); "
-              f"{args.workers} processes, codec {CODEC}, {rounds} rounds, {os.cpu_count()} cores")
+        print(
+            f"inputs: stdlib {root} ({len(members):,} *.py files, {tree_bytes / 1e6:.1f} MB); "
+            f"synthetic JSONL {size / 1e6:.0f} MB (made in {time.perf_counter() - t:.1f} s); "
+            f"{args.workers} processes, codec {CODEC}, {rounds} rounds, {os.cpu_count()} cores"
+        )
         cases = []
         for kind, source in (("stdlib", str(root)), ("jsonl", str(jsonl))):
             cases.append((kind, "floor", None, source))
@@ -311,21 +327,33 @@ def main() -> None:
             cases.append((kind, "tierflow", "bytes", source))
         results: dict[tuple, list[dict]] = {c[:3]: [] for c in cases}
         for r, (kind, engine, tok, source) in alternating(rounds, cases):
-            spec = {"engine": engine, "kind": "jsonl" if kind == "jsonl" else "tree", "source": source,
-                    "out": str(work / "out"), "workers": args.workers, "tokenizer": tok}
+            spec = {
+                "engine": engine,
+                "kind": "jsonl" if kind == "jsonl" else "tree",
+                "source": source,
+                "out": str(work / "out"),
+                "workers": args.workers,
+                "tokenizer": tok,
+            }
             res = run_child(spec)
             results[(kind, engine, tok)].append(res)
-            print(f"  round {r + 1} {kind:6} {engine:8} {tok or '-':5} {res['seconds']:6.2f} s  "
-                  f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  "
-                  f"CPU {res['cpu_seconds']:6.2f} s  peak PSS {res['peak_pss'] / 2**20:6.0f} MiB", flush=True)
+            print(
+                f"  round {r + 1} {kind:6} {engine:8} {tok or '-':5} {res['seconds']:6.2f} s  "
+                f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  "
+                f"CPU {res['cpu_seconds']:6.2f} s  peak PSS {res['peak_pss'] / 2**20:6.0f} MiB",
+                flush=True,
+            )
 
         print()
-        print(f"{'input':7} {'engine':9} {'tokens':7} {'MB/s median (range)':>22} {'files/s':>10} "
-              f"{'x floor':>8} {'CPU s/GB':>9} {'floor CPU/ours':>15} {'out MB':>8} {'peak PSS MiB':>12}")
+        print(
+            f"{'input':7} {'engine':9} {'tokens':7} {'MB/s median (range)':>22} {'files/s':>10} "
+            f"{'x floor':>8} {'CPU s/GB':>9} {'floor CPU/ours':>15} {'out MB':>8} {'peak PSS MiB':>12}"
+        )
         verdicts = []
         for kind in ("stdlib", "jsonl"):
-            floor_cpu = statistics.median(x["cpu_seconds"] / x["input_bytes"] * 1e9
-                                          for x in results[(kind, "floor", None)])
+            floor_cpu = statistics.median(
+                x["cpu_seconds"] / x["input_bytes"] * 1e9 for x in results[(kind, "floor", None)]
+            )
             floor_mbs = statistics.median(x["input_bytes"] / 1e6 / x["seconds"] for x in results[(kind, "floor", None)])
             for engine, tok in (("floor", None), ("tierflow", None), ("tierflow", "bytes")):
                 runs = results[(kind, engine, tok)]
@@ -333,15 +361,19 @@ def main() -> None:
                 files = statistics.median(x["files"] / x["seconds"] for x in runs)
                 ratio = statistics.median(mbs) / floor_mbs
                 cpu = statistics.median(x["cpu_seconds"] / x["input_bytes"] * 1e9 for x in runs)
-                print(f"{kind:7} {engine:9} {tok or '-':7} {spread(mbs):>22} {files:10,.1f} {ratio:8.2f} {cpu:9.2f} {floor_cpu / cpu:15.2f} "
-                      f"{statistics.median(x['out_bytes'] for x in runs) / 1e6:8.1f} "
-                      f"{max(x['peak_pss'] for x in runs) / 2**20:12.0f}")
+                print(
+                    f"{kind:7} {engine:9} {tok or '-':7} {spread(mbs):>22} {files:10,.1f} {ratio:8.2f} {cpu:9.2f} {floor_cpu / cpu:15.2f} "
+                    f"{statistics.median(x['out_bytes'] for x in runs) / 1e6:8.1f} "
+                    f"{max(x['peak_pss'] for x in runs) / 2**20:12.0f}"
+                )
                 if engine == "tierflow":
                     verdicts.append((f"{kind} {tok or 'no tokens'}", ratio, floor_cpu / cpu))
         print()
         for label, ratio, cpu_ratio in verdicts:
-            print(f"target tierflow >= 0.6x floor, {label:18}: {ratio:.2f}x wall  {'met' if ratio >= 0.6 else 'MISSED'}"
-                  f"  ({cpu_ratio:.2f}x by CPU per GB)")
+            print(
+                f"target tierflow >= 0.6x floor, {label:18}: {ratio:.2f}x wall  {'met' if ratio >= 0.6 else 'MISSED'}"
+                f"  ({cpu_ratio:.2f}x by CPU per GB)"
+            )
 
         if not args.skip_memory:
             print()
@@ -350,15 +382,27 @@ def main() -> None:
             for mb in memory_mb:
                 path = work / f"memory-{mb}.jsonl"
                 make_jsonl(path, mb * 1_000_000, seed=mb)
-                res = run_child({"engine": "tierflow", "kind": "jsonl", "source": str(path),
-                                 "out": str(work / "out"), "workers": args.workers, "tokenizer": None})
+                res = run_child(
+                    {
+                        "engine": "tierflow",
+                        "kind": "jsonl",
+                        "source": str(path),
+                        "out": str(work / "out"),
+                        "workers": args.workers,
+                        "tokenizer": None,
+                    }
+                )
                 path.unlink()
                 peaks.append(res["peak_pss"])
-                print(f"memory: JSONL {mb:6,} MB  {res['seconds']:6.1f} s  "
-                      f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  peak PSS {res['peak_pss'] / 2**20:7.0f} MiB")
+                print(
+                    f"memory: JSONL {mb:6,} MB  {res['seconds']:6.1f} s  "
+                    f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  peak PSS {res['peak_pss'] / 2**20:7.0f} MiB"
+                )
             growth = peaks[1] / peaks[0] - 1
-            print(f"target peak PSS at {memory_mb[1]:,} MB within 10% of {memory_mb[0]:,} MB: "
-                  f"{growth:+.1%}  {'met' if abs(growth) <= 0.10 else 'MISSED'}")
+            print(
+                f"target peak PSS at {memory_mb[1]:,} MB within 10% of {memory_mb[0]:,} MB: "
+                f"{growth:+.1%}  {'met' if abs(growth) <= 0.10 else 'MISSED'}"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -374,16 +418,28 @@ def ray_main(jsonl_mb: int, rounds: int, tmp: str | None) -> None:
         results: dict[tuple, list[dict]] = {c: [] for c in cases}
         rows = [(engine, workers) for workers in (1, 2) for engine in ("local", "ray", "ray warm")]
         for r, (engine, workers) in alternating(rounds, cases):
-            res = run_child({"engine": "tierflow" if engine == "local" else "ray", "kind": "jsonl",
-                             "source": str(jsonl), "out": str(work / "out"), "workers": workers, "tokenizer": "bytes"})
+            res = run_child(
+                {
+                    "engine": "tierflow" if engine == "local" else "ray",
+                    "kind": "jsonl",
+                    "source": str(jsonl),
+                    "out": str(work / "out"),
+                    "workers": workers,
+                    "tokenizer": "bytes",
+                }
+            )
             results[(engine, workers)].append(res)
-            print(f"  round {r + 1} {engine:5} x{workers} {res['seconds']:6.2f} s  "
-                  f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  peak PSS {res['peak_pss'] / 2**20:6.0f} MiB",
-                  flush=True)
+            print(
+                f"  round {r + 1} {engine:5} x{workers} {res['seconds']:6.2f} s  "
+                f"{res['input_bytes'] / 1e6 / res['seconds']:6.1f} MB/s  peak PSS {res['peak_pss'] / 2**20:6.0f} MiB",
+                flush=True,
+            )
         ids = {x["dataset_id"] for runs in results.values() for x in runs}
         print()
-        print(f"{'engine':8} {'workers':>7} {'MB/s median (range)':>22} {'units/s':>8} {'ray/local':>9} "
-              f"{'driver PSS MiB':>14} {'tree PSS MiB':>12} {'ray start s':>11}")
+        print(
+            f"{'engine':8} {'workers':>7} {'MB/s median (range)':>22} {'units/s':>8} {'ray/local':>9} "
+            f"{'driver PSS MiB':>14} {'tree PSS MiB':>12} {'ray start s':>11}"
+        )
         for engine, workers in rows:
             runs = results[(engine.split()[0], workers)]
             key = "warm_seconds" if engine == "ray warm" else "seconds"
@@ -392,19 +448,25 @@ def ray_main(jsonl_mb: int, rounds: int, tmp: str | None) -> None:
             base = statistics.median(x["input_bytes"] / 1e6 / x["seconds"] for x in results[("local", workers)])
             units = statistics.median(-(-x["input_bytes"] // CHUNK_BYTES) / x["seconds"] for x in runs)
             start = spread([x.get("startup_seconds") for x in runs], ".2f")
-            print(f"{engine:8} {workers:7} {spread(mbs):>22} {units:8.2f} {statistics.median(mbs) / base:9.2f} "
-                  f"{max(x['driver_pss'] for x in runs) / 2**20:14.0f} {max(x['peak_pss'] for x in runs) / 2**20:12.0f} "
-                  f"{start:>11}")
+            print(
+                f"{engine:8} {workers:7} {spread(mbs):>22} {units:8.2f} {statistics.median(mbs) / base:9.2f} "
+                f"{max(x['driver_pss'] for x in runs) / 2**20:14.0f} {max(x['peak_pss'] for x in runs) / 2**20:12.0f} "
+                f"{start:>11}"
+            )
         print(f"\nsame dataset id in every run: {'yes' if len(ids) == 1 else 'NO: ' + ', '.join(sorted(ids))}")
         for engine in ("ray", "ray warm"):
             key = "warm_seconds" if engine == "ray warm" else "seconds"
             per_core = statistics.median(x["input_bytes"] / x[key] for x in results[("ray", 2)]) / 2
-            print(f"{engine}: {per_core / 1e6:.1f} MB/s per core at 2 workers = "
-                  f"{per_core * 100 * 3600 / 1e12:.2f} TB of raw JSONL per hour per 100 cores")
-        print("  assuming: units scale linearly across cores and nodes (they are independent and each task "
-              "writes its shards to the destination), the input is read at page-cache speed (no storage or "
-              "network bound), byte tokens (a BPE tokenizer costs more per byte), and this shared 2-core machine's "
-              "per-core rate")
+            print(
+                f"{engine}: {per_core / 1e6:.1f} MB/s per core at 2 workers = "
+                f"{per_core * 100 * 3600 / 1e12:.2f} TB of raw JSONL per hour per 100 cores"
+            )
+        print(
+            "  assuming: units scale linearly across cores and nodes (they are independent and each task "
+            "writes its shards to the destination), the input is read at page-cache speed (no storage or "
+            "network bound), byte tokens (a BPE tokenizer costs more per byte), and this shared 2-core machine's "
+            "per-core rate"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -56,8 +56,10 @@ def print_header() -> None:
 
 def print_row(row: dict) -> None:
     cells = "".join(f"{row[name]:>7.3f} {row[name] / row['opt'] if row['opt'] else 1:>4.2f}" for name in POLICIES)
-    print(f"{row['trace']:<10}{row['cap']:>6.1%} {cells}{row['opt']:>9.3f}   "
-          f"{row['autopick']} / {row['auto-pick']}", flush=True)
+    print(
+        f"{row['trace']:<10}{row['cap']:>6.1%} {cells}{row['opt']:>9.3f}   {row['autopick']} / {row['auto-pick']}",
+        flush=True,
+    )
 
 
 def check_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
@@ -66,24 +68,45 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
     for name in ("clairvoyant", "nochurn"):
         worst = min(a_rows, key=lambda r: r[name] / r["opt"])
         ratio = worst[name] / worst["opt"]
-        checks.append((f"(a) {name} >= 0.97 x optimum at 5-90%", ratio >= 0.97,
-                       f"worst {ratio:.3f} at {worst['cap']:.0%}"))
+        checks.append(
+            (f"(a) {name} >= 0.97 x optimum at 5-90%", ratio >= 0.97, f"worst {ratio:.3f} at {worst['cap']:.0%}")
+        )
     b_rows = [r for r in rows if r["trace"].startswith("b")]
     worst = min(b_rows, key=lambda r: r["hotscore"] - r["lru"])
-    checks.append(("(b) hotscore >= lru everywhere", worst["hotscore"] >= worst["lru"],
-                   f"smallest margin {worst['hotscore'] - worst['lru']:+.3f} ({worst['trace']}, {worst['cap']:.0%})"))
+    checks.append(
+        (
+            "(b) hotscore >= lru everywhere",
+            worst["hotscore"] >= worst["lru"],
+            f"smallest margin {worst['hotscore'] - worst['lru']:+.3f} ({worst['trace']}, {worst['cap']:.0%})",
+        )
+    )
     b1 = next(r for r in rows if r["trace"] == "b a=1.0" and r["cap"] == 0.01)
     closed = (b1["hotscore"] - b1["lru"]) / (b1["opt"] - b1["lru"])
-    checks.append(("(b) alpha 1.0, 1%: hotscore closes >= 50% of lru->opt gap", closed >= 0.5,
-                   f"closes {closed:.0%} (lru {b1['lru']:.3f}, hotscore {b1['hotscore']:.3f}, opt {b1['opt']:.3f})"))
+    checks.append(
+        (
+            "(b) alpha 1.0, 1%: hotscore closes >= 50% of lru->opt gap",
+            closed >= 0.5,
+            f"closes {closed:.0%} (lru {b1['lru']:.3f}, hotscore {b1['hotscore']:.3f}, opt {b1['opt']:.3f})",
+        )
+    )
     c10 = next(r for r in rows if r["trace"] == "c" and r["cap"] == 0.10)
-    checks.append(("(c) hotscore >= lru + 0.05 at 10%", c10["hotscore"] >= c10["lru"] + 0.05,
-                   f"{c10['hotscore']:.3f} vs lru {c10['lru']:.3f} ({c10['hotscore'] - c10['lru']:+.3f})"))
+    checks.append(
+        (
+            "(c) hotscore >= lru + 0.05 at 10%",
+            c10["hotscore"] >= c10["lru"] + 0.05,
+            f"{c10['hotscore']:.3f} vs lru {c10['lru']:.3f} ({c10['hotscore'] - c10['lru']:+.3f})",
+        )
+    )
     e = next(r for r in rows if r["trace"] == "e")
     bound = 0.8 * e["capacity"] / 1100
     for name in ("hotscore", "nochurn"):
-        checks.append((f"(e) {name} >= 0.8 x capacity/data", e[name] >= bound,
-                       f"{e[name]:.3f} vs {bound:.3f} (lru {e['lru']:.3f})"))
+        checks.append(
+            (
+                f"(e) {name} >= 0.8 x capacity/data",
+                e[name] >= bound,
+                f"{e[name]:.3f} vs {bound:.3f} (lru {e['lru']:.3f})",
+            )
+        )
     worst_auto = 1.0
     where = ""
     for r in rows:
@@ -93,8 +116,13 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
             ratio = got / best if best else 1.0
             if ratio < worst_auto:
                 worst_auto, where = ratio, f"{r['trace']} {r['cap']:.1%} ({tag})"
-    checks.append(("auto within 3% of the best policy on (a)-(e)", worst_auto >= 0.97,
-                   f"worst {worst_auto:.3f} at {where}" if where else "always the best"))
+    checks.append(
+        (
+            "auto within 3% of the best policy on (a)-(e)",
+            worst_auto >= 0.97,
+            f"worst {worst_auto:.3f} at {where}" if where else "always the best",
+        )
+    )
     return checks
 
 
@@ -118,8 +146,10 @@ def cost_per_access(entries: int, accesses: int) -> dict[str, float]:
         cache = Cache(policy, entries)
         for index in range(entries):
             cache.access(f"k{index}", 1, float(index))
-        keys = [f"k{(index * 7919) % (2 * entries)}" if index % 2 else f"k{(index * 104729) % entries}"
-                for index in range(accesses)]
+        keys = [
+            f"k{(index * 7919) % (2 * entries)}" if index % 2 else f"k{(index * 104729) % entries}"
+            for index in range(accesses)
+        ]
         clock = float(entries)
         started = time.perf_counter()
         for key in keys:
@@ -139,12 +169,16 @@ def main() -> None:
     print("hit ratio per policy, then its ratio to the optimum; auto- = auto without an oracle")
     print_header()
     rows: list[dict] = []
-    rows += score("a", traces.uniform_reshuffle(5000 // scale, 6, window=4, samples_per_shard=8),
-                  [0.05, 0.10, 0.25, 0.50, 0.75, 0.90])
+    rows += score(
+        "a",
+        traces.uniform_reshuffle(5000 // scale, 6, window=4, samples_per_shard=8),
+        [0.05, 0.10, 0.25, 0.50, 0.75, 0.90],
+    )
     for alpha in (0.8, 1.0):
         rows += score(f"b a={alpha}", traces.zipf(10000 // scale, 100000 // scale, alpha), [0.01, 0.10, 0.30])
-    rows += score("c", traces.mixture([(8000 // scale, 1), (1500 // scale, 2), (500 // scale, 8)], 4),
-                  [0.05, 0.10, 0.25])
+    rows += score(
+        "c", traces.mixture([(8000 // scale, 1), (1500 // scale, 2), (500 // scale, 8)], 4), [0.05, 0.10, 0.25]
+    )
     rows += score("d", traces.hot_and_scan(500 // scale, 40000 // scale, 0.5), [0.005, 0.0125, 0.025])
     rows += score("e", traces.loop(1100, 10), [1000 / 1100])
     print(f"\ntargets (issue 3)  [{time.perf_counter() - started:.0f} s]")

@@ -38,15 +38,18 @@ BATCH = 16
 def node_trace(order: SampleOrder, node: int, num_nodes: int, epochs: int) -> Trace:
     """What `node` reads over `epochs` epochs, from the order's future view, as a simulator trace."""
     horizon = epochs * order.layout.node_samples(node, num_nodes)
-    uses = future_shard_uses(order, order.start(), node=node, num_nodes=num_nodes, batch_size=BATCH,
-                             horizon=horizon)
+    uses = future_shard_uses(order, order.start(), node=node, num_nodes=num_nodes, batch_size=BATCH, horizon=horizon)
     uses = [u for u in uses if u.epoch < epochs]
     sizes = np.ones(order.layout.num_shards, np.int64)
-    return Trace(name=f"node {node}/{num_nodes}", keys=np.array([u.shard for u in uses], np.int64),
-                 start=np.array([u.first_use for u in uses], np.float64),
-                 end=np.array([u.last_use for u in uses], np.float64), sizes=sizes,
-                 epoch_length=float(horizon / epochs),
-                 lifecycle=Lifecycle(passes=epochs, pattern="reshuffle", data_bytes=int(sizes.sum())))
+    return Trace(
+        name=f"node {node}/{num_nodes}",
+        keys=np.array([u.shard for u in uses], np.int64),
+        start=np.array([u.first_use for u in uses], np.float64),
+        end=np.array([u.last_use for u in uses], np.float64),
+        sizes=sizes,
+        epoch_length=float(horizon / epochs),
+        lifecycle=Lifecycle(passes=epochs, pattern="reshuffle", data_bytes=int(sizes.sum())),
+    )
 
 
 def ceiling(samples: int, num_nodes: int, epochs: int, fraction: float, seed: int = 0) -> tuple[float, float]:
@@ -74,13 +77,18 @@ def main() -> None:
     epoch_counts = [10, 30] if args.quick else [int(e) for e in args.epochs.split(",")]
     fractions = [float(f) / 100 for f in args.fractions.split(",")]
     partitions = max(nodes)
-    order = SampleOrder([SAMPLES_PER_SHARD] * shards, dataset_id="scale", seed=0, partitions=partitions,
-                        window_shards=4)
+    order = SampleOrder(
+        [SAMPLES_PER_SHARD] * shards, dataset_id="scale", seed=0, partitions=partitions, window_shards=4
+    )
     samples = shards * SAMPLES_PER_SHARD
-    print(f"dataset: {shards} equal shards x {SAMPLES_PER_SHARD} samples, {partitions} partitions, "
-          f"windows of 4 shards; node 0 of N; cache per node = f x dataset; bytes as a share of the dataset")
-    print(f"{'N':>4} {'E':>3} {'f':>4} {'ours hit':>8} {'optimum':>8} {'ours B/node/ep':>14} {'share':>8} "
-          f"{'ceiling hit':>11} {'cold':>6} {'ceiling B/node/ep':>17} {'1/N':>6} {'s':>5}")
+    print(
+        f"dataset: {shards} equal shards x {SAMPLES_PER_SHARD} samples, {partitions} partitions, "
+        f"windows of 4 shards; node 0 of N; cache per node = f x dataset; bytes as a share of the dataset"
+    )
+    print(
+        f"{'N':>4} {'E':>3} {'f':>4} {'ours hit':>8} {'optimum':>8} {'ours B/node/ep':>14} {'share':>8} "
+        f"{'ceiling hit':>11} {'cold':>6} {'ceiling B/node/ep':>17} {'1/N':>6} {'s':>5}"
+    )
     for n in nodes:
         for epochs in epoch_counts:
             started = time.perf_counter()
@@ -94,9 +102,12 @@ def main() -> None:
                 ceil, ceil_cold = ceiling(samples, n, epochs, fraction)
                 misses = ours.requests - ours.hits
                 share = len(set(trace.keys.tolist())) / shards
-                print(f"{n:4} {epochs:3} {fraction:4.0%} {ours.hit_ratio:8.3f} {best.hit_ratio:8.3f} "
-                      f"{misses / epochs / shards:14.4f} {share:8.4f} {ceil:11.3f} {ceil_cold:6.3f} {(1 - ceil_cold) / n:17.4f} "
-                      f"{1 / n:6.4f} {built + time.perf_counter() - t:5.1f}", flush=True)
+                print(
+                    f"{n:4} {epochs:3} {fraction:4.0%} {ours.hit_ratio:8.3f} {best.hit_ratio:8.3f} "
+                    f"{misses / epochs / shards:14.4f} {share:8.4f} {ceil:11.3f} {ceil_cold:6.3f} {(1 - ceil_cold) / n:17.4f} "
+                    f"{1 / n:6.4f} {built + time.perf_counter() - t:5.1f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

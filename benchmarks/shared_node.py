@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import alternating, s3_rig, spread  # noqa: E402
+from _harness import alternating, s3_rig, spread
 
 
 def main() -> None:
@@ -96,26 +96,38 @@ def main() -> None:
             job = run_jobs([JobSpec(urls[0], 1, 3)], endpoint, tiers, d)[0]
             return {"a share": job["resident"][-1]["L2"] / room, "a warm": job["fetched"][-1] / job["dataset_bytes"]}
 
-        scenarios = {"same: shared tiers": same_shared, "same: own tiers each": same_apart,
-                     "different: both cold": lambda: different(False),
-                     "different: L2 full of a": lambda: different(True), "bound: a alone, half the room": alone_half}
+        scenarios = {
+            "same: shared tiers": same_shared,
+            "same: own tiers each": same_apart,
+            "different: both cold": lambda: different(False),
+            "different: L2 full of a": lambda: different(True),
+            "bound: a alone, half the room": alone_half,
+        }
         results: dict[str, list[dict]] = {name: [] for name in scenarios}
         for _, name in alternating(args.rounds, list(scenarios)):
             results[name].append(scenarios[name]())
 
-    print(f"two datasets of {sizes[0] / 1e6:.1f} / {sizes[1] / 1e6:.1f} MB at rest; median (min-max) of "
-          f"{args.rounds} rounds")
+    print(
+        f"two datasets of {sizes[0] / 1e6:.1f} / {sizes[1] / 1e6:.1f} MB at rest; median (min-max) of "
+        f"{args.rounds} rounds"
+    )
     print(f"\n{'same dataset, 2 jobs x 2 epochs':34} {'node bytes from S3 / dataset':>30}")
     for name in ("same: shared tiers", "same: own tiers each"):
         print(f"{name:34} {spread([r['node'] for r in results[name]], '.2f'):>30}")
-    print(f"\n{'different datasets, L2 = one dataset':38} {'a share':>16} {'a warm epoch':>16} {'b share':>16} "
-          f"{'b warm epoch':>16}")
+    print(
+        f"\n{'different datasets, L2 = one dataset':38} {'a share':>16} {'a warm epoch':>16} {'b share':>16} "
+        f"{'b warm epoch':>16}"
+    )
     for name in ("different: both cold", "different: L2 full of a", "bound: a alone, half the room"):
-        cells = [spread([r[k] for r in results[name]], ".2f") if k in results[name][0] else "-"
-                 for k in ("a share", "a warm", "b share", "b warm")]
+        cells = [
+            spread([r[k] for r in results[name]], ".2f") if k in results[name][0] else "-"
+            for k in ("a share", "a warm", "b share", "b warm")
+        ]
         print(f"{name:38} " + " ".join(f"{c:>16}" for c in cells))
-    print("\nshare: the job's bytes resident in the L2 / the L2's room; warm epoch: its last epoch's bytes from S3 "
-          "per byte of its dataset (0 = all hits)")
+    print(
+        "\nshare: the job's bytes resident in the L2 / the L2's room; warm epoch: its last epoch's bytes from S3 "
+        "per byte of its dataset (0 = all hits)"
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ def measure(label: str, run: Callable[[], int], proxy: ProxyProcess) -> dict[str
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     requests = proxy.traffic().requests()
     gigabytes = moved / 1e9
-    return {"label": label, "gb": gigabytes, "cpu_per_gb": cpu / gigabytes, "mb_s": moved / 1e6 / wall, "requests": requests}
+    return {
+        "label": label,
+        "gb": gigabytes,
+        "cpu_per_gb": cpu / gigabytes,
+        "mb_s": moved / 1e6 / wall,
+        "requests": requests,
+    }
 
 
 def main() -> None:
@@ -74,8 +80,12 @@ def main() -> None:
         ours_obstore = S3Store(f"s3://{bucket}/ds", endpoint_url=proxy.url, budget=budget, registry=MetricsRegistry())
         if s3fs is not None:
             filesystem = s3fs.S3FileSystem(**endpoint.s3fs_storage_options(), skip_instance_cache=True)
-            ours_s3fs = FsspecStore(f"s3://{bucket}/ds", storage_options=endpoint.s3fs_storage_options(),
-                                     budget=budget, registry=MetricsRegistry())
+            ours_s3fs = FsspecStore(
+                f"s3://{bucket}/ds",
+                storage_options=endpoint.s3fs_storage_options(),
+                budget=budget,
+                registry=MetricsRegistry(),
+            )
 
         def obstore_download() -> int:
             moved = 0
@@ -102,21 +112,27 @@ def main() -> None:
         def ours_ranges(source: S3Store | FsspecStore) -> Callable[[], int]:
             return lambda: sum(len(source.read_range(n, o, BLOCK)) for n, o in offsets)
 
-        runs = [("download  obstore (bare)", obstore_download),
-                ("download  tierflow S3Store (obstore)", ours_download(ours_obstore)),
-                ("1MiB range obstore (bare)", obstore_ranges),
-                ("1MiB range tierflow S3Store (obstore)", ours_ranges(ours_obstore))]
+        runs = [
+            ("download  obstore (bare)", obstore_download),
+            ("download  tierflow S3Store (obstore)", ours_download(ours_obstore)),
+            ("1MiB range obstore (bare)", obstore_ranges),
+            ("1MiB range tierflow S3Store (obstore)", ours_ranges(ours_obstore)),
+        ]
         obstore_ranges()  # warm: connections, credentials, imports
         if s3fs is not None:
             s3fs_ranges()
-            runs += [("download  s3fs (bare, get_file)", s3fs_download),
-                     ("download  tierflow FsspecStore (s3fs)", ours_download(ours_s3fs)),
-                     ("1MiB range s3fs (bare, cat_file)", s3fs_ranges),
-                     ("1MiB range tierflow FsspecStore (s3fs)", ours_ranges(ours_s3fs))]
+            runs += [
+                ("download  s3fs (bare, get_file)", s3fs_download),
+                ("download  tierflow FsspecStore (s3fs)", ours_download(ours_s3fs)),
+                ("1MiB range s3fs (bare, cat_file)", s3fs_ranges),
+                ("1MiB range tierflow FsspecStore (s3fs)", ours_ranges(ours_s3fs)),
+            ]
         rows = [measure(label, run, proxy) for label, run in runs]
 
-    print(f"\n{args.objects} objects x {args.object_mb} MiB downloaded, {args.blocks} ranged 1 MiB reads, "
-          "through the loopback proxy; moto and the proxy in other processes\n")
+    print(
+        f"\n{args.objects} objects x {args.object_mb} MiB downloaded, {args.blocks} ranged 1 MiB reads, "
+        "through the loopback proxy; moto and the proxy in other processes\n"
+    )
     header = f"{'client / operation':42} {'GB':>6} {'CPU s/GB':>9} {'vs best':>8} {'requests':>9} {'wall MB/s':>10}"
     print(header)
     print("-" * len(header))
@@ -124,8 +140,10 @@ def main() -> None:
         group = [r for r in rows if str(r["label"]).startswith(kind)]
         best = min(float(r["cpu_per_gb"]) for r in group)
         for r in group:
-            print(f"{r['label']:42} {r['gb']:6.3f} {r['cpu_per_gb']:9.3f} {float(r['cpu_per_gb']) / best:7.2f}x "
-                  f"{r['requests']:9d} {r['mb_s']:10.0f}")
+            print(
+                f"{r['label']:42} {r['gb']:6.3f} {r['cpu_per_gb']:9.3f} {float(r['cpu_per_gb']) / best:7.2f}x "
+                f"{r['requests']:9d} {r['mb_s']:10.0f}"
+            )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,17 @@ from tierflow.tiers.plan import NodeShape, plan_staging
 SHARDS = 2048
 WINDOW = 4
 STEP = 64
-NODE = NodeShape(shard_bytes=256 << 20, bytes_per_step=64 << 20, samples_per_step=STEP, min_batches=5,
-                 max_bytes=64 << 30, next_windows_bytes=4 * (256 << 20), capacity=128 << 30,
-                 dataset_bytes=SHARDS * (256 << 20), staging_slots=4)
+NODE = NodeShape(
+    shard_bytes=256 << 20,
+    bytes_per_step=64 << 20,
+    samples_per_step=STEP,
+    min_batches=5,
+    max_bytes=64 << 30,
+    next_windows_bytes=4 * (256 << 20),
+    capacity=128 << 30,
+    dataset_bytes=SHARDS * (256 << 20),
+    staging_slots=4,
+)
 
 
 def future(count: int, seed: int = 0) -> list[ShardUse]:
@@ -45,8 +53,17 @@ def us_per_plan(uses: list[ShardUse], oracle: bool, repeat: int) -> float:
     held, in_flight = {u.shard for u in uses[:16]}, {u.shard for u in uses[16:20]}
     started = time.perf_counter()
     for _ in range(repeat):
-        plan = plan_staging(uses, NODE, consumption_bytes_s=2e9, fetch_p99_s=0.2, fetch_mean_s=0.1, position=3,
-                            resident=resident, held=held, in_flight=in_flight)
+        plan = plan_staging(
+            uses,
+            NODE,
+            consumption_bytes_s=2e9,
+            fetch_p99_s=0.2,
+            fetch_mean_s=0.1,
+            position=3,
+            resident=resident,
+            held=held,
+            in_flight=in_flight,
+        )
         if oracle:
             IntervalOracle((str(shard), first, last) for shard, first, last in plan.intervals)
     return (time.perf_counter() - started) / repeat * 1e6

@@ -81,8 +81,10 @@ def build_dataset(root: Path, samples: int, shards: int, compression: str) -> tu
 
     shard_bytes = 8 * math.ceil(samples / shards)  # whole rows, so the last shard is the short one
     if shard_bytes < MIN_SHARD_BYTES:
-        raise SystemExit(f"{label(samples)} samples in {shards} shards is {shard_bytes} B a shard, below the "
-                         f"packer's 256 KB minimum; use --shards <= {8 * samples // MIN_SHARD_BYTES}")
+        raise SystemExit(
+            f"{label(samples)} samples in {shards} shards is {shard_bytes} B a shard, below the "
+            f"packer's 256 KB minimum; use --shards <= {8 * samples // MIN_SHARD_BYTES}"
+        )
     began = time.perf_counter()
     parquet = root / f"x-{label(samples)}.parquet"
     write_parquet(parquet, samples)
@@ -138,23 +140,37 @@ def child(mode: str, path: str, cursor_file: str | None, group: str) -> None:
     resident = resident_split()
     source = getattr(dataset._open().dataset, "source", None)
     loader.close()
-    print(json.dumps({
-        "import_s": imported - began,
-        "dataset_s": constructed - start,
-        "first_batch_s": arrived - start,
-        "rss_import": rss_after_import,
-        "peak_rss": peak,
-        "shards_opened": getattr(source, "opens", -1),
-        "blocks_read": getattr(source, "blocks_read", -1),
-        **resident,
-    }))
+    print(
+        json.dumps(
+            {
+                "import_s": imported - began,
+                "dataset_s": constructed - start,
+                "first_batch_s": arrived - start,
+                "rss_import": rss_after_import,
+                "peak_rss": peak,
+                "shards_opened": getattr(source, "opens", -1),
+                "blocks_read": getattr(source, "blocks_read", -1),
+                **resident,
+            }
+        )
+    )
 
 
 def build_with(src: str | None, root: Path, samples: int, shards: int, compression: str) -> tuple[Path, int, float]:
     """`build_dataset` in a child importing the tierflow of `src` (None: this one's), so each code reads
     the format its own pack writes (a newer format version is refused by an older reader)."""
-    command = [sys.executable, __file__, "--build", str(samples), "--path", str(root), "--shards", str(shards),
-               "--compression", compression]
+    command = [
+        sys.executable,
+        __file__,
+        "--build",
+        str(samples),
+        "--path",
+        str(root),
+        "--shards",
+        str(shards),
+        "--compression",
+        compression,
+    ]
     env = {**os.environ, "PYTHONPATH": src} if src is not None else None
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -165,8 +181,18 @@ def build_with(src: str | None, root: Path, samples: int, shards: int, compressi
 
 def run_child(mode: str, path: Path, cursor_file: Path, group: str, src: str | None = None) -> dict:
     """One child's figures; `src`: the tierflow source tree it imports (None: this one's)."""
-    command = [sys.executable, __file__, "--child", mode, "--path", str(path), "--cursor-file", str(cursor_file),
-               "--group", group]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--path",
+        str(path),
+        "--cursor-file",
+        str(cursor_file),
+        "--group",
+        group,
+    ]
     env = {**os.environ, "PYTHONPATH": src} if src is not None else None
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -183,60 +209,83 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def print_table(sizes: list[int], shard_counts: dict[int, int], groups: list[str], codes: list[str],
-                results: dict[tuple[str, str, str, int], list[dict]]) -> None:
+def print_table(
+    sizes: list[int],
+    shard_counts: dict[int, int],
+    groups: list[str],
+    codes: list[str],
+    results: dict[tuple[str, str, str, int], list[dict]],
+) -> None:
     mb = 1 / 2**20
     print()
-    print(f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set; shuffle: "
-          f"default = the loader's (block groups), window = group_bytes=0 (the full-window shuffle)")
-    header = (f"{'mode':<8}{'shuffle':>10}{'code':>7}{'samples':>9}{'shards':>7}  {'import s':>18}  "
-              f"{'dataset() ms':>20}  {'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  "
-              f"{'anon/file MB':>13}  {'shards read':>11}  {'blocks read':>11}")
+    print(
+        f"batch {BATCH}, resume cursor after {CURSOR_STEPS} steps; median (min-max) of each run set; shuffle: "
+        f"default = the loader's (block groups), window = group_bytes=0 (the full-window shuffle)"
+    )
+    header = (
+        f"{'mode':<8}{'shuffle':>10}{'code':>7}{'samples':>9}{'shards':>7}  {'import s':>18}  "
+        f"{'dataset() ms':>20}  {'to 1st batch ms':>20}  {'RSS after import MB':>22}  {'peak RSS MB':>22}  "
+        f"{'anon/file MB':>13}  {'shards read':>11}  {'blocks read':>11}"
+    )
     print(header)
     print("-" * len(header))
     for mode, group, code in ((m, g, c) for m in ("startup", "resume") for g in groups for c in codes):
         for samples in sizes:
             runs = results[(mode, group, code, samples)]
-            print(f"{mode:<8}{group_label(group):>10}{code:>7}{label(samples):>9}{shard_counts[samples]:>7}  "
-                  f"{spread([r['import_s'] for r in runs], '.2f', 1):>18}  "
-                  f"{spread([r['dataset_s'] for r in runs], '.1f', 1e3):>20}  "
-                  f"{spread([r['first_batch_s'] for r in runs], '.1f', 1e3):>20}  "
-                  f"{spread([r['rss_import'] for r in runs], '.0f', mb):>22}  "
-                  f"{spread([r['peak_rss'] for r in runs], '.0f', mb):>22}  "
-                  f"{statistics.median(r['rss_anon'] for r in runs) * mb:>6.0f}/"
-                  f"{statistics.median(r['rss_file'] for r in runs) * mb:<6.0f}  "
-                  f"{statistics.median(r['shards_opened'] for r in runs):>11.0f}  "
-                  f"{statistics.median(r.get('blocks_read', -1) for r in runs):>11.0f}")
+            print(
+                f"{mode:<8}{group_label(group):>10}{code:>7}{label(samples):>9}{shard_counts[samples]:>7}  "
+                f"{spread([r['import_s'] for r in runs], '.2f', 1):>18}  "
+                f"{spread([r['dataset_s'] for r in runs], '.1f', 1e3):>20}  "
+                f"{spread([r['first_batch_s'] for r in runs], '.1f', 1e3):>20}  "
+                f"{spread([r['rss_import'] for r in runs], '.0f', mb):>22}  "
+                f"{spread([r['peak_rss'] for r in runs], '.0f', mb):>22}  "
+                f"{statistics.median(r['rss_anon'] for r in runs) * mb:>6.0f}/"
+                f"{statistics.median(r['rss_file'] for r in runs) * mb:<6.0f}  "
+                f"{statistics.median(r['shards_opened'] for r in runs):>11.0f}  "
+                f"{statistics.median(r.get('blocks_read', -1) for r in runs):>11.0f}"
+            )
     small, large = sizes[0], sizes[-1]
     print()
     print(f"growth {label(small)} -> {label(large)} samples (ratio of medians; target <= {TARGET_GROWTH:.2f})")
-    print(f"{'mode':<8}{'shuffle':>10}{'code':>7}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}"
-          f"  verdict")
+    print(
+        f"{'mode':<8}{'shuffle':>10}{'code':>7}{'to 1st batch':>14}{'peak RSS':>10}{'peak - import RSS':>19}  verdict"
+    )
     for mode, group, code in ((m, g, c) for m in ("startup", "resume") for g in groups for c in codes):
         small_runs, large_runs = results[(mode, group, code, small)], results[(mode, group, code, large)]
         time_ratio = median_of(large_runs, "first_batch_s") / median_of(small_runs, "first_batch_s")
         rss_ratio = median_of(large_runs, "peak_rss") / median_of(small_runs, "peak_rss")
-        added = [statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, group, code, s)])
-                 for s in (small, large)]
+        added = [
+            statistics.median(r["peak_rss"] - r["rss_import"] for r in results[(mode, group, code, s)])
+            for s in (small, large)
+        ]
         added_ratio = added[1] / added[0] if added[0] > 0 else float("inf")
         met = time_ratio <= TARGET_GROWTH and rss_ratio <= TARGET_GROWTH
-        print(f"{mode:<8}{group_label(group):>10}{code:>7}{time_ratio:>14.2f}{rss_ratio:>10.2f}{added_ratio:>19.2f}  "
-              f"{'met' if met else 'MISSED'}")
+        print(
+            f"{mode:<8}{group_label(group):>10}{code:>7}{time_ratio:>14.2f}{rss_ratio:>10.2f}{added_ratio:>19.2f}  "
+            f"{'met' if met else 'MISSED'}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1M,10M,100M", help="comma-separated sample counts (1M, 10M, ...)")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--shards", type=int, default=30,
-                        help="fixed shard count (<= 30 so 1M int64 samples fill 256 KB shards)")
-    parser.add_argument("--compression", default="zstd",
-                        help="at-rest shard compression for pack ('none' shards are memory-mapped, like a warm L1)")
-    parser.add_argument("--group-bytes", default="default",
-                        help="comma-separated TieredDataset group_bytes to compare ('default': not passed; 0: the "
-                             "full-window shuffle)")
-    parser.add_argument("--before", default=None,
-                        help="another checkout's src/ folder, measured beside this one in the same rounds")
+    parser.add_argument(
+        "--shards", type=int, default=30, help="fixed shard count (<= 30 so 1M int64 samples fill 256 KB shards)"
+    )
+    parser.add_argument(
+        "--compression",
+        default="zstd",
+        help="at-rest shard compression for pack ('none' shards are memory-mapped, like a warm L1)",
+    )
+    parser.add_argument(
+        "--group-bytes",
+        default="default",
+        help="comma-separated TieredDataset group_bytes to compare ('default': not passed; 0: the full-window shuffle)",
+    )
+    parser.add_argument(
+        "--before", default=None, help="another checkout's src/ folder, measured beside this one in the same rounds"
+    )
     parser.add_argument("--keep", action="store_true", help="leave the datasets on disk and print where")
     parser.add_argument("--child", choices=["startup", "resume", "cursor"], help=argparse.SUPPRESS)
     parser.add_argument("--build", type=int, help=argparse.SUPPRESS)
@@ -265,25 +314,35 @@ def main() -> None:
         for code in codes:
             for samples in sizes:
                 datasets[(code, samples)], shard_counts[samples], seconds = build_with(
-                    sources[code], root / code, samples, args.shards, args.compression)
-                print(f"built {label(samples)} samples ({code}): {shard_counts[samples]} shards in {seconds:.1f} s",
-                      flush=True)
+                    sources[code], root / code, samples, args.shards, args.compression
+                )
+                print(
+                    f"built {label(samples)} samples ({code}): {shard_counts[samples]} shards in {seconds:.1f} s",
+                    flush=True,
+                )
         if len(set(shard_counts.values())) != 1:
             print(f"warning: shard counts differ across sizes: {shard_counts}", flush=True)
         cursors = {(c, g, s): root / c / f"cursor-{g}-{label(s)}.json" for c in codes for g in groups for s in sizes}
         for (code, group, samples), cursor in cursors.items():
             run_child("cursor", datasets[(code, samples)], cursor, group, sources[code])
         results: dict[tuple[str, str, str, int], list[dict]] = {
-            (m, g, c, s): [] for m in ("startup", "resume") for g in groups for c in codes for s in sizes}
+            (m, g, c, s): [] for m in ("startup", "resume") for g in groups for c in codes for s in sizes
+        }
         for run in range(args.runs):
             # interleaved, so drift on a shared machine spreads over every size, shuffle and code
             for group in groups if run % 2 == 0 else groups[::-1]:
                 for samples in sizes if run % 2 == 0 else sizes[::-1]:
                     for code in codes if run % 2 == 0 else codes[::-1]:
                         for mode in ("startup", "resume"):
-                            results[(mode, group, code, samples)].append(run_child(
-                                mode, datasets[(code, samples)], cursors[(code, group, samples)], group,
-                                sources[code]))
+                            results[(mode, group, code, samples)].append(
+                                run_child(
+                                    mode,
+                                    datasets[(code, samples)],
+                                    cursors[(code, group, samples)],
+                                    group,
+                                    sources[code],
+                                )
+                            )
             print(f"run {run + 1}/{args.runs} done", flush=True)
         print_table(sizes, shard_counts, groups, codes, results)
     finally:

@@ -30,7 +30,8 @@ import tempfile
 import time
 import timeit
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -80,7 +81,11 @@ def feed_ops_per_batch() -> dict[str, float]:
     per_batch_s = (time.perf_counter() - started) / len(batches)
     stats = feed.stats()
     # each copy counter touched this run is updated once per batch (the feed tallies a batch first)
-    touched = sum(1 for m in feed.registry.metrics() if m.kind == "counter" and m.value and m.name != "tierflow_feed_batches_total")
+    touched = sum(
+        1
+        for m in feed.registry.metrics()
+        if m.kind == "counter" and m.value and m.name != "tierflow_feed_batches_total"
+    )
     counter_ops = (touched + 1) * stats.batches
     histogram_ops = sum(h.count for h in feed.registry.metrics() if h.kind == "histogram")
     return {
@@ -114,9 +119,13 @@ def main() -> None:
         print(f"{name:<36}{best:8.0f}{median:8.0f}")
 
     ops = feed_ops_per_batch()
-    per_batch_ns = ops["counter"] * costs["counter.inc(4096)"][1] + ops["boundary"] * costs["boundary: 2 clock reads + observe"][1]
+    per_batch_ns = (
+        ops["counter"] * costs["counter.inc(4096)"][1] + ops["boundary"] * costs["boundary: 2 clock reads + observe"][1]
+    )
     print()
-    print(f"device feed, staged, 5 arrays/batch: {ops['counter']:.0f} counter ops + {ops['boundary']:.0f} boundary records per batch")
+    print(
+        f"device feed, staged, 5 arrays/batch: {ops['counter']:.0f} counter ops + {ops['boundary']:.0f} boundary records per batch"
+    )
     print(f"telemetry cost per batch: {per_batch_ns / 1000:.1f} us (median costs)")
     print()
     print(f"{'batch time':<28}{'telemetry share':>16}{'target':>8}{'met':>6}")
@@ -169,11 +178,15 @@ def on_vs_off(path: Path, l1: TierConfig, plan: dict[float, int], rounds: int) -
     favours neither); the per-round on/off ratio cancels slow drifts that medians alone keep."""
     timed_round(path, l1, True, 50, 0.0)  # warm page cache and imports
     print()
-    print(f"fresh loaders: telemetry on (default) vs Loader(telemetry=False); warm decoded local shards, "
-          f"batch {LOADER_BATCH} x {LOADER_SEQ_LEN + 1} tokens, main process; {rounds} alternating rounds; "
-          f"median (min-max)")
-    print(f"{'step ms':>7} {'batches':>7} {'on batches/s':>24} {'off batches/s':>24} {'on/off per round':>24} "
-          f"{'cost':>6} {'on us/b':>8} {'off us/b':>9} {'<=3%':>5}")
+    print(
+        f"fresh loaders: telemetry on (default) vs Loader(telemetry=False); warm decoded local shards, "
+        f"batch {LOADER_BATCH} x {LOADER_SEQ_LEN + 1} tokens, main process; {rounds} alternating rounds; "
+        f"median (min-max)"
+    )
+    print(
+        f"{'step ms':>7} {'batches':>7} {'on batches/s':>24} {'off batches/s':>24} {'on/off per round':>24} "
+        f"{'cost':>6} {'on us/b':>8} {'off us/b':>9} {'<=3%':>5}"
+    )
     for step_s, batches in plan.items():
         rates: dict[bool, list[float]] = {True: [], False: []}
         ratios = []
@@ -183,18 +196,27 @@ def on_vs_off(path: Path, l1: TierConfig, plan: dict[float, int], rounds: int) -
                 rates[on].append(rate)
             ratios.append(got[True] / got[False])
         cost = 1 - statistics.median(ratios)
-        print(f"{step_s * 1e3:>7.0f} {batches:>7} {spread(rates[True], '.0f'):>24} "
-              f"{spread(rates[False], '.0f'):>24} {spread(ratios, '.3f'):>24} {cost:>6.1%} "
-              f"{1e6 / statistics.median(rates[True]):>8.1f} {1e6 / statistics.median(rates[False]):>9.1f} "
-              f"{'yes' if cost <= 0.03 else 'NO':>5}")
+        print(
+            f"{step_s * 1e3:>7.0f} {batches:>7} {spread(rates[True], '.0f'):>24} "
+            f"{spread(rates[False], '.0f'):>24} {spread(ratios, '.3f'):>24} {cost:>6.1%} "
+            f"{1e6 / statistics.median(rates[True]):>8.1f} {1e6 / statistics.median(rates[False]):>9.1f} "
+            f"{'yes' if cost <= 0.03 else 'NO':>5}"
+        )
     print("cost = 1 - median per-round on/off ratio; with no step it is the worst case (the loop is all loader)")
 
 
 def steady_on_vs_off(path: Path, l1: TierConfig, chunks: int, chunk_batches: int) -> None:
     """CPU per batch of a Loader with telemetry on and one with it off, both alive, read in alternating
     chunks (the order swapped every other chunk); no step, so the loop is all loader."""
-    loaders = {on: Loader(warm_dataset(path, l1, batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4),
-                          "cpu", telemetry=on, endless=True) for on in (True, False)}
+    loaders = {
+        on: Loader(
+            warm_dataset(path, l1, batch_size=LOADER_BATCH, seq_len=LOADER_SEQ_LEN, partitions=4),
+            "cpu",
+            telemetry=on,
+            endless=True,
+        )
+        for on in (True, False)
+    }
     try:
         batches = {on: iter(loader) for on, loader in loaders.items()}
         for it in batches.values():
@@ -220,16 +242,24 @@ def steady_on_vs_off(path: Path, l1: TierConfig, chunks: int, chunk_batches: int
     quartiles = statistics.quantiles(ratios, n=4)
     totals = sum(per_batch[True]) / sum(per_batch[False]) - 1
     print()
-    print(f"steady state: a Loader with telemetry on and one with it off side by side, no step, {chunks} alternating "
-          f"chunks of {chunk_batches} batches; CPU us per batch, median (min-max)")
-    print(f"{'on us/batch':>24} {'off us/batch':>24} {'on - off us':>22} {'on/off per chunk pair':>26} "
-          f"{'(p25-p75)':>15} {'cost':>6} {'<=3%':>5} {'totals':>7}")
-    print(f"{spread(per_batch[True], '.1f', 1e6):>24} {spread(per_batch[False], '.1f', 1e6):>24} "
-          f"{spread(extra, '.1f', 1e6):>22} {spread(ratios, '.3f'):>26} "
-          f"{f'({quartiles[0]:.3f}-{quartiles[2]:.3f})':>15} {cost:>6.1%} {'yes' if cost <= 0.03 else 'NO':>5} "
-          f"{totals:>7.1%}")
-    print("cost = median per-chunk-pair on/off ratio - 1 (issue 17's target: <= 3%); totals = on CPU / off CPU - 1 "
-          "over all chunks")
+    print(
+        f"steady state: a Loader with telemetry on and one with it off side by side, no step, {chunks} alternating "
+        f"chunks of {chunk_batches} batches; CPU us per batch, median (min-max)"
+    )
+    print(
+        f"{'on us/batch':>24} {'off us/batch':>24} {'on - off us':>22} {'on/off per chunk pair':>26} "
+        f"{'(p25-p75)':>15} {'cost':>6} {'<=3%':>5} {'totals':>7}"
+    )
+    print(
+        f"{spread(per_batch[True], '.1f', 1e6):>24} {spread(per_batch[False], '.1f', 1e6):>24} "
+        f"{spread(extra, '.1f', 1e6):>22} {spread(ratios, '.3f'):>26} "
+        f"{f'({quartiles[0]:.3f}-{quartiles[2]:.3f})':>15} {cost:>6.1%} {'yes' if cost <= 0.03 else 'NO':>5} "
+        f"{totals:>7.1%}"
+    )
+    print(
+        "cost = median per-chunk-pair on/off ratio - 1 (issue 17's target: <= 3%); totals = on CPU / off CPU - 1 "
+        "over all chunks"
+    )
 
 
 def opcode_tracer(counted: collections.Counter[str]) -> Callable[[Any, str, Any], Any]:
@@ -243,6 +273,7 @@ def opcode_tracer(counted: collections.Counter[str]) -> Callable[[Any, str, Any]
             if event == "opcode":
                 counted[where] += 1
             return opcode
+
         return opcode
 
     return trace
@@ -271,8 +302,10 @@ def opcodes_on_vs_off(batches: int = 512, top: int = 8) -> None:
         finally:
             remove_l1(l1)
     on, off = counts[True], counts[False]
-    print(f"Python opcodes per batch, {batches} warm batches, no step: on {sum(on.values()) / batches:.0f}, "
-          f"off {sum(off.values()) / batches:.0f}, on - off {(sum(on.values()) - sum(off.values())) / batches:.0f}")
+    print(
+        f"Python opcodes per batch, {batches} warm batches, no step: on {sum(on.values()) / batches:.0f}, "
+        f"off {sum(off.values()) / batches:.0f}, on - off {(sum(on.values()) - sum(off.values())) / batches:.0f}"
+    )
     for where in sorted(set(on) | set(off), key=lambda w: off[w] - on[w])[:top]:
         print(f"{(on[where] - off[where]) / batches:>8.1f}  {where}")
 

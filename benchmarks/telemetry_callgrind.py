@@ -51,11 +51,24 @@ def main(keep: str | None) -> None:
             runs = {}
             for mode in ("on", "off"):
                 runs[mode] = subprocess.Popen(
-                    ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
-                     f"--callgrind-out-file={out / f'callgrind.{mode}'}", sys.executable, __file__, "--child",
-                     str(path), l1.path, mode],
-                    env={**os.environ, "PYTHONHASHSEED": "0"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                    text=True)
+                    [
+                        "valgrind",
+                        "--tool=callgrind",
+                        "--collect-atstart=no",
+                        "--toggle-collect=functools_reduce",
+                        f"--callgrind-out-file={out / f'callgrind.{mode}'}",
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        str(path),
+                        l1.path,
+                        mode,
+                    ],
+                    env={**os.environ, "PYTHONHASHSEED": "0"},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
             counted = {}
             for mode, run in runs.items():
                 _, err = run.communicate()
@@ -66,8 +79,10 @@ def main(keep: str | None) -> None:
         finally:
             remove_l1(l1)
     on, off = counted["on"], counted["off"]
-    print(f"instructions per batch, {BATCHES} warm batches, inline feed, no step (callgrind): "
-          f"on {on / 1e3:.1f}k, off {off / 1e3:.1f}k, on - off {(on - off) / 1e3:.1f}k ({on / off - 1:.2%})")
+    print(
+        f"instructions per batch, {BATCHES} warm batches, inline feed, no step (callgrind): "
+        f"on {on / 1e3:.1f}k, off {off / 1e3:.1f}k, on - off {(on - off) / 1e3:.1f}k ({on / off - 1:.2%})"
+    )
 
 
 if __name__ == "__main__":

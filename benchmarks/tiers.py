@@ -32,7 +32,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -60,8 +60,9 @@ def write_corpus(path: Path, text_bytes: int, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
     vocab_size = 20_000
-    vocab = np.array([bytes(rng.choice(letters, int(rng.integers(2, 11)))).decode() for _ in range(vocab_size)],
-                     dtype=object)
+    vocab = np.array(
+        [bytes(rng.choice(letters, int(rng.integers(2, 11)))).decode() for _ in range(vocab_size)], dtype=object
+    )
     weights = 1.0 / np.arange(1, vocab_size + 1) ** 1.1
     words_needed = text_bytes // 6 + 1
     stream = vocab[rng.choice(vocab_size, size=words_needed, p=weights / weights.sum())]
@@ -72,7 +73,7 @@ def write_corpus(path: Path, text_bytes: int, seed: int = 0) -> int:
         for length in lengths:
             if start >= words_needed:
                 break
-            out.write(json.dumps({"text": " ".join(stream[start:start + length])}) + "\n")
+            out.write(json.dumps({"text": " ".join(stream[start : start + length])}) + "\n")
             start += int(length)
             documents += 1
     return documents
@@ -85,8 +86,9 @@ def pack_datasets(root: Path, text_mb: int, shard_mb: int) -> tuple[Path, Path]:
     packed = {}
     for compression in ("zstd", "none"):
         out = root / f"packed-{compression}"
-        tierflow.pack([str(corpus)], out, workers=2, target_shard_bytes=shard_mb << 20, tokenizer="bytes",
-                      compression=compression)
+        tierflow.pack(
+            [str(corpus)], out, workers=2, target_shard_bytes=shard_mb << 20, tokenizer="bytes", compression=compression
+        )
         packed[compression] = out
     corpus.unlink()
     return packed["zstd"], packed["none"]
@@ -107,7 +109,7 @@ def read_every_sample(dataset: Dataset, order: list[int], buffer: np.ndarray) ->
     cpu, wall = time.process_time(), time.perf_counter()
     for index in order:
         tokens = dataset[index]["tokens"]
-        buffer[:len(tokens)] = tokens
+        buffer[: len(tokens)] = tokens
         moved += tokens.nbytes
     return time.perf_counter() - wall, time.process_time() - cpu, moved
 
@@ -119,7 +121,7 @@ def read_token_windows(dataset: Dataset, windows: list[tuple[int, int]], buffer:
     wall = time.perf_counter()
     for start, stop in windows:
         tokens = dataset.tokens(start, stop)
-        buffer[:len(tokens)] = tokens
+        buffer[: len(tokens)] = tokens
         moved += tokens.nbytes
     return time.perf_counter() - wall, moved
 
@@ -145,8 +147,13 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
         return build_stack(str(zstd_dir), [TierConfig("L2", str(l2_at_rest), TIER_CAPACITY, form="at_rest")])
 
     def l1_stack() -> TierStack:
-        return build_stack(str(zstd_dir), [TierConfig("L1", str(l1), TIER_CAPACITY, form="decoded"),
-                                           TierConfig("L2", str(l2_decoded), TIER_CAPACITY, form="decoded")])
+        return build_stack(
+            str(zstd_dir),
+            [
+                TierConfig("L1", str(l1), TIER_CAPACITY, form="decoded"),
+                TierConfig("L2", str(l2_decoded), TIER_CAPACITY, form="decoded"),
+            ],
+        )
 
     configs: dict[str, Callable[[], Dataset]] = {
         L2_DECODED: lambda: l2_decoded_stack().dataset(),
@@ -168,13 +175,17 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
     buffer = np.empty(largest, dtype=reference[0]["tokens"].dtype)
     rng = random.Random(1)
     results: dict[str, dict[str, list[float]]] = {
-        name: {"gbs": [], "us": [], "cpu_us": [], "opens": [], "window_gbs": [], "open_ms": []} for name in configs}
+        name: {"gbs": [], "us": [], "cpu_us": [], "opens": [], "window_gbs": [], "open_ms": []} for name in configs
+    }
     for round_number in range(rounds):
         chosen = rng.sample(range(shards), subset)
         order = [i for s in chosen for i in range(int(starts[s]), int(starts[s + 1]))]
         rng.shuffle(order)
-        windows = [(start, min(start + WINDOW_TOKENS, int(token_starts[s + 1]))) for s in chosen
-                   for start in range(int(token_starts[s]), int(token_starts[s + 1]), WINDOW_TOKENS)]
+        windows = [
+            (start, min(start + WINDOW_TOKENS, int(token_starts[s + 1])))
+            for s in chosen
+            for start in range(int(token_starts[s]), int(token_starts[s + 1]), WINDOW_TOKENS)
+        ]
         rng.shuffle(windows)
         for name in round_order(round_number, list(configs)):
             r = results[name]
@@ -197,21 +208,29 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
                 fresh.shard(s)
             r["open_ms"].append((time.perf_counter() - began) / len(chosen) * 1e3)
     bound = results[PAGE_CACHE]
-    print(f"\n1. Warm reads of {subset} random shards of {shards} per round ({moved / MB:.0f} MB of tokens), "
-          f"a fresh stack per pass; median (min-max) of {rounds} alternating rounds")
+    print(
+        f"\n1. Warm reads of {subset} random shards of {shards} per round ({moved / MB:.0f} MB of tokens), "
+        f"a fresh stack per pass; median (min-max) of {rounds} alternating rounds"
+    )
     print("   per sample: every sample in random order, tokens copied into a batch buffer (opens included)")
-    print(f"   windows: the same shards' token stream in {WINDOW_TOKENS >> 20}M-token windows, random order, "
-          f"shards opened beforehand (the medium alone)")
+    print(
+        f"   windows: the same shards' token stream in {WINDOW_TOKENS >> 20}M-token windows, random order, "
+        f"shards opened beforehand (the medium alone)"
+    )
     print("   ms/open: first access of each shard on a fresh stack (verify, map or decode)")
-    print(f"{'configuration':<36} {'per sample GB/s':>16} {'us/sample':>17} {'CPU us/sample':>17} {'x page':>6} "
-          f"{'opens':>5} {'windows GB/s':>16} {'x page':>6} {'ms/open':>16}")
+    print(
+        f"{'configuration':<36} {'per sample GB/s':>16} {'us/sample':>17} {'CPU us/sample':>17} {'x page':>6} "
+        f"{'opens':>5} {'windows GB/s':>16} {'x page':>6} {'ms/open':>16}"
+    )
     for name, r in results.items():
-        print(f"{name:<36} {spread(r['gbs'], '.2f'):>16} {spread(r['us'], '.1f'):>17} "
-              f"{spread(r['cpu_us'], '.1f'):>17} "
-              f"{statistics.median(r['gbs']) / statistics.median(bound['gbs']):>6.2f} "
-              f"{statistics.median(r['opens']):>5.0f} {spread(r['window_gbs'], '.2f'):>16} "
-              f"{statistics.median(r['window_gbs']) / statistics.median(bound['window_gbs']):>6.2f} "
-              f"{spread(r['open_ms'], '.1f'):>16}")
+        print(
+            f"{name:<36} {spread(r['gbs'], '.2f'):>16} {spread(r['us'], '.1f'):>17} "
+            f"{spread(r['cpu_us'], '.1f'):>17} "
+            f"{statistics.median(r['gbs']) / statistics.median(bound['gbs']):>6.2f} "
+            f"{statistics.median(r['opens']):>5.0f} {spread(r['window_gbs'], '.2f'):>16} "
+            f"{statistics.median(r['window_gbs']) / statistics.median(bound['window_gbs']):>6.2f} "
+            f"{spread(r['open_ms'], '.1f'):>16}"
+        )
     print(f"   (opens: shard opens in the per-sample pass, {subset} = each shard once)")
     l1, l2 = results[L1_DECODED], results[L2_DECODED]
     verdicts = []
@@ -219,8 +238,10 @@ def warm_reads(zstd_dir: Path, plain_dir: Path, work: Path, shm: Path, rounds: i
         ratio = statistics.median(l1[key]) / statistics.median(l2[key])
         beats = min(l1[key]) > max(l2[key])
         verdicts.append(beats)
-        print(f"L1 / L2 decoded, {label}: {ratio:.2f} (median); {'beats' if beats else 'does not beat'} "
-              f"L2 decoded + page cache outside the spread of rounds")
+        print(
+            f"L1 / L2 decoded, {label}: {ratio:.2f} (median); {'beats' if beats else 'does not beat'} "
+            f"L2 decoded + page cache outside the spread of rounds"
+        )
     print(f"-> L1 {'may be on by default' if all(verdicts) else 'stays opt-in'} on this machine")
 
 
@@ -247,13 +268,15 @@ def cold_staging(zstd_dir: Path, work: Path, throttles_mb: list[float], rounds: 
         url = rig.upload(zstd_dir, "ds")
         for throttle in throttles_mb:
             proxy.set_bandwidth(throttle * MB if throttle else None)
-            measured: dict[str, dict[str, list[float]]] = {f: {"rate": [], "cpu": [], "cores": [], "wire": []}
-                                                           for f in ("at_rest", "decoded")}
+            measured: dict[str, dict[str, list[float]]] = {
+                f: {"rate": [], "cpu": [], "cores": [], "wire": []} for f in ("at_rest", "decoded")
+            }
             for round_number in range(rounds):
                 for form in round_order(round_number, ["at_rest", "decoded"]):
                     root = work / f"stage-{throttle:g}-{round_number}-{form}"
-                    stack = build_stack(url, [TierConfig("L2", str(root), TIER_CAPACITY, form=form)],
-                                        endpoint_url=proxy.url)
+                    stack = build_stack(
+                        url, [TierConfig("L2", str(root), TIER_CAPACITY, form=form)], endpoint_url=proxy.url
+                    )
                     stack.manifest()
                     proxy.reset_counters()
                     cpu, wall = time.process_time(), time.perf_counter()
@@ -267,12 +290,16 @@ def cold_staging(zstd_dir: Path, work: Path, throttles_mb: list[float], rounds: 
                     m["wire"].append(wire / at_rest_bytes)
                     shutil.rmtree(root)
             rows.append((throttle, measured))
-    print(f"\n2+3. Cold staging of all {len(manifest.shards)} shards ({at_rest_bytes / MB:.0f} MB at rest, "
-          f"{decoded_bytes / MB:.0f} MB decoded) from moto S3 behind a throttled proxy into an empty L2, "
-          f"{threads} threads calling stack.ensure; median (min-max) of {rounds} alternating rounds")
+    print(
+        f"\n2+3. Cold staging of all {len(manifest.shards)} shards ({at_rest_bytes / MB:.0f} MB at rest, "
+        f"{decoded_bytes / MB:.0f} MB decoded) from moto S3 behind a throttled proxy into an empty L2, "
+        f"{threads} threads calling stack.ensure; median (min-max) of {rounds} alternating rounds"
+    )
     print("   CPU: process CPU time of this process (all its threads) while staging; stored = bytes written to L2")
-    print(f"{'throttle MB/s':>13} {'L2 form':>8} {'staged MB/s':>20} {'of throttle':>11} {'>=90%':>5} "
-          f"{'CPU s/GB fetched':>20} {'CPU s/GB stored':>15} {'CPU cores':>9} {'wire/shards':>11}")
+    print(
+        f"{'throttle MB/s':>13} {'L2 form':>8} {'staged MB/s':>20} {'of throttle':>11} {'>=90%':>5} "
+        f"{'CPU s/GB fetched':>20} {'CPU s/GB stored':>15} {'CPU cores':>9} {'wire/shards':>11}"
+    )
     for throttle, measured in rows:
         for form, m in measured.items():
             stored = at_rest_bytes if form == "at_rest" else decoded_bytes
@@ -282,9 +309,11 @@ def cold_staging(zstd_dir: Path, work: Path, throttles_mb: list[float], rounds: 
                 limit, of_limit, verdict = f"{throttle:.0f}", f"{share:.1%}", "met" if share >= 0.9 else "MISS"
             else:
                 limit, of_limit, verdict = "none (rig)", "-", "-"
-            print(f"{limit:>13} {form:>8} {spread(m['rate'], '.1f'):>20} {of_limit:>11} {verdict:>5} "
-                  f"{spread(m['cpu'], '.2f'):>20} {per_stored:>15.2f} "
-                  f"{statistics.median(m['cores']):>9.2f} {statistics.median(m['wire']):>11.3f}")
+            print(
+                f"{limit:>13} {form:>8} {spread(m['rate'], '.1f'):>20} {of_limit:>11} {verdict:>5} "
+                f"{spread(m['cpu'], '.2f'):>20} {per_stored:>15.2f} "
+                f"{statistics.median(m['cores']):>9.2f} {statistics.median(m['wire']):>11.3f}"
+            )
 
 
 # ---------------------------------------------------------------- main
@@ -296,8 +325,11 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=int, default=12, help="decoded shard size")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--subset", type=int, default=8, help="shards read per warm-read round")
-    parser.add_argument("--throttles", default="50,100,200,0",
-                        help="proxy bandwidths, MB/s; 0 = unthrottled, the rig's own ceiling on this machine")
+    parser.add_argument(
+        "--throttles",
+        default="50,100,200,0",
+        help="proxy bandwidths, MB/s; 0 = unthrottled, the rig's own ceiling on this machine",
+    )
     parser.add_argument("--threads", type=int, default=3, help="staging threads")
     parser.add_argument("--skip", choices=("reads", "staging"), help="leave one part out")
     args = parser.parse_args()
@@ -305,16 +337,20 @@ def main() -> None:
 
     began = time.perf_counter()
     shm_base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="tierbench-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="tierbench-", dir=shm_base) as shm:
+    with (
+        tempfile.TemporaryDirectory(prefix="tierbench-") as tmp,
+        tempfile.TemporaryDirectory(prefix="tierbench-", dir=shm_base) as shm,
+    ):
         work = Path(tmp)
         zstd_dir, plain_dir = pack_datasets(work, args.text_mb, args.shard_mb)
         reference = open_dataset(zstd_dir)
         infos = reference.manifest.shards
-        print(f"dataset: {len(infos)} shards, {len(reference)} samples, {reference.num_tokens / 1e6:.0f} M uint16 "
-              f"tokens; {sum(s.decoded_bytes for s in infos) / MB:.0f} MB decoded, "
-              f"{sum(s.bytes for s in infos) / MB:.0f} MB zstd; packed in {time.perf_counter() - began:.0f} s; "
-              f"L1 on {shm}, L2 on {tmp}; {os.cpu_count()} CPUs")
+        print(
+            f"dataset: {len(infos)} shards, {len(reference)} samples, {reference.num_tokens / 1e6:.0f} M uint16 "
+            f"tokens; {sum(s.decoded_bytes for s in infos) / MB:.0f} MB decoded, "
+            f"{sum(s.bytes for s in infos) / MB:.0f} MB zstd; packed in {time.perf_counter() - began:.0f} s; "
+            f"L1 on {shm}, L2 on {tmp}; {os.cpu_count()} CPUs"
+        )
         if args.skip != "reads":
             warm_reads(zstd_dir, plain_dir, work, Path(shm), args.rounds, args.subset)
         if args.skip != "staging":

@@ -48,8 +48,11 @@ def main() -> None:
     os.environ.update(fake_credentials_env())
     tmp = Path(tempfile.mkdtemp(prefix="url-reads-"))
     raw = write_corpus(tmp / "raw.jsonl", docs=args.docs, seed=1)
-    options = {k: v for k, v in {"target_shard_bytes": size(args.shard_bytes),
-                                 "block_bytes": size(args.block_bytes)}.items() if v is not None}
+    options = {
+        k: v
+        for k, v in {"target_shard_bytes": size(args.shard_bytes), "block_bytes": size(args.block_bytes)}.items()
+        if v is not None
+    }
     tierflow.pack([raw], tmp / "ds", workers=1, tokenizer="bytes", **options)
     shards = sorted((tmp / "ds").glob("shard-*"))
     total = sum(p.stat().st_size for p in shards)
@@ -68,19 +71,33 @@ def main() -> None:
                 n = 1 + sum(1 for _ in it)
                 seconds = time.perf_counter() - started
             epoch = proxy.traffic()
-            rounds.append({"first_gets": first.requests("GET", "shard-"),
-                           "first_bytes": first.response_bytes("GET", "shard-"),
-                           "gets": epoch.requests("GET", "shard-"), "bytes": epoch.response_bytes("GET", "shard-"),
-                           "seconds": seconds, "batches": n})
+            rounds.append(
+                {
+                    "first_gets": first.requests("GET", "shard-"),
+                    "first_bytes": first.response_bytes("GET", "shard-"),
+                    "gets": epoch.requests("GET", "shard-"),
+                    "bytes": epoch.response_bytes("GET", "shard-"),
+                    "seconds": seconds,
+                    "batches": n,
+                }
+            )
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    print(f"dataset: {len(shards)} shards, {blocks} blocks, {total / 1e6:.2f} MB at rest "
-          f"(corpus {raw.stat().st_size / 1e6:.1f} MB, options {options or 'defaults'})")
-    print(f"first batch: {med['first_gets']:.0f} GETs, {med['first_bytes'] / 1e6:.3f} MB; "
-          f"epoch ({med['batches']:.0f} batches): {med['gets']:.0f} GETs, {med['bytes'] / 1e6:.3f} MB, "
-          f"{med['seconds']:.2f} s (median of {len(rounds)}; seconds {[round(r['seconds'], 2) for r in rounds]})")
+    print(
+        f"dataset: {len(shards)} shards, {blocks} blocks, {total / 1e6:.2f} MB at rest "
+        f"(corpus {raw.stat().st_size / 1e6:.1f} MB, options {options or 'defaults'})"
+    )
+    print(
+        f"first batch: {med['first_gets']:.0f} GETs, {med['first_bytes'] / 1e6:.3f} MB; "
+        f"epoch ({med['batches']:.0f} batches): {med['gets']:.0f} GETs, {med['bytes'] / 1e6:.3f} MB, "
+        f"{med['seconds']:.2f} s (median of {len(rounds)}; seconds {[round(r['seconds'], 2) for r in rounds]})"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"shards": len(shards), "blocks": blocks, "bytes": total,
-                                               "options": options, "rounds": rounds}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"shards": len(shards), "blocks": blocks, "bytes": total, "options": options, "rounds": rounds},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

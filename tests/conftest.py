@@ -90,8 +90,9 @@ def long_tailed_docs(tmp_path_factory: pytest.TempPathFactory) -> str:
             text = (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()  # n random letters
             f.write(json.dumps({"id": i, "text": text, "blob": "x" * (i % 7)}) + "\n")
     out = root / "ds"
-    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1,
-                  target_shard_bytes=256 << 10)
+    tierflow.pack(
+        [root / "docs.jsonl"], out, tokenizer="bytes", keep_text=True, workers=1, target_shard_bytes=256 << 10
+    )
     return str(out)
 
 
@@ -102,8 +103,12 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     def mount(size: str) -> Path:
         path = tmp_path / f"tmpfs-{len(mounted)}"
         path.mkdir()
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode != 0:
+        if (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+            ).returncode
+            != 0
+        ):
             if os.environ.get("CI") == "true":
                 pytest.fail("cannot mount a tmpfs for a full-disk test, and CI must not skip it")
             pytest.skip("mounting a tmpfs is refused here (needs root)")

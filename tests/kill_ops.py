@@ -19,9 +19,9 @@ import tierflow
 from tierflow.checkpoint import CheckpointStore
 from tierflow.tiers import build_stack
 
+
 def pack(corpus: str, out: str, overwrite: bool = False, workers: int = 1) -> None:
-    tierflow.pack([corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=workers,
-                  overwrite=overwrite)
+    tierflow.pack([corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=workers, overwrite=overwrite)
 
 
 def tier_specs(root: str | Path) -> list[str]:
@@ -35,8 +35,14 @@ def epoch_digests(l4: str, tiers: list[str]) -> list[str]:
 
     loader = tierflow.open_loader(l4, tiers=tiers, batch_size=32, seq_len=128)
     try:
-        return [xxhash.xxh3_64_hexdigest(b"".join(v.numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode()
-                                                  for _, v in sorted(batch.items()))) for batch in loader]
+        return [
+            xxhash.xxh3_64_hexdigest(
+                b"".join(
+                    v.numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode() for _, v in sorted(batch.items())
+                )
+            )
+            for batch in loader
+        ]
     finally:
         loader.close()
 
@@ -52,12 +58,23 @@ def fill(l4: str, tiers: list[str], how: str) -> None:
 def step_files(step: int) -> dict[str, bytes]:
     """What the training code writes for a step; a checkpoint of step s must hold exactly these."""
     rng = random.Random(step)
-    return {"model.bin": rng.randbytes(300_000), "opt/state.bin": rng.randbytes(40_000),
-            "loader.json": json.dumps({"step": step}).encode()}
+    return {
+        "model.bin": rng.randbytes(300_000),
+        "opt/state.bin": rng.randbytes(40_000),
+        "loader.json": json.dumps({"step": step}).encode(),
+    }
 
 
-def checkpoint(dest: str, local: str, start: int, steps: int, keep_last: int | None,
-               rate: float | None = None, budget: str | None = None, then_sleep: float = 0.0) -> None:
+def checkpoint(
+    dest: str,
+    local: str,
+    start: int,
+    steps: int,
+    keep_last: int | None,
+    rate: float | None = None,
+    budget: str | None = None,
+    then_sleep: float = 0.0,
+) -> None:
     """Steps start .. start+steps-1 written, committed and uploaded (the real uploader process);
     `rate` (bytes/s, a budget file at `budget`) throttles the uploads; `then_sleep`: seconds to
     wait after the last commit, before waiting for the uploads (a trainer killed there has its

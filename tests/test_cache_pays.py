@@ -24,8 +24,9 @@ COUNTS = [int(c) for c in np.random.default_rng(21).integers(3, 60, size=37)]  #
 @pytest.mark.parametrize("lanes", [None, 1, 3])
 @pytest.mark.parametrize("remainder", ["carry", "pad"])
 def test_every_sample_is_drawn_at_the_same_rate(lanes, remainder):
-    order = SampleOrder(COUNTS, dataset_id="rate", seed=3, partitions=8, window_shards=2, lanes=lanes,
-                        remainder=remainder)
+    order = SampleOrder(
+        COUNTS, dataset_id="rate", seed=3, partitions=8, window_shards=2, lanes=lanes, remainder=remainder
+    )
     stream = RankStream(order, order.start(), batch_size=7)
     total = sum(COUNTS)
     drawn = np.zeros(total, dtype=np.int64)
@@ -224,8 +225,10 @@ def test_two_jobs_sharing_one_l2_do_not_thrash_each_other(tmp_path, tokens_on_s3
 
     def jobs(l2, seeds):
         proxy.reset_counters()
-        running = [subprocess.Popen([sys.executable, "-c", JOB, url, proxy.url, str(l2), str(capacity), str(seed)],
-                                    env=env) for seed in seeds]
+        running = [
+            subprocess.Popen([sys.executable, "-c", JOB, url, proxy.url, str(l2), str(capacity), str(seed)], env=env)
+            for seed in seeds
+        ]
         assert all(p.wait(timeout=300) == 0 for p in running)
         return proxy.traffic().response_bytes(method="GET")
 
@@ -255,26 +258,36 @@ def test_the_same_seed_gives_the_same_batches_with_no_tier_and_any_tier(tokens, 
     assert reference.working_set.reading > 1
     _, bare = _first_batches(build_stack(str(tokens)).dataset())
     assert np.array_equal(bare, ids)
-    for i, (capacity, form) in enumerate([(0.05 * at_rest, "at_rest"), (0.30 * at_rest, "at_rest"),
-                                          (1.20 * at_rest, "at_rest"), (0.30 * at_rest, "decoded"),
-                                          (20 * decoded, "decoded")]):
+    for i, (capacity, form) in enumerate(
+        [
+            (0.05 * at_rest, "at_rest"),
+            (0.30 * at_rest, "at_rest"),
+            (1.20 * at_rest, "at_rest"),
+            (0.30 * at_rest, "decoded"),
+            (20 * decoded, "decoded"),
+        ]
+    ):
         stack = build_stack(str(tokens), [TierConfig("L2", str(tmp_path / f"l2-{i}"), int(capacity), form=form)])
         ds, got = _first_batches(stack.dataset())
-        assert (ds.working_set.lanes, ds.working_set.window_shards) == (reference.working_set.lanes,
-                                                                       reference.working_set.window_shards)
+        assert (ds.working_set.lanes, ds.working_set.window_shards) == (
+            reference.working_set.lanes,
+            reference.working_set.window_shards,
+        )
         assert ds.order.config_hash == reference.order.config_hash, (capacity, form)
         assert np.array_equal(got, ids), (capacity, form)
         stack.close()
     # options the user sets are what changes the order, and a saved cursor resumes its own
     narrow, other = _first_batches(str(tokens), lanes=1, window_shards=1)
     assert not np.array_equal(other, ids)
-    resumed = TieredDataset(str(tokens), BatchSpec(batch_size=16, seq_len=128), OrderSpec(seed=11),
-                            resume=next(iter(narrow)).meta.cursor)
+    resumed = TieredDataset(
+        str(tokens), BatchSpec(batch_size=16, seq_len=128), OrderSpec(seed=11), resume=next(iter(narrow)).meta.cursor
+    )
     assert (resumed.working_set.lanes, resumed.working_set.window_shards) == (1, 1)
 
 
-def test_the_staging_area_holds_the_working_set_at_rest_where_ram_is_short_and_the_order_stays(tokens, tmp_path,
-                                                                                               monkeypatch, caplog):
+def test_the_staging_area_holds_the_working_set_at_rest_where_ram_is_short_and_the_order_stays(
+    tokens, tmp_path, monkeypatch, caplog
+):
     """The cache adapts to the order: with little memory headroom the staging area keeps the working
     set in its at-rest form (and says so) instead of the order narrowing; the batches are the same."""
     import tierflow.tiers.stack as stack_module
@@ -297,8 +310,23 @@ def test_plan_states_sizes_against_the_bytes_at_rest_and_predicts_each_form(toke
     from tierflow.commands.cli import main
 
     monkeypatch.setenv("COLUMNS", "250")  # rich wraps table headers to the terminal's width
-    assert main(["plan", str(tokens), "--tier", f"L2={tmp_path / 'l2'}:30%", "--batch-size", "16",
-                 "--seq-len", "128", "--epochs", "2"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(tokens),
+                "--tier",
+                f"L2={tmp_path / 'l2'}:30%",
+                "--batch-size",
+                "16",
+                "--seq-len",
+                "128",
+                "--epochs",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "30% of the dataset at rest" in out and "form at_rest" in out
     assert "at_rest from below (this tier)" in out and "decoded from below" in out

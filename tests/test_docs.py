@@ -96,8 +96,11 @@ def test_cli_reference_is_generated_from_the_current_parser() -> None:
     expected = gen_cli.build()
     actual = (DOCS / "cli.md").read_text(encoding="utf-8")
     if actual != expected:
-        diff = "".join(list(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True),
-                                                 "docs/cli.md", "generated"))[:60])
+        diff = "".join(
+            list(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True), "docs/cli.md", "generated"))[
+                :60
+            ]
+        )
         pytest.fail(f"docs/cli.md is behind the CLI's parser: run `make docs` and commit docs/cli.md\n{diff}")
 
 
@@ -137,10 +140,13 @@ def run_tested_blocks(page: Path, cwd: Path, env: dict[str, str] | None = None, 
     child_env = {**os.environ, **(env or {})}
     src = str(Path(__file__).resolve().parents[1] / "src")
     child_env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [child_env.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, script.name], cwd=cwd, env=child_env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, (f"the `python tested` blocks of docs/{page.name} failed (rc {proc.returncode}); "
-                                  f"the script is {script}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+    proc = subprocess.run(
+        [sys.executable, script.name], cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"the `python tested` blocks of docs/{page.name} failed (rc {proc.returncode}); "
+        f"the script is {script}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    )
     return proc.stdout
 
 

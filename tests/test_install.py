@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ROUND_TRIP = r'''
+ROUND_TRIP = r"""
 import importlib.util, sys
 from tierflow.storage.remote import open_store
 
@@ -21,12 +21,13 @@ source = open_store(sys.argv[1], endpoint_url=sys.argv[2])
 source.upload(sys.argv[3], "blob")
 assert source.read_bytes("blob") == open(sys.argv[3], "rb").read()
 print("round trip ok")
-'''
+"""
 
 
 def _pip(venv: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _versions(venv: Path, *names: str) -> dict[str, str]:
@@ -43,8 +44,13 @@ def test_the_s3_extra_installs_next_to_the_current_boto3_and_pip_check_passes(tm
     if upgraded.returncode != 0:
         pytest.skip(f"the package index is unreachable (pip install -U pip failed): {upgraded.stderr[-500:]}")
     tree = tmp_path / "tierflow"  # a copy: building in place would leave build/ and egg-info in the checkout
-    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info",
-                                                              "__pycache__", ".pytest_cache", ".hypothesis"))
+    shutil.copytree(
+        ROOT,
+        tree,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"
+        ),
+    )
     users = _pip(venv, "install", "-q", "boto3")  # the user's environment: the current boto3, first
     if users.returncode != 0:
         pytest.skip(f"the package index is unreachable (pip install boto3 failed): {users.stderr[-500:]}")
@@ -60,7 +66,19 @@ def test_the_s3_extra_installs_next_to_the_current_boto3_and_pip_check_passes(tm
     blob.write_bytes(os.urandom(100_000))
     env = {**os.environ, **s3_server.endpoint.env()}
     env.pop("PYTHONPATH", None)  # the venv's own tierflow, not this checkout's
-    run = subprocess.run([str(venv / "bin" / "python"), "-c", ROUND_TRIP, f"s3://{s3_bucket}/install",
-                          s3_server.endpoint_url, str(blob)], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=tmp_path)
+    run = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            ROUND_TRIP,
+            f"s3://{s3_bucket}/install",
+            s3_server.endpoint_url,
+            str(blob),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0 and "round trip ok" in run.stdout, run.stderr

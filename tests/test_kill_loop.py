@@ -98,8 +98,18 @@ def tally(results: list[RunResult], name: str = "", seed: int = 0) -> str:
     report = os.environ.get("TIERFLOW_FAULTS_REPORT")
     if report and name:
         with open(report, "a") as f:
-            f.write(json.dumps({"test": f"kill loop: {name}", "seed": seed, "runs": len(results), "killed": killed,
-                                "lingered_max": max(r.lingered for r in results)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "test": f"kill loop: {name}",
+                        "seed": seed,
+                        "runs": len(results),
+                        "killed": killed,
+                        "lingered_max": max(r.lingered for r in results),
+                    }
+                )
+                + "\n"
+            )
     return f"{len(results)} runs: {killed} killed, {len(results) - killed} finished first"
 
 
@@ -121,17 +131,30 @@ def test_kill_loop_pack(server: ForkServer, seed: int, tmp_path: Path) -> None:
         if over:
             shutil.copytree(tmp_path / "old", out)
 
-    durations = {w: baseline(server, "kill_ops:pack", {"corpus": str(corpus), "out": str(out), "overwrite": True,
-                                                       "workers": w}, lambda: prepare(True)) for w in (1, 2)}
+    durations = {
+        w: baseline(
+            server,
+            "kill_ops:pack",
+            {"corpus": str(corpus), "out": str(out), "overwrite": True, "workers": w},
+            lambda: prepare(True),
+        )
+        for w in (1, 2)
+    }
     results = []
     for i in range(ITERATIONS):
         over, workers, group = rng.random() < 0.5, rng.choice([1, 1, 2]), rng.random() < 0.7
         delay = kill_point(rng, durations[workers])
-        where = (f"seed {seed}, pack iteration {i} (overwrite={over}, workers={workers}, group={group}, "
-                 f"kill at {delay:.3f} s)")
+        where = (
+            f"seed {seed}, pack iteration {i} (overwrite={over}, workers={workers}, group={group}, "
+            f"kill at {delay:.3f} s)"
+        )
         prepare(over)
-        result = server.run("kill_ops:pack", {"corpus": str(corpus), "out": str(out), "overwrite": over,
-                                              "workers": workers}, kill_after=delay, group=group)
+        result = server.run(
+            "kill_ops:pack",
+            {"corpus": str(corpus), "out": str(out), "overwrite": over, "workers": workers},
+            kill_after=delay,
+            group=group,
+        )
         results.append(result)
         if result.ok:
             durations[workers] = max(durations[workers], result.elapsed)
@@ -169,8 +192,10 @@ def test_kill_loop_cache_fill(server: ForkServer, seed: int, tmp_path: Path) -> 
     def cold() -> None:
         shutil.rmtree(node, ignore_errors=True)
 
-    durations = {how: baseline(server, "kill_ops:fill", {"l4": str(l4), "tiers": tiers, "how": how}, cold)
-                 for how in ("warm", "epoch")}
+    durations = {
+        how: baseline(server, "kill_ops:fill", {"l4": str(l4), "tiers": tiers, "how": how}, cold)
+        for how in ("warm", "epoch")
+    }
     results, pids = [], []
     for i in range(ITERATIONS):
         how = rng.choice(["warm", "epoch"])
@@ -189,14 +214,16 @@ def test_kill_loop_cache_fill(server: ForkServer, seed: int, tmp_path: Path) -> 
             if root.exists():
                 problems = tier_problems(root, manifest, name, form)
                 assert not problems, f"{where}: {problems}"
-        assert sample_digests(build_stack(str(l4), tiers).dataset()) == samples, \
+        assert sample_digests(build_stack(str(l4), tiers).dataset()) == samples, (
             f"{where}: samples read through the tiers are not the golden ones"
+        )
     # `tierflow cache clean` with the job's own tiers, as a user runs it: a child killed before its
     # first entry leaves a directory no job has configured, and a clean that opened it with another
     # capacity would configure it (the first to open a tier decides: test_tiers) and widen the order
     assert cli_main(["cache", "clean", *(a for spec in tiers for a in ("--tier", spec))]) == 0
-    assert not [p for spec in tiers for p in (Path(spec.split("=")[1].split(":")[0]) / "tmp").iterdir()], \
+    assert not [p for spec in tiers for p in (Path(spec.split("=")[1].split(":")[0]) / "tmp").iterdir()], (
         f"seed {seed}: temporaries of killed children survive a clean"
+    )
     final = time.time()
     assert kill_ops.epoch_digests(str(l4), tiers) == batches, f"seed {seed}: the epoch after the loop"
     leftovers = [p for p in staging_root().glob("staging-*") if int(p.name.split("-")[1]) in pids]
@@ -280,8 +307,16 @@ def test_an_uploader_orphaned_with_queued_steps_uploads_every_one(server: ForkSe
     killed alone: its uploader, orphaned, still brings every committed step to the destination
     (it used to die of a broken pipe answering the first job, dropping the queued ones)."""
     dest, local = tmp_path / "dest", tmp_path / "local"
-    args = {"dest": str(dest), "local": str(local), "start": 0, "steps": 3, "keep_last": None,
-            "rate": 2e5, "budget": str(tmp_path / "budget"), "then_sleep": 60.0}
+    args = {
+        "dest": str(dest),
+        "local": str(local),
+        "start": 0,
+        "steps": 3,
+        "keep_last": None,
+        "rate": 2e5,
+        "budget": str(tmp_path / "budget"),
+        "then_sleep": 60.0,
+    }
     result = server.run("kill_ops:checkpoint", args, kill_after=1.0, group=False)  # committed, uploads queued
     assert result.killed and result.lingered >= 0
     assert remote_steps(open_dest(dest)) == {0: True, 1: True, 2: True}

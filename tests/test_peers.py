@@ -35,8 +35,12 @@ pytest.importorskip("webdataset")
 @pytest.mark.timeout(900)
 def test_quick_run_writes_every_measurement(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    done = subprocess.run([sys.executable, str(PEERS / "run.py"), "--quick", "--out", str(out),
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=880)
+    done = subprocess.run(
+        [sys.executable, str(PEERS / "run.py"), "--quick", "--out", str(out), "--work", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
     results = json.loads((out / "peers.json").read_text())
     systems = ("tierflow", "streaming", "litdata")

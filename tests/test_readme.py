@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def usage_blocks() -> list[str]:
     """The ```python blocks of README's 'Using it' section, in order."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Using it"):text.index("## Benchmarks")]
+    section = text[text.index("## Using it") : text.index("## Benchmarks")]
     blocks = re.findall(r"^```python\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
     assert blocks, "README.md's 'Using it' section has no ```python block"
     return blocks
@@ -102,6 +102,8 @@ def test_the_readme_images_block_runs_as_written_on_the_cpu(tmp_path, monkeypatc
     batch, x = block["batch"], block["x"]
     assert x.dtype == torch.float32 and x.shape == (64, 3, 224, 224)
     assert batch["caption_ids"].shape == (64, 77) and len(batch["caption"]) == 64
-    assert all(ids[:n - 1].tolist() == list(text.encode()) for ids, n, text
-               in zip(batch["caption_ids"], batch["caption_length"].tolist(), batch["caption"]))
+    assert all(
+        ids[: n - 1].tolist() == list(text.encode())
+        for ids, n, text in zip(batch["caption_ids"], batch["caption_length"].tolist(), batch["caption"])
+    )
     block["loader"].close()

@@ -137,9 +137,9 @@ def test_a_block_that_verifies_but_does_not_decode_is_shard_corrupt_naming_it(tm
     offset, length = blocks["offset"][1], blocks["length"][1]
     path = tmp_path / "ds" / shard["name"]
     data = bytearray(path.read_bytes())
-    data[offset + 8:offset + 16] = b"\x7f" * 8  # the message's flatbuffer: garbage
+    data[offset + 8 : offset + 16] = b"\x7f" * 8  # the message's flatbuffer: garbage
     path.write_bytes(bytes(data))
-    blocks["checksum"][1] = xxh3_hex(bytes(data[offset:offset + length]))  # ...that the manifest vouches for
+    blocks["checksum"][1] = xxh3_hex(bytes(data[offset : offset + length]))  # ...that the manifest vouches for
     manifest.pop("manifest_checksum")  # (its author dropped the manifest's own checksum)
     manifest_path.write_text(json.dumps(manifest))
     ds = tierflow.open_dataset(tmp_path / "ds")

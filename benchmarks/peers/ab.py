@@ -42,20 +42,33 @@ def main() -> None:
     if missing:
         raise SystemExit(f"no packed dataset at {missing}: run make bench-peers ARGS='--only raw' first")
     trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
-    envs = {name: {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": os.pathsep.join([str(HERE), tree])}
-            for name, tree in trees.items()}
+    envs = {
+        name: {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": os.pathsep.join([str(HERE), tree])}
+        for name, tree in trees.items()
+    }
     cells: dict[str, dict[str, list[dict]]] = {f"{k}_w{w}": {t: [] for t in trees} for k, w in RAW_CELLS}
     for r in range(args.rounds):
         for kind, workers in RAW_CELLS:
             for tree in round_order(r, list(trees)):
-                res = run_child("raw", envs[tree], system="tierflow", kind=kind, data=str(paths[kind]),
-                                workers=workers, seed=args.seed)
+                res = run_child(
+                    "raw",
+                    envs[tree],
+                    system="tierflow",
+                    kind=kind,
+                    data=str(paths[kind]),
+                    workers=workers,
+                    seed=args.seed,
+                )
                 cells[f"{kind}_w{workers}"][tree].append(res)
-                log(f"round {r + 1} {kind:6} {workers} workers {tree:6} peak PSS {res['peak_pss'] / MB:6.0f} MB "
-                    f"{res['samples_per_s']:9,.0f} samples/s {cpu_us(res):7.1f} CPU us/sample")
+                log(
+                    f"round {r + 1} {kind:6} {workers} workers {tree:6} peak PSS {res['peak_pss'] / MB:6.0f} MB "
+                    f"{res['samples_per_s']:9,.0f} samples/s {cpu_us(res):7.1f} CPU us/sample"
+                )
     print(f"\n{args.rounds} alternating rounds; before = {trees['before']}, after = {trees['after']}\n")
-    print("| data | mode | peak PSS before (MB) | peak PSS after (MB) | samples/s before (k) | samples/s after (k) "
-          "| CPU us/sample before | CPU us/sample after |")
+    print(
+        "| data | mode | peak PSS before (MB) | peak PSS after (MB) | samples/s before (k) | samples/s after (k) "
+        "| CPU us/sample before | CPU us/sample after |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for kind, workers in RAW_CELLS:
         runs = cells[f"{kind}_w{workers}"]

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _harness import alternating, spread  # noqa: E402
+from _harness import alternating, spread
 
 CODECS = ("zstd", "lz4", "none")
 SHAPES = {"tokens": {"seq_len": 2048}, "text": {}}
@@ -41,8 +41,15 @@ def packed(work: Path, kind: str, codec: str) -> Path:
         import tierflow
 
         options = {"tokenizer": "bytes"} if kind == "tokens" else {}
-        tierflow.pack([work / "corpus" / "docs"], out, target_shard_bytes=2 << 20, compression=codec, workers=2,
-                      overwrite=True, **options)
+        tierflow.pack(
+            [work / "corpus" / "docs"],
+            out,
+            target_shard_bytes=2 << 20,
+            compression=codec,
+            workers=2,
+            overwrite=True,
+            **options,
+        )
     return out
 
 
@@ -71,8 +78,10 @@ def decode(path: Path) -> dict[str, float]:
     for s in range(len(dataset.manifest.shards)):
         table = dataset.shard(s)
         source, schema = table._source, table._shard_schema()
-        blocks += [(source.checked(b, table.name), schema, table.name, b, source.blocks[b], source.max_decoded)
-                   for b in range(table.num_blocks)]
+        blocks += [
+            (source.checked(b, table.name), schema, table.name, b, source.blocks[b], source.max_decoded)
+            for b in range(table.num_blocks)
+        ]
     decoded, started = 0, time.perf_counter()
     for block in blocks:
         decoded += decode_block(*block).get_total_buffer_size()
@@ -106,14 +115,18 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict[str, float]]] = {key: [] for key in paths}
     for _, (kind, codec) in alternating(args.rounds, list(paths)):
         runs[(kind, codec)].append(run_child("--child", str(paths[(kind, codec)]), "--kind", kind))
-    print(f"one main-process epoch, batch 8, defaults but the codec; {args.rounds} alternating rounds, median (min-max)\n")
+    print(
+        f"one main-process epoch, batch 8, defaults but the codec; {args.rounds} alternating rounds, median (min-max)\n"
+    )
     print("| data | codec | at rest MB | samples/s | main-thread CPU us/batch | decode_block GB/s (decoded) |")
     print("|---|---|---|---|---|---|")
     for (kind, codec), path in paths.items():
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
         speed = run_child("--child", str(path), "--decode")
-        print(f"| {kind} | {codec} | {size:.1f} | {spread([r['samples_s'] for r in runs[(kind, codec)]], ',.0f')} | "
-              f"{spread([r['cpu_us'] for r in runs[(kind, codec)]], '.0f')} | {speed['gb_s']:.2f} |")
+        print(
+            f"| {kind} | {codec} | {size:.1f} | {spread([r['samples_s'] for r in runs[(kind, codec)]], ',.0f')} | "
+            f"{spread([r['cpu_us'] for r in runs[(kind, codec)]], '.0f')} | {speed['gb_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def guard_torchvision() -> str:
         return "stand-in"
     try:
         import torchvision  # noqa: F401
+
         return "real"
     except ModuleNotFoundError:
         reason = "stand-in (torchvision not installed)"
@@ -49,8 +50,7 @@ def guard_torchvision() -> str:
             _unavailable()
 
     modules = {}
-    for name in ("torchvision", "torchvision.datasets", "torchvision.transforms",
-                 "torchvision.transforms.functional"):
+    for name in ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional"):
         module = types.ModuleType(name, STAND_IN)
         module.__path__ = []  # a package, so submodule imports resolve to the entries below
         module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)

@@ -55,9 +55,11 @@ class Corpus:
 
     def describe(self) -> str:
         rep = f", repeated x{self.repeats}" if self.repeats > 1 else ""
-        return (f"{len(self.files):,} documents ({self.stdlib_files:,} stdlib .py, {self.doc_files:,} from "
-                f"{DOC_ROOT}{rep}), {self.text_bytes / 1e6:.1f} MB of text; {self.tokens / 1e6:.1f} M byte "
-                f"tokens = {self.samples:,} samples of {SEQ_LEN}")
+        return (
+            f"{len(self.files):,} documents ({self.stdlib_files:,} stdlib .py, {self.doc_files:,} from "
+            f"{DOC_ROOT}{rep}), {self.text_bytes / 1e6:.1f} MB of text; {self.tokens / 1e6:.1f} M byte "
+            f"tokens = {self.samples:,} samples of {SEQ_LEN}"
+        )
 
 
 def _stdlib_documents() -> list[tuple[str, bytes | Path]]:
@@ -139,8 +141,14 @@ def build_corpus(work: Path, max_mb: float | None = None, min_mb: float = 0.0) -
             name = f"{len(names):06d}.txt"
             (root / "docs" / name).write_bytes(text)
             names.append(name)
-    meta = {"key": key, "files": names, "text_bytes": total * repeats, "stdlib_files": stdlib * repeats,
-            "doc_files": docs * repeats, "repeats": repeats}
+    meta = {
+        "key": key,
+        "files": names,
+        "text_bytes": total * repeats,
+        "stdlib_files": stdlib * repeats,
+        "doc_files": docs * repeats,
+        "repeats": repeats,
+    }
     meta_path.write_text(json.dumps(meta))
     return Corpus(root, [root / "docs" / n for n in names], total * repeats, stdlib * repeats, docs * repeats, repeats)
 

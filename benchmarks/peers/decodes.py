@@ -61,14 +61,19 @@ def main() -> None:
         instrument(log_dir)
         for kind, name in (("tokens", "tierflow-tokens"), ("text", "tierflow-docs")):
             data = Path(args.work) / "data" / name
-            total = sum(len(block_lists(s["blocks"])["rows"]) for s in json.loads((data / "manifest.json").read_text())["shards"])
+            total = sum(
+                len(block_lists(s["blocks"])["rows"])
+                for s in json.loads((data / "manifest.json").read_text())["shards"]
+            )
             for workers in (0, args.workers):
                 per = epoch(data, kind, workers, log_dir)
                 loads = collections.Counter({pid: n for pid, (n, _, _) in per.items()})
                 cpu = sum(c for _, _, c in per.values())
-                print(f"{kind:6} {workers} workers: {total} blocks in the dataset; decoded "
-                      f"{sum(loads.values())} times in all ({sum(loads.values()) / total:.2f} x), "
-                      f"per process {sorted(loads.values(), reverse=True)}, {cpu:.2f} CPU s decoding")
+                print(
+                    f"{kind:6} {workers} workers: {total} blocks in the dataset; decoded "
+                    f"{sum(loads.values())} times in all ({sum(loads.values()) / total:.2f} x), "
+                    f"per process {sorted(loads.values(), reverse=True)}, {cpu:.2f} CPU s decoding"
+                )
 
 
 if __name__ == "__main__":

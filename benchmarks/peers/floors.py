@@ -42,7 +42,7 @@ from tierflow.format.block_decoder import block_stream
 from tierflow.loader import TokenWindows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _harness import spread  # noqa: E402
+from _harness import spread
 
 BATCH = 8
 SEQ_LEN = 2048
@@ -64,9 +64,9 @@ def zstd_frames(dataset: tierflow.Dataset) -> list[tuple[bytes, int]]:
                 body = memoryview(message.body)
                 for offset, length in claims.buffers:
                     if length:
-                        size = int.from_bytes(body[offset:offset + 8], "little", signed=True)
+                        size = int.from_bytes(body[offset : offset + 8], "little", signed=True)
                         if size >= 0:
-                            frames.append((bytes(body[offset + 8:offset + length]), size))
+                            frames.append((bytes(body[offset + 8 : offset + length]), size))
     return frames
 
 
@@ -85,7 +85,7 @@ def token_floor(values: np.ndarray, batches: int, rng: np.random.Generator) -> f
     for rows in starts:
         out = np.empty((BATCH, width), dtype=values.dtype)
         for row, start in enumerate(rows):
-            out[row] = values[start:start + width]
+            out[row] = values[start : start + width]
         out.astype(np.int64)
     return (time.perf_counter() - started) / batches
 
@@ -96,7 +96,7 @@ def text_floor(documents: list[bytes], rng: np.random.Generator) -> float:
     batches = len(order) // BATCH
     started = time.perf_counter()
     for k in range(batches):
-        [str(views[i], "utf-8") for i in order[k * BATCH:(k + 1) * BATCH]]
+        [str(views[i], "utf-8") for i in order[k * BATCH : (k + 1) * BATCH]]
     return (time.perf_counter() - started) / batches
 
 
@@ -105,9 +105,15 @@ def budgets(results: Path) -> dict[str, dict[str, float]]:
     cells = json.loads(results.read_text())["raw"]["cells"]
     out = {}
     for kind in ("tokens", "text"):
-        rate = {system: statistics.median(r["samples_per_s"] for r in runs)
-                for system, runs in cells[f"{kind}_w0"].items() if runs}
-        out[kind] = {"2 x LitData": BATCH / (2 * rate["litdata"]) * 1e6, "LitData itself": BATCH / rate["litdata"] * 1e6}
+        rate = {
+            system: statistics.median(r["samples_per_s"] for r in runs)
+            for system, runs in cells[f"{kind}_w0"].items()
+            if runs
+        }
+        out[kind] = {
+            "2 x LitData": BATCH / (2 * rate["litdata"]) * 1e6,
+            "LitData itself": BATCH / rate["litdata"] * 1e6,
+        }
         if kind == "tokens":
             out[kind]["0.5 x the in-RAM list"] = BATCH / (0.5 * rate["inram"]) * 1e6
     return out
@@ -139,8 +145,10 @@ def main() -> None:
         parts["text"].setdefault("8 documents to str", []).append(text_floor(text, rng))
 
     allowed = budgets(Path(args.results))
-    print(f"Floors of a raw main-process batch of {BATCH} (us, median (min-max) of {args.rounds} rounds), "
-          f"beside the us a batch each target allows ({args.results}'s raw rows)\n")
+    print(
+        f"Floors of a raw main-process batch of {BATCH} (us, median (min-max) of {args.rounds} rounds), "
+        f"beside the us a batch each target allows ({args.results}'s raw rows)\n"
+    )
     print("| data | part | floor us/batch |\n|---|---|---|")
     for kind, found in parts.items():
         total = [sum(round_parts) for round_parts in zip(*found.values())]

@@ -98,8 +98,9 @@ def _endless(reader):
         yield from reader.epoch()
 
 
-def cold(system: str, url: str, endpoint: str, control: str, cache: str, workers: int, seed: int,
-         key: str) -> dict[str, Any]:
+def cold(
+    system: str, url: str, endpoint: str, control: str, cache: str, workers: int, seed: int, key: str
+) -> dict[str, Any]:
     impl = SYSTEMS[system]
     before = proxy_bytes(control, key)
     began = time.perf_counter()
@@ -112,13 +113,24 @@ def cold(system: str, url: str, endpoint: str, control: str, cache: str, workers
         batches += 1
     seconds = time.perf_counter() - began
     reader.close()
-    return {"first_s": first, "epoch_s": seconds, "batches": batches,
-            "bytes": proxy_bytes(control, key) - before}
+    return {"first_s": first, "epoch_s": seconds, "batches": batches, "bytes": proxy_bytes(control, key) - before}
 
 
-def epochs(system: str, url: str, endpoint: str, control: str, cache: str, workers: int, seed: int, key: str,
-           cache_limit: int, count: int, stop_bytes: int, stop_seconds: float,
-           extrapolate_crash: bool = True) -> dict[str, Any]:
+def epochs(
+    system: str,
+    url: str,
+    endpoint: str,
+    control: str,
+    cache: str,
+    workers: int,
+    seed: int,
+    key: str,
+    cache_limit: int,
+    count: int,
+    stop_bytes: int,
+    stop_seconds: float,
+    extrapolate_crash: bool = True,
+) -> dict[str, Any]:
     """`stop_bytes`, `stop_seconds`: give up once an epoch has fetched this much or run this long (a
     thrashing cache would take hours); that epoch's figure is then extrapolated from the fraction of
     it done, and flagged."""
@@ -135,10 +147,11 @@ def epochs(system: str, url: str, endpoint: str, control: str, cache: str, worke
         epoch_began = time.perf_counter()
         try:
             for done, _ in enumerate(reader.epoch(), 1):
-                if done % 5 == 0 and (proxy_bytes(control, key) - mark > stop_bytes
-                                      or time.perf_counter() - epoch_began > stop_seconds):
+                if done % 5 == 0 and (
+                    proxy_bytes(control, key) - mark > stop_bytes or time.perf_counter() - epoch_began > stop_seconds
+                ):
                     break
-        except Exception as e:  # noqa: BLE001 - a peer's crash mid-epoch: keep what it did, say so
+        except Exception as e:
             crashed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}"
         now = proxy_bytes(control, key)
         if done < total:
@@ -188,9 +201,17 @@ def raw(system: str, kind: str, data: str, workers: int, seed: int, hold_s: floa
     cpu = time.process_time() - cpu  # this process's threads only (the whole reader in the main-process rows)
     cpu_all = _tree_cpu_s() - cpu_all  # with its workers, still running (their CPU is gone once they exit)
     time.sleep(hold_s)
-    return {"samples_per_s": samples / seconds if seconds > 0 else 0.0, "samples": samples + first_samples,
-            "batches": batches + 1, "seconds": seconds, "cpu_s": cpu, "cpu_all_s": cpu_all, "first_s": first,
-            "open_s": opened, "batch_type": type(first_batch).__name__}
+    return {
+        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "samples": samples + first_samples,
+        "batches": batches + 1,
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "cpu_all_s": cpu_all,
+        "first_s": first,
+        "open_s": opened,
+        "batch_type": type(first_batch).__name__,
+    }
 
 
 def _tree_cpu_s() -> float:

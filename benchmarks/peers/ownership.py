@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,8 +44,9 @@ def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
     index = ds._open().dataset.index
     order = ds.stream(0, 1)._stream  # the rank's stream: every batch, not one worker's
     starts = WindowStarts(index.token_starts, SEQ_LEN) if kind == "tokens" else None
-    lane_of = {p: lane for lane, members in enumerate(node_lanes(ds.order.layout, 0, 1, ds.order.lanes))
-               for p in members}
+    lane_of = {
+        p: lane for lane, members in enumerate(node_lanes(ds.order.layout, 0, 1, ds.order.lanes)) for p in members
+    }
     batches: Batches = []
     while True:
         partition, ids, _, _, epoch = order.node_parts(len(batches))
@@ -54,8 +55,10 @@ def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
         ids = np.asarray(ids, dtype=np.int64)
         if starts is not None:  # a window reads every block from its first token's to its last's
             first = starts(ids)
-            low, high = (index.first_block[rows[:, 0]] + rows[:, 1]
-                         for rows in (index.token_blocks(first), index.token_blocks(first + SEQ_LEN)))
+            low, high = (
+                index.first_block[rows[:, 0]] + rows[:, 1]
+                for rows in (index.token_blocks(first), index.token_blocks(first + SEQ_LEN))
+            )
             read = frozenset(b for a, z in zip(low.tolist(), high.tolist()) for b in range(a, z + 1))
         else:
             shards, blocks, _ = index.locate_samples(ids)
@@ -111,8 +114,10 @@ def main() -> None:
     for kind, name in (("tokens", "tierflow-tokens"), ("text", "tierflow-docs")):
         ds, batches = epoch_batches(Path(args.work) / "data" / name, kind)
         blocks = len(frozenset().union(*(b for _, b in batches)))
-        print(f"\n{kind}: epoch 0, {len(batches)} batches of 8, {blocks} blocks, {ds.order.lanes} lanes "
-              f"(epoch 0 reads {ds.order.first_epoch[0] if ds.order.first_epoch else ds.order.lanes} at a time)\n")
+        print(
+            f"\n{kind}: epoch 0, {len(batches)} batches of 8, {blocks} blocks, {ds.order.lanes} lanes "
+            f"(epoch 0 reads {ds.order.first_epoch[0] if ds.order.first_epoch else ds.order.lanes} at a time)\n"
+        )
         print("| workers | rule | decodes ÷ blocks | busiest ÷ even share | batches waiting, at most |")
         print("|---|---|---|---|---|")
         for workers in args.workers:

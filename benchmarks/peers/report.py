@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from _harness import spread, summary  # benchmarks/ is on the path (run.py puts it there)
 
 MB = 1e6
 PEERS = ("streaming", "litdata")
 RAW_PEERS = ("litdata", "webdataset", "streaming")  # the raw path's peers; "inram" is the bound
-RAW_NAMES = {"inram": "in-RAM list (bound)", "litdata": "LitData", "webdataset": "WebDataset",
-             "streaming": "MosaicML Streaming", "tierflow": "tierflow"}
+RAW_NAMES = {
+    "inram": "in-RAM list (bound)",
+    "litdata": "LitData",
+    "webdataset": "WebDataset",
+    "streaming": "MosaicML Streaming",
+    "tierflow": "tierflow",
+}
 RAW_MODES = {0: "main process", 2: "2 workers"}
 
 
 class Row:
-    def __init__(self, label: str, unit: str, higher_better: bool, values: dict[str, list[float]], fmt: str,
-                 target: float | None = None, note: str = "", absolute: bool = False) -> None:
+    def __init__(
+        self,
+        label: str,
+        unit: str,
+        higher_better: bool,
+        values: dict[str, list[float]],
+        fmt: str,
+        target: float | None = None,
+        note: str = "",
+        absolute: bool = False,
+    ) -> None:
         self.label, self.unit, self.higher_better, self.values, self.fmt = label, unit, higher_better, values, fmt
         self.target, self.note, self.absolute = target, note, absolute
 
@@ -65,58 +80,151 @@ def build_rows(r: dict[str, Any]) -> list[Row]:
     step = r["settings"]["step_ms"]
     warm = r.get("warm", {})
     if any(warm.get(s) for s in systems):
-        for key, label, target in (("w0_s0", "warm steps/s, main process, no step", None),
-                                   (f"w0_s{step:g}", f"warm steps/s, main process, {step:g} ms step", 1.0),
-                                   ("w2_s0", "warm steps/s, 2 workers, no step", None),
-                                   (f"w2_s{step:g}", f"warm steps/s, 2 workers, {step:g} ms step", 1.5)):
-            rows.append(Row(label, "steps/s", True, per(lambda s, k=key: [x[k]["steps_per_s"] for x in warm[s]]),
-                            ".0f", target))
-        rows.append(Row("warm peak PSS (main + workers)", "MB", False,
-                        per(lambda s: [x["peak_pss"] / MB for x in warm[s]]), ".0f"))
+        for key, label, target in (
+            ("w0_s0", "warm steps/s, main process, no step", None),
+            (f"w0_s{step:g}", f"warm steps/s, main process, {step:g} ms step", 1.0),
+            ("w2_s0", "warm steps/s, 2 workers, no step", None),
+            (f"w2_s{step:g}", f"warm steps/s, 2 workers, {step:g} ms step", 1.5),
+        ):
+            rows.append(
+                Row(label, "steps/s", True, per(lambda s, k=key: [x[k]["steps_per_s"] for x in warm[s]]), ".0f", target)
+            )
+        rows.append(
+            Row(
+                "warm peak PSS (main + workers)",
+                "MB",
+                False,
+                per(lambda s: [x["peak_pss"] / MB for x in warm[s]]),
+                ".0f",
+            )
+        )
     cold = r.get("cold", {})
     if any(cold.get(s) for s in systems):
-        rows.append(Row("cold epoch from throttled S3: first batch", "s", False,
-                        per(lambda s: [x["first_s"] for x in cold[s]]), ".2f"))
+        rows.append(
+            Row(
+                "cold epoch from throttled S3: first batch",
+                "s",
+                False,
+                per(lambda s: [x["first_s"] for x in cold[s]]),
+                ".2f",
+            )
+        )
         rows.append(Row("cold epoch: wall", "s", False, per(lambda s: [x["epoch_s"] for x in cold[s]]), ".1f"))
         rows.append(Row("cold epoch: fetched", "MB", False, per(lambda s: [x["bytes"] / MB for x in cold[s]]), ".1f"))
-        rows.append(Row("cold epoch: peak PSS", "MB", False, per(lambda s: [x["peak_pss"] / MB for x in cold[s]]), ".0f"))
-        rows.append(Row("cold epoch: peak local disk", "MB", False,
-                        per(lambda s: [x["peak_disk"] / MB for x in cold[s]]), ".0f"))
+        rows.append(
+            Row("cold epoch: peak PSS", "MB", False, per(lambda s: [x["peak_pss"] / MB for x in cold[s]]), ".0f")
+        )
+        rows.append(
+            Row(
+                "cold epoch: peak local disk", "MB", False, per(lambda s: [x["peak_disk"] / MB for x in cold[s]]), ".0f"
+            )
+        )
     ep = r.get("epochs", {})
     if any(ep.get(s) for s in systems):
         for i, label in enumerate(("epoch 1 (cold)", "epoch 2", "epoch 3")):
-            rows.append(Row(f"30% cache: fetched, {label}", "MB", False,
-                            per(lambda s, i=i: [x["per_epoch"][i] / MB for x in ep[s] if len(x["per_epoch"]) > i]),
-                            ".1f"))
-        rows.append(Row("30% cache: fetched per epoch, mean of the epochs run", "MB", False,
-                        per(lambda s: [sum(x["per_epoch"]) / len(x["per_epoch"]) / MB for x in ep[s]
-                                       if x["per_epoch"]]), ".1f", 0.75))
-        rows.append(Row("30% cache: optimum per epoch (Belady, own order)", "MB", False,
-                        per(lambda s: [x["optimum"]["byte_miss_ratio"] * x["optimum"]["used_per_epoch"]
-                                       * r["at_rest_bytes_tokens"][s] / r["cached_form_bytes"][s] / MB
-                                       for x in ep[s] if x.get("optimum")]), ".1f"))
-        rows.append(Row("30% cache: peak PSS", "MB", False, per(lambda s: [x["peak_pss"] / MB for x in ep[s] if x.get("peak_pss")]), ".0f"))
-        rows.append(Row("30% cache: peak local disk", "MB", False,
-                        per(lambda s: [x["peak_disk"] / MB for x in ep[s]]), ".0f"))
+            rows.append(
+                Row(
+                    f"30% cache: fetched, {label}",
+                    "MB",
+                    False,
+                    per(lambda s, i=i: [x["per_epoch"][i] / MB for x in ep[s] if len(x["per_epoch"]) > i]),
+                    ".1f",
+                )
+            )
+        rows.append(
+            Row(
+                "30% cache: fetched per epoch, mean of the epochs run",
+                "MB",
+                False,
+                per(lambda s: [sum(x["per_epoch"]) / len(x["per_epoch"]) / MB for x in ep[s] if x["per_epoch"]]),
+                ".1f",
+                0.75,
+            )
+        )
+        rows.append(
+            Row(
+                "30% cache: optimum per epoch (Belady, own order)",
+                "MB",
+                False,
+                per(
+                    lambda s: [
+                        x["optimum"]["byte_miss_ratio"]
+                        * x["optimum"]["used_per_epoch"]
+                        * r["at_rest_bytes_tokens"][s]
+                        / r["cached_form_bytes"][s]
+                        / MB
+                        for x in ep[s]
+                        if x.get("optimum")
+                    ]
+                ),
+                ".1f",
+            )
+        )
+        rows.append(
+            Row(
+                "30% cache: peak PSS",
+                "MB",
+                False,
+                per(lambda s: [x["peak_pss"] / MB for x in ep[s] if x.get("peak_pss")]),
+                ".0f",
+            )
+        )
+        rows.append(
+            Row("30% cache: peak local disk", "MB", False, per(lambda s: [x["peak_disk"] / MB for x in ep[s]]), ".0f")
+        )
     res = r.get("resume", {})
     sizes = r.get("resume_sizes", [])
     if sizes and any(res.get(s) for s in systems):
         for n in sizes:
-            rows.append(Row(f"resume at 50%, {n:,} samples: to first batch", "ms", False,
-                            per(lambda s, n=n: [x["first_s"] * 1e3 for x in res[s].get(str(n), [])]), ".0f",
-                            1000.0, absolute=True))
+            rows.append(
+                Row(
+                    f"resume at 50%, {n:,} samples: to first batch",
+                    "ms",
+                    False,
+                    per(lambda s, n=n: [x["first_s"] * 1e3 for x in res[s].get(str(n), [])]),
+                    ".0f",
+                    1000.0,
+                    absolute=True,
+                )
+            )
         small, large = str(sizes[0]), str(sizes[-1])
 
         def growth(s: str) -> list[float]:
-            a, b = summary([x["first_s"] for x in res[s].get(small, [])]), summary([x["first_s"] for x in res[s].get(large, [])])
+            a, b = (
+                summary([x["first_s"] for x in res[s].get(small, [])]),
+                summary([x["first_s"] for x in res[s].get(large, [])]),
+            )
             return [b[0] / a[0]] if a and b and a[0] else []
 
-        rows.append(Row(f"resume growth {sizes[0]:,} -> {sizes[-1]:,} (ratio)", "x", False, per(growth), ".2f", 1.10,
-                        absolute=True))
-        rows.append(Row(f"resume at {sizes[-1]:,}: peak PSS", "MB", False,
-                        per(lambda s: [x["peak_pss"] / MB for x in res[s].get(large, [])]), ".0f"))
-        rows.append(Row("resume: imports (not in the figure above)", "s", False,
-                        per(lambda s: [x["import_s"] for x in res[s].get(large, [])]), ".2f"))
+        rows.append(
+            Row(
+                f"resume growth {sizes[0]:,} -> {sizes[-1]:,} (ratio)",
+                "x",
+                False,
+                per(growth),
+                ".2f",
+                1.10,
+                absolute=True,
+            )
+        )
+        rows.append(
+            Row(
+                f"resume at {sizes[-1]:,}: peak PSS",
+                "MB",
+                False,
+                per(lambda s: [x["peak_pss"] / MB for x in res[s].get(large, [])]),
+                ".0f",
+            )
+        )
+        rows.append(
+            Row(
+                "resume: imports (not in the figure above)",
+                "s",
+                False,
+                per(lambda s: [x["import_s"] for x in res[s].get(large, [])]),
+                ".2f",
+            )
+        )
     return rows
 
 
@@ -141,10 +249,14 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
         return []
     peers = [p for p in RAW_PEERS if p in systems]
     names = [RAW_NAMES.get(s, s) for s in systems]
-    rate = ["| data | mode | " + " | ".join(names) + " | tierflow ÷ best peer | tierflow ÷ bound | target |",
-            "|---|---|" + "---|" * len(systems) + "---|---|---|"]
-    pss = ["| data | mode | " + " | ".join(names) + " | tierflow ÷ lowest peer | target |",
-           "|---|---|" + "---|" * len(systems) + "---|---|"]
+    rate = [
+        "| data | mode | " + " | ".join(names) + " | tierflow ÷ best peer | tierflow ÷ bound | target |",
+        "|---|---|" + "---|" * len(systems) + "---|---|---|",
+    ]
+    pss = [
+        "| data | mode | " + " | ".join(names) + " | tierflow ÷ lowest peer | target |",
+        "|---|---|" + "---|" * len(systems) + "---|---|",
+    ]
     for key, cell in cells.items():
         kind, workers = key.rsplit("_w", 1)
         mode = RAW_MODES.get(int(workers), f"{workers} workers")
@@ -162,36 +274,67 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
                 checks.append(_check(vs_bound, 0.5, True, ">= 0.5 x bound"))
         else:
             checks = [_check(vs_bound, 0.9, True, ">= 0.9 x bound"), _check(vs_best, 1.5, True, ">= 1.5 x best peer")]
-        rate.append(f"| {kind} | {mode} | " + " | ".join(spread(rates[s], ".1f", 1e-3) for s in systems)
-                    + f" | {f'{vs_best:.2f} (vs {best})' if vs_best is not None else '-'}"
-                    + f" | {f'{vs_bound:.2f}' if vs_bound is not None else '-'} | {'; '.join(checks)} |")
+        rate.append(
+            f"| {kind} | {mode} | "
+            + " | ".join(spread(rates[s], ".1f", 1e-3) for s in systems)
+            + f" | {f'{vs_best:.2f} (vs {best})' if vs_best is not None else '-'}"
+            + f" | {f'{vs_bound:.2f}' if vs_bound is not None else '-'} | {'; '.join(checks)} |"
+        )
         mem = {s: [x["peak_pss"] / MB for x in cell.get(s, []) if x.get("peak_pss")] for s in systems}
         mmed = {s: _median(v) for s, v in mem.items()}
         low = {p: mmed[p] for p in peers if mmed.get(p)}
         lowest = min(low, key=low.get) if low else None
         ratio = mmed["tierflow"] / low[lowest] if mmed.get("tierflow") is not None and lowest else None
-        pss.append(f"| {kind} | {mode} | " + " | ".join(spread(mem[s], ".0f") for s in systems)
-                   + f" | {f'{ratio:.2f} (vs {lowest})' if ratio is not None else '-'}"
-                   + f" | {_check(ratio, 1.0, False, '<= lowest peer')} |")
-    counts = {s: sorted({x["samples"] for cell_key, cell in cells.items() if cell_key.startswith("tokens")
-                         for x in cell.get(s, [])}) for s in systems}
-    texts = {s: sorted({x["samples"] for cell_key, cell in cells.items() if cell_key.startswith("text")
-                        for x in cell.get(s, [])}) for s in systems}
-    lines = ["", "## Raw path", "",
-             "One warm epoch of local data per fresh process (page cache warm, each system's local form), no "
-             "training step, batch 8, every system at its defaults; samples/s after the first batch, in "
-             "thousands, median (min-max) of the rounds. tokens: 2048-token byte-token samples; text: the "
-             "documents as variable-length text records. The in-RAM list is the bound (not a peer).", ""]
+        pss.append(
+            f"| {kind} | {mode} | "
+            + " | ".join(spread(mem[s], ".0f") for s in systems)
+            + f" | {f'{ratio:.2f} (vs {lowest})' if ratio is not None else '-'}"
+            + f" | {_check(ratio, 1.0, False, '<= lowest peer')} |"
+        )
+    counts = {
+        s: sorted(
+            {x["samples"] for cell_key, cell in cells.items() if cell_key.startswith("tokens") for x in cell.get(s, [])}
+        )
+        for s in systems
+    }
+    texts = {
+        s: sorted(
+            {x["samples"] for cell_key, cell in cells.items() if cell_key.startswith("text") for x in cell.get(s, [])}
+        )
+        for s in systems
+    }
+    lines = [
+        "",
+        "## Raw path",
+        "",
+        "One warm epoch of local data per fresh process (page cache warm, each system's local form), no "
+        "training step, batch 8, every system at its defaults; samples/s after the first batch, in "
+        "thousands, median (min-max) of the rounds. tokens: 2048-token byte-token samples; text: the "
+        "documents as variable-length text records. The in-RAM list is the bound (not a peer).",
+        "",
+    ]
     lines += rate + ["", "Peak PSS summed over the child and its workers (MB), same runs:", ""] + pss
-    lines += ["", "Samples per epoch (tokens / text): " + ", ".join(
-        f"{RAW_NAMES.get(s, s)} {'/'.join(map(str, counts[s])) or '-'} / {'/'.join(map(str, texts[s])) or '-'}"
-        for s in systems) + "."]
+    lines += [
+        "",
+        "Samples per epoch (tokens / text): "
+        + ", ".join(
+            f"{RAW_NAMES.get(s, s)} {'/'.join(map(str, counts[s])) or '-'} / {'/'.join(map(str, texts[s])) or '-'}"
+            for s in systems
+        )
+        + ".",
+    ]
     wds = raw.get("webdataset") or {}
     if wds.get("tokens", {}).get("shards"):
-        lines += ["", "WebDataset shards (ShardWriter, maxsize = the shard size): "
-                  + ", ".join(f"{v} {w['shards']} tars, {w['at_rest'] / MB:.1f} MB"
-                              + (f", written in {w['seconds']:.1f} s" if "seconds" in w else "")
-                              for v, w in wds.items()) + "."]
+        lines += [
+            "",
+            "WebDataset shards (ShardWriter, maxsize = the shard size): "
+            + ", ".join(
+                f"{v} {w['shards']} tars, {w['at_rest'] / MB:.1f} MB"
+                + (f", written in {w['seconds']:.1f} s" if "seconds" in w else "")
+                for v, w in wds.items()
+            )
+            + ".",
+        ]
     return lines
 
 
@@ -214,21 +357,33 @@ def markdown(r: dict[str, Any], rows: list[Row]) -> str:
     for row in rows:
         ratio, best = row.ratio()
         ratio_text = f"{ratio:.2f} (vs {best})" if ratio is not None else "-"
-        lines.append(f"| {row.label} | {row.unit} | " + " | ".join(spread(row.values.get(s, []), row.fmt)
-                                                               for s in systems)
-                     + f" | {ratio_text} | {row.verdict()} |")
+        lines.append(
+            f"| {row.label} | {row.unit} | "
+            + " | ".join(spread(row.values.get(s, []), row.fmt) for s in systems)
+            + f" | {ratio_text} | {row.verdict()} |"
+        )
     stopped = [(s, x["stopped"]) for s in systems for x in r.get("epochs", {}).get(s, []) if x.get("stopped")]
     if stopped:
-        lines += ["", "Stopped 30%-cache runs (the epoch figure is extrapolated from the part done): " + "; ".join(
-            f"{s}: epoch {st['epoch'] + 1} stopped at "
-            + (f"{st['fraction']:.1%} after {st['bytes'] / MB:.0f} MB" if st.get("fraction") else "its time limit")
-            + (f" (crashed: {st['crashed']})" if st.get("crashed") else "")
-            for s, st in stopped) + "."]
+        lines += [
+            "",
+            "Stopped 30%-cache runs (the epoch figure is extrapolated from the part done): "
+            + "; ".join(
+                f"{s}: epoch {st['epoch'] + 1} stopped at "
+                + (f"{st['fraction']:.1%} after {st['bytes'] / MB:.0f} MB" if st.get("fraction") else "its time limit")
+                + (f" (crashed: {st['crashed']})" if st.get("crashed") else "")
+                for s, st in stopped
+            )
+            + ".",
+        ]
     if r.get("failures"):
         lines += ["", "Crashed children (each retried once in a fresh process): " + "; ".join(r["failures"]) + "."]
     shards = r["convert"]["shards"]
-    lines += ["", "Shards (tokens / documents): " + ", ".join(
-        f"{s} {shards[s]['tokens']} / {shards[s]['docs']}" for s in systems) + "."]
+    lines += [
+        "",
+        "Shards (tokens / documents): "
+        + ", ".join(f"{s} {shards[s]['tokens']} / {shards[s]['docs']}" for s in systems)
+        + ".",
+    ]
     lines += raw_tables(r)
     if r.get("notes"):
         lines += ["", r["notes"]]
@@ -265,7 +420,7 @@ def chart(r: dict[str, Any], rows: list[Row], path: Path) -> None:
         better = "higher" if row.higher_better else "lower"
         ax.set_title(f"{row.label}\n({row.unit}, {better} is better)", fontsize=8)
         ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(chosen):]:
+    for ax in list(axes.flat)[len(chosen) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -283,13 +438,22 @@ def raw_chart(r: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"inram": "#7f7f7f", "litdata": "#2ca02c", "webdataset": "#9467bd", "streaming": "#ff7f0e",
-              "tierflow": "#1f77b4"}
+    colors = {
+        "inram": "#7f7f7f",
+        "litdata": "#2ca02c",
+        "webdataset": "#9467bd",
+        "streaming": "#ff7f0e",
+        "tierflow": "#1f77b4",
+    }
     fig, axes = plt.subplots(2, len(cells), figsize=(3.6 * len(cells), 5.6), squeeze=False)
     for col, (key, cell) in enumerate(cells.items()):
         kind, workers = key.rsplit("_w", 1)
-        for row, (field, scale, unit) in enumerate((("samples_per_s", 1e-3, "k samples/s, higher is better"),
-                                                    ("peak_pss", 1 / MB, "peak PSS MB, lower is better"))):
+        for row, (field, scale, unit) in enumerate(
+            (
+                ("samples_per_s", 1e-3, "k samples/s, higher is better"),
+                ("peak_pss", 1 / MB, "peak PSS MB, lower is better"),
+            )
+        ):
             ax = axes[row][col]
             meds, lows, highs = [], [], []
             for s in systems:

@@ -96,8 +96,14 @@ FAILURES: list[str] = []
 CHILD_TIMEOUT = [900.0]  # seconds; a child past it (a hung peer worker) is killed and retried once
 
 
-def run_child(name: str, env: dict[str, str], watch: Path | None = None, timeout: float | None = None, attempts: int = 2,
-              **kwargs: Any) -> dict[str, Any]:
+def run_child(
+    name: str,
+    env: dict[str, str],
+    watch: Path | None = None,
+    timeout: float | None = None,
+    attempts: int = 2,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """One measurement in a fresh process; a crash is retried once (and recorded in the results)."""
     for attempt in range(attempts):
         try:
@@ -129,7 +135,7 @@ def _run_child(name: str, env: dict[str, str], watch: Path | None, timeout: floa
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if process.returncode != 0 or not lines:
         raise RuntimeError(f"{name} {kwargs.get('system')} exited {process.returncode}:\n{err[-4000:]}\n{out[-2000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     result["peak_pss"] = sampler.peak_pss
     result["peak_disk"] = sampler.peak_disk
     return result
@@ -184,14 +190,26 @@ def main() -> None:
     parser.add_argument("--sizes", default="1M,10M", help="resume datasets, samples of 8 bytes")
     parser.add_argument("--step-ms", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=17)
-    parser.add_argument("--epoch-limit-s", type=float, default=150.0,
-                        help="stop a 30%%-cache epoch after this long (extrapolated from the part done)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="take the measurements not in --only from the existing results/peers.json")
-    parser.add_argument("--stop-factor", type=float, default=20.0,
-                        help="stop a 30%%-cache epoch once it fetched this many times the dataset (extrapolated)")
-    parser.add_argument("--systems", default=",".join(ORDER + RAW_ONLY),
-                        help="systems to measure (webdataset and inram, the in-RAM list, on the raw path only)")
+    parser.add_argument(
+        "--epoch-limit-s",
+        type=float,
+        default=150.0,
+        help="stop a 30%%-cache epoch after this long (extrapolated from the part done)",
+    )
+    parser.add_argument(
+        "--reuse", action="store_true", help="take the measurements not in --only from the existing results/peers.json"
+    )
+    parser.add_argument(
+        "--stop-factor",
+        type=float,
+        default=20.0,
+        help="stop a 30%%-cache epoch once it fetched this many times the dataset (extrapolated)",
+    )
+    parser.add_argument(
+        "--systems",
+        default=",".join(ORDER + RAW_ONLY),
+        help="systems to measure (webdataset and inram, the in-RAM list, on the raw path only)",
+    )
     parser.add_argument("--only", default=",".join(ORDER_KEYS), help="measurements to run: " + ",".join(ORDER_KEYS))
     parser.add_argument("--work", default="/tmp/tierflow-peers", help="scratch (corpus, datasets, caches)")
     parser.add_argument("--out", default=str(HERE / "results"))
@@ -226,8 +244,16 @@ def read_all(path: Path) -> int:
     return total
 
 
-def run_raw(args: argparse.Namespace, env: dict[str, str], work: Path, corpus: Any, data: dict[str, dict[str, Path]],
-            raw_systems: list[str], shard_bytes: int, only: set[str]) -> dict[str, Any]:
+def run_raw(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    work: Path,
+    corpus: Any,
+    data: dict[str, dict[str, Path]],
+    raw_systems: list[str],
+    shard_bytes: int,
+    only: set[str],
+) -> dict[str, Any]:
     """The raw path: one warm epoch of local data per fresh process, tokens and text, main process and
     2 workers, every system at its defaults (systems.System.raw_loader); the systems alternate
     within each round (reversed every other round)."""
@@ -248,10 +274,19 @@ def run_raw(args: argparse.Namespace, env: dict[str, str], work: Path, corpus: A
                 marker.unlink(missing_ok=True)
                 for variant, out in wds.items():
                     prepare_dir(out)
-                    res = run_child("convert", env, system=s, variant=variant, corpus=str(corpus.root), out=str(out),
-                                    shard_bytes=shard_bytes)
+                    res = run_child(
+                        "convert",
+                        env,
+                        system=s,
+                        variant=variant,
+                        corpus=str(corpus.root),
+                        out=str(out),
+                        shard_bytes=shard_bytes,
+                    )
                     written[variant] = {"seconds": res["seconds"], "peak_pss": res["peak_pss"]}
-                    log(f"convert webdataset {variant:6} {res['seconds']:6.1f} s  {dir_bytes(out) / MB:7.1f} MB at rest")
+                    log(
+                        f"convert webdataset {variant:6} {res['seconds']:6.1f} s  {dir_bytes(out) / MB:7.1f} MB at rest"
+                    )
                 marker.write_text(key)
             for variant, out in wds.items():
                 written.setdefault(variant, {}).update(at_rest=dir_bytes(out), shards=len(list(out.glob("*.tar"))))
@@ -265,14 +300,17 @@ def run_raw(args: argparse.Namespace, env: dict[str, str], work: Path, corpus: A
         for kind, w in RAW_CELLS:
             for s in round_order(r, raw_systems):
                 try:
-                    res = run_child("raw", env, system=s, kind=kind, data=str(paths[s][kind]), workers=w,
-                                    seed=args.seed)
+                    res = run_child(
+                        "raw", env, system=s, kind=kind, data=str(paths[s][kind]), workers=w, seed=args.seed
+                    )
                 except RuntimeError:
                     continue  # recorded in FAILURES; the cell keeps the rounds that ran
                 cells[f"{kind}_w{w}"][s].append(res)
-                log(f"raw round {r + 1} {kind:6} {w} workers {s:10} {res['samples_per_s']:10,.0f} samples/s "
+                log(
+                    f"raw round {r + 1} {kind:6} {w} workers {s:10} {res['samples_per_s']:10,.0f} samples/s "
                     f"({res['samples']:,} samples in {res['seconds']:.2f} s + first batch {res['first_s']:.2f} s), "
-                    f"peak PSS {res['peak_pss'] / MB:.0f} MB")
+                    f"peak PSS {res['peak_pss'] / MB:.0f} MB"
+                )
     return {"systems": raw_systems, "cells": cells, "webdataset": written}
 
 
@@ -292,15 +330,23 @@ def run(args: argparse.Namespace) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shard_bytes = int(args.shard_mb * (1 << 20))
-    env = {**os.environ, **fake_credentials_env(), "PYTHONPATH": os.pathsep.join(
-        [str(HERE)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    env = {
+        **os.environ,
+        **fake_credentials_env(),
+        "PYTHONPATH": os.pathsep.join(
+            [str(HERE)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+    }
     env.pop("AWS_ENDPOINT_URL", None)
     os.environ.update(fake_credentials_env())
     env["TQDM_DISABLE"] = "1"
     started = time.perf_counter()
-    results: dict[str, Any] = {"versions": versions(), "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
-                               "settings": {k: v for k, v in vars(args).items() if k not in ("child", "payload")},
-                               "systems": systems}
+    results: dict[str, Any] = {
+        "versions": versions(),
+        "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "payload")},
+        "systems": systems,
+    }
     corpus = build_corpus(work, max_mb=args.max_mb)
     results["corpus"] = corpus.describe()
     log(f"corpus: {corpus.describe()}")
@@ -311,19 +357,30 @@ def run(args: argparse.Namespace) -> None:
     at_rest: dict[str, dict[str, int]] = {s: {} for s in systems}
     shards: dict[str, dict[str, int]] = {s: {} for s in systems}
     conv_pss: dict[str, list[float]] = {s: [] for s in systems}
-    need_convert = "convert" in only or any(not (data[s]["tokens"] / ("manifest.json" if s == "tierflow" else "index.json")).exists() for s in systems)
+    need_convert = "convert" in only or any(
+        not (data[s]["tokens"] / ("manifest.json" if s == "tierflow" else "index.json")).exists() for s in systems
+    )
     rounds = args.rounds if "convert" in only else 1
     if need_convert:
         for r in range(rounds):
             for s in systems:
                 for variant in ("tokens", "docs"):
                     out = prepare_dir(data[s][variant])
-                    res = run_child("convert", env, system=s, variant=variant, corpus=str(corpus.root),
-                                    out=str(out), shard_bytes=shard_bytes)
+                    res = run_child(
+                        "convert",
+                        env,
+                        system=s,
+                        variant=variant,
+                        corpus=str(corpus.root),
+                        out=str(out),
+                        shard_bytes=shard_bytes,
+                    )
                     conv[s][variant].append(res["seconds"])
                     conv_pss[s].append(res["peak_pss"])
-                    log(f"convert round {r + 1} {s:9} {variant:6} {res['seconds']:6.1f} s  "
-                        f"{dir_bytes(out) / MB:7.1f} MB at rest")
+                    log(
+                        f"convert round {r + 1} {s:9} {variant:6} {res['seconds']:6.1f} s  "
+                        f"{dir_bytes(out) / MB:7.1f} MB at rest"
+                    )
     for s in systems:
         for variant in ("tokens", "docs"):
             at_rest[s][variant] = dir_bytes(data[s][variant])
@@ -342,11 +399,21 @@ def run(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             for s in systems:
                 cache = prepare_dir(work / "cache" / f"warm-{s}")
-                res = run_child("warm", env, watch=cache, system=s, data=str(data[s]["tokens"]), cache=str(cache),
-                                plan=plan, seed=args.seed)
+                res = run_child(
+                    "warm",
+                    env,
+                    watch=cache,
+                    system=s,
+                    data=str(data[s]["tokens"]),
+                    cache=str(cache),
+                    plan=plan,
+                    seed=args.seed,
+                )
                 warm[s].append(res)
-                log(f"warm round {r + 1} {s:9} " + "  ".join(
-                    f"{k} {v['steps_per_s']:7.0f}/s" for k, v in res.items() if k.startswith("w")))
+                log(
+                    f"warm round {r + 1} {s:9} "
+                    + "  ".join(f"{k} {v['steps_per_s']:7.0f}/s" for k, v in res.items() if k.startswith("w"))
+                )
                 shutil.rmtree(cache, ignore_errors=True)
     results["warm"] = warm
 
@@ -375,13 +442,25 @@ def run(args: argparse.Namespace) -> None:
                     proxy.set_bandwidth(args.bandwidth_mb * MB)
                     for s in systems:
                         cache = prepare_dir(work / "cache" / f"cold-{s}")
-                        res = run_child("cold", env, watch=cache, system=s, url=urls[s], endpoint=proxy.url,
-                                        control=control, cache=str(cache), workers=2, seed=args.seed,
-                                        key=f"/{s}-tokens/")
+                        res = run_child(
+                            "cold",
+                            env,
+                            watch=cache,
+                            system=s,
+                            url=urls[s],
+                            endpoint=proxy.url,
+                            control=control,
+                            cache=str(cache),
+                            workers=2,
+                            seed=args.seed,
+                            key=f"/{s}-tokens/",
+                        )
                         cold[s].append(res)
-                        log(f"cold round {r + 1} {s:9} first batch {res['first_s']:.2f} s, epoch {res['epoch_s']:.1f} s, "
+                        log(
+                            f"cold round {r + 1} {s:9} first batch {res['first_s']:.2f} s, epoch {res['epoch_s']:.1f} s, "
                             f"{res['bytes'] / MB:.1f} MB, peak PSS {res['peak_pss'] / MB:.0f} MB, "
-                            f"disk {res['peak_disk'] / MB:.0f} MB")
+                            f"disk {res['peak_disk'] / MB:.0f} MB"
+                        )
                         shutil.rmtree(cache, ignore_errors=True)
                 if "epochs" in only:
                     proxy.set_bandwidth(None)
@@ -389,24 +468,41 @@ def run(args: argparse.Namespace) -> None:
                         cache = prepare_dir(work / "cache" / f"epochs-{s}")
                         limit = int(args.cache_fraction * decoded[s])
                         for attempt in range(3):  # LitData's TokensLoader can crash under cache pressure
-                            res = run_child("epochs", env, watch=cache, system=s, url=urls[s], endpoint=proxy.url,
-                                            control=control, cache=str(cache), workers=2, seed=args.seed,
-                                            key=f"/{s}-tokens/", cache_limit=limit, count=3,
-                                            stop_bytes=int(args.stop_factor * at_rest[s]["tokens"]),
-                                            stop_seconds=args.epoch_limit_s, extrapolate_crash=False)
+                            res = run_child(
+                                "epochs",
+                                env,
+                                watch=cache,
+                                system=s,
+                                url=urls[s],
+                                endpoint=proxy.url,
+                                control=control,
+                                cache=str(cache),
+                                workers=2,
+                                seed=args.seed,
+                                key=f"/{s}-tokens/",
+                                cache_limit=limit,
+                                count=3,
+                                stop_bytes=int(args.stop_factor * at_rest[s]["tokens"]),
+                                stop_seconds=args.epoch_limit_s,
+                                extrapolate_crash=False,
+                            )
                             crash = (res.get("stopped") or {}).get("crashed")
                             if not crash:
                                 break
-                            FAILURES.append(f"epochs {s} (attempt {attempt + 1}): {crash} in epoch "
-                                            f"{res['stopped']['epoch'] + 1} at {res['stopped']['fraction']:.0%}")
+                            FAILURES.append(
+                                f"epochs {s} (attempt {attempt + 1}): {crash} in epoch "
+                                f"{res['stopped']['epoch'] + 1} at {res['stopped']['fraction']:.0%}"
+                            )
                             log(f"CRASHED: {FAILURES[-1]}")
                             shutil.rmtree(cache, ignore_errors=True)
                             cache.mkdir(parents=True)
                         res["cache_limit"] = limit
                         epochs[s].append(res)
-                        log(f"epochs round {r + 1} {s:9} MB per epoch "
+                        log(
+                            f"epochs round {r + 1} {s:9} MB per epoch "
                             f"{[round(b / MB, 1) for b in res['per_epoch']]} in {res['seconds']:.0f} s "
-                            f"(cache {limit / MB:.0f} MB, peak disk {res['peak_disk'] / MB:.0f} MB)")
+                            f"(cache {limit / MB:.0f} MB, peak disk {res['peak_disk'] / MB:.0f} MB)"
+                        )
                         shutil.rmtree(cache, ignore_errors=True)
     results["cold"] = cold
     results["epochs"] = epochs
@@ -426,8 +522,10 @@ def run(args: argparse.Namespace) -> None:
                     began = time.perf_counter()
                     run_child("convert_ints", env, system=s, samples=n, out=str(path), shard_bytes=shard_bytes)
                     marker.write_text("ok")
-                    log(f"built {s} {n:,} samples of 8 bytes in {time.perf_counter() - began:.0f} s "
-                        f"({dir_bytes(path) / MB:.1f} MB)")
+                    log(
+                        f"built {s} {n:,} samples of 8 bytes in {time.perf_counter() - began:.0f} s "
+                        f"({dir_bytes(path) / MB:.1f} MB)"
+                    )
                 state_file = work / "ints" / f"{s}-{n}.state.json"
                 cache = prepare_dir(work / "cache" / f"state-{s}")
                 run_child("state", env, system=s, data=str(path), cache=str(cache), fraction=0.5, out=str(state_file))
@@ -436,11 +534,19 @@ def run(args: argparse.Namespace) -> None:
             for n in sizes:
                 for s in systems:
                     cache = prepare_dir(work / "cache" / f"resume-{s}")
-                    res = run_child("resume", env, system=s, data=str(work / "ints" / f"{s}-{n}"), cache=str(cache),
-                                    state_file=str(states[(s, n)]))
+                    res = run_child(
+                        "resume",
+                        env,
+                        system=s,
+                        data=str(work / "ints" / f"{s}-{n}"),
+                        cache=str(cache),
+                        state_file=str(states[(s, n)]),
+                    )
                     resume[s].setdefault(str(n), []).append(res)
-                    log(f"resume round {r + 1} {s:9} {n:>10,} samples: first batch {res['first_s'] * 1e3:.0f} ms "
-                        f"(imports {res['import_s']:.1f} s), peak PSS {res['peak_pss'] / MB:.0f} MB")
+                    log(
+                        f"resume round {r + 1} {s:9} {n:>10,} samples: first batch {res['first_s'] * 1e3:.0f} ms "
+                        f"(imports {res['import_s']:.1f} s), peak PSS {res['peak_pss'] / MB:.0f} MB"
+                    )
         results["resume_sizes"] = sizes
     results["resume"] = resume
     results["wall_s"] = time.perf_counter() - started

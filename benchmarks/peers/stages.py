@@ -21,7 +21,8 @@ import functools
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import tierflow
 from tierflow.format import table
@@ -29,7 +30,7 @@ from tierflow.format.reads import TokenReader
 from tierflow.loader import batching, device_feed, plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _harness import spread  # noqa: E402
+from _harness import spread
 
 SPENT: collections.Counter[str] = collections.Counter()
 _ACTIVE: list[str] = []
@@ -63,9 +64,19 @@ def instrument() -> list[str]:
     timed(batching, "_rows", "rows of a text batch (str, dicts)")
     timed(batching, "collate_samples", "collate")
     timed(device_feed.DeviceFeed, "_convert", "device feed host conversion")
-    return list(dict.fromkeys(["plan (order ids of the batch)", "decode blocks (read, xxh3, zstd, validate)",
-                               "copy token windows", "segments (cu_seqlens, position_ids)",
-                               "rows of a text batch (str, dicts)", "collate", "device feed host conversion"]))
+    return list(
+        dict.fromkeys(
+            [
+                "plan (order ids of the batch)",
+                "decode blocks (read, xxh3, zstd, validate)",
+                "copy token windows",
+                "segments (cu_seqlens, position_ids)",
+                "rows of a text batch (str, dicts)",
+                "collate",
+                "device feed host conversion",
+            ]
+        )
+    )
 
 
 def epoch(data: Path, kind: str) -> tuple[dict[str, float], float, int]:
@@ -86,10 +97,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     stages = instrument()
-    datasets = {"tokens": Path(args.work) / "data" / "tierflow-tokens", "text": Path(args.work) / "data" / "tierflow-docs"}
+    datasets = {
+        "tokens": Path(args.work) / "data" / "tierflow-tokens",
+        "text": Path(args.work) / "data" / "tierflow-docs",
+    }
     runs: dict[str, list[tuple[dict[str, float], float, int]]] = {kind: [] for kind in datasets}
     for number in range(args.rounds):
-        for kind in (list(datasets) if number % 2 == 0 else list(datasets)[::-1]):
+        for kind in list(datasets) if number % 2 == 0 else list(datasets)[::-1]:
             runs[kind].append(epoch(datasets[kind], kind))
     print(f"CPU us a batch (batch 8, main process, defaults), medians of {args.rounds} rounds (min-max)\n")
     print("| stage | " + " | ".join(datasets) + " |")

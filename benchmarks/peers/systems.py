@@ -39,7 +39,8 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -67,11 +68,21 @@ def versions() -> dict[str, str]:
     from importlib.metadata import version
 
     out = {}
-    for dist in ("tierflow", "mosaicml-streaming", "litdata", "webdataset", "torch", "numpy", "pyarrow", "boto3",
-                 "obstore", "moto"):
+    for dist in (
+        "tierflow",
+        "mosaicml-streaming",
+        "litdata",
+        "webdataset",
+        "torch",
+        "numpy",
+        "pyarrow",
+        "boto3",
+        "obstore",
+        "moto",
+    ):
         try:
             out[dist] = version(dist)
-        except Exception:  # noqa: BLE001
+        except Exception:
             out[dist] = "-"
     out["torchvision"] = TORCHVISION
     return out
@@ -96,8 +107,19 @@ class System:
         """Import what the reader needs (torch included), so a timed start-up excludes imports."""
         import torch  # noqa: F401
 
-    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> "Reader":
+    def reader(
+        self,
+        data: str,
+        cache: Path,
+        *,
+        kind: str = "tokens",
+        workers: int = 0,
+        seed: int = 17,
+        cache_limit: int | None = None,
+        endpoint: str | None = None,
+        resume: Any = None,
+        stager: bool = True,
+    ) -> Reader:
         raise NotImplementedError
 
     # -- the raw path: local data, the system's defaults, one epoch --------------------------
@@ -138,21 +160,29 @@ class Tierflow(System):
     def preload(self) -> None:
         import torch  # noqa: F401
 
-        import tierflow.tiers.stager  # noqa: F401
+        import tierflow.tiers.stager
         import tierflow.tiers  # noqa: F401
         from tierflow.loader import Loader, TieredDataset  # noqa: F401
 
     def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
         import tierflow
 
-        tierflow.pack([files[0].parent], out, tokenizer="bytes", target_shard_bytes=shard_bytes,
-                      compression="zstd", workers=2, overwrite=True)
+        tierflow.pack(
+            [files[0].parent],
+            out,
+            tokenizer="bytes",
+            target_shard_bytes=shard_bytes,
+            compression="zstd",
+            workers=2,
+            overwrite=True,
+        )
 
     def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
         import tierflow
 
-        tierflow.pack([files[0].parent], out, target_shard_bytes=shard_bytes, compression="zstd", workers=2,
-                      overwrite=True)
+        tierflow.pack(
+            [files[0].parent], out, target_shard_bytes=shard_bytes, compression="zstd", workers=2, overwrite=True
+        )
 
     def convert_ints(self, samples: int, out: Path, shard_bytes: int) -> None:
         import pyarrow as pa
@@ -166,8 +196,19 @@ class Tierflow(System):
         tierflow.pack([source], out, target_shard_bytes=shard_bytes, compression="zstd", workers=2, overwrite=True)
         source.unlink()
 
-    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
+    def reader(
+        self,
+        data: str,
+        cache: Path,
+        *,
+        kind: str = "tokens",
+        workers: int = 0,
+        seed: int = 17,
+        cache_limit: int | None = None,
+        endpoint: str | None = None,
+        resume: Any = None,
+        stager: bool = True,
+    ) -> Reader:
         return TierflowReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume, stager)
 
     def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
@@ -181,8 +222,18 @@ class Tierflow(System):
 
 
 class TierflowReader(Reader):
-    def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
-                 endpoint: str | None, resume: Any, stager: bool) -> None:
+    def __init__(
+        self,
+        data: str,
+        cache: Path,
+        kind: str,
+        workers: int,
+        seed: int,
+        cache_limit: int | None,
+        endpoint: str | None,
+        resume: Any,
+        stager: bool,
+    ) -> None:
         from tierflow.loader import Loader, TieredDataset, BatchSpec, OrderSpec
         from tierflow.tiers.stager import Stager
         from tierflow.tiers import TierConfig, build_stack
@@ -192,14 +243,20 @@ class TierflowReader(Reader):
         # defaults: the order sizes its working set to the cache
         self.stack = build_stack(data, [TierConfig("L2", str(cache), capacity)], endpoint_url=endpoint)
         if kind == "tokens":
-            self.ds = TieredDataset(self.stack.dataset(), BatchSpec(batch_size=BATCH, seq_len=SEQ_LEN),
-                                    OrderSpec(seed=seed), resume=resume)
+            self.ds = TieredDataset(
+                self.stack.dataset(), BatchSpec(batch_size=BATCH, seq_len=SEQ_LEN), OrderSpec(seed=seed), resume=resume
+            )
         else:
-            self.ds = TieredDataset(self.stack.dataset(), BatchSpec(batch_size=INT_BATCH, columns=["x"]),
-                                    OrderSpec(seed=seed), resume=resume)
+            self.ds = TieredDataset(
+                self.stack.dataset(),
+                BatchSpec(batch_size=INT_BATCH, columns=["x"]),
+                OrderSpec(seed=seed),
+                resume=resume,
+            )
         self.batch = self.ds.batch_size
-        self.loader = Loader(self.ds, num_workers=workers, stager=Stager(self.ds, self.stack) if stager else None,
-                             endless=True)
+        self.loader = Loader(
+            self.ds, num_workers=workers, stager=Stager(self.ds, self.stack) if stager else None, endless=True
+        )
         if stager:
             self.loader.start_prefetch()
         self._per_epoch = self.ds.num_order_samples // self.batch
@@ -242,29 +299,47 @@ class Streaming(System):
     def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
         from streaming import MDSWriter
 
-        with MDSWriter(out=str(out), columns={"tokens": f"ndarray:uint16:{SEQ_LEN}"}, compression="zstd",
-                       size_limit=shard_bytes, progress_bar=False) as writer:
+        with MDSWriter(
+            out=str(out),
+            columns={"tokens": f"ndarray:uint16:{SEQ_LEN}"},
+            compression="zstd",
+            size_limit=shard_bytes,
+            progress_bar=False,
+        ) as writer:
             for sample in token_samples(files):
                 writer.write({"tokens": sample})
 
     def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
         from streaming import MDSWriter
 
-        with MDSWriter(out=str(out), columns={"text": "str"}, compression="zstd", size_limit=shard_bytes,
-                       progress_bar=False) as writer:
+        with MDSWriter(
+            out=str(out), columns={"text": "str"}, compression="zstd", size_limit=shard_bytes, progress_bar=False
+        ) as writer:
             for path in files:
                 writer.write({"text": path.read_text()})
 
     def convert_ints(self, samples: int, out: Path, shard_bytes: int) -> None:
         from streaming import MDSWriter
 
-        with MDSWriter(out=str(out), columns={"x": "int64"}, compression="zstd", size_limit=shard_bytes,
-                       progress_bar=False) as writer:
+        with MDSWriter(
+            out=str(out), columns={"x": "int64"}, compression="zstd", size_limit=shard_bytes, progress_bar=False
+        ) as writer:
             for i in range(samples):
                 writer.write({"x": i})
 
-    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
+    def reader(
+        self,
+        data: str,
+        cache: Path,
+        *,
+        kind: str = "tokens",
+        workers: int = 0,
+        seed: int = 17,
+        cache_limit: int | None = None,
+        endpoint: str | None = None,
+        resume: Any = None,
+        stager: bool = True,
+    ) -> Reader:
         return StreamingReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
 
     def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
@@ -282,8 +357,17 @@ class Streaming(System):
 
 
 class StreamingReader(Reader):
-    def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
-                 endpoint: str | None, resume: Any) -> None:
+    def __init__(
+        self,
+        data: str,
+        cache: Path,
+        kind: str,
+        workers: int,
+        seed: int,
+        cache_limit: int | None,
+        endpoint: str | None,
+        resume: Any,
+    ) -> None:
         from streaming import StreamingDataLoader, StreamingDataset
         from streaming.base.util import clean_stale_shared_memory
 
@@ -293,8 +377,9 @@ class StreamingReader(Reader):
         self.batch = BATCH if kind == "tokens" else INT_BATCH
         remote = data if "://" in data else None
         local = str(cache) if remote else data
-        self.ds = StreamingDataset(local=local, remote=remote, shuffle=True, shuffle_seed=seed, batch_size=self.batch,
-                                   cache_limit=cache_limit)
+        self.ds = StreamingDataset(
+            local=local, remote=remote, shuffle=True, shuffle_seed=seed, batch_size=self.batch, cache_limit=cache_limit
+        )
         self.loader = StreamingDataLoader(self.ds, batch_size=self.batch, num_workers=workers)
         if resume is not None:
             self.loader.load_state_dict(resume)
@@ -334,7 +419,7 @@ class StreamingReader(Reader):
                 change = np.flatnonzero(np.diff(shards)) + 1
                 for s in shards[np.r_[0, change]]:
                     uses.append((f"shard.{int(s):05d}", int(self.ds.shards[int(s)].get_raw_size())))
-        except Exception as e:  # noqa: BLE001 - private API; the optimum is then not shown
+        except Exception as e:
             print(f"streaming shard order unavailable: {e}")
             return None
         return uses
@@ -368,25 +453,58 @@ class LitData(System):
     def convert_tokens(self, files: list[Path], out: Path, shard_bytes: int) -> None:
         from litdata import TokensLoader, optimize
 
-        optimize(fn=_litdata_tokens, inputs=[str(f) for f in files], output_dir=str(out), chunk_bytes=shard_bytes,
-                 item_loader=TokensLoader(), num_workers=2, verbose=False, mode="overwrite")
+        optimize(
+            fn=_litdata_tokens,
+            inputs=[str(f) for f in files],
+            output_dir=str(out),
+            chunk_bytes=shard_bytes,
+            item_loader=TokensLoader(),
+            num_workers=2,
+            verbose=False,
+            mode="overwrite",
+        )
 
     def convert_docs(self, files: list[Path], out: Path, shard_bytes: int) -> None:
         from litdata import optimize
 
-        optimize(fn=_litdata_doc, inputs=[str(f) for f in files], output_dir=str(out), chunk_bytes=shard_bytes,
-                 num_workers=2, verbose=False, mode="overwrite")
+        optimize(
+            fn=_litdata_doc,
+            inputs=[str(f) for f in files],
+            output_dir=str(out),
+            chunk_bytes=shard_bytes,
+            num_workers=2,
+            verbose=False,
+            mode="overwrite",
+        )
 
     def convert_ints(self, samples: int, out: Path, shard_bytes: int) -> None:
         from litdata import optimize
 
         step = max(1, samples // 64)
         spans = [(a, min(samples, a + step)) for a in range(0, samples, step)]
-        optimize(fn=_litdata_ints, inputs=spans, output_dir=str(out), chunk_bytes=shard_bytes, num_workers=2,
-                 verbose=False, mode="overwrite")
+        optimize(
+            fn=_litdata_ints,
+            inputs=spans,
+            output_dir=str(out),
+            chunk_bytes=shard_bytes,
+            num_workers=2,
+            verbose=False,
+            mode="overwrite",
+        )
 
-    def reader(self, data: str, cache: Path, *, kind: str = "tokens", workers: int = 0, seed: int = 17,
-               cache_limit: int | None = None, endpoint: str | None = None, resume: Any = None, stager: bool = True) -> Reader:
+    def reader(
+        self,
+        data: str,
+        cache: Path,
+        *,
+        kind: str = "tokens",
+        workers: int = 0,
+        seed: int = 17,
+        cache_limit: int | None = None,
+        endpoint: str | None = None,
+        resume: Any = None,
+        stager: bool = True,
+    ) -> Reader:
         return LitDataReader(data, cache, kind, workers, seed, cache_limit, endpoint, resume)
 
     def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
@@ -401,8 +519,17 @@ class LitData(System):
 
 
 class LitDataReader(Reader):
-    def __init__(self, data: str, cache: Path, kind: str, workers: int, seed: int, cache_limit: int | None,
-                 endpoint: str | None, resume: Any) -> None:
+    def __init__(
+        self,
+        data: str,
+        cache: Path,
+        kind: str,
+        workers: int,
+        seed: int,
+        cache_limit: int | None,
+        endpoint: str | None,
+        resume: Any,
+    ) -> None:
         from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
         self.batch = BATCH if kind == "tokens" else INT_BATCH
@@ -479,11 +606,13 @@ class WebDataset(System):
         import webdataset as wds
 
         urls = sorted(str(p) for p in Path(data).glob("*.tar"))
-        dataset = (wds.WebDataset(urls, shardshuffle=100, seed=seed)
-                   .shuffle(1000, seed=seed)
-                   .decode()
-                   .to_tuple(self.KEYS[kind])
-                   .batched(BATCH))
+        dataset = (
+            wds.WebDataset(urls, shardshuffle=100, seed=seed)
+            .shuffle(1000, seed=seed)
+            .decode()
+            .to_tuple(self.KEYS[kind])
+            .batched(BATCH)
+        )
         return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
 
     def raw_count(self, batch: Any) -> int:
@@ -513,14 +642,19 @@ class InRam(System):
 
         samples = self.samples(data, kind)
         if workers:
-            return DataLoader(samples, batch_size=BATCH, shuffle=True, num_workers=workers,
-                              generator=torch.Generator().manual_seed(seed))
+            return DataLoader(
+                samples,
+                batch_size=BATCH,
+                shuffle=True,
+                num_workers=workers,
+                generator=torch.Generator().manual_seed(seed),
+            )
 
         class Direct:
             def __iter__(self) -> Iterator[Any]:
                 order = np.random.default_rng(seed).permutation(len(samples))
                 for i in range(0, len(order), BATCH):
-                    yield default_collate([samples[j] for j in order[i:i + BATCH]])
+                    yield default_collate([samples[j] for j in order[i : i + BATCH]])
 
         return Direct()
 

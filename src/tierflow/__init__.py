@@ -23,5 +23,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tierflow' has no attribute {name!r}")
 
 
-__all__ = ["BatchSpec", "Dataset", "Loader", "Manifest", "MixedDataset", "OrderSpec", "TierConfig", "TieredDataset",
-           "TierflowError", "open_dataset", "open_loader", "pack", "__version__"]
+__all__ = [
+    "BatchSpec",
+    "Dataset",
+    "Loader",
+    "Manifest",
+    "MixedDataset",
+    "OrderSpec",
+    "TierConfig",
+    "TieredDataset",
+    "TierflowError",
+    "open_dataset",
+    "open_loader",
+    "pack",
+    "__version__",
+]

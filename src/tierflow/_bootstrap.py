@@ -23,4 +23,5 @@ def refuse_while_bootstrapping(what: str) -> None:
         raise MainGuardError(
             f"{what} was called while a DataLoader worker was starting: the worker re-runs the main "
             f"script (workers over an object store start with forkserver, as with spawn), so put the "
-            f"script's top-level code under `if __name__ == \"__main__\":`")
+            f'script\'s top-level code under `if __name__ == "__main__":`'
+        )

@@ -54,7 +54,7 @@ def _stat(pid: int) -> list[bytes] | None:
             stat = f.read()
     except OSError:
         return None
-    return stat[stat.rfind(b")") + 2:].split()  # the command name may hold spaces and parentheses
+    return stat[stat.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
 
 
 def _start_time(pid: int) -> str | None:
@@ -72,7 +72,7 @@ class Owner:
     start: str | None
 
     @classmethod
-    def current(cls) -> "Owner":
+    def current(cls) -> Owner:
         pid = os.getpid()
         return cls(pid, _start_time(pid))
 
@@ -80,8 +80,12 @@ class Owner:
         """Running (a zombie, exited but not yet reaped, is not), and not another process on a reused pid."""
         if self.start is not None:
             fields = _stat(self.pid)
-            return (fields is not None and len(fields) > 19 and fields[19].decode() == self.start
-                    and fields[0] not in (b"Z", b"X"))
+            return (
+                fields is not None
+                and len(fields) > 19
+                and fields[19].decode() == self.start
+                and fields[0] not in (b"Z", b"X")
+            )
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -124,8 +128,9 @@ def watch_owner(owner: Owner, interval: float = POLL_SECONDS) -> threading.Threa
     if pidfd is not None:
         thread = threading.Thread(target=_wait_on_pidfd, args=(pidfd,), name="tierflow-owner-watchdog", daemon=True)
     else:
-        thread = threading.Thread(target=_poll_owner, args=(owner, interval), name="tierflow-owner-watchdog",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=_poll_owner, args=(owner, interval), name="tierflow-owner-watchdog", daemon=True
+        )
     thread.start()
     return thread
 
@@ -158,5 +163,4 @@ def die_with_parent(parent: int) -> None:
         _kill_self()
 
 
-__all__ = ["Owner", "die_with", "die_with_parent", "request_parent_death_signal", "watch_owner",
-           "watch_parent"]
+__all__ = ["Owner", "die_with", "die_with_parent", "request_parent_death_signal", "watch_owner", "watch_parent"]

@@ -137,7 +137,26 @@ class TierUnavailableWarning(TierflowWarning):
     below or the source. Issued once per tier object; the message names the directory."""
 
 
-__all__ = ["BatchOrderError", "CheckpointError", "CheckpointTimeout", "CheckpointWarning", "CursorError",
-           "CursorFormatError", "CursorMismatchError", "FetchError", "LoaderMisuseError", "ManifestError",
-           "PackInputError", "ShardCorruptError", "SourceError", "SourceNotFound", "SourceTimeout", "TierIndexError",
-           "TierUnavailableWarning", "TierflowError", "TierflowWarning", "TopologyError", "WorkerLostError"]
+__all__ = [
+    "BatchOrderError",
+    "CheckpointError",
+    "CheckpointTimeout",
+    "CheckpointWarning",
+    "CursorError",
+    "CursorFormatError",
+    "CursorMismatchError",
+    "FetchError",
+    "LoaderMisuseError",
+    "ManifestError",
+    "PackInputError",
+    "ShardCorruptError",
+    "SourceError",
+    "SourceNotFound",
+    "SourceTimeout",
+    "TierIndexError",
+    "TierUnavailableWarning",
+    "TierflowError",
+    "TierflowWarning",
+    "TopologyError",
+    "WorkerLostError",
+]

@@ -112,8 +112,7 @@ def test_s3_upload_with_retention_and_a_fresh_node_load(s3_server, s3_bucket: st
     """Uploads to moto S3 through storage/remote.py; keep_last/keep_every prune both sides; a
     fresh node downloads and verifies the newest step."""
     dest = f"s3://{s3_bucket}/run/ckpt"
-    store = CheckpointStore(dest, tmp_path / "local", keep_last=2, keep_every=3,
-                            endpoint_url=s3_server.endpoint_url)
+    store = CheckpointStore(dest, tmp_path / "local", keep_last=2, keep_every=3, endpoint_url=s3_server.endpoint_url)
     for step in range(1, 7):
         _files(store.begin(step), size=1000 + step)
         store.commit(step)
@@ -178,8 +177,7 @@ def test_commit_async_waits_for_the_writer_then_commits(tmp_path: Path) -> None:
 def test_a_failed_upload_is_raised_by_wait_and_the_local_copy_stays(s3_server, tmp_path: Path) -> None:
     """The uploader's error (here: no such bucket) comes back as a CheckpointError from wait();
     the step stays whole locally, so the run can go on and retry."""
-    store = CheckpointStore("s3://tierflow-no-such-bucket/ck", tmp_path / "local",
-                            endpoint_url=s3_server.endpoint_url)
+    store = CheckpointStore("s3://tierflow-no-such-bucket/ck", tmp_path / "local", endpoint_url=s3_server.endpoint_url)
     _files(store.begin(1), n=1)
     store.commit(1)
     with pytest.raises(CheckpointError, match="upload failed"):
@@ -236,8 +234,16 @@ class _Clock:
 def _tier(root: Path, clock: _Clock, policy: str):
     from tierflow.tiers import Tier
 
-    return Tier(root, capacity=4 * 1000, policy=policy, form="at_rest", name="L2", verify_hits=False,
-                policy_options={"half_life": 50.0} if policy == "hotscore" else None, clock=clock)
+    return Tier(
+        root,
+        capacity=4 * 1000,
+        policy=policy,
+        form="at_rest",
+        name="L2",
+        verify_hits=False,
+        policy_options={"half_life": 50.0} if policy == "hotscore" else None,
+        clock=clock,
+    )
 
 
 def _read(tier, key: str) -> None:
@@ -310,7 +316,7 @@ def test_an_upload_stretches_the_stagers_lookahead_until_it_is_done(tmp_path: Pa
     with budget._locked():  # the uploader cannot take a byte: the upload is in flight until released
         assert store.commit_async(8).result() == tmp_path / "local" / step_name(8)
         assert store.uploading() == [8]
-        assert stager.burst_seconds() == pytest.approx(2.0 ** 20)
+        assert stager.burst_seconds() == pytest.approx(2.0**20)
         riding = stager.lookahead().bytes
         assert riding == stager.node.max_bytes > calm  # 12 days of consumption, bounded by the tier's room
         tier = stager.stack.tiers[0]
@@ -346,8 +352,10 @@ def test_loader_state_resumes_elastically_under_another_world_size(tokens: Path,
         return out
 
     shape = {"batch_size": 4, "seq_len": 32, "lanes": 1, "window_shards": 1}  # the breadth the cursor carries
-    ranks = [tierflow.open_loader(tokens, **shape, world=WorldPosition(n, 2, 0, 1), return_meta=True, endless=False)
-             for n in range(2)]
+    ranks = [
+        tierflow.open_loader(tokens, **shape, world=WorldPosition(n, 2, 0, 1), return_meta=True, endless=False)
+        for n in range(2)
+    ]
     seen = [i for loader in ranks for i in ids(loader, 6)]
     states = [LoaderState(loader, key=f"rank{n}") for n, loader in enumerate(ranks)]
     saved = {"loader": {**states[0].state_dict(), **states[1].state_dict()}}  # what two ranks' dcp.save holds
@@ -398,8 +406,12 @@ def test_two_ranks_sharing_a_nodes_directory_move_their_parts_into_one_step_left
         (step_dir / f"model-{rank}.bin").write_bytes(bytes([rank]) * 4096)
         assert store.commit(4) == tmp_path / "local" / step_name(4)
     final = tmp_path / "local" / step_name(4)
-    assert sorted(p.name for p in final.iterdir()) == ["model-0.bin", "model-1.bin", "tierflow-part-0.json",
-                                                       "tierflow-part-1.json"]
+    assert sorted(p.name for p in final.iterdir()) == [
+        "model-0.bin",
+        "model-1.bin",
+        "tierflow-part-0.json",
+        "tierflow-part-1.json",
+    ]
     assert not list((tmp_path / "local").glob(".tmp-*"))
     assert ranks[0].latest() is None and ranks[1].local_steps() == [4]
 

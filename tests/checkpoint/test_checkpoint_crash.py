@@ -56,7 +56,7 @@ def within(seconds: float, fn: Callable[[], Any], fifo: Path | None = None) -> A
     def run() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             box["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
@@ -141,7 +141,8 @@ time.sleep(600)
 
 @pytest.mark.slow
 def test_a_step_committed_just_before_a_node_crash_reaches_the_destination_after_the_restart(
-        s3_server, s3_bucket: str, tmp_path: Path) -> None:
+    s3_server, s3_bucket: str, tmp_path: Path
+) -> None:
     """A trainer commits steps 1-4 (6 MB each) to moto S3 under a 4 MB/s budget; its process group
     (trainer and uploader) is SIGKILLed right after commit(4), before step 4 is up. A restart on
     the same node (a new store on the same local directory) queues step 4 again and its wait()
@@ -149,9 +150,22 @@ def test_a_step_committed_just_before_a_node_crash_reaches_the_destination_after
     dest = f"s3://{s3_bucket}/run/ckpt"
     local = tmp_path / "local"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS])}
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(TRAINER), dest, str(local),
-                             s3_server.endpoint_url, str(tmp_path / "budget")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(TRAINER),
+            dest,
+            str(local),
+            s3_server.endpoint_url,
+            str(tmp_path / "budget"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 120
@@ -229,7 +243,9 @@ def test_swapped_and_copied_local_steps_are_refused(tmp_path: Path) -> None:
         write_step(store, step)
     shutil.copytree(local / step_name(1), local / step_name(3))  # a restore gone wrong
     fresh = CheckpointStore(None, local, keep_last=None)
-    with pytest.warns(CheckpointWarning, match=rf"{step_name(3)} skipped: .*records step 1, found under {step_name(3)}"):
+    with pytest.warns(
+        CheckpointWarning, match=rf"{step_name(3)} skipped: .*records step 1, found under {step_name(3)}"
+    ):
         assert fresh.latest() == 2
     with pytest.raises(CheckpointError, match="records step 1"):
         fresh.load(3)
@@ -274,8 +290,10 @@ def test_a_fifo_as_a_local_marker_or_part_manifest_never_blocks(tmp_path: Path, 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert within(10, store.latest, fifo) == 1
-    assert any(issubclass(w.category, CheckpointWarning) and "a FIFO" in str(w.message) and name in str(w.message)
-               for w in caught), [str(w.message) for w in caught]
+    assert any(
+        issubclass(w.category, CheckpointWarning) and "a FIFO" in str(w.message) and name in str(w.message)
+        for w in caught
+    ), [str(w.message) for w in caught]
     assert not within(10, lambda: store.verify(2), fifo).ok
     with pytest.raises(CheckpointError, match="a FIFO"):
         within(10, lambda: store.load(2), fifo)
@@ -322,8 +340,9 @@ def test_a_fresh_node_falls_back_past_an_unreadable_newest_marker(tmp_path: Path
     assert fresh.load(1).is_dir()
 
 
-def test_a_fresh_node_falls_back_past_503s_on_the_newest_marker(s3_server, s3_bucket: str, s3_proxy,
-                                                                 tmp_path: Path) -> None:
+def test_a_fresh_node_falls_back_past_503s_on_the_newest_marker(
+    s3_server, s3_bucket: str, s3_proxy, tmp_path: Path
+) -> None:
     dest = f"s3://{s3_bucket}/ck"
     with CheckpointStore(dest, tmp_path / "local", keep_last=None, endpoint_url=s3_server.endpoint_url) as store:
         for step in (1, 2):
@@ -375,8 +394,15 @@ def test_temporaries_of_dead_commits_are_swept_and_live_ones_kept(tmp_path: Path
     one's temporary and keeps the live one's (its flock), then sweeps it too once it is killed."""
     local = tmp_path / "local"
     env = {**os.environ, "PYTHONPATH": SRC}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(local), str(step)],
-                              stdout=subprocess.PIPE, text=True, env=env) for step in (5, 6)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(HOLDER), str(local), str(step)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for step in (5, 6)
+    ]
     try:
         names = [p.stdout.readline().strip() for p in procs]  # type: ignore[union-attr]
         assert all(n.startswith(".tmp-step-") for n in names)
@@ -408,8 +434,9 @@ def test_an_upload_to_a_silent_peer_fails_at_the_deadline(tmp_path: Path, monkey
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     try:
-        store = CheckpointStore("s3://silent/ck", tmp_path / "local",
-                                endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        store = CheckpointStore(
+            "s3://silent/ck", tmp_path / "local", endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}"
+        )
         write_step(store, 1)
         started = time.monotonic()
         with pytest.raises(CheckpointError, match=r"upload failed: SourceTimeout: .*step-00000001/"):
@@ -421,8 +448,9 @@ def test_an_upload_to_a_silent_peer_fails_at_the_deadline(tmp_path: Path, monkey
         silent.close()
 
 
-def test_an_upload_held_by_the_budget_is_not_cut_by_the_deadline(s3_server, s3_bucket: str, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_upload_held_by_the_budget_is_not_cut_by_the_deadline(
+    s3_server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Time spent waiting on the bandwidth budget is not time spent on the peer: a 512 KiB upload at
     256 KiB/s (~2 s) to S3 outlives a 1 s deadline and still succeeds."""
     from tierflow.storage.remote import open_store

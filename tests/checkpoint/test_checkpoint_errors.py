@@ -131,8 +131,10 @@ def test_a_step_missing_a_file_or_with_one_cut_short_is_named_here_and_at_the_de
         store.wait()
     (final / "optim" / "state.bin").unlink()
     (final / "model.bin").write_bytes(b"m" * 999)
-    assert verify_local(final, 2).problems == [f"{final}/model.bin: is 999 bytes, manifest says 1000",
-                                               f"{final}/optim/state.bin: missing"]
+    assert verify_local(final, 2).problems == [
+        f"{final}/model.bin: is 999 bytes, manifest says 1000",
+        f"{final}/optim/state.bin: missing",
+    ]
     dest = tmp_path / "dest" / step_name(2)
     (dest / "optim" / "state.bin").unlink()
     report = verify_remote(open_dest(tmp_path / "dest"), 2, deep=False)
@@ -176,6 +178,7 @@ def test_loader_state_without_this_ranks_key_is_named_and_a_tensor_copy_decodes(
     state = {"cursor": {"epoch": 2, "step": 17}, "name": "run7"}
     raw = encode_state(state)
     assert decode_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8)) == state
+
     class Plain:  # anything with a JSON-able state_dict()/load_state_dict()
         def state_dict(self) -> dict:
             return state
@@ -246,4 +249,3 @@ def test_a_node_whose_local_directory_is_gone_has_nothing_to_prune(tmp_path: Pat
     from tierflow.checkpoint.remote import prune_local
 
     assert prune_local(tmp_path / "wiped", None, keep_last=1, keep_every=None) == []
-

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 import xxhash
@@ -37,6 +38,7 @@ def _part_with_files(files: Any) -> Mutation:
         listed = files(root) if callable(files) else files
         raw = _json({**part, "files": listed})
         return _rehash(marker, raw), raw
+
     return mutate
 
 
@@ -46,7 +48,7 @@ def _secret(name: Callable[[Path], str]) -> Callable[[Path], list[dict[str, Any]
 
 
 MUTATIONS: dict[str, Mutation] = {
-    "marker not JSON": lambda m, p, r: (b"{\"format\": ", None),
+    "marker not JSON": lambda m, p, r: (b'{"format": ', None),
     "marker nested 100000 deep": lambda m, p, r: (b"[" * 100_000 + b"]" * 100_000, None),
     "marker a list": lambda m, p, r: (_json([m]), None),
     "marker parts not a dict": lambda m, p, r: (_json({**m, "parts": ["x"]}), None),
@@ -72,8 +74,9 @@ def _commit(store: CheckpointStore, step: int) -> None:
     store.commit(step)
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("dest", marks=pytest.mark.slow)],
-                         ids=["local-only", "at-the-destination"])
+@pytest.mark.parametrize(
+    "where", ["local", pytest.param("dest", marks=pytest.mark.slow)], ids=["local-only", "at-the-destination"]
+)
 @pytest.mark.parametrize("case", list(MUTATIONS))
 def test_a_damaged_or_hostile_manifest_is_refused_naming_it(tmp_path: Path, case: str, where: str) -> None:
     dest, local = (tmp_path / "dest" if where == "dest" else None), tmp_path / "local"

@@ -46,8 +46,14 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _spawn(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     full = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), **(env or {})}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full,
+        start_new_session=True,
+    )
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
@@ -150,7 +156,7 @@ def test_sigkill_mid_training_resumes_model_and_stream_together(tokens: Path, tm
             again = iter(resumed)
             got = [inputs(next(again)) for _ in range(4)]
             resumed.close()
-            assert all(torch.equal(a, b) for a, b in zip(got, reference[step:step + 4]))
+            assert all(torch.equal(a, b) for a, b in zip(got, reference[step : step + 4]))
     assert resumed_from["same node"] == 3 and resumed_from["fresh node"] >= 1, resumed_from
 
 
@@ -172,8 +178,9 @@ for step in range(1, 1000):
 
 
 @pytest.mark.parametrize("where,trials", [("dir", KILL_TRIALS - KILL_TRIALS // 3), ("s3", KILL_TRIALS // 3)])
-def test_sigkill_at_random_points_of_commit_and_upload(tmp_path: Path, request: pytest.FixtureRequest,
-                                                       where: str, trials: int) -> None:
+def test_sigkill_at_random_points_of_commit_and_upload(
+    tmp_path: Path, request: pytest.FixtureRequest, where: str, trials: int
+) -> None:
     """A process committing 4 MB steps (uploads throttled to 16 MB/s, so commits and uploads
     overlap) is SIGKILLed with its uploader at a random moment, 20 times to a directory and 10 to
     moto S3. Afterwards latest() is always a whole, verified step (never a temporary), is at
@@ -270,7 +277,8 @@ def test_a_rank_killed_before_its_upload_leaves_the_step_uncommitted_for_all(tmp
     assert fresh.latest() == 1
     merged = fresh.load(1)
     assert sorted(p.name for p in merged.iterdir() if p.name.startswith("__")) == [
-        f"__{r}_0.distcp" for r in range(world)]
+        f"__{r}_0.distcp" for r in range(world)
+    ]
     for r in range(world - 1):
         assert CheckpointStore(dest, tmp_path / f"node{r}").latest() == 1
 
@@ -320,10 +328,14 @@ def _tiered_loader(data: Path, l2: Path, state: dict | None = None):
     from tierflow.tiers import TierConfig, TierStack
 
     registry = MetricsRegistry()
-    stack = TierStack(open_store(str(data), registry=registry),
-                      [TierConfig.parse(f"L2={l2}:256MB").build(registry)], registry=registry)
-    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=32, seq_len=1024),
-                            OrderSpec(partitions=1, window_shards=1, lanes=1))
+    stack = TierStack(
+        open_store(str(data), registry=registry),
+        [TierConfig.parse(f"L2={l2}:256MB").build(registry)],
+        registry=registry,
+    )
+    dataset = TieredDataset(
+        stack.dataset(), BatchSpec(batch_size=32, seq_len=1024), OrderSpec(partitions=1, window_shards=1, lanes=1)
+    )
     loader = Loader(dataset, endless=True)  # the test counts steps across the epoch edge
     if state is not None:
         loader.load_state_dict(state)
@@ -376,8 +388,10 @@ def test_warm_restart_hits_as_before_the_stop_on_an_empty_l2(tmp_path: Path) -> 
     cold, cold_stack = _tiered_loader(data, tmp_path / "L2-cold", _loader_state_of(fresh.load(step)))
     control = _hit_ratio(cold, cold_stack.tiers[0], k)
     cold.close()
-    print(f"hit ratio: {k} steps before the stop {before:.3f}, first {k} after a warm restart {after:.3f}, "
-          f"cold {control:.3f}")
+    print(
+        f"hit ratio: {k} steps before the stop {before:.3f}, first {k} after a warm restart {after:.3f}, "
+        f"cold {control:.3f}"
+    )
     assert abs(after - before) <= 0.05, (before, after)
     assert control < before - 0.5, (before, control)
 
@@ -432,7 +446,8 @@ for step, batch in enumerate(loader, start=1):
 
 
 def test_tiny_lm_killed_mid_upload_resumes_on_an_empty_node_warm_and_exact(
-        tokens: Path, tmp_path: Path, s3_server, s3_bucket: str) -> None:
+    tokens: Path, tmp_path: Path, s3_server, s3_bucket: str
+) -> None:
     """The issue's 'done when': a tiny LM trains through an L2 tier and checkpoints model,
     optimizer and loader with DCP through CheckpointStore to moto S3; it is SIGKILLed (with its
     uploader) while a later step is still uploading. A fresh node (empty checkpoint directory,
@@ -452,8 +467,7 @@ def test_tiny_lm_killed_mid_upload_resumes_on_an_empty_node_warm_and_exact(
     step = fresh.latest()
     assert step is not None and step % 8 == 0
     print(f"resumed from {step}; at the destination: {fresh.remote_steps()} (False: cut off by the kill)")
-    reference_loader = tierflow.open_loader(tokens, batch_size=4, seq_len=32,
-                                            tiers=[f"L2={tmp_path / 'ref-L2'}:64MB"])
+    reference_loader = tierflow.open_loader(tokens, batch_size=4, seq_len=32, tiers=[f"L2={tmp_path / 'ref-L2'}:64MB"])
     stream = iter(reference_loader)
     reference = [inputs(next(stream)) for _ in range(step + 6)]
     reference_loader.close()
@@ -475,7 +489,7 @@ def test_tiny_lm_killed_mid_upload_resumes_on_an_empty_node_warm_and_exact(
     again = iter(loader)
     got = [inputs(next(again)) for _ in range(6)]
     loader.close()
-    assert all(torch.equal(a, b) for a, b in zip(got, reference[step:step + 6]))
+    assert all(torch.equal(a, b) for a, b in zip(got, reference[step : step + 6]))
 
 
 DCP_RANK = """
@@ -517,8 +531,9 @@ def test_two_gloo_ranks_saved_through_dcp_resume_as_one(tokens: Path, tmp_path: 
     finally:
         for proc in ranks:
             _kill_group(proc)
-    resumed = tierflow.open_loader(tokens, batch_size=4, seq_len=32, lanes=1, window_shards=1, return_meta=True,
-                                   endless=False)
+    resumed = tierflow.open_loader(
+        tokens, batch_size=4, seq_len=32, lanes=1, window_shards=1, return_meta=True, endless=False
+    )
     adapter = LoaderState(resumed, checkpoint=step_dir)
     assert adapter.saved_ranks == [0, 1]
     dcp.load({"loader": adapter}, checkpoint_id=step_dir)

@@ -45,14 +45,19 @@ def commit_after(loader, tmp_path: Path, batches: int, warm_batches: int):
     return store, final, json.loads((final / warm_name(0)).read_text())
 
 
-RECORDS = {"another dataset's": json.dumps({"next_shards": ["shard-of-another-dataset.arrow"]}),
-           "not JSON": "{next_shards: [", "no list": json.dumps({"next_shards": {"a": 1}}),
-           "nested past the parser": "[" * 100_000, "no object": json.dumps([1, 2])}
+RECORDS = {
+    "another dataset's": json.dumps({"next_shards": ["shard-of-another-dataset.arrow"]}),
+    "not JSON": "{next_shards: [",
+    "no list": json.dumps({"next_shards": {"a": 1}}),
+    "nested past the parser": "[" * 100_000,
+    "no object": json.dumps([1, 2]),
+}
 
 
 @pytest.mark.parametrize("record", list(RECORDS))
-def test_a_record_of_another_dataset_or_damaged_gives_way_to_what_the_cursor_needs(data: Path, tmp_path: Path,
-                                                                                  record: str) -> None:
+def test_a_record_of_another_dataset_or_damaged_gives_way_to_what_the_cursor_needs(
+    data: Path, tmp_path: Path, record: str
+) -> None:
     loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"], staging=False)
     try:
         step = tmp_path / "step"
@@ -73,8 +78,9 @@ def test_staging_stops_at_the_top_tiers_capacity(data: Path, tmp_path: Path) -> 
     loader = loader_for(data, [f"L2={tmp_path}/l2:{room}:lru:at_rest"], staging=False)
     try:
         order = next_shards(loader.dataset, cursor_of(loader), 256)
-        fits = next(k for k in range(len(order) + 1)
-                    if k == len(order) or sum(shards[i].bytes for i in order[:k + 1]) > room)
+        fits = next(
+            k for k in range(len(order) + 1) if k == len(order) or sum(shards[i].bytes for i in order[: k + 1]) > room
+        )
         assert fits < len(order)  # the order wants more than the tier holds
         assert restore_warm(tmp_path, loader, batches=256) == fits
         assert sorted(loader.stager.stack.tiers[0].index.keys()) == sorted(shards[i].key for i in order[:fits])
@@ -117,8 +123,9 @@ def test_a_commit_of_a_loader_without_tiers_records_its_next_shards_and_no_heat(
         loader.close()
 
 
-def test_a_record_without_a_tiers_clock_stages_its_shards_and_leaves_the_statistics_fresh(data: Path,
-                                                                                       tmp_path: Path) -> None:
+def test_a_record_without_a_tiers_clock_stages_its_shards_and_leaves_the_statistics_fresh(
+    data: Path, tmp_path: Path
+) -> None:
     """A record of the first format (hits only, no clock) cannot be rebased to this tier's clock:
     its shards are staged, its heat is not taken."""
     loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"], staging=False)
@@ -135,8 +142,9 @@ def test_a_record_without_a_tiers_clock_stages_its_shards_and_leaves_the_statist
         loader.close()
 
 
-def test_a_commit_records_the_loops_rate_and_minutes_stage_what_that_many_batches_read(data: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_a_commit_records_the_loops_rate_and_minutes_stage_what_that_many_batches_read(
+    data: Path, tmp_path: Path
+) -> None:
     """`restore_warm(minutes=)` turns minutes into batches at the rate the stopped loop ran (saved at
     commit from its telemetry), and stages what those batches read from the cursor."""
     loader = loader_for(data, [f"L2={tmp_path}/l2:64MB:lru:at_rest"])

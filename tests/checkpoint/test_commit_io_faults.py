@@ -17,11 +17,12 @@ import json
 import queue
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
-from tierflow.checkpoint import CheckpointStore, step_name
+from tierflow.checkpoint import CheckpointStore
 from tierflow.checkpoint.remote import open_dest, verify_remote
 from tierflow.checkpoint.uploader import upload_part
 from tierflow.errors import TierflowError
@@ -50,7 +51,7 @@ class _Stdin:
         job = json.loads(line)
         try:  # what tierflow.checkpoint.uploader.main does with a job
             answer = upload_part(job)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             answer = {"step": job.get("step"), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         self.answers.q.put(json.dumps(answer) + "\n")
 
@@ -94,8 +95,11 @@ def in_process(store: CheckpointStore) -> CheckpointStore:
 
 def step_files(step: int) -> dict[str, bytes]:
     """What the training code writes for a step (a model file, a nested one, a small one)."""
-    return {"model.bin": bytes([step]) * 20000, "opt/state.bin": bytes([step + 100]) * 3000,
-            "loader.json": json.dumps({"step": step}).encode()}
+    return {
+        "model.bin": bytes([step]) * 20000,
+        "opt/state.bin": bytes([step + 100]) * 3000,
+        "loader.json": json.dumps({"step": step}).encode(),
+    }
 
 
 def write_step(directory: Path, step: int) -> None:
@@ -111,8 +115,9 @@ def assert_whole(path: Path, step: int) -> None:
 
 def acceptable(error: BaseException, injected: int) -> bool:
     """A typed outcome: one of ours, or the injected OSError itself (naming its file)."""
-    return isinstance(error, TierflowError) or (isinstance(error, OSError) and error.errno == injected
-                                                 and error.filename is not None)
+    return isinstance(error, TierflowError) or (
+        isinstance(error, OSError) and error.errno == injected and error.filename is not None
+    )
 
 
 class CommitRig:
@@ -191,8 +196,7 @@ OPS = (*DEFAULT_OPS, "unlink")
 """Retention's deletes at the destination fail too."""
 
 
-@pytest.mark.parametrize("remote", [pytest.param(True, marks=pytest.mark.slow), False],
-                         ids=["with-dest", "local-only"])
+@pytest.mark.parametrize("remote", [pytest.param(True, marks=pytest.mark.slow), False], ids=["with-dest", "local-only"])
 def test_a_commit_failing_at_any_io_leaves_the_previous_or_the_new_step_whole(tmp_path: Path, remote: bool) -> None:
     rig = CommitRig(tmp_path, remote)
     run = fail_each(rig.commit, lambda t: rig.check(t, errno.EIO), [rig.run], ops=OPS, reset=rig.reset)
@@ -205,12 +209,21 @@ VARIANTS = [(errno.EIO, True), (errno.ENOSPC, False), (errno.ENOSPC, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("injected,persistent", VARIANTS,
-                         ids=[f"{errno.errorcode[e]}-{'from-n-on' if p else 'once'}" for e, p in VARIANTS])
+@pytest.mark.parametrize(
+    "injected,persistent", VARIANTS, ids=[f"{errno.errorcode[e]}-{'from-n-on' if p else 'once'}" for e, p in VARIANTS]
+)
 @pytest.mark.parametrize("remote", [True, False], ids=["with-dest", "local-only"])
 def test_a_commit_failing_at_any_io_with_any_error_leaves_the_previous_or_the_new_step_whole(
-        tmp_path: Path, injected: int, persistent: bool, remote: bool) -> None:
+    tmp_path: Path, injected: int, persistent: bool, remote: bool
+) -> None:
     rig = CommitRig(tmp_path, remote)
-    run = fail_each(rig.commit, lambda t: rig.check(t, injected), [rig.run], ops=OPS, error=injected,
-                    persistent=persistent, reset=rig.reset)
+    run = fail_each(
+        rig.commit,
+        lambda t: rig.check(t, injected),
+        [rig.run],
+        ops=OPS,
+        error=injected,
+        persistent=persistent,
+        reset=rig.reset,
+    )
     assert len(run.trials) == run.operations + 1

@@ -114,7 +114,7 @@ def test_verify_streams_every_shard_from_s3_and_names_a_corrupted_block(s3_ds, s
 def _objects(s3_server, url: str) -> dict[str, object]:
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     listed = s3_server.endpoint.boto3_client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
-    return {o["Key"][len(prefix) + 1:]: o["LastModified"] for o in listed.get("Contents", [])}
+    return {o["Key"][len(prefix) + 1 :]: o["LastModified"] for o in listed.get("Contents", [])}
 
 
 def _next_second() -> None:

@@ -15,8 +15,9 @@ def test_the_images_demo_packs_byte_exact_trains_and_reports(tmp_path):
 
     from tierflow.commands.demo_images import run_images_demo
 
-    result = run_images_demo(tmp_path / "demo", images=160, epochs=1, train_steps=30, step_ms=2.0,
-                             console=Console(quiet=True))
+    result = run_images_demo(
+        tmp_path / "demo", images=160, epochs=1, train_steps=30, step_ms=2.0, console=Console(quiet=True)
+    )
     assert result["samples"] == 160
     losses = result["losses"]
     assert np.mean(losses[-5:]) < 0.5 * losses[0]

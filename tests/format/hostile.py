@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import xxhash
 
@@ -25,9 +25,9 @@ def record_batch_metadata(data: bytes | bytearray, offset: int, length: int, fir
     """(start, size) of the record batch message's flatbuffer inside block bytes [offset, offset+length)."""
     pos = offset + (8 if first else 0)
     while pos < offset + length:
-        assert data[pos:pos + 4] == _CONTINUATION
+        assert data[pos : pos + 4] == _CONTINUATION
         size = struct.unpack_from("<i", data, pos + 4)[0]
-        meta = bytes(data[pos + 8:pos + 8 + size])
+        meta = bytes(data[pos + 8 : pos + 8 + size])
         try:
             batch_claims(meta)
         except ValueError:  # the schema message
@@ -43,14 +43,15 @@ def set_rows(data: bytearray, shard: dict, block: int, rows: int) -> None:
     blocks = shard["blocks"]
     start, size = record_batch_metadata(data, blocks["offset"][block], blocks["length"][block], block == 0)
     old = struct.pack("<q", blocks["rows"][block])
-    meta = bytes(data[start:start + size])
-    data[start:start + size] = meta.replace(old, struct.pack("<q", rows))
+    meta = bytes(data[start : start + size])
+    data[start : start + size] = meta.replace(old, struct.pack("<q", rows))
     shard["samples"] += rows - blocks["rows"][block]
     blocks["rows"][block] = rows
 
 
-def forge(root: Path, shard_index: int, patch: Callable[[bytearray, dict], None],
-          change: Callable[[dict], None] | None = None) -> dict:
+def forge(
+    root: Path, shard_index: int, patch: Callable[[bytearray, dict], None], change: Callable[[dict], None] | None = None
+) -> dict:
     """Apply `patch(shard bytes, shard entry)` to one shard of the dataset at `root` (same length),
     then `change(manifest)`, and make every hash agree. Returns the new shard entry."""
     path = root / MANIFEST_NAME
@@ -60,8 +61,9 @@ def forge(root: Path, shard_index: int, patch: Callable[[bytearray, dict], None]
     data = bytearray(old.read_bytes())
     patch(data, shard)
     blocks = shard["blocks"]
-    blocks["checksum"] = [xxhash.xxh3_64_hexdigest(bytes(data[o:o + n]))
-                          for o, n in zip(blocks["offset"], blocks["length"])]
+    blocks["checksum"] = [
+        xxhash.xxh3_64_hexdigest(bytes(data[o : o + n])) for o, n in zip(blocks["offset"], blocks["length"])
+    ]
     shard["checksum"] = xxhash.xxh3_128_hexdigest(bytes(data))
     shard["name"] = f"shard-{shard['checksum']}.arrow"
     old.unlink()

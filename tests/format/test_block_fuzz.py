@@ -46,23 +46,47 @@ def shards(tmp_path_factory) -> list[tuple[pa.Schema, str, list[tuple[Block, byt
     tokens, text, integers, floats and a null column."""
     root = tmp_path_factory.mktemp("blockfuzz")
     rng = np.random.default_rng(5)
-    schema = pa.schema([("tokens", pa.list_(pa.uint16())), ("text", pa.string()), ("i", pa.int64()),
-                        ("x", pa.float32()), ("n", pa.null()), ("tags", pa.list_(pa.string()))])
+    schema = pa.schema(
+        [
+            ("tokens", pa.list_(pa.uint16())),
+            ("text", pa.string()),
+            ("i", pa.int64()),
+            ("x", pa.float32()),
+            ("n", pa.null()),
+            ("tags", pa.list_(pa.string())),
+        ]
+    )
     found = []
     for compression in ("zstd", "none"):
         writer = ShardWriter(root, schema, compression=compression)
         for b in range(3):
             n = 40 + b
-            writer.write(pa.record_batch([
-                pa.array([rng.integers(0, 300, int(k)).astype(np.uint16) for k in rng.integers(0, 30, n)],
-                         pa.list_(pa.uint16())),
-                pa.array([f"doc {i} é" * (i % 5) for i in range(n)]), pa.array(np.arange(n)),
-                pa.array(rng.random(n).astype(np.float32)), pa.nulls(n),
-                pa.array([[f"t{i}"] * (i % 3) for i in range(n)], pa.list_(pa.string()))], schema=schema))
+            writer.write(
+                pa.record_batch(
+                    [
+                        pa.array(
+                            [rng.integers(0, 300, int(k)).astype(np.uint16) for k in rng.integers(0, 30, n)],
+                            pa.list_(pa.uint16()),
+                        ),
+                        pa.array([f"doc {i} é" * (i % 5) for i in range(n)]),
+                        pa.array(np.arange(n)),
+                        pa.array(rng.random(n).astype(np.float32)),
+                        pa.nulls(n),
+                        pa.array([[f"t{i}"] * (i % 3) for i in range(n)], pa.list_(pa.string())),
+                    ],
+                    schema=schema,
+                )
+            )
         info = writer.close()
         source = open_blocks(root / info.name, info)
-        found.append((schema, info.name, [(blk, source.read(i).to_pybytes()) for i, blk in enumerate(info.blocks)],
-                      info.decoded_bytes))
+        found.append(
+            (
+                schema,
+                info.name,
+                [(blk, source.read(i).to_pybytes()) for i, blk in enumerate(info.blocks)],
+                info.decoded_bytes,
+            )
+        )
     return found
 
 
@@ -127,16 +151,25 @@ def test_unmutated_blocks_decode_and_read(shards):
 
 def corpus_entry(data: bytes, schema: pa.Schema, index: int, rows: int, decoded_bytes: int) -> dict:
     """What tests/format/corpus/block-*.json holds for one input (see `test_corpus_blocks_are_refused`)."""
-    return {"block": base64.b64encode(data).decode(), "schema": base64.b64encode(schema.serialize()).decode(),
-            "index": index, "rows": rows, "decoded_bytes": decoded_bytes}
+    return {
+        "block": base64.b64encode(data).decode(),
+        "schema": base64.b64encode(schema.serialize()).decode(),
+        "index": index,
+        "rows": rows,
+        "decoded_bytes": decoded_bytes,
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CORPUS.glob("block-*.json")), ids=lambda p: p.name)
 def test_corpus_blocks_are_refused(case):
     d = json.loads(case.read_text())
     schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["schema"])))
-    assert check_input(base64.b64decode(d["block"]), schema, "shard-corpus.arrow", d["index"], d["rows"],
-                       d["decoded_bytes"]) == "refused"
+    assert (
+        check_input(
+            base64.b64decode(d["block"]), schema, "shard-corpus.arrow", d["index"], d["rows"], d["decoded_bytes"]
+        )
+        == "refused"
+    )
 
 
 def test_the_corpus_is_not_empty():

@@ -89,16 +89,18 @@ def test_an_unknown_format_version_is_refused_naming_the_field(packs, tmp_path):
 
 def _with_raw(change):
     """A change to the first shard's raw table bytes (as base64), every column else kept."""
+
     def apply(blocks: dict) -> None:
         raw = bytearray(base64.b64decode(blocks["table"]))
         change(raw, blocks["count"])
         blocks["table"] = base64.b64encode(bytes(raw)).decode()
+
     return apply
 
 
 def _rows_moved_out(raw: bytearray, count: int) -> None:
     at = 4 * count  # the rows column, after the lengths (4 bytes a block)
-    raw[at:at + 4] = (int.from_bytes(raw[at:at + 4], "little") + 1).to_bytes(4, "little")
+    raw[at : at + 4] = (int.from_bytes(raw[at : at + 4], "little") + 1).to_bytes(4, "little")
 
 
 def _length_past_the_file(raw: bytearray, count: int) -> None:
@@ -179,4 +181,5 @@ def test_the_checksum_of_a_manifest_without_a_shard_list_is_its_canonical_jsons(
 
     body = {"format": "tierflow", "shards": None}
     assert manifest_checksum({**body, "manifest_checksum": "x"}) == xxhash.xxh3_128_hexdigest(
-        json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    )

@@ -57,7 +57,7 @@ def test_flipped_byte_is_named_by_verify_and_caught_when_reading_the_block(tmp_p
     assert main(["verify", str(out)]) == 1
     err = capsys.readouterr().err
     assert f"shard {info.name}: block 2" in err
-    raw = (out / info.name).read_bytes()[block.offset:block.offset + block.length]
+    raw = (out / info.name).read_bytes()[block.offset : block.offset + block.length]
     with pytest.raises(ShardCorruptError, match=f"{info.name}: block 2"):
         read_block(raw, ds.manifest.schema, info, 2)
     in_block_2 = int(ds.sample_starts[1]) + sum(b.rows for b in info.blocks[:2])
@@ -76,7 +76,7 @@ def test_every_block_reads_on_its_own(tmp_path):
     raw = (out / info.name).read_bytes()
     rows = 0
     for k, block in enumerate(info.blocks):
-        batch = read_block(raw[block.offset:block.offset + block.length], ds.manifest.schema, info, k)
+        batch = read_block(raw[block.offset : block.offset + block.length], ds.manifest.schema, info, k)
         assert batch.column("i").to_pylist()[0] == rows
         rows += batch.num_rows
     assert rows == info.samples
@@ -104,7 +104,7 @@ def test_reading_a_row_verifies_and_decodes_only_its_block(tmp_path, compression
     i = _row_in_block(ds, 1, 3) + 5
     assert ds[i]["i"] == i
     assert (table.blocks_loaded, table.blocks_verified) == (1, 1)  # block 3 only (the schema came from
-    assert ds[i + 1]["i"] == i + 1                                  # block 0's first bytes, not verified)
+    assert ds[i + 1]["i"] == i + 1  # block 0's first bytes, not verified)
     assert (table.blocks_loaded, table.blocks_verified) == (1, 1)
     assert not whole  # no whole-file hash on the read path
     assert ds.source.opens == 1
@@ -158,7 +158,7 @@ def test_decoded_blocks_stay_within_the_byte_bound_under_concurrent_readers(tmp_
             for _ in range(1000):  # thousands of evictions among four threads
                 i = rng.randrange(len(ds))
                 assert ds[i]["i"] == i
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
@@ -227,7 +227,7 @@ def test_token_blocks_record_their_counts_so_tokens_read_only_their_block(tmp_pa
     start = int(ds.token_starts[1]) + sum(b.tokens for b in info.blocks[:3]) + 7
     got = ds.tokens(start, start + 100)
     assert ds.shard(1).blocks_loaded == 1
-    expected = np.concatenate([eager[i]["tokens"] for i in range(len(eager))])[start:start + 100]
+    expected = np.concatenate([eager[i]["tokens"] for i in range(len(eager))])[start : start + 100]
     assert got.tolist() == expected.tolist()
 
 

@@ -67,15 +67,36 @@ def test_every_token_is_where_the_index_says(packed):
 
 def test_empty_blocks_and_shards_never_hold_a_sample_or_a_token():
     def info(rows_tokens):
-        return ShardInfo("s", sum(r for r, _ in rows_tokens), 1, 1, "x", "y", "none",
-                         tokens=sum(t for _, t in rows_tokens),
-                         blocks=[Block(0, 1, r, "", t) for r, t in rows_tokens])
+        return ShardInfo(
+            "s",
+            sum(r for r, _ in rows_tokens),
+            1,
+            1,
+            "x",
+            "y",
+            "none",
+            tokens=sum(t for _, t in rows_tokens),
+            blocks=[Block(0, 1, r, "", t) for r, t in rows_tokens],
+        )
 
     index = DatasetIndex([info([(2, 5), (0, 0), (3, 4)]), info([]), info([(0, 0), (1, 2)]), info([(1, 0)])])
     assert [index.locate_sample(i) for i in range(7)] == [
-        (0, 0, 0), (0, 0, 1), (0, 2, 0), (0, 2, 1), (0, 2, 2), (2, 1, 0), (3, 0, 0)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 2, 0),
+        (0, 2, 1),
+        (0, 2, 2),
+        (2, 1, 0),
+        (3, 0, 0),
+    ]
     assert [index.locate_token(t)[:3] for t in (0, 4, 5, 8, 9, 10)] == [
-        (0, 0, 0), (0, 0, 4), (0, 2, 0), (0, 2, 3), (2, 1, 0), (2, 1, 1)]
+        (0, 0, 0),
+        (0, 0, 4),
+        (0, 2, 0),
+        (0, 2, 3),
+        (2, 1, 0),
+        (2, 1, 1),
+    ]
     assert index.num_samples == 7 and index.num_tokens == 11
     assert cumulative([]).tolist() == [0]
 
@@ -97,8 +118,9 @@ def test_a_pack_without_block_token_counts_reads_them_for_the_shard_it_needs_onl
     assert ds.tokens(start, start + 50).tolist() == fresh.tokens(start, start + 50).tolist()
     assert ds.source.opens == 1  # shard 2's offsets were read, no other shard was opened
     positions = np.arange(0, ds.num_tokens, 11)
-    assert all(np.array_equal(a, b) for a, b in zip(ds.index.locate_tokens(positions),
-                                                    fresh.index.locate_tokens(positions)))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(ds.index.locate_tokens(positions), fresh.index.locate_tokens(positions))
+    )
 
 
 def test_token_windows_copy_across_blocks_and_shards(packed):
@@ -110,8 +132,8 @@ def test_token_windows_copy_across_blocks_and_shards(packed):
     out = np.empty((starts.size, width), dtype=expected.dtype)
     reader.copy_windows(out, starts)
     for row, start in enumerate(starts.tolist()):
-        assert out[row].tolist() == expected[start:start + width].tolist()
-        assert ds.tokens(start, start + width).tolist() == expected[start:start + width].tolist()
+        assert out[row].tolist() == expected[start : start + width].tolist()
+        assert ds.tokens(start, start + width).tolist() == expected[start : start + width].tolist()
     assert reader.pieces > starts.size  # the crossing rows went piece by piece
     with pytest.raises(IndexError, match="past the stream end"):
         reader.copy_windows(out[:1], np.array([ds.num_tokens - width + 1]))
@@ -149,8 +171,10 @@ def test_a_manifests_block_columns_are_the_records_pack_wrote(packed):
     blocks = info.blocks
     assert isinstance(blocks, BlockList) and blocks.made == 0 and len(blocks) >= 2
     lists = block_lists(json.loads((packed / MANIFEST_NAME).read_text())["shards"][0]["blocks"])
-    records = [Block(*values) for values in
-               zip(lists["offset"], lists["length"], lists["rows"], lists["checksum"], lists["tokens"])]
+    records = [
+        Block(*values)
+        for values in zip(lists["offset"], lists["length"], lists["rows"], lists["checksum"], lists["tokens"])
+    ]
     assert all(len(c) == 16 for c in lists["checksum"])
     assert blocks == records and blocks[1:] == records[1:] and list(blocks) == records
     assert ShardInfo(**{**info.__dict__, "blocks": records}) == info

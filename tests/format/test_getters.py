@@ -11,13 +11,21 @@ from tierflow.format.table import LazyShardTable, ShardTable
 
 
 def test_getters_give_none_exactly_where_the_column_is_null(tmp_path):
-    schema = pa.schema([("text", pa.string()), ("i", pa.int64()), ("none", pa.binary()),
-                        ("tokens", pa.list_(pa.uint16()))])
+    schema = pa.schema(
+        [("text", pa.string()), ("i", pa.int64()), ("none", pa.binary()), ("tokens", pa.list_(pa.uint16()))]
+    )
     writer = ShardWriter(tmp_path, schema, compression="zstd")
     rows = []
     for n in (13, 8, 1, 30):
-        batch = [{"text": None if (len(rows) + k) % 3 == 0 else f"t{k}" * 9, "i": None if k % 4 == 1 else k,
-                  "none": None, "tokens": None if k % 5 == 2 else [k, k + 1]} for k in range(n)]
+        batch = [
+            {
+                "text": None if (len(rows) + k) % 3 == 0 else f"t{k}" * 9,
+                "i": None if k % 4 == 1 else k,
+                "none": None,
+                "tokens": None if k % 5 == 2 else [k, k + 1],
+            }
+            for k in range(n)
+        ]
         rows += batch
         writer.write(pa.RecordBatch.from_pylist(batch, schema=schema))
     info = writer.close()
@@ -26,8 +34,12 @@ def test_getters_give_none_exactly_where_the_column_is_null(tmp_path):
     for b in range(table.num_blocks):
         getters = {name: table.getter(b, name) for name in schema.names}
         for r in range(table.block_rows(b)):
-            got.append({name: (list(v) if name == "tokens" and v is not None else v)
-                        for name, v in ((name, g(r)) for name, g in getters.items())})
+            got.append(
+                {
+                    name: (list(v) if name == "tokens" and v is not None else v)
+                    for name, v in ((name, g(r)) for name, g in getters.items())
+                }
+            )
     assert got == rows
 
 

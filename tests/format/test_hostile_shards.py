@@ -47,13 +47,20 @@ def pack_plain(tmp_path: Path, compression: str = "none") -> Path:
 def run_child(code: str, timeout: float = 60) -> tuple[int, str, float]:
     """(returncode, stdout, peak RSS in MB beyond what importing tierflow takes) of `code` run in a
     fresh interpreter."""
-    prologue = ("import resource, sys, tierflow, tierflow.format.dataset\n"
-                "_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-                "def peak_mb():\n"
-                "    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - _base) / 1024\n")
+    prologue = (
+        "import resource, sys, tierflow, tierflow.format.dataset\n"
+        "_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "def peak_mb():\n"
+        "    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - _base) / 1024\n"
+    )
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{TESTS}"}
-    done = subprocess.run([sys.executable, "-c", prologue + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", prologue + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     lines = done.stdout.strip().splitlines()
     peak = float(lines[-1]) if lines and lines[-1].replace(".", "").isdigit() else -1.0
     return done.returncode, done.stdout + done.stderr, peak
@@ -133,7 +140,7 @@ def test_a_small_null_column_beside_real_columns_still_reads(tmp_path):
     assert ds[4999] == {"n": None, "i": 4999}
 
 
-def zeros_shard(root: Path) -> "tierflow.format.shard.ShardInfo":
+def zeros_shard(root: Path) -> tierflow.format.shard.ShardInfo:
     """A compressed shard that decodes to 32 MB from a few KB (columns of zeros)."""
     root.mkdir()
     schema = pa.schema([("z", pa.int64())])
@@ -157,7 +164,7 @@ def test_decoding_a_shard_is_bounded_by_its_declared_decoded_size(tmp_path):
         from tierflow.errors import ShardCorruptError
         info = ShardInfo.from_json(json.loads({json.dumps(info.to_json())!r}))
         try:
-            decode_shard({str(src)!r}, {str(tmp_path / 'bad.arrow')!r}, info)
+            decode_shard({str(src)!r}, {str(tmp_path / "bad.arrow")!r}, info)
             print("decoded")
         except ShardCorruptError as e:
             print("refused:", e)
@@ -173,7 +180,7 @@ def test_decoding_a_shard_ignores_its_footer(tmp_path):
     info = tierflow.open_dataset(root).manifest.shards[0]
     data = bytearray((root / info.name).read_bytes())
     last = info.blocks[-1]
-    data[last.offset + last.length:-10] = b"\x00" * (len(data) - 10 - last.offset - last.length)
+    data[last.offset + last.length : -10] = b"\x00" * (len(data) - 10 - last.offset - last.length)
     (tmp_path / "garbled.arrow").write_bytes(bytes(data))  # the footer: zeroes (a lying one could list 1000 blocks)
     size, checksum = decode_shard(tmp_path / "garbled.arrow", tmp_path / "out.arrow", info)
     assert (size, checksum) == (info.decoded_bytes, info.decoded_checksum)
@@ -209,7 +216,7 @@ def _record_batch_meta(root: Path) -> bytes:
     shard = m["shards"][0]
     data = (root / shard["name"]).read_bytes()
     start, size = record_batch_metadata(data, shard["blocks"]["offset"][1], shard["blocks"]["length"][1], False)
-    return data[start:start + size]
+    return data[start : start + size]
 
 
 def test_record_batch_metadata_pointing_outside_itself_is_malformed_never_a_struct_error(tmp_path):
@@ -237,8 +244,11 @@ def test_a_shard_decoding_to_more_than_its_declared_size_over_several_blocks_is_
     info = Manifest.load(root).shards[0]
     assert len(info.blocks) > 2
     info.decoded_bytes -= 1
-    with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: decodes to more than the "
-                                                rf"{info.decoded_bytes} bytes the manifest declares"):
+    with pytest.raises(
+        ShardCorruptError,
+        match=rf"shard {info.name}: decodes to more than the "
+        rf"{info.decoded_bytes} bytes the manifest declares",
+    ):
         decode_shard(root / info.name, tmp_path / "decoded.arrow", info)
 
 
@@ -249,6 +259,6 @@ def test_a_shard_listed_without_blocks_or_whose_first_block_holds_no_schema_is_r
         decode_shard(root / info.name, tmp_path / "decoded.arrow", dataclasses.replace(info, blocks=[]))
     data = (root / info.name).read_bytes()
     second = info.blocks[1]  # a record batch where block 0's schema should be (after the file's magic)
-    forged = pa.py_buffer(data[:8] + data[second.offset:second.offset + second.length])
+    forged = pa.py_buffer(data[:8] + data[second.offset : second.offset + second.length])
     with pytest.raises(ShardCorruptError, match=rf"shard {info.name}: block 0 .*first message is a record batch"):
         block_schema(forged, info.name, info.blocks[0])

@@ -31,8 +31,14 @@ def packed(tmp_path_factory) -> Path:
     with open(root / "docs.jsonl", "w") as f:
         for i in range(3000):
             f.write(json.dumps({"text": f"doc {i} " + "lorem ipsum " * (i % 17)}) + "\n")
-    tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10,
-                  block_bytes=32 << 10)
+    tierflow.pack(
+        [root / "docs.jsonl"],
+        root / "ds",
+        tokenizer="bytes",
+        workers=1,
+        target_shard_bytes=256 << 10,
+        block_bytes=32 << 10,
+    )
     return root / "ds"
 
 
@@ -57,12 +63,14 @@ def edit(root: Path, change, reseal: bool) -> None:
 def wrong_eos(reseal: bool):
     """A wrong eos_id the rest of the manifest cannot contradict: its tokenizer says the same
     (resealed by a tool), or says nothing (a legacy manifest's tokenizer identity has none)."""
+
     def change(d: dict) -> None:
         d["eos_id"] = WRONG_EOS
         if reseal:
             d["tokenizer"]["eos_id"] = WRONG_EOS
         else:
             del d["tokenizer"]["eos_id"]
+
     return change
 
 
@@ -118,8 +126,11 @@ def test_an_integer_of_5000_digits_is_a_manifest_error_naming_the_field(ds_copy,
     else:
         d["shards"][0]["samples"] = float(marker)
     path.write_text(json.dumps(d).replace(marker, "9" * 5000))
-    with pytest.raises(ManifestError, match=rf"field {re.escape(field)} is an integer of "
-                                            rf"5000 digits") as e:
+    with pytest.raises(
+        ManifestError,
+        match=rf"field {re.escape(field)} is an integer of "
+        rf"5000 digits",
+    ) as e:
         Manifest.load(ds_copy)
     assert str(ds_copy / MANIFEST_NAME) in str(e.value)
     with pytest.raises(ManifestError):

@@ -79,6 +79,7 @@ def test_a_flipped_byte_in_a_field_name_fails_the_checksum(tokens_ds):
 def test_any_edited_number_fails_the_checksum(tokens_ds):
     def change(d):
         d["eos_id"] = 3
+
     edit(tokens_ds, change, keep_checksum=True)
     with pytest.raises(ManifestError, match="checksum"):
         Manifest.load(tokens_ds)
@@ -95,6 +96,7 @@ def test_a_manifest_without_checksum_still_loads_with_the_same_id(tokens_ds):
 def test_a_zeroed_shard_token_count_is_refused(tokens_ds):
     def change(d):
         d["shards"][1]["tokens"] = 0  # what a flipped byte in the key name did (the default is 0)
+
     edit(tokens_ds, change)
     with pytest.raises(TierflowError, match="tokens"):
         read_all_tokens(tokens_ds)
@@ -103,6 +105,7 @@ def test_a_zeroed_shard_token_count_is_refused(tokens_ds):
 def test_a_renamed_shard_token_key_is_refused(tokens_ds):
     def change(d):
         d["shards"][1]["tokenz"] = d["shards"][1].pop("tokens")
+
     edit(tokens_ds, change)
     with pytest.raises(TierflowError, match="tokens"):
         read_all_tokens(tokens_ds)
@@ -114,6 +117,7 @@ def test_token_counts_moved_between_blocks_are_caught_before_a_token_is_served(t
         assert len(counts) >= 2
         counts[0] += 7
         counts[1] -= 7  # the shard's sum is kept
+
     edit(tokens_ds, change)
     ds = tierflow.open_dataset(tokens_ds)
     with pytest.raises(ShardCorruptError, match=r"block 0 .*tokens"):
@@ -125,6 +129,7 @@ def test_rows_moved_between_blocks_are_caught_before_a_sample_is_served(tokens_d
         rows = d["shards"][0]["blocks"]["rows"]
         rows[0] += 1
         rows[1] -= 1
+
     edit(tokens_ds, change)
     ds = tierflow.open_dataset(tokens_ds)
     with pytest.raises(ShardCorruptError, match="block 0 .*rows"):
@@ -134,6 +139,7 @@ def test_rows_moved_between_blocks_are_caught_before_a_sample_is_served(tokens_d
 def test_a_wrong_token_dtype_is_caught(tokens_ds):
     def change(d):
         d["token_dtype"] = "int64"
+
     edit(tokens_ds, change)
     ds = tierflow.open_dataset(tokens_ds)
     with pytest.raises(ShardCorruptError, match="token_dtype|int64"):
@@ -147,6 +153,7 @@ def test_verify_checks_the_manifest_numbers(tokens_ds, capsys):
         counts = d["shards"][0]["blocks"]["tokens"]
         counts[0] += 7
         counts[1] -= 7
+
     edit(tokens_ds, change)
     capsys.readouterr()
     assert main(["verify", str(tokens_ds)]) == 1
@@ -168,6 +175,7 @@ def test_verify_on_s3_checks_the_manifest_numbers_from_the_bytes_it_streams(toke
         counts = d["shards"][1]["blocks"]["tokens"]
         counts[0] += 3
         counts[1] -= 3
+
     edit(tokens_ds, change)
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(tokens_ds, url, endpoint_url=s3_server.endpoint_url)
@@ -186,6 +194,7 @@ def test_a_legacy_manifest_without_block_token_counts_is_checked_against_the_byt
     def legacy(d):
         for shard in d["shards"]:
             shard["blocks"].pop("tokens")
+
     edit(tokens_ds, legacy)
     expected = np.concatenate([tierflow.open_dataset(tokens_ds).tokens(0, 10)])
     assert audit_manifest(tokens_ds, Manifest.load(tokens_ds)) == []
@@ -195,11 +204,13 @@ def test_a_legacy_manifest_without_block_token_counts_is_checked_against_the_byt
     def moved(d):  # 5 tokens moved from shard 1's total to shard 0's: the dataset's sum is kept
         d["shards"][0]["tokens"] += 5
         d["shards"][1]["tokens"] -= 5
+
     d = edit(tokens_ds, moved)
     name = d["shards"][0]["name"]
     problems = audit_manifest(tokens_ds, Manifest.load(tokens_ds))
-    assert any(p.startswith(f"shard {name}: holds ") and f"the manifest says {d['shards'][0]['tokens']}" in p
-               for p in problems), problems
+    assert any(
+        p.startswith(f"shard {name}: holds ") and f"the manifest says {d['shards'][0]['tokens']}" in p for p in problems
+    ), problems
     with pytest.raises(ShardCorruptError, match=rf"shard {name}: its blocks hold \d+ tokens in \d+ blocks"):
         tierflow.open_dataset(tokens_ds).tokens(0, 10)
 
@@ -245,8 +256,10 @@ HOSTILE_FIELDS = {
     "eos_id": (lambda d: d.update(eos_id=-1), "eos_id = -1 is not a token id"),
     "a shard that is not an object": (lambda d: d["shards"].__setitem__(1, 7), "shard #1 is not an object"),
     "a negative count": (lambda d: d["shards"][0].update(tokens=-1), r"tokens = -1 is negative or absurd"),
-    "stats": (lambda d: d["stats"].update(samples=d["stats"]["samples"] + 1),
-              r"stats.samples = \d+, but the shards' samples sum to \d+"),
+    "stats": (
+        lambda d: d["stats"].update(samples=d["stats"]["samples"] + 1),
+        r"stats.samples = \d+, but the shards' samples sum to \d+",
+    ),
 }
 
 
@@ -288,6 +301,9 @@ def test_a_shard_without_the_token_column_its_manifest_counts_tokens_in_is_refus
     forge_manifest(tmp_path / "tok", swap)
     ds = tierflow.open_dataset(tmp_path / "tok")
     assert ds[0]["id"] == 0  # block 0: said to hold no tokens, and holds none
-    with pytest.raises(ShardCorruptError, match=rf"shard {shard['name']}: block 1 .*has no tokens column, the "
-                                                rf"manifest says it holds {shard['tokens']} tokens"):
+    with pytest.raises(
+        ShardCorruptError,
+        match=rf"shard {shard['name']}: block 1 .*has no tokens column, the "
+        rf"manifest says it holds {shard['tokens']} tokens",
+    ):
         ds.tokens(0, 10)

@@ -32,8 +32,7 @@ from tierflow.testing.faults import write_corpus
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("metadata")
     src = write_corpus(root / "a.jsonl", docs=1500, seed=3)
-    tierflow.pack([src], root / "out", workers=1, tokenizer="bytes", target_shard_bytes=256 << 10,
-                  block_bytes=32 << 10)
+    tierflow.pack([src], root / "out", workers=1, tokenizer="bytes", target_shard_bytes=256 << 10, block_bytes=32 << 10)
     return root / "out"
 
 
@@ -58,9 +57,16 @@ def test_pack_writes_the_tables_and_they_say_what_the_manifest_says(packed: Path
     assert mapped.dataset_id == old.dataset_id and mapped.num_samples == old.num_samples
     assert mapped.num_tokens == old.num_tokens and mapped.schema == old.schema
     for a, b in zip(old.shards, mapped.shards):
-        assert (a.name, a.samples, a.bytes, a.decoded_bytes, a.tokens, a.checksum, a.decoded_checksum,
-                a.compression) == (b.name, b.samples, b.bytes, b.decoded_bytes, b.tokens, b.checksum,
-                                   b.decoded_checksum, b.compression)
+        assert (
+            a.name,
+            a.samples,
+            a.bytes,
+            a.decoded_bytes,
+            a.tokens,
+            a.checksum,
+            a.decoded_checksum,
+            a.compression,
+        ) == (b.name, b.samples, b.bytes, b.decoded_bytes, b.tokens, b.checksum, b.decoded_checksum, b.compression)
         assert list(a.blocks) == list(b.blocks)
     assert metadata_verify.verify_metadata(mapped) == []
     for name in ("samples", "decoded_bytes", "largest_rows"):
@@ -82,8 +88,9 @@ def test_the_mapped_index_answers_as_the_parsed_one(packed: Path) -> None:
     assert mapped.sample_starts.tolist() == old.sample_starts.tolist()
     for i in ids[:50].tolist():
         assert mapped.index.locate_sample(i) == old.index.locate_sample(i)
-        assert {k: np.asarray(v).tolist() for k, v in mapped[i].items()} == \
-            {k: np.asarray(v).tolist() for k, v in old[i].items()}
+        assert {k: np.asarray(v).tolist() for k, v in mapped[i].items()} == {
+            k: np.asarray(v).tolist() for k, v in old[i].items()
+        }
     assert mapped.tokens(1000, 40000).tolist() == old.tokens(1000, 40000).tolist()
     again = pickle.loads(pickle.dumps(mapped.manifest))  # a worker maps the same files again
     assert isinstance(again, md.MappedManifest) and len(pickle.dumps(mapped.manifest)) < 1000
@@ -109,6 +116,7 @@ def test_a_crash_before_the_header_leaves_the_old_dataset(packed: Path, tmp_path
 
     def crash(*args, **kwargs):
         raise OSError("killed")
+
     monkeypatch.setattr(metadata_writer, "_publish", crash)
     with pytest.raises(OSError):
         metadata_writer.upgrade(out)
@@ -145,7 +153,7 @@ def _column_offset(path: Path, column: str, row: int) -> int:
     with pa.memory_map(str(path)) as f:
         arr = pa.ipc.open_file(f).get_batch(0).column(column)
         width = arr.type.byte_width
-        values = arr.buffers()[1].to_pybytes()[:len(arr) * width]
+        values = arr.buffers()[1].to_pybytes()[: len(arr) * width]
     at = path.read_bytes().find(values)
     assert at >= 0
     return at + row * width
@@ -176,10 +184,13 @@ def test_a_damaged_block_row_is_refused_when_its_shard_is_used(packed: Path, tmp
     assert problems and "column rows does not match" in problems[0]
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda h: h.update(totals={**h["totals"], "samples": h["totals"]["samples"] + 1}), "header_checksum"),
-    (lambda h: h["shards"].update(file="../../etc/passwd"), "header_checksum"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda h: h.update(totals={**h["totals"], "samples": h["totals"]["samples"] + 1}), "header_checksum"),
+        (lambda h: h["shards"].update(file="../../etc/passwd"), "header_checksum"),
+    ],
+)
 def test_an_edited_header_is_refused(packed: Path, tmp_path: Path, edit, match: str) -> None:
     out = copy(packed, tmp_path)
     h = header(out)
@@ -191,10 +202,12 @@ def test_an_edited_header_is_refused(packed: Path, tmp_path: Path, edit, match: 
 
 def test_a_hostile_header_with_a_valid_checksum_is_still_checked(packed: Path, tmp_path: Path) -> None:
     out = copy(packed, tmp_path)
-    for edit, match in [(lambda h: h["shards"].update(file="../x.arrow"), "not a metadata table inside"),
-                        (lambda h: h["shards"].update(size=5), "the header says 5"),
-                        (lambda h: h["totals"].update(samples=1), "sum to|stats.samples"),
-                        (lambda h: h["blocks"].update(rows=h["blocks"]["rows"] + 1), "totals.blocks")]:
+    for edit, match in [
+        (lambda h: h["shards"].update(file="../x.arrow"), "not a metadata table inside"),
+        (lambda h: h["shards"].update(size=5), "the header says 5"),
+        (lambda h: h["totals"].update(samples=1), "sum to|stats.samples"),
+        (lambda h: h["blocks"].update(rows=h["blocks"]["rows"] + 1), "totals.blocks"),
+    ]:
         h = header(copy_dir := out)
         edit(h)
         h.pop("manifest")
@@ -212,6 +225,7 @@ def test_a_hostile_header_with_a_valid_checksum_is_still_checked(packed: Path, t
 
 def test_gc_keeps_the_tables_the_header_names_and_drops_others(packed: Path, tmp_path: Path) -> None:
     from tierflow.pack.dataset_dir import remove_unreferenced
+
     out = copy(packed, tmp_path)
     stale = out / f"{md.TABLE_PREFIX}shards-{'0' * 32}{md.TABLE_SUFFIX}"
     stale.write_bytes(b"old")
@@ -220,9 +234,11 @@ def test_gc_keeps_the_tables_the_header_names_and_drops_others(packed: Path, tmp
     assert isinstance(Manifest.load(out), md.MappedManifest)
 
 
-def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(packed: Path, tmp_path: Path, s3_server, s3_bucket,
-                                                              monkeypatch) -> None:
+def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(
+    packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch
+) -> None:
     from tierflow.storage.remote import upload_dataset
+
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(packed, url, endpoint_url=s3_server.endpoint_url)
@@ -231,20 +247,24 @@ def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(packed: Path, tmp_
     local = tierflow.open_dataset(packed)
     assert len(remote) == len(local) and remote.manifest.dataset_id == local.manifest.dataset_id
     for i in (0, 17, len(local) - 1):
-        assert {k: np.asarray(v).tolist() for k, v in remote[i].items()} == \
-            {k: np.asarray(v).tolist() for k, v in local[i].items()}
+        assert {k: np.asarray(v).tolist() for k, v in remote[i].items()} == {
+            k: np.asarray(v).tolist() for k, v in local[i].items()
+        }
     cached = list((tmp_path / "cache").glob("*/metadata-*.arrow"))
     assert len(cached) == 2
     again = pickle.loads(pickle.dumps(remote.manifest))  # a worker maps the node's copy
     assert again.dataset_id == local.manifest.dataset_id
     from tierflow.storage.datasets import collect_garbage
     from tierflow.storage.remote import open_store
+
     assert collect_garbage(open_store(url, endpoint_url=s3_server.endpoint_url)) == []
 
 
-def test_an_s3_dataset_whose_manifest_was_replaced_reads_the_manifest(packed: Path, tmp_path: Path, s3_server,
-                                                                      s3_bucket, monkeypatch) -> None:
+def test_an_s3_dataset_whose_manifest_was_replaced_reads_the_manifest(
+    packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch
+) -> None:
     from tierflow.storage.remote import open_store, upload_dataset
+
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
     url = f"s3://{s3_bucket}/ds2"
     upload_dataset(packed, url, endpoint_url=s3_server.endpoint_url)
@@ -259,6 +279,7 @@ def test_an_s3_dataset_whose_manifest_was_replaced_reads_the_manifest(packed: Pa
 
 def test_the_cli_upgrades_verifies_inspects_and_gcs_a_version_3_dataset(packed: Path, tmp_path: Path, capsys) -> None:
     from tierflow.commands.cli import main
+
     out = copy(packed, tmp_path)
     for p in out.glob("metadata*"):
         p.unlink()
@@ -268,7 +289,9 @@ def test_the_cli_upgrades_verifies_inspects_and_gcs_a_version_3_dataset(packed: 
     assert main(["inspect", str(out), "-n", "1"]) == 0
     assert "samples in" in capsys.readouterr().out
     assert main(["gc", str(out)]) == 0
-    assert isinstance(Manifest.load(out), md.MappedManifest) and metadata_verify.verify_metadata(Manifest.load(out)) == []
+    assert (
+        isinstance(Manifest.load(out), md.MappedManifest) and metadata_verify.verify_metadata(Manifest.load(out)) == []
+    )
     table = out / header(out)["blocks"]["file"]
     _flip(table, _column_offset(table, "checksum", 3))
     assert main(["verify", str(out)]) == 1
@@ -277,7 +300,8 @@ def test_the_cli_upgrades_verifies_inspects_and_gcs_a_version_3_dataset(packed: 
 
 def test_the_cli_upgrades_an_s3_dataset(packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch) -> None:
     from tierflow.commands.cli import main
-    from tierflow.storage.remote import open_store, upload_dataset
+    from tierflow.storage.remote import upload_dataset
+
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
     out = copy(packed, tmp_path)
     for p in out.glob("metadata*"):
@@ -297,19 +321,31 @@ def _forge(out: Path, edit) -> None:
     m = legacy(out)
     shards, blocks = metadata_writer.columns_from_shards(m.shards)
     edit(shards, blocks)
-    fields = {"dataset_id": m.dataset_id, "schema": schema_to_json(m.schema), "tokenizer": m.tokenizer,
-              "token_column": m.token_column, "token_dtype": m.token_dtype, "eos_id": m.eos_id, "stats": {}}
+    fields = {
+        "dataset_id": m.dataset_id,
+        "schema": schema_to_json(m.schema),
+        "tokenizer": m.tokenizer,
+        "token_column": m.token_column,
+        "token_dtype": m.token_dtype,
+        "eos_id": m.eos_id,
+        "stats": {},
+    }
     (out / MANIFEST_NAME).unlink()
     metadata_writer.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda s, b: s["block_digest"].__setitem__(2, s["block_digest"][2] ^ 1), "block_digest"),
-    (lambda s, b: b["rows"].__setitem__(int(s["first_block"][2]), b["rows"][int(s["first_block"][2])] + 1),
-     "block rows sum to|block_digest"),
-    (lambda s, b: b["length"].__setitem__(int(s["first_block"][2]), 1 << 31), "block_digest|outside the file"),
-    (lambda s, b: s["largest_rows"].__setitem__(2, 1), "largest_rows|block_digest"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s, b: s["block_digest"].__setitem__(2, s["block_digest"][2] ^ 1), "block_digest"),
+        (
+            lambda s, b: b["rows"].__setitem__(int(s["first_block"][2]), b["rows"][int(s["first_block"][2])] + 1),
+            "block rows sum to|block_digest",
+        ),
+        (lambda s, b: b["length"].__setitem__(int(s["first_block"][2]), 1 << 31), "block_digest|outside the file"),
+        (lambda s, b: s["largest_rows"].__setitem__(2, 1), "largest_rows|block_digest"),
+    ],
+)
 def test_hostile_tables_with_every_hash_recomputed_are_refused(packed: Path, tmp_path: Path, edit, match) -> None:
     out = copy(packed, tmp_path)
     _forge(out, edit)
@@ -336,8 +372,9 @@ def test_hostile_shard_columns_with_every_hash_recomputed_are_refused(packed: Pa
             tierflow.open_dataset(out)[0]
 
 
-def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_header(packed: Path, tmp_path: Path,
-                                                                                   monkeypatch) -> None:
+def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_header(
+    packed: Path, tmp_path: Path, monkeypatch
+) -> None:
     out = copy(packed, tmp_path)
     old = legacy(out)
     metadata_writer.write_with_manifest(out, old, legacy_max_shards=0)
@@ -354,8 +391,10 @@ def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_hea
 
 
 def test_the_loader_reads_the_same_batches_through_either_form_and_resumes_across_an_upgrade(
-        packed: Path, tmp_path: Path) -> None:
+    packed: Path, tmp_path: Path
+) -> None:
     from tierflow.loader import BatchSpec, Loader, TieredDataset
+
     v2 = copy(packed, tmp_path)
     for p in v2.glob("metadata*"):
         p.unlink()

@@ -55,8 +55,9 @@ def superseded(two_versions: tuple[Path, Path], tmp_path: Path) -> tuple[Path, s
     return out, old, new
 
 
-def test_gc_removes_superseded_tables_once_no_reader_holds_them(two_versions: tuple[Path, Path],
-                                                                 tmp_path: Path) -> None:
+def test_gc_removes_superseded_tables_once_no_reader_holds_them(
+    two_versions: tuple[Path, Path], tmp_path: Path
+) -> None:
     out, old, new = superseded(two_versions, tmp_path)
     (out / md.METADATA_NAME).rename(tmp_path / "new-header")
     shutil.copy(two_versions[0] / md.METADATA_NAME, out / md.METADATA_NAME)
@@ -75,7 +76,8 @@ def test_gc_removes_superseded_tables_once_no_reader_holds_them(two_versions: tu
 
 
 def test_a_reader_whose_header_was_superseded_before_it_opened_the_tables_reads_the_new_one(
-        two_versions: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    two_versions: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out, old, new = superseded(two_versions, tmp_path)
     new_header = (out / md.METADATA_NAME).read_bytes()
     shutil.copy(two_versions[0] / md.METADATA_NAME, out / md.METADATA_NAME)
@@ -104,7 +106,8 @@ def test_a_header_naming_a_missing_table_is_still_refused(two_versions: tuple[Pa
 
 
 def test_s3_gc_removes_tables_the_header_does_not_name_and_keeps_the_current(
-        two_versions: tuple[Path, Path], tmp_path: Path, s3_server, s3_bucket, monkeypatch) -> None:
+    two_versions: tuple[Path, Path], tmp_path: Path, s3_server, s3_bucket, monkeypatch
+) -> None:
     from tierflow.storage.datasets import collect_garbage
     from tierflow.storage.remote import open_store, upload_dataset
 

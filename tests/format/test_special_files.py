@@ -8,7 +8,8 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 
@@ -29,7 +30,7 @@ def promptly(call: Callable[[], Any], fifos: list[Path] = (), seconds: float = 5
     def run() -> None:
         try:
             outcome["value"] = call()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
+        except BaseException as e:
             outcome["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
@@ -79,8 +80,9 @@ def packed(tmp_path_factory) -> Path:
         for i in range(2000):
             f.write(json.dumps({"id": i, "text": f"doc {i} " + "ab" * (i % 40)}) + "\n")
     for compression in ("none", "zstd"):
-        tierflow.pack([root / "docs.jsonl"], root / compression, workers=1, target_shard_bytes=256 << 10,
-                      compression=compression)
+        tierflow.pack(
+            [root / "docs.jsonl"], root / compression, workers=1, target_shard_bytes=256 << 10, compression=compression
+        )
     return root
 
 

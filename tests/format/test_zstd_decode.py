@@ -69,8 +69,10 @@ def test_zstd_blocks_decode_without_arrows_reader_to_the_batches_arrow_reads(tmp
 
 def test_a_schema_without_a_layout_here_decodes_through_arrows_reader(tmp_path, monkeypatch):
     def columns(n, rng):
-        return {"when": pa.array(np.arange(n).astype("datetime64[s]")),
-                "key": pa.array([bytes([i % 256]) * 4 for i in range(n)], pa.binary(4))}
+        return {
+            "when": pa.array(np.arange(n).astype("datetime64[s]")),
+            "key": pa.array([bytes([i % 256]) * 4 for i in range(n)], pa.binary(4)),
+        }
 
     info, schema, blocks = _shard(tmp_path, columns)
     called = []

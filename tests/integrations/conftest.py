@@ -17,5 +17,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def needs(module: str) -> pytest.MarkDecorator:
     """Skip where the framework is not installed (it comes with the `frameworks` extra, in `dev`)."""
-    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
-                              reason=f"{module} is not installed (pip install -e '.[frameworks]')")
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None, reason=f"{module} is not installed (pip install -e '.[frameworks]')"
+    )

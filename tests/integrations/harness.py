@@ -67,8 +67,9 @@ class Recorder:
         Path(path).write_text(json.dumps({"batches": self.batches, "lens": self.lens, **extra}))
 
 
-def reference(data: str, batches: int, rank: int = 0, world: int = 1, nodes: bool = False,
-              **options: Any) -> list[dict[str, Any]]:
+def reference(
+    data: str, batches: int, rank: int = 0, world: int = 1, nodes: bool = False, **options: Any
+) -> list[dict[str, Any]]:
     """The first `batches` batches tierflow's own loop hands rank `rank` of `world` (one node, or
     with `nodes` each rank a node of its own): each {"rows": fingerprints, "ids": sample ids,
     "epochs": sample epochs, "epoch": batch epoch}."""
@@ -83,8 +84,14 @@ def reference(data: str, batches: int, rank: int = 0, world: int = 1, nodes: boo
     out = []
     with Loader(ds, endless=True, return_meta=True) as loader:
         for batch, meta in loader:
-            out.append({"rows": fingerprint(batch["input_ids"]), "ids": meta.sample_ids.tolist(),
-                        "epochs": meta.epochs.tolist(), "epoch": meta.epoch})
+            out.append(
+                {
+                    "rows": fingerprint(batch["input_ids"]),
+                    "ids": meta.sample_ids.tolist(),
+                    "epochs": meta.epochs.tolist(),
+                    "epoch": meta.epoch,
+                }
+            )
             if len(out) == batches:
                 break
     return out
@@ -93,22 +100,46 @@ def reference(data: str, batches: int, rank: int = 0, world: int = 1, nodes: boo
 def run(script: str, config: dict[str, Any], *, torchrun: int | None = None, timeout: float = 240) -> None:
     """Run tests/integrations/`script` with `config` (JSON) as its argument, in a new process (or
     `torchrun --nproc-per-node N`); fails with its output when it fails."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled", "TORCHDYNAMO_DISABLE": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT"):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(name, None)
     if torchrun:
         from tierflow.testing.distributed import free_port
 
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}",
-                   f"--master-port={free_port()}", str(HERE / script), json.dumps(config)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={torchrun}",
+            f"--master-port={free_port()}",
+            str(HERE / script),
+            json.dumps(config),
+        ]
     else:
         command = [sys.executable, str(HERE / script), json.dumps(config)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=config.get("cwd"))
     if done.returncode != 0:
-        raise AssertionError(f"{script} {config} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+        raise AssertionError(
+            f"{script} {config} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+        )
 
 
 def leave_process_group() -> None:
@@ -125,8 +156,14 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def check_uninterrupted(data: str, runs: list[dict[str, Any]], epochs: int | None = 2, nodes: bool = False,
-                        world: int | None = None, **options: Any) -> None:
+def check_uninterrupted(
+    data: str,
+    runs: list[dict[str, Any]],
+    epochs: int | None = 2,
+    nodes: bool = False,
+    world: int | None = None,
+    **options: Any,
+) -> None:
     """Each rank trained exactly tierflow's own batches for its rank, in order; no (sample, epoch)
     twice across the ranks; with `epochs`, that many framework epochs, each as long as `len()` said
     at its start, and every sample of epoch 0 trained (where `runs` are all `world` ranks')."""
@@ -148,7 +185,9 @@ def check_uninterrupted(data: str, runs: list[dict[str, Any]], epochs: int | Non
         if epochs is not None:
             per_epoch = [sum(1 for e, _ in got["batches"] if e == k) for k in range(epochs)]
             assert len(got["lens"]) >= epochs, got["lens"]
-            assert per_epoch == got["lens"][:epochs], f"rank {rank}: trained {per_epoch} batches, len() said {got['lens']}"
+            assert per_epoch == got["lens"][:epochs], (
+                f"rank {rank}: trained {per_epoch} batches, len() said {got['lens']}"
+            )
             assert all(n > 0 for n in per_epoch), f"rank {rank}: an empty epoch {per_epoch}"
     if epochs is not None and epochs >= 2 and len(runs) == world:
         from tierflow.loader import TieredDataset
@@ -168,5 +207,5 @@ def check_resumed(full: dict[str, Any], resumed: dict[str, Any], at: int) -> Non
     assert len(got) == len(want), f"resumed at {at}: trained {len(got)} batches, the uninterrupted run {len(want)}"
     for i, (a, b) in enumerate(zip(got, want)):
         assert a == b, f"resumed at {at}: batch {at + i} differs from the uninterrupted run's"
-    tail = full["lens"][len(full["lens"]) - len(resumed["lens"]):]
+    tail = full["lens"][len(full["lens"]) - len(resumed["lens"]) :]
     assert resumed["lens"] == tail, f"resumed at {at}: len() said {resumed['lens']}, the uninterrupted run {tail}"

@@ -35,7 +35,9 @@ def main():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = Loader(TieredDataset(cfg["data"], BatchSpec(batch_size=BATCH, seq_len=SEQ)), num_workers=cfg.get("workers", 0))
+    loader = Loader(
+        TieredDataset(cfg["data"], BatchSpec(batch_size=BATCH, seq_len=SEQ)), num_workers=cfg.get("workers", 0)
+    )
     model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
     assert prepared is loader  # accelerate hands back what is not a DataLoader: the Loader shards itself
     progress = Progress()

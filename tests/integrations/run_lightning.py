@@ -59,11 +59,19 @@ def main():
     model = TinyLM(cfg)
     devices = cfg.get("devices", 1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
-        max_epochs=cfg.get("epochs", -1) if "epochs" in cfg else None, max_steps=cfg.get("max_steps", -1),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=[SaveAt(cfg.get("save_at", ()), cfg.get("ckpt_dir", ".")), LoaderStateCallback()])
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_epochs=cfg.get("epochs", -1) if "epochs" in cfg else None,
+        max_steps=cfg.get("max_steps", -1),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[SaveAt(cfg.get("save_at", ()), cfg.get("ckpt_dir", ".")), LoaderStateCallback()],
+    )
     trainer.fit(model, ckpt_path=cfg.get("resume"))
     model.record.dump(f"{cfg['out']}.{trainer.global_rank}.json", world=trainer.world_size)
 

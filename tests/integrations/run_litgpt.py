@@ -42,7 +42,7 @@ def main():
         if state["iter_num"] >= cfg["iters"]:
             break
         assert rows.shape == (BATCH, SEQ + 1), rows.shape
-        input_ids, targets = rows[:, :SEQ].long(), rows[:, 1:SEQ + 1].long()
+        input_ids, targets = rows[:, :SEQ].long(), rows[:, 1 : SEQ + 1].long()
         record.step(iterator.epoch, input_ids, train)
         loss = chunked_cross_entropy(model(input_ids), targets)
         fabric.backward(loss)

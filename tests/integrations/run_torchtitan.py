@@ -38,15 +38,28 @@ def main():
     model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
     optimizers = OptimizersContainer(default_adamw(lr=1e-3), model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=cfg["steps"])
-    dataloader = TierflowDataLoader(cfg["data"], dp_rank=dp_rank, dp_world_size=dp_world, batch_size=BATCH,
-                                    seq_len=SEQ, num_workers=cfg.get("workers", 0))
+    dataloader = TierflowDataLoader(
+        cfg["data"],
+        dp_rank=dp_rank,
+        dp_world_size=dp_world,
+        batch_size=BATCH,
+        seq_len=SEQ,
+        num_workers=cfg.get("workers", 0),
+    )
     assert isinstance(dataloader, BaseDataLoader)
     train_state = TrainState()
     checkpoint = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0,
-                                 last_save_model_only=False),
-        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-        states={"train_state": train_state}, sd_adapter=None, base_folder=cfg["ckpt_dir"])
+        CheckpointManager.Config(
+            enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=False
+        ),
+        dataloader=dataloader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=cfg["ckpt_dir"],
+    )
     if cfg.get("resume") is not None:
         assert checkpoint.load(step=cfg["resume"])
         assert train_state.step == cfg["resume"]

@@ -55,15 +55,31 @@ def main():
     cfg = json.loads(sys.argv[1])
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
-    world = {"world": WorldPosition(0, 1, *cfg["world"])} if cfg.get("world") else {}  # one process, that rank's batches
-    loader = Loader(TieredDataset(cfg["data"], BatchSpec(batch_size=BATCH, seq_len=SEQ), **world), num_workers=cfg.get("workers", 0),
-                    endless=cfg.get("endless", False))
-    args = Arguments(output_dir=cfg["output_dir"], num_train_epochs=cfg.get("epochs", 1),
-                             max_steps=cfg.get("max_steps", -1), per_device_train_batch_size=BATCH,
-                             save_strategy="no", report_to=[], logging_strategy="no", use_cpu=True,
-                             disable_tqdm=True, learning_rate=1e-3, save_only_model=False)
+    world = (
+        {"world": WorldPosition(0, 1, *cfg["world"])} if cfg.get("world") else {}
+    )  # one process, that rank's batches
+    loader = Loader(
+        TieredDataset(cfg["data"], BatchSpec(batch_size=BATCH, seq_len=SEQ), **world),
+        num_workers=cfg.get("workers", 0),
+        endless=cfg.get("endless", False),
+    )
+    args = Arguments(
+        output_dir=cfg["output_dir"],
+        num_train_epochs=cfg.get("epochs", 1),
+        max_steps=cfg.get("max_steps", -1),
+        per_device_train_batch_size=BATCH,
+        save_strategy="no",
+        report_to=[],
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        save_only_model=False,
+    )
     record = Record(model, loader)
-    trainer = TierflowTrainer(model=model, args=args, train_loader=loader, callbacks=[record, SaveAt(cfg.get("save_at", ()))])
+    trainer = TierflowTrainer(
+        model=model, args=args, train_loader=loader, callbacks=[record, SaveAt(cfg.get("save_at", ()))]
+    )
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     record.record.dump(f"{cfg['out']}.{rank}.json", global_step=trainer.state.global_step)

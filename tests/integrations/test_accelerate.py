@@ -32,8 +32,12 @@ def test_two_processes(corpus, tmp_path):
     run("run_accelerate.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, torchrun=2, timeout=300)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full)
-    run("run_accelerate.py", {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-70")},
-        torchrun=2, timeout=300)
+    run(
+        "run_accelerate.py",
+        {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-70")},
+        torchrun=2,
+        timeout=300,
+    )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 70)
 

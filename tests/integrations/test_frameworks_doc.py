@@ -33,8 +33,13 @@ def recipes() -> dict[str, tuple[str, str]]:
     return out
 
 
-FRAMEWORK = {"PyTorch Lightning": "lightning", "The transformers `Trainer`": "transformers",
-             "accelerate": "accelerate", "litgpt": "litgpt", "torchtitan": "torchtitan"}
+FRAMEWORK = {
+    "PyTorch Lightning": "lightning",
+    "The transformers `Trainer`": "transformers",
+    "accelerate": "accelerate",
+    "litgpt": "litgpt",
+    "torchtitan": "torchtitan",
+}
 
 
 def test_every_framework_has_a_recipe():
@@ -49,12 +54,17 @@ def test_recipe_runs(title, corpus, tmp_path):
     code = code.replace("/data/packed", corpus)
     for a, b in SUBSTITUTED.items():
         code = code.replace(a, b)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"),
-           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+        "TORCHDYNAMO_DISABLE": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, "-c", code] if language == "python" else ["bash", "-ec", code]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"docs/frameworks.md, {title}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

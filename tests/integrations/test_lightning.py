@@ -22,7 +22,10 @@ def test_two_epochs_and_resume_from_its_ckpt(corpus, tmp_path, workers):
     full = load(tmp_path / "full.0.json")
     check_uninterrupted(corpus, [full])
     for step in at:
-        run("run_lightning.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")})
+        run(
+            "run_lightning.py",
+            {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")},
+        )
         check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
 
 
@@ -36,7 +39,10 @@ def test_an_epoch_longer_than_the_first_is_trained_whole(corpus, tmp_path):
     assert full["lens"][1] > full["lens"][0], full["lens"]
     check_uninterrupted(corpus, [full], world=2)
     for step in (30, 80):
-        run("run_lightning.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")})
+        run(
+            "run_lightning.py",
+            {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt")},
+        )
         check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
 
 
@@ -48,8 +54,11 @@ def test_ddp_two_gloo_processes(corpus, tmp_path):
     run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, timeout=300)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full)
-    run("run_lightning.py", {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-70.ckpt")},
-        timeout=300)
+    run(
+        "run_lightning.py",
+        {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-70.ckpt")},
+        timeout=300,
+    )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 70)
 
@@ -61,8 +70,11 @@ def test_ddp_token_budget_resumes_each_rank_from_its_own_state(corpus, tmp_path)
     base = {"data": corpus, "max_steps": 90, "devices": 2, "ckpt_dir": str(tmp_path), "max_tokens": 16 * 128}
     run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [40]}, timeout=300)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
-    run("run_lightning.py", {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-40.ckpt")},
-        timeout=300)
+    run(
+        "run_lightning.py",
+        {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-40.ckpt")},
+        timeout=300,
+    )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 40)
 
@@ -82,8 +94,10 @@ def test_without_len_the_ckpt_holds_the_trained_batch(corpus, tmp_path, shape):
         check_uninterrupted(corpus, [full], epochs=None)
     for step in (40, 130):
         again = [100] if step == 40 else []  # a resumed run's own checkpoints hold the trained batch too
-        run("run_lightning.py", {**cfg, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt"),
-                                 "save_at": again})
+        run(
+            "run_lightning.py",
+            {**cfg, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / f"step-{step}.ckpt"), "save_at": again},
+        )
         check_resumed(full, load(tmp_path / f"r{step}.0.json"), step)
     run("run_lightning.py", {**cfg, "out": str(tmp_path / "r100"), "resume": str(tmp_path / "step-100.ckpt")})
     check_resumed(full, load(tmp_path / "r100.0.json"), 100)

@@ -36,8 +36,11 @@ def test_fabric_epochs_and_resume(corpus, tmp_path, workers):
 @pytest.mark.slow
 def test_fabric_ddp_two_processes(corpus, tmp_path):
     """Fabric's ddp with 2 gloo processes: each rank its own batches, every (sample, epoch) once."""
-    run("run_litgpt.py", {"data": corpus, "iters": 100, "devices": 2, "out": str(tmp_path / "full"),
-                          "ckpt_dir": str(tmp_path)}, timeout=300)
+    run(
+        "run_litgpt.py",
+        {"data": corpus, "iters": 100, "devices": 2, "out": str(tmp_path / "full"), "ckpt_dir": str(tmp_path)},
+        timeout=300,
+    )
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full, epochs=None)
     for rank in range(2):

@@ -59,8 +59,9 @@ def test_built_from_a_trainer_config(corpus):
     from tierflow.integrations.torchtitan import TierflowDataLoader
 
     config = TierflowDataLoader.Config(dataset_path=corpus)
-    loader = config.build(dp_world_size=2, dp_rank=0, tokenizer=None, seq_len=64, local_batch_size=4,
-                          snapshot_every_n_steps=None)
+    loader = config.build(
+        dp_world_size=2, dp_rank=0, tokenizer=None, seq_len=64, local_batch_size=4, snapshot_every_n_steps=None
+    )
     assert isinstance(loader, TierflowDataLoader) and loader.dp_rank == 0
     inputs, labels = next(iter(loader))
     assert inputs["input"].shape == (4, 64)

@@ -16,12 +16,23 @@ def test_hf_batch_labels_are_the_input_ids_with_boundaries_masked():
 
     ids = torch.arange(12).reshape(2, 6)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]], dtype=torch.int32)
-    batch = {"input_ids": ids, "labels": ids + 1, "position_ids": positions, "cu_seqlens": torch.tensor([0, 3, 6, 8, 12]),
-             "max_seqlen": 4, "mask": torch.ones(2, dtype=torch.bool)}
+    batch = {
+        "input_ids": ids,
+        "labels": ids + 1,
+        "position_ids": positions,
+        "cu_seqlens": torch.tensor([0, 3, 6, 8, 12]),
+        "max_seqlen": 4,
+        "mask": torch.ones(2, dtype=torch.bool),
+    }
     out = hf_batch(batch)
     assert set(out) == {"input_ids", "labels"}
     assert out["labels"].tolist() == [[-100, 1, 2, -100, 4, 5], [-100, 7, -100, 9, 10, 11]]
-    assert set(hf_batch(batch, keep=("cu_seqlens", "max_seqlen"))) == {"input_ids", "labels", "cu_seqlens", "max_seqlen"}
+    assert set(hf_batch(batch, keep=("cu_seqlens", "max_seqlen"))) == {
+        "input_ids",
+        "labels",
+        "cu_seqlens",
+        "max_seqlen",
+    }
     with pytest.raises(KeyError, match="keep='attention'"):
         hf_batch(batch, keep=("attention",))
 
@@ -79,8 +90,10 @@ def test_two_epochs_and_resume_from_checkpoint_n(corpus, tmp_path, workers):
     full = load(tmp_path / "full.0.json")
     check_uninterrupted(corpus, [full])
     for step in at:
-        run("run_trainer.py", {**base, "out": str(tmp_path / f"r{step}"),
-                               "resume": str(tmp_path / "out" / f"checkpoint-{step}")})
+        run(
+            "run_trainer.py",
+            {**base, "out": str(tmp_path / f"r{step}"), "resume": str(tmp_path / "out" / f"checkpoint-{step}")},
+        )
         resumed = load(tmp_path / f"r{step}.0.json")
         check_resumed(full, resumed, step)
         assert resumed["global_step"] == full["global_step"]
@@ -108,7 +121,11 @@ def test_torchrun_two_processes(corpus, tmp_path):
     run("run_trainer.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, torchrun=2, timeout=300)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full)
-    run("run_trainer.py", {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "out" / "checkpoint-70")},
-        torchrun=2, timeout=300)
+    run(
+        "run_trainer.py",
+        {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "out" / "checkpoint-70")},
+        torchrun=2,
+        timeout=300,
+    )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 70)

@@ -145,7 +145,9 @@ def test_non_contiguous_reversed_and_read_only_arrays_arrive_intact():
     base = np.arange(60, dtype=np.int32).reshape(6, 10)
     read_only = base.copy()
     read_only.flags.writeable = False
-    source = [{"strided": base[:, ::2], "reversed": base[::-1], "read_only": read_only, "big_endian": base.astype(">i4")}]
+    source = [
+        {"strided": base[:, ::2], "reversed": base[::-1], "read_only": read_only, "big_endian": base.astype(">i4")}
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         [batch] = list(DeviceFeed(source, "cpu"))
@@ -229,9 +231,15 @@ def test_wait_and_copies_are_recorded_in_the_registry():
     snapshot = feed.registry.snapshot()
     stages = {h["labels"]["stage"] for h in snapshot["histograms"]}
     assert {"device_copy", "train_loop"} <= stages
-    ring_bytes = [c for c in snapshot["counters"] if c["name"] == "tierflow_feed_copy_bytes_total" and c["labels"]["stage"] == "ring"]
-    assert ring_bytes[0]["value"] == stats.bytes["ring"] == sum(
-        v.nbytes for b in token_batches(5) for v in b.values() if isinstance(v, np.ndarray)
+    ring_bytes = [
+        c
+        for c in snapshot["counters"]
+        if c["name"] == "tierflow_feed_copy_bytes_total" and c["labels"]["stage"] == "ring"
+    ]
+    assert (
+        ring_bytes[0]["value"]
+        == stats.bytes["ring"]
+        == sum(v.nbytes for b in token_batches(5) for v in b.values() if isinstance(v, np.ndarray))
     )
 
 
@@ -283,7 +291,7 @@ def test_an_automatic_feed_stays_inline_without_a_step_and_takes_a_thread_with_o
         stepped.append(batch["step"])
         time.sleep(0.002)
     assert stepping.background
-    assert fed == stepped[:len(fed)] and stepped == list(range(len(source)))
+    assert fed == stepped[: len(fed)] and stepped == list(range(len(source)))
 
 
 def test_an_automatic_feed_is_not_swayed_by_a_fresh_processs_first_slow_batches():

@@ -29,8 +29,7 @@ def small_and_large(tmp_path_factory):
     for name, rows in (("small", SHARDS * (32 << 10)), ("large", SHARDS * (256 << 10))):
         source = root / f"{name}.parquet"
         pq.write_table(pa.table({"x": np.arange(rows, dtype=np.int64)}), source, compression="none")
-        tierflow.pack([source], root / name, workers=1, target_shard_bytes=rows * 8 // SHARDS,
-                      block_bytes=BLOCK_BYTES)
+        tierflow.pack([source], root / name, workers=1, target_shard_bytes=rows * 8 // SHARDS, block_bytes=BLOCK_BYTES)
         out[name] = root / name
     return out
 
@@ -73,8 +72,9 @@ def test_with_the_default_groups_the_first_batch_reads_a_few_blocks_at_any_size(
 
 def test_a_resumed_first_batch_reads_as_few_blocks(small_and_large):
     path = small_and_large["large"]
-    loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH),
-                                  OrderSpec(partitions=SHARDS, group_bytes=GROUP_BYTES)))
+    loader = Loader(
+        TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS, group_bytes=GROUP_BYTES))
+    )
     for step, _ in enumerate(loader):
         if step == 20:
             state = loader.state_dict()
@@ -88,8 +88,9 @@ def test_a_resumed_first_batch_reads_as_few_blocks(small_and_large):
 def test_a_resume_continues_the_shuffle_its_cursor_was_saved_with(small_and_large, saved_with):
     """A cursor saved under the window shuffle (as every cursor before block groups was) resumes it."""
     path = small_and_large["small"]
-    loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH),
-                                  OrderSpec(partitions=SHARDS, group_bytes=saved_with)))
+    loader = Loader(
+        TieredDataset(path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS, group_bytes=saved_with))
+    )
     seen = []
     for step, batch in enumerate(loader):
         seen.append(np.asarray(batch["x"]).copy())
@@ -114,8 +115,9 @@ def test_a_start_makes_block_records_only_for_the_blocks_it_reads(small_and_larg
     pays for the block lists does not grow with the dataset."""
     made = {}
     for name, path in small_and_large.items():
-        dataset = TieredDataset(path, BatchSpec(batch_size=BATCH),
-                                OrderSpec(partitions=SHARDS, group_bytes=GROUP_BYTES))
+        dataset = TieredDataset(
+            path, BatchSpec(batch_size=BATCH), OrderSpec(partitions=SHARDS, group_bytes=GROUP_BYTES)
+        )
         shards = dataset.manifest.shards
         assert sum(s.blocks.made for s in shards) == 0  # the order and the index read the columns alone
         loader = Loader(dataset)

@@ -25,8 +25,9 @@ def packed(tmp_path_factory) -> str:
         for i in range(24000):
             f.write(json.dumps({"i": i, "text": f"{i:06d} " + "abcdefgh" * 24}) + "\n")
     out = root / "ds"
-    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10,
-                  compression="none")
+    tierflow.pack(
+        [root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10, compression="none"
+    )
     return str(out)
 
 

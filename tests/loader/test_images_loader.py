@@ -17,8 +17,15 @@ from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset, 
 from tierflow.testing import assert_resumes_exactly
 from tierflow.testing.resume import assert_same_batches, take
 from tierflow.transforms import (
-    CenterCrop, HorizontalFlip, ImageDecodeError, ImagePipeline, RandomResizedCrop, ResizeToBucket,
-    aspect_buckets, available_decoders, normalize,
+    CenterCrop,
+    HorizontalFlip,
+    ImageDecodeError,
+    ImagePipeline,
+    RandomResizedCrop,
+    ResizeToBucket,
+    aspect_buckets,
+    available_decoders,
+    normalize,
 )
 
 from corpora import pack_pictures, pack_with_a_corrupt_jpeg
@@ -41,10 +48,13 @@ PIPELINE = pipeline()
 
 def make(packed: Path, transform=PIPELINE, batcher=None, batch_size: int = 8, epoch_end: str | None = None):
     def make_loader(workers: int) -> Loader:
-        ds = TieredDataset(packed,
-                           BatchSpec(batch_size=batch_size, batcher=batcher or ImageSamples(select=COLUMNS), transform=transform),
-                           OrderSpec(seed=3))
+        ds = TieredDataset(
+            packed,
+            BatchSpec(batch_size=batch_size, batcher=batcher or ImageSamples(select=COLUMNS), transform=transform),
+            OrderSpec(seed=3),
+        )
         return Loader(ds, num_workers=workers, **({"endless": True} if epoch_end is None else {"epoch_end": epoch_end}))
+
     return make_loader
 
 
@@ -87,7 +97,9 @@ def test_captions_come_tokenised_beside_the_text_cut_to_fit_with_eos_kept(packed
     assert short["caption_ids"].tolist() == [*b"picture 5", 256, 0, 0, 0, 0, 0, 0] and short["caption_length"] == 10
 
     tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"picture": 0, "5": 1, "</s>": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"picture": 0, "5": 1, "</s>": 2, "[UNK]": 3}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     hf = pipeline(tokenizer=str(tmp_path / "tokenizer.json"), max_tokens=4)(sample, np.random.default_rng(0))

@@ -11,11 +11,26 @@ import torch
 from torch.utils.data import DataLoader
 
 import tierflow
-from tierflow.loader import (BatchOrderError, CursorError, LengthBuckets, Loader, TieredDataset, TokenBudget,
-                             WorldPosition, bucket_shapes, BatchSpec, OrderSpec)
+from tierflow.loader import (
+    BatchOrderError,
+    CursorError,
+    LengthBuckets,
+    Loader,
+    TieredDataset,
+    TokenBudget,
+    WorldPosition,
+    bucket_shapes,
+    BatchSpec,
+    OrderSpec,
+)
 from tierflow.loader._collate import collate_samples
 from tierflow.loader.tokens import (
-    WindowStarts, document_segments, num_windows, tokens_outside_windows, window_counts, window_token_starts,
+    WindowStarts,
+    document_segments,
+    num_windows,
+    tokens_outside_windows,
+    window_counts,
+    window_token_starts,
 )
 
 PARTITIONS = 4
@@ -45,6 +60,7 @@ def ids_of(items):
 
 
 # -- token windows --------------------------------------------------------------------------
+
 
 def test_windows_stay_inside_their_shard_and_the_tails_they_leave_are_counted():
     token_starts = np.array([0, 100, 100, 250, 301])
@@ -95,8 +111,11 @@ def test_document_segments_match_their_definition_for_few_and_many_documents(eos
 def test_window_token_starts_are_the_same_with_the_tables_made_once():
     token_starts = np.array([0, 100, 100, 250, 301, 301, 700])
     ids = np.arange(int(window_counts(token_starts, 50).sum()))
-    assert WindowStarts(token_starts, 50)(ids).tolist() == window_token_starts(token_starts, 50, ids).tolist() \
+    assert (
+        WindowStarts(token_starts, 50)(ids).tolist()
+        == window_token_starts(token_starts, 50, ids).tolist()
         == [0, 100, 150, 250, 301, 351, 401, 451, 501, 551, 601]
+    )
 
 
 def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
@@ -107,8 +126,11 @@ def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
     seen: dict[int, np.ndarray] = {}
     for batch in ds:
         data = batch.data
-        for window, epoch, row in zip(batch.meta.sample_ids.tolist(), batch.meta.epochs.tolist(),
-                                      np.concatenate([data["input_ids"], data["labels"][:, -1:]], axis=1)):
+        for window, epoch, row in zip(
+            batch.meta.sample_ids.tolist(),
+            batch.meta.epochs.tolist(),
+            np.concatenate([data["input_ids"], data["labels"][:, -1:]], axis=1),
+        ):
             if epoch == 0:
                 assert window not in seen, f"window {window} twice in epoch 0"
                 seen[window] = row
@@ -118,7 +140,7 @@ def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
     stream = reader.tokens(0, reader.manifest.num_tokens)
     starts = window_token_starts(ds._token_starts, length, np.arange(total))
     for window, begin in enumerate(starts.tolist()):
-        assert np.array_equal(seen[window], stream[begin: begin + length + 1])
+        assert np.array_equal(seen[window], stream[begin : begin + length + 1])
 
 
 def test_token_batches_are_narrow_and_labels_are_next_tokens(packed):
@@ -134,8 +156,9 @@ def test_cu_seqlens_match_document_boundaries(packed):
     length = 48
     reader = tierflow.open_dataset(packed)
     doc_ends = np.cumsum([len(reader[i]["tokens"]) for i in range(len(reader))])
-    ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=length), OrderSpec(partitions=PARTITIONS),
-                       max_batches=20)
+    ds = TieredDataset(
+        packed, BatchSpec(batch_size=8, seq_len=length), OrderSpec(partitions=PARTITIONS), max_batches=20
+    )
     checked = 0
     for carried in ds:
         batch = carried.data
@@ -167,9 +190,9 @@ def test_future_shard_uses_list_every_shard_holding_windows_once_per_epoch(packe
 
 # -- samples, collation, projection, transforms, filters --------------------------------------
 
+
 def test_collation_stacks_equal_shapes_pads_others_and_lists_strings():
-    samples = [{"a": np.array([1, 2], np.uint16), "s": "x", "n": 1},
-               {"a": np.array([3], np.uint16), "s": "y", "n": 2}]
+    samples = [{"a": np.array([1, 2], np.uint16), "s": "x", "n": 1}, {"a": np.array([3], np.uint16), "s": "y", "n": 2}]
     batch, copied = collate_samples(samples, ["a", "s", "n"], pad=True, pad_value=0)
     assert batch["a"].tolist() == [[1, 2], [3, 0]] and batch["a_lengths"].tolist() == [2, 1]
     assert batch["s"] == ["x", "y"] and batch["n"].tolist() == [1, 2]
@@ -196,8 +219,14 @@ def _noise(sample, rng):
 
 
 def test_filtered_samples_leave_their_batch_and_are_counted_and_transforms_see_each_sample(packed):
-    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=6, columns=["id"], transform=_noise, filter=_keep),
-                                  OrderSpec(partitions=PARTITIONS)), return_meta=True)
+    loader = Loader(
+        TieredDataset(
+            packed,
+            BatchSpec(batch_size=6, columns=["id"], transform=_noise, filter=_keep),
+            OrderSpec(partitions=PARTITIONS),
+        ),
+        return_meta=True,
+    )
     batches = take(loader, 12)
     assert all(all(i % 3 for i in b["id"].tolist()) for b, _ in batches)
     assert all(b["id"].tolist() == meta.sample_ids.tolist() and len(b["noise"]) == len(b["id"]) for b, meta in batches)
@@ -211,8 +240,13 @@ def test_eval_mode_reads_every_sample_once_with_a_masked_last_batch(packed):
     seen = []
     steps = set()
     for rank in range(world):
-        ds = TieredDataset(packed, BatchSpec(batch_size=64, columns=["id"]), OrderSpec(partitions=PARTITIONS),
-                           eval=True, world=WorldPosition(0, 1, rank, world))
+        ds = TieredDataset(
+            packed,
+            BatchSpec(batch_size=64, columns=["id"]),
+            OrderSpec(partitions=PARTITIONS),
+            eval=True,
+            world=WorldPosition(0, 1, rank, world),
+        )
         batches = list(DataLoader(ds, batch_size=None))  # a plain DataLoader passes the carried batches on
         steps.add(len(batches))
         for b in batches:
@@ -224,6 +258,7 @@ def test_eval_mode_reads_every_sample_once_with_a_masked_last_batch(packed):
 
 # -- buckets ---------------------------------------------------------------------------------
 
+
 def test_bucket_shapes_are_bounded_multiples():
     shapes = bucket_shapes(3000, 64, 6)
     assert len(shapes) <= 6 and all(s % 64 == 0 for s in shapes) and shapes[-1] == 3008
@@ -233,8 +268,9 @@ def test_bucket_shapes_are_bounded_multiples():
 def test_bucketing_reduces_padding_against_random_batches_within_the_shape_bound(packed):
     def waste(group):
         batcher = LengthBuckets(max_length=2560, pad_to_multiple_of=64, max_shapes=6, group=group)
-        ds = TieredDataset(packed, BatchSpec(batch_size=16, batcher=batcher), OrderSpec(partitions=PARTITIONS),
-                           max_batches=160)
+        ds = TieredDataset(
+            packed, BatchSpec(batch_size=16, batcher=batcher), OrderSpec(partitions=PARTITIONS), max_batches=160
+        )
         real = padded = 0
         shapes = set()
         for b in ds:
@@ -244,27 +280,46 @@ def test_bucketing_reduces_padding_against_random_batches_within_the_shape_bound
             assert b.data["input_ids"].shape[0] == 16
         assert shapes <= set(batcher.shapes.tolist()) and len(batcher.shapes) <= 6
         return padded / real
+
     bucketed, random_batches = waste(16), waste(1)
     assert bucketed < 0.5 * random_batches, (bucketed, random_batches)  # padded tokens per real token
 
 
 def test_a_cursor_inside_a_group_resumes_only_under_its_arrangement(packed):
-    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
-                                  OrderSpec(partitions=PARTITIONS)))
+    loader = Loader(
+        TieredDataset(
+            packed,
+            BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
+            OrderSpec(partitions=PARTITIONS),
+        )
+    )
     take(loader, 6)
     state = loader.state_dict()
     assert state["cursor"]["skip"] == 2
-    other_world = TieredDataset(packed, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
-                                OrderSpec(partitions=PARTITIONS), world=WorldPosition(0, 1, 0, 2))
+    other_world = TieredDataset(
+        packed,
+        BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
+        OrderSpec(partitions=PARTITIONS),
+        world=WorldPosition(0, 1, 0, 2),
+    )
     with pytest.raises(CursorError, match="group"):
         other_world.load_state_dict(state)
 
 
 # -- cursor, Loader, resume ------------------------------------------------------------------
 
+
 def test_loader_continues_after_load_state_dict_and_after_a_break(packed):
-    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)), return_meta=True)
-    full = take(Loader(TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)), return_meta=True), 9)
+    loader = Loader(
+        TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)), return_meta=True
+    )
+    full = take(
+        Loader(
+            TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)),
+            return_meta=True,
+        ),
+        9,
+    )
     head = take(loader, 3)
     middle = take(loader, 3)  # a new `for` continues after the last consumed batch
     saved = loader.state_dict()
@@ -276,9 +331,16 @@ def test_loader_continues_after_load_state_dict_and_after_a_break(packed):
 
 def test_cursor_is_identical_on_every_rank_and_resumes_a_smaller_world(packed):
     """4 ranks of one node, then 2: the node's batch sequence continues exactly."""
+
     def rank_ds(rank, ranks, resume=None):
-        return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
-                             resume=resume, world=WorldPosition(0, 1, rank, ranks))
+        return TieredDataset(
+            packed,
+            BatchSpec(batch_size=8, seq_len=64),
+            OrderSpec(partitions=PARTITIONS),
+            resume=resume,
+            world=WorldPosition(0, 1, rank, ranks),
+        )
+
     single = ids_of(take(rank_ds(0, 1), 4 * 5 + 2 * 6))
     four = [take(rank_ds(r, 4), 5) for r in range(4)]
     cursors = {json.dumps(batches[-1].meta.cursor.to_dict(), sort_keys=True) for batches in four}
@@ -291,8 +353,10 @@ def test_cursor_is_identical_on_every_rank_and_resumes_a_smaller_world(packed):
 
 def test_loader_on_cpu_yields_the_same_batches_as_the_dataloader(packed):
     def make():
-        return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
-                             max_batches=10)
+        return TieredDataset(
+            packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), max_batches=10
+        )
+
     plain = list(DataLoader(make(), batch_size=None))
     fed = list(Loader(make(), device="cpu", return_meta=True))
     assert len(plain) == len(fed) == 10
@@ -320,6 +384,7 @@ def test_loader_detects_batches_out_of_order(packed):
             a, b = next(it), next(it)
             yield b
             yield a
+
     ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), max_batches=4)
     with pytest.raises(BatchOrderError):
         list(Loader(Swapped(ds, batch_size=None)))
@@ -327,6 +392,7 @@ def test_loader_detects_batches_out_of_order(packed):
 
 def test_loader_is_torchdata_stateful(packed):
     from torchdata.stateful_dataloader import Stateful
+
     loader = Loader(TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)))
     assert isinstance(loader, Stateful)
 
@@ -341,6 +407,7 @@ def test_cursor_from_another_dataset_is_refused(packed):
 
 # -- the worker boundary, cursors per batch, shard reuse --------------------------------------
 
+
 @pytest.mark.parametrize("shared_memory_bytes", [1 << 30, 0], ids=["in-message", "shared-memory"])
 def test_a_worker_batch_unpickles_into_tensors_with_one_token_storage_and_its_meta(shared_memory_bytes):
     import pickle
@@ -350,9 +417,16 @@ def test_a_worker_batch_unpickles_into_tensors_with_one_token_storage_and_its_me
     from tierflow.loader._collate import CarriedBatch
 
     tokens = np.arange(4 * 33, dtype=np.uint16).reshape(4, 33)
-    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": np.ones((4, 32), np.int32),
-             "every_other": np.arange(10)[::2], "mask": np.array([True, True, False, True]), "max_seqlen": 32,
-             "half": torch.ones(3, dtype=torch.bfloat16), "text": ["a", "b"]}
+    batch = {
+        "input_ids": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "position_ids": np.ones((4, 32), np.int32),
+        "every_other": np.arange(10)[::2],
+        "mask": np.array([True, True, False, True]),
+        "max_seqlen": 32,
+        "half": torch.ones(3, dtype=torch.bfloat16),
+        "text": ["a", "b"],
+    }
     meta = {"stands in for": "a BatchMeta", "sample_ids": np.arange(4)}
     sent = default_convert(CarriedBatch(dict(batch), meta, shared_memory_bytes=shared_memory_bytes))
     assert isinstance(sent, CarriedBatch)  # DataLoader's conversion leaves it to cross as one message
@@ -423,20 +497,24 @@ def _reference_cursor_after(order, base, index, *, batch_size, num_nodes, ranks_
 @pytest.mark.parametrize("remainder", ["carry", "drop", "pad"])
 @pytest.mark.parametrize("partitions,num_nodes,ranks_per_node", [(16, 1, 1), (16, 4, 2), (8, 2, 3)])
 def test_rank_stream_cursor_after_walked_forward_equals_the_closed_form(
-        remainder, partitions, num_nodes, ranks_per_node):
+    remainder, partitions, num_nodes, ranks_per_node
+):
     from tierflow.order import RankStream, SampleOrder
 
     counts = np.random.default_rng(partitions + num_nodes).integers(0, 90, 60).tolist()
     order = SampleOrder(counts, dataset_id="cursor-spec", seed=5, partitions=partitions, lanes=3, remainder=remainder)
     node, rank = num_nodes - 1, ranks_per_node - 1
-    start = RankStream(order, order.start(), batch_size=4, node=node, num_nodes=num_nodes, rank=rank,
-                       ranks_per_node=ranks_per_node).cursor_after(22)
+    start = RankStream(
+        order, order.start(), batch_size=4, node=node, num_nodes=num_nodes, rank=rank, ranks_per_node=ranks_per_node
+    ).cursor_after(22)
     for base in (order.start(), start):
-        stream = RankStream(order, base, batch_size=4, node=node, num_nodes=num_nodes, rank=rank,
-                            ranks_per_node=ranks_per_node)
+        stream = RankStream(
+            order, base, batch_size=4, node=node, num_nodes=num_nodes, rank=rank, ranks_per_node=ranks_per_node
+        )
         for index in [*range(40), 517, 4099]:
             assert stream.cursor_after(index) == _reference_cursor_after(
-                order, base, index, batch_size=4, num_nodes=num_nodes, ranks_per_node=ranks_per_node)
+                order, base, index, batch_size=4, num_nodes=num_nodes, ranks_per_node=ranks_per_node
+            )
 
 
 @pytest.fixture(scope="module")
@@ -449,8 +527,9 @@ def many_shards(tmp_path_factory) -> dict[str, str]:
     out = {}
     for compression in ("zstd", "none"):
         out[compression] = str(root / compression)
-        tierflow.pack([root / "docs.jsonl"], out[compression], workers=1, target_shard_bytes=256 << 10,
-                      compression=compression)
+        tierflow.pack(
+            [root / "docs.jsonl"], out[compression], workers=1, target_shard_bytes=256 << 10, compression=compression
+        )
     return out
 
 
@@ -515,8 +594,9 @@ def _widest_default(monkeypatch):
     monkeypatch.setattr(working_set, "READING_SHARE", 1)
 
 
-def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_each_block_about_once(many_shards,
-                                                                                                       monkeypatch):
+def test_with_block_groups_a_reading_process_holds_a_group_per_lane_and_decodes_each_block_about_once(
+    many_shards, monkeypatch
+):
     _widest_default(monkeypatch)
     root = many_shards["zstd"]
     wide = TieredDataset(root, BatchSpec(batch_size=16), OrderSpec(seed=3, group_bytes=0))
@@ -563,15 +643,24 @@ def test_a_narrowed_first_epoch_holds_fewer_decoded_blocks_and_widens_with_the_n
     assert 0 < peak <= narrow
     blocks = sum(len(s.blocks) for s in ds.manifest.shards)
     assert read_in_epoch_0 <= 1.1 * blocks
-    resumed = TieredDataset(many_shards["zstd"], BatchSpec(batch_size=16), OrderSpec(seed=3, group_bytes=1 << 16),
-                            resume=cursor)
+    resumed = TieredDataset(
+        many_shards["zstd"], BatchSpec(batch_size=16), OrderSpec(seed=3, group_bytes=1 << 16), resume=cursor
+    )
     first = next(iter(resumed))
     assert first.meta.epoch == 1 and resumed._open().dataset.source.cache.max_bytes == wide
+
+
 # -- token budget ----------------------------------------------------------------------------
 
+
 def budget_ds(packed, resume=None, max_tokens=1024, rank=0, ranks=1, **kw):
-    return TieredDataset(packed, BatchSpec(batch_size=16, batcher=TokenBudget(max_tokens, **kw)),
-                         OrderSpec(partitions=PARTITIONS), resume=resume, world=WorldPosition(0, 1, rank, ranks))
+    return TieredDataset(
+        packed,
+        BatchSpec(batch_size=16, batcher=TokenBudget(max_tokens, **kw)),
+        OrderSpec(partitions=PARTITIONS),
+        resume=resume,
+        world=WorldPosition(0, 1, rank, ranks),
+    )
 
 
 def test_token_budget_batches_hold_whole_samples_within_the_budget(packed):
@@ -589,7 +678,7 @@ def test_token_budget_batches_hold_whole_samples_within_the_budget(packed):
             begin, end = int(cu[k]), int(cu[k + 1])
             tokens = ds[sample]["tokens"][:1024]
             assert np.array_equal(batch["input_ids"][0, begin:end], tokens)
-            assert np.array_equal(batch["labels"][0, begin:end - 1], tokens[1:])
+            assert np.array_equal(batch["labels"][0, begin : end - 1], tokens[1:])
             assert batch["labels"][0, end - 1] == -100
             assert np.array_equal(batch["position_ids"][0, begin:end], np.arange(end - begin))
         assert (batch["labels"][0, real:] == -100).all()
@@ -613,8 +702,13 @@ def test_token_budget_cursor_resumes_only_its_own_rank(packed):
     with pytest.raises(CursorError, match="rank 1"):
         budget_ds(packed, resume=state, rank=0, ranks=2)
     with pytest.raises(CursorError, match="pending"):
-        TieredDataset(packed, BatchSpec(batch_size=16), OrderSpec(partitions=PARTITIONS), resume=state,
-                      world=WorldPosition(0, 1, 1, 2))
+        TieredDataset(
+            packed,
+            BatchSpec(batch_size=16),
+            OrderSpec(partitions=PARTITIONS),
+            resume=state,
+            world=WorldPosition(0, 1, 1, 2),
+        )
     torn = {**state, "pending": {"ids": state["pending"]["ids"] + [10**9], "epochs": state["pending"]["epochs"] + [0]}}
     with pytest.raises(CursorError, match="pending samples are not"):
         budget_ds(packed, resume=torn, rank=1, ranks=2)
@@ -623,30 +717,37 @@ def test_token_budget_cursor_resumes_only_its_own_rank(packed):
 def test_budget_planner_takes_the_oldest_first_and_fills_gaps_first_fit():
     planner = TokenBudget(10, lookahead=1).planner()
     planner.add(np.arange(6), np.zeros(6, np.int64), np.array([6, 5, 3, 1, 12, 2]))
-    assert planner.take()[0].tolist() == [0, 2, 3]      # 6 + 3 + 1; 5 does not fit after 6
-    assert planner.take()[0].tolist() == [1, 5]         # the oldest (5) leads, 2 fills
-    assert planner.take()[0].tolist() == [4]            # 12 truncated to the budget
+    assert planner.take()[0].tolist() == [0, 2, 3]  # 6 + 3 + 1; 5 does not fit after 6
+    assert planner.take()[0].tolist() == [1, 5]  # the oldest (5) leads, 2 fills
+    assert planner.take()[0].tolist() == [4]  # 12 truncated to the budget
     assert planner.ids.size == 0
 
 
 # -- epochs one `for` at a time --------------------------------------------------------------
+
 
 def test_epoch_end_ends_each_for_at_the_epoch_edge_and_skips_nothing(packed):
     loader = Loader(budget_ds(packed, max_tokens=8192), epoch_end="rank", return_meta=True)
     endless = take(Loader(budget_ds(packed, max_tokens=8192), endless=True, return_meta=True), 10**6 // 8192 * 2)
     first, second = list(loader), list(loader)
     assert {m.epoch for _, m in first} == {0} and {m.epoch for _, m in second} == {1}
-    assert ids_of(first + second) == ids_of(endless[:len(first) + len(second)])
+    assert ids_of(first + second) == ids_of(endless[: len(first) + len(second)])
+
     def of_epoch(batches, epoch):
         return sorted(i for _, m in batches for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist()) if e == epoch)
+
     # partitions reach their epoch ends at different steps, so the edge batch may hold epoch-1 samples too
     assert of_epoch(first, 0) == list(range(len(tierflow.open_dataset(packed)))) and not of_epoch(second, 0)
 
 
 def test_a_seek_elsewhere_reads_the_group_sought_not_the_one_last_sorted(packed):
     def make():
-        return TieredDataset(packed, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
-                             OrderSpec(partitions=PARTITIONS))
+        return TieredDataset(
+            packed,
+            BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=2560, group=4)),
+            OrderSpec(partitions=PARTITIONS),
+        )
+
     full = take(Loader(make(), return_meta=True), 14)
     state = Loader(make())
     take(state, 10)
@@ -659,6 +760,7 @@ def test_a_seek_elsewhere_reads_the_group_sought_not_the_one_last_sorted(packed)
 def test_the_loop_gets_only_its_tensors_and_the_meta_when_it_asks(packed):
     def make():
         return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS))
+
     with Loader(make()) as loader:
         batch = next(iter(loader))
         assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "mask"}
@@ -677,8 +779,9 @@ def test_token_batches_reach_the_loop_identical_and_in_the_same_dtypes_at_0_and_
     # position_ids (int32, values below L) cross the worker boundary as uint16 and are widened back:
     # the loop gets int32 at 2 workers as at 0, and the same values, batch for batch
     def handed(workers):
-        ds = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=512), OrderSpec(partitions=PARTITIONS),
-                           max_batches=6)
+        ds = TieredDataset(
+            packed, BatchSpec(batch_size=4, seq_len=512), OrderSpec(partitions=PARTITIONS), max_batches=6
+        )
         with Loader(ds, num_workers=workers, dtype=dtype) as loader:
             return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
 
@@ -721,5 +824,3 @@ def test_integer_arrays_travel_narrow_and_arrive_in_their_own_dtype_and_values()
         assert received[name].numpy().tolist() == value.tolist(), name
     received["positions"][0] = 7  # the loop's tensors are writable
     assert int(received["positions"][0]) == 7
-
-

@@ -22,8 +22,15 @@ def saved_states() -> dict[str, dict]:
     """What `Loader.state_dict()["cursor"]` held before the cursor was typed, key order included."""
     return {
         "train": {"version": 1, "kind": "train", "order": order_state(), "skip": 2, "arrangement": ARRANGEMENT},
-        "budget": {"version": 1, "kind": "train", "order": order_state(), "skip": 0,
-                   "pending": {"ids": [4, 9, 1], "epochs": [0, 0, 1]}, "rank": 1, "arrangement": ARRANGEMENT},
+        "budget": {
+            "version": 1,
+            "kind": "train",
+            "order": order_state(),
+            "skip": 0,
+            "pending": {"ids": [4, 9, 1], "epochs": [0, 0, 1]},
+            "rank": 1,
+            "arrangement": ARRANGEMENT,
+        },
         "eval": {"version": 1, "kind": "eval", "step": 6, "arrangement": ARRANGEMENT},
     }
 
@@ -44,16 +51,19 @@ def test_fields_are_typed():
     assert evaluation.step == 6 and evaluation.order is None and evaluation.inside_group
 
 
-@pytest.mark.parametrize("change,names", [
-    ({"version": 7}, "version 7"),
-    ({"kind": "test"}, "'kind'"),
-    ({"skip": -1}, "'skip'"),
-    ({"arrangement": {**ARRANGEMENT, "group": 0}}, "'arrangement.group'"),
-    ({"arrangement": None}, "'arrangement'"),
-    ({"order": {**order_state(), "offsets": [1]}}, "'order'.*'offsets'"),
-    ({"pending": {"ids": [1, 2], "epochs": [0]}}, "pending samples"),
-    ({"pending": {"ids": [1], "epochs": [0]}, "rank": None}, "'rank'"),
-])
+@pytest.mark.parametrize(
+    "change,names",
+    [
+        ({"version": 7}, "version 7"),
+        ({"kind": "test"}, "'kind'"),
+        ({"skip": -1}, "'skip'"),
+        ({"arrangement": {**ARRANGEMENT, "group": 0}}, "'arrangement.group'"),
+        ({"arrangement": None}, "'arrangement'"),
+        ({"order": {**order_state(), "offsets": [1]}}, "'order'.*'offsets'"),
+        ({"pending": {"ids": [1, 2], "epochs": [0]}}, "pending samples"),
+        ({"pending": {"ids": [1], "epochs": [0]}, "rank": None}, "'rank'"),
+    ],
+)
 def test_a_bad_field_is_refused_by_name(change, names):
     state = {**saved_states()["train"], **change}
     with pytest.raises(CursorError, match=names):

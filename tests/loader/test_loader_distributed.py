@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 PARTITIONS = 4
 BATCH = 16
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import json, sys
 import torch.distributed as dist
 from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
@@ -40,10 +40,10 @@ if world > 1:
     dist.destroy_process_group()
 if ds.world.rank == 0:
     json.dump({"ranks": gathered, "state": loader.state_dict()}, open(out, "w"))
-'''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
+""".replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
-AGREE_SCRIPT = r'''
+AGREE_SCRIPT = r"""
 import json, sys
 import torch.distributed as dist
 from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset, TokenBudget
@@ -61,10 +61,10 @@ dist.all_gather_object(gathered, iterations)
 if dist.get_rank() == 0:
     json.dump(gathered, open(out, "w"))
 dist.destroy_process_group()
-'''
+"""
 
 
-LEN_THEN_ITER_SCRIPT = r'''
+LEN_THEN_ITER_SCRIPT = r"""
 import json, sys
 import torch.distributed as dist
 from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
@@ -95,7 +95,7 @@ dist.all_gather_object(gathered, result)
 if dist.get_rank() == 0:
     json.dump({"ranks": gathered, "calls": calls_before_gather}, open(out, "w"))
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -114,23 +114,35 @@ def packed(tmp_path_factory) -> str:
     return str(root / "ds")
 
 
-def run_ranks(packed: str, out: Path, *, ranks: int, steps: int, workers: int, resume: dict | None = None,
-              seq_len: int = 0) -> dict:
+def run_ranks(
+    packed: str, out: Path, *, ranks: int, steps: int, workers: int, resume: dict | None = None, seq_len: int = 0
+) -> dict:
     resume_path = "-"
     if resume is not None:
         resume_path = str(out) + ".resume.json"
         Path(resume_path).write_text(json.dumps(resume))
-    return run_script(Path(packed).parent / "rank.py", ranks,
-                      [packed, str(out), str(steps), str(workers), resume_path, str(seq_len)], out)
+    return run_script(
+        Path(packed).parent / "rank.py",
+        ranks,
+        [packed, str(out), str(steps), str(workers), resume_path, str(seq_len)],
+        out,
+    )
 
 
 def run_script(script: Path, ranks: int, args: list[str], out: Path):
     port = free_port()
     procs = []
     for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env))
     for proc in procs:
         assert proc.wait(timeout=120) == 0
@@ -161,8 +173,9 @@ def test_resume_in_a_new_process_equals_the_uninterrupted_run(packed, tmp_path, 
     total, stop = 30, int(np.random.default_rng(workers).integers(1, 29))
     full = run_ranks(packed, tmp_path / "full.json", ranks=1, steps=total, workers=workers, seq_len=64)
     head = run_ranks(packed, tmp_path / "head.json", ranks=1, steps=stop, workers=workers, seq_len=64)
-    tail = run_ranks(packed, tmp_path / "tail.json", ranks=1, steps=total - stop, workers=workers,
-                     resume=head["state"], seq_len=64)
+    tail = run_ranks(
+        packed, tmp_path / "tail.json", ranks=1, steps=total - stop, workers=workers, resume=head["state"], seq_len=64
+    )
     assert node_sequence(head) + node_sequence(tail) == node_sequence(full)
 
 

@@ -12,7 +12,16 @@ import torch
 
 import tierflow
 
-from tierflow.loader import LengthBuckets, Loader, Samples, TieredDataset, TokenBudget, WorldPosition, BatchSpec, OrderSpec
+from tierflow.loader import (
+    LengthBuckets,
+    Loader,
+    Samples,
+    TieredDataset,
+    TokenBudget,
+    WorldPosition,
+    BatchSpec,
+    OrderSpec,
+)
 from tierflow.loader.spec import specs_from
 
 PARTITIONS = 4
@@ -29,11 +38,13 @@ def windows(packed, **kw):
 
 
 BATCHERS = {
-    "samples": lambda packed, **kw: dataset(packed, batch_size=16, batcher=Samples(select=["tokens"]),
-                                            partitions=PARTITIONS, **kw),
+    "samples": lambda packed, **kw: dataset(
+        packed, batch_size=16, batcher=Samples(select=["tokens"]), partitions=PARTITIONS, **kw
+    ),
     "windows": windows,
-    "buckets": lambda packed, **kw: dataset(packed, batch_size=4, batcher=LengthBuckets(max_length=512, group=4),
-                                            partitions=PARTITIONS, **kw),
+    "buckets": lambda packed, **kw: dataset(
+        packed, batch_size=4, batcher=LengthBuckets(max_length=512, group=4), partitions=PARTITIONS, **kw
+    ),
 }
 
 
@@ -128,9 +139,12 @@ def test_the_endless_stream_is_opt_in_and_has_no_length(long_tailed_docs):
 
 
 def test_a_token_budget_has_no_length_but_still_ends_each_epoch(long_tailed_docs):
-    loader = Loader(TieredDataset(long_tailed_docs, BatchSpec(batch_size=16, batcher=TokenBudget(8192)),
-                                  OrderSpec(partitions=PARTITIONS)),
-                    return_meta=True)
+    loader = Loader(
+        TieredDataset(
+            long_tailed_docs, BatchSpec(batch_size=16, batcher=TokenBudget(8192)), OrderSpec(partitions=PARTITIONS)
+        ),
+        return_meta=True,
+    )
     with pytest.raises(TypeError, match="planned"):
         len(loader)
     assert epochs_of(list(loader)) == [0] and epochs_of(list(loader)) == [1]
@@ -148,8 +162,9 @@ def test_token_ids_reach_the_loop_as_int64_or_the_dtype_asked_for(long_tailed_do
     made = {
         "windows": lambda: windows(long_tailed_docs, max_batches=2),
         "buckets": lambda: BATCHERS["buckets"](long_tailed_docs, max_batches=2),
-        "budget": lambda: TieredDataset(long_tailed_docs, BatchSpec(batch_size=16, max_tokens=1024),
-                                        OrderSpec(partitions=PARTITIONS), max_batches=2),
+        "budget": lambda: TieredDataset(
+            long_tailed_docs, BatchSpec(batch_size=16, max_tokens=1024), OrderSpec(partitions=PARTITIONS), max_batches=2
+        ),
     }
     for name, make in made.items():
         wire = next(iter(make())).data
@@ -168,6 +183,7 @@ def test_token_ids_reach_the_loop_as_int64_or_the_dtype_asked_for(long_tailed_do
 
 
 # -- shuffle=False: stored order for training ------------------------------------------------
+
 
 def stored(packed, **kw):
     kw.setdefault("partitions", PARTITIONS)
@@ -191,9 +207,10 @@ def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_ta
         ids = [epoch_ids(r, 0) for r in ranks]
         assert sorted(ids[0] + ids[1]) == list(range(n))
         assert all(rank == sorted(rank) for rank in ids)
-    shuffled = Loader(TieredDataset(long_tailed_docs, BatchSpec(batch_size=16, columns=["id"]),
-                                    OrderSpec(partitions=PARTITIONS)),
-                      return_meta=True)
+    shuffled = Loader(
+        TieredDataset(long_tailed_docs, BatchSpec(batch_size=16, columns=["id"]), OrderSpec(partitions=PARTITIONS)),
+        return_meta=True,
+    )
     assert epoch_ids(list(shuffled), 0) != list(range(n))
 
 
@@ -203,8 +220,7 @@ def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_ta
 def test_shuffle_false_resumes_exactly(long_tailed_docs, workers):
     from tierflow.testing import assert_resumes_exactly
 
-    assert_resumes_exactly(lambda w: Loader(stored(long_tailed_docs), num_workers=w), stops=[1, 17],
-                           workers=workers)
+    assert_resumes_exactly(lambda w: Loader(stored(long_tailed_docs), num_workers=w), stops=[1, 17], workers=workers)
 
 
 @pytest.mark.parametrize("endless", [False, True])
@@ -212,8 +228,10 @@ def test_a_loop_that_fetches_one_batch_ahead_saves_the_state_of_the_batch_it_tra
     """Lightning's fetcher (a Loader without len()) and accelerate's DataLoaderShard hold one batch
     ahead of the step; with `lookahead=1` the state saved resumes right after the trained batch,
     and once the `for` has ended (nothing held ahead) after the last one."""
+
     def make():
         return Loader(windows(long_tailed_docs), endless=endless, return_meta=True)
+
     epochs = Loader(windows(long_tailed_docs), return_meta=True)
     reference = [[m.sample_ids.tolist() for _, m in epochs] for _ in range(2)]
     loader = make()
@@ -304,8 +322,10 @@ def test_length_buckets_make_no_batch_of_two_epochs(long_tailed_docs, lanes):
     from tierflow.loader.batching import LengthBuckets
 
     batcher = LengthBuckets(max_length=1024, column="tokens")
-    loader = Loader(TieredDataset(long_tailed_docs, BatchSpec(batch_size=8, batcher=batcher), OrderSpec(lanes=lanes)),
-                    return_meta=True)
+    loader = Loader(
+        TieredDataset(long_tailed_docs, BatchSpec(batch_size=8, batcher=batcher), OrderSpec(lanes=lanes)),
+        return_meta=True,
+    )
     mixed, seen = 0, set()
     for _ in range(2):
         for _, meta in loader:

@@ -19,7 +19,7 @@ def longest_first(samples: list[dict]) -> dict:
     width = len(samples[0]["tokens"])
     ids = np.zeros((len(samples), width), dtype=np.int64)
     for row, sample in enumerate(samples):
-        ids[row, :len(sample["tokens"])] = sample["tokens"]
+        ids[row, : len(sample["tokens"])] = sample["tokens"]
     return {"ids": ids, "lengths": np.array([len(s["tokens"]) for s in samples]), "n": len(samples)}
 
 
@@ -29,11 +29,19 @@ def drop_short(sample: dict) -> bool:
 
 def test_collate_assembles_each_batch_from_the_filtered_samples_in_workers(long_tailed_docs):
     def make():
-        return TieredDataset(long_tailed_docs,
-                             BatchSpec(batch_size=8, columns=["tokens"], filter=drop_short, collate=longest_first),
-                             OrderSpec(partitions=PARTITIONS), max_batches=6)
-    plain = TieredDataset(long_tailed_docs, BatchSpec(batch_size=8, columns=["tokens"], filter=drop_short),
-                          OrderSpec(partitions=PARTITIONS), max_batches=6)
+        return TieredDataset(
+            long_tailed_docs,
+            BatchSpec(batch_size=8, columns=["tokens"], filter=drop_short, collate=longest_first),
+            OrderSpec(partitions=PARTITIONS),
+            max_batches=6,
+        )
+
+    plain = TieredDataset(
+        long_tailed_docs,
+        BatchSpec(batch_size=8, columns=["tokens"], filter=drop_short),
+        OrderSpec(partitions=PARTITIONS),
+        max_batches=6,
+    )
     expected = [b.data for b in plain]
     with Loader(make(), num_workers=2, return_meta=True) as loader:
         got = list(loader)
@@ -46,8 +54,9 @@ def test_collate_assembles_each_batch_from_the_filtered_samples_in_workers(long_
 
 
 def test_collate_must_return_a_dict(long_tailed_docs):
-    ds = TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, columns=["tokens"], collate=len),
-                       OrderSpec(partitions=PARTITIONS))
+    ds = TieredDataset(
+        long_tailed_docs, BatchSpec(batch_size=4, columns=["tokens"], collate=len), OrderSpec(partitions=PARTITIONS)
+    )
     with pytest.raises(TypeError, match="must return the batch as a dict"):
         next(iter(ds))
     with pytest.raises(ValueError, match="collate"):

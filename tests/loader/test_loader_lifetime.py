@@ -35,11 +35,14 @@ from tierflow.tiers import TierConfig
 from tierflow.tiers._lock import is_pinned
 from torch.utils.data import DataLoader
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 
 GONE_WITHIN = 5.0
-TRAINER = '''
+TRAINER = """
 import os, signal, sys, time
 import tierflow
 
@@ -56,7 +59,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +70,27 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with open(root / "docs.jsonl", "w") as f:
         for i in range(5000):
             n = int(rng.integers(20, 300))
-            f.write(json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()})
-                    + "\n")
+            f.write(
+                json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()}) + "\n"
+            )
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     (root / "trainer.py").write_text(TRAINER)
     return root
 
 
 def _start(tiny: Path, url: str, workers: int, l2: Path, endpoint: str, on_term: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tierflow.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(tierflow.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     # stdout is a pipe we read, as `| tail` would; the trainer leads its own session and group
-    return subprocess.Popen([sys.executable, str(tiny / "trainer.py"), url, str(workers), str(l2), endpoint, on_term],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(tiny / "trainer.py"), url, str(workers), str(l2), endpoint, on_term],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _read_line(stream, deadline: float) -> bytes:
@@ -138,15 +149,18 @@ def _run_and_kill(tiny: Path, tmp_path: Path, url: str, workers: int, how: str, 
         proc.wait(timeout=30)
         if how.startswith("sigterm"):  # ~0.5 s with a handler that exits (the Loader stops its workers); room for load
             assert time.monotonic() - killed < 1.5, f"SIGTERMed trainer took {time.monotonic() - killed:.1f} s to exit"
-        assert _eof_within(proc.stdout, GONE_WITHIN - (time.monotonic() - killed)), \
+        assert _eof_within(proc.stdout, GONE_WITHIN - (time.monotonic() - killed)), (
             f"the trainer's stdout is still held open: {_alive(descendants)}"
+        )
         deadline = killed + GONE_WITHIN
         while _alive(descendants) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(descendants), f"outlived their trainer ({how}): {_alive(descendants)}"
         where = "s3" if url.startswith("s3://") else "local"
-        print(f"{where}, {workers} workers, {how}: {len(descendants)} descendants gone "
-              f"{time.monotonic() - killed:.2f} s after the kill")
+        print(
+            f"{where}, {workers} workers, {how}: {len(descendants)} descendants gone "
+            f"{time.monotonic() - killed:.2f} s after the kill"
+        )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -163,14 +177,16 @@ def _run_and_kill(tiny: Path, tmp_path: Path, url: str, workers: int, how: str, 
 
 
 # a group kill takes every process of the group along: the case with the most processes (s3) is enough
-@pytest.mark.parametrize("workers,how", [(0, "sigkill"), (0, "sigterm"), (2, "sigkill"), (2, "sigterm"),
-                                         (2, "sigterm-handled")])
+@pytest.mark.parametrize(
+    "workers,how", [(0, "sigkill"), (0, "sigterm"), (2, "sigkill"), (2, "sigterm"), (2, "sigterm-handled")]
+)
 def test_a_killed_trainer_over_a_local_path_leaves_no_process_pipe_or_pin(tiny, tmp_path, workers, how):
     _run_and_kill(tiny, tmp_path, str(tiny / "ds"), workers, how)
 
 
-@pytest.mark.parametrize("workers,how", [(0, "sigkill"), (2, "sigkill"), (2, "sigkill-group"),
-                                         (2, "sigterm"), (2, "sigterm-handled")])
+@pytest.mark.parametrize(
+    "workers,how", [(0, "sigkill"), (2, "sigkill"), (2, "sigkill-group"), (2, "sigterm"), (2, "sigterm-handled")]
+)
 def test_a_killed_trainer_over_s3_leaves_no_process_pipe_or_pin(tiny, tmp_path, s3_server, s3_bucket, workers, how):
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(tiny / "ds", url, endpoint_url=s3_server.endpoint_url)
@@ -179,6 +195,7 @@ def test_a_killed_trainer_over_s3_leaves_no_process_pipe_or_pin(tiny, tmp_path, 
 
 def test_a_killed_worker_reaches_the_loop_as_a_tierflow_error_and_state_dict_resumes_exactly(tiny):
     """Not torch's bare RuntimeError: a WorkerLostError that says state_dict() resumes, and it does."""
+
     def dataset() -> TieredDataset:
         return TieredDataset(str(tiny / "ds"), BatchSpec(batch_size=8, seq_len=64))
 
@@ -223,7 +240,9 @@ def _mark_worker(folder: Path, worker_id: int) -> None:
 
 def test_the_users_worker_init_fn_still_runs_after_the_loaders(tiny, tmp_path):
     ds = TieredDataset(str(tiny / "ds"), BatchSpec(batch_size=8, seq_len=64))
-    dataloader = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=functools.partial(_mark_worker, tmp_path))
+    dataloader = DataLoader(
+        ds, batch_size=None, num_workers=2, worker_init_fn=functools.partial(_mark_worker, tmp_path)
+    )
     with Loader(dataloader, device="cpu") as loader:
         assert len(list(islice(loader, 6))) == 6
         assert isinstance(dataloader.worker_init_fn, WorkerLifetime)
@@ -234,8 +253,12 @@ def test_the_users_worker_init_fn_still_runs_after_the_loaders(tiny, tmp_path):
 def test_workers_forked_by_a_thread_that_ends_live_on_with_the_trainer(tiny):
     """The parent-death signal fires when the forking *thread* exits: a thread that starts the
     workers and ends must not take them along (the watchdog on the trainer still stands)."""
-    loader = Loader(TieredDataset(str(tiny / "ds"), BatchSpec(batch_size=8, seq_len=64)), device="cpu", num_workers=2,
-                    background=False)
+    loader = Loader(
+        TieredDataset(str(tiny / "ds"), BatchSpec(batch_size=8, seq_len=64)),
+        device="cpu",
+        num_workers=2,
+        background=False,
+    )
     started: list = []
     thread = threading.Thread(target=lambda: (started.append(iter(loader)), time.sleep(0.5)))  # workers set up
     thread.start()

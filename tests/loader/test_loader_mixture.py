@@ -22,9 +22,9 @@ def two(tmp_path_factory) -> list[str]:
     out = []
     for name, n in (("a", 3000), ("b", 800)):
         (root / f"{name}.jsonl").write_text(
-            "".join(json.dumps({"text": f"{name} doc {i} " * 30, "id": i}) + "\n" for i in range(n)))
-        tierflow.pack([root / f"{name}.jsonl"], root / name, tokenizer="bytes", workers=1,
-                      target_shard_bytes=256 << 10)
+            "".join(json.dumps({"text": f"{name} doc {i} " * 30, "id": i}) + "\n" for i in range(n))
+        )
+        tierflow.pack([root / f"{name}.jsonl"], root / name, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
         out.append(str(root / name))
     return out
 
@@ -66,14 +66,18 @@ def test_a_mixture_epoch_is_the_datasets_total_and_len_is_exact(two):
 # keeps resuming with workers in the fast set)
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_mixture_resumes_exactly(two, workers):
-    assert_resumes_exactly(lambda w: Loader(mixed(two, seq_len=32, columns=None), num_workers=w), stops=[1, 9],
-                           workers=workers)
+    assert_resumes_exactly(
+        lambda w: Loader(mixed(two, seq_len=32, columns=None), num_workers=w), stops=[1, 9], workers=workers
+    )
 
 
 def test_a_mixture_resumes_elastically_from_two_nodes_to_one(two):
     def seen(pairs):
-        return [(int(d), int(e), int(i)) for _, m in pairs
-                for d, e, i in zip(m.datasets.tolist(), m.epochs.tolist(), m.sample_ids.tolist())]
+        return [
+            (int(d), int(e), int(i))
+            for _, m in pairs
+            for d, e, i in zip(m.datasets.tolist(), m.epochs.tolist(), m.sample_ids.tolist())
+        ]
 
     nodes = [Loader(mixed(two, WorldPosition(n, 2, 0, 1)), endless=True, return_meta=True) for n in range(2)]
     before = []
@@ -99,8 +103,7 @@ def test_a_mixture_resumes_elastically_from_two_nodes_to_one(two):
 
 
 def test_open_loader_mixes_urls_by_weight(two):
-    loader = tierflow.open_loader(two, weights=[0.5, 0.5], batch_size=4, seq_len=16, partitions=2,
-                                  return_meta=True)
+    loader = tierflow.open_loader(two, weights=[0.5, 0.5], batch_size=4, seq_len=16, partitions=2, return_meta=True)
     batch, meta = next(iter(loader))
     assert batch["input_ids"].dtype == torch.int64 and meta.datasets is not None
     with pytest.raises(TypeError, match="weights"):

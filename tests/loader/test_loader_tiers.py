@@ -48,8 +48,10 @@ def s3_tokens(packed_tokens, s3_server, s3_bucket, s3_proxy):
 
 
 def node_tiers(root: Path, l2_capacity: float = 1 << 30) -> list[TierConfig]:
-    return [TierConfig("L1", str(root / "l1"), 1 << 30, form="decoded"),
-            TierConfig("L2", str(root / "l2"), l2_capacity, form="at_rest")]
+    return [
+        TierConfig("L1", str(root / "l1"), 1 << 30, form="decoded"),
+        TierConfig("L2", str(root / "l2"), l2_capacity, form="at_rest"),
+    ]
 
 
 def test_stager_stages_ahead_and_each_shard_crosses_the_network_once(tmp_path, s3_tokens):
@@ -83,8 +85,11 @@ def test_staged_entries_are_never_evicted_before_use(tmp_path, s3_tokens):
     biggest = max(s.decoded_bytes for s in manifest.shards)
     # L1 holds about a third of the dataset: the stager must stage within it, and never evict
     # an entry it staged before the loop used it
-    tiers = [TierConfig("L1", str(tmp_path / "node" / "l1"), biggest * (len(manifest.shards) // 3 + 4),
-                        policy="lru", form="decoded")]
+    tiers = [
+        TierConfig(
+            "L1", str(tmp_path / "node" / "l1"), biggest * (len(manifest.shards) // 3 + 4), policy="lru", form="decoded"
+        )
+    ]
     stack = build_stack(url, tiers, endpoint_url=proxy.url)
     ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH), OrderSpec(partitions=2, window_shards=2))
     stager = Stager(ds, stack, min_batches=8)
@@ -103,8 +108,15 @@ def test_token_windows_under_a_small_tier_release_what_they_read(tmp_path, s3_to
     local, url, proxy = s3_tokens
     manifest = tierflow.open_dataset(local).manifest
     biggest = max(s.decoded_bytes for s in manifest.shards)
-    tiers = [TierConfig("L2", str(tmp_path / "node" / "l2"), biggest * (2 * len(manifest.shards) // 3),
-                        policy="clairvoyant", form="decoded")]
+    tiers = [
+        TierConfig(
+            "L2",
+            str(tmp_path / "node" / "l2"),
+            biggest * (2 * len(manifest.shards) // 3),
+            policy="clairvoyant",
+            form="decoded",
+        )
+    ]
     stack = build_stack(url, tiers, endpoint_url=proxy.url)
     ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=256), OrderSpec(partitions=2, window_shards=2))
     loader = Loader(ds, stager=Stager(ds, stack), endless=True)  # two epochs: one `for` would stop at the first's end
@@ -122,7 +134,7 @@ def test_token_windows_under_a_small_tier_release_what_they_read(tmp_path, s3_to
     assert stack.m_served["memory"].value <= max(1, reads // 100)
 
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import json, sys
 import torch.distributed as dist
 from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
@@ -148,7 +160,7 @@ def main():
 
 if __name__ == "__main__":  # workers start with forkserver over an object store: the script is imported
     main()
-'''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
+""".replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
 @pytest.mark.slow
@@ -163,12 +175,22 @@ def test_four_ranks_two_workers_read_every_sample_once_from_s3_through_l2_and_l1
     script.write_text(RANK_SCRIPT)
     out = tmp_path / "out.json"
     port = free_port()
-    env_base = {**os.environ, **s3_server.endpoint.env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks)}
+    env_base = {
+        **os.environ,
+        **s3_server.endpoint.env(),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+    }
     env_base.pop("AWS_ENDPOINT_URL", None)
-    procs = [subprocess.Popen([sys.executable, str(script), url, proxy.url, str(tmp_path / "node"), str(out),
-                               str(steps)], env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), url, proxy.url, str(tmp_path / "node"), str(out), str(steps)],
+            env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(ranks)
+    ]
     try:
         for p in procs:
             assert p.wait(timeout=240) == 0
@@ -206,7 +228,7 @@ def test_the_stager_serves_the_nodes_prometheus_endpoint(tmp_path, s3_tokens):
     assert any("tier_hits" in n for n in names) and any("stager_fetches" in n for n in names), sorted(names)
 
 
-WORKERS_SCRIPT = r'''
+WORKERS_SCRIPT = r"""
 import json, sys
 from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.tiers import TierConfig, build_stack
@@ -231,7 +253,7 @@ def main():
 
 if __name__ == "__main__":  # workers start with forkserver over an object store: the script is imported
     main()
-'''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
+""".replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
 @pytest.mark.slow  # a fresh interpreter and two forkserver workers, each importing torch: seconds
@@ -243,9 +265,13 @@ def test_two_workers_read_an_epoch_from_s3_through_l2_with_obstore_in_every_proc
     script.write_text(WORKERS_SCRIPT)
     env = {**os.environ, **s3_server.endpoint.env(), "PYTHONWARNINGS": "default"}
     env.pop("AWS_ENDPOINT_URL", None)
-    run = subprocess.run([sys.executable, str(script), url, proxy.url, str(tmp_path / "node"),
-                          str(tmp_path / "out.json"), str(steps)], env=env, capture_output=True, text=True,
-                         timeout=240)
+    run = subprocess.run(
+        [sys.executable, str(script), url, proxy.url, str(tmp_path / "node"), str(tmp_path / "out.json"), str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr
     assert "Warning" not in run.stderr and "s3fs" not in run.stderr, run.stderr
     got = json.loads((tmp_path / "out.json").read_text())

@@ -38,10 +38,19 @@ def test_a_local_path_needs_no_tiers(tokens):
 def test_s3_with_an_l2_string_reads_what_the_local_path_reads(tokens, s3_server, s3_bucket, tmp_path):
     url = f"s3://{s3_bucket}/tokens"
     upload_dataset(tokens, url, endpoint_url=s3_server.endpoint_url)
-    local = first_epoch(tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=12, lanes=1,
-                                             window_shards=1))
-    remote = tierflow.open_loader(url, tiers=[f"L2={tmp_path / 'l2'}:30%"], endpoint_url=s3_server.endpoint_url,
-                                  batch_size=4, seq_len=32, max_batches=12, lanes=1, window_shards=1)
+    local = first_epoch(
+        tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=12, lanes=1, window_shards=1)
+    )
+    remote = tierflow.open_loader(
+        url,
+        tiers=[f"L2={tmp_path / 'l2'}:30%"],
+        endpoint_url=s3_server.endpoint_url,
+        batch_size=4,
+        seq_len=32,
+        max_batches=12,
+        lanes=1,
+        window_shards=1,
+    )
     assert remote.stager is not None
     got = first_epoch(remote)
     remote.close()
@@ -52,13 +61,21 @@ def test_resume_continues_after_the_saved_batch(tokens):
     whole = first_epoch(tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=8))
     first = tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=3)
     first_epoch(first)
-    rest = first_epoch(tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=5,
-                                            resume=first.state_dict()))
+    rest = first_epoch(tierflow.open_loader(tokens, batch_size=4, seq_len=32, max_batches=5, resume=first.state_dict()))
     assert all(np.array_equal(a, b) for a, b in zip(whole[3:], rest)) and len(rest) == 5
 
 
-@pytest.mark.parametrize("text,expected", [("50GB", 50 * 10**9), ("50GiB", 50 << 30), ("8G", 8 << 30),
-                                           ("512k", 512 << 10), ("1e6", 10**6), ("64 MB", 64 * 10**6)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("50GB", 50 * 10**9),
+        ("50GiB", 50 << 30),
+        ("8G", 8 << 30),
+        ("512k", 512 << 10),
+        ("1e6", 10**6),
+        ("64 MB", 64 * 10**6),
+    ],
+)
 def test_sizes_are_read_as_users_write_them(text, expected):
     assert parse_size(text) == expected
 
@@ -109,9 +126,11 @@ def test_a_reading_process_loads_none_of_packs_input_readers():
     import subprocess
     import sys
 
-    script = ("import sys\nimport tierflow\nfrom tierflow.loader import open_loader\n"
-              "print(sorted(m for m in ('pyarrow.parquet', 'pyarrow.json', 'pyarrow.fs', "
-              "'concurrent.futures.process') if m in sys.modules))")
+    script = (
+        "import sys\nimport tierflow\nfrom tierflow.loader import open_loader\n"
+        "print(sorted(m for m in ('pyarrow.parquet', 'pyarrow.json', 'pyarrow.fs', "
+        "'concurrent.futures.process') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
@@ -136,7 +155,12 @@ def test_a_script_that_closed_its_loader_exits_without_a_traceback(tokens, tmp_p
     from pathlib import Path
 
     env = {**os.environ, "PYTHONPATH": str(Path(tierflow.__file__).parents[1])}
-    done = subprocess.run([sys.executable, "-c", EXIT_AFTER_WITH, tokens, str(tmp_path / "l2")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_AFTER_WITH, tokens, str(tmp_path / "l2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr

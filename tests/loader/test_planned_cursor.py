@@ -39,12 +39,16 @@ def eager_cursors(ds: TieredDataset, selections) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: TieredDataset(p, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)),
-    lambda p: TieredDataset(p, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=512, group=3)),
-                            OrderSpec(partitions=PARTITIONS)),
-    lambda p: TieredDataset(p, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), eval=True),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: TieredDataset(p, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS)),
+        lambda p: TieredDataset(
+            p, BatchSpec(batch_size=4, batcher=LengthBuckets(max_length=512, group=3)), OrderSpec(partitions=PARTITIONS)
+        ),
+        lambda p: TieredDataset(p, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), eval=True),
+    ],
+)
 def test_planned_cursors_resolve_to_the_eager_ones_in_any_order(packed, make):
     ds = make(packed)
     ctx = ds._open()
@@ -78,8 +82,9 @@ def test_a_pickled_planned_cursor_travels_resolved_unless_its_stream_is_compact(
     with pytest.raises(CursorError, match="resolve"):
         travelled.resolve()
     assert ds.resolve_cursor(travelled).to_dict() == plain[3].cursor.to_dict()
-    elsewhere = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
-                              resume=plain[1].cursor)
+    elsewhere = TieredDataset(
+        packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), resume=plain[1].cursor
+    )
     with pytest.raises(CursorError, match="another start"):
         elsewhere.resolve_cursor(pickle.loads(data))
 
@@ -87,8 +92,9 @@ def test_a_pickled_planned_cursor_travels_resolved_unless_its_stream_is_compact(
 @pytest.mark.parametrize("compact", [False, True])
 def test_cursors_from_dataloader_workers_are_the_in_process_ones(packed, compact):
     def dataset():
-        return TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS),
-                             max_batches=12)
+        return TieredDataset(
+            packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS), max_batches=12
+        )
 
     want = [b.meta.cursor.to_dict() for b in dataset()]
     ds = dataset()

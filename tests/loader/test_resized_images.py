@@ -14,7 +14,12 @@ from tierflow.loader import AspectBuckets, ImageSamples, Loader, TieredDataset, 
 from tierflow.testing import assert_resumes_exactly
 from tierflow.testing.resume import assert_same_batches, take
 from tierflow.transforms import (
-    HorizontalFlip, ImagePipeline, RandomResizedCrop, ResizedImages, ResizeToBucket, aspect_buckets,
+    HorizontalFlip,
+    ImagePipeline,
+    RandomResizedCrop,
+    ResizedImages,
+    ResizeToBucket,
+    aspect_buckets,
 )
 from tierflow.transforms.resized import resized_size
 
@@ -36,8 +41,9 @@ def blocks_of(packed: Path) -> int:
 
 def loader(packed: Path, cache: ResizedImages, workers: int = 0, **kw) -> Loader:
     pipeline = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()], cache=cache)
-    ds = TieredDataset(packed, BatchSpec(batch_size=8, batcher=ImageSamples(select=COLUMNS), transform=pipeline),
-                       OrderSpec(seed=3))
+    ds = TieredDataset(
+        packed, BatchSpec(batch_size=8, batcher=ImageSamples(select=COLUMNS), transform=pipeline), OrderSpec(seed=3)
+    )
     return Loader(ds, num_workers=workers, **(kw or {"epoch_end": "rank"}))
 
 
@@ -71,12 +77,13 @@ def test_the_pipeline_crops_from_the_resized_image(packed, tmp_path):
     ResizedImages.resize, whether the sample comes through the loader (its block's entry) or alone."""
     cache = ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
     whole = ImagePipeline([], cache=cache)
-    ds = TieredDataset(packed, BatchSpec(batch_size=1, batcher=ImageSamples(select=COLUMNS), transform=whole),
-                       OrderSpec(seed=3))
+    ds = TieredDataset(
+        packed, BatchSpec(batch_size=1, batcher=ImageSamples(select=COLUMNS), transform=whole), OrderSpec(seed=3)
+    )
     sample = tierflow.open_dataset(packed)[0]
     alone = whole(sample, np.random.default_rng(0))["image"]
     with Loader(ds, num_workers=0, epoch_end="rank") as it:
-        (batch, meta), = take(it, 1)
+        ((batch, meta),) = take(it, 1)
     first = tierflow.open_dataset(packed)[int(meta.sample_ids[0])]
     want = cache.resize(first["image"], whole.decoder)
     assert want.shape[:2][::-1] == resized_size(first["image_width"], first["image_height"], SHORT)
@@ -99,8 +106,11 @@ def test_a_changed_short_side_misses_instead_of_serving_the_old_pixels(packed, t
     at_40 = epoch(packed, other)
     assert counts(other) == {"hits": 0, "misses": blocks, "corruptions": 0}
     assert other.tier.snapshot()["entries"] == 2 * blocks  # both forms resident, each under its own key
-    assert_same_batches(epoch(packed, ResizedImages(tmp_path / "fresh", "10MB", short_side=40)), at_40,
-                        "short side 40, fresh vs beside 48's entries")
+    assert_same_batches(
+        epoch(packed, ResizedImages(tmp_path / "fresh", "10MB", short_side=40)),
+        at_40,
+        "short side 40, fresh vs beside 48's entries",
+    )
     assert not all(np.array_equal(a["image"].numpy(), b["image"].numpy()) for (a, _), (b, _) in zip(at_48, at_40))
 
 
@@ -125,9 +135,15 @@ def test_aspect_buckets_crop_from_the_cache_one_shape_per_batch_cold_and_warm(pa
     buckets = aspect_buckets(area=SIDE * SIDE, multiple=8, max_ratio=2.0, count=5)
 
     def run(cache: ResizedImages) -> list:
-        ds = TieredDataset(packed,
-                           BatchSpec(batch_size=8, batcher=AspectBuckets(buckets, group=3, select=COLUMNS), transform=ImagePipeline([ResizeToBucket(buckets), HorizontalFlip()], cache=cache)),
-                           OrderSpec(seed=3))
+        ds = TieredDataset(
+            packed,
+            BatchSpec(
+                batch_size=8,
+                batcher=AspectBuckets(buckets, group=3, select=COLUMNS),
+                transform=ImagePipeline([ResizeToBucket(buckets), HorizontalFlip()], cache=cache),
+            ),
+            OrderSpec(seed=3),
+        )
         with Loader(ds, num_workers=0, epoch_end="rank") as it:
             return take(it, 1000)
 
@@ -158,9 +174,11 @@ def test_a_corrupt_jpeg_in_a_cached_block_is_skipped_and_counted(tmp_path):
     packed = pack_with_a_corrupt_jpeg(tmp_path, 12, 96, 72)
     pipeline = ImagePipeline([RandomResizedCrop(SIDE)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
     for _ in range(2):  # cold, then warm: the error is kept in the entry
-        ds = TieredDataset(packed,
-                           BatchSpec(batch_size=4, batcher=ImageSamples(select=COLUMNS, on_error="skip"), transform=pipeline),
-                           OrderSpec(seed=3))
+        ds = TieredDataset(
+            packed,
+            BatchSpec(batch_size=4, batcher=ImageSamples(select=COLUMNS, on_error="skip"), transform=pipeline),
+            OrderSpec(seed=3),
+        )
         with Loader(ds, num_workers=0, epoch_end="rank") as it:
             got = take(it, 100)
         assert sum(m.stats["corrupt"] for _, m in got) == 1 and sum(len(b["caption"]) for b, _ in got) == 11
@@ -193,8 +211,11 @@ def scraped(registry) -> dict:
 
     with PrometheusExporter([registry], port=0) as exporter:
         text = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
-    return {(sample.name, sample.labels.get("tier")): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, sample.labels.get("tier")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 @pytest.mark.parametrize("tiers", [False, True], ids=["local", "tiers"])
@@ -215,11 +236,20 @@ def test_the_caches_counts_reach_the_loaders_telemetry_prometheus_and_top(packed
     blocks = blocks_of(packed)
     registry = MetricsRegistry()
     log = EventLog(tmp_path / "run.jsonl", registry, snapshot_every_s=0.0)
-    pipeline = ImagePipeline([RandomResizedCrop(SIDE), HorizontalFlip()],
-                             cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
-    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"] if tiers else [], batch_size=8,
-                              transform=pipeline, seed=3, columns=COLUMNS, num_workers=workers, epoch_end="rank",
-                              telemetry=LoaderTelemetry(registry, events=log)) as it:
+    pipeline = ImagePipeline(
+        [RandomResizedCrop(SIDE), HorizontalFlip()], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT)
+    )
+    with tierflow.open_loader(
+        packed,
+        tiers=[f"L2={tmp_path / 'l2'}:50MB"] if tiers else [],
+        batch_size=8,
+        transform=pipeline,
+        seed=3,
+        columns=COLUMNS,
+        num_workers=workers,
+        epoch_end="rank",
+        telemetry=LoaderTelemetry(registry, events=log),
+    ) as it:
         assert sum(len(b["caption"]) for b in it) == 48
         snapshot = it.telemetry.registry.snapshot()
     log.close()
@@ -241,8 +271,15 @@ def test_the_caches_counts_reach_the_loaders_telemetry_prometheus_and_top(packed
 
 def test_open_loaders_telemetry_is_the_tier_stacks_registry_the_stager_exports(packed, tmp_path):
     pipeline = ImagePipeline([RandomResizedCrop(SIDE)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=SHORT))
-    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"], batch_size=8, transform=pipeline,
-                              seed=3, columns=COLUMNS, epoch_end="rank") as it:
+    with tierflow.open_loader(
+        packed,
+        tiers=[f"L2={tmp_path / 'l2'}:50MB"],
+        batch_size=8,
+        transform=pipeline,
+        seed=3,
+        columns=COLUMNS,
+        epoch_end="rank",
+    ) as it:
         assert sum(len(b["caption"]) for b in it) == 48
         assert it.telemetry.registry is it.stager.registry
         assert scraped(it.stager.registry)[("tierflow_tier_misses_total", "resized")] == blocks_of(packed)

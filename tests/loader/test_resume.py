@@ -48,22 +48,33 @@ EVAL = {
 def with_workers(names, fast_with_workers=()):
     """(name, workers) for 0 and 2 workers; the 2-worker runs start worker processes for each of the
     seven loaders a check makes, so those not in `fast_with_workers` are `slow` (the full suite runs them)."""
-    return [pytest.param(name, workers, id=f"{name}-{workers}",
-                         marks=pytest.mark.slow if workers and name not in fast_with_workers else ())
-            for name in names for workers in (0, 2)]
+    return [
+        pytest.param(
+            name,
+            workers,
+            id=f"{name}-{workers}",
+            marks=pytest.mark.slow if workers and name not in fast_with_workers else (),
+        )
+        for name in names
+        for workers in (0, 2)
+    ]
 
 
 @pytest.mark.parametrize("name,workers", with_workers(BATCHERS, fast_with_workers=["samples"]))
 def test_training_resumes_exactly_after_any_batch(packed, name, workers):
     def make_loader(num_workers):
         return Loader(TieredDataset(packed, BATCHERS[name], OrderSpec(partitions=PARTITIONS)), num_workers=num_workers)
+
     assert_resumes_exactly(make_loader, STOPS, workers)
 
 
 @pytest.mark.parametrize("name,workers", with_workers(EVAL))
 def test_eval_resumes_exactly_and_ends_where_it_would_have(packed, name, workers):
     def make_loader(num_workers):
-        return Loader(TieredDataset(packed, EVAL[name], OrderSpec(partitions=PARTITIONS), eval=True), num_workers=num_workers)
+        return Loader(
+            TieredDataset(packed, EVAL[name], OrderSpec(partitions=PARTITIONS), eval=True), num_workers=num_workers
+        )
+
     assert_resumes_exactly(make_loader, STOPS, workers, batches=12)
 
 
@@ -73,14 +84,18 @@ def test_a_loader_that_does_not_resume_fails_the_check_naming_the_batch(packed):
             pass  # starts over instead
 
     def make_loader(num_workers):
-        return Forgetful(TieredDataset(packed, BATCHERS["samples"], OrderSpec(partitions=PARTITIONS)), num_workers=num_workers)
+        return Forgetful(
+            TieredDataset(packed, BATCHERS["samples"], OrderSpec(partitions=PARTITIONS)), num_workers=num_workers
+        )
+
     with pytest.raises(AssertionError, match="resumed after 2 batches with 0 workers: batch 2: 'id' differs"):
         assert_resumes_exactly(make_loader, (2,), 0)
 
 
 def test_the_budget_cursor_carries_its_pending_samples(packed):
-    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=16, batcher=TokenBudget(1024)),
-                                  OrderSpec(partitions=PARTITIONS)))
+    loader = Loader(
+        TieredDataset(packed, BatchSpec(batch_size=16, batcher=TokenBudget(1024)), OrderSpec(partitions=PARTITIONS))
+    )
     with loader:
         next(iter(loader))
     assert loader.state_dict()["cursor"]["pending"]["ids"]

@@ -74,7 +74,7 @@ def test_a_jobs_name_is_its_launchers_run_id_and_rendezvous():
     assert job_identity({"TORCHELASTIC_RUN_ID": "r7", "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == "r7/h/1"
 
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import json, os, sys
 import torch.distributed as dist
 import tierflow
@@ -97,7 +97,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''.replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
+""".replace("BATCH", str(BATCH)).replace("PARTITIONS", str(PARTITIONS))
 
 
 NODES, PER_NODE = 2, 2
@@ -119,15 +119,23 @@ def lake_on_s3(tmp_path, s3_server, s3_bucket, request):
     return tierflow.open_dataset(local).manifest, url
 
 
-def run_job(tmp_path: Path, s3_server, url: str, tier: str, steps: int, reverse: bool = False,
-            affinity: bool = True) -> tuple[list, list]:
+def run_job(
+    tmp_path: Path, s3_server, url: str, tier: str, steps: int, reverse: bool = False, affinity: bool = True
+) -> tuple[list, list]:
     """One job of NODES x PER_NODE gloo ranks, machine k's ranks reaching S3 through proxy k:
     (every rank's (ids, epochs) per step, each machine's traffic). Machine k is node k of the job,
     or with `reverse` node NODES - 1 - k (a restart onto the nodes in another order), its tier
     directory still its own (the `{node}` of the tier path is the machine's)."""
     out = tmp_path / "out.json"
-    env = {**os.environ, **s3_server.endpoint.env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(NODES * PER_NODE), "LOCAL_WORLD_SIZE": str(PER_NODE), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **s3_server.endpoint.env(),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(NODES * PER_NODE),
+        "LOCAL_WORLD_SIZE": str(PER_NODE),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("AWS_ENDPOINT_URL", None)
     with LoopbackProxy(s3_server.endpoint_url) as proxy0, LoopbackProxy(s3_server.endpoint_url) as proxy1:
         proxies = [proxy0, proxy1]
@@ -136,10 +144,18 @@ def run_job(tmp_path: Path, s3_server, url: str, tier: str, steps: int, reverse:
             node = rank // PER_NODE
             machine = NODES - 1 - node if reverse else node
             own = tier.replace("{node}", str(machine)) if reverse else tier
-            procs.append(subprocess.Popen(
-                [sys.executable, str(tmp_path / "rank.py"), url, proxies[machine].url, own, str(out), str(steps)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank % PER_NODE), "GROUP_RANK": str(node),
-                     "AFFINITY": "1" if affinity else "0"}))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(tmp_path / "rank.py"), url, proxies[machine].url, own, str(out), str(steps)],
+                    env={
+                        **env,
+                        "RANK": str(rank),
+                        "LOCAL_RANK": str(rank % PER_NODE),
+                        "GROUP_RANK": str(node),
+                        "AFFINITY": "1" if affinity else "0",
+                    },
+                )
+            )
         try:
             for p in procs:
                 assert p.wait(timeout=240) == 0
@@ -168,8 +184,10 @@ def test_two_nodes_of_two_ranks_read_once_each_node_its_share_cold(tmp_path, s3_
         fetched.append({s.name for s in manifest.shards if traffic[node].response_bytes("GET", key=s.name)})
         for info in manifest.shards:  # at most one fetch of a shard per node, whichever rank or stager asked
             assert traffic[node].response_bytes("GET", key=info.name) <= info.bytes, (node, info.name)
-        print(f"node {node}: {len(fetched[-1])}/{len(manifest.shards)} shards, {got:,} B of {dataset_bytes:,} B "
-              f"({got / (dataset_bytes / NODES):.2f} x dataset/N)")
+        print(
+            f"node {node}: {len(fetched[-1])}/{len(manifest.shards)} shards, {got:,} B of {dataset_bytes:,} B "
+            f"({got / (dataset_bytes / NODES):.2f} x dataset/N)"
+        )
         assert got <= 1.25 * dataset_bytes / NODES, (node, got, dataset_bytes)  # cold: its share, not all
         assert any((tmp_path / f"nvme-{node}" / "tf").rglob("*")), f"node {node}'s own L2 is empty"
     assert not (tmp_path / "nvme-{node}").exists()
@@ -192,16 +210,17 @@ def test_a_second_job_on_warm_node_caches_fetches_what_they_do_not_hold(tmp_path
     assert len(pairs) == len(set(pairs))
     for node, got in enumerate(node_bytes(traffic, manifest)):
         per_shard = [traffic[node].response_bytes("GET", key=s.name) / s.bytes for s in manifest.shards]
-        print(f"warm node {node}: shards fetched 0/1/2+ times: {sum(x == 0 for x in per_shard)}/"
-              f"{sum(0 < x <= 1 for x in per_shard)}/{sum(x > 1 for x in per_shard)}")
+        print(
+            f"warm node {node}: shards fetched 0/1/2+ times: {sum(x == 0 for x in per_shard)}/"
+            f"{sum(0 < x <= 1 for x in per_shard)}/{sum(x > 1 for x in per_shard)}"
+        )
         print(f"warm node {node}: {got:,} B, {got / (dataset_bytes / NODES):.2f} x dataset/N at f={fraction}")
         assert got <= 1.25 * dataset_bytes / NODES * (1 - fraction), (node, got, dataset_bytes)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lake_on_s3", [48000], indirect=True)
-def test_a_restart_onto_the_nodes_in_reverse_order_reads_on_each_what_its_cache_holds(tmp_path, s3_server,
-                                                                                       lake_on_s3):
+def test_a_restart_onto_the_nodes_in_reverse_order_reads_on_each_what_its_cache_holds(tmp_path, s3_server, lake_on_s3):
     manifest, url = lake_on_s3
     dataset_bytes = sum(s.bytes for s in manifest.shards)
     share = dataset_bytes / NODES

@@ -38,8 +38,9 @@ def docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with open(root / "docs.jsonl", "w") as f:
         for i in range(3000):
             n = int(rng.integers(20, 300))
-            f.write(json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()})
-                    + "\n")
+            f.write(
+                json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()}) + "\n"
+            )
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     return root / "ds"
 
@@ -51,8 +52,15 @@ def _windows(docs: Path) -> TieredDataset:
 def _fingerprint(loader: Loader, n: int) -> list[tuple]:
     out = []
     for batch, meta in islice(loader, n):
-        out.append(({k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)},
-                    meta.sample_ids.tolist(), meta.index, meta.epoch, meta.cursor.to_dict()))
+        out.append(
+            (
+                {k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)},
+                meta.sample_ids.tolist(),
+                meta.index,
+                meta.epoch,
+                meta.cursor.to_dict(),
+            )
+        )
     return out
 
 
@@ -91,8 +99,9 @@ def test_text_columns_travel_in_the_ring_as_the_strings_they_were(docs):
 
 
 def test_pool_resumes_exactly_mid_epoch(docs):
-    assert_resumes_exactly(lambda workers: Loader(_windows(docs), device="cpu", num_workers=workers),
-                           stops=[7, 33], workers=2)
+    assert_resumes_exactly(
+        lambda workers: Loader(_windows(docs), device="cpu", num_workers=workers), stops=[7, 33], workers=2
+    )
     reference = [b["input_ids"] for b in islice(Loader(_windows(docs), device="cpu"), 60)]
     with Loader(_windows(docs), device="cpu", num_workers=2) as loader:
         got = [b["input_ids"].clone() for b in islice(loader, 25)]
@@ -128,8 +137,9 @@ def _fail_at_sample_100(sample, rng):
 
 
 def test_a_workers_error_is_raised_in_the_loop_with_its_traceback(docs):
-    ds = TieredDataset(str(docs), BatchSpec(batch_size=8, batcher=Samples(), transform=_fail_at_sample_100),
-                       OrderSpec(shuffle=False))
+    ds = TieredDataset(
+        str(docs), BatchSpec(batch_size=8, batcher=Samples(), transform=_fail_at_sample_100), OrderSpec(shuffle=False)
+    )
     with Loader(ds, device="cpu", num_workers=2) as loader, pytest.raises(KeyError, match="sample 100") as caught:
         for _ in loader:
             pass
@@ -163,7 +173,7 @@ def test_workers_run_ahead_only_as_far_as_their_slots(docs, tmp_path, monkeypatc
         assert len(held) == 3
 
 
-TRAINER = '''
+TRAINER = """
 import os, sys, time
 from tierflow.loader import BatchSpec, Loader, TieredDataset
 
@@ -173,7 +183,7 @@ if __name__ == "__main__":
         if step == 20:
             print("ready", flush=True)
         time.sleep(0.01)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -181,10 +191,13 @@ def test_a_sigkilled_trainer_leaves_no_worker_and_no_shared_memory(docs, tmp_pat
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tierflow.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), str(docs)], stdout=subprocess.PIPE, env=env,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(tierflow.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(docs)], stdout=subprocess.PIPE, env=env, start_new_session=True
+    )
     try:
         assert proc.stdout.readline().startswith(b"ready")
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -194,8 +207,9 @@ def test_a_sigkilled_trainer_leaves_no_worker_and_no_shared_memory(docs, tmp_pat
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 5
-        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children) \
-                and time.monotonic() < deadline:
+        while (
+            any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children) and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
@@ -228,8 +242,9 @@ def test_start_prefetch_starts_the_forkserver_with_torch_already_imported(docs: 
     it) starts it at once, with torch and tierflow imported there, so that cost overlaps the model's
     loading and no worker pays it again."""
     env = {**os.environ, "PYTHONPATH": str(Path(tierflow.__file__).parents[1])}
-    child = subprocess.Popen([sys.executable, "-c", FORKSERVER_CHILD, str(docs), "wait"], stdout=subprocess.PIPE,
-                             text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", FORKSERVER_CHILD, str(docs), "wait"], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         line = child.stdout.readline().strip() if child.stdout else ""
         assert line.isdigit(), f"no forkserver started before the first batch: {line!r}"

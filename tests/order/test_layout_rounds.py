@@ -10,18 +10,22 @@ from tierflow.order.working_set import working_set_bytes
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("shards, partitions", [(1, 1), (5, 4), (64, 64), (100, 64), (1000, 7), (3000, 64),
-                                                (2000, 16)])
+@pytest.mark.parametrize("shards, partitions", [(1, 1), (5, 4), (64, 64), (100, 64), (1000, 7), (3000, 64), (2000, 16)])
 def test_rounds_deal_as_the_heap_does(seed: int, shards: int, partitions: int) -> None:
     rng = np.random.default_rng(seed)
-    cases = [(rng.integers(1, 1000, shards), None), (rng.integers(1, 1000, shards), rng.integers(0, 10**6, shards)),
-             (np.full(shards, 500), np.full(shards, 7)), (rng.integers(90, 110, shards), None)]
+    cases = [
+        (rng.integers(1, 1000, shards), None),
+        (rng.integers(1, 1000, shards), rng.integers(0, 10**6, shards)),
+        (np.full(shards, 500), np.full(shards, 7)),
+        (rng.integers(90, 110, shards), None),
+    ]
     empty = np.full(shards, 500)
     empty[1::3] = 0  # empty shards weigh nothing: ties the heap breaks by partition index
     cases.append((empty, None))
     for counts, sizes in cases:
-        assert np.array_equal(_assign_longest_first(counts, sizes, partitions),
-                              _assign_longest_first_heap(counts, sizes, partitions))
+        assert np.array_equal(
+            _assign_longest_first(counts, sizes, partitions), _assign_longest_first_heap(counts, sizes, partitions)
+        )
 
 
 def test_working_set_bytes_of_a_column_is_the_sum_of_the_largest() -> None:

@@ -16,12 +16,21 @@ def random_case(rng):
     shards = int(rng.integers(4, 40))
     counts = [int(c) for c in rng.integers(1, 60, shards)]
     partitions = int(rng.choice([p for p in (1, 2, 4, 8, 16) if p <= shards]))
-    order = SampleOrder(counts, dataset_id="batches", seed=int(rng.integers(0, 99)), partitions=partitions,
-                        window_shards=int(rng.integers(1, 5)), lanes=int(rng.integers(1, partitions + 1)),
-                        remainder=str(rng.choice(["carry", "drop", "pad"])), shuffle=bool(rng.random() < 0.8))
+    order = SampleOrder(
+        counts,
+        dataset_id="batches",
+        seed=int(rng.integers(0, 99)),
+        partitions=partitions,
+        window_shards=int(rng.integers(1, 5)),
+        lanes=int(rng.integers(1, partitions + 1)),
+        remainder=str(rng.choice(["carry", "drop", "pad"])),
+        shuffle=bool(rng.random() < 0.8),
+    )
     if rng.random() < 0.5:  # partitions at different epochs and offsets, as an elastic resume leaves them
-        cursor = order.cursor([int(rng.integers(0, 3)) for _ in range(partitions)],
-                              [int(rng.integers(0, int(n))) for n in order.layout.partition_sizes])
+        cursor = order.cursor(
+            [int(rng.integers(0, 3)) for _ in range(partitions)],
+            [int(rng.integers(0, int(n))) for n in order.layout.partition_sizes],
+        )
     else:
         cursor = order.start()
     nodes = int(rng.choice([n for n in (1, 2, 4) if partitions % n == 0]))

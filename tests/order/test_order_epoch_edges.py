@@ -28,7 +28,6 @@ BATCH = 16
 EPOCHS = 2
 
 
-
 def mixed_batches_per_edge(stream: RankStream) -> list[int]:
     """Per epoch edge e (e -> e + 1): the rank's batches whose real samples span two epochs."""
     mixed = [0] * EPOCHS
@@ -51,16 +50,24 @@ def cases() -> list:
                 if remainder == "drop" and min(counts) < BATCH and len(counts) >= 16:
                     continue  # 16 partitions of one shard smaller than a batch: drop refuses them
                 for ranks in (1, 2):
-                    out.append(pytest.param(name, lanes, remainder, ranks,
-                                            id=f"{name}-{lanes}lanes-{remainder}-{ranks}ranks"))
+                    out.append(
+                        pytest.param(name, lanes, remainder, ranks, id=f"{name}-{lanes}lanes-{remainder}-{ranks}ranks")
+                    )
     return out
 
 
 @pytest.mark.parametrize("name,lanes,remainder,ranks", cases())
 def test_at_most_one_batch_per_rank_mixes_epochs_at_an_edge_and_only_under_carry(name, lanes, remainder, ranks):
     counts = DATASETS[name]
-    order = SampleOrder(counts, dataset_id=name, seed=3, partitions=min(16, len(counts)), window_shards=2,
-                        lanes=lanes, remainder=remainder)
+    order = SampleOrder(
+        counts,
+        dataset_id=name,
+        seed=3,
+        partitions=min(16, len(counts)),
+        window_shards=2,
+        lanes=lanes,
+        remainder=remainder,
+    )
     allowed = 1 if remainder == "carry" else 0
     for rank in range(ranks):
         stream = RankStream(order, order.start(), batch_size=BATCH, rank=rank, ranks_per_node=ranks)
@@ -71,18 +78,38 @@ def test_at_most_one_batch_per_rank_mixes_epochs_at_an_edge_and_only_under_carry
 def test_a_loader_for_over_lanes_mixes_epochs_in_at_most_one_batch(long_tailed_docs, ranks):
     """The same bar through TieredDataset's world layout and a Samples batcher (its `for`s)."""
     for rank in range(ranks):
-        dataset = TieredDataset(long_tailed_docs, BatchSpec(batch_size=BATCH, batcher=Samples(select=["tokens"])),
-                                OrderSpec(partitions=4, lanes=4), world=WorldPosition(0, 1, rank, ranks))
+        dataset = TieredDataset(
+            long_tailed_docs,
+            BatchSpec(batch_size=BATCH, batcher=Samples(select=["tokens"])),
+            OrderSpec(partitions=4, lanes=4),
+            world=WorldPosition(0, 1, rank, ranks),
+        )
         loader = Loader(dataset, return_meta=True)
         for epoch in range(EPOCHS):
             mixed = sum(int(meta.epochs.min()) != int(meta.epochs.max()) for _, meta in loader)
             assert mixed <= 1, (rank, epoch, mixed)
 
 
-SAVED_V2 = {"version": 2, "seed": 3, "epoch": 0, "partitions": 6, "epochs": [0, 1, 0, 0, 1, 0],
-            "offsets": [30, 0, 48, 48, 0, 30], "config_hash": "1bfb80e7bdb73285c888bec3c99e7040",
-            "config": {"dataset_id": "images-6x50", "seed": 3, "partitions": 6, "window_shards": 2, "lanes": 4,
-                       "remainder": "carry", "num_shards": 6, "num_samples": 300, "layout": "193150b31b3312f5"}}
+SAVED_V2 = {
+    "version": 2,
+    "seed": 3,
+    "epoch": 0,
+    "partitions": 6,
+    "epochs": [0, 1, 0, 0, 1, 0],
+    "offsets": [30, 0, 48, 48, 0, 30],
+    "config_hash": "1bfb80e7bdb73285c888bec3c99e7040",
+    "config": {
+        "dataset_id": "images-6x50",
+        "seed": 3,
+        "partitions": 6,
+        "window_shards": 2,
+        "lanes": 4,
+        "remainder": "carry",
+        "num_shards": 6,
+        "num_samples": 300,
+        "layout": "193150b31b3312f5",
+    },
+}
 """A version-2 cursor saved after batch 15 of 4 lanes over 300 images, just before the epoch edge."""
 SAVED_V2_NEXT = "ec0a254986ffe246ae8a46cd9e0c643f5196c563c4c7c780314b6b7f78d2fd90"
 """sha256 of the 8 batches (ids, epochs) it resumes into under version 2's interleave."""

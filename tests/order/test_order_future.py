@@ -39,7 +39,9 @@ def test_every_read_within_the_horizon_lies_inside_an_interval_of_its_shard(rema
     for position, shard, epoch in node_reads(order, cursor, node, num_nodes, batch_size, horizon // batch_size):
         intervals = by_shard.get((shard, epoch), [])
         assert any(u.first_use <= position and position + batch_size - 1 <= u.last_use for u in intervals), (
-            position, shard, epoch,
+            position,
+            shard,
+            epoch,
         )
 
 

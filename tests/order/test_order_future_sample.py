@@ -20,6 +20,7 @@ def test_the_uses_of_a_sample_of_partitions_are_the_full_views_uses_of_them(rema
     cursor = order.start() if steps == 0 else stream.cursor_after(steps - 1)
     horizon = 2 * order.layout.node_samples(node, num_nodes) + batch_size  # across an epoch edge
     full = future_shard_uses(order, cursor, node=node, num_nodes=num_nodes, batch_size=batch_size, horizon=horizon)
-    some = future_shard_uses(order, cursor, node=node, num_nodes=num_nodes, batch_size=batch_size, horizon=horizon,
-                             partitions=keep)
+    some = future_shard_uses(
+        order, cursor, node=node, num_nodes=num_nodes, batch_size=batch_size, horizon=horizon, partitions=keep
+    )
     assert some == [use for use in full if use.partition in keep]

@@ -13,8 +13,15 @@ BYTES = [10 * c for c in COUNTS]  # 10 decoded bytes a sample
 
 
 def grouped(group_bytes=256, seed=3, window_shards=3, partitions=8, counts=COUNTS, decoded=BYTES):
-    return SampleOrder(counts, dataset_id="groups", seed=seed, partitions=partitions, window_shards=window_shards,
-                       group_bytes=group_bytes, decoded_bytes=decoded)
+    return SampleOrder(
+        counts,
+        dataset_id="groups",
+        seed=seed,
+        partitions=partitions,
+        window_shards=window_shards,
+        group_bytes=group_bytes,
+        decoded_bytes=decoded,
+    )
 
 
 def test_permute_each_is_each_elements_own_feistel_permutation():
@@ -40,8 +47,9 @@ def test_every_window_is_a_permutation_whose_groups_are_runs_of_the_window(group
     for partition in range(order.partitions):
         windows = order.windows(partition, 1)
         ids = windows.sample_ids(np.arange(windows.size))
-        owned = np.concatenate([np.arange(order.layout.shard_offsets[s], order.layout.shard_offsets[s + 1])
-                                for s in windows.shard_order])
+        owned = np.concatenate(
+            [np.arange(order.layout.shard_offsets[s], order.layout.shard_offsets[s + 1]) for s in windows.shard_order]
+        )
         assert np.array_equal(np.sort(ids), np.sort(owned))
     for w in range(windows.num_windows):
         groups = windows._permutation(w)
@@ -54,6 +62,7 @@ def test_every_window_is_a_permutation_whose_groups_are_runs_of_the_window(group
 
 def test_a_batch_reads_runs_of_at_most_group_bytes_and_a_window_shuffle_does_not():
     counts, decoded = [4000] * 16, [40_000] * 16  # 10 B a sample: 400 samples a 4 KB group
+
     def runs_per_batch(order):
         stream = RankStream(order, order.start(), batch_size=64)
         spans = []
@@ -61,6 +70,7 @@ def test_a_batch_reads_runs_of_at_most_group_bytes_and_a_window_shuffle_does_not
             ids = np.sort(stream.batch(b).sample_ids)
             spans.append(int(ids[-1] - ids[0]))
         return np.median(spans)
+
     full = SampleOrder(counts, dataset_id="runs", seed=1, partitions=4, window_shards=2)
     blocks = grouped(4000, seed=1, window_shards=2, partitions=4, counts=counts, decoded=decoded)
     assert runs_per_batch(blocks) < 400 <= 10 * 400 < runs_per_batch(full)
@@ -73,8 +83,9 @@ def test_groups_are_read_in_a_shuffled_order_every_epoch():
 
 
 def test_golden_first_batches_of_a_grouped_order():
-    order = SampleOrder([40] * 12, dataset_id="golden", seed=3, partitions=4, window_shards=2,
-                        group_bytes=100, decoded_bytes=[400] * 12)
+    order = SampleOrder(
+        [40] * 12, dataset_id="golden", seed=3, partitions=4, window_shards=2, group_bytes=100, decoded_bytes=[400] * 12
+    )
     stream = RankStream(order, order.start(), batch_size=6)
     assert [stream.batch(b).sample_ids.tolist() for b in range(3)] == GOLDEN
 
@@ -116,12 +127,14 @@ def test_evaluating_a_grouped_order_imports_no_masked_arrays():
     import subprocess
     import sys
 
-    script = ("import sys\nfrom tierflow.order import RankStream, SampleOrder\n"
-              "order = SampleOrder([40] * 12, dataset_id='x', seed=3, partitions=4, window_shards=2, group_bytes=100,"
-              " decoded_bytes=[400] * 12)\n"
-              "stream = RankStream(order, order.start(), batch_size=6)\n"
-              "[stream.batch(b) for b in range(40)]\n"
-              "assert 'numpy' in sys.modules\nprint('numpy.ma' in sys.modules)")
+    script = (
+        "import sys\nfrom tierflow.order import RankStream, SampleOrder\n"
+        "order = SampleOrder([40] * 12, dataset_id='x', seed=3, partitions=4, window_shards=2, group_bytes=100,"
+        " decoded_bytes=[400] * 12)\n"
+        "stream = RankStream(order, order.start(), batch_size=6)\n"
+        "[stream.batch(b) for b in range(40)]\n"
+        "assert 'numpy' in sys.modules\nprint('numpy.ma' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
@@ -130,8 +143,7 @@ def test_evaluating_a_grouped_order_imports_no_masked_arrays():
 def test_a_group_holds_at_least_group_samples_samples():
     """1 KB samples: 256 KiB groups hold 256, one batch (the stored order shuffled within it); a floor
     of 1,024 samples cuts 1 MiB runs. 8-byte samples: 256 KiB holds 32,768, and the floor changes nothing."""
-    large = [group_edges(np.array([10_000]), np.array([10_000 << 10]), 256 << 10, None, floor)
-             for floor in (0, 1024)]
+    large = [group_edges(np.array([10_000]), np.array([10_000 << 10]), 256 << 10, None, floor) for floor in (0, 1024)]
     assert np.diff(large[0]).max() <= 256 and np.diff(large[1]).min() >= 1000  # 40 runs against 10
     small = [group_edges(np.array([1 << 20]), np.array([8 << 20]), 256 << 10, None, floor) for floor in (0, 1024)]
     assert np.array_equal(small[0], small[1]) and small[0].size == 33
@@ -145,10 +157,23 @@ def test_a_group_holds_at_least_group_samples_samples():
 
 def test_an_order_without_a_sample_floor_keeps_the_cursor_hash_it_had_before_the_floor():
     """A cursor saved before group_samples existed (4 MiB groups, the default then) resumes that order."""
-    old = SampleOrder([1000] * 8, dataset_id="x", partitions=4, group_bytes=4 << 20, decoded_bytes=[10 << 20] * 8,
-                      block_bytes=[1 << 20] * 8)
+    old = SampleOrder(
+        [1000] * 8,
+        dataset_id="x",
+        partitions=4,
+        group_bytes=4 << 20,
+        decoded_bytes=[10 << 20] * 8,
+        block_bytes=[1 << 20] * 8,
+    )
     assert "group_samples" not in old.config and old.config_hash == "ab268ff562e0832800e2d8e10ef10f63"
-    floored = SampleOrder([1000] * 8, dataset_id="x", partitions=4, group_bytes=4 << 20, decoded_bytes=[10 << 20] * 8,
-                          block_bytes=[1 << 20] * 8, group_samples=1024)
+    floored = SampleOrder(
+        [1000] * 8,
+        dataset_id="x",
+        partitions=4,
+        group_bytes=4 << 20,
+        decoded_bytes=[10 << 20] * 8,
+        block_bytes=[1 << 20] * 8,
+        group_samples=1024,
+    )
     with pytest.raises(CursorMismatchError, match="group_samples: cursor None vs order 1024"):
         floored.load(old.start().to_dict())

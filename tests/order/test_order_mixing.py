@@ -14,12 +14,24 @@ WEIGHTS = [0.6, 0.3, 0.1]
 def make_orders(seed=5):
     rng = np.random.default_rng(seed)
     return [
-        SampleOrder([int(c) for c in rng.integers(3, 9, size=8)], dataset_id="small", seed=seed, partitions=4,
-                    window_shards=2),
-        SampleOrder([int(c) for c in rng.integers(10, 30, size=24)], dataset_id="medium", seed=seed, partitions=8,
-                    window_shards=3),
-        SampleOrder([int(c) for c in rng.integers(20, 60, size=16)], dataset_id="large", seed=seed, partitions=8,
-                    window_shards=2, remainder="pad"),
+        SampleOrder(
+            [int(c) for c in rng.integers(3, 9, size=8)], dataset_id="small", seed=seed, partitions=4, window_shards=2
+        ),
+        SampleOrder(
+            [int(c) for c in rng.integers(10, 30, size=24)],
+            dataset_id="medium",
+            seed=seed,
+            partitions=8,
+            window_shards=3,
+        ),
+        SampleOrder(
+            [int(c) for c in rng.integers(20, 60, size=16)],
+            dataset_id="large",
+            seed=seed,
+            partitions=8,
+            window_shards=2,
+            remainder="pad",
+        ),
     ]
 
 
@@ -30,9 +42,11 @@ def make_mixture(weights=WEIGHTS, seed=9):
 def run_steps(mixture, cursor, nodes, ranks, workers, batch_size, until_epoch=None, max_steps=None):
     """Synchronous steps; returns {dataset: [(ids, epochs, mask)]} in order and the last cursor."""
     streams = {
-        (n, r): MixedRankStream(mixture, cursor, batch_size=batch_size, node=n, num_nodes=nodes,
-                                rank=r, ranks_per_node=ranks)
-        for n in range(nodes) for r in range(ranks)
+        (n, r): MixedRankStream(
+            mixture, cursor, batch_size=batch_size, node=n, num_nodes=nodes, rank=r, ranks_per_node=ranks
+        )
+        for n in range(nodes)
+        for r in range(ranks)
     }
     iters = {key: [s.batches(w, workers) for w in range(workers)] for key, s in streams.items()}
     seen = {d: [] for d in range(mixture.num_datasets)}
@@ -73,8 +87,10 @@ def test_every_dataset_reads_each_of_its_samples_exactly_once_per_its_own_epoch(
 
 
 def test_a_small_heavy_dataset_repeats_with_a_fresh_shuffle_each_epoch():
-    orders = [SampleOrder([6, 6, 6], dataset_id="tiny", seed=1, partitions=1, window_shards=3),
-              SampleOrder([50] * 40, dataset_id="big", seed=1, partitions=4)]
+    orders = [
+        SampleOrder([6, 6, 6], dataset_id="tiny", seed=1, partitions=1, window_shards=3),
+        SampleOrder([50] * 40, dataset_id="big", seed=1, partitions=4),
+    ]
     mixture = MixedOrder(orders, [0.8, 0.2], seed=2)
     stream = MixedRankStream(mixture, mixture.start(), batch_size=6)
     seen = {0: [], 1: []}
@@ -117,9 +133,14 @@ def test_elastic_resume_from_four_nodes_to_two_covers_each_dataset_epoch_exactly
 def test_cursor_is_the_same_on_every_rank_and_node_and_is_small_json():
     mixture = make_mixture()
     cursors = {
-        json.dumps(MixedRankStream(mixture, mixture.start(), batch_size=4, num_nodes=2, node=n,
-                                   ranks_per_node=2, rank=r).batch(11).cursor, sort_keys=True)
-        for n in range(2) for r in range(2)
+        json.dumps(
+            MixedRankStream(mixture, mixture.start(), batch_size=4, num_nodes=2, node=n, ranks_per_node=2, rank=r)
+            .batch(11)
+            .cursor,
+            sort_keys=True,
+        )
+        for n in range(2)
+        for r in range(2)
     }
     assert len(cursors) == 1
     saved = json.loads(cursors.pop())
@@ -129,8 +150,10 @@ def test_cursor_is_the_same_on_every_rank_and_node_and_is_small_json():
 
 
 def test_golden_first_batches_for_a_small_config():
-    orders = [SampleOrder([4] * 6, dataset_id="a", seed=3, partitions=2, window_shards=2),
-              SampleOrder([5] * 4, dataset_id="b", seed=3, partitions=2, window_shards=2)]
+    orders = [
+        SampleOrder([4] * 6, dataset_id="a", seed=3, partitions=2, window_shards=2),
+        SampleOrder([5] * 4, dataset_id="b", seed=3, partitions=2, window_shards=2),
+    ]
     mixture = MixedOrder(orders, [0.7, 0.3], seed=1)
     stream = MixedRankStream(mixture, mixture.start(), batch_size=3)
     got = [(stream.batch(b).dataset, stream.batch(b).sample_ids.tolist()) for b in range(8)]
@@ -138,8 +161,14 @@ def test_golden_first_batches_for_a_small_config():
 
 
 GOLDEN = [
-    (0, [16, 2, 17]), (0, [6, 12, 14]), (0, [0, 19, 1]), (1, [13, 4, 1]),
-    (0, [5, 4, 15]), (0, [18, 3, 9]), (1, [19, 17, 7]), (0, [13, 7, 21]),
+    (0, [16, 2, 17]),
+    (0, [6, 12, 14]),
+    (0, [0, 19, 1]),
+    (1, [13, 4, 1]),
+    (0, [5, 4, 15]),
+    (0, [18, 3, 9]),
+    (1, [19, 17, 7]),
+    (0, [13, 7, 21]),
 ]
 
 

@@ -27,7 +27,18 @@ def test_derive_key_is_pinned_and_separates_ints_from_strings():
 def test_permutation_golden_vectors_never_change():
     assert FeistelPermutation(10, 1)(np.arange(10)).tolist() == [3, 5, 1, 0, 2, 7, 6, 9, 8, 4]
     assert FeistelPermutation(1000, 123)(np.arange(12)).tolist() == [
-        59, 677, 953, 175, 813, 187, 661, 833, 362, 618, 199, 331,
+        59,
+        677,
+        953,
+        175,
+        813,
+        187,
+        661,
+        833,
+        362,
+        618,
+        199,
+        331,
     ]
 
 

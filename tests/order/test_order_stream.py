@@ -22,12 +22,19 @@ NARROW = (3, 1)
 """first_epoch: epoch 0 reads a node's lanes three at a time, windows of one shard."""
 
 
-def make_order(remainder="carry", seed=11, partitions=16, window_shards=3, counts=COUNTS, group_bytes=0,
-               first_epoch=None):
+def make_order(
+    remainder="carry", seed=11, partitions=16, window_shards=3, counts=COUNTS, group_bytes=0, first_epoch=None
+):
     return SampleOrder(
-        counts, dataset_id="synthetic-64", seed=seed, partitions=partitions,
-        window_shards=window_shards, remainder=remainder, group_bytes=group_bytes,
-        decoded_bytes=[10 * c for c in counts], first_epoch=first_epoch,
+        counts,
+        dataset_id="synthetic-64",
+        seed=seed,
+        partitions=partitions,
+        window_shards=window_shards,
+        remainder=remainder,
+        group_bytes=group_bytes,
+        decoded_bytes=[10 * c for c in counts],
+        first_epoch=first_epoch,
     )
 
 
@@ -35,9 +42,9 @@ def run_epoch_zero(order, cursor, nodes, ranks, workers, batch_size, max_steps=N
     """Synchronous steps from `cursor`; every rank's workers build their batches b = w mod W.
     Returns epoch-0 real ids seen and the cursor after the last step."""
     streams = {
-        (n, r): RankStream(order, cursor, batch_size=batch_size, node=n, num_nodes=nodes,
-                           rank=r, ranks_per_node=ranks)
-        for n in range(nodes) for r in range(ranks)
+        (n, r): RankStream(order, cursor, batch_size=batch_size, node=n, num_nodes=nodes, rank=r, ranks_per_node=ranks)
+        for n in range(nodes)
+        for r in range(ranks)
     }
     worker_iters = {key: [s.batches(w, workers) for w in range(workers)] for key, s in streams.items()}
     seen, last_cursor, step = [], cursor.to_dict(), 0
@@ -57,8 +64,9 @@ def run_epoch_zero(order, cursor, nodes, ranks, workers, batch_size, max_steps=N
 @pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("remainder", ["carry", "pad"])
 @pytest.mark.parametrize("nodes,ranks,workers", [(1, 1, 1), (2, 2, 2), (4, 1, 3), (2, 4, 1), (8, 2, 2)])
-def test_every_sample_exactly_once_per_epoch_for_any_world_shape(remainder, nodes, ranks, workers, group_bytes,
-                                                                  first_epoch):
+def test_every_sample_exactly_once_per_epoch_for_any_world_shape(
+    remainder, nodes, ranks, workers, group_bytes, first_epoch
+):
     order = make_order(remainder, group_bytes=group_bytes, first_epoch=first_epoch)
     ids, _ = run_epoch_zero(order, order.start(), nodes, ranks, workers, batch_size=7)
     assert np.array_equal(np.sort(ids), np.arange(sum(COUNTS)))
@@ -98,8 +106,7 @@ def test_elastic_resume_covers_the_epoch_exactly_once(new_nodes, new_ranks, grou
 @pytest.mark.parametrize("first_epoch", [None, NARROW])
 @pytest.mark.parametrize("group_bytes", [0, GROUPED])
 @pytest.mark.parametrize("remainder", ["carry", "drop", "pad"])
-def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuation(remainder, group_bytes,
-                                                                                   first_epoch):
+def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuation(remainder, group_bytes, first_epoch):
     order = make_order(remainder, group_bytes=group_bytes, first_epoch=first_epoch)
     world = dict(num_nodes=2, ranks_per_node=3, batch_size=6)
     rng = np.random.default_rng(0)
@@ -112,9 +119,13 @@ def test_resume_from_a_batch_cursor_yields_exactly_the_uninterrupted_continuatio
             for rank in range(3):
                 whole = RankStream(order, order.start(), node=node, rank=rank, **world)
                 saved = whole.batch(stop).cursor
-                again = RankStream(order, make_order(remainder, group_bytes=group_bytes,
-                                                     first_epoch=first_epoch).load(saved), node=node,
-                                   rank=rank, **world)
+                again = RankStream(
+                    order,
+                    make_order(remainder, group_bytes=group_bytes, first_epoch=first_epoch).load(saved),
+                    node=node,
+                    rank=rank,
+                    **world,
+                )
                 for k in range(4):
                     assert np.array_equal(again.batch(k).sample_ids, whole.batch(stop + 1 + k).sample_ids)
                     assert again.batch(k).cursor == whole.batch(stop + 1 + k).cursor
@@ -135,9 +146,14 @@ def test_seeking_to_a_batch_equals_iterating_to_it(group_bytes, first_epoch):
 def test_cursor_is_world_independent_across_ranks_and_nodes(group_bytes):
     order = make_order(group_bytes=group_bytes)
     cursors = {
-        json.dumps(RankStream(order, order.start(), batch_size=5, num_nodes=2, node=n,
-                              ranks_per_node=2, rank=r).batch(13).cursor, sort_keys=True)
-        for n in range(2) for r in range(2)
+        json.dumps(
+            RankStream(order, order.start(), batch_size=5, num_nodes=2, node=n, ranks_per_node=2, rank=r)
+            .batch(13)
+            .cursor,
+            sort_keys=True,
+        )
+        for n in range(2)
+        for r in range(2)
     }
     assert len(cursors) == 1
 
@@ -229,8 +245,10 @@ def test_a_narrowed_first_epoch_reads_a_few_shards_at_once_and_later_epochs_all_
     assert _shards_open(narrow, firsts[1]) <= 2 * 2  # two lanes, each finishing one shard as it starts the next
     ends = np.cumsum(COUNTS)
     seconds = [[s.batch(b) for b in range(epoch, epoch + 40)] for s in streams]
-    shards_read = [len(set(np.searchsorted(ends, np.concatenate([b.sample_ids for b in batches]), side="right")))
-                   for batches in seconds]
+    shards_read = [
+        len(set(np.searchsorted(ends, np.concatenate([b.sample_ids for b in batches]), side="right")))
+        for batches in seconds
+    ]
     assert shards_read[1] == shards_read[0] > 16  # epoch 1 as wide as the wide order's
     through = streams[1].epoch_batches(after=0)[1]  # a lane's carried batch starts its epoch 1 early: from 0
     ids = np.concatenate([b.sample_ids[(b.epochs == 1) & b.mask] for b in map(streams[1].batch, range(through))])
@@ -245,14 +263,18 @@ def test_a_first_epoch_cursor_is_refused_by_an_order_as_wide_in_every_epoch():
     assert make_order().config_hash != make_order(first_epoch=NARROW).config_hash
 
 
-@pytest.mark.parametrize("shards,lanes,k,expected", [
-    (25, 16, 4, (4, 1)),  # a small dataset: the least, lanes first
-    (400, 16, 4, (16, 1)),  # 1/16 of 400: 25 shards, one a lane
-    (800, 16, 4, (16, 3)),
-    (2000, 16, 4, None),  # 64 shards at once is already within 1/16
-    (25, 2, 2, None),  # no wider than the least
-    (40, 1, 8, (1, 4)),  # one lane: a narrower window
-])
+@pytest.mark.parametrize(
+    "shards,lanes,k,expected",
+    [
+        (25, 16, 4, (4, 1)),  # a small dataset: the least, lanes first
+        (400, 16, 4, (16, 1)),  # 1/16 of 400: 25 shards, one a lane
+        (800, 16, 4, (16, 3)),
+        (2000, 16, 4, None),  # 64 shards at once is already within 1/16
+        (25, 2, 2, None),  # no wider than the least
+        (40, 1, 8, (1, 4)),  # one lane: a narrower window
+    ],
+)
 def test_the_first_epoch_breadth_is_a_sixteenth_of_the_nodes_shards_and_at_least_four(shards, lanes, k, expected):
     from tierflow.order.working_set import first_epoch_breadth
+
     assert first_epoch_breadth(shards, lanes, k) == expected

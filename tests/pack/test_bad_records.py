@@ -35,7 +35,7 @@ def test_a_number_for_text_at_line_1001_is_named_with_its_line_or_skipped_and_co
         pack([src], tmp_path / "out", tokenizer=tokenizer)
     m = pack([src], tmp_path / "out2", tokenizer=tokenizer, on_error="skip")
     assert m.num_samples == 1999 and m.stats["skipped_records"] == 1
-    (reason, entry), = m.stats["skipped_records_by_reason"].items()
+    ((reason, entry),) = m.stats["skipped_records_by_reason"].items()
     assert entry == {"count": 1, "example": f"{src}:1001"}
     assert reason == ("text not a string" if tokenizer else "mixed types")
     assert m.stats["errors"][0].startswith(f"{src}:1001: ")
@@ -52,7 +52,8 @@ def test_a_missing_or_null_text_is_named_or_counted_by_reason_and_adds_no_column
     assert m.num_samples == 1998 and m.stats["skipped_records"] == 2
     assert m.stats["skipped_records_by_reason"] == {
         "no text field": {"count": 1, "example": f"{src}:1001"},
-        "null text": {"count": 1, "example": f"{src}:1500"}}
+        "null text": {"count": 1, "example": f"{src}:1500"},
+    }
     assert [f.name for f in m.schema] == ["tokens"]  # no stray `txt` column
     ds = tierflow.open_dataset(tmp_path / "out2")
     assert min(len(ds[i]["tokens"]) for i in range(len(ds))) > 1  # no end-of-document-only sample
@@ -67,7 +68,9 @@ def test_bad_records_in_a_later_chunk_and_gzip_report_their_true_lines(tmp_path)
     m = pack([src], tmp_path / "out2", tokenizer="bytes", workers=2, chunk_bytes=32 << 10, on_error="skip")
     assert m.num_samples == 4998
     assert {r: v["example"] for r, v in m.stats["skipped_records_by_reason"].items()} == {
-        "null text": f"{src}:4322", "text not a string": f"{src}:4400"}
+        "null text": f"{src}:4322",
+        "text not a string": f"{src}:4400",
+    }
     gz = tmp_path / "big.jsonl.gz"
     gz.write_bytes(gzip.compress(src.read_bytes()))
     with pytest.raises(PackInputError, match=r"big\.jsonl\.gz:4322: "):
@@ -90,11 +93,31 @@ def test_skipped_records_by_reason_through_the_cli(tmp_path, capsys):
     from tierflow.commands.cli import main
 
     src = write_jsonl(tmp_path / "b.jsonl", 50, {10: '{"text": 42}', 20: "not json"})
-    assert main(["pack", str(src), "--out", str(tmp_path / "out"), "--tokenizer", "bytes", "--workers", "1",
-                 "--quiet"]) == 2
+    assert (
+        main(["pack", str(src), "--out", str(tmp_path / "out"), "--tokenizer", "bytes", "--workers", "1", "--quiet"])
+        == 2
+    )
     assert "b.jsonl:10: text field 'text' is a number (42)" in capsys.readouterr().err
-    assert main(["pack", str(src), "--out", str(tmp_path / "out"), "--tokenizer", "bytes", "--workers", "1",
-                 "--on-error", "skip", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "pack",
+                str(src),
+                "--out",
+                str(tmp_path / "out"),
+                "--tokenizer",
+                "bytes",
+                "--workers",
+                "1",
+                "--on-error",
+                "skip",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     stats = tierflow.open_dataset(tmp_path / "out").manifest.stats
     assert {r: v["count"] for r, v in stats["skipped_records_by_reason"].items()} == {
-        "text not a string": 1, "malformed JSON": 1}
+        "text not a string": 1,
+        "malformed JSON": 1,
+    }

@@ -83,8 +83,13 @@ def laion_parquet(path: Path, corrupt_at: int | None = None) -> list[bytes]:
     images = [encode(20 + 7 * i, 30 + 3 * i, "JPEG", i) for i in range(10)]
     if corrupt_at is not None:
         images[corrupt_at] = CORRUPT
-    table = pa.table({"url": [f"https://example.com/{i}.jpg" for i in range(10)],
-                      "caption": [f"caption {i}" for i in range(10)], "jpg": pa.array(images, pa.binary())})
+    table = pa.table(
+        {
+            "url": [f"https://example.com/{i}.jpg" for i in range(10)],
+            "caption": [f"caption {i}" for i in range(10)],
+            "jpg": pa.array(images, pa.binary()),
+        }
+    )
     pq.write_table(table, path, row_group_size=5)
     return images
 
@@ -95,15 +100,18 @@ def test_parquet_with_an_image_bytes_column_keeps_bytes_urls_and_captions(tmp_pa
     rows = list(tierflow.open_dataset(tmp_path / "out"))
     assert [digest(r["jpg"]) for r in rows] == [digest(b) for b in images]
     assert [r["url"] for r in rows] == [f"https://example.com/{i}.jpg" for i in range(10)]
-    assert [(r["jpg_width"], r["jpg_height"], r["jpg_format"]) for r in rows] == \
-        [(20 + 7 * i, 30 + 3 * i, "JPEG") for i in range(10)]
+    assert [(r["jpg_width"], r["jpg_height"], r["jpg_format"]) for r in rows] == [
+        (20 + 7 * i, 30 + 3 * i, "JPEG") for i in range(10)
+    ]
     assert rows[3]["caption"] == "caption 3"
 
 
 def test_hugging_face_image_structs_become_bytes_and_path_columns(tmp_path):
     images = [encode(16 + i, 16, "PNG", i) for i in range(4)]
-    struct = pa.array([{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(images)],
-                      pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    struct = pa.array(
+        [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(images)],
+        pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
     pq.write_table(pa.table({"image": struct, "text": [f"t{i}" for i in range(4)]}), tmp_path / "hf.parquet")
     pack([tmp_path / "hf.parquet"], tmp_path / "out")
     rows = list(tierflow.open_dataset(tmp_path / "out"))
@@ -128,8 +136,12 @@ def webdataset_tar(path: Path, start: int, count: int, corrupt_key: str | None =
     with tarfile.open(path, "w") as tar:
         for i in range(start, start + count):
             key = f"{'sub/' if i % 3 == 0 else ''}{i:06d}"
-            members = {"jpg": encode(30 + i, 20 + i, "JPEG", i), "txt": f"a photo {i}".encode(),
-                       "json": json.dumps({"i": i}).encode(), "cls": str(i % 5).encode()}
+            members = {
+                "jpg": encode(30 + i, 20 + i, "JPEG", i),
+                "txt": f"a photo {i}".encode(),
+                "json": json.dumps({"i": i}).encode(),
+                "cls": str(i % 5).encode(),
+            }
             if i % 4 == 1:
                 members["seg.png"] = encode(30 + i, 20 + i, "PNG", i)
             if key == corrupt_key:
@@ -154,8 +166,11 @@ def test_webdataset_tars_are_repacked_with_their_keys_and_every_member(tmp_path)
         fields = {k for k, v in r.items() if isinstance(v, bytes)}
         assert {k: r[k] for k in fields} == expected[r["__key__"]]  # every member, byte-exact, no other
         assert r["__url__"] in ("shard-000.tar", "shard-001.tar")
-        assert (r["jpg_width"], r["jpg_height"], r["jpg_format"]) == (30 + int(r["__key__"][-6:]),
-                                                                      20 + int(r["__key__"][-6:]), "JPEG")
+        assert (r["jpg_width"], r["jpg_height"], r["jpg_format"]) == (
+            30 + int(r["__key__"][-6:]),
+            20 + int(r["__key__"][-6:]),
+            "JPEG",
+        )
         assert (r["seg.png_format"] == "PNG") == ("seg.png" in expected[r["__key__"]])
 
 
@@ -191,5 +206,7 @@ def test_image_shards_default_to_small_blocks_a_chosen_block_size_wins(tmp_path)
     default = tierflow.pack([src], tmp_path / "default", workers=1, target_shard_bytes=shards).manifest
     blocks = [b for s in default.shards for b in s.blocks]
     assert len(blocks) >= 2 and max(b.length for b in blocks) <= (1 << 20) + largest
-    chosen = tierflow.pack([src], tmp_path / "chosen", workers=1, block_bytes=8 << 20, target_shard_bytes=shards).manifest
+    chosen = tierflow.pack(
+        [src], tmp_path / "chosen", workers=1, block_bytes=8 << 20, target_shard_bytes=shards
+    ).manifest
     assert [b.rows for s in chosen.shards for b in s.blocks] == [24]

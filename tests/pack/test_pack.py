@@ -29,8 +29,7 @@ def write_jsonl(path: Path, rows: list[dict], opener=open) -> Path:
 
 def docs(n: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"text": "word " * int(rng.integers(0, 200)) + f"#{i}", "id": i, "score": float(i) / 7}
-            for i in range(n)]
+    return [{"text": "word " * int(rng.integers(0, 200)) + f"#{i}", "id": i, "score": float(i) / 7} for i in range(n)]
 
 
 def test_jsonl_plain_gz_zst_round_trip_sample_by_sample(tmp_path):
@@ -40,8 +39,13 @@ def test_jsonl_plain_gz_zst_round_trip_sample_by_sample(tmp_path):
     with open(tmp_path / "c.jsonl.zst", "wb") as raw:
         with zstandard.ZstdCompressor().stream_writer(raw) as w:
             w.write("".join(json.dumps(r) + "\n" for r in rows[2000:]).encode())
-    tierflow.pack([plain, gz, tmp_path / "c.jsonl.zst"], tmp_path / "out", workers=2,
-                  target_shard_bytes=256 << 10, chunk_bytes=64 << 10)
+    tierflow.pack(
+        [plain, gz, tmp_path / "c.jsonl.zst"],
+        tmp_path / "out",
+        workers=2,
+        target_shard_bytes=256 << 10,
+        chunk_bytes=64 << 10,
+    )
     ds = tierflow.open_dataset(tmp_path / "out")
     assert len(ds) == len(rows)
     for i in range(len(rows)):
@@ -50,8 +54,13 @@ def test_jsonl_plain_gz_zst_round_trip_sample_by_sample(tmp_path):
 
 
 def test_parquet_columns_kept(tmp_path):
-    table = pa.table({"text": [f"t{i}" for i in range(500)], "x": np.arange(500, dtype=np.int32),
-                      "emb": [np.full(4, i, dtype=np.float32) for i in range(500)]})
+    table = pa.table(
+        {
+            "text": [f"t{i}" for i in range(500)],
+            "x": np.arange(500, dtype=np.int32),
+            "emb": [np.full(4, i, dtype=np.float32) for i in range(500)],
+        }
+    )
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=100)
     tierflow.pack([tmp_path / "a.parquet"], tmp_path / "out", workers=1, target_shard_bytes=256 << 10)
     ds = tierflow.open_dataset(tmp_path / "out")
@@ -70,8 +79,12 @@ def test_directory_of_small_files_keeps_paths_empty_files_and_non_utf8_bytes(tmp
     summary = tierflow.pack([src], tmp_path / "out", workers=1, target_shard_bytes=256 << 10)
     ds = tierflow.open_dataset(tmp_path / "out")
     got = {s["path"]: (s["text"], s["text_bytes"]) for s in ds}
-    assert got == {"a.txt": ("alpha", None), "empty.txt": ("", None),
-                   "sub/bin.dat": (None, b"\xff\xfe not utf8"), "sub/z.txt": ("zulu", None)}
+    assert got == {
+        "a.txt": ("alpha", None),
+        "empty.txt": ("", None),
+        "sub/bin.dat": (None, b"\xff\xfe not utf8"),
+        "sub/z.txt": ("zulu", None),
+    }
     assert summary.manifest.stats["kept_as_bytes"] == 1
     assert summary.manifest.stats["files"] == 4
 
@@ -108,8 +121,9 @@ def square(record: dict) -> dict | None:
 
 
 def test_python_api_with_fn_over_an_iterable_runs_in_workers(tmp_path):
-    summary = tierflow.pack(({"x": i} for i in range(3000)), tmp_path / "out", fn=square, workers=2,
-                            target_shard_bytes=256 << 10)
+    summary = tierflow.pack(
+        ({"x": i} for i in range(3000)), tmp_path / "out", fn=square, workers=2, target_shard_bytes=256 << 10
+    )
     ds = tierflow.open_dataset(tmp_path / "out")
     expected = [x for x in range(3000) if x % 5]
     assert len(ds) == len(expected) and summary.manifest.stats["filtered"] == 600
@@ -121,8 +135,14 @@ def test_output_is_byte_identical_with_one_and_two_workers(tmp_path):
     rows = docs(4000, seed=1)
     src = write_jsonl(tmp_path / "a.jsonl", rows)
     for workers in (1, 2):
-        tierflow.pack([src], tmp_path / f"out{workers}", workers=workers, target_shard_bytes=256 << 10,
-                      chunk_bytes=100 << 10, tokenizer="bytes")
+        tierflow.pack(
+            [src],
+            tmp_path / f"out{workers}",
+            workers=workers,
+            target_shard_bytes=256 << 10,
+            chunk_bytes=100 << 10,
+            tokenizer="bytes",
+        )
     names1 = sorted(p.name for p in (tmp_path / "out1").iterdir())
     names2 = sorted(p.name for p in (tmp_path / "out2").iterdir())
     assert names1 == names2 and len(names1) > 3
@@ -134,8 +154,7 @@ def test_output_is_byte_identical_with_one_and_two_workers(tmp_path):
 def test_shards_are_within_ten_percent_of_target_except_the_last(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", docs(8000, seed=2))
     target = 256 << 10
-    m = tierflow.pack([src], tmp_path / "out", workers=2, target_shard_bytes=target,
-                      chunk_bytes=200 << 10).manifest
+    m = tierflow.pack([src], tmp_path / "out", workers=2, target_shard_bytes=target, chunk_bytes=200 << 10).manifest
     sizes = [s.decoded_bytes for s in m.shards]
     assert len(sizes) > 5
     assert all(abs(s - target) <= 0.1 * target for s in sizes[:-1]), sizes
@@ -144,14 +163,13 @@ def test_shards_are_within_ten_percent_of_target_except_the_last(tmp_path):
 def test_byte_tokenizer_puts_one_eos_after_each_document_and_tokens_straddle_shards(tmp_path):
     rows = docs(2000, seed=3)
     src = write_jsonl(tmp_path / "a.jsonl", rows)
-    m = tierflow.pack([src], tmp_path / "out", workers=2, tokenizer="bytes",
-                      target_shard_bytes=256 << 10).manifest
+    m = tierflow.pack([src], tmp_path / "out", workers=2, tokenizer="bytes", target_shard_bytes=256 << 10).manifest
     ds = tierflow.open_dataset(tmp_path / "out")
     assert m.token_dtype == "uint16" and m.eos_id == 256 and m.tokenizer["name"] == "bytes"
     stream = np.concatenate([np.append(np.frombuffer(r["text"].encode(), np.uint8), 256) for r in rows])
     assert ds.num_tokens == len(stream) == m.stats["tokens"]
     boundary = int(ds.token_starts[1])
-    np.testing.assert_array_equal(ds.tokens(boundary - 50, boundary + 50), stream[boundary - 50:boundary + 50])
+    np.testing.assert_array_equal(ds.tokens(boundary - 50, boundary + 50), stream[boundary - 50 : boundary + 50])
     np.testing.assert_array_equal(ds.tokens(0, len(stream)), stream)
     assert "text" not in ds.columns
     view = ds[0]["tokens"]
@@ -165,12 +183,14 @@ def test_hf_tokenizer_trained_in_process(tmp_path):
     tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     rows = docs(300, seed=4)
-    tok.train_from_iterator([r["text"] for r in rows],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "</s>"]))
+    tok.train_from_iterator(
+        [r["text"] for r in rows], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "</s>"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     src = write_jsonl(tmp_path / "a.jsonl", rows)
-    m = tierflow.pack([src], tmp_path / "out", workers=2, tokenizer=str(tmp_path / "tokenizer.json"),
-                      target_shard_bytes=256 << 10).manifest
+    m = tierflow.pack(
+        [src], tmp_path / "out", workers=2, tokenizer=str(tmp_path / "tokenizer.json"), target_shard_bytes=256 << 10
+    ).manifest
     ds = tierflow.open_dataset(tmp_path / "out")
     eos = tok.token_to_id("</s>")
     assert m.eos_id == eos and m.token_dtype == "uint16" and m.tokenizer["name"] == "hf:tokenizer.json"
@@ -229,14 +249,17 @@ def test_finished_dataset_is_refused_without_overwrite_and_gc_removes_strays(tmp
     assert not stray.exists() and len(tierflow.open_dataset(tmp_path / "out")) == 400
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda m: m["shards"][0].update(name="/etc/passwd"), "not a shard file"),
-    (lambda m: m["shards"][0].update(name="../shard-" + "0" * 32 + ".arrow"), "not a shard file"),
-    (lambda m: m["shards"][0].update(name="s3://bucket/x.arrow"), "not a shard file"),
-    (lambda m: m["shards"][0].update(samples=-5), "negative or absurd|block rows"),
-    (lambda m: m["shards"][0].update(bytes=1 << 60), "negative or absurd"),
-    (lambda m: m.update(format_version=99), "unknown format_version 99"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda m: m["shards"][0].update(name="/etc/passwd"), "not a shard file"),
+        (lambda m: m["shards"][0].update(name="../shard-" + "0" * 32 + ".arrow"), "not a shard file"),
+        (lambda m: m["shards"][0].update(name="s3://bucket/x.arrow"), "not a shard file"),
+        (lambda m: m["shards"][0].update(samples=-5), "negative or absurd|block rows"),
+        (lambda m: m["shards"][0].update(bytes=1 << 60), "negative or absurd"),
+        (lambda m: m.update(format_version=99), "unknown format_version 99"),
+    ],
+)
 def test_unsafe_or_unknown_manifests_are_rejected_on_open(tmp_path, mutate, message):
     src = write_jsonl(tmp_path / "a.jsonl", docs(200))
     tierflow.pack([src], tmp_path / "out", workers=1, target_shard_bytes=256 << 10)
@@ -263,8 +286,10 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_dataset(tmp_path):
 
     mount = tmp_path / "small"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         if os.environ.get("CI") == "true":
             pytest.fail("cannot mount a tmpfs for the full-disk test, and CI must not skip it")
         pytest.skip("mounting a tmpfs is refused here (needs root)")

@@ -24,8 +24,9 @@ def docs(path: Path, n: int = 200) -> Path:
 
 
 def test_a_pack_summary_prints_as_one_short_line(tmp_path):
-    summary = tierflow.pack([docs(tmp_path / "a.jsonl", 5000)], tmp_path / "out", workers=1, tokenizer="bytes",
-                            target_shard_bytes=SMALL)
+    summary = tierflow.pack(
+        [docs(tmp_path / "a.jsonl", 5000)], tmp_path / "out", workers=1, tokenizer="bytes", target_shard_bytes=SMALL
+    )
     text = repr(summary)
     assert len(text) < 300 and "\n" not in text, text
     assert summary.manifest.dataset_id in text and "5,000 samples" in text and "tokens" in text
@@ -40,8 +41,11 @@ def test_a_typo_in_an_input_creates_no_output_directory(tmp_path):
 
 def test_a_lambda_fn_with_workers_is_refused_saying_what_to_do(tmp_path):
     src = docs(tmp_path / "a.jsonl")
-    with pytest.raises(PackInputError, match=r"fn=<lambda> cannot be sent to the worker processes.*`def` at the "
-                                             r"top level.*workers=1") as caught:
+    with pytest.raises(
+        PackInputError,
+        match=r"fn=<lambda> cannot be sent to the worker processes.*`def` at the "
+        r"top level.*workers=1",
+    ) as caught:
         tierflow.pack([src], tmp_path / "out", fn=lambda r: {"text": r["text"].upper()}, workers=2)
     assert caught.value.__cause__ is None
     assert not (tmp_path / "out").exists()
@@ -72,9 +76,28 @@ def test_ctrl_c_during_a_cli_pack_is_one_line_not_a_traceback(tmp_path):
         for i in range(200_000):
             f.write(json.dumps({"text": f"document {i} " * 20}) + "\n")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "tierflow", "pack", str(src), "--out", str(out), "--tokenizer",
-                             "bytes", "--workers", "2", "--quiet", "--shard-size", "1MB"], start_new_session=True,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierflow",
+            "pack",
+            str(src),
+            "--out",
+            str(out),
+            "--tokenizer",
+            "bytes",
+            "--workers",
+            "2",
+            "--quiet",
+            "--shard-size",
+            "1MB",
+        ],
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     deadline = time.monotonic() + 60
     while not (out / ".tmp-pack").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -84,7 +107,8 @@ def test_ctrl_c_during_a_cli_pack_is_one_line_not_a_traceback(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         "tierflow pack: interrupted; nothing was published: rerun the same command to carry on (the shards it "
-        "sealed are kept)")
+        "sealed are kept)"
+    )
 
 
 def test_shard_size_is_the_clis_name_for_target_shard_bytes(tmp_path):

@@ -178,8 +178,24 @@ def test_a_wrong_typed_text_field_through_the_cli_is_one_line_naming_file_and_co
     from tierflow.commands.cli import main
 
     path = write(tmp_path / "nested.jsonl", jsonl([{"body": {"a": 1}}] * 5))
-    assert main(["pack", str(path), "--out", str(tmp_path / "out"), "--tokenizer", "bytes",
-                 "--text-field", "body", "--workers", "1", "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "pack",
+                str(path),
+                "--out",
+                str(tmp_path / "out"),
+                "--tokenizer",
+                "bytes",
+                "--text-field",
+                "body",
+                "--workers",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "nested.jsonl" in err and "'body'" in err and "struct" in err

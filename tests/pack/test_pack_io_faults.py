@@ -29,13 +29,15 @@ from tierflow.testing.faults import Trial, fail_each, sample_points, verified_go
 
 
 def pack(corpus: Path, out: Path, overwrite: bool = False) -> tierflow.Manifest:
-    return tierflow.pack([corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=1,
-                         overwrite=overwrite).manifest
+    return tierflow.pack(
+        [corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=1, overwrite=overwrite
+    ).manifest
 
 
 def acceptable(error: BaseException, injected: int) -> bool:
-    return isinstance(error, TierflowError) or (isinstance(error, OSError) and error.errno == injected
-                                                 and error.filename is not None)
+    return isinstance(error, TierflowError) or (
+        isinstance(error, OSError) and error.errno == injected and error.filename is not None
+    )
 
 
 class PackRig:
@@ -95,8 +97,10 @@ class PackRig:
 
 @pytest.fixture(scope="module")
 def rigs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, PackRig]:
-    return {overwrite: PackRig(tmp_path_factory.mktemp(f"pack-faults-{overwrite}"), overwrite)
-            for overwrite in (False, True)}
+    return {
+        overwrite: PackRig(tmp_path_factory.mktemp(f"pack-faults-{overwrite}"), overwrite)
+        for overwrite in (False, True)
+    }
 
 
 def _points(rig: PackRig) -> list[int] | None:
@@ -115,12 +119,21 @@ VARIANTS = [(errno.EIO, True), (errno.ENOSPC, False), (errno.ENOSPC, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("injected,persistent", VARIANTS,
-                         ids=[f"{errno.errorcode[e]}-{'from-n-on' if p else 'once'}" for e, p in VARIANTS])
+@pytest.mark.parametrize(
+    "injected,persistent", VARIANTS, ids=[f"{errno.errorcode[e]}-{'from-n-on' if p else 'once'}" for e, p in VARIANTS]
+)
 @pytest.mark.parametrize("overwrite", [False, True], ids=["fresh", "over-a-dataset"])
-def test_a_pack_failing_at_every_io_leaves_nothing_or_a_whole_dataset(rigs, overwrite: bool, injected: int,
-                                                                       persistent: bool) -> None:
+def test_a_pack_failing_at_every_io_leaves_nothing_or_a_whole_dataset(
+    rigs, overwrite: bool, injected: int, persistent: bool
+) -> None:
     rig = rigs[overwrite]
-    run = fail_each(rig.run, lambda t: rig.check(t, injected), rig.roots, error=injected,
-                    persistent=persistent, reset=rig.reset, points=_points(rig))
+    run = fail_each(
+        rig.run,
+        lambda t: rig.check(t, injected),
+        rig.roots,
+        error=injected,
+        persistent=persistent,
+        reset=rig.reset,
+        points=_points(rig),
+    )
     assert len(run.trials) > 10

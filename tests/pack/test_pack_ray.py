@@ -67,6 +67,7 @@ def _die_once(marker_dir: str):
                 open(marker, "w").close()
                 os._exit(1)
         return row
+
     return fn
 
 
@@ -135,8 +136,15 @@ def test_killed_driver_leaves_no_dataset_and_the_rerun_resumes_from_finished_uni
     rerun = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     counts = json.loads(rerun.stdout.strip().splitlines()[-1])
-    whole = tierflow.pack(sources, tmp_path / "whole", fn=lambda r: r, workers=1, tokenizer="bytes",
-                          target_shard_bytes=256 << 10, chunk_bytes=32 << 10)
+    whole = tierflow.pack(
+        sources,
+        tmp_path / "whole",
+        fn=lambda r: r,
+        workers=1,
+        tokenizer="bytes",
+        target_shard_bytes=256 << 10,
+        chunk_bytes=32 << 10,
+    )
     assert counts["resumed"] > 0 and counts["packed"] < whole.units_packed, counts  # not started over
     assert counts["resumed"] + counts["packed"] >= whole.units_packed
     assert tierflow.open_dataset(out).manifest.dataset_id == whole.manifest.dataset_id
@@ -166,7 +174,27 @@ def test_cli_engine_ray_to_s3(cluster, tmp_path, s3_server, s3_bucket):
 
     sources = lake(tmp_path, files=2, rows=800)
     url = f"s3://{s3_bucket}/ray-ds"
-    assert main(["pack", *map(str, sources), "--out", url, "--engine", "ray", "--tokenizer", "bytes",
-                 "--shard-size", "256KiB", "--endpoint-url", s3_server.endpoint_url, "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "pack",
+                *map(str, sources),
+                "--out",
+                url,
+                "--engine",
+                "ray",
+                "--tokenizer",
+                "bytes",
+                "--shard-size",
+                "256KiB",
+                "--endpoint-url",
+                s3_server.endpoint_url,
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     local = tierflow.pack(sources, tmp_path / "local", tokenizer="bytes", target_shard_bytes=256 << 10)
-    assert tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url).manifest.dataset_id == local.manifest.dataset_id
+    assert (
+        tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url).manifest.dataset_id == local.manifest.dataset_id
+    )

@@ -38,8 +38,7 @@ def write_docs(path: Path, n: int) -> Path:
 def objects(s3_server, bucket: str, prefix: str) -> dict[str, bytes]:
     client = s3_server.endpoint.boto3_client()
     listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
-    return {o["Key"][len(prefix) + 1:]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
-            for o in listed}
+    return {o["Key"][len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
 
 
 class ShardWatcher(threading.Thread):
@@ -52,13 +51,17 @@ class ShardWatcher(threading.Thread):
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            count = sum(1 for _, _, names in os.walk(self.root) for n in names
-                        if n.endswith(".arrow") and (n.startswith("shard-") or n.startswith(".tmp-")))
+            count = sum(
+                1
+                for _, _, names in os.walk(self.root)
+                for n in names
+                if n.endswith(".arrow") and (n.startswith("shard-") or n.startswith(".tmp-"))
+            )
             self.peak = max(self.peak, count)
             self.samples += 1
             time.sleep(0.002)
 
-    def __enter__(self) -> "ShardWatcher":
+    def __enter__(self) -> ShardWatcher:
         self.start()
         return self
 
@@ -79,8 +82,9 @@ def test_pack_to_s3_keeps_a_few_shards_locally_and_equals_a_local_pack(tmp_path,
     src = write_docs(tmp_path / "docs.jsonl", 14_000)  # ~25 shards: five times what may be held locally
     local = tierflow.pack([src], tmp_path / "local", workers=1, target_shard_bytes=SMALL).manifest
     with ShardWatcher(staging) as watcher:
-        remote = tierflow.pack([src], f"s3://{s3_bucket}/ds", workers=2, target_shard_bytes=SMALL,
-                               endpoint_url=s3_server.endpoint_url).manifest
+        remote = tierflow.pack(
+            [src], f"s3://{s3_bucket}/ds", workers=2, target_shard_bytes=SMALL, endpoint_url=s3_server.endpoint_url
+        ).manifest
     assert len(local.shards) >= 20
     assert 1 <= watcher.peak <= LOCAL_SHARDS_BOUND, (watcher.peak, watcher.samples)
     assert remote.dataset_id == local.dataset_id
@@ -104,19 +108,34 @@ class RaiseAt:
 
 
 def test_a_pack_to_s3_that_fails_mid_way_publishes_no_manifest_and_its_shards_are_reused(
-        tmp_path, staging, s3_server, s3_bucket, s3_proxy):
+    tmp_path, staging, s3_server, s3_bucket, s3_proxy
+):
     src = write_docs(tmp_path / "docs.jsonl", 12_000)
     url = f"s3://{s3_bucket}/ds"
     with pytest.raises(PackInputError, match="the pack dies here"):
-        tierflow.pack([src], url, fn=RaiseAt(9_000), workers=1, target_shard_bytes=SMALL,
-                      chunk_bytes=64 << 10, endpoint_url=s3_proxy.url)
+        tierflow.pack(
+            [src],
+            url,
+            fn=RaiseAt(9_000),
+            workers=1,
+            target_shard_bytes=SMALL,
+            chunk_bytes=64 << 10,
+            endpoint_url=s3_proxy.url,
+        )
     left = objects(s3_server, s3_bucket, "ds")
     assert "manifest.json" not in left
     assert len(left) >= 3, "shards were not uploaded while the pack ran"
     assert not list(staging.iterdir())
     puts_before = s3_proxy.traffic().requests("PUT")
-    m = tierflow.pack([src], url, fn=RaiseAt(None), workers=1, target_shard_bytes=SMALL,
-                      chunk_bytes=64 << 10, endpoint_url=s3_proxy.url).manifest
+    m = tierflow.pack(
+        [src],
+        url,
+        fn=RaiseAt(None),
+        workers=1,
+        target_shard_bytes=SMALL,
+        chunk_bytes=64 << 10,
+        endpoint_url=s3_proxy.url,
+    ).manifest
     done = objects(s3_server, s3_bucket, "ds")
     assert {s.name for s in m.shards} | {"manifest.json"} == {k for k in done if not k.startswith("metadata")}
     assert "metadata.json" in done and sum(k.startswith("metadata-") for k in done) == 2  # version 3's tables
@@ -138,8 +157,11 @@ tierflow.pack([sys.argv[1]], sys.argv[2], fn=slow, workers=1, target_shard_bytes
 def test_a_pack_to_s3_killed_mid_way_leaves_no_manifest(tmp_path, s3_server, s3_bucket):
     src = write_docs(tmp_path / "docs.jsonl", 24_000)
     env = {**os.environ, **s3_server.endpoint.env(), "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(src), f"s3://{s3_bucket}/ds",
-                             s3_server.endpoint_url], env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(src), f"s3://{s3_bucket}/ds", s3_server.endpoint_url],
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len(objects(s3_server, s3_bucket, "ds")) < 2 and proc.poll() is None:
@@ -155,8 +177,9 @@ def test_a_pack_to_s3_killed_mid_way_leaves_no_manifest(tmp_path, s3_server, s3_
 def test_the_summary_names_the_url_and_the_progress_bar_ends_full(tmp_path, s3_server, s3_bucket, capsys):
     src = write_docs(tmp_path / "docs.jsonl", 3_000)
     url = f"s3://{s3_bucket}/ds"
-    m = tierflow.pack([src], url, workers=1, target_shard_bytes=SMALL, endpoint_url=s3_server.endpoint_url,
-                      progress=True).manifest
+    m = tierflow.pack(
+        [src], url, workers=1, target_shard_bytes=SMALL, endpoint_url=s3_server.endpoint_url, progress=True
+    ).manifest
     out = capsys.readouterr().out
     assert url in out and "tierflow-pack-" not in out
     bar = next(line for line in out.splitlines() if line.startswith("pack "))

@@ -47,8 +47,11 @@ def test_publish_raises_when_the_object_did_not_land(tmp_path, s3_proxy: Loopbac
     upload's error stands."""
     src = tmp_path / "manifest.json"
     src.write_text("{}")
-    s3 = S3Store(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url,
-                  retry_policy=RetryPolicy(retries=2, base_delay=0.01, max_delay=0.02))
+    s3 = S3Store(
+        f"s3://{s3_bucket}/ds",
+        endpoint_url=s3_proxy.url,
+        retry_policy=RetryPolicy(retries=2, base_delay=0.01, max_delay=0.02),
+    )
     s3_proxy.inject("503", count=100, method="PUT")
     with pytest.raises(SourceError, match="manifest.json: put failed"):
         s3.publish(src, "manifest.json")
@@ -56,8 +59,11 @@ def test_publish_raises_when_the_object_did_not_land(tmp_path, s3_proxy: Loopbac
 
 def test_publish_raises_when_another_object_is_there(tmp_path, s3_proxy: LoopbackProxy, s3_bucket):
     """An object of the same name with other bytes (an older manifest, same size): not landed."""
-    s3 = S3Store(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url,
-                  retry_policy=RetryPolicy(retries=2, base_delay=0.01, max_delay=0.02))
+    s3 = S3Store(
+        f"s3://{s3_bucket}/ds",
+        endpoint_url=s3_proxy.url,
+        retry_policy=RetryPolicy(retries=2, base_delay=0.01, max_delay=0.02),
+    )
     old = tmp_path / "old.json"
     old.write_text('{"a": 1}')
     s3.upload(old, "manifest.json")

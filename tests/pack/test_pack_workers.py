@@ -47,8 +47,9 @@ def test_pack_workers_die_within_seconds_of_a_sigkilled_parent(tmp_path):
         for i in range(40000):
             f.write(json.dumps({"id": i, "text": f"document {i}"}) + "\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-    parent = subprocess.Popen([sys.executable, "-c", SLOW_PACK, str(tmp_path / "docs.jsonl"), str(tmp_path / "out")],
-                              env=env)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SLOW_PACK, str(tmp_path / "docs.jsonl"), str(tmp_path / "out")], env=env
+    )
     workers: list[int] = []
     try:
         me = psutil.Process(parent.pid)
@@ -107,8 +108,11 @@ def test_pack_without_room_for_its_scratch_says_how_much_it_needs_and_where(tmp_
 
     src = compressible(tmp_path / "docs.jsonl")  # one 16 MB unit: 11.5 MB of scratch at once
     out = small_disk / "out"
-    with pytest.raises(PackInputError, match=rf"{out}: no space left .* needs about 11\.\d MB of scratch in "
-                                             rf"{out / '.tmp-pack'} \(1 unit of up to 11\.\d MB .* MB are free"):
+    with pytest.raises(
+        PackInputError,
+        match=rf"{out}: no space left .* needs about 11\.\d MB of scratch in "
+        rf"{out / '.tmp-pack'} \(1 unit of up to 11\.\d MB .* MB are free",
+    ):
         tierflow.pack([src], out, workers=2)
     assert [p.name for p in out.iterdir()] == [".tierflow.lock"]
 
@@ -122,10 +126,16 @@ def test_a_shard_whose_compression_does_not_pay_is_rewritten_plain_from_its_own_
 
     schema = pa.schema([("blob", pa.binary()), ("tokens", pa.list_(pa.uint16()))])
     rng = np.random.default_rng(3)
-    batches = [pa.RecordBatch.from_arrays(
-        [pa.array([rng.bytes(300 + i) for i in range(50)]),
-         pa.array([list(range(i % 7)) for i in range(50)], pa.list_(pa.uint16()))], schema=schema).slice(3, 40)
-        for _ in range(5)]  # random bytes do not compress; slices, as the assembler cuts them
+    batches = [
+        pa.RecordBatch.from_arrays(
+            [
+                pa.array([rng.bytes(300 + i) for i in range(50)]),
+                pa.array([list(range(i % 7)) for i in range(50)], pa.list_(pa.uint16())),
+            ],
+            schema=schema,
+        ).slice(3, 40)
+        for _ in range(5)
+    ]  # random bytes do not compress; slices, as the assembler cuts them
     infos = {}
     for compression in ("zstd", "none"):
         directory = tmp_path / compression

@@ -9,14 +9,36 @@ import numpy as np
 import pytest
 
 from tierflow.policies import (
-    AutoPolicy, Cache, CachePolicy, ClairvoyantPolicy, HotScorePolicy, IntervalOracle, LRUPolicy,
-    Lifecycle, NoChurnPolicy, StreamPolicy, choose_policy, hot_score, hotscore_key, make_policy,
-    optimum, oracle_from_accesses, policy_names, register_policy, simulate,
+    AutoPolicy,
+    Cache,
+    CachePolicy,
+    ClairvoyantPolicy,
+    HotScorePolicy,
+    IntervalOracle,
+    LRUPolicy,
+    Lifecycle,
+    NoChurnPolicy,
+    StreamPolicy,
+    choose_policy,
+    hot_score,
+    hotscore_key,
+    make_policy,
+    optimum,
+    oracle_from_accesses,
+    policy_names,
+    register_policy,
+    simulate,
 )
 from tierflow.policies import traces
 
-BUILTIN = {"lru": LRUPolicy, "hotscore": HotScorePolicy, "clairvoyant": ClairvoyantPolicy,
-           "nochurn": NoChurnPolicy, "stream": StreamPolicy, "auto": AutoPolicy}
+BUILTIN = {
+    "lru": LRUPolicy,
+    "hotscore": HotScorePolicy,
+    "clairvoyant": ClairvoyantPolicy,
+    "nochurn": NoChurnPolicy,
+    "stream": StreamPolicy,
+    "auto": AutoPolicy,
+}
 
 
 # --- registry -----------------------------------------------------------------------------
@@ -183,16 +205,19 @@ def test_nochurn_refuses_to_replace_entries_read_this_or_last_epoch():
 
 
 # --- auto --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lifecycle, oracle, expected", [
-    (Lifecycle(passes=1), False, "stream"),
-    (Lifecycle(passes=6, pattern="reshuffle"), True, "nochurn"),
-    (Lifecycle(passes=6, pattern="skewed"), True, "clairvoyant"),
-    (Lifecycle(passes=6, pattern="reshuffle"), False, "nochurn"),
-    (Lifecycle(pattern="reshuffle", data_bytes=1000, capacity_bytes=5), False, "stream"),
-    (Lifecycle(pattern="skewed"), False, "hotscore"),
-    (Lifecycle(pattern="reshuffle", shared=True), True, "hotscore"),
-    (Lifecycle(), False, "hotscore"),
-])
+@pytest.mark.parametrize(
+    "lifecycle, oracle, expected",
+    [
+        (Lifecycle(passes=1), False, "stream"),
+        (Lifecycle(passes=6, pattern="reshuffle"), True, "nochurn"),
+        (Lifecycle(passes=6, pattern="skewed"), True, "clairvoyant"),
+        (Lifecycle(passes=6, pattern="reshuffle"), False, "nochurn"),
+        (Lifecycle(pattern="reshuffle", data_bytes=1000, capacity_bytes=5), False, "stream"),
+        (Lifecycle(pattern="skewed"), False, "hotscore"),
+        (Lifecycle(pattern="reshuffle", shared=True), True, "hotscore"),
+        (Lifecycle(), False, "hotscore"),
+    ],
+)
 def test_auto_picks_by_lifecycle_and_says_why(lifecycle, oracle, expected):
     chosen, reason = choose_policy(lifecycle, oracle)
     assert chosen == expected and reason
@@ -270,8 +295,12 @@ def test_byte_miss_ratio_weighs_misses_by_size():
 
 def test_a_recorded_trace_loads_from_json_lines_and_names_the_bad_line(tmp_path):
     good = tmp_path / "run.jsonl"
-    good.write_text("\n".join(json.dumps({"key": k, "size": 2, "first_use": i, "last_use": i + 0.5})
-                              for i, k in enumerate(["x", "y", "x"])))
+    good.write_text(
+        "\n".join(
+            json.dumps({"key": k, "size": 2, "first_use": i, "last_use": i + 0.5})
+            for i, k in enumerate(["x", "y", "x"])
+        )
+    )
     trace = traces.load_jsonl(good)
     assert trace.key_names == ["x", "y"] and len(trace) == 3 and trace.windowed
     bad = tmp_path / "bad.jsonl"

@@ -8,7 +8,7 @@ bookkeeping (lazy deletion, pin withdrawal, reinstatement) is right.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -178,8 +178,7 @@ class ReferenceHotScore(_Reference):
         if size <= free_bytes:
             return True
         past, rival = self.history.get(key), self.victim(now)
-        if past is not None and rival is not None and (
-                hotscore_key(*past, self.half_life) > self.rank(rival)[0]):
+        if past is not None and rival is not None and (hotscore_key(*past, self.half_life) > self.rank(rival)[0]):
             return True
         self.history[key] = ((past[0] if past else 0.0) + 1.0, now, float(self.co_access(key)))
         return False
@@ -224,16 +223,26 @@ def point_traces(draw, max_keys: int = 6, max_length: int = 40) -> Trace:
     keys = draw(st.lists(st.integers(0, n_keys - 1), min_size=1, max_size=max_length))
     positions = np.arange(len(keys), dtype=np.float64)
     epoch = draw(st.integers(2, 12))
-    return Trace(name="random points", keys=np.array(keys, dtype=np.int64), start=positions,
-                 end=positions, sizes=np.ones(n_keys, dtype=np.int64), epoch_length=float(epoch),
-                 lifecycle=Lifecycle(pattern=draw(st.sampled_from(["reshuffle", "skewed", "unknown"]))))
+    return Trace(
+        name="random points",
+        keys=np.array(keys, dtype=np.int64),
+        start=positions,
+        end=positions,
+        sizes=np.ones(n_keys, dtype=np.int64),
+        epoch_length=float(epoch),
+        lifecycle=Lifecycle(pattern=draw(st.sampled_from(["reshuffle", "skewed", "unknown"]))),
+    )
 
 
 @st.composite
 def windowed_traces(draw) -> Trace:
-    return uniform_reshuffle(draw(st.integers(2, 9)), draw(st.integers(1, 3)),
-                             window=draw(st.integers(1, 3)), samples_per_shard=draw(st.integers(1, 3)),
-                             seed=draw(st.integers(0, 2**16)))
+    return uniform_reshuffle(
+        draw(st.integers(2, 9)),
+        draw(st.integers(1, 3)),
+        window=draw(st.integers(1, 3)),
+        samples_per_shard=draw(st.integers(1, 3)),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 any_trace = st.one_of(point_traces(), windowed_traces())
@@ -265,7 +274,7 @@ def test_no_policy_beats_the_optimum_and_clairvoyant_reaches_it(trace, capacity)
 def _exhaustive_optimum(keys: tuple[int, ...], capacity: int) -> int:
     """Most hits any caching schedule gets (bypass allowed, any victim), by trying all."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(index: int, resident: frozenset[int]) -> int:
         if index == len(keys):
             return 0
@@ -288,8 +297,11 @@ def test_the_optimum_equals_an_exhaustive_search_on_tiny_traces(trace, capacity)
     assert optimum(trace, capacity).hits == _exhaustive_optimum(tuple(trace.keys.tolist()), capacity)
 
 
-operations = st.lists(st.tuples(st.sampled_from(["read", "pin", "unpin", "epoch"]),
-                                st.integers(0, 7), st.integers(1, 4)), min_size=1, max_size=60)
+operations = st.lists(
+    st.tuples(st.sampled_from(["read", "pin", "unpin", "epoch"]), st.integers(0, 7), st.integers(1, 4)),
+    min_size=1,
+    max_size=60,
+)
 
 
 @FEW

@@ -185,8 +185,15 @@ def test_a_holder_killed_with_sigkill_does_not_block_the_others(tmp_path: Path) 
     assert budget.acquire(1000) == 0.0
 
 
-def _spend(path: str, rate: float | None, burst: int | None, total: int, chunk: int, out: multiprocessing.Queue,
-           node_path: str | None = None) -> None:
+def _spend(
+    path: str,
+    rate: float | None,
+    burst: int | None,
+    total: int,
+    chunk: int,
+    out: multiprocessing.Queue,
+    node_path: str | None = None,
+) -> None:
     budget = BandwidthBudget(rate, path=path, burst=burst, node_path=node_path)
     start = time.monotonic()
     for _ in range(total // chunk):

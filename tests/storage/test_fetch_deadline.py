@@ -53,7 +53,7 @@ class ScriptedPeer(RetryingStore):
     def _get_range(self, key: str, offset: int, length: int) -> bytes:
         self.attempts += 1
         self._wait()
-        return PAYLOAD[offset:offset + length]
+        return PAYLOAD[offset : offset + length]
 
     def _get(self, key: str) -> bytes:
         return self._get_range(key, 0, len(PAYLOAD))
@@ -64,7 +64,7 @@ class ScriptedPeer(RetryingStore):
         def chunks() -> Iterator[bytes]:
             for at in range(offset, len(PAYLOAD), self.chunk):
                 self._wait()
-                yield PAYLOAD[at:at + self.chunk]
+                yield PAYLOAD[at : at + self.chunk]
 
         return len(PAYLOAD), chunks()
 
@@ -86,7 +86,7 @@ def timed(fn):
     started = time.monotonic()
     try:
         return fn(), time.monotonic() - started
-    except Exception as e:  # noqa: BLE001 - returned for the test to judge
+    except Exception as e:
         return e, time.monotonic() - started
 
 
@@ -104,10 +104,12 @@ def test_a_silent_peer_fails_at_the_deadline_not_after_every_read_timeout(peers)
     from concurrent.futures import ThreadPoolExecutor
 
     peer = peers(lambda attempt: None)
-    calls = (lambda: peer.read_into("s.arrow", lambda chunk: None),
-             lambda: peer.read_range("s.arrow", 0, 100),
-             lambda: peer.read_bytes("manifest.json"),
-             lambda: peer.size("s.arrow"))
+    calls = (
+        lambda: peer.read_into("s.arrow", lambda chunk: None),
+        lambda: peer.read_range("s.arrow", 0, 100),
+        lambda: peer.read_bytes("manifest.json"),
+        lambda: peer.size("s.arrow"),
+    )
     with ThreadPoolExecutor(len(calls)) as pool:  # each operation has a deadline of its own: wait for them at once
         outcomes = list(pool.map(timed, calls))
     for error, seconds in outcomes:
@@ -155,8 +157,9 @@ def test_the_timeout_error_survives_a_process_boundary():
 def test_s3_behind_a_stalling_proxy_fails_at_the_deadline(s3_proxy, s3_bucket, tmp_path: Path):
     from tierflow.storage.s3 import S3Store
 
-    source = S3Store(f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url, retry_policy=FAST, limits=LIMITS,
-                      chunk_bytes=64 << 10)
+    source = S3Store(
+        f"s3://{s3_bucket}/data", endpoint_url=s3_proxy.url, retry_policy=FAST, limits=LIMITS, chunk_bytes=64 << 10
+    )
     blob = tmp_path / "blob.bin"
     blob.write_bytes(PAYLOAD * 4)
     source.upload(blob, "shard-x.arrow")

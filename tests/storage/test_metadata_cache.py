@@ -31,8 +31,9 @@ def open_at_once(url: str, endpoint: str, start: Any, results: Any) -> None:
     results.put((dataset.manifest.dataset_id, str(dataset.manifest.tables.shards.path)))
 
 
-def test_a_nodes_processes_download_each_table_once(packed: Path, tmp_path: Path, s3_proxy, s3_bucket,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_nodes_processes_download_each_table_once(
+    packed: Path, tmp_path: Path, s3_proxy, s3_bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tierflow.storage.remote import upload_dataset
 
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
@@ -41,8 +42,7 @@ def test_a_nodes_processes_download_each_table_once(packed: Path, tmp_path: Path
     s3_proxy.reset_counters()
     context = multiprocessing.get_context("spawn")  # obstore does not survive a fork
     start, results = context.Barrier(PROCESSES), context.Queue()
-    workers = [context.Process(target=open_at_once, args=(url, s3_proxy.url, start, results))
-               for _ in range(PROCESSES)]
+    workers = [context.Process(target=open_at_once, args=(url, s3_proxy.url, start, results)) for _ in range(PROCESSES)]
     for w in workers:
         w.start()
     opened = [results.get(timeout=120) for _ in workers]

@@ -100,7 +100,7 @@ def test_s3_round_trips_upload_download_range_list_and_size(
     assert s3_source.list("sub/") == ["sub/shard-2.arrow"]
     assert s3_source.list("shard-") == ["shard-1.arrow"]
     assert s3_source.size("shard-1.arrow") == len(data)
-    assert s3_source.read_range("shard-1.arrow", 123_456, 65_536) == data[123_456:123_456 + 65_536]
+    assert s3_source.read_range("shard-1.arrow", 123_456, 65_536) == data[123_456 : 123_456 + 65_536]
     s3_proxy.reset_counters()
     assert s3_source.download("shard-1.arrow", tmp_path / "out", expected_size=len(data)) == len(data)
     assert (tmp_path / "out").read_bytes() == data
@@ -110,13 +110,17 @@ def test_s3_round_trips_upload_download_range_list_and_size(
     assert counter(s3_source.registry, "tierflow_source_bytes_total", direction="in") >= len(data)
 
 
-def test_objects_live_under_the_url_prefix_in_the_bucket(s3_source: S3Store, s3_server, s3_bucket: str, blob: Path) -> None:
+def test_objects_live_under_the_url_prefix_in_the_bucket(
+    s3_source: S3Store, s3_server, s3_bucket: str, blob: Path
+) -> None:
     s3_source.upload(blob, "x.bin")
     keys = [o["Key"] for o in s3_server.endpoint.boto3_client().list_objects_v2(Bucket=s3_bucket)["Contents"]]
     assert keys == ["data/x.bin"]
 
 
-def test_a_large_upload_goes_in_parts_and_reads_back_identical(s3_source: S3Store, s3_proxy: LoopbackProxy, tmp_path: Path) -> None:
+def test_a_large_upload_goes_in_parts_and_reads_back_identical(
+    s3_source: S3Store, s3_proxy: LoopbackProxy, tmp_path: Path
+) -> None:
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(9 << 20))
     s3_source.upload(big, "big.bin")
@@ -312,7 +316,8 @@ def test_upload_dataset_sends_shards_first_and_the_manifest_last(
 
 
 def test_an_explicit_endpoint_wins_over_aws_endpoint_url_s3_in_the_environment(
-        s3_server, s3_bucket: str, s3_proxy: LoopbackProxy, blob: Path, monkeypatch) -> None:
+    s3_server, s3_bucket: str, s3_proxy: LoopbackProxy, blob: Path, monkeypatch
+) -> None:
     S3Store(f"s3://{s3_bucket}/data", endpoint_url=s3_server.endpoint_url).upload(blob, "obj")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)

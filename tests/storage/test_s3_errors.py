@@ -32,8 +32,14 @@ def test_a_bucket_that_does_not_exist_is_named_not_read_as_no_manifest(s3_server
 def test_a_pack_to_a_missing_bucket_says_so_in_one_clean_line(s3_server, tmp_path, overwrite):
     src = docs(tmp_path / "a.jsonl")
     with pytest.raises(SourceError) as caught:
-        tierflow.pack([src], "s3://no-such-bucket-39/ds", endpoint_url=s3_server.endpoint_url, workers=1,
-                      target_shard_bytes=256 << 10, overwrite=overwrite)
+        tierflow.pack(
+            [src],
+            "s3://no-such-bucket-39/ds",
+            endpoint_url=s3_server.endpoint_url,
+            workers=1,
+            target_shard_bytes=256 << 10,
+            overwrite=overwrite,
+        )
     message = str(caught.value)
     assert "bucket 'no-such-bucket-39' does not exist" in message
     assert "<" not in message and "\n" not in message
@@ -43,8 +49,22 @@ def test_a_pack_to_a_missing_bucket_through_the_cli_is_one_line(s3_server, tmp_p
     from tierflow.commands.cli import main
 
     src = docs(tmp_path / "a.jsonl")
-    assert main(["pack", str(src), "--out", "s3://no-such-bucket-39/ds", "--endpoint-url", s3_server.endpoint_url,
-                 "--workers", "1", "--quiet"]) != 0
+    assert (
+        main(
+            [
+                "pack",
+                str(src),
+                "--out",
+                "s3://no-such-bucket-39/ds",
+                "--endpoint-url",
+                s3_server.endpoint_url,
+                "--workers",
+                "1",
+                "--quiet",
+            ]
+        )
+        != 0
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not exist" in err and "<?xml" not in err
 
@@ -61,7 +81,13 @@ def test_missing_credentials_say_what_to_set_and_are_not_retried(s3_server, s3_b
         source.size("manifest.json")
     message = str(caught.value)
     assert "no S3 credentials found" in message and "metadata service" in message
-    for what in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "endpoint_url=",
-                 "AWS_ENDPOINT_URL_S3", "docs/scale-out.md"):
+    for what in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_PROFILE",
+        "endpoint_url=",
+        "AWS_ENDPOINT_URL_S3",
+        "docs/scale-out.md",
+    ):
         assert what in message
     assert caught.value.attempts == 1

@@ -32,8 +32,13 @@ CLIENT_TIMEOUT = 5.0
 
 
 def source(proxy: LoopbackProxy, bucket: str, **options) -> S3Store:
-    options = {"limits": LIMITS, "retry_policy": FAST, "timeout": CLIENT_TIMEOUT, "registry": MetricsRegistry(),
-               **options}
+    options = {
+        "limits": LIMITS,
+        "retry_policy": FAST,
+        "timeout": CLIENT_TIMEOUT,
+        "registry": MetricsRegistry(),
+        **options,
+    }
     return S3Store(f"s3://{bucket}/data", endpoint_url=proxy.url, **options)
 
 
@@ -75,7 +80,8 @@ def test_time_the_bandwidth_budget_holds_an_upload_back_is_not_the_peers(s3_prox
 
 
 def test_pack_to_s3_fails_within_the_deadline_when_the_manifest_put_goes_unanswered(
-        tmp_path, s3_server, s3_bucket, monkeypatch):
+    tmp_path, s3_server, s3_bucket, monkeypatch
+):
     """The pack's manifest PUT to a peer gone quiet: SourceTimeout in seconds, no manifest."""
     with open(tmp_path / "docs.jsonl", "w") as f:
         for i in range(300):
@@ -85,8 +91,9 @@ def test_pack_to_s3_fails_within_the_deadline_when_the_manifest_put_goes_unanswe
         proxy.inject("silent", count=100, method="PUT", key="manifest.json")
         started = time.monotonic()
         with pytest.raises(SourceTimeout, match="manifest.json"):
-            tierflow.pack([tmp_path / "docs.jsonl"], f"s3://{s3_bucket}/ds", endpoint_url=proxy.url, workers=1,
-                          progress=False)
+            tierflow.pack(
+                [tmp_path / "docs.jsonl"], f"s3://{s3_bucket}/ds", endpoint_url=proxy.url, workers=1, progress=False
+            )
         assert time.monotonic() - started < 25  # before: 6 x 30 s
     client = s3_server.endpoint.boto3_client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="ds/").get("Contents", [])]

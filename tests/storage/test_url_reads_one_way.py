@@ -35,8 +35,15 @@ from tierflow.tiers import Tier, TierStack
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("one-way")
     raw = write_corpus(root / "raw.jsonl", docs=600, seed=3)
-    tierflow.pack([raw], root / "packed", workers=1, target_shard_bytes=256 << 10, tokenizer="bytes",
-                  keep_text=True, block_bytes=64 << 10)
+    tierflow.pack(
+        [raw],
+        root / "packed",
+        workers=1,
+        target_shard_bytes=256 << 10,
+        tokenizer="bytes",
+        keep_text=True,
+        block_bytes=64 << 10,
+    )
     return root / "packed"
 
 
@@ -73,9 +80,12 @@ def first_rows(url: str, proxy: str, tmp_path: Path) -> dict[str, Callable[[int]
         dataset.wrap_shards(keep)
         return Dataset(dataset.manifest, supplies[0])[i]
 
-    return {"open_dataset": lambda i: tierflow.open_dataset(url, endpoint_url=proxy)[i],
-            "TieredDataset": tiered_dataset, "stack without tiers": stack_without_tiers,
-            "stack whose tier keeps nothing": stack_whose_tier_keeps_nothing}
+    return {
+        "open_dataset": lambda i: tierflow.open_dataset(url, endpoint_url=proxy)[i],
+        "TieredDataset": tiered_dataset,
+        "stack without tiers": stack_without_tiers,
+        "stack whose tier keeps nothing": stack_whose_tier_keeps_nothing,
+    }
 
 
 def shard_gets(proxy: LoopbackProxy) -> list[tuple[str, int, int]]:

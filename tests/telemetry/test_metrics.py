@@ -61,7 +61,9 @@ def test_every_value_falls_between_its_bucket_bounds():
     rng = np.random.default_rng(0)
     for value in np.exp(rng.uniform(math.log(1e-7), math.log(1e4), 2000)):
         index = LATENCY_BUCKETS.index(value)
-        assert LATENCY_BUCKETS.lower_bound(index) * (1 - 1e-12) <= value < LATENCY_BUCKETS.upper_bound(index) * (1 + 1e-12)
+        assert (
+            LATENCY_BUCKETS.lower_bound(index) * (1 - 1e-12) <= value < LATENCY_BUCKETS.upper_bound(index) * (1 + 1e-12)
+        )
 
 
 @pytest.mark.parametrize(
@@ -236,9 +238,18 @@ def test_a_registry_counts_what_it_includes_live_or_shipped_and_forgets_it_on_re
 def test_a_bulk_observation_counts_each_value_in_the_bucket_the_layout_places_it(layout):
     rng = np.random.default_rng(2)
     edges = [layout.upper_bound(i) for i in range(layout.size - 1)]
-    values = [0.0, -1.0, -math.inf, math.inf, 1e300, layout.lowest, layout.highest, *edges,
-              *(e * (1 - 1e-9) for e in edges), *np.exp(rng.uniform(math.log(layout.lowest) - 2,
-                                                                     math.log(layout.highest) + 2, 3000))]
+    values = [
+        0.0,
+        -1.0,
+        -math.inf,
+        math.inf,
+        1e300,
+        layout.lowest,
+        layout.highest,
+        *edges,
+        *(e * (1 - 1e-9) for e in edges),
+        *np.exp(rng.uniform(math.log(layout.lowest) - 2, math.log(layout.highest) + 2, 3000)),
+    ]
     expected: dict[int, int] = {}
     for value in values:
         index = 0 if value < layout.lowest else layout.size - 1 if math.isinf(value) else layout.index(value)

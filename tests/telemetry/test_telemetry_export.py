@@ -57,8 +57,11 @@ def test_prometheus_endpoint_scraped_over_http_parses_with_labels():
         wait.observe(seconds)
     with PrometheusExporter([registry], port=0) as exporter:
         text = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     labels = (("job", "train"), ("node", "n0"), ("rank", "3"))
     assert samples[("tierflow_tier_hits_total", tuple(sorted(labels + (("tier", "L1"),))))] == 7
     assert samples[("tierflow_tier_occupancy_bytes", tuple(sorted(labels + (("tier", "L2"),))))] == 4096
@@ -92,8 +95,9 @@ def test_event_log_records_every_batch_and_snapshots(tmp_path):
     assert batches[0]["step_s"] is None  # a batch's record carries the step that ran before its wait
     assert [b["step_s"] for b in batches[1:]] == pytest.approx([0.010 + 0.001 * i for i in range(5)])
     snapshots = [e for e in events if e["kind"] == "snapshot"]
-    assert snapshots and all({"disk_read_bytes_per_s", "net_recv_bytes_per_s"} <= set(e["machine"])
-                             for e in snapshots)  # the machine's view rides the same timeline
+    assert snapshots and all(
+        {"disk_read_bytes_per_s", "net_recv_bytes_per_s"} <= set(e["machine"]) for e in snapshots
+    )  # the machine's view rides the same timeline
 
 
 def test_report_png_plots_exactly_the_runs_series(tmp_path):
@@ -140,8 +144,23 @@ def small_dataset(tmp_path_factory) -> Path:
 
 def test_bench_report_and_top_commands_run_end_to_end(small_dataset, tmp_path, capsys):
     log = tmp_path / "run.jsonl"
-    assert main(["bench", str(small_dataset), "--steps", "15", "--step-ms", "2", "--log", str(log),
-                 "--tier", f"L2={tmp_path / 'l2'}:64M:lru:at_rest"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                str(small_dataset),
+                "--steps",
+                "15",
+                "--step-ms",
+                "2",
+                "--log",
+                str(log),
+                "--tier",
+                f"L2={tmp_path / 'l2'}:64M:lru:at_rest",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "dry run" in out and "verdict:" in out and "L2" in out
     assert main(["report", str(log)]) == 0
@@ -158,7 +177,12 @@ def test_the_naming_rule_catches_the_old_names():
     registry.gauge("tierflow_stager_ahead_total")
     registry.histogram("tierflow_tier_fetch_seconds")
     assert [p.split(":")[0] for p in naming_problems(registry.snapshot())] == [
-        "tier_hits", "tier_hits", "tierflow_tier_bytes_in_total", "tierflow_tier_hits", "tierflow_stager_ahead_total"]
+        "tier_hits",
+        "tier_hits",
+        "tierflow_tier_bytes_in_total",
+        "tierflow_tier_hits",
+        "tierflow_stager_ahead_total",
+    ]
 
 
 def test_every_metric_of_a_real_run_follows_the_naming_rule(tmp_path, s3_server, s3_bucket):
@@ -168,9 +192,14 @@ def test_every_metric_of_a_real_run_follows_the_naming_rule(tmp_path, s3_server,
     registry = MetricsRegistry()
     budget = BandwidthBudget(1e9, tmp_path / "budget", registry=registry)  # not the node's: others' runs share it
     source = open_store(url, endpoint_url=s3_server.endpoint_url, budget=budget, registry=registry)
-    stack = TierStack(source, [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded").build(registry),
-                               TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest").build(registry)],
-                      registry=registry)
+    stack = TierStack(
+        source,
+        [
+            TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded").build(registry),
+            TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest").build(registry),
+        ],
+        registry=registry,
+    )
     ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64))
     loader = Loader(ds, stager=Stager(ds, stack), telemetry=LoaderTelemetry(stack.registry))
     for step, _ in enumerate(loader):
@@ -190,8 +219,14 @@ def test_the_image_caches_metrics_follow_the_naming_rule(tmp_path):
 
     packed = pack_pictures(tmp_path, count=16)
     pipeline = ImagePipeline([RandomResizedCrop(16)], cache=ResizedImages(tmp_path / "l1", "10MB", short_side=24))
-    with tierflow.open_loader(packed, tiers=[f"L2={tmp_path / 'l2'}:50MB"], batch_size=8, transform=pipeline,
-                              columns=["image", "image_width", "image_height"], epoch_end="rank") as loader:
+    with tierflow.open_loader(
+        packed,
+        tiers=[f"L2={tmp_path / 'l2'}:50MB"],
+        batch_size=8,
+        transform=pipeline,
+        columns=["image", "image_width", "image_height"],
+        epoch_end="rank",
+    ) as loader:
         assert sum(len(batch["image"]) for batch in loader) == 16
         snapshot = loader.telemetry.registry.snapshot()
     names = {e["name"] for kind in ("counters", "gauges", "histograms") for e in snapshot[kind]}

@@ -30,8 +30,9 @@ def pack_equal_docs(root: Path, count: int, repeats: int) -> Path:
         for i in range(count):
             f.write(json.dumps({"text": f"{i:06d} " + "abcdefgh" * repeats}) + "\n")
     out = root / "ds"
-    tierflow.pack([root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10,
-                  compression="none")
+    tierflow.pack(
+        [root / "docs.jsonl"], out, tokenizer="bytes", workers=1, target_shard_bytes=256 << 10, compression="none"
+    )
     return out
 
 
@@ -49,8 +50,13 @@ def packed_large_docs(tmp_path_factory) -> Path:
 
 
 def test_wait_split_adds_up_to_the_wait_and_charges_fetch_to_the_slowest_tier():
-    timing = {"produce_s": 0.010, "fetch": {"L2": {"seconds": 0.002, "opens": 1, "bytes": 1},
-                                            "source": {"seconds": 0.006, "opens": 1, "bytes": 1}}}
+    timing = {
+        "produce_s": 0.010,
+        "fetch": {
+            "L2": {"seconds": 0.002, "opens": 1, "bytes": 1},
+            "source": {"seconds": 0.006, "opens": 1, "bytes": 1},
+        },
+    }
     parts = split_wait(0.015, timing)
     assert parts == pytest.approx({("copy", ""): 0.005, ("fetch", "source"): 0.008, ("prep", ""): 0.002})
     assert sum(split_wait(0.004, timing).values()) == pytest.approx(0.004)
@@ -84,8 +90,9 @@ def test_tier_counters_are_exact_on_a_scripted_access_sequence(packed, tmp_path)
     capacity = 2 * max(sizes) + 1
     assert capacity < 3 * min(sizes), "the scripted sequence needs room for exactly two shards"
     registry = MetricsRegistry()
-    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity, policy="lru", form="at_rest")],
-                        registry=registry)
+    stack = build_stack(
+        str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity, policy="lru", form="at_rest")], registry=registry
+    )
     # LRU with room for two: miss, miss, hit, prefetch 2 (evicts 1, which was read), miss 1 (evicts 0),
     # miss 0 (evicts 2: staged ahead and never read, an eviction before use)
     for i, prefetch in ((0, False), (1, False), (0, False), (2, True), (1, False), (0, False)):
@@ -101,8 +108,13 @@ def test_tier_counters_are_exact_on_a_scripted_access_sequence(packed, tmp_path)
 
 def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, tmp_path):
     manifest = tierflow.open_dataset(packed).manifest
-    stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
-                                      TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest")])
+    stack = build_stack(
+        str(packed),
+        [
+            TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
+            TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest"),
+        ],
+    )
     info = manifest.shards[0]
     ledger = thread_ledger()
     mark = ledger.mark()
@@ -110,13 +122,13 @@ def test_attributed_source_names_the_deepest_tier_that_served_each_open(packed, 
     def open_through_a_fresh_source() -> None:
         source = AttributedShards(stack)
         source.open_shard(0, info)
-        source.open_shard(0, info)                    # the same table again: not a fetch
+        source.open_shard(0, info)  # the same table again: not a fetch
         stack.close()
 
-    open_through_a_fresh_source()                     # cold: L1 and L2 miss, the source directory serves
+    open_through_a_fresh_source()  # cold: L1 and L2 miss, the source directory serves
     assert stack.tiers[0].evict() == 1
-    open_through_a_fresh_source()                     # L1 emptied: L2 serves
-    open_through_a_fresh_source()                     # L1 serves
+    open_through_a_fresh_source()  # L1 emptied: L2 serves
+    open_through_a_fresh_source()  # L1 serves
     opened = ledger.since(mark)
     assert {tier: f["opens"] for tier, f in opened.items()} == {"source": 1, "L2": 1, "L1": 1}
     assert opened["source"]["bytes"] == info.decoded_bytes
@@ -128,26 +140,27 @@ def test_a_table_the_stack_let_go_of_is_a_new_open_though_the_reader_still_holds
     source = AttributedShards(stack)
     ledger = thread_ledger()
     mark = ledger.mark()
-    held = source.open_shard(0, info)                 # cold: the source directory serves
-    assert source.open_shard(0, info) is held         # still open: no open recorded
-    stack.close()                                     # the stack lets go of its open tables
-    again = source.open_shard(0, info)                # L1 serves a new table
+    held = source.open_shard(0, info)  # cold: the source directory serves
+    assert source.open_shard(0, info) is held  # still open: no open recorded
+    stack.close()  # the stack lets go of its open tables
+    again = source.open_shard(0, info)  # L1 serves a new table
     assert again is not held and source.open_shard(0, info) is again
     assert {tier: f["opens"] for tier, f in ledger.since(mark).items()} == {"source": 1, "L1": 1}
 
 
 def test_a_table_another_reader_opened_is_one_mapped_open_and_a_known_one_stays_known_while_others_open(
-        packed, tmp_path):
+    packed, tmp_path
+):
     shards = tierflow.open_dataset(packed).manifest.shards
     stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded")])
     source = AttributedShards(stack)
     ledger = thread_ledger()
     mark = ledger.mark()
-    held = source.open_shard(0, shards[0])            # cold: the source directory serves
-    assert source.open_shard(0, shards[0]) is held    # known, still open: no open recorded
-    other = stack.open_shard(1, shards[1])            # a reader without attribution opens one: the open ones change
-    assert source.open_shard(0, shards[0]) is held    # still known: no open recorded
-    assert source.open_shard(1, shards[1]) is other   # open already, new to this reader: mapped, once
+    held = source.open_shard(0, shards[0])  # cold: the source directory serves
+    assert source.open_shard(0, shards[0]) is held  # known, still open: no open recorded
+    other = stack.open_shard(1, shards[1])  # a reader without attribution opens one: the open ones change
+    assert source.open_shard(0, shards[0]) is held  # still known: no open recorded
+    assert source.open_shard(1, shards[1]) is other  # open already, new to this reader: mapped, once
     assert source.open_shard(1, shards[1]) is other
     assert {tier: f["opens"] for tier, f in ledger.since(mark).items()} == {"source": 1, "mapped": 1}
 
@@ -159,7 +172,7 @@ def test_a_batch_is_charged_the_opens_of_its_own_build_only(packed):
     batches = iter(TimedBatches(samples_dataset(packed, batch_size=64)))
     first = next(batches).meta.timing
     assert first["produce_s"] > 0 and first["fetch"]["source"]["opens"] >= 1
-    ledger.add("L9", 1.0, 1)                          # opened between batches: no batch built it
+    ledger.add("L9", 1.0, 1)  # opened between batches: no batch built it
     later = [next(batches).meta.timing for _ in range(5)]
     assert all("L9" not in t["fetch"] for t in later)
     assert "L9" in ledger.opens and ledger.take_batch() == {}  # in the thread's totals, held for no batch
@@ -167,8 +180,13 @@ def test_a_batch_is_charged_the_opens_of_its_own_build_only(packed):
 
 def test_the_stack_says_which_tier_served_each_copy_and_how_long_it_took(packed, tmp_path):
     shards = tierflow.open_dataset(packed).manifest.shards
-    stack = build_stack(str(packed), [TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
-                                      TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest")])
+    stack = build_stack(
+        str(packed),
+        [
+            TierConfig("L1", str(tmp_path / "l1"), 1 << 30, form="decoded"),
+            TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="at_rest"),
+        ],
+    )
     stack.manifest()
 
     def served(info) -> tuple[str, str]:
@@ -177,9 +195,9 @@ def test_the_stack_says_which_tier_served_each_copy_and_how_long_it_took(packed,
         assert handle.fetch_s > 0
         return handle.tier, handle.served_by
 
-    assert served(shards[0]) == ("L1", "source")     # cold: no tier held it
+    assert served(shards[0]) == ("L1", "source")  # cold: no tier held it
     assert stack.tiers[0].evict() == 1
-    assert served(shards[0]) == ("L1", "L2")         # L1 filled from L2
+    assert served(shards[0]) == ("L1", "L2")  # L1 filled from L2
     assert served(shards[0]) == ("L1", "L1")
     first, again = stack.open_served(1, shards[1]), stack.open_served(1, shards[1])
     assert (first.served_by, again.served_by) == ("source", None) and first.table is again.table
@@ -194,8 +212,9 @@ def test_the_stack_says_which_tier_served_each_copy_and_how_long_it_took(packed,
 
 
 def samples_dataset(data, transform=None, batch_size=8):
-    return TieredDataset(data, BatchSpec(batch_size=batch_size, columns=["tokens"], transform=transform),
-                         OrderSpec(seed=1))
+    return TieredDataset(
+        data, BatchSpec(batch_size=batch_size, columns=["tokens"], transform=transform), OrderSpec(seed=1)
+    )
 
 
 def test_the_loader_records_wait_step_production_and_depth_for_every_batch(packed):
@@ -222,14 +241,16 @@ def test_a_whole_epoch_records_a_step_per_batch_and_the_event_log_a_record_per_b
 
     registry = MetricsRegistry()
     events = EventLog(tmp_path / "events.jsonl")
-    loader = Loader(TieredDataset(packed, BatchSpec(batch_size=8, columns=["tokens"]), OrderSpec(seed=1),
-                                  max_batches=20), "cpu",
-                    telemetry=LoaderTelemetry(registry, events=events))
+    loader = Loader(
+        TieredDataset(packed, BatchSpec(batch_size=8, columns=["tokens"]), OrderSpec(seed=1), max_batches=20),
+        "cpu",
+        telemetry=LoaderTelemetry(registry, events=events),
+    )
     assert sum(1 for _ in loader) == 20
     loader.close()
     events.close()
     step = next(h for h in registry.snapshot()["histograms"] if h["name"] == "tierflow_loader_step_seconds")
-    assert step["count"] == 20                        # between batches, and after the last one the loop asked past
+    assert step["count"] == 20  # between batches, and after the last one the loop asked past
     records = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "batch"]
     assert [r["i"] for r in records] == list(range(20))
     assert records[0]["step_s"] is None and all(r["step_s"] is not None for r in records[1:])
@@ -240,13 +261,15 @@ def test_a_whole_epoch_records_a_step_per_batch_and_the_event_log_a_record_per_b
 def test_without_workers_each_batch_carries_its_own_build_time_and_opens(packed, background):
     """No DataLoader workers: the device feed builds the batches (inline or on its thread) and its timing
     of each build is the batch's production time; the build's shard opens are the batch's fetches."""
+
     def slow(sample, rng):
         time.sleep(0.0005)
         return sample
 
     registry = MetricsRegistry()
-    loader = Loader(samples_dataset(packed, transform=slow), "cpu", telemetry=LoaderTelemetry(registry),
-                    background=background)
+    loader = Loader(
+        samples_dataset(packed, transform=slow), "cpu", telemetry=LoaderTelemetry(registry), background=background
+    )
     timings = []
     for _ in loader:
         timings.append(loader.last_meta.timing)
@@ -261,7 +284,7 @@ def test_without_workers_each_batch_carries_its_own_build_time_and_opens(packed,
             opened[tier] = opened.get(tier, 0) + f["bytes"]
     f = loader_figures(registry.snapshot())
     assert f.batches == 12 and f.production_p50_s >= 8 * 0.0005
-    assert f.fetch_bytes == opened                    # each open charged to one batch, none lost
+    assert f.fetch_bytes == opened  # each open charged to one batch, none lost
     assert sum(f.stall_s.values()) == pytest.approx(f.wait_s)
 
 
@@ -348,8 +371,9 @@ def test_bandwidth_use_against_the_node_budget_is_a_health_flag(packed_large_doc
 
     registry = MetricsRegistry()
     budget = BandwidthBudget(8e6, path=tmp_path / "budget")
-    stack = build_stack(str(packed_large_docs), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
-                        registry=registry)
+    stack = build_stack(
+        str(packed_large_docs), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")], registry=registry
+    )
     stack.source.budget = budget
     result = run_bench(samples_dataset(stack.dataset()), 12, simulated_step(2), registry=registry, budget=budget)
     flag = next(f for f in result.health if f.name == "bandwidth use")
@@ -365,8 +389,10 @@ def test_health_flags_apply_the_thresholds():
     for _ in range(30):
         registry.counter("tierflow_tier_hits_total", {"tier": "L1"}).inc()
     registry.counter("tierflow_tier_misses_total", {"tier": "L1"}).inc(10)
-    flags = {f.name: f for f in health_flags(loader_figures(registry.snapshot()), tier_figures(registry.snapshot()),
-                                             bandwidth_use=0.9)}
+    flags = {
+        f.name: f
+        for f in health_flags(loader_figures(registry.snapshot()), tier_figures(registry.snapshot()), bandwidth_use=0.9)
+    }
     assert flags["L1 demand hit ratio"].status == "warn"  # 75% < 85%
     assert flags["bandwidth use"].status == "warn"
     assert flags["production latency"].status == "alarm"  # 90% of the step
@@ -377,8 +403,9 @@ def test_health_flags_apply_the_thresholds():
 
 def test_tier_figures_include_what_readers_in_workers_fetched(packed, tmp_path):
     registry = MetricsRegistry()
-    stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")],
-                        registry=registry)
+    stack = build_stack(
+        str(packed), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30, form="decoded")], registry=registry
+    )
     ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16), OrderSpec(partitions=2))
     result = run_bench(ds, 40, simulated_step(1), registry=registry, num_workers=2)
     l2 = result.tiers["L2"]
@@ -395,8 +422,14 @@ def test_bench_sets_bytes_per_epoch_beside_the_plan_and_never_below_the_optimum(
     stack = build_stack(str(packed), [TierConfig("L2", str(tmp_path / "l2"), capacity)], registry=registry)
     ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=16, seq_len=64))
     per_epoch = ds.num_order_samples // 16
-    result = run_bench(ds, 2 * per_epoch, simulated_step(1), registry=registry, stager=Stager(ds, stack),
-                       tier_layout=[("L2", capacity, True)])
+    result = run_bench(
+        ds,
+        2 * per_epoch,
+        simulated_step(1),
+        registry=registry,
+        stager=Stager(ds, stack),
+        tier_layout=[("L2", capacity, True)],
+    )
     b = result.bytes_per_epoch
     assert b is not None and b.epochs == pytest.approx(2.0, abs=0.01)
     assert b.optimum <= b.predicted <= 1.0

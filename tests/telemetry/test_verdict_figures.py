@@ -10,19 +10,37 @@ from tierflow.telemetry.tier_figures import TierFigures
 from tierflow.telemetry.verdict import judge
 
 
-def loader(batches: int = 300, bubble: float = 0.02, step_s: float = 0.005, produce_s: float = 0.002,
-           stall_s: dict | None = None) -> LoaderFigures:
-    return LoaderFigures(batches=batches, wait_s=bubble * batches * step_s, step_s=batches * step_s,
-                         bubble_rate=bubble, wait_p90_s=0.0005, wait_p99_s=0.002, production_p50_s=produce_s,
-                         production_p90_s=produce_s, production_p99_s=produce_s * 2, step_mean_s=step_s,
-                         prefetch_depth_mean=2.0, stall_s=stall_s or {}, stalls=len(stall_s or {}),
-                         fetch_s={}, fetch_bytes={"source": 40 << 20, "L2": 60 << 20})
+def loader(
+    batches: int = 300,
+    bubble: float = 0.02,
+    step_s: float = 0.005,
+    produce_s: float = 0.002,
+    stall_s: dict | None = None,
+) -> LoaderFigures:
+    return LoaderFigures(
+        batches=batches,
+        wait_s=bubble * batches * step_s,
+        step_s=batches * step_s,
+        bubble_rate=bubble,
+        wait_p90_s=0.0005,
+        wait_p99_s=0.002,
+        production_p50_s=produce_s,
+        production_p90_s=produce_s,
+        production_p99_s=produce_s * 2,
+        step_mean_s=step_s,
+        prefetch_depth_mean=2.0,
+        stall_s=stall_s or {},
+        stalls=len(stall_s or {}),
+        fetch_s={},
+        fetch_bytes={"source": 40 << 20, "L2": 60 << 20},
+    )
 
 
 def l2(hit_ratio: float, requests: int = 200) -> TierFigures:
     hits = round(hit_ratio * requests)
-    return TierFigures("L2", hits, requests - hits, 40 << 20, 60 << 20, 10, 5, 0, 0, 0, 0, 3 << 20, 4 << 20,
-                       0.01, 0.02, 0.04)
+    return TierFigures(
+        "L2", hits, requests - hits, 40 << 20, 60 << 20, 10, 5, 0, 0, 0, 0, 3 << 20, 4 << 20, 0.01, 0.02, 0.04
+    )
 
 
 def test_the_demos_figures_loader_at_079_of_the_dry_run_is_not_compute():

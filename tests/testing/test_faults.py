@@ -44,8 +44,12 @@ def test_the_nth_operation_fails_with_the_errno_and_path(tmp_path: Path, n: int)
 
 def test_fail_each_stops_at_the_first_complete_run(tmp_path: Path) -> None:
     seen = []
-    run = fail_each(lambda: _work(tmp_path), seen.append, [tmp_path],
-                    reset=lambda: shutil.rmtree(tmp_path / "d", ignore_errors=True))
+    run = fail_each(
+        lambda: _work(tmp_path),
+        seen.append,
+        [tmp_path],
+        reset=lambda: shutil.rmtree(tmp_path / "d", ignore_errors=True),
+    )
     assert [t.n for t in run.trials] == list(range(1, 8)) and run.operations == 6
     assert [t.outcome for t in seen] == ["OSError"] * 6 + ["ok"]
     assert run.by_op() == {"mkdir": 1, "open_write": 1, "write": 1, "fsync": 1, "rename": 1, "read": 1}

@@ -12,8 +12,11 @@ from tierflow.testing import LoopbackProxy
 
 
 def test_injected_resets_print_no_traceback(tmp_path, s3_proxy: LoopbackProxy, s3_bucket, capsys):
-    s3 = S3Store(f"s3://{s3_bucket}/d", endpoint_url=s3_proxy.url,
-                  retry_policy=RetryPolicy(retries=5, base_delay=0.01, max_delay=0.02))
+    s3 = S3Store(
+        f"s3://{s3_bucket}/d",
+        endpoint_url=s3_proxy.url,
+        retry_policy=RetryPolicy(retries=5, base_delay=0.01, max_delay=0.02),
+    )
     blob = tmp_path / "blob"
     blob.write_bytes(os.urandom(300_000))
     s3.upload(blob, "blob")

@@ -35,27 +35,23 @@ def _connection(url: str) -> http.client.HTTPConnection:
 
 
 @functools.cache
-def _client(url: str):  # noqa: ANN202 - a boto3 client, shared: they are thread-safe
+def _client(url: str):
     return S3Endpoint(url).boto3_client()
 
 
 def _put(proxy: LoopbackProxy, bucket: str, key: str, data: bytes) -> None:
     """Upload through the proxy, readable by unsigned plain clients."""
-    _client(proxy.url).put_object(
-        Bucket=bucket, Key=key, Body=data, ACL="public-read"
-    )
+    _client(proxy.url).put_object(Bucket=bucket, Key=key, Body=data, ACL="public-read")
 
 
-def _no_retries(proxy: LoopbackProxy):  # noqa: ANN202 - a boto3 client
+def _no_retries(proxy: LoopbackProxy):
     return S3Endpoint(proxy.url).boto3_client(retries={"total_max_attempts": 1})
 
 
 # counting
 
 
-def test_proxy_counts_uploaded_and_downloaded_body_bytes_exactly(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_proxy_counts_uploaded_and_downloaded_body_bytes_exactly(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     client = S3Endpoint(s3_proxy.url).boto3_client()
     sizes = {"shards/a.arrow": 1_234_567, "shards/b c+d.arrow": 65_536, "shards/empty": 0}
     blobs = {key: os.urandom(size) for key, size in sizes.items()}
@@ -83,9 +79,7 @@ def test_proxy_counts_uploaded_and_downloaded_body_bytes_exactly(
     assert traffic.statuses("GET") == {200: 3, 206: 2}
 
 
-def test_reset_counters_starts_the_counts_from_zero(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_reset_counters_starts_the_counts_from_zero(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     _put(s3_proxy, s3_bucket, "k", b"x" * 10)
     s3_proxy.reset_counters()
     assert s3_proxy.traffic().requests() == 0
@@ -94,9 +88,7 @@ def test_reset_counters_starts_the_counts_from_zero(
     assert (traffic.requests(), traffic.response_bytes(), traffic.request_bytes()) == (1, 10, 0)
 
 
-def test_proxy_keeps_a_client_connection_alive_across_requests(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_proxy_keeps_a_client_connection_alive_across_requests(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     _put(s3_proxy, s3_bucket, "k", b"0123456789")
     connection = _connection(s3_proxy.url)
     sockets = []
@@ -109,9 +101,7 @@ def test_proxy_keeps_a_client_connection_alive_across_requests(
     assert sockets[0] is not None and all(s is sockets[0] for s in sockets)
 
 
-def test_concurrent_clients_each_get_their_bytes_and_totals_stay_exact(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_concurrent_clients_each_get_their_bytes_and_totals_stay_exact(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     blobs = {f"obj{i}": os.urandom(100_000 + i) for i in range(8)}
     for key, blob in blobs.items():
         _put(s3_proxy, s3_bucket, key, blob)
@@ -148,9 +138,7 @@ def test_chunked_request_bodies_are_forwarded_and_counted_by_payload(
     assert s3_proxy.traffic().request_bytes("PUT", key="chunked") == 71_001
 
 
-def test_obstore_and_s3fs_clients_work_through_the_proxy(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_obstore_and_s3fs_clients_work_through_the_proxy(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     obstore = pytest.importorskip("obstore")
     s3fs = pytest.importorskip("s3fs")
     from obstore.store import S3Store
@@ -178,9 +166,7 @@ def test_default_clients_find_the_fake_credentials(s3_server: MotoS3Server, s3_b
 # faults
 
 
-def test_injected_503_reaches_a_plain_client_as_an_s3_slowdown_error(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_injected_503_reaches_a_plain_client_as_an_s3_slowdown_error(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     _put(s3_proxy, s3_bucket, "k", b"payload")
     s3_proxy.inject(Fault.UNAVAILABLE, method="GET", key="/k")
     with pytest.raises(urllib.error.HTTPError) as raised:
@@ -193,9 +179,7 @@ def test_injected_503_reaches_a_plain_client_as_an_s3_slowdown_error(
     assert s3_proxy.traffic().faults("GET") == 1
 
 
-def test_injected_503_reaches_boto3_without_retries_as_a_client_error(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_injected_503_reaches_boto3_without_retries_as_a_client_error(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     from botocore.exceptions import ClientError
 
     s3_proxy.inject("503", method="PUT")
@@ -206,9 +190,7 @@ def test_injected_503_reaches_boto3_without_retries_as_a_client_error(
     assert s3_proxy.traffic().request_bytes("PUT") == 1000
 
 
-def test_injected_reset_raises_a_connection_error_in_a_plain_client(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_injected_reset_raises_a_connection_error_in_a_plain_client(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     _put(s3_proxy, s3_bucket, "k", os.urandom(1_000_000))
     s3_proxy.inject(Fault.RESET, key="/k")
     connection = _connection(s3_proxy.url)
@@ -219,9 +201,7 @@ def test_injected_reset_raises_a_connection_error_in_a_plain_client(
     assert s3_proxy.traffic().response_bytes("GET") == 500_000
 
 
-def test_injected_truncation_raises_an_incomplete_read(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_injected_truncation_raises_an_incomplete_read(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     _put(s3_proxy, s3_bucket, "k", os.urandom(200_000))
     s3_proxy.inject(Fault.TRUNCATE, key="/k", after_bytes=12_345)
     connection = _connection(s3_proxy.url)
@@ -234,9 +214,7 @@ def test_injected_truncation_raises_an_incomplete_read(
     connection.close()
 
 
-def test_a_cut_past_the_end_still_withholds_the_last_byte(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_a_cut_past_the_end_still_withholds_the_last_byte(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     _put(s3_proxy, s3_bucket, "k", b"0123456789")
     s3_proxy.inject(Fault.TRUNCATE, key="/k", after_bytes=1_000)
     with urllib.request.urlopen(f"{s3_proxy.url}/{s3_bucket}/k", timeout=10) as response:
@@ -245,9 +223,7 @@ def test_a_cut_past_the_end_still_withholds_the_last_byte(
     assert raised.value.partial == b"012345678"
 
 
-def test_injected_truncation_raises_in_boto3_when_the_body_is_read(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_injected_truncation_raises_in_boto3_when_the_body_is_read(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     from botocore.exceptions import ResponseStreamingError
 
     _put(s3_proxy, s3_bucket, "k", os.urandom(100_000))
@@ -257,9 +233,7 @@ def test_injected_truncation_raises_in_boto3_when_the_body_is_read(
         body.read()
 
 
-def test_faults_hit_only_the_next_n_requests_matching_method_and_key(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_faults_hit_only_the_next_n_requests_matching_method_and_key(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     _put(s3_proxy, s3_bucket, "hot", b"h")
     _put(s3_proxy, s3_bucket, "cold", b"c")
     rule = s3_proxy.inject(Fault.UNAVAILABLE, 2, method="GET", key="hot")
@@ -329,9 +303,7 @@ def test_a_range_past_the_end_is_refused_with_416(tmp_path: Path) -> None:
         ("bytes=-0", None),
     ],
 )
-def test_parse_range_maps_a_single_range_to_half_open_bounds(
-    header: str, expected: tuple[int, int] | None
-) -> None:
+def test_parse_range_maps_a_single_range_to_half_open_bounds(header: str, expected: tuple[int, int] | None) -> None:
     assert parse_range(header, 10) == expected
 
 
@@ -351,15 +323,11 @@ def test_token_bucket_refuses_a_rate_that_is_not_positive() -> None:
         TokenBucket(-5)
 
 
-def test_proxy_in_a_child_process_offers_the_same_controls(
-    s3_server: MotoS3Server, s3_bucket: str
-) -> None:
+def test_proxy_in_a_child_process_offers_the_same_controls(s3_server: MotoS3Server, s3_bucket: str) -> None:
     with ProxyProcess(s3_server.endpoint_url) as proxy:
         client = S3Endpoint(proxy.url).boto3_client(retries={"total_max_attempts": 1})
         client.put_object(Bucket=s3_bucket, Key="k", Body=b"a" * 777, ACL="public-read")
-        assert client.get_object(Bucket=s3_bucket, Key="k", Range="bytes=0-9")["Body"].read() == (
-            b"a" * 10
-        )
+        assert client.get_object(Bucket=s3_bucket, Key="k", Range="bytes=0-9")["Body"].read() == (b"a" * 10)
         traffic = proxy.traffic()
         assert (traffic.request_bytes("PUT"), traffic.response_bytes("GET")) == (777, 10)
         assert traffic.records[-1].range == "bytes=0-9"
@@ -382,9 +350,7 @@ def test_proxy_in_a_child_process_offers_the_same_controls(
 
 
 @pytest.mark.slow
-def test_throttled_download_takes_at_least_size_over_rate(
-    s3_proxy: LoopbackProxy, s3_bucket: str
-) -> None:
+def test_throttled_download_takes_at_least_size_over_rate(s3_proxy: LoopbackProxy, s3_bucket: str) -> None:
     size, rate = 768 * 1024, 512 * 1024
     blob = os.urandom(size)
     _put(s3_proxy, s3_bucket, "k", blob)
@@ -409,9 +375,7 @@ def test_a_child_process_reaches_the_server_through_the_endpoint_environment(
         "sys.stdout.write(body.decode())"
     )
     env = {**os.environ, **S3Endpoint(s3_proxy.url).env()}
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert result.stdout == "from the parent", result.stderr
     assert s3_proxy.traffic().requests("GET", key="/k") == 1
 

@@ -94,8 +94,11 @@ class FillRig:
     def in_tier(self, trial: Trial) -> bool:
         """The fault hit a tier's files once the tiers were open (a tier that cannot be opened,
         say its directory cannot be made, is an error at open_loader / build_stack)."""
-        return (trial.fault is not None and trial.fault.n > self.setup_ops
-                and not trial.fault.path.startswith(str((self.run_dir / "l4").resolve())))
+        return (
+            trial.fault is not None
+            and trial.fault.n > self.setup_ops
+            and not trial.fault.path.startswith(str((self.run_dir / "l4").resolve()))
+        )
 
     def check_tiers(self, where: str) -> None:
         """Every entry a tier shows (indexed, or a file under entries/) is whole."""
@@ -114,14 +117,16 @@ class FillRig:
             for path in (root / "entries").iterdir():
                 key = path.name.removesuffix(".arrow")
                 size, checksum = expected[key]
-                assert path.stat().st_size == size and file_xxh3_128(path) == checksum, \
+                assert path.stat().st_size == size and file_xxh3_128(path) == checksum, (
                     f"{where}: {name} holds a partial or wrong entry {path.name}"
+                )
 
     def check(self, trial: Trial, injected: int, epoch: bool) -> None:
         where = f"N={trial.n} ({trial.fault})"
         if trial.error is not None:
-            ok = isinstance(trial.error, TierflowError) or (isinstance(trial.error, OSError)
-                                                            and trial.error.errno == injected)
+            ok = isinstance(trial.error, TierflowError) or (
+                isinstance(trial.error, OSError) and trial.error.errno == injected
+            )
             assert ok, f"{where}: untyped {trial.error!r}"
             assert not self.in_tier(trial), f"{where}: a fault in a tier failed the read: {trial.error!r}"
         elif epoch:
@@ -152,34 +157,44 @@ def _run(rig: FillRig, path: str):
 def _roots(rig: FillRig, where: str) -> list[Path]:
     """Where the faults go: the whole run (source and tiers), only the tiers' directories (a
     cache device failing or filling), or only the source."""
-    return {"all": [rig.run_dir], "tiers": [rig.run_dir / "l1", rig.run_dir / "l2"],
-            "source": [rig.run_dir / "l4"]}[where]
+    return {"all": [rig.run_dir], "tiers": [rig.run_dir / "l1", rig.run_dir / "l2"], "source": [rig.run_dir / "l4"]}[
+        where
+    ]
 
 
 @pytest.mark.parametrize("path", ["cache-warm", pytest.param("loader-epoch", marks=pytest.mark.slow)])
-def test_a_fill_failing_at_each_kind_of_io_serves_the_golden_batches_or_a_typed_error(rig: FillRig,
-                                                                                     path: str) -> None:
+def test_a_fill_failing_at_each_kind_of_io_serves_the_golden_batches_or_a_typed_error(rig: FillRig, path: str) -> None:
     run = _run(rig, path)
     points = sample_points(run, [rig.run_dir], reset=rig.reset)
-    done = fail_each(run, lambda t: rig.check(t, errno.EIO, PATHS[path]), [rig.run_dir], reset=rig.reset,
-                     points=points)
+    done = fail_each(run, lambda t: rig.check(t, errno.EIO, PATHS[path]), [rig.run_dir], reset=rig.reset, points=points)
     assert len(done.by_op()) >= 4  # threads move the N-th operation between runs: not always the same kinds
 
 
 # once: one operation fails; from N on: every later one does (under `where` only); once with EIO
 # under all is the quick test above
-VARIANTS = [("once", errno.ENOSPC, "all"), ("from-n-on", errno.EIO, "tiers"),
-            ("from-n-on", errno.ENOSPC, "tiers"), ("from-n-on", errno.EIO, "source")]
+VARIANTS = [
+    ("once", errno.ENOSPC, "all"),
+    ("from-n-on", errno.EIO, "tiers"),
+    ("from-n-on", errno.ENOSPC, "tiers"),
+    ("from-n-on", errno.EIO, "source"),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,injected,where", VARIANTS,
-                         ids=[f"{m}-{errno.errorcode[e]}-{w}" for m, e, w in VARIANTS])
+@pytest.mark.parametrize("mode,injected,where", VARIANTS, ids=[f"{m}-{errno.errorcode[e]}-{w}" for m, e, w in VARIANTS])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_a_fill_failing_at_every_io_serves_the_golden_batches_or_a_typed_error(rig: FillRig, path: str, mode: str,
-                                                                              injected: int, where: str) -> None:
+def test_a_fill_failing_at_every_io_serves_the_golden_batches_or_a_typed_error(
+    rig: FillRig, path: str, mode: str, injected: int, where: str
+) -> None:
     run, roots = _run(rig, path), _roots(rig, where)
     points = sample_points(run, roots, reset=rig.reset)
-    done = fail_each(run, lambda t: rig.check(t, injected, PATHS[path]), roots, error=injected,
-                     persistent=mode == "from-n-on", reset=rig.reset, points=points)
+    done = fail_each(
+        run,
+        lambda t: rig.check(t, injected, PATHS[path]),
+        roots,
+        error=injected,
+        persistent=mode == "from-n-on",
+        reset=rig.reset,
+        points=points,
+    )
     assert len(done.trials) >= 3

@@ -32,8 +32,12 @@ time.sleep(float(sys.argv[2]))
 
 
 def _join(area: Path, seconds: float) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", JOIN, str(area), str(seconds)], stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    p = subprocess.Popen(
+        [sys.executable, "-c", JOIN, str(area), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert p.stdout.readline().strip() == "joined"
     return p
 
@@ -104,7 +108,9 @@ for _ in range(40):
 def test_members_joining_leaving_and_sweeping_at_once_never_lose_the_area_under_a_member(tmp_path):
     area = area_path(tmp_path / "l2", "job", root=tmp_path / "shm")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    churn = [subprocess.Popen([sys.executable, "-c", CHURN, str(area)], env=env, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    churn = [
+        subprocess.Popen([sys.executable, "-c", CHURN, str(area)], env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
     assert all(p.wait(120) == 0 for p in churn), [p.stderr.read() for p in churn]
     assert not area.exists() and not list(area.parent.glob("*.users"))  # the last one out removed both

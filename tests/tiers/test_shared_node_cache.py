@@ -28,8 +28,9 @@ def fill(tier: Tier, dataset: str, names: list[str]) -> list[bool]:
     cached = []
     for name in names:
         data = (dataset + name).encode().ljust(ENTRY, b".")
-        pin = tier.ensure(xxh3_128_hex(data), ENTRY, xxh3_128_hex(data), lambda p, data=data: p.write_bytes(data),
-                          dataset=dataset)
+        pin = tier.ensure(
+            xxh3_128_hex(data), ENTRY, xxh3_128_hex(data), lambda p, data=data: p.write_bytes(data), dataset=dataset
+        )
         cached.append(pin is not None)
         if pin is not None:
             pin.release()
@@ -54,8 +55,12 @@ time.sleep(60)
 
 
 def test_a_dataset_arriving_on_a_full_tier_claims_its_fair_share_and_no_more(tmp_path):
-    job_a = subprocess.Popen([sys.executable, "-c", JOB_A, str(tmp_path / "l2")], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    job_a = subprocess.Popen(
+        [sys.executable, "-c", JOB_A, str(tmp_path / "l2")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     try:
         assert job_a.stdout.readline().strip() == "filled"  # job a, alive, filled the tier
         tier = Tier(tmp_path / "l2", 8 * ENTRY, policy="nochurn", form="at_rest")  # job b, this process
@@ -83,8 +88,7 @@ def two_datasets(tmp_path, s3_server, s3_bucket):
 
 
 @pytest.mark.slow
-def test_two_jobs_on_the_same_dataset_share_l1_and_l2_entries_one_fetch_per_shard(tmp_path, two_datasets,
-                                                                                 s3_proxy):
+def test_two_jobs_on_the_same_dataset_share_l1_and_l2_entries_one_fetch_per_shard(tmp_path, two_datasets, s3_proxy):
     (url, _), (manifest, _) = two_datasets
     tiers = [f"L1={tmp_path}/shm/tf:1GB:auto", f"L2={tmp_path}/nvme/tf:1GB:auto:at_rest"]
     s3_proxy.reset_counters()
@@ -101,20 +105,22 @@ def test_two_jobs_on_the_same_dataset_share_l1_and_l2_entries_one_fetch_per_shar
 
 @pytest.mark.slow
 @pytest.mark.parametrize("warm_first", [False, True], ids=["both-cold", "one-finds-the-node-full-of-the-others"])
-def test_two_jobs_on_different_datasets_share_one_l2_without_one_starving(tmp_path, two_datasets, s3_proxy,
-                                                                          warm_first):
+def test_two_jobs_on_different_datasets_share_one_l2_without_one_starving(tmp_path, two_datasets, s3_proxy, warm_first):
     urls, manifests = two_datasets
     capacity = sum(s.bytes for s in manifests[0].shards)  # room for one dataset of the two
     tiers = [f"L2={tmp_path}/nvme/tf:{capacity}:auto:at_rest"]
     if warm_first:  # job a alone first: the L2 holds all of a when a and b start together
         run_jobs([JobSpec(urls[0], seed=1, epochs=1)], s3_proxy.url, tiers, tmp_path)
-    figures = run_jobs([JobSpec(urls[0], seed=1, epochs=3), JobSpec(urls[1], seed=2, epochs=3)], s3_proxy.url,
-                       tiers, tmp_path)
+    figures = run_jobs(
+        [JobSpec(urls[0], seed=1, epochs=3), JobSpec(urls[1], seed=2, epochs=3)], s3_proxy.url, tiers, tmp_path
+    )
     for job, fig in enumerate(figures):
         share = fig["resident"][-1]["L2"] / capacity
         warm = fig["fetched"][-1] / fig["dataset_bytes"]
-        print(f"job {job}: L2 share {share:.2f}, fetched per epoch "
-              f"{[round(f / fig['dataset_bytes'], 2) for f in fig['fetched']]}")
+        print(
+            f"job {job}: L2 share {share:.2f}, fetched per epoch "
+            f"{[round(f / fig['dataset_bytes'], 2) for f in fig['fetched']]}"
+        )
         assert 0.4 <= share <= 0.6, (job, share)  # each about half the room
         assert warm <= 0.75, (job, warm)  # and hits with it (with no share: ~1.1, more than no cache)
 

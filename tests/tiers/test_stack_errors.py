@@ -32,8 +32,15 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("stack-errors")
     src = write_corpus(root / "raw.jsonl", docs=600, seed=11)
-    tierflow.pack([src], root / "packed", workers=1, target_shard_bytes=256 << 10, tokenizer="bytes",
-                  keep_text=True, block_bytes=64 << 10)
+    tierflow.pack(
+        [src],
+        root / "packed",
+        workers=1,
+        target_shard_bytes=256 << 10,
+        tokenizer="bytes",
+        keep_text=True,
+        block_bytes=64 << 10,
+    )
     return root / "packed"
 
 
@@ -61,8 +68,9 @@ def test_source_bytes_that_never_verify_are_a_typed_error_and_no_tier_admits_the
     assert not [p for p in (tmp_path / "l2" / "tmp").iterdir()]  # no temporary left either
 
 
-def test_a_shard_no_tier_keeps_is_read_block_by_block_and_a_damaged_block_refused(packed, tmp_path,
-                                                                                    monkeypatch) -> None:
+def test_a_shard_no_tier_keeps_is_read_block_by_block_and_a_damaged_block_refused(
+    packed, tmp_path, monkeypatch
+) -> None:
     """A tier smaller than a shard keeps none, and no staging area was declared: each read is
     served from memory, the source's blocks fetched as they are used (in runs up to the readahead
     budget) and each verified, as a reader without tiers reads them; the block that fails is
@@ -117,8 +125,7 @@ def test_a_stack_pickled_for_a_spawned_worker_reopens_its_tiers_and_shares_the_s
 def test_an_undeclared_reader_that_comes_back_to_a_dropped_shard_keeps_more_open(packed, tmp_path) -> None:
     """Without a declaration the stack guesses its reader's working set: a shard it dropped and
     is asked for again means the set is larger than what it keeps open, so it keeps one more."""
-    stack = TierStack(open_store(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")],
-                      max_open=1)
+    stack = TierStack(open_store(str(packed)), [Tier(tmp_path / "l2", 1 << 30, form="at_rest", name="L2")], max_open=1)
     infos = stack.manifest().shards
     for index in (0, 1, 0, 1):
         stack.open_shard(index, infos[index])

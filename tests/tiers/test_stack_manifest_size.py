@@ -33,12 +33,17 @@ def padded_dataset(root: Path) -> Path:
     return root / "ds"
 
 
-def test_a_stack_over_s3_refuses_an_oversized_manifest_before_downloading_it(tmp_path, s3_proxy: LoopbackProxy,
-                                                                              s3_bucket: str, monkeypatch):
+def test_a_stack_over_s3_refuses_an_oversized_manifest_before_downloading_it(
+    tmp_path, s3_proxy: LoopbackProxy, s3_bucket: str, monkeypatch
+):
     data = padded_dataset(tmp_path)
     size = (data / "manifest.json").stat().st_size
-    source = S3Store(f"s3://{s3_bucket}/ds", endpoint_url=s3_proxy.url, registry=MetricsRegistry(),
-                      retry_policy=RetryPolicy(retries=1, base_delay=0.01, max_delay=0.02))
+    source = S3Store(
+        f"s3://{s3_bucket}/ds",
+        endpoint_url=s3_proxy.url,
+        registry=MetricsRegistry(),
+        retry_policy=RetryPolicy(retries=1, base_delay=0.01, max_delay=0.02),
+    )
     for path in sorted(data.iterdir()):
         source.upload(path, path.name)
     monkeypatch.setenv("TIERFLOW_MAX_MANIFEST_BYTES", str(LIMIT))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,9 @@ from tierflow.tiers.stager import FaultLog
 
 def test_a_corrupt_shard_on_s3_is_one_warning_and_no_traceback(s3_server, s3_bucket, tmp_path, caplog):
     src = write_corpus(tmp_path / "raw.jsonl", docs=3000, seed=11)
-    tierflow.pack([src], tmp_path / "packed", workers=1, target_shard_bytes=256 << 10, tokenizer="bytes",
-                  block_bytes=64 << 10)
+    tierflow.pack(
+        [src], tmp_path / "packed", workers=1, target_shard_bytes=256 << 10, tokenizer="bytes", block_bytes=64 << 10
+    )
     manifest = Manifest.load(tmp_path / "packed")
     info = manifest.shards[len(manifest.shards) - 2]
     data = bytearray((tmp_path / "packed" / info.name).read_bytes())
@@ -30,8 +30,9 @@ def test_a_corrupt_shard_on_s3_is_one_warning_and_no_traceback(s3_server, s3_buc
     url = f"s3://{s3_bucket}/ds"
     upload_dataset(tmp_path / "packed", url, endpoint_url=s3_server.endpoint_url)
     caplog.set_level(logging.WARNING, logger="tierflow")
-    loader = tierflow.open_loader(url, batch_size=8, seq_len=512, endpoint_url=s3_server.endpoint_url,
-                                  tiers=[f"L2={tmp_path / 'l2'}:64MB"])
+    loader = tierflow.open_loader(
+        url, batch_size=8, seq_len=512, endpoint_url=s3_server.endpoint_url, tiers=[f"L2={tmp_path / 'l2'}:64MB"]
+    )
     with pytest.raises(FetchError, match=info.name):
         for _ in loader:
             time.sleep(0.02)  # a training step: the stager, far ahead, would retry the shard meanwhile
@@ -54,5 +55,7 @@ def test_the_fault_log_warns_once_per_cause_and_counts_the_repeats(caplog):
     faults.close()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3 and not [r for r in caplog.records if r.exc_info]
-    assert messages[0].startswith("tier L2: an index write failed: OperationalError: database or disk is full; going on")
+    assert messages[0].startswith(
+        "tier L2: an index write failed: OperationalError: database or disk is full; going on"
+    )
     assert messages[2] == "tier L2: an index write failed: OperationalError: database or disk is full: 58 times in all"

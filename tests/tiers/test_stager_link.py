@@ -66,8 +66,9 @@ def test_the_next_windows_shards_wait_for_the_shard_needed_before_them(shards, t
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
     held = HeldDownloads(stack.source)
     stack.source = held
-    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
-                            OrderSpec(partitions=2, window_shards=2))
+    dataset = TieredDataset(
+        stack.dataset(), BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=2, window_shards=2)
+    )
     names = [s.name for s in dataset.manifest.shards]
     first_use: dict[str, int] = {}
     for use in dataset.future_shard_uses(None, horizon_batches=4000):
@@ -102,8 +103,9 @@ def test_each_transfer_is_a_stage_record_in_the_event_log_with_its_shard_and_fir
     from tierflow.telemetry.eventlog import EventLog, read_events
 
     stack = build_stack(str(shards), [TierConfig("L2", str(tmp_path / "l2"), 1 << 30)])
-    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
-                            OrderSpec(partitions=2, window_shards=2))
+    dataset = TieredDataset(
+        stack.dataset(), BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=2, window_shards=2)
+    )
     first_use: dict[int, int] = {}
     for use in dataset.future_shard_uses(None, horizon_batches=4000):
         first_use.setdefault(use.shard, use.first_use)
@@ -154,8 +156,9 @@ def test_the_next_shard_takes_the_link_while_the_one_before_is_verified_and_admi
         verify(tmp, *args)
 
     tier._verify_fetched = verify_when_the_next_began
-    dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
-                            OrderSpec(partitions=1, window_shards=1))
+    dataset = TieredDataset(
+        stack.dataset(), BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=1, window_shards=1)
+    )
     stager = Stager(dataset, stack, min_batches=400)  # a lookahead of several shards
     stager.start()
     try:
@@ -174,10 +177,12 @@ def epoch_batches(shards: Path) -> int:
         return sum(1 for _ in loader)
 
 
-@pytest.mark.parametrize("workers, context", [(0, None), pytest.param(1, "forkserver", marks=pytest.mark.slow)],
-                         ids=["in-process", "forkserver"])
-def test_a_stager_started_before_the_loop_stages_on_through_the_loops_start(shards, tmp_path, workers,
-                                                                            context) -> None:
+@pytest.mark.parametrize(
+    "workers, context",
+    [(0, None), pytest.param(1, "forkserver", marks=pytest.mark.slow)],
+    ids=["in-process", "forkserver"],
+)
+def test_a_stager_started_before_the_loop_stages_on_through_the_loops_start(shards, tmp_path, workers, context) -> None:
     """`start_prefetch` (open_loader calls it) begins staging while the model loads; the loop's
     start keeps that stager running where no worker is forked from this process: it used to stop
     it, waiting for the transfer in flight, and start again after the workers, the link idle
@@ -227,8 +232,9 @@ def test_workers_forked_from_the_loops_process_start_with_the_stager_stopped(sha
         assert sum(1 for _ in batches) == epoch_batches(shards)
 
 
-def test_a_dataset_smaller_than_the_widest_working_set_leaves_the_stager_the_tiers_room(shards, tmp_path,
-                                                                                     caplog) -> None:
+def test_a_dataset_smaller_than_the_widest_working_set_leaves_the_stager_the_tiers_room(
+    shards, tmp_path, caplog
+) -> None:
     """The working set counts at most the dataset's shards: the widest (16 lanes x windows of 4, 128
     shards) over 13 was counted as 128 of the largest, above any tier of a few shards' room, so the
     stager warned that the tier was too small and kept one shard ahead (issue 16's cold epoch)."""

@@ -32,15 +32,15 @@ def _options(name: str) -> dict[str, float]:
 def _replay_on_tier(root: Path, trace: Trace, name: str, *, prefetch: bool) -> tuple[int, int, set[str]]:
     """Hits, evictions and the residents at the end of `trace` read through a live tier."""
     now = [0.0]
-    tier = Tier(root, CAPACITY, policy=name, form="at_rest", ram=False, clock=lambda: now[0],
-                policy_options=_options(name))
+    tier = Tier(
+        root, CAPACITY, policy=name, form="at_rest", ram=False, clock=lambda: now[0], policy_options=_options(name)
+    )
     tier.set_oracle(trace.oracle())
     names, sizes = trace.key_names, trace.sizes.tolist()
     for key_id, start in zip(trace.keys.tolist(), trace.start.tolist()):
         now[0] = start
         key, data = names[key_id], bytes(sizes[key_id])
-        pin = tier.ensure(key, len(data), xxh3_128_hex(data), lambda tmp, d=data: tmp.write_bytes(d),
-                          prefetch=prefetch)
+        pin = tier.ensure(key, len(data), xxh3_128_hex(data), lambda tmp, d=data: tmp.write_bytes(d), prefetch=prefetch)
         if pin is not None:
             pin.release()
     return int(tier.m_hits.value), int(tier.m_evictions.value), tier.resident_keys()
@@ -65,7 +65,8 @@ def test_a_tier_keeps_what_the_cache_model_keeps_for_a_readers_entries(tmp_path:
     policy.set_oracle(trace.oracle())
     cache = Cache(policy, CAPACITY)
     names, sizes = trace.key_names, trace.sizes.tolist()
-    hits = sum(cache.access(names[k], sizes[k], t, required=True)
-               for k, t in zip(trace.keys.tolist(), trace.start.tolist()))
+    hits = sum(
+        cache.access(names[k], sizes[k], t, required=True) for k, t in zip(trace.keys.tolist(), trace.start.tolist())
+    )
     live_hits, evictions, residents = _replay_on_tier(tmp_path / "l2", trace, name, prefetch=False)
     assert (live_hits, evictions, residents) == (hits, cache.evictions, {k for k in names if k in cache})

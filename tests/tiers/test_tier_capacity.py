@@ -40,6 +40,5 @@ def test_a_headroom_nothing_states_is_unknown(tmp_path: Path) -> None:
     assert memory_headroom(tmp_path / "none", tmp_path / "none") is None
 
 
-
 def test_a_size_given_as_a_number_is_bytes() -> None:
     assert parse_size(4096) == 4096 and parse_size(1.5e9) == 1_500_000_000 and parse_size("1.5e9") == 1_500_000_000

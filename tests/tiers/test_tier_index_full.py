@@ -102,13 +102,19 @@ def test_a_process_started_on_the_full_disk_opens_the_tier_and_serves_from_below
             f.write(json.dumps({"text": f"doc {i} " + "lorem ipsum " * (i % 37)}) + "\n")
     tierflow.pack([tmp_path / "raw.jsonl"], tmp_path / "ds", workers=1, target_shard_bytes=256 << 10)
     ds = tierflow.open_dataset(tmp_path / "ds")
-    expected = hashlib.sha256(json.dumps([ds[i] for i in range(len(ds))], default=lambda v: v.tolist(),
-                                         sort_keys=True).encode()).hexdigest()
+    expected = hashlib.sha256(
+        json.dumps([ds[i] for i in range(len(ds))], default=lambda v: v.tolist(), sort_keys=True).encode()
+    ).hexdigest()
 
     def read(*extra: str) -> dict:
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-        done = subprocess.run([sys.executable, "-c", READER, str(small_disk / "l2"), form, str(tmp_path / "ds"),
-                               *extra], capture_output=True, text=True, env=env, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", READER, str(small_disk / "l2"), form, str(tmp_path / "ds"), *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout)
 

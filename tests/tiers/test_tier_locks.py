@@ -59,11 +59,17 @@ def test_clean_removes_what_dead_jobs_left_and_nothing_still_owned(tmp_path: Pat
     tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
     tier.ensure("kept", len(DATA), xxh3_128_hex(DATA), produce).release()
     root = tmp_path / "l2"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
-    leftovers = [root / "tmp" / f"k2.{dead_pid}.ab12cd34", root / "tmp" / "garbage", root / "quarantine" / "k3.ff00",
-                 root / "entries" / "unknown.arrow", root / "blocks" / "orphan.json"]
+    leftovers = [
+        root / "tmp" / f"k2.{dead_pid}.ab12cd34",
+        root / "tmp" / "garbage",
+        root / "quarantine" / "k3.ff00",
+        root / "entries" / "unknown.arrow",
+        root / "blocks" / "orphan.json",
+    ]
     live = [root / "tmp" / f"k4.{os.getpid()}.0011aabb", root / "entries" / "kept.arrow"]
     for path in leftovers + live[:1]:
         path.write_bytes(b"x")
@@ -220,8 +226,11 @@ def test_an_entry_that_keeps_changing_while_it_is_pinned_is_a_miss(tmp_path: Pat
 def test_a_resumed_tiers_heat_takes_only_for_entries_resident_here_at_the_same_size(tmp_path: Path) -> None:
     tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
     tier.ensure("k", len(DATA), xxh3_128_hex(DATA), produce).release()
-    saved = [EntryHeat("k", len(DATA), 7, 50.0, {}), EntryHeat("gone", len(DATA), 9, 60.0, {}),
-             EntryHeat("k", len(DATA) + 1, 9, 60.0, {})]  # an entry of another size: another content
+    saved = [
+        EntryHeat("k", len(DATA), 7, 50.0, {}),
+        EntryHeat("gone", len(DATA), 9, 60.0, {}),
+        EntryHeat("k", len(DATA) + 1, 9, 60.0, {}),
+    ]  # an entry of another size: another content
     assert tier.restore_heat(saved, shift=10.0) == 1
     (row,) = tier.index.entries()
     assert (row.key, row.hits, row.last_access) == ("k", 7, 60.0)
@@ -261,7 +270,9 @@ def test_a_lock_directory_that_is_not_one_is_raised_naming_it_not_taken_for_a_fu
     assert tier.m_enospc.value == tier.m_write_errors.value == 0 and not tier.index.entries()
 
 
-def test_a_reader_declaring_reshuffled_epochs_switches_an_auto_tier_in_use_to_keep_what_it_holds(tmp_path: Path) -> None:
+def test_a_reader_declaring_reshuffled_epochs_switches_an_auto_tier_in_use_to_keep_what_it_holds(
+    tmp_path: Path,
+) -> None:
     tier = Tier(tmp_path / "l2", 2 * len(DATA) + 100, policy="auto", name="L2", form="at_rest")
     for key in ("a", "b"):
         tier.ensure(key, len(DATA), xxh3_128_hex(DATA), produce).release()
@@ -270,8 +281,9 @@ def test_a_reader_declaring_reshuffled_epochs_switches_an_auto_tier_in_use_to_ke
     assert tier.m_bypass.value == 1 and sorted(tier.index.keys()) == ["a", "b"]
 
 
-def test_a_fetch_lock_the_device_cannot_create_serves_from_below_counted_and_warned_once(tmp_path: Path,
-                                                                                        caplog) -> None:
+def test_a_fetch_lock_the_device_cannot_create_serves_from_below_counted_and_warned_once(
+    tmp_path: Path, caplog
+) -> None:
     """The lock file is the first thing a fill writes: a full disk there counts as a no-space
     fallback, a failing device as a write error, each read served from below (None), nothing left."""
     tier = Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
@@ -295,12 +307,13 @@ def test_a_damaged_index_is_a_typed_error_naming_it_not_a_bare_sqlite_error(tmp_
     """Issue 18 (defect 6): a tier directory whose index is not SQLite (a foreign file, one
     zeroed) is TierIndexError naming the file and the remedy; before, sqlite3.DatabaseError
     ('file is not a database') reached the caller with no path."""
-    Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest").ensure("k", len(DATA), xxh3_128_hex(DATA),
-                                                                   produce).release()
+    Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest").ensure(
+        "k", len(DATA), xxh3_128_hex(DATA), produce
+    ).release()
     index = tmp_path / "l2" / "tierflow-index.sqlite"
     for side in ("-wal", "-shm"):
         index.with_name(index.name + side).unlink(missing_ok=True)
-    index.write_bytes(b"{\"not\": \"an index\"}\n" if damage == "foreign" else bytes(4096))
+    index.write_bytes(b'{"not": "an index"}\n' if damage == "foreign" else bytes(4096))
     with pytest.raises(TierIndexError, match=rf"{index}: .*remove the tier directory") as caught:
         Tier(tmp_path / "l2", 1 << 20, name="L2", form="at_rest")
     assert isinstance(caught.value, OSError)

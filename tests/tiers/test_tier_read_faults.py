@@ -74,13 +74,20 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.parametrize("persistent", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["once", "from-n-on"])
-def test_an_l2_entry_that_cannot_be_read_during_an_epoch_is_dropped_and_read_from_below(rig: ReadRig,
-                                                                                         persistent: bool) -> None:
+def test_an_l2_entry_that_cannot_be_read_during_an_epoch_is_dropped_and_read_from_below(
+    rig: ReadRig, persistent: bool
+) -> None:
     roots = [rig.run_dir / "l2" / "entries"]
-    run = fail_each(rig.epoch, lambda t: rig.check(t, persistent), roots, ops=("read",), error=errno.EIO,
-                    persistent=persistent, reset=rig.reset)
+    run = fail_each(
+        rig.epoch,
+        lambda t: rig.check(t, persistent),
+        roots,
+        ops=("read",),
+        error=errno.EIO,
+        persistent=persistent,
+        reset=rig.reset,
+    )
     assert len(run.trials) >= 1 + len(rig.manifest.shards)  # at least one read of each entry failed
-
 
 
 def test_an_entry_unreadable_in_every_copy_is_a_typed_error_naming_shard_and_block(rig: ReadRig) -> None:
@@ -92,7 +99,10 @@ def test_an_entry_unreadable_in_every_copy_is_a_typed_error_naming_shard_and_blo
 
     rig.reset()
     with FailNth(1, [rig.run_dir / "l2" / "entries", staging_root()], ops=("read",), persistent=True) as faults:
-        with pytest.raises(ShardCorruptError, match=r"shard shard-\w+\.arrow: block \d+ cannot be read from the copy "
-                                                    r"fetched again either") as e:
+        with pytest.raises(
+            ShardCorruptError,
+            match=r"shard shard-\w+\.arrow: block \d+ cannot be read from the copy "
+            r"fetched again either",
+        ) as e:
             rig.epoch()
     assert faults.fired is not None and isinstance(e.value.__cause__, OSError)

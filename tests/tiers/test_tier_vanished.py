@@ -55,8 +55,7 @@ def unavailable(caught: list[warnings.WarningMessage]) -> list[str]:
 
 @pytest.mark.parametrize("form", ["at_rest", "decoded"])
 @pytest.mark.parametrize("deleted", ["l1", "l2", "both"])
-def test_a_tier_directory_deleted_under_a_reader_is_bypassed_with_one_typed_warning(packed, tmp_path, form,
-                                                                                    deleted):
+def test_a_tier_directory_deleted_under_a_reader_is_bypassed_with_one_typed_warning(packed, tmp_path, form, deleted):
     expected = samples(tierflow.open_dataset(packed))
     l1, l2, stack = stack_of(packed, tmp_path, form)
     ds = stack.dataset()
@@ -97,9 +96,9 @@ def test_a_tier_directory_replaced_under_a_reader_is_bypassed(packed, tmp_path):
 
 def test_a_loader_keeps_its_batches_when_its_l2_is_deleted_mid_epoch(packed, tmp_path):
     """The loader's stager thread and its reader both meet the vanished tier."""
+
     def loader(where: Path):
-        return tierflow.open_loader(str(packed), tiers=[f"L2={where}:64MB:lru:at_rest"], batch_size=16,
-                                    seq_len=64)
+        return tierflow.open_loader(str(packed), tiers=[f"L2={where}:64MB:lru:at_rest"], batch_size=16, seq_len=64)
 
     golden = loader(tmp_path / "golden")
     expected = [b["input_ids"].numpy().tobytes() for b in golden]
@@ -141,7 +140,7 @@ def test_an_index_truncated_under_a_running_process_is_bypassed_at_once(packed, 
     def read() -> None:
         try:
             result["samples"] = samples(stack.dataset())
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             result["error"] = e
 
     started = time.monotonic()

@@ -35,8 +35,9 @@ def make_dataset(tmp_path: Path, n: int = 2400, seed: int = 0) -> Path:
         for i in range(n):
             f.write(json.dumps({"text": f"doc {i} {seed} " + "lorem ipsum " * (i % 37), "i": i}) + "\n")
     out = tmp_path / "packed"
-    tierflow.pack([src], out, workers=1, target_shard_bytes=256 << 10, tokenizer="bytes", keep_text=True,
-                  block_bytes=64 << 10)  # several blocks a shard
+    tierflow.pack(
+        [src], out, workers=1, target_shard_bytes=256 << 10, tokenizer="bytes", keep_text=True, block_bytes=64 << 10
+    )  # several blocks a shard
     return out
 
 
@@ -55,8 +56,16 @@ def s3_dataset(packed, s3_server, s3_bucket, s3_proxy):
     return local, url, s3_proxy
 
 
-def stack_for(url: str, proxy_url: str, root: Path, l2_capacity: float = 1 << 30, l1_capacity: float = 1 << 30,
-              l2_policy: str = "lru", l1: bool = True, **tier_kw) -> TierStack:
+def stack_for(
+    url: str,
+    proxy_url: str,
+    root: Path,
+    l2_capacity: float = 1 << 30,
+    l1_capacity: float = 1 << 30,
+    l2_policy: str = "lru",
+    l1: bool = True,
+    **tier_kw,
+) -> TierStack:
     tiers = []
     if l1:
         tiers.append(Tier(root / "l1", l1_capacity, policy="lru", form="decoded", name="L1", **tier_kw))
@@ -78,8 +87,10 @@ def test_stage_from_s3_through_l2_and_l1_reads_back_equal(tmp_path, s3_dataset):
     assert proxy.traffic().response_bytes("GET") >= sum(s.bytes for s in m.shards)
     l1, l2 = stack.tiers
     assert len(l1.index.entries()) == len(l2.index.entries()) == len(m.shards)
-    assert all(r.size == s.decoded_bytes for r, s in
-               zip(sorted(l1.index.entries(), key=lambda r: r.key), sorted(m.shards, key=lambda s: s.key)))
+    assert all(
+        r.size == s.decoded_bytes
+        for r, s in zip(sorted(l1.index.entries(), key=lambda r: r.key), sorted(m.shards, key=lambda s: s.key))
+    )
     # a second pass is served from L1 without touching the network
     stack.close()
     proxy.reset_counters()
@@ -102,8 +113,10 @@ def test_four_processes_fetch_each_shard_exactly_once(tmp_path, s3_dataset):
     local, url, proxy = s3_dataset
     manifest = tierflow.open_dataset(local).manifest
     barrier, queue = PROCESSES.Barrier(4), PROCESSES.Queue()
-    procs = [PROCESSES.Process(target=_ensure_all, args=(url, proxy.url, str(tmp_path / "node"), barrier, queue))
-             for _ in range(4)]
+    procs = [
+        PROCESSES.Process(target=_ensure_all, args=(url, proxy.url, str(tmp_path / "node"), barrier, queue))
+        for _ in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -169,8 +182,10 @@ def test_capacity_holds_and_pinned_entries_survive_a_multi_process_hammer(tmp_pa
     l2 = stack.tiers[0]
     held = stack.ensure(shards[0])  # pinned for the whole test
     inode = os.stat(held.path).st_ino
-    procs = [PROCESSES.Process(target=_hammer, args=(url, proxy.url, str(tmp_path / "node"), capacity, seed, 40))
-             for seed in range(3)]
+    procs = [
+        PROCESSES.Process(target=_hammer, args=(url, proxy.url, str(tmp_path / "node"), capacity, seed, 40))
+        for seed in range(3)
+    ]
     for p in procs:
         p.start()
     worst = 0
@@ -347,8 +362,12 @@ def test_restarted_process_finds_l2_warm_with_its_statistics(tmp_path, s3_datase
         "t = Tier(Path(sys.argv[1]), 1 << 30, policy='hotscore', form='at_rest');"
         "r = t.index.get(sys.argv[2]); print(json.dumps([r.hits, r.stats]))"
     )
-    out = subprocess.run([os.sys.executable, "-c", code, str(tmp_path / "node" / "l2"), info.key],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [os.sys.executable, "-c", code, str(tmp_path / "node" / "l2"), info.key],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     hits, stats = json.loads(out)
     assert hits == before.hits == 3 and stats == before.stats and stats  # the demand fetch was the first use
     assert proxy.traffic().requests() == 0
@@ -405,8 +424,9 @@ def test_a_form_is_given_as_a_string_kept_as_one_in_the_index_and_read_back_as_a
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     return result.returncode == 0
 
 
@@ -464,7 +484,7 @@ def _open_index(path, results) -> None:
     try:
         TierIndex(path).occupancy()
         results.put("ok")
-    except Exception as e:  # noqa: BLE001 - the test reports what went wrong
+    except Exception as e:
         results.put(repr(e))
 
 
@@ -506,8 +526,10 @@ def _ensure_in_step(url: str, proxy_url: str, root: str, barrier, queue) -> None
 def test_a_nodes_ranks_fetch_a_shard_no_tier_keeps_once_through_their_staging_area(tmp_path, s3_dataset):
     local, url, proxy = s3_dataset
     barrier, queue = PROCESSES.Barrier(2), PROCESSES.Queue()
-    procs = [PROCESSES.Process(target=_ensure_in_step, args=(url, proxy.url, str(tmp_path / "node"), barrier, queue))
-             for _ in range(2)]
+    procs = [
+        PROCESSES.Process(target=_ensure_in_step, args=(url, proxy.url, str(tmp_path / "node"), barrier, queue))
+        for _ in range(2)
+    ]
     for p in procs:
         p.start()
     served = [queue.get(timeout=120) for _ in procs]

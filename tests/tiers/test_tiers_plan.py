@@ -21,8 +21,17 @@ STEP = 10  # node samples per step
 
 
 def shape(**changes) -> NodeShape:
-    base = dict(shard_bytes=SHARD, bytes_per_step=50.0, samples_per_step=STEP, min_batches=4, max_bytes=10_000,
-                next_windows_bytes=2 * SHARD, capacity=20_000, dataset_bytes=50_000, staging_slots=2)
+    base = dict(
+        shard_bytes=SHARD,
+        bytes_per_step=50.0,
+        samples_per_step=STEP,
+        min_batches=4,
+        max_bytes=10_000,
+        next_windows_bytes=2 * SHARD,
+        capacity=20_000,
+        dataset_bytes=50_000,
+        staging_slots=2,
+    )
     return NodeShape(**{**base, **changes})
 
 
@@ -65,10 +74,11 @@ def test_a_burst_stretches_the_lookahead_to_cover_it_within_max_bytes_and_it_ret
     assert size_lookahead(node, 100.0, 0.1, 0.1, cover_s=0.0) == before
     uses = windows(40)
     calm = plan_staging(uses, node, consumption_bytes_s=100.0, fetch_p99_s=0.1, fetch_mean_s=0.1, resident=set())
-    riding = plan_staging(uses, node, consumption_bytes_s=100.0, fetch_p99_s=0.1, fetch_mean_s=0.1, resident=set(),
-                          cover_s=30.0)
+    riding = plan_staging(
+        uses, node, consumption_bytes_s=100.0, fetch_p99_s=0.1, fetch_mean_s=0.1, resident=set(), cover_s=30.0
+    )
     assert len(riding.fetch) >= 3000 // SHARD > len(calm.fetch)
-    assert riding.fetch[:len(calm.fetch)] == calm.fetch  # the same order of first use, only further
+    assert riding.fetch[: len(calm.fetch)] == calm.fetch  # the same order of first use, only further
 
 
 def test_the_view_covers_twice_what_the_tier_holds_or_the_dataset_without_a_tier():
@@ -125,11 +135,16 @@ def test_every_lanes_window_being_read_is_taken_and_the_budget_buys_the_next_win
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 400), st.integers(1, 60)), max_size=80),
-       st.integers(0, 3000), st.floats(0, 5000), st.integers(0, 4), st.sets(st.integers(0, 40)),
-       st.sets(st.integers(0, 40)), st.booleans())
-def test_a_plan_never_aims_beyond_its_budget_or_the_staging_slots(raw, max_bytes, rate, slots, resident, held,
-                                                                   tiered):
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 400), st.integers(1, 60)), max_size=80),
+    st.integers(0, 3000),
+    st.floats(0, 5000),
+    st.integers(0, 4),
+    st.sets(st.integers(0, 40)),
+    st.sets(st.integers(0, 40)),
+    st.booleans(),
+)
+def test_a_plan_never_aims_beyond_its_budget_or_the_staging_slots(raw, max_bytes, rate, slots, resident, held, tiered):
     uses = sorted((ShardUse(s, f, f + n, 0, 0) for s, f, n in raw), key=lambda u: (u.first_use, u.shard))
     node = shape(max_bytes=max_bytes, staging_slots=slots)
     plan = plan_staging(uses, node, consumption_bytes_s=rate, resident=resident if tiered else None, held=held)
@@ -170,8 +185,13 @@ def test_the_windows_a_faster_rank_reads_are_wanted_whatever_the_budget_and_held
     ahead = plan_staging(uses, node, resident=None, lead=65)  # the fastest rank is in window 2
     assert ahead.fetch == (0, 1, 2, 3, 4, 5)
     assert all(ahead.hold_until[s] == uses[s].last_use for s in ahead.fetch)
-    budgeted = plan_staging(uses, shape(max_bytes=2 * SHARD, next_windows_bytes=0, min_batches=1),
-                            consumption_bytes_s=1e6, resident=None, lead=65)
+    budgeted = plan_staging(
+        uses,
+        shape(max_bytes=2 * SHARD, next_windows_bytes=0, min_batches=1),
+        consumption_bytes_s=1e6,
+        resident=None,
+        lead=65,
+    )
     assert budgeted.fetch == (0, 1, 2, 3, 4, 5, 6, 7)  # then the budget ahead of the fastest
 
 
@@ -220,8 +240,14 @@ def test_across_the_epoch_edge_the_next_epochs_first_windows_are_planned_and_eac
     per_node = int(sum(order.layout.partition_sizes))
     stream = RankStream(order, order.start(), batch_size=batch)
     cursor = stream.cursor_after(per_node // batch - 4)  # 4 steps before the end of epoch 0
-    node = shape(shard_bytes=1, samples_per_step=batch, bytes_per_step=batch * 10.0, max_bytes=1e9, min_batches=12,
-                 staging_slots=100)
+    node = shape(
+        shard_bytes=1,
+        samples_per_step=batch,
+        bytes_per_step=batch * 10.0,
+        max_bytes=1e9,
+        min_batches=12,
+        staging_slots=100,
+    )
     ahead = size_lookahead(node, 0.0, 1.0, 1.0)
     uses = future_shard_uses(order, cursor, node=0, num_nodes=1, batch_size=batch, horizon=ahead.view_steps * batch)
     plan = plan_staging(uses, node, resident=None)
@@ -281,10 +307,12 @@ def test_the_stager_reads_a_dataset_only_through_the_future_view(tmp_path):
 def test_the_windows_being_read_skip_the_budget_only_where_the_top_tier_holds_the_working_set(tmp_path):
     pack_lorem(tmp_path, 3000)
     for capacity, reading in ((1 << 30, True), (64 << 10, False)):
-        stack = build_stack(str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / f"l2-{capacity}"), capacity,
-                                                             form="decoded")])
-        dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=8, seq_len=64),
-                                OrderSpec(window_shards=1, lanes=4))
+        stack = build_stack(
+            str(tmp_path / "ds"), [TierConfig("L2", str(tmp_path / f"l2-{capacity}"), capacity, form="decoded")]
+        )
+        dataset = TieredDataset(
+            stack.dataset(), BatchSpec(batch_size=8, seq_len=64), OrderSpec(window_shards=1, lanes=4)
+        )
         node = Stager(dataset, stack, min_batches=4).node
         assert node.reading_shards == (dataset.working_set.reading if reading else 0), capacity
         stack.close()

@@ -44,8 +44,10 @@ def test_the_torch_resample_mirrors_exactly_and_keeps_a_box_of_the_output_size_a
     img = smooth(np.random.default_rng(1), 90, 70)
     assert np.array_equal(_resample(img, (10, 5, 42, 37), (32, 32), False, "torch"), img[5:37, 10:42])
     pil = Image.fromarray(img)  # a Pillow image (the Pillow decoder's) is cut to the box the same way
-    assert np.array_equal(_resample(pil, (10.2, 4.8, 70.4, 60.0), (24, 24), True, "torch"),
-                          _resample(img, (10.2, 4.8, 70.4, 60.0), (24, 24), True, "torch"))
+    assert np.array_equal(
+        _resample(pil, (10.2, 4.8, 70.4, 60.0), (24, 24), True, "torch"),
+        _resample(img, (10.2, 4.8, 70.4, 60.0), (24, 24), True, "torch"),
+    )
 
 
 def test_the_resampler_is_fixed_when_the_pipeline_is_made():

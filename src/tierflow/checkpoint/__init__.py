@@ -8,6 +8,16 @@ from tierflow.checkpoint.stateful import LoaderState
 from tierflow.checkpoint.store import CheckpointStore
 from tierflow.checkpoint.warm import next_shards, restore_warm
 
-__all__ = ["COMMIT_NAME", "CheckpointError", "CheckpointStore", "LoaderState", "StepReport", "next_shards",
-           "prune_remote", "remote_steps", "restore_warm", "step_name", "verify_remote"]
-
+__all__ = [
+    "COMMIT_NAME",
+    "CheckpointError",
+    "CheckpointStore",
+    "LoaderState",
+    "StepReport",
+    "next_shards",
+    "prune_remote",
+    "remote_steps",
+    "restore_warm",
+    "step_name",
+    "verify_remote",
+]

@@ -11,8 +11,19 @@ from typing import Any
 
 import xxhash
 
-from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, decode, fsync_dir, fsync_file, naming,
-                                          part_entries, part_name, step_name, verify_local, write_durably)
+from tierflow.checkpoint.manifest import (
+    COMMIT_NAME,
+    CheckpointError,
+    decode,
+    fsync_dir,
+    fsync_file,
+    naming,
+    part_entries,
+    part_name,
+    step_name,
+    verify_local,
+    write_durably,
+)
 from tierflow.checkpoint.remote import verify_remote
 from tierflow.checkpoint.temporaries import Temporaries
 from tierflow.errors import SourceError
@@ -71,9 +82,11 @@ def _download_hashed(source: Any, name: str, target: Path, size: int, where: str
     """Stream one object to `target`, hashing the bytes as they arrive; its xxh3-128."""
     digest = xxhash.xxh3_128()
     with open(target, "wb") as out:
+
         def write(chunk: Any) -> None:
             out.write(chunk)
             digest.update(chunk)
+
         try:
             source.read_into(name, write, size, priority="high")
         except SourceError as exc:

@@ -26,7 +26,8 @@ import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 import xxhash
 
@@ -122,15 +123,23 @@ def part_files(root: Path, exclude: Iterable[str] = ()) -> list[FileEntry]:
 
 
 def encode_part(step: int, rank: int, files: list[FileEntry]) -> bytes:
-    body = {"format": FORMAT, "step": step, "rank": rank,
-            "files": [{"name": f.name, "size": f.size, "xxh3": f.xxh3} for f in files]}
+    body = {
+        "format": FORMAT,
+        "step": step,
+        "rank": rank,
+        "files": [{"name": f.name, "size": f.size, "xxh3": f.xxh3} for f in files],
+    }
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
 
 def encode_commit(step: int, part_hashes: dict[int, str]) -> bytes:
     """The commit marker: the world size and the xxh3-128 of each rank's part manifest."""
-    body = {"format": FORMAT, "step": step, "world_size": len(part_hashes),
-            "parts": {str(r): h for r, h in sorted(part_hashes.items())}}
+    body = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": len(part_hashes),
+        "parts": {str(r): h for r, h in sorted(part_hashes.items())},
+    }
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
 
@@ -173,8 +182,13 @@ class StepReport:
         return sum(f.size for f in self.files)
 
 
-def verify_step(step: int, read: Callable[[str], bytes], sized: Callable[[str], int | None],
-                hashed: Callable[[str], str] | None, where: str) -> StepReport:
+def verify_step(
+    step: int,
+    read: Callable[[str], bytes],
+    sized: Callable[[str], int | None],
+    hashed: Callable[[str], str] | None,
+    where: str,
+) -> StepReport:
     """Check a step through three accessors (local files or a remote source): the marker, each
     part manifest against the marker, each file's size and (with `hashed`) its xxh3-128.
 
@@ -188,8 +202,14 @@ def verify_step(step: int, read: Callable[[str], bytes], sized: Callable[[str], 
     except CheckpointError as exc:
         return StepReport(step, [], [str(exc)])
     if marker.get("step") != step:
-        return StepReport(step, [], [f"{where}/{COMMIT_NAME}: records step {marker.get('step')!r}, found under "
-                                     f"{step_name(step)} (a step copied or moved under another name); refused"])
+        return StepReport(
+            step,
+            [],
+            [
+                f"{where}/{COMMIT_NAME}: records step {marker.get('step')!r}, found under "
+                f"{step_name(step)} (a step copied or moved under another name); refused"
+            ],
+        )
     parts = marker.get("parts", {})
     if not isinstance(parts, dict) or len(parts) != marker.get("world_size"):
         return StepReport(step, [], [f"{where}/{COMMIT_NAME}: parts do not match world_size"])
@@ -215,8 +235,10 @@ def verify_step(step: int, read: Callable[[str], bytes], sized: Callable[[str], 
             problems.append(str(exc))
             continue
         if body.get("step") != step or body.get("rank") != int(rank):
-            problems.append(f"{where}/{name}: records step {body.get('step')!r} rank {body.get('rank')!r}, found "
-                            f"under {step_name(step)} as rank {int(rank)}; refused")
+            problems.append(
+                f"{where}/{name}: records step {body.get('step')!r} rank {body.get('rank')!r}, found "
+                f"under {step_name(step)} as rank {int(rank)}; refused"
+            )
             continue
         for entry in entries:
             files.append(entry)

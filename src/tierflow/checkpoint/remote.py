@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import xxhash
 
-from tierflow.checkpoint.manifest import (COMMIT_NAME, HASH_CHUNK, StepReport, parse_step, step_name,
-                                          verify_step)
+from tierflow.checkpoint.manifest import COMMIT_NAME, HASH_CHUNK, StepReport, parse_step, step_name, verify_step
 from tierflow.storage.remote import RetryingStore, open_store
 from tierflow.errors import CheckpointError, SourceError, SourceNotFound
 
@@ -97,8 +97,9 @@ def delete_step(source: RetryingStore, step: int) -> int:
     return delete_objects(source, [n for n in names if n not in marker]) + len(marker)
 
 
-def retained(committed: Iterable[int], keep_last: int | None, keep_every: int | None,
-             floor: int | None = None) -> set[int]:
+def retained(
+    committed: Iterable[int], keep_last: int | None, keep_every: int | None, floor: int | None = None
+) -> set[int]:
     """The committed steps retention keeps: the newest `keep_last`, every multiple of `keep_every`,
     and every step older than `floor` (the newest step a `latest()` skipped as damaged: the steps
     a run fell back to are never deleted because a damaged one counts among the newest)."""
@@ -111,8 +112,9 @@ def retained(committed: Iterable[int], keep_last: int | None, keep_every: int | 
     return keep
 
 
-def prune_remote(source: RetryingStore, keep_last: int | None, keep_every: int | None,
-                 floor: int | None = None) -> list[int]:
+def prune_remote(
+    source: RetryingStore, keep_last: int | None, keep_every: int | None, floor: int | None = None
+) -> list[int]:
     """Apply retention at the destination: committed steps outside the kept set, and leftovers
     of uploads that never committed and are older than the newest committed step (never one
     older than `floor`: see `retained`). Returns the steps removed."""
@@ -122,15 +124,19 @@ def prune_remote(source: RetryingStore, keep_last: int | None, keep_every: int |
         return []
     keep = retained(committed, keep_last, keep_every, floor)
     newest = max(committed)
-    doomed = [s for s, done in steps.items()
-              if (done and s not in keep) or (not done and s < newest and (floor is None or s >= floor))]
+    doomed = [
+        s
+        for s, done in steps.items()
+        if (done and s not in keep) or (not done and s < newest and (floor is None or s >= floor))
+    ]
     for step in sorted(doomed):
         delete_step(source, step)
     return sorted(doomed)
 
 
-def prune_local(local: Path, source: RetryingStore | None, keep_last: int | None, keep_every: int | None,
-                floor: int | None = None) -> list[int]:
+def prune_local(
+    local: Path, source: RetryingStore | None, keep_last: int | None, keep_every: int | None, floor: int | None = None
+) -> list[int]:
     """Local retention: drop committed steps outside the kept set once the destination has them
     or has gone past them (older than every step committed there: retention dropped them there
     first, as the uploader prunes the destination before this), and uncommitted leftovers older
@@ -155,9 +161,11 @@ def prune_local(local: Path, source: RetryingStore | None, keep_last: int | None
     def uploaded(s: int) -> bool:
         return remote is None or s in remote or (passed is not None and s < passed)
 
-    doomed = [s for s, done in present.items() if (done and s not in keep and uploaded(s))
-              or (not done and s < newest and (floor is None or s >= floor))]
+    doomed = [
+        s
+        for s, done in present.items()
+        if (done and s not in keep and uploaded(s)) or (not done and s < newest and (floor is None or s >= floor))
+    ]
     for step in doomed:
         shutil.rmtree(local / step_name(step), ignore_errors=True)
     return sorted(doomed)
-

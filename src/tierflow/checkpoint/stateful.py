@@ -37,8 +37,9 @@ class LoaderState:
     `name` is the key the LoaderState has in the state dict given to DCP (`{"loader": ...}`);
     with `checkpoint` (a step directory to load), it is how the saved ranks are found there."""
 
-    def __init__(self, loader: Any, key: str | None = None, *, checkpoint: str | Path | None = None,
-                 name: str = "loader") -> None:
+    def __init__(
+        self, loader: Any, key: str | None = None, *, checkpoint: str | Path | None = None, name: str = "loader"
+    ) -> None:
         self.loader = loader
         self.key = key if key is not None else f"rank{_rank()}"
         self.loaded: dict[str, Any] | None = None
@@ -54,8 +55,10 @@ class LoaderState:
         if self.saved_ranks is not None:
             self.loaded = self._elastic({k: decode_state(v) for k, v in state_dict.items()})
         elif self.key not in state_dict:
-            raise KeyError(f"checkpoint has no loader state {self.key!r} (saved with another world size? "
-                           f"pass checkpoint= to resume elastically)")
+            raise KeyError(
+                f"checkpoint has no loader state {self.key!r} (saved with another world size? "
+                f"pass checkpoint= to resume elastically)"
+            )
         else:
             self.loaded = decode_state(state_dict[self.key])
         self.loader.load_state_dict(self.loaded)
@@ -67,9 +70,11 @@ class LoaderState:
             return states[self.key]
         distinct = {json.dumps(s, sort_keys=True) for s in states.values()}
         if len(distinct) != 1:
-            raise CursorError(f"{self.checkpoint}: the loader states of its {len(states)} ranks differ (e.g. a token "
-                              f"budget's pending samples, which belong to their rank), so they cannot resume under "
-                              f"world size {world}; resume with {len(states)} ranks")
+            raise CursorError(
+                f"{self.checkpoint}: the loader states of its {len(states)} ranks differ (e.g. a token "
+                f"budget's pending samples, which belong to their rank), so they cannot resume under "
+                f"world size {world}; resume with {len(states)} ranks"
+            )
         return next(iter(states.values()))
 
 
@@ -79,8 +84,13 @@ def saved_loader_ranks(step_dir: Path, name: str = "loader") -> list[int]:
 
     keys = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     prefix = f"{name}."
-    ranks = sorted(int(m.group(1)) for k in keys if k.startswith(prefix)
-                   for m in [_RANK_KEY.fullmatch(k[len(prefix):])] if m is not None)
+    ranks = sorted(
+        int(m.group(1))
+        for k in keys
+        if k.startswith(prefix)
+        for m in [_RANK_KEY.fullmatch(k[len(prefix) :])]
+        if m is not None
+    )
     if not ranks:
         raise CursorError(f"{step_dir}: no loader state under {name!r} in its DCP metadata")
     return ranks

@@ -46,11 +46,23 @@ from typing import Any
 import xxhash
 
 from tierflow.checkpoint.download import download_step
-from tierflow.checkpoint.manifest import (COMMIT_NAME, CheckpointError, StepReport, encode_commit, encode_part,
-                                          fsync_dir, fsync_file, naming, parse_step, part_files, part_name,
-                                          step_name, verify_local, write_durably)
-from tierflow.checkpoint.remote import (open_dest, prune_local, prune_remote, remote_steps, retained,
-                                        verify_remote)
+from tierflow.checkpoint.manifest import (
+    COMMIT_NAME,
+    CheckpointError,
+    StepReport,
+    encode_commit,
+    encode_part,
+    fsync_dir,
+    fsync_file,
+    naming,
+    parse_step,
+    part_files,
+    part_name,
+    step_name,
+    verify_local,
+    write_durably,
+)
+from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, remote_steps, retained, verify_remote
 from tierflow.checkpoint.temporaries import Temporaries
 from tierflow.checkpoint.upload_queue import UploadQueue, stop_uploader
 from tierflow.errors import CheckpointWarning, SourceError
@@ -65,10 +77,20 @@ PRESTAGE_WAIT_S = 30.0
 class CheckpointStore:
     """Checkpoints of one run: local directory `local` first, then `dest` (s3://, a path, fsspec)."""
 
-    def __init__(self, dest: str | Path | None, local: str | Path, *, keep_last: int | None = 3,
-                 keep_every: int | None = None, endpoint_url: str | None = None,
-                 budget: BandwidthBudget | None = None, rank: int | None = None,
-                 world_size: int | None = None, group: Any = None, stager: RidesBursts | None = None) -> None:
+    def __init__(
+        self,
+        dest: str | Path | None,
+        local: str | Path,
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        endpoint_url: str | None = None,
+        budget: BandwidthBudget | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group: Any = None,
+        stager: RidesBursts | None = None,
+    ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -119,9 +141,11 @@ class CheckpointStore:
         if floor is None or step >= floor:
             return
         if step in self._remote_seen or (self.local / step_name(step) / COMMIT_NAME).exists():
-            raise CheckpointError(f"{self.dest or self.local}/{step_name(step)}",
-                                  f"committed, and older than {step_name(floor)}, which latest() skipped "
-                                  f"({self.skipped[floor]}); it is never written over")
+            raise CheckpointError(
+                f"{self.dest or self.local}/{step_name(step)}",
+                f"committed, and older than {step_name(floor)}, which latest() skipped "
+                f"({self.skipped[floor]}); it is never written over",
+            )
 
     def _reconcile(self) -> list[int]:
         """Queue the committed local steps retention keeps that the destination lacks or holds
@@ -135,12 +159,18 @@ class CheckpointStore:
             source = self._dest()
             remote = {s for s, done in remote_steps(source).items() if done}
             keep = retained(local | remote, self.keep_last, self.keep_every)
-            missing = [s for s in sorted(local & keep, reverse=True)
-                       if s not in remote or not verify_remote(source, s, deep=False).ok]
+            missing = [
+                s
+                for s in sorted(local & keep, reverse=True)
+                if s not in remote or not verify_remote(source, s, deep=False).ok
+            ]
         except SourceError as exc:
-            warnings.warn(f"{self.dest}: cannot compare the destination with {self.local} now ({exc}); committed "
-                          f"local steps {sorted(local)} are not queued for upload again", CheckpointWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"{self.dest}: cannot compare the destination with {self.local} now ({exc}); committed "
+                f"local steps {sorted(local)} are not queued for upload again",
+                CheckpointWarning,
+                stacklevel=3,
+            )
             return []
         for step in missing:
             self._submit(step, self.local / step_name(step))
@@ -216,8 +246,9 @@ class CheckpointStore:
         self._verified.pop(step, None)
         return final
 
-    def commit_async(self, step: int, after: Any = None, *, loader: Any = None,
-                     warm_batches: int = 256, stack: Any = None) -> Future[Path]:
+    def commit_async(
+        self, step: int, after: Any = None, *, loader: Any = None, warm_batches: int = 256, stack: Any = None
+    ) -> Future[Path]:
         """`commit` on a background thread, after `after` (e.g. `dcp.async_save`'s future) is done,
         so neither the write nor fsync and hashing hold up the loop. The warm record is taken
         now, at the cursor that was saved. Single-rank jobs only: the multi-rank marker needs
@@ -250,8 +281,10 @@ class CheckpointStore:
         if self.world_size == 1:
             (final / COMMIT_NAME).unlink(missing_ok=True)  # the step stops being a checkpoint first
         last = {part_name(self.rank): 1, COMMIT_NAME: 2}
-        names = sorted((p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file()),
-                       key=lambda n: (last.get(n.as_posix(), 0), n.as_posix()))
+        names = sorted(
+            (p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file()),
+            key=lambda n: (last.get(n.as_posix(), 0), n.as_posix()),
+        )
         for name in names:
             (final / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / name, final / name)
@@ -262,10 +295,21 @@ class CheckpointStore:
 
     # ------------------------------------------------------------ the uploader process
     def _submit(self, step: int, final: Path) -> None:
-        self.uploads.submit({"step": step, "rank": self.rank, "dir": str(final), "dest": self.dest,
-                             "endpoint_url": self.endpoint_url, "budget": _budget_spec(self.budget),
-                             "marker": self.world_size == 1, "local": str(self.local),
-                             "keep_last": self.keep_last, "keep_every": self.keep_every, "floor": self._floor()})
+        self.uploads.submit(
+            {
+                "step": step,
+                "rank": self.rank,
+                "dir": str(final),
+                "dest": self.dest,
+                "endpoint_url": self.endpoint_url,
+                "budget": _budget_spec(self.budget),
+                "marker": self.world_size == 1,
+                "local": str(self.local),
+                "keep_last": self.keep_last,
+                "keep_every": self.keep_every,
+                "floor": self._floor(),
+            }
+        )
 
     def uploading(self) -> list[int]:
         """Steps whose upload has not finished yet."""
@@ -282,8 +326,9 @@ class CheckpointStore:
         if self.world_size > 1:
             self._settle_markers()
         if failed:
-            raise CheckpointError(f"{self.dest}/{step_name(failed[0]['step'])}",
-                                  f"upload failed: {failed[0].get('error')}")
+            raise CheckpointError(
+                f"{self.dest}/{step_name(failed[0]['step'])}", f"upload failed: {failed[0].get('error')}"
+            )
 
     def _settle_markers(self) -> None:
         import torch
@@ -313,8 +358,13 @@ class CheckpointStore:
                     tmp.unlink(missing_ok=True)
                 prune_remote(source, self.keep_last, self.keep_every, self._floor())
             dist.barrier(group=self.group)  # the marker is up before any rank prunes its local copies
-            prune_local(self.local, self._dest() if self.dest is not None else None, self.keep_last,
-                        self.keep_every, self._floor())
+            prune_local(
+                self.local,
+                self._dest() if self.dest is not None else None,
+                self.keep_last,
+                self.keep_every,
+                self._floor(),
+            )
 
     def _dest(self) -> Any:
         if self._source is None:
@@ -357,8 +407,9 @@ class CheckpointStore:
                 return step
             self.skipped[step] = report.problems[0]
             more = f" (and {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else ""
-            warnings.warn(f"checkpoint {step_name(step)} skipped: {report.problems[0]}{more}", CheckpointWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"checkpoint {step_name(step)} skipped: {report.problems[0]}{more}", CheckpointWarning, stacklevel=2
+            )
         return None
 
     def _check(self, step: int, deep: bool, at_dest: bool) -> StepReport:
@@ -415,8 +466,9 @@ class CheckpointStore:
         self._verified[step] = _fingerprint(final)
         return final
 
-    def restore_warm(self, step: int, loader: Any, stack: Any = None, batches: int | None = None,
-                     minutes: float | None = None) -> int:
+    def restore_warm(
+        self, step: int, loader: Any, stack: Any = None, batches: int | None = None, minutes: float | None = None
+    ) -> int:
         """Pre-stage, before the first step on a fresh node, the shards the loader's next batches
         need (recorded at commit, else derived from the loader's cursor; `minutes`: as many batches
         as the loop ran in that time before the stop) and give the tiers back their saved

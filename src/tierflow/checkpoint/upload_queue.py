@@ -89,10 +89,16 @@ class UploadQueue:
         env = dict(os.environ)
         root = str(Path(tierflow.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen([sys.executable, "-m", "tierflow.checkpoint.uploader"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, env=env)
-        threading.Thread(target=self._read_answers, args=(self._proc,), daemon=True,
-                         name="tierflow-ckpt-answers").start()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tierflow.checkpoint.uploader"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        threading.Thread(
+            target=self._read_answers, args=(self._proc,), daemon=True, name="tierflow-ckpt-answers"
+        ).start()
         return self._proc
 
     def _read_answers(self, proc: subprocess.Popen[str]) -> None:

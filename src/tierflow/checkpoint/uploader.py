@@ -24,8 +24,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tierflow.checkpoint.manifest import (COMMIT_NAME, decode, parse_step, part_entries, part_name, read_manifest,
-                                          step_name)
+from tierflow.checkpoint.manifest import (
+    COMMIT_NAME,
+    decode,
+    parse_step,
+    part_entries,
+    part_name,
+    read_manifest,
+    step_name,
+)
 from tierflow.checkpoint.remote import open_dest, prune_local, prune_remote, retained
 from tierflow.storage.budget import BandwidthBudget
 
@@ -74,8 +81,15 @@ def _superseded(step: int, job: dict[str, Any]) -> bool:
     """Whether local retention keeps `step` no longer: newer committed steps push it out of
     keep_last, so the local copy may be going under the upload (its removal is not atomic)."""
     local = Path(job["local"])
-    committed = {s for s in (parse_step(p.name) for p in local.iterdir()) if s is not None
-                 and (local / step_name(s) / COMMIT_NAME).is_file()} if local.is_dir() else set()
+    committed = (
+        {
+            s
+            for s in (parse_step(p.name) for p in local.iterdir())
+            if s is not None and (local / step_name(s) / COMMIT_NAME).is_file()
+        }
+        if local.is_dir()
+        else set()
+    )
     keep = retained(committed | {step}, job.get("keep_last"), job.get("keep_every"), job.get("floor"))
     return step not in keep
 
@@ -86,9 +100,13 @@ def main() -> int:
         job = json.loads(line)
         try:
             answer = upload_part(job)
-        except Exception as exc:  # noqa: BLE001 - reported to the store, which raises it in wait()
-            answer = {"step": job.get("step"), "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                      "trace": traceback.format_exc(limit=5)}
+        except Exception as exc:
+            answer = {
+                "step": job.get("step"),
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc(limit=5),
+            }
         if answering:
             try:
                 print(json.dumps(answer), flush=True)

@@ -72,8 +72,10 @@ def restore_heat(tiers: Sequence[Tier], saved: dict[str, Any]) -> int:
         record = saved.get(tier.name)
         if not isinstance(record, dict) or "clock" not in record:
             continue  # a /1 record (hits only) or a tier the checkpoint did not have
-        entries = [EntryHeat(str(e["key"]), int(e["size"]), int(e["hits"]), float(e["last_access"]),
-                             dict(e["stats"])) for e in record["entries"]]
+        entries = [
+            EntryHeat(str(e["key"]), int(e["size"]), int(e["hits"]), float(e["last_access"]), dict(e["stats"]))
+            for e in record["entries"]
+        ]
         restored += tier.restore_heat(entries, shift=tier.clock() - float(record["clock"]))
     return restored
 
@@ -94,9 +96,12 @@ def warm_state(loader: Any, batches: int, stack: Any = None) -> dict[str, Any]:
 
     cursor = cursor_of(loader)
     manifest = loader.dataset.manifest
-    state: dict[str, Any] = {"format": WARM_FORMAT, "batches": batches, "loader": loader.state_dict(),
-                             "next_shards": [shard_file_name(manifest, i)
-                                             for i in next_shards(loader.dataset, cursor, batches)]}
+    state: dict[str, Any] = {
+        "format": WARM_FORMAT,
+        "batches": batches,
+        "loader": loader.state_dict(),
+        "next_shards": [shard_file_name(manifest, i) for i in next_shards(loader.dataset, cursor, batches)],
+    }
     rate = batches_per_second(loader)
     if rate is not None:
         state["batches_per_s"] = rate
@@ -106,8 +111,14 @@ def warm_state(loader: Any, batches: int, stack: Any = None) -> dict[str, Any]:
     return state
 
 
-def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | None = None,
-                 rank: int = 0, minutes: float | None = None) -> int:
+def restore_warm(
+    step_dir: Path,
+    loader: Any,
+    stack: Any = None,
+    batches: int | None = None,
+    rank: int = 0,
+    minutes: float | None = None,
+) -> int:
     """Stage the shards recorded in `step_dir` (or, without a record or with `batches`, the ones
     the loader's cursor needs next) through `stack` (default: the loader's stager's), then the
     top tier's other saved entries, and restore the saved statistics; returns how many shards
@@ -136,7 +147,9 @@ def restore_warm(step_dir: Path, loader: Any, stack: Any = None, batches: int | 
             saved_top = recorded.get("tiers", {}).get(top.name, {})
             resident = saved_top.get("entries", []) if isinstance(saved_top, dict) else []
             chosen = set(order)
-            for found in (keys.get(e["key"]) for e in resident if isinstance(e, dict) and isinstance(e.get("key"), str)):
+            for found in (
+                keys.get(e["key"]) for e in resident if isinstance(e, dict) and isinstance(e.get("key"), str)
+            ):
                 if found and found[-1] not in chosen:
                     chosen.add(found[-1])
                     order.append(found[-1])
@@ -168,8 +181,11 @@ def batches_for(path: Path, recorded: dict[str, Any], minutes: float) -> int:
     if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate) or rate <= 0:
         from tierflow.errors import CheckpointError
 
-        raise CheckpointError(str(path), "records no loop rate (the loader ran with telemetry off, or nothing "
-                              "was consumed before the commit): pass batches= instead of minutes=")
+        raise CheckpointError(
+            str(path),
+            "records no loop rate (the loader ran with telemetry off, or nothing "
+            "was consumed before the commit): pass batches= instead of minutes=",
+        )
     return max(1, math.ceil(minutes * 60 * rate))
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from tierflow.format.shard import Form
 from tierflow.telemetry.health import HealthFlag, health_flags
@@ -76,11 +77,15 @@ class BytesPerEpoch:
         """The figures as a sentence: per epoch over a run of one epoch or more; over a shorter run,
         what it fetched in all (a cold start spread over 0.04 epochs is no per-epoch figure)."""
         if self.epochs >= 1:
-            return (f"per epoch: {self.measured:.2f}x the dataset over {self.epochs:.1f} epochs "
-                    f"(plan {self.predicted:.2f}x; optimum with the same room {self.optimum:.2f}x)")
+            return (
+                f"per epoch: {self.measured:.2f}x the dataset over {self.epochs:.1f} epochs "
+                f"(plan {self.predicted:.2f}x; optimum with the same room {self.optimum:.2f}x)"
+            )
         e = self.epochs
-        return (f"in all: {self.measured * e:.2f}x the dataset in {e:.2g} of an epoch, too short a run for a "
-                f"per-epoch figure (plan {self.predicted * e:.2f}x; optimum with the same room {self.optimum * e:.2f}x)")
+        return (
+            f"in all: {self.measured * e:.2f}x the dataset in {e:.2g} of an epoch, too short a run for a "
+            f"per-epoch figure (plan {self.predicted * e:.2f}x; optimum with the same room {self.optimum * e:.2f}x)"
+        )
 
 
 @dataclass(frozen=True)
@@ -117,10 +122,20 @@ class BenchResult:
         return self.dry_run_s / self.loader_s if self.loader_s > 0 else 0.0
 
 
-def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_workers: int = 0,
-              registry: MetricsRegistry | None = None, events: Any = None,
-              tier_layout: Sequence[tuple[str, int, bool]] = (), stager: Any = None,
-              on_batch: Callable[[int, Any], None] | None = None, budget: Any = None) -> BenchResult:
+def run_bench(
+    dataset: Any,
+    steps: int,
+    step: Step,
+    *,
+    device: str = "cpu",
+    num_workers: int = 0,
+    registry: MetricsRegistry | None = None,
+    events: Any = None,
+    tier_layout: Sequence[tuple[str, int, bool]] = (),
+    stager: Any = None,
+    on_batch: Callable[[int, Any], None] | None = None,
+    budget: Any = None,
+) -> BenchResult:
     """Run `steps` batches of `dataset` (a TieredDataset) through the Loader, then the dry run.
 
     `registry` should be the tier stack's, so tier figures land beside the loader's; `tier_layout`
@@ -137,8 +152,9 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     warmup = startup_batches(steps)
     telemetry = LoaderTelemetry(registry, events=events, startup_batches=warmup)
     start = dataset.state_dict()
-    loader = Loader(dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager,
-                    endless=True)  # `steps` steps, across epoch edges
+    loader = Loader(
+        dataset, device, num_workers=num_workers, telemetry=telemetry, stager=stager, endless=True
+    )  # `steps` steps, across epoch edges
     kept: list[Any] = []
     acquired_before = sum(budget.acquired_bytes.values()) if budget is not None else 0
     began = started = time.perf_counter()
@@ -163,7 +179,7 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     dataset.load_state_dict(start)
 
     started = time.perf_counter()
-    timed = kept[max(0, warmup - 1):]  # the batches the loader's timed run covered
+    timed = kept[max(0, warmup - 1) :]  # the batches the loader's timed run covered
     for batch in timed:
         step(batch)
     dry_run_s = time.perf_counter() - started
@@ -174,18 +190,35 @@ def run_bench(dataset: Any, steps: int, step: Step, *, device: str = "cpu", num_
     manifest = getattr(dataset, "manifest", None)
     dataset_bytes = sum(s.decoded_bytes for s in manifest.shards) if manifest is not None else None
     shard_bytes = dataset_bytes // max(1, len(manifest.shards)) if manifest is not None and dataset_bytes else None
-    verdict = judge(figures, tiers, dry_run_step_s=dry_run_s / len(timed), dataset_bytes=dataset_bytes,
-                    shard_bytes=shard_bytes, workers=num_workers,
-                    loader_ratio=dry_run_s / loader_s if loader_s > 0 else None)
+    verdict = judge(
+        figures,
+        tiers,
+        dry_run_step_s=dry_run_s / len(timed),
+        dataset_bytes=dataset_bytes,
+        shard_bytes=shard_bytes,
+        workers=num_workers,
+        loader_ratio=dry_run_s / loader_s if loader_s > 0 else None,
+    )
     per_epoch = _bytes_per_epoch(dataset, snapshot, len(kept), tier_layout) if tier_layout else None
     if events is not None:
         events.close(loader_s=loader_s, dry_run_s=dry_run_s, steps=len(kept), verdict=verdict)
-    return BenchResult(len(kept), loader_s, dry_run_s, figures, tiers, verdict,
-                       health_flags(figures, tiers, bandwidth_use=bandwidth_use), per_epoch, startup_s, warmup)
+    return BenchResult(
+        len(kept),
+        loader_s,
+        dry_run_s,
+        figures,
+        tiers,
+        verdict,
+        health_flags(figures, tiers, bandwidth_use=bandwidth_use),
+        per_epoch,
+        startup_s,
+        warmup,
+    )
 
 
-def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
-                     tier_layout: Sequence[tuple[str, int, bool]]) -> BytesPerEpoch | None:
+def _bytes_per_epoch(
+    dataset: Any, snapshot: dict, steps: int, tier_layout: Sequence[tuple[str, int, bool]]
+) -> BytesPerEpoch | None:
     """The run's bytes from below against the plan for the same steps (epochs prorated)."""
     from tierflow.commands.plan import plan_cache
 
@@ -193,25 +226,38 @@ def _bytes_per_epoch(dataset: Any, snapshot: dict, steps: int,
     if manifest is None or not hasattr(dataset, "working_set"):
         return None
     at_rest = sum(s.bytes for s in manifest.shards)
-    fetched = sum(c["value"] for c in snapshot.get("counters", [])
-                  if c["name"] == STACK_SOURCE_BYTES and c["labels"].get("tier") == "source")
+    fetched = sum(
+        c["value"]
+        for c in snapshot.get("counters", [])
+        if c["name"] == STACK_SOURCE_BYTES and c["labels"].get("tier") == "source"
+    )
     world = dataset.world
     node_samples = dataset.order.layout.node_samples(world.node, world.num_nodes)
     samples = steps * dataset.batch_size * dataset.batcher.batches_per_group * world.ranks_per_node
     epochs = samples / max(1, node_samples)
     top, capacity, decoded = tier_layout[0]
-    plan = plan_cache(dataset, capacity, epochs=max(1, -(-samples // max(1, node_samples))),
-                      form=Form.DECODED if decoded else Form.AT_REST, working_set=dataset.working_set)
+    plan = plan_cache(
+        dataset,
+        capacity,
+        epochs=max(1, -(-samples // max(1, node_samples))),
+        form=Form.DECODED if decoded else Form.AT_REST,
+        working_set=dataset.working_set,
+    )
 
     def prorated(per: list[Any]) -> float:
         whole, part = int(epochs), epochs - int(epochs)
         total = sum(e.ratio for e in per[:whole]) + (per[whole].ratio * part if whole < len(per) else 0.0)
         return total / epochs if epochs else 0.0
 
-    return BytesPerEpoch(fetched / at_rest / epochs if epochs and at_rest else 0.0,
-                         prorated(plan.predicted), prorated(plan.optimum), epochs, top, int(capacity), at_rest)
-
-
+    return BytesPerEpoch(
+        fetched / at_rest / epochs if epochs and at_rest else 0.0,
+        prorated(plan.predicted),
+        prorated(plan.optimum),
+        epochs,
+        top,
+        int(capacity),
+        at_rest,
+    )
 
 
 def format_result(result: BenchResult, step_ms: float | None = None) -> str:
@@ -229,22 +275,33 @@ def format_result(result: BenchResult, step_ms: float | None = None) -> str:
         "stalls: " + (", ".join(f"{k} {v:.2f}s" for k, v in sorted(lf.stall_s.items())) or "none"),
     ]
     if result.tiers:
-        lines += ["", f"{'tier':<8}{'hit ratio':>10}{'hits':>8}{'misses':>8}{'MB in':>9}{'MB out':>9}{'evict':>7}"
-                  f"{'unused':>8}{'occupancy':>12}{'fetch p99':>11}"]
+        lines += [
+            "",
+            f"{'tier':<8}{'hit ratio':>10}{'hits':>8}{'misses':>8}{'MB in':>9}{'MB out':>9}{'evict':>7}"
+            f"{'unused':>8}{'occupancy':>12}{'fetch p99':>11}",
+        ]
         for t in result.tiers.values():
-            lines.append(f"{t.tier:<8}{t.demand_hit_ratio:10.1%}{t.hits:8d}{t.misses:8d}{t.bytes_in / 1e6:9.1f}"
-                         f"{t.bytes_out / 1e6:9.1f}{t.evictions:7d}{t.evictions_before_use:8d}"
-                         f"{t.occupancy_bytes / 1e6:7.1f}/{t.capacity_bytes / 1e6:.0f}MB"
-                         f"{t.fetch_p99_s * 1e3:9.1f}ms")
+            lines.append(
+                f"{t.tier:<8}{t.demand_hit_ratio:10.1%}{t.hits:8d}{t.misses:8d}{t.bytes_in / 1e6:9.1f}"
+                f"{t.bytes_out / 1e6:9.1f}{t.evictions:7d}{t.evictions_before_use:8d}"
+                f"{t.occupancy_bytes / 1e6:7.1f}/{t.capacity_bytes / 1e6:.0f}MB"
+                f"{t.fetch_p99_s * 1e3:9.1f}ms"
+            )
     b = result.bytes_per_epoch
     if b is not None:
         lines.append("bytes from below " + b.describe())
         if b.dataset_bytes:
-            lines.append(f"{b.tier} {b.capacity / 1e6:.1f} MB: {b.capacity / b.dataset_bytes:.0%} of the dataset's "
-                         f"{b.dataset_bytes / 1e6:.1f} MB at rest")
+            lines.append(
+                f"{b.tier} {b.capacity / 1e6:.1f} MB: {b.capacity / b.dataset_bytes:.0%} of the dataset's "
+                f"{b.dataset_bytes / 1e6:.1f} MB at rest"
+            )
     v = result.verdict
-    lines += ["", f"verdict: {v.bound} - {v.reason}", f"change: {v.change}",
-              f"recommended L1 {v.l1_bytes / 1e6:.1f} MB, L2 {v.l2_bytes / 1e6:.1f} MB, lookahead "
-              f"{v.lookahead_batches} batches (consumption {v.consumption_bytes_per_s / 1e6:.1f} MB/s)"]
+    lines += [
+        "",
+        f"verdict: {v.bound} - {v.reason}",
+        f"change: {v.change}",
+        f"recommended L1 {v.l1_bytes / 1e6:.1f} MB, L2 {v.l2_bytes / 1e6:.1f} MB, lookahead "
+        f"{v.lookahead_batches} batches (consumption {v.consumption_bytes_per_s / 1e6:.1f} MB/s)",
+    ]
     lines += [f"[{f.status}] {f.message}" for f in result.health]
     return "\n".join(lines)

@@ -18,19 +18,33 @@ from typing import Any
 def add_ckpt_parser(sub: Any) -> None:
     """The `ckpt` verb's arguments (called from commands/cli.py's build_parser)."""
     p = sub.add_parser("ckpt", help="list, verify or prune the checkpoints at a destination")
-    p.add_argument("action", choices=("ls", "verify", "prune"),
-                   help="list steps (committed or not), check every checksum of committed steps, or apply retention")
+    p.add_argument(
+        "action",
+        choices=("ls", "verify", "prune"),
+        help="list steps (committed or not), check every checksum of committed steps, or apply retention",
+    )
     p.add_argument("dest", help="checkpoint destination: s3://bucket/prefix, a directory or an fsspec URL")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// destinations")
-    p.add_argument("--local", help="ls: a node's local checkpoint directory, to show the steps committed there "
-                   "that are not (whole) at the destination")
-    p.add_argument("--step", type=int, action="append", default=[],
-                   help="verify only this step (repeatable; default: every committed step)")
-    p.add_argument("--shallow", action="store_true",
-                   help="verify sizes only, without reading every byte through xxh3")
+    p.add_argument(
+        "--local",
+        help="ls: a node's local checkpoint directory, to show the steps committed there "
+        "that are not (whole) at the destination",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        action="append",
+        default=[],
+        help="verify only this step (repeatable; default: every committed step)",
+    )
+    p.add_argument("--shallow", action="store_true", help="verify sizes only, without reading every byte through xxh3")
     p.add_argument("--keep-last", type=int, default=3, help="prune: committed steps to keep, newest first (3)")
-    p.add_argument("--keep-every", type=int, default=None,
-                   help="prune: also keep every step that is a multiple of this (default: none)")
+    p.add_argument(
+        "--keep-every",
+        type=int,
+        default=None,
+        help="prune: also keep every step that is a multiple of this (default: none)",
+    )
 
 
 def run_ckpt(args: argparse.Namespace) -> int:
@@ -98,8 +112,9 @@ def _local_only(local: str, source: Any, steps: dict[int, bool]) -> dict[int, tu
     return found
 
 
-def _summary(source: Any, step: int, done: bool, decode: Any, part_entries: Any, step_name: Any,
-             commit_name: str) -> tuple[int, int, int]:
+def _summary(
+    source: Any, step: int, done: bool, decode: Any, part_entries: Any, step_name: Any, commit_name: str
+) -> tuple[int, int, int]:
     """(parts, files, bytes) of a step from its part manifests; zeros where none is readable."""
     prefix = step_name(step)
     names = [n for n in source.list(f"{prefix}/") if n.rsplit("/", 1)[-1].startswith("tierflow-part-")]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -16,6 +17,7 @@ def command(name: str):
     def register(f: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         COMMANDS[name] = f
         return f
+
     return register
 
 
@@ -43,26 +45,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="'bytes' or PATH/tokenizer.json")
     p.add_argument("--eos-token", help="end-of-document token of a tokenizer.json")
     p.add_argument("--keep-text", action="store_true", help="keep the text column next to the tokens")
-    p.add_argument("--shard-size", type=_size, default=None,
-                   help="target decoded shard size (256MB; input files under 16GB: their size / 64, at least 1MB)")
-    p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd",
-                   help="block compression of the shards at rest (zstd)")
+    p.add_argument(
+        "--shard-size",
+        type=_size,
+        default=None,
+        help="target decoded shard size (256MB; input files under 16GB: their size / 64, at least 1MB)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=("zstd", "lz4", "none"),
+        default="zstd",
+        help="block compression of the shards at rest (zstd)",
+    )
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
-    p.add_argument("--kind", choices=("auto", "jsonl", "parquet", "files", "images", "webdataset"), default="auto",
-                   help="what to pack from a directory: auto decides from every file name and refuses a mix; "
-                   "jsonl, parquet, images, webdataset (.tar shards) pack that kind and count the other files as "
-                   "skipped; files packs every file as raw text")
+    p.add_argument(
+        "--kind",
+        choices=("auto", "jsonl", "parquet", "files", "images", "webdataset"),
+        default="auto",
+        help="what to pack from a directory: auto decides from every file name and refuses a mix; "
+        "jsonl, parquet, images, webdataset (.tar shards) pack that kind and count the other files as "
+        "skipped; files packs every file as raw text",
+    )
     p.add_argument("--include", action="append", default=[], help="glob of files to take from directories")
     p.add_argument("--exclude", action="append", default=[], help="glob of files or directories to skip")
-    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
-                   help="a bad record or file: stop naming it (raise), or count it by reason and go on (skip)")
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a bad record or file: stop naming it (raise), or count it by reason and go on (skip)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a finished dataset at --out")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint when --out is s3://")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    p.add_argument("--engine", choices=("local", "ray"), default="local",
-                   help="run the units on this machine's processes (local) or as Ray tasks (ray); same shards")
-    p.add_argument("--address", help="Ray cluster to join with --engine ray (auto, ray://HOST:10001; "
-                   "default: $RAY_ADDRESS, else a local cluster)")
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="run the units on this machine's processes (local) or as Ray tasks (ray); same shards",
+    )
+    p.add_argument(
+        "--address",
+        help="Ray cluster to join with --engine ray (auto, ray://HOST:10001; "
+        "default: $RAY_ADDRESS, else a local cluster)",
+    )
 
     p = sub.add_parser("inspect", help="manifest summary and the first samples")
     p.add_argument("dataset", help="dataset directory or URL (s3://bucket/prefix, file://...)")
@@ -74,30 +99,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
     p = sub.add_parser("cache", help="show, warm, evict or clean a node's tiers")
-    p.add_argument("action", choices=("ls", "warm", "evict", "clean"),
-                   help="list entries, pre-stage a dataset, evict entries, or remove leftover files")
+    p.add_argument(
+        "action",
+        choices=("ls", "warm", "evict", "clean"),
+        help="list entries, pre-stage a dataset, evict entries, or remove leftover files",
+    )
     p.add_argument("dataset", nargs="?", help="dataset URL (warm) or dataset id (evict)")
-    p.add_argument("--all", action="store_true", dest="all_datasets",
-                   help="evict every dataset's entries: the tiers are the node's, other jobs' entries included")
-    p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
-                   help="a tier of this node (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_datasets",
+        help="evict every dataset's entries: the tiers are the node's, other jobs' entries included",
+    )
+    p.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
+        help="a tier of this node (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)",
+    )
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
     p = sub.add_parser("demo", help="end-to-end demo on the standard library's source files")
     p.add_argument("--out", default="demo-out", help="folder for the packed data, event log and report")
     p.add_argument("--max-files", type=int, default=None, help="a reduced run (CI)")
-    p.add_argument("--images", action="store_true",
-                   help="the multimodal demo instead: JPEGs cut from sample photographs, packed, decoded and "
-                   "augmented through a throttled L4 and a small L2, a tiny CNN trained (out: demo-images)")
+    p.add_argument(
+        "--images",
+        action="store_true",
+        help="the multimodal demo instead: JPEGs cut from sample photographs, packed, decoded and "
+        "augmented through a throttled L4 and a small L2, a tiny CNN trained (out: demo-images)",
+    )
     p.add_argument("--count", type=int, default=2000, help="with --images: how many JPEGs (2000)")
 
-    p = sub.add_parser("gc", help="remove the shards of a dataset (directory or URL) that its manifest does not "
-                                  "reference")
+    p = sub.add_parser(
+        "gc", help="remove the shards of a dataset (directory or URL) that its manifest does not reference"
+    )
     p.add_argument("dataset", help="dataset directory or URL (on a URL, shards written after the manifest stay)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
-    p = sub.add_parser("upgrade", help="write a dataset's version-3 metadata (mapped shard and block tables "
-                                       "beside a small header) in place, from its manifest.json; atomic")
+    p = sub.add_parser(
+        "upgrade",
+        help="write a dataset's version-3 metadata (mapped shard and block tables "
+        "beside a small header) in place, from its manifest.json; atomic",
+    )
     p.add_argument("dataset", help="dataset directory or URL (the manifest.json stays for older readers)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
 
@@ -108,19 +152,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="samples per batch")
     p.add_argument("--seq-len", type=int, default=None, help="token windows of this length (default: samples)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers (0: a background thread)")
-    p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
-                   help="a tier of this node (default: none, read the source directly)")
+    p.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
+        help="a tier of this node (default: none, read the source directly)",
+    )
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
-    p.add_argument("--bandwidth", type=_size, default=None,
-                   help="this job's cap on its fetches, bytes/s (under the node's TIERFLOW_NODE_BANDWIDTH)")
+    p.add_argument(
+        "--bandwidth",
+        type=_size,
+        default=None,
+        help="this job's cap on its fetches, bytes/s (under the node's TIERFLOW_NODE_BANDWIDTH)",
+    )
     p.add_argument("--log", help="write the run's JSONL event log here (for report and top)")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve metrics on 127.0.0.1:PORT")
 
-    p = sub.add_parser("plan", help="predict bytes per epoch through the tiers before a run, and the curve "
-                                    "of bytes against capacity")
+    p = sub.add_parser(
+        "plan", help="predict bytes per epoch through the tiers before a run, and the curve of bytes against capacity"
+    )
     p.add_argument("dataset", help="dataset directory or URL")
-    p.add_argument("--tier", action="append", default=[], metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
-                   help="the node's top tier (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)")
+    p.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        metavar="NAME=PATH[:CAPACITY[:POLICY[:FORM]]]",
+        help="the node's top tier (default: L2 under $TIERFLOW_CACHE or ~/.cache/tierflow)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="samples per batch")
     p.add_argument("--seq-len", type=int, default=None, help="token windows of this length (default: samples)")
     p.add_argument("--epochs", type=int, default=3, help="epochs to plan over")
@@ -146,11 +205,26 @@ def build_parser() -> argparse.ArgumentParser:
 def _pack(args: argparse.Namespace) -> int:
     from tierflow.pack.packer import pack
 
-    pack(args.sources, args.out, workers=args.workers, target_shard_bytes=args.shard_size,
-         compression=args.compression, tokenizer=args.tokenizer, eos_token=args.eos_token,
-         text_field=args.text_field, keep_text=args.keep_text, kind=args.kind, include=args.include,
-         exclude=args.exclude, on_error=args.on_error, overwrite=args.overwrite, progress=not args.quiet,
-         endpoint_url=args.endpoint_url, engine=args.engine, address=args.address)
+    pack(
+        args.sources,
+        args.out,
+        workers=args.workers,
+        target_shard_bytes=args.shard_size,
+        compression=args.compression,
+        tokenizer=args.tokenizer,
+        eos_token=args.eos_token,
+        text_field=args.text_field,
+        keep_text=args.keep_text,
+        kind=args.kind,
+        include=args.include,
+        exclude=args.exclude,
+        on_error=args.on_error,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        endpoint_url=args.endpoint_url,
+        engine=args.engine,
+        address=args.address,
+    )
     return 0
 
 
@@ -177,8 +251,10 @@ def _inspect(args: argparse.Namespace) -> int:
     at_rest = int(shard_column(m, "bytes").sum())  # a mapped column: no object per shard
     decoded = int(shard_column(m, "decoded_bytes").sum())
     console.print(f"[bold]{args.dataset}[/]  dataset {m.dataset_id}  format v{m.format_version}")
-    console.print(f"{m.num_samples:,} samples in {len(m.shards)} shards; {at_rest / 1e6:.1f} MB at rest, "
-                  f"{decoded / 1e6:.1f} MB decoded")
+    console.print(
+        f"{m.num_samples:,} samples in {len(m.shards)} shards; {at_rest / 1e6:.1f} MB at rest, "
+        f"{decoded / 1e6:.1f} MB decoded"
+    )
     if m.token_column:
         console.print(f"{m.num_tokens:,} tokens ({m.token_dtype}), tokenizer {m.tokenizer}")
     console.print("columns: " + ", ".join(f"{f.name}: {f.type}" for f in m.schema))
@@ -216,8 +292,11 @@ def _verify(args: argparse.Namespace) -> int:
         problems = verify_metadata(manifest) if isinstance(manifest, MappedManifest) else []
         problems = problems or verify_source(source, manifest)
     if not manifest.checksummed:
-        print(f"{args.dataset}: the manifest has no checksum (packed before tierflow wrote one); its counts "
-              f"were checked against the shard bytes instead", file=sys.stderr)
+        print(
+            f"{args.dataset}: the manifest has no checksum (packed before tierflow wrote one); its counts "
+            f"were checked against the shard bytes instead",
+            file=sys.stderr,
+        )
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
@@ -263,6 +342,7 @@ def _upgrade(args: argparse.Namespace) -> int:
             where = upgrade_source(open_store(args.dataset, endpoint_url=args.endpoint_url), work)
     else:
         from tierflow.format.manifest import MANIFEST_NAME
+
         if not (root / MANIFEST_NAME).is_file():
             print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
             return 1
@@ -291,15 +371,18 @@ def _confirm_evict_all(tiers: list) -> None:
     if not entries:
         return
     datasets = len({r.dataset for r in entries})
-    what = (f"{len(entries)} entries of {datasets} dataset{'s' * (datasets != 1)} from "
-            + ", ".join(f"{t.name} ({t.root})" for t in tiers))
+    what = f"{len(entries)} entries of {datasets} dataset{'s' * (datasets != 1)} from " + ", ".join(
+        f"{t.name} ({t.root})" for t in tiers
+    )
     if sys.stdin.isatty():
         answer = input(f"evict {what}? These tiers are the node's: other jobs' entries go too. [y/N] ")
         if answer.strip().lower() in ("y", "yes"):
             return
         raise ValueError("nothing evicted")
-    raise ValueError(f"without a dataset id this would evict {what}, other jobs' included; pass a dataset id "
-                     f"(see `tierflow cache ls`) or --all")
+    raise ValueError(
+        f"without a dataset id this would evict {what}, other jobs' included; pass a dataset id "
+        f"(see `tierflow cache ls`) or --all"
+    )
 
 
 @command("cache")
@@ -320,8 +403,10 @@ def _cache(args: argparse.Namespace) -> int:
         with Progress(transient=True) as progress:
             task = progress.add_task(f"warming {args.dataset}", total=len(manifest.shards))
             warmed, declined = stack.warm(lambda: progress.advance(task))
-        console.print(f"warmed {warmed} shards of {manifest.dataset_id}"
-                      + (f"; {declined} did not fit (no tier would take them)" if declined else ""))
+        console.print(
+            f"warmed {warmed} shards of {manifest.dataset_id}"
+            + (f"; {declined} did not fit (no tier would take them)" if declined else "")
+        )
     tiers = [c.build(configure=False) for c in configs]  # a look: the first job to write decides the config
     if args.action == "evict":
         if not args.dataset and not args.all_datasets:
@@ -342,8 +427,16 @@ def _cache(args: argparse.Namespace) -> int:
                 per_dataset.setdefault(r.dataset or "-", []).append(r.size)
             snap = t.snapshot()
             for dataset, sizes in sorted(per_dataset.items()) or [("-", [])]:
-                table.add_row(t.name, str(t.root), t.form, t.policy_name, dataset, str(len(sizes)),
-                              f"{sum(sizes) / 1e6:.1f} MB", f"{snap['capacity'] / 1e6:.1f} MB")
+                table.add_row(
+                    t.name,
+                    str(t.root),
+                    t.form,
+                    t.policy_name,
+                    dataset,
+                    str(len(sizes)),
+                    f"{sum(sizes) / 1e6:.1f} MB",
+                    f"{snap['capacity'] / 1e6:.1f} MB",
+                )
         console.print(table)
     return 0
 
@@ -372,11 +465,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     registry = MetricsRegistry()
     configs = parse_tiers(args.tier) if args.tier else []
-    stack = build_stack(args.dataset, configs, endpoint_url=args.endpoint_url, bandwidth=args.bandwidth,
-                        registry=registry)
+    stack = build_stack(
+        args.dataset, configs, endpoint_url=args.endpoint_url, bandwidth=args.bandwidth, registry=registry
+    )
     dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=args.batch_size, seq_len=args.seq_len))
-    events = EventLog(args.log, registry, name=f"bench {args.dataset}", steps=args.steps,
-                      step_ms=args.step_ms) if args.log else None
+    events = (
+        EventLog(args.log, registry, name=f"bench {args.dataset}", steps=args.steps, step_ms=args.step_ms)
+        if args.log
+        else None
+    )
     exporter = None
     if args.prometheus_port is not None:
         from tierflow.telemetry.prometheus import PrometheusExporter
@@ -388,9 +485,17 @@ def _bench(args: argparse.Namespace) -> int:
         from tierflow.tiers.stager import Stager
 
         stager = Stager(dataset, stack) if stack.tiers else None
-        result = run_bench(dataset, args.steps, simulated_step(args.step_ms), num_workers=args.workers,
-                           registry=registry, events=events, tier_layout=layout, stager=stager,
-                           budget=getattr(stack.source, "budget", None))
+        result = run_bench(
+            dataset,
+            args.steps,
+            simulated_step(args.step_ms),
+            num_workers=args.workers,
+            registry=registry,
+            events=events,
+            tier_layout=layout,
+            stager=stager,
+            budget=getattr(stack.source, "budget", None),
+        )
     finally:
         if exporter is not None:
             exporter.stop()
@@ -417,41 +522,69 @@ def _plan(args: argparse.Namespace) -> int:
     decoded = int(shard_column(dataset.manifest, "decoded_bytes").sum())
     sample = choose_sample(dataset)  # a huge dataset: a sample of its shards (said below)
     uses = node_uses(dataset, dataset.working_set, args.epochs, sample)  # one walk of the order for every plan below
-    plans = {form: plan_cache(dataset, top.capacity, epochs=args.epochs, policy=top.policy_name, form=form,
-                              working_set=dataset.working_set, uses=uses, sample=sample)
-             for form in (Form.AT_REST, Form.DECODED)}
+    plans = {
+        form: plan_cache(
+            dataset,
+            top.capacity,
+            epochs=args.epochs,
+            policy=top.policy_name,
+            form=form,
+            working_set=dataset.working_set,
+            uses=uses,
+            sample=sample,
+        )
+        for form in (Form.AT_REST, Form.DECODED)
+    }
     plan = plans[top.form]
     console = output_console()
     ws = dataset.working_set
-    console.print(f"{args.dataset}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB "
-                  f"decoded ({decoded / max(at_rest, 1):.1f}x); {top.name} {top.capacity / 1e6:.1f} MB "
-                  f"({top.capacity / max(at_rest, 1):.0%} of the dataset at rest, {top.capacity / max(decoded, 1):.0%} "
-                  f"of it decoded), form {top.form}, policy {top.policy_name}")
-    console.print(f"working set: {ws.lanes} lanes x windows of {ws.window_shards} shards = {ws.shards} shards "
-                  f"({ws.reason}; the same at any capacity); staging area {plan.staging / 1e6:.1f} MB in "
-                  f"{top.name}'s form")
+    console.print(
+        f"{args.dataset}: {len(shards)} shards, {at_rest / 1e6:.1f} MB at rest, {decoded / 1e6:.1f} MB "
+        f"decoded ({decoded / max(at_rest, 1):.1f}x); {top.name} {top.capacity / 1e6:.1f} MB "
+        f"({top.capacity / max(at_rest, 1):.0%} of the dataset at rest, {top.capacity / max(decoded, 1):.0%} "
+        f"of it decoded), form {top.form}, policy {top.policy_name}"
+    )
+    console.print(
+        f"working set: {ws.lanes} lanes x windows of {ws.window_shards} shards = {ws.shards} shards "
+        f"({ws.reason}; the same at any capacity); staging area {plan.staging / 1e6:.1f} MB in "
+        f"{top.name}'s form"
+    )
     if ws.first_epoch is not None:
-        console.print(f"first epoch: {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]} shards "
-                      f"(a cold node streams it at the link's rate; narrow_first_epoch=False reads it as wide)")
+        console.print(
+            f"first epoch: {ws.first_epoch[0]} lanes at a time x windows of {ws.first_epoch[1]} shards "
+            f"(a cold node streams it at the link's rate; narrow_first_epoch=False reads it as wide)"
+        )
     mark = {form: " (this tier)" if form is top.form else "" for form in plans}
-    table = folding_table("epoch", *(f"{form} from below{mark[form]}" for form in plans), "of the dataset",
-                  "optimum (same room)", f"optimum ({top.name} alone)")
+    table = folding_table(
+        "epoch",
+        *(f"{form} from below{mark[form]}" for form in plans),
+        "of the dataset",
+        "optimum (same room)",
+        f"optimum ({top.name} alone)",
+    )
     for epoch, got in enumerate(plan.predicted):
-        table.add_row(str(got.epoch + 1), *(f"{p.predicted[epoch].fetched / 1e6:.2f} MB ({p.predicted[epoch].ratio:.2f})"
-                                            for p in plans.values()),
-                      f"{got.ratio:.2f}", f"{plan.optimum[epoch].ratio:.2f}",
-                      f"{plan.tier_optimum[epoch].ratio:.2f}" if plan.tier_optimum else "-")
+        table.add_row(
+            str(got.epoch + 1),
+            *(f"{p.predicted[epoch].fetched / 1e6:.2f} MB ({p.predicted[epoch].ratio:.2f})" for p in plans.values()),
+            f"{got.ratio:.2f}",
+            f"{plan.optimum[epoch].ratio:.2f}",
+            f"{plan.tier_optimum[epoch].ratio:.2f}" if plan.tier_optimum else "-",
+        )
     console.print(table)
-    console.print("bytes from below per epoch, predicted for each form at this capacity; ratios are of the dataset "
-                  "at rest (a tier keeps shards at rest unless it holds the whole decoded dataset: docs/tiers.md)")
+    console.print(
+        "bytes from below per epoch, predicted for each form at this capacity; ratios are of the dataset "
+        "at rest (a tier keeps shards at rest unless it holds the whole decoded dataset: docs/tiers.md)"
+    )
     if sample is not None:
         console.print(sample.describe())
-    curve = capacity_curve(dataset, CURVE, epochs=args.epochs, form=top.form, policy=top.policy_name, uses=uses,
-                           sample=sample)
+    curve = capacity_curve(
+        dataset, CURVE, epochs=args.epochs, form=top.form, policy=top.policy_name, uses=uses, sample=sample
+    )
     table = folding_table(f"{top.name} capacity", "of the dataset at rest", "warm epoch from below", "optimum")
     for point, fraction in zip(curve, CURVE):
-        table.add_row(f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}", f"{point.warm_ratio:.2f}",
-                      f"{point.warm_optimum:.2f}")
+        table.add_row(
+            f"{point.capacity / 1e6:.1f} MB", f"{fraction:.0%}", f"{point.warm_ratio:.2f}", f"{point.warm_optimum:.2f}"
+        )
     console.print(table)
     console.print(recommended(curve, at_rest))
     return 0
@@ -476,8 +609,9 @@ def _top(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     from tierflow.format.manifest import ManifestError
     from tierflow.pack.tokenize import PackInputError
 
@@ -486,8 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.verbose:
             raise
-        resume = ("; nothing was published: rerun the same command to carry on (the shards it sealed are kept)"
-                  if args.command == "pack" else "")
+        resume = (
+            "; nothing was published: rerun the same command to carry on (the shards it sealed are kept)"
+            if args.command == "pack"
+            else ""
+        )
         print(f"tierflow {args.command}: interrupted{resume}", file=sys.stderr)
         return 130
     except (PackInputError, ManifestError, FileNotFoundError, KeyError, ValueError, OSError) as e:

@@ -17,7 +17,8 @@ import shutil
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 from rich.console import Console
@@ -53,25 +54,46 @@ def _subset(source: Path, dest: Path, max_files: int) -> Path:
 def pack_and_check(source: Path, out: Path, shard_bytes: int, console: Console) -> float:
     console.rule("[bold]1. pack the standard library")
     console.print(f"source: {source} (*.py; site-/dist-packages excluded)")
-    summary = pack([source], out, target_shard_bytes=shard_bytes, include=INCLUDE, exclude=STDLIB_EXCLUDE,
-                   tokenizer="bytes", overwrite=True, progress=True)
+    summary = pack(
+        [source],
+        out,
+        target_shard_bytes=shard_bytes,
+        include=INCLUDE,
+        exclude=STDLIB_EXCLUDE,
+        tokenizer="bytes",
+        overwrite=True,
+        progress=True,
+    )
     ds = open_dataset(out)
     bad = [p for info in ds.manifest.shards for p in verify_shard(out / info.name, info)]
     eos = ds.manifest.eos_id
     assert eos is not None, "the bytes tokenizer ends each document with an eos id"
-    mismatched = sum(not np.array_equal(
-        sample["tokens"], np.append(np.frombuffer((source / sample["path"]).read_bytes(), np.uint8), eos))
-        for sample in ds)
+    mismatched = sum(
+        not np.array_equal(
+            sample["tokens"], np.append(np.frombuffer((source / sample["path"]).read_bytes(), np.uint8), eos)
+        )
+        for sample in ds
+    )
     if bad or mismatched:
         raise SystemExit(f"demo: {len(bad)} bad shards, {mismatched} samples differ from their files")
-    console.print(f"verified {len(ds.manifest.shards)} shards; all {len(ds):,} samples equal their files "
-                  f"(byte tokens + EOS)")
+    console.print(
+        f"verified {len(ds.manifest.shards)} shards; all {len(ds):,} samples equal their files (byte tokens + EOS)"
+    )
     return summary.seconds
 
 
-def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, shard_bytes: int = 1 << 20,
-             step_ms: float = 5.0, epochs: int = 3, train_steps: int = 200, bandwidth: float = 2e6,
-             seq_len: int = 1024, batch_size: int = 16, console: Console | None = None) -> dict:
+def run_demo(
+    out: str | os.PathLike = "demo-out",
+    max_files: int | None = None,
+    shard_bytes: int = 1 << 20,
+    step_ms: float = 5.0,
+    epochs: int = 3,
+    train_steps: int = 200,
+    bandwidth: float = 2e6,
+    seq_len: int = 1024,
+    batch_size: int = 16,
+    console: Console | None = None,
+) -> dict:
     import logging
 
     from tierflow.loader import TieredDataset, BatchSpec
@@ -101,18 +123,25 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
     # a 30% cache, on the user's yardstick: 30% of the dataset's bytes at rest (at least 4 shards)
     l2_capacity = max(int(0.3 * at_rest), 4 * max(s.bytes for s in manifest.shards))
     registry = MetricsRegistry()
-    stack = build_stack(str(dataset_dir), [TierConfig("L2", str(node / "L2"), l2_capacity)], bandwidth=bandwidth,
-                        registry=registry)
+    stack = build_stack(
+        str(dataset_dir), [TierConfig("L2", str(node / "L2"), l2_capacity)], bandwidth=bandwidth, registry=registry
+    )
     l2 = stack.tiers[0]
     console.rule("[bold]2. three epochs through a throttled L4 and a small L2")
-    console.print(f"L4: {dataset_dir} at {bandwidth / 1e6:.1f} MB/s; L2: {node / 'L2'} holds "
-                  f"{l2_capacity / 1e6:.1f} MB, {l2_capacity / at_rest:.0%} of the dataset's {at_rest / 1e6:.1f} MB at "
-                  f"rest ({decoded / 1e6:.1f} MB decoded), kept {l2.form}; step {step_ms:g} ms; batches of "
-                  f"{batch_size} x {seq_len + 1} tokens")
-    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=batch_size, seq_len=seq_len))  # defaults: the dataset's order
+    console.print(
+        f"L4: {dataset_dir} at {bandwidth / 1e6:.1f} MB/s; L2: {node / 'L2'} holds "
+        f"{l2_capacity / 1e6:.1f} MB, {l2_capacity / at_rest:.0%} of the dataset's {at_rest / 1e6:.1f} MB at "
+        f"rest ({decoded / 1e6:.1f} MB decoded), kept {l2.form}; step {step_ms:g} ms; batches of "
+        f"{batch_size} x {seq_len + 1} tokens"
+    )
+    ds = TieredDataset(
+        stack.dataset(), BatchSpec(batch_size=batch_size, seq_len=seq_len)
+    )  # defaults: the dataset's order
     ws = ds.working_set
-    console.print(f"order: {ws.lanes} lane(s) x windows of {ws.window_shards} shard(s) ({ws.reason}); "
-                  f"staging area {stack.staging_bytes / 1e6:.1f} MB of RAM")
+    console.print(
+        f"order: {ws.lanes} lane(s) x windows of {ws.window_shards} shard(s) ({ws.reason}); "
+        f"staging area {stack.staging_bytes / 1e6:.1f} MB of RAM"
+    )
     stager = Stager(ds, stack)
     steps_per_epoch = max(1, ds.num_order_samples // (batch_size * ds.world.ranks_per_node))
     source_bytes = registry.counter(STACK_SOURCE_BYTES, {"tier": "source"})
@@ -129,9 +158,17 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
 
     log_path = out / "run.jsonl"
     events = EventLog(log_path, registry, name="tierflow demo", steps=epochs * steps_per_epoch, step_ms=step_ms)
-    result = run_bench(ds, epochs * steps_per_epoch, simulated_step(step_ms), registry=registry, events=events,
-                       tier_layout=[(t.name, t.capacity, t.form is Form.DECODED) for t in stack.tiers],
-                       stager=stager, on_batch=on_batch, budget=getattr(stack.source, "budget", None))
+    result = run_bench(
+        ds,
+        epochs * steps_per_epoch,
+        simulated_step(step_ms),
+        registry=registry,
+        events=events,
+        tier_layout=[(t.name, t.capacity, t.form is Form.DECODED) for t in stack.tiers],
+        stager=stager,
+        on_batch=on_batch,
+        budget=getattr(stack.source, "budget", None),
+    )
     stack.close()
     # each epoch's bytes are those that served it: the readers' own fetches while it ran, and the
     # stager's for it whenever they ran (the cold epoch's lookahead into the next is the next one's)
@@ -154,17 +191,26 @@ def run_demo(out: str | os.PathLike = "demo-out", max_files: int | None = None, 
         f"(ratio {result.ratio:.2f}); bubble rate {result.loader.bubble_rate:.1%}",
     ]
     if l2_figures is not None:
-        lines.append(f"L2 demand hit ratio {l2_figures.demand_hit_ratio:.1%}"
-                     + (f"; bytes from L4 {result.bytes_per_epoch.describe()}"
-                        if result.bytes_per_epoch is not None else ""))
-    lines += [f"verdict: {result.verdict.bound} - {result.verdict.change}",
-              f"model: {params:,} parameters, loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps "
-              f"({train_s:.1f} s)",
-              f"report: {png}   event log: {log_path}   total {total:.0f} s"]
+        lines.append(
+            f"L2 demand hit ratio {l2_figures.demand_hit_ratio:.1%}"
+            + (f"; bytes from L4 {result.bytes_per_epoch.describe()}" if result.bytes_per_epoch is not None else "")
+        )
+    lines += [
+        f"verdict: {result.verdict.bound} - {result.verdict.change}",
+        f"model: {params:,} parameters, loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps "
+        f"({train_s:.1f} s)",
+        f"report: {png}   event log: {log_path}   total {total:.0f} s",
+    ]
     for line in lines:
         console.print(line)
-    return {"ratio": result.ratio, "per_epoch_bytes": per_epoch, "losses": losses, "report": str(png),
-            "samples": manifest.num_samples, "shards": len(manifest.shards)}
+    return {
+        "ratio": result.ratio,
+        "per_epoch_bytes": per_epoch,
+        "losses": losses,
+        "report": str(png),
+        "samples": manifest.num_samples,
+        "shards": len(manifest.shards),
+    }
 
 
 def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int, float]:
@@ -203,8 +249,9 @@ def train_tiny_lm(stack, steps: int, console: Console) -> tuple[list[float], int
     return train(model, Loader(ds, endless=True), loss_of, steps, console, every=50)
 
 
-def train(model: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, console: Console,
-          every: int) -> tuple[list[float], int, float]:
+def train(
+    model: Any, loader: Any, loss_of: Callable[[dict], Any], steps: int, console: Console, every: int
+) -> tuple[list[float], int, float]:
     """`steps` AdamW steps of `model` on `loader`'s batches (across epochs): losses, parameters, seconds.
 
     The step runs on one intra-op thread: on a small CPU-only machine torch's OpenMP threads wait at

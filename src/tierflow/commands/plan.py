@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -83,13 +83,20 @@ class Sample:
         return float(sizes[self.mask].sum()) / whole if whole else 1.0
 
     def describe(self) -> str:
-        return (f"forecast from a sample of {self.shards:,} of the node's {len(self.node):,} shards "
-                f"({len(self.partitions)} partitions, thinned by shard hash; capacities and the staging area "
-                f"scaled to its share, fetches scaled back up)")
+        return (
+            f"forecast from a sample of {self.shards:,} of the node's {len(self.node):,} shards "
+            f"({len(self.partitions)} partitions, thinned by shard hash; capacities and the staging area "
+            f"scaled to its share, fetches scaled back up)"
+        )
 
 
-def choose_sample(dataset: TieredDataset, working_set: WorkingSet | None = None,
-                  target: int = SAMPLE_SHARDS, above: int = SAMPLE_ABOVE, sparse: int = 100) -> Sample | None:
+def choose_sample(
+    dataset: TieredDataset,
+    working_set: WorkingSet | None = None,
+    target: int = SAMPLE_SHARDS,
+    above: int = SAMPLE_ABOVE,
+    sparse: int = 100,
+) -> Sample | None:
     """The sample a forecast replays, or None (every shard) where the node reads at most `above` shards
     or fewer than `sparse` times its working set's: the staging area is scaled with the sample, and
     under a few shards of room its hits are lost, so it must be a small share of what the node reads
@@ -112,8 +119,9 @@ def choose_sample(dataset: TieredDataset, working_set: WorkingSet | None = None,
     return Sample(frozenset(chosen), mask, node)
 
 
-def node_uses(dataset: TieredDataset, working_set: WorkingSet, epochs: int,
-              sample: Sample | None = None) -> list[ShardUse]:
+def node_uses(
+    dataset: TieredDataset, working_set: WorkingSet, epochs: int, sample: Sample | None = None
+) -> list[ShardUse]:
     """This node's shard uses over `epochs` epochs read through `working_set` (its lanes and windows;
     not its bytes): the same for every capacity and form, so a curve computes them once. `sample`:
     only its shards' uses."""
@@ -121,18 +129,32 @@ def node_uses(dataset: TieredDataset, working_set: WorkingSet, epochs: int,
     order = dataset.order_with(working_set)
     node_samples = order.layout.node_samples(world.node, world.num_nodes)
     batch = dataset.batch_size * dataset.batcher.batches_per_group
-    uses = future_shard_uses(order, order.start(), node=world.node, num_nodes=world.num_nodes,
-                             batch_size=batch, horizon=epochs * node_samples + batch,
-                             partitions=None if sample is None else sample.partitions)
+    uses = future_shard_uses(
+        order,
+        order.start(),
+        node=world.node,
+        num_nodes=world.num_nodes,
+        batch_size=batch,
+        horizon=epochs * node_samples + batch,
+        partitions=None if sample is None else sample.partitions,
+    )
     if sample is None:
         return uses
     mask = sample.mask
     return [use for use in uses if mask[use.shard]]
 
 
-def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy: str = "auto",
-               form: Form = Form.DECODED, working_set: WorkingSet | None = None,
-               uses: list[ShardUse] | None = None, sample: Sample | None = None) -> CachePlan:
+def plan_cache(
+    dataset: TieredDataset,
+    capacity: int,
+    *,
+    epochs: int = 3,
+    policy: str = "auto",
+    form: Form = Form.DECODED,
+    working_set: WorkingSet | None = None,
+    uses: list[ShardUse] | None = None,
+    sample: Sample | None = None,
+) -> CachePlan:
     """The plan at `capacity` bytes of the top tier storing `form`; the working set is the dataset's
     own (its order does not depend on the tier: order/working_set.py) unless given. `uses`: its
     `node_uses`, when already made (of `sample`'s shards where one is given: `choose_sample`)."""
@@ -152,21 +174,34 @@ def plan_cache(dataset: TieredDataset, capacity: int, *, epochs: int = 3, policy
     def scaled(per_epoch: list[EpochBytes]) -> list[EpochBytes]:
         return per_epoch if up == 1.0 else [replace(e, fetched=round(e.fetched * up)) for e in per_epoch]
 
-    return CachePlan(capacity, staging, chosen,
-                     scaled(replay(uses, tier_sizes, rest_sizes, room, aside, epochs, policy)),
-                     scaled(optimum(uses, tier_sizes, rest_sizes, room + aside, epochs)),
-                     scaled(optimum(uses, tier_sizes, rest_sizes, room, epochs)))
+    return CachePlan(
+        capacity,
+        staging,
+        chosen,
+        scaled(replay(uses, tier_sizes, rest_sizes, room, aside, epochs, policy)),
+        scaled(optimum(uses, tier_sizes, rest_sizes, room + aside, epochs)),
+        scaled(optimum(uses, tier_sizes, rest_sizes, room, epochs)),
+    )
 
 
-def capacity_curve(dataset: TieredDataset, fractions: Sequence[float], *, epochs: int = 3,
-                   form: Form = Form.DECODED, policy: str = "auto", uses: list[ShardUse] | None = None,
-                   sample: Sample | None = None) -> list[CachePlan]:
+def capacity_curve(
+    dataset: TieredDataset,
+    fractions: Sequence[float],
+    *,
+    epochs: int = 3,
+    form: Form = Form.DECODED,
+    policy: str = "auto",
+    uses: list[ShardUse] | None = None,
+    sample: Sample | None = None,
+) -> list[CachePlan]:
     """Plans at capacities that are `fractions` of the dataset's bytes at rest (the user's yardstick:
     what was uploaded), the tier storing `form`; the node's uses made once (`node_uses`) unless given."""
     total = int(shard_column(dataset.manifest, "bytes").sum())
     uses = uses if uses is not None else node_uses(dataset, dataset.working_set, epochs, sample)
-    return [plan_cache(dataset, int(f * total), epochs=epochs, form=form, policy=policy, uses=uses, sample=sample)
-            for f in fractions]
+    return [
+        plan_cache(dataset, int(f * total), epochs=epochs, form=form, policy=policy, uses=uses, sample=sample)
+        for f in fractions
+    ]
 
 
 def auto_form(dataset: TieredDataset, capacity: int) -> Form:
@@ -184,7 +219,11 @@ def recommended(curve: Sequence[CachePlan], dataset_bytes: int, warm_share: floa
     (`dataset_bytes`: at rest, the yardstick capacities are stated against)."""
     for point in curve:
         if point.warm_ratio <= warm_share:
-            return (f"recommended: {point.capacity / 1e6:.1f} MB ({point.capacity / dataset_bytes:.0%} of the "
-                    f"dataset at rest) fetches {point.warm_ratio:.0%} of it per warm epoch")
-    return (f"no capacity up to {curve[-1].capacity / 1e6:.1f} MB ({curve[-1].capacity / dataset_bytes:.0%} of the "
-            f"dataset at rest) brings warm epochs under {warm_share:.0%} of the dataset")
+            return (
+                f"recommended: {point.capacity / 1e6:.1f} MB ({point.capacity / dataset_bytes:.0%} of the "
+                f"dataset at rest) fetches {point.warm_ratio:.0%} of it per warm epoch"
+            )
+    return (
+        f"no capacity up to {curve[-1].capacity / 1e6:.1f} MB ({curve[-1].capacity / dataset_bytes:.0%} of the "
+        f"dataset at rest) brings warm epochs under {warm_share:.0%} of the dataset"
+    )

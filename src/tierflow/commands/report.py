@@ -9,7 +9,8 @@ test can check that what is drawn is the run's data.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from tierflow.telemetry.eventlog import read_events
 from tierflow.telemetry.tier_figures import OCCUPANCY, STACK_SOURCE_BYTES, TIER_COUNTERS
@@ -61,8 +62,10 @@ def run_series(events: Iterable[Mapping[str, Any]]) -> Series:
 
 
 _AXES = {
-    "wait vs step": ("batch", "ms"), "demand hit ratio": ("seconds", "hits / requests"),
-    "bytes served": ("seconds", "MB (cumulative)"), "prefetch depth": ("batch", "batches"),
+    "wait vs step": ("batch", "ms"),
+    "demand hit ratio": ("seconds", "hits / requests"),
+    "bytes served": ("seconds", "MB (cumulative)"),
+    "prefetch depth": ("batch", "batches"),
     "occupancy": ("seconds", "MB"),
 }
 
@@ -96,8 +99,10 @@ def plotted_series(figure: Any) -> Series:
     """The series drawn on a report figure, read back from its lines."""
     out: Series = {}
     for ax in figure.axes:
-        out[ax.get_title()] = {line.get_label(): ([float(x) for x in line.get_xdata()],
-                                                  [float(y) for y in line.get_ydata()]) for line in ax.get_lines()}
+        out[ax.get_title()] = {
+            line.get_label(): ([float(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()])
+            for line in ax.get_lines()
+        }
     return out
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from tierflow.telemetry.eventlog import read_events
 from tierflow.telemetry.health import health_flags
@@ -29,7 +30,7 @@ class RunState:
             kind = event["kind"]
             if kind == "batch":
                 self.batches.append(event)
-                del self.batches[:-self.window]
+                del self.batches[: -self.window]
             elif kind == "snapshot":
                 self.snapshot = event["metrics"]
             elif kind == "start":
@@ -53,8 +54,11 @@ def render(state: RunState) -> Any:
 
     from tierflow._console import folding_table
 
-    header = Text(f"{state.facts.get('name', 'run')}  {state.batches_per_s():.1f} batches/s"
-                  + ("  (ended)" if state.ended else ""), style="bold")
+    header = Text(
+        f"{state.facts.get('name', 'run')}  {state.batches_per_s():.1f} batches/s"
+        + ("  (ended)" if state.ended else ""),
+        style="bold",
+    )
     parts: list[Any] = [header]
     if state.snapshot is None:
         parts.append(Text("waiting for the first metrics snapshot..."))
@@ -64,14 +68,25 @@ def render(state: RunState) -> Any:
     table = folding_table("tier", "occupancy", "", "hit ratio", "hits", "misses", "evicted unread", "fetch p99")
     for t in tiers.values():
         total = max(t.capacity_bytes, 1)
-        table.add_row(t.tier, ProgressBar(total=total, completed=min(t.occupancy_bytes, total), width=24),
-                      f"{t.occupancy_bytes / 1e6:.0f}/{t.capacity_bytes / 1e6:.0f} MB", f"{t.demand_hit_ratio:.0%}",
-                      str(t.hits), str(t.misses), str(t.evictions_before_use), f"{t.fetch_p99_s * 1e3:.1f} ms")
+        table.add_row(
+            t.tier,
+            ProgressBar(total=total, completed=min(t.occupancy_bytes, total), width=24),
+            f"{t.occupancy_bytes / 1e6:.0f}/{t.capacity_bytes / 1e6:.0f} MB",
+            f"{t.demand_hit_ratio:.0%}",
+            str(t.hits),
+            str(t.misses),
+            str(t.evictions_before_use),
+            f"{t.fetch_p99_s * 1e3:.1f} ms",
+        )
     parts.append(table)
     stall = sum(loader.stall_s.values())
     split = "  ".join(f"{k} {v / stall:.0%}" for k, v in sorted(loader.stall_s.items())) if stall else "none"
-    parts.append(Text(f"bubble {loader.bubble_rate:.1%}   production p50 {loader.production_p50_s * 1e3:.1f} ms   "
-                      f"prefetch depth {loader.prefetch_depth_mean:.1f}   stall split: {split}"))
+    parts.append(
+        Text(
+            f"bubble {loader.bubble_rate:.1%}   production p50 {loader.production_p50_s * 1e3:.1f} ms   "
+            f"prefetch depth {loader.prefetch_depth_mean:.1f}   stall split: {split}"
+        )
+    )
     for flag in health_flags(loader, tiers):
         style = {"ok": "green", "warn": "yellow", "alarm": "red"}[flag.status]
         parts.append(Text(f"[{flag.status}] {flag.message}", style=style))

@@ -10,5 +10,17 @@ from tierflow.format.manifest import Manifest
 from tierflow.format.shard import Form, ShardInfo
 from tierflow.format.verify import verify_shard
 
-__all__ = ["Dataset", "DatasetIndex", "DirectoryBlocks", "Form", "Manifest", "ManifestError", "ShardCorruptError",
-           "ShardInfo", "ShardReader", "ShardSupply", "open_directory", "verify_shard"]
+__all__ = [
+    "Dataset",
+    "DatasetIndex",
+    "DirectoryBlocks",
+    "Form",
+    "Manifest",
+    "ManifestError",
+    "ShardCorruptError",
+    "ShardInfo",
+    "ShardReader",
+    "ShardSupply",
+    "open_directory",
+    "verify_shard",
+]

@@ -35,8 +35,9 @@ def audit_blocks(blocks: BlockBytes, info: ShardInfo, manifest: Manifest) -> lis
     """`audit_shard` over any block source (a remote shard's ranged reads)."""
     table = LazyShardTable(info.name, blocks, manifest.schema)  # both only note what to check: no read yet
     if manifest.token_column is not None:
-        table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks],
-                            manifest.eos_id)
+        table.expect_tokens(
+            manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks], manifest.eos_id
+        )
     problems = []
     for b in range(table.num_blocks):
         try:
@@ -44,8 +45,10 @@ def audit_blocks(blocks: BlockBytes, info: ShardInfo, manifest: Manifest) -> lis
         except (TierflowError, OSError) as e:
             problems.append(str(e))
     if manifest.token_column is not None and not problems and all(b.tokens is None for b in info.blocks):
-        got = sum(int(offsets[-1] - offsets[0]) for offsets, _ in
-                  (table.list_parts(b, manifest.token_column) for b in range(table.num_blocks)))
+        got = sum(
+            int(offsets[-1] - offsets[0])
+            for offsets, _ in (table.list_parts(b, manifest.token_column) for b in range(table.num_blocks))
+        )
         if got != info.tokens:
             problems.append(f"shard {info.name}: holds {got} tokens, the manifest says {info.tokens}")
     return problems
@@ -62,8 +65,9 @@ class StreamedAudit(BlockBytes):
         self.problems: list[str] = []
         self._table = LazyShardTable(info.name, self, manifest.schema)
         if manifest.token_column is not None:
-            self._table.expect_tokens(manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks],
-                                      manifest.eos_id)
+            self._table.expect_tokens(
+                manifest.token_column, manifest.token_dtype, [b.tokens for b in info.blocks], manifest.eos_id
+            )
 
     def read(self, index: int, length: int | None = None) -> pa.Buffer:
         if self._current is None or self._current[0] != index:

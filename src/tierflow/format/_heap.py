@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 TRIM_EVERY = 16 << 20
 """Evicted bytes between trims: ~2 ms each, against the ~20 ms it takes to decode that much again."""

@@ -15,8 +15,13 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-_U8, _U16, _U32, _I32, _I64 = (struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<i"),
-                               struct.Struct("<q"))
+_U8, _U16, _U32, _I32, _I64 = (
+    struct.Struct("<B"),
+    struct.Struct("<H"),
+    struct.Struct("<I"),
+    struct.Struct("<i"),
+    struct.Struct("<q"),
+)
 _RECORD_BATCH = 3  # MessageHeader union tag
 
 
@@ -69,7 +74,7 @@ class _Table:
         at = self.field(index)
         return default if at is None else self._read(fmt, at)
 
-    def table(self, index: int) -> "_Table | None":
+    def table(self, index: int) -> _Table | None:
         at = self.field(index)
         return None if at is None else _Table(self.data, at + self._read(_U32, at))
 
@@ -102,11 +107,16 @@ def batch_claims(metadata: bytes) -> BatchClaims:
     rows_at = batch.field(0)
     nodes = batch.structs(1, 16)
     compression = batch.table(3)
-    return BatchClaims(rows=batch.scalar(0, _I64), node_lengths=[n for n, _ in nodes],
-                       buffers=batch.structs(2, 16), body_length=body_length,
-                       compressed=compression is not None, rows_at=rows_at if rows_at is not None else -1,
-                       null_counts=[k for _, k in nodes],
-                       codec=None if compression is None else compression.scalar(0, _U8, LZ4_FRAME))
+    return BatchClaims(
+        rows=batch.scalar(0, _I64),
+        node_lengths=[n for n, _ in nodes],
+        buffers=batch.structs(2, 16),
+        body_length=body_length,
+        compressed=compression is not None,
+        rows_at=rows_at if rows_at is not None else -1,
+        null_counts=[k for _, k in nodes],
+        codec=None if compression is None else compression.scalar(0, _U8, LZ4_FRAME),
+    )
 
 
 def decoded_size(claims: BatchClaims, body: bytes | memoryview) -> int:

@@ -13,14 +13,19 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from tierflow.errors import ShardCorruptError, SourceNotFound
 
 ErrorFactory = Callable[[str], Exception]
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 def _kind(mode: int) -> str:

@@ -33,8 +33,9 @@ BLOCK_DECODED_LIMIT = 1 << 30
 any decoded size, and Arrow allocates a compressed buffer's promised size before decompressing)."""
 
 
-def decode_block(data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block,
-                 max_decoded: int | None = None) -> pa.RecordBatch:
+def decode_block(
+    data: pa.Buffer, schema: pa.Schema, name: str, index: int, block: Block, max_decoded: int | None = None
+) -> pa.RecordBatch:
     """One block decoded from its (already verified) bytes; zero-copy when uncompressed.
 
     Bytes that verify may still be hostile (a hostile manifest lists their checksum), so before
@@ -107,8 +108,7 @@ def _zstd_batch(message: pa.ipc.Message, claims: BatchClaims, schema: pa.Schema)
     must decode to exactly the sizes their prefixes promise (the claims bounded those already);
     the batch is validated in full by the caller, as Arrow's is."""
     layout = _layout(schema)
-    if layout is None or len(layout) != len(claims.node_lengths) \
-            or sum(n for _, n in layout) != len(claims.buffers):
+    if layout is None or len(layout) != len(claims.node_lengths) or sum(n for _, n in layout) != len(claims.buffers):
         return None
     body = message.body
     view = memoryview(body)
@@ -118,13 +118,13 @@ def _zstd_batch(message: pa.ipc.Message, claims: BatchClaims, schema: pa.Schema)
         if length == 0:
             buffers.append(None)
             continue
-        promised = int.from_bytes(view[offset:offset + 8], "little", signed=True)
+        promised = int.from_bytes(view[offset : offset + 8], "little", signed=True)
         if promised == -1:  # stored as is
             buffers.append(body.slice(offset + 8, length - 8))
             continue
         out = pa.allocate_buffer(promised, memory_pool=DECODE_POOL)
         target, filled = memoryview(out), 0
-        with context.stream_reader(view[offset + 8:offset + length]) as reader:
+        with context.stream_reader(view[offset + 8 : offset + length]) as reader:
             while filled < promised:
                 got = reader.readinto(target[filled:])
                 if not got:
@@ -236,8 +236,13 @@ def _check_claims(message: pa.ipc.Message, name: str, index: int, block: Block, 
         raise block_error(name, index, block, f"decodes to {decoded} bytes, more than the {max_decoded} allowed")
     limit = 8 * decoded + 64
     if claims.rows > limit or any(not 0 <= n <= limit for n in claims.node_lengths):
-        raise block_error(name, index, block, f"claims {max([claims.rows, *claims.node_lengths])} rows, more "
-                                              f"than its {decoded} bytes of buffers can hold")
+        raise block_error(
+            name,
+            index,
+            block,
+            f"claims {max([claims.rows, *claims.node_lengths])} rows, more "
+            f"than its {decoded} bytes of buffers can hold",
+        )
     return claims
 
 

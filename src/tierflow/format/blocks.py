@@ -30,8 +30,9 @@ class BlockBytes:
     verified on download), so blocks need no second check; `compressed` bytes decode into memory.
     """
 
-    def __init__(self, blocks: Sequence[Block], compressed: bool, verified: bool = False,
-                 keepalive: Any = None) -> None:
+    def __init__(
+        self, blocks: Sequence[Block], compressed: bool, verified: bool = False, keepalive: Any = None
+    ) -> None:
         self.blocks = blocks if isinstance(blocks, BlockList) else list(blocks)  # records made as blocks are read
         self.compressed = compressed
         self.verified = verified
@@ -69,8 +70,15 @@ def _scratch_buffer(size: int) -> memoryview:
 class MappedBlocks(BlockBytes):
     """Blocks sliced out of a memory map: zero copy; a block's pages are read when it is verified."""
 
-    def __init__(self, path: str | Path, blocks: Sequence[Block], name: str, expected_size: int,
-                 compressed: bool = False, keepalive: Any = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        blocks: Sequence[Block],
+        name: str,
+        expected_size: int,
+        compressed: bool = False,
+        keepalive: Any = None,
+    ) -> None:
         super().__init__(blocks, compressed, keepalive=keepalive)
         self.path = Path(path)
         fd = open_shard_file(self.path)
@@ -105,8 +113,9 @@ class MappedBlocks(BlockBytes):
 class FileBlocks(BlockBytes):
     """Blocks read with one positioned read each (compressed shards: they decode into memory)."""
 
-    def __init__(self, path: str | Path, blocks: Sequence[Block], compressed: bool = True,
-                 keepalive: Any = None) -> None:
+    def __init__(
+        self, path: str | Path, blocks: Sequence[Block], compressed: bool = True, keepalive: Any = None
+    ) -> None:
         super().__init__(blocks, compressed, keepalive=keepalive)
         self.path = Path(path)
 
@@ -114,14 +123,20 @@ class FileBlocks(BlockBytes):
         block = self.blocks[index]
         fd = open_shard_file(self.path)
         try:
-            return pa.py_buffer(os.pread(fd, block.length if length is None else min(length, block.length),
-                                         block.offset))
+            return pa.py_buffer(
+                os.pread(fd, block.length if length is None else min(length, block.length), block.offset)
+            )
         finally:
             os.close(fd)
 
 
-def open_blocks(path: str | Path, info: ShardInfo, form: Form = Form.AT_REST, blocks: Sequence[Block] | None = None,
-                keepalive: Any = None) -> BlockBytes:
+def open_blocks(
+    path: str | Path,
+    info: ShardInfo,
+    form: Form = Form.AT_REST,
+    blocks: Sequence[Block] | None = None,
+    keepalive: Any = None,
+) -> BlockBytes:
     """The block source of a local shard file: at rest (the manifest's blocks) or decoded (`blocks`,
     the tier's list). Uncompressed files are memory-mapped; compressed ones read block by block."""
     source: BlockBytes

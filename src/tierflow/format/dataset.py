@@ -36,8 +36,9 @@ class Dataset:
     Where a sample or a token lives is `index`'s answer (built once, from the manifest); the
     bytes come from `source`, a shard at a time."""
 
-    def __init__(self, manifest: Manifest, source: ShardSupply, columns: Sequence[str] | None = None,
-                 location: str = "") -> None:
+    def __init__(
+        self, manifest: Manifest, source: ShardSupply, columns: Sequence[str] | None = None, location: str = ""
+    ) -> None:
         self.manifest = manifest
         self.source = source
         self.location = location
@@ -64,16 +65,19 @@ class Dataset:
         return self.index.num_samples
 
     def __repr__(self) -> str:
-        return (f"Dataset({self.location!r}, samples={len(self)}, shards={len(self.manifest.shards)}, "
-                f"columns={self.columns})")
+        return (
+            f"Dataset({self.location!r}, samples={len(self)}, shards={len(self.manifest.shards)}, "
+            f"columns={self.columns})"
+        )
 
     def shard(self, s: int) -> ShardTable:
         """Shard `s` as a table; a lazy one checks its blocks' token counts against the manifest's."""
         info = self.manifest.shards[s]
         table = self.source.open_shard(s, info)
         if self._token_column is not None and isinstance(table, LazyShardTable) and table._tokens is None:
-            table.expect_tokens(self._token_column, self.manifest.token_dtype, block_tokens(info.blocks),
-                                self.manifest.eos_id)
+            table.expect_tokens(
+                self._token_column, self.manifest.token_dtype, block_tokens(info.blocks), self.manifest.eos_id
+            )
         return table
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -114,7 +118,7 @@ class Dataset:
         while pos < stop:
             shard, block, offset, left = self.index.locate_token(pos)
             take = min(stop - pos, left)
-            yield self.shard(shard).list_values(block, column)[offset:offset + take]
+            yield self.shard(shard).list_values(block, column)[offset : offset + take]
             pos += take
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
@@ -131,6 +135,7 @@ def _index(manifest: Manifest, read_block_tokens: BlockTokenCounts | None) -> An
     """The index of a manifest: over mapped metadata (version 3) nothing is made per shard."""
     from tierflow.format.metadata import MappedManifest
     from tierflow.format.metadata_index import MappedIndex
+
     if isinstance(manifest, MappedManifest):
         return MappedIndex(manifest, read_block_tokens)
     return DatasetIndex(manifest.shards, read_block_tokens)
@@ -153,12 +158,13 @@ class _BlockTokens:
         column = self.manifest.token_column
         assert column is not None  # made only for a dataset with a token column
         table = self.source.open_shard(s, self.manifest.shards[s])
-        return [int(offsets[-1] - offsets[0]) for offsets, _ in
-                (table.list_parts(b, column) for b in range(table.num_blocks))]
+        return [
+            int(offsets[-1] - offsets[0])
+            for offsets, _ in (table.list_parts(b, column) for b in range(table.num_blocks))
+        ]
 
 
-def open_directory(path: str | Path, columns: Sequence[str] | None = None,
-                   manifest: Manifest | None = None) -> Dataset:
+def open_directory(path: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None) -> Dataset:
     """Open a packed dataset directory for random access by global sample index (`manifest`: the
     directory's manifest, already loaded). `tierflow.open_dataset` takes URLs as well."""
     manifest = manifest if manifest is not None else Manifest.load(path)

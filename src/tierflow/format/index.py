@@ -10,7 +10,8 @@ read from its blocks' list offsets the first time a token of that shard is looke
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -91,8 +92,16 @@ class DatasetIndex:
         counts = [c if c is not None else _unknown_token_counts(s) for s, c in zip(shards, known)]
         self.block_tokens = cumulative(np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64))
         shard_of = np.repeat(np.arange(len(shards), dtype=np.int64), per_shard)
-        self._blocks = np.stack([shard_of, np.arange(shard_of.size, dtype=np.int64) - self.first_block[shard_of],
-                                 self.block_tokens[:-1], self.block_tokens[1:], self.block_samples[:-1]], axis=1)
+        self._blocks = np.stack(
+            [
+                shard_of,
+                np.arange(shard_of.size, dtype=np.int64) - self.first_block[shard_of],
+                self.block_tokens[:-1],
+                self.block_tokens[1:],
+                self.block_samples[:-1],
+            ],
+            axis=1,
+        )
         # token lookups: the first block whose end is past a position holds it (empty blocks end
         # where they start); its (shard, block, first token, end token), contiguous for `take`
         self._block_ends = self.block_tokens[1:]
@@ -150,7 +159,9 @@ class DatasetIndex:
         if self._unknown:
             shard, block, first, end = self.token_blocks(np.array([t]))[0].tolist()
         else:
-            shard, block, first, end, _ = self._blocks[int(self.block_tokens.searchsorted(t, side="right")) - 1].tolist()
+            shard, block, first, end, _ = self._blocks[
+                int(self.block_tokens.searchsorted(t, side="right")) - 1
+            ].tolist()
         return shard, block, t - first, end - t
 
     def _learn(self, shards: np.ndarray) -> None:
@@ -158,16 +169,20 @@ class DatasetIndex:
         (under the lock; a lock-free lookup runs only once every count is known)."""
         for s in set(np.unique(shards).tolist()) & self._unknown:
             if self._read_block_tokens is None:
-                raise ValueError(f"shard {self._names[s]}: its blocks' token counts are not in the manifest and "
-                                 f"this index has no way to read them")
+                raise ValueError(
+                    f"shard {self._names[s]}: its blocks' token counts are not in the manifest and "
+                    f"this index has no way to read them"
+                )
             counts = np.asarray(self._read_block_tokens(s), dtype=np.int64)
             first, stop = int(self.first_block[s]), int(self.first_block[s + 1])
             expected = int(self.token_starts[s + 1] - self.token_starts[s])
             if counts.size != stop - first or int(counts.sum()) != expected:
-                raise ShardCorruptError(f"shard {self._names[s]}: its blocks hold {int(counts.sum())} tokens in "
-                                        f"{counts.size} blocks, the manifest says {expected} in {stop - first}")
-            self.block_tokens[first + 1:stop] = self.token_starts[s] + np.cumsum(counts[:-1])
+                raise ShardCorruptError(
+                    f"shard {self._names[s]}: its blocks hold {int(counts.sum())} tokens in "
+                    f"{counts.size} blocks, the manifest says {expected} in {stop - first}"
+                )
+            self.block_tokens[first + 1 : stop] = self.token_starts[s] + np.cumsum(counts[:-1])
             self._blocks[first:stop, 2] = self.block_tokens[first:stop]
-            self._blocks[first:stop, 3] = self.block_tokens[first + 1:stop + 1]
+            self._blocks[first:stop, 3] = self.block_tokens[first + 1 : stop + 1]
             self._token_rows[first:stop, 2:] = self._blocks[first:stop, 2:4]
             self._unknown.discard(s)

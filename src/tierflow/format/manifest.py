@@ -52,8 +52,10 @@ def check_manifest_size(size: int, where: str) -> None:
     """ManifestError unless a manifest of `size` bytes is within the limit (checked before reading it)."""
     limit = max_manifest_bytes()
     if size > limit:
-        raise ManifestError(f"{where}: {size} bytes, more than the {limit} a manifest may have "
-                            f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused")
+        raise ManifestError(
+            f"{where}: {size} bytes, more than the {limit} a manifest may have "
+            f"(TIERFLOW_MAX_MANIFEST_BYTES raises it); refused"
+        )
 
 
 def schema_fields(schema: pa.Schema) -> list[dict]:
@@ -72,8 +74,11 @@ def schema_from_json(d: dict) -> pa.Schema:
 
 
 def compute_dataset_id(schema_json: dict, tokenizer: dict | None, shard_checksums: list[str]) -> str:
-    canonical = json.dumps({"schema": schema_json["fields"], "tokenizer": tokenizer,
-                            "shards": shard_checksums}, sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(
+        {"schema": schema_json["fields"], "tokenizer": tokenizer, "shards": shard_checksums},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return xxhash.xxh3_128_hexdigest(canonical.encode())
 
 
@@ -101,8 +106,13 @@ _TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 
 def _check_fields(d: dict, fail: Callable[[str], ManifestError]) -> None:
     """The types of the top-level fields readers use as they are (a wrong one would fail later, untyped)."""
-    for key, kind in (("tokenizer", dict), ("token_column", str), ("token_dtype", str), ("stats", dict),
-                      ("dataset_id", str)):
+    for key, kind in (
+        ("tokenizer", dict),
+        ("token_column", str),
+        ("token_dtype", str),
+        ("stats", dict),
+        ("dataset_id", str),
+    ):
         if d.get(key) is not None and not isinstance(d[key], kind):
             raise fail(f"{key} = {d[key]!r:.80} is not a {kind.__name__}")
     dtype = d.get("token_dtype")
@@ -131,6 +141,7 @@ class _LongInteger:
 def _long_integer_error(raw: bytes, where: str, error: ValueError) -> ManifestError:
     """The ManifestError for a manifest the JSON parser refused with a bare ValueError (an integer
     of more digits than int() takes), naming the field: parsed again, such integers kept aside."""
+
     def parse_int(text: str) -> int | _LongInteger:
         return int(text) if len(text) <= MAX_INT_DIGITS else _LongInteger(text)
 
@@ -140,8 +151,10 @@ def _long_integer_error(raw: bytes, where: str, error: ValueError) -> ManifestEr
         found = None
     if found is None:
         return ManifestError(f"{where}: not valid JSON ({error})")
-    return ManifestError(f"{where}: field {found[0] or '(the whole document)'} is an integer of {found[1].digits} "
-                         f"digits; no field of a manifest has more than {MAX_INT_DIGITS}")
+    return ManifestError(
+        f"{where}: field {found[0] or '(the whole document)'} is an integer of {found[1].digits} "
+        f"digits; no field of a manifest has more than {MAX_INT_DIGITS}"
+    )
 
 
 def _long_integer(value: Any, path: str) -> tuple[str, _LongInteger] | None:
@@ -158,7 +171,7 @@ def _long_integer(value: Any, path: str) -> tuple[str, _LongInteger] | None:
     return None
 
 
-def _check_totals(manifest: "Manifest", fail: Callable[[str], ManifestError]) -> None:
+def _check_totals(manifest: Manifest, fail: Callable[[str], ManifestError]) -> None:
     """The pack's own totals (stats) against the shards' counts: a shard whose count was zeroed (a
     flipped byte in its key name reads as the default) no longer adds up."""
     stats = manifest.stats
@@ -183,8 +196,9 @@ class Manifest:
 
     @property
     def dataset_id(self) -> str:
-        return compute_dataset_id({"fields": schema_fields(self.schema)}, self.tokenizer,
-                                  [s.checksum for s in self.shards])
+        return compute_dataset_id(
+            {"fields": schema_fields(self.schema)}, self.tokenizer, [s.checksum for s in self.shards]
+        )
 
     @property
     def num_samples(self) -> int:
@@ -216,8 +230,9 @@ class Manifest:
         return write_atomically(Path(directory) / MANIFEST_NAME, json.dumps(self.to_json(), indent=1).encode())
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Manifest":
+    def load(cls, directory: str | Path) -> Manifest:
         from tierflow.format.metadata import current_metadata  # version 3: opened, not parsed
+
         mapped = current_metadata(directory)
         if mapped is not None:
             return mapped
@@ -229,7 +244,7 @@ class Manifest:
         return cls.from_bytes(raw, str(path))
 
     @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
+    def from_bytes(cls, raw: bytes, where: str) -> Manifest:
         check_manifest_size(len(raw), where)
         try:
             d = json.loads(raw)
@@ -242,7 +257,7 @@ class Manifest:
         return cls.from_json(d, where)
 
     @classmethod
-    def from_json(cls, d: Any, where: str) -> "Manifest":
+    def from_json(cls, d: Any, where: str) -> Manifest:
         """The manifest `d` describes, validated; anything wrong is a ManifestError naming `where`
         and the field (untrusted input: no other exception escapes)."""
         at = ["the top level"]
@@ -254,29 +269,34 @@ class Manifest:
             raise ManifestError(f"{where}: {at[0]} is malformed ({type(e).__name__}: {e})") from None
 
     @classmethod
-    def _parse(cls, d: Any, where: str, at: list[str]) -> "Manifest":
+    def _parse(cls, d: Any, where: str, at: list[str]) -> Manifest:
         """`from_json`'s checks, field by field; `at[0]` names the field being read."""
+
         def fail(msg: str) -> ManifestError:
             return ManifestError(f"{where}: {msg}")
 
         if not isinstance(d, dict) or d.get("format") != "tierflow":
-            raise fail("not a tierflow manifest (missing \"format\": \"tierflow\")")
+            raise fail('not a tierflow manifest (missing "format": "tierflow")')
         version = d.get("format_version")
         if type(version) is not int or version not in READ_VERSIONS:
-            raise fail(f"unknown format_version {version!r:.40}; this tierflow reads versions "
-                       f"{', '.join(map(str, READ_VERSIONS))}")
+            raise fail(
+                f"unknown format_version {version!r:.40}; this tierflow reads versions "
+                f"{', '.join(map(str, READ_VERSIONS))}"
+            )
         recorded_sum = d.get(CHECKSUM_KEY)
         if recorded_sum is not None and recorded_sum != manifest_checksum(d):
-            raise fail(f"{CHECKSUM_KEY} {recorded_sum!r:.40} does not match the manifest's contents "
-                       f"(damaged or edited; re-pack, or restore the manifest)")
-        at[0] = "field \"schema\""
+            raise fail(
+                f"{CHECKSUM_KEY} {recorded_sum!r:.40} does not match the manifest's contents "
+                f"(damaged or edited; re-pack, or restore the manifest)"
+            )
+        at[0] = 'field "schema"'
         try:
             schema = schema_from_json(d["schema"])
-        except Exception as e:  # noqa: BLE001 - any decoding failure is a bad manifest
+        except Exception as e:
             raise fail(f"schema does not decode ({e})") from None
         raw_shards = d.get("shards")
         if not isinstance(raw_shards, list):
-            raise fail("\"shards\" is not a list")
+            raise fail('"shards" is not a list')
         shards = []
         for i, s in enumerate(raw_shards):
             at[0] = f"shard #{i}"
@@ -290,8 +310,10 @@ class Manifest:
             except (KeyError, TypeError, ValueError) as e:
                 raise fail(f"shard #{i} is malformed ({e})") from None
             if not _SHARD_NAME.match(info.name):
-                raise fail(f"shard #{i} name {info.name!r} is not a shard file inside the dataset "
-                           f"(paths, '..' and URLs are refused)")
+                raise fail(
+                    f"shard #{i} name {info.name!r} is not a shard file inside the dataset "
+                    f"(paths, '..' and URLs are refused)"
+                )
             if info.name != f"{SHARD_PREFIX}{info.checksum}{SHARD_SUFFIX}":
                 raise fail(f"shard #{i} name {info.name!r} does not carry its checksum {info.checksum!r}")
             for key in _SHARD_COUNTS:
@@ -311,9 +333,14 @@ class Manifest:
             raise fail("a shard is listed twice")
         _check_fields(d, fail)
         manifest = cls(
-            schema=schema, shards=shards, tokenizer=d.get("tokenizer"),
-            token_column=d.get("token_column"), token_dtype=d.get("token_dtype"),
-            eos_id=d.get("eos_id"), stats=d.get("stats") or {}, format_version=version,
+            schema=schema,
+            shards=shards,
+            tokenizer=d.get("tokenizer"),
+            token_column=d.get("token_column"),
+            token_dtype=d.get("token_dtype"),
+            eos_id=d.get("eos_id"),
+            stats=d.get("stats") or {},
+            format_version=version,
             checksummed=recorded_sum is not None,
         )
         _check_totals(manifest, fail)
@@ -321,6 +348,5 @@ class Manifest:
             raise fail(f"token_column {manifest.token_column!r} is not in the schema")
         recorded = d.get("dataset_id")
         if recorded is not None and recorded != manifest.dataset_id:
-            raise fail(f"dataset_id {recorded} does not match its schema, tokenizer and shards "
-                       f"({manifest.dataset_id})")
+            raise fail(f"dataset_id {recorded} does not match its schema, tokenizer and shards ({manifest.dataset_id})")
         return manifest

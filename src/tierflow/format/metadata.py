@@ -73,15 +73,28 @@ LEGACY_MANIFEST_SHARDS = 10_000
 TABLE_PREFIX = "metadata-"
 TABLE_SUFFIX = ".arrow"
 
-SHARD_SCHEMA = pa.schema([
-    ("checksum", pa.binary(16)), ("decoded_checksum", pa.binary(16)), ("compression", pa.uint8()),
-    ("samples", pa.int64()), ("bytes", pa.int64()), ("decoded_bytes", pa.int64()), ("tokens", pa.int64()),
-    ("sample_start", pa.int64()), ("token_start", pa.int64()), ("first_block", pa.int64()), ("blocks", pa.int64()),
-    ("largest_rows", pa.int64()), ("tokens_known", pa.uint8()), ("block_digest", pa.uint64()),
-    ("checksum_order", pa.int64()),
-])
-BLOCK_SCHEMA = pa.schema([("length", pa.uint32()), ("rows", pa.uint32()), ("checksum", pa.uint64()),
-                          ("tokens", pa.uint32())])
+SHARD_SCHEMA = pa.schema(
+    [
+        ("checksum", pa.binary(16)),
+        ("decoded_checksum", pa.binary(16)),
+        ("compression", pa.uint8()),
+        ("samples", pa.int64()),
+        ("bytes", pa.int64()),
+        ("decoded_bytes", pa.int64()),
+        ("tokens", pa.int64()),
+        ("sample_start", pa.int64()),
+        ("token_start", pa.int64()),
+        ("first_block", pa.int64()),
+        ("blocks", pa.int64()),
+        ("largest_rows", pa.int64()),
+        ("tokens_known", pa.uint8()),
+        ("block_digest", pa.uint64()),
+        ("checksum_order", pa.int64()),
+    ]
+)
+BLOCK_SCHEMA = pa.schema(
+    [("length", pa.uint32()), ("rows", pa.uint32()), ("checksum", pa.uint64()), ("tokens", pa.uint32())]
+)
 _COUNT_COLUMNS = ("samples", "bytes", "decoded_bytes", "tokens", "blocks", "largest_rows")
 
 
@@ -125,6 +138,7 @@ def _is_count(v: Any) -> bool:
 def parse_header(raw: bytes, where: str) -> dict:
     """The header's fields, checked: JSON, format and version, its checksum, the types of every
     field a reader uses. ManifestError naming `where` otherwise."""
+
     def fail(msg: str) -> ManifestError:
         return ManifestError(f"{where}: {msg}")
 
@@ -137,15 +151,19 @@ def parse_header(raw: bytes, where: str) -> dict:
     except RecursionError:
         raise fail("JSON nested too deeply to be a metadata header") from None
     if not isinstance(d, dict) or d.get("format") != "tierflow":
-        raise fail("not a tierflow metadata header (missing \"format\": \"tierflow\")")
+        raise fail('not a tierflow metadata header (missing "format": "tierflow")')
     if d.get("format_version") != METADATA_VERSION or type(d.get("format_version")) is not int:
-        raise fail(f"unknown format_version {d.get('format_version')!r:.40}; this header reader reads "
-                   f"version {METADATA_VERSION}")
+        raise fail(
+            f"unknown format_version {d.get('format_version')!r:.40}; this header reader reads "
+            f"version {METADATA_VERSION}"
+        )
     try:
         recorded = d.get(HEADER_CHECKSUM_KEY)
         if not isinstance(recorded, str) or recorded != header_checksum(d):
-            raise fail(f"{HEADER_CHECKSUM_KEY} {recorded!r:.40} does not match the header's contents "
-                       f"(damaged or edited; run `tierflow upgrade` again, or restore it)")
+            raise fail(
+                f"{HEADER_CHECKSUM_KEY} {recorded!r:.40} does not match the header's contents "
+                f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
+            )
     except (ValueError, TypeError, OverflowError, RecursionError) as e:
         raise fail(f"the header does not serialise ({type(e).__name__}: {e})") from None
     _check_fields(d, fail)
@@ -154,25 +172,38 @@ def parse_header(raw: bytes, where: str) -> dict:
     for table, schema in (("shards", SHARD_SCHEMA), ("blocks", BLOCK_SCHEMA)):
         entry = d.get(table)
         if not isinstance(entry, dict):
-            raise fail(f"\"{table}\" is not an object")
+            raise fail(f'"{table}" is not an object')
         name = entry.get("file")
-        if (not isinstance(name, str) or not name.startswith(f"{TABLE_PREFIX}{table}-")
-                or not name.endswith(TABLE_SUFFIX) or "/" in name or "\\" in name or ".." in name):
-            raise fail(f"{table}.file {name!r:.80} is not a metadata table inside the dataset "
-                       f"(paths, '..' and URLs are refused)")
+        if (
+            not isinstance(name, str)
+            or not name.startswith(f"{TABLE_PREFIX}{table}-")
+            or not name.endswith(TABLE_SUFFIX)
+            or "/" in name
+            or "\\" in name
+            or ".." in name
+        ):
+            raise fail(
+                f"{table}.file {name!r:.80} is not a metadata table inside the dataset "
+                f"(paths, '..' and URLs are refused)"
+            )
         if not _is_count(entry.get("rows")) or not _is_count(entry.get("size")):
             raise fail(f"{table}.rows or {table}.size is not a count")
         hashes = entry.get("columns")
-        if not isinstance(hashes, dict) or set(hashes) != set(schema.names) or \
-                not all(isinstance(v, str) for v in hashes.values()):
+        if (
+            not isinstance(hashes, dict)
+            or set(hashes) != set(schema.names)
+            or not all(isinstance(v, str) for v in hashes.values())
+        ):
             raise fail(f"{table}.columns does not list a hash for each of {schema.names}")
     beside = d.get("manifest")
-    if beside is not None and not (isinstance(beside, dict) and _is_count(beside.get("size"))
-                                   and isinstance(beside.get("xxh3"), str)):
-        raise fail("\"manifest\" is not null or the size and hash of the manifest.json beside it")
+    if beside is not None and not (
+        isinstance(beside, dict) and _is_count(beside.get("size")) and isinstance(beside.get("xxh3"), str)
+    ):
+        raise fail('"manifest" is not null or the size and hash of the manifest.json beside it')
     totals = d.get("totals")
-    if not isinstance(totals, dict) or not all(_is_count(totals.get(k)) for k in
-                                               ("samples", "tokens", "bytes", "decoded_bytes", "blocks")):
+    if not isinstance(totals, dict) or not all(
+        _is_count(totals.get(k)) for k in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")
+    ):
         raise fail("totals are not counts of samples, tokens, bytes, decoded_bytes and blocks")
     if totals["blocks"] != d["blocks"]["rows"]:
         raise fail(f"totals.blocks = {totals['blocks']}, but the block table has {d['blocks']['rows']} rows")
@@ -197,7 +228,9 @@ class _Table:
         size = os.fstat(fd).st_size
         try:
             if size != entry["size"]:
-                raise ManifestError(f"{self.where}: {size} bytes, the header says {entry['size']} (damaged or replaced)")
+                raise ManifestError(
+                    f"{self.where}: {size} bytes, the header says {entry['size']} (damaged or replaced)"
+                )
             self._map = pa.memory_map(fd_path(fd, self.path), "r")
             reader = pa.ipc.open_file(self._map)
             if reader.num_record_batches != 1:
@@ -228,7 +261,7 @@ class _Table:
         buf = arr.buffers()[1]
         if buf is None or not self.rows:
             return np.zeros(0, dtype=kind)
-        view = np.frombuffer(buf, dtype=kind, count=len(arr) + arr.offset)[arr.offset:]
+        view = np.frombuffer(buf, dtype=kind, count=len(arr) + arr.offset)[arr.offset :]
         return view
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray:
@@ -272,8 +305,10 @@ class _Table:
                 return found
             values = self.raw(name)
             if column_digest(values) != self.hashes[name]:
-                raise ManifestError(f"{self.where}: column {name} does not match its hash in the header "
-                                    f"(damaged or edited; run `tierflow upgrade` again, or restore it)")
+                raise ManifestError(
+                    f"{self.where}: column {name} does not match its hash in the header "
+                    f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
+                )
             problem = check(values) if check is not None else None
             if problem is not None:
                 raise ManifestError(f"{self.where}: {problem}")
@@ -410,18 +445,22 @@ class MetadataTables:
         stop = first + count
         cols = {name: self.blocks.raw(name)[first:stop] for name in BLOCK_SCHEMA.names}
         name = self.name(i)
-        if block_digest(cols["length"], cols["rows"], cols["checksum"], cols["tokens"]) != \
-                int(self.column("block_digest")[i]):
-            raise ManifestError(f"{self.where}: shard {name}: its rows of {self.blocks.path.name} do not match "
-                                f"its block_digest (damaged or edited)")
+        if block_digest(cols["length"], cols["rows"], cols["checksum"], cols["tokens"]) != int(
+            self.column("block_digest")[i]
+        ):
+            raise ManifestError(
+                f"{self.where}: shard {name}: its rows of {self.blocks.path.name} do not match "
+                f"its block_digest (damaged or edited)"
+            )
         lengths = cols["length"].astype(np.int64)
         offsets = np.zeros(count, dtype=np.int64)
         np.cumsum(lengths[:-1], out=offsets[1:])
         rows = cols["rows"].astype(np.int64)
         tokens = cols["tokens"].astype(np.int64) if int(self.column("tokens_known")[i]) else None
         blocks = BlockList(offsets, lengths, rows, cols["checksum"], tokens)
-        problem = blocks.check(name, int(self.column("bytes")[i]), int(self.column("samples")[i]),
-                               int(self.column("tokens")[i]))
+        problem = blocks.check(
+            name, int(self.column("bytes")[i]), int(self.column("samples")[i]), int(self.column("tokens")[i])
+        )
         if problem is None and count and int(rows.max()) != int(self.column("largest_rows")[i]):
             problem = f"shard {name}: largest_rows is not its largest block's rows"
         if problem is not None:
@@ -433,11 +472,17 @@ class MetadataTables:
 
     def shard(self, i: int, keep: bool = True) -> ShardInfo:
         col = self.column
-        return ShardInfo(name=self.name(i), samples=int(col("samples")[i]), bytes=int(col("bytes")[i]),
-                         decoded_bytes=int(col("decoded_bytes")[i]), checksum=self.checksums()[i].tobytes().hex(),
-                         decoded_checksum=col("decoded_checksum")[i].tobytes().hex(),
-                         compression=COMPRESSIONS[int(col("compression")[i])], tokens=int(col("tokens")[i]),
-                         blocks=self.block_list(i, keep))
+        return ShardInfo(
+            name=self.name(i),
+            samples=int(col("samples")[i]),
+            bytes=int(col("bytes")[i]),
+            decoded_bytes=int(col("decoded_bytes")[i]),
+            checksum=self.checksums()[i].tobytes().hex(),
+            decoded_checksum=col("decoded_checksum")[i].tobytes().hex(),
+            compression=COMPRESSIONS[int(col("compression")[i])],
+            tokens=int(col("tokens")[i]),
+            blocks=self.block_list(i, keep),
+        )
 
 
 class MappedShards(Sequence[ShardInfo]):
@@ -564,10 +609,17 @@ def load_metadata(directory: str | Path, where: str | None = None) -> MappedMani
         raise ManifestError(f"{where}/{METADATA_NAME}: schema does not decode ({e})") from None
     if header.get("token_column") is not None and header["token_column"] not in schema.names:
         raise ManifestError(f"{where}/{METADATA_NAME}: token_column {header['token_column']!r} is not in the schema")
-    manifest = MappedManifest(schema=schema, shards=MappedShards(tables), tokenizer=header.get("tokenizer"),
-                              token_column=header.get("token_column"), token_dtype=header.get("token_dtype"),
-                              eos_id=header.get("eos_id"), stats=header.get("stats") or {},
-                              format_version=METADATA_VERSION, checksummed=True)
+    manifest = MappedManifest(
+        schema=schema,
+        shards=MappedShards(tables),
+        tokenizer=header.get("tokenizer"),
+        token_column=header.get("token_column"),
+        token_dtype=header.get("token_dtype"),
+        eos_id=header.get("eos_id"),
+        stats=header.get("stats") or {},
+        format_version=METADATA_VERSION,
+        checksummed=True,
+    )
     manifest.tables, manifest.directory, manifest.where = tables, directory, where
     return manifest
 
@@ -578,6 +630,9 @@ def shard_column(manifest: Manifest, name: str) -> np.ndarray:
     if isinstance(manifest, MappedManifest):
         return manifest.shard_column(name)
     if name == "largest_rows":
-        return np.fromiter((int(block_rows(s.blocks).max()) if len(s.blocks) else 0 for s in manifest.shards),
-                           dtype=np.int64, count=len(manifest.shards))
+        return np.fromiter(
+            (int(block_rows(s.blocks).max()) if len(s.blocks) else 0 for s in manifest.shards),
+            dtype=np.int64,
+            count=len(manifest.shards),
+        )
     return np.fromiter((getattr(s, name) for s in manifest.shards), dtype=np.int64, count=len(manifest.shards))

@@ -15,13 +15,16 @@ from tierflow.format.manifest import Manifest
 from tierflow.format.metadata import CHECKSUM_HALVES, TABLE_SUFFIX, MappedManifest
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX
 
+
 class MappedIndex:
     """`DatasetIndex` over mapped metadata: where a sample or a token lives, from the shard table's
     running sums (sample_start, token_start) and, inside a shard, its own blocks' counts, made the
     first time that shard is looked up. Opening costs nothing per shard; a lookup costs one
     searchsorted over the shards and one over the blocks of each shard it lands in."""
 
-    def __init__(self, manifest: MappedManifest, read_block_tokens: Callable[[int], Sequence[int]] | None = None) -> None:
+    def __init__(
+        self, manifest: MappedManifest, read_block_tokens: Callable[[int], Sequence[int]] | None = None
+    ) -> None:
         self.manifest = manifest
         self.tables = manifest.tables
         self._read_block_tokens = read_block_tokens
@@ -78,12 +81,16 @@ class MappedIndex:
         counts = blocks.tokens
         if counts is None:
             if self._read_block_tokens is None:
-                raise ValueError(f"shard {self.tables.name(s)}: its blocks' token counts are not in the metadata "
-                                 f"and this index has no way to read them")
+                raise ValueError(
+                    f"shard {self.tables.name(s)}: its blocks' token counts are not in the metadata "
+                    f"and this index has no way to read them"
+                )
             counts = np.asarray(self._read_block_tokens(s), dtype=np.int64)
             if counts.size != len(blocks) or int(counts.sum()) != expected:
-                raise ShardCorruptError(f"shard {self.tables.name(s)}: its blocks hold {int(counts.sum())} tokens in "
-                                        f"{counts.size} blocks, the metadata says {expected} in {len(blocks)}")
+                raise ShardCorruptError(
+                    f"shard {self.tables.name(s)}: its blocks hold {int(counts.sum())} tokens in "
+                    f"{counts.size} blocks, the metadata says {expected} in {len(blocks)}"
+                )
         found = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=found[1:])
         with self._lock:
@@ -92,6 +99,7 @@ class MappedIndex:
 
     def locate_samples(self, ids: np.ndarray):
         from tierflow.format.index import SamplePlaces
+
         ids = np.asarray(ids, dtype=np.int64)
         starts = self.tables.column("sample_start")
         shard = starts.searchsorted(ids, side="right") - 1
@@ -126,6 +134,7 @@ class MappedIndex:
 
     def locate_tokens(self, positions: np.ndarray):
         from tierflow.format.index import TokenPlaces
+
         positions = np.asarray(positions, dtype=np.int64)
         rows = self.token_blocks(positions)
         return TokenPlaces(rows[:, 0], rows[:, 1], positions - rows[:, 2], rows[:, 3] - positions)
@@ -155,7 +164,7 @@ class ShardNames:
         if not isinstance(name, str) or not (name.startswith("shard-") and name.endswith(TABLE_SUFFIX)):
             return False
         try:
-            key = np.frombuffer(bytes.fromhex(name[len("shard-"):-len(TABLE_SUFFIX)]), dtype=CHECKSUM_HALVES)
+            key = np.frombuffer(bytes.fromhex(name[len("shard-") : -len(TABLE_SUFFIX)]), dtype=CHECKSUM_HALVES)
         except ValueError:
             return False
         if key.size != 1:
@@ -220,7 +229,7 @@ def shards_named(manifest: Manifest, names: Sequence[str], keys: ShardKeys | Non
     for name in names:
         if not (name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)):
             return None
-        shards = keys.get(name[len(SHARD_PREFIX):-len(SHARD_SUFFIX)])
+        shards = keys.get(name[len(SHARD_PREFIX) : -len(SHARD_SUFFIX)])
         if not shards:
             return None
         found.append(shards[-1])

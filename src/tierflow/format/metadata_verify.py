@@ -13,6 +13,7 @@ from tierflow.errors import ManifestError
 from tierflow.format.manifest import schema_fields
 from tierflow.format.metadata import BLOCK_SCHEMA, METADATA_NAME, SHARD_SCHEMA, MappedManifest, MetadataTables
 
+
 def verify_metadata(manifest: MappedManifest) -> list[str]:
     """Every problem with a version-3 dataset's tables, read whole, streaming: each column of both
     tables against its hash, every shard's checks and block rows, the dataset id against the shards.
@@ -41,8 +42,10 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
             problems.append(str(e))
     recomputed = streamed_dataset_id({"fields": schema_fields(manifest.schema)}, manifest.tokenizer, checksums)
     if recomputed != manifest.dataset_id:
-        problems.append(f"{manifest.where}/{METADATA_NAME}: dataset_id {manifest.dataset_id} does not match its "
-                        f"schema, tokenizer and shards ({recomputed})")
+        problems.append(
+            f"{manifest.where}/{METADATA_NAME}: dataset_id {manifest.dataset_id} does not match its "
+            f"schema, tokenizer and shards ({recomputed})"
+        )
     return problems
 
 
@@ -51,11 +54,14 @@ def streamed_dataset_id(schema_json: dict, tokenizer: dict | None, checksums: np
     names at a time (the same bytes: sorted keys, no spaces; hex names need no escaping), so a million
     shards cost ~35 MB of strings a chunk at a time, not the whole document at once."""
     h = xxhash.xxh3_128()
-    h.update(b'{"schema":' + json.dumps(schema_json["fields"], sort_keys=True, separators=(",", ":")).encode()
-             + b',"shards":[')
+    h.update(
+        b'{"schema":'
+        + json.dumps(schema_json["fields"], sort_keys=True, separators=(",", ":")).encode()
+        + b',"shards":['
+    )
     for start in range(0, len(checksums), chunk):
-        hexed = np.ascontiguousarray(checksums[start:start + chunk]).tobytes().hex()
-        names = ",".join(f'"{hexed[i:i + 32]}"' for i in range(0, len(hexed), 32))
+        hexed = np.ascontiguousarray(checksums[start : start + chunk]).tobytes().hex()
+        names = ",".join(f'"{hexed[i : i + 32]}"' for i in range(0, len(hexed), 32))
         h.update((("," if start else "") + names).encode())
     h.update(b'],"tokenizer":' + json.dumps(tokenizer, sort_keys=True, separators=(",", ":")).encode() + b"}")
     return h.hexdigest()
@@ -68,8 +74,13 @@ def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
     chunk's and a million shards take seconds, not the ~100 us a shard of building each list."""
     col = tables.column
     first, count, digest = col("first_block"), col("blocks"), col("block_digest")
-    samples, tokens, size, largest, known = (col("samples"), col("tokens"), col("bytes"), col("largest_rows"),
-                                             col("tokens_known"))
+    samples, tokens, size, largest, known = (
+        col("samples"),
+        col("tokens"),
+        col("bytes"),
+        col("largest_rows"),
+        col("tokens_known"),
+    )
     for lo in range(0, tables.num_shards, chunk):
         hi = min(lo + chunk, tables.num_shards)
         b0, b1 = int(first[lo]), int(first[hi - 1] + count[hi - 1])

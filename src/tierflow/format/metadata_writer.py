@@ -19,25 +19,43 @@ from tierflow.errors import ManifestError
 from tierflow.format._atomic import write_atomically
 from tierflow.format._regular import read_regular
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, max_manifest_bytes, schema_to_json
-from tierflow.format.metadata import (BLOCK_SCHEMA, CHECKSUM_HALVES, HEADER_CHECKSUM_KEY, LEGACY_MANIFEST_SHARDS,
-                                      METADATA_NAME, METADATA_VERSION, SHARD_SCHEMA, TABLE_PREFIX, TABLE_SUFFIX,
-                                      block_digest, column_digest, column_dtype, has_metadata, header_checksum)
+from tierflow.format.metadata import (
+    BLOCK_SCHEMA,
+    CHECKSUM_HALVES,
+    HEADER_CHECKSUM_KEY,
+    LEGACY_MANIFEST_SHARDS,
+    METADATA_NAME,
+    METADATA_VERSION,
+    SHARD_SCHEMA,
+    TABLE_PREFIX,
+    TABLE_SUFFIX,
+    block_digest,
+    column_digest,
+    column_dtype,
+    has_metadata,
+    header_checksum,
+)
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
+
 
 def columns_from_shards(shards: Sequence[ShardInfo]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The shard and block tables' columns for a list of shards (pack, upgrade). ValueError for a
     shard the tables cannot hold (blocks not contiguous from 0, a value beyond its column)."""
     n = len(shards)
-    cols: dict[str, np.ndarray] = {name: np.zeros(n, dtype=column_dtype(SHARD_SCHEMA.field(name).type))
-                                   for name in SHARD_SCHEMA.names}
+    cols: dict[str, np.ndarray] = {
+        name: np.zeros(n, dtype=column_dtype(SHARD_SCHEMA.field(name).type)) for name in SHARD_SCHEMA.names
+    }
     lengths, rows, sums, tokens = [], [], [], []
     first = 0
     for i, s in enumerate(shards):
         blocks = s.blocks
         if isinstance(blocks, BlockList):
             b_len, b_rows, b_off = blocks.lengths, blocks.rows, blocks.offsets
-            b_sum = (np.asarray(blocks.checksums, dtype=np.uint64) if not isinstance(blocks.checksums, list)
-                     else np.array([int(c, 16) for c in blocks.checksums], dtype=np.uint64))
+            b_sum = (
+                np.asarray(blocks.checksums, dtype=np.uint64)
+                if not isinstance(blocks.checksums, list)
+                else np.array([int(c, 16) for c in blocks.checksums], dtype=np.uint64)
+            )
             b_tok = blocks.tokens
         else:
             b_len = np.array([b.length for b in blocks], dtype=np.int64)
@@ -73,8 +91,13 @@ def columns_from_shards(shards: Sequence[ShardInfo]) -> tuple[dict[str, np.ndarr
 
     def cat(parts: list[np.ndarray], kind: str) -> np.ndarray:
         return np.concatenate(parts).astype(kind) if parts else np.zeros(0, dtype=kind)
-    block_columns = {"length": cat(lengths, "<u4"), "rows": cat(rows, "<u4"), "checksum": cat(sums, "<u8"),
-                     "tokens": cat(tokens, "<u4")}
+
+    block_columns = {
+        "length": cat(lengths, "<u4"),
+        "rows": cat(rows, "<u4"),
+        "checksum": cat(sums, "<u8"),
+        "tokens": cat(tokens, "<u4"),
+    }
     return cols, block_columns
 
 
@@ -127,13 +150,18 @@ def _column_bytes(arr: pa.Array) -> memoryview:
     buf = arr.buffers()[1]
     if buf is None:
         return memoryview(b"")
-    return memoryview(buf).cast("B")[arr.offset * width:(arr.offset + len(arr)) * width]
+    return memoryview(buf).cast("B")[arr.offset * width : (arr.offset + len(arr)) * width]
 
 
-def write_metadata(directory: str | Path, manifest: Manifest | None = None, *,
-                   shard_columns: dict[str, np.ndarray] | None = None,
-                   block_columns: dict[str, np.ndarray] | None = None, fields: dict | None = None,
-                   manifest_bytes: bytes | None = None) -> Path:
+def write_metadata(
+    directory: str | Path,
+    manifest: Manifest | None = None,
+    *,
+    shard_columns: dict[str, np.ndarray] | None = None,
+    block_columns: dict[str, np.ndarray] | None = None,
+    fields: dict | None = None,
+    manifest_bytes: bytes | None = None,
+) -> Path:
     """Write the version-3 metadata of a dataset directory: both tables, then the header last
     (atomically), so a reader sees the old metadata or the new, whole. From a `manifest` (pack,
     upgrade) or from ready columns (`shard_columns`/`block_columns` as `columns_from_shards` gives
@@ -144,9 +172,15 @@ def write_metadata(directory: str | Path, manifest: Manifest | None = None, *,
     directory = Path(directory)
     if manifest is not None:
         shard_columns, block_columns = columns_from_shards(manifest.shards)
-        fields = {"dataset_id": manifest.dataset_id, "schema": schema_to_json(manifest.schema),
-                  "tokenizer": manifest.tokenizer, "token_column": manifest.token_column,
-                  "token_dtype": manifest.token_dtype, "eos_id": manifest.eos_id, "stats": manifest.stats}
+        fields = {
+            "dataset_id": manifest.dataset_id,
+            "schema": schema_to_json(manifest.schema),
+            "tokenizer": manifest.tokenizer,
+            "token_column": manifest.token_column,
+            "token_dtype": manifest.token_dtype,
+            "eos_id": manifest.eos_id,
+            "stats": manifest.stats,
+        }
     assert shard_columns is not None and block_columns is not None and fields is not None
     shard_columns = dict(shard_columns)
     shard_columns["checksum_order"] = checksum_order(np.asarray(shard_columns["checksum"]))
@@ -155,12 +189,21 @@ def write_metadata(directory: str | Path, manifest: Manifest | None = None, *,
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
     shards = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
     blocks = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
-    totals = {key: int(np.asarray(shard_columns[key], dtype=np.int64).sum())
-              for key in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")}
-    header = {"format": "tierflow", "format_version": METADATA_VERSION, **fields,
-              "shards": shards, "blocks": blocks, "totals": totals,
-              "manifest": None if manifest_bytes is None else
-              {"size": len(manifest_bytes), "xxh3": xxhash.xxh3_128_hexdigest(manifest_bytes)}}
+    totals = {
+        key: int(np.asarray(shard_columns[key], dtype=np.int64).sum())
+        for key in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")
+    }
+    header = {
+        "format": "tierflow",
+        "format_version": METADATA_VERSION,
+        **fields,
+        "shards": shards,
+        "blocks": blocks,
+        "totals": totals,
+        "manifest": None
+        if manifest_bytes is None
+        else {"size": len(manifest_bytes), "xxh3": xxhash.xxh3_128_hexdigest(manifest_bytes)},
+    }
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
     return _publish(directory, METADATA_NAME, json.dumps(header, indent=1).encode())
 
@@ -236,8 +279,9 @@ def header_tables(raw: bytes) -> set[str]:
 
 def table_files(directory: str | Path) -> Iterable[str]:
     """The metadata table files of the directory (for gc: those its header does not name may go)."""
-    return (p.name for p in Path(directory).iterdir()
-            if p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX))
+    return (
+        p.name for p in Path(directory).iterdir() if p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX)
+    )
 
 
 def upgrade_source(source: Any, workdir: str | Path) -> str:
@@ -245,6 +289,7 @@ def upgrade_source(source: Any, workdir: str | Path) -> str:
     written in `workdir`, uploaded tables first and the header last (the commit point); the manifest
     stays for version-2 readers. Returns the header's URL."""
     from tierflow.storage.datasets import read_manifest_json
+
     workdir = Path(workdir)
     raw, manifest = read_manifest_json(source)
     write_metadata(workdir, manifest, manifest_bytes=raw)

@@ -44,8 +44,10 @@ class TokenReader:
             return
         last = max(begins)
         if last + width > self.dataset.num_tokens:
-            raise IndexError(f"{self.dataset.location}: a window of {width} tokens from {last} "
-                             f"runs past the stream end {self.dataset.num_tokens}")
+            raise IndexError(
+                f"{self.dataset.location}: a window of {width} tokens from {last} "
+                f"runs past the stream end {self.dataset.num_tokens}"
+            )
         column, dataset, pieces = self.column, self.dataset, 0
         tables: dict[int, ShardTable] = {}
         views: dict[int, np.ndarray] = {}  # block's first token -> its values from there
@@ -59,12 +61,12 @@ class TokenReader:
                 values = views[first] = table.list_values(block, column)
             at = start - first
             if start + width <= end:
-                out[row] = values[at:at + width]
+                out[row] = values[at : at + width]
                 pieces += 1
                 continue
             target = out[row]
             done = end - start  # the rest from the blocks after, in this shard or the next
-            target[:done] = values[at:at + done]
+            target[:done] = values[at : at + done]
             pieces += 1
             while done < width:
                 shard, block, first, end = dataset.index.token_blocks(np.array([start + done])).tolist()[0]
@@ -73,10 +75,11 @@ class TokenReader:
                     table = tables[shard] = dataset.shard(shard)
                 values = table.list_values(block, column)
                 take = min(width - done, end - first)
-                target[done:done + take] = values[:take]
+                target[done : done + take] = values[:take]
                 done += take
                 pieces += 1
         self.pieces += pieces
+
 
 class SampleLengths:
     """Lengths of one list column by global sample id, from each block's offsets (no values read)."""

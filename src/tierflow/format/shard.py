@@ -37,7 +37,7 @@ class Form(StrEnum):
     DECODED = "decoded"
 
     @classmethod
-    def _missing_(cls, value: object) -> "Form":
+    def _missing_(cls, value: object) -> Form:
         raise ValueError(f"form {value!r} is not one of {', '.join(f.value for f in cls)}")
 
 
@@ -93,13 +93,18 @@ class ShardInfo:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "ShardInfo":
+    def from_json(cls, d: dict) -> ShardInfo:
         """The shard a manifest entry describes; its blocks stay columns (`BlockList`) until used."""
         return cls(
-            name=str(d["name"]), samples=int(d["samples"]), bytes=int(d["bytes"]),
-            decoded_bytes=int(d["decoded_bytes"]), checksum=str(d["checksum"]),
-            decoded_checksum=str(d["decoded_checksum"]), compression=str(d["compression"]),
-            tokens=int(d.get("tokens", 0)), blocks=BlockList.from_json(d["blocks"]),
+            name=str(d["name"]),
+            samples=int(d["samples"]),
+            bytes=int(d["bytes"]),
+            decoded_bytes=int(d["decoded_bytes"]),
+            checksum=str(d["checksum"]),
+            decoded_checksum=str(d["decoded_checksum"]),
+            compression=str(d["compression"]),
+            tokens=int(d.get("tokens", 0)),
+            blocks=BlockList.from_json(d["blocks"]),
         )
 
 
@@ -112,13 +117,19 @@ class BlockList(Sequence[Block]):
 
     __slots__ = ("offsets", "lengths", "rows", "tokens", "checksums", "_made")
 
-    def __init__(self, offsets: np.ndarray, lengths: np.ndarray, rows: np.ndarray, checksums: list[str] | np.ndarray,
-                 tokens: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        rows: np.ndarray,
+        checksums: list[str] | np.ndarray,
+        tokens: np.ndarray | None = None,
+    ) -> None:
         self.offsets, self.lengths, self.rows, self.checksums, self.tokens = offsets, lengths, rows, checksums, tokens
         self._made: list[Block | None] = [None] * len(checksums)
 
     @classmethod
-    def from_json(cls, b: dict) -> "BlockList":
+    def from_json(cls, b: dict) -> BlockList:
         """The columns of a manifest's `blocks` object, a binary table (`block_table`) or, as format
         version 1 wrote them, JSON lists; TypeError/ValueError if one is not a list of its type or they
         differ in length (untrusted JSON: bool, float and huge ints are refused)."""
@@ -145,14 +156,15 @@ class BlockList(Sequence[Block]):
         return cls(ints[0], ints[1], ints[2], columns["checksum"], counts)
 
     @classmethod
-    def _from_table(cls, b: dict) -> "BlockList":
+    def _from_table(cls, b: dict) -> BlockList:
         """The columns of a `block_table` object: one base64 decode and a view per column, so a
         manifest's parse and checksum cost C passes over ~27 characters a block, not a JSON value per
         block and column (lists of 3,081 blocks were ~60% of a 100M-sample manifest's load)."""
         names, count, table = b.get("columns"), b.get("count"), b.get("table")
         if names not in (list(TABLE_COLUMNS[:3]), list(TABLE_COLUMNS)):
-            raise ValueError(f"blocks.columns = {names!r:.80} is not {list(TABLE_COLUMNS[:3])}, "
-                             f"optionally + ['tokens']")
+            raise ValueError(
+                f"blocks.columns = {names!r:.80} is not {list(TABLE_COLUMNS[:3])}, optionally + ['tokens']"
+            )
         if type(count) is not int or not 0 <= count < MAX_COUNT or not isinstance(table, str):
             raise TypeError("blocks.count is not a block count or blocks.table is not a string")
         try:
@@ -223,8 +235,9 @@ class BlockList(Sequence[Block]):
             tokens = int(self.tokens[index]) if self.tokens is not None else None
             checksum = self.checksums[index]
             hexed = checksum if isinstance(checksum, str) else f"{int(checksum):016x}"
-            found = self._made[index] = Block(int(self.offsets[index]), int(self.lengths[index]), int(self.rows[index]),
-                                              hexed, tokens)
+            found = self._made[index] = Block(
+                int(self.offsets[index]), int(self.lengths[index]), int(self.rows[index]), hexed, tokens
+            )
         return found
 
     def __iter__(self) -> Iterator[Block]:
@@ -265,11 +278,15 @@ def block_table(blocks: Sequence[Block]) -> dict:
     ends = np.cumsum([0] + [b.length for b in blocks]).tolist()
     if [b.offset for b in blocks] != ends[:-1]:
         raise ValueError("the blocks are not contiguous from offset 0; a block table cannot hold them")
-    columns = [[b.length for b in blocks], [b.rows for b in blocks], [int(b.checksum, 16) for b in blocks],
-               [b.tokens for b in blocks]]
+    columns = [
+        [b.length for b in blocks],
+        [b.rows for b in blocks],
+        [int(b.checksum, 16) for b in blocks],
+        [b.tokens for b in blocks],
+    ]
     if not blocks or any(b.tokens is None for b in blocks):
         columns.pop()
-    names = list(TABLE_COLUMNS[:len(columns)])
+    names = list(TABLE_COLUMNS[: len(columns)])
     try:
         table = b"".join(np.array(values, dtype=kind).tobytes() for values, kind in zip(columns, _TABLE_TYPES))
     except OverflowError:
@@ -283,8 +300,12 @@ def block_lists(blocks: dict) -> dict:
     if "table" not in blocks:
         return blocks
     listed = BlockList.from_json(blocks)
-    lists = {"offset": listed.offsets.tolist(), "length": listed.lengths.tolist(), "rows": listed.rows.tolist(),
-             "checksum": [b.checksum for b in listed]}
+    lists = {
+        "offset": listed.offsets.tolist(),
+        "length": listed.lengths.tolist(),
+        "rows": listed.rows.tolist(),
+        "checksum": [b.checksum for b in listed],
+    }
     if listed.tokens is not None:
         lists["tokens"] = listed.tokens.tolist()
     return lists

@@ -42,8 +42,13 @@ def _block_tokens(block: pa.RecordBatch, column: str | None) -> int | None:
     return int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
 
 
-def _write_ipc(blocks: Iterable[pa.RecordBatch], schema: pa.Schema, sink: HashingSink,
-               options: pa.ipc.IpcWriteOptions, token_column: str | None = None) -> list[Block]:
+def _write_ipc(
+    blocks: Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    sink: HashingSink,
+    options: pa.ipc.IpcWriteOptions,
+    token_column: str | None = None,
+) -> list[Block]:
     """Write an IPC file of `blocks` through `sink`; return where each landed."""
     written = []
     with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=options) as writer:
@@ -51,8 +56,15 @@ def _write_ipc(blocks: Iterable[pa.RecordBatch], schema: pa.Schema, sink: Hashin
             start = sink.position
             sink.take_block_digest()
             writer.write_batch(block)
-            written.append(Block(start, sink.position - start, block.num_rows, sink.take_block_digest(),
-                                 _block_tokens(block, token_column)))
+            written.append(
+                Block(
+                    start,
+                    sink.position - start,
+                    block.num_rows,
+                    sink.take_block_digest(),
+                    _block_tokens(block, token_column),
+                )
+            )
     return written
 
 
@@ -68,8 +80,14 @@ class ShardWriter:
     without decoding the blocks before it).
     """
 
-    def __init__(self, directory: str | Path, schema: pa.Schema, compression: str = "zstd",
-                 level: int | None = None, token_column: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        schema: pa.Schema,
+        compression: str = "zstd",
+        level: int | None = None,
+        token_column: str | None = None,
+    ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
         self.directory = Path(directory)
@@ -80,20 +98,29 @@ class ShardWriter:
         self.tmp = self.directory / f".tmp-{os.getpid()}-{id(self):x}{SHARD_SUFFIX}"
         self._blocks: list[Block] = []
         self._decoded = HashingSink()
-        self._decoded_writer = pa.ipc.new_file(pa.PythonFile(self._decoded, mode="w"), schema,
-                                               options=_ipc_options("none", None))
+        self._decoded_writer = pa.ipc.new_file(
+            pa.PythonFile(self._decoded, mode="w"), schema, options=_ipc_options("none", None)
+        )
         self._file = open(self.tmp, "wb", buffering=CHUNK)
         self._sink = HashingSink(self._file)
-        self._writer = pa.ipc.new_file(pa.PythonFile(self._sink, mode="w"), schema,
-                                       options=_ipc_options(compression, level))
+        self._writer = pa.ipc.new_file(
+            pa.PythonFile(self._sink, mode="w"), schema, options=_ipc_options(compression, level)
+        )
 
     def write(self, block: pa.RecordBatch) -> None:
         """Append one record batch as the shard's next block."""
         start = self._sink.position
         self._sink.take_block_digest()
         self._writer.write_batch(block)
-        self._blocks.append(Block(start, self._sink.position - start, block.num_rows,
-                                  self._sink.take_block_digest(), _block_tokens(block, self.token_column)))
+        self._blocks.append(
+            Block(
+                start,
+                self._sink.position - start,
+                block.num_rows,
+                self._sink.take_block_digest(),
+                _block_tokens(block, self.token_column),
+            )
+        )
         self._decoded_writer.write_batch(block)
 
     def close(self, tokens: int = 0) -> ShardInfo:
@@ -119,9 +146,15 @@ class ShardWriter:
             self.abort()
             raise
         return ShardInfo(
-            name=name, samples=sum(b.rows for b in blocks), bytes=sink.position,
-            decoded_bytes=self._decoded.position, checksum=checksum, decoded_checksum=self._decoded.hexdigest(),
-            compression=chosen, tokens=tokens, blocks=blocks,
+            name=name,
+            samples=sum(b.rows for b in blocks),
+            bytes=sink.position,
+            decoded_bytes=self._decoded.position,
+            checksum=checksum,
+            decoded_checksum=self._decoded.hexdigest(),
+            compression=chosen,
+            tokens=tokens,
+            blocks=blocks,
         )
 
     def _rewrite_uncompressed(self) -> tuple[HashingSink, list[Block]]:
@@ -168,16 +201,18 @@ def decode_shard(src: str | Path, dst: str | Path, info: ShardInfo) -> tuple[int
         with open(dst, "wb", buffering=CHUNK) as f:
             sink = HashingSink(f)
             sink.limit = info.decoded_bytes
-            sink.limit_error = ShardCorruptError(f"shard {info.name}: decodes to more than the "
-                                                 f"{info.decoded_bytes} bytes the manifest declares")
+            sink.limit_error = ShardCorruptError(
+                f"shard {info.name}: decodes to more than the {info.decoded_bytes} bytes the manifest declares"
+            )
             _write_ipc(_bounded_batches(mapped, schema, info), schema, sink, _ipc_options("none", None))
     return sink.position, sink.hexdigest()
 
 
 def _bounded_batches(mapped: pa.Buffer, schema: pa.Schema, info: ShardInfo) -> Iterator[pa.RecordBatch]:
     for i, block in enumerate(info.blocks):
-        yield decode_block(mapped.slice(block.offset, block.length), schema, info.name, i, block,
-                           max_decoded=info.decoded_bytes)
+        yield decode_block(
+            mapped.slice(block.offset, block.length), schema, info.name, i, block, max_decoded=info.decoded_bytes
+        )
 
 
 def scan_blocks(path: str | Path) -> list[Block]:

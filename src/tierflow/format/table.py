@@ -12,7 +12,8 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
-from typing import Any, Callable, Sequence, overload
+from typing import Any, overload
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -86,7 +87,7 @@ class ShardTable:
         if parts is None:
             arr = decoded.column(name)
             offsets, values = _list_offsets(arr), arr.values.to_numpy(zero_copy_only=True)
-            parts = views.parts[name] = (offsets, values, values[int(offsets[0]):])
+            parts = views.parts[name] = (offsets, values, values[int(offsets[0]) :])
         return parts
 
     def list_parts(self, block: int, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +124,7 @@ class BlockCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, table: "LazyShardTable", block: int, size: int) -> None:
+    def add(self, table: LazyShardTable, block: int, size: int) -> None:
         victims = []
         with self._lock:
             while self._dead:
@@ -182,9 +183,14 @@ class LazyShardTable(ShardTable):
     the table's lock; the getters of loaded blocks are read without it.
     """
 
-    def __init__(self, name: str, source: BlockBytes, schema: pa.Schema | None = None,
-                 cache: BlockCache | None = None,
-                 recover: Callable[[int, ShardCorruptError, BlockBytes], BlockBytes] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        source: BlockBytes,
+        schema: pa.Schema | None = None,
+        cache: BlockCache | None = None,
+        recover: Callable[[int, ShardCorruptError, BlockBytes], BlockBytes] | None = None,
+    ) -> None:
         self.name = name
         self._source = source
         self._schema_hint = schema
@@ -203,8 +209,9 @@ class LazyShardTable(ShardTable):
         self.blocks_verified = 0
         self._tokens: tuple[str, str | None, list[int | None], int | None] | None = None
 
-    def expect_tokens(self, column: str, dtype: str | None, counts: Sequence[int | None],
-                      eos: int | None = None) -> None:
+    def expect_tokens(
+        self, column: str, dtype: str | None, counts: Sequence[int | None], eos: int | None = None
+    ) -> None:
         """Check each block's token count (`counts`, the manifest's; None: not recorded) and token
         dtype against its list offsets when it is decoded, before any view of it is handed out:
         a manifest whose counts were moved between blocks would otherwise serve wrong windows.
@@ -214,8 +221,9 @@ class LazyShardTable(ShardTable):
             if self._tokens is not None:
                 return
             if len(counts) != len(self._slots):
-                raise ShardCorruptError(f"shard {self.name}: {len(counts)} block token counts for "
-                                        f"{len(self._slots)} blocks")
+                raise ShardCorruptError(
+                    f"shard {self.name}: {len(counts)} block token counts for {len(self._slots)} blocks"
+                )
             self._tokens = (column, dtype, list(counts), eos)
             for b, slot in enumerate(self._slots):
                 if slot is not None:
@@ -227,13 +235,13 @@ class LazyShardTable(ShardTable):
         block = self._source.blocks[b]
         if idx < 0:
             if counts[b]:
-                raise block_error(self.name, b, block, f"has no {column} column, the manifest says it holds "
-                                                       f"{counts[b]} tokens")
+                raise block_error(
+                    self.name, b, block, f"has no {column} column, the manifest says it holds {counts[b]} tokens"
+                )
             return
         arr = decoded.column(idx)
         if dtype is not None and str(getattr(arr.type, "value_type", arr.type)) != dtype:
-            raise block_error(self.name, b, block, f"holds {arr.type} tokens, the manifest's token_dtype "
-                                                   f"is {dtype}")
+            raise block_error(self.name, b, block, f"holds {arr.type} tokens, the manifest's token_dtype is {dtype}")
         if counts[b] is not None:
             offsets = arr.offsets
             got = int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
@@ -245,13 +253,15 @@ class LazyShardTable(ShardTable):
             last = arr.values.to_numpy(zero_copy_only=False)[ends - 1] if len(ends) else ends
             wrong = np.flatnonzero(last != eos)
             if len(wrong):
-                raise ManifestError(f"shard {self.name}: block {b}: its documents end with token "
-                                    f"{int(last[wrong[0]])}, not the manifest's eos_id {eos} ({len(wrong)} of "
-                                    f"{len(ends)}): the manifest's eos_id is wrong (edited, or resealed); re-pack, "
-                                    f"or restore the manifest")
+                raise ManifestError(
+                    f"shard {self.name}: block {b}: its documents end with token "
+                    f"{int(last[wrong[0]])}, not the manifest's eos_id {eos} ({len(wrong)} of "
+                    f"{len(ends)}): the manifest's eos_id is wrong (edited, or resealed); re-pack, "
+                    f"or restore the manifest"
+                )
 
     @property
-    def blocks(self) -> "_LazyBlocks":  # type: ignore[override]
+    def blocks(self) -> _LazyBlocks:  # type: ignore[override]
         return _LazyBlocks(self)
 
     def _slot(self, block: int) -> tuple[pa.RecordBatch, _Views]:
@@ -300,8 +310,9 @@ class LazyShardTable(ShardTable):
             except ShardCorruptError:
                 raise
             except OSError as again:
-                raise ShardCorruptError(f"shard {self.name}: block {b} cannot be read from the copy fetched "
-                                        f"again either ({again})") from again
+                raise ShardCorruptError(
+                    f"shard {self.name}: block {b} cannot be read from the copy fetched again either ({again})"
+                ) from again
         if not source.verified:
             self.blocks_verified += 1
         return source, data
@@ -357,6 +368,7 @@ class _LazyBlocks(SequenceABC[pa.RecordBatch]):
             raise IndexError(f"shard {self._table.name}: block {index} out of range")
         return self._table.block(index)
 
+
 def _null_getter(_: int) -> None:
     return None
 
@@ -370,7 +382,7 @@ def _validity(arr: pa.Array) -> np.ndarray:
     ~60 us a block, paid by every column with nulls of every block loaded)."""
     bitmap = arr.buffers()[0]
     bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
-    return bits[arr.offset:arr.offset + len(arr)].view(np.bool_)
+    return bits[arr.offset : arr.offset + len(arr)].view(np.bool_)
 
 
 def _column_getter(arr: pa.Array) -> Callable[[int], Any]:
@@ -387,19 +399,22 @@ def _column_getter(arr: pa.Array) -> Callable[[int], Any]:
             return f
         return lambda r: f(r) if valid[r] else None
 
-    if (pat.is_list(t) or pat.is_large_list(t)) and (
-            pat.is_integer(t.value_type) or pat.is_floating(t.value_type)) and arr.values.null_count == 0:
+    if (
+        (pat.is_list(t) or pat.is_large_list(t))
+        and (pat.is_integer(t.value_type) or pat.is_floating(t.value_type))
+        and arr.values.null_count == 0
+    ):
         offsets = _list_offsets(arr)
         values = arr.values.to_numpy(zero_copy_only=True)
-        return guarded(lambda r: values[offsets[r]:offsets[r + 1]])
+        return guarded(lambda r: values[offsets[r] : offsets[r + 1]])
     if pat.is_string(t) or pat.is_binary(t) or pat.is_large_string(t) or pat.is_large_binary(t):
         off_type = np.int64 if (pat.is_large_string(t) or pat.is_large_binary(t)) else np.int32
         bufs = arr.buffers()
-        offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset:arr.offset + len(arr) + 1]
+        offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset : arr.offset + len(arr) + 1]
         data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
         if pat.is_string(t) or pat.is_large_string(t):
-            return guarded(lambda r: str(data[offsets[r]:offsets[r + 1]], "utf-8"))  # one pass, no bytes copy
-        return guarded(lambda r: bytes(data[offsets[r]:offsets[r + 1]]))
+            return guarded(lambda r: str(data[offsets[r] : offsets[r + 1]], "utf-8"))  # one pass, no bytes copy
+        return guarded(lambda r: bytes(data[offsets[r] : offsets[r + 1]]))
     if (pat.is_integer(t) or pat.is_floating(t) or pat.is_boolean(t)) and valid is None and not pat.is_boolean(t):
         values = arr.to_numpy(zero_copy_only=True)
         return lambda r: values[r].item()

@@ -48,8 +48,9 @@ class ShardVerifier:
     `on_block(index, bytes)` sees each block that verified, whole, as it completes (one block held
     at a time: how `verify` checks a remote shard's counts without reading it twice)."""
 
-    def __init__(self, info: ShardInfo, form: Form | str = Form.AT_REST,
-                 on_block: Callable[[int, bytes], None] | None = None) -> None:
+    def __init__(
+        self, info: ShardInfo, form: Form | str = Form.AT_REST, on_block: Callable[[int, bytes], None] | None = None
+    ) -> None:
         self._on_block = on_block
         self._held = bytearray()
         self.info = info
@@ -96,11 +97,13 @@ class ShardVerifier:
         problems = []
         if self.size != expected_size:
             problems.append(f"shard {info.name}: size {self.size} != {expected_size} in the manifest")
-        unfinished = [index for index, _ in self._blocks[self._next:]]  # cut off by a short file
+        unfinished = [index for index, _ in self._blocks[self._next :]]  # cut off by a short file
         for i in sorted(self._bad + unfinished):
             block = info.blocks[i]
-            problems.append(f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
-                            f"{block.rows} rows) fails its checksum")
+            problems.append(
+                f"shard {info.name}: block {i} (bytes {block.offset}+{block.length}, "
+                f"{block.rows} rows) fails its checksum"
+            )
         if not problems and self._whole.hexdigest() != expected_sum:
             problems.append(f"shard {info.name}: whole-file checksum mismatch (outside any block)")
         return problems

@@ -12,7 +12,8 @@ It never starts the DataLoader's own workers: the Loader owns its workers and it
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 from torch.utils.data import DataLoader
 

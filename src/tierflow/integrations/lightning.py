@@ -66,8 +66,11 @@ def _epoch_limits(trainer: pl.Trainer) -> None:
     limits = []
     for dl in combined.flattened:
         length = sized_len(dl)
-        limits.append(float("inf") if length is None else
-                      _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches))
+        limits.append(
+            float("inf")
+            if length is None
+            else _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
+        )
     combined.limits = limits
     if combined._iterator is not None:
         combined._iterator.limits = limits
@@ -82,7 +85,9 @@ class LoaderStateCallback(pl.Callback):
     included, whose epoch-start hook Lightning skips mid-epoch) and at the start of each epoch,
     each time before the fetcher asks for the batch after the one it prefetched."""
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Every rank's Loader states into the `.ckpt` (Lightning writes rank 0's alone: right for
         token windows, whose cursor every rank shares, not for a token budget's own streams)."""
         states = _loader_states(checkpoint)
@@ -96,15 +101,18 @@ class LoaderStateCallback(pl.Callback):
         dist.all_gather_object(gathered, states)
         checkpoint[RANKS_KEY] = gathered
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """This rank's own Loader states back, before Lightning's fit loop loads them."""
         ranks = checkpoint.get(RANKS_KEY)
         loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
         if ranks is None or loop is None:
             return
         if len(ranks) != trainer.world_size:
-            raise ValueError(f"the checkpoint holds the Loader states of {len(ranks)} ranks, this run has "
-                             f"{trainer.world_size}")
+            raise ValueError(
+                f"the checkpoint holds the Loader states of {len(ranks)} ranks, this run has {trainer.world_size}"
+            )
         loop["combined_loader"] = ranks[trainer.global_rank]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -128,7 +136,8 @@ class LoaderStateCallback(pl.Callback):
                     raise RuntimeError(
                         "this tierflow's Loader has no `lookahead`: under Lightning a Loader without len() "
                         "(endless=True) would save the state of the batch after the one trained; give it a "
-                        "length (drop endless=True) or update tierflow")
+                        "length (drop endless=True) or update tierflow"
+                    )
                 continue
             target.lookahead = ahead
 

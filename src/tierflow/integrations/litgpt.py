@@ -22,7 +22,6 @@ CycleIterator re-enters an iterator that ends); `endless=False` gives one epoch 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from litgpt.data import DataModule
@@ -36,9 +35,18 @@ class TierflowDataModule(DataModule):
     tiers, num_workers, seed, and in `options` any other open_loader keyword). `val_url` (default: `url`)
     is read in eval mode, `val_batches` batches of it (None: all)."""
 
-    def __init__(self, url: str, *, val_url: str | None = None, val_batches: int | None = 8, endless: bool = True,
-                 tiers: list[str] | None = None, num_workers: int = 0, seed: int = 0,
-                 options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        val_url: str | None = None,
+        val_batches: int | None = 8,
+        endless: bool = True,
+        tiers: list[str] | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         options = {"tiers": list(tiers or ()), "num_workers": num_workers, "seed": seed, **(options or {})}
         self.url = url
@@ -51,8 +59,9 @@ class TierflowDataModule(DataModule):
         self.train: LoaderDataLoader | None = None
         self.val: LoaderDataLoader | None = None
 
-    def connect(self, tokenizer: Any = None, batch_size: int = 1, max_seq_length: int | None = None,
-                **kwargs: Any) -> None:
+    def connect(
+        self, tokenizer: Any = None, batch_size: int = 1, max_seq_length: int | None = None, **kwargs: Any
+    ) -> None:
         if max_seq_length is None:
             raise ValueError("TierflowDataModule reads token windows: litgpt passes max_seq_length (the block size)")
         self.batch_size = batch_size
@@ -64,8 +73,9 @@ class TierflowDataModule(DataModule):
         batch_size, seq_len = self.batch_size, self.seq_length
         train = open_loader(self.url, batch_size=batch_size, seq_len=seq_len, endless=self.endless, **self.options)
         val_options = {k: v for k, v in self.options.items() if k not in ("resume",)}
-        val = open_loader(self.val_url, batch_size=batch_size, seq_len=seq_len, eval=True,
-                          max_batches=self.val_batches, **val_options)
+        val = open_loader(
+            self.val_url, batch_size=batch_size, seq_len=seq_len, eval=True, max_batches=self.val_batches, **val_options
+        )
         self.train = LoaderDataLoader(train, map=token_rows)
         self.val = LoaderDataLoader(val, map=token_rows)
 

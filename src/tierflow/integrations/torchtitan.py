@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
+from collections.abc import Iterable, Iterator
 
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
@@ -46,8 +47,12 @@ def dp_world(dp_rank: int, dp_world_size: int, ranks_per_node: int = 1) -> World
         raise ValueError(f"dp_rank={dp_rank} outside dp_world_size={dp_world_size}")
     if ranks_per_node < 1 or dp_world_size % ranks_per_node:
         raise ValueError(f"dp_world_size={dp_world_size} is not a multiple of ranks_per_node={ranks_per_node}")
-    return WorldPosition(node=dp_rank // ranks_per_node, num_nodes=dp_world_size // ranks_per_node,
-                         local_rank=dp_rank % ranks_per_node, ranks_per_node=ranks_per_node)
+    return WorldPosition(
+        node=dp_rank // ranks_per_node,
+        num_nodes=dp_world_size // ranks_per_node,
+        local_rank=dp_rank % ranks_per_node,
+        ranks_per_node=ranks_per_node,
+    )
 
 
 class TierflowDataLoader(BaseDataLoader):
@@ -63,11 +68,24 @@ class TierflowDataLoader(BaseDataLoader):
         ranks_per_node: int = 1
         endless: bool = True
 
-    def __init__(self, url: str | Path | None = None, *, dp_rank: int, dp_world_size: int,
-                 batch_size: int | None = None, seq_len: int | None = None, ranks_per_node: int = 1,
-                 keep: Iterable[str] = (), endless: bool = True, loader: Loader | None = None,
-                 config: "TierflowDataLoader.Config | None" = None, local_batch_size: int | None = None,
-                 tokenizer: Any = None, snapshot_every_n_steps: int | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        url: str | Path | None = None,
+        *,
+        dp_rank: int,
+        dp_world_size: int,
+        batch_size: int | None = None,
+        seq_len: int | None = None,
+        ranks_per_node: int = 1,
+        keep: Iterable[str] = (),
+        endless: bool = True,
+        loader: Loader | None = None,
+        config: TierflowDataLoader.Config | None = None,
+        local_batch_size: int | None = None,
+        tokenizer: Any = None,
+        snapshot_every_n_steps: int | None = None,
+        **options: Any,
+    ) -> None:
         if config is not None:  # built by a torchtitan trainer: config.dataloader.build(...)
             url = url if url is not None else (config.dataset_path or config.dataset)
             options = {"tiers": list(config.tiers), "num_workers": config.num_workers, "seed": config.seed, **options}
@@ -83,11 +101,12 @@ class TierflowDataLoader(BaseDataLoader):
             if url is None:
                 raise ValueError("TierflowDataLoader needs a dataset url (or loader=)")
             world = dp_world(dp_rank, dp_world_size, ranks_per_node)
-            loader = open_loader(url, batch_size=batch_size, seq_len=seq_len, world=world, endless=endless,
-                                 **options)
+            loader = open_loader(url, batch_size=batch_size, seq_len=seq_len, world=world, endless=endless, **options)
         elif loader.dataset.world.world_size != dp_world_size or loader.dataset.world.rank != dp_rank:
-            raise ValueError(f"loader= reads as rank {loader.dataset.world.rank} of {loader.dataset.world.world_size}, "
-                             f"not dp rank {dp_rank} of {dp_world_size}")
+            raise ValueError(
+                f"loader= reads as rank {loader.dataset.world.rank} of {loader.dataset.world.world_size}, "
+                f"not dp rank {dp_rank} of {dp_world_size}"
+            )
         self.loader = loader
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -111,9 +130,11 @@ class TierflowDataLoader(BaseDataLoader):
         if self._rank_id not in state_dict:
             raise KeyError(f"no tierflow Loader state for {self._rank_id} in the checkpoint ({sorted(state_dict)})")
         if int(state_dict["world_size"]) != self.dp_world_size:
-            raise ValueError(f"the checkpoint was saved with {state_dict['world_size']} data-parallel ranks, this "
-                             f"job has {self.dp_world_size}: tierflow resumes another world size at a group "
-                             f"boundary only (docs/loader.md)")
+            raise ValueError(
+                f"the checkpoint was saved with {state_dict['world_size']} data-parallel ranks, this "
+                f"job has {self.dp_world_size}: tierflow resumes another world size at a group "
+                f"boundary only (docs/loader.md)"
+            )
         saved = state_dict[self._rank_id]
         self.loader.load_state_dict(json.loads(saved if isinstance(saved, str) else bytes(saved).decode()))
 

@@ -37,7 +37,8 @@ import math
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 import torch
 import transformers
@@ -112,7 +113,8 @@ class LoaderCheckpointCallback(TrainerCallback):
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path}: no tierflow Loader state in {checkpoint_dir} (was it saved by a Trainer with "
-                f"LoaderCheckpointCallback / TierflowTrainer?); resuming without it would replay the epoch from its start")
+                f"LoaderCheckpointCallback / TierflowTrainer?); resuming without it would replay the epoch from its start"
+            )
         saved = json.loads(path.read_text())
         self.loader.load_state_dict(saved["loader"])
         self.restored = dict(saved.get("trainer") or {})
@@ -122,8 +124,9 @@ class TierflowTrainer(Trainer):
     """`Trainer` whose training batches come from `train_loader` (a tierflow Loader), in the Hugging
     Face convention unless `hf_labels=False`, with `keep` extra keys; exact across resumes."""
 
-    def __init__(self, *args: Any, train_loader: Loader, hf_labels: bool = True, keep: Iterable[str] = (),
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, train_loader: Loader, hf_labels: bool = True, keep: Iterable[str] = (), **kwargs: Any
+    ) -> None:
         if kwargs.get("train_dataset") is not None:
             raise ValueError("TierflowTrainer reads train_loader=; pass no train_dataset")
         self.train_loader = TrainerLoader(train_loader, hf=hf_labels, keep=keep)
@@ -191,12 +194,19 @@ class TierflowTrainer(Trainer):
                 return plan
             count *= 2
 
-    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
-                             resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
         """The Trainer's (epochs trained, batches trained in the resumed epoch) from the plan: it
         takes them as global_step // and % the first epoch's steps."""
-        epochs, batches = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
-                                                       resume_from_checkpoint, trial)
+        epochs, batches = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
         if resume_from_checkpoint is not None and self.epochs:
             accum = self.args.gradient_accumulation_steps
             left, epochs = self.state.global_step, 0
@@ -241,7 +251,8 @@ def _skip_resumed(dataloader: Any, num_batches: int = 0) -> Any:
         if done != num_batches:
             raise RuntimeError(
                 f"the Trainer resumes {num_batches} batches into the epoch, the tierflow Loader's restored state "
-                f"{done}: the checkpoint's trainer_state.json and {STATE_FOLDER}/ come from different saves")
+                f"{done}: the checkpoint's trainer_state.json and {STATE_FOLDER}/ come from different saves"
+            )
     return dataloader
 
 

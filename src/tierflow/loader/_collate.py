@@ -9,7 +9,8 @@ as a `CarriedBatch` (its data and its meta), one message per batch (below).
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -79,13 +80,15 @@ SHARED_MEMORY_BYTES = 8 << 20
 NARROW_MIN_ELEMENTS = 1024
 """Integer arrays of at least this many elements are checked for a narrower wire dtype (two passes
 over them in the worker, min and max; smaller ones are not worth it)."""
-_NARROWER = {np.dtype(t): tuple((np.dtype(n), int(np.iinfo(n).min), int(np.iinfo(n).max)) for n in narrower)
-             for t, narrower in (
-    (np.int64, (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)),
-    (np.int32, (np.uint8, np.int8, np.uint16, np.int16)),
-    (np.uint64, (np.uint8, np.uint16, np.uint32)),
-    (np.uint32, (np.uint8, np.uint16)),
-)}
+_NARROWER = {
+    np.dtype(t): tuple((np.dtype(n), int(np.iinfo(n).min), int(np.iinfo(n).max)) for n in narrower)
+    for t, narrower in (
+        (np.int64, (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)),
+        (np.int32, (np.uint8, np.int8, np.uint16, np.int16)),
+        (np.uint64, (np.uint8, np.uint16, np.uint32)),
+        (np.uint32, (np.uint8, np.uint16)),
+    )
+}
 
 Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int, "str | None"], ...]
 """Per array: (key, wire dtype, shape, strides in the payload, start in the payload, and the dtype it
@@ -108,8 +111,12 @@ def _as_array(value: Any) -> np.ndarray | None:
     """A numeric numpy view of `value` (numpy array or plain CPU tensor), None for anything else."""
     if isinstance(value, np.ndarray):
         return value if value.dtype.kind in _NUMERIC + "b" else None
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided \
-            and not value.requires_grad:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+        and not value.requires_grad
+    ):
         try:
             return value.numpy()
         except TypeError:  # bfloat16 and other dtypes numpy lacks
@@ -154,8 +161,9 @@ class CarriedBatch:
         raise LoaderMisuseError(COLLATED_MESSAGE + TRAINER_HINT)
 
 
-def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMORY_BYTES
-                ) -> tuple[Any, Layout, dict[str, Any], tuple[str, ...]]:
+def pack_arrays(
+    data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMORY_BYTES
+) -> tuple[Any, Layout, dict[str, Any], tuple[str, ...]]:
     """(payload, layout, other values, key order): every numeric array of `data` in one buffer,
     each owning buffer once however many views of it there are, a standalone integer array in the
     narrowest dtype its values fit (`wire_dtype`); `unpack_arrays` rebuilds it."""
@@ -197,10 +205,11 @@ def pack_arrays(data: Mapping[str, Any], shared_memory_bytes: int = SHARED_MEMOR
         view = payload.numpy()
         for base, start, narrow in placed.values():
             if narrow is None:
-                view[start:start + base.nbytes] = base.reshape(-1).view(np.uint8)
+                view[start : start + base.nbytes] = base.reshape(-1).view(np.uint8)
             else:
-                np.copyto(view[start:start + base.size * narrow.itemsize].view(narrow), base.reshape(-1),
-                          casting="unsafe")
+                np.copyto(
+                    view[start : start + base.size * narrow.itemsize].view(narrow), base.reshape(-1), casting="unsafe"
+                )
         return payload, tuple(layout), rest, tuple(data)
     # one bytes object, each array copied into it once (pickle, protocol 4, would copy a bytearray
     # into a bytes object anyway)
@@ -251,8 +260,9 @@ def _dtype(dtype_str: str) -> np.dtype:
     return np.dtype(dtype_str)
 
 
-def _unpack_carried(payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
-                    meta: Any) -> CarriedBatch:
+def _unpack_carried(
+    payload: Any, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str], meta: Any
+) -> CarriedBatch:
     return CarriedBatch(unpack_arrays(payload, layout, rest, keys), meta)
 
 
@@ -260,9 +270,12 @@ COLLATED_MESSAGE = (
     "a DataLoader tried to collate tierflow batches: a TieredDataset builds whole batches itself (its "
     "batch_size), and DataLoader's batch_size (default 1) would stack batches of batches. Iterate "
     "tierflow.Loader(ds, num_workers=...) instead (it keeps the resume cursor), or pass "
-    "DataLoader(ds, batch_size=None) and read item.data / item.meta")
-TRAINER_HINT = ("; under the transformers Trainer pass the Loader: "
-                "tierflow.integrations.transformers.TierflowTrainer(train_loader=Loader(dataset)) (docs/frameworks.md)")
+    "DataLoader(ds, batch_size=None) and read item.data / item.meta"
+)
+TRAINER_HINT = (
+    "; under the transformers Trainer pass the Loader: "
+    "tierflow.integrations.transformers.TierflowTrainer(train_loader=Loader(dataset)) (docs/frameworks.md)"
+)
 
 
 def _refuse_collate(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:

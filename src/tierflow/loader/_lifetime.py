@@ -20,15 +20,18 @@ import multiprocessing
 import re
 import signal
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from tierflow._lifetime import Owner, die_with
 from tierflow.errors import WorkerLostError
 
 _TORCH_WORKER_DIED = re.compile(r"DataLoader worker \(pid")  # "... exited unexpectedly", "... is killed by signal"
-_RESUME = ("the batches it was building are lost. loader.state_dict() holds the cursor of the last batch "
-           "the loop consumed and resumes exactly after it: load_state_dict() it into a new Loader (or "
-           "restart from your last checkpoint's)")
+_RESUME = (
+    "the batches it was building are lost. loader.state_dict() holds the cursor of the last batch "
+    "the loop consumed and resumes exactly after it: load_state_dict() it into a new Loader (or "
+    "restart from your last checkpoint's)"
+)
 
 
 class WorkerLifetime:

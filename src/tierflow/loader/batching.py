@@ -13,7 +13,8 @@ locates it (no look-back, exact resume); `TokenBudget` (budget.py) plans many-to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence
+from typing import Any, ClassVar, Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -88,6 +89,7 @@ class Batcher(Protocol):
 def shard_samples(dataset: Dataset) -> np.ndarray:
     """Order samples per shard for batchers whose sample is a dataset row."""
     from tierflow.format.metadata import shard_column
+
     return np.asarray(shard_column(dataset.manifest, "samples"), dtype=np.int64)  # mapped, read-only: no copy
 
 
@@ -100,8 +102,10 @@ class ByPosition:
 
     def check_resume(self, cursor: LoaderCursor) -> None:
         if cursor.pending is not None:
-            raise CursorError(f"a token-budget cursor holds {len(cursor.pending.ids)} pending samples; resume "
-                              f"it with a TokenBudget batcher, not {self!r}")
+            raise CursorError(
+                f"a token-budget cursor holds {len(cursor.pending.ids)} pending samples; resume "
+                f"it with a TokenBudget batcher, not {self!r}"
+            )
         if cursor.skip >= self.batches_per_group:
             raise CursorError(f"cursor skips {cursor.skip} batches of a group of {self.batches_per_group}")
 
@@ -139,7 +143,7 @@ class SortedGroups(ByPosition):
     def part_of(self, order: np.ndarray, selection: Selection) -> np.ndarray:
         """The positions in the group (sorted `order`) that output batch `selection.part` holds."""
         size = selection.sample_ids.size // self.group
-        return order[selection.part * size:(selection.part + 1) * size]
+        return order[selection.part * size : (selection.part + 1) * size]
 
 
 def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
@@ -212,16 +216,22 @@ class Samples(ByPosition):
         if ctx.collate is not None:
             batch = ctx.collate(samples)
             if not isinstance(batch, dict):
-                raise TypeError(f"collate {getattr(ctx.collate, '__name__', ctx.collate)!r} returned "
-                                f"{type(batch).__name__}; it must return the batch as a dict")
+                raise TypeError(
+                    f"collate {getattr(ctx.collate, '__name__', ctx.collate)!r} returned "
+                    f"{type(batch).__name__}; it must return the batch as a dict"
+                )
             copied = sum(v.nbytes for v in batch.values() if isinstance(v, np.ndarray))
             batch.setdefault("mask", selection.mask[keep])
         else:
             names = list(samples[0].keys()) if samples else list(ctx.dataset.columns)
             batch, copied = collate_samples(samples, names, self.pad, self.pad_value)
             batch["mask"] = selection.mask[keep]
-        return Built(batch, ids[keep].astype(np.int64), epochs[keep].astype(np.int64),
-                     {"copied_bytes": copied, "filtered": filtered, "samples": len(samples)})
+        return Built(
+            batch,
+            ids[keep].astype(np.int64),
+            epochs[keep].astype(np.int64),
+            {"copied_bytes": copied, "filtered": filtered, "samples": len(samples)},
+        )
 
 
 @dataclass
@@ -249,9 +259,13 @@ class TokenWindows(ByPosition):
         reading = ctx.cache.get("tokens")
         if reading is None or reading[0] != self.seq_len:
             manifest = ctx.dataset.manifest
-            reading = ctx.cache["tokens"] = (self.seq_len, TokenReader(ctx.dataset),
-                                             WindowStarts(ctx.dataset.token_starts, self.seq_len),
-                                             np.dtype(manifest.token_dtype or np.uint16), manifest.eos_id)
+            reading = ctx.cache["tokens"] = (
+                self.seq_len,
+                TokenReader(ctx.dataset),
+                WindowStarts(ctx.dataset.token_starts, self.seq_len),
+                np.dtype(manifest.token_dtype or np.uint16),
+                manifest.eos_id,
+            )
         _, reader, window_starts, dtype, eos = reading
         length = self.seq_len
         ids = ids.astype(np.int64)
@@ -264,18 +278,34 @@ class TokenWindows(ByPosition):
             max_seqlen = length
         else:
             cu_seqlens, max_seqlen, position_ids = window_segments(buffer, eos)
-        data = {"input_ids": inputs, "labels": buffer[:, 1:], "position_ids": position_ids,
-                "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "mask": selection.mask.copy()}
-        return Built(data, ids, selection.epochs.astype(np.int64),
-                     {"copied_bytes": buffer.nbytes, "pieces": reader.pieces - pieces_before, "filtered": 0,
-                      "samples": int(ids.size)})
+        data = {
+            "input_ids": inputs,
+            "labels": buffer[:, 1:],
+            "position_ids": position_ids,
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": max_seqlen,
+            "mask": selection.mask.copy(),
+        }
+        return Built(
+            data,
+            ids,
+            selection.epochs.astype(np.int64),
+            {
+                "copied_bytes": buffer.nbytes,
+                "pieces": reader.pieces - pieces_before,
+                "filtered": 0,
+                "samples": int(ids.size),
+            },
+        )
 
 
 def bucket_shapes(max_length: int, pad_to_multiple_of: int, max_shapes: int) -> np.ndarray:
     """At most `max_shapes` padded lengths, multiples of `pad_to_multiple_of`, spaced geometrically."""
     if max_shapes < 1 or pad_to_multiple_of < 1 or max_length < 1:
-        raise ValueError(f"bucket shapes need positive sizes, got max_length={max_length}, "
-                         f"pad_to_multiple_of={pad_to_multiple_of}, max_shapes={max_shapes}")
+        raise ValueError(
+            f"bucket shapes need positive sizes, got max_length={max_length}, "
+            f"pad_to_multiple_of={pad_to_multiple_of}, max_shapes={max_shapes}"
+        )
     multiple = pad_to_multiple_of
     top = -(-max_length // multiple) * multiple
     every = np.arange(multiple, top + 1, multiple, dtype=np.int64)
@@ -322,8 +352,9 @@ class LengthBuckets(SortedGroups):
         index = min(int(np.searchsorted(self.shapes, longest, side="left")), self.shapes.size - 1)
         return int(self.shapes[index])
 
-    def _sorted_group(self, ctx: SampleContext, ids: np.ndarray,
-                      epochs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    def _sorted_group(
+        self, ctx: SampleContext, ids: np.ndarray, epochs: np.ndarray
+    ) -> tuple[list[np.ndarray], np.ndarray]:
         """The group's rows and their order by length, kept while its parts are built (every part
         of a group is planned with the same `ids` array)."""
         cached = ctx.cache.get("bucket_group")
@@ -346,10 +377,19 @@ class LengthBuckets(SortedGroups):
         out = np.full((pick.size, shape), self.pad_id, dtype=dtype)
         kept = np.minimum(lengths, shape)
         for row, i in enumerate(pick.tolist()):
-            out[row, :kept[row]] = rows[i][:kept[row]]
+            out[row, : kept[row]] = rows[i][: kept[row]]
         real = int(kept.sum())
         data = {"input_ids": out, "lengths": kept.astype(np.int32), "mask": selection.mask[pick]}
-        return Built(data, ids[pick].astype(np.int64), selection.epochs[pick].astype(np.int64),
-                     {"copied_bytes": real * out.itemsize, "filtered": 0, "samples": int(pick.size),
-                      "real_tokens": real, "padded_tokens": int(out.size),
-                      "truncated": int((lengths > shape).sum())})
+        return Built(
+            data,
+            ids[pick].astype(np.int64),
+            selection.epochs[pick].astype(np.int64),
+            {
+                "copied_bytes": real * out.itemsize,
+                "filtered": 0,
+                "samples": int(pick.size),
+                "real_tokens": real,
+                "padded_tokens": int(out.size),
+                "truncated": int((lengths > shape).sum()),
+            },
+        )

@@ -12,7 +12,8 @@ plan (it needs only lengths, read from the list offsets) and builds its own batc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterator
+from typing import ClassVar
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -53,8 +54,9 @@ class TokenBudget:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.lookahead < 1 or self.max_pending < 1:
-            raise ValueError(f"TokenBudget needs lookahead >= 1 and max_pending >= 1, got "
-                             f"{self.lookahead} and {self.max_pending}")
+            raise ValueError(
+                f"TokenBudget needs lookahead >= 1 and max_pending >= 1, got {self.lookahead} and {self.max_pending}"
+            )
 
     def tag(self) -> str:
         return "samples"
@@ -69,8 +71,9 @@ class TokenBudget:
         if cursor.skip:
             raise CursorError(f"cursor skips {cursor.skip} batches of a group; a token budget has no groups")
 
-    def planner(self, pending: Pending | None = None,
-                lengths: Callable[[np.ndarray], np.ndarray] | None = None) -> BudgetPlanner:
+    def planner(
+        self, pending: Pending | None = None, lengths: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> BudgetPlanner:
         """The pending buffer, holding `pending` (whose lengths `lengths` gives) when resuming."""
         planner = BudgetPlanner(self.max_tokens, int(self.lookahead * self.max_tokens), self.max_pending)
         if pending is not None and pending.ids:
@@ -119,20 +122,35 @@ class TokenBudget:
         position_ids = np.zeros((1, self.max_tokens), dtype=np.int32)
         at = 0
         for row, n in zip(rows, kept.tolist()):
-            out[0, at:at + n] = row[:n]
-            labels[0, at:at + n - 1] = out[0, at + 1:at + n]
-            position_ids[0, at:at + n] = np.arange(n, dtype=np.int32)
+            out[0, at : at + n] = row[:n]
+            labels[0, at : at + n - 1] = out[0, at + 1 : at + n]
+            position_ids[0, at : at + n] = np.arange(n, dtype=np.int32)
             at += n
         segments = kept.tolist() + ([self.max_tokens - real] if real < self.max_tokens else [])
         position_ids[0, real:] = np.arange(self.max_tokens - real, dtype=np.int32)
         cu_seqlens = np.concatenate([[0], np.cumsum(segments)]).astype(np.int32)
-        data = {"input_ids": out, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu_seqlens,
-                "max_seqlen": int(max(segments)) if segments else 0, "lengths": kept.astype(np.int32),
-                "mask": selection.mask}
-        return Built(data, ids.astype(np.int64), selection.epochs.astype(np.int64),
-                     {"copied_bytes": real * out.itemsize, "filtered": 0, "samples": int(ids.size),
-                      "real_tokens": real, "padded_tokens": self.max_tokens,
-                      "truncated": int((full > self.max_tokens).sum())})
+        data = {
+            "input_ids": out,
+            "labels": labels,
+            "position_ids": position_ids,
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": int(max(segments)) if segments else 0,
+            "lengths": kept.astype(np.int32),
+            "mask": selection.mask,
+        }
+        return Built(
+            data,
+            ids.astype(np.int64),
+            selection.epochs.astype(np.int64),
+            {
+                "copied_bytes": real * out.itemsize,
+                "filtered": 0,
+                "samples": int(ids.size),
+                "real_tokens": real,
+                "padded_tokens": self.max_tokens,
+                "truncated": int((full > self.max_tokens).sum()),
+            },
+        )
 
 
 _NONE_PENDING = 2**62
@@ -180,10 +198,10 @@ class BudgetPlanner:
         while start < lengths.size and budget > 0:
             # the run of consecutive samples from `start` that fits goes in at once ...
             run = int(np.searchsorted(np.cumsum(lengths[start:]), budget, side="right"))
-            chosen[start:start + run] = True
-            budget -= int(lengths[start:start + run].sum())
+            chosen[start : start + run] = True
+            budget -= int(lengths[start : start + run].sum())
             # ... then the next sample that still fits, skipping those that do not
-            later = np.flatnonzero(lengths[start + run:] <= budget) if budget > 0 else np.zeros(0, np.int64)
+            later = np.flatnonzero(lengths[start + run :] <= budget) if budget > 0 else np.zeros(0, np.int64)
             if later.size == 0:
                 break
             start = start + run + int(later[0])

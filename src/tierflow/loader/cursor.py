@@ -12,7 +12,8 @@ then checks it against the dataset (order hash, sample ids, arrangement).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from tierflow.errors import CursorError, CursorFormatError
 from tierflow.order.cursor import OrderCursor
@@ -38,15 +39,23 @@ class Arrangement:
     group: int
 
     def to_dict(self) -> dict[str, int]:
-        return {"num_nodes": self.num_nodes, "ranks_per_node": self.ranks_per_node,
-                "batch_size": self.batch_size, "group": self.group}
+        return {
+            "num_nodes": self.num_nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "batch_size": self.batch_size,
+            "group": self.group,
+        }
 
     @classmethod
     def from_dict(cls, state: Any) -> Arrangement:
         if not isinstance(state, Mapping):
             raise CursorError(f"loader cursor field 'arrangement' must be a dict, got {type(state).__name__}")
-        return cls(*(_int(state.get(name), f"arrangement.{name}", 1)
-                     for name in ("num_nodes", "ranks_per_node", "batch_size", "group")))
+        return cls(
+            *(
+                _int(state.get(name), f"arrangement.{name}", 1)
+                for name in ("num_nodes", "ranks_per_node", "batch_size", "group")
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -63,10 +72,15 @@ class Pending:
     def from_dict(cls, state: Any) -> Pending:
         ids = state.get("ids") if isinstance(state, Mapping) else None
         epochs = state.get("epochs") if isinstance(state, Mapping) else None
-        if (not isinstance(ids, list) or not isinstance(epochs, list) or len(ids) != len(epochs)
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids + epochs)):
-            raise CursorError("the cursor's pending samples are not two equal lists of sample ids and epochs "
-                              "(non-negative integers)")
+        if (
+            not isinstance(ids, list)
+            or not isinstance(epochs, list)
+            or len(ids) != len(epochs)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids + epochs)
+        ):
+            raise CursorError(
+                "the cursor's pending samples are not two equal lists of sample ids and epochs (non-negative integers)"
+            )
         return cls(tuple(ids), tuple(epochs))
 
 
@@ -118,8 +132,9 @@ class LoaderCursor:
         if not isinstance(state, Mapping):
             raise CursorError(f"a loader cursor is a dict, got {type(state).__name__}")
         if state.get("version") != LOADER_CURSOR_VERSION:
-            raise CursorError(f"loader cursor version {state.get('version')!r}, this tierflow reads "
-                              f"{LOADER_CURSOR_VERSION}")
+            raise CursorError(
+                f"loader cursor version {state.get('version')!r}, this tierflow reads {LOADER_CURSOR_VERSION}"
+            )
         kind = state.get("kind")
         if kind not in KINDS:
             raise CursorError(f"loader cursor field 'kind' must be 'train' or 'eval', got {kind!r}")
@@ -130,14 +145,18 @@ class LoaderCursor:
             raise CursorError("loader cursor lacks field 'order' (the order's position)")
         try:
             saved = state["order"]
-            order: OrderCursor | MixedCursor = (MixedCursor.from_dict(saved) if isinstance(saved, Mapping)
-                                                and "draws" in saved else OrderCursor.from_dict(saved))
+            order: OrderCursor | MixedCursor = (
+                MixedCursor.from_dict(saved)
+                if isinstance(saved, Mapping) and "draws" in saved
+                else OrderCursor.from_dict(saved)
+            )
         except CursorFormatError as error:
             raise CursorFormatError(f"loader cursor field 'order': {error}") from None
         pending = Pending.from_dict(state["pending"]) if "pending" in state else None
         rank = _int(state.get("rank"), "rank") if pending is not None else None
-        return cls("train", arrangement, order=order, skip=_int(state.get("skip", 0), "skip"),
-                   pending=pending, rank=rank)
+        return cls(
+            "train", arrangement, order=order, skip=_int(state.get("skip", 0), "skip"), pending=pending, rank=rank
+        )
 
     @classmethod
     def parse(cls, state: LoaderCursor | Mapping[str, Any] | None) -> LoaderCursor | None:

@@ -33,8 +33,15 @@ from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
 from tierflow.loader.cursor import Arrangement, LoaderCursor
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
-from tierflow.loader.spec import (NARROWED, BatchSpec, OrderSpec, saved_first_epoch, saved_group, settle_order,
-                                  working_set_for)
+from tierflow.loader.spec import (
+    NARROWED,
+    BatchSpec,
+    OrderSpec,
+    saved_first_epoch,
+    saved_group,
+    settle_order,
+    working_set_for,
+)
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
@@ -114,7 +121,9 @@ class TieredDataset(IterableDataset):
             manifest = load_manifest(data, endpoint_url)
         self.manifest = manifest
         self._columns = batcher.columns(manifest)
-        index = data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
+        index = (
+            data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
+        )
         counts = batcher.order_counts(index)
         self._token_starts = index.token_starts
         self.num_order_samples = int(counts.sum())
@@ -123,21 +132,30 @@ class TieredDataset(IterableDataset):
         self.seed = order.seed
         saved = self._parsed(resume)
         self.settled = settle_order(order, saved, int((counts > 0).sum()))
-        self._order_args = {"shard_sample_counts": np.asarray(counts, dtype=np.int64),
-                            "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
-                            "seed": order.seed, "partitions": self.settled.partitions,
-                            "remainder": order.remainder, "shuffle": order.shuffle,
-                            "group_bytes": self.settled.group_bytes, "group_samples": self.settled.group_samples,
-                            "decoded_bytes": shard_column(manifest, "decoded_bytes"),
-                            "block_bytes": _largest_blocks(manifest)}
+        self._order_args = {
+            "shard_sample_counts": np.asarray(counts, dtype=np.int64),
+            "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
+            "seed": order.seed,
+            "partitions": self.settled.partitions,
+            "remainder": order.remainder,
+            "shuffle": order.shuffle,
+            "group_bytes": self.settled.group_bytes,
+            "group_samples": self.settled.group_samples,
+            "decoded_bytes": shard_column(manifest, "decoded_bytes"),
+            "block_bytes": _largest_blocks(manifest),
+        }
         stack = data.source if isinstance(data, Dataset) and isinstance(data.source, TierStack) else None
         self.working_set = self._choose_working_set(stack, np.asarray(counts))
         self.order = self.order_with(self.working_set)
         if stack is not None:
             sizes = shard_column(manifest, "decoded_bytes")
-            stack.declare(Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=int(sizes.sum())),
-                          self.working_set.bytes, self.working_set.reading, readers=self.world.ranks_per_node,
-                          job=job_identity())
+            stack.declare(
+                Lifecycle(pattern="unknown" if eval else "reshuffle", data_bytes=int(sizes.sum())),
+                self.working_set.bytes,
+                self.working_set.reading,
+                readers=self.world.ranks_per_node,
+                job=job_identity(),
+            )
         self._resume: LoaderCursor | None = None
         self.load_state_dict(saved)
         self.resumed_epoch = resume.get("epoch") if isinstance(resume, Mapping) else None
@@ -146,8 +164,12 @@ class TieredDataset(IterableDataset):
 
     def order_with(self, working_set: WorkingSet) -> SampleOrder:
         """This dataset's order read through another working set (what `plan` compares)."""
-        return SampleOrder(**self._order_args, window_shards=working_set.window_shards, lanes=working_set.lanes,
-                           first_epoch=working_set.first_epoch)
+        return SampleOrder(
+            **self._order_args,
+            window_shards=working_set.window_shards,
+            lanes=working_set.lanes,
+            first_epoch=working_set.first_epoch,
+        )
 
     def _choose_working_set(self, stack: TierStack | None, counts: np.ndarray) -> WorkingSet:
         """The settled breadth (spec.working_set_for), its bytes counted in the form the top tier
@@ -167,8 +189,9 @@ class TieredDataset(IterableDataset):
 
     # -- state ---------------------------------------------------------------------------
     def arrangement(self) -> Arrangement:
-        return Arrangement(self.world.num_nodes, self.world.ranks_per_node, self.batch_size,
-                           self.batcher.batches_per_group)
+        return Arrangement(
+            self.world.num_nodes, self.world.ranks_per_node, self.batch_size, self.batcher.batches_per_group
+        )
 
     @property
     def cursor(self) -> LoaderCursor | None:
@@ -218,8 +241,9 @@ class TieredDataset(IterableDataset):
                 if first != NARROWED and first != self.order.first_epoch:
                     self.working_set = dataclasses.replace(self.working_set, first_epoch=first)
                     self.order = self.order_with(self.working_set)
-            cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
-                                                                      allow_mismatch=self.allow_mismatch))
+            cursor = dataclasses.replace(
+                cursor, order=self.order.load(cursor.order.to_dict(), allow_mismatch=self.allow_mismatch)
+            )
         self.batcher.check_resume(cursor)
         if cursor.pending is not None:
             self._check_pending(cursor)
@@ -231,12 +255,15 @@ class TieredDataset(IterableDataset):
         assert cursor.pending is not None
         samples = self.manifest.num_samples
         if any(not 0 <= i < samples for i in cursor.pending.ids):
-            raise CursorError(f"the cursor's pending samples are not two equal lists of sample ids in "
-                              f"[0, {samples}) and epochs")
+            raise CursorError(
+                f"the cursor's pending samples are not two equal lists of sample ids in [0, {samples}) and epochs"
+            )
         if cursor.rank != self.world.rank:
-            raise CursorError(f"this token-budget cursor is rank {cursor.rank}'s (ranks consume their "
-                              f"streams at their own pace); rank {self.world.rank} must resume from its "
-                              f"own saved state")
+            raise CursorError(
+                f"this token-budget cursor is rank {cursor.rank}'s (ranks consume their "
+                f"streams at their own pace); rank {self.world.rank} must resume from its "
+                f"own saved state"
+            )
 
     # -- per-process reading state -------------------------------------------------------
     def _open(self) -> SampleContext:
@@ -249,10 +276,12 @@ class TieredDataset(IterableDataset):
         elif self.shards is not None:
             dataset = Dataset(self.manifest, self.shards(), columns=self._columns, location=self.location)
         else:
-            dataset = open_dataset(self.location, columns=self._columns, manifest=self.manifest,
-                                   endpoint_url=self.endpoint_url)
-        self._context = SampleContext(dataset, self.seed, self.transform, self.filter, self.collate,
-                                      registry=reading_registry(dataset))
+            dataset = open_dataset(
+                self.location, columns=self._columns, manifest=self.manifest, endpoint_url=self.endpoint_url
+            )
+        self._context = SampleContext(
+            dataset, self.seed, self.transform, self.filter, self.collate, registry=reading_registry(dataset)
+        )
         self._bound_decoded(self._context, 0)
         self._context_pid = os.getpid()
         return self._context
@@ -344,13 +373,18 @@ class TieredDataset(IterableDataset):
 
     @staticmethod
     def _carry(selection: Selection, built: Built) -> CarriedBatch:
-        meta = BatchMeta(selection.planned, selection.index, selection.epoch, built.sample_ids, built.epochs,
-                         built.stats)
+        meta = BatchMeta(
+            selection.planned, selection.index, selection.epoch, built.sample_ids, built.epochs, built.stats
+        )
         return CarriedBatch(built.data, meta)
 
     @staticmethod
-    def _from_worker(plan: Iterator[Selection], build: Callable[[Selection], CarriedBatch], worker: int,
-                     registries: list[MetricsRegistry]) -> Iterator[CarriedBatch]:
+    def _from_worker(
+        plan: Iterator[Selection],
+        build: Callable[[Selection], CarriedBatch],
+        worker: int,
+        registries: list[MetricsRegistry],
+    ) -> Iterator[CarriedBatch]:
         """The worker's batches; its metrics (its readers' tier and cache counters live in this
         process), cumulative, ride in a batch's meta for the Loader to include in its telemetry:
         every METRICS_EVERY batches or METRICS_EVERY_S seconds, and on the worker's last batch of
@@ -369,11 +403,16 @@ class TieredDataset(IterableDataset):
             batch = build(selection)
             following = next(selections, None)
             now = time.monotonic()
-            if (following is None or following.epoch != selection.epoch or n % METRICS_EVERY == 0
-                    or now - shipped >= METRICS_EVERY_S):
+            if (
+                following is None
+                or following.epoch != selection.epoch
+                or n % METRICS_EVERY == 0
+                or now - shipped >= METRICS_EVERY_S
+            ):
                 snapshots = [r.snapshot() for r in unique]
-                batch.meta.metrics = WorkerSnapshot(worker, pid, snapshots[0] if len(snapshots) == 1
-                                                    else merge_snapshots(snapshots))
+                batch.meta.metrics = WorkerSnapshot(
+                    worker, pid, snapshots[0] if len(snapshots) == 1 else merge_snapshots(snapshots)
+                )
                 shipped = now
             n += 1
             yield batch
@@ -385,17 +424,30 @@ class TieredDataset(IterableDataset):
         if self.eval:
             order = EvalOrder(self.num_order_samples, batch_size=self.batch_size, world_size=self.world.world_size)
             start = self._resume.step + 1 if self._resume is not None and self._resume.step is not None else 0
-            return EvalStream(order, arrangement, rank=rank, start=start, worker=worker, workers=workers,
-                              max_batches=self.max_batches)
-        return TrainStream(self._rank_stream(self._resume), arrangement, rank=rank, worker=worker, workers=workers,
-                           limit=self.max_batches)
+            return EvalStream(
+                order, arrangement, rank=rank, start=start, worker=worker, workers=workers, max_batches=self.max_batches
+            )
+        return TrainStream(
+            self._rank_stream(self._resume),
+            arrangement,
+            rank=rank,
+            worker=worker,
+            workers=workers,
+            limit=self.max_batches,
+        )
 
     def _rank_stream(self, cursor: LoaderCursor | None) -> RankStream:
         """This rank's train order batches (batch_size x group samples) from `cursor`."""
         base = self._order_position(cursor)
-        return RankStream(self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
-                          node=self.world.node, num_nodes=self.world.num_nodes,
-                          rank=self.world.local_rank, ranks_per_node=self.world.ranks_per_node)
+        return RankStream(
+            self.order,
+            base,
+            batch_size=self.batch_size * self.batcher.batches_per_group,
+            node=self.world.node,
+            num_nodes=self.world.num_nodes,
+            rank=self.world.local_rank,
+            ranks_per_node=self.world.ranks_per_node,
+        )
 
     def epoch_length(self, cursor: Resume = None, after: int | None = None, agree: bool = False) -> int:
         """Output batches of this rank from `cursor` (default: the resume cursor) to the end of the
@@ -411,13 +463,16 @@ class TieredDataset(IterableDataset):
         no collective. Exact and O(nodes x lanes) for batchers that locate batches by position; a
         token budget's count depends on lengths it has not planned: TypeError."""
         if not isinstance(self.batcher, ByPosition):
-            raise TypeError(f"{type(self.batcher).__name__} packs a varying number of samples per batch, so "
-                            f"an epoch's batch count is known only once it is planned: iterate it (one epoch "
-                            f"per `for`) or count your own steps with endless=True")
+            raise TypeError(
+                f"{type(self.batcher).__name__} packs a varying number of samples per batch, so "
+                f"an epoch's batch count is known only once it is planned: iterate it (one epoch "
+                f"per `for`) or count your own steps with endless=True"
+            )
         start = self._parsed(cursor) if cursor is not None else self._resume
         if self.eval:
-            steps = EvalOrder(self.num_order_samples, batch_size=self.batch_size,
-                              world_size=self.world.world_size).steps
+            steps = EvalOrder(
+                self.num_order_samples, batch_size=self.batch_size, world_size=self.world.world_size
+            ).steps
             return 0, max(0, steps - (start.step + 1 if start is not None and start.step is not None else 0))
         skip = start.skip if start is not None else 0
         epoch, batches = self._rank_stream(start).epoch_batches(after, agree)
@@ -444,8 +499,13 @@ class TieredDataset(IterableDataset):
         start = self._order_position(self._parsed(cursor) if cursor is not None else self._resume)
         per_step = self.batch_size * self.batcher.batches_per_group
         return future_shard_uses(
-            self.order, start, node=self.world.node, num_nodes=self.world.num_nodes,
-            batch_size=per_step, horizon=horizon_batches * self.world.ranks_per_node * per_step)
+            self.order,
+            start,
+            node=self.world.node,
+            num_nodes=self.world.num_nodes,
+            batch_size=per_step,
+            horizon=horizon_batches * self.world.ranks_per_node * per_step,
+        )
 
     def _order_position(self, cursor: LoaderCursor | None) -> OrderCursor:
         """The order cursor of `cursor` in this order (the start for none, or for eval)."""
@@ -470,8 +530,10 @@ class TieredDataset(IterableDataset):
         return [self.location]
 
     def __repr__(self) -> str:
-        return (f"TieredDataset({self.location!r}, batch_size={self.batch_size}, batcher={self.batcher!r}, "
-                f"world={self.world}, eval={self.eval})")
+        return (
+            f"TieredDataset({self.location!r}, batch_size={self.batch_size}, batcher={self.batcher!r}, "
+            f"world={self.world}, eval={self.eval})"
+        )
 
 
 def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
@@ -491,11 +553,13 @@ def check_arrangement(cursor: LoaderCursor, arrangement: Arrangement) -> None:
         raise CursorError(
             f"cursor stopped inside a group of {saved['group']} batches (or in eval) under {saved}; "
             f"resuming it needs the same arrangement, not {arrangement.to_dict()} "
-            f"(change world size or batch size at a group boundary)")
+            f"(change world size or batch size at a group boundary)"
+        )
 
 
-def cursor_after_batches(stream: OrderStream, start: LoaderCursor | None, batches: int,
-                         batches_per_group: int) -> LoaderCursor:
+def cursor_after_batches(
+    stream: OrderStream, start: LoaderCursor | None, batches: int, batches_per_group: int
+) -> LoaderCursor:
     """The cursor once `batches` (> 0) more output batches of `stream` (from `start`) are consumed."""
     group, part = divmod((start.skip if start is not None else 0) + batches - 1, batches_per_group)
     if part + 1 == batches_per_group:
@@ -514,11 +578,15 @@ def _other_dataset(saved: str, ours: str) -> str:
     saved_id, _, saved_unit = saved.partition("/")
     our_id, _, our_unit = ours.partition("/")
     if saved_id == our_id:
-        return (f"this cursor counts {saved_unit!r} samples (the batcher it was saved with), this dataset reads "
-                f"{our_unit!r}: resume with the batcher it was saved with, or start fresh (resume=None)")
-    return (f"this cursor was saved by dataset {saved_id!r} ({saved_unit}), not by this one ({our_id!r}): resume "
-            f"with the dataset it was saved from, or start this one fresh (resume=None); allow_mismatch=True "
-            f"maps its positions onto this dataset anyway")
+        return (
+            f"this cursor counts {saved_unit!r} samples (the batcher it was saved with), this dataset reads "
+            f"{our_unit!r}: resume with the batcher it was saved with, or start fresh (resume=None)"
+        )
+    return (
+        f"this cursor was saved by dataset {saved_id!r} ({saved_unit}), not by this one ({our_id!r}): resume "
+        f"with the dataset it was saved from, or start this one fresh (resume=None); allow_mismatch=True "
+        f"maps its positions onto this dataset anyway"
+    )
 
 
 class _NoShards:
@@ -531,5 +599,4 @@ class _NoShards:
         raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
 
 
-__all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset", "check_arrangement", "cursor_after_batches",
-           "parsed_cursor"]
+__all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset", "check_arrangement", "cursor_after_batches", "parsed_cursor"]

@@ -28,9 +28,18 @@ import torch
 
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.device_feed_readahead import FeedIterator
-from tierflow.loader.device_feed_tensors import (NUMPY_UNSIGNED, TENSOR_KINDS, check_widening, host_tensor,
-                                                 numpy_dtype, storage_extent, tensor_from_numpy, torch_dtype,
-                                                 widen_numpy, widened_tensor)
+from tierflow.loader.device_feed_tensors import (
+    NUMPY_UNSIGNED,
+    TENSOR_KINDS,
+    check_widening,
+    host_tensor,
+    numpy_dtype,
+    storage_extent,
+    tensor_from_numpy,
+    torch_dtype,
+    widen_numpy,
+    widened_tensor,
+)
 from tierflow.telemetry.metrics import BoundaryTimer, Counter, MetricsRegistry
 
 ID_KEYS = frozenset({"input_ids", "labels"})
@@ -147,12 +156,18 @@ class DeviceFeed:
         base = dict(labels or {})
         self._copies: dict[str, tuple[Counter, Counter]] = {
             stage: (
-                self.registry.counter("tierflow_feed_copies_total", {**base, "stage": stage}, "array copies made by the device feed"),
-                self.registry.counter("tierflow_feed_copy_bytes_total", {**base, "stage": stage}, "bytes copied by the device feed"),
+                self.registry.counter(
+                    "tierflow_feed_copies_total", {**base, "stage": stage}, "array copies made by the device feed"
+                ),
+                self.registry.counter(
+                    "tierflow_feed_copy_bytes_total", {**base, "stage": stage}, "bytes copied by the device feed"
+                ),
             )
             for stage in COPY_STAGES
         }
-        self._batch_count = self.registry.counter("tierflow_feed_batches_total", base, "batches handed to the training loop")
+        self._batch_count = self.registry.counter(
+            "tierflow_feed_batches_total", base, "batches handed to the training loop"
+        )
         self._copy_boundary: BoundaryTimer = self.registry.boundary("device_copy", base)
         self._loop_boundary: BoundaryTimer = self.registry.boundary("train_loop", base)
 
@@ -229,8 +244,12 @@ class DeviceFeed:
         owners: dict[int, tuple[np.ndarray, int]] = {}
         together: dict[tuple[int, torch.dtype, torch.dtype], list[tuple[str, torch.Tensor, torch.dtype | None]]] = {}
         for key, value in batch.items():
-            if self._ring is None and type(value) is np.ndarray and (key in ID_KEYS or key in self.widen) \
-                    and value.dtype.kind in "iu":
+            if (
+                self._ring is None
+                and type(value) is np.ndarray
+                and (key in ID_KEYS or key in self.widen)
+                and value.dtype.kind in "iu"
+            ):
                 wide = self._wide_dtype(key, torch_dtype(value.dtype))
                 if wide is not None:  # on the CPU numpy widens in one pass (torch's uint16 .to takes ~2x)
                     widened, made = widen_numpy(value, numpy_dtype(wide), owners)
@@ -317,8 +336,12 @@ class DeviceFeed:
     def _wide_dtype(self, key: str, logical: torch.dtype) -> torch.dtype | None:
         """The dtype `key` takes on the device, None when it keeps its own."""
         wide = self.widen.get(key)
-        if wide is None and key in ID_KEYS and self.ids is not None and not (
-                logical.is_floating_point or logical.is_complex or logical == torch.bool):
+        if (
+            wide is None
+            and key in ID_KEYS
+            and self.ids is not None
+            and not (logical.is_floating_point or logical.is_complex or logical == torch.bool)
+        ):
             wide = self.ids
         if wide is None or wide == logical:
             return None
@@ -328,8 +351,12 @@ class DeviceFeed:
         return wide
 
     @staticmethod
-    def _widen_views(views: list[tuple[str, torch.Tensor, torch.dtype | None]], wide: torch.dtype,
-                     widen_tally: list[int], converted: dict[str, Any]) -> None:
+    def _widen_views(
+        views: list[tuple[str, torch.Tensor, torch.dtype | None]],
+        wide: torch.dtype,
+        widen_tally: list[int],
+        converted: dict[str, Any],
+    ) -> None:
         """Widen tensors viewing one storage (input_ids and labels of one window buffer) in one
         pass over the span they cover, and hand out views
         of the result: half the bytes written for a window batch, which is what a batch

@@ -18,7 +18,9 @@ _UNSIGNED_AS_SIGNED: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.uint32: (torch.int32, 0xFFFFFFFF),
 }
 NUMPY_UNSIGNED: dict[np.dtype, tuple[type[np.signedinteger], torch.dtype]] = {
-    np.dtype(np.uint16): (np.int16, torch.uint16), np.dtype(np.uint32): (np.int32, torch.uint32)}
+    np.dtype(np.uint16): (np.int16, torch.uint16),
+    np.dtype(np.uint32): (np.int32, torch.uint32),
+}
 _SIGNED_NUMPY = {unsigned: signed for signed, unsigned in NUMPY_UNSIGNED.values()}
 _UNSIGNED_NUMPY: dict[torch.dtype, np.dtype] = {torch.uint16: np.dtype(np.uint16), torch.uint32: np.dtype(np.uint32)}
 _NUMPY_WIDE: dict[torch.dtype, np.dtype] = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
@@ -63,7 +65,12 @@ def tensor_from_numpy(value: np.ndarray, unsigned: torch.dtype | None) -> torch.
 
 
 _EXACT_INTEGER_BITS = {
-    torch.int32: 31, torch.int64: 63, torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53,
+    torch.int32: 31,
+    torch.int64: 63,
+    torch.float16: 11,
+    torch.bfloat16: 8,
+    torch.float32: 24,
+    torch.float64: 53,
 }
 _UNSIGNED_BITS = {torch.uint16: 16, torch.uint32: 32}
 
@@ -80,15 +87,19 @@ def check_widening(key: str, logical: torch.dtype, wide: torch.dtype) -> None:
         raise ValueError(f"device feed: cannot widen {key!r} from {logical} to {wide} without loss")
 
 
-def widen_numpy(value: np.ndarray, wide: np.dtype,
-                 owners: dict[int, tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
+def widen_numpy(value: np.ndarray, wide: np.dtype, owners: dict[int, tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
     """`value` as `wide`, by value, and the bytes widened for it now. Views of one contiguous array
     (input_ids and labels of a window buffer) widen that array once, kept in `owners` with its
     address, and come out as views of the result."""
     owner = value.base
     size = value.itemsize
-    if type(owner) is np.ndarray and owner.base is None and owner.dtype == value.dtype \
-            and owner.flags.c_contiguous and not any(s < 0 or s % size for s in value.strides):
+    if (
+        type(owner) is np.ndarray
+        and owner.base is None
+        and owner.dtype == value.dtype
+        and owner.flags.c_contiguous
+        and not any(s < 0 or s % size for s in value.strides)
+    ):
         found = owners.get(id(owner))
         made = 0
         if found is None:
@@ -97,8 +108,13 @@ def widen_numpy(value: np.ndarray, wide: np.dtype,
             made = widened.nbytes
         widened, address = found
         wide_size = wide.itemsize
-        return np.ndarray(value.shape, wide, buffer=widened, offset=(value.ctypes.data - address) // size * wide_size,
-                          strides=tuple(s // size * wide_size for s in value.strides)), made
+        return np.ndarray(
+            value.shape,
+            wide,
+            buffer=widened,
+            offset=(value.ctypes.data - address) // size * wide_size,
+            strides=tuple(s // size * wide_size for s in value.strides),
+        ), made
     widened = value.astype(wide)
     return widened, widened.nbytes
 

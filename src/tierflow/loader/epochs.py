@@ -16,7 +16,8 @@ on lengths not yet planned: there the ranks vote once per batch (`EpochVote`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 
@@ -41,8 +42,9 @@ class EpochClock:
             return cls()
         finished, done = state.get("finished"), state.get("done", 0)
         if (finished is not None and type(finished) is not int) or type(done) is not int or done < 0:
-            raise ValueError(f"a loader state's epoch is {{'finished': int or None, 'done': int >= 0}}, "
-                             f"got {dict(state)!r}")
+            raise ValueError(
+                f"a loader state's epoch is {{'finished': int or None, 'done': int >= 0}}, got {dict(state)!r}"
+            )
         return cls(finished, done)
 
 

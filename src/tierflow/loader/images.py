@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,8 +37,9 @@ def where(ctx: SampleContext, sample_id: int) -> str:
     return f"{ctx.dataset.location or 'dataset'}: shard {shard} ({name}) block {block} row {row} (sample {sample_id})"
 
 
-def build_samples(ctx: SampleContext, selection: Selection, pick: np.ndarray, on_error: str,
-                  extra: dict[str, Any] | None = None) -> Built:
+def build_samples(
+    ctx: SampleContext, selection: Selection, pick: np.ndarray, on_error: str, extra: dict[str, Any] | None = None
+) -> Built:
     """Rows `pick` of the selection through filter and transform, collated; corrupt ones per on_error."""
     ids, epochs = selection.sample_ids[pick], selection.epochs[pick]
     kept: list[int] = []
@@ -64,8 +66,12 @@ def build_samples(ctx: SampleContext, selection: Selection, pick: np.ndarray, on
     batch, copied = collate_samples(samples, names)
     keep = np.array(kept, dtype=np.int64)
     batch["mask"] = selection.mask[pick][keep]
-    return Built(batch, ids[keep].astype(np.int64), epochs[keep].astype(np.int64),
-                 {"copied_bytes": copied, "filtered": filtered + corrupt, "corrupt": corrupt, "samples": len(samples)})
+    return Built(
+        batch,
+        ids[keep].astype(np.int64),
+        epochs[keep].astype(np.int64),
+        {"copied_bytes": copied, "filtered": filtered + corrupt, "corrupt": corrupt, "samples": len(samples)},
+    )
 
 
 def _check_on_error(on_error: str) -> None:
@@ -108,8 +114,10 @@ class AspectBuckets(SortedGroups):
         size = [f"{self.image}_width", f"{self.image}_height"]
         missing = [c for c in size if c not in manifest.schema.names]
         if missing:
-            raise TypeError(f"AspectBuckets needs the {missing} columns, which pack writes beside an image column "
-                            f"{self.image!r} (re-pack with this tierflow, or pass image=)")
+            raise TypeError(
+                f"AspectBuckets needs the {missing} columns, which pack writes beside an image column "
+                f"{self.image!r} (re-pack with this tierflow, or pass image=)"
+            )
         if self.select is None:
             return None
         return list(dict.fromkeys([*self.select, *size]))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections import deque
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader
@@ -79,11 +80,15 @@ class Loader:
             if not isinstance(source.dataset, ReadDataset):
                 raise TypeError(f"Loader wraps a DataLoader over a TieredDataset, not {type(source.dataset).__name__}")
             if source.batch_size is not None:
-                raise ValueError(f"{source.dataset!r} batches itself: build the DataLoader with batch_size=None "
-                                 f"(it has batch_size={source.batch_size})")
+                raise ValueError(
+                    f"{source.dataset!r} batches itself: build the DataLoader with batch_size=None "
+                    f"(it has batch_size={source.batch_size})"
+                )
             if getattr(source, "in_order", True) is False:
-                raise ValueError(f"DataLoader over {source.dataset!r} has in_order=False: batches would arrive out "
-                                 f"of order and the saved cursor would skip or repeat batches")
+                raise ValueError(
+                    f"DataLoader over {source.dataset!r} has in_order=False: batches would arrive out "
+                    f"of order and the saved cursor would skip or repeat batches"
+                )
             self.dataset: ReadDataset = source.dataset
             self._loader_options = _options_of(source)
             self._wraps_dataloader = True
@@ -91,7 +96,10 @@ class Loader:
         else:
             self.dataset = source
             self._wraps_dataloader = False
-            self._loader_options = {"num_workers": num_workers, "persistent_workers": persistent_workers and num_workers > 0}
+            self._loader_options = {
+                "num_workers": num_workers,
+                "persistent_workers": persistent_workers and num_workers > 0,
+            }
             if prefetch_factor is not None:
                 self._loader_options["prefetch_factor"] = prefetch_factor
             remote = any(local_path(where) is None for where in source.locations)
@@ -141,7 +149,8 @@ class Loader:
         self._iterated = False
         # wait in next(), step time, production latency, prefetch depth, stall attribution (docs/observe.md)
         self.telemetry: LoaderTelemetry | None = (
-            LoaderTelemetry() if telemetry is True else telemetry if isinstance(telemetry, LoaderTelemetry) else None)
+            LoaderTelemetry() if telemetry is True else telemetry if isinstance(telemetry, LoaderTelemetry) else None
+        )
 
     def _make_dataloader(self) -> DataLoader | WorkerPool | ReadDataset:
         options = self._loader_options
@@ -152,9 +161,14 @@ class Loader:
             # each batch's production (`production_timer`)
             return self.dataset
         # the Loader's own workers: batches through shared-memory rings (loader/workers.py)
-        return WorkerPool(self.dataset, options["num_workers"], context=options.get("multiprocessing_context"),
-                          prefetch_factor=options.get("prefetch_factor"), hold=self.depth + 2,
-                          timed=self.telemetry is not None)
+        return WorkerPool(
+            self.dataset,
+            options["num_workers"],
+            context=options.get("multiprocessing_context"),
+            prefetch_factor=options.get("prefetch_factor"),
+            hold=self.depth + 2,
+            timed=self.telemetry is not None,
+        )
 
     def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
@@ -175,16 +189,27 @@ class Loader:
             for registry in self.dataset.reading_registries():  # batches are built here: count their readers
                 self.telemetry.registry.include(registry, registry)
             timed = production_timer(self.dataset)  # the feed times each batch it builds
-        bind_workers(self._dataloader)  # a DataLoader's workers die with this process, SIGKILL too (loader/_lifetime.py)
+        bind_workers(
+            self._dataloader
+        )  # a DataLoader's workers die with this process, SIGKILL too (loader/_lifetime.py)
         source: Iterator[Any] = iter(self._dataloader)  # forks the workers: no stager thread may run across a fork
         self._source = source
         self.start_prefetch()
-        received = (raising_lost_workers(source, repr(self.dataset))
-                    if self._wraps_dataloader and self._loader_options["num_workers"] else source)
-        self._feed = DeviceFeed(_Started(received), device=self.device, depth=self.depth, widen=self.widen,
-                                ids=self.dtype,
-                                background=self.background, timed=timed,
-                                registry=self.telemetry.registry if self.telemetry is not None else None)
+        received = (
+            raising_lost_workers(source, repr(self.dataset))
+            if self._wraps_dataloader and self._loader_options["num_workers"]
+            else source
+        )
+        self._feed = DeviceFeed(
+            _Started(received),
+            device=self.device,
+            depth=self.depth,
+            widen=self.widen,
+            ids=self.dtype,
+            background=self.background,
+            timed=timed,
+            registry=self.telemetry.registry if self.telemetry is not None else None,
+        )
         self._feed_iterator = iter(self._feed)
         return self._batches(self._feed_iterator)
 
@@ -196,9 +221,11 @@ class Loader:
             rank, world = dist.get_rank(), dist.get_world_size()
             position = self.dataset.world  # its node may be another's logical index (open_loader's node affinity)
             if world != position.world_size or rank % position.ranks_per_node != position.local_rank:
-                raise TopologyError(f"{self.dataset!r} was made for rank {position.rank} of {position.world_size}, "
-                                    f"but torch.distributed runs rank {rank} of {world}: make the dataset after "
-                                    f"init_process_group (or pass world=WorldPosition(...))")
+                raise TopologyError(
+                    f"{self.dataset!r} was made for rank {position.rank} of {position.world_size}, "
+                    f"but torch.distributed runs rank {rank} of {world}: make the dataset after "
+                    f"init_process_group (or pass world=WorldPosition(...))"
+                )
 
     def _epoch_left(self) -> tuple[int, int] | None:
         """(epoch, batches of it this rank has left) from the consumed cursor; None where the count
@@ -252,9 +279,11 @@ class Loader:
                     self._drained = True
                     return
                 if batch.meta.index != self._expected:
-                    raise BatchOrderError(f"{self.dataset!r}: got batch {batch.meta.index}, expected "
-                                          f"{self._expected} (DataLoader in_order=False or a sampler reordering "
-                                          f"batches?)")
+                    raise BatchOrderError(
+                        f"{self.dataset!r}: got batch {batch.meta.index}, expected "
+                        f"{self._expected} (DataLoader in_order=False or a sampler reordering "
+                        f"batches?)"
+                    )
                 self._expected += 1
             meta = batch.meta
             if vote is not None and vote.stop_here(meta.epoch, clock):  # type: ignore[arg-type]
@@ -291,7 +320,8 @@ class Loader:
             "a tierflow Loader is not rebuilt to skip batches: it resumes exactly from its own state "
             "(loader.load_state_dict(state)); under accelerate register it with "
             "accelerator.register_for_checkpointing(tierflow.integrations.accelerate.ranked(loader)) and "
-            "load_state() restores it (docs/frameworks.md)")
+            "load_state() restores it (docs/frameworks.md)"
+        )
 
     def epoch_lengths(self, epochs: int) -> list[int]:
         """This rank's batches in each of the next `epochs` epochs from where the Loader stands (the
@@ -314,8 +344,10 @@ class Loader:
         epoch_end="agree" under several ranks, the fewest of any rank; eval: its steps.
         Endless or a token budget: TypeError."""
         if self._clock is None and not self.dataset.eval:
-            raise TypeError("an endless Loader (endless=True) has no length; drop endless=True for one epoch "
-                            "per `for`, or count steps yourself")
+            raise TypeError(
+                "an endless Loader (endless=True) has no length; drop endless=True for one epoch "
+                "per `for`, or count steps yourself"
+            )
         if self._clock is None:  # eval: the steps the next `for` runs
             return self.dataset.epoch_length(None if self._restart_eval else self._cursor)
         return self._clock.done + self.remaining
@@ -413,8 +445,7 @@ class Loader:
 
     def _saved(self) -> _Saved:
         clock = self._clock
-        return _Saved(self._planned, self._consumed, self._filtered,
-                      clock.to_dict() if clock is not None else None)
+        return _Saved(self._planned, self._consumed, self._filtered, clock.to_dict() if clock is not None else None)
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor after the batch the training loop's step has (the last handed out, or with
@@ -424,8 +455,12 @@ class Loader:
             saved = self._before[-min(self.lookahead, len(self._before))]
         planned = saved.planned
         cursor = planned.resolve() if isinstance(planned, PlannedCursor) else planned
-        state = {"version": STATE_VERSION, "cursor": cursor.to_dict() if cursor is not None else None,
-                 "consumed": saved.consumed, "filtered": saved.filtered}
+        state = {
+            "version": STATE_VERSION,
+            "cursor": cursor.to_dict() if cursor is not None else None,
+            "consumed": saved.consumed,
+            "filtered": saved.filtered,
+        }
         if saved.clock is not None:
             state["epoch"] = saved.clock
         return state

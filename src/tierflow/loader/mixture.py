@@ -26,8 +26,14 @@ from tierflow.loader.batching import SampleContext
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.cursor import Arrangement, LoaderCursor
-from tierflow.loader.dataset import (DEFAULT_ORDER, Resume, TieredDataset, check_arrangement, cursor_after_batches,
-                                     parsed_cursor)
+from tierflow.loader.dataset import (
+    DEFAULT_ORDER,
+    Resume,
+    TieredDataset,
+    check_arrangement,
+    cursor_after_batches,
+    parsed_cursor,
+)
 from tierflow.loader.plan import Built, OrderBatch, PlannedCursor, Selection, TrainStream
 from tierflow.loader.spec import BatchSpec, OrderSpec
 from tierflow.loader.topology import WorldPosition
@@ -41,8 +47,18 @@ class MixedTrainStream(TrainStream):
 
     _stream: MixedRankStream
 
-    def __init__(self, stream: MixedRankStream, arrangement: Arrangement, *, rank: int, worker: int, workers: int,
-                 limit: int | None, samples_per_epoch: int, num_nodes: int) -> None:
+    def __init__(
+        self,
+        stream: MixedRankStream,
+        arrangement: Arrangement,
+        *,
+        rank: int,
+        worker: int,
+        workers: int,
+        limit: int | None,
+        samples_per_epoch: int,
+        num_nodes: int,
+    ) -> None:
         super().__init__(stream, arrangement, rank=rank, worker=worker, workers=workers, limit=limit)
         self._draw_samples = num_nodes * stream.batch_size  # samples the world takes per node draw
         self._epoch_samples = samples_per_epoch
@@ -75,10 +91,19 @@ class MixedDataset(IterableDataset):
     """As `TieredDataset.compact_cursors`."""
     _resolver: tuple[LoaderCursor | None, MixedTrainStream] | None = None
 
-    def __init__(self, datasets: Sequence[str | Path | Dataset], batching: BatchSpec,
-                 order: OrderSpec = DEFAULT_ORDER, *, weights: Sequence[float] | None = None,
-                 resume: Resume = None, allow_mismatch: bool = False, world: WorldPosition | None = None,
-                 max_batches: int | None = None, endpoint_url: str | None = None) -> None:
+    def __init__(
+        self,
+        datasets: Sequence[str | Path | Dataset],
+        batching: BatchSpec,
+        order: OrderSpec = DEFAULT_ORDER,
+        *,
+        weights: Sequence[float] | None = None,
+        resume: Resume = None,
+        allow_mismatch: bool = False,
+        world: WorldPosition | None = None,
+        max_batches: int | None = None,
+        endpoint_url: str | None = None,
+    ) -> None:
         super().__init__()
         if len(datasets) < 1:
             raise ValueError("a mixture needs at least one dataset")
@@ -86,17 +111,28 @@ class MixedDataset(IterableDataset):
         if len(weights) != len(datasets):
             raise ValueError(f"{len(datasets)} datasets got {len(weights)} weights")
         if batching.max_tokens is not None or isinstance(batching.batcher, TokenBudget):
-            raise ValueError("a token budget packs samples across order batches; mixing datasets takes batchers "
-                             "that map order batches to batches (Samples, TokenWindows, LengthBuckets)")
+            raise ValueError(
+                "a token budget packs samples across order batches; mixing datasets takes batchers "
+                "that map order batches to batches (Samples, TokenWindows, LengthBuckets)"
+            )
         saved = LoaderCursor.parse(resume)
         saved_orders: list[Any] = [None] * len(datasets)
         if saved is not None and isinstance(saved.order, MixedCursor) and len(saved.order.cursors) == len(datasets):
             saved_orders = list(saved.order.cursors)  # each dataset's order built as it was saved
         self.children = [
-            TieredDataset(d, batching, order,
-                          resume=LoaderCursor("train", saved.arrangement, order=o) if saved is not None and o is not None
-                          else None, allow_mismatch=True, world=world, endpoint_url=endpoint_url)
-            for d, o in zip(datasets, saved_orders)]
+            TieredDataset(
+                d,
+                batching,
+                order,
+                resume=LoaderCursor("train", saved.arrangement, order=o)
+                if saved is not None and o is not None
+                else None,
+                allow_mismatch=True,
+                world=world,
+                endpoint_url=endpoint_url,
+            )
+            for d, o in zip(datasets, saved_orders)
+        ]
         first = self.children[0]
         self.batcher = first.batcher
         self.batch_size = first.batch_size
@@ -119,8 +155,9 @@ class MixedDataset(IterableDataset):
         return [c.location for c in self.children]
 
     def arrangement(self) -> Arrangement:
-        return Arrangement(self.world.num_nodes, self.world.ranks_per_node, self.batch_size,
-                           self.batcher.batches_per_group)
+        return Arrangement(
+            self.world.num_nodes, self.world.ranks_per_node, self.batch_size, self.batcher.batches_per_group
+        )
 
     @property
     def cursor(self) -> LoaderCursor | None:
@@ -139,8 +176,9 @@ class MixedDataset(IterableDataset):
                 if cursor.kind != "train":
                     raise CursorError(f"a {cursor.kind!r} cursor cannot resume a train dataset")
                 if cursor.order is not None:
-                    cursor = dataclasses.replace(cursor, order=self.order.load(cursor.order.to_dict(),
-                                                                              allow_mismatch=self.allow_mismatch))
+                    cursor = dataclasses.replace(
+                        cursor, order=self.order.load(cursor.order.to_dict(), allow_mismatch=self.allow_mismatch)
+                    )
                 self.batcher.check_resume(cursor)
                 check_arrangement(cursor, self.arrangement())
             except CursorError as error:
@@ -158,12 +196,25 @@ class MixedDataset(IterableDataset):
     def _mixed_stream(self, cursor: LoaderCursor | None, worker: int = 0, workers: int = 1) -> MixedTrainStream:
         base = cursor.order if cursor is not None and isinstance(cursor.order, MixedCursor) else self.order.start()
         world = self.world
-        stream = MixedRankStream(self.order, base, batch_size=self.batch_size * self.batcher.batches_per_group,
-                                 node=world.node, num_nodes=world.num_nodes, rank=world.local_rank,
-                                 ranks_per_node=world.ranks_per_node)
-        return MixedTrainStream(stream, self.arrangement(), rank=world.rank, worker=worker, workers=workers,
-                                limit=self.max_batches, samples_per_epoch=self.num_order_samples,
-                                num_nodes=world.num_nodes)
+        stream = MixedRankStream(
+            self.order,
+            base,
+            batch_size=self.batch_size * self.batcher.batches_per_group,
+            node=world.node,
+            num_nodes=world.num_nodes,
+            rank=world.local_rank,
+            ranks_per_node=world.ranks_per_node,
+        )
+        return MixedTrainStream(
+            stream,
+            self.arrangement(),
+            rank=world.rank,
+            worker=worker,
+            workers=workers,
+            limit=self.max_batches,
+            samples_per_epoch=self.num_order_samples,
+            num_nodes=world.num_nodes,
+        )
 
     def resolve_cursor(self, cursor: LoaderCursor | PlannedCursor) -> LoaderCursor:
         """As `TieredDataset.resolve_cursor`, over the mixed stream."""
@@ -217,8 +268,12 @@ class MixedDataset(IterableDataset):
         stream = self.stream(worker, workers)
         stream.compact = compact
         plan = self.batcher.plan(contexts[0], stream, self._resume)
-        return TieredDataset._from_worker(plan, lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)),
-                                 worker, [ctx.registry for ctx in contexts])
+        return TieredDataset._from_worker(
+            plan,
+            lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)),
+            worker,
+            [ctx.registry for ctx in contexts],
+        )
 
     def _contexts(self) -> list[SampleContext]:
         contexts = [child._open() for child in self.children]
@@ -247,12 +302,16 @@ class MixedDataset(IterableDataset):
             child.wrap_shards(wrap)
 
     def future_shard_uses(self, cursor: Resume = None, horizon_batches: int = 64) -> list[ShardUse]:
-        raise TypeError("a Stager plans one dataset's shards; a mixture reads each dataset on demand (every reader "
-                        "ensures its own shards), so build its Loader without stager=")
+        raise TypeError(
+            "a Stager plans one dataset's shards; a mixture reads each dataset on demand (every reader "
+            "ensures its own shards), so build its Loader without stager="
+        )
 
     def __repr__(self) -> str:
-        return (f"MixedDataset({self.locations!r}, weights={list(self.weights)}, batch_size="
-                f"{self.batch_size}, batcher={self.batcher!r}, world={self.world})")
+        return (
+            f"MixedDataset({self.locations!r}, weights={list(self.weights)}, batch_size="
+            f"{self.batch_size}, batcher={self.batcher!r}, world={self.world})"
+        )
 
 
 ReadDataset = TieredDataset | MixedDataset

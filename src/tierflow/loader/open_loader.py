@@ -28,8 +28,20 @@ from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.tiers import TierConfig, build_stack
 from tierflow.tiers.stager import Stager
 
-_LOADER_OPTIONS = ("persistent_workers", "prefetch_factor", "multiprocessing_context", "depth", "widen",
-                   "background", "telemetry", "epoch_end", "endless", "group", "dtype", "return_meta")
+_LOADER_OPTIONS = (
+    "persistent_workers",
+    "prefetch_factor",
+    "multiprocessing_context",
+    "depth",
+    "widen",
+    "background",
+    "telemetry",
+    "epoch_end",
+    "endless",
+    "group",
+    "dtype",
+    "return_meta",
+)
 
 
 def open_loader(
@@ -72,8 +84,11 @@ def open_loader(
     direct = all(_is_local(u) for u in urls) and not tiers and bandwidth is None
     world = options.get("world")
     node = world.node if world is not None else node_index()
-    stacks = [] if direct else [build_stack(str(u), tiers, endpoint_url=endpoint_url, bandwidth=bandwidth,
-                                            node=node) for u in urls]
+    stacks = (
+        []
+        if direct
+        else [build_stack(str(u), tiers, endpoint_url=endpoint_url, bandwidth=bandwidth, node=node) for u in urls]
+    )
     sources: list[Any] = urls if direct else [stack.dataset() for stack in stacks]
     options.update(batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens)
     batching, order = specs_from(options)  # what is left goes to the dataset
@@ -116,8 +131,13 @@ def _place_by_cache(dataset: TieredDataset, stack: Any) -> None:
     import torch.distributed as dist
 
     world = dataset.world
-    if (world.num_nodes < 2 or not stack.tiers or dataset.eval or not (dist.is_available() and dist.is_initialized())
-            or dist.get_world_size() != world.world_size):
+    if (
+        world.num_nodes < 2
+        or not stack.tiers
+        or dataset.eval
+        or not (dist.is_available() and dist.is_initialized())
+        or dist.get_world_size() != world.world_size
+    ):
         return
     from tierflow.format.metadata import shard_column
     from tierflow.format.metadata_index import ShardKeys
@@ -127,8 +147,10 @@ def _place_by_cache(dataset: TieredDataset, stack: Any) -> None:
     by_key = ShardKeys(dataset.manifest)  # mapped: a sorted checksum column, no object per shard
     held = [s for key in top.index.keys() for s in by_key.get(key, ())] if world.local_rank == 0 else None
     layout = dataset.order.layout
-    owned = [[int(s) for p in layout.node_partitions(logical, world.num_nodes) for s in layout.partition_shards[p]]
-             for logical in range(world.num_nodes)]
+    owned = [
+        [int(s) for p in layout.node_partitions(logical, world.num_nodes) for s in layout.partition_shards[p]]
+        for logical in range(world.num_nodes)
+    ]
 
     def gather(obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size()

@@ -17,7 +17,8 @@ import hashlib
 import itertools
 import json
 import threading
-from typing import Any, Iterator, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -81,11 +82,15 @@ class PlannedCursor:
             return cursor
         if bound is None:
             if stream is None:
-                raise CursorError("this batch's cursor travelled unresolved (a compact stream's): resolve it "
-                                  "against a stream from the same start, e.g. TieredDataset.resolve_cursor")
+                raise CursorError(
+                    "this batch's cursor travelled unresolved (a compact stream's): resolve it "
+                    "against a stream from the same start, e.g. TieredDataset.resolve_cursor"
+                )
             if stream_key(stream) != self._base:
-                raise CursorError("this batch was planned from another start than the stream asked to "
-                                  "resolve its cursor (the dataset was resumed elsewhere since)")
+                raise CursorError(
+                    "this batch was planned from another start than the stream asked to "
+                    "resolve its cursor (the dataset was resumed elsewhere since)"
+                )
             bound = stream
         cursor = self._cursor = bound.cursor(self.last, skip=self.skip, pending=self.pending)
         self._stream = None  # a resolved cursor holds nothing of the stream
@@ -96,8 +101,10 @@ class PlannedCursor:
         one that planned it) when it is asked for, in any thread."""
         if self._cursor is None and self._stream is None:
             if stream_key(stream) != self._base:
-                raise CursorError("this batch was planned from another start than the stream it is bound to "
-                                  "(the dataset was resumed elsewhere since)")
+                raise CursorError(
+                    "this batch was planned from another start than the stream it is bound to "
+                    "(the dataset was resumed elsewhere since)"
+                )
             self._stream = stream
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -151,8 +158,17 @@ class Selection:
 
     __slots__ = ("index", "sample_ids", "epochs", "mask", "planned", "epoch", "part", "dataset")
 
-    def __init__(self, index: int, sample_ids: np.ndarray, epochs: np.ndarray, mask: np.ndarray,
-                 planned: LoaderCursor | PlannedCursor, epoch: int, part: int = 0, dataset: int = 0) -> None:
+    def __init__(
+        self,
+        index: int,
+        sample_ids: np.ndarray,
+        epochs: np.ndarray,
+        mask: np.ndarray,
+        planned: LoaderCursor | PlannedCursor,
+        epoch: int,
+        part: int = 0,
+        dataset: int = 0,
+    ) -> None:
         self.index = index
         self.sample_ids = sample_ids
         self.epochs = epochs
@@ -168,8 +184,10 @@ class Selection:
         return planned if isinstance(planned, LoaderCursor) else planned.resolve()
 
     def __repr__(self) -> str:
-        return (f"Selection(index={self.index}, samples={self.sample_ids.size}, epoch={self.epoch}, "
-                f"part={self.part}, dataset={self.dataset})")
+        return (
+            f"Selection(index={self.index}, samples={self.sample_ids.size}, epoch={self.epoch}, "
+            f"part={self.part}, dataset={self.dataset})"
+        )
 
 
 class Built(NamedTuple):
@@ -246,8 +264,16 @@ class _WorkerView:
 class TrainStream(_WorkerView):
     """Train order batches of one rank: `RankStream` batches of batch_size x group samples."""
 
-    def __init__(self, stream: RankStream | MixedRankStream, arrangement: Arrangement, *, rank: int, worker: int,
-                 workers: int, limit: int | None) -> None:
+    def __init__(
+        self,
+        stream: RankStream | MixedRankStream,
+        arrangement: Arrangement,
+        *,
+        rank: int,
+        worker: int,
+        workers: int,
+        limit: int | None,
+    ) -> None:
         super().__init__(arrangement, rank, worker, workers, limit)
         self._stream = stream
         self._after: tuple[int, OrderCursor | MixedCursor] = (-1, stream.base)
@@ -272,8 +298,14 @@ class TrainStream(_WorkerView):
         return after[1]
 
     def cursor(self, last: int, *, skip: int = 0, pending: Pending | None = None) -> LoaderCursor:
-        return LoaderCursor("train", self.arrangement, order=self.position(last), skip=skip, pending=pending,
-                            rank=self.rank if pending is not None else None)
+        return LoaderCursor(
+            "train",
+            self.arrangement,
+            order=self.position(last),
+            skip=skip,
+            pending=pending,
+            rank=self.rank if pending is not None else None,
+        )
 
     def start_state(self) -> Any:
         return ["train", self._stream.base.to_dict()]
@@ -282,8 +314,17 @@ class TrainStream(_WorkerView):
 class EvalStream(_WorkerView):
     """Eval batches of one rank: `EvalOrder` steps after the cursor's, epoch 0 throughout."""
 
-    def __init__(self, order: EvalOrder, arrangement: Arrangement, *, rank: int, start: int, worker: int,
-                 workers: int, max_batches: int | None) -> None:
+    def __init__(
+        self,
+        order: EvalOrder,
+        arrangement: Arrangement,
+        *,
+        rank: int,
+        start: int,
+        worker: int,
+        workers: int,
+        max_batches: int | None,
+    ) -> None:
         left = max(0, order.steps - start)
         super().__init__(arrangement, rank, worker, workers, left if max_batches is None else min(left, max_batches))
         self._order = order
@@ -316,7 +357,9 @@ def plan_groups(stream: OrderStream, state: LoaderCursor | None, per_group: int)
         assert order_batch is not None
         done = part + 1 == per_group
         cursor = PlannedCursor(stream, group) if done else PlannedCursor(stream, group - 1, part + 1)
-        epoch = order_batch.epoch if order_batch.epoch is not None else batch_epoch(order_batch.epochs,
-                                                                                    order_batch.mask)
-        yield Selection(n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor, epoch, part,
-                        order_batch.dataset)
+        epoch = (
+            order_batch.epoch if order_batch.epoch is not None else batch_epoch(order_batch.epochs, order_batch.mask)
+        )
+        yield Selection(
+            n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor, epoch, part, order_batch.dataset
+        )

@@ -18,7 +18,8 @@ import functools
 import mmap
 import os
 import tempfile
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -77,7 +78,7 @@ class Arena:
         whole = self._whole
         for base, start in placed:
             at = offset + start
-            whole[at:at + base.nbytes] = base.reshape(-1).view(np.uint8)
+            whole[at : at + base.nbytes] = base.reshape(-1).view(np.uint8)
 
 
 def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layout, dict[str, Any], int]:
@@ -119,8 +120,9 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
     return list(placed.values()), tuple(layout), rest, size
 
 
-def view_batch(slot: np.ndarray, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str],
-               copy: bool = False) -> dict[str, Any]:
+def view_batch(
+    slot: np.ndarray, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str], copy: bool = False
+) -> dict[str, Any]:
     """The batch `write`/`lay_out` put in `slot`: numpy views of it (copies with `copy`), in key order."""
     values: dict[str, Any] = dict(rest)
     for name, dtype_str, shape, strides, start in layout:
@@ -147,7 +149,7 @@ def _text_column(value: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
 
 def _read_text(slot: np.ndarray, kind: str, rows: int, start: int) -> list[Any]:
     offsets = np.ndarray((rows + 1,), dtype=np.int64, buffer=slot, offset=start).tolist()
-    blob = slot[start + (rows + 1) * 8:].data
+    blob = slot[start + (rows + 1) * 8 :].data
     if kind == "str":
         return [str(blob[a:z], "utf-8") for a, z in zip(offsets, offsets[1:])]
     return [bytes(blob[a:z]) for a, z in zip(offsets, offsets[1:])]

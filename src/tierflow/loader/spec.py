@@ -19,8 +19,13 @@ from tierflow.loader.batching import Batcher, Collate, Filter, Samples, TokenWin
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES
-from tierflow.order.working_set import (WorkingSet, choose_working_set, with_first_epoch, working_set_bytes,
-                                        working_set_shards)
+from tierflow.order.working_set import (
+    WorkingSet,
+    choose_working_set,
+    with_first_epoch,
+    working_set_bytes,
+    working_set_shards,
+)
 
 NARROWED: Literal["narrowed"] = "narrowed"
 """A first epoch no cursor decided: narrowed by the default rule (working_set.first_epoch_breadth)."""
@@ -62,8 +67,9 @@ class BatchSpec:
             batcher = cast(Batcher, TokenBudget(self.max_tokens))
         else:
             batcher = cast(Batcher, Samples(select=list(self.columns) if self.columns is not None else None))
-        if not batcher.runs_transforms and (self.transform is not None or self.filter is not None
-                                            or self.collate is not None):
+        if not batcher.runs_transforms and (
+            self.transform is not None or self.filter is not None or self.collate is not None
+        ):
             raise ValueError(f"{type(batcher).__name__} does not run filter/transform/collate (use Samples)")
         return batcher
 
@@ -127,11 +133,18 @@ def settle_order(spec: OrderSpec, saved: LoaderCursor | None, nonempty_shards: i
     return SettledOrder(
         seed=spec.seed,
         partitions=partitions if partitions is not None else default_partitions(nonempty_shards),
-        window_shards=window_shards, lanes=lanes, remainder=spec.remainder, shuffle=spec.shuffle,
-        group_bytes=spec.group_bytes if spec.group_bytes is not None else saved_group(saved, "group_bytes", GROUP_BYTES),
+        window_shards=window_shards,
+        lanes=lanes,
+        remainder=spec.remainder,
+        shuffle=spec.shuffle,
+        group_bytes=spec.group_bytes
+        if spec.group_bytes is not None
+        else saved_group(saved, "group_bytes", GROUP_BYTES),
         group_samples=saved_group(saved, "group_samples", GROUP_SAMPLES),
         first_epoch=saved_first_epoch(saved, breadth_chosen),
-        groups_given=spec.group_bytes is not None, breadth_chosen=breadth_chosen)
+        groups_given=spec.group_bytes is not None,
+        breadth_chosen=breadth_chosen,
+    )
 
 
 def working_set_for(settled: SettledOrder, at_rest: Any, sizes: Any, per_node: int, node_shards: int) -> WorkingSet:
@@ -150,8 +163,7 @@ def working_set_for(settled: SettledOrder, at_rest: Any, sizes: Any, per_node: i
     window_shards = window_shards if window_shards is not None else default.window_shards
     shards = working_set_shards(min(lanes, per_node), window_shards)
     first = None if settled.first_epoch == NARROWED else settled.first_epoch  # e.g. shuffle=False's one lane
-    return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given",
-                      first)
+    return WorkingSet(min(lanes, per_node), window_shards, shards, working_set_bytes(shards, sizes), "as given", first)
 
 
 def specs_from(options: dict[str, Any]) -> tuple[BatchSpec, OrderSpec]:
@@ -195,5 +207,16 @@ def saved_group(resume: LoaderCursor | None, key: str, default: int) -> int:
     return value if isinstance(value, int) else default
 
 
-__all__ = ["NARROWED", "BatchSpec", "FirstEpoch", "OrderSpec", "SettledOrder", "default_partitions",
-           "saved_first_epoch", "saved_group", "settle_order", "specs_from", "working_set_for"]
+__all__ = [
+    "NARROWED",
+    "BatchSpec",
+    "FirstEpoch",
+    "OrderSpec",
+    "SettledOrder",
+    "default_partitions",
+    "saved_first_epoch",
+    "saved_group",
+    "settle_order",
+    "specs_from",
+    "working_set_for",
+]

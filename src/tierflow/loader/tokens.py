@@ -138,7 +138,7 @@ def _segments(rows: int, length: int, inner: np.ndarray) -> tuple[np.ndarray, in
         out = position_ids.reshape(-1)
         for start in inner.tolist():  # ascending: a later start in the row overwrites the rest
             end = start - start % length + length
-            out[start:end] = flat[:end - start]
+            out[start:end] = flat[: end - start]
     else:
         position_ids = (flat - np.repeat(cu_seqlens[:-1], lengths)).reshape(rows, length)
     return cu_seqlens, int(lengths.max()), position_ids

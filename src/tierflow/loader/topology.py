@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from tierflow.errors import TopologyError
 
@@ -35,8 +36,9 @@ class WorldPosition:
         return self.num_nodes * self.ranks_per_node
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, process_group: tuple[int, int] | None = None
-                 ) -> "WorldPosition":
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, process_group: tuple[int, int] | None = None
+    ) -> WorldPosition:
         """This process's position: rank and world from torch.distributed when it is initialised
         (`process_group`: its (rank, world size); the environment must agree with it), else from
         RANK and WORLD_SIZE, or with RANK missing from NODE_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK
@@ -62,22 +64,28 @@ class WorldPosition:
             group_rank, group_world = process_group
             for name, value, actual in (("RANK", rank, group_rank), ("WORLD_SIZE", world, group_world)):
                 if value is not None and value != actual:
-                    raise TopologyError(f"{name}={value} disagrees with torch.distributed's {actual} "
-                                        f"(the default process group is what the job runs)")
+                    raise TopologyError(
+                        f"{name}={value} disagrees with torch.distributed's {actual} "
+                        f"(the default process group is what the job runs)"
+                    )
             rank, world = group_rank, group_world
         world = 1 if world is None else world
         if per_node is None:
             if node not in (None, 0) and world > 1:
-                raise TopologyError(f"{'NODE_RANK' if env.get('NODE_RANK') else 'GROUP_RANK'}={node} without "
-                                    f"LOCAL_WORLD_SIZE: set LOCAL_WORLD_SIZE (ranks per node), as torchrun does, "
-                                    f"so every rank agrees on which ranks share a node")
+                raise TopologyError(
+                    f"{'NODE_RANK' if env.get('NODE_RANK') else 'GROUP_RANK'}={node} without "
+                    f"LOCAL_WORLD_SIZE: set LOCAL_WORLD_SIZE (ranks per node), as torchrun does, "
+                    f"so every rank agrees on which ranks share a node"
+                )
             per_node = world
         if per_node < 1 or world % per_node:
             raise TopologyError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={per_node}")
         if rank is None:
             if world > 1 and local is None:
-                raise TopologyError(f"WORLD_SIZE={world} but nothing says which rank this process is: set RANK "
-                                    f"(or NODE_RANK and LOCAL_RANK), or initialise torch.distributed first")
+                raise TopologyError(
+                    f"WORLD_SIZE={world} but nothing says which rank this process is: set RANK "
+                    f"(or NODE_RANK and LOCAL_RANK), or initialise torch.distributed first"
+                )
             rank = (node or 0) * per_node + (local or 0) if world > 1 else 0
         if not 0 <= rank < world:
             raise TopologyError(f"RANK={rank} outside WORLD_SIZE={world}")
@@ -87,8 +95,10 @@ class WorldPosition:
             raise TopologyError(f"LOCAL_RANK={local} disagrees with RANK={rank} % LOCAL_WORLD_SIZE={per_node}")
         for name in NODE_VARIABLES:
             if env.get(name, "") != "" and world > 1 and int(env[name]) != rank // per_node:
-                raise TopologyError(f"{name}={env[name]} disagrees with RANK={rank} // LOCAL_WORLD_SIZE={per_node}: "
-                                    f"the partitions a node owns follow RANK, so its cache must too")
+                raise TopologyError(
+                    f"{name}={env[name]} disagrees with RANK={rank} // LOCAL_WORLD_SIZE={per_node}: "
+                    f"the partitions a node owns follow RANK, so its cache must too"
+                )
         return cls(node=rank // per_node, num_nodes=world // per_node, local_rank=local, ranks_per_node=per_node)
 
 
@@ -132,8 +142,7 @@ def node_index(env: Mapping[str, str] | None = None) -> int:
     return position.node
 
 
-def assign_nodes(held: Sequence[Collection[int]], owned: Sequence[Collection[int]],
-                 sizes: Sequence[int]) -> list[int]:
+def assign_nodes(held: Sequence[Collection[int]], owned: Sequence[Collection[int]], sizes: Sequence[int]) -> list[int]:
     """The logical node (whose partitions it reads) of each node of the job, from what each node's
     cache holds: `held[n]` the shards node n's top tier holds, `owned[l]` the shards logical node
     l's partitions own, `sizes` each shard's bytes there. Largest overlap (bytes) first, ties to the
@@ -161,8 +170,13 @@ def assign_nodes(held: Sequence[Collection[int]], owned: Sequence[Collection[int
     return [assigned[node] if node in assigned else next(free) for node in range(len(held))]
 
 
-def placed_by_cache(world: WorldPosition, held: Collection[int] | None, owned: Sequence[Collection[int]],
-                    sizes: Sequence[int], gather: Callable[[Any], list[Any]]) -> WorldPosition:
+def placed_by_cache(
+    world: WorldPosition,
+    held: Collection[int] | None,
+    owned: Sequence[Collection[int]],
+    sizes: Sequence[int],
+    gather: Callable[[Any], list[Any]],
+) -> WorldPosition:
     """This rank's position with its node's logical index chosen from the caches of the job's
     nodes (`assign_nodes`), so after a restart onto another order of nodes each node reads the
     partitions its cache holds. `held`: what this node's top tier holds (one rank of the node

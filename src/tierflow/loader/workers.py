@@ -30,7 +30,8 @@ import time
 import traceback
 import weakref
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from tierflow._lifetime import Owner, die_with
 from tierflow.loader._collate import CarriedBatch
@@ -61,8 +62,16 @@ class WorkerPool:
     place (more are copied out), `prefetch_factor` it may build beyond them. `timed`: each batch's
     meta carries its production timing (telemetry)."""
 
-    def __init__(self, dataset: Any, workers: int, *, context: Any = None, prefetch_factor: int | None = None,
-                 hold: int = 4, timed: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        workers: int,
+        *,
+        context: Any = None,
+        prefetch_factor: int | None = None,
+        hold: int = 4,
+        timed: bool = False,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"a worker pool has at least one worker, got {workers}")
         self.dataset = dataset
@@ -166,9 +175,20 @@ class PoolIterator:
         for worker in range(workers):
             ours, theirs = socket.socketpair()
             process = context.Process(
-                target=_work, name=f"tierflow-worker-{worker}", daemon=True,
-                args=(dataset, worker, workers, slots, pool.timed, owner, parent_signal,
-                      multiprocessing.connection.Connection(theirs.detach())))
+                target=_work,
+                name=f"tierflow-worker-{worker}",
+                daemon=True,
+                args=(
+                    dataset,
+                    worker,
+                    workers,
+                    slots,
+                    pool.timed,
+                    owner,
+                    parent_signal,
+                    multiprocessing.connection.Connection(theirs.detach()),
+                ),
+            )
             process.start()
             process._args = ()  # no reference to the worker's end stays here
             self.processes.append(process)
@@ -260,8 +280,7 @@ class PoolIterator:
             how = f"exited with code {code}"
         else:
             how = "closed its connection"
-        return lost_worker(f"tierflow worker {worker} of {self.pool.workers} (pid {process.pid}) {how}",
-                           self._where)
+        return lost_worker(f"tierflow worker {worker} of {self.pool.workers} (pid {process.pid}) {how}", self._where)
 
     def close(self) -> None:
         """Stop the workers (at once if they do not stop by themselves); the rings go with the last view."""
@@ -338,8 +357,9 @@ class _Ring:
         return self._free.popleft()
 
 
-def _work(dataset: Any, worker: int, workers: int, slots: int, timed: bool, owner: Owner, parent_signal: bool,
-          connection: Any) -> None:
+def _work(
+    dataset: Any, worker: int, workers: int, slots: int, timed: bool, owner: Owner, parent_signal: bool, connection: Any
+) -> None:
     """A worker process: build this worker's batches into its ring until the plan ends or the pool stops."""
     die_with(owner, parent_signal=parent_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training loop's to handle

@@ -1,6 +1,7 @@
 """tierflow.order: deterministic, seekable, world-size-independent sample orders (docs/order.md)."""
 
-from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderCursor
+from tierflow.errors import CursorFormatError, CursorMismatchError
+from tierflow.order.cursor import OrderCursor
 from tierflow.order.eval_order import EvalBatch, EvalOrder
 from tierflow.order.future import ShardUse, future_shard_uses
 from tierflow.order.layout import PartitionLayout

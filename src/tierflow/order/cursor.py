@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierflow.errors import CursorFormatError, CursorMismatchError
+from tierflow.errors import CursorFormatError
 
 CURSOR_VERSION = 3
 """3: remainder="carry" reads a node's epoch before the next (edges.py); 2: each lane's batches ran
@@ -51,7 +51,7 @@ class OrderCursor:
         }
 
     @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> "OrderCursor":
+    def from_dict(cls, state: dict[str, Any]) -> OrderCursor:
         if not isinstance(state, dict):
             raise CursorFormatError(f"an order cursor is a dict, got {type(state).__name__}")
         missing = [k for k in ("version", "seed", "partitions", "epochs", "offsets", "config_hash") if k not in state]

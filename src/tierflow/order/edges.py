@@ -81,8 +81,9 @@ class EpochPlan:
 class EpochEdges:
     """A node's batches under the epoch-major edge, from its lanes' positions at a cursor."""
 
-    def __init__(self, lanes: Sequence[Lane], bases: Sequence[Positions], batch_size: int,
-                 groups: list[int] | None) -> None:
+    def __init__(
+        self, lanes: Sequence[Lane], bases: Sequence[Positions], batch_size: int, groups: list[int] | None
+    ) -> None:
         self.lanes = list(lanes)
         self.bases = list(bases)
         self.batch_size = batch_size
@@ -177,15 +178,19 @@ class EpochEdges:
                     wanted -= take
             self._pending = (owner, wanted) if wanted else None
         bodies = [(self.lanes[m].size - starts[m]) // B if m in members else 0 for m in range(len(self.lanes))]
-        pool = [Piece(m, epoch, starts[m] + bodies[m] * B, self.lanes[m].size) for m in members
-                if starts[m] + bodies[m] * B < self.lanes[m].size]
+        pool = [
+            Piece(m, epoch, starts[m] + bodies[m] * B, self.lanes[m].size)
+            for m in members
+            if starts[m] + bodies[m] * B < self.lanes[m].size
+        ]
         pool_size = sum(p.stop - p.start for p in pool)
         # the merge asks a lane's batches only for lane.size, start and count_before, as LaneBatches has them
         bodies_of = [_EpochBodies(lane, epoch, s, n, B) for lane, s, n in zip(self.lanes, starts, bodies)]
         schedule = LaneSchedule(cast("list[LaneBatches]", bodies_of), self.groups)
         first_pick = previous.first_pick + previous.picks(B) if previous is not None else 0
-        plan = EpochPlan(epoch, group, len(self.plans), first_pick, starts, bodies, pool, pool_size, schedule,
-                         head_pick)
+        plan = EpochPlan(
+            epoch, group, len(self.plans), first_pick, starts, bodies, pool, pool_size, schedule, head_pick
+        )
         self._index[(epoch, group)] = plan.index
         self.plans.append(plan)
         if pool_size % B:  # its last batch waits for the next stage's heads

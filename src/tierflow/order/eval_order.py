@@ -10,7 +10,7 @@ mask is False on every repeat. Worker w of W builds the rank's steps s = w (mod 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -83,15 +83,26 @@ def future_shard_uses(
                         break
                     for shard in windows.window_shards(window).tolist():
                         if shard_counts[shard]:
-                            uses.append(ShardUse(shard, first * batch_size, last * batch_size + batch_size - 1,
-                                                 span.epoch, span.partition))
+                            uses.append(
+                                ShardUse(
+                                    shard,
+                                    first * batch_size,
+                                    last * batch_size + batch_size - 1,
+                                    span.epoch,
+                                    span.partition,
+                                )
+                            )
                     window += 1
                     continue
                 if carry:
-                    first, last = (read + start - span.start) // batch_size, (read + stop - 1 - span.start) // batch_size
+                    first, last = (
+                        (read + start - span.start) // batch_size,
+                        (read + stop - 1 - span.start) // batch_size,
+                    )
                 else:
-                    first, last = _batch_range(batches, lane_epoch, lane_offset + start - span.start,
-                                               lane_offset + stop - 1 - span.start)
+                    first, last = _batch_range(
+                        batches, lane_epoch, lane_offset + start - span.start, lane_offset + stop - 1 - span.start
+                    )
                 if first >= counts[lane_index]:
                     done = True
                     break

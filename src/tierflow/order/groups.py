@@ -39,8 +39,13 @@ def floor_bytes(group_samples: int, size: int, count: int) -> int:
     return min(-(-group_samples * size // max(count, 1)), GROUP_FLOOR_CAP)
 
 
-def group_edges(counts: np.ndarray, decoded_bytes: np.ndarray, group_bytes: int,
-                block_bytes: np.ndarray | None = None, group_samples: int = 0) -> np.ndarray:
+def group_edges(
+    counts: np.ndarray,
+    decoded_bytes: np.ndarray,
+    group_bytes: int,
+    block_bytes: np.ndarray | None = None,
+    group_samples: int = 0,
+) -> np.ndarray:
     """Slot edges (window-relative, from 0 to the window's size) of the groups of a window whose
     shards, in reading order, hold `counts` samples and `decoded_bytes` bytes (the largest block
     of each `block_bytes`); a group holds at least `group_samples` samples' worth of a shard's bytes,
@@ -76,8 +81,18 @@ class WindowGroups:
     """The permutation of a window's offsets under the block-group shuffle (called like a
     FeistelPermutation: window offsets in, window slots out)."""
 
-    def __init__(self, counts: np.ndarray, decoded_bytes: np.ndarray, block_bytes: np.ndarray | None,
-                 group_bytes: int, seed: int, epoch: int, partition: int, window: int, group_samples: int = 0) -> None:
+    def __init__(
+        self,
+        counts: np.ndarray,
+        decoded_bytes: np.ndarray,
+        block_bytes: np.ndarray | None,
+        group_bytes: int,
+        seed: int,
+        epoch: int,
+        partition: int,
+        window: int,
+        group_samples: int = 0,
+    ) -> None:
         self.edges = group_edges(counts, decoded_bytes, group_bytes, block_bytes, group_samples)
         sizes = np.diff(self.edges)
         key = derive_key("groups", seed, epoch, partition, window)

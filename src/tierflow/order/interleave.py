@@ -19,7 +19,7 @@ search over K, O(lanes) per probe), then lanes in index order at K. Integers thr
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -47,17 +47,16 @@ class PartitionLayout:
         self.num_samples = int(self.shard_offsets[-1])
         self.shard_bytes = None if shard_bytes is None else np.asarray(shard_bytes, dtype=np.int64)
         if self.shard_bytes is not None and self.shard_bytes.shape != counts.shape:
-            raise ValueError(
-                f"shard_bytes has {self.shard_bytes.size} entries for {counts.size} shards"
-            )
-        self.shard_partition = (_assign_contiguous(counts, partitions) if contiguous
-                                else _assign_longest_first(counts, self.shard_bytes, partitions))
+            raise ValueError(f"shard_bytes has {self.shard_bytes.size} entries for {counts.size} shards")
+        self.shard_partition = (
+            _assign_contiguous(counts, partitions)
+            if contiguous
+            else _assign_longest_first(counts, self.shard_bytes, partitions)
+        )
         order = np.argsort(self.shard_partition, kind="stable")
         bounds = np.searchsorted(self.shard_partition[order], np.arange(partitions + 1))
         self.partition_shards = [order[bounds[p] : bounds[p + 1]] for p in range(partitions)]
-        self.partition_sizes = np.bincount(
-            self.shard_partition, weights=counts, minlength=partitions
-        ).astype(np.int64)
+        self.partition_sizes = np.bincount(self.shard_partition, weights=counts, minlength=partitions).astype(np.int64)
 
     @property
     def num_shards(self) -> int:
@@ -110,9 +109,7 @@ def _assign_contiguous(counts: np.ndarray, partitions: int) -> np.ndarray:
     return chosen[np.maximum(previous, 0)]
 
 
-def _assign_longest_first(
-    counts: np.ndarray, shard_bytes: np.ndarray | None, partitions: int
-) -> np.ndarray:
+def _assign_longest_first(counts: np.ndarray, shard_bytes: np.ndarray | None, partitions: int) -> np.ndarray:
     """Heaviest shard first, each to the lightest partition (ties to the lower index): the heap's
     answer (`_assign_longest_first_heap`), computed a round of up to `partitions` shards at a time.
     A round deals its shards to the partitions in ascending (load, index) order, which is what the
@@ -134,14 +131,14 @@ def _assign_longest_first(
         k = min(partitions, n - pos)
         by_load = np.lexsort((index, loads))[:k]
         before = loads[by_load]
-        after = before + ordered[pos:pos + k]
+        after = before + ordered[pos : pos + k]
         # step j is the heap's when the partition it deals to is strictly lighter than every one
         # dealt to before it in this round (their loads now `after`)
         lightest_dealt = np.minimum.accumulate(after)
         ok = np.ones(k, dtype=bool)
         ok[1:] = before[1:] < lightest_dealt[:-1]
         take = k if ok.all() else int(np.argmin(ok))
-        dealt[pos:pos + take] = by_load[:take]
+        dealt[pos : pos + take] = by_load[:take]
         loads[by_load[:take]] = after[:take]
         pos += take
         if take < k:  # one shard by the heap's rule: the lightest (load, index) now
@@ -154,9 +151,7 @@ def _assign_longest_first(
     return assignment
 
 
-def _assign_longest_first_heap(
-    counts: np.ndarray, shard_bytes: np.ndarray | None, partitions: int
-) -> np.ndarray:
+def _assign_longest_first_heap(counts: np.ndarray, shard_bytes: np.ndarray | None, partitions: int) -> np.ndarray:
     """The definition `_assign_longest_first` computes faster (kept for its tests)."""
     weight = counts / max(int(counts.sum()), 1)
     if shard_bytes is not None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from tierflow.order.cursor import CursorFormatError, CursorMismatchError, OrderCursor
+from tierflow.errors import CursorFormatError, CursorMismatchError
+from tierflow.order.cursor import OrderCursor
 from tierflow.order.mixing import MixtureSchedule
 from tierflow.order.order import MicroBatch, SampleOrder
 from tierflow.order.stream import RankStream
@@ -49,17 +51,25 @@ class MixedCursor:
     @classmethod
     def from_dict(cls, state: Any) -> MixedCursor:
         """Parse what `to_dict` wrote (its shape only; `MixedOrder.load` checks it against a mixture)."""
-        if not isinstance(state, dict) or any(k not in state for k in ("version", "weights", "seed", "draws",
-                                                                         "datasets", "config_hash")):
-            raise CursorFormatError("a mixed cursor is a dict with version, weights, seed, draws, datasets "
-                                    "and config_hash")
+        if not isinstance(state, dict) or any(
+            k not in state for k in ("version", "weights", "seed", "draws", "datasets", "config_hash")
+        ):
+            raise CursorFormatError(
+                "a mixed cursor is a dict with version, weights, seed, draws, datasets and config_hash"
+            )
         if state["version"] != MIXED_CURSOR_VERSION:
-            raise CursorFormatError(f"mixed cursor version {state['version']!r}; this tierflow reads version "
-                                    f"{MIXED_CURSOR_VERSION}")
+            raise CursorFormatError(
+                f"mixed cursor version {state['version']!r}; this tierflow reads version {MIXED_CURSOR_VERSION}"
+            )
         if not isinstance(state["draws"], int) or state["draws"] < 0 or not isinstance(state["datasets"], list):
             raise CursorFormatError("mixed cursor draws must be a non-negative integer and datasets a list")
-        return cls(state["draws"], tuple(OrderCursor.from_dict(c) for c in state["datasets"]),
-                   tuple(float(w) for w in state["weights"]), int(state["seed"]), str(state["config_hash"]))
+        return cls(
+            state["draws"],
+            tuple(OrderCursor.from_dict(c) for c in state["datasets"]),
+            tuple(float(w) for w in state["weights"]),
+            int(state["seed"]),
+            str(state["config_hash"]),
+        )
 
 
 class MixedOrder:
@@ -90,7 +100,9 @@ class MixedOrder:
         """Validate a saved mixed cursor; O(D * P). Different weights or seed are refused unless
         allowed (then the draw count is kept and this mixture's schedule continues from it); a
         different number of datasets is always refused."""
-        if not isinstance(state, dict) or any(k not in state for k in ("version", "weights", "seed", "draws", "datasets")):
+        if not isinstance(state, dict) or any(
+            k not in state for k in ("version", "weights", "seed", "draws", "datasets")
+        ):
             raise CursorFormatError("a mixed cursor is a dict with version, weights, seed, draws and datasets")
         if state["version"] != MIXED_CURSOR_VERSION:
             raise CursorFormatError(
@@ -112,7 +124,8 @@ class MixedOrder:
         ]
         if differing and not allow_mismatch:
             raise CursorMismatchError(
-                "mixed cursor does not match this mixture: " + "; ".join(differing)
+                "mixed cursor does not match this mixture: "
+                + "; ".join(differing)
                 + " (pass allow_mismatch=True to resume anyway)"
             )
         cursors = []

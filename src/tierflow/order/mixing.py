@@ -13,7 +13,7 @@ The schedule's draw counter is a node's batch count: draw g is node batch g of t
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tierflow.order._keys import derive_key
 

@@ -11,12 +11,14 @@ import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from tierflow.order._keys import derive_key
-from tierflow.order.cursor import CURSOR_VERSION, CursorFormatError, CursorMismatchError, OrderCursor
+from tierflow.errors import CursorFormatError, CursorMismatchError
+from tierflow.order.cursor import CURSOR_VERSION, OrderCursor
 from tierflow.order.layout import PartitionLayout
 from tierflow.order.permutation import FeistelPermutation
 from tierflow.order.remainder import Remainder
@@ -86,8 +88,9 @@ class SampleOrder:
         self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
         self.group_bytes = int(group_bytes) if self.shuffle else 0
         self.group_samples = int(group_samples) if self.group_bytes else 0
-        self.first_epoch = None if first_epoch is None or not self.shuffle else (int(first_epoch[0]),
-                                                                                 int(first_epoch[1]))
+        self.first_epoch = (
+            None if first_epoch is None or not self.shuffle else (int(first_epoch[0]), int(first_epoch[1]))
+        )
         self.decoded_bytes = self.block_bytes = None
         if self.group_bytes:
             shards = self.layout.num_shards
@@ -116,8 +119,11 @@ class SampleOrder:
             self.config["group_bytes"] = self.group_bytes
             if self.group_samples:  # only then, so a cursor saved before the floor keeps its hash
                 self.config["group_samples"] = self.group_samples
-            sizes = self.decoded_bytes if self.block_bytes is None else np.concatenate([self.decoded_bytes,
-                                                                                         self.block_bytes])
+            sizes = (
+                self.decoded_bytes
+                if self.block_bytes is None
+                else np.concatenate([self.decoded_bytes, self.block_bytes])
+            )
             self.config["decoded"] = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
         canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
         self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
@@ -169,8 +175,9 @@ class SampleOrder:
                 past_end = cursor.offsets[p] >= size
                 epochs.append(cursor.epochs[p] + past_end)
                 offsets.append(0 if past_end else cursor.offsets[p])
-            return OrderCursor(self.seed, tuple(epochs), tuple(offsets), self.config_hash, dict(self.config),
-                               cursor.version)
+            return OrderCursor(
+                self.seed, tuple(epochs), tuple(offsets), self.config_hash, dict(self.config), cursor.version
+            )
         for p, offset in enumerate(cursor.offsets):
             if offset >= self.layout.partition_sizes[p]:
                 raise CursorFormatError(
@@ -181,8 +188,14 @@ class SampleOrder:
 
     def cursor(self, epochs: Sequence[int], offsets: Sequence[int], version: int = CURSOR_VERSION) -> OrderCursor:
         """`version`: the edge rule the positions continue under (a resumed cursor's own)."""
-        return OrderCursor(self.seed, tuple(int(e) for e in epochs), tuple(int(o) for o in offsets),
-                           self.config_hash, self.config, version)
+        return OrderCursor(
+            self.seed,
+            tuple(int(e) for e in epochs),
+            tuple(int(o) for o in offsets),
+            self.config_hash,
+            self.config,
+            version,
+        )
 
     def windows(self, partition: int, epoch: int) -> EpochWindows:
         """The (cached) shuffle of one partition's epoch; O(shards of the partition) to build."""
@@ -192,8 +205,18 @@ class SampleOrder:
             self._windows.move_to_end(key)
             return found
         window_shards = self.first_epoch[1] if epoch == 0 and self.first_epoch is not None else self.window_shards
-        built = EpochWindows(self.layout, partition, epoch, self.seed, window_shards, self.shuffle,
-                             self.group_bytes, self.decoded_bytes, self.block_bytes, self.group_samples)
+        built = EpochWindows(
+            self.layout,
+            partition,
+            epoch,
+            self.seed,
+            window_shards,
+            self.shuffle,
+            self.group_bytes,
+            self.decoded_bytes,
+            self.block_bytes,
+            self.group_samples,
+        )
         self._windows[key] = built
         if len(self._windows) > self._windows_capacity:
             self._windows.popitem(last=False)

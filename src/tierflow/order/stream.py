@@ -14,7 +14,8 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -94,7 +95,7 @@ class _LaneWalk:
         at = position - self._begin
         spans = self._span_starts
         k = 0 if len(spans) == 1 else bisect_right(spans, at) - 1
-        return self._ids[at:at + count], self._epochs[at:at + count], self._partitions[k]
+        return self._ids[at : at + count], self._epochs[at : at + count], self._partitions[k]
 
     def _evaluate(self, position: int, count: int) -> None:
         take = self.lane.take
@@ -172,7 +173,7 @@ class _Picks:
         order = np.argsort(keys, kind="stable")  # a lane's batches stay in their order
         merged = keys[order]
         last = min(int(k[-1]) for k in np.split(keys, np.cumsum(per_lane)[:-1]))
-        taken = order[:int(np.searchsorted(merged, last, side="right"))]
+        taken = order[: int(np.searchsorted(merged, last, side="right"))]
         lane_of = np.repeat(np.arange(self.lanes, dtype=np.int64), per_lane)
         lanes = lane_of[taken]
         batches = np.concatenate(numbers)[taken]
@@ -197,12 +198,13 @@ class _Picks:
 class NodeStream:
     """One node's lanes from a cursor: its batches in order, and its positions after any number."""
 
-    def __init__(self, order: SampleOrder, cursor: OrderCursor, *, node: int, num_nodes: int,
-                 batch_size: int) -> None:
+    def __init__(self, order: SampleOrder, cursor: OrderCursor, *, node: int, num_nodes: int, batch_size: int) -> None:
         self.order = order
         self.batch_size = batch_size
-        self.lanes = [Lane(order.layout, members, order.seed, order.shuffle)
-                      for members in node_lanes(order.layout, node, num_nodes, order.lanes)]
+        self.lanes = [
+            Lane(order.layout, members, order.seed, order.shuffle)
+            for members in node_lanes(order.layout, node, num_nodes, order.lanes)
+        ]
         bases = [{p: (cursor.epochs[p], cursor.offsets[p]) for p in lane.members} for lane in self.lanes]
         self.batches = [LaneBatches(lane, base, batch_size, order.remainder) for lane, base in zip(self.lanes, bases)]
         self.schedule = LaneSchedule(self.batches, order.first_epoch_groups(len(self.lanes), node))
@@ -223,8 +225,11 @@ class NodeStream:
         # gives the spans of its last epochs only, which is what such a batch has always read
         self._by_spans = any(batch_size >= 2 * lane.size for lane in self.lanes)
         # version 3 under carry: the epoch-major edge (edges.py); a version-2 cursor keeps its lanes' batches
-        self.edges = EpochEdges(self.lanes, bases, batch_size, order.first_epoch_groups(len(self.lanes), node)) \
-            if self._carry and cursor.version >= 3 else None
+        self.edges = (
+            EpochEdges(self.lanes, bases, batch_size, order.first_epoch_groups(len(self.lanes), node))
+            if self._carry and cursor.version >= 3
+            else None
+        )
         self._edge_states = [(0, base) for base in bases]  # (walk position, the lane's positions there)
 
     def _edge_parts(self, pick: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int]:
@@ -400,8 +405,9 @@ class RankStream:
         self.num_nodes = num_nodes
         self.rank = rank
         self.ranks_per_node = ranks_per_node
-        self.nodes = [NodeStream(order, cursor, node=n, num_nodes=num_nodes, batch_size=batch_size)
-                      for n in range(num_nodes)]
+        self.nodes = [
+            NodeStream(order, cursor, node=n, num_nodes=num_nodes, batch_size=batch_size) for n in range(num_nodes)
+        ]
         self.own = self.nodes[node]
         self.partitions = order.layout.node_partitions(node, num_nodes)
 
@@ -416,8 +422,9 @@ class RankStream:
 
     def batch(self, index: int) -> Batch:
         micro = self.node_batch(index * self.ranks_per_node + self.rank)
-        return Batch(index, micro.partition, micro.sample_ids, micro.epochs, micro.mask,
-                     self.cursor_after(index).to_dict())
+        return Batch(
+            index, micro.partition, micro.sample_ids, micro.epochs, micro.mask, self.cursor_after(index).to_dict()
+        )
 
     def batches(self, worker: int = 0, num_workers: int = 1, start: int = 0) -> Iterator[Batch]:
         """Endless: the rank's batches b >= start with b = worker (mod num_workers)."""
@@ -433,8 +440,11 @@ class RankStream:
         first batch's, and past `after`, the last one finished) and how many of its batches belong
         to it or an older one. With `agree`, what every rank of every node stops at together: the
         smallest first epoch, and the fewest batches (what `Loader`'s epoch_end="agree" does)."""
-        ranks = [(n, r) for n in range(self.num_nodes) for r in range(self.ranks_per_node)] if agree \
+        ranks = (
+            [(n, r) for n in range(self.num_nodes) for r in range(self.ranks_per_node)]
+            if agree
             else [(self.node, self.rank)]
+        )
         epoch = min(self.nodes[n].epoch_of_pick(r) for n, r in ranks)
         if after is not None:
             epoch = max(epoch, after + 1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -89,12 +89,13 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
     30% L2: 0.77 of the dataset per warm epoch against the plan's 0.72)."""
     if isinstance(shard_bytes, np.ndarray):  # a mapped column: a partition, not a pass in Python
         k = min(shards + 1, shard_bytes.size)
-        return int(np.partition(shard_bytes, shard_bytes.size - k)[shard_bytes.size - k:].sum()) if k > 0 else 0
+        return int(np.partition(shard_bytes, shard_bytes.size - k)[shard_bytes.size - k :].sum()) if k > 0 else 0
     return sum(heapq.nlargest(shards + 1, shard_bytes))
 
 
-def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int, *,
-                       node_shards: int | None = None) -> WorkingSet:
+def choose_working_set(
+    shard_bytes: Sequence[int], partitions_per_node: int, *, node_shards: int | None = None
+) -> WorkingSet:
     """The default (lanes, window_shards): the widest within WIDEST_LANES x WIDEST_WINDOW, at most
     1/READING_SHARE of `node_shards` (default: all of `shard_bytes`, the node's share of the non-empty
     shards) read at once, and a working set of at most WORKING_SET_BYTES of `shard_bytes` (at rest).
@@ -106,11 +107,20 @@ def choose_working_set(shard_bytes: Sequence[int], partitions_per_node: int, *,
     reading = max(1, min(by_share, by_bytes))
     lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), reading)
     shards = working_set_shards(lanes, k)
-    limit = ("the widest" if lanes * k == min(partitions_per_node, WIDEST_LANES) * WIDEST_WINDOW else
-             f"at most 1/{READING_SHARE} of the node's {node_shards} shards" if by_share <= by_bytes else
-             f"a working set of at most {WORKING_SET_BYTES / 2**30:.0f} GiB at rest")
-    return WorkingSet(lanes, k, shards, working_set_bytes(shards, shard_bytes),
-                      f"the dataset's default: {lanes} x {k} shards read at once, {limit}")
+    limit = (
+        "the widest"
+        if lanes * k == min(partitions_per_node, WIDEST_LANES) * WIDEST_WINDOW
+        else f"at most 1/{READING_SHARE} of the node's {node_shards} shards"
+        if by_share <= by_bytes
+        else f"a working set of at most {WORKING_SET_BYTES / 2**30:.0f} GiB at rest"
+    )
+    return WorkingSet(
+        lanes,
+        k,
+        shards,
+        working_set_bytes(shards, shard_bytes),
+        f"the dataset's default: {lanes} x {k} shards read at once, {limit}",
+    )
 
 
 def _widest(most_lanes: int, reading: int) -> tuple[int, int]:
@@ -132,12 +142,14 @@ def fitting_working_set(shard_bytes: Sequence[int], partitions_per_node: int, ro
     budget = max(0, int((room_bytes - max(shard_bytes, default=0)) // max(mean, 1)))
     lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), budget // 2)
     shards = working_set_shards(lanes, k)
-    return WorkingSet(lanes, k, shards, working_set_bytes(shards, shard_bytes),
-                      f"{room_bytes / 1e6:.1f} MB holds {budget} shards")
+    return WorkingSet(
+        lanes, k, shards, working_set_bytes(shards, shard_bytes), f"{room_bytes / 1e6:.1f} MB holds {budget} shards"
+    )
 
 
-def narrowing_advice(chosen: WorkingSet, shard_bytes: Sequence[int], partitions_per_node: int,
-                     capacity: int, tier: str = "the top tier") -> str | None:
+def narrowing_advice(
+    chosen: WorkingSet, shard_bytes: Sequence[int], partitions_per_node: int, capacity: int, tier: str = "the top tier"
+) -> str | None:
     """What to tell a user whose `tier` (`capacity` bytes in `shard_bytes`' form) cannot hold the order's
     working set beside what it keeps: the numbers, where the rest goes (the staging area in RAM: every
     epoch still fetches each shard at most once), and the `lanes=`/`window_shards=` whose working set
@@ -147,15 +159,21 @@ def narrowing_advice(chosen: WorkingSet, shard_bytes: Sequence[int], partitions_
         return None
     fit = fitting_working_set(shard_bytes, partitions_per_node, TIER_SHARE * capacity)
     narrower = (fit.lanes * fit.window_shards, fit.lanes) < (chosen.reading, chosen.lanes)
-    option = (f"where RAM is short, lanes={fit.lanes}, window_shards={fit.window_shards} keeps the working set "
-              f"within {TIER_SHARE:.2%} of the tier ({fit.bytes / 1e6:.1f} MB), at a narrower shuffle (a new "
-              f"order: a saved cursor resumes its own)" if narrower else "no narrower order fits the tier")
-    return (f"{tier} holds {capacity / 1e6:.1f} MB; the order reads {chosen.lanes} lanes x windows of "
-            f"{chosen.window_shards} shards, a working set of {chosen.shards} shards ({chosen.bytes / 1e6:.1f} MB, "
-            f"{chosen.bytes / capacity:.0%} of the tier): the tier keeps what its policy chooses across epochs "
-            f"and the shards being read that it does not keep pass through the staging area in RAM, so every "
-            f"epoch fetches each shard at most once (benchmarks/cache.py: at 5% of the bytes at rest, warm "
-            f"epochs fetch 0.6-0.7 of the dataset); {option}")
+    option = (
+        f"where RAM is short, lanes={fit.lanes}, window_shards={fit.window_shards} keeps the working set "
+        f"within {TIER_SHARE:.2%} of the tier ({fit.bytes / 1e6:.1f} MB), at a narrower shuffle (a new "
+        f"order: a saved cursor resumes its own)"
+        if narrower
+        else "no narrower order fits the tier"
+    )
+    return (
+        f"{tier} holds {capacity / 1e6:.1f} MB; the order reads {chosen.lanes} lanes x windows of "
+        f"{chosen.window_shards} shards, a working set of {chosen.shards} shards ({chosen.bytes / 1e6:.1f} MB, "
+        f"{chosen.bytes / capacity:.0%} of the tier): the tier keeps what its policy chooses across epochs "
+        f"and the shards being read that it does not keep pass through the staging area in RAM, so every "
+        f"epoch fetches each shard at most once (benchmarks/cache.py: at 5% of the bytes at rest, warm "
+        f"epochs fetch 0.6-0.7 of the dataset); {option}"
+    )
 
 
 def _because(chosen: WorkingSet, reason: str) -> WorkingSet:
@@ -176,5 +194,4 @@ def first_epoch_breadth(shards_per_node: int, lanes: int, window_shards: int) ->
 
 def with_first_epoch(chosen: WorkingSet, shards_per_node: int) -> WorkingSet:
     """`chosen` with its first epoch narrowed to `first_epoch_breadth` (the loader's default)."""
-    return replace(chosen, first_epoch=first_epoch_breadth(shards_per_node, chosen.lanes,
-                                                                       chosen.window_shards))
+    return replace(chosen, first_epoch=first_epoch_breadth(shards_per_node, chosen.lanes, chosen.window_shards))

@@ -10,7 +10,8 @@ import queue
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -35,8 +36,15 @@ class _ShardInFlight:
     scratch files pile up.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor, out: Path, schema: pa.Schema, compression: str,
-                 level: int | None, token_column: str | None = None) -> None:
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        out: Path,
+        schema: pa.Schema,
+        compression: str,
+        level: int | None,
+        token_column: str | None = None,
+    ) -> None:
         self.batches: queue.Queue = queue.Queue(QUEUED_BATCHES)
         self.mark: Any = None
         """What `on_cut` said when this shard was cut, handed to `on_sealed` once it is written."""
@@ -53,8 +61,9 @@ class _ShardInFlight:
                     self.future.result()
                     raise RuntimeError("a shard writer ended before its shard was closed") from None
 
-    def _write(self, out: Path, schema: pa.Schema, compression: str, level: int | None,
-               token_column: str | None) -> ShardInfo | None:
+    def _write(
+        self, out: Path, schema: pa.Schema, compression: str, level: int | None, token_column: str | None
+    ) -> ShardInfo | None:
         writer = ShardWriter(out, schema, compression, level, token_column=token_column)
         try:
             while True:
@@ -83,10 +92,17 @@ class ShardAssembler:
     position); `on_sealed(info, that answer)` is told once the shard is on disk, in order.
     """
 
-    def __init__(self, out: Path, target_bytes: int, compression: str, level: int | None,
-                 token_column: str | None, on_shard: Callable[[Path, ShardInfo], None] | None = None,
-                 on_cut: Callable[[], Any] | None = None,
-                 on_sealed: Callable[[ShardInfo, Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        target_bytes: int,
+        compression: str,
+        level: int | None,
+        token_column: str | None,
+        on_shard: Callable[[Path, ShardInfo], None] | None = None,
+        on_cut: Callable[[], Any] | None = None,
+        on_sealed: Callable[[ShardInfo, Any], None] | None = None,
+    ) -> None:
         self.out = out
         self.on_shard = on_shard
         self.on_cut = on_cut
@@ -130,8 +146,9 @@ class ShardAssembler:
                 self._collect_oldest()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="tierflow-shard")
-            self._open = _ShardInFlight(self._pool, self.out, self.schema, self.compression, self.level,
-                                        self.token_column)
+            self._open = _ShardInFlight(
+                self._pool, self.out, self.schema, self.compression, self.level, self.token_column
+            )
         self._open.put(batch)
         self.rows_appended += batch.num_rows
         self.pending_bytes += batch.nbytes
@@ -203,14 +220,14 @@ class ShardAssembler:
         if self._open is not None:
             try:
                 self._open.put(None)
-            except Exception:  # noqa: BLE001 - its writer failed: collected (and ignored) below
+            except Exception:
                 pass
             self._closing.append(self._open)
             self._open = None
         while self._closing:
             try:
                 self._collect_oldest(sealed=False)
-            except Exception:  # noqa: BLE001 - the error that caused the abort is the one to report
+            except Exception:
                 pass
         self._shutdown()
 
@@ -222,6 +239,9 @@ class ShardAssembler:
 
 def _incompatible(before: pa.Schema, now: pa.Schema, error: Exception) -> str:
     """Which columns changed type, so the message says what to fix rather than Arrow's merge error."""
-    changed = [f"column {f.name!r} is {f.type} here but {before.field(f.name).type} earlier in the input"
-               for f in now if f.name in before.names and before.field(f.name).type != f.type]
+    changed = [
+        f"column {f.name!r} is {f.type} here but {before.field(f.name).type} earlier in the input"
+        for f in now
+        if f.name in before.names and before.field(f.name).type != f.type
+    ]
     return "; ".join(changed) or f"columns of incompatible types across the input ({error})"

@@ -27,7 +27,8 @@ import marshal
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -71,8 +72,11 @@ def fingerprint(options: dict[str, Any], fn: Callable | None) -> str:
     described = dict(options)
     if fn is not None:
         code = getattr(fn, "__code__", None)
-        described["fn"] = [getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(type(fn))),
-                           xxhash.xxh3_64_hexdigest(marshal.dumps(code)) if code is not None else None]
+        described["fn"] = [
+            getattr(fn, "__module__", ""),
+            getattr(fn, "__qualname__", repr(type(fn))),
+            xxhash.xxh3_64_hexdigest(marshal.dumps(code)) if code is not None else None,
+        ]
     return xxhash.xxh3_128_hexdigest(json.dumps(described, sort_keys=True, default=str).encode())
 
 
@@ -81,8 +85,19 @@ def _unit_identity(unit: Unit) -> bytes:
         mtime = os.stat(unit.path).st_mtime_ns
     except OSError:
         mtime = None
-    return json.dumps([unit.index, unit.kind, unit.path, unit.start, unit.end, list(unit.members),
-                       unit.input_bytes, list(unit.sidecars), mtime]).encode()
+    return json.dumps(
+        [
+            unit.index,
+            unit.kind,
+            unit.path,
+            unit.start,
+            unit.end,
+            list(unit.members),
+            unit.input_bytes,
+            list(unit.sidecars),
+            mtime,
+        ]
+    ).encode()
 
 
 class UnitsDigest:
@@ -150,8 +165,13 @@ class PackJournal:
         try:
             shards = [ShardInfo.from_json(e["shard"]) for e in entries]
             last = entries[-1]
-            so_far = PackedSoFar(UnitStats(**last["stats"]), int(last["tokens"]),
-                                 np.asarray(last["histogram"], np.int64), int(last["input_bytes"]), int(last["units"]))
+            so_far = PackedSoFar(
+                UnitStats(**last["stats"]),
+                int(last["tokens"]),
+                np.asarray(last["histogram"], np.int64),
+                int(last["input_bytes"]),
+                int(last["units"]),
+            )
             schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(last["schema"])))
             point = ResumePoint(shards, int(last["unit"]), int(last["rows"]), str(last["units_digest"]), schema, so_far)
         except (KeyError, TypeError, ValueError, pa.ArrowException):
@@ -178,14 +198,23 @@ class PackJournal:
         tmp.write_text("".join(line + "\n" for line in lines))
         os.replace(tmp, self.path)
 
-    def sealed(self, info: ShardInfo, unit: int, rows: int, units_digest: str, schema: pa.Schema,
-               so_far: PackedSoFar) -> None:
+    def sealed(
+        self, info: ShardInfo, unit: int, rows: int, units_digest: str, schema: pa.Schema, so_far: PackedSoFar
+    ) -> None:
         """Record a sealed shard (already renamed into place) and the position after it."""
         assert self._file is not None
-        entry = {"shard": info.to_json(), "unit": unit, "rows": rows, "units_digest": units_digest,
-                 "schema": base64.b64encode(schema.serialize().to_pybytes()).decode(),
-                 "stats": dataclasses.asdict(so_far.stats), "tokens": so_far.tokens,
-                 "histogram": so_far.histogram.tolist(), "input_bytes": so_far.input_bytes, "units": so_far.units}
+        entry = {
+            "shard": info.to_json(),
+            "unit": unit,
+            "rows": rows,
+            "units_digest": units_digest,
+            "schema": base64.b64encode(schema.serialize().to_pybytes()).decode(),
+            "stats": dataclasses.asdict(so_far.stats),
+            "tokens": so_far.tokens,
+            "histogram": so_far.histogram.tolist(),
+            "input_bytes": so_far.input_bytes,
+            "units": so_far.units,
+        }
         self._file.write(json.dumps(entry) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())

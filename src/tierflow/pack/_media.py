@@ -13,7 +13,8 @@ import io
 import json
 import os
 import tarfile
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
 
 import pyarrow as pa
 
@@ -47,17 +48,17 @@ def probe(data: bytes) -> tuple[int, int, str]:
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - the images extra brings it
-        raise PackInputError("packing images reads their headers with Pillow: pip install 'tierflow[images]'") \
-            from None
+        raise PackInputError("packing images reads their headers with Pillow: pip install 'tierflow[images]'") from None
     try:
         with Image.open(io.BytesIO(data)) as im:  # lazy: the header only
             return int(im.width), int(im.height), str(im.format)
-    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad headers
+    except Exception as e:
         raise CorruptImage(f"not a readable image ({type(e).__name__}: {e})") from None
 
 
-def image_info(values: Sequence[bytes | None], where: Callable[[int], str], options: SourceOptions,
-               stats: UnitStats) -> tuple[list[pa.Array], list[int]]:
+def image_info(
+    values: Sequence[bytes | None], where: Callable[[int], str], options: SourceOptions, stats: UnitStats
+) -> tuple[list[pa.Array], list[int]]:
     """Info arrays (INFO_FIELDS order) of the rows kept, and the rows kept (a corrupt one is skipped
     or raises, per on_error). A null image is kept, with null info."""
     kept: list[int] = []
@@ -89,8 +90,9 @@ def skip_or_raise(message: str, options: SourceOptions, stats: UnitStats, file: 
         stats.errors.append(message)
 
 
-def with_image_info(batch: pa.RecordBatch, columns: Sequence[str], where: Callable[[int], str],
-                    options: SourceOptions, stats: UnitStats) -> pa.RecordBatch:
+def with_image_info(
+    batch: pa.RecordBatch, columns: Sequence[str], where: Callable[[int], str], options: SourceOptions, stats: UnitStats
+) -> pa.RecordBatch:
     """`batch` with the info columns of each image column after it, its corrupt rows skipped."""
     for name in columns:
         values = batch.column(name).to_pylist()
@@ -115,6 +117,7 @@ def row_namer(prefix: str, batch: pa.RecordBatch, offset: int = 0) -> Callable[[
 
     def where(i: int) -> str:
         return f"{prefix} row {offset + i}" + (f" ({key} {keys[i]!r})" if keys is not None else "")
+
     return where
 
 
@@ -137,8 +140,9 @@ def parquet_image_columns(schema: pa.Schema) -> list[str]:
         if pa.types.is_struct(f.type) and f.type.get_field_index("bytes") >= 0:
             if f.name in hf or {c.name for c in f.type} <= {"bytes", "path"}:
                 found.append(f.name)
-        elif (pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)) and \
-                (f.name in hf or f.name.lower() in PARQUET_IMAGE_NAMES):
+        elif (pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)) and (
+            f.name in hf or f.name.lower() in PARQUET_IMAGE_NAMES
+        ):
             found.append(f.name)
     return found
 
@@ -159,8 +163,9 @@ def flatten_image_structs(batch: pa.RecordBatch, columns: Sequence[str]) -> pa.R
     return pa.RecordBatch.from_arrays(arrays, names=names)
 
 
-def parquet_images(batches: Iterator[pa.RecordBatch], columns: Sequence[str], where: str,
-                   options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
+def parquet_images(
+    batches: Iterator[pa.RecordBatch], columns: Sequence[str], where: str, options: SourceOptions, stats: UnitStats
+) -> Iterator[pa.RecordBatch]:
     """A row group's batches with their image columns flattened and measured."""
     offset = 0
     for batch in batches:
@@ -224,8 +229,9 @@ def _tar_batch(rows: list[dict[str, Any]], path: str, options: SourceOptions, st
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row))
-    arrays = [pa.array([r.get(n) for r in rows], pa.string() if n in ("__key__", "__url__") else pa.binary())
-              for n in names]
+    arrays = [
+        pa.array([r.get(n) for r in rows], pa.string() if n in ("__key__", "__url__") else pa.binary()) for n in names
+    ]
     batch = pa.RecordBatch.from_arrays(arrays, names=list(names))
     images = [n for n in names if n.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS]
     before = stats.corrupt_images

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
 
 from tierflow.pack.tokenize import PackInputError
 
@@ -37,11 +38,21 @@ ROLE_NAMES = {
     "other": ("other file", "other files"),
 }
 #: the kinds a tree packs as, and the roles each one reads (a directory's other files are skipped)
-KIND_ROLES = {"records": {"jsonl", "parquet"}, "jsonl": {"jsonl"}, "parquet": {"parquet"},
-              "images": {"image"}, "webdataset": {"tar"}, "files": set(ROLE_NAMES) - {"sidecar"}}
-SKIP_REASONS = {"jsonl": "not JSONL", "parquet": "not Parquet", "images": "not an image",
-                "webdataset": "not a tar",
-                "records": "not JSONL/JSON or Parquet"}
+KIND_ROLES = {
+    "records": {"jsonl", "parquet"},
+    "jsonl": {"jsonl"},
+    "parquet": {"parquet"},
+    "images": {"image"},
+    "webdataset": {"tar"},
+    "files": set(ROLE_NAMES) - {"sidecar"},
+}
+SKIP_REASONS = {
+    "jsonl": "not JSONL",
+    "parquet": "not Parquet",
+    "images": "not an image",
+    "webdataset": "not a tar",
+    "records": "not JSONL/JSON or Parquet",
+}
 
 
 def base_suffix(path: str) -> str:
@@ -94,18 +105,23 @@ def classify_tree(root: str, options: SourceOptions) -> Iterator[TreeFile]:
     A .txt or .json file next to an image of the same stem is that image's sidecar; the
     image lists it, so a sidecar that --exclude leaves out is not read either.
     """
-    for directory, group in itertools.groupby(walk_file_entries(root, options),
-                                              key=lambda item: os.path.dirname(item[0])):
+    for directory, group in itertools.groupby(
+        walk_file_entries(root, options), key=lambda item: os.path.dirname(item[0])
+    ):
         entries = list(group)
         names = {entry.name for _, entry in entries}
         stems = {os.path.splitext(entry.name)[0] for _, entry in entries if file_role(entry.name) == "image"}
         for rel, entry in entries:
             role = file_role(entry.name)
             stem, suffix = os.path.splitext(entry.name)
-            sidecars = tuple(os.path.join(directory, stem + s) for s in SIDECAR_SUFFIXES
-                             if stem + s in names) if role == "image" else ()
-            yield TreeFile(root, rel, role, entry, role != "image" and suffix in SIDECAR_SUFFIXES and stem in stems,
-                           sidecars)
+            sidecars = (
+                tuple(os.path.join(directory, stem + s) for s in SIDECAR_SUFFIXES if stem + s in names)
+                if role == "image"
+                else ()
+            )
+            yield TreeFile(
+                root, rel, role, entry, role != "image" and suffix in SIDECAR_SUFFIXES and stem in stems, sidecars
+            )
 
 
 def tree_kind(root: str, options: SourceOptions) -> str:
@@ -128,13 +144,16 @@ def tree_kind(root: str, options: SourceOptions) -> str:
 
 
 def mixed_tree_message(root: str, counts: dict[str, int], examples: dict[str, str]) -> str:
-    found = ", ".join(f"{counts[r]:,} {ROLE_NAMES[r][counts[r] != 1]} (e.g. {examples[r]})"
-                      for r in ROLE_NAMES if r in counts)
+    found = ", ".join(
+        f"{counts[r]:,} {ROLE_NAMES[r][counts[r] != 1]} (e.g. {examples[r]})" for r in ROLE_NAMES if r in counts
+    )
     fewest = min((r for r in counts if r != "sidecar"), key=lambda r: counts[r])
     suffix = os.path.splitext(examples[fewest])[1]
-    return (f"{root}: holds files of kinds that do not pack together: {found}. Choose what to pack with "
-            f"--kind images|jsonl|parquet (that kind; every other file is counted as skipped) or --kind files "
-            f"(every file as raw text or bytes), or leave files out with --exclude (e.g. --exclude '*{suffix}')")
+    return (
+        f"{root}: holds files of kinds that do not pack together: {found}. Choose what to pack with "
+        f"--kind images|jsonl|parquet (that kind; every other file is counted as skipped) or --kind files "
+        f"(every file as raw text or bytes), or leave files out with --exclude (e.g. --exclude '*{suffix}')"
+    )
 
 
 def single_file(path: str, kind: str) -> TreeFile:
@@ -152,8 +171,10 @@ def file_kind(f: TreeFile) -> str:
         return "webdataset"
     if f.role in KIND_ROLES["records"]:
         return "records"
-    raise PackInputError(f"{f.path}: unknown source type (expected .jsonl/.ndjson/.json[.gz|.zst], .parquet, "
-                         f"an image or a directory; --kind files packs it as raw text)")
+    raise PackInputError(
+        f"{f.path}: unknown source type (expected .jsonl/.ndjson/.json[.gz|.zst], .parquet, "
+        f"an image or a directory; --kind files packs it as raw text)"
+    )
 
 
 # ---------------------------------------------------------------- walking

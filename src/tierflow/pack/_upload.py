@@ -55,7 +55,7 @@ class ShardUploader:
             self._collect()
         publish_metadata(self.source, directory)
 
-    def __enter__(self) -> "ShardUploader":
+    def __enter__(self) -> ShardUploader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -69,8 +69,9 @@ def publish_metadata(source: Any, directory: Path, priority: str = "low") -> Non
     """Upload a dataset's metadata in commit order: the version-3 tables (content-named: never one a
     published header names), the header, then manifest.json when there is one. A reader that finds
     a header whose recorded manifest is not there yet reads no dataset, as before the manifest."""
-    names = sorted(referenced_tables(directory)) + [n for n in (METADATA_NAME, MANIFEST_NAME)
-                                                      if (directory / n).exists()]
+    names = sorted(referenced_tables(directory)) + [
+        n for n in (METADATA_NAME, MANIFEST_NAME) if (directory / n).exists()
+    ]
     for name in names[:-1]:
         source.upload(directory / name, name, priority=priority)
     if names:  # the last one commits the dataset: a lost answer to its PUT is looked at before failing

@@ -44,15 +44,18 @@ def remove_unreferenced(out: Path, manifest: Manifest | None) -> list[Path]:
     (`tierflow gc`), and the metadata tables the header does not name that no process has open (a
     reader holds its tables' shared lock; gc, holding the dataset lock, takes each one's exclusive
     lock before the unlink, so a table in use stays until a gc after its readers closed it)."""
-    shards: Container[str] = ShardNames(manifest) if manifest is not None else set()  # no string per shard of a mapped one
+    shards: Container[str] = (
+        ShardNames(manifest) if manifest is not None else set()
+    )  # no string per shard of a mapped one
     tables = referenced_tables(out)  # the version-3 tables its header names (a header last written keeps them)
     removed = []
     for p in out.iterdir():
         if p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX):
             if p.name not in tables and remove_if_unused(p):
                 removed.append(p)
-        elif (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in shards) or \
-                (p.name.startswith(".tmp-") and p.is_file()):
+        elif (p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) and p.name not in shards) or (
+            p.name.startswith(".tmp-") and p.is_file()
+        ):
             p.unlink()
             removed.append(p)
     if (out / TMP_DIR).exists():

@@ -56,14 +56,32 @@ IMAGE_BLOCK_BYTES = 1 << 20
 workers, 1 MB blocks 3.1 (benchmarks/images.py), the rest being each worker hashing whole blocks."""
 
 
-def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None] | None = None, *,
-         workers: int | None = None, target_shard_bytes: int | None = None, compression: str = "zstd",
-         compression_level: int | None = None, tokenizer: str | None = None, eos_token: str | None = None,
-         text_field: str = "text", keep_text: bool = False, kind: str = "auto",
-         include: Sequence[str] = (), exclude: Sequence[str] = (), on_error: str = "raise",
-         overwrite: bool = False, progress: bool = False, chunk_bytes: int = 16 << 20,
-         block_bytes: int | None = None, endpoint_url: str | None = None, engine: str = "local",
-         address: str | None = None, shard_size: int | str | None = None) -> PackSummary:
+def pack(
+    sources: Any,
+    out: str | os.PathLike,
+    fn: Callable[[dict], dict | None] | None = None,
+    *,
+    workers: int | None = None,
+    target_shard_bytes: int | None = None,
+    compression: str = "zstd",
+    compression_level: int | None = None,
+    tokenizer: str | None = None,
+    eos_token: str | None = None,
+    text_field: str = "text",
+    keep_text: bool = False,
+    kind: str = "auto",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    on_error: str = "raise",
+    overwrite: bool = False,
+    progress: bool = False,
+    chunk_bytes: int = 16 << 20,
+    block_bytes: int | None = None,
+    endpoint_url: str | None = None,
+    engine: str = "local",
+    address: str | None = None,
+    shard_size: int | str | None = None,
+) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
 
     `shard_size` is the CLI's `--shard-size` under its own name ("256MB", "1GiB" or bytes), the same
@@ -92,11 +110,25 @@ def pack(sources: Any, out: str | os.PathLike, fn: Callable[[dict], dict | None]
             raise ValueError("give shard_size= or target_shard_bytes=, not both (they are the same setting)")
         target_shard_bytes = parse_size(shard_size)
     options: dict[str, Any] = dict(
-        fn=fn, workers=workers, target_shard_bytes=target_shard_bytes, compression=compression,
-        compression_level=compression_level, tokenizer=tokenizer, eos_token=eos_token, text_field=text_field,
-        keep_text=keep_text, kind=kind, include=include, exclude=exclude, on_error=on_error, overwrite=overwrite,
-        progress=progress, chunk_bytes=chunk_bytes, block_bytes=block_bytes,
-        engine_run=_engine(engine, address, workers))
+        fn=fn,
+        workers=workers,
+        target_shard_bytes=target_shard_bytes,
+        compression=compression,
+        compression_level=compression_level,
+        tokenizer=tokenizer,
+        eos_token=eos_token,
+        text_field=text_field,
+        keep_text=keep_text,
+        kind=kind,
+        include=include,
+        exclude=exclude,
+        on_error=on_error,
+        overwrite=overwrite,
+        progress=progress,
+        chunk_bytes=chunk_bytes,
+        block_bytes=block_bytes,
+        engine_run=_engine(engine, address, workers),
+    )
     target = str(out)
     if "://" not in target or target.startswith("file://"):
         summary = _pack_local(sources, Path(target.removeprefix("file://")), **options)
@@ -127,12 +159,30 @@ def _pack_remote(sources: Any, url: str, endpoint_url: str | None, **options: An
     return summary
 
 
-def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | None, *, workers: int | None,
-                target_shard_bytes: int | None, compression: str, compression_level: int | None, tokenizer: str | None,
-                eos_token: str | None, text_field: str, keep_text: bool, kind: str, include: Sequence[str],
-                exclude: Sequence[str], on_error: str, overwrite: bool, progress: bool,
-                chunk_bytes: int, block_bytes: int | None, engine_run: Callable | None = None,
-                on_shard: Callable[[Path, ShardInfo], None] | None = None) -> PackSummary:
+def _pack_local(
+    sources: Any,
+    out: Path,
+    fn: Callable[[dict], dict | None] | None,
+    *,
+    workers: int | None,
+    target_shard_bytes: int | None,
+    compression: str,
+    compression_level: int | None,
+    tokenizer: str | None,
+    eos_token: str | None,
+    text_field: str,
+    keep_text: bool,
+    kind: str,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    on_error: str,
+    overwrite: bool,
+    progress: bool,
+    chunk_bytes: int,
+    block_bytes: int | None,
+    engine_run: Callable | None = None,
+    on_shard: Callable[[Path, ShardInfo], None] | None = None,
+) -> PackSummary:
     sources = _as_sources(sources)
     if target_shard_bytes is not None:
         _check_shard_bytes(target_shard_bytes)
@@ -140,8 +190,15 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
     workers = workers or os.cpu_count() or 1
     _check_inputs(sources, fn, workers, engine_run is not None)
     tok = make_tokenizer(tokenizer, eos_token)
-    options = SourceOptions(text_field=text_field, kind=kind, include=tuple(include), exclude=tuple(exclude),
-                            on_error=on_error, chunk_bytes=chunk_bytes, require_text=tok is not None and fn is None)
+    options = SourceOptions(
+        text_field=text_field,
+        kind=kind,
+        include=tuple(include),
+        exclude=tuple(exclude),
+        on_error=on_error,
+        chunk_bytes=chunk_bytes,
+        require_text=tok is not None and fn is None,
+    )
     input_bytes = estimate_input_bytes(sources, options)
     if target_shard_bytes is None:
         target_shard_bytes = default_shard_bytes(input_bytes)
@@ -152,19 +209,31 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
     with DatasetLock(out):
         journal = None
         if on_shard is None and all(isinstance(s, (str, os.PathLike)) for s in sources):  # replayable input
-            journal = PackJournal(out, options_fingerprint(dict(
-                sources=[os.path.abspath(s) for s in sources], options=dataclasses.asdict(options),
-                tokenizer=tok.identity() if tok is not None else None, keep_text=keep_text,
-                block_bytes=block_bytes, image_block_bytes=image_block_bytes, target=target_shard_bytes,
-                compression=compression, level=compression_level), fn))
+            journal = PackJournal(
+                out,
+                options_fingerprint(
+                    dict(
+                        sources=[os.path.abspath(s) for s in sources],
+                        options=dataclasses.asdict(options),
+                        tokenizer=tok.identity() if tok is not None else None,
+                        keep_text=keep_text,
+                        block_bytes=block_bytes,
+                        image_block_bytes=image_block_bytes,
+                        target=target_shard_bytes,
+                        compression=compression,
+                        level=compression_level,
+                    ),
+                    fn,
+                ),
+            )
         point = _resume_point(journal, out, sources, options)
         prepare_out(out, overwrite, {s.name for s in point.shards} if point else set())
         tmp_dir = out / TMP_DIR
         tmp_dir.mkdir()
-        config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir),
-                            image_block_bytes)
-        assembler = ShardAssembler(out, target_shard_bytes, compression, compression_level,
-                                   "tokens" if tok is not None else None, on_shard)
+        config = PackConfig(options, fn, tokenizer, eos_token, keep_text, block_bytes, str(tmp_dir), image_block_bytes)
+        assembler = ShardAssembler(
+            out, target_shard_bytes, compression, compression_level, "tokens" if tok is not None else None, on_shard
+        )
         run = _PackRun(assembler, PackProgress(input_bytes if progress else None, progress))
         units: Iterable[Unit] = plan_units(sources, options, run.totals)
         if journal is not None:
@@ -196,8 +265,9 @@ def _pack_local(sources: Any, out: Path, fn: Callable[[dict], dict | None] | Non
         manifest = run.manifest(tok)
         write_with_manifest(out, manifest)  # the version-3 tables and header, manifest.json last
         remove_unreferenced(out, manifest)
-    return PackSummary(manifest, time.perf_counter() - run.started, run.input_bytes, run.units_packed,
-                       point.unit if point else 0)
+    return PackSummary(
+        manifest, time.perf_counter() - run.started, run.input_bytes, run.units_packed, point.unit if point else 0
+    )
 
 
 def _resume_point(journal: PackJournal | None, out: Path, sources: list, options: SourceOptions) -> ResumePoint | None:
@@ -238,7 +308,7 @@ def _expansion(tok: Any) -> float:
     return 1.0 + np.dtype(token_dtype(tok.vocab_size)).itemsize
 
 
-def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int], expansion: float = 1.0) -> PackInputError:
+def _no_space(out: Path, run: _PackRun, workers: int, units: list[int], expansion: float = 1.0) -> PackInputError:
     """ENOSPC, with what the pack needs: scratch for the units in flight (their decoded Arrow
     files, a window of two per worker: never the whole dataset) and room for the shards.
     `expansion`: decoded bytes per input byte at most (`_expansion`), for a unit none came back of."""
@@ -252,7 +322,8 @@ def _no_space(out: Path, run: "_PackRun", workers: int, units: list[int], expans
         f"files were removed. Packing needs about {window * unit / 1e6:.1f} MB of scratch in {out / TMP_DIR} "
         f"({window} unit{'s' * (window != 1)} of up to {unit / 1e6:.1f} MB decoded in flight) plus room for the shards "
         f"({written / 1e6:.1f} MB written when it ran out); {free / 1e6:.1f} MB are free. Free some space, "
-        f"pack elsewhere (or to s3://), or use fewer workers (or a smaller chunk_bytes)")
+        f"pack elsewhere (or to s3://), or use fewer workers (or a smaller chunk_bytes)"
+    )
 
 
 def _as_sources(sources: Any) -> list:
@@ -274,12 +345,13 @@ def _check_inputs(sources: list, fn: Callable | None, workers: int, engine: bool
 
         try:
             pickle.dumps(fn)
-        except Exception:  # noqa: BLE001 - pickle raises several kinds for the same reason
+        except Exception:
             name = getattr(fn, "__name__", repr(fn))
             raise PackInputError(
                 f"fn={name} cannot be sent to the worker processes (they receive it pickled): define it with "
                 f"`def` at the top level of a module (or a notebook cell), not as a lambda or inside a function, "
-                f"or pass workers=1 to run it in this process") from None
+                f"or pass workers=1 to run it in this process"
+            ) from None
 
 
 def default_shard_bytes(input_bytes: int | None) -> int:
@@ -295,8 +367,10 @@ def _check_shard_bytes(target_shard_bytes: int) -> None:
     if target_shard_bytes < MIN_SHARD_BYTES:
         raise ValueError(f"target_shard_bytes {target_shard_bytes} < {MIN_SHARD_BYTES} (256 KB)")
     if target_shard_bytes < WARN_SHARD_BYTES:
-        log.warning("shards of %d bytes are small: each costs a request and a cache entry; "
-                    "256 MB is the default", target_shard_bytes)
+        log.warning(
+            "shards of %d bytes are small: each costs a request and a cache entry; 256 MB is the default",
+            target_shard_bytes,
+        )
 
 
 def _check_on_error(on_error: str) -> None:
@@ -310,6 +384,7 @@ def _engine(engine: str, address: str | None, workers: int | None) -> Callable |
     if engine == "local":
         return None
     from tierflow.pack.ray_engine import RayRunner
+
     return RayRunner(address, workers)
 
 
@@ -328,7 +403,7 @@ class _PackRun:
     `totals` also receives planning's counts (files skipped by reason, sidecars) as it goes.
     """
 
-    def __init__(self, assembler: ShardAssembler, bar: "PackProgress") -> None:
+    def __init__(self, assembler: ShardAssembler, bar: PackProgress) -> None:
         self.assembler = assembler
         self.bar = bar
         self.totals = UnitStats()
@@ -426,8 +501,11 @@ class _PackRun:
             },
         }
         return Manifest(
-            schema=self.assembler.unified, shards=shards, tokenizer=tok.identity() if tok is not None else None,
+            schema=self.assembler.unified,
+            shards=shards,
+            tokenizer=tok.identity() if tok is not None else None,
             token_column="tokens" if tok is not None else None,
             token_dtype=str(token_dtype(tok.vocab_size)) if tok is not None else None,
-            eos_id=tok.eos_id if tok is not None else None, stats=stats,
+            eos_id=tok.eos_id if tok is not None else None,
+            stats=stats,
         )

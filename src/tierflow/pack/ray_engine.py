@@ -29,7 +29,8 @@ import tempfile
 import uuid
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 from tierflow.pack.unit_packer import PackConfig, UnitResult, pack_unit
 from tierflow.pack.units import Unit
@@ -80,8 +81,9 @@ class RayRunner:
         self.address = address
         self.workers = workers
 
-    def __call__(self, units: Iterable[Unit], config: PackConfig, workers: int,
-                 consume: Callable[[UnitResult], None]) -> None:
+    def __call__(
+        self, units: Iterable[Unit], config: PackConfig, workers: int, consume: Callable[[UnitResult], None]
+    ) -> None:
         ray = _ray()
         started = not ray.is_initialized()
         if started:  # a dashboard is for the operator's cluster, not one a pack starts for itself
@@ -93,8 +95,9 @@ class RayRunner:
             if started:
                 ray.shutdown()
 
-    def _run(self, ray: Any, units: Iterable[Unit], config: PackConfig, slots: int,
-             consume: Callable[[UnitResult], None]) -> None:
+    def _run(
+        self, ray: Any, units: Iterable[Unit], config: PackConfig, slots: int, consume: Callable[[UnitResult], None]
+    ) -> None:
         task = ray.remote(max_retries=TASK_RETRIES, retry_exceptions=False)(pack_unit_to_buffers)
         scratch_root = os.path.join(tempfile.gettempdir(), f"tierflow-ray-{uuid.uuid4().hex[:12]}")
         config_ref = ray.put(config)

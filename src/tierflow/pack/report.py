@@ -36,9 +36,12 @@ class PackSummary:
         m = self.manifest
         tokens = f", {m.num_tokens:,} tokens" if m.token_column else ""
         skipped = m.stats.get("skipped_records", 0)
-        return (f"PackSummary(dataset_id={m.dataset_id!r}, {m.num_samples:,} samples{tokens} in {len(m.shards)} "
-                f"shards, {sum(s.bytes for s in m.shards) / 1e6:.1f} MB at rest, {self.seconds:.2f} s"
-                + (f", {skipped:,} records skipped" if skipped else "") + ")")
+        return (
+            f"PackSummary(dataset_id={m.dataset_id!r}, {m.num_samples:,} samples{tokens} in {len(m.shards)} "
+            f"shards, {sum(s.bytes for s in m.shards) / 1e6:.1f} MB at rest, {self.seconds:.2f} s"
+            + (f", {skipped:,} records skipped" if skipped else "")
+            + ")"
+        )
 
 
 def skipped_note(totals: UnitStats) -> str:
@@ -47,8 +50,9 @@ def skipped_note(totals: UnitStats) -> str:
 
 
 def describe_skipped(skipped: dict[str, dict[str, Any]]) -> str:
-    return ", ".join(f"{v['count']:,} file{'s' * (v['count'] != 1)} ({reason}, e.g. {v['example']})"
-                     for reason, v in skipped.items())
+    return ", ".join(
+        f"{v['count']:,} file{'s' * (v['count'] != 1)} ({reason}, e.g. {v['example']})" for reason, v in skipped.items()
+    )
 
 
 def report(summary: PackSummary, target: str, progress: bool) -> None:
@@ -72,12 +76,18 @@ class PackProgress:
         self.started = time.perf_counter()
         self.done = 0
 
-    def __enter__(self) -> "PackProgress":
+    def __enter__(self) -> PackProgress:
         if self.enabled:
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]pack"), BarColumn(), TaskProgressColumn(),
-                                     TextColumn("{task.description}"), TimeRemainingColumn(), transient=False)
+            self.progress = Progress(
+                TextColumn("[bold]pack"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TextColumn("{task.description}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
             self.progress.start()
             self.task = self.progress.add_task("starting", total=self.total)
         return self
@@ -90,13 +100,15 @@ class PackProgress:
     def finish(self, totals: UnitStats, shards: int) -> None:
         """The final counts: every shard sealed, and the bar full (the total is known by now)."""
         if self.progress is not None:
-            self.progress.update(self.task, total=self.done, completed=self.done,
-                                 description=self._describe(totals, shards))
+            self.progress.update(
+                self.task, total=self.done, completed=self.done, description=self._describe(totals, shards)
+            )
 
     def _describe(self, totals: UnitStats, shards: int) -> str:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        return (f"{totals.files:,} files  {totals.samples:,} samples  {shards} shards  "
-                f"{self.done / 1e6 / elapsed:.1f} MB/s")
+        return (
+            f"{totals.files:,} files  {totals.samples:,} samples  {shards} shards  {self.done / 1e6 / elapsed:.1f} MB/s"
+        )
 
     def __exit__(self, *exc: Any) -> None:
         if self.progress is not None:
@@ -114,15 +126,25 @@ def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
         ("output", str(out)),
         ("dataset id", m.dataset_id),
         ("samples", f"{m.num_samples:,}"),
-        ("shards", f"{len(m.shards)} (at rest {at_rest / 1e6:.1f} MB, decoded {decoded / 1e6:.1f} MB, "
-                   f"ratio {decoded / max(at_rest, 1):.2f}x)"),
+        (
+            "shards",
+            f"{len(m.shards)} (at rest {at_rest / 1e6:.1f} MB, decoded {decoded / 1e6:.1f} MB, "
+            f"ratio {decoded / max(at_rest, 1):.2f}x)",
+        ),
         ("input", f"{summary.input_bytes / 1e6:.1f} MB, {m.stats.get('files', 0):,} files"),
-        ("time", f"{summary.seconds:.2f} s, {summary.mb_per_s:.1f} MB/s, "
-                 f"{m.stats.get('files', 0) / max(summary.seconds, 1e-9):,.0f} files/s"),
+        (
+            "time",
+            f"{summary.seconds:.2f} s, {summary.mb_per_s:.1f} MB/s, "
+            f"{m.stats.get('files', 0) / max(summary.seconds, 1e-9):,.0f} files/s",
+        ),
     ]
     if summary.units_resumed:
-        rows.append(("resumed", f"{summary.units_resumed:,} units an interrupted run had packed, "
-                                f"{summary.units_packed:,} packed now"))
+        rows.append(
+            (
+                "resumed",
+                f"{summary.units_resumed:,} units an interrupted run had packed, {summary.units_packed:,} packed now",
+            )
+        )
     if m.token_column:
         rows.append(("tokens", f"{m.num_tokens:,} ({m.token_dtype}, {(m.tokenizer or {}).get('name')})"))
     if m.stats.get("sidecars"):
@@ -131,8 +153,19 @@ def print_summary(summary: PackSummary, out: str | os.PathLike) -> None:
         rows.append(("kept as bytes", f"{m.stats['kept_as_bytes']:,} (not valid UTF-8)"))
     if m.stats.get("skipped_records"):
         reasons = m.stats.get("skipped_records_by_reason") or {}
-        rows.append(("skipped", f"{m.stats['skipped_records']:,} record{'s' * (m.stats['skipped_records'] != 1)}" + (" (" + ", ".join(
-            f"{v['count']:,} {reason}, e.g. {v['example']}" for reason, v in reasons.items()) + ")" if reasons else "")))
+        rows.append(
+            (
+                "skipped",
+                f"{m.stats['skipped_records']:,} record{'s' * (m.stats['skipped_records'] != 1)}"
+                + (
+                    " ("
+                    + ", ".join(f"{v['count']:,} {reason}, e.g. {v['example']}" for reason, v in reasons.items())
+                    + ")"
+                    if reasons
+                    else ""
+                ),
+            )
+        )
     if m.stats.get("skipped_files"):
         rows.append(("skipped files", describe_skipped(m.stats["skipped_files"])))
     for k, v in rows:

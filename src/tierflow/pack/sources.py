@@ -13,7 +13,8 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +24,14 @@ from tierflow.pack import _media as media
 from tierflow.pack.tokenize import PackInputError
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
 from tierflow.pack._tree import (
-    COMPRESSED_SUFFIXES, KIND_ROLES, SKIP_REASONS, TreeFile, base_suffix, classify_tree, file_kind, single_file,
+    COMPRESSED_SUFFIXES,
+    KIND_ROLES,
+    SKIP_REASONS,
+    TreeFile,
+    base_suffix,
+    classify_tree,
+    file_kind,
+    single_file,
     tree_kind,
 )
 
@@ -74,8 +82,9 @@ def plan_units(sources: Sequence[Any], options: SourceOptions, stats: UnitStats 
         yield from _plan_files(files, kind, options, counter, stats)
 
 
-def _plan_files(files: Iterable[TreeFile], kind: str, options: SourceOptions, counter,
-                stats: UnitStats) -> Iterator[Unit]:
+def _plan_files(
+    files: Iterable[TreeFile], kind: str, options: SourceOptions, counter, stats: UnitStats
+) -> Iterator[Unit]:
     """Units of one source's files packed as `kind`; the files it does not read are counted."""
     group = _FileGroup(kind, options, counter)
     for f in files:
@@ -114,8 +123,14 @@ class _FileGroup:
 
     def flush(self) -> Iterator[Unit]:
         if self.members:
-            yield Unit(next(self.counter), self.kind, self.root, members=tuple(self.members),
-                       input_bytes=self.nbytes, sidecars=tuple(self.sidecars))
+            yield Unit(
+                next(self.counter),
+                self.kind,
+                self.root,
+                members=tuple(self.members),
+                input_bytes=self.nbytes,
+                sidecars=tuple(self.sidecars),
+            )
         self.members, self.sidecars, self.nbytes = [], [], 0
 
 
@@ -145,13 +160,14 @@ def _plan_parquet(path: str, counter, stats: UnitStats) -> Iterator[Unit]:
 
     try:
         meta = pq.ParquetFile(path).metadata
-    except Exception as e:  # noqa: BLE001 - any parquet failure names the file
+    except Exception as e:
         raise PackInputError(f"{path}: not a readable Parquet file ({e})") from None
     if meta.num_row_groups == 0:
         stats.files += 1  # an empty file is packed: it has no rows
         return
-    weights = list(itertools.accumulate(max(1, meta.row_group(rg).total_byte_size)
-                                        for rg in range(meta.num_row_groups)))
+    weights = list(
+        itertools.accumulate(max(1, meta.row_group(rg).total_byte_size) for rg in range(meta.num_row_groups))
+    )
     size = os.path.getsize(path)
     ends = [0] + [size * w // weights[-1] for w in weights]  # Python ints: a TB file times its bytes overflows int64
     for rg in range(meta.num_row_groups):
@@ -164,8 +180,9 @@ def _plan_records(records: Iterable[Any], options: SourceOptions, counter) -> It
         chunk = list(itertools.islice(it, options.records_per_unit))
         if not chunk:
             return
-        yield Unit(next(counter), "records", "<iterable>", records=chunk,
-                   input_bytes=sum(_approx_size(r) for r in chunk))
+        yield Unit(
+            next(counter), "records", "<iterable>", records=chunk, input_bytes=sum(_approx_size(r) for r in chunk)
+        )
 
 
 def _approx_size(record: Any) -> int:
@@ -218,8 +235,14 @@ def _short(value: Any) -> str:
 def _bad_record(message: str, reason: str, options: SourceOptions, stats: UnitStats) -> None:
     """Raise `message` (FILE:LINE: what is wrong) with the --on-error hint, or count it by reason."""
     if options.on_error != "skip":
-        raise PackInputError(message + ("; pass --text-field to choose the field to tokenise, or --on-error skip to "
-                                        "count and skip such records" if reason == "no text field" else SKIP_HINT))
+        raise PackInputError(
+            message
+            + (
+                "; pass --text-field to choose the field to tokenise, or --on-error skip to count and skip such records"
+                if reason == "no text field"
+                else SKIP_HINT
+            )
+        )
     stats.skip_record(reason, message)
 
 
@@ -228,7 +251,7 @@ def _mixed_types(rows: Sequence[dict]) -> dict[int, tuple[str, str]]:
     (the kind most rows hold; numbers are one kind, nulls fit any)."""
     kinds: dict[str, list[str | None]] = {}
     for i, row in enumerate(rows):
-        for name, value in (row.items() if isinstance(row, dict) else ()):
+        for name, value in row.items() if isinstance(row, dict) else ():
             kinds.setdefault(name, [None] * len(rows))[i] = None if value is None else _kind(value)
     bad: dict[int, tuple[str, str]] = {}
     for name, column in kinds.items():
@@ -241,13 +264,22 @@ def _mixed_types(rows: Sequence[dict]) -> dict[int, tuple[str, str]]:
         usual = max(counts, key=lambda k: counts[k])  # first seen wins a tie
         for i, k in enumerate(column):
             if k is not None and k != usual and i not in bad:
-                bad[i] = (name, f"column {name!r} is {k} ({_short(rows[i][name])}) where the other records "
-                                f"hold {usual.split(' ', 1)[1]}s")
+                bad[i] = (
+                    name,
+                    f"column {name!r} is {k} ({_short(rows[i][name])}) where the other records "
+                    f"hold {usual.split(' ', 1)[1]}s",
+                )
     return bad
 
 
-def records_batch(rows: list[dict], where: Callable[[int], str], label: str, options: SourceOptions,
-                  stats: UnitStats, text_checked: bool = False) -> pa.RecordBatch | None:
+def records_batch(
+    rows: list[dict],
+    where: Callable[[int], str],
+    label: str,
+    options: SourceOptions,
+    stats: UnitStats,
+    text_checked: bool = False,
+) -> pa.RecordBatch | None:
     """The batch of the records that can be packed (None when none can). A record without its text
     (when one is required) or with a value of another kind than its column's is bad input, raised
     as `where(i): what is wrong` or, under on_error="skip", counted by reason and left out."""
@@ -289,8 +321,7 @@ def rows_to_batch(rows: Sequence[dict], where: str) -> pa.RecordBatch:
             arrays.append(pa.array(values))
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise PackInputError(f"{where}: column {name!r} has values of mixed types ({e})") from None
-    return pa.RecordBatch.from_arrays(arrays, names=list(names)) if names else \
-        pa.RecordBatch.from_pydict({})
+    return pa.RecordBatch.from_arrays(arrays, names=list(names)) if names else pa.RecordBatch.from_pydict({})
 
 
 def read_unit(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
@@ -352,14 +383,19 @@ def _read_row_group(unit: Unit, options: SourceOptions, stats: UnitStats) -> Ite
 
     try:
         table = pq.ParquetFile(unit.path).read_row_group(unit.start)
-    except Exception as e:  # noqa: BLE001 - any parquet failure names the file and row group
+    except Exception as e:
         raise PackInputError(f"{unit.path}: cannot read row group {unit.start} ({e})") from None
     stats.files += unit.start == 0
     stats.samples += table.num_rows
     images = media.parquet_image_columns(table.schema)
     if images:  # image bytes stay as they are; their headers give width/height/format columns
-        yield from media.parquet_images(iter(table.to_batches(max_chunksize=media.ROWS_PER_BATCH)), images,
-                                        f"{unit.path} row group {unit.start}", options, stats)
+        yield from media.parquet_images(
+            iter(table.to_batches(max_chunksize=media.ROWS_PER_BATCH)),
+            images,
+            f"{unit.path} row group {unit.start}",
+            options,
+            stats,
+        )
         return
     yield from table.to_batches(max_chunksize=65536)
 
@@ -383,8 +419,9 @@ def _read_json_document(unit: Unit, options: SourceOptions, stats: UnitStats) ->
         return
     stats.files += 1
     for start in range(0, len(rows), options.records_per_unit):
-        batch = records_batch(rows[start:start + options.records_per_unit], _item_names(unit.path, start),
-                              unit.path, options, stats)
+        batch = records_batch(
+            rows[start : start + options.records_per_unit], _item_names(unit.path, start), unit.path, options, stats
+        )
         if batch is not None:
             yield batch
 
@@ -406,15 +443,17 @@ def _line_number(unit: Unit, offset_in_chunk_lines: int) -> int:
     return before + offset_in_chunk_lines
 
 
-def _parse_jsonl_chunk(data: bytes, unit: Unit, options: SourceOptions, stats: UnitStats,
-                       first_line: int | None = None) -> Iterator[pa.RecordBatch]:
+def _parse_jsonl_chunk(
+    data: bytes, unit: Unit, options: SourceOptions, stats: UnitStats, first_line: int | None = None
+) -> Iterator[pa.RecordBatch]:
     if not data or data.isspace():  # isspace stops at the first non-space; strip() would copy
         return
     import pyarrow.json as pajson
 
     try:
-        table = pajson.read_json(io.BytesIO(data), read_options=pajson.ReadOptions(
-            use_threads=False, block_size=max(1 << 20, len(data) + 1)))
+        table = pajson.read_json(
+            io.BytesIO(data), read_options=pajson.ReadOptions(use_threads=False, block_size=max(1 << 20, len(data) + 1))
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
         table = None
     if table is not None and not (options.require_text and _text_missing(table, options.text_field)):
@@ -486,7 +525,8 @@ def _read_files(unit: Unit, stats: UnitStats) -> Iterator[pa.RecordBatch]:
     stats.samples += len(paths)
     yield pa.RecordBatch.from_arrays(
         [pa.array(paths, pa.string()), pa.array(texts, pa.string()), pa.array(raw, pa.binary())],
-        names=["path", "text", "text_bytes"])
+        names=["path", "text", "text_bytes"],
+    )
 
 
 def _read_images(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterator[pa.RecordBatch]:
@@ -504,8 +544,7 @@ def _read_images(unit: Unit, options: SourceOptions, stats: UnitStats) -> Iterat
         except media.CorruptImage as e:
             media.skip_or_raise(f"{full}: {e}", options, stats, file=full)  # a file, counted with the skipped files
             continue
-        row.update({f"image_{name}": value for (name, _), value in
-                    zip(media.INFO_FIELDS, (*info, len(row["image"])))})
+        row.update({f"image_{name}": value for (name, _), value in zip(media.INFO_FIELDS, (*info, len(row["image"])))})
         stem = os.path.splitext(rel)[0]
         caption = None
         if stem + ".txt" in sidecars:

@@ -25,17 +25,24 @@ class ByteTokenizer:
     eos_id = 256
 
     def identity(self) -> dict:
-        return {"name": self.name, "hash": xxhash.xxh3_64_hexdigest(b"tierflow-bytes-v1"),
-                "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+        return {
+            "name": self.name,
+            "hash": xxhash.xxh3_64_hexdigest(b"tierflow-bytes-v1"),
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+        }
 
     def encode_arrow(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, ids) of every document with EOS appended, vectorised over the UTF-8 buffer."""
         texts = texts.cast(pa.large_binary()) if not pa.types.is_large_binary(texts.type) else texts
         texts = texts.fill_null(b"")
         bufs = texts.buffers()
-        offsets = np.frombuffer(bufs[1], dtype=np.int64)[texts.offset:texts.offset + len(texts) + 1]
-        data = (np.frombuffer(bufs[2], dtype=np.uint8)[offsets[0]:offsets[-1]]
-                if bufs[2] is not None else np.zeros(0, np.uint8))
+        offsets = np.frombuffer(bufs[1], dtype=np.int64)[texts.offset : texts.offset + len(texts) + 1]
+        data = (
+            np.frombuffer(bufs[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+            if bufs[2] is not None
+            else np.zeros(0, np.uint8)
+        )
         n = len(texts)
         new_offsets = (offsets - offsets[0]) + np.arange(n + 1, dtype=np.int64)
         ids = np.empty(int(new_offsets[-1]), dtype=np.uint16)
@@ -64,8 +71,7 @@ class HFTokenizer:
         ids = [tok.token_to_id(c) for c in candidates if c]
         ids = [i for i in ids if i is not None]
         if not ids:
-            raise PackInputError(f"tokenizer {path}: no end-of-document token among {candidates}; "
-                                 f"pass --eos-token")
+            raise PackInputError(f"tokenizer {path}: no end-of-document token among {candidates}; pass --eos-token")
         self.eos_id = ids[0]
         self.name = f"hf:{Path(path).name}"
 
@@ -76,14 +82,13 @@ class HFTokenizer:
         return {"name": self.name, "hash": self._hash, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
     def encode_arrow(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        strings = [t if isinstance(t, str) else (t or b"").decode("utf-8", "replace")
-                   for t in texts.to_pylist()]
+        strings = [t if isinstance(t, str) else (t or b"").decode("utf-8", "replace") for t in texts.to_pylist()]
         encodings = self._tokenizer().encode_batch(strings, add_special_tokens=False)
         lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         ids = np.empty(int(offsets[-1]), dtype=np.uint32)
         for i, e in enumerate(encodings):
-            ids[offsets[i]:offsets[i + 1] - 1] = e.ids
+            ids[offsets[i] : offsets[i + 1] - 1] = e.ids
             ids[offsets[i + 1] - 1] = self.eos_id
         return offsets, ids
 
@@ -104,8 +109,9 @@ def make_tokenizer(spec: str | None, eos_token: str | None = None) -> ByteTokeni
         try:
             import tokenizers  # noqa: F401
         except ImportError:
-            raise PackInputError("--tokenizer PATH.json needs the `tokenizers` package: "
-                                 "pip install 'tierflow[tokenizers]'") from None
+            raise PackInputError(
+                "--tokenizer PATH.json needs the `tokenizers` package: pip install 'tierflow[tokenizers]'"
+            ) from None
         return HFTokenizer(spec, eos_token)
     raise PackInputError(f"unknown tokenizer {spec!r}: use 'bytes' or a path to a tokenizer.json")
 

@@ -73,21 +73,27 @@ def _tokenize(batch: pa.RecordBatch, config: PackConfig, result: UnitResult, whe
         texts = batch.column(field_name)
     if "text_bytes" in batch.schema.names and batch.column("text_bytes").null_count < batch.num_rows:
         raw = batch.column("text_bytes").cast(pa.large_binary())
-        texts = pa.array([t if t is not None else r for t, r in
-                          zip(texts.cast(pa.large_binary()).to_pylist(), raw.to_pylist())], pa.large_binary())
+        texts = pa.array(
+            [t if t is not None else r for t, r in zip(texts.cast(pa.large_binary()).to_pylist(), raw.to_pylist())],
+            pa.large_binary(),
+        )
     offsets, ids = tokenizer.encode_arrow(texts)
     ids = ids.astype(token_dtype(tokenizer.vocab_size), copy=False)
     tokens = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(ids))
     result.tokens += len(ids)
     result.histogram += length_histogram(np.diff(offsets) - 1)
-    columns = {name: batch.column(name) for name in batch.schema.names
-               if config.keep_text or name not in (field_name, "text_bytes")}
+    columns = {
+        name: batch.column(name)
+        for name in batch.schema.names
+        if config.keep_text or name not in (field_name, "text_bytes")
+    }
     columns["tokens"] = tokens
     return pa.RecordBatch.from_pydict(columns)
 
 
-def _drop_null_texts(batch: pa.RecordBatch, texts: pa.Array, options: SourceOptions, stats: UnitStats,
-                     where: str) -> pa.RecordBatch:
+def _drop_null_texts(
+    batch: pa.RecordBatch, texts: pa.Array, options: SourceOptions, stats: UnitStats, where: str
+) -> pa.RecordBatch:
     """A record with no text to tokenise (null, and no raw bytes of a file) is bad input, never an
     empty document: raised, or counted and dropped under on_error="skip". (Records read as they are
     were named with their line by the reader; these come from `fn` or a Parquet file.)"""
@@ -114,18 +120,27 @@ def text_column(batch: pa.RecordBatch, name: str, where: str) -> pa.Array:
     """The column to tokenise, checked here so a wrong one is named with its file, not a cast traceback."""
     idx = batch.schema.get_field_index(name)
     if idx < 0:
-        raise PackInputError(f"{where}: no text field {name!r} to tokenise "
-                             f"(columns: {batch.schema.names}); pass --text-field")
+        raise PackInputError(
+            f"{where}: no text field {name!r} to tokenise (columns: {batch.schema.names}); pass --text-field"
+        )
     kind = batch.schema.field(idx).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-            or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
-        raise PackInputError(f"{where}: column {name!r} is {kind}, expected string (or binary) text to tokenise; "
-                             f"pass --text-field to choose another column")
+    if not (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_null(kind)
+    ):
+        raise PackInputError(
+            f"{where}: column {name!r} is {kind}, expected string (or binary) text to tokenise; "
+            f"pass --text-field to choose another column"
+        )
     return batch.column(idx)
 
 
-def _split_blocks(batch: pa.RecordBatch, block_bytes: int, image_block_bytes: int | None = None
-                  ) -> Iterable[pa.RecordBatch]:
+def _split_blocks(
+    batch: pa.RecordBatch, block_bytes: int, image_block_bytes: int | None = None
+) -> Iterable[pa.RecordBatch]:
     if batch.num_rows == 0:
         return
     if image_block_bytes is not None and has_images(batch.schema):
@@ -176,8 +191,7 @@ def _pack_unit_in_worker(unit: Unit, config: PackConfig) -> UnitResult:
     return pack_unit(unit, config)
 
 
-def run_units(units: Iterable[Unit], config: PackConfig, workers: int,
-               consume: Callable[[UnitResult], None]) -> None:
+def run_units(units: Iterable[Unit], config: PackConfig, workers: int, consume: Callable[[UnitResult], None]) -> None:
     """Pack every unit on `workers` processes; results are consumed in unit order, from a window
     of two units per worker, so the output never depends on which worker finished first."""
     if workers == 1:
@@ -187,8 +201,9 @@ def run_units(units: Iterable[Unit], config: PackConfig, workers: int,
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
-                             initargs=(os.getpid(),)) as pool:  # no orphans if this process is killed
+    with ProcessPoolExecutor(
+        workers, mp_context=get_context("fork"), initializer=die_with_parent, initargs=(os.getpid(),)
+    ) as pool:  # no orphans if this process is killed
         window: deque[Future] = deque()
         try:
             for unit in units:

@@ -4,7 +4,8 @@ the counts each unit reports back (every input file packed or counted by reason)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 
 @dataclass
@@ -54,7 +55,7 @@ class UnitStats:
         self.skipped_files[reason] = self.skipped_files.get(reason, 0) + 1
         self.skipped_examples.setdefault(reason, path)
 
-    def merge(self, other: "UnitStats") -> None:
+    def merge(self, other: UnitStats) -> None:
         self.samples += other.samples
         self.files += other.files
         self.kept_as_bytes += other.kept_as_bytes

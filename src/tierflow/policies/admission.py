@@ -138,10 +138,21 @@ class AdmissionController:
             self._known.discard(key)
 
     # ------------------------------------------------------------ space
-    def reserve(self, residents: Mapping[str, Resident], key: str, size: int, now: float, capacity: int,
-                used: int, *, required: bool, extra: int = 0, dataset: str | None = None,
-                readers: AbstractSet[str] = frozenset(),
-                remove: Callable[[str], bool] | None = None) -> Admission:
+    def reserve(
+        self,
+        residents: Mapping[str, Resident],
+        key: str,
+        size: int,
+        now: float,
+        capacity: int,
+        used: int,
+        *,
+        required: bool,
+        extra: int = 0,
+        dataset: str | None = None,
+        readers: AbstractSet[str] = frozenset(),
+        remove: Callable[[str], bool] | None = None,
+    ) -> Admission:
         """Whether `key` (`size` bytes) gets room in a cache of `capacity` with `used` bytes taken,
         evicting victims through `remove` (False: in use, passed over for this decision; None: the
         caller's ledger holds no files, and what is in use is pinned in the policy).
@@ -159,8 +170,9 @@ class AdmissionController:
         policy = self.policy
         fair = None if dataset is None else FairShare.of(residents, readers, dataset, capacity)
         decide = policy.admit_read if required else policy.admit
-        if not decide(key, size, now, capacity - used) and \
-                not (fair is not None and fair.under_share(size) and fair.claim(set()) is not None):
+        if not decide(key, size, now, capacity - used) and not (
+            fair is not None and fair.under_share(size) and fair.claim(set()) is not None
+        ):
             return Admission(Refusal.DECLINED)
         held: list[str] = []
         try:
@@ -169,9 +181,19 @@ class AdmissionController:
             for victim in held:
                 policy.unpin(victim, now)
 
-    def _make_room(self, policy: CachePolicy, residents: Mapping[str, Resident], size: int, extra: int,
-                   used: int, capacity: int, now: float, held: list[str], fair: FairShare | None,
-                   remove: Callable[[str], bool] | None) -> Admission:
+    def _make_room(
+        self,
+        policy: CachePolicy,
+        residents: Mapping[str, Resident],
+        size: int,
+        extra: int,
+        used: int,
+        capacity: int,
+        now: float,
+        held: list[str],
+        fair: FairShare | None,
+        remove: Callable[[str], bool] | None,
+    ) -> Admission:
         """Evict victims until the entry fits; those in use are skipped via `held`. Under a fair
         share, a dataset below its share takes its victims from those above theirs first."""
         admission = Admission()

@@ -17,8 +17,12 @@ from tierflow.policies.nochurn import NoChurnPolicy
 from tierflow.policies.stream import StreamPolicy
 
 #: what `auto` chooses among (by name, as choose_policy answers)
-_CHOICES: dict[str, type[CachePolicy]] = {"hotscore": HotScorePolicy, "stream": StreamPolicy,
-                                          "nochurn": NoChurnPolicy, "clairvoyant": ClairvoyantPolicy}
+_CHOICES: dict[str, type[CachePolicy]] = {
+    "hotscore": HotScorePolicy,
+    "stream": StreamPolicy,
+    "nochurn": NoChurnPolicy,
+    "clairvoyant": ClairvoyantPolicy,
+}
 
 Pattern = Literal["reshuffle", "skewed", "unknown"]
 
@@ -71,8 +75,13 @@ class AutoPolicy(CachePolicy):
 
     name = "auto"
 
-    def __init__(self, lifecycle: Lifecycle | None = None, oracle: NextUseOracle | None = None,
-                 half_life: float = 1.0, co_weight: float = 0.3) -> None:
+    def __init__(
+        self,
+        lifecycle: Lifecycle | None = None,
+        oracle: NextUseOracle | None = None,
+        half_life: float = 1.0,
+        co_weight: float = 0.3,
+    ) -> None:
         super().__init__()
         self.lifecycle = lifecycle or Lifecycle()
         self._hotscore_options = {"half_life": half_life, "co_weight": co_weight}

@@ -24,8 +24,7 @@ def rebase_stats(stats: EntryStats, shift: float) -> EntryStats:
     """`stats` moved `shift` along the clock: what they are on another clock (a restart, another
     node) whose now is `shift` later. Every time moves alike, so a ranking by recency or decayed
     frequency (hot score's is shift-invariant) is unchanged against what is read from now on."""
-    return {k: (float(v) + shift if k in TIME_STATS and isinstance(v, (int, float)) else v)
-            for k, v in stats.items()}
+    return {k: (float(v) + shift if k in TIME_STATS and isinstance(v, (int, float)) else v) for k, v in stats.items()}
 
 
 @runtime_checkable

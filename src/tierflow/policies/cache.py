@@ -35,8 +35,7 @@ class Cache:
     pinned), the entry is served uncached and the evictions made stand.
     """
 
-    def __init__(self, policy: CachePolicy, capacity_bytes: int,
-                 on_evict: Callable[[str], None] | None = None) -> None:
+    def __init__(self, policy: CachePolicy, capacity_bytes: int, on_evict: Callable[[str], None] | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"cache capacity must be >= 0 bytes, got {capacity_bytes}")
         self.policy = policy
@@ -69,8 +68,9 @@ class Cache:
             return True
         if size < 0:
             raise ValueError(f"entry {key!r} has a negative size {size}")
-        admission = self.admission.reserve(self._entries, key, size, now, self.capacity_bytes, self.used_bytes,
-                                           required=required)
+        admission = self.admission.reserve(
+            self._entries, key, size, now, self.capacity_bytes, self.used_bytes, required=required
+        )
         for victim in admission.evicted:
             self.used_bytes -= self._entries.pop(victim.key).size
             self.evictions += 1

@@ -46,8 +46,7 @@ class ClairvoyantPolicy(CachePolicy):
             self._rerank_all(now)
 
     def _rerank_all(self, now: float) -> None:
-        self._ranked = {key: (-self._distance(key, now), key) for key in self._last_access
-                        if key not in self._pins}
+        self._ranked = {key: (-self._distance(key, now), key) for key in self._last_access if key not in self._pins}
         self._heap = list(self._ranked.values())
         heapq.heapify(self._heap)
 

@@ -48,8 +48,9 @@ class FairShare:
         self.rows: dict[str, Resident] = dict(rows)
 
     @classmethod
-    def of(cls, rows: Mapping[str, Resident], readers: AbstractSet[str], mine: str | None,
-           capacity: int) -> FairShare | None:
+    def of(
+        cls, rows: Mapping[str, Resident], readers: AbstractSet[str], mine: str | None, capacity: int
+    ) -> FairShare | None:
         """The shares, or None when the tier holds and serves only `mine` (or none is named)."""
         if mine is None or not (readers - {mine} or any(r.dataset != mine for r in rows.values())):
             return None
@@ -60,8 +61,9 @@ class FairShare:
         return self.usage.get(self.mine, 0) + size <= self.share
 
     def _claimable(self, row: Resident) -> bool:
-        return row.dataset != self.mine and (row.dataset not in self.readers
-                                             or self.usage.get(row.dataset, 0) > self.share)
+        return row.dataset != self.mine and (
+            row.dataset not in self.readers or self.usage.get(row.dataset, 0) > self.share
+        )
 
     def claim(self, skip: set[str]) -> str | None:
         """The entry `mine` takes room from: the least recently read of a dataset over its share (or
@@ -74,8 +76,7 @@ class FairShare:
     def protected(self, key: str) -> bool:
         """Whether evicting `key` would take room from another dataset that is within its share."""
         row = self.rows[key]
-        return row.dataset != self.mine and row.dataset in self.readers and \
-            self.usage.get(row.dataset, 0) <= self.share
+        return row.dataset != self.mine and row.dataset in self.readers and self.usage.get(row.dataset, 0) <= self.share
 
     def removed(self, key: str) -> None:
         row = self.rows.pop(key)

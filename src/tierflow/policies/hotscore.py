@@ -24,14 +24,14 @@ from tierflow.policies.base import CachePolicy, EntryStats
 _LN2 = math.log(2.0)
 
 
-def hotscore_key(freq: float, last_access: float, co_access: float, half_life: float,
-                 co_weight: float = 0.3) -> float:
+def hotscore_key(freq: float, last_access: float, co_access: float, half_life: float, co_weight: float = 0.3) -> float:
     """The time-invariant log-domain rank of an entry: higher stays, lowest is evicted."""
     return math.log(freq) + last_access * _LN2 / half_life + math.log1p(co_weight * co_access)
 
 
-def hot_score(freq: float, last_access: float, co_access: float, half_life: float, now: float,
-             co_weight: float = 0.3) -> float:
+def hot_score(
+    freq: float, last_access: float, co_access: float, half_life: float, now: float, co_weight: float = 0.3
+) -> float:
     """The seed's score at time `now` (for reading and testing; ranking uses `hotscore_key`)."""
     return freq * 0.5 ** ((now - last_access) / half_life) * (1.0 + co_weight * co_access)
 
@@ -47,8 +47,7 @@ class HotScorePolicy(CachePolicy):
 
     name = "hotscore"
 
-    def __init__(self, half_life: float = 1.0, co_weight: float = 0.3,
-                 history_limit: int = 1 << 20) -> None:
+    def __init__(self, half_life: float = 1.0, co_weight: float = 0.3, history_limit: int = 1 << 20) -> None:
         super().__init__()
         if not half_life > 0:
             raise ValueError(f"hotscore: half_life must be positive, got {half_life}")
@@ -87,8 +86,7 @@ class HotScorePolicy(CachePolicy):
             return True
         past = self._history.get(key)
         rival = self.victim(now)
-        admitted = past is not None and rival is not None and (
-            self._key(*past) > self._ranked[rival][0])
+        admitted = past is not None and rival is not None and (self._key(*past) > self._ranked[rival][0])
         if not admitted:
             freq = past[0] + 1.0 if past is not None else 1.0
             self._remember(key, freq, now, self._co_access_now(key))
@@ -137,8 +135,7 @@ class HotScorePolicy(CachePolicy):
     def restore(self, key: str, size: int, stats: EntryStats) -> None:
         last_access = float(stats.get("last_access", 0.0))
         self._observe(last_access)
-        self._entries[key] = [max(1.0, float(stats.get("freq", 1.0))), last_access,
-                              float(stats.get("co_access", 0.0))]
+        self._entries[key] = [max(1.0, float(stats.get("freq", 1.0))), last_access, float(stats.get("co_access", 0.0))]
         self._rank(key)
 
     def __contains__(self, key: object) -> bool:

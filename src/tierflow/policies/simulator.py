@@ -54,8 +54,9 @@ def _schedule(trace: Trace) -> list[tuple[float, int, int]]:
     return list(zip(times[order].tolist(), kinds[order].tolist(), requests[order].tolist()))
 
 
-def simulate(trace: Trace, policy: CachePolicy | str, capacity_bytes: int, *, oracle: bool = True,
-             **policy_options: object) -> SimResult:
+def simulate(
+    trace: Trace, policy: CachePolicy | str, capacity_bytes: int, *, oracle: bool = True, **policy_options: object
+) -> SimResult:
     """Replay `trace` through a `Cache` of `capacity_bytes` driven by `policy`.
 
     `oracle=True` hands the policy the trace's future (as the loader would); policies
@@ -97,8 +98,9 @@ def simulate(trace: Trace, policy: CachePolicy | str, capacity_bytes: int, *, or
             cache.pin(key)
             pinned[request] = True  # type: ignore[index]
     note = getattr(policy, "describe", lambda: "")()
-    return SimResult(policy.name, trace.name, capacity_bytes, len(trace), hits, requested_bytes,
-                     hit_bytes, cache.evictions, note)
+    return SimResult(
+        policy.name, trace.name, capacity_bytes, len(trace), hits, requested_bytes, hit_bytes, cache.evictions, note
+    )
 
 
 def _next_request_start(trace: Trace) -> list[float]:
@@ -177,5 +179,14 @@ def optimum(trace: Trace, capacity_bytes: int) -> SimResult:
                 in_use[key] = request
             else:
                 rank(key, following[request])
-    return SimResult("optimum", trace.name, capacity_bytes, len(trace), hits, requested, hit_bytes,
-                     evictions, "Belady MIN with bypass")
+    return SimResult(
+        "optimum",
+        trace.name,
+        capacity_bytes,
+        len(trace),
+        hits,
+        requested,
+        hit_bytes,
+        evictions,
+        "Belady MIN with bypass",
+    )

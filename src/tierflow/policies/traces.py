@@ -77,8 +77,9 @@ class Trace:
         return IntervalOracle(self.intervals())
 
 
-def uniform_reshuffle(n_shards: int, epochs: int, *, window: int = 1, samples_per_shard: int = 1,
-                      shard_bytes: int = 1, seed: int = 0) -> Trace:
+def uniform_reshuffle(
+    n_shards: int, epochs: int, *, window: int = 1, samples_per_shard: int = 1, shard_bytes: int = 1, seed: int = 0
+) -> Trace:
     """A fresh shard shuffle each epoch; samples interleave inside windows of `window` shards.
 
     Positions are global sample positions. With window == samples_per_shard == 1 each
@@ -90,7 +91,7 @@ def uniform_reshuffle(n_shards: int, epochs: int, *, window: int = 1, samples_pe
     for _ in range(epochs):
         order = rng.permutation(n_shards)
         for lo in range(0, n_shards, window):
-            group = order[lo:lo + window]
+            group = order[lo : lo + window]
             slots = rng.permutation(len(group) * samples_per_shard).reshape(len(group), samples_per_shard)
             first, last = slots.min(axis=1), slots.max(axis=1)
             by_first = np.argsort(first, kind="stable")
@@ -110,12 +111,19 @@ def uniform_reshuffle(n_shards: int, epochs: int, *, window: int = 1, samples_pe
     )
 
 
-def _points(name: str, keys: np.ndarray, n_keys: int, epoch_length: float, lifecycle: Lifecycle,
-            item_bytes: int) -> Trace:
+def _points(
+    name: str, keys: np.ndarray, n_keys: int, epoch_length: float, lifecycle: Lifecycle, item_bytes: int
+) -> Trace:
     positions = np.arange(len(keys), dtype=np.float64)
-    return Trace(name=name, keys=keys.astype(np.int64), start=positions, end=positions,
-                 sizes=np.full(n_keys, item_bytes, dtype=np.int64), epoch_length=float(epoch_length),
-                 lifecycle=lifecycle)
+    return Trace(
+        name=name,
+        keys=keys.astype(np.int64),
+        start=positions,
+        end=positions,
+        sizes=np.full(n_keys, item_bytes, dtype=np.int64),
+        epoch_length=float(epoch_length),
+        lifecycle=lifecycle,
+    )
 
 
 def zipf(n_items: int, n_accesses: int, alpha: float, *, item_bytes: int = 1, seed: int = 0) -> Trace:
@@ -128,8 +136,7 @@ def zipf(n_items: int, n_accesses: int, alpha: float, *, item_bytes: int = 1, se
     return _points(f"zipf(n={n_items}, alpha={alpha})", keys, n_items, n_items, lifecycle, item_bytes)
 
 
-def mixture(datasets: Sequence[tuple[int, float]], epochs: int, *, item_bytes: int = 1,
-            seed: int = 0) -> Trace:
+def mixture(datasets: Sequence[tuple[int, float]], epochs: int, *, item_bytes: int = 1, seed: int = 0) -> Trace:
     """Mixture up-sampling: dataset d has n_d items, each read `repeats_d` times per epoch
     (fractional repeats read a random part once more), all shuffled together each epoch."""
     rng = np.random.default_rng(seed)
@@ -153,8 +160,7 @@ def mixture(datasets: Sequence[tuple[int, float]], epochs: int, *, item_bytes: i
     return _points(f"mixture({described})", keys, n_keys, blocks[0].size, lifecycle, item_bytes)
 
 
-def hot_and_scan(hot_items: int, scan_items: int, hot_fraction: float, *, item_bytes: int = 1,
-                 seed: int = 0) -> Trace:
+def hot_and_scan(hot_items: int, scan_items: int, hot_fraction: float, *, item_bytes: int = 1, seed: int = 0) -> Trace:
     """A hot set read uniformly, interleaved with one-pass scans over cold data.
 
     Each read is a hot item with probability `hot_fraction`, else the next item of the
@@ -169,8 +175,14 @@ def hot_and_scan(hot_items: int, scan_items: int, hot_fraction: float, *, item_b
     cold = np.flatnonzero(~is_hot)
     keys[cold] = hot_items + np.arange(cold.size)
     lifecycle = Lifecycle(passes=None, pattern="unknown", data_bytes=(hot_items + scan_items) * item_bytes)
-    return _points(f"hot+scan(hot={hot_items}, scan={scan_items})", keys, hot_items + scan_items,
-                   hot_items + scan_items, lifecycle, item_bytes)
+    return _points(
+        f"hot+scan(hot={hot_items}, scan={scan_items})",
+        keys,
+        hot_items + scan_items,
+        hot_items + scan_items,
+        lifecycle,
+        item_bytes,
+    )
 
 
 def loop(n_items: int, passes: int, *, item_bytes: int = 1) -> Trace:
@@ -180,8 +192,13 @@ def loop(n_items: int, passes: int, *, item_bytes: int = 1) -> Trace:
     return _points(f"loop(n={n_items}, passes={passes})", keys, n_items, n_items, lifecycle, item_bytes)
 
 
-def from_records(records: Iterable[tuple[str, int, float, float]], *, name: str = "recorded",
-                 epoch_length: float | None = None, lifecycle: Lifecycle | None = None) -> Trace:
+def from_records(
+    records: Iterable[tuple[str, int, float, float]],
+    *,
+    name: str = "recorded",
+    epoch_length: float | None = None,
+    lifecycle: Lifecycle | None = None,
+) -> Trace:
     """A trace from (key, size, first_use, last_use) records, e.g. recorded from a loader run."""
     rows = sorted(records, key=lambda row: (row[2], row[3]))
     ids: dict[str, int] = {}
@@ -197,9 +214,16 @@ def from_records(records: Iterable[tuple[str, int, float, float]], *, name: str 
     start = np.array([row[2] for row in rows], dtype=np.float64)
     end = np.array([row[3] for row in rows], dtype=np.float64)
     span = float(end.max() + 1) if len(rows) else 1.0
-    return Trace(name=name, keys=np.array(keys, dtype=np.int64), start=start, end=end,
-                 sizes=np.array(sizes, dtype=np.int64), epoch_length=epoch_length or span,
-                 lifecycle=lifecycle or Lifecycle(), names=list(ids))
+    return Trace(
+        name=name,
+        keys=np.array(keys, dtype=np.int64),
+        start=start,
+        end=end,
+        sizes=np.array(sizes, dtype=np.int64),
+        epoch_length=epoch_length or span,
+        lifecycle=lifecycle or Lifecycle(),
+        names=list(ids),
+    )
 
 
 def load_jsonl(path: str | Path, **options: object) -> Trace:
@@ -211,8 +235,7 @@ def load_jsonl(path: str | Path, **options: object) -> Trace:
                 continue
             try:
                 row = json.loads(line)
-                records.append((str(row["key"]), int(row["size"]), float(row["first_use"]),
-                                float(row["last_use"])))
+                records.append((str(row["key"]), int(row["size"]), float(row["first_use"]), float(row["last_use"])))
             except (ValueError, KeyError, TypeError) as error:
                 raise ValueError(f"{path}:{number}: not a trace record ({error})") from None
     return from_records(records, name=Path(path).name, **options)  # type: ignore[arg-type]

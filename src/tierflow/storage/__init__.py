@@ -5,4 +5,12 @@ from tierflow.storage.budget import BandwidthBudget, Priority
 from tierflow.storage.datasets import open_dataset
 from tierflow.storage.remote import SourceError, SourceNotFound, open_store, upload_dataset
 
-__all__ = ["BandwidthBudget", "Priority", "SourceError", "SourceNotFound", "open_dataset", "open_store", "upload_dataset"]
+__all__ = [
+    "BandwidthBudget",
+    "Priority",
+    "SourceError",
+    "SourceNotFound",
+    "open_dataset",
+    "open_store",
+    "upload_dataset",
+]

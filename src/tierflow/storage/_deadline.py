@@ -50,8 +50,10 @@ class FetchLimits:
 
     @classmethod
     def from_env(cls) -> FetchLimits:
-        return cls(deadline=_env_float("TIERFLOW_FETCH_DEADLINE", cls.deadline),
-                   min_throughput=_env_float("TIERFLOW_FETCH_MIN_THROUGHPUT", cls.min_throughput))
+        return cls(
+            deadline=_env_float("TIERFLOW_FETCH_DEADLINE", cls.deadline),
+            min_throughput=_env_float("TIERFLOW_FETCH_MIN_THROUGHPUT", cls.min_throughput),
+        )
 
     def __post_init__(self) -> None:
         if min(self.deadline, self.slow_rate, self.min_throughput, self.window) <= 0:
@@ -85,8 +87,9 @@ def _never_held() -> float:
     return 0.0
 
 
-def call_within(fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str,
-                held: Callable[[], float] = _never_held) -> _T:
+def call_within(
+    fn: Callable[[], _T], seconds: float, deadline: Deadline, what: str, held: Callable[[], float] = _never_held
+) -> _T:
     """fn(), run in a daemon thread, waited for at most `seconds` (and what is left of `deadline`).
 
     A call that paces itself (an upload pulling its body through the bandwidth budget) says through
@@ -128,8 +131,9 @@ class GuardedChunks:
 
     _END = object()
 
-    def __init__(self, chunks: Iterator[Any], limits: FetchLimits, deadline: Deadline, chunk_bytes: int,
-                 what: str) -> None:
+    def __init__(
+        self, chunks: Iterator[Any], limits: FetchLimits, deadline: Deadline, chunk_bytes: int, what: str
+    ) -> None:
         self._limits, self._deadline, self._what = limits, deadline, what
         self._wait = limits.chunk_wait(chunk_bytes)
         self._queue: queue.Queue = queue.Queue(maxsize=2)
@@ -184,8 +188,10 @@ class GuardedChunks:
         self._bytes += len(value)
         limits = self._limits
         if self._waited > limits.window and self._bytes < limits.min_throughput * self._waited:
-            raise Stalled(f"{self._what}: {self._bytes / self._waited:.0f} B/s over {self._waited:.3g} s, "
-                          f"below the minimum of {limits.min_throughput:.0f} B/s")
+            raise Stalled(
+                f"{self._what}: {self._bytes / self._waited:.0f} B/s over {self._waited:.3g} s, "
+                f"below the minimum of {limits.min_throughput:.0f} B/s"
+            )
         return value
 
     def close(self) -> None:

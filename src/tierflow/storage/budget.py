@@ -53,8 +53,9 @@ def node_bandwidth() -> float | None:
     except ValueError:
         rate = math.nan
     if not (rate > 0 and math.isfinite(rate)):
-        raise ValueError(f"{NODE_BANDWIDTH_ENV}={text!r}: the node bandwidth budget must be a positive number "
-                         f"of bytes/s (e.g. 2e9)")
+        raise ValueError(
+            f"{NODE_BANDWIDTH_ENV}={text!r}: the node bandwidth budget must be a positive number of bytes/s (e.g. 2e9)"
+        )
     return rate
 
 
@@ -94,8 +95,11 @@ class BandwidthBudget:
         self.job = _Bucket(rate_bytes_per_s, path, burst, reserve) if rate_bytes_per_s is not None else None
         if self.job is not None and path is None:
             _private(self.job)
-        self.node = _Bucket(node, node_path or budget_root() / "tierflow-bandwidth-node", None, reserve) \
-            if node is not None else None
+        self.node = (
+            _Bucket(node, node_path or budget_root() / "tierflow-bandwidth-node", None, reserve)
+            if node is not None
+            else None
+        )
         self.waited_seconds: dict[str, float] = {"high": 0.0, "low": 0.0}
         self.acquired_bytes: dict[str, int] = {"high": 0, "low": 0}
         self._registry = registry
@@ -182,8 +186,11 @@ class _Bucket:
         if self.burst <= 0:
             raise ValueError(f"bandwidth budget burst must be positive, got {burst!r}")
         self.reserve = reserve
-        self.path = Path(path) if path is not None else budget_root() / f"tierflow-bandwidth-job-{os.getpid()}-" \
-                                                                       f"{secrets.token_hex(4)}"
+        self.path = (
+            Path(path)
+            if path is not None
+            else budget_root() / f"tierflow-bandwidth-job-{os.getpid()}-{secrets.token_hex(4)}"
+        )
         self._thread_lock = threading.Lock()
         self._lock_pid = os.getpid()
         self._fd: int | None = None

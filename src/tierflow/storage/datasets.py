@@ -73,8 +73,13 @@ def load_manifest(location: str | Path, endpoint_url: str | None = None) -> Mani
     return read_manifest(open_store(str(location), endpoint_url=endpoint_url))
 
 
-def open_dataset(url: str | Path, columns: Sequence[str] | None = None, manifest: Manifest | None = None, *,
-                 endpoint_url: str | None = None) -> Dataset:
+def open_dataset(
+    url: str | Path,
+    columns: Sequence[str] | None = None,
+    manifest: Manifest | None = None,
+    *,
+    endpoint_url: str | None = None,
+) -> Dataset:
     """A packed dataset for random access by global sample index, at a directory or any URL
     build_stack takes (s3://, with `endpoint_url` for an S3-compatible store; read straight from
     its source, in ranged reads of runs of blocks). `manifest`: its manifest, already loaded."""
@@ -103,8 +108,13 @@ class StoreBlocks:
     one bound, `max_held` bytes. It pickles as its store and bounds (clients are made again in the
     process that unpickles it: a spawned worker)."""
 
-    def __init__(self, store: RetryingStore, on_fetched: Callable[[int, float], None] | None = None,
-                 readahead: int | None = None, max_held: int | None = None) -> None:
+    def __init__(
+        self,
+        store: RetryingStore,
+        on_fetched: Callable[[int, float], None] | None = None,
+        readahead: int | None = None,
+        max_held: int | None = None,
+    ) -> None:
         self.store = store
         self.on_fetched = on_fetched
         self.readahead = READAHEAD_BYTES if readahead is None else readahead
@@ -192,9 +202,14 @@ class RangeBlocks(BlockBytes):
     alone when used, so an open costs at most twice the shard's bytes, and its bytes once while
     `held` has room. The head read of block 0 for the schema is block 0's fetch."""
 
-    def __init__(self, source: RetryingStore, info: ShardInfo,
-                 on_fetched: Callable[[int, float], None] | None = None, readahead: int = READAHEAD_BYTES,
-                 held: HeldBlocks | None = None) -> None:
+    def __init__(
+        self,
+        source: RetryingStore,
+        info: ShardInfo,
+        on_fetched: Callable[[int, float], None] | None = None,
+        readahead: int = READAHEAD_BYTES,
+        held: HeldBlocks | None = None,
+    ) -> None:
         super().__init__(info.blocks, compressed=info.compression != "none")
         self.source = source
         self.on_fetched = on_fetched
@@ -223,8 +238,10 @@ class RangeBlocks(BlockBytes):
         start, end = self._runs[index]
         loaded = self.loaded
         ahead, held = self._ahead, self.held
-        wanted = [j == index or (not ahead[j] and not held.holds(self.name, j) and (loaded is None or loaded[j] is None))
-                  for j in range(start, end)]
+        wanted = [
+            j == index or (not ahead[j] and not held.holds(self.name, j) and (loaded is None or loaded[j] is None))
+            for j in range(start, end)
+        ]
         first = index
         while first > start and wanted[first - 1 - start]:
             first -= 1
@@ -239,8 +256,10 @@ class RangeBlocks(BlockBytes):
             self.on_fetched(len(run), time.perf_counter() - started)
         # each block a copy of its own (~1 ms for 8 MiB): a slice would keep the whole run alive while any
         # block of it is held or decoded over it, outside `held`'s count
-        parts = {j: pa.py_buffer(run[blocks[j].offset - offset:blocks[j].offset - offset + blocks[j].length])
-                 for j in range(first, last)}
+        parts = {
+            j: pa.py_buffer(run[blocks[j].offset - offset : blocks[j].offset - offset + blocks[j].length])
+            for j in range(first, last)
+        }
         del run
         ahead[first:last] = b"\x01" * (last - first)
         self.held.add(self.name, parts, index)
@@ -297,10 +316,17 @@ def collect_garbage(source: RetryingStore) -> list[str]:
     tables = _header_tables(source)
     if written is None:  # the store gives no times: nothing can be told apart from a pack in progress
         return []
-    victims = [e.name for e in entries
-               if "/" not in e.name and e.modified is not None and e.modified < written
-               and ((e.name.startswith(SHARD_PREFIX) and e.name.endswith(SHARD_SUFFIX) and e.name not in keep)
-                    or (e.name.startswith(TABLE_PREFIX) and e.name.endswith(TABLE_SUFFIX) and e.name not in tables))]
+    victims = [
+        e.name
+        for e in entries
+        if "/" not in e.name
+        and e.modified is not None
+        and e.modified < written
+        and (
+            (e.name.startswith(SHARD_PREFIX) and e.name.endswith(SHARD_SUFFIX) and e.name not in keep)
+            or (e.name.startswith(TABLE_PREFIX) and e.name.endswith(TABLE_SUFFIX) and e.name not in tables)
+        )
+    ]
     for name in victims:
         source.delete(name)
     return victims

@@ -81,8 +81,12 @@ class FsspecStore(RetryingStore):
             found = self.fs.find(start, detail=True)
         except FileNotFoundError:
             return []
-        return [ObjectEntry(path[len(root):] if path.startswith(root) else path, int(info.get("size") or 0),
-                            _modified(info)) for path, info in found.items()]
+        return [
+            ObjectEntry(
+                path[len(root) :] if path.startswith(root) else path, int(info.get("size") or 0), _modified(info)
+            )
+            for path, info in found.items()
+        ]
 
     def _delete(self, key: str) -> None:
         self.fs.rm_file(self._path(key))

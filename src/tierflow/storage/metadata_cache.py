@@ -23,8 +23,17 @@ import xxhash
 
 from tierflow.errors import ManifestError, SourceNotFound
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.metadata import (MAX_HEADER_BYTES, METADATA_NAME, TABLE_PREFIX, TABLE_SUFFIX, TableGone,
-                                      current_metadata, load_metadata, parse_header, remove_if_unused)
+from tierflow.format.metadata import (
+    MAX_HEADER_BYTES,
+    METADATA_NAME,
+    TABLE_PREFIX,
+    TABLE_SUFFIX,
+    TableGone,
+    current_metadata,
+    load_metadata,
+    parse_header,
+    remove_if_unused,
+)
 from tierflow.storage.remote import RetryingStore, join_url
 
 DOWNLOAD_LOCK = ".download.lock"

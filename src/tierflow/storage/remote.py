@@ -153,8 +153,7 @@ class RetryingStore:
     def size(self, name: str) -> int:
         key = check_name(self.url, name)
         deadline = Deadline(self.limits.total(0))
-        return self._retrying("head", name, lambda: self._within(lambda: self._head(key), deadline, 0, name),
-                              deadline)
+        return self._retrying("head", name, lambda: self._within(lambda: self._head(key), deadline, 0, name), deadline)
 
     def read_range(self, name: str, offset: int, length: int, *, priority: Priority = "high") -> bytes:
         key = check_name(self.url, name)
@@ -260,8 +259,13 @@ class RetryingStore:
             if not self.watchdog:
                 return self._put(key, src, size, chunks)
             try:
-                return call_within(lambda: self._put(key, src, size, chunks), self.limits.chunk_wait(size),
-                                   deadline, join_url(self.url, name), held=lambda: held[0])
+                return call_within(
+                    lambda: self._put(key, src, size, chunks),
+                    self.limits.chunk_wait(size),
+                    deadline,
+                    join_url(self.url, name),
+                    held=lambda: held[0],
+                )
             finally:
                 abandoned.set()
 
@@ -277,8 +281,12 @@ class RetryingStore:
         except SourceError as failed:
             if not self._landed(Path(src), name):
                 raise
-            log.warning("%s: the upload failed (%s), but the object is there with the bytes sent; "
-                        "it landed, its answer was lost", join_url(self.url, name), failed.reason or failed)
+            log.warning(
+                "%s: the upload failed (%s), but the object is there with the bytes sent; "
+                "it landed, its answer was lost",
+                join_url(self.url, name),
+                failed.reason or failed,
+            )
 
     def _landed(self, src: Path, name: str) -> bool:
         """Whether the object `name` holds `src`'s bytes (what a lost PUT answer leaves unknown)."""
@@ -296,6 +304,7 @@ class RetryingStore:
 
     def entries(self, prefix: str = "") -> builtins.list[ObjectEntry]:
         """Every object under the source whose name starts with `prefix`, with size and age, by name."""
+
         def attempt() -> builtins.list[ObjectEntry]:
             return sorted((e for e in self._entries(prefix) if e.name.startswith(prefix)), key=lambda e: e.name)
 
@@ -330,8 +339,9 @@ class RetryingStore:
         while True:
             if deadline is not None and tries and deadline.left() <= 0:
                 self._count("tierflow_source_failures_total", op, "operations that failed for good")
-                raise SourceTimeout(self.url, name, f"{op} outlived its {deadline.seconds:.3g} s deadline "
-                                    f"({last})", tries)
+                raise SourceTimeout(
+                    self.url, name, f"{op} outlived its {deadline.seconds:.3g} s deadline ({last})", tries
+                )
             tries += 1
             self._count("tierflow_source_requests_total", op, "requests (attempts) made to a source")
             started = time.perf_counter()
@@ -342,7 +352,7 @@ class RetryingStore:
             except SourceError:
                 self._count("tierflow_source_failures_total", op, "operations that failed for good")
                 raise
-            except Exception as exc:  # noqa: BLE001 - classified below, re-raised as SourceError
+            except Exception as exc:
                 if isinstance(exc, FileNotFoundError):
                     self._count("tierflow_source_failures_total", op, "operations that failed for good")
                     raise SourceNotFound(self.url, name, "no such object") from exc
@@ -362,7 +372,8 @@ class RetryingStore:
                 continue
             if self.registry is not None:
                 self.registry.histogram(
-                    "tierflow_source_request_seconds", {"scheme": self.scheme, "op": op},
+                    "tierflow_source_request_seconds",
+                    {"scheme": self.scheme, "op": op},
                     "latency of successful source operations",
                 ).observe(time.perf_counter() - started)
             return result
@@ -375,7 +386,8 @@ class RetryingStore:
             self.budget.acquire(nbytes, priority)
         if self.registry is not None:
             self.registry.counter(
-                "tierflow_source_bytes_total", {"scheme": self.scheme, "direction": direction},
+                "tierflow_source_bytes_total",
+                {"scheme": self.scheme, "direction": direction},
                 "body bytes moved to (out) or from (in) a source, retries included",
             ).inc(nbytes)
 
@@ -513,8 +525,13 @@ def open_store(
     from tierflow.storage.s3 import S3Store
 
     budget = budget if budget is not None else BandwidthBudget(registry=registry)
-    options: dict[str, Any] = {"budget": budget, "retries": retries, "timeout": timeout, "registry": registry,
-                               "limits": limits}
+    options: dict[str, Any] = {
+        "budget": budget,
+        "retries": retries,
+        "timeout": timeout,
+        "registry": registry,
+        "limits": limits,
+    }
     scheme = urlsplit(url).scheme if "://" in url else ""
     if scheme in ("", "file"):
         return LocalStore(urlsplit(url).path if scheme else url, **options)
@@ -533,18 +550,23 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     manifest = Manifest.load(local_dir)
     missing = [s.name for s in manifest.shards if not (local_dir / s.name).is_file()]
     if missing:
-        raise FileNotFoundError(f"{local_dir}: manifest lists {len(missing)} shards not in the directory, e.g. {missing[0]}")
+        raise FileNotFoundError(
+            f"{local_dir}: manifest lists {len(missing)} shards not in the directory, e.g. {missing[0]}"
+        )
     source = open_store(url, **options)
     present = set(source.list("shard-"))
-    uploaded = sum(upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority)
-                   for s in manifest.shards)
+    uploaded = sum(
+        upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority) for s in manifest.shards
+    )
     from tierflow.pack._upload import publish_metadata
+
     publish_metadata(source, local_dir, priority=priority)  # tables, header, manifest.json last
     return uploaded
 
 
-def upload_shard(source: RetryingStore, path: Path, name: str, nbytes: int, present: set[str], *,
-                 priority: Priority = "low") -> bool:
+def upload_shard(
+    source: RetryingStore, path: Path, name: str, nbytes: int, present: set[str], *, priority: Priority = "low"
+) -> bool:
     """Upload one shard unless `present` (names listed at the source) has it at its size: a shard's
     name is its content, so an unfinished earlier upload's shards are kept, not sent again."""
     if name in present and source.size(name) == nbytes:

@@ -27,12 +27,20 @@ _STATUS = re.compile(r"status code: (\d{3}[^:]*)")
 _XML_CODE = re.compile(r"<Code>([^<]+)</Code>")
 _XML_MESSAGE = re.compile(r"<Message>([^<]+)</Message>")
 _METADATA_MARKERS = ("169.254.169.254", "/latest/api/token", "/latest/meta-data/")
-_CREDENTIAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                     "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"}
+_CREDENTIAL_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AllAccessDisabled",
+}
 CREDENTIALS_HINT = (
     "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary ones), or "
     "AWS_PROFILE naming a profile of ~/.aws/config (read through boto3); for an S3-compatible store (MinIO, "
-    "Ceph, R2) also its endpoint: endpoint_url=, --endpoint-url or AWS_ENDPOINT_URL_S3. See docs/scale-out.md, \"Credentials for s3://\"")
+    'Ceph, R2) also its endpoint: endpoint_url=, --endpoint-url or AWS_ENDPOINT_URL_S3. See docs/scale-out.md, "Credentials for s3://"'
+)
 
 
 def _first_line(text: str) -> str:
@@ -62,9 +70,7 @@ class S3Store(RetryingStore):
             raise ValueError(f"{url!r} is not an s3://bucket[/prefix] URL")
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
-        self.endpoint_url = (
-            endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        )
+        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self._store: Any = None
         self._store_pid = -1
 
@@ -75,10 +81,14 @@ class S3Store(RetryingStore):
         global _obstore_runtime_pid
         pid = os.getpid()
         if _obstore_runtime_pid not in (None, pid):
-            raise SourceError(self.url, "", f"process {pid} was forked after its parent used obstore, whose "
-                              "runtime does not survive fork; start DataLoader workers with "
-                              "multiprocessing_context='forkserver' or 'spawn' (tierflow's Loader does for "
-                              "object stores), or fork before the first remote read")
+            raise SourceError(
+                self.url,
+                "",
+                f"process {pid} was forked after its parent used obstore, whose "
+                "runtime does not survive fork; start DataLoader workers with "
+                "multiprocessing_context='forkserver' or 'spawn' (tierflow's Loader does for "
+                "object stores), or fork before the first remote read",
+            )
         if self._store is None or self._store_pid != pid:
             self._store = self._make_store()
             self._store_pid = pid
@@ -157,8 +167,11 @@ class S3Store(RetryingStore):
         import obstore
 
         directory = prefix.rpartition("/")[0] or None
-        return [ObjectEntry(meta["path"], int(meta["size"]), meta["last_modified"].timestamp())
-                for batch in obstore.list(self.store, directory, chunk_size=1000) for meta in batch]
+        return [
+            ObjectEntry(meta["path"], int(meta["size"]), meta["last_modified"].timestamp())
+            for batch in obstore.list(self.store, directory, chunk_size=1000)
+            for meta in batch
+        ]
 
     def _delete(self, key: str) -> None:
         import obstore
@@ -187,15 +200,17 @@ class S3Store(RetryingStore):
 
         try:
             next(iter(obstore.list(self.store, None, chunk_size=1)), None)
-        except Exception as e:  # noqa: BLE001 - only NoSuchBucket is an answer; anything else is not ours to say
+        except Exception as e:
             return "NoSuchBucket" in str(e)
         self._bucket_seen = True
         return False
 
     def _no_bucket(self) -> str:
         where = f" at {self.endpoint_url}" if self.endpoint_url else ""
-        return (f"bucket {self.bucket!r} does not exist{where}; check the bucket's name in the URL "
-                f"(s3://BUCKET/prefix) and the endpoint (endpoint_url=, --endpoint-url or AWS_ENDPOINT_URL_S3)")
+        return (
+            f"bucket {self.bucket!r} does not exist{where}; check the bucket's name in the URL "
+            f"(s3://BUCKET/prefix) and the endpoint (endpoint_url=, --endpoint-url or AWS_ENDPOINT_URL_S3)"
+        )
 
     def _explain(self, exc: BaseException) -> str | None:
         """What an obstore error means for the user, or None to keep tierflow's generic description:
@@ -205,8 +220,10 @@ class S3Store(RetryingStore):
         if any(marker in text for marker in _METADATA_MARKERS):
             detail = _first_line(text.split(" - ", 1)[-1])
             at = " (169.254.169.254)" if "169.254.169.254" in text else ""
-            return (f"no S3 credentials found, so the client asked the EC2 instance metadata service{at}, "
-                    f"which failed ({detail}). " + CREDENTIALS_HINT)
+            return (
+                f"no S3 credentials found, so the client asked the EC2 instance metadata service{at}, "
+                f"which failed ({detail}). " + CREDENTIALS_HINT
+            )
         code = _XML_CODE.search(text)
         if code is None:
             return None

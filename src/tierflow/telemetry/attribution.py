@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from torch.utils.data import IterableDataset
 
@@ -54,6 +55,7 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
 
     open_served = getattr(source, "open_served", None)
     if open_served is None:
+
         def open_timed(index: int, info: Any) -> Any:
             started = clock()
             table = source.open_shard(index, info)
@@ -92,8 +94,7 @@ def _recording_opens(source: Any) -> Callable[[int, Any], Any]:
 
 def attribute_fetches(dataset: Any) -> None:
     """Make this process's reading context of a `TieredDataset` record its shard opens."""
-    dataset.wrap_shards(lambda source: source if isinstance(source, AttributedShards)
-                              else AttributedShards(source))
+    dataset.wrap_shards(lambda source: source if isinstance(source, AttributedShards) else AttributedShards(source))
 
 
 def production_timer(dataset: Any) -> Callable[[Any, float], None]:

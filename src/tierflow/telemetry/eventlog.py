@@ -14,7 +14,8 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 from tierflow.telemetry.health import MachineView
 from tierflow.telemetry.metrics import MetricsRegistry
@@ -23,8 +24,9 @@ from tierflow.telemetry.metrics import MetricsRegistry
 class EventLog:
     """Append-only JSONL writer for one run; thread-safe."""
 
-    def __init__(self, path: str | Path, registry: MetricsRegistry | None = None, snapshot_every_s: float = 1.0,
-                 **run_facts: Any) -> None:
+    def __init__(
+        self, path: str | Path, registry: MetricsRegistry | None = None, snapshot_every_s: float = 1.0, **run_facts: Any
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.registry = registry
@@ -47,12 +49,26 @@ class EventLog:
                 self._file.write(line + "\n")
                 self._file.flush()
 
-    def batch(self, index: int, wait_s: float, step_s: float | None, depth: int | None, produce_s: float | None,
-              fetch: Mapping[str, Any] | None) -> None:
+    def batch(
+        self,
+        index: int,
+        wait_s: float,
+        step_s: float | None,
+        depth: int | None,
+        produce_s: float | None,
+        fetch: Mapping[str, Any] | None,
+    ) -> None:
         """One batch's record (`produce_s` and `fetch` as its meta holds them), then a metrics snapshot when
         one is due."""
-        self.write("batch", i=index, wait_s=wait_s, step_s=step_s, depth=depth, produce_s=produce_s,
-                   fetch=None if produce_s is None else fetch or {})
+        self.write(
+            "batch",
+            i=index,
+            wait_s=wait_s,
+            step_s=step_s,
+            depth=depth,
+            produce_s=produce_s,
+            fetch=None if produce_s is None else fetch or {},
+        )
         if self.registry is not None and self.elapsed() - self._last_snapshot >= self.snapshot_every_s:
             self.snapshot()
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Mapping
 
 from tierflow.telemetry.loader_metrics import LoaderFigures
 from tierflow.telemetry.tier_figures import TierFigures
@@ -41,8 +42,12 @@ class HealthFlag:
     message: str
 
 
-def health_flags(loader: LoaderFigures | None, tiers: Mapping[str, TierFigures],
-                 bandwidth_use: float | None = None, thresholds: Thresholds = Thresholds()) -> list[HealthFlag]:
+def health_flags(
+    loader: LoaderFigures | None,
+    tiers: Mapping[str, TierFigures],
+    bandwidth_use: float | None = None,
+    thresholds: Thresholds = Thresholds(),
+) -> list[HealthFlag]:
     """Flags for what has enough data to judge; figures with too few events are left out, not passed."""
     flags: list[HealthFlag] = []
     th = thresholds
@@ -52,30 +57,65 @@ def health_flags(loader: LoaderFigures | None, tiers: Mapping[str, TierFigures],
             continue
         ratio = t.demand_hit_ratio
         status: Status = "ok" if ratio > want else "warn"
-        flags.append(HealthFlag(f"{tier} demand hit ratio", status, ratio, want,
-                                f"{tier} served {ratio:.0%} of requests (want > {want:.0%})"))
+        flags.append(
+            HealthFlag(
+                f"{tier} demand hit ratio",
+                status,
+                ratio,
+                want,
+                f"{tier} served {ratio:.0%} of requests (want > {want:.0%})",
+            )
+        )
     if bandwidth_use is not None:
         status = "ok" if bandwidth_use < th.bandwidth_use else "warn"
-        flags.append(HealthFlag("bandwidth use", status, bandwidth_use, th.bandwidth_use,
-                                f"{bandwidth_use:.0%} of the node's bandwidth budget (want < {th.bandwidth_use:.0%})"))
+        flags.append(
+            HealthFlag(
+                "bandwidth use",
+                status,
+                bandwidth_use,
+                th.bandwidth_use,
+                f"{bandwidth_use:.0%} of the node's bandwidth budget (want < {th.bandwidth_use:.0%})",
+            )
+        )
     if loader is not None and loader.batches >= th.min_samples and loader.step_mean_s > 0:
         share = loader.production_p50_s / loader.step_mean_s
         status = "ok" if share < th.production_healthy else "alarm" if share > th.production_alarm else "warn"
-        flags.append(HealthFlag("production latency", status, share, th.production_healthy,
-                                f"a batch takes {share:.0%} of a step to build (healthy < "
-                                f"{th.production_healthy:.0%}, alarm > {th.production_alarm:.0%})"))
+        flags.append(
+            HealthFlag(
+                "production latency",
+                status,
+                share,
+                th.production_healthy,
+                f"a batch takes {share:.0%} of a step to build (healthy < "
+                f"{th.production_healthy:.0%}, alarm > {th.production_alarm:.0%})",
+            )
+        )
         status = "ok" if loader.bubble_rate <= th.bubble_warn else "warn"
-        flags.append(HealthFlag("bubble rate", status, loader.bubble_rate, th.bubble_warn,
-                                f"the training loop waited {loader.bubble_rate:.1%} of its time (warn > "
-                                f"{th.bubble_warn:.0%})"))
+        flags.append(
+            HealthFlag(
+                "bubble rate",
+                status,
+                loader.bubble_rate,
+                th.bubble_warn,
+                f"the training loop waited {loader.bubble_rate:.1%} of its time (warn > {th.bubble_warn:.0%})",
+            )
+        )
     for tier, t in tiers.items():
         if t.evictions < th.min_samples:
             continue
         unused = t.evictions_before_use / t.evictions
         status = "ok" if unused < th.evicted_unused_warn else "alarm" if unused >= th.evicted_unused_alarm else "warn"
-        flags.append(HealthFlag(f"{tier} evictions before use", status, unused, th.evicted_unused_warn,
-                                f"{unused:.0%} of {tier}'s evictions were never read: the policy admits what "
-                                f"it cannot keep" if status != "ok" else f"{unused:.0%} of {tier}'s evictions unread"))
+        flags.append(
+            HealthFlag(
+                f"{tier} evictions before use",
+                status,
+                unused,
+                th.evicted_unused_warn,
+                f"{unused:.0%} of {tier}'s evictions were never read: the policy admits what it cannot keep"
+                if status != "ok"
+                else f"{unused:.0%} of {tier}'s evictions unread",
+            )
+        )
     return flags
 
 

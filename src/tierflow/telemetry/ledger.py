@@ -50,8 +50,10 @@ class FetchLedger:
         added, self.batch = self.batch, {}
         if added:
             _unclaimed.remove(self)
-        return {tier: {"seconds": seconds, "opens": opens, "bytes": nbytes}
-                for tier, (seconds, opens, nbytes) in added.items()}
+        return {
+            tier: {"seconds": seconds, "opens": opens, "bytes": nbytes}
+            for tier, (seconds, opens, nbytes) in added.items()
+        }
 
     def mark(self) -> tuple[int, dict[str, float], dict[str, int], dict[str, int]]:
         """The totals now (the last mark again while nothing was added: no copies per batch)."""
@@ -69,8 +71,11 @@ class FetchLedger:
         for tier, total in self.opens.items():
             added = total - opens.get(tier, 0)
             if added:
-                out[tier] = {"seconds": self.seconds[tier] - seconds.get(tier, 0.0), "opens": added,
-                             "bytes": self.bytes[tier] - nbytes.get(tier, 0)}
+                out[tier] = {
+                    "seconds": self.seconds[tier] - seconds.get(tier, 0.0),
+                    "opens": added,
+                    "bytes": self.bytes[tier] - nbytes.get(tier, 0),
+                }
         return out
 
 

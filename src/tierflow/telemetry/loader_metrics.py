@@ -13,7 +13,8 @@ import itertools
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -138,9 +139,15 @@ class LoaderFigures:
 class LoaderTelemetry:
     """Records what `Loader` sees per batch into a `MetricsRegistry` (shared with the tiers if you like)."""
 
-    def __init__(self, registry: MetricsRegistry | None = None, labels: Mapping[str, Any] | None = None,
-                 stall_threshold_s: float = 1e-3, events: Any = None, startup_batches: int = 0,
-                 owns_events: bool = False) -> None:
+    def __init__(
+        self,
+        registry: MetricsRegistry | None = None,
+        labels: Mapping[str, Any] | None = None,
+        stall_threshold_s: float = 1e-3,
+        events: Any = None,
+        startup_batches: int = 0,
+        owns_events: bool = False,
+    ) -> None:
         self.registry = registry if registry is not None else MetricsRegistry()
         self.labels = dict(labels or {})
         self.events = events
@@ -173,8 +180,13 @@ class LoaderTelemetry:
         self._flushing = threading.Lock()
         self.registry.add_buffer(self)
 
-    def on_batch(self, wait_s: float, timing: Mapping[str, Any] | None = None, depth: int | None = None,
-                 step_s: float | None = None) -> None:
+    def on_batch(
+        self,
+        wait_s: float,
+        timing: Mapping[str, Any] | None = None,
+        depth: int | None = None,
+        step_s: float | None = None,
+    ) -> None:
         """One batch handed over after `wait_s` in next(); `timing` is its meta's (`BatchMeta.timing`);
         `step_s`, the loop's step just before it asked for this batch (what `on_step` records), given here
         so a caller records both in one call. Recorded in bulk every `FLUSH_EVERY` batches and before any
@@ -217,8 +229,9 @@ class LoaderTelemetry:
             records = pending[:size]
             del pending[:size]  # records appended meanwhile stay, after these
             n = size // RECORD_FIELDS
-            askeds, handeds, lasts, produces, fetches, depths = (records[i::RECORD_FIELDS]
-                                                                 for i in range(RECORD_FIELDS))
+            askeds, handeds, lasts, produces, fetches, depths = (
+                records[i::RECORD_FIELDS] for i in range(RECORD_FIELDS)
+            )
             asked = _floats(askeds, n)[0]
             wait = _floats(handeds, n)[0] - asked
             last, every = _floats(lasts, n)  # None (NaN): no step, before the first batch of a `for`
@@ -267,8 +280,13 @@ class LoaderTelemetry:
                     counter = self._stall[key] = self.registry.counter(STALL, labels, "loop wait by cause and tier")
                 counter.inc(seconds)
 
-    def _split_each(self, waits: Sequence[float], produced: Sequence[float], fetches: Sequence[Mapping[str, Any]],
-                    stalled: dict[tuple[str, str], float]) -> None:
+    def _split_each(
+        self,
+        waits: Sequence[float],
+        produced: Sequence[float],
+        fetches: Sequence[Mapping[str, Any]],
+        stalled: dict[tuple[str, str], float],
+    ) -> None:
         """Count the fetches of batches that opened a shard and add their waits to `stalled` by cause."""
         for wait_s, produce_s, fetch in zip(waits, produced, fetches):
             for tier, fetched in fetch.items():
@@ -308,6 +326,7 @@ class LoaderTelemetry:
 
 def loader_figures(snapshot: Mapping[str, Any]) -> LoaderFigures:
     """The loader's figures from a registry snapshot (one process's, or merged)."""
+
     def histogram(name: str) -> Histogram:
         entries = [h for h in snapshot["histograms"] if h["name"] == name]
         if not entries:
@@ -329,11 +348,19 @@ def loader_figures(snapshot: Mapping[str, Any]) -> LoaderFigures:
     stall = by_label(STALL, "", key=lambda labels: labels["cause"] + (f":{labels['tier']}" if "tier" in labels else ""))
     return LoaderFigures(
         batches=int(sum(by_label(BATCHES, "").values())),
-        wait_s=wait.sum, step_s=step.sum, bubble_rate=wait.sum / busy if busy > 0 else 0.0,
-        wait_p90_s=wait.quantile(0.9), wait_p99_s=wait.quantile(0.99),
-        production_p50_s=production.quantile(0.5), production_p90_s=production.quantile(0.9),
-        production_p99_s=production.quantile(0.99), step_mean_s=step.mean,
-        prefetch_depth_mean=depth.mean, stall_s=stall, stalls=int(sum(by_label(STALLS, "").values())),
-        fetch_s=by_label(FETCH, "tier"), fetch_bytes={k: int(v) for k, v in by_label(FETCH_BYTES, "tier").items()},
+        wait_s=wait.sum,
+        step_s=step.sum,
+        bubble_rate=wait.sum / busy if busy > 0 else 0.0,
+        wait_p90_s=wait.quantile(0.9),
+        wait_p99_s=wait.quantile(0.99),
+        production_p50_s=production.quantile(0.5),
+        production_p90_s=production.quantile(0.9),
+        production_p99_s=production.quantile(0.99),
+        step_mean_s=step.mean,
+        prefetch_depth_mean=depth.mean,
+        stall_s=stall,
+        stalls=int(sum(by_label(STALLS, "").values())),
+        fetch_s=by_label(FETCH, "tier"),
+        fetch_bytes={k: int(v) for k, v in by_label(FETCH_BYTES, "tier").items()},
         startup_s=sum(by_label(STARTUP, "").values()),
     )

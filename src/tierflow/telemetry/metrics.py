@@ -22,7 +22,8 @@ import math
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, Mapping, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -189,8 +190,23 @@ class Histogram:
 
     kind = "histogram"
     __slots__ = (
-        "name", "labels", "description", "layout", "_pending", "_bulks",
-        "_counts", "_count", "_sum", "_min", "_max", "_lock", "_lowest", "_inv_lowest", "_per_octave", "_top", "_cap",
+        "name",
+        "labels",
+        "description",
+        "layout",
+        "_pending",
+        "_bulks",
+        "_counts",
+        "_count",
+        "_sum",
+        "_min",
+        "_max",
+        "_lock",
+        "_lowest",
+        "_inv_lowest",
+        "_per_octave",
+        "_top",
+        "_cap",
     )
 
     def __init__(
@@ -329,7 +345,9 @@ class Histogram:
     @classmethod
     def from_snapshot(cls, entry: Mapping[str, Any]) -> Histogram:
         """Rebuild a histogram (for percentiles of merged snapshots)."""
-        histogram = cls(entry["name"], _label_key(entry["name"], entry["labels"]), layout=BucketLayout(**entry["layout"]))
+        histogram = cls(
+            entry["name"], _label_key(entry["name"], entry["labels"]), layout=BucketLayout(**entry["layout"])
+        )
         for index, count in entry["buckets"]:
             histogram._counts[index] = count
         histogram._count = entry["count"]
@@ -455,12 +473,17 @@ class MetricsRegistry:
     def boundary(self, stage: str, labels: Mapping[str, Any] | None = None) -> BoundaryTimer:
         """The blocked-on-get/put timer of `stage` (fetch, decode, batch, device_copy, train_loop...)."""
         base = dict(labels or {})
-        get = self.histogram(BOUNDARY_METRIC, {**base, "stage": stage, "side": "get"}, "time a stage waited on its upstream (get) or downstream (put)")
+        get = self.histogram(
+            BOUNDARY_METRIC,
+            {**base, "stage": stage, "side": "get"},
+            "time a stage waited on its upstream (get) or downstream (put)",
+        )
         put = self.histogram(BOUNDARY_METRIC, {**base, "stage": stage, "side": "put"})
         return BoundaryTimer(get, put, stage)
 
-    def _get_or_create(self, cls: type[MetricT], name: str, labels: Mapping[str, Any] | None,
-                       **options: Any) -> MetricT:
+    def _get_or_create(
+        self, cls: type[MetricT], name: str, labels: Mapping[str, Any] | None, **options: Any
+    ) -> MetricT:
         merged = {**self.const_labels, **(labels or {})}
         key = (name, _label_key(name, merged))
         metric = self._metrics.get(key)
@@ -555,7 +578,9 @@ def merge_snapshots(snapshots: Iterable[Mapping[str, Any]], drop_labels: Iterabl
                 continue
             merged = gauges[key]
             if merged["aggregate"] != entry["aggregate"]:
-                raise ValueError(f"gauge {entry['name']} {labels} is merged with both {merged['aggregate']} and {entry['aggregate']}")
+                raise ValueError(
+                    f"gauge {entry['name']} {labels} is merged with both {merged['aggregate']} and {entry['aggregate']}"
+                )
             combines: dict[str, Callable[[float, float], float]] = {"sum": lambda a, b: a + b, "max": max, "min": min}
             combine = combines[merged["aggregate"]]
             merged["value"] = combine(merged["value"], entry["value"])
@@ -566,7 +591,9 @@ def merge_snapshots(snapshots: Iterable[Mapping[str, Any]], drop_labels: Iterabl
                 continue
             merged = histograms[key]
             if merged["layout"] != entry["layout"]:
-                raise ValueError(f"histogram {entry['name']} {labels} has bucket layouts {merged['layout']} and {entry['layout']}")
+                raise ValueError(
+                    f"histogram {entry['name']} {labels} has bucket layouts {merged['layout']} and {entry['layout']}"
+                )
             buckets = dict((i, c) for i, c in merged["buckets"])
             for index, count in entry["buckets"]:
                 buckets[index] = buckets.get(index, 0) + count

@@ -10,7 +10,8 @@ prometheus-client adds back, and one that lacks it gains it); histograms keep th
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -90,8 +91,13 @@ def cumulative_buckets(entry: Mapping[str, Any]) -> list[tuple[str, float]]:
 class PrometheusExporter:
     """`PrometheusExporter([registry], port=9464).start()`; port 0 picks a free one (see `.port`)."""
 
-    def __init__(self, registries: Sequence[MetricsRegistry | Snapshotter], port: int = 9464,
-                 addr: str = "127.0.0.1", const_labels: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        registries: Sequence[MetricsRegistry | Snapshotter],
+        port: int = 9464,
+        addr: str = "127.0.0.1",
+        const_labels: Mapping[str, Any] | None = None,
+    ) -> None:
         sources = [r.snapshot if isinstance(r, MetricsRegistry) else r for r in registries]
         self.registry = CollectorRegistry()
         self.registry.register(SnapshotCollector(sources, const_labels))

@@ -8,12 +8,24 @@ bytes a run fetched against the optimum is `bench`'s bytes per epoch (loader/pla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from tierflow.telemetry.metrics import Histogram
 
-TIER_COUNTERS = {field: f"tierflow_tier_{field}_total" for field in (
-    "hits", "misses", "promotions", "evictions", "evictions_before_use", "corruptions", "enospc_fallbacks", "bypass")}
+TIER_COUNTERS = {
+    field: f"tierflow_tier_{field}_total"
+    for field in (
+        "hits",
+        "misses",
+        "promotions",
+        "evictions",
+        "evictions_before_use",
+        "corruptions",
+        "enospc_fallbacks",
+        "bypass",
+    )
+}
 TIER_COUNTERS |= {"bytes_in": "tierflow_tier_in_bytes_total", "bytes_out": "tierflow_tier_out_bytes_total"}
 """TierFigures field -> the counter the tiers record it in (tiers/tier.py)."""
 OCCUPANCY = "tierflow_tier_occupancy_bytes"
@@ -76,9 +88,12 @@ def tier_figures(snapshot: Mapping[str, Any]) -> dict[str, TierFigures]:
         t, g = totals[tier], gauges.get(tier, {})
         h = latency.get(tier)
         out[tier] = TierFigures(
-            tier, **{f: int(t.get(f, 0)) for f in TIER_COUNTERS},
-            occupancy_bytes=int(g.get(OCCUPANCY, 0)), capacity_bytes=int(g.get(CAPACITY, 0)),
-            fetch_p50_s=h.quantile(0.5) if h else 0.0, fetch_p90_s=h.quantile(0.9) if h else 0.0,
+            tier,
+            **{f: int(t.get(f, 0)) for f in TIER_COUNTERS},
+            occupancy_bytes=int(g.get(OCCUPANCY, 0)),
+            capacity_bytes=int(g.get(CAPACITY, 0)),
+            fetch_p50_s=h.quantile(0.5) if h else 0.0,
+            fetch_p90_s=h.quantile(0.9) if h else 0.0,
             fetch_p99_s=h.quantile(0.99) if h else 0.0,
         )
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
 
 from tierflow.telemetry.loader_metrics import MAPPED, SOURCE, LoaderFigures
 from tierflow.telemetry.tier_figures import TierFigures
@@ -67,11 +67,22 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def judge(loader: LoaderFigures, tiers: Mapping[str, TierFigures] | None = None, *,
-          dry_run_step_s: float | None = None, dataset_bytes: int | None = None, shard_bytes: int | None = None,
-          bubble_ok: float = 0.05, l1_coverage_s: float = 60.0, l2_coverage_s: float = 3600.0,
-          workers: int = 0, loader_ratio: float | None = None, cores: int | None = None,
-          hit_ratio_wanted: Mapping[str, float] | None = None, min_requests: int = 20) -> Verdict:
+def judge(
+    loader: LoaderFigures,
+    tiers: Mapping[str, TierFigures] | None = None,
+    *,
+    dry_run_step_s: float | None = None,
+    dataset_bytes: int | None = None,
+    shard_bytes: int | None = None,
+    bubble_ok: float = 0.05,
+    l1_coverage_s: float = 60.0,
+    l2_coverage_s: float = 3600.0,
+    workers: int = 0,
+    loader_ratio: float | None = None,
+    cores: int | None = None,
+    hit_ratio_wanted: Mapping[str, float] | None = None,
+    min_requests: int = 20,
+) -> Verdict:
     """The verdict for one run; `dry_run_step_s` (the step with data preloaded) sets the target rate,
     `workers` is the DataLoader worker count the run used (a change never recommends it again).
 
@@ -102,52 +113,72 @@ def judge(loader: LoaderFigures, tiers: Mapping[str, TierFigures] | None = None,
     lost = 1.0 - loader_ratio if loader_ratio is not None and loader_ratio > 0 else 0.0
     rate = f"the loop ran at {loader_ratio:.2f} of the dry run's rate and " if loader_ratio else "the loop "
     if (loader.bubble_rate <= bubble_ok or not shares) and lost <= bubble_ok:
-        return verdict("compute", f"{rate}waited {loader.bubble_rate:.1%} of its time (<= {bubble_ok:.0%})",
-                       "the data path keeps up: make the step faster (larger batch, mixed precision, compile); "
-                       + _caches(tiers, wanted_hits, min_requests, l1, l2))
+        return verdict(
+            "compute",
+            f"{rate}waited {loader.bubble_rate:.1%} of its time (<= {bubble_ok:.0%})",
+            "the data path keeps up: make the step faster (larger batch, mixed precision, compile); "
+            + _caches(tiers, wanted_hits, min_requests, l1, l2),
+        )
     if loader.bubble_rate <= bubble_ok or not shares:  # slower than the dry run, without waiting for it
         bound = "preprocessing"
-        reason = (f"{rate}waited only {loader.bubble_rate:.1%} of its time: the other {lost:.0%} went to the "
-                  f"data path's work in the training process (building batches, staging shards), taken from the step")
+        reason = (
+            f"{rate}waited only {loader.bubble_rate:.1%} of its time: the other {lost:.0%} went to the "
+            f"data path's work in the training process (building batches, staging shards), taken from the step"
+        )
     else:
         bound = max(shares, key=shares.__getitem__)
         reason = f"{rate}waited {loader.bubble_rate:.1%} of its time; {shares[bound]:.0%} of that wait was {bound}"
     if bound == "host-to-device copy":
-        change = ("move less per step: keep token ids narrow and widen on the device, raise the feed depth, "
-                  "use DataLoader workers with shared-memory batches")
+        change = (
+            "move less per step: keep token ids narrow and widen on the device, raise the feed depth, "
+            "use DataLoader workers with shared-memory batches"
+        )
     elif bound == "preprocessing":
         wanted = max(2, math.ceil(loader.production_p50_s / step_s) + 1) if step_s > 0 else 2
         cap = max(1, cores - 1)  # a core stays with the training loop
         capped = f", all {cores} cores but the loop's" if wanted > cap else ""
         wanted = min(wanted, cap)
         if wanted > workers:
-            change = (f"build batches in parallel (num_workers={wanted}{capped}: a batch takes "
-                      f"{loader.production_p50_s * 1e3:.1f} ms against a {step_s * 1e3:.1f} ms step) or make the "
-                      f"transform cheaper")
+            change = (
+                f"build batches in parallel (num_workers={wanted}{capped}: a batch takes "
+                f"{loader.production_p50_s * 1e3:.1f} ms against a {step_s * 1e3:.1f} ms step) or make the "
+                f"transform cheaper"
+            )
         else:
-            why = (f"this machine has {cores} cores" if wanted < workers or capped
-                   else f"{workers} workers already build batches in parallel")
-            change = (f"make the transform cheaper (or the step does not need more workers: {why}); a batch "
-                      f"takes {loader.production_p50_s * 1e3:.1f} ms against a {step_s * 1e3:.1f} ms step")
+            why = (
+                f"this machine has {cores} cores"
+                if wanted < workers or capped
+                else f"{workers} workers already build batches in parallel"
+            )
+            change = (
+                f"make the transform cheaper (or the step does not need more workers: {why}); a batch "
+                f"takes {loader.production_p50_s * 1e3:.1f} ms against a {step_s * 1e3:.1f} ms step"
+            )
     elif bound == "local storage":
         change = f"put an L1 tier in RAM (tmpfs) of {_size(l1)} so shards are read from memory"
     else:
-        change = (f"add or grow the L2 tier to {_size(l2)} and stage {lookahead} batches ahead "
-                  f"(shard fetch p99 {fetch_latency * 1e3:.0f} ms)")
+        change = (
+            f"add or grow the L2 tier to {_size(l2)} and stage {lookahead} batches ahead "
+            f"(shard fetch p99 {fetch_latency * 1e3:.0f} ms)"
+        )
     return verdict(bound, reason, change)
 
 
-def _caches(tiers: Mapping[str, TierFigures], wanted: Mapping[str, float], min_requests: int, l1: int,
-            l2: int) -> str:
+def _caches(tiers: Mapping[str, TierFigures], wanted: Mapping[str, float], min_requests: int, l1: int, l2: int) -> str:
     """What a compute-bound run says of its caches: fine only where every tier's hit ratio is."""
-    low = [(name, t.demand_hit_ratio, wanted[name]) for name, t in tiers.items()
-           if name in wanted and t.hits + t.misses >= min_requests and t.demand_hit_ratio <= wanted[name]]
+    low = [
+        (name, t.demand_hit_ratio, wanted[name])
+        for name, t in tiers.items()
+        if name in wanted and t.hits + t.misses >= min_requests and t.demand_hit_ratio <= wanted[name]
+    ]
     if not low:
         return "the caches can stay as they are"
     said = ", ".join(f"{name} served {ratio:.0%} (want > {want:.0%})" for name, ratio, want in low)
     grow = ", ".join(f"{name} to {_size(l1 if name == 'L1' else l2)}" for name, _, _ in low)
-    return (f"the caches miss more than they should ({said}): harmless while the loop does not wait, but a "
-            f"faster step would wait on them: grow {grow}")
+    return (
+        f"the caches miss more than they should ({said}): harmless while the loop does not wait, but a "
+        f"faster step would wait on them: grow {grow}"
+    )
 
 
 def _size(nbytes: float) -> str:

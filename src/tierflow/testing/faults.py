@@ -33,7 +33,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 OPS = ("read", "write", "fsync", "rename", "open_write", "mkdir", "unlink")
 """Every operation family FailNth can fail."""
@@ -62,10 +63,18 @@ class FailNth:
     when `record` is set, `fired` the first fault raised, `failures` how many were raised."""
 
     _active_lock = threading.Lock()
-    _active: "FailNth | None" = None
+    _active: FailNth | None = None
 
-    def __init__(self, fail_at: int | None, roots: Iterable[str | os.PathLike], *, ops: Sequence[str] = DEFAULT_OPS,
-                 error: int = errnos.EIO, persistent: bool = False, record: bool = False) -> None:
+    def __init__(
+        self,
+        fail_at: int | None,
+        roots: Iterable[str | os.PathLike],
+        *,
+        ops: Sequence[str] = DEFAULT_OPS,
+        error: int = errnos.EIO,
+        persistent: bool = False,
+        record: bool = False,
+    ) -> None:
         unknown = set(ops) - set(OPS)
         if unknown:
             raise ValueError(f"unknown I/O operation families {sorted(unknown)}; expected some of {OPS}")
@@ -84,7 +93,7 @@ class FailNth:
         self._saved: list[tuple[Any, str, Any]] = []
 
     @classmethod
-    def current(cls) -> "FailNth | None":
+    def current(cls) -> FailNth | None:
         """The injector whose context is open, if any (a run can note how far it got: `calls`)."""
         return cls._active
 
@@ -129,15 +138,32 @@ class FailNth:
             raise OSError(self.error, f"{os.strerror(self.error)} (injected: {op} #{n})", path)
 
     # ------------------------------------------------------------ patching
-    def __enter__(self) -> "FailNth":
+    def __enter__(self) -> FailNth:
         with FailNth._active_lock:
             if FailNth._active is not None:
                 raise RuntimeError("FailNth does not nest")
             FailNth._active = self
         hit = self.hit
-        real = {name: getattr(os, name) for name in ("write", "pwrite", "sendfile", "fsync", "fdatasync", "rename",
-                                                     "replace", "mkdir", "open", "read", "pread", "preadv",
-                                                     "readv", "unlink", "remove")}
+        real = {
+            name: getattr(os, name)
+            for name in (
+                "write",
+                "pwrite",
+                "sendfile",
+                "fsync",
+                "fdatasync",
+                "rename",
+                "replace",
+                "mkdir",
+                "open",
+                "read",
+                "pread",
+                "preadv",
+                "readv",
+                "unlink",
+                "remove",
+            )
+        }
         real_open = io.open
 
         def fd_op(op: str, name: str, which: int = 0) -> Callable[..., Any]:
@@ -268,7 +294,7 @@ class _CountedFile:
             raise StopIteration
         return line
 
-    def __enter__(self) -> "_CountedFile":
+    def __enter__(self) -> _CountedFile:
         self._f.__enter__()
         return self
 
@@ -326,10 +352,18 @@ class FaultRun:
         return counts
 
 
-def fail_each(run: Callable[[], Any], check: Callable[[Trial], None], roots: Iterable[str | os.PathLike], *,
-              ops: Sequence[str] = DEFAULT_OPS, error: int = errnos.EIO, persistent: bool = False,
-              reset: Callable[[], None] | None = None, max_trials: int = 100_000,
-              points: Sequence[int] | None = None) -> FaultRun:
+def fail_each(
+    run: Callable[[], Any],
+    check: Callable[[Trial], None],
+    roots: Iterable[str | os.PathLike],
+    *,
+    ops: Sequence[str] = DEFAULT_OPS,
+    error: int = errnos.EIO,
+    persistent: bool = False,
+    reset: Callable[[], None] | None = None,
+    max_trials: int = 100_000,
+    points: Sequence[int] | None = None,
+) -> FaultRun:
     """Run `run()` with its N-th I/O operation failed, for N = 1, 2, ... until a run completes
     without reaching its N-th (or for each N of `points`, then once without a fault: a sample of
     the loop, see `boundaries`); `check(trial)` after each (with faults off), `reset()` before
@@ -345,7 +379,7 @@ def fail_each(run: Callable[[], Any], check: Callable[[Trial], None], roots: Ite
         with FailNth(n, roots, ops=ops, error=error, persistent=persistent) as faults:
             try:
                 result = run()
-            except BaseException as exc:  # noqa: BLE001 - the outcome under test
+            except BaseException as exc:
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 error_seen = exc
@@ -366,10 +400,16 @@ def _report(run: FaultRun, error: int, persistent: bool) -> None:
         return
     import json
 
-    line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "errno": errnos.errorcode[error],
-            "persistent": persistent, "trials": len(run.trials), "operations": run.operations,
-            "outcomes": run.outcomes(), "by_op": run.by_op(),
-            "max_seconds": round(max(t.seconds for t in run.trials), 3)}
+    line = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+        "errno": errnos.errorcode[error],
+        "persistent": persistent,
+        "trials": len(run.trials),
+        "operations": run.operations,
+        "outcomes": run.outcomes(),
+        "by_op": run.by_op(),
+        "max_seconds": round(max(t.seconds for t in run.trials), 3),
+    }
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -402,8 +442,13 @@ POINTS_ENV = "TIERFLOW_FAULT_POINTS"
 (the first and last of every run of one operation on one file) or "every" (SQLite's loop)."""
 
 
-def sample_points(run: Callable[[], Any], roots: Iterable[str | os.PathLike], ops: Sequence[str] = DEFAULT_OPS,
-                  how: str | None = None, reset: Callable[[], None] | None = None) -> list[int] | None:
+def sample_points(
+    run: Callable[[], Any],
+    roots: Iterable[str | os.PathLike],
+    ops: Sequence[str] = DEFAULT_OPS,
+    how: str | None = None,
+    reset: Callable[[], None] | None = None,
+) -> list[int] | None:
     """The N for `fail_each(points=...)` as TIERFLOW_FAULT_POINTS (or `how`) says, from one
     counted run of `run` (after `reset()`); None for "every" (fail_each then tries every N)."""
     how = how or os.environ.get(POINTS_ENV) or "kinds"
@@ -533,5 +578,19 @@ def error_chain(error: BaseException | None) -> Iterator[BaseException]:
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
 
 
-__all__ = ["DEFAULT_OPS", "FailNth", "FaultRun", "IOFault", "OPS", "POINTS_ENV", "Trial", "boundaries", "count_ops",
-           "error_chain", "fail_each", "sample_digests", "sample_points", "tier_problems"]
+__all__ = [
+    "DEFAULT_OPS",
+    "FailNth",
+    "FaultRun",
+    "IOFault",
+    "OPS",
+    "POINTS_ENV",
+    "Trial",
+    "boundaries",
+    "count_ops",
+    "error_chain",
+    "fail_each",
+    "sample_digests",
+    "sample_points",
+    "tier_problems",
+]

@@ -36,9 +36,7 @@ class DirectoryServer(ThreadedHTTPService):
         return f"server for {self.root} is not started"
 
 
-def serve_directory(
-    root: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0
-) -> DirectoryServer:
+def serve_directory(root: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0) -> DirectoryServer:
     """Start serving `root` read-only over HTTP; stop it with `.stop()` or a `with` block."""
     return DirectoryServer(root, host=host, port=port).start()
 

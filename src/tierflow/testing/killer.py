@@ -23,7 +23,8 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 SERVER = r'''
 import ctypes, importlib, json, os, signal, sys, time, traceback
@@ -124,8 +125,13 @@ class RunResult:
 class ForkServer:
     """A process that imports `modules` once and forks a child per `run` (see the module's doc)."""
 
-    def __init__(self, modules: Sequence[str], path: Sequence[str | os.PathLike] = (), scratch: str | os.PathLike = "",
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        modules: Sequence[str],
+        path: Sequence[str | os.PathLike] = (),
+        scratch: str | os.PathLike = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.modules = list(modules)
         self.path = [str(p) for p in path]
         self.scratch = Path(scratch or os.environ.get("TMPDIR", "/tmp"))
@@ -133,29 +139,47 @@ class ForkServer:
         self.proc: subprocess.Popen[str] | None = None
         self._runs = 0
 
-    def __enter__(self) -> "ForkServer":
+    def __enter__(self) -> ForkServer:
         import tierflow
 
         src = str(Path(tierflow.__file__).resolve().parents[1])
         env = {**os.environ, **(self.env or {})}
         env["PYTHONPATH"] = os.pathsep.join([src, *self.path, *filter(None, [env.get("PYTHONPATH")])])
-        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SERVER), json.dumps(self.modules)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(SERVER), json.dumps(self.modules)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"fork server failed to start (exit {self.proc.wait()})")
         return self
 
-    def run(self, call: str, args: dict[str, Any], kill_after: float | None = None, *, group: bool = True,
-            linger_limit: float = 30.0) -> RunResult:
+    def run(
+        self,
+        call: str,
+        args: dict[str, Any],
+        kill_after: float | None = None,
+        *,
+        group: bool = True,
+        linger_limit: float = 30.0,
+    ) -> RunResult:
         """Run `module:function(**args)` in a fresh child; SIGKILL it after `kill_after` seconds
         unless it finished (its whole process group with `group`, else the child alone)."""
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         self._runs += 1
         errors = self.scratch / f"fork-server-{os.getpid()}-{self._runs}.err"
-        job = {"call": call, "args": args, "kill_after": kill_after, "group": group, "linger_limit": linger_limit,
-               "errors": str(errors)}
+        job = {
+            "call": call,
+            "args": args,
+            "kill_after": kill_after,
+            "group": group,
+            "linger_limit": linger_limit,
+            "errors": str(errors),
+        }
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -166,8 +190,9 @@ class ForkServer:
         if errors.exists():
             text = errors.read_text()
             errors.unlink()
-        return RunResult(answer["pid"], answer["status"], answer["killed_at"], answer["elapsed"], answer["lingered"],
-                         text)
+        return RunResult(
+            answer["pid"], answer["status"], answer["killed_at"], answer["elapsed"], answer["lingered"], text
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:

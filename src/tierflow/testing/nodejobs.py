@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from tierflow.testing.s3server import S3Endpoint
 
@@ -63,8 +63,9 @@ def run_job(url: str, endpoint: str, tiers: Sequence[str], seed: int, epochs: in
         for _batch in loader:
             time.sleep(0.001)  # a short step: the stager runs beside the loop
         fetched.append(stack.m_source_bytes.value - before)
-        resident.append({t.name: sum(r.size for r in t.index.entries() if r.dataset == stack.dataset_id)
-                         for t in stack.tiers})
+        resident.append(
+            {t.name: sum(r.size for r in t.index.entries() if r.dataset == stack.dataset_id) for t in stack.tiers}
+        )
     loader.close()
     stack.close()
     tmp = out.with_name(".tmp-" + out.name)
@@ -72,8 +73,9 @@ def run_job(url: str, endpoint: str, tiers: Sequence[str], seed: int, epochs: in
     tmp.rename(out)
 
 
-def run_jobs(jobs: Sequence[JobSpec], endpoint: str, tiers: Sequence[str], workdir: Path,
-             timeout: float = 300) -> list[dict]:
+def run_jobs(
+    jobs: Sequence[JobSpec], endpoint: str, tiers: Sequence[str], workdir: Path, timeout: float = 300
+) -> list[dict]:
     """Start `jobs` as separate processes on the same `tiers`; each one's figures, in order."""
     start = workdir / "start"
     start.unlink(missing_ok=True)
@@ -83,9 +85,24 @@ def run_jobs(jobs: Sequence[JobSpec], endpoint: str, tiers: Sequence[str], workd
         out = workdir / f"job-{i}.json"
         out.unlink(missing_ok=True)
         outs.append(out)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tierflow.testing.nodejobs", job.url, endpoint,
-                                       json.dumps(list(tiers)), str(job.seed), str(job.epochs), str(out),
-                                       str(start), str(len(jobs))], env=env))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tierflow.testing.nodejobs",
+                    job.url,
+                    endpoint,
+                    json.dumps(list(tiers)),
+                    str(job.seed),
+                    str(job.epochs),
+                    str(out),
+                    str(start),
+                    str(len(jobs)),
+                ],
+                env=env,
+            )
+        )
     try:
         start.touch()
         for p in procs:

@@ -289,11 +289,7 @@ class LoopbackProxy(ThreadedHTTPService):
                 self._connections.discard(connection)
 
     def _connect_upstream(self) -> http.client.HTTPConnection:
-        cls = (
-            http.client.HTTPSConnection
-            if self._upstream_scheme == "https"
-            else http.client.HTTPConnection
-        )
+        cls = http.client.HTTPSConnection if self._upstream_scheme == "https" else http.client.HTTPConnection
         return cls(self._upstream_host, self._upstream_port, timeout=self.upstream_timeout)
 
 
@@ -362,9 +358,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             parts = urlsplit(target)
             target = parts.path + (f"?{parts.query}" if parts.query else "")
         raw_path, _, query = target.partition("?")
-        record = proxy._open_record(
-            self.command, unquote(raw_path), query, self.headers.get("Range")
-        )
+        record = proxy._open_record(self.command, unquote(raw_path), query, self.headers.get("Range"))
         fault = proxy._claim_fault(record)
         body = self._request_body(record)
         if fault is not None and fault.kind is Fault.UNAVAILABLE:
@@ -442,9 +436,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         except (OSError, http.client.HTTPException) as exc:
             raise _UpstreamFailed(f"upstream {self.server.proxy.upstream} failed: {exc!r}") from exc
 
-    def _relay(
-        self, response: http.client.HTTPResponse, record: RequestRecord, fault: FaultRule | None
-    ) -> None:
+    def _relay(self, response: http.client.HTTPResponse, record: RequestRecord, fault: FaultRule | None) -> None:
         status = response.status
         has_body = self.command != "HEAD" and status >= 200 and status not in (204, 304)
         if not has_body:

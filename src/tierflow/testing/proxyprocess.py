@@ -30,9 +30,7 @@ from tierflow.testing.proxy import (
 class ProxyProcess(Startable):
     """A `LoopbackProxy` in front of `upstream`, running in a child process."""
 
-    def __init__(
-        self, upstream: str, *, bandwidth: float | None = None, start_timeout: float = 30.0
-    ) -> None:
+    def __init__(self, upstream: str, *, bandwidth: float | None = None, start_timeout: float = 30.0) -> None:
         self.upstream = upstream
         self._initial_bandwidth = bandwidth
         self.start_timeout = start_timeout
@@ -111,12 +109,9 @@ class ProxyProcess(Startable):
 
     def traffic(self) -> TrafficSnapshot:
         state = self._call("GET", "/traffic")
-        totals = {
-            (method, path): PathTraffic(*counts) for method, path, *counts in state["totals"]
-        }
+        totals = {(method, path): PathTraffic(*counts) for method, path, *counts in state["totals"]}
         records = tuple(
-            RequestRecord(**{**r, "fault": Fault(r["fault"]) if r["fault"] else None})
-            for r in state["records"]
+            RequestRecord(**{**r, "fault": Fault(r["fault"]) if r["fault"] else None}) for r in state["records"]
         )
         return TrafficSnapshot(totals, records)
 
@@ -171,8 +166,7 @@ class _ControlHandler(BaseHTTPRequestHandler):
                         for (method, path), traffic in snapshot.by_method_path.items()
                     ],
                     "records": [
-                        {**dataclasses.asdict(r), "fault": r.fault.value if r.fault else None}
-                        for r in snapshot.records
+                        {**dataclasses.asdict(r), "fault": r.fault.value if r.fault else None} for r in snapshot.records
                     ],
                 }
             )
@@ -230,4 +224,3 @@ def _serve(upstream: str) -> None:
         print(f"PORTS {data_port} {control.server_address[1]}", flush=True)
         sys.stdin.read()  # returns when the parent closes our stdin or dies
         control.shutdown()
-

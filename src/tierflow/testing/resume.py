@@ -10,7 +10,8 @@ after every batch, and the same final state.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -39,8 +40,13 @@ def _same_value(a: Any, b: Any) -> bool:
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.cpu(), b.cpu())
+        )
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.array_equal(a, b) and np.asarray(a).dtype == np.asarray(b).dtype
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # e.g. unpadded ragged columns
@@ -63,8 +69,9 @@ def assert_same_batches(reference: Taken, got: Taken, context: str = "") -> None
         assert want_meta.stats == have_meta.stats, f"{where}: stats {have_meta.stats} != {want_meta.stats}"
 
 
-def assert_resumes_exactly(make_loader: Callable[[int], Loader], stops: Sequence[int], workers: int = 0,
-                           batches: int | None = None) -> None:
+def assert_resumes_exactly(
+    make_loader: Callable[[int], Loader], stops: Sequence[int], workers: int = 0, batches: int | None = None
+) -> None:
     """Resuming after any of `stops` batches yields exactly the uninterrupted run's batches.
 
     `make_loader(num_workers)` builds a new dataset and `Loader` from the beginning on each call.

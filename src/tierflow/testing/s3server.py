@@ -136,9 +136,7 @@ class MotoS3Server(Startable):
             line = _read_line(process, self.start_timeout)
         except TimeoutError:
             self.stop()
-            raise RuntimeError(
-                f"moto S3 server did not report its port within {self.start_timeout} s"
-            ) from None
+            raise RuntimeError(f"moto S3 server did not report its port within {self.start_timeout} s") from None
         if not line.startswith("PORT "):
             process.wait(timeout=5)
             self._log.seek(0)
@@ -205,4 +203,3 @@ def _serve(host: str) -> None:
     sys.stdin.read()  # returns when the parent closes our stdin or dies
     # and the process ends: the server's thread is a daemon (server.stop() would first wait out
     # werkzeug's half-second shutdown poll)
-

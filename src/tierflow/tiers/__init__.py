@@ -1,10 +1,10 @@
 """Storage tiers: shards staged from a source (L4/L3) through local disk (L2) and RAM (L1).
 
-    stack = build_stack("s3://bucket/dataset", [
-        TierConfig("L1", "/dev/shm/tierflow", capacity=8 << 30, form="decoded"),
-        TierConfig("L2", "/nvme/tierflow", capacity="30%", policy="auto"),  # 30% of the dataset at rest
-    ], endpoint_url="http://127.0.0.1:9000")
-    ds = stack.dataset()          # a tierflow Dataset whose shards come through the tiers
+stack = build_stack("s3://bucket/dataset", [
+    TierConfig("L1", "/dev/shm/tierflow", capacity=8 << 30, form="decoded"),
+    TierConfig("L2", "/nvme/tierflow", capacity="30%", policy="auto"),  # 30% of the dataset at rest
+], endpoint_url="http://127.0.0.1:9000")
+ds = stack.dataset()          # a tierflow Dataset whose shards come through the tiers
 """
 
 from __future__ import annotations
@@ -19,9 +19,15 @@ from tierflow.tiers.stack import Handle, Opened, TierStack
 from tierflow.tiers.tier import EntryHeat, Tier
 
 
-def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endpoint_url: str | None = None,
-                bandwidth: float | None = None, registry: MetricsRegistry | None = None,
-                node: int | None = None) -> TierStack:
+def build_stack(
+    url: str,
+    tiers: Sequence[TierConfig | Tier | str] = (),
+    *,
+    endpoint_url: str | None = None,
+    bandwidth: float | None = None,
+    registry: MetricsRegistry | None = None,
+    node: int | None = None,
+) -> TierStack:
     """A tier stack over the dataset at `url` (a local path, s3://, or another fsspec URL).
 
     `bandwidth` (bytes/s) caps this job's fetches, under the node's budget (TIERFLOW_NODE_BANDWIDTH);
@@ -59,5 +65,17 @@ def build_stack(url: str, tiers: Sequence[TierConfig | Tier | str] = (), *, endp
     return TierStack(source, built, registry=registry, manifest=manifest)
 
 
-__all__ = ["DatasetShare", "DiskShare", "EntryHeat", "Form", "Handle", "Opened", "Tier", "TierConfig", "TierStack", "build_stack", "parse_capacity",
-           "parse_size"]
+__all__ = [
+    "DatasetShare",
+    "DiskShare",
+    "EntryHeat",
+    "Form",
+    "Handle",
+    "Opened",
+    "Tier",
+    "TierConfig",
+    "TierStack",
+    "build_stack",
+    "parse_capacity",
+    "parse_size",
+]

@@ -105,8 +105,11 @@ class IndexTrouble:
             return False
         self.counter.inc()
         if not self.warned:
-            log.warning("%s: its index cannot be written (%s); serving from the tier below without caching "
-                        "until it can", self.where, error)
+            log.warning(
+                "%s: its index cannot be written (%s); serving from the tier below without caching until it can",
+                self.where,
+                error,
+            )
             self.warned = True
         return True
 
@@ -219,14 +222,22 @@ class TierIndex:
             return dict(c.execute("SELECT name, value FROM config").fetchall())
 
     def get(self, key: str, conn: sqlite3.Connection | None = None) -> EntryRow | None:
-        row = (conn or self.conn).execute(
-            "SELECT key, size, checksum, dataset, admitted, last_access, hits, stats FROM entries WHERE key=?",
-            (key,)).fetchone()
+        row = (
+            (conn or self.conn)
+            .execute(
+                "SELECT key, size, checksum, dataset, admitted, last_access, hits, stats FROM entries WHERE key=?",
+                (key,),
+            )
+            .fetchone()
+        )
         return _row(row) if row else None
 
     def entries(self, conn: sqlite3.Connection | None = None) -> list[EntryRow]:
-        rows = (conn or self.conn).execute(
-            "SELECT key, size, checksum, dataset, admitted, last_access, hits, stats FROM entries").fetchall()
+        rows = (
+            (conn or self.conn)
+            .execute("SELECT key, size, checksum, dataset, admitted, last_access, hits, stats FROM entries")
+            .fetchall()
+        )
         return [_row(r) for r in rows]
 
     def keys(self) -> set[str]:
@@ -245,13 +256,16 @@ class TierIndex:
     def occupancy(self) -> tuple[int, int]:
         """(bytes resident, bytes reserved)."""
         # one statement reads one snapshot: two would see an eviction and the next reservation twice
-        e, r = self.conn.execute("SELECT (SELECT COALESCE(SUM(size), 0) FROM entries), "
-                                 "(SELECT COALESCE(SUM(size), 0) FROM reservations)").fetchone()
+        e, r = self.conn.execute(
+            "SELECT (SELECT COALESCE(SUM(size), 0) FROM entries), (SELECT COALESCE(SUM(size), 0) FROM reservations)"
+        ).fetchone()
         return int(e), int(r)
 
     def reserve(self, conn: sqlite3.Connection, key: str, size: int) -> int:
-        cur = conn.execute("INSERT INTO reservations (key, size, pid, created) VALUES (?, ?, ?, ?)",
-                           (key, size, os.getpid(), time.time()))
+        cur = conn.execute(
+            "INSERT INTO reservations (key, size, pid, created) VALUES (?, ?, ?, ?)",
+            (key, size, os.getpid(), time.time()),
+        )
         assert cur.lastrowid is not None, "an INSERT gives its row id"
         return cur.lastrowid
 
@@ -260,18 +274,30 @@ class TierIndex:
 
     def admit(self, conn: sqlite3.Connection, row: EntryRow, reservation: int) -> None:
         conn.execute("DELETE FROM reservations WHERE id=?", (reservation,))
-        conn.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                     (row.key, row.size, row.checksum, row.dataset, row.admitted, row.last_access,
-                      row.hits, json.dumps(row.stats)))
+        conn.execute(
+            "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.key,
+                row.size,
+                row.checksum,
+                row.dataset,
+                row.admitted,
+                row.last_access,
+                row.hits,
+                json.dumps(row.stats),
+            ),
+        )
 
     def remove(self, conn: sqlite3.Connection, key: str) -> None:
         conn.execute("DELETE FROM entries WHERE key=?", (key,))
 
-    def set_heat(self, conn: sqlite3.Connection, key: str, last_access: float, hits: int,
-                 stats: dict[str, Any]) -> None:
+    def set_heat(
+        self, conn: sqlite3.Connection, key: str, last_access: float, hits: int, stats: dict[str, Any]
+    ) -> None:
         """An entry's statistics as restored from a checkpoint."""
-        conn.execute("UPDATE entries SET last_access=?, hits=?, stats=? WHERE key=?",
-                     (last_access, hits, json.dumps(stats), key))
+        conn.execute(
+            "UPDATE entries SET last_access=?, hits=?, stats=? WHERE key=?", (last_access, hits, json.dumps(stats), key)
+        )
 
     def add_reader(self, dataset: str) -> None:
         """Record that this process reads `dataset` through the tier (until it dies)."""
@@ -289,8 +315,9 @@ class TierIndex:
         return live
 
     def touch(self, conn: sqlite3.Connection, key: str, now: float, stats: dict[str, Any]) -> None:
-        conn.execute("UPDATE entries SET last_access=?, hits=hits+1, stats=? WHERE key=?",
-                     (now, json.dumps(stats), key))
+        conn.execute(
+            "UPDATE entries SET last_access=?, hits=hits+1, stats=? WHERE key=?", (now, json.dumps(stats), key)
+        )
 
 
 def _row(r: tuple) -> EntryRow:

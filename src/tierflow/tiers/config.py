@@ -21,9 +21,22 @@ from tierflow.format.shard import Form
 from tierflow.tiers.capacity import is_tmpfs
 from tierflow.tiers.tier import Tier, tier_form
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "b": 1}
+_UNITS = {
+    "": 1,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "b": 1,
+}
 NODE_PLACEHOLDER = "{node}"
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
@@ -147,8 +160,13 @@ class TierConfig:
             raise ValueError(f"tier {spec!r}: expected NAME=PATH[:CAPACITY[:POLICY[:FORM]]]")
         capacity = parts[1] if len(parts) > 1 and parts[1] else "50%disk"
         try:
-            return cls(name, parts[0], capacity, policy=parts[2] if len(parts) > 2 and parts[2] else "auto",
-                       form=parts[3] if len(parts) > 3 and parts[3] else AUTO_FORM)
+            return cls(
+                name,
+                parts[0],
+                capacity,
+                policy=parts[2] if len(parts) > 2 and parts[2] else "auto",
+                form=parts[3] if len(parts) > 3 and parts[3] else AUTO_FORM,
+            )
         except ValueError as e:
             raise ValueError(f"tier {spec!r}: {e}") from None
 
@@ -157,27 +175,38 @@ class TierConfig:
         if NODE_PLACEHOLDER not in self.path:
             return self
         if node is None:
-            raise ValueError(f"tier {self.name} path {self.path!r} has {NODE_PLACEHOLDER} but no node index is known "
-                             f"here: open_loader fills it in from GROUP_RANK / NODE_RANK, build_stack takes node=; "
-                             f"on the command line give the node's own path")
+            raise ValueError(
+                f"tier {self.name} path {self.path!r} has {NODE_PLACEHOLDER} but no node index is known "
+                f"here: open_loader fills it in from GROUP_RANK / NODE_RANK, build_stack takes node=; "
+                f"on the command line give the node's own path"
+            )
         return replace(self, path=self.path.replace(NODE_PLACEHOLDER, str(int(node))))
 
-    def build(self, registry: MetricsRegistry | None = None, node: int | None = None,
-              configure: bool = True) -> Tier:
+    def build(self, registry: MetricsRegistry | None = None, node: int | None = None, configure: bool = True) -> Tier:
         """The tier itself; `node` fills a `{node}` placeholder in the path; `configure`: see Tier."""
         if NODE_PLACEHOLDER in self.path:
             return self.for_node(node).build(registry, configure=configure)
         capacity, form = self.capacity, self.form
         if isinstance(capacity, DatasetShare):
             if configure:
-                raise ValueError(f"tier {self.name}: capacity {float(capacity):.0%} is a share of the dataset at rest: "
-                                 f"resolve(at_rest_bytes, decoded_bytes) first (build_stack does), or give bytes "
-                                 f"or a share of the disk (\"30%disk\")")
+                raise ValueError(
+                    f"tier {self.name}: capacity {float(capacity):.0%} is a share of the dataset at rest: "
+                    f"resolve(at_rest_bytes, decoded_bytes) first (build_stack does), or give bytes "
+                    f'or a share of the disk ("30%disk")'
+                )
             capacity = min(1.0, float(capacity))  # a look (tierflow cache ls|evict|clean): the directory's config rules
         if form == AUTO_FORM:  # no dataset to measure against: RAM keeps decoded blocks, a disk keeps shards at rest
             form = Form.DECODED if is_tmpfs(_existing(self.path)) else Form.AT_REST
-        return Tier(self.path, float(capacity), policy=self.policy, form=form, name=self.name,
-                    registry=registry, policy_options=self.policy_options, configure=configure)
+        return Tier(
+            self.path,
+            float(capacity),
+            policy=self.policy,
+            form=form,
+            name=self.name,
+            registry=registry,
+            policy_options=self.policy_options,
+            configure=configure,
+        )
 
 
 def _existing(path: str) -> Path:

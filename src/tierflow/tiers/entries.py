@@ -40,8 +40,14 @@ BlockLister = Callable[[Path], Sequence[Block]]
 class EntryStore:
     """The entries of one tier directory and their rows in its shared index."""
 
-    def __init__(self, root: Path, name: str, index_trouble: IndexTrouble, corruptions: Counter,
-                 broken: Callable[[BaseException], bool]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        index_trouble: IndexTrouble,
+        corruptions: Counter,
+        broken: Callable[[BaseException], bool],
+    ) -> None:
         """`index_trouble` tolerates a full or failing index (a read then misses); `corruptions`
         counts entries that fail verification; `broken` is told of a directory found gone."""
         self.root = root
@@ -128,8 +134,10 @@ class EntryStore:
             if (size is not None and d["size"] != size) or (checksum is not None and d["checksum"] != checksum):
                 raise ValueError("another entry")
             b = d["blocks"]
-            blocks = [Block(int(o), int(n), int(r), str(c))
-                      for o, n, r, c in zip(b["offset"], b["length"], b["rows"], b["checksum"], strict=True)]
+            blocks = [
+                Block(int(o), int(n), int(r), str(c))
+                for o, n, r, c in zip(b["offset"], b["length"], b["rows"], b["checksum"], strict=True)
+            ]
             end = 0
             for block in blocks:  # contiguous from 0, inside the file
                 if block.offset != end or block.length <= 0 or block.rows < 0:
@@ -147,9 +155,16 @@ class EntryStore:
         blocks = list(blocks)
         self._block_lists[key] = blocks
         body: dict[str, object] = {
-            "key": key, "size": size, "checksum": checksum,
-            "blocks": {"offset": [b.offset for b in blocks], "length": [b.length for b in blocks],
-                       "rows": [b.rows for b in blocks], "checksum": [b.checksum for b in blocks]}}
+            "key": key,
+            "size": size,
+            "checksum": checksum,
+            "blocks": {
+                "offset": [b.offset for b in blocks],
+                "length": [b.length for b in blocks],
+                "rows": [b.rows for b in blocks],
+                "checksum": [b.checksum for b in blocks],
+            },
+        }
         body["digest"] = xxh3_hex(json.dumps(body, sort_keys=True).encode())
         tmp = self.temporary(key, ".blocks")
         try:

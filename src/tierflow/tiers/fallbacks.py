@@ -38,8 +38,16 @@ DEVICE_FAILED = frozenset({errno.EIO, errno.EROFS})
 class TierFallbacks:
     """One tier's failures as this process met them: whether it is bypassed, and what was warned."""
 
-    def __init__(self, root: Path, name: str, *, enospc: Counter, write_errors: Counter, unavailable: Counter,
-                 index_unwritable: Counter) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        *,
+        enospc: Counter,
+        write_errors: Counter,
+        unavailable: Counter,
+        index_unwritable: Counter,
+    ) -> None:
         """`root` must exist: its identity now is what `vanished` compares against."""
         self.root = root
         self.name = name
@@ -105,23 +113,34 @@ class TierFallbacks:
             if self.unavailable is not None:
                 return
             self.unavailable = reason
-        warnings.warn(TierUnavailableWarning(
-            f"tier {self.name} ({self.root}): {reason}; this process bypasses the tier from now on, reading from "
-            f"the tier below (or the source); a new process sets the directory up again"), stacklevel=3)
+        warnings.warn(
+            TierUnavailableWarning(
+                f"tier {self.name} ({self.root}): {reason}; this process bypasses the tier from now on, reading from "
+                f"the tier below (or the source); a new process sets the directory up again"
+            ),
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------ a full or failing disk
     def write_failed(self, error: OSError) -> None:
         self.m_write_errors.inc()
         if not self._warned_write_error:
-            log.warning("tier %s (%s): a write failed (%s); serving from the tier below without caching",
-                        self.name, self.root, error)
+            log.warning(
+                "tier %s (%s): a write failed (%s); serving from the tier below without caching",
+                self.name,
+                self.root,
+                error,
+            )
             self._warned_write_error = True
 
     def no_space(self) -> None:
         self.m_enospc.inc()
         if not self._warned_enospc:
-            log.warning("tier %s (%s): no space left on the device; serving from the tier below without caching",
-                        self.name, self.root)
+            log.warning(
+                "tier %s (%s): no space left on the device; serving from the tier below without caching",
+                self.name,
+                self.root,
+            )
             self._warned_enospc = True
 
     @contextmanager

@@ -39,8 +39,15 @@ def _per_epoch(fetched: dict[int, int], epochs: int, dataset: int) -> list[Epoch
     return [EpochBytes(e, fetched.get(e, 0), dataset) for e in range(epochs)]
 
 
-def replay(uses: Sequence[ShardUse], tier_sizes: Sequence[int], rest_sizes: Sequence[int], capacity: int,
-           staging: int, epochs: int, policy: str = "nochurn") -> list[EpochBytes]:
+def replay(
+    uses: Sequence[ShardUse],
+    tier_sizes: Sequence[int],
+    rest_sizes: Sequence[int],
+    capacity: int,
+    staging: int,
+    epochs: int,
+    policy: str = "nochurn",
+) -> list[EpochBytes]:
     """Bytes fetched per epoch by the top tier (`policy`, `capacity` in its form's bytes) with the
     staging area (`staging` bytes) beside it."""
     name = "nochurn" if policy == "auto" else policy
@@ -62,8 +69,9 @@ def replay(uses: Sequence[ShardUse], tier_sizes: Sequence[int], rest_sizes: Sequ
     return _per_epoch(fetched, epochs, dataset)
 
 
-def optimum(uses: Sequence[ShardUse], tier_sizes: Sequence[int], rest_sizes: Sequence[int], capacity: int,
-            epochs: int) -> list[EpochBytes]:
+def optimum(
+    uses: Sequence[ShardUse], tier_sizes: Sequence[int], rest_sizes: Sequence[int], capacity: int, epochs: int
+) -> list[EpochBytes]:
     """Belady's MIN with bypass over the uses as points (a bypassed shard is read once for its
     window), `capacity` bytes of room; exact for equal sizes, the furthest-next-use rule otherwise."""
     ordered = [u for u in sorted(uses, key=lambda u: (u.first_use, u.shard)) if u.epoch < epochs]

@@ -111,12 +111,17 @@ class StagingPlan:
     """(shard, first_use, last_use), each shard's uses merged: what the next-use oracle answers from."""
 
 
-def size_lookahead(node: NodeShape, consumption_bytes_s: float, fetch_p99_s: float,
-                   fetch_mean_s: float, cover_s: float = 0.0) -> Lookahead:
+def size_lookahead(
+    node: NodeShape, consumption_bytes_s: float, fetch_p99_s: float, fetch_mean_s: float, cover_s: float = 0.0
+) -> Lookahead:
     """Little's law with a 2x margin, at least `min_batches` steps and the next windows, at most `max_bytes`;
     during a burst (a checkpoint upload expected to last `cover_s`), at least what the loop consumes in it."""
-    want = max(node.min_batches * node.bytes_per_step, 2 * consumption_bytes_s * (fetch_p99_s + fetch_mean_s),
-               node.next_windows_bytes, consumption_bytes_s * cover_s)
+    want = max(
+        node.min_batches * node.bytes_per_step,
+        2 * consumption_bytes_s * (fetch_p99_s + fetch_mean_s),
+        node.next_windows_bytes,
+        consumption_bytes_s * cover_s,
+    )
     ahead = min(want, node.max_bytes)
     step = max(node.bytes_per_step, 1)
     horizon = max(node.min_batches, math.ceil(ahead / step))
@@ -141,10 +146,20 @@ def merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes_s: float = 0.0,
-                 fetch_p99_s: float = 1.0, fetch_mean_s: float = 1.0, position: int = 0,
-                 resident: Container[int] | None = None, held: Collection[int] = (),
-                 in_flight: Collection[int] = (), lead: int = 0, cover_s: float = 0.0) -> StagingPlan:
+def plan_staging(
+    uses: Sequence[ShardUse],
+    node: NodeShape,
+    *,
+    consumption_bytes_s: float = 0.0,
+    fetch_p99_s: float = 1.0,
+    fetch_mean_s: float = 1.0,
+    position: int = 0,
+    resident: Container[int] | None = None,
+    held: Collection[int] = (),
+    in_flight: Collection[int] = (),
+    lead: int = 0,
+    cover_s: float = 0.0,
+) -> StagingPlan:
     """What to stage next from `uses` (the node's future, sorted by first use, covering at least the
     lookahead's `view_steps`).
 
@@ -193,5 +208,15 @@ def plan_staging(uses: Sequence[ShardUse], node: NodeShape, *, consumption_bytes
     return StagingPlan(ahead, tuple(fetch), until, tuple(release), intervals)
 
 
-__all__ = ["ORACLE_SHARDS", "FutureView", "Lookahead", "NodeRank", "NodeShape", "StagingPlan", "merged_spans", "passed",
-           "plan_staging", "size_lookahead"]
+__all__ = [
+    "ORACLE_SHARDS",
+    "FutureView",
+    "Lookahead",
+    "NodeRank",
+    "NodeShape",
+    "StagingPlan",
+    "merged_spans",
+    "passed",
+    "plan_staging",
+    "size_lookahead",
+]

@@ -141,16 +141,24 @@ def _remove_staging(path: Path, owner: int) -> None:
 class TierStack:
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
-    def __init__(self, source: Any, tiers: Sequence[Tier] = (), registry: MetricsRegistry | None = None,
-                 max_open: int = 8, max_decoded_bytes: int = 1 << 30,
-                 manifest: Manifest | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        tiers: Sequence[Tier] = (),
+        registry: MetricsRegistry | None = None,
+        max_open: int = 8,
+        max_decoded_bytes: int = 1 << 30,
+        manifest: Manifest | None = None,
+    ) -> None:
         self.source = source
         self._manifest = manifest  # read already (build_stack's, to size tiers against it): not fetched again
         self.tiers = list(tiers)
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             if upper.form is Form.AT_REST and lower.form is Form.DECODED:
-                raise ValueError(f"tier {upper.name} stores at-rest shards above {lower.name}, which stores "
-                                 f"decoded ones: decoded bytes never move down to a compressed form")
+                raise ValueError(
+                    f"tier {upper.name} stores at-rest shards above {lower.name}, which stores "
+                    f"decoded ones: decoded bytes never move down to a compressed form"
+                )
         self.registry = registry or (self.tiers[0].registry if self.tiers else MetricsRegistry())
         self.max_open = max_open
         self.dataset_id: str | None = None
@@ -176,18 +184,22 @@ class TierStack:
         self._dropped: set[int] = set()
         self._store_blocks: StoreBlocks | None = None
         self._lock = threading.Lock()
-        self.m_source_bytes = self.registry.counter("tierflow_stack_source_bytes_total", {"tier": SOURCE},
-                                                    "at-rest bytes fetched from the source")
+        self.m_source_bytes = self.registry.counter(
+            "tierflow_stack_source_bytes_total", {"tier": SOURCE}, "at-rest bytes fetched from the source"
+        )
         self.m_served = {name: self._served_counter(name) for name in [t.name for t in self.tiers] + [MEMORY]}
         self.m_staging_waits = self.registry.counter(
-            "tierflow_stack_staging_waits_total", description="reads that waited for room in the node's staging area")
+            "tierflow_stack_staging_waits_total", description="reads that waited for room in the node's staging area"
+        )
         self.m_staging_wait_s = self.registry.counter(
-            "tierflow_stack_staging_wait_seconds_total", description="seconds reads waited for room in the node's "
-            "staging area (held for a slower rank of the node)")
+            "tierflow_stack_staging_wait_seconds_total",
+            description="seconds reads waited for room in the node's staging area (held for a slower rank of the node)",
+        )
 
     def _served_counter(self, where: str) -> Counter:
-        return self.registry.counter("tierflow_stack_served_total", {"tier": where},
-                                     "readable copies handed out, by where the copy lives")
+        return self.registry.counter(
+            "tierflow_stack_served_total", {"tier": where}, "readable copies handed out, by where the copy lives"
+        )
 
     # ------------------------------------------------------------ manifest
     def manifest(self) -> Manifest:
@@ -212,8 +224,9 @@ class TierStack:
         return Dataset(self.manifest(), self, columns=columns, location=self.source.url)
 
     # ------------------------------------------------------------ reader's declarations
-    def declare(self, lifecycle: Lifecycle, working_bytes: int, open_shards: int, readers: int = 1,
-                job: str | None = None) -> None:
+    def declare(
+        self, lifecycle: Lifecycle, working_bytes: int, open_shards: int, readers: int = 1, job: str | None = None
+    ) -> None:
         """What the reader knows before it reads: how (for `auto` policies), how many bytes of
         shards it needs at once (the staging area's size) and how many it reads at once (kept
         open, pinned). Call before forking workers.
@@ -237,15 +250,22 @@ class TierStack:
             # the cache adapts to the order, not the order to the cache: the working set at rest (the
             # readers decode the blocks they read), and a warning with the numbers where even that is more
             at_rest = int((readers if shared else 1) * working_bytes * self._rest_per_byte)
-            log.warning("the staging area would hold the order's working set decoded, %.1f MB, more than %.0f%% "
-                        "of the memory headroom (%.1f MB); it holds it at rest instead (%.1f MB)%s", wanted / 1e6,
-                        STAGING_RAM_SHARE * 100, headroom / 1e6, at_rest / 1e6,
-                        "" if at_rest <= STAGING_RAM_SHARE * headroom else
-                        "; that is still more: shards it cannot hold are read into each process's memory and "
-                        "fetched again; lanes= and window_shards= narrow the order (a new order)")
+            log.warning(
+                "the staging area would hold the order's working set decoded, %.1f MB, more than %.0f%% "
+                "of the memory headroom (%.1f MB); it holds it at rest instead (%.1f MB)%s",
+                wanted / 1e6,
+                STAGING_RAM_SHARE * 100,
+                headroom / 1e6,
+                at_rest / 1e6,
+                ""
+                if at_rest <= STAGING_RAM_SHARE * headroom
+                else "; that is still more: shards it cannot hold are read into each process's memory and "
+                "fetched again; lanes= and window_shards= narrow the order (a new order)",
+            )
             wanted, form = at_rest, Form.AT_REST
-        if self.tiers and (wanted > self.staging_bytes or form is not self.staging_form
-                           or (shared and self.staging_job != job)):
+        if self.tiers and (
+            wanted > self.staging_bytes or form is not self.staging_form or (shared and self.staging_job != job)
+        ):
             self.staging_form = form
             self.staging_bytes = max(wanted, self.staging_bytes)
             self.staging_job = job if shared else None
@@ -266,8 +286,14 @@ class TierStack:
                     self.progress = NodeProgress(path, self.staging_readers)
                 else:
                     path = root / f"staging-{os.getpid()}-{secrets.token_hex(4)}"
-                self.staging = Tier(path, self.staging_bytes, policy="lru", form=self.staging_form, name=STAGING_NAME,
-                                    registry=self.registry)
+                self.staging = Tier(
+                    path,
+                    self.staging_bytes,
+                    policy="lru",
+                    form=self.staging_form,
+                    name=STAGING_NAME,
+                    registry=self.registry,
+                )
             except OSError as e:
                 log.warning("no staging area in %s (%s): shards no tier keeps are read into memory", root, e)
                 self.staging_bytes = 0
@@ -303,14 +329,23 @@ class TierStack:
             found.append(self._produce(info, level, tmp))
 
         block_list = scan_blocks if tier.form is Form.DECODED else None
-        pin = tier.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
-                          verify_hit=False if read else None, block_list=block_list)
+        pin = tier.ensure(
+            info.key,
+            size,
+            checksum,
+            produce,
+            dataset=self.dataset_id,
+            prefetch=prefetch,
+            verify_hit=False if read else None,
+            block_list=block_list,
+        )
         if pin is not None:
             self.m_served[tier.name].inc()
             # a decoded entry's block list: recorded at admission, or by the hit that found none
             blocks = tier.blocks_of(info.key, size, checksum) if tier.form is Form.DECODED else None
-            return Handle(tier.form, tier.name, pin.path, pin, blocks=blocks,
-                          served_by=found[-1] if found else tier.name)
+            return Handle(
+                tier.form, tier.name, pin.path, pin, blocks=blocks, served_by=found[-1] if found else tier.name
+            )
         return self._ensure(info, level + 1, prefetch, read)
 
     def warm(self, on_shard: Callable[[], None] | None = None) -> tuple[int, int]:
@@ -341,19 +376,33 @@ class TierStack:
             self._fill(info, staging.form, None, tmp)
 
         decoded = staging.form is Form.DECODED
-        pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, prefetch=prefetch,
-                             verify_hit=False, block_list=scan_blocks if decoded else None)
+        pin = staging.ensure(
+            info.key,
+            size,
+            checksum,
+            produce,
+            dataset=self.dataset_id,
+            prefetch=prefetch,
+            verify_hit=False,
+            block_list=scan_blocks if decoded else None,
+        )
         if pin is None and not prefetch and self.progress is not None and size <= staging.capacity:
             pin = self._wait_for_room(staging, info, size, checksum, produce)
         if pin is None:
             return None
         self.m_served[STAGING_NAME].inc()
-        return Handle(staging.form, STAGING_NAME, pin.path, pin,
-                      blocks=staging.blocks_of(info.key, size, checksum) if decoded else None,
-                      served_by=SOURCE if fetched else STAGING_NAME)
+        return Handle(
+            staging.form,
+            STAGING_NAME,
+            pin.path,
+            pin,
+            blocks=staging.blocks_of(info.key, size, checksum) if decoded else None,
+            served_by=SOURCE if fetched else STAGING_NAME,
+        )
 
-    def _wait_for_room(self, staging: Tier, info: ShardInfo, size: int, checksum: str,
-                       produce: Callable[[Path], None]) -> Pin | None:
+    def _wait_for_room(
+        self, staging: Tier, info: ShardInfo, size: int, checksum: str, produce: Callable[[Path], None]
+    ) -> Pin | None:
         """Every entry of the node's staging area is in use, read by the node's readers or held
         for a slower rank of the node: while a rank of the node is behind this one and moving, wait
         (it frees what it holds as it passes it, or brings this very shard in meanwhile) rather than
@@ -371,8 +420,15 @@ class TierStack:
             while True:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-                pin = staging.ensure(info.key, size, checksum, produce, dataset=self.dataset_id, verify_hit=False,
-                                     block_list=scan_blocks if staging.form is Form.DECODED else None)
+                pin = staging.ensure(
+                    info.key,
+                    size,
+                    checksum,
+                    produce,
+                    dataset=self.dataset_id,
+                    verify_hit=False,
+                    block_list=scan_blocks if staging.form is Form.DECODED else None,
+                )
                 if pin is not None:
                     return pin
                 now_mine, now_slowest = self.progress.lag()
@@ -381,8 +437,12 @@ class TierStack:
                 if now_slowest != slowest:
                     slowest, last = now_slowest, time.monotonic()
                 elif time.monotonic() - last > self.staging_wait_s:
-                    log.warning("shard %s: the node's staging area stayed full and its slowest rank did not "
-                                "move for %.0f s; reading the shard into memory", info.name, self.staging_wait_s)
+                    log.warning(
+                        "shard %s: the node's staging area stayed full and its slowest rank did not "
+                        "move for %.0f s; reading the shard into memory",
+                        info.name,
+                        self.staging_wait_s,
+                    )
                     return None
         finally:
             self.m_staging_wait_s.inc(time.monotonic() - started)
@@ -520,8 +580,11 @@ class TierStack:
         unreadable = isinstance(error.__cause__, OSError) and not isinstance(error.__cause__, ShardCorruptError)
         again: Callable[[], Handle | None]
         try:
-            tier.quarantine(info.key, f"{'could not be read' if unreadable else 'failed verification'} "
-                                      f"at block {block}", pin=handle.pin)
+            tier.quarantine(
+                info.key,
+                f"{'could not be read' if unreadable else 'failed verification'} at block {block}",
+                pin=handle.pin,
+            )
             if tier.unavailable is None:  # else the tier warned that it is bypassed: its files are gone
                 log.warning("%s; quarantining its entry in tier %s and fetching it again", error, tier.name)
         except OSError as e:  # the tier's device fails: it would serve the same entry again
@@ -561,19 +624,31 @@ class TierStack:
         """Pickled as its configuration, for spawn/forkserver workers: the child opens its own
         clients, index connections and locks, and shares the parent's staging area."""
         staging = self.staging.root if self.staging is not None else None
-        state = {"dataset_id": self.dataset_id, "schema": self.schema, "declared": self._open_declared,
-                 "staging_bytes": self.staging_bytes, "staging": staging, "staging_job": self.staging_job,
-                 "staging_readers": self.staging_readers,
-                 "staged_per_byte": self._staged_per_byte, "staging_form": self.staging_form.value}
-        return (_reopened, (self.source, self.tiers, self.registry, self.max_open,
-                            self.cache.max_bytes, state))
+        state = {
+            "dataset_id": self.dataset_id,
+            "schema": self.schema,
+            "declared": self._open_declared,
+            "staging_bytes": self.staging_bytes,
+            "staging": staging,
+            "staging_job": self.staging_job,
+            "staging_readers": self.staging_readers,
+            "staged_per_byte": self._staged_per_byte,
+            "staging_form": self.staging_form.value,
+        }
+        return (_reopened, (self.source, self.tiers, self.registry, self.max_open, self.cache.max_bytes, state))
 
     def snapshot(self) -> dict:
         return {"tiers": [t.snapshot() for t in self.tiers], "metrics": self.registry.snapshot()}
 
 
-def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max_open: int,
-              max_decoded_bytes: int, state: dict[str, Any]) -> TierStack:
+def _reopened(
+    source: Any,
+    tiers: Sequence[Tier],
+    registry: MetricsRegistry,
+    max_open: int,
+    max_decoded_bytes: int,
+    state: dict[str, Any],
+) -> TierStack:
     """A pickled stack in the process that unpickles it (`TierStack.__reduce__`)."""
     stack = TierStack(source, tiers, registry, max_open, max_decoded_bytes)
     stack.dataset_id, stack.schema = state["dataset_id"], state["schema"]
@@ -585,8 +660,14 @@ def _reopened(source: Any, tiers: Sequence[Tier], registry: MetricsRegistry, max
             stack.staging_readers = state["staging_readers"]
             stack.progress = NodeProgress(Path(state["staging"]), stack.staging_readers)
         stack.staging_form = Form(state.get("staging_form", Form.DECODED))
-        stack.staging = Tier(state["staging"], stack.staging_bytes, policy="lru", form=stack.staging_form,
-                             name=STAGING_NAME, registry=stack.registry)
+        stack.staging = Tier(
+            state["staging"],
+            stack.staging_bytes,
+            policy="lru",
+            form=stack.staging_form,
+            name=STAGING_NAME,
+            registry=stack.registry,
+        )
         stack.m_served[STAGING_NAME] = stack._served_counter(STAGING_NAME)
     return stack
 

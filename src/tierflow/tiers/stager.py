@@ -61,8 +61,11 @@ class FaultLog:
             self.counts[cause] = self.counts.get(cause, 0) + 1
         if first:
             self.said[cause] = f"{what}: {cause[0]}: {cause[1]}"
-            self.log.warning("%s; %s (repeats of this cause are counted, and their count logged when the "
-                             "stager stops)", self.said[cause], then)
+            self.log.warning(
+                "%s; %s (repeats of this cause are counted, and their count logged when the stager stops)",
+                self.said[cause],
+                then,
+            )
         self.log.debug("%s", what, exc_info=error)
 
     def close(self) -> None:
@@ -95,9 +98,19 @@ _NEVER = 1 << 62
 class Stager:
     """Prefetch for `view` (a TieredDataset) through `stack` on this node; threads, not processes."""
 
-    def __init__(self, view: FutureView, stack: TierStack, *, threads: int = 2, min_batches: int = 5,
-                 max_bytes: int | None = None, registry: MetricsRegistry | None = None,
-                 enabled: bool | None = None, prometheus_port: int | None = None, events: Any = None) -> None:
+    def __init__(
+        self,
+        view: FutureView,
+        stack: TierStack,
+        *,
+        threads: int = 2,
+        min_batches: int = 5,
+        max_bytes: int | None = None,
+        registry: MetricsRegistry | None = None,
+        enabled: bool | None = None,
+        prometheus_port: int | None = None,
+        events: Any = None,
+    ) -> None:
         self.view = view
         self.events = events
         """An `EventLog` (telemetry/eventlog.py) that gets a "stage" record per transfer from below, or None:
@@ -111,20 +124,24 @@ class Stager:
         self.registry = registry or stack.registry
         r = self.registry
         self.m_fetched = r.counter("tierflow_stager_fetches_total", description="shards staged ahead of need")
-        self.m_already = r.counter("tierflow_stager_already_resident_total",
-                                   description="planned shards already staged")
+        self.m_already = r.counter(
+            "tierflow_stager_already_resident_total", description="planned shards already staged"
+        )
         self.m_latency = r.histogram("tierflow_stager_fetch_seconds", description="time to stage one shard")
-        self.m_ahead = r.gauge("tierflow_stager_ahead_bytes", aggregate="max",
-                               description="bytes staged and pinned ahead")
-        self.m_lookahead = r.gauge("tierflow_stager_lookahead_bytes", aggregate="max",
-                                   description="bytes the stager aims ahead")
+        self.m_ahead = r.gauge(
+            "tierflow_stager_ahead_bytes", aggregate="max", description="bytes staged and pinned ahead"
+        )
+        self.m_lookahead = r.gauge(
+            "tierflow_stager_lookahead_bytes", aggregate="max", description="bytes the stager aims ahead"
+        )
         self.m_declined = r.counter("tierflow_stager_declined_total", description="planned shards no tier would take")
         self.m_plan = r.histogram("tierflow_stager_plan_seconds", description="time to plan the lookahead once")
         self.source_bytes_by_epoch: dict[int, int] = {}
         """At-rest bytes this stager's fetches took from the source, by the epoch of the use each was
         staged for: the cold epoch's lookahead into the next is the next epoch's (issue 37)."""
-        self.m_errors = r.counter("tierflow_stager_errors_total",
-                                  description="fetches that failed (readers fetch on demand)")
+        self.m_errors = r.counter(
+            "tierflow_stager_errors_total", description="fetches that failed (readers fetch on demand)"
+        )
         self._cursor: Any = None  # opaque: the loader's cursor, handed to the view as is
         self._consumed_steps = 0
         # the steps of the node's ranks, where they share the node's staging area: the stager looks
@@ -178,8 +195,9 @@ class Stager:
         self._stop.clear()
         # daemon threads: a fetch stuck on a dead network must never hold the process at exit
         self._threads = [threading.Thread(target=self._run, name="tierflow-stager", daemon=True)]
-        self._threads += [threading.Thread(target=self._fetcher, name=f"tierflow-stage-{i}", daemon=True)
-                          for i in range(self.threads)]
+        self._threads += [
+            threading.Thread(target=self._fetcher, name=f"tierflow-stage-{i}", daemon=True) for i in range(self.threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -205,8 +223,11 @@ class Stager:
                 self._oracle.position = (self._consumed_steps - self._plan_steps) * self.node.samples_per_step
         steps, at = self._next_plan
         # wake the thread when a plan is due or a pin can go, not per batch (that cost the loop ~0.3 ms a batch)
-        if self._consumed_steps >= steps and time.monotonic() >= at or \
-                self._consumed_steps * self.node.samples_per_step >= self._release_at:
+        if (
+            self._consumed_steps >= steps
+            and time.monotonic() >= at
+            or self._consumed_steps * self.node.samples_per_step >= self._release_at
+        ):
             self._wake.set()
 
     def close(self) -> None:
@@ -314,20 +335,31 @@ class Stager:
         working = view.working_set
         active = working.bytes  # the shards read at once and the window just left, no more than the dataset
         if capacity and active > capacity:  # the order's, not narrowed to the tier: the staging area carries it
-            log.info("tier capacity %.1f MB is below the %d shards of the order's working set (%d lanes x windows of "
-                     "%d and the next window): the tier keeps what its policy chooses, the rest passes through "
-                     "the staging area", capacity / 1e6, working.shards, working.lanes, working.window_shards)
+            log.info(
+                "tier capacity %.1f MB is below the %d shards of the order's working set (%d lanes x windows of "
+                "%d and the next window): the tier keeps what its policy chooses, the rest passes through "
+                "the staging area",
+                capacity / 1e6,
+                working.shards,
+                working.lanes,
+                working.window_shards,
+            )
         room = capacity - active if capacity else 0
         return NodeShape(
-            shard_bytes=shard_bytes, bytes_per_step=int(sizes.sum()) / max(1, view.num_order_samples) * samples_per_step,
-            samples_per_step=samples_per_step, min_batches=min_batches,
+            shard_bytes=shard_bytes,
+            bytes_per_step=int(sizes.sum()) / max(1, view.num_order_samples) * samples_per_step,
+            samples_per_step=samples_per_step,
+            min_batches=min_batches,
             max_bytes=max_bytes if max_bytes is not None else max(room, shard_bytes),
             # at least the next window of every lane, or each window boundary is a stall
-            next_windows_bytes=working.reading * shard_bytes, capacity=capacity, dataset_bytes=int(sizes.sum()),
+            next_windows_bytes=working.reading * shard_bytes,
+            capacity=capacity,
+            dataset_bytes=int(sizes.sum()),
             staging_slots=working.reading,
             # the windows being read are staged whole only where the top tier holds the working set:
             # in a smaller one they would push out the warm entries the next windows hit
-            reading_shards=working.reading if not capacity or active <= capacity else 0)
+            reading_shards=working.reading if not capacity or active <= capacity else 0,
+        )
 
     def _run(self) -> None:
         planned_at, planned_time, cost = -1, 0.0, 0.0
@@ -384,9 +416,19 @@ class Stager:
         with self._lock:
             held, in_flight = set(self._held), set(self._inflight)
             position = (self._consumed_steps - plan_base) * sps
-        plan = plan_staging(uses, self.node, consumption_bytes_s=rate, fetch_p99_s=p99, fetch_mean_s=mean,
-                            position=position, resident=self._resident(), held=held, in_flight=in_flight,
-                            lead=lead * sps, cover_s=cover)
+        plan = plan_staging(
+            uses,
+            self.node,
+            consumption_bytes_s=rate,
+            fetch_p99_s=p99,
+            fetch_mean_s=mean,
+            position=position,
+            resident=self._resident(),
+            held=held,
+            in_flight=in_flight,
+            lead=lead * sps,
+            cover_s=cover,
+        )
         manifest = self.view.manifest  # keys from the mapped column: no ShardInfo per planned shard
         oracle = PositionOracle(IntervalOracle((shard_key(manifest, s), f, last) for s, f, last in plan.intervals), 0.0)
         with self._lock:
@@ -461,9 +503,9 @@ class Stager:
         will before this one's), is for a shard first needed before `due`, then count this one in;
         False when the stager stopped meanwhile. Only earlier tickets count: the earliest never waits
         on a queued one, so the fetch threads cannot all wait on fetches none of them holds."""
+
         def earlier_due() -> bool:
-            return (any(d < due for d in self._transfers)
-                    or any(d < due for t, d in self._queued.items() if t < ticket))
+            return any(d < due for d in self._transfers) or any(d < due for t, d in self._queued.items() if t < ticket)
 
         with self._link:
             while earlier_due() and not self._stop.is_set():
@@ -509,8 +551,14 @@ class Stager:
             with on_downloaded(arrived):
                 handle = self.stack.ensure(info, prefetch=True)
             if began is not None:
-                self.events.write("stage", shard=shard, name=info.name, first_use=due, began=began,
-                                  served_by=None if handle is None else handle.served_by)
+                self.events.write(
+                    "stage",
+                    shard=shard,
+                    name=info.name,
+                    first_use=due,
+                    began=began,
+                    served_by=None if handle is None else handle.served_by,
+                )
         except Exception as e:
             self.m_errors.inc()
             self.faults.warn("stager could not stage a shard", e, "readers will fetch it on demand")
@@ -554,6 +602,12 @@ class Stager:
     def snapshot(self) -> dict:
         with self._lock:
             held = sorted(self._held)
-        return {"enabled": self.enabled, "held_shards": held, "lookahead_bytes": self.lookahead().bytes,
-                "consumption_bytes_per_s": self.consumption_rate(), "max_bytes": self.node.max_bytes,
-                "fetches": self.m_fetched.value, "already_resident": self.m_already.value}
+        return {
+            "enabled": self.enabled,
+            "held_shards": held,
+            "lookahead_bytes": self.lookahead().bytes,
+            "consumption_bytes_per_s": self.consumption_rate(),
+            "max_bytes": self.node.max_bytes,
+            "fetches": self.m_fetched.value,
+            "already_resident": self.m_already.value,
+        }

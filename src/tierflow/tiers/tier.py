@@ -69,11 +69,23 @@ def tier_form(form: Form | str, tier: str) -> Form:
 class Tier:
     """One cache directory. Thread- and process-safe; cheap to construct in every process."""
 
-    def __init__(self, root: str | os.PathLike[str], capacity: float, policy: str = "lru",
-                 form: Form | str = Form.DECODED, name: str = "L2", lock_timeout: float = 120.0,
-                 verify_hits: bool = True, registry: MetricsRegistry | None = None,
-                 policy_options: dict[str, Any] | None = None, ram: bool | None = None, fetch_attempts: int = 3,
-                 clock: Callable[[], float] = time.time, configure: bool = True, strict: bool = True) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity: float,
+        policy: str = "lru",
+        form: Form | str = Form.DECODED,
+        name: str = "L2",
+        lock_timeout: float = 120.0,
+        verify_hits: bool = True,
+        registry: MetricsRegistry | None = None,
+        policy_options: dict[str, Any] | None = None,
+        ram: bool | None = None,
+        fetch_attempts: int = 3,
+        clock: Callable[[], float] = time.time,
+        configure: bool = True,
+        strict: bool = True,
+    ) -> None:
         """`configure`: store this capacity, policy and form as the directory's if it has none yet
         (the first to open a tier decides). False for a look at it (`tierflow cache ls|evict|clean`):
         the directory is configured by the first entry written through this handle, if any.
@@ -89,14 +101,23 @@ class Tier:
         self.fetch_attempts = fetch_attempts
         self.root.mkdir(parents=True, exist_ok=True)
         self._metrics(registry)
-        self.fallbacks = TierFallbacks(self.root, name, enospc=self.m_enospc, write_errors=self.m_write_errors,
-                                       unavailable=self.m_unavailable, index_unwritable=self.m_index_unwritable)
+        self.fallbacks = TierFallbacks(
+            self.root,
+            name,
+            enospc=self.m_enospc,
+            write_errors=self.m_write_errors,
+            unavailable=self.m_unavailable,
+            index_unwritable=self.m_index_unwritable,
+        )
         self._index_trouble = self.fallbacks.index_trouble
         self.store = EntryStore(self.root, name, self._index_trouble, self.m_corruptions, self.fallbacks.broken)
         self.index = self.store.index
         # what is used while the index cannot be opened (a full disk): what was asked
-        stored = requested = {"capacity": str(Capacity(capacity).resolve(self.root, 0)), "policy": policy,
-                              "form": form.value}
+        stored = requested = {
+            "capacity": str(Capacity(capacity).resolve(self.root, 0)),
+            "policy": policy,
+            "form": form.value,
+        }
         try:
             requested["capacity"] = str(Capacity(capacity).resolve(self.root, self.index.occupancy()[0]))
             stored = self.index.set_config_if_absent(requested) if configure else (self.index.config() or requested)
@@ -104,15 +125,24 @@ class Tier:
             if index_damaged(e) and not strict:
                 self.fallbacks.broken(e)
             elif index_damaged(e):
-                raise TierIndexError(f"tier {name}: {self.root / INDEX_NAME}: {e}; the tier is a cache: remove the "
-                                     f"tier directory (its entries are fetched again)") from e
+                raise TierIndexError(
+                    f"tier {name}: {self.root / INDEX_NAME}: {e}; the tier is a cache: remove the "
+                    f"tier directory (its entries are fetched again)"
+                ) from e
             if not self._index_trouble(e):
                 raise
         for k, v in requested.items() if configure else ():  # a look asks for nothing
             if stored[k] != v and not (k == "capacity" and capacity <= 1):
-                log.warning("tier %s (%s): asked for %s=%s but the directory is configured with %s; "
-                            "capacity and policy belong to the directory, keeping %s", name, self.root, k, v,
-                            stored[k], stored[k])
+                log.warning(
+                    "tier %s (%s): asked for %s=%s but the directory is configured with %s; "
+                    "capacity and policy belong to the directory, keeping %s",
+                    name,
+                    self.root,
+                    k,
+                    v,
+                    stored[k],
+                    stored[k],
+                )
         self._requested = requested
         self._configured = stored is not requested  # else stored before the first entry is (`_reserve`)
         self.configured_capacity = int(stored["capacity"])
@@ -141,16 +171,20 @@ class Tier:
         self.m_evicted_unused = count("evictions_before_use", "prefetched, evicted before any read")
         self.m_corruptions = count("corruptions", "entries that failed verification")
         self.m_enospc = count("enospc_fallbacks", "served from below: no space")
-        self.m_write_errors = count("write_error_fallbacks", "served from below: the tier's device failed a write "
-                                    "(EIO, read-only)")
-        self.m_index_unwritable = count("index_unwritable", "index writes failed (filesystem full or failing); "
-                                        "served from below")
+        self.m_write_errors = count(
+            "write_error_fallbacks", "served from below: the tier's device failed a write (EIO, read-only)"
+        )
+        self.m_index_unwritable = count(
+            "index_unwritable", "index writes failed (filesystem full or failing); served from below"
+        )
         self.m_bypass = count("bypass", "served from below: the policy declined")
         self.m_in_use = count("full_in_use", "served from below: every resident entry in use")
         self.m_prefetch_no_room = count("prefetch_no_room", "prefetches dropped: every resident entry in use")
         self.m_takeovers = count("lock_takeovers", "fetch lock timed out; fetched anyway")
-        self.m_unavailable = count("unavailable_fallbacks", "served from below: the tier's directory vanished or "
-                                   "was replaced, or its index broke, under this process")
+        self.m_unavailable = count(
+            "unavailable_fallbacks",
+            "served from below: the tier's directory vanished or was replaced, or its index broke, under this process",
+        )
         self.m_latency = r.histogram("tierflow_tier_fetch_seconds", labels, "time to fill a miss")
         self.m_occupancy = r.gauge("tierflow_tier_occupancy_bytes", labels, aggregate="max")
         self.m_capacity = r.gauge("tierflow_tier_capacity_bytes", labels, aggregate="max")
@@ -277,9 +311,17 @@ class Tier:
         return self.unavailable is None and self.store.is_resident(key)
 
     # ------------------------------------------------------------ filling a miss
-    def ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None],
-               dataset: str | None = None, prefetch: bool = False, verify_hit: bool | None = None,
-               block_list: BlockLister | None = None) -> Pin | None:
+    def ensure(
+        self,
+        key: str,
+        size: int,
+        checksum: str,
+        produce: Callable[[Path], None],
+        dataset: str | None = None,
+        prefetch: bool = False,
+        verify_hit: bool | None = None,
+        block_list: BlockLister | None = None,
+    ) -> Pin | None:
         """A pin on the entry, fetching it with `produce(tmp_path)` on a miss; None = serve from below.
 
         `prefetch` marks a fetch ahead of need: the entry is not yet used, so evicting it before
@@ -297,8 +339,17 @@ class Tier:
             self.m_unavailable.inc()
             return None
 
-    def _ensure(self, key: str, size: int, checksum: str, produce: Callable[[Path], None], dataset: str | None,
-                prefetch: bool, verify_hit: bool | None, block_list: BlockLister | None) -> Pin | None:
+    def _ensure(
+        self,
+        key: str,
+        size: int,
+        checksum: str,
+        produce: Callable[[Path], None],
+        dataset: str | None,
+        prefetch: bool,
+        verify_hit: bool | None,
+        block_list: BlockLister | None,
+    ) -> Pin | None:
         if dataset is not None:
             self.add_reader(dataset)
         pin = self.lookup(key, verify_hit, block_list)
@@ -316,8 +367,9 @@ class Tier:
                 return pin
             return self._fill(key, size, checksum, produce, dataset, prefetch, block_list)
 
-    def ensure_made(self, key: str, make: Callable[[], bytes], dataset: str | None = None,
-                    verify_hit: bool | None = None) -> tuple[Pin | None, bytes | None]:
+    def ensure_made(
+        self, key: str, make: Callable[[], bytes], dataset: str | None = None, verify_hit: bool | None = None
+    ) -> tuple[Pin | None, bytes | None]:
         """`ensure` for an entry derived on this node (an image cache's resized pixels), whose size and
         checksum are known only once it is made: `make()` runs under the entry's fetch lock (one maker
         per node) and its bytes are what is reserved, written, verified and admitted like any fill.
@@ -331,8 +383,9 @@ class Tier:
             self.m_unavailable.inc()
             return None, make()
 
-    def _ensure_made(self, key: str, make: Callable[[], bytes], dataset: str | None,
-                     verify_hit: bool | None) -> tuple[Pin | None, bytes | None]:
+    def _ensure_made(
+        self, key: str, make: Callable[[], bytes], dataset: str | None, verify_hit: bool | None
+    ) -> tuple[Pin | None, bytes | None]:
         if dataset is not None:
             self.add_reader(dataset)
         pin = self.lookup(key, verify_hit)
@@ -356,8 +409,16 @@ class Tier:
 
             return self._fill(key, len(data), xxh3_128_hex(data), write, dataset), data
 
-    def _fill(self, key: str, size: int, checksum: str, produce: Callable[[Path], None], dataset: str | None,
-              prefetch: bool = False, block_list: BlockLister | None = None) -> Pin | None:
+    def _fill(
+        self,
+        key: str,
+        size: int,
+        checksum: str,
+        produce: Callable[[Path], None],
+        dataset: str | None,
+        prefetch: bool = False,
+        block_list: BlockLister | None = None,
+    ) -> Pin | None:
         """A miss under the entry's fetch lock: reserve, produce to a temporary name, verify, rename, admit."""
         (self.m_prefetches if prefetch else self.m_misses).inc()
         started = time.perf_counter()
@@ -365,8 +426,7 @@ class Tier:
         corrupt = 0
         while True:
             try:
-                reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch,
-                                            dataset=dataset)
+                reservation = self._reserve(key, size, extra=size * enospc, required=not prefetch, dataset=dataset)
             except sqlite3.Error as e:
                 if not self._index_trouble(e):
                     raise
@@ -430,11 +490,12 @@ class Tier:
         got_size = tmp.stat().st_size
         if got_size != size or file_xxh3_128(tmp) != checksum:
             self.m_corruptions.inc()
-            raise FetchError(f"tier {self.name}: fetched bytes of {key} do not verify (size {got_size}, "
-                             f"expected {size}) after {self.fetch_attempts} attempts; nothing was admitted")
+            raise FetchError(
+                f"tier {self.name}: fetched bytes of {key} do not verify (size {got_size}, "
+                f"expected {size}) after {self.fetch_attempts} attempts; nothing was admitted"
+            )
 
-    def _admit(self, key: str, size: int, checksum: str, dataset: str | None, reservation: int,
-               used: bool) -> None:
+    def _admit(self, key: str, size: int, checksum: str, dataset: str | None, reservation: int, used: bool) -> None:
         now = self.clock()
         with self.admission.lock:
             self.admission.inserted(key, size, now)
@@ -466,8 +527,9 @@ class Tier:
             self.index.add_reader(dataset)
             self._readers.add((os.getpid(), dataset))
 
-    def _reserve(self, key: str, size: int, extra: int = 0, required: bool = True,
-                 dataset: str | None = None) -> int | None:
+    def _reserve(
+        self, key: str, size: int, extra: int = 0, required: bool = True, dataset: str | None = None
+    ) -> int | None:
         """Reserve `size` bytes in the index, evicting what the admission controller names; None when
         the entry cannot be cached (policies/admission.py says when: a reader's entry is `required`)."""
         if not self._configured:  # the index opens now: the directory's configuration goes first
@@ -485,9 +547,18 @@ class Tier:
             rows = {r.key: r for r in self.index.entries(c)}
             self.admission.sync(rows)
             decided = self.admission.reserve(
-                rows, key, size, now, capacity, self.index.used(c), required=required, extra=extra,
-                dataset=dataset, readers=self.index.read_datasets(c),
-                remove=lambda victim: self.store.remove_unpinned(c, victim))
+                rows,
+                key,
+                size,
+                now,
+                capacity,
+                self.index.used(c),
+                required=required,
+                extra=extra,
+                dataset=dataset,
+                readers=self.index.read_datasets(c),
+                remove=lambda victim: self.store.remove_unpinned(c, victim),
+            )
             for victim in decided.evicted:
                 self.m_evictions.inc()
                 if rows[victim.key].hits == 0:
@@ -511,9 +582,25 @@ class Tier:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its configuration (capacity, policy and form are the directory's): the child
         opens its own index connection and locks."""
-        return (Tier, (self.root, self.configured_capacity, self.policy_name, self.form, self.name,
-                       self.lock_timeout, self.verify_hits, self.registry, self.policy_options, self.ram,
-                       self.fetch_attempts, self.clock, True, False))
+        return (
+            Tier,
+            (
+                self.root,
+                self.configured_capacity,
+                self.policy_name,
+                self.form,
+                self.name,
+                self.lock_timeout,
+                self.verify_hits,
+                self.registry,
+                self.policy_options,
+                self.ram,
+                self.fetch_attempts,
+                self.clock,
+                True,
+                False,
+            ),
+        )
 
     def snapshot(self) -> dict[str, Any]:
         resident = reserved = entries = 0
@@ -521,6 +608,13 @@ class Tier:
             resident, reserved = self.index.occupancy()
             entries = len(self.index.entries())
         self.m_occupancy.set(resident)
-        return {"name": self.name, "root": str(self.root), "form": self.form, "policy": self.policy_name,
-                "capacity": self.capacity, "resident_bytes": resident, "reserved_bytes": reserved,
-                "entries": entries}
+        return {
+            "name": self.name,
+            "root": str(self.root),
+            "form": self.form,
+            "policy": self.policy_name,
+            "capacity": self.capacity,
+            "resident_bytes": resident,
+            "reserved_bytes": reserved,
+            "entries": entries,
+        }

@@ -9,8 +9,16 @@ decoded-and-resized images instead of decoding every time (a small hot dataset; 
 """
 
 from tierflow.transforms.augment import (
-    BUCKET_KEY, CenterCrop, Geometry, HorizontalFlip, ImagePipeline, RandomResizedCrop, ResizeToBucket,
-    aspect_buckets, nearest_bucket, normalize,
+    BUCKET_KEY,
+    CenterCrop,
+    Geometry,
+    HorizontalFlip,
+    ImagePipeline,
+    RandomResizedCrop,
+    ResizeToBucket,
+    aspect_buckets,
+    nearest_bucket,
+    normalize,
 )
 from tierflow.transforms.decode import ImageDecodeError, available_decoders, decode, resolve_decoder
 from tierflow.transforms.resized import ResizedImages

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -34,10 +35,10 @@ class Geometry:
     flip: bool = False
 
     @classmethod
-    def full(cls, width: int, height: int) -> "Geometry":
+    def full(cls, width: int, height: int) -> Geometry:
         return cls((0.0, 0.0, float(width), float(height)), (int(width), int(height)))
 
-    def crop(self, x: float, y: float, w: float, h: float, out: tuple[int, int]) -> "Geometry":
+    def crop(self, x: float, y: float, w: float, h: float, out: tuple[int, int]) -> Geometry:
         """Crop (x, y, w, h) of the current output image, resized to `out`."""
         x0, y0, x1, y1 = self.box
         sx, sy = (x1 - x0) / self.out[0], (y1 - y0) / self.out[1]
@@ -106,13 +107,16 @@ class HorizontalFlip:
         return replace(g, flip=g.flip ^ bool(rng.random() < self.p))
 
 
-def aspect_buckets(area: int = 256 * 256, multiple: int = 32, max_ratio: float = 2.0,
-                   count: int = 9) -> list[tuple[int, int]]:
+def aspect_buckets(
+    area: int = 256 * 256, multiple: int = 32, max_ratio: float = 2.0, count: int = 9
+) -> list[tuple[int, int]]:
     """A bounded set of (height, width) shapes of about `area` pixels, sides multiples of `multiple`,
     aspect ratios spaced geometrically from 1/max_ratio to max_ratio (one shape per ratio)."""
     if count < 1 or multiple < 1 or area < multiple * multiple or max_ratio < 1:
-        raise ValueError(f"aspect buckets need count >= 1, area >= multiple^2, max_ratio >= 1; got {count}, "
-                         f"{area}, {multiple}, {max_ratio}")
+        raise ValueError(
+            f"aspect buckets need count >= 1, area >= multiple^2, max_ratio >= 1; got {count}, "
+            f"{area}, {multiple}, {max_ratio}"
+        )
     ratios = np.exp(np.linspace(-math.log(max_ratio), math.log(max_ratio), count)) if count > 1 else [1.0]
     shapes = []
     for r in ratios:  # r = width / height
@@ -267,9 +271,9 @@ class ImagePipeline:
 
         ids = self._tokens.encode_arrow(pa.array([text]))[1]  # pack's encoding: the ids, EOS last
         if ids.size > self.max_tokens:
-            ids = np.append(ids[:self.max_tokens - 1], ids[-1])
+            ids = np.append(ids[: self.max_tokens - 1], ids[-1])
         padded = np.zeros(self.max_tokens, dtype=np.int64)
-        padded[:ids.size] = ids
+        padded[: ids.size] = ids
         return padded, int(ids.size)
 
 
@@ -297,8 +301,9 @@ def resolve_resampler(name: str = "auto") -> str:
     return name
 
 
-def _resample(img: Any, box: tuple[float, float, float, float], out: tuple[int, int], flip: bool,
-              resampler: str = "pillow") -> np.ndarray:
+def _resample(
+    img: Any, box: tuple[float, float, float, float], out: tuple[int, int], flip: bool, resampler: str = "pillow"
+) -> np.ndarray:
     """The box of `img` resized to `out` (w, h) in one antialiased bilinear pass, mirrored on `flip`,
     as a contiguous HWC uint8 array."""
     if resampler == "torch":
@@ -306,8 +311,7 @@ def _resample(img: Any, box: tuple[float, float, float, float], out: tuple[int, 
     return _resample_pillow(img, box, out, flip)
 
 
-def _resample_torch(img: Any, box: tuple[float, float, float, float], out: tuple[int, int],
-                    flip: bool) -> np.ndarray:
+def _resample_torch(img: Any, box: tuple[float, float, float, float], out: tuple[int, int], flip: bool) -> np.ndarray:
     """torch's antialiased bilinear resize (align_corners=False, as Pillow's) of the box rounded to
     whole pixels: the crop is cut to a contiguous HWC array (rows of memcpy) and viewed as a
     channels-last NCHW tensor, the layout of torch's vectorised uint8 kernel, whose output is
@@ -332,8 +336,13 @@ def _resample_torch(img: Any, box: tuple[float, float, float, float], out: tuple
     try:
         hwc = torch.from_numpy(crop)
         if crop.shape[1] != out[0] or crop.shape[0] != out[1]:
-            nchw = interpolate(hwc[None].permute(0, 3, 1, 2), size=(out[1], out[0]), mode="bilinear",
-                               antialias=True, align_corners=False)
+            nchw = interpolate(
+                hwc[None].permute(0, 3, 1, 2),
+                size=(out[1], out[0]),
+                mode="bilinear",
+                antialias=True,
+                align_corners=False,
+            )
             hwc = nchw[0].permute(1, 2, 0)
         if flip:
             hwc = hwc.flip(1)
@@ -343,8 +352,7 @@ def _resample_torch(img: Any, box: tuple[float, float, float, float], out: tuple
             torch.set_num_threads(threads)
 
 
-def _resample_pillow(img: Any, box: tuple[float, float, float, float], out: tuple[int, int],
-                     flip: bool) -> np.ndarray:
+def _resample_pillow(img: Any, box: tuple[float, float, float, float], out: tuple[int, int], flip: bool) -> np.ndarray:
     """Pillow's resize of the (fractional) box. A decoded array is cut to the box and the filter's
     reach around it first, so only those pixels are copied into Pillow (the same output: the
     resampler reads nothing beyond that reach)."""
@@ -369,8 +377,12 @@ def _resample_pillow(img: Any, box: tuple[float, float, float, float], out: tupl
     return to_array(resized)
 
 
-def normalize(batch: Any, mean: Sequence[float] = (0.485, 0.456, 0.406),
-              std: Sequence[float] = (0.229, 0.224, 0.225), channels_last: bool = True) -> Any:
+def normalize(
+    batch: Any,
+    mean: Sequence[float] = (0.485, 0.456, 0.406),
+    std: Sequence[float] = (0.229, 0.224, 0.225),
+    channels_last: bool = True,
+) -> Any:
     """The device step: a uint8 (N, H, W, C) tensor -> float32 (N, C, H, W), scaled to [0, 1] and
     normalised; run it on the GPU after the loader's copy (a quarter of the bytes cross the bus)."""
     import torch

@@ -36,11 +36,13 @@ def _importable_decoders() -> tuple[str, ...]:
     found = []
     try:
         import simplejpeg  # noqa: F401
+
         found.append("simplejpeg")
     except ImportError:
         pass
     try:
         import PIL  # noqa: F401
+
         found.append("pillow")
     except ImportError:
         pass
@@ -92,7 +94,7 @@ def decode(data: bytes, min_size: tuple[int, int] | None = None, decoder: str = 
             w, h = (0, 0) if min_size is None else (int(min_size[0]), int(min_size[1]))
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=w, min_height=h)
         return decode_pil(data, min_size)
-    except Exception as e:  # noqa: BLE001 - decoders raise OSError, ValueError, SyntaxError...
+    except Exception as e:
         raise ImageDecodeError(f"image does not decode ({type(e).__name__}: {e})") from None
 
 

@@ -60,8 +60,15 @@ SOURCE_KEY = "__source__"
 ENTRY_FORMAT = 2
 UNKEPT_BLOCKS = 4
 """Blocks the tier did not keep (full, or smaller than an entry) that a process holds in its memory."""
-SCHEMA = pa.schema([("pixels", pa.large_binary()), ("width", pa.int32()), ("height", pa.int32()),
-                    ("checksum", pa.uint64()), ("error", pa.string())])
+SCHEMA = pa.schema(
+    [
+        ("pixels", pa.large_binary()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("checksum", pa.uint64()),
+        ("error", pa.string()),
+    ]
+)
 
 
 class SampleLocation(NamedTuple):
@@ -104,7 +111,7 @@ class _Block:
             if batch.schema != SCHEMA:
                 raise ValueError(f"schema {batch.schema}")
             pixels = batch.column("pixels")
-            self.offsets = np.frombuffer(pixels.buffers()[1], np.int64)[pixels.offset:pixels.offset + len(pixels) + 1]
+            self.offsets = np.frombuffer(pixels.buffers()[1], np.int64)[pixels.offset : pixels.offset + len(pixels) + 1]
             data = pixels.buffers()[2]
             self.data = np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8)
             self.widths = batch.column("width").to_numpy()
@@ -153,8 +160,9 @@ class ResizedImages:
 
     def __post_init__(self) -> None:
         if self.short_side < 1 or self.open_blocks < 1:
-            raise ValueError(f"ResizedImages needs short_side >= 1 and open_blocks >= 1, got {self.short_side}, "
-                             f"{self.open_blocks}")
+            raise ValueError(
+                f"ResizedImages needs short_side >= 1 and open_blocks >= 1, got {self.short_side}, {self.open_blocks}"
+            )
         self.capacity = parse_capacity(self.capacity)
 
     def __getstate__(self) -> dict:
@@ -185,24 +193,37 @@ class ResizedImages:
             tier = Tier(self.path, float(self.capacity), policy=self.policy, name=self.name, registry=registry)
             labels = {"tier": self.name}
             state.clear()
-            state.update(pid=os.getpid(), blocks=OrderedDict(), unkept=OrderedDict(), tier=tier,
-                         made_blocks=tier.registry.counter("tierflow_resized_made_blocks_total", labels,
-                                                           "blocks of images decoded and resized"),
-                         made_bytes=tier.registry.counter("tierflow_resized_made_bytes_total", labels,
-                                                          "bytes of resized entries made (kept or not)"))
+            state.update(
+                pid=os.getpid(),
+                blocks=OrderedDict(),
+                unkept=OrderedDict(),
+                tier=tier,
+                made_blocks=tier.registry.counter(
+                    "tierflow_resized_made_blocks_total", labels, "blocks of images decoded and resized"
+                ),
+                made_bytes=tier.registry.counter(
+                    "tierflow_resized_made_bytes_total", labels, "bytes of resized entries made (kept or not)"
+                ),
+            )
         return state["tier"]
 
     def params(self, image: str, decoder: str) -> dict[str, Any]:
         """What the cached pixels depend on besides the shard's content (hashed into every key)."""
-        return {"short_side": self.short_side, "image": image, "decoder": _decoder_version(decoder),
-                "filter": "bilinear", "format": ENTRY_FORMAT}
+        return {
+            "short_side": self.short_side,
+            "image": image,
+            "decoder": _decoder_version(decoder),
+            "filter": "bilinear",
+            "format": ENTRY_FORMAT,
+        }
 
     def key(self, shard_key: str, block: int, image: str, decoder: str) -> str:
         digests = self._state.setdefault("digests", {})  # asked for every sample: hashed once per process
         digest = digests.get((image, decoder))
         if digest is None:
-            digest = digests[(image, decoder)] = xxh3_hex(json.dumps(self.params(image, decoder),
-                                                                     sort_keys=True).encode())
+            digest = digests[(image, decoder)] = xxh3_hex(
+                json.dumps(self.params(image, decoder), sort_keys=True).encode()
+            )
         return f"{shard_key}-b{block}-r{digest}"
 
     def resize(self, data: bytes | None, decoder: str) -> np.ndarray:
@@ -245,8 +266,10 @@ class ResizedImages:
 
     def _damaged_again(self, key: str, source: SampleLocation, error: _Damaged) -> ShardCorruptError:
         name = source.dataset.manifest.shards[source.shard].name
-        return ShardCorruptError(f"resized cache {self.tier.root}: entry {key} (shard {name} block {source.block}) "
-                                 f"{error}, again after it was made again")
+        return ShardCorruptError(
+            f"resized cache {self.tier.root}: entry {key} (shard {name} block {source.block}) "
+            f"{error}, again after it was made again"
+        )
 
     def _quarantine(self, key: str, block: _Block, why: str) -> None:
         for blocks in (self._state["blocks"], self._state["unkept"]):
@@ -265,8 +288,12 @@ class ResizedImages:
                 blocks.move_to_end(key)
                 return found
         for attempt in range(2):
-            pin, made = tier.ensure_made(key, lambda: self._make(source, image, decoder),
-                                         dataset=source.dataset.manifest.dataset_id, verify_hit=False)
+            pin, made = tier.ensure_made(
+                key,
+                lambda: self._make(source, image, decoder),
+                dataset=source.dataset.manifest.dataset_id,
+                verify_hit=False,
+            )
             if pin is None:
                 found = _Block(pa.py_buffer(made))
                 blocks, bound = self._state["unkept"], UNKEPT_BLOCKS
@@ -307,9 +334,16 @@ class ResizedImages:
             heights.append(arr.shape[0])
             widths.append(arr.shape[1])
             errors.append(error)
-        batch = pa.record_batch([pa.array(pixels, pa.large_binary()), pa.array(widths, pa.int32()),
-                                 pa.array(heights, pa.int32()), pa.array(checksums, pa.uint64()),
-                                 pa.array(errors, pa.string())], schema=SCHEMA)
+        batch = pa.record_batch(
+            [
+                pa.array(pixels, pa.large_binary()),
+                pa.array(widths, pa.int32()),
+                pa.array(heights, pa.int32()),
+                pa.array(checksums, pa.uint64()),
+                pa.array(errors, pa.string()),
+            ],
+            schema=SCHEMA,
+        )
         sink = io.BytesIO()
         with pa.ipc.new_file(sink, SCHEMA) as writer:
             writer.write_batch(batch)
