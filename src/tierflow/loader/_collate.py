@@ -103,6 +103,21 @@ def _owning_base(array: np.ndarray) -> np.ndarray | None:
     return None
 
 
+def placeable(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(`array`, the buffer it is copied from): native byte order (a batch travels, and arrives,
+    in it: torch has no other), and a contiguous owner that its views share, so a buffer viewed by
+    several columns is copied once; a view that is neither is made contiguous first."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    base = _owning_base(array)
+    if base is None or any(s < 0 for s in array.strides):
+        if array.base is None and array.flags.c_contiguous:
+            base = array
+        else:
+            base = array = np.array(array, order="C")
+    return array, base
+
+
 def _address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
 
@@ -176,14 +191,7 @@ def pack_arrays(
         if array is None:
             rest[name] = value
             continue
-        if not array.dtype.isnative:  # travels (and arrives: torch has no other) in native byte order
-            array = array.astype(array.dtype.newbyteorder("="))
-        base = _owning_base(array)
-        if base is None or any(s < 0 for s in array.strides):
-            if array.base is None and array.flags.c_contiguous:
-                base = array
-            else:
-                base = array = np.array(array, order="C")
+        array, base = placeable(array)
         found = placed.get(id(base))
         if found is None:
             narrow = wire_dtype(base) if base is array else None

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from tierflow.loader._collate import _address, _as_array, _owning_base
+from tierflow.loader._collate import _address, _as_array, placeable
 
 _ALIGN = 64
 _PAGE = mmap.PAGESIZE
@@ -102,14 +102,7 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
             layout.append((name, kind, (len(value),), (), size))
             size += offsets.nbytes + blob.nbytes
             continue
-        if not array.dtype.isnative:
-            array = array.astype(array.dtype.newbyteorder("="))
-        base = _owning_base(array)
-        if base is None or any(s < 0 for s in array.strides):
-            if array.base is None and array.flags.c_contiguous:
-                base = array
-            else:
-                base = array = np.array(array, order="C")
+        array, base = placeable(array)
         found = placed.get(id(base))
         if found is None:
             size = -(-size // _ALIGN) * _ALIGN
