@@ -49,7 +49,12 @@ node) does not stall the other: with 6 token batches of slack each, the workers 
 waited for slots ~0.9 s of a 2.6 s epoch, with 16 about half that."""
 MAX_SLOTS = 64
 STOP_SECONDS = 2.0
-"""How long `close()` waits for the workers to stop by themselves before killing them."""
+"""How long `close()` waits for the workers to stop before killing them."""
+QUIT_SECONDS = 0.25
+"""How long `close()` lets a worker notice its closed socket (it does at its next batch) before it
+is asked to stop with SIGTERM: a worker decoding a large batch on a loaded machine would otherwise
+hold a trainer that is exiting on SIGTERM for seconds. Nothing a worker holds needs it to finish:
+its tier entries are written under temporary names and its pins go with the process."""
 _FREE = struct.Struct("<II")  # (arena generation, slot): the training process gives a slot back
 
 
@@ -291,9 +296,14 @@ class PoolIterator:
 def _stop(processes: list[Any], channels: list[_Channel]) -> None:
     for channel in channels:
         channel.shutdown()
-    deadline = time.monotonic() + STOP_SECONDS
+    started = time.monotonic()
     for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
+        process.join(max(0.0, started + QUIT_SECONDS - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(max(0.0, started + STOP_SECONDS - time.monotonic()))
     for process in processes:
         if process.is_alive():
             process.kill()
