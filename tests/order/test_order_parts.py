@@ -27,11 +27,7 @@ def merged_by_key(schedule, picks):
 @pytest.mark.parametrize("remainder", list(Remainder))
 @pytest.mark.parametrize(
     "sizes,positions",
-    [
-        ([40, 40, 40], [(0, 0)] * 3),
-        ([13, 50, 27, 8], [(0, 5), (1, 20), (0, 0), (2, 3)]),
-        ([7], [(0, 0)]),
-    ],
+    [([40, 40, 40], [(0, 0)] * 3), ([13, 50, 27, 8], [(0, 5), (1, 20), (0, 0), (2, 3)]), ([7], [(0, 0)])],
 )
 def test_interleave_closed_form_equals_the_merge_by_key(remainder, sizes, positions):
     if remainder is Remainder.DROP:
@@ -125,11 +121,7 @@ def test_mixture_refuses_non_positive_weights():
 
 
 def test_sample_seed_golden_values_never_change():
-    assert [sample_seed(1, 0, i) for i in range(3)] == [
-        9308711592695113472,
-        7230677352598981310,
-        5255115996746269511,
-    ]
+    assert [sample_seed(1, 0, i) for i in range(3)] == [9308711592695113472, 7230677352598981310, 5255115996746269511]
 
 
 def test_vectorised_sample_seeds_equal_scalar():

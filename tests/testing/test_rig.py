@@ -17,15 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tierflow.testing import (
-    Fault,
-    LoopbackProxy,
-    MotoS3Server,
-    ProxyProcess,
-    S3Endpoint,
-    TokenBucket,
-    serve_directory,
-)
+from tierflow.testing import Fault, LoopbackProxy, MotoS3Server, ProxyProcess, S3Endpoint, TokenBucket, serve_directory
 from tierflow.testing.fileserver import parse_range
 
 

@@ -174,24 +174,14 @@ class RetryingStore:
         return self._retrying("get_range", name, attempt, deadline)
 
     def download(
-        self,
-        name: str,
-        dst: str | Path,
-        expected_size: int | None = None,
-        *,
-        priority: Priority = "high",
+        self, name: str, dst: str | Path, expected_size: int | None = None, *, priority: Priority = "high"
     ) -> int:
         """Stream the object to the file `dst`; see `read_into`."""
         with open(dst, "wb") as out:
             return self.read_into(name, out.write, expected_size, priority=priority)
 
     def read_into(
-        self,
-        name: str,
-        write: Callable[[Any], Any],
-        expected_size: int | None = None,
-        *,
-        priority: Priority = "high",
+        self, name: str, write: Callable[[Any], Any], expected_size: int | None = None, *, priority: Priority = "high"
     ) -> int:
         """Stream the object into `write` chunk by chunk, never holding it whole; a retry resumes
         where the last attempt stopped, so `write` sees every byte once, in order.

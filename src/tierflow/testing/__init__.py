@@ -12,14 +12,7 @@ from tierflow.testing.bandwidth import TokenBucket
 from tierflow.testing.faults import FailNth, IOFault, fail_each
 from tierflow.testing.fileserver import DirectoryServer, serve_directory
 from tierflow.testing.killer import ForkServer
-from tierflow.testing.proxy import (
-    Fault,
-    FaultRule,
-    LoopbackProxy,
-    PathTraffic,
-    RequestRecord,
-    TrafficSnapshot,
-)
+from tierflow.testing.proxy import Fault, FaultRule, LoopbackProxy, PathTraffic, RequestRecord, TrafficSnapshot
 from tierflow.testing.proxyprocess import ProxyProcess
 from tierflow.testing.distributed import free_port, gathered_stream
 from tierflow.testing.resume import assert_resumes_exactly, assert_same_batches

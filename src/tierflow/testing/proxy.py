@@ -498,12 +498,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     # writing to the client
 
     def _start_response(
-        self,
-        record: RequestRecord,
-        status: int,
-        reason: str,
-        headers: list[tuple[str, str]],
-        chunked: bool,
+        self, record: RequestRecord, status: int, reason: str, headers: list[tuple[str, str]], chunked: bool
     ) -> None:
         record.status = status
         self.send_response_only(status, reason)
@@ -550,11 +545,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         body = f"{error}\n".encode()
         self.close_connection = True
         self._start_response(
-            record,
-            502,
-            "Bad Gateway",
-            [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))],
-            False,
+            record, 502, "Bad Gateway", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))], False
         )
         self._write_body(record, body, False)
 

@@ -17,14 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from tierflow.testing.lifecycle import Startable, stop_child
-from tierflow.testing.proxy import (
-    Fault,
-    FaultRule,
-    LoopbackProxy,
-    PathTraffic,
-    RequestRecord,
-    TrafficSnapshot,
-)
+from tierflow.testing.proxy import Fault, FaultRule, LoopbackProxy, PathTraffic, RequestRecord, TrafficSnapshot
 
 
 class ProxyProcess(Startable):
@@ -52,10 +45,7 @@ class ProxyProcess(Startable):
         if self._process is not None:
             return self
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, self.upstream],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+            [sys.executable, "-c", _CHILD, self.upstream], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         assert self._process.stdout is not None
         timer = threading.Timer(self.start_timeout, self._process.kill)
@@ -92,13 +82,7 @@ class ProxyProcess(Startable):
         key: str | None = None,
         after_bytes: int | None = None,
     ) -> FaultRule:
-        rule = {
-            "kind": Fault(kind).value,
-            "count": count,
-            "method": method,
-            "key": key,
-            "after_bytes": after_bytes,
-        }
+        rule = {"kind": Fault(kind).value, "count": count, "method": method, "key": key, "after_bytes": after_bytes}
         return _rule_from_json(self._call("POST", "/faults", rule))
 
     def clear_faults(self) -> None:
