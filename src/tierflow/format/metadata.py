@@ -46,7 +46,6 @@ whole-dataset check `metadata_verify`, the lookups over the mapped tables `metad
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import threading
@@ -59,8 +58,9 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.errors import ManifestError
-from tierflow.format._regular import fd_path, open_regular, read_regular
+from tierflow.format._regular import fd_path, read_regular
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, _check_fields, schema_from_json
+from tierflow.format.table_locks import TableGone, open_table
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
 METADATA_NAME = "metadata.json"
@@ -314,50 +314,6 @@ class _Table:
                 raise ManifestError(f"{self.where}: {problem}")
             self._checked[name] = values
             return values
-
-
-class TableGone(ManifestError):
-    """A table the header named was removed before it was opened: gc removed a superseded one (a
-    newer header was published), so the header is read again; or the dataset lost it (damaged)."""
-
-
-def open_table(path: Path, where: str) -> int:
-    """A table file opened, with a shared lock held as long as the descriptor is open (gc removes
-    only tables it can lock exclusively: none a process has open), and still linked after the lock
-    was taken (gc unlinks under its exclusive lock, so a table removed between the header's read and
-    this open is TableGone, not a file mapped after its removal)."""
-    try:
-        fd = open_regular(path, ManifestError)
-    except FileNotFoundError:
-        raise TableGone(f"{where}: missing (the header names a table the dataset does not hold)") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if os.fstat(fd).st_nlink == 0:
-            raise TableGone(f"{where}: removed while it was opened (a newer header superseded it)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def remove_if_unused(path: Path) -> bool:
-    """Unlink a table file no process has open (`open_table`'s shared lock), under an exclusive
-    lock; False (kept) when one has it open, or it is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        if os.fstat(fd).st_nlink == 0:
-            return False
-        path.unlink()
-        return True
-    finally:
-        os.close(fd)
 
 
 def _mapping_address(mapped: pa.MemoryMappedFile) -> int:

@@ -12,12 +12,15 @@ then checks it against the dataset (order hash, sample ids, arrangement).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Mapping
 
 from tierflow.errors import CursorError, CursorFormatError
 from tierflow.order.cursor import OrderCursor
 from tierflow.order.mixed import MixedCursor
+
+if TYPE_CHECKING:
+    from tierflow.loader.plan import OrderStream
 
 LOADER_CURSOR_VERSION = 1
 KINDS = ("train", "eval")
@@ -166,3 +169,24 @@ class LoaderCursor:
         if isinstance(state, Mapping) and "cursor" in state and "kind" not in state:
             return cls.parse(state["cursor"])
         return cls.from_dict(state)
+
+
+def check_arrangement(cursor: LoaderCursor, arrangement: Arrangement) -> None:
+    """A cursor stopped inside a group resumes only under the arrangement it was saved with."""
+    if cursor.inside_group and cursor.arrangement != arrangement:
+        saved = cursor.arrangement.to_dict()
+        raise CursorError(
+            f"cursor stopped inside a group of {saved['group']} batches (or in eval) under {saved}; "
+            f"resuming it needs the same arrangement, not {arrangement.to_dict()} "
+            f"(change world size or batch size at a group boundary)"
+        )
+
+
+def cursor_after_batches(
+    stream: OrderStream, start: LoaderCursor | None, batches: int, batches_per_group: int
+) -> LoaderCursor:
+    """The cursor once `batches` (> 0) more output batches of `stream` (from `start`) are consumed."""
+    group, part = divmod((start.skip if start is not None else 0) + batches - 1, batches_per_group)
+    if part + 1 == batches_per_group:
+        return stream.cursor(group)
+    return stream.cursor(group - 1, skip=part + 1)

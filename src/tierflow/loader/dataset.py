@@ -30,7 +30,7 @@ from tierflow.format.shard import Form
 from tierflow.format.table import BlockCache
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
-from tierflow.loader.cursor import Arrangement, LoaderCursor
+from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
 from tierflow.loader.spec import (
@@ -546,27 +546,6 @@ def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
         raise type(error)(f"{location}: {error}") from None
 
 
-def check_arrangement(cursor: LoaderCursor, arrangement: Arrangement) -> None:
-    """A cursor stopped inside a group resumes only under the arrangement it was saved with."""
-    if cursor.inside_group and cursor.arrangement != arrangement:
-        saved = cursor.arrangement.to_dict()
-        raise CursorError(
-            f"cursor stopped inside a group of {saved['group']} batches (or in eval) under {saved}; "
-            f"resuming it needs the same arrangement, not {arrangement.to_dict()} "
-            f"(change world size or batch size at a group boundary)"
-        )
-
-
-def cursor_after_batches(
-    stream: OrderStream, start: LoaderCursor | None, batches: int, batches_per_group: int
-) -> LoaderCursor:
-    """The cursor once `batches` (> 0) more output batches of `stream` (from `start`) are consumed."""
-    group, part = divmod((start.skip if start is not None else 0) + batches - 1, batches_per_group)
-    if part + 1 == batches_per_group:
-        return stream.cursor(group)
-    return stream.cursor(group - 1, skip=part + 1)
-
-
 def _largest_blocks(manifest: Any) -> Any:
     """`_largest_block` of every shard, from the per-shard columns (no object per shard)."""
     decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
@@ -599,4 +578,4 @@ class _NoShards:
         raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
 
 
-__all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset", "check_arrangement", "cursor_after_batches", "parsed_cursor"]
+__all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset", "parsed_cursor"]

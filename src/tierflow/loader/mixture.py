@@ -25,13 +25,11 @@ from tierflow.format.dataset import Dataset, ShardSupply
 from tierflow.loader.batching import SampleContext
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.budget import TokenBudget
-from tierflow.loader.cursor import Arrangement, LoaderCursor
+from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
 from tierflow.loader.dataset import (
     DEFAULT_ORDER,
     Resume,
     TieredDataset,
-    check_arrangement,
-    cursor_after_batches,
     parsed_cursor,
 )
 from tierflow.loader.plan import Built, OrderBatch, PlannedCursor, Selection, TrainStream

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.format.manifest import Manifest
-from tierflow.format.metadata import TABLE_PREFIX, TABLE_SUFFIX, remove_if_unused
+from tierflow.format.metadata import TABLE_PREFIX, TABLE_SUFFIX
+from tierflow.format.table_locks import remove_if_unused
 from tierflow.format.metadata_index import ShardNames
 from tierflow.format.metadata_writer import is_published, referenced_tables
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX

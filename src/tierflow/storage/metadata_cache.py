@@ -28,12 +28,11 @@ from tierflow.format.metadata import (
     METADATA_NAME,
     TABLE_PREFIX,
     TABLE_SUFFIX,
-    TableGone,
     current_metadata,
     load_metadata,
     parse_header,
-    remove_if_unused,
 )
+from tierflow.format.table_locks import TableGone, remove_if_unused
 from tierflow.storage.remote import RetryingStore, join_url
 
 DOWNLOAD_LOCK = ".download.lock"
