@@ -13,8 +13,8 @@ from tierflow.telemetry.metrics import (
     BucketLayout,
     Histogram,
     MetricsRegistry,
-    merge_snapshots,
 )
+from tierflow.telemetry.snapshots import merge_snapshots
 
 GROWTH = 2 ** (1 / LATENCY_BUCKETS.per_octave)
 

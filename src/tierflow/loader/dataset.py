@@ -48,7 +48,8 @@ from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
 from tierflow.order.working_set import WorkingSet, narrowing_advice, working_set_bytes
 from tierflow.policies.auto import Lifecycle
 from tierflow.storage.datasets import load_manifest, open_dataset
-from tierflow.telemetry.metrics import MetricsRegistry, merge_snapshots
+from tierflow.telemetry.metrics import MetricsRegistry
+from tierflow.telemetry.snapshots import merge_snapshots
 from tierflow.tiers.stack import TierStack
 
 log = logging.getLogger("tierflow.loader")

@@ -13,8 +13,8 @@ from tierflow.telemetry.metrics import (
     Gauge,
     Histogram,
     MetricsRegistry,
-    merge_snapshots,
 )
+from tierflow.telemetry.snapshots import merge_snapshots
 
 __all__ = [
     "LATENCY_BUCKETS",

@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from tierflow.telemetry.metrics import SIZE_BUCKETS, SNAPSHOT_SCHEMA, Histogram, MetricsRegistry, merge_snapshots
+from tierflow.telemetry.metrics import SIZE_BUCKETS, Histogram, MetricsRegistry
+from tierflow.telemetry.snapshots import SNAPSHOT_SCHEMA, merge_snapshots
 
 MAPPED = "mapped"
 """Served by a shard the source already held open: no fetch happened."""

@@ -2,7 +2,7 @@
 
 Counters, gauges, log-bucketed histograms and stage-boundary timers live in a
 `MetricsRegistry`; `snapshot()` turns them into plain JSON-able data and
-`merge_snapshots` adds snapshots from several processes together. Names and
+`snapshots.merge_snapshots` adds snapshots from several processes together. Names and
 labels follow Prometheus rules so an exporter can map each metric 1:1
 (`tier`, `job`, `node`, `rank` are the labels the rest of tierflow uses); tierflow's
 own names are `tierflow_<stage>_<what>[_total|_seconds|_bytes]` (docs/observe.md).
@@ -23,17 +23,17 @@ import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 
 import numpy as np
 
-SNAPSHOT_SCHEMA = 1
+from tierflow.telemetry.snapshots import SNAPSHOT_SCHEMA, LabelKey, merge_snapshots
+
 _log2 = math.log2
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
-LabelKey = tuple[tuple[str, str], ...]
 GaugeAggregate = Literal["sum", "max", "min"]
 
 
@@ -541,83 +541,3 @@ class MetricsRegistry:
                 descriptions.setdefault(metric.name, metric.description)
         snapshot["descriptions"] = descriptions
         return snapshot
-
-
-def merge_snapshots(snapshots: Iterable[Mapping[str, Any]], drop_labels: Iterable[str] = ()) -> dict[str, Any]:
-    """Add snapshots from several processes: counters and histogram buckets sum exactly.
-
-    Entries with equal name and labels combine; `drop_labels` (e.g. ("rank",))
-    removes labels first, so per-rank series add up to a per-node one. Gauges
-    combine by their own `aggregate` rule. Histograms must share a bucket layout.
-    """
-    dropped = set(drop_labels)
-    counters: dict[tuple[str, LabelKey], dict[str, Any]] = {}
-    gauges: dict[tuple[str, LabelKey], dict[str, Any]] = {}
-    histograms: dict[tuple[str, LabelKey], dict[str, Any]] = {}
-    descriptions: dict[str, str] = {}
-
-    def keyed(entry: Mapping[str, Any]) -> tuple[tuple[str, LabelKey], dict[str, str]]:
-        labels = {k: v for k, v in entry["labels"].items() if k not in dropped}
-        return (entry["name"], tuple(sorted(labels.items()))), labels
-
-    for snapshot in snapshots:
-        if snapshot.get("schema") != SNAPSHOT_SCHEMA:
-            raise ValueError(f"metrics snapshot schema {snapshot.get('schema')!r} is not {SNAPSHOT_SCHEMA}")
-        for name, text in snapshot.get("descriptions", {}).items():
-            descriptions.setdefault(name, text)
-        for entry in snapshot["counters"]:
-            key, labels = keyed(entry)
-            if key in counters:
-                counters[key]["value"] += entry["value"]
-            else:
-                counters[key] = {"name": entry["name"], "labels": labels, "value": entry["value"]}
-        for entry in snapshot["gauges"]:
-            key, labels = keyed(entry)
-            if key not in gauges:
-                gauges[key] = {**entry, "labels": labels}
-                continue
-            merged = gauges[key]
-            if merged["aggregate"] != entry["aggregate"]:
-                raise ValueError(
-                    f"gauge {entry['name']} {labels} is merged with both {merged['aggregate']} and {entry['aggregate']}"
-                )
-            combines: dict[str, Callable[[float, float], float]] = {"sum": lambda a, b: a + b, "max": max, "min": min}
-            combine = combines[merged["aggregate"]]
-            merged["value"] = combine(merged["value"], entry["value"])
-        for entry in snapshot["histograms"]:
-            key, labels = keyed(entry)
-            if key not in histograms:
-                histograms[key] = {**entry, "labels": labels, "buckets": [list(b) for b in entry["buckets"]]}
-                continue
-            merged = histograms[key]
-            if merged["layout"] != entry["layout"]:
-                raise ValueError(
-                    f"histogram {entry['name']} {labels} has bucket layouts {merged['layout']} and {entry['layout']}"
-                )
-            buckets = dict((i, c) for i, c in merged["buckets"])
-            for index, count in entry["buckets"]:
-                buckets[index] = buckets.get(index, 0) + count
-            merged["buckets"] = [[i, buckets[i]] for i in sorted(buckets)]
-            merged["count"] += entry["count"]
-            merged["sum"] += entry["sum"]
-            merged["min"] = _optional(min, merged["min"], entry["min"])
-            merged["max"] = _optional(max, merged["max"], entry["max"])
-
-    def ordered(entries: dict[tuple[str, LabelKey], dict[str, Any]]) -> list[dict[str, Any]]:
-        return [entries[key] for key in sorted(entries)]
-
-    return {
-        "schema": SNAPSHOT_SCHEMA,
-        "counters": ordered(counters),
-        "gauges": ordered(gauges),
-        "histograms": ordered(histograms),
-        "descriptions": descriptions,
-    }
-
-
-def _optional(pick: Any, a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return pick(a, b)

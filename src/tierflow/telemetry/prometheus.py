@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from tierflow.telemetry.metrics import BucketLayout, MetricsRegistry, merge_snapshots
+from tierflow.telemetry.metrics import BucketLayout, MetricsRegistry
+from tierflow.telemetry.snapshots import merge_snapshots
 
 Snapshotter = Callable[[], Mapping[str, Any]]
 
