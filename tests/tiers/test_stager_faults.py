@@ -14,7 +14,7 @@ from tierflow.errors import FetchError
 from tierflow.format.manifest import Manifest
 from tierflow.storage.remote import upload_dataset
 from tierflow.testing.faults import write_corpus
-from tierflow.tiers.stager import FaultLog
+from tierflow.tiers.fault_log import FaultLog
 
 
 def test_a_corrupt_shard_on_s3_is_one_warning_and_no_traceback(s3_server, s3_bucket, tmp_path, caplog):

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from tierflow.format.shard import Form
 from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers.config import AUTO_FORM, DatasetShare, DiskShare, TierConfig, parse_capacity, parse_size
-from tierflow.tiers.stack import Handle, Opened, TierStack
+from tierflow.tiers.handle import Handle, Opened
+from tierflow.tiers.stack import TierStack
 from tierflow.tiers.tier import EntryHeat, Tier
 
 

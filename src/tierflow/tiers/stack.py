@@ -33,41 +33,34 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
-from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from tierflow.errors import ShardCorruptError
 from tierflow.format._checksum import file_xxh3_128
 from tierflow.format._regular import fd_path
-from tierflow.format.blocks import BlockBytes, open_blocks
+from tierflow.format.blocks import BlockBytes
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.metadata import shard_column
-from tierflow.format.shard import Block, Form, ShardInfo
+from tierflow.format.shard import Form, ShardInfo
 from tierflow.format.shard_writer import decode_shard, scan_blocks
-from tierflow.format.reader import BlockOpener
 from tierflow.storage.datasets import StoreBlocks, read_manifest
 from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.telemetry.ledger import thread_ledger
 from tierflow.policies.auto import Lifecycle
-from tierflow.tiers._lock import Pin
 from tierflow.tiers._staging import Membership, NodeProgress, area_path, staging_root, sweep_unused
 from tierflow.errors import FetchError
 from tierflow.tiers.capacity import memory_headroom
+from tierflow.tiers.handle import MEMORY, SOURCE, Handle, Opened, downloaded, expected
+from tierflow.tiers.staging_wait import StagingWait
 from tierflow.tiers.tier import Tier
 
 log = logging.getLogger("tierflow.tiers")
 
 
-SOURCE = "source"
-"""`served_by` of bytes no tier held: fetched from the stack's source."""
-MEMORY = "memory"
-"""`tier` of a copy no tier took: the source's blocks, read into memory as the reader uses them."""
 STAGING_NAME = "staging"
 STAGING_WAIT_S = 5.0
 """How long a reader waits for room in the node's staging area (every entry in use by the node's
@@ -76,69 +69,13 @@ STAGING_RAM_SHARE = 0.25
 """The staging area holds the order's working set decoded while that is at most this share of the
 memory headroom, else at rest (the order never narrows to fit it: order/working_set.py)."""
 
-_downloaded: ContextVar[Callable[[], None] | None] = ContextVar("tierflow_downloaded", default=None)
-
-
-@contextmanager
-def on_downloaded(callback: Callable[[], None]) -> Iterator[None]:
-    """Call `callback` in this thread as soon as a download from the source has all its bytes,
-    before they are verified, decoded and admitted: the stager hands the link to the next shard
-    then, so the link does not idle while a shard that has arrived is written into its tier."""
-    token = _downloaded.set(callback)
-    try:
-        yield
-    finally:
-        _downloaded.reset(token)
-
-
-@dataclass
-class Handle:
-    """A readable copy of a shard: a pinned file in some tier, or the source's blocks read on use.
-
-    `tier` is where this copy lives (a tier's name, "staging" or "memory"); `served_by` is where
-    its bytes were found: the fastest tier that held the shard (a miss in L1 filled from L2 is
-    served by L2), "staging", or "source" when no tier held it. `fetch_s`: seconds `ensure` took.
-    """
-
-    form: Form
-    tier: str
-    path: Path | None = None
-    pin: Pin | None = None
-    store_blocks: BlockOpener | None = None  # "memory": the source's ranged block reads
-    blocks: list[Block] | None = None  # the decoded form's block list (the at-rest one is the manifest's)
-    served_by: str = SOURCE
-    fetch_s: float = 0.0
-
-    def release(self) -> None:
-        if self.pin is not None:
-            self.pin.release()
-
-    def block_bytes(self, info: ShardInfo) -> BlockBytes:
-        """Where the table reads this copy's blocks from; the pin lives as long as that does."""
-        if self.store_blocks is not None:
-            return self.store_blocks(info)
-        assert self.path is not None
-        return open_blocks(self.path, info, self.form, self.blocks, keepalive=self)
-
-
-def _expected(info: ShardInfo, form: Form) -> tuple[int, str]:
-    return info.bytes_in(form), info.checksum_in(form)
-
-
-class Opened(NamedTuple):
-    """A shard table and how this open got it: `served_by` None when it was already open (no fetch)."""
-
-    table: ShardTable
-    served_by: str | None
-    fetch_s: float
-
 
 def _remove_staging(path: Path, owner: int) -> None:
     if os.getpid() == owner:  # a forked worker exiting must not remove its parent's area
         shutil.rmtree(path, ignore_errors=True)
 
 
-class TierStack:
+class TierStack(StagingWait):
     """Tiers fastest first (e.g. [L1, L2]) over a source of at-rest shards."""
 
     def __init__(
@@ -322,7 +259,7 @@ class TierStack:
             staged = self._stage(info, prefetch)
             return staged if staged is not None or prefetch else self._from_source(info)
         tier = self.tiers[level]
-        size, checksum = _expected(info, tier.form)
+        size, checksum = expected(info, tier.form)
         found: list[str] = []  # where a fill found the bytes; none: this tier held them (a hit)
 
         def produce(tmp: Path) -> None:
@@ -368,7 +305,7 @@ class TierStack:
         staging = self._staging()
         if staging is None:
             return None
-        size, checksum = _expected(info, staging.form)
+        size, checksum = expected(info, staging.form)
         fetched: list[bool] = []
 
         def produce(tmp: Path) -> None:
@@ -399,53 +336,6 @@ class TierStack:
             blocks=staging.blocks_of(info.key, size, checksum) if decoded else None,
             served_by=SOURCE if fetched else STAGING_NAME,
         )
-
-    def _wait_for_room(
-        self, staging: Tier, info: ShardInfo, size: int, checksum: str, produce: Callable[[Path], None]
-    ) -> Pin | None:
-        """Every entry of the node's staging area is in use, read by the node's readers or held
-        for a slower rank of the node: while a rank of the node is behind this one and moving, wait
-        (it frees what it holds as it passes it, or brings this very shard in meanwhile) rather than
-        read the shard into this process's memory, which fetches it once more. That keeps a rank
-        within the staging area of the slowest. None when no rank is behind, or after
-        `staging_wait_s` without the slowest moving."""
-        assert self.progress is not None
-        started = last = time.monotonic()
-        mine, slowest = self.progress.lag()
-        if mine is None or slowest is None or slowest >= mine:
-            return None
-        self.m_staging_waits.inc()
-        delay = 0.002
-        try:
-            while True:
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-                pin = staging.ensure(
-                    info.key,
-                    size,
-                    checksum,
-                    produce,
-                    dataset=self.dataset_id,
-                    verify_hit=False,
-                    block_list=scan_blocks if staging.form is Form.DECODED else None,
-                )
-                if pin is not None:
-                    return pin
-                now_mine, now_slowest = self.progress.lag()
-                if now_mine is None or now_slowest is None or now_slowest >= now_mine:
-                    return None  # none behind now: what holds the room is this rank's own
-                if now_slowest != slowest:
-                    slowest, last = now_slowest, time.monotonic()
-                elif time.monotonic() - last > self.staging_wait_s:
-                    log.warning(
-                        "shard %s: the node's staging area stayed full and its slowest rank did not "
-                        "move for %.0f s; reading the shard into memory",
-                        info.name,
-                        self.staging_wait_s,
-                    )
-                    return None
-        finally:
-            self.m_staging_wait_s.inc(time.monotonic() - started)
 
     def _produce(self, info: ShardInfo, level: int, tmp: Path) -> str:
         """Write the shard in tier `level`'s form to `tmp`, from the nearest lower copy; returns
@@ -490,7 +380,7 @@ class TierStack:
         """The at-rest bytes from the source; the tier verifies them (size + xxh3) on admission."""
         self.source.download(info.name, dst, expected_size=info.bytes)
         self.m_source_bytes.inc(info.bytes)
-        arrived = _downloaded.get()
+        arrived = downloaded.get()
         if arrived is not None:
             arrived()
 

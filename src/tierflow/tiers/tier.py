@@ -36,12 +36,13 @@ from tierflow.policies.admission import AdmissionController, Refusal
 from tierflow.policies.auto import AutoPolicy, Lifecycle
 from tierflow.policies.base import EntryStats, NextUseOracle, rebase_stats
 from tierflow.policies.registry import make_policy
-from tierflow.telemetry import Counter, MetricsRegistry
+from tierflow.telemetry import MetricsRegistry
 from tierflow.tiers._index import EntryRow, index_damaged
 from tierflow.tiers._lock import Pin
 from tierflow.tiers.capacity import Capacity, is_tmpfs, memory_headroom
 from tierflow.tiers.entries import INDEX_NAME, BlockLister, EntryStore
 from tierflow.tiers.fallbacks import DEVICE_FAILED, NO_SPACE, TierFallbacks
+from tierflow.tiers.tier_metrics import TierMetrics
 
 log = logging.getLogger("tierflow.tiers")
 
@@ -66,7 +67,7 @@ def tier_form(form: Form | str, tier: str) -> Form:
         raise ValueError(f"tier {tier}: {e}") from None
 
 
-class Tier:
+class Tier(TierMetrics):
     """One cache directory. Thread- and process-safe; cheap to construct in every process."""
 
     def __init__(
@@ -152,42 +153,6 @@ class Tier:
         self.admission = AdmissionController(partial(make_policy, self.policy_name, **self.policy_options))
         self.ram = is_tmpfs(self.root) if ram is None else ram
         self._readers: set[tuple[int, str]] = set()  # (pid, dataset) this process has recorded
-
-    def _metrics(self, registry: MetricsRegistry | None) -> None:
-        self.registry = registry or MetricsRegistry()
-        labels = {"tier": self.name}
-        r = self.registry
-
-        def count(what: str, description: str = "") -> Counter:
-            return r.counter(f"tierflow_tier_{what}_total", labels, description)
-
-        self.m_hits = count("hits", "entry found in this tier")
-        self.m_misses = count("misses", "a reader's entry fetched from below (demand miss)")
-        self.m_prefetches = count("prefetches", "entries fetched ahead of need by the stager")
-        self.m_bytes_in = count("in_bytes", "bytes written into this tier")
-        self.m_bytes_out = count("out_bytes", "bytes served from this tier")
-        self.m_promotions = count("promotions", "entries admitted from a lower tier")
-        self.m_evictions = count("evictions")
-        self.m_evicted_unused = count("evictions_before_use", "prefetched, evicted before any read")
-        self.m_corruptions = count("corruptions", "entries that failed verification")
-        self.m_enospc = count("enospc_fallbacks", "served from below: no space")
-        self.m_write_errors = count(
-            "write_error_fallbacks", "served from below: the tier's device failed a write (EIO, read-only)"
-        )
-        self.m_index_unwritable = count(
-            "index_unwritable", "index writes failed (filesystem full or failing); served from below"
-        )
-        self.m_bypass = count("bypass", "served from below: the policy declined")
-        self.m_in_use = count("full_in_use", "served from below: every resident entry in use")
-        self.m_prefetch_no_room = count("prefetch_no_room", "prefetches dropped: every resident entry in use")
-        self.m_takeovers = count("lock_takeovers", "fetch lock timed out; fetched anyway")
-        self.m_unavailable = count(
-            "unavailable_fallbacks",
-            "served from below: the tier's directory vanished or was replaced, or its index broke, under this process",
-        )
-        self.m_latency = r.histogram("tierflow_tier_fetch_seconds", labels, "time to fill a miss")
-        self.m_occupancy = r.gauge("tierflow_tier_occupancy_bytes", labels, aggregate="max")
-        self.m_capacity = r.gauge("tierflow_tier_capacity_bytes", labels, aggregate="max")
 
     @property
     def unavailable(self) -> str | None:
