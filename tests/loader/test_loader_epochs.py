@@ -333,3 +333,16 @@ def test_length_buckets_make_no_batch_of_two_epochs(long_tailed_docs, lanes):
             seen |= epochs
             mixed += len(epochs) > 1
     assert seen == {0, 1, 2} and mixed == 0
+
+
+def test_the_flat_keywords_of_before_the_specs_are_refused_saying_what_to_write(long_tailed_docs):
+    with pytest.raises(
+        TypeError,
+        match=r"TieredDataset\(data, BatchSpec\(batch_size=\.\.\., seq_len=\.\.\.\), "
+        r"OrderSpec\(seed=\.\.\.\)\)",
+    ):
+        TieredDataset(long_tailed_docs, batch_size=8, seq_len=64, seed=1)
+    with pytest.raises(TypeError, match=r"BatchSpec\(batch_size=\.\.\.\)"):
+        TieredDataset(long_tailed_docs)
+    with pytest.raises(TypeError, match="'colour'"):
+        TieredDataset(long_tailed_docs, BatchSpec(batch_size=8), colour="red")

@@ -37,6 +37,7 @@ from tierflow.loader.spec import (
     NARROWED,
     BatchSpec,
     OrderSpec,
+    flat_keywords_error,
     saved_first_epoch,
     saved_group,
     settle_order,
@@ -84,7 +85,7 @@ class TieredDataset(IterableDataset):
     def __init__(
         self,
         data: str | Path | Dataset,
-        batching: BatchSpec,
+        batching: BatchSpec | None = None,
         order: OrderSpec = DEFAULT_ORDER,
         *,
         eval: bool = False,
@@ -94,7 +95,10 @@ class TieredDataset(IterableDataset):
         max_batches: int | None = None,
         shards: Callable[[], ShardSupply] | None = None,
         endpoint_url: str | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown or not isinstance(batching, BatchSpec):
+            raise flat_keywords_error(unknown, batching)
         refuse_while_bootstrapping("TieredDataset")
         super().__init__()
         batcher = batching.make_batcher()

@@ -174,6 +174,27 @@ def specs_from(options: dict[str, Any]) -> tuple[BatchSpec, OrderSpec]:
     return BatchSpec(**batching), OrderSpec(**order)
 
 
+def flat_keywords_error(given: dict[str, Any], batching: Any) -> TypeError:
+    """The error for `TieredDataset(path, batch_size=8, seq_len=2048, seed=1)`, the flat keywords it
+    took before BatchSpec/OrderSpec: which spec each keyword belongs in, written out."""
+    batch = [f.name for f in dataclasses.fields(BatchSpec) if f.name in given]
+    order = [f.name for f in dataclasses.fields(OrderSpec) if f.name in given]
+    other = [k for k in given if k not in batch and k not in order]
+    if other:
+        hint = "; several datasets mix in MixedDataset(datasets, batching, weights=...)" if "weights" in other else ""
+        return TypeError(f"TieredDataset got unexpected keyword arguments {', '.join(map(repr, other))}{hint}")
+    if not batch and isinstance(batching, BatchSpec):
+        return TypeError(f"TieredDataset got unexpected keyword arguments {', '.join(map(repr, given))}")
+    parts = [f"BatchSpec({', '.join(f'{k}=...' for k in batch)})" if batch else "BatchSpec(batch_size=...)"]
+    if order:
+        parts.append(f"OrderSpec({', '.join(f'{k}=...' for k in order)})")
+    return TypeError(
+        f"TieredDataset takes its batching and order as specs: TieredDataset(data, {', '.join(parts)}) "
+        f"(tierflow.loader.BatchSpec, OrderSpec); open_loader(url, batch_size=..., seq_len=...) still takes "
+        f"them as keywords"
+    )
+
+
 def saved_config(resume: LoaderCursor | None) -> dict[str, Any] | None:
     """The order config a resumed cursor saved (None: no cursor, or one without an order)."""
     return getattr(resume.order, "config", None) if resume is not None else None
