@@ -52,6 +52,7 @@ def epochs_of(pairs):
     return sorted({m.epoch for _, m in pairs})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BATCHERS))
 def test_each_for_is_one_epoch_and_len_says_how_many_batches_it_holds(long_tailed_docs, kind):
     loader = Loader(BATCHERS[kind](long_tailed_docs), return_meta=True)
@@ -72,6 +73,7 @@ def test_each_for_is_one_epoch_and_len_says_how_many_batches_it_holds(long_taile
     assert [i for row in ids for i in row] == [i for row in per_for for i in row]
 
 
+@pytest.mark.slow
 def test_len_is_exact_after_a_resume_mid_epoch_and_for_every_rank(long_tailed_docs):
     first = Loader(windows(long_tailed_docs))
     for step, _ in enumerate(first):
@@ -94,6 +96,7 @@ def test_len_is_exact_after_a_resume_mid_epoch_and_for_every_rank(long_tailed_do
     assert len(lanes) == len(list(lanes)) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drain", [True, False], ids=["drained", "len-then-iter"])
 def test_ranks_of_an_uneven_split_run_whole_epochs_whether_the_loop_drains_or_stops_at_len(long_tailed_docs, drain):
     """What Lightning's fetcher and the Trainer do: take len() batches, then iter() again. Three
@@ -194,6 +197,7 @@ def epoch_ids(pairs, epoch):
     return [i for _, m in pairs for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist()) if e == epoch]
 
 
+@pytest.mark.slow
 def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_tailed_docs):
     loader = Loader(stored(long_tailed_docs), return_meta=True)
     first, second = list(loader), list(loader)
@@ -296,6 +300,7 @@ def many_shards_of_long_docs(tmp_path_factory) -> str:
     return str(root / "ds")
 
 
+@pytest.mark.slow
 def test_each_for_under_a_token_budget_holds_every_sample_of_its_epoch(many_shards_of_long_docs):
     """Lanes reach their epoch ends apart (more so in a narrowed first epoch, read a group of lanes
     at a time): a budget batch of next-epoch samples must not end the `for` while samples of the
