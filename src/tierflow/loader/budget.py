@@ -192,7 +192,7 @@ class BudgetPlanner:
         samples fill a batch only once it holds every one of the oldest epoch's left and `fill`
         (none of that epoch is still to be pulled, remainder="carry"): so the epoch's last batch is
         the only one with two epochs (a fill first-fit over all epochs made two or three)."""
-        if self.epochs.size and self.epochs[0] != self.epochs.min():
+        if self.epochs.size > 1 and bool((self.epochs[1:] < self.epochs[:-1]).any()):
             order = np.argsort(self.epochs, kind="stable")
             self.ids, self.epochs, self.lengths = self.ids[order], self.epochs[order], self.lengths[order]
         lengths = self.lengths
