@@ -165,3 +165,22 @@ def test_ranks_count_the_edge_groups_parts_alike(long_tailed_docs, pictures, kin
             for epoch, (_, metas) in enumerate(ran):
                 assert agree or foreign(metas, epoch) in ([], [len(metas) - 1])
         assert not agree or len({tuple(c) for c in counted}) == 1
+
+
+@pytest.mark.parametrize("kind", ["budget", "buckets"])
+def test_dataloader_workers_end_each_for_where_the_main_process_does(long_tailed_docs, kind):
+    """Two workers plan the same edges: the same batches per `for`, each labelled its epoch, and
+    at most the `for`'s last batch holds another epoch."""
+
+    def run(workers: int) -> list[list]:
+        loader = Loader(
+            TieredDataset(long_tailed_docs, spec(kind), OrderSpec(lanes=4)), num_workers=workers, return_meta=True
+        )
+        return [metas for _, metas in fors(loader, 2)]
+
+    with_workers, alone = run(2), run(0)
+    for epoch, metas in enumerate(with_workers):
+        assert foreign(metas, epoch) in ([], [len(metas) - 1])
+    assert [[(m.epoch, m.sample_ids.tolist()) for m in metas] for metas in with_workers] == [
+        [(m.epoch, m.sample_ids.tolist()) for m in metas] for metas in alone
+    ]
