@@ -465,8 +465,9 @@ class TieredDataset(IterableDataset):
         and how many of them belong to it or an older one: what one `for` over a `Loader` yields
         before `max_batches`; eval: (0, the steps left). With `agree`, the fewest of any rank, so
         every rank stops at the same step: each rank computes every rank's count from the order,
-        no collective. Exact and O(nodes x lanes) for batchers that locate batches by position; a
-        token budget's count depends on lengths it has not planned: TypeError."""
+        no collective. Exact and O(nodes x lanes) for batchers that locate batches by position (a
+        sorted group's parts each in their samples' epoch, `RankStream.epoch_parts`); a token
+        budget's count depends on lengths it has not planned: TypeError."""
         if not isinstance(self.batcher, ByPosition):
             raise TypeError(
                 f"{type(self.batcher).__name__} packs a varying number of samples per batch, so "
@@ -480,8 +481,11 @@ class TieredDataset(IterableDataset):
             ).steps
             return 0, max(0, steps - (start.step + 1 if start is not None and start.step is not None else 0))
         skip = start.skip if start is not None else 0
-        epoch, batches = self._rank_stream(start).epoch_batches(after, agree)
-        return epoch, max(0, batches * self.batcher.batches_per_group - skip)
+        parts = self.batcher.batches_per_group
+        if not self.batcher.parts_by_epoch:  # a group's parts all belong to its epoch
+            epoch, batches = self._rank_stream(start).epoch_batches(after, agree)
+            return epoch, max(0, batches * parts - skip)
+        return self._rank_stream(start).epoch_parts(after, agree, parts, skip)
 
     def cursor_after(self, cursor: Resume, batches: int) -> LoaderCursor | None:
         """The cursor once this rank has consumed `batches` more output batches from `cursor`
