@@ -25,7 +25,7 @@ counted epochs the same warm loader goes on (across epoch edges, a `for` each) i
 that alternate a segment of STEP_BATCHES steps of STEP_S (a sleep) fed by the loader with the dry
 run, the same number of steps with nothing else; the ratio is the dry run's seconds over the
 loader's (samples/s through the loader / samples/s of the dry run), median (min-max) of the rounds,
-`samples/s` the loader's. A bounded number of steps, not the whole warm epoch, so a row costs ~13 s
+`samples/s` the loader's. A bounded number of steps, not the whole warm epoch, so a row costs ~19 s
 on any dataset; each loader segment starts with LEAD_IN untimed steps (the batches its feed read
 ahead while the dry run slept are used up there, and a new `for` chooses its read-ahead thread).
 A row that misses a target says so: `(MISS)` at 30% (warm <= 0.75), `(> optimum + 0.05)`,
@@ -33,7 +33,7 @@ A row that misses a target says so: `(MISS)` at 30% (warm <= 0.75), `(> optimum 
 
 Run: PYTHONPATH=src .venv/bin/python benchmarks/cache.py [--kind tokens|bpe|text|all]
      [--fractions 5,10,30,60,90,120] [--quick] [--extra: 2 workers and a hand-narrowed order beside]
-     [--rounds 4] [--step-batches 150 (0: no throughput column)]
+     [--rounds 8] [--step-batches 100 (0: no throughput column)]
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ BPE_VOCAB = 32000
 STEP_S = 0.010
 """The simulated training step of the throughput column (issue 37's target: through a 10 ms step)."""
 STEP_RATIO_TARGET = 0.95
-ROUNDS = 4
-STEP_BATCHES = 150
+ROUNDS = 8
+STEP_BATCHES = 100
 """Steps a throughput segment times (loader and dry run alike): a bound, so a row's throughput costs
-ROUNDS x (2 x STEP_BATCHES + LEAD_IN) steps, ~13 s, whatever the epoch's length."""
+ROUNDS x (2 x STEP_BATCHES + LEAD_IN) steps, ~19 s, whatever the epoch's length; many short rounds,
+as a loaded machine's bursts then sway few of them (4 rounds of 150 on 2 busy cores: 0.68-1.17)."""
 LEAD_IN = 40
 
 
