@@ -344,10 +344,17 @@ def _upgrade(args: argparse.Namespace) -> int:
             where = upgrade_source(open_store(args.dataset, endpoint_url=args.endpoint_url), work)
     else:
         from tierflow.format.manifest import MANIFEST_NAME
+        from tierflow.format.metadata import has_metadata
+        from tierflow.format.metadata_writer import add_layout
 
         if not (root / MANIFEST_NAME).is_file():
-            print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
-            return 1
+            if not has_metadata(root):
+                print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
+                return 1
+            with DatasetLock(root):  # version 3 already: store the order's layout if it lacks one
+                added = add_layout(root)
+            print(f"{args.dataset}: " + ("the order's layout stored" if added else "up to date, nothing to write"))
+            return 0
         with DatasetLock(root):
             where = str(upgrade(root))
     print(f"{args.dataset}: version-3 metadata written ({where})")

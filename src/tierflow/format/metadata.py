@@ -59,6 +59,15 @@ import xxhash
 
 from tierflow.errors import ManifestError
 from tierflow.format._regular import fd_path, read_regular
+from tierflow.format.metadata_layout import (
+    LAYOUT_SCHEMA,
+    TABLE_PREFIX as TABLE_PREFIX,
+    TABLE_SUFFIX as TABLE_SUFFIX,
+    StoredLayout,
+    check_layout_entry,
+    check_table_entry as _check_table_entry,
+    is_count as _is_count,
+)
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, _check_fields, schema_from_json
 from tierflow.format.table_locks import TableGone, open_table
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
@@ -70,8 +79,6 @@ MAX_HEADER_BYTES = 16 << 20
 """A header is a few KB (schema, tokenizer, stats); larger is refused unread."""
 LEGACY_MANIFEST_SHARDS = 10_000
 """Up to this many shards pack writes manifest.json beside the version-3 metadata."""
-TABLE_PREFIX = "metadata-"
-TABLE_SUFFIX = ".arrow"
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -131,10 +138,6 @@ def column_digest(values: np.ndarray | memoryview | pa.Buffer) -> str:
     return xxhash.xxh3_128_hexdigest(view.cast("B"))
 
 
-def _is_count(v: Any) -> bool:
-    return type(v) is int and 0 <= v < MAX_COUNT
-
-
 def parse_header(raw: bytes, where: str) -> dict:
     """The header's fields, checked: JSON, format and version, its checksum, the types of every
     field a reader uses. ManifestError naming `where` otherwise."""
@@ -170,31 +173,7 @@ def parse_header(raw: bytes, where: str) -> dict:
     if not isinstance(d.get("dataset_id"), str):
         raise fail("dataset_id is missing")
     for table, schema in (("shards", SHARD_SCHEMA), ("blocks", BLOCK_SCHEMA)):
-        entry = d.get(table)
-        if not isinstance(entry, dict):
-            raise fail(f'"{table}" is not an object')
-        name = entry.get("file")
-        if (
-            not isinstance(name, str)
-            or not name.startswith(f"{TABLE_PREFIX}{table}-")
-            or not name.endswith(TABLE_SUFFIX)
-            or "/" in name
-            or "\\" in name
-            or ".." in name
-        ):
-            raise fail(
-                f"{table}.file {name!r:.80} is not a metadata table inside the dataset "
-                f"(paths, '..' and URLs are refused)"
-            )
-        if not _is_count(entry.get("rows")) or not _is_count(entry.get("size")):
-            raise fail(f"{table}.rows or {table}.size is not a count")
-        hashes = entry.get("columns")
-        if (
-            not isinstance(hashes, dict)
-            or set(hashes) != set(schema.names)
-            or not all(isinstance(v, str) for v in hashes.values())
-        ):
-            raise fail(f"{table}.columns does not list a hash for each of {schema.names}")
+        _check_table_entry(d.get(table), table, schema, fail)
     beside = d.get("manifest")
     if beside is not None and not (
         isinstance(beside, dict) and _is_count(beside.get("size")) and isinstance(beside.get("xxh3"), str)
@@ -211,6 +190,9 @@ def parse_header(raw: bytes, where: str) -> dict:
         stats = d.get("stats") or {}
         if type(stats.get(key)) is int and stats[key] != total:
             raise fail(f"stats.{key} = {stats[key]}, but the shards' {key} sum to {total}")
+    if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
+        _check_table_entry(d["layout"], "layout", LAYOUT_SCHEMA, fail)
+        check_layout_entry(d["layout"], d["shards"]["rows"], totals["samples"], fail)
     return d
 
 
@@ -332,6 +314,9 @@ class MetadataTables:
         self.totals = header["totals"]
         self.shards = _Table(directory, header["shards"], SHARD_SCHEMA, where)
         self.blocks = _Table(directory, header["blocks"], BLOCK_SCHEMA, where)
+        entry = header.get("layout")
+        self.layout = None if entry is None else _Table(directory, entry, LAYOUT_SCHEMA, where)
+        self._stored: StoredLayout | None = None
         self.num_shards = self.shards.rows
         self._lock = threading.Lock()
         self._block_lists: dict[int, BlockList] = {}
@@ -382,6 +367,17 @@ class MetadataTables:
                     return f"a shard is listed twice (shards #{int(v[i])} and #{int(v[i + 1])})"
                 return "checksum_order does not sort the checksums"
         return None
+
+    def stored_layout(self) -> StoredLayout | None:
+        """The order's layout stored with the metadata (metadata_layout.py); None: compute it."""
+        if self._stored is None and self.layout is not None:
+            self._stored = StoredLayout(
+                self.layout, self.header["layout"], self.column("samples"), self.where, self._sample_starts
+            )
+        return self._stored
+
+    def _sample_starts(self) -> np.ndarray:
+        return self.column("sample_start")
 
     def checksums(self) -> np.ndarray:
         """The checksum column, checked to hold no shard twice (with `checksum_order`)."""

@@ -25,7 +25,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSupply
-from tierflow.format.metadata import shard_column
+from tierflow.format.metadata import MappedManifest, shard_column
+from tierflow.format.metadata_layout import largest_blocks
 from tierflow.format.shard import Form
 from tierflow.format.table import BlockCache
 from tierflow.loader._collate import CarriedBatch
@@ -148,6 +149,7 @@ class TieredDataset(IterableDataset):
             "group_samples": self.settled.group_samples,
             "decoded_bytes": shard_column(manifest, "decoded_bytes"),
             "block_bytes": _largest_blocks(manifest),
+            **_stored_layout(manifest, counts),
         }
         stack = data.source if isinstance(data, Dataset) and isinstance(data.source, TierStack) else None
         self.working_set = self._choose_working_set(stack, np.asarray(counts))
@@ -554,7 +556,16 @@ def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
 def _largest_blocks(manifest: Any) -> Any:
     """`_largest_block` of every shard, from the per-shard columns (no object per shard)."""
     decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
-    return decoded * rows // np.maximum(shard_column(manifest, "samples"), 1)
+    return largest_blocks(decoded, rows, shard_column(manifest, "samples"))
+
+
+def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:
+    """The order's layout and decoded digest stored with version-3 metadata (format/metadata_layout.py),
+    for an order over the rows (the samples column itself); none: the order computes its own."""
+    stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
+    if stored is None or stored.counts is not counts:
+        return {}
+    return {"stored_layout": stored, "decoded_digest": stored.decoded}
 
 
 def _other_dataset(saved: str, ours: str) -> str:
