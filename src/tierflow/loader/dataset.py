@@ -131,7 +131,6 @@ class TieredDataset(IterableDataset):
             data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
         )
         counts = batcher.order_counts(index)
-        self._token_starts = index.token_starts
         self.num_order_samples = int(counts.sum())
         if self.num_order_samples == 0:
             raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
