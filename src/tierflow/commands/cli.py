@@ -141,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "upgrade",
-        help="write a dataset's version-3 metadata (mapped shard and block tables "
-        "beside a small header) in place, from its manifest.json; atomic",
+        help="write a dataset's version-3 metadata (mapped shard, block and order-layout tables "
+        "beside a small header) in place, from its manifest.json (or, with none, add the layout "
+        "table to version-3 metadata written before it); atomic",
     )
     p.add_argument("dataset", help="dataset directory or URL (the manifest.json stays for older readers)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
