@@ -87,10 +87,24 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
     left the room a fraction of a shard short of three 16 MB shards, so a reader found every entry
     pinned, read its shard from below, and the stager fetched it again (benchmarks/images.py, a
     30% L2: 0.77 of the dataset per warm epoch against the plan's 0.72)."""
-    if isinstance(shard_bytes, np.ndarray):  # a mapped column: a partition, not a pass in Python
-        k = min(shards + 1, shard_bytes.size)
-        return int(np.partition(shard_bytes, shard_bytes.size - k)[shard_bytes.size - k :].sum()) if k > 0 else 0
+    if isinstance(shard_bytes, np.ndarray):  # a mapped column: numpy, not a pass in Python
+        return _largest_sum(shard_bytes, shards + 1)
     return sum(heapq.nlargest(shards + 1, shard_bytes))
+
+
+def _largest_sum(values: np.ndarray, count: int, chunk: int = 1024) -> int:
+    """The sum of the `count` largest of `values`, without copying a million shards' column: the
+    count-th largest of the chunks' maxima is at most the count-th largest value (`count` values are
+    at least it), so the values at least it hold the `count` largest, ties of equal value included."""
+    count = min(count, values.size)
+    if count <= 0:
+        return 0
+    whole = values.size // chunk
+    if whole > count:
+        maxima = values[: whole * chunk].reshape(whole, chunk).max(axis=1)
+        least = maxima[np.argpartition(maxima, whole - count)[whole - count]]
+        values = values[values >= least]
+    return int(np.partition(values, values.size - count)[values.size - count :].sum())
 
 
 def _total(shard_bytes: Sequence[int]) -> int:
