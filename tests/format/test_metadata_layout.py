@@ -204,3 +204,16 @@ def test_an_order_of_other_counts_or_partitions_computes_its_own(packed: Path) -
     same = SampleOrder(samples, dataset_id="x", partitions=stored.partitions, stored_layout=stored)
     assert other.layout._stored is None and fewer.layout._stored is None and same.layout._stored is stored
     assert other.config_hash == same.config_hash
+
+
+def test_a_dataset_read_through_its_stored_layout_pickles_for_a_worker(packed: Path) -> None:
+    """A spawn/forkserver worker gets the dataset pickled: the stored layout travels as its manifest
+    (the directory, mapped again there), and the order there is the same."""
+    import pickle
+
+    dataset = TieredDataset(packed, BatchSpec(batch_size=16))
+    again = pickle.loads(pickle.dumps(dataset))
+    stored = again.order.layout._stored
+    assert stored is not None and stored.manifest is again.manifest
+    assert again.order.config_hash == dataset.order.config_hash
+    assert again.future_shard_uses(horizon_batches=100) == dataset.future_shard_uses(horizon_batches=100)

@@ -317,6 +317,7 @@ class MetadataTables:
         entry = header.get("layout")
         self.layout = None if entry is None else _Table(directory, entry, LAYOUT_SCHEMA, where)
         self._stored: StoredLayout | None = None
+        self.manifest: Any = None
         self.num_shards = self.shards.rows
         self._lock = threading.Lock()
         self._block_lists: dict[int, BlockList] = {}
@@ -374,6 +375,7 @@ class MetadataTables:
             self._stored = StoredLayout(
                 self.layout, self.header["layout"], self.column("samples"), self.where, self._sample_starts
             )
+            self._stored.manifest = self.manifest
         return self._stored
 
     def _sample_starts(self) -> np.ndarray:
@@ -573,6 +575,7 @@ def load_metadata(directory: str | Path, where: str | None = None) -> MappedMani
         checksummed=True,
     )
     manifest.tables, manifest.directory, manifest.where = tables, directory, where
+    tables.manifest = manifest  # a stored layout pickles as its manifest (its directory)
     return manifest
 
 

@@ -167,6 +167,14 @@ class StoredLayout:
         self._members: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
+    manifest: Any = None
+    """The MappedManifest it was read from: it pickles as that (a DataLoader worker maps it again)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.manifest is None:
+            raise TypeError(f"{self.where}: a stored layout read without its manifest cannot be pickled")
+        return (_stored_layout_of, (self.manifest,))
+
     @property
     def shard_partition(self) -> np.ndarray:
         p = self.partitions
@@ -197,6 +205,13 @@ class StoredLayout:
         with self._lock:
             self._members[partition] = rows
         return rows
+
+
+def _stored_layout_of(manifest: Any) -> StoredLayout:
+    stored = manifest.tables.stored_layout()
+    if stored is None:
+        raise ValueError(f"{manifest.where}: its metadata no longer stores the order's layout")
+    return stored
 
 
 class PartitionMembers:
