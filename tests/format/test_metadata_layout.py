@@ -217,3 +217,39 @@ def test_a_dataset_read_through_its_stored_layout_pickles_for_a_worker(packed: P
     assert stored is not None and stored.manifest is again.manifest
     assert again.order.config_hash == dataset.order.config_hash
     assert again.future_shard_uses(horizon_batches=100) == dataset.future_shard_uses(horizon_batches=100)
+
+
+def test_the_largest_blocks_of_a_mapped_dataset_are_made_for_the_shards_asked_for(packed: Path) -> None:
+    """The group order's per-shard floor (`block_bytes`) of a mapped dataset is not a column made whole
+    in every process: values for the shards asked for, the same as the whole column's, pickled as the
+    manifest; the order's config and its bound the same as from the whole column."""
+    import pickle
+
+    from tierflow.format.metadata_layout import LargestBlocks, largest_blocks
+
+    dataset = TieredDataset(packed, BatchSpec(batch_size=16))
+    values = dataset.order.block_bytes
+    assert isinstance(values, LargestBlocks) and dataset.order.group_bytes > 0
+    col = dataset.manifest.shard_column
+    whole = largest_blocks(col("decoded_bytes"), col("largest_rows"), col("samples"))
+    shards = np.array([3, 0, len(whole) - 1])
+    assert values[shards].tolist() == whole[shards].tolist() and len(values) == len(whole)
+    assert int(values.mean(chunk=3)) == int(whole.mean())
+    again = pickle.loads(pickle.dumps(values))
+    assert again.manifest is not None and again[shards].tolist() == whole[shards].tolist()
+    plain = SampleOrder(
+        col("samples"),
+        dataset_id=dataset.order.dataset_id,
+        partitions=dataset.order.partitions,
+        window_shards=dataset.order.window_shards,
+        lanes=dataset.order.lanes,
+        group_bytes=dataset.order.group_bytes,
+        group_samples=dataset.order.group_samples,
+        decoded_bytes=col("decoded_bytes"),
+        block_bytes=whole,
+        first_epoch=dataset.order.first_epoch,
+    )
+    assert plain.config_hash == dataset.order.config_hash
+    for p in range(plain.partitions):
+        a, b = plain.windows(p, 0), dataset.order.windows(p, 0)
+        assert a.range_ids(0, a.size).tolist() == b.range_ids(0, b.size).tolist()

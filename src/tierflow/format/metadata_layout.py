@@ -87,6 +87,46 @@ def largest_blocks(decoded: np.ndarray, largest_rows: np.ndarray, samples: np.nd
     return decoded * largest_rows // np.maximum(samples, 1)
 
 
+class LargestBlocks:
+    """`largest_blocks` of every shard, computed for the shards asked for (`values[shards]`), so a
+    rank does not hold (or make) a million shards' worth it reads a few partitions of; the order
+    takes it as its `block_bytes` (order/order.py: anything with `per_shard`)."""
+
+    per_shard = True
+
+    def __init__(self, decoded: np.ndarray, largest_rows: np.ndarray, samples: np.ndarray) -> None:
+        self.decoded, self.rows, self.samples = decoded, largest_rows, samples
+        self.manifest: Any = None
+
+    @classmethod
+    def of_mapped(cls, manifest: Any) -> LargestBlocks:
+        """Of a MappedManifest's columns; it pickles as the manifest (its directory), not the columns."""
+        col = manifest.tables.column
+        values = cls(col("decoded_bytes"), col("largest_rows"), col("samples"))
+        values.manifest = manifest
+        return values
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.manifest is not None:
+            return (LargestBlocks.of_mapped, (self.manifest,))
+        return (LargestBlocks, (self.decoded, self.rows, self.samples))
+
+    def __len__(self) -> int:
+        return int(self.decoded.size)
+
+    def __getitem__(self, shards: Any) -> np.ndarray:
+        return largest_blocks(self.decoded[shards], self.rows[shards], self.samples[shards])
+
+    def whole(self) -> np.ndarray:
+        return largest_blocks(self.decoded, self.rows, self.samples)
+
+    def mean(self, chunk: int = 1 << 16) -> float:
+        """The mean, a chunk at a time (exact integer sum; no column-sized array made)."""
+        n = len(self)
+        total = sum(int(self[lo : lo + chunk].sum()) for lo in range(0, n, chunk))
+        return total / n if n else 0.0
+
+
 def decoded_digest(decoded: np.ndarray, block_bytes: np.ndarray | None) -> str:
     """The order config's `decoded` entry: a digest of the decoded sizes a group order depends on."""
     sizes = decoded if block_bytes is None else np.concatenate([decoded, block_bytes])

@@ -26,7 +26,7 @@ from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSupply
 from tierflow.format.metadata import MappedManifest, shard_column
-from tierflow.format.metadata_layout import largest_blocks
+from tierflow.format.metadata_layout import LargestBlocks
 from tierflow.format.shard import Form
 from tierflow.format.table import BlockCache
 from tierflow.loader._collate import CarriedBatch
@@ -553,9 +553,12 @@ def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
 
 
 def _largest_blocks(manifest: Any) -> Any:
-    """`_largest_block` of every shard, from the per-shard columns (no object per shard)."""
+    """`_largest_block` of every shard, from the per-shard columns (no object per shard); of a mapped
+    dataset, made for the shards the order asks for (LargestBlocks)."""
+    if isinstance(manifest, MappedManifest):
+        return LargestBlocks.of_mapped(manifest)
     decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
-    return largest_blocks(decoded, rows, shard_column(manifest, "samples"))
+    return LargestBlocks(decoded, rows, shard_column(manifest, "samples")).whole()
 
 
 def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:

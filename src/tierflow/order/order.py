@@ -98,7 +98,8 @@ class SampleOrder:
         self.first_epoch = (
             None if first_epoch is None or not self.shuffle else (int(first_epoch[0]), int(first_epoch[1]))
         )
-        self.decoded_bytes = self.block_bytes = None
+        self.decoded_bytes: np.ndarray | None = None
+        self.block_bytes: Any = None  # int64 per shard, or values made for the shards asked for (per_shard)
         if self.group_bytes:
             shards = self.layout.num_shards
             if decoded_bytes is None or len(decoded_bytes) != shards:
@@ -106,7 +107,11 @@ class SampleOrder:
             if block_bytes is not None and len(block_bytes) != shards:
                 raise ValueError(f"block_bytes has {len(block_bytes)} entries for {shards} shards")
             self.decoded_bytes = np.asarray(decoded_bytes, dtype=np.int64)
-            self.block_bytes = None if block_bytes is None else np.asarray(block_bytes, dtype=np.int64)
+            self.block_bytes = (  # per_shard: values made for the shards asked for (a mapped dataset's)
+                block_bytes
+                if getattr(block_bytes, "per_shard", False) or block_bytes is None
+                else np.asarray(block_bytes, dtype=np.int64)
+            )
         self.config: dict[str, Any] = {
             "dataset_id": dataset_id,
             "seed": self.seed,
@@ -130,7 +135,7 @@ class SampleOrder:
                 sizes = (
                     self.decoded_bytes
                     if self.block_bytes is None
-                    else np.concatenate([self.decoded_bytes, self.block_bytes])
+                    else np.concatenate([self.decoded_bytes, np.asarray(self.block_bytes[:], dtype=np.int64)])
                 )
                 decoded_digest = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
             self.config["decoded"] = decoded_digest
