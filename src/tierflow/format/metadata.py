@@ -359,12 +359,16 @@ class MetadataTables:
             seen[v] = True
             if not seen.all():
                 return "checksum_order is not a permutation of the shards"
-            keys = self.column("checksum").view(CHECKSUM_HALVES)[v]
-            hi, lo = keys["hi"], keys["lo"]
-            rising = (hi[1:] > hi[:-1]) | ((hi[1:] == hi[:-1]) & (lo[1:] > lo[:-1]))
+            halves = self.column("checksum").view(CHECKSUM_HALVES)
+            hi = halves["hi"].astype(np.uint64)[v]  # native once, then gathered: half the bytes moved
+            rising = hi[1:] > hi[:-1]
+            tie = np.flatnonzero(hi[1:] == hi[:-1])  # equal high halves (rare): the low halves decide
+            if tie.size:
+                lo = halves["lo"]
+                rising[tie] = lo[v[tie + 1]] > lo[v[tie]]
             if not rising.all():
                 i = int(np.argmin(rising))
-                if keys[i] == keys[i + 1]:
+                if halves[v[i]] == halves[v[i + 1]]:
                     return f"a shard is listed twice (shards #{int(v[i])} and #{int(v[i + 1])})"
                 return "checksum_order does not sort the checksums"
         return None
