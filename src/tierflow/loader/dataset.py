@@ -168,6 +168,13 @@ class TieredDataset(IterableDataset):
         self._context: SampleContext | None = None
         self._context_pid = -1
 
+    @property
+    def _token_starts(self) -> np.ndarray:
+        """Each shard's first token position and the total (made when asked for: a rank reading rows
+        never needs it, and of a mapped dataset it is a pass over the token column)."""
+        index = self._given or Dataset(self.manifest, _NoShards(self.location), location=self.location)
+        return index.token_starts
+
     def order_with(self, working_set: WorkingSet) -> SampleOrder:
         """This dataset's order read through another working set (what `plan` compares)."""
         return SampleOrder(
