@@ -169,11 +169,8 @@ class TieredDataset(IterableDataset):
         self._context_pid = -1
 
     @property
-    def _token_starts(self) -> np.ndarray:
-        """Each shard's first token position and the total (made when asked for: a rank reading rows
-        never needs it, and of a mapped dataset it is a pass over the token column)."""
-        index = self._given or Dataset(self.manifest, _NoShards(self.location), location=self.location)
-        return index.token_starts
+    def _token_starts(self) -> np.ndarray:  # made when asked for: a rows order never needs them
+        return (self._given or Dataset(self.manifest, _NoShards(self.location), location=self.location)).token_starts
 
     def order_with(self, working_set: WorkingSet) -> SampleOrder:
         """This dataset's order read through another working set (what `plan` compares)."""
@@ -560,8 +557,7 @@ def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
 
 
 def _largest_blocks(manifest: Any) -> Any:
-    """`_largest_block` of every shard, from the per-shard columns (no object per shard); of a mapped
-    dataset, made for the shards the order asks for (LargestBlocks)."""
+    """Each shard's largest block from the columns; a mapped dataset's made as asked for (LargestBlocks)."""
     if isinstance(manifest, MappedManifest):
         return LargestBlocks.of_mapped(manifest)
     decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
@@ -569,12 +565,10 @@ def _largest_blocks(manifest: Any) -> Any:
 
 
 def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:
-    """The order's layout and decoded digest stored with version-3 metadata (format/metadata_layout.py),
-    for an order over the rows (the samples column itself); none: the order computes its own."""
+    """The layout and decoded digest stored with the metadata, for an order over the rows (metadata_layout.py)."""
     stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
-    if stored is None or stored.counts is not counts:
-        return {}
-    return {"stored_layout": stored, "decoded_digest": stored.decoded}
+    use = stored is not None and stored.counts is counts
+    return {"stored_layout": stored, "decoded_digest": stored.decoded} if use and stored is not None else {}
 
 
 def _other_dataset(saved: str, ours: str) -> str:

@@ -28,10 +28,10 @@ from tierflow.format.metadata import (
     METADATA_NAME,
     TABLE_PREFIX,
     TABLE_SUFFIX,
-    current_metadata,
     load_metadata,
     parse_header,
 )
+from tierflow.format.metadata_index import current_metadata
 from tierflow.format.table_locks import TableGone, remove_if_unused
 from tierflow.storage.remote import RetryingStore, join_url
 
