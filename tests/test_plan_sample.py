@@ -53,3 +53,29 @@ def test_a_sample_of_every_shard_is_the_full_forecast_and_half_of_them_land_near
     assert {u.shard for u in node_uses(dataset, dataset.working_set, 3, half)} <= set(np.flatnonzero(half.mask))
     for (got, got_best), (want, want_best) in zip(warm(sampled), warm(full)):
         assert abs(got - want) < 0.05 and abs(got_best - want_best) < 0.05, (warm(sampled), warm(full))
+
+
+def test_bench_forecasts_a_huge_node_from_a_sample_as_plan_does_and_says_so(dataset, tmp_path, monkeypatch):
+    """`tierflow bench` sets its run's bytes from below beside the plan's; above SAMPLE_ABOVE of the
+    node's shards it replays a sample, as `plan` does (here the thresholds lowered to this dataset)."""
+    from tierflow.commands import plan
+    from tierflow.commands.bench import format_result, run_bench, simulated_step
+    from tierflow.telemetry.metrics import MetricsRegistry
+    from tierflow.tiers import TierConfig, build_stack
+
+    def bench(name):
+        registry = MetricsRegistry()
+        capacity = int(0.3 * int(dataset.manifest.shard_column("decoded_bytes").sum()))
+        stack = build_stack(dataset.location, [TierConfig("L2", str(tmp_path / name), capacity)], registry=registry)
+        ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=8), OrderSpec(partitions=16, window_shards=2))
+        return run_bench(ds, 8, simulated_step(0), registry=registry, tier_layout=[("L2", capacity, True)])
+
+    whole = bench("a").bytes_per_epoch
+    assert whole is not None and whole.sampled is None
+    monkeypatch.setattr(plan, "SAMPLE_ABOVE", 0)
+    monkeypatch.setattr(plan, "SAMPLE_SPARSE", 0)
+    monkeypatch.setattr(plan, "SAMPLE_SHARDS", 32)
+    result = bench("b")
+    b = result.bytes_per_epoch
+    assert b is not None and b.sampled is not None and b.sampled.startswith("forecast from a sample of ")
+    assert "plan forecast from a sample of " in format_result(result)

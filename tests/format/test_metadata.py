@@ -251,7 +251,7 @@ def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(
             k: np.asarray(v).tolist() for k, v in local[i].items()
         }
     cached = list((tmp_path / "cache").glob("*/metadata-*.arrow"))
-    assert len(cached) == 2
+    assert len(cached) == 3  # shards, blocks and the stored layout
     again = pickle.loads(pickle.dumps(remote.manifest))  # a worker maps the node's copy
     assert again.dataset_id == local.manifest.dataset_id
     from tierflow.storage.datasets import collect_garbage
@@ -370,6 +370,28 @@ def test_hostile_shard_columns_with_every_hash_recomputed_are_refused(packed: Pa
         _forge(out, edit)
         with pytest.raises(ManifestError, match=match):
             tierflow.open_dataset(out)[0]
+
+
+def test_checksums_sharing_their_high_half_are_told_apart_by_their_low_half(packed: Path, tmp_path: Path) -> None:
+    """checksum_order's check compares the high halves and only where they tie the low ones: two
+    shards whose checksums differ in the last byte alone are two shards; the same checksum twice is
+    refused (both through the writer, every hash recomputed)."""
+
+    def near(s, b) -> None:
+        raw = bytearray(s["checksum"][1].tobytes())
+        raw[-1] ^= 1
+        s["checksum"][2] = np.frombuffer(bytes(raw), dtype="V16")[0]
+
+    out = copy(packed, tmp_path)
+    _forge(out, near)
+    manifest = md.load_metadata(out)
+    checksums = manifest.tables.checksums()
+    assert checksums[2].tobytes()[:8] == checksums[1].tobytes()[:8] and checksums[2] != checksums[1]
+    shutil.rmtree(out)
+    out = copy(packed, tmp_path)
+    _forge(out, lambda s, b: s["checksum"].__setitem__(2, s["checksum"][1]))
+    with pytest.raises(ManifestError, match="listed twice"):
+        md.load_metadata(out).tables.checksums()
 
 
 def test_a_pack_too_large_for_a_manifest_replaces_the_old_one_only_after_its_header(

@@ -32,3 +32,18 @@ def test_working_set_bytes_of_a_column_is_the_sum_of_the_largest() -> None:
     sizes = np.random.default_rng(0).integers(0, 1000, 300)
     for shards in (0, 1, 5, 299, 400):
         assert working_set_bytes(shards, sizes) == working_set_bytes(shards, sizes.tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_working_set_bytes_of_a_large_column_with_ties_is_the_sum_of_the_largest(seed: int) -> None:
+    """Above a chunk's worth of shards the largest are found among the values at least the chunks'
+    maxima's count-th largest (no copy of the column): ties, sorted and spread columns alike."""
+    rng = np.random.default_rng(seed)
+    for sizes in (
+        rng.integers(0, 4, 50_000),
+        rng.integers(0, 10**9, 50_000),
+        np.sort(rng.integers(0, 10**6, 30_001)),
+        np.full(20_000, 7),
+    ):
+        for shards in (0, 1, 16, 128, 1000):
+            assert working_set_bytes(shards, sizes) == working_set_bytes(shards, sizes.tolist())

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
 
+from tierflow.format.metadata import shard_column
 from tierflow.format.shard import Form
 from tierflow.telemetry.health import HealthFlag, health_flags
 from tierflow.telemetry.loader_metrics import LoaderFigures, LoaderTelemetry, loader_figures
@@ -72,6 +73,8 @@ class BytesPerEpoch:
     capacity: int = 0
     """The top tier's capacity in bytes, stated against `dataset_bytes` (at rest, the user's yardstick)."""
     dataset_bytes: int = 0
+    sampled: str | None = None
+    """How the plan's figures were forecast when from a sample of the node's shards (plan.Sample)."""
 
     def describe(self) -> str:
         """The figures as a sentence: per epoch over a run of one epoch or more; over a shorter run,
@@ -188,7 +191,7 @@ def run_bench(
     figures = loader_figures(snapshot)
     tiers = tier_figures(snapshot)
     manifest = getattr(dataset, "manifest", None)
-    dataset_bytes = sum(s.decoded_bytes for s in manifest.shards) if manifest is not None else None
+    dataset_bytes = int(shard_column(manifest, "decoded_bytes").sum()) if manifest is not None else None
     shard_bytes = dataset_bytes // max(1, len(manifest.shards)) if manifest is not None and dataset_bytes else None
     verdict = judge(
         figures,
@@ -220,12 +223,12 @@ def _bytes_per_epoch(
     dataset: Any, snapshot: dict, steps: int, tier_layout: Sequence[tuple[str, int, bool]]
 ) -> BytesPerEpoch | None:
     """The run's bytes from below against the plan for the same steps (epochs prorated)."""
-    from tierflow.commands.plan import plan_cache
+    from tierflow.commands import plan as planning
 
     manifest = getattr(dataset, "manifest", None)
     if manifest is None or not hasattr(dataset, "working_set"):
         return None
-    at_rest = sum(s.bytes for s in manifest.shards)
+    at_rest = int(shard_column(manifest, "bytes").sum())  # a column: no object per shard
     fetched = sum(
         c["value"]
         for c in snapshot.get("counters", [])
@@ -236,12 +239,20 @@ def _bytes_per_epoch(
     samples = steps * dataset.batch_size * dataset.batcher.batches_per_group * world.ranks_per_node
     epochs = samples / max(1, node_samples)
     top, capacity, decoded = tier_layout[0]
-    plan = plan_cache(
+    sample = planning.choose_sample(  # as `tierflow plan`: a node reading more than 16,384 shards is sampled
+        dataset,
+        dataset.working_set,
+        target=planning.SAMPLE_SHARDS,
+        above=planning.SAMPLE_ABOVE,
+        sparse=planning.SAMPLE_SPARSE,
+    )
+    plan = planning.plan_cache(
         dataset,
         capacity,
         epochs=max(1, -(-samples // max(1, node_samples))),
         form=Form.DECODED if decoded else Form.AT_REST,
         working_set=dataset.working_set,
+        sample=sample,
     )
 
     def prorated(per: list[Any]) -> float:
@@ -257,6 +268,7 @@ def _bytes_per_epoch(
         top,
         int(capacity),
         at_rest,
+        None if sample is None else sample.describe(),
     )
 
 
@@ -290,6 +302,8 @@ def format_result(result: BenchResult, step_ms: float | None = None) -> str:
     b = result.bytes_per_epoch
     if b is not None:
         lines.append("bytes from below " + b.describe())
+        if b.sampled:
+            lines.append(f"plan {b.sampled}")
         if b.dataset_bytes:
             lines.append(
                 f"{b.tier} {b.capacity / 1e6:.1f} MB: {b.capacity / b.dataset_bytes:.0%} of the dataset's "

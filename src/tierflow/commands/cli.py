@@ -141,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "upgrade",
-        help="write a dataset's version-3 metadata (mapped shard and block tables "
-        "beside a small header) in place, from its manifest.json; atomic",
+        help="write a dataset's version-3 metadata (mapped shard, block and order-layout tables "
+        "beside a small header) in place, from its manifest.json (or, with none, add the layout "
+        "table to version-3 metadata written before it); atomic",
     )
     p.add_argument("dataset", help="dataset directory or URL (the manifest.json stays for older readers)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
@@ -344,10 +345,17 @@ def _upgrade(args: argparse.Namespace) -> int:
             where = upgrade_source(open_store(args.dataset, endpoint_url=args.endpoint_url), work)
     else:
         from tierflow.format.manifest import MANIFEST_NAME
+        from tierflow.format.metadata import has_metadata
+        from tierflow.format.metadata_writer import add_layout
 
         if not (root / MANIFEST_NAME).is_file():
-            print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
-            return 1
+            if not has_metadata(root):
+                print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
+                return 1
+            with DatasetLock(root):  # version 3 already: store the order's layout if it lacks one
+                added = add_layout(root)
+            print(f"{args.dataset}: " + ("the order's layout stored" if added else "up to date, nothing to write"))
+            return 0
         with DatasetLock(root):
             where = str(upgrade(root))
     print(f"{args.dataset}: version-3 metadata written ({where})")

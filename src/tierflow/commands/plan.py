@@ -52,6 +52,8 @@ def _warm(per_epoch: list[EpochBytes]) -> float:
 
 SAMPLE_ABOVE = 16_384
 """A node reading more shards than this is forecast from a sample of them (`choose_sample`)."""
+SAMPLE_SPARSE = 100
+"""...and reading at least this many times its working set's shards (the staging area is scaled with it)."""
 SAMPLE_SHARDS = 4_096
 """About how many shards the sample keeps: the replays cost ~10 us per use, each shard is used once an
 epoch, and the plan replays the uses 12 times and runs the optimum 24 times."""
@@ -95,7 +97,7 @@ def choose_sample(
     working_set: WorkingSet | None = None,
     target: int = SAMPLE_SHARDS,
     above: int = SAMPLE_ABOVE,
-    sparse: int = 100,
+    sparse: int = SAMPLE_SPARSE,
 ) -> Sample | None:
     """The sample a forecast replays, or None (every shard) where the node reads at most `above` shards
     or fewer than `sparse` times its working set's: the staging area is scaled with the sample, and

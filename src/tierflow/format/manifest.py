@@ -231,7 +231,7 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: str | Path) -> Manifest:
-        from tierflow.format.metadata import current_metadata  # version 3: opened, not parsed
+        from tierflow.format.metadata_index import current_metadata  # version 3: opened, not parsed
 
         mapped = current_metadata(directory)
         if mapped is not None:

@@ -1,4 +1,4 @@
-"""Metadata that is opened, not parsed (format version 3): a small JSON header and two Arrow IPC files.
+"""Metadata that is opened, not parsed (format version 3): a small JSON header and Arrow IPC files.
 
 A version-2 manifest is one JSON document holding every shard and every block; each process parses
 all of it (1.7 MB and 0.09 s at 1,000 shards, 160 MB, 6 s and 1.3 GB at 100,000). Version 3 keeps
@@ -13,7 +13,8 @@ per-block rows in two uncompressed Arrow IPC files, memory-mapped read-only:
   recorded), block_digest (xxh3-64 of its rows of the block table) and checksum_order (the shards
   sorted by checksum: no shard twice is O(shards) compares, and a key finds its shards without a sort);
 - the block table, one row a block, shard after shard: length, rows, checksum (the xxh3-64 value),
-  tokens (uint32; the blocks are contiguous from offset 0, so offsets are the lengths' running sum).
+  tokens (uint32; the blocks are contiguous from offset 0, so offsets are the lengths' running sum);
+- optionally the default order's partition layout (metadata_layout.py).
 
 Both file names carry their content hash (`metadata-shards-<xxh3-128>.arrow`), so writing new tables
 never touches the ones a published header names; the header is written last, atomically (temp file,
@@ -32,13 +33,11 @@ Integrity, as strong as the manifest's checksum, paid as it is used:
   reads: the block table (~1.3 GB at a million shards of 64 blocks) is never read whole at open;
 - `verify_metadata` (`tierflow verify`) hashes every column of both tables, streaming, and checks
   the dataset id against the shards, in bounded memory.
-The trade-off: a damaged row in a shard-table column is refused when the column is first used (the
-whole column), a damaged block row when its shard is first used, never later than that and never
-served; a process pays for the columns and shards it uses, not for the dataset (hashing every column
-and every block row at open would be ~1.4 GB read at a million shards, by every process). What is
-not checked at open is the dataset id against the checksums (a JSON of every name): the header's
-checksum covers the recorded id, and `verify` recomputes it. Anything wrong is a ManifestError
-naming the dataset, the file and what is wrong.
+A damaged row in a shard-table column is refused when the column is first used, a damaged block row
+when its shard is first used, never served; a process pays for the columns and shards it uses, not
+for the dataset (~1.4 GB at a million shards). The dataset id against the checksums is `verify`'s
+(the header's checksum covers the recorded id). Anything wrong is a ManifestError naming the
+dataset, the file and what is wrong.
 
 This module is the layout and the reading side; writing and publishing is `metadata_writer`, the
 whole-dataset check `metadata_verify`, the lookups over the mapped tables `metadata_index`.
@@ -59,7 +58,16 @@ import xxhash
 
 from tierflow.errors import ManifestError
 from tierflow.format._regular import fd_path, read_regular
-from tierflow.format.manifest import MANIFEST_NAME, Manifest, _check_fields, schema_from_json
+from tierflow.format.metadata_layout import (
+    LAYOUT_SCHEMA,
+    TABLE_PREFIX as TABLE_PREFIX,
+    TABLE_SUFFIX as TABLE_SUFFIX,
+    StoredLayout,
+    check_layout_entry,
+    check_table_entry as _check_table_entry,
+    is_count as _is_count,
+)
+from tierflow.format.manifest import Manifest, _check_fields, schema_from_json
 from tierflow.format.table_locks import TableGone, open_table
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
@@ -70,8 +78,6 @@ MAX_HEADER_BYTES = 16 << 20
 """A header is a few KB (schema, tokenizer, stats); larger is refused unread."""
 LEGACY_MANIFEST_SHARDS = 10_000
 """Up to this many shards pack writes manifest.json beside the version-3 metadata."""
-TABLE_PREFIX = "metadata-"
-TABLE_SUFFIX = ".arrow"
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -131,10 +137,6 @@ def column_digest(values: np.ndarray | memoryview | pa.Buffer) -> str:
     return xxhash.xxh3_128_hexdigest(view.cast("B"))
 
 
-def _is_count(v: Any) -> bool:
-    return type(v) is int and 0 <= v < MAX_COUNT
-
-
 def parse_header(raw: bytes, where: str) -> dict:
     """The header's fields, checked: JSON, format and version, its checksum, the types of every
     field a reader uses. ManifestError naming `where` otherwise."""
@@ -170,31 +172,7 @@ def parse_header(raw: bytes, where: str) -> dict:
     if not isinstance(d.get("dataset_id"), str):
         raise fail("dataset_id is missing")
     for table, schema in (("shards", SHARD_SCHEMA), ("blocks", BLOCK_SCHEMA)):
-        entry = d.get(table)
-        if not isinstance(entry, dict):
-            raise fail(f'"{table}" is not an object')
-        name = entry.get("file")
-        if (
-            not isinstance(name, str)
-            or not name.startswith(f"{TABLE_PREFIX}{table}-")
-            or not name.endswith(TABLE_SUFFIX)
-            or "/" in name
-            or "\\" in name
-            or ".." in name
-        ):
-            raise fail(
-                f"{table}.file {name!r:.80} is not a metadata table inside the dataset "
-                f"(paths, '..' and URLs are refused)"
-            )
-        if not _is_count(entry.get("rows")) or not _is_count(entry.get("size")):
-            raise fail(f"{table}.rows or {table}.size is not a count")
-        hashes = entry.get("columns")
-        if (
-            not isinstance(hashes, dict)
-            or set(hashes) != set(schema.names)
-            or not all(isinstance(v, str) for v in hashes.values())
-        ):
-            raise fail(f"{table}.columns does not list a hash for each of {schema.names}")
+        _check_table_entry(d.get(table), table, schema, fail)
     beside = d.get("manifest")
     if beside is not None and not (
         isinstance(beside, dict) and _is_count(beside.get("size")) and isinstance(beside.get("xxh3"), str)
@@ -211,6 +189,9 @@ def parse_header(raw: bytes, where: str) -> dict:
         stats = d.get("stats") or {}
         if type(stats.get(key)) is int and stats[key] != total:
             raise fail(f"stats.{key} = {stats[key]}, but the shards' {key} sum to {total}")
+    if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
+        _check_table_entry(d["layout"], "layout", LAYOUT_SCHEMA, fail)
+        check_layout_entry(d["layout"], d["shards"]["rows"], totals["samples"], fail)
     return d
 
 
@@ -316,6 +297,18 @@ class _Table:
             return values
 
 
+def _running_sum(starts: np.ndarray, counts: np.ndarray, chunk: int = 1 << 16) -> bool:
+    """starts == [0, cumsum(counts[:-1])...], as differences a chunk at a time (no column-sized
+    array; int64 wraps alike both ways, so the same answer)."""
+    if starts.size and int(starts[0]) != 0:
+        return False
+    for lo in range(0, starts.size - 1, chunk):
+        hi = min(lo + chunk, starts.size - 1)
+        if not np.array_equal(starts[lo + 1 : hi + 1] - starts[lo:hi], counts[lo:hi]):
+            return False
+    return True
+
+
 def _mapping_address(mapped: pa.MemoryMappedFile) -> int:
     """The address where a memory-mapped file's byte 0 lies (its buffers' offsets in the file follow)."""
     mapped.seek(0)
@@ -332,6 +325,10 @@ class MetadataTables:
         self.totals = header["totals"]
         self.shards = _Table(directory, header["shards"], SHARD_SCHEMA, where)
         self.blocks = _Table(directory, header["blocks"], BLOCK_SCHEMA, where)
+        entry = header.get("layout")
+        self.layout = None if entry is None else _Table(directory, entry, LAYOUT_SCHEMA, where)
+        self._stored: StoredLayout | None = None
+        self.manifest: Any = None
         self.num_shards = self.shards.rows
         self._lock = threading.Lock()
         self._block_lists: dict[int, BlockList] = {}
@@ -356,11 +353,11 @@ class MetadataTables:
                 return f"the shards' {name} sum to {total}, the header says {self.totals[name]}"
         if name in ("sample_start", "token_start"):
             counts = self.column(name.split("_")[0] + "s")
-            if v.size and (int(v[0]) != 0 or not np.array_equal(v[1:], np.cumsum(counts[:-1]))):
+            if not _running_sum(v, counts):
                 return f"{name} is not the running sum of {name.split('_')[0]}s"
         if name == "first_block":
             counts = self.column("blocks")
-            if v.size and (int(v[0]) != 0 or not np.array_equal(v[1:], np.cumsum(counts[:-1]))):
+            if not _running_sum(v, counts):
                 return "first_block is not the running sum of blocks"
             if (int(v[-1] + counts[-1]) if v.size else 0) != self.blocks.rows:
                 return f"the shards' blocks do not add up to the block table's {self.blocks.rows} rows"
@@ -373,15 +370,31 @@ class MetadataTables:
             seen[v] = True
             if not seen.all():
                 return "checksum_order is not a permutation of the shards"
-            keys = self.column("checksum").view(CHECKSUM_HALVES)[v]
-            hi, lo = keys["hi"], keys["lo"]
-            rising = (hi[1:] > hi[:-1]) | ((hi[1:] == hi[:-1]) & (lo[1:] > lo[:-1]))
+            halves = self.column("checksum").view(CHECKSUM_HALVES)
+            hi = halves["hi"].astype(np.uint64)[v]  # native once, then gathered: half the bytes moved
+            rising = hi[1:] > hi[:-1]
+            tie = np.flatnonzero(hi[1:] == hi[:-1])  # equal high halves (rare): the low halves decide
+            if tie.size:
+                lo = halves["lo"]
+                rising[tie] = lo[v[tie + 1]] > lo[v[tie]]
             if not rising.all():
                 i = int(np.argmin(rising))
-                if keys[i] == keys[i + 1]:
+                if halves[v[i]] == halves[v[i + 1]]:
                     return f"a shard is listed twice (shards #{int(v[i])} and #{int(v[i + 1])})"
                 return "checksum_order does not sort the checksums"
         return None
+
+    def stored_layout(self) -> StoredLayout | None:
+        """The order's layout stored with the metadata (metadata_layout.py); None: compute it."""
+        if self._stored is None and self.layout is not None:
+            self._stored = StoredLayout(
+                self.layout, self.header["layout"], self.column("samples"), self.where, self._sample_starts
+            )
+            self._stored.manifest = self.manifest
+        return self._stored
+
+    def _sample_starts(self) -> np.ndarray:
+        return self.column("sample_start")
 
     def checksums(self) -> np.ndarray:
         """The checksum column, checked to hold no shard twice (with `checksum_order`)."""
@@ -513,32 +526,6 @@ class MappedManifest(Manifest):
         return (load_metadata, (self.directory, self.where))
 
 
-def current_metadata(directory: str | Path) -> MappedManifest | None:
-    """The version-3 metadata of a directory when it describes the dataset there: a header, and
-    beside it no manifest.json or the very one the header recorded (size and xxh3-128: the file is
-    read, not parsed; pack writes one only while it is small). None: read manifest.json (a version-2
-    dataset, an unfinished pack, or a manifest replaced or edited after the header was written)."""
-    directory = Path(directory)
-    if not has_metadata(directory):
-        return None
-    manifest = load_metadata(directory)
-    beside = manifest.header.get("manifest")
-    path = directory / MANIFEST_NAME
-    if beside is None:
-        return manifest if not path.exists() else None
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        return None
-    if size != beside["size"]:
-        return None
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return manifest if h.hexdigest() == beside["xxh3"] else None
-
-
 def load_metadata(directory: str | Path, where: str | None = None) -> MappedManifest:
     """Open a version-3 dataset's metadata: the header read and checked, both tables mapped.
     O(1) in the number of shards; columns are verified as they are first used."""
@@ -577,6 +564,7 @@ def load_metadata(directory: str | Path, where: str | None = None) -> MappedMani
         checksummed=True,
     )
     manifest.tables, manifest.directory, manifest.where = tables, directory, where
+    tables.manifest = manifest  # a stored layout pickles as its manifest (its directory)
     return manifest
 
 

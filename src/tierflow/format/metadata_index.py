@@ -1,18 +1,22 @@
 """Lookups over a manifest's shards that use the mapped version-3 tables when there are some: where a
 sample or a token lives (`MappedIndex`), whether a file name is a shard of the dataset (`ShardNames`),
-which shards hold an entry key (`ShardKeys`); none makes an object per shard."""
+which shards hold an entry key (`ShardKeys`); none makes an object per shard. And whether a
+directory's version-3 metadata is the dataset there (`current_metadata`)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from tierflow.errors import ShardCorruptError
-from tierflow.format.manifest import Manifest
-from tierflow.format.metadata import CHECKSUM_HALVES, TABLE_SUFFIX, MappedManifest
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.metadata import CHECKSUM_HALVES, TABLE_SUFFIX, MappedManifest, has_metadata, load_metadata
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX
 
 
@@ -234,3 +238,29 @@ def shards_named(manifest: Manifest, names: Sequence[str], keys: ShardKeys | Non
             return None
         found.append(shards[-1])
     return found
+
+
+def current_metadata(directory: str | Path) -> MappedManifest | None:
+    """The version-3 metadata of a directory when it describes the dataset there: a header, and
+    beside it no manifest.json or the very one the header recorded (size and xxh3-128: the file is
+    read, not parsed; pack writes one only while it is small). None: read manifest.json (a version-2
+    dataset, an unfinished pack, or a manifest replaced or edited after the header was written)."""
+    directory = Path(directory)
+    if not has_metadata(directory):
+        return None
+    manifest = load_metadata(directory)
+    beside = manifest.header.get("manifest")
+    path = directory / MANIFEST_NAME
+    if beside is None:
+        return manifest if not path.exists() else None
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+    if size != beside["size"]:
+        return None
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return manifest if h.hexdigest() == beside["xxh3"] else None

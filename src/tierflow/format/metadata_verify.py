@@ -1,5 +1,5 @@
-"""The whole-dataset check of version-3 metadata (`tierflow verify`): every column of both tables
-against its hash, every shard's block rows, the dataset id against the shards; streamed, so memory
+"""The whole-dataset check of version-3 metadata (`tierflow verify`): every column of the tables
+against its hash, every shard's block rows, the stored layout recomputed, the dataset id against the shards; streamed, so memory
 stays a chunk's whatever the dataset's size (opening checks only what a process uses)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import xxhash
 
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import schema_fields
+from tierflow.format.metadata_layout import verify_layout
 from tierflow.format.metadata import BLOCK_SCHEMA, METADATA_NAME, SHARD_SCHEMA, MappedManifest, MetadataTables
 
 
@@ -25,6 +26,7 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
             tables.column(name)
         except ManifestError as e:
             problems.append(str(e))
+    problems += verify_layout(tables)
     for name in BLOCK_SCHEMA.names:  # read, not mapped: memory stays a chunk's, whatever the table's size
         h = xxhash.xxh3_128()
         step = 1 << 20

@@ -35,6 +35,7 @@ from tierflow.format.metadata import (
     has_metadata,
     header_checksum,
 )
+from tierflow.format.metadata_layout import LAYOUT_SCHEMA, layout_columns
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
 
 
@@ -189,6 +190,8 @@ def write_metadata(
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
     shards = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
     blocks = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
+    stored = layout_columns(shard_columns)  # the default order's layout, so a rank's start is not O(shards)
+    layout = None if stored is None else {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
     totals = {
         key: int(np.asarray(shard_columns[key], dtype=np.int64).sum())
         for key in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")
@@ -200,6 +203,7 @@ def write_metadata(
         "shards": shards,
         "blocks": blocks,
         "totals": totals,
+        **({} if layout is None else {"layout": layout}),
         "manifest": None
         if manifest_bytes is None
         else {"size": len(manifest_bytes), "xxh3": xxhash.xxh3_128_hexdigest(manifest_bytes)},
@@ -224,6 +228,27 @@ def upgrade(directory: str | Path) -> Path:
         raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
     manifest = Manifest.from_bytes(raw, str(path))  # checked as any reader checks it
     return write_metadata(directory, manifest, manifest_bytes=raw)
+
+
+def add_layout(directory: str | Path) -> Path | None:
+    """Store the order's layout (metadata_layout.py) with a version-3 dataset written before it, in
+    place: the layout table first, then the same header with its `layout` entry, atomically (a crash
+    leaves the dataset as it was, at worst with a table gc removes). The samples column is checked as
+    any reader checks it. None: the header already has one, or the dataset no non-empty shard."""
+    from tierflow.format.metadata import load_metadata
+
+    directory = Path(directory)
+    manifest = load_metadata(directory)
+    if manifest.header.get("layout") is not None:
+        return None
+    tables = manifest.tables
+    stored = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
+    if stored is None:
+        return None
+    header = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
+    header["layout"] = {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
+    header[HEADER_CHECKSUM_KEY] = header_checksum(header)
+    return _publish(directory, METADATA_NAME, json.dumps(header, indent=1).encode())
 
 
 def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_shards: int | None = None) -> Path:
@@ -272,7 +297,8 @@ def header_tables(raw: bytes) -> set[str]:
     """The table files a header's bytes name, read leniently (a damaged header names none)."""
     try:
         d = json.loads(raw)
-        return {d[t]["file"] for t in ("shards", "blocks") if isinstance(d[t]["file"], str)}
+        tables = ("shards", "blocks", "layout") if isinstance(d.get("layout"), dict) else ("shards", "blocks")
+        return {d[t]["file"] for t in tables if isinstance(d[t]["file"], str)}
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return set()
 

@@ -25,7 +25,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
 from tierflow.format.dataset import Dataset, ShardSupply
-from tierflow.format.metadata import shard_column
+from tierflow.format.metadata import MappedManifest, shard_column
+from tierflow.format.metadata_layout import LargestBlocks
 from tierflow.format.shard import Form
 from tierflow.format.table import BlockCache
 from tierflow.loader._collate import CarriedBatch
@@ -130,7 +131,6 @@ class TieredDataset(IterableDataset):
             data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
         )
         counts = batcher.order_counts(index)
-        self._token_starts = index.token_starts
         self.num_order_samples = int(counts.sum())
         if self.num_order_samples == 0:
             raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
@@ -148,6 +148,7 @@ class TieredDataset(IterableDataset):
             "group_samples": self.settled.group_samples,
             "decoded_bytes": shard_column(manifest, "decoded_bytes"),
             "block_bytes": _largest_blocks(manifest),
+            **_stored_layout(manifest, counts),
         }
         stack = data.source if isinstance(data, Dataset) and isinstance(data.source, TierStack) else None
         self.working_set = self._choose_working_set(stack, np.asarray(counts))
@@ -166,6 +167,10 @@ class TieredDataset(IterableDataset):
         self.resumed_epoch = resume.get("epoch") if isinstance(resume, Mapping) else None
         self._context: SampleContext | None = None
         self._context_pid = -1
+
+    @property
+    def _token_starts(self) -> np.ndarray:  # made when asked for: a rows order never needs them
+        return (self._given or Dataset(self.manifest, _NoShards(self.location), location=self.location)).token_starts
 
     def order_with(self, working_set: WorkingSet) -> SampleOrder:
         """This dataset's order read through another working set (what `plan` compares)."""
@@ -556,9 +561,18 @@ def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
 
 
 def _largest_blocks(manifest: Any) -> Any:
-    """`_largest_block` of every shard, from the per-shard columns (no object per shard)."""
+    """Each shard's largest block from the columns; a mapped dataset's made as asked for (LargestBlocks)."""
+    if isinstance(manifest, MappedManifest):
+        return LargestBlocks.of_mapped(manifest)
     decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
-    return decoded * rows // np.maximum(shard_column(manifest, "samples"), 1)
+    return LargestBlocks(decoded, rows, shard_column(manifest, "samples")).whole()
+
+
+def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:
+    """The layout and decoded digest stored with the metadata, for an order over the rows (metadata_layout.py)."""
+    stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
+    use = stored is not None and stored.counts is counts
+    return {"stored_layout": stored, "decoded_digest": stored.decoded} if use and stored is not None else {}
 
 
 def _other_dataset(saved: str, ours: str) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 from collections.abc import Sequence
 
+from tierflow.format.metadata_layout import default_partitions
 from tierflow.loader.batching import Batcher, Collate, Filter, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.cursor import LoaderCursor
@@ -111,14 +112,6 @@ class SettledOrder:
     """The user set group_bytes: a cursor loaded later keeps them."""
     breadth_chosen: bool
     """The breadth is the default's (not given): a cursor loaded later brings its first epoch."""
-
-
-def default_partitions(nonempty_shards: int) -> int:
-    """64, or the largest power of two the dataset's non-empty shards allow."""
-    partitions = 1
-    while partitions * 2 <= min(64, nonempty_shards):
-        partitions *= 2
-    return partitions
 
 
 def settle_order(spec: OrderSpec, saved: LoaderCursor | None, nonempty_shards: int) -> SettledOrder:

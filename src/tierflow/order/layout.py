@@ -6,6 +6,8 @@ the dataset's samples plus, when byte sizes are given, its share of the bytes. T
 depends only on the manifest and P, never on the world size; node n of N owns p = n (mod N).
 A `contiguous` layout (an unshuffled order's) gives each partition a run of consecutive shards
 instead, balanced by samples, so reading its partitions in index order reads the stored order.
+A layout stored with the metadata for the same counts and partition count (`stored`: pack computed
+it with this very code, format/metadata_layout.py) is used as it is: O(partitions) to make.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +29,18 @@ class PartitionLayout:
         partitions: int = 64,
         shard_bytes: Sequence[int] | None = None,
         contiguous: bool = False,
+        stored: Any = None,
     ) -> None:
         counts = np.asarray(shard_sample_counts, dtype=np.int64)
+        if (
+            stored is not None
+            and stored.counts is counts
+            and stored.partitions == partitions
+            and shard_bytes is None
+            and not contiguous
+        ):
+            self._from_stored(counts, stored)
+            return
         if counts.ndim != 1 or counts.size == 0:
             raise ValueError("shard_sample_counts must be a non-empty list of per-shard sample counts")
         if (counts < 0).any():
@@ -43,20 +56,51 @@ class PartitionLayout:
             )
         self.partitions = partitions
         self.shard_sample_counts = counts
-        self.shard_offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         self.num_samples = int(self.shard_offsets[-1])
         self.shard_bytes = None if shard_bytes is None else np.asarray(shard_bytes, dtype=np.int64)
         if self.shard_bytes is not None and self.shard_bytes.shape != counts.shape:
             raise ValueError(f"shard_bytes has {self.shard_bytes.size} entries for {counts.size} shards")
-        self.shard_partition = (
+        self._partition = (
             _assign_contiguous(counts, partitions)
             if contiguous
             else _assign_longest_first(counts, self.shard_bytes, partitions)
         )
-        order = np.argsort(self.shard_partition, kind="stable")
-        bounds = np.searchsorted(self.shard_partition[order], np.arange(partitions + 1))
-        self.partition_shards = [order[bounds[p] : bounds[p + 1]] for p in range(partitions)]
-        self.partition_sizes = np.bincount(self.shard_partition, weights=counts, minlength=partitions).astype(np.int64)
+        order = np.argsort(self._partition, kind="stable")
+        bounds = np.searchsorted(self._partition[order], np.arange(partitions + 1))
+        self.partition_shards: Sequence[np.ndarray] = [order[bounds[p] : bounds[p + 1]] for p in range(partitions)]
+        self.partition_sizes = np.bincount(self._partition, weights=counts, minlength=partitions).astype(np.int64)
+
+    def _from_stored(self, counts: np.ndarray, stored: Any) -> None:
+        """The layout pack stored for these very counts (format/metadata_layout.py): nothing per
+        shard is computed; a partition's shards are read (and checked) when first asked for."""
+        self.partitions = stored.partitions
+        self.shard_sample_counts = counts
+        self.shard_bytes = None
+        self.num_samples = int(stored.sizes.sum())
+        self.partition_sizes = stored.sizes
+        self.partition_shards = stored.members_view()
+        self._stored = stored
+
+    _stored: Any = None
+    _offsets: np.ndarray | None = None
+
+    @property
+    def shard_offsets(self) -> np.ndarray:
+        """[0, running sum of the counts...]: shard s's first global sample id (made when first used)."""
+        if self._offsets is None:
+            self._offsets = np.concatenate(([0], np.cumsum(self.shard_sample_counts))).astype(np.int64)
+        return self._offsets
+
+    def shard_starts(self, shards: np.ndarray) -> np.ndarray:
+        """The first global sample id of each of `shards` (a stored layout's own running sums)."""
+        starts = getattr(self._stored, "starts_of", None)
+        return starts(shards) if starts is not None else self.shard_offsets[shards]
+
+    @property
+    def shard_partition(self) -> np.ndarray:
+        if self._stored is not None:
+            return self._stored.shard_partition
+        return self._partition
 
     @property
     def num_shards(self) -> int:
@@ -85,7 +129,10 @@ class PartitionLayout:
         return np.searchsorted(self.shard_offsets, sample_ids, side="right") - 1
 
     def digest(self) -> str:
-        """Hash of what the order depends on: per-shard counts and the partition assignment."""
+        """Hash of what the order depends on: per-shard counts and the partition assignment (a stored
+        layout's: pack hashed them; `tierflow verify` recomputes it)."""
+        if self._stored is not None:
+            return str(self._stored.digest)
         h = hashlib.sha256()
         h.update(self.shard_sample_counts.astype("<i8").tobytes())
         h.update(self.shard_partition.astype("<i8").tobytes())

@@ -51,7 +51,10 @@ class SampleOrder:
     samples shuffled all together.
     `first_epoch` = (lanes at once, window_shards): epoch 0 reads a node's lanes a few at a time, in
     groups of that many (a seeded draw), each group's whole first epoch before the next group's,
-    with windows of that many shards; later epochs read every lane at once (interleave.py)."""
+    with windows of that many shards; later epochs read every lane at once (interleave.py).
+    `stored_layout`: the layout stored with the metadata (order/layout.py uses it for the counts it
+    was made for); `decoded_digest`: the config's digest of `decoded_bytes` and `block_bytes` when
+    the caller knows it (stored with the metadata), instead of hashing them."""
 
     def __init__(
         self,
@@ -70,6 +73,8 @@ class SampleOrder:
         block_bytes: Sequence[int] | None = None,
         group_samples: int = 0,
         first_epoch: tuple[int, int] | None = None,
+        stored_layout: Any = None,
+        decoded_digest: str | None = None,
     ) -> None:
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
@@ -84,14 +89,17 @@ class SampleOrder:
         self.window_shards = window_shards
         self.remainder = Remainder(remainder)
         self.shuffle = bool(shuffle)
-        self.layout = PartitionLayout(shard_sample_counts, partitions, shard_bytes, contiguous=not self.shuffle)
+        self.layout = PartitionLayout(
+            shard_sample_counts, partitions, shard_bytes, contiguous=not self.shuffle, stored=stored_layout
+        )
         self.lanes = self.layout.partitions if lanes is None else min(lanes, self.layout.partitions)
         self.group_bytes = int(group_bytes) if self.shuffle else 0
         self.group_samples = int(group_samples) if self.group_bytes else 0
         self.first_epoch = (
             None if first_epoch is None or not self.shuffle else (int(first_epoch[0]), int(first_epoch[1]))
         )
-        self.decoded_bytes = self.block_bytes = None
+        self.decoded_bytes: np.ndarray | None = None
+        self.block_bytes: Any = None  # int64 per shard, or values made for the shards asked for (per_shard)
         if self.group_bytes:
             shards = self.layout.num_shards
             if decoded_bytes is None or len(decoded_bytes) != shards:
@@ -99,7 +107,11 @@ class SampleOrder:
             if block_bytes is not None and len(block_bytes) != shards:
                 raise ValueError(f"block_bytes has {len(block_bytes)} entries for {shards} shards")
             self.decoded_bytes = np.asarray(decoded_bytes, dtype=np.int64)
-            self.block_bytes = None if block_bytes is None else np.asarray(block_bytes, dtype=np.int64)
+            self.block_bytes = (  # per_shard: values made for the shards asked for (a mapped dataset's)
+                block_bytes
+                if getattr(block_bytes, "per_shard", False) or block_bytes is None
+                else np.asarray(block_bytes, dtype=np.int64)
+            )
         self.config: dict[str, Any] = {
             "dataset_id": dataset_id,
             "seed": self.seed,
@@ -119,12 +131,14 @@ class SampleOrder:
             self.config["group_bytes"] = self.group_bytes
             if self.group_samples:  # only then, so a cursor saved before the floor keeps its hash
                 self.config["group_samples"] = self.group_samples
-            sizes = (
-                self.decoded_bytes
-                if self.block_bytes is None
-                else np.concatenate([self.decoded_bytes, self.block_bytes])
-            )
-            self.config["decoded"] = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
+            if decoded_digest is None:
+                sizes = (
+                    self.decoded_bytes
+                    if self.block_bytes is None
+                    else np.concatenate([self.decoded_bytes, np.asarray(self.block_bytes[:], dtype=np.int64)])
+                )
+                decoded_digest = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
+            self.config["decoded"] = decoded_digest
         canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
         self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
         self._windows: OrderedDict[tuple[int, int], EpochWindows] = OrderedDict()

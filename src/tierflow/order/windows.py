@@ -167,4 +167,4 @@ class EpochWindows:
                 slots[chosen] = start + self._permutation(window)(offsets[chosen] - start)
         rank = np.searchsorted(self.shard_starts, slots, side="right") - 1
         shards = self.shard_order[rank]
-        return self._layout.shard_offsets[shards] + (slots - self.shard_starts[rank])
+        return self._layout.shard_starts(shards) + (slots - self.shard_starts[rank])

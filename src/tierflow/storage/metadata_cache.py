@@ -28,10 +28,10 @@ from tierflow.format.metadata import (
     METADATA_NAME,
     TABLE_PREFIX,
     TABLE_SUFFIX,
-    current_metadata,
     load_metadata,
     parse_header,
 )
+from tierflow.format.metadata_index import current_metadata
 from tierflow.format.table_locks import TableGone, remove_if_unused
 from tierflow.storage.remote import RetryingStore, join_url
 
@@ -106,7 +106,8 @@ def _map_from_node(source: RetryingStore, raw: bytes, cache: Path) -> Manifest:
     header = parse_header(raw, where)
     local = cache / xxhash.xxh3_64_hexdigest(source.url.encode())
     local.mkdir(parents=True, exist_ok=True)
-    names = {header[table]["file"]: header[table]["size"] for table in ("shards", "blocks")}
+    tables = ("shards", "blocks", "layout") if header.get("layout") is not None else ("shards", "blocks")
+    names = {header[table]["file"]: header[table]["size"] for table in tables}
     with node_lock(local / DOWNLOAD_LOCK):
         for name, expected in names.items():
             path = local / name

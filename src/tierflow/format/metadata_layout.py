@@ -1,0 +1,305 @@
+"""The order's partition layout stored with version-3 metadata (issue 38), so a rank's start is not
+O(shards).
+
+The default order deals the shards to P canonical partitions by longest-processing-time over every
+shard (order/layout.py): ~0.2 s at a million shards, in every rank and worker, plus sha256 digests
+of the per-shard columns for the cursor's config. Pack and `tierflow upgrade` compute it once, for
+the order a dataset gets when nothing is chosen (rows as samples, the default partition count), and
+write it as a third table beside the header's entry:
+
+- `metadata-layout-<xxh3-128>.arrow`, one row a shard: `partition` (the shard's partition) and
+  `by_partition` (the shards sorted by partition, ascending within one: partition p's shards are
+  rows starts[p]:starts[p+1]);
+- the header's `layout` entry: the table's file, size, rows and column hashes (as the other two),
+  `partitions`, `starts` (P + 1 row numbers), `sizes` (each partition's samples), `digest` (the
+  layout's, `PartitionLayout.digest`) and `decoded` (the group order's digest of the decoded sizes).
+
+Reading it is paid as the other tables are: each column hashed once when first used, `partition`
+range-checked; a partition's rows are checked (in range, ascending, that partition's, adding up to
+its size) the first time the order reads that partition, so a rank touches the partitions it reads.
+`sizes` must add up to the dataset's samples (at open). A dataset without the entry (written before
+it, or with no non-empty shard) computes its layout as before; an order of other counts (token
+windows) or another partition count computes its own. `tierflow verify` recomputes the layout and
+compares every part of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import numpy as np
+import pyarrow as pa
+
+from tierflow.errors import ManifestError
+from tierflow.format.shard import MAX_COUNT
+
+LAYOUT_SCHEMA = pa.schema([("partition", pa.uint16()), ("by_partition", pa.int64())])
+TABLE_PREFIX = "metadata-"
+TABLE_SUFFIX = ".arrow"
+MOST_PARTITIONS = 64
+"""The default order's partition count: 64, or the largest power of two the non-empty shards allow
+(loader/spec.py `default_partitions`, the same rule)."""
+
+
+def is_count(v: Any) -> bool:
+    return type(v) is int and 0 <= v < MAX_COUNT
+
+
+def check_table_entry(entry: Any, table: str, schema: pa.Schema, fail: Callable[[str], Exception]) -> None:
+    if not isinstance(entry, dict):
+        raise fail(f'"{table}" is not an object')
+    name = entry.get("file")
+    if (
+        not isinstance(name, str)
+        or not name.startswith(f"{TABLE_PREFIX}{table}-")
+        or not name.endswith(TABLE_SUFFIX)
+        or "/" in name
+        or "\\" in name
+        or ".." in name
+    ):
+        raise fail(
+            f"{table}.file {name!r:.80} is not a metadata table inside the dataset (paths, '..' and URLs are refused)"
+        )
+    if not is_count(entry.get("rows")) or not is_count(entry.get("size")):
+        raise fail(f"{table}.rows or {table}.size is not a count")
+    hashes = entry.get("columns")
+    if (
+        not isinstance(hashes, dict)
+        or set(hashes) != set(schema.names)
+        or not all(isinstance(v, str) for v in hashes.values())
+    ):
+        raise fail(f"{table}.columns does not list a hash for each of {schema.names}")
+
+
+def default_partitions(nonempty_shards: int) -> int:
+    """64, or the largest power of two the dataset's non-empty shards allow."""
+    partitions = 1
+    while partitions * 2 <= min(MOST_PARTITIONS, nonempty_shards):
+        partitions *= 2
+    return partitions
+
+
+def largest_blocks(decoded: np.ndarray, largest_rows: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """Each shard's largest block, decoded, estimated from its columns (the group order's floor)."""
+    return decoded * largest_rows // np.maximum(samples, 1)
+
+
+class LargestBlocks:
+    """`largest_blocks` of every shard, computed for the shards asked for (`values[shards]`), so a
+    rank does not hold (or make) a million shards' worth it reads a few partitions of; the order
+    takes it as its `block_bytes` (order/order.py: anything with `per_shard`)."""
+
+    per_shard = True
+
+    def __init__(self, decoded: np.ndarray, largest_rows: np.ndarray, samples: np.ndarray) -> None:
+        self.decoded, self.rows, self.samples = decoded, largest_rows, samples
+        self.manifest: Any = None
+
+    @classmethod
+    def of_mapped(cls, manifest: Any) -> LargestBlocks:
+        """Of a MappedManifest's columns; it pickles as the manifest (its directory), not the columns."""
+        col = manifest.tables.column
+        values = cls(col("decoded_bytes"), col("largest_rows"), col("samples"))
+        values.manifest = manifest
+        return values
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.manifest is not None:
+            return (LargestBlocks.of_mapped, (self.manifest,))
+        return (LargestBlocks, (self.decoded, self.rows, self.samples))
+
+    def __len__(self) -> int:
+        return int(self.decoded.size)
+
+    def __getitem__(self, shards: Any) -> np.ndarray:
+        return largest_blocks(self.decoded[shards], self.rows[shards], self.samples[shards])
+
+    def whole(self) -> np.ndarray:
+        return largest_blocks(self.decoded, self.rows, self.samples)
+
+    def mean(self, chunk: int = 1 << 16) -> float:
+        """The mean, a chunk at a time (exact integer sum; no column-sized array made)."""
+        n = len(self)
+        total = sum(int(self[lo : lo + chunk].sum()) for lo in range(0, n, chunk))
+        return total / n if n else 0.0
+
+
+def decoded_digest(decoded: np.ndarray, block_bytes: np.ndarray | None) -> str:
+    """The order config's `decoded` entry: a digest of the decoded sizes a group order depends on."""
+    sizes = decoded if block_bytes is None else np.concatenate([decoded, block_bytes])
+    return hashlib.sha256(np.asarray(sizes).astype("<i8").tobytes()).hexdigest()[:16]
+
+
+def layout_columns(shard_columns: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """The layout table's columns and the header entry's fields for a dataset's shard columns (pack,
+    upgrade); None for a dataset with no non-empty shard (or sample counts out of range)."""
+    from tierflow.order.layout import PartitionLayout
+
+    samples = np.asarray(shard_columns["samples"], dtype=np.int64)
+    nonempty = int((samples > 0).sum())
+    if nonempty == 0 or int(samples.min()) < 0 or int(samples.max()) >= MAX_COUNT:
+        return None  # columns a reader refuses (a forged dataset's) have no order to store
+    layout = PartitionLayout(cast(Sequence[int], samples), default_partitions(nonempty))
+    by_partition = np.argsort(layout.shard_partition, kind="stable").astype(np.int64)
+    starts = np.searchsorted(layout.shard_partition[by_partition], np.arange(layout.partitions + 1))
+    decoded = np.asarray(shard_columns["decoded_bytes"], dtype=np.int64)
+    rows = np.asarray(shard_columns["largest_rows"], dtype=np.int64)
+    fields: dict[str, Any] = {
+        "partitions": layout.partitions,
+        "starts": [int(s) for s in starts],
+        "sizes": [int(s) for s in layout.partition_sizes],
+        "digest": layout.digest(),
+        "decoded": decoded_digest(decoded, largest_blocks(decoded, rows, samples)),
+    }
+    columns: dict[str, np.ndarray] = {
+        "partition": layout.shard_partition.astype(np.uint16),
+        "by_partition": by_partition,
+    }
+    return columns, fields
+
+
+def check_layout_entry(entry: Any, shards: int, samples: int, fail: Callable[[str], Exception]) -> None:
+    """The header's `layout` entry's own fields (the table's are checked as the other tables')."""
+    if not isinstance(entry, dict):
+        raise fail('"layout" is not an object')
+    p = entry.get("partitions")
+    if type(p) is not int or not 1 <= p <= min(MOST_PARTITIONS, max(shards, 1)):
+        raise fail(f"layout.partitions {p!r:.40} is not a partition count of this dataset")
+    starts, sizes = entry.get("starts"), entry.get("sizes")
+    if (
+        not isinstance(starts, list)
+        or not isinstance(sizes, list)
+        or len(starts) != p + 1
+        or len(sizes) != p
+        or not all(type(v) is int for v in starts + sizes)
+    ):
+        raise fail("layout.starts and layout.sizes are not P + 1 and P integers")
+    if starts[0] != 0 or starts[-1] != shards or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise fail(f"layout.starts do not rise from 0 to the {shards} shards, a shard or more a partition")
+    if any(s <= 0 for s in sizes) or sum(sizes) != samples:
+        raise fail(f"layout.sizes are not positive sizes adding up to the dataset's {samples} samples")
+    if entry.get("rows") != shards:
+        raise fail(f"layout.rows is {entry.get('rows')!r:.20}, not the {shards} shards")
+    for key in ("digest", "decoded"):
+        if not isinstance(entry.get(key), str):
+            raise fail(f"layout.{key} is not a string")
+
+
+class StoredLayout:
+    """A dataset's stored layout as the order reads it (order/layout.py `PartitionLayout(stored=)`):
+    `counts` is the samples column it was made for (the order uses it only for those very counts)."""
+
+    def __init__(
+        self, table: Any, entry: dict, counts: np.ndarray, where: str, sample_starts: Callable[[], np.ndarray]
+    ) -> None:
+        self.table = table
+        self.where = where
+        self.counts = counts
+        self._sample_starts = sample_starts
+        self.partitions: int = entry["partitions"]
+        self.starts = np.asarray(entry["starts"], dtype=np.int64)
+        self.sizes = np.asarray(entry["sizes"], dtype=np.int64)
+        self.digest: str = entry["digest"]
+        self.decoded: str = entry["decoded"]
+        self._members: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    manifest: Any = None
+    """The MappedManifest it was read from: it pickles as that (a DataLoader worker maps it again)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.manifest is None:
+            raise TypeError(f"{self.where}: a stored layout read without its manifest cannot be pickled")
+        return (_stored_layout_of, (self.manifest,))
+
+    @property
+    def shard_partition(self) -> np.ndarray:
+        p = self.partitions
+        return self.table.column(
+            "partition", lambda v: None if not v.size or int(v.max()) < p else f"a shard's partition is not below {p}"
+        )
+
+    def members_view(self) -> PartitionMembers:
+        return PartitionMembers(self)
+
+    def starts_of(self, shards: np.ndarray) -> np.ndarray:
+        """The first global sample id of each of `shards` (the checked `sample_start` column)."""
+        return self._sample_starts()[shards]
+
+    def members(self, partition: int) -> np.ndarray:
+        """Partition `partition`'s shards, ascending; checked the first time they are asked for."""
+        found = self._members.get(partition)
+        if found is not None:
+            return found
+        rows = self.table.column("by_partition")[self.starts[partition] : self.starts[partition + 1]]
+        n = self.counts.size
+        if rows.size and (int(rows[0]) < 0 or int(rows[-1]) >= n or not bool(np.all(rows[1:] > rows[:-1]))):
+            raise ManifestError(f"{self.where}: the layout's partition {partition} does not list shards ascending")
+        if not bool(np.all(self.shard_partition[rows] == partition)):
+            raise ManifestError(f"{self.where}: the layout's partition {partition} lists another partition's shard")
+        if int(self.counts[rows].sum()) != int(self.sizes[partition]):
+            raise ManifestError(f"{self.where}: the layout's partition {partition} does not hold its size's samples")
+        with self._lock:
+            self._members[partition] = rows
+        return rows
+
+
+def _stored_layout_of(manifest: Any) -> StoredLayout:
+    stored = manifest.tables.stored_layout()
+    if stored is None:
+        raise ValueError(f"{manifest.where}: its metadata no longer stores the order's layout")
+    return stored
+
+
+class PartitionMembers:
+    """`PartitionLayout.partition_shards` of a stored layout: each partition's shards when asked for."""
+
+    def __init__(self, stored: StoredLayout) -> None:
+        self.stored = stored
+
+    def __len__(self) -> int:
+        return self.stored.partitions
+
+    def __getitem__(self, partition: int) -> np.ndarray:
+        if not 0 <= partition < self.stored.partitions:
+            raise IndexError(f"partition {partition} out of range [0, {self.stored.partitions})")
+        return self.stored.members(partition)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self.stored.members(p) for p in range(self.stored.partitions))
+
+
+def verify_layout(tables: Any) -> list[str]:
+    """Every problem with a dataset's stored layout: its columns against their hashes, and the whole
+    layout recomputed from the samples column and compared (`tierflow verify`)."""
+    entry = tables.header.get("layout")
+    if entry is None or tables.layout is None:
+        return []
+    where = f"{tables.where}: {entry['file']}"
+    try:
+        stored = tables.stored_layout()
+        partition, by_partition = stored.shard_partition, tables.layout.column("by_partition")
+        samples = tables.column("samples")
+        wanted = layout_columns(
+            {
+                "samples": samples,
+                "decoded_bytes": tables.column("decoded_bytes"),
+                "largest_rows": tables.column("largest_rows"),
+            }
+        )
+    except ManifestError as e:
+        return [str(e)]
+    if wanted is None:
+        return [f"{where}: the dataset has no non-empty shard, yet a layout"]
+    columns, fields = wanted
+    problems = [
+        f"{where}: layout.{key} is not the default order's (recomputed from the samples column)"
+        for key in ("partitions", "starts", "sizes", "digest", "decoded")
+        if entry.get(key) != fields[key]
+    ]
+    if not np.array_equal(partition, columns["partition"]) or not np.array_equal(by_partition, columns["by_partition"]):
+        problems.append(f"{where}: the shards' partitions are not the default order's (recomputed)")
+    return problems

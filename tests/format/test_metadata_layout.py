@@ -1,0 +1,255 @@
+"""The order's layout stored with version-3 metadata (format/metadata_layout.py, issue 38).
+
+Pack and `upgrade` store the default order's partition layout, so a rank's start does not deal every
+shard to its partition again; the order read through it is the very order computed without it (same
+batches, same cursor config); a dataset written before it reads as before and `upgrade` adds it; a
+forged layout (every hash recomputed) is refused with a ManifestError naming the dataset, and one
+that is consistent but not the default order's is reported by `verify`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.errors import ManifestError
+from tierflow.format import metadata as md
+from tierflow.format import metadata_verify, metadata_writer
+from tierflow.format.manifest import MANIFEST_NAME
+from tierflow.format.metadata_layout import LAYOUT_SCHEMA, default_partitions, layout_columns
+from tierflow.loader import BatchSpec, TieredDataset
+from tierflow.order.layout import PartitionLayout
+from tierflow.order.order import SampleOrder
+from tierflow.testing.faults import write_corpus
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("layout")
+    src = write_corpus(root / "a.jsonl", docs=3000, seed=5)
+    tierflow.pack([src], root / "out", workers=1, tokenizer="bytes", target_shard_bytes=256 << 10, block_bytes=32 << 10)
+    return root / "out"
+
+
+def copy(packed: Path, tmp_path: Path, name: str = "ds") -> Path:
+    out = tmp_path / name
+    shutil.copytree(packed, out)
+    return out
+
+
+def header(path: Path) -> dict:
+    return json.loads((path / md.METADATA_NAME).read_bytes())
+
+
+def write_header(path: Path, d: dict) -> None:
+    d = {k: v for k, v in d.items() if k != md.HEADER_CHECKSUM_KEY}
+    d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
+    (path / md.METADATA_NAME).write_text(json.dumps(d))
+
+
+def without_layout(path: Path) -> None:
+    """The dataset as a version-3 pack of before the stored layout wrote it."""
+    d = header(path)
+    (path / d.pop("layout")["file"]).unlink()
+    write_header(path, d)
+
+
+def forge_layout(path: Path, edit_columns=None, edit_fields=None) -> None:
+    """The layout table and entry rewritten with an edit, every hash recomputed (issue 18's attacker)."""
+    d = header(path)
+    entry = d["layout"]
+    table = md.load_metadata(path).tables.layout
+    assert table is not None
+    columns = {name: np.array(table.raw(name)) for name in LAYOUT_SCHEMA.names}
+    if edit_columns is not None:
+        edit_columns(columns, entry)
+    fields = {k: entry[k] for k in ("partitions", "starts", "sizes", "digest", "decoded")}
+    if edit_fields is not None:
+        edit_fields(fields)
+    d["layout"] = {**metadata_writer._write_table(path, "layout", LAYOUT_SCHEMA, columns), **fields}
+    write_header(path, d)
+
+
+def test_pack_stores_the_default_layout_and_the_order_through_it_is_the_computed_one(
+    packed: Path, tmp_path: Path
+) -> None:
+    d = header(packed)
+    assert d["layout"]["partitions"] >= 2 and d["layout"]["rows"] == d["shards"]["rows"]
+    stored = TieredDataset(packed, BatchSpec(batch_size=16))
+    old = copy(packed, tmp_path)
+    without_layout(old)
+    computed = TieredDataset(old, BatchSpec(batch_size=16))
+    assert stored.order.layout._stored is not None and computed.order.layout._stored is None
+    assert stored.order.config == computed.order.config and stored.order.config_hash == computed.order.config_hash
+    a, b = stored.order.layout, computed.order.layout
+    assert a.partition_sizes.tolist() == b.partition_sizes.tolist()
+    for p in range(a.partitions):
+        assert a.partition_shards[p].tolist() == b.partition_shards[p].tolist()
+    assert stored.future_shard_uses(horizon_batches=200) == computed.future_shard_uses(horizon_batches=200)
+    for one, other in zip(iter(stored), iter(computed)):
+        assert one.meta.sample_ids.tolist() == other.meta.sample_ids.tolist()
+        if one.meta.index >= 40:
+            break
+
+
+def test_a_stored_layout_is_the_computed_one_over_many_uneven_shards(tmp_path: Path) -> None:
+    """5,000 shards of uneven counts through the writer (the rounds of order/layout.py with ties):
+    every partition, size and digest read back equals PartitionLayout's, and the order's config."""
+    rng = np.random.default_rng(7)
+    n = 5000
+    samples = rng.integers(0, 400, size=n).astype(np.int64)
+    samples[rng.integers(0, n, size=500)] = 100  # ties
+    columns = {
+        "samples": samples,
+        "decoded_bytes": samples * 37 + rng.integers(0, 9, size=n),
+        "largest_rows": np.minimum(samples, 64),
+    }
+    stored_columns, fields = layout_columns(columns)  # type: ignore[misc]
+    computed = PartitionLayout(samples, default_partitions(int((samples > 0).sum())))
+    assert fields["partitions"] == 64 and fields["digest"] == computed.digest()
+    assert stored_columns["partition"].tolist() == computed.shard_partition.tolist()
+    for p in range(64):
+        rows = stored_columns["by_partition"][fields["starts"][p] : fields["starts"][p + 1]]
+        assert rows.tolist() == computed.partition_shards[p].tolist()
+    assert fields["sizes"] == computed.partition_sizes.tolist()
+
+
+def test_upgrade_stores_the_layout_of_a_dataset_written_before_it(packed: Path, tmp_path: Path) -> None:
+    from tierflow.commands.cli import main as cli
+
+    old = copy(packed, tmp_path)
+    (old / MANIFEST_NAME).unlink(missing_ok=True)
+    d = header(old)
+    d["manifest"] = None
+    write_header(old, d)
+    without_layout(old)
+    before = TieredDataset(old, BatchSpec(batch_size=16)).order.config_hash
+    assert cli(["upgrade", str(old)]) == 0
+    assert header(old)["layout"] == header(packed)["layout"]
+    after = TieredDataset(old, BatchSpec(batch_size=16))
+    assert after.order.layout._stored is not None and after.order.config_hash == before
+    assert metadata_verify.verify_metadata(md.load_metadata(old)) == []
+    v2 = copy(packed, tmp_path, "v2")  # a version-2 dataset: upgrade writes the layout with the tables
+    for p in v2.glob("metadata*"):
+        p.unlink()
+    assert cli(["upgrade", str(v2)]) == 0
+    assert header(v2)["layout"] == header(packed)["layout"]
+
+
+def _rotate(columns: dict, entry: dict) -> None:
+    columns["partition"] = ((columns["partition"].astype(np.int64) + 1) % entry["partitions"]).astype(np.uint16)
+
+
+def _too_far(columns: dict, entry: dict) -> None:
+    columns["partition"][0] = entry["partitions"]
+
+
+def _shuffle_sizes(fields: dict) -> None:
+    sizes = fields["sizes"]
+    for i in range(0, len(sizes) - 1, 2):
+        sizes[i], sizes[i + 1] = sizes[i] + 1, sizes[i + 1] - 1
+
+
+def _unsorted(columns: dict, entry: dict) -> None:
+    rows = columns["by_partition"]
+    for p in range(entry["partitions"]):
+        a, z = entry["starts"][p], entry["starts"][p + 1]
+        rows[a:z] = rows[a:z][::-1].copy()
+        if z - a < 2:  # a single shard: point it outside the dataset
+            rows[a] = len(rows)
+
+
+@pytest.mark.parametrize(
+    "edit_columns, edit_fields, match",
+    [
+        (_rotate, None, "lists another partition's shard"),
+        (_too_far, None, "partition is not below"),
+        (None, _shuffle_sizes, "does not hold its size's samples"),
+        (_unsorted, None, "does not list shards ascending"),
+        (None, lambda f: f.update(sizes=[s + 1 for s in f["sizes"]]), "adding up to the dataset's"),
+        (None, lambda f: f.update(starts=f["starts"][::-1]), "do not rise from 0"),
+        (None, lambda f: f.update(partitions=65), "not a partition count"),
+    ],
+)
+def test_a_forged_layout_is_refused_naming_the_dataset(
+    packed: Path, tmp_path: Path, edit_columns, edit_fields, match: str
+) -> None:
+    out = copy(packed, tmp_path)
+    forge_layout(out, edit_columns, edit_fields)
+    with pytest.raises(ManifestError, match=match) as raised:
+        for _batch in zip(range(40), TieredDataset(out, BatchSpec(batch_size=16))):
+            pass
+    assert str(out) in str(raised.value)
+
+
+def test_verify_reports_a_consistent_layout_that_is_not_the_default_orders(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    forge_layout(out, edit_fields=lambda f: f.update(digest="0" * 64))
+    TieredDataset(out, BatchSpec(batch_size=16))  # opens: the digest only names the order in cursors
+    problems = metadata_verify.verify_metadata(md.load_metadata(out))
+    assert len(problems) == 1 and "layout.digest is not the default order's" in problems[0]
+
+
+def test_an_order_of_other_counts_or_partitions_computes_its_own(packed: Path) -> None:
+    manifest = md.load_metadata(packed)
+    stored = manifest.tables.stored_layout()
+    assert stored is not None
+    samples = manifest.tables.column("samples")
+    other = SampleOrder(samples.copy(), dataset_id="x", partitions=stored.partitions, stored_layout=stored)
+    fewer = SampleOrder(samples, dataset_id="x", partitions=stored.partitions // 2, stored_layout=stored)
+    same = SampleOrder(samples, dataset_id="x", partitions=stored.partitions, stored_layout=stored)
+    assert other.layout._stored is None and fewer.layout._stored is None and same.layout._stored is stored
+    assert other.config_hash == same.config_hash
+
+
+def test_a_dataset_read_through_its_stored_layout_pickles_for_a_worker(packed: Path) -> None:
+    """A spawn/forkserver worker gets the dataset pickled: the stored layout travels as its manifest
+    (the directory, mapped again there), and the order there is the same."""
+    import pickle
+
+    dataset = TieredDataset(packed, BatchSpec(batch_size=16))
+    again = pickle.loads(pickle.dumps(dataset))
+    stored = again.order.layout._stored
+    assert stored is not None and stored.manifest is again.manifest
+    assert again.order.config_hash == dataset.order.config_hash
+    assert again.future_shard_uses(horizon_batches=100) == dataset.future_shard_uses(horizon_batches=100)
+
+
+def test_the_largest_blocks_of_a_mapped_dataset_are_made_for_the_shards_asked_for(packed: Path) -> None:
+    """The group order's per-shard floor (`block_bytes`) of a mapped dataset is not a column made whole
+    in every process: values for the shards asked for, the same as the whole column's, pickled as the
+    manifest; the order's config and its bound the same as from the whole column."""
+    import pickle
+
+    from tierflow.format.metadata_layout import LargestBlocks, largest_blocks
+
+    dataset = TieredDataset(packed, BatchSpec(batch_size=16))
+    values = dataset.order.block_bytes
+    assert isinstance(values, LargestBlocks) and dataset.order.group_bytes > 0
+    col = dataset.manifest.shard_column
+    whole = largest_blocks(col("decoded_bytes"), col("largest_rows"), col("samples"))
+    shards = np.array([3, 0, len(whole) - 1])
+    assert values[shards].tolist() == whole[shards].tolist() and len(values) == len(whole)
+    assert int(values.mean(chunk=3)) == int(whole.mean())
+    again = pickle.loads(pickle.dumps(values))
+    assert again.manifest is not None and again[shards].tolist() == whole[shards].tolist()
+    plain = SampleOrder(
+        col("samples"),
+        dataset_id=dataset.order.dataset_id,
+        partitions=dataset.order.partitions,
+        window_shards=dataset.order.window_shards,
+        lanes=dataset.order.lanes,
+        group_bytes=dataset.order.group_bytes,
+        group_samples=dataset.order.group_samples,
+        decoded_bytes=col("decoded_bytes"),
+        block_bytes=whole,
+        first_epoch=dataset.order.first_epoch,
+    )
+    assert plain.config_hash == dataset.order.config_hash
+    for p in range(plain.partitions):
+        a, b = plain.windows(p, 0), dataset.order.windows(p, 0)
+        assert a.range_ids(0, a.size).tolist() == b.range_ids(0, b.size).tolist()
