@@ -11,6 +11,7 @@ import json
 import re
 import pickle
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pyarrow as pa
 import pytest
 
 import tierflow
+from tierflow.format.shard import MAX_COUNT
 from tierflow.errors import ManifestError
 from tierflow.format import metadata as md
 from tierflow.format import metadata_index, metadata_verify, metadata_writer
@@ -439,3 +441,13 @@ def test_the_loader_reads_the_same_batches_through_either_form_and_resumes_acros
     after_old, _ = batches(v2, 3, resume=state)
     after_new, _ = batches(v3, 3, resume=state)  # a cursor saved before the upgrade resumes after it
     assert after_old == after_new
+
+
+def test_counts_whose_int64_sum_wraps_round_to_the_header_total_are_refused() -> None:
+    """Each count is below MAX_COUNT, but 70,000 of them overflow an int64 sum, which wraps to a
+    small positive number: a forger would write that number in the header."""
+    counts = np.full(70_000, MAX_COUNT - 1, dtype=np.int64)
+    wrapped = int(counts.sum(dtype=np.int64))
+    assert 0 < wrapped < MAX_COUNT * 70_000  # the wrap this guards against
+    tables = SimpleNamespace(num_shards=counts.size, totals={"samples": wrapped})
+    assert "absurd" in md.MetadataTables._check(tables, "samples", counts)

@@ -348,7 +348,9 @@ class MetadataTables:
         if name == "tokens_known" and v.size and int(v.max()) > 1:
             return "tokens_known is not 0 or 1"
         if name in ("samples", "tokens"):
-            total = int(v.sum(dtype=np.int64)) if v.size else 0  # each < 2**48: 10**6 of them cannot wrap
+            if v.size and float(v.sum(dtype=np.float64)) >= 2.0**62:  # an int64 sum would wrap round to anything
+                return f"the shards' {name} sum past 2**62: absurd"
+            total = int(v.sum(dtype=np.int64)) if v.size else 0
             if total != self.totals[name]:
                 return f"the shards' {name} sum to {total}, the header says {self.totals[name]}"
         if name in ("sample_start", "token_start"):

@@ -190,3 +190,19 @@ def cursor_after_batches(
     if part + 1 == batches_per_group:
         return stream.cursor(group)
     return stream.cursor(group - 1, skip=part + 1)
+
+
+def mismatch_advice(saved: str, ours: str) -> str:
+    """What to say about a cursor saved over other samples: another batcher's, or another dataset's."""
+    saved_id, _, saved_unit = saved.partition("/")
+    our_id, _, our_unit = ours.partition("/")
+    if saved_id == our_id:
+        return (
+            f"this cursor counts {saved_unit!r} samples (the batcher it was saved with), this dataset reads "
+            f"{our_unit!r}: resume with the batcher it was saved with, or start fresh (resume=None)"
+        )
+    return (
+        f"this cursor was saved by dataset {saved_id!r} ({saved_unit}), not by this one ({our_id!r}): resume "
+        f"with the dataset it was saved from, or start this one fresh (resume=None); allow_mismatch=True "
+        f"maps its positions onto this dataset anyway"
+    )

@@ -31,9 +31,9 @@ from tierflow.format.shard import Form
 from tierflow.format.table import BlockCache
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
-from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
+from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches, mismatch_advice
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
-from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
+from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream, parsed_cursor
 from tierflow.loader.spec import (
     NARROWED,
     BatchSpec,
@@ -237,7 +237,7 @@ class TieredDataset(IterableDataset):
         if cursor.order is not None:
             saved = getattr(cursor.order, "config", {}).get("dataset_id")
             if isinstance(self.order, SampleOrder) and saved != self.order.dataset_id and not self.allow_mismatch:
-                raise CursorMismatchError(_other_dataset(str(saved), self.order.dataset_id))
+                raise CursorMismatchError(mismatch_advice(str(saved), self.order.dataset_id))
             if isinstance(self.order, SampleOrder) and self.order.shuffle:
                 # the cursor's floor, as at construction, and its group_bytes unless they were chosen
                 groups = {"group_samples": saved_group(cursor, "group_samples", GROUP_SAMPLES)}
@@ -550,16 +550,6 @@ class TieredDataset(IterableDataset):
         )
 
 
-def parsed_cursor(state: Resume, location: str) -> LoaderCursor | None:
-    """`state` as a typed cursor (a consumed batch's planned one resolved); errors name `location`."""
-    if isinstance(state, PlannedCursor):  # a consumed batch's, handed on unresolved (the stager's view)
-        return state.resolve()
-    try:
-        return LoaderCursor.parse(state)
-    except CursorError as error:
-        raise type(error)(f"{location}: {error}") from None
-
-
 def _largest_blocks(manifest: Any) -> Any:
     """Each shard's largest block from the columns; a mapped dataset's made as asked for (LargestBlocks)."""
     if isinstance(manifest, MappedManifest):
@@ -575,22 +565,6 @@ def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:
     return {"stored_layout": stored, "decoded_digest": stored.decoded} if use and stored is not None else {}
 
 
-def _other_dataset(saved: str, ours: str) -> str:
-    """What to say about a cursor saved over other samples: another batcher's, or another dataset's."""
-    saved_id, _, saved_unit = saved.partition("/")
-    our_id, _, our_unit = ours.partition("/")
-    if saved_id == our_id:
-        return (
-            f"this cursor counts {saved_unit!r} samples (the batcher it was saved with), this dataset reads "
-            f"{our_unit!r}: resume with the batcher it was saved with, or start fresh (resume=None)"
-        )
-    return (
-        f"this cursor was saved by dataset {saved_id!r} ({saved_unit}), not by this one ({our_id!r}): resume "
-        f"with the dataset it was saved from, or start this one fresh (resume=None); allow_mismatch=True "
-        f"maps its positions onto this dataset anyway"
-    )
-
-
 class _NoShards:
     """A shard supply for the main process's index-only Dataset: opening a shard there is a bug."""
 
@@ -601,4 +575,4 @@ class _NoShards:
         raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
 
 
-__all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset", "parsed_cursor"]
+__all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset"]

@@ -26,13 +26,8 @@ from tierflow.loader.batching import SampleContext
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
-from tierflow.loader.dataset import (
-    DEFAULT_ORDER,
-    Resume,
-    TieredDataset,
-    parsed_cursor,
-)
-from tierflow.loader.plan import Built, OrderBatch, PlannedCursor, Selection, TrainStream
+from tierflow.loader.dataset import DEFAULT_ORDER, Resume, TieredDataset
+from tierflow.loader.plan import Built, OrderBatch, PlannedCursor, Selection, TrainStream, parsed_cursor
 from tierflow.loader.spec import BatchSpec, OrderSpec
 from tierflow.loader.topology import WorldPosition
 from tierflow.order import MixedCursor, MixedOrder, MixedRankStream, ShardUse

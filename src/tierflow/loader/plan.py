@@ -18,7 +18,7 @@ import itertools
 import json
 import threading
 from typing import Any, NamedTuple, Protocol
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -380,3 +380,13 @@ def plan_groups(
         yield Selection(
             n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor, epoch, part, order_batch.dataset
         )
+
+
+def parsed_cursor(state: LoaderCursor | PlannedCursor | Mapping[str, Any] | None, location: str) -> LoaderCursor | None:
+    """`state` as a typed cursor (a consumed batch's planned one resolved); errors name `location`."""
+    if isinstance(state, PlannedCursor):  # a consumed batch's, handed on unresolved (the stager's view)
+        return state.resolve()
+    try:
+        return LoaderCursor.parse(state)
+    except CursorError as error:
+        raise type(error)(f"{location}: {error}") from None
