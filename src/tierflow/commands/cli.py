@@ -334,7 +334,8 @@ def _upgrade(args: argparse.Namespace) -> int:
     (temp file, fsync, rename); a crash before that leaves the dataset as it was."""
     import tempfile
 
-    from tierflow.format.metadata_writer import upgrade, upgrade_source
+    from tierflow.format.metadata_writer import upgrade
+    from tierflow.storage.datasets import upgrade_source
     from tierflow.pack.dataset_dir import DatasetLock
     from tierflow.storage.datasets import local_path
     from tierflow.storage.remote import open_store

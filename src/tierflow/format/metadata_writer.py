@@ -9,7 +9,6 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -308,18 +307,3 @@ def table_files(directory: str | Path) -> Iterable[str]:
     return (
         p.name for p in Path(directory).iterdir() if p.name.startswith(TABLE_PREFIX) and p.name.endswith(TABLE_SUFFIX)
     )
-
-
-def upgrade_source(source: Any, workdir: str | Path) -> str:
-    """`upgrade` for a dataset at a URL: its manifest.json read and checked, the tables and header
-    written in `workdir`, uploaded tables first and the header last (the commit point); the manifest
-    stays for version-2 readers. Returns the header's URL."""
-    from tierflow.storage.datasets import read_manifest_json
-
-    workdir = Path(workdir)
-    raw, manifest = read_manifest_json(source)
-    write_metadata(workdir, manifest, manifest_bytes=raw)
-    for name in sorted(referenced_tables(workdir)):
-        source.upload(workdir / name, name)
-    source.upload(workdir / METADATA_NAME, METADATA_NAME)
-    return f"{source.url}/{METADATA_NAME}"

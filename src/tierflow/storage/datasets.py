@@ -25,7 +25,7 @@ from tierflow.format.reader import ShardReader
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
 from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, TABLE_PREFIX, TABLE_SUFFIX
-from tierflow.format.metadata_writer import header_tables
+from tierflow.format.metadata_writer import header_tables, referenced_tables, write_metadata
 from tierflow.format.metadata_index import ShardNames
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.format.verify import ShardVerifier
@@ -341,3 +341,16 @@ def _header_tables(source: RetryingStore) -> set[str]:
         return header_tables(source.read_bytes(METADATA_NAME))
     except SourceNotFound:
         return set()
+
+
+def upgrade_source(source: Any, workdir: str | Path) -> str:
+    """`upgrade` for a dataset at a URL: its manifest.json read and checked, the tables and header
+    written in `workdir`, uploaded tables first and the header last (the commit point); the manifest
+    stays for version-2 readers. Returns the header's URL."""
+    workdir = Path(workdir)
+    raw, manifest = read_manifest_json(source)
+    write_metadata(workdir, manifest, manifest_bytes=raw)
+    for name in sorted(referenced_tables(workdir)):
+        source.upload(workdir / name, name)
+    source.upload(workdir / METADATA_NAME, METADATA_NAME)
+    return f"{source.url}/{METADATA_NAME}"
