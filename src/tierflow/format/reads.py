@@ -34,10 +34,11 @@ class TokenReader:
         self.column = dataset.token_column
         self.pieces = 0
 
-    def copy_windows(self, out: np.ndarray, starts: np.ndarray) -> None:
+    def copy_windows(self, out: np.ndarray, starts: np.ndarray, row_pieces: np.ndarray | None = None) -> None:
         """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row: one slice copy per
         block a row touches (almost always one). One index lookup for the batch; each shard is
-        opened and each block's values taken once per call."""
+        opened and each block's values taken once per call. `row_pieces` (ones, one per row), when
+        given, gets each row's slices counted (a row crossing into the next block adds one each)."""
         width = out.shape[1]
         begins = starts.tolist()
         if not begins:
@@ -78,6 +79,8 @@ class TokenReader:
                 target[done : done + take] = values[:take]
                 done += take
                 pieces += 1
+                if row_pieces is not None:
+                    row_pieces[row] += 1
         self.pieces += pieces
 
 

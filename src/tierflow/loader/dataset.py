@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -33,6 +33,7 @@ from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
 from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
+from tierflow.loader.runs import built_in_runs
 from tierflow.loader.spec import (
     NARROWED,
     BatchSpec,
@@ -355,7 +356,16 @@ class TieredDataset(IterableDataset):
             return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
         ctx = self._open()
         plan = self.batcher.plan(ctx, self.stream(), self._resume)
-        return (self._built(ctx, selection) for selection in plan)
+        build_run = getattr(self.batcher, "build_run", None)
+        if build_run is None:
+            return (self._built(ctx, selection) for selection in plan)
+        return built_in_runs(  # a run of planned batches read as one (runs.py)
+            plan,
+            lambda run: build_run(ctx, run),
+            lambda s: self._built(ctx, s),
+            self._carry,
+            lambda run: self._widen(ctx, run),
+        )
 
     def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
         """The batches worker `worker` of `workers` builds (output batches n = worker mod workers), its
@@ -372,9 +382,12 @@ class TieredDataset(IterableDataset):
         return [self._open().registry]
 
     def _built(self, ctx: SampleContext, selection: Selection) -> CarriedBatch:
-        if ctx.narrow and selection.epoch:
-            self._bound_decoded(ctx, None)
+        self._widen(ctx, (selection,))
         return self._carry(selection, self.batcher.build(ctx, selection))
+
+    def _widen(self, ctx: SampleContext, selections: Sequence[Selection]) -> None:
+        if ctx.narrow and any(selection.epoch for selection in selections):
+            self._bound_decoded(ctx, None)
 
     @staticmethod
     def _carry(selection: Selection, built: Built) -> CarriedBatch:

@@ -90,12 +90,15 @@ def check_widening(key: str, logical: torch.dtype, wide: torch.dtype) -> None:
 def widen_numpy(value: np.ndarray, wide: np.dtype, owners: dict[int, tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
     """`value` as `wide`, by value, and the bytes widened for it now. Views of one contiguous array
     (input_ids and labels of a window buffer) widen that array once, kept in `owners` with its
-    address, and come out as views of the result."""
+    address, and come out as views of the result. The array is the views' root: it owns its
+    memory, or views memory that is not an array's (one batch's rows of a run's buffer, made by
+    `np.frombuffer`); one at most twice the view's size (a view of a much larger array widens alone)."""
     owner = value.base
     size = value.itemsize
     if (
         type(owner) is np.ndarray
-        and owner.base is None
+        and type(owner.base) is not np.ndarray
+        and owner.nbytes <= 2 * value.nbytes
         and owner.dtype == value.dtype
         and owner.flags.c_contiguous
         and not any(s < 0 or s % size for s in value.strides)
