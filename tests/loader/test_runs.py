@@ -123,3 +123,43 @@ def test_a_failing_run_hands_out_the_batches_before_the_failing_one(long_tailed_
     assert len(got) == 9
     for carried, alone in zip(got, expected):
         same_arrays(carried.data, alone.data)
+
+
+def test_a_runs_opens_are_charged_to_its_first_batch_and_none_is_lost(long_tailed_docs):
+    from tierflow.telemetry.loader_metrics import LoaderTelemetry, loader_figures
+    from tierflow.telemetry.metrics import MetricsRegistry
+
+    registry = MetricsRegistry()
+    spec, order = BatchSpec(batch_size=4, seq_len=64), OrderSpec(partitions=PARTITIONS)
+    loader = Loader(TieredDataset(long_tailed_docs, spec, order), telemetry=LoaderTelemetry(registry), endless=True)
+    timings = []
+    for _ in loader:
+        timings.append(loader.last_meta.timing)
+        if len(timings) == 1 + 2 + 4 + 8 + 2 * RUN_BATCHES:  # runs grow 1, 2, 4, 8, then RUN_BATCHES
+            break
+    loader.close()
+    firsts = {0, 1, 3, 7, 15, 15 + RUN_BATCHES}  # where the loop waited for a run's build
+    assert all(not t["fetch"] for n, t in enumerate(timings) if n not in firsts)
+    assert timings[0]["fetch"] and all(t["produce_s"] > 0 for t in timings)
+    opened: dict[str, int] = {}
+    for t in timings:
+        for tier, f in t["fetch"].items():
+            opened[tier] = opened.get(tier, 0) + f["bytes"]
+    assert loader_figures(registry.snapshot()).fetch_bytes == opened  # each open charged once
+
+
+def test_runs_through_a_tier_stack_stay_short_under_telemetry(long_tailed_docs, tmp_path):
+    """A stager stages from the batch the loop consumed: a reader far ahead of it would ask for
+    entries not staged yet, so runs through a tier stack stay short, telemetry's wrap or not."""
+    from tierflow.loader.runs import STAGED_RUN_BATCHES, longest_run
+    from tierflow.telemetry.attribution import attribute_fetches
+    from tierflow.tiers import TierConfig, build_stack
+
+    stack = build_stack(long_tailed_docs, [TierConfig("L2", str(tmp_path / "l2"), 64 << 20)])
+    ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=4, seq_len=64), OrderSpec(partitions=PARTITIONS))
+    attribute_fetches(ds)
+    assert longest_run(ds._open().dataset.source) == STAGED_RUN_BATCHES < RUN_BATCHES
+    assert (
+        longest_run(TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=64))._open().dataset.source)
+        == RUN_BATCHES
+    )

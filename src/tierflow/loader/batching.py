@@ -160,14 +160,16 @@ def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
     ids = np.asarray(ids, dtype=np.int64)
     if not ids.size or int(ids.min()) < 0 or int(ids.max()) >= len(dataset):
         return [dataset[int(i)] for i in ids]  # what a single read says of an id outside the dataset
-    return [{name: get(row) for name, get in found} for found, row in _getters(ctx, ids)]
-
-
-def _getters(ctx: SampleContext, ids: np.ndarray) -> list[tuple[list[tuple[str, Callable[[int], Any]]], int]]:
-    """(the column getters of its block, its row) of each id (inside the dataset), located with one
-    index lookup; each shard opened and each block's getters taken once per call."""
-    dataset = ctx.dataset
     shards, blocks, rows = dataset.index.locate_samples(ids)
+    return [{name: get(row) for name, get in found} for found, row in _getters(ctx, shards, blocks, rows)]
+
+
+def _getters(
+    ctx: SampleContext, shards: np.ndarray, blocks: np.ndarray, rows: np.ndarray
+) -> list[tuple[list[tuple[str, Callable[[int], Any]]], int]]:
+    """(the column getters of its block, its row) of each located sample; each shard opened and each
+    block's getters taken once per call."""
+    dataset = ctx.dataset
     columns = dataset.columns
     tables: dict[int, Any] = {}
     getters: dict[tuple[int, int], list[tuple[str, Callable[[int], Any]]]] = {}
@@ -183,14 +185,22 @@ def _getters(ctx: SampleContext, ids: np.ndarray) -> list[tuple[list[tuple[str, 
     return out
 
 
-def _run_columns(ctx: SampleContext, ids: np.ndarray) -> dict[str, list[Any]] | None:
-    """Each column's values of a run's samples, column by column (no dict per sample); None where
-    an id lies outside the dataset (the run is then built a batch at a time, which says so)."""
+def _run_columns(ctx: SampleContext, ids: np.ndarray, batch: int) -> dict[str, list[Any]] | None:
+    """Each column's values of a run's samples (batches of `batch`), located with one index lookup
+    and read a batch at a time (only its shards open, as when it is read alone), column by column (no
+    dict per sample); None where an id lies outside the dataset (the run is then built a batch at a
+    time, which says so)."""
     dataset = ctx.dataset
     if not ids.size or int(ids.min()) < 0 or int(ids.max()) >= len(dataset):
         return None
-    places = _getters(ctx, ids)
-    return {name: [found[k][1](row) for found, row in places] for k, name in enumerate(dataset.columns)}
+    shards, blocks, rows = dataset.index.locate_samples(ids)
+    columns: dict[str, list[Any]] = {name: [] for name in dataset.columns}
+    for start in range(0, ids.size, batch):
+        end = start + batch
+        here = _getters(ctx, shards[start:end], blocks[start:end], rows[start:end])
+        for k, values in enumerate(columns.values()):
+            values.extend([found[k][1](row) for found, row in here])
+    return columns
 
 
 def transformed(ctx: SampleContext, sample: dict[str, Any], sample_id: int, epoch: int) -> Any:
@@ -261,9 +271,10 @@ class Samples(ByPosition):
         """`build` of each of a run of planned batches, the run's rows located with one index
         lookup and read column by column; with a filter, transform or collate, a batch at a time."""
         ids = np.concatenate([selection.sample_ids for selection in selections]).astype(np.int64)
+        sizes = {selection.sample_ids.size for selection in selections}
         values = None
-        if ctx.filter is None and ctx.transform is None and ctx.collate is None:
-            values = _run_columns(ctx, ids)
+        if ctx.filter is None and ctx.transform is None and ctx.collate is None and len(sizes) == 1:
+            values = _run_columns(ctx, ids, sizes.pop())
         if values is None:
             return [self.build(ctx, selection) for selection in selections]
         out, start = [], 0
@@ -359,10 +370,13 @@ class TokenWindows(ByPosition):
         _, reader, window_starts, dtype, eos = self._reading(ctx)
         length, width = self.seq_len, self.seq_len + 1
         sizes = [selection.sample_ids.size for selection in selections]
+        if len(set(sizes)) > 1:
+            return [self.build(ctx, selection) for selection in selections]
         ids = np.concatenate([selection.sample_ids for selection in selections]).astype(np.int64)
         run = np.empty(ids.size * width, dtype=dtype)
         pieces = np.ones(ids.size, dtype=np.int64)
-        reader.copy_windows(run.reshape(ids.size, width), window_starts(ids), pieces)
+        # each batch's shards held open while its rows are read, as when it is read alone
+        reader.copy_windows(run.reshape(ids.size, width), window_starts(ids), pieces, sizes[0])
         inner = None if eos is None else run_document_starts(run.reshape(ids.size, width), eos)
         memory = run.data
         out = []

@@ -33,7 +33,7 @@ from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
 from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
-from tierflow.loader.runs import built_in_runs
+from tierflow.loader.runs import built_in_runs, longest_run
 from tierflow.loader.spec import (
     NARROWED,
     BatchSpec,
@@ -356,8 +356,8 @@ class TieredDataset(IterableDataset):
             return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
         ctx = self._open()
         plan = self.batcher.plan(ctx, self.stream(), self._resume)
-        build_run = getattr(self.batcher, "build_run", None)
-        if build_run is None:
+        build_run = getattr(self.batcher, "build_run", None)  # None too for per-sample Python: a batch at a time
+        if build_run is None or (self.filter, self.transform, self.collate) != (None, None, None):
             return (self._built(ctx, selection) for selection in plan)
         return built_in_runs(  # a run of planned batches read as one (runs.py)
             plan,
@@ -365,6 +365,7 @@ class TieredDataset(IterableDataset):
             lambda s: self._built(ctx, s),
             self._carry,
             lambda run: self._widen(ctx, run),
+            longest_run(ctx.dataset.source),
         )
 
     def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:

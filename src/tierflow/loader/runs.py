@@ -4,7 +4,9 @@ Without workers the dataset builds each batch where the loop asks for it. A batc
 `build_run` (`TokenWindows`) reads a run of consecutive planned batches as one: one index lookup
 and one document-end scan for the run instead of one per batch. The plan is already known, so
 nothing about the batches changes: the same samples, arrays, cursors and meta, batch for batch.
-Runs grow from one batch (the first batch comes as soon as alone) to `RUN_BATCHES`. A run whose
+Runs grow from one batch (the first batch comes as soon as alone) to `RUN_BATCHES`, and end at
+an epoch's edge (the next epoch's first batch opens the next run: nothing of an epoch is read
+before the loop has taken the last one's, and a narrowed first epoch's bound widens there). A run whose
 build fails is built again a batch at a time, so the loop gets every batch before the failing
 one and the error at that batch, as without runs.
 """
@@ -17,9 +19,21 @@ from typing import Any
 
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.plan import Built, Selection
+from tierflow.telemetry.attribution import AttributedShards
+from tierflow.tiers.stack import TierStack
 
 RUN_BATCHES = 16
 """The most batches built as one run (the run's window buffer: 16 x batch x (L + 1) tokens)."""
+STAGED_RUN_BATCHES = 2
+"""... through a tier stack: its stager stages from the batch the loop consumed, so a reader running
+further ahead asks for entries not staged yet while the tier is full of staged ones in use."""
+
+
+def longest_run(source: object) -> int:
+    """The most batches a run reads from `source` (a dataset's shard supply, telemetry's wrap seen through)."""
+    while isinstance(source, AttributedShards):
+        source = source.source
+    return STAGED_RUN_BATCHES if isinstance(source, TierStack) else RUN_BATCHES
 
 
 def built_in_runs(
@@ -28,16 +42,23 @@ def built_in_runs(
     built: Callable[[Selection], CarriedBatch],
     carry: Callable[[Selection, Built], CarriedBatch],
     before_run: Callable[[Sequence[Selection]], Any] | None = None,
+    longest: int = RUN_BATCHES,
 ) -> Iterator[CarriedBatch]:
-    """The plan's batches, built `build_run` a run at a time (`built`, one at a time, where a run's
-    build fails); `before_run` sees each run before it is built."""
+    """The plan's batches, built `build_run` a run of at most `longest` at a time (`built`, one at a
+    time, where a run's build fails); `before_run` sees each run before it is built."""
     selections = iter(plan)
+    held: list[Selection] = []  # the next epoch's first batch, met at the end of a run
     size = 1
     while True:
-        run = list(itertools.islice(selections, size))
+        run = held + list(itertools.islice(selections, max(0, size - len(held))))
+        held = []
         if not run:
             return
-        size = min(2 * size, RUN_BATCHES)
+        for cut, selection in enumerate(run[1:], 1):
+            if selection.epoch != run[0].epoch:  # a run stays inside one epoch
+                run, held = run[:cut], run[cut:]
+                break
+        size = min(2 * size, longest)
         if before_run is not None:
             before_run(run)
         try:
