@@ -158,8 +158,8 @@ def test_runs_through_a_tier_stack_stay_short_under_telemetry(long_tailed_docs, 
     stack = build_stack(long_tailed_docs, [TierConfig("L2", str(tmp_path / "l2"), 64 << 20)])
     ds = TieredDataset(stack.dataset(), BatchSpec(batch_size=4, seq_len=64), OrderSpec(partitions=PARTITIONS))
     attribute_fetches(ds)
-    assert longest_run(ds._open().dataset.source) == STAGED_RUN_BATCHES < RUN_BATCHES
-    assert (
-        longest_run(TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=64))._open().dataset.source)
-        == RUN_BATCHES
-    )
+    assert longest_run(ds._open().dataset.source, ds.batcher) == STAGED_RUN_BATCHES < RUN_BATCHES
+    local = TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=64))
+    assert longest_run(local._open().dataset.source, local.batcher) == RUN_BATCHES
+    rows = TieredDataset(long_tailed_docs, BatchSpec(batch_size=4))
+    assert longest_run(rows._open().dataset.source, rows.batcher) == Samples.run_batches < RUN_BATCHES

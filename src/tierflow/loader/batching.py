@@ -223,6 +223,9 @@ class Samples(ByPosition):
     select: Sequence[str] | None = None
     batches_per_group = 1
     runs_transforms: ClassVar[bool] = True
+    run_batches: ClassVar[int] = 4
+    """The most batches `build_run` reads as one: a run's values (documents) are held until its
+    last batch is handed out, and they can be large."""
 
     def tag(self) -> str:
         return "samples"

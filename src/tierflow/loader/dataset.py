@@ -365,7 +365,7 @@ class TieredDataset(IterableDataset):
             lambda s: self._built(ctx, s),
             self._carry,
             lambda run: self._widen(ctx, run),
-            longest_run(ctx.dataset.source),
+            longest_run(ctx.dataset.source, self.batcher),
         )
 
     def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:

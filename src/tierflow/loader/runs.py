@@ -29,11 +29,13 @@ STAGED_RUN_BATCHES = 2
 further ahead asks for entries not staged yet while the tier is full of staged ones in use."""
 
 
-def longest_run(source: object) -> int:
-    """The most batches a run reads from `source` (a dataset's shard supply, telemetry's wrap seen through)."""
+def longest_run(source: object, batcher: object) -> int:
+    """The most batches a run of `batcher` (its `run_batches`, else RUN_BATCHES) reads from `source`
+    (a dataset's shard supply, telemetry's wrap seen through)."""
     while isinstance(source, AttributedShards):
         source = source.source
-    return STAGED_RUN_BATCHES if isinstance(source, TierStack) else RUN_BATCHES
+    longest = getattr(batcher, "run_batches", RUN_BATCHES)
+    return min(STAGED_RUN_BATCHES, longest) if isinstance(source, TierStack) else longest
 
 
 def built_in_runs(
