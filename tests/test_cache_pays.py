@@ -112,6 +112,7 @@ def few_tokens(tmp_path_factory):
     return _pack_tokens(tmp_path_factory.mktemp("cache-pays-few"), 10000)
 
 
+@pytest.mark.slow
 def test_one_for_under_epoch_end_rank_finishes_its_epoch_exactly_once(few_tokens):
     """By the end of `for` number e every window of epoch e was read once; of epoch e + 1 at most the
     carried-over remainders (each lane's last batch of e runs on into e + 1) were read before."""
@@ -131,6 +132,7 @@ def test_one_for_under_epoch_end_rank_finishes_its_epoch_exactly_once(few_tokens
     loader.close()
 
 
+@pytest.mark.slow
 def test_token_windows_are_drawn_at_the_same_rate(few_tokens):
     ds = TieredDataset(str(few_tokens), BatchSpec(batch_size=16, seq_len=128), OrderSpec(partitions=4, lanes=2))
     drawn = np.zeros(ds.num_order_samples, dtype=np.int64)
@@ -248,6 +250,7 @@ def _first_batches(data, batches=1000, **options):
     return ds, np.concatenate(ids)
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_batches_with_no_tier_and_any_tier(tokens, tmp_path):
     """The order depends on the dataset, the seed and the options set, never on the cache (issue 37):
     the first 1,000 batches are the same read in place, through a stack with no tier, and through an L2
@@ -333,6 +336,7 @@ def test_plan_states_sizes_against_the_bytes_at_rest_and_predicts_each_form(toke
     assert "of the dataset at rest" in out and "the same at any capacity" in out
 
 
+@pytest.mark.slow
 def test_the_stager_counts_its_fetches_in_the_epoch_they_serve(few_tokens, tmp_path):
     """The cold epoch's lookahead into the next is the next epoch's bytes (issue 37): counted by the
     epoch of the use each fetch was staged for, the cold epoch reads each shard at most once."""

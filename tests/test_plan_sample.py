@@ -33,6 +33,7 @@ def warm(curve):
     return [(p.warm_ratio, p.warm_optimum) for p in curve]
 
 
+@pytest.mark.slow
 def test_a_small_dataset_is_not_sampled(dataset):
     assert len(dataset.manifest.shards) <= SAMPLE_ABOVE
     assert choose_sample(dataset) is None

@@ -85,6 +85,7 @@ def test_the_readme_checkpoint_block_commits_then_resumes_where_it_stopped(tmp_p
     assert block["step"] == last
 
 
+@pytest.mark.slow
 def test_the_readme_images_block_runs_as_written_on_the_cpu(tmp_path, monkeypatch):
     """README's images block on a folder of 70 captioned JPEGs, with device="cuda" read as "cpu"."""
     from corpora import jpeg

@@ -196,6 +196,7 @@ def test_recommitting_a_step_after_a_crash_replaces_it(tmp_path: Path) -> None:
     assert store.verify(5).ok and store.latest() == 5
 
 
+@pytest.mark.slow
 def test_cli_ls_verify_prune(s3_server, s3_bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`tierflow ckpt ls|verify|prune DEST` on S3: lists steps, names a bad file (exit 1), prunes."""
     dest = f"s3://{s3_bucket}/ck"
@@ -289,6 +290,7 @@ def test_restored_heat_makes_the_evictions_an_uninterrupted_run_makes(tmp_path: 
     assert run(dropped) != uninterrupted
 
 
+@pytest.mark.slow
 def test_an_upload_stretches_the_stagers_lookahead_until_it_is_done(tmp_path: Path) -> None:
     """A store told the node's stager announces each upload before it hashes: while the upload
     runs (held here by holding its budget's lock) the stager looks ahead the upload's expected

@@ -340,6 +340,7 @@ def test_a_fresh_node_falls_back_past_an_unreadable_newest_marker(tmp_path: Path
     assert fresh.load(1).is_dir()
 
 
+@pytest.mark.slow
 def test_a_fresh_node_falls_back_past_503s_on_the_newest_marker(
     s3_server, s3_bucket: str, s3_proxy, tmp_path: Path
 ) -> None:
@@ -423,6 +424,7 @@ def test_temporaries_of_dead_commits_are_swept_and_live_ones_kept(tmp_path: Path
 
 
 # ------------------------------------------------------------------ 7. upload deadline
+@pytest.mark.slow
 def test_an_upload_to_a_silent_peer_fails_at_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer that accepts connections and never answers: the uploader's PUT fails after the
     deadline reads have (TIERFLOW_FETCH_DEADLINE, 3 s here), not after 6 x 30 s."""
@@ -448,6 +450,7 @@ def test_an_upload_to_a_silent_peer_fails_at_the_deadline(tmp_path: Path, monkey
         silent.close()
 
 
+@pytest.mark.slow
 def test_an_upload_held_by_the_budget_is_not_cut_by_the_deadline(
     s3_server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

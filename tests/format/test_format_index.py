@@ -52,6 +52,7 @@ def test_every_sample_is_where_the_index_says(packed):
             first += block.rows
 
 
+@pytest.mark.slow
 def test_every_token_is_where_the_index_says(packed):
     ds = tierflow.open_dataset(packed)
     expected = stream(ds)

@@ -168,6 +168,7 @@ def test_verify_names_a_checksum_mismatch(tokens_ds, capsys):
     assert "checksum" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_verify_on_s3_checks_the_manifest_numbers_from_the_bytes_it_streams(tokens_ds, s3_server, s3_bucket, capsys):
     from tierflow.storage.remote import upload_dataset
 

@@ -16,6 +16,8 @@ import pytest
 
 from harness import ROOT
 
+pytestmark = pytest.mark.slow  # each recipe starts a framework in a fresh interpreter
+
 DOC = ROOT / "docs" / "frameworks.md"
 SUBSTITUTED = {"num_train_epochs=2": "max_steps=20"}
 

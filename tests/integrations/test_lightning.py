@@ -7,7 +7,7 @@ import pytest
 from conftest import needs
 from harness import check_resumed, check_uninterrupted, load, run
 
-pytestmark = needs("lightning")
+pytestmark = [needs("lightning"), pytest.mark.slow]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

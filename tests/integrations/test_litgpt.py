@@ -7,7 +7,7 @@ import pytest
 from conftest import needs
 from harness import check_resumed, check_uninterrupted, load, run
 
-pytestmark = needs("litgpt")
+pytestmark = [needs("litgpt"), pytest.mark.slow]
 
 
 def check_epochs(run: dict) -> None:

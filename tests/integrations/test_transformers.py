@@ -8,7 +8,7 @@ import torch
 from conftest import needs
 from harness import check_resumed, check_uninterrupted, load, run
 
-pytestmark = needs("transformers")
+pytestmark = [needs("transformers"), pytest.mark.slow]
 
 
 def test_hf_batch_labels_are_the_input_ids_with_boundaries_masked():

@@ -67,6 +67,7 @@ def most_open(packed, metas, epoch: int) -> int:
     return max(sum(1 for s in first if first[s] <= b <= last[s]) for b in range(len(metas)))
 
 
+@pytest.mark.slow
 def test_the_default_first_epoch_reads_a_few_shards_at_once_and_the_next_all_lanes(packed):
     ds = dataset(packed)
     shards = len(ds.manifest.shards)

@@ -685,6 +685,7 @@ def test_token_budget_batches_hold_whole_samples_within_the_budget(packed):
     assert np.median(fills) > 0.9  # first-fit from the buffer packs tightly
 
 
+@pytest.mark.slow
 def test_token_budget_reads_each_sample_once_per_epoch_on_every_rank_split(packed):
     samples = len(tierflow.open_dataset(packed))
     for ranks in (1, 2):
@@ -726,6 +727,7 @@ def test_budget_planner_takes_the_oldest_first_and_fills_gaps_first_fit():
 # -- epochs one `for` at a time --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_epoch_end_ends_each_for_at_the_epoch_edge_and_skips_nothing(packed):
     loader = Loader(budget_ds(packed, max_tokens=8192), epoch_end="rank", return_meta=True)
     endless = take(Loader(budget_ds(packed, max_tokens=8192), endless=True, return_meta=True), 10**6 // 8192 * 2)

@@ -52,6 +52,7 @@ def epochs_of(pairs):
     return sorted({m.epoch for _, m in pairs})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BATCHERS))
 def test_each_for_is_one_epoch_and_len_says_how_many_batches_it_holds(long_tailed_docs, kind):
     loader = Loader(BATCHERS[kind](long_tailed_docs), return_meta=True)
@@ -72,6 +73,7 @@ def test_each_for_is_one_epoch_and_len_says_how_many_batches_it_holds(long_taile
     assert [i for row in ids for i in row] == [i for row in per_for for i in row]
 
 
+@pytest.mark.slow
 def test_len_is_exact_after_a_resume_mid_epoch_and_for_every_rank(long_tailed_docs):
     first = Loader(windows(long_tailed_docs))
     for step, _ in enumerate(first):
@@ -94,6 +96,7 @@ def test_len_is_exact_after_a_resume_mid_epoch_and_for_every_rank(long_tailed_do
     assert len(lanes) == len(list(lanes)) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drain", [True, False], ids=["drained", "len-then-iter"])
 def test_ranks_of_an_uneven_split_run_whole_epochs_whether_the_loop_drains_or_stops_at_len(long_tailed_docs, drain):
     """What Lightning's fetcher and the Trainer do: take len() batches, then iter() again. Three
@@ -194,6 +197,7 @@ def epoch_ids(pairs, epoch):
     return [i for _, m in pairs for e, i in zip(m.epochs.tolist(), m.sample_ids.tolist()) if e == epoch]
 
 
+@pytest.mark.slow
 def test_shuffle_false_reads_every_sample_once_per_epoch_in_stored_order(long_tailed_docs):
     loader = Loader(stored(long_tailed_docs), return_meta=True)
     first, second = list(loader), list(loader)
@@ -296,6 +300,7 @@ def many_shards_of_long_docs(tmp_path_factory) -> str:
     return str(root / "ds")
 
 
+@pytest.mark.slow
 def test_each_for_under_a_token_budget_holds_every_sample_of_its_epoch(many_shards_of_long_docs):
     """Lanes reach their epoch ends apart (more so in a narrowed first epoch, read a group of lanes
     at a time): a budget batch of next-epoch samples must not end the `for` while samples of the
@@ -318,7 +323,7 @@ def test_each_for_under_a_token_budget_holds_every_sample_of_its_epoch(many_shar
 def test_length_buckets_make_no_batch_of_two_epochs(long_tailed_docs, lanes):
     """A group of 8 order batches sorted by length straddles each epoch edge; sorted epoch-major,
     the older epoch's samples fill its first batches and no batch holds two epochs (sorted by
-    length alone, all 8 did)."""
+    length alone, all 8 did), and each `for` holds its own epoch's parts of the group only."""
     from tierflow.loader.batching import LengthBuckets
 
     batcher = LengthBuckets(max_length=1024, column="tokens")
@@ -326,13 +331,14 @@ def test_length_buckets_make_no_batch_of_two_epochs(long_tailed_docs, lanes):
         TieredDataset(long_tailed_docs, BatchSpec(batch_size=8, batcher=batcher), OrderSpec(lanes=lanes)),
         return_meta=True,
     )
-    mixed, seen = 0, set()
+    mixed, seen = 0, []
     for _ in range(2):
+        seen.append(set())
         for _, meta in loader:
             epochs = set(np.unique(meta.epochs).tolist())
-            seen |= epochs
+            seen[-1] |= epochs
             mixed += len(epochs) > 1
-    assert seen == {0, 1, 2} and mixed == 0
+    assert seen == [{0}, {1}] and mixed == 0
 
 
 def test_the_flat_keywords_of_before_the_specs_are_refused_saying_what_to_write(long_tailed_docs):
@@ -346,3 +352,23 @@ def test_the_flat_keywords_of_before_the_specs_are_refused_saying_what_to_write(
         TieredDataset(long_tailed_docs)
     with pytest.raises(TypeError, match="'colour'"):
         TieredDataset(long_tailed_docs, BatchSpec(batch_size=8), colour="red")
+
+
+def test_a_loop_that_steps_after_epochs_without_a_step_gets_the_read_ahead_thread(long_tailed_docs):
+    """Each `for` measures its loop afresh: epochs drained with no step chose to read inline, and a
+    `for` with a step after them read inline too (0.88 of the dry run through a 10 ms step)."""
+    import time
+
+    from tierflow.loader.device_feed_readahead import AUTO_DECIDE_AFTER
+
+    loader = Loader(dataset(long_tailed_docs, batch_size=2, seq_len=64, partitions=PARTITIONS))
+    assert len(loader) > 2 * AUTO_DECIDE_AFTER
+    for _batch in loader:  # no step
+        pass
+    assert not loader._feed_iterator.background
+    for n, _batch in enumerate(loader):
+        time.sleep(0.002)  # a step
+        if n == 2 * AUTO_DECIDE_AFTER:
+            break
+    assert loader._feed_iterator.background
+    loader.close()

@@ -63,6 +63,7 @@ def test_collate_must_return_a_dict(long_tailed_docs):
         TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=32, collate=longest_first))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataloader_with_a_batch_size_is_told_to_use_loader(long_tailed_docs, workers):
     ds = TieredDataset(long_tailed_docs, BatchSpec(batch_size=4, seq_len=32), OrderSpec(partitions=PARTITIONS))

@@ -120,6 +120,7 @@ def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tokens, tmp_p
     assert "MainGuardError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
 
 
+@pytest.mark.slow
 def test_a_reading_process_loads_none_of_packs_input_readers():
     """Every reading process (a DataLoader worker too) carries what `import tierflow` loads: Arrow's
     Parquet, JSON and filesystem modules are ~4.5 MB of each one's PSS and only `pack` reads them."""
@@ -146,6 +147,7 @@ with tierflow.open_loader(sys.argv[1], batch_size=8, seq_len=64, tiers=[f"L2={sy
 """
 
 
+@pytest.mark.slow
 def test_a_script_that_closed_its_loader_exits_without_a_traceback(tokens, tmp_path):
     """The Loader is collected again at interpreter exit: closing the stager a second time must not
     reach module globals the interpreter has already torn down ("Exception ignored in Loader.__del__")."""

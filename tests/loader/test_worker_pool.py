@@ -152,6 +152,7 @@ def _count_built(sample):
     return True
 
 
+@pytest.mark.slow
 def test_workers_run_ahead_only_as_far_as_their_slots(docs, tmp_path, monkeypatch):
     built = tmp_path / "built"
     built.touch()

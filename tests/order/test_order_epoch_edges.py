@@ -145,3 +145,40 @@ def test_a_version_3_cursor_saved_at_any_batch_resumes_exactly_across_the_edges(
             resumed = RankStream(order, cursor, batch_size=BATCH, rank=rank, ranks_per_node=ranks)
             for b in range(min(8, steps - saved_at)):
                 assert resumed.batch(b).sample_ids.tolist() == stream.batch(saved_at + 1 + b).sample_ids.tolist()
+
+
+def part_epochs(stream: RankStream, parts: int, batches: int) -> list[int]:
+    """Each part's epoch of the rank's first `batches` batches, a batch cut into `parts` slices of
+    its samples sorted by epoch (what a sorted group's parts hold), read the long way."""
+    out = []
+    for index in range(batches):
+        epochs = np.sort(stream.batch(index).epochs)
+        out += [int(epochs[k * (epochs.size // parts)]) for k in range(parts)]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_sorted_groups_parts_count_in_their_own_epochs_from_any_cursor(name, lanes):
+    """`epoch_parts` (what len() of a LengthBuckets/AspectBuckets loader counts) is, from any cursor
+    and part of its group, the run of parts whose epoch is at most the one the run finishes; parts
+    of a group that straddles the edge split between the two epochs' fors."""
+    counts, parts, size = DATASETS[name], 4, 6
+    order = SampleOrder(counts, dataset_id=name, seed=3, partitions=min(16, len(counts)), window_shards=2, lanes=lanes)
+    ranks = 2
+    straddling = 0
+    for rank in range(ranks):
+        start = RankStream(order, order.start(), batch_size=parts * size, rank=rank, ranks_per_node=ranks)
+        per_epoch = sum(counts) // (parts * size * ranks) + 1
+        every = part_epochs(start, parts, 5 * per_epoch)
+        straddling += sum(every[k] != every[k + 1] for k in range(len(every) - 1) if (k + 1) % parts)
+        for first in range(0, 2 * per_epoch):
+            cursor = start.cursor_after(first - 1) if first else order.start()
+            stream = RankStream(order, cursor, batch_size=parts * size, rank=rank, ranks_per_node=ranks)
+            for skip in range(parts):
+                rest = every[first * parts + skip :]
+                for after in (None, rest[0] - 1, rest[0]):
+                    epoch = rest[0] if after is None else max(rest[0], after + 1)
+                    count = next((k for k, e in enumerate(rest) if e > epoch), len(rest))
+                    assert stream.epoch_parts(after, False, parts, skip) == (epoch, count), (first, skip, after)
+    assert straddling  # some group's parts lie in two epochs

@@ -121,6 +121,7 @@ def test_one_group_at_a_time_equals_every_group_at_once():
     assert np.array_equal(whole, np.concatenate(parts))
 
 
+@pytest.mark.slow
 def test_evaluating_a_grouped_order_imports_no_masked_arrays():
     """numpy 2.4's np.unique imports numpy.ma on its first call (~15 ms), which every fresh process
     paid inside its first batch; the order's window and group edges are made without it."""

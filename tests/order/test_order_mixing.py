@@ -77,6 +77,7 @@ def test_each_dataset_supplies_its_weight_of_node_batches_within_two():
         assert np.abs(counts - np.array(WEIGHTS) * g).max() <= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes,ranks,workers", [(1, 1, 1), (2, 2, 3), (4, 1, 2)])
 def test_every_dataset_reads_each_of_its_samples_exactly_once_per_its_own_epoch(nodes, ranks, workers):
     mixture = make_mixture()

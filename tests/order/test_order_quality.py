@@ -24,6 +24,7 @@ def node_epoch_ids(order, node, num_nodes, batch_size):
     return ids
 
 
+@pytest.mark.slow
 def test_global_position_is_uncorrelated_with_stored_index():
     order = SampleOrder(COUNTS, dataset_id="quality", seed=1, partitions=64, window_shards=4)
     ids = node_epoch_ids(order, 0, 1, batch_size=32)
@@ -33,6 +34,7 @@ def test_global_position_is_uncorrelated_with_stored_index():
     assert abs(rho) < 0.05, rho
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_nodes", [1, 4])
 def test_a_round_over_a_nodes_partitions_reads_at_least_k_shards_per_partition(num_nodes):
     window_shards, batch_size = 4, 32

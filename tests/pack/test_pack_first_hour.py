@@ -70,6 +70,7 @@ def test_cache_evict_without_a_dataset_id_asks_for_all(tmp_path, capsys):
     assert "evicted 1 entries" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_cli_pack_is_one_line_not_a_traceback(tmp_path):
     src = tmp_path / "big.jsonl"
     with open(src, "w") as f:

@@ -107,6 +107,7 @@ def _points(rig: PackRig) -> list[int] | None:
     return sample_points(rig.run, rig.roots, reset=rig.reset)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overwrite", [False, True], ids=["fresh", "over-a-dataset"])
 def test_a_pack_failing_at_each_kind_of_io_leaves_nothing_or_a_whole_dataset(rigs, overwrite: bool) -> None:
     rig = rigs[overwrite]

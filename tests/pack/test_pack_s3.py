@@ -78,6 +78,7 @@ def staging(tmp_path, monkeypatch) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_pack_to_s3_keeps_a_few_shards_locally_and_equals_a_local_pack(tmp_path, staging, s3_server, s3_bucket):
     src = write_docs(tmp_path / "docs.jsonl", 14_000)  # ~25 shards: five times what may be held locally
     local = tierflow.pack([src], tmp_path / "local", workers=1, target_shard_bytes=SMALL).manifest
@@ -107,6 +108,7 @@ class RaiseAt:
         return record
 
 
+@pytest.mark.slow
 def test_a_pack_to_s3_that_fails_mid_way_publishes_no_manifest_and_its_shards_are_reused(
     tmp_path, staging, s3_server, s3_bucket, s3_proxy
 ):

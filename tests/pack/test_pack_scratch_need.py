@@ -24,6 +24,7 @@ def docs(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_text", [True, False])
 def test_the_scratch_a_tokenised_pack_says_it_needs_covers_its_decoded_unit(tmp_path, small_tmpfs, keep_text):
     src = docs(tmp_path / "docs.jsonl")

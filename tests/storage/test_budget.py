@@ -173,6 +173,7 @@ def _hold_the_lock_forever(path: str, ready: multiprocessing.Event) -> None:
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_a_holder_killed_with_sigkill_does_not_block_the_others(tmp_path: Path) -> None:
     budget = BandwidthBudget(1e9, path=tmp_path / "budget", burst=10**9)
     context = multiprocessing.get_context("spawn")

@@ -31,6 +31,7 @@ def open_at_once(url: str, endpoint: str, start: Any, results: Any) -> None:
     results.put((dataset.manifest.dataset_id, str(dataset.manifest.tables.shards.path)))
 
 
+@pytest.mark.slow
 def test_a_nodes_processes_download_each_table_once(
     packed: Path, tmp_path: Path, s3_proxy, s3_bucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -67,6 +67,7 @@ def test_a_put_cut_on_a_silent_attempt_is_retried_and_lands(s3_proxy, s3_bucket,
     assert s3.read_bytes("small.bin") == small_file.read_bytes()
 
 
+@pytest.mark.slow
 def test_time_the_bandwidth_budget_holds_an_upload_back_is_not_the_peers(s3_proxy, s3_bucket, tmp_path):
     """1.5 MB through a 600 KB/s budget takes ~2 s, twice the deadline: it must still land."""
     big = tmp_path / "big.bin"

@@ -100,6 +100,7 @@ def test_event_log_records_every_batch_and_snapshots(tmp_path):
     )  # the machine's view rides the same timeline
 
 
+@pytest.mark.slow
 def test_report_png_plots_exactly_the_runs_series(tmp_path):
     log = tmp_path / "run.jsonl"
     events = scripted_log(log)
@@ -142,6 +143,7 @@ def small_dataset(tmp_path_factory) -> Path:
     return root / "ds"
 
 
+@pytest.mark.slow
 def test_bench_report_and_top_commands_run_end_to_end(small_dataset, tmp_path, capsys):
     log = tmp_path / "run.jsonl"
     assert (

@@ -333,6 +333,7 @@ def test_start_up_batches_are_timed_apart_from_the_bubble():
     assert f.wait_s == pytest.approx(0.010) and f.bubble_rate == pytest.approx(0.010 / 0.260)
 
 
+@pytest.mark.slow
 def test_bench_of_a_slow_step_names_compute_and_reports_start_up_apart(packed):
     steps = 140  # long enough that the automatic feed's inline batches count as start-up
     # a 20 ms step: the loader's own work in the loop (~0.2 ms a batch) stays far under the 5% a busy

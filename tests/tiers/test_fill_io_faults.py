@@ -162,6 +162,7 @@ def _roots(rig: FillRig, where: str) -> list[Path]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["cache-warm", pytest.param("loader-epoch", marks=pytest.mark.slow)])
 def test_a_fill_failing_at_each_kind_of_io_serves_the_golden_batches_or_a_typed_error(rig: FillRig, path: str) -> None:
     run = _run(rig, path)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tierflow.tiers._staging import Membership, NodeProgress, area_path, sweep_unused
 
 
@@ -42,6 +44,7 @@ def _join(area: Path, seconds: float) -> subprocess.Popen:
     return p
 
 
+@pytest.mark.slow
 def test_the_last_user_removes_the_area_and_a_killed_users_area_is_swept(tmp_path):
     root = tmp_path / "shm"
     area = area_path(tmp_path / "l2", "job", root=root)
@@ -105,6 +108,7 @@ for _ in range(40):
 """
 
 
+@pytest.mark.slow
 def test_members_joining_leaving_and_sweeping_at_once_never_lose_the_area_under_a_member(tmp_path):
     area = area_path(tmp_path / "l2", "job", root=tmp_path / "shm")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

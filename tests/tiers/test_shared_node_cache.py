@@ -54,6 +54,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_dataset_arriving_on_a_full_tier_claims_its_fair_share_and_no_more(tmp_path):
     job_a = subprocess.Popen(
         [sys.executable, "-c", JOB_A, str(tmp_path / "l2")],

@@ -17,6 +17,7 @@ from tierflow.testing.faults import write_corpus
 from tierflow.tiers.fault_log import FaultLog
 
 
+@pytest.mark.slow
 def test_a_corrupt_shard_on_s3_is_one_warning_and_no_traceback(s3_server, s3_bucket, tmp_path, caplog):
     src = write_corpus(tmp_path / "raw.jsonl", docs=3000, seed=11)
     tierflow.pack(

@@ -177,6 +177,7 @@ def epoch_batches(shards: Path) -> int:
         return sum(1 for _ in loader)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "workers, context",
     [(0, None), pytest.param(1, "forkserver", marks=pytest.mark.slow)],
@@ -216,6 +217,7 @@ def test_a_stager_started_before_the_loop_stages_on_through_the_loops_start(shar
         loader.close()
 
 
+@pytest.mark.slow
 def test_workers_forked_from_the_loops_process_start_with_the_stager_stopped(shards, tmp_path) -> None:
     """A fork copies the process with its locks as they are: the stager stops before workers are
     forked from the loop's process and starts again after (its threads are new ones)."""

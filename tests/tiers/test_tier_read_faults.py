@@ -73,6 +73,7 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return ReadRig(tmp_path_factory.mktemp(f"read-faults-{request.param}"), request.param)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["once", "from-n-on"])
 def test_an_l2_entry_that_cannot_be_read_during_an_epoch_is_dropped_and_read_from_below(
     rig: ReadRig, persistent: bool

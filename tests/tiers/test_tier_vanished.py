@@ -53,6 +53,7 @@ def unavailable(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, TierUnavailableWarning)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["at_rest", "decoded"])
 @pytest.mark.parametrize("deleted", ["l1", "l2", "both"])
 def test_a_tier_directory_deleted_under_a_reader_is_bypassed_with_one_typed_warning(packed, tmp_path, form, deleted):

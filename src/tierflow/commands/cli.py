@@ -24,7 +24,7 @@ def command(name: str):
 
 
 def _size(text: str) -> int:
-    from tierflow.tiers.config import parse_size
+    from tierflow._sizes import parse_size
 
     try:
         return parse_size(text)

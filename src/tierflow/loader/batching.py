@@ -106,6 +106,9 @@ class ByPosition:
 
     batches_per_group: int
     plans_eval: ClassVar[bool] = True
+    parts_by_epoch: ClassVar[bool] = False
+    """Whether part k of an order batch is its k-th slice sorted by epoch first (`SortedGroups`), so
+    each part belongs to the epoch of its own samples; else every part to the order batch's."""
 
     def check_resume(self, cursor: LoaderCursor) -> None:
         if cursor.pending is not None:
@@ -117,7 +120,7 @@ class ByPosition:
             raise CursorError(f"cursor skips {cursor.skip} batches of a group of {self.batches_per_group}")
 
     def plan(self, ctx: SampleContext, stream: OrderStream, state: LoaderCursor | None) -> Iterator[Selection]:
-        return plan_groups(stream, state, self.batches_per_group)
+        return plan_groups(stream, state, self.batches_per_group, self.parts_by_epoch)
 
 
 class SortedGroups(ByPosition):
@@ -125,6 +128,7 @@ class SortedGroups(ByPosition):
     aspect ratio) and cuts it into `group` batches: part k of a group is its k-th slice."""
 
     group: int
+    parts_by_epoch: ClassVar[bool] = True
 
     @property
     def batches_per_group(self) -> int:  # type: ignore[override]
@@ -144,7 +148,9 @@ class SortedGroups(ByPosition):
     def epoch_major(keys: np.ndarray, epochs: np.ndarray) -> np.ndarray:
         """The group's order by `keys` within each epoch, epochs in turn: a group that straddles an
         epoch edge sorts the older epoch's samples first, so one of its batches, not all `group`,
-        holds samples of two epochs (stable: a group within one epoch sorts by `keys` alone)."""
+        holds samples of two epochs (stable: a group within one epoch sorts by `keys` alone), and
+        each part belongs to its own samples' epoch: the older epoch's `for` ends at the part
+        holding its last samples, the next one's starts after it (`RankStream.epoch_parts`)."""
         return np.lexsort((keys, epochs))
 
     def part_of(self, order: np.ndarray, selection: Selection) -> np.ndarray:

@@ -23,7 +23,7 @@ from tierflow.format.manifest import Manifest
 from tierflow.format.reads import SampleLengths
 from tierflow.loader.batching import SampleContext, list_column, shard_samples
 from tierflow.loader.cursor import LoaderCursor, Pending
-from tierflow.loader.plan import Built, OrderBatch, OrderStream, Selection, batch_epoch
+from tierflow.loader.plan import Built, OrderBatch, OrderStream, Selection, TrainStream, batch_epoch
 
 IGNORE_INDEX = -100
 
@@ -92,8 +92,9 @@ class TokenBudget:
         if lengths is None:
             lengths = ctx.cache["lengths"] = SampleLengths(ctx.dataset, self.columns(ctx.dataset.manifest)[0])
         planner = self.planner(state.pending if state is not None else None, lengths)
+        carry = isinstance(stream, TrainStream) and stream.carries
         pulled = n = 0
-        upcoming = None  # the next order batch, read ahead for its epoch (`_unfinished`)
+        upcoming = None  # the next order batch, read ahead for its epoch
         while stream.limit is None or n < stream.limit:
             while planner.wants_more():
                 order_batch = upcoming if upcoming is not None else stream.batch(pulled)
@@ -101,9 +102,9 @@ class TokenBudget:
                 real = order_batch.sample_ids[order_batch.mask]
                 planner.add(real, order_batch.epochs[order_batch.mask], lengths(real))
                 pulled += 1
-            ids, epochs = planner.take()
             if upcoming is None:
                 upcoming = stream.batch(pulled)
+            ids, epochs = planner.take(fill=carry and _first_epoch(upcoming) > planner.oldest_epoch())
             if stream.owns(n):
                 mask = np.ones(ids.size, dtype=bool)
                 epoch = min(batch_epoch(epochs, mask), planner.oldest_epoch(), _first_epoch(upcoming))
@@ -184,27 +185,22 @@ class BudgetPlanner:
         """The oldest epoch among the pending samples (a huge number when none is pending)."""
         return int(self.epochs.min()) if self.epochs.size else _NONE_PENDING
 
-    def take(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, epochs) of the next batch, removed from the buffer; first-fit in buffer order, the
-        oldest epoch's samples first (lanes reach their epoch ends apart, so a lane's next-epoch
-        samples can be pulled before another lane's last ones: those go first)."""
-        if self.epochs.size and self.epochs[0] != self.epochs.min():
+    def take(self, fill: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, epochs) of the next batch, removed from the buffer; first-fit in buffer order among
+        the oldest epoch's samples (lanes reach their epoch ends apart, so a lane's next-epoch
+        samples can be pulled before another lane's last ones: those go first). Later epochs'
+        samples fill a batch only once it holds every one of the oldest epoch's left and `fill`
+        (none of that epoch is still to be pulled, remainder="carry"): so the epoch's last batch is
+        the only one with two epochs (a fill first-fit over all epochs made two or three)."""
+        if self.epochs.size > 1 and bool((self.epochs[1:] < self.epochs[:-1]).any()):
             order = np.argsort(self.epochs, kind="stable")
             self.ids, self.epochs, self.lengths = self.ids[order], self.epochs[order], self.lengths[order]
         lengths = self.lengths
+        oldest = int(np.searchsorted(self.epochs, self.epochs[0], side="right")) if lengths.size else 0
         chosen = np.zeros(lengths.size, dtype=bool)
-        budget = self.max_tokens
-        start = 0
-        while start < lengths.size and budget > 0:
-            # the run of consecutive samples from `start` that fits goes in at once ...
-            run = int(np.searchsorted(np.cumsum(lengths[start:]), budget, side="right"))
-            chosen[start : start + run] = True
-            budget -= int(lengths[start : start + run].sum())
-            # ... then the next sample that still fits, skipping those that do not
-            later = np.flatnonzero(lengths[start + run :] <= budget) if budget > 0 else np.zeros(0, np.int64)
-            if later.size == 0:
-                break
-            start = start + run + int(later[0])
+        budget = _first_fit(lengths[:oldest], chosen[:oldest], self.max_tokens)
+        if fill and oldest < lengths.size and chosen[:oldest].all():
+            _first_fit(lengths[oldest:], chosen[oldest:], budget)
         ids, epochs = self.ids[chosen], self.epochs[chosen]
         keep = ~chosen
         self.ids, self.epochs, self.lengths = self.ids[keep], self.epochs[keep], self.lengths[keep]
@@ -212,3 +208,20 @@ class BudgetPlanner:
 
     def state(self) -> Pending:
         return Pending(tuple(self.ids.tolist()), tuple(self.epochs.tolist()))
+
+
+def _first_fit(lengths: np.ndarray, chosen: np.ndarray, budget: int) -> int:
+    """Marks in `chosen` (a view) the samples of `lengths` that fit `budget` first-fit in order; the
+    budget left."""
+    start = 0
+    while start < lengths.size and budget > 0:
+        # the run of consecutive samples from `start` that fits goes in at once ...
+        run = int(np.searchsorted(np.cumsum(lengths[start:]), budget, side="right"))
+        chosen[start : start + run] = True
+        budget -= int(lengths[start : start + run].sum())
+        # ... then the next sample that still fits, skipping those that do not
+        later = np.flatnonzero(lengths[start + run :] <= budget) if budget > 0 else np.zeros(0, np.int64)
+        if later.size == 0:
+            break
+        start = start + run + int(later[0])
+    return budget

@@ -33,7 +33,7 @@ from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
 from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream
-from tierflow.loader.runs import built_in_runs, longest_run
+from tierflow.loader.runs import main_process_batches
 from tierflow.loader.spec import (
     NARROWED,
     BatchSpec,
@@ -356,17 +356,7 @@ class TieredDataset(IterableDataset):
             return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
         ctx = self._open()
         plan = self.batcher.plan(ctx, self.stream(), self._resume)
-        build_run = getattr(self.batcher, "build_run", None)  # None too for per-sample Python: a batch at a time
-        if build_run is None or (self.filter, self.transform, self.collate) != (None, None, None):
-            return (self._built(ctx, selection) for selection in plan)
-        return built_in_runs(  # a run of planned batches read as one (runs.py)
-            plan,
-            lambda run: build_run(ctx, run),
-            lambda s: self._built(ctx, s),
-            self._carry,
-            lambda run: self._widen(ctx, run),
-            longest_run(ctx.dataset.source, self.batcher),
-        )
+        return main_process_batches(self, ctx, plan)  # runs of batches read as one where they can be (runs.py)
 
     def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
         """The batches worker `worker` of `workers` builds (output batches n = worker mod workers), its
@@ -479,8 +469,9 @@ class TieredDataset(IterableDataset):
         and how many of them belong to it or an older one: what one `for` over a `Loader` yields
         before `max_batches`; eval: (0, the steps left). With `agree`, the fewest of any rank, so
         every rank stops at the same step: each rank computes every rank's count from the order,
-        no collective. Exact and O(nodes x lanes) for batchers that locate batches by position; a
-        token budget's count depends on lengths it has not planned: TypeError."""
+        no collective. Exact and O(nodes x lanes) for batchers that locate batches by position (a
+        sorted group's parts each in their samples' epoch, `RankStream.epoch_parts`); a token
+        budget's count depends on lengths it has not planned: TypeError."""
         if not isinstance(self.batcher, ByPosition):
             raise TypeError(
                 f"{type(self.batcher).__name__} packs a varying number of samples per batch, so "
@@ -494,8 +485,11 @@ class TieredDataset(IterableDataset):
             ).steps
             return 0, max(0, steps - (start.step + 1 if start is not None and start.step is not None else 0))
         skip = start.skip if start is not None else 0
-        epoch, batches = self._rank_stream(start).epoch_batches(after, agree)
-        return epoch, max(0, batches * self.batcher.batches_per_group - skip)
+        parts = self.batcher.batches_per_group
+        if not self.batcher.parts_by_epoch:  # a group's parts all belong to its epoch
+            epoch, batches = self._rank_stream(start).epoch_batches(after, agree)
+            return epoch, max(0, batches * parts - skip)
+        return self._rank_stream(start).epoch_parts(after, agree, parts, skip)
 
     def cursor_after(self, cursor: Resume, batches: int) -> LoaderCursor | None:
         """The cursor once this rank has consumed `batches` more output batches from `cursor`

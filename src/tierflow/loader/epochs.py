@@ -9,8 +9,11 @@ next `for` is E + 1 either way.
 
 Batchers that locate batches by position give every rank's count from the order alone, so ranks
 agree on where E ends with no collective (`TieredDataset.epoch_span(agree=True)`: the fewest of
-any rank; a rank's batches of E past that open its next epoch). A token budget's count depends
-on lengths not yet planned: there the ranks vote once per batch (`EpochVote`).
+any rank; a rank's batches of E past that open its next epoch). A sorted group (LengthBuckets,
+AspectBuckets) that straddles the edge is counted by parts: those holding E's last samples end E,
+the rest open E + 1 (`RankStream.epoch_parts`), so no `for` holds batches of the next epoch but the
+one edge batch of two. A token budget's count depends on lengths not yet planned: there the ranks
+vote once per batch (`EpochVote`), and a batch takes the next epoch's samples only as E's last.
 """
 
 from __future__ import annotations

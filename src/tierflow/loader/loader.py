@@ -25,6 +25,7 @@ from tierflow.loader._lifetime import bind_workers, raising_lost_workers
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.mixture import ReadDataset
 from tierflow.loader.device_feed import DeviceFeed
+from tierflow.loader.device_feed_readahead import FeedIterator
 from tierflow.loader.epochs import EpochClock, EpochVote
 from tierflow.loader.meta import BatchMeta
 from tierflow.loader.plan import PlannedCursor
@@ -173,6 +174,8 @@ class Loader:
     def __iter__(self) -> Iterator[Handed]:
         """Start (or continue) from the last consumed batch; with `epoch_end`, one epoch per `for`."""
         if self._feed_iterator is not None and self._feed is not None and (self._held is not None or self._at_edge):
+            if isinstance(self._feed_iterator, FeedIterator):  # the loop may step otherwise now
+                self._feed_iterator.choose_again()
             return self._batches(self._feed_iterator)  # the last `for` stopped at an epoch edge
         self._stop_reading()
         self._check_world()

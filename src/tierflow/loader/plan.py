@@ -24,7 +24,7 @@ import numpy as np
 
 from tierflow.errors import CursorError
 from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
-from tierflow.order import EvalOrder, MixedCursor, MixedRankStream, OrderCursor, RankStream
+from tierflow.order import EvalOrder, MixedCursor, MixedRankStream, OrderCursor, RankStream, Remainder
 
 
 class OrderBatch(NamedTuple):
@@ -37,6 +37,9 @@ class OrderBatch(NamedTuple):
     mask: np.ndarray
     dataset: int = 0
     epoch: int | None = None
+    split: bool = False
+    """Whether its samples of later epochs than `epoch` belong to those epochs (the epoch-major edge's
+    last batch of an epoch): a group sorted epoch-major (`SortedGroups`) gives each part its own."""
 
 
 class PlannedCursor:
@@ -283,7 +286,14 @@ class TrainStream(_WorkerView):
         stream = self._stream
         assert isinstance(stream, RankStream)  # a mixed stream's batches are MixedTrainStream's
         _, ids, epochs, mask, epoch = stream.node_parts(group * stream.ranks_per_node + stream.rank)
-        return OrderBatch(ids, epochs, mask, 0, epoch)
+        return OrderBatch(ids, epochs, mask, 0, epoch, stream.own.edges is not None)
+
+    @property
+    def carries(self) -> bool:
+        """Whether an epoch's last batch may be completed with the next epoch's first samples
+        (remainder="carry"; drop and pad end each epoch in its own batches)."""
+        stream = self._stream
+        return isinstance(stream, RankStream) and stream.order.remainder is Remainder.CARRY
 
     def position(self, last: int) -> OrderCursor | MixedCursor:
         """The order cursor after order batch `last` (the last one asked for is kept: a group's
@@ -342,24 +352,31 @@ class EvalStream(_WorkerView):
         return ["eval", self.start, self._order.num_samples, self._order.batch_size, self._order.world_size]
 
 
-def plan_groups(stream: OrderStream, state: LoaderCursor | None, per_group: int) -> Iterator[Selection]:
+def plan_groups(
+    stream: OrderStream, state: LoaderCursor | None, per_group: int, by_epoch: bool = False
+) -> Iterator[Selection]:
     """Output batch n is part (skip + n) mod G of order batch (skip + n) // G, G = `per_group`:
-    its position alone locates it, so each worker plans only its own batches."""
+    its position alone locates it, so each worker plans only its own batches. `by_epoch`: part k
+    holds the k-th slice of the order batch sorted by epoch first, and belongs to its first
+    sample's epoch where the order batch is `split`; else every part to the order batch's epoch."""
     skip = state.skip if state is not None else 0
-    cached: tuple[int, OrderBatch | None] = (-1, None)
+    cached: tuple[int, OrderBatch | None, np.ndarray | None] = (-1, None, None)
     for n in stream.own_batches():
         if stream.limit is not None and n >= stream.limit:
             return
         group, part = divmod(skip + n, per_group)
         if cached[0] != group:
-            cached = (group, stream.batch(group))
-        order_batch = cached[1]
+            fresh = stream.batch(group)
+            cached = (group, fresh, np.sort(fresh.epochs) if by_epoch and fresh.split else None)
+        _, order_batch, sorted_epochs = cached
         assert order_batch is not None
         done = part + 1 == per_group
         cursor = PlannedCursor(stream, group) if done else PlannedCursor(stream, group - 1, part + 1)
         epoch = (
             order_batch.epoch if order_batch.epoch is not None else batch_epoch(order_batch.epochs, order_batch.mask)
         )
+        if sorted_epochs is not None:
+            epoch = max(epoch, int(sorted_epochs[part * (sorted_epochs.size // per_group)]))
         yield Selection(
             n, order_batch.sample_ids, order_batch.epochs, order_batch.mask, cursor, epoch, part, order_batch.dataset
         )

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from tierflow.loader._collate import CarriedBatch
+from tierflow.loader.batching import SampleContext
 from tierflow.loader.plan import Built, Selection
 from tierflow.telemetry.attribution import AttributedShards
 from tierflow.tiers.stack import TierStack
@@ -70,3 +71,19 @@ def built_in_runs(
             continue
         for selection, one in zip(run, made):
             yield carry(selection, one)
+
+
+def main_process_batches(dataset: Any, ctx: SampleContext, plan: Iterable[Selection]) -> Iterator[CarriedBatch]:
+    """A `TieredDataset`'s batches built in this process: in runs where its batcher reads a run as
+    one (`build_run`) and no filter, transform or collate runs per sample, else a batch at a time."""
+    build_run = getattr(dataset.batcher, "build_run", None)
+    if build_run is None or (dataset.filter, dataset.transform, dataset.collate) != (None, None, None):
+        return (dataset._built(ctx, selection) for selection in plan)
+    return built_in_runs(
+        plan,
+        lambda run: build_run(ctx, run),
+        lambda selection: dataset._built(ctx, selection),
+        dataset._carry,
+        lambda run: dataset._widen(ctx, run),
+        longest_run(ctx.dataset.source, dataset.batcher),
+    )

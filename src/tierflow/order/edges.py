@@ -244,6 +244,18 @@ class EpochEdges:
             clocks[piece.lane] = (piece.epoch, piece.stop)
         return clocks
 
+    def epoch_counts(self, pick: int) -> list[tuple[int, int]]:
+        """(epoch, samples of it) in node batch `pick`, oldest first: a stage's last batch holds the
+        pool's samples, then the heads of later stages (`mixed`); every other batch one epoch."""
+        B = self.batch_size
+        plan = self.locate(pick)
+        if pick != plan.first_pick + plan.picks(B) - 1 or not plan.mixed:
+            return [(plan.epoch, B)]
+        counts: dict[int, int] = {}
+        for piece in self.pieces(pick)[1]:
+            counts[piece.epoch] = counts.get(piece.epoch, 0) + piece.stop - piece.start
+        return sorted(counts.items())
+
     def pick_of(self, lane: int, epoch: int, offset: int) -> int:
         """The node batch that reads offset `offset` of the lane's epoch `epoch`."""
         plan = self.stage_of(lane, epoch)

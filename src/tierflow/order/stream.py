@@ -354,6 +354,14 @@ class NodeStream:
             return self.edges.plan(epoch + 1).first_pick if epoch + 1 >= min(self.edges.first_epochs) else 0
         return sum(b.count_before((epoch + 1) * b.lane.size) for b in self.batches)
 
+    def epoch_counts(self, pick: int) -> list[tuple[int, int]]:
+        """(epoch, samples of it) in node batch `pick`, oldest first, as a sorted group splits it: the
+        epoch-major edge's last batch of an epoch by its samples' epochs; any other batch (and every
+        batch of a version-2 carry, whose lanes run across their edges) whole in its own epoch."""
+        if self.edges is not None:
+            return self.edges.epoch_counts(pick)
+        return [(self.epoch_of_pick(pick), self.batch_size)]
+
     def positions_after(self, picks: int) -> Positions:
         """Every partition's position once the node has consumed `picks` batches."""
         out: Positions = {}
@@ -452,6 +460,35 @@ class RankStream:
         counts = [max(0, -(-(self.nodes[n].picks_through(epoch) - r) // R)) for n, r in ranks]
         return epoch, min(counts)
 
+    def epoch_parts(
+        self, after: int | None = None, agree: bool = False, parts: int = 1, skip: int = 0
+    ) -> tuple[int, int]:
+        """`epoch_batches` counted in parts: each batch is cut into `parts` equal parts of its
+        samples sorted by epoch (a sorted group's batches), part k belonging to the epoch of its
+        first sample, and the run starts at part `skip` of batch 0. The epoch-major edge's last
+        batch of an epoch then gives its older parts to that epoch and the rest to the next
+        (`NodeStream.epoch_counts`); with `parts` 1 this is `epoch_batches`, less `skip`."""
+        ranks = (
+            [(n, r) for n in range(self.num_nodes) for r in range(self.ranks_per_node)]
+            if agree
+            else [(self.node, self.rank)]
+        )
+        size = self.batch_size // parts
+        epoch = min(_part_epoch(self.nodes[n].epoch_counts(r), skip * size) for n, r in ranks)
+        if after is not None:
+            epoch = max(epoch, after + 1)
+        R = self.ranks_per_node
+        counts = []
+        for n, r in ranks:
+            node = self.nodes[n]
+            picks = max(0, -(-(node.picks_through(epoch) - r) // R))
+            if not picks:
+                counts.append(0)
+                continue
+            newer = sum(c for e, c in node.epoch_counts((picks - 1) * R + r) if e > epoch)
+            counts.append(max(0, picks * parts - newer // size - skip))
+        return epoch, min(counts)
+
     def cursor_after(self, index: int) -> OrderCursor:
         """State once every rank of every node has consumed its batches 0..index."""
         picks = (index + 1) * self.ranks_per_node
@@ -460,3 +497,12 @@ class RankStream:
             for p, (e, o) in node.positions_after(picks).items():
                 epochs[p], offsets[p] = e, o
         return self.order.cursor(epochs, offsets, self.base.version)
+
+
+def _part_epoch(counts: list[tuple[int, int]], at: int) -> int:
+    """The epoch of the sample at position `at` of a batch sorted by epoch ((epoch, count) pairs)."""
+    for epoch, count in counts:
+        if at < count:
+            return epoch
+        at -= count
+    return counts[-1][0]

@@ -172,7 +172,7 @@ def narrowing_advice(
         f"{chosen.bytes / capacity:.0%} of the tier): the tier keeps what its policy chooses across epochs "
         f"and the shards being read that it does not keep pass through the staging area in RAM, so every "
         f"epoch fetches each shard at most once (benchmarks/cache.py: at 5% of the bytes at rest, warm "
-        f"epochs fetch 0.6-0.7 of the dataset); {option}"
+        f"epochs fetch 0.5-0.8 of the dataset); {option}"
     )
 
 

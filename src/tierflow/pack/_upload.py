@@ -14,11 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tierflow.format.manifest import MANIFEST_NAME
-from tierflow.format.metadata import METADATA_NAME
-from tierflow.format.metadata_writer import referenced_tables
 from tierflow.format.shard import SHARD_PREFIX, ShardInfo
-from tierflow.storage.remote import RetryingStore, upload_shard
+from tierflow.storage.remote import RetryingStore, publish_metadata, upload_shard
 
 UPLOADS_IN_FLIGHT = 2
 
@@ -63,16 +60,3 @@ class ShardUploader:
         for future in self._pending:
             future.cancel()
         self._pool.shutdown(wait=True)
-
-
-def publish_metadata(source: Any, directory: Path, priority: str = "low") -> None:
-    """Upload a dataset's metadata in commit order: the version-3 tables (content-named: never one a
-    published header names), the header, then manifest.json when there is one. A reader that finds
-    a header whose recorded manifest is not there yet reads no dataset, as before the manifest."""
-    names = sorted(referenced_tables(directory)) + [
-        n for n in (METADATA_NAME, MANIFEST_NAME) if (directory / n).exists()
-    ]
-    for name in names[:-1]:
-        source.upload(directory / name, name, priority=priority)
-    if names:  # the last one commits the dataset: a lost answer to its PUT is looked at before failing
-        source.publish(directory / names[-1], names[-1], priority=priority)

@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierflow._bootstrap import refuse_while_bootstrapping
+from tierflow._sizes import parse_size
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.format.metadata_writer import is_published, write_with_manifest
 from tierflow.format.shard import ShardInfo
@@ -104,8 +105,6 @@ def pack(
     """
     refuse_while_bootstrapping("tierflow.pack")
     if shard_size is not None:
-        from tierflow.tiers.config import parse_size
-
         if target_shard_bytes is not None:
             raise ValueError("give shard_size= or target_shard_bytes=, not both (they are the same setting)")
         target_shard_bytes = parse_size(shard_size)

@@ -31,6 +31,9 @@ from tierflow.errors import SourceError, SourceNotFound, SourceTimeout
 from tierflow.storage._deadline import Deadline, FetchLimits, GuardedChunks, Stalled, call_within
 from tierflow.format._checksum import file_xxh3_128, xxh3_128_hex
 from tierflow.format._regular import open_regular, read_regular
+from tierflow.format.manifest import MANIFEST_NAME
+from tierflow.format.metadata import METADATA_NAME
+from tierflow.format.metadata_writer import referenced_tables
 
 CHUNK_BYTES = 1 << 20
 """Download and upload granularity: the unit charged to the budget and held in memory."""
@@ -548,10 +551,21 @@ def upload_dataset(local_dir: str | Path, url: str, *, priority: Priority = "low
     uploaded = sum(
         upload_shard(source, local_dir / s.name, s.name, s.bytes, present, priority=priority) for s in manifest.shards
     )
-    from tierflow.pack._upload import publish_metadata
-
     publish_metadata(source, local_dir, priority=priority)  # tables, header, manifest.json last
     return uploaded
+
+
+def publish_metadata(source: Any, directory: Path, priority: str = "low") -> None:
+    """Upload a dataset's metadata in commit order: the version-3 tables (content-named: never one a
+    published header names), the header, then manifest.json when there is one. A reader that finds
+    a header whose recorded manifest is not there yet reads no dataset, as before the manifest."""
+    names = sorted(referenced_tables(directory)) + [
+        n for n in (METADATA_NAME, MANIFEST_NAME) if (directory / n).exists()
+    ]
+    for name in names[:-1]:
+        source.upload(directory / name, name, priority=priority)
+    if names:  # the last one commits the dataset: a lost answer to its PUT is looked at before failing
+        source.publish(directory / names[-1], names[-1], priority=priority)
 
 
 def upload_shard(
