@@ -13,6 +13,7 @@ PEERS = ("streaming", "litdata")
 RAW_PEERS = ("litdata", "webdataset", "streaming")  # the raw path's peers; "inram" is the bound
 RAW_NAMES = {
     "inram": "in-RAM list (bound)",
+    "handmade": "hand-written (memmap + DataLoader)",
     "litdata": "LitData",
     "webdataset": "WebDataset",
     "streaming": "MosaicML Streaming",
@@ -250,8 +251,14 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
     peers = [p for p in RAW_PEERS if p in systems]
     names = [RAW_NAMES.get(s, s) for s in systems]
     rate = [
-        "| data | mode | " + " | ".join(names) + " | tierflow ÷ best peer | tierflow ÷ bound | target |",
-        "|---|---|" + "---|" * len(systems) + "---|---|---|",
+        "| data | mode | "
+        + " | ".join(names)
+        + " | tierflow ÷ best peer | tierflow ÷ hand-written | tierflow ÷ bound | target |",
+        "|---|---|" + "---|" * len(systems) + "---|---|---|---|",
+    ]
+    cpu = [
+        "| data | mode | " + " | ".join(names) + " | tierflow ÷ lowest peer |",
+        "|---|---|" + "---|" * len(systems) + "---|",
     ]
     pss = [
         "| data | mode | " + " | ".join(names) + " | tierflow ÷ lowest peer | target |",
@@ -267,6 +274,8 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
         best = max(known, key=known.get) if known else None
         vs_best = mine / known[best] if mine is not None and best else None
         vs_bound = mine / bound if mine is not None and bound else None
+        hand = med.get("handmade")
+        vs_hand = mine / hand if mine is not None and hand else None
         if int(workers) == 0:
             lit = med.get("litdata")
             checks = [_check(mine / lit if mine is not None and lit else None, 2.0, True, ">= 2 x LitData")]
@@ -278,7 +287,18 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
             f"| {kind} | {mode} | "
             + " | ".join(spread(rates[s], ".1f", 1e-3) for s in systems)
             + f" | {f'{vs_best:.2f} (vs {best})' if vs_best is not None else '-'}"
+            + f" | {f'{vs_hand:.2f}' if vs_hand is not None else '-'}"
             + f" | {f'{vs_bound:.2f}' if vs_bound is not None else '-'} | {'; '.join(checks)} |"
+        )
+        seconds = {s: [x.get("cpu_all_s", x["cpu_s"]) for x in cell.get(s, [])] for s in systems}
+        smed = {s: _median(v) for s, v in seconds.items()}
+        least = {p: smed[p] for p in peers if smed.get(p)}
+        cheapest = min(least, key=least.get) if least else None
+        cpu_ratio = smed["tierflow"] / least[cheapest] if smed.get("tierflow") is not None and cheapest else None
+        cpu.append(
+            f"| {kind} | {mode} | "
+            + " | ".join(spread(seconds[s], ".2f") for s in systems)
+            + f" | {f'{cpu_ratio:.2f} (vs {cheapest})' if cpu_ratio is not None else '-'} |"
         )
         mem = {s: [x["peak_pss"] / MB for x in cell.get(s, []) if x.get("peak_pss")] for s in systems}
         mmed = {s: _median(v) for s, v in mem.items()}
@@ -314,6 +334,11 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
         "",
     ]
     lines += rate + ["", "Peak PSS summed over the child and its workers (MB), same runs:", ""] + pss
+    lines += [
+        "",
+        "CPU seconds of the epoch after its first batch, the child and its workers together, same runs:",
+        "",
+    ] + cpu
     lines += [
         "",
         "Samples per epoch (tokens / text): "

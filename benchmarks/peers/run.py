@@ -29,7 +29,11 @@ for _path in (HERE.parent, HERE):  # benchmarks/ (the shared harness), then the 
 
 ORDER = ("tierflow", "streaming", "litdata")
 PEERS = ("streaming", "litdata")
-RAW_ONLY = ("webdataset", "inram")  # measured on the raw path only (systems.RAW_ORDER has the table's order)
+RAW_ONLY = (
+    "webdataset",
+    "inram",
+    "handmade",
+)  # measured on the raw path only (systems.RAW_ORDER has the table's order)
 MB = 1e6
 ORDER_KEYS = ("convert", "warm", "cold", "epochs", "resume", "raw")
 RAW_CELLS = (("tokens", 0), ("tokens", 2), ("text", 0), ("text", 2))  # (data, DataLoader workers)
@@ -208,7 +212,7 @@ def main() -> None:
     parser.add_argument(
         "--systems",
         default=",".join(ORDER + RAW_ONLY),
-        help="systems to measure (webdataset and inram, the in-RAM list, on the raw path only)",
+        help="systems to measure (webdataset, inram (the in-RAM list) and handmade (a memmap behind DataLoader) on the raw path only)",
     )
     parser.add_argument("--only", default=",".join(ORDER_KEYS), help="measurements to run: " + ",".join(ORDER_KEYS))
     parser.add_argument("--work", default="/tmp/tierflow-peers", help="scratch (corpus, datasets, caches)")
@@ -264,7 +268,7 @@ def run_raw(
     paths: dict[str, dict[str, Path]] = {}
     written: dict[str, Any] = {}
     for s in raw_systems:
-        if s == "inram":
+        if s in ("inram", "handmade"):
             paths[s] = {"tokens": corpus.root, "text": corpus.root}
         elif s == "webdataset":
             wds = {v: work / "data" / f"webdataset-{v}" for v in ("tokens", "docs")}

@@ -662,8 +662,99 @@ class InRam(System):
         return len(batch)
 
 
-SYSTEMS: dict[str, System] = {s.name: s for s in (Tierflow(), Streaming(), LitData(), WebDataset(), InRam())}
-RAW_ORDER = ("inram", "litdata", "webdataset", "streaming", "tierflow")  # the raw path's table, left to right
+# ============================================================================ the hand-written loader
+class Handmade(System):
+    """What a user writes by hand (nanoGPT's reader): the same samples in one flat file, a numpy memmap
+    behind torch's DataLoader (batch_size=8, shuffle with the seed, its default collate). Tokens: the
+    corpus's SEQ_LEN-token samples as uint16, each sample widened to int64 in `__getitem__`; text:
+    the documents' UTF-8 bytes and their offsets, each decoded to `str`. `data` is the corpus root;
+    the flat files are written beside it once (temporary name, then renamed)."""
+
+    name = "handmade"
+
+    @staticmethod
+    def _flat(root: Path, kind: str) -> tuple[Path, Path | None]:
+        from corpus import MANIFEST
+        import json
+
+        tokens, text, offsets = root / "handmade-tokens.u16", root / "handmade-text.bin", root / "handmade-text.off"
+        if kind == "tokens" and tokens.exists():
+            return tokens, None
+        if kind == "text" and offsets.exists():
+            return text, offsets
+        meta = json.loads((root / MANIFEST).read_text())
+        files = [root / "docs" / name for name in meta["files"]]
+        pid = os.getpid()
+        if kind == "tokens":
+            part = tokens.with_suffix(f".{pid}")
+            with open(part, "wb") as sink:
+                for sample in token_samples(files):
+                    sink.write(np.ascontiguousarray(sample, dtype=np.uint16).tobytes())
+            part.rename(tokens)
+            return tokens, None
+        ends, done = [0], 0
+        part = text.with_suffix(f".{pid}")
+        with open(part, "wb") as sink:
+            for path in files:
+                body = path.read_text().encode()
+                sink.write(body)
+                done += len(body)
+                ends.append(done)
+        part.rename(text)
+        np.asarray(ends, dtype=np.int64).tofile(offsets.with_suffix(f".{pid}"))
+        offsets.with_suffix(f".{pid}").rename(offsets)
+        return text, offsets
+
+    def raw_loader(self, data: str, kind: str, workers: int, seed: int) -> Any:
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+        path, offsets = self._flat(Path(data), kind)
+
+        class Tokens(Dataset):
+            def __init__(self) -> None:
+                self.tokens = np.memmap(path, dtype=np.uint16, mode="r").reshape(-1, SEQ_LEN)
+
+            def __len__(self) -> int:
+                return len(self.tokens)
+
+            def __getitem__(self, i: int) -> Any:
+                return torch.from_numpy(self.tokens[i].astype(np.int64))
+
+        class Text(Dataset):
+            def __init__(self) -> None:
+                self.body = np.memmap(path, dtype=np.uint8, mode="r")
+                self.ends = np.fromfile(offsets, dtype=np.int64)
+
+            def __len__(self) -> int:
+                return len(self.ends) - 1
+
+            def __getitem__(self, i: int) -> Any:
+                return self.body[self.ends[i] : self.ends[i + 1]].tobytes().decode()
+
+        return DataLoader(
+            Tokens() if kind == "tokens" else Text(),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def raw_count(self, batch: Any) -> int:
+        return len(batch)
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s for s in (Tierflow(), Streaming(), LitData(), WebDataset(), InRam(), Handmade())
+}
+RAW_ORDER = (
+    "inram",
+    "handmade",
+    "litdata",
+    "webdataset",
+    "streaming",
+    "tierflow",
+)  # the raw path's table, left to right
 RAW_PEERS = ("litdata", "webdataset", "streaming")
 
 

@@ -34,10 +34,15 @@ class TokenReader:
         self.column = dataset.token_column
         self.pieces = 0
 
-    def copy_windows(self, out: np.ndarray, starts: np.ndarray) -> None:
+    def copy_windows(
+        self, out: np.ndarray, starts: np.ndarray, row_pieces: np.ndarray | None = None, groups: int = 0
+    ) -> None:
         """out[r] = tokens[starts[r] : starts[r] + out.shape[1]] for every row: one slice copy per
         block a row touches (almost always one). One index lookup for the batch; each shard is
-        opened and each block's values taken once per call."""
+        opened and each block's values taken once per call, or with `groups` once per group of that
+        many rows (a run's batches: a shard stays open, and its tier entry in use, while the batch
+        that reads it is built, as when each is read alone). `row_pieces` (ones, one per row), when
+        given, gets each row's slices counted (a row crossing into the next block adds one each)."""
         width = out.shape[1]
         begins = starts.tolist()
         if not begins:
@@ -53,6 +58,8 @@ class TokenReader:
         views: dict[int, np.ndarray] = {}  # block's first token -> its values from there
         rows = dataset.index.token_blocks(starts).tolist()
         for row, start, (shard, block, first, end) in zip(range(len(begins)), begins, rows):
+            if groups and row and not row % groups:
+                tables, views = {}, {}  # the last group's shards let go
             values = views.get(first)
             if values is None:
                 table = tables.get(shard)
@@ -78,6 +85,8 @@ class TokenReader:
                 target[done : done + take] = values[:take]
                 done += take
                 pieces += 1
+                if row_pieces is not None:
+                    row_pieces[row] += 1
         self.pieces += pieces
 
 

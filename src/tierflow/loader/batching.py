@@ -22,10 +22,17 @@ from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.format.reads import TokenReader
-from tierflow.loader._collate import collate_samples
+from tierflow.loader._collate import collate_column, collate_samples
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
-from tierflow.loader.tokens import WindowStarts, row_segments, window_counts, window_segments
+from tierflow.loader.tokens import (
+    WindowStarts,
+    row_segments,
+    rows_segments,
+    run_document_starts,
+    window_counts,
+    window_segments,
+)
 from tierflow.order import sample_rng
 from tierflow.telemetry.metrics import MetricsRegistry
 from tierflow.transforms.resized import SOURCE_KEY, SampleLocation
@@ -160,6 +167,15 @@ def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
     if not ids.size or int(ids.min()) < 0 or int(ids.max()) >= len(dataset):
         return [dataset[int(i)] for i in ids]  # what a single read says of an id outside the dataset
     shards, blocks, rows = dataset.index.locate_samples(ids)
+    return [{name: get(row) for name, get in found} for found, row in _getters(ctx, shards, blocks, rows)]
+
+
+def _getters(
+    ctx: SampleContext, shards: np.ndarray, blocks: np.ndarray, rows: np.ndarray
+) -> list[tuple[list[tuple[str, Callable[[int], Any]]], int]]:
+    """(the column getters of its block, its row) of each located sample; each shard opened and each
+    block's getters taken once per call."""
+    dataset = ctx.dataset
     columns = dataset.columns
     tables: dict[int, Any] = {}
     getters: dict[tuple[int, int], list[tuple[str, Callable[[int], Any]]]] = {}
@@ -171,8 +187,26 @@ def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
             if table is None:
                 table = tables[shard] = dataset.shard(shard)
             found = getters[(shard, block)] = [(name, table.getter(block, name)) for name in columns]
-        out.append({name: get(row) for name, get in found})
+        out.append((found, row))
     return out
+
+
+def _run_columns(ctx: SampleContext, ids: np.ndarray, batch: int) -> dict[str, list[Any]] | None:
+    """Each column's values of a run's samples (batches of `batch`), located with one index lookup
+    and read a batch at a time (only its shards open, as when it is read alone), column by column (no
+    dict per sample); None where an id lies outside the dataset (the run is then built a batch at a
+    time, which says so)."""
+    dataset = ctx.dataset
+    if not ids.size or int(ids.min()) < 0 or int(ids.max()) >= len(dataset):
+        return None
+    shards, blocks, rows = dataset.index.locate_samples(ids)
+    columns: dict[str, list[Any]] = {name: [] for name in dataset.columns}
+    for start in range(0, ids.size, batch):
+        end = start + batch
+        here = _getters(ctx, shards[start:end], blocks[start:end], rows[start:end])
+        for k, values in enumerate(columns.values()):
+            values.extend([found[k][1](row) for found, row in here])
+    return columns
 
 
 def transformed(ctx: SampleContext, sample: dict[str, Any], sample_id: int, epoch: int) -> Any:
@@ -195,6 +229,9 @@ class Samples(ByPosition):
     select: Sequence[str] | None = None
     batches_per_group = 1
     runs_transforms: ClassVar[bool] = True
+    run_batches: ClassVar[int] = 4
+    """The most batches `build_run` reads as one: a run's values (documents) are held until its
+    last batch is handed out, and they can be large."""
 
     def tag(self) -> str:
         return "samples"
@@ -239,6 +276,32 @@ class Samples(ByPosition):
             {"copied_bytes": copied, "filtered": filtered, "samples": len(samples)},
         )
 
+    def build_run(self, ctx: SampleContext, selections: Sequence[Selection]) -> list[Built]:
+        """`build` of each of a run of planned batches, the run's rows located with one index
+        lookup and read column by column; with a filter, transform or collate, a batch at a time."""
+        ids = np.concatenate([selection.sample_ids for selection in selections]).astype(np.int64)
+        sizes = {selection.sample_ids.size for selection in selections}
+        values = None
+        if ctx.filter is None and ctx.transform is None and ctx.collate is None and len(sizes) == 1:
+            values = _run_columns(ctx, ids, sizes.pop())
+        if values is None:
+            return [self.build(ctx, selection) for selection in selections]
+        out, start = [], 0
+        for selection in selections:
+            end = start + selection.sample_ids.size
+            batch: dict[str, Any] = {}
+            copied = 0
+            for name, column in values.items():
+                batch[name], lengths, nbytes = collate_column(column[start:end], self.pad, self.pad_value)
+                if lengths is not None:
+                    batch[f"{name}_lengths"] = lengths
+                copied += nbytes
+            batch["mask"] = selection.mask.copy()
+            stats = {"copied_bytes": copied, "filtered": 0, "samples": end - start}
+            out.append(Built(batch, ids[start:end], selection.epochs.astype(np.int64), stats))
+            start = end
+        return out
+
 
 @dataclass
 class TokenWindows(ByPosition):
@@ -260,8 +323,8 @@ class TokenWindows(ByPosition):
     def order_counts(self, dataset: Dataset) -> np.ndarray:
         return window_counts(dataset.token_starts, self.seq_len)
 
-    def build(self, ctx: SampleContext, selection: Selection) -> Built:
-        ids = selection.sample_ids
+    def _reading(self, ctx: SampleContext) -> tuple[int, TokenReader, WindowStarts, np.dtype, int | None]:
+        """(seq_len, reader, window starts, token dtype, eos id) of this context, made once."""
         reading = ctx.cache.get("tokens")
         if reading is None or reading[0] != self.seq_len:
             manifest = ctx.dataset.manifest
@@ -272,7 +335,11 @@ class TokenWindows(ByPosition):
                 np.dtype(manifest.token_dtype or np.uint16),
                 manifest.eos_id,
             )
-        _, reader, window_starts, dtype, eos = reading
+        return reading
+
+    def build(self, ctx: SampleContext, selection: Selection) -> Built:
+        ids = selection.sample_ids
+        _, reader, window_starts, dtype, eos = self._reading(ctx)
         length = self.seq_len
         ids = ids.astype(np.int64)
         buffer = np.empty((ids.size, length + 1), dtype=dtype)
@@ -303,6 +370,50 @@ class TokenWindows(ByPosition):
                 "samples": int(ids.size),
             },
         )
+
+    def build_run(self, ctx: SampleContext, selections: Sequence[Selection]) -> list[Built]:
+        """`build` of each of a run of planned batches, the run read as one: its window starts
+        located and its windows copied with one index lookup, their document ends found in one
+        scan; each batch's window buffer is its own (a view of the run's memory that owns no other
+        batch's rows), so what the loop gets is what `build` gives, array for array."""
+        _, reader, window_starts, dtype, eos = self._reading(ctx)
+        length, width = self.seq_len, self.seq_len + 1
+        sizes = [selection.sample_ids.size for selection in selections]
+        if len(set(sizes)) > 1:
+            return [self.build(ctx, selection) for selection in selections]
+        ids = np.concatenate([selection.sample_ids for selection in selections]).astype(np.int64)
+        run = np.empty(ids.size * width, dtype=dtype)
+        pieces = np.ones(ids.size, dtype=np.int64)
+        # each batch's shards held open while its rows are read, as when it is read alone
+        reader.copy_windows(run.reshape(ids.size, width), window_starts(ids), pieces, sizes[0])
+        inner = None if eos is None else run_document_starts(run.reshape(ids.size, width), eos)
+        memory = run.data
+        out = []
+        row = 0
+        for selection, size in zip(selections, sizes):
+            buffer = np.frombuffer(memory[row * width : (row + size) * width], dtype=dtype).reshape(size, width)
+            if inner is None:
+                cu_seqlens, _, position_ids = row_segments(size, length)
+                max_seqlen = length
+            else:
+                cu_seqlens, max_seqlen, position_ids = rows_segments(inner, row, size, length)
+            data = {
+                "input_ids": buffer[:, :-1],
+                "labels": buffer[:, 1:],
+                "position_ids": position_ids,
+                "cu_seqlens": cu_seqlens,
+                "max_seqlen": max_seqlen,
+                "mask": selection.mask.copy(),
+            }
+            stats = {
+                "copied_bytes": buffer.nbytes,
+                "pieces": int(pieces[row : row + size].sum()),
+                "filtered": 0,
+                "samples": size,
+            }
+            out.append(Built(data, ids[row : row + size], selection.epochs.astype(np.int64), stats))
+            row += size
+        return out
 
 
 def bucket_shapes(max_length: int, pad_to_multiple_of: int, max_shapes: int) -> np.ndarray:

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -34,6 +34,7 @@ from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
 from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches, mismatch_advice
 from tierflow.loader.meta import BatchMeta, WorkerSnapshot
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream, parsed_cursor
+from tierflow.loader.runs import main_process_batches
 from tierflow.loader.spec import (
     NARROWED,
     BatchSpec,
@@ -360,7 +361,7 @@ class TieredDataset(IterableDataset):
             return self.worker_batches(info.id, info.num_workers, compact=self.compact_cursors)
         ctx = self._open()
         plan = self.batcher.plan(ctx, self.stream(), self._resume)
-        return (self._built(ctx, selection) for selection in plan)
+        return main_process_batches(self, ctx, plan)  # runs of batches read as one where they can be (runs.py)
 
     def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
         """The batches worker `worker` of `workers` builds (output batches n = worker mod workers), its
@@ -377,9 +378,12 @@ class TieredDataset(IterableDataset):
         return [self._open().registry]
 
     def _built(self, ctx: SampleContext, selection: Selection) -> CarriedBatch:
-        if ctx.narrow and selection.epoch:
-            self._bound_decoded(ctx, None)
+        self._widen(ctx, (selection,))
         return self._carry(selection, self.batcher.build(ctx, selection))
+
+    def _widen(self, ctx: SampleContext, selections: Sequence[Selection]) -> None:
+        if ctx.narrow and any(selection.epoch for selection in selections):
+            self._bound_decoded(ctx, None)
 
     @staticmethod
     def _carry(selection: Selection, built: Built) -> CarriedBatch:

@@ -142,3 +142,26 @@ def _segments(rows: int, length: int, inner: np.ndarray) -> tuple[np.ndarray, in
     else:
         position_ids = (flat - np.repeat(cu_seqlens[:-1], lengths)).reshape(rows, length)
     return cu_seqlens, int(lengths.max()), position_ids
+
+
+def run_document_starts(windows: np.ndarray, eos_id: int) -> np.ndarray:
+    """The segment starts inside rows of a run of batches' (N, L + 1) window buffer, as flat
+    positions of its (N, L) inputs, ascending: `window_segments`' starts for every batch of the
+    run from one scan (a segment never crosses a row, so each batch's are its rows' own)."""
+    rows, width = windows.shape
+    length = width - 1
+    hits = np.flatnonzero(windows == eos_id)
+    row, column = np.divmod(hits, width)
+    inside = column < length - 1
+    return row[inside] * length + column[inside] + 1
+
+
+def rows_segments(inner: np.ndarray, first: int, rows: int, length: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """`window_segments` of the batch of `rows` rows from row `first` of a run whose segment starts
+    inside rows are `inner` (`run_document_starts`)."""
+    if rows * length == 0:
+        return row_segments(rows, length)
+    low, high = inner.searchsorted((first * length, (first + rows) * length))
+    if low == high:
+        return row_segments(rows, length)
+    return _segments(rows, length, inner[low:high] - first * length)
