@@ -152,6 +152,31 @@ def _count_built(sample):
     return True
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Python prints what it drops
+def test_an_exit_raised_by_a_signal_handler_inside_a_slots_finalizer_ends_the_loop(docs, monkeypatch):
+    """A SIGTERM handler's `sys.exit` that lands while a finalizer gives a slot back is printed and
+    dropped by Python; the loop must still exit, at its next batch."""
+    previous = signal.signal(signal.SIGUSR1, lambda *_: sys.exit(143))
+    try:
+        with Loader(_windows(docs), device="cpu", num_workers=2, background=False, endless=True) as loader:
+            iterator = iter(loader)
+            batch = next(iterator)
+            channels = loader._source._channels
+            give_back = type(channels[0]).give_back
+
+            def signalled(channel, generation, slot):
+                signal.raise_signal(signal.SIGUSR1)  # its handler runs here, inside the finalizer
+                give_back(channel, generation, slot)
+
+            monkeypatch.setattr(type(channels[0]), "give_back", signalled)
+            del batch
+            with pytest.raises(SystemExit):
+                for _ in range(4):
+                    next(iterator)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 @pytest.mark.slow
 def test_workers_run_ahead_only_as_far_as_their_slots(docs, tmp_path, monkeypatch):
     built = tmp_path / "built"

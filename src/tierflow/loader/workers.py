@@ -132,11 +132,18 @@ class _Channel:
         self._free_fd = os.dup(self.connection.fileno())
         self._pid = os.getpid()
         self.returned: collections.deque[None] = collections.deque()
+        self.interrupted: BaseException | None = None
 
     def returned_slot(self, generation: int, slot: int) -> None:
-        """A finalizer's: the training process no longer views this slot."""
-        self.returned.append(None)
-        self.give_back(generation, slot)
+        """A finalizer's: the training process no longer views this slot. A signal handler's exception
+        (`sys.exit` on SIGTERM) that lands in here would be printed and dropped by the finalizer: it is
+        kept, and the loop's next batch raises it."""
+        try:
+            self.returned.append(None)
+            self.give_back(generation, slot)
+        except BaseException as error:
+            self.interrupted = error
+            raise
 
     def give_back(self, generation: int, slot: int) -> None:
         if os.getpid() != self._pid:  # a forked child collecting what it inherited: the slot is not its to give
@@ -210,6 +217,10 @@ class PoolIterator:
         return self
 
     def __next__(self) -> CarriedBatch:
+        for dropped in self._channels:
+            if dropped.interrupted is not None:
+                error, dropped.interrupted = dropped.interrupted, None
+                raise error
         if self._ended:
             raise StopIteration
         worker = worker_of(self._next, self.pool.workers)
