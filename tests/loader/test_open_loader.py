@@ -145,12 +145,22 @@ with tierflow.open_loader(sys.argv[1], batch_size=8, seq_len=64, tiers=[f"L2={sy
         if step == 3:
             break
 """
+EXIT_UNCLOSED = """
+import sys
+import tierflow
+loader = tierflow.open_loader(sys.argv[1], batch_size=8, seq_len=64, tiers=[f"L2={sys.argv[2]}:50%"])
+for step, batch in enumerate(loader):
+    if step == 3:
+        break
+"""
 
 
 @pytest.mark.slow
-def test_a_script_that_closed_its_loader_exits_without_a_traceback(tokens, tmp_path):
-    """The Loader is collected again at interpreter exit: closing the stager a second time must not
-    reach module globals the interpreter has already torn down ("Exception ignored in Loader.__del__")."""
+@pytest.mark.parametrize("script", [EXIT_AFTER_WITH, EXIT_UNCLOSED], ids=["closed", "never-closed"])
+def test_a_script_that_closed_its_loader_exits_without_a_traceback(tokens, tmp_path, script):
+    """The Loader is collected at interpreter exit, closed or not (a notebook's or a script's global):
+    closing the stager then must not reach module globals the interpreter has already torn down
+    ("Exception ignored in Loader.__del__")."""
     import os
     import subprocess
     import sys
@@ -158,7 +168,7 @@ def test_a_script_that_closed_its_loader_exits_without_a_traceback(tokens, tmp_p
 
     env = {**os.environ, "PYTHONPATH": str(Path(tierflow.__file__).parents[1])}
     done = subprocess.run(
-        [sys.executable, "-c", EXIT_AFTER_WITH, tokens, str(tmp_path / "l2")],
+        [sys.executable, "-c", script, tokens, str(tmp_path / "l2")],
         env=env,
         capture_output=True,
         text=True,

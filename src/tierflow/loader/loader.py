@@ -11,8 +11,11 @@ for the next batch or saves), so it is right however far workers and the feed ra
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import os
 import time
+import weakref
 from collections import deque
 from typing import Any, NamedTuple
 from collections.abc import Iterator, Mapping
@@ -42,6 +45,17 @@ Handed = dict[str, Any] | tuple[dict[str, Any], BatchMeta]
 
 
 _NOT_STAGED = object()
+_UNCLOSED: weakref.WeakKeyDictionary[Loader, int] = weakref.WeakKeyDictionary()
+"""Loaders alive at interpreter exit (by the pid that made them) are closed before the interpreter
+tears its modules down (a script's or notebook's global one was collected after, and its stager's
+close met `os` as None); a forked child's exit leaves its parent's alone."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for loader, pid in list(_UNCLOSED.items()):
+        if pid == os.getpid() and hasattr(loader, "_source"):  # made here, and its __init__ finished
+            loader.close()
 
 
 class Loader:
@@ -77,6 +91,7 @@ class Loader:
         multiprocessing_context: str | None = None,
         return_meta: bool = False,
     ) -> None:
+        _UNCLOSED[self] = os.getpid()
         if isinstance(source, DataLoader):
             if not isinstance(source.dataset, ReadDataset):
                 raise TypeError(f"Loader wraps a DataLoader over a TieredDataset, not {type(source.dataset).__name__}")
