@@ -35,6 +35,7 @@ class MappedIndex:
         self._rows: dict[int, np.ndarray] = {}
         self._tokens: dict[int, np.ndarray] = {}
         self._token_rows: dict[int, np.ndarray] = {}
+        self._sample_block_rows: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self._sample_starts: np.ndarray | None = None
         self._token_starts: np.ndarray | None = None
@@ -108,6 +109,12 @@ class MappedIndex:
         ids = np.asarray(ids, dtype=np.int64)
         starts = self.tables.column("sample_start")
         shard = starts.searchsorted(ids, side="right") - 1
+        if ids.size and int(ids.min()) >= 0 and int(ids.max()) < self.num_samples:
+            # one searchsorted over the blocks of the shards hit (contiguous id ranges, in order)
+            parts = [self._sample_rows(s) for s in sorted(set(shard.tolist()))]
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            at = rows[:, 3].searchsorted(ids, side="right")
+            return SamplePlaces(rows[at, 0], rows[at, 1], ids - rows[at, 2])
         block = np.empty_like(ids)
         row = np.empty_like(ids)
         for s in np.unique(shard).tolist():
@@ -117,6 +124,20 @@ class MappedIndex:
             b = cum.searchsorted(local, side="right") - 1
             block[here], row[here] = b, local - cum[b]
         return SamplePlaces(shard, block, row)
+
+    def _sample_rows(self, s: int) -> np.ndarray:
+        """Shard s's blocks as rows (shard, block, first sample id, end sample id), made once per
+        shard from its checked row counts (`_block_rows`)."""
+        found = self._sample_block_rows.get(s)
+        if found is None:
+            cum = self._block_rows(s)
+            first = int(self.tables.column("sample_start")[s])
+            found = np.empty((len(cum) - 1, 4), dtype=np.int64)
+            found[:, 0], found[:, 1] = s, np.arange(len(cum) - 1)
+            found[:, 2], found[:, 3] = first + cum[:-1], first + cum[1:]
+            with self._lock:
+                self._sample_block_rows[s] = found
+        return found
 
     def locate_sample(self, i: int) -> tuple[int, int, int]:
         places = self.locate_samples(np.array([i]))
