@@ -182,3 +182,20 @@ def test_a_manifests_block_columns_are_the_records_pack_wrote(packed):
     assert blocks != records[:-1] and blocks != "not blocks" and blocks != 3
     again = pickle.loads(pickle.dumps(blocks))
     assert again.made == 0 and again == records  # records are made again, on demand
+
+
+def test_a_lookup_of_many_shards_at_once_is_each_position_looked_up_alone(packed):
+    """token_blocks and locate_samples over positions of several shards in any order (one lookup
+    over the shards' block rows) give each position's own row, the clamped ends included."""
+    ds = tierflow.open_dataset(packed)
+    rng = np.random.default_rng(5)
+    tokens = np.concatenate([rng.integers(0, ds.num_tokens, 40), [0, ds.num_tokens - 1, ds.num_tokens + 9, -3]])
+    together = ds.index.token_blocks(tokens)
+    alone = np.concatenate([ds.index.token_blocks(np.array([t])) for t in tokens.tolist()])
+    assert together.tolist() == alone.tolist()
+    first, end = ds.index.token_blocks(np.array([-3, ds.num_tokens + 9])).tolist()
+    assert first == ds.index.token_blocks(np.array([0])).tolist()[0]
+    assert end == ds.index.token_blocks(np.array([ds.num_tokens - 1])).tolist()[0]
+    ids = rng.integers(0, len(ds), 40)
+    places = ds.index.locate_samples(ids)
+    assert [tuple(p) for p in np.stack(places, axis=1).tolist()] == [ds.index.locate_sample(i) for i in ids.tolist()]

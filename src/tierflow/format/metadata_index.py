@@ -34,6 +34,8 @@ class MappedIndex:
         self._read_block_tokens = read_block_tokens
         self._rows: dict[int, np.ndarray] = {}
         self._tokens: dict[int, np.ndarray] = {}
+        self._token_rows: dict[int, np.ndarray] = {}
+        self._sample_block_rows: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self._sample_starts: np.ndarray | None = None
         self._token_starts: np.ndarray | None = None
@@ -107,6 +109,12 @@ class MappedIndex:
         ids = np.asarray(ids, dtype=np.int64)
         starts = self.tables.column("sample_start")
         shard = starts.searchsorted(ids, side="right") - 1
+        if ids.size and int(ids.min()) >= 0 and int(ids.max()) < self.num_samples:
+            # one searchsorted over the blocks of the shards hit (contiguous id ranges, in order)
+            parts = [self._sample_rows(s) for s in sorted(set(shard.tolist()))]
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            at = rows[:, 3].searchsorted(ids, side="right")
+            return SamplePlaces(rows[at, 0], rows[at, 1], ids - rows[at, 2])
         block = np.empty_like(ids)
         row = np.empty_like(ids)
         for s in np.unique(shard).tolist():
@@ -117,24 +125,58 @@ class MappedIndex:
             block[here], row[here] = b, local - cum[b]
         return SamplePlaces(shard, block, row)
 
+    def _sample_rows(self, s: int) -> np.ndarray:
+        """Shard s's blocks as rows (shard, block, first sample id, end sample id), made once per
+        shard from its checked row counts (`_block_rows`)."""
+        found = self._sample_block_rows.get(s)
+        if found is None:
+            cum = self._block_rows(s)
+            first = int(self.tables.column("sample_start")[s])
+            found = np.empty((len(cum) - 1, 4), dtype=np.int64)
+            found[:, 0], found[:, 1] = s, np.arange(len(cum) - 1)
+            found[:, 2], found[:, 3] = first + cum[:-1], first + cum[1:]
+            with self._lock:
+                self._sample_block_rows[s] = found
+        return found
+
     def locate_sample(self, i: int) -> tuple[int, int, int]:
         places = self.locate_samples(np.array([i]))
         return int(places.shard[0]), int(places.block[0]), int(places.row[0])
 
+    def _block_rows_of_tokens(self, s: int) -> np.ndarray:
+        """Shard s's blocks as rows (shard, block, first token, end token), global token numbers,
+        made once per shard from its checked token counts (`_block_tokens`)."""
+        found = self._token_rows.get(s)
+        if found is None:
+            cum = self._block_tokens(s)
+            first = int(self.tables.column("token_start")[s])
+            found = np.empty((max(len(cum) - 1, 1), 4), dtype=np.int64)
+            found[:, 0] = s
+            if len(cum) > 1:
+                found[:, 1] = np.arange(len(cum) - 1)
+                found[:, 2], found[:, 3] = first + cum[:-1], first + cum[1:]
+            else:  # no blocks: the clamped lookup's row (block 0, first = end = the shard's start)
+                found[:, 1], found[:, 2], found[:, 3] = 0, first, first
+            with self._lock:
+                self._token_rows[s] = found
+        return found
+
     def token_blocks(self, positions: np.ndarray) -> np.ndarray:
+        """Per position, (shard, block, the block's first token, its end token), int64 (n, 4); a
+        position past either end clamps to the first or last block. One searchsorted over the
+        shards, then one over the blocks of the shards hit (their rows made once per shard)."""
         positions = np.asarray(positions, dtype=np.int64)
         starts = self.tables.column("token_start")
         n = len(starts)
-        shard = np.clip(starts.searchsorted(positions, side="right") - 1, 0, max(n - 1, 0))
-        out = np.empty((positions.size, 4), dtype=np.int64)
-        for s in np.unique(shard).tolist():
-            here = shard == s
-            first = int(starts[s])
-            cum = self._block_tokens(s)
-            b = np.minimum(cum[1:].searchsorted(positions[here] - first, side="right"), len(cum) - 2)
-            out[here, 0], out[here, 1] = s, b
-            out[here, 2], out[here, 3] = first + cum[b], first + cum[b + 1]
-        return out
+        if n == 0 or positions.size == 0:
+            return np.empty((positions.size, 4), dtype=np.int64)
+        shards = sorted(set((starts.searchsorted(positions, side="right") - 1).tolist()))
+        if shards[0] < 0:
+            shards = sorted({0, *shards[1:]})
+        parts = [self._block_rows_of_tokens(s) for s in shards]
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        # the shards hit are contiguous token ranges in order, so their blocks' ends are sorted
+        return rows.take(rows[:, 3].searchsorted(positions, side="right"), axis=0, mode="clip")
 
     def locate_tokens(self, positions: np.ndarray):
         from tierflow.format.index import TokenPlaces

@@ -96,6 +96,7 @@ class EpochEdges:
         self._pending: tuple[EpochPlan, int] | None = None  # the plan whose last batch still needs samples
         self._reading: dict[int, ScheduleWalker] = {}
         self._counting: dict[int, ScheduleWalker] = {}
+        self._walk_starts: dict[tuple[int, int], int] = {}  # (lane, epoch) -> walk_index at offset 0
 
     # lane clocks: (epoch, samples of it read) and the walk position (samples read from the cursor)
 
@@ -110,12 +111,17 @@ class EpochEdges:
 
     def walk_index(self, lane: int, epoch: int, offset: int) -> int:
         """Samples the lane reads from the cursor before offset `offset` of its epoch `epoch`."""
-        first, last, size = self._first[lane], self._last[lane], self.lanes[lane].size
-        if epoch < first:
+        if epoch < self._first[lane]:
             return 0
-        walked = sum(size - self._done_at(lane, e) for e in range(first, min(epoch, last + 1)))
-        walked += max(0, epoch - last - 1) * size
-        return walked + offset - self._done_at(lane, epoch)
+        before = self._walk_starts.get((lane, epoch))
+        if before is None:  # the bases never change: once per (lane, epoch), not once per batch
+            first, last, size = self._first[lane], self._last[lane], self.lanes[lane].size
+            before = sum(size - self._done_at(lane, e) for e in range(first, min(epoch, last + 1)))
+            before += max(0, epoch - last - 1) * size - self._done_at(lane, epoch)
+            if len(self._walk_starts) > 4096:
+                self._walk_starts.clear()
+            self._walk_starts[(lane, epoch)] = before
+        return before + offset
 
     def clock_of(self, lane: int, walked: int) -> tuple[int, int]:
         """(epoch, offset) of the lane's sample at walk position `walked`."""
