@@ -138,16 +138,21 @@ def _immutable(values: np.ndarray) -> bool:
 
 
 def _top(values: np.ndarray, count: int, chunk: int = 1024) -> np.ndarray:
-    """The `count` largest of `values` (0 < count <= size), without copying a million shards' column:
-    the count-th largest of the chunks' maxima is at most the count-th largest value (`count` values
-    are at least it), so the chunks whose maximum is at least it (and the tail) hold the `count`
-    largest, ties of equal value included: one pass over the column, then a few chunks."""
+    """The `count` largest of `values` (0 < count <= size), without copying a million shards' column.
+    `least`, the count-th largest of the chunks' maxima, is at most the count-th largest value (the
+    `count` chunks whose maximum is at least it hold `count` values at least it). A value above it
+    lies in the tail or in one of the fewer than `count` chunks whose maximum is above it: when there
+    are fewer than `count` such values, the rest of the largest are `least` itself (ties of a column of
+    equal sizes cost one pass, not a copy)."""
     whole = values.size // chunk
     if whole > count:
-        maxima = values[: whole * chunk].reshape(whole, chunk).max(axis=1)
+        body = values[: whole * chunk].reshape(whole, chunk)
+        maxima = body.max(axis=1)
         least = maxima[np.argpartition(maxima, whole - count)[whole - count]]
-        chunks = values[: whole * chunk].reshape(whole, chunk)[np.flatnonzero(maxima >= least)]
-        values = np.concatenate([chunks.ravel(), values[whole * chunk :]])
+        above, tail = body[np.flatnonzero(maxima > least)].ravel(), values[whole * chunk :]
+        values = np.concatenate([above[above > least], tail[tail > least]])
+        if values.size < count:
+            return np.concatenate([values, np.full(count - values.size, least, dtype=values.dtype)])
     return np.partition(values, values.size - count)[values.size - count :]
 
 
