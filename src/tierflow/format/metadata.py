@@ -374,13 +374,15 @@ class MetadataTables:
             # do not rise, so the error is the same as when it was checked first
             if int(v.min()) < 0 or int(v.max()) >= n:
                 return "checksum_order is not a permutation of the shards"
-            halves = self.column("checksum").view(CHECKSUM_HALVES)
-            hi = halves["hi"].astype(np.uint64)[v]  # native once, then gathered: half the bytes moved
-            rising = hi[1:] > hi[:-1]
-            tie = np.flatnonzero(hi[1:] == hi[:-1])  # equal high halves (rare): the low halves decide
+            checksums = self.column("checksum")
+            halves = checksums.view(CHECKSUM_HALVES)
+            # the leading 4 bytes, native once, then gathered: a quarter of the bytes moved at random
+            top = checksums.view(">u4")[::4].astype(np.uint32)[v]
+            rising = top[1:] > top[:-1]
+            tie = np.flatnonzero(top[1:] == top[:-1])  # equal leading bytes (~n²/2³² pairs): the halves decide
             if tie.size:
-                lo = halves["lo"]
-                rising[tie] = lo[v[tie + 1]] > lo[v[tie]]
+                a, b = halves[v[tie]], halves[v[tie + 1]]
+                rising[tie] = (b["hi"] > a["hi"]) | ((b["hi"] == a["hi"]) & (b["lo"] > a["lo"]))
             if not rising.all():
                 seen = np.zeros(n, dtype=bool)
                 seen[v] = True
