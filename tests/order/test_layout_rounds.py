@@ -44,6 +44,19 @@ def test_working_set_bytes_of_a_large_column_with_ties_is_the_sum_of_the_largest
         rng.integers(0, 10**9, 50_000),
         np.sort(rng.integers(0, 10**6, 30_001)),
         np.full(20_000, 7),
+        np.where(rng.random(40_000) < 0.001, 9, 3),  # a few above a sea of ties
     ):
         for shards in (0, 1, 16, 128, 1000):
             assert working_set_bytes(shards, sizes) == working_set_bytes(shards, sizes.tolist())
+
+
+def test_working_set_bytes_of_a_read_only_column_asked_again_is_the_same() -> None:
+    """A read-only column over a read-only buffer (a mapped one) keeps its largest sorted after the
+    first ask: fewer and more shards asked next, and a writeable copy, give the sums of the largest."""
+    rng = np.random.default_rng(5)
+    values = rng.integers(0, 10**9, 70_001)
+    mapped = np.frombuffer(values.tobytes(), dtype=values.dtype)[1:]
+    assert not mapped.flags.writeable
+    for shards in (127, 15, 0, 1000, 3, 70_000, 80_000):
+        assert working_set_bytes(shards, mapped) == working_set_bytes(shards, mapped.tolist())
+        assert working_set_bytes(shards, mapped.copy()) == working_set_bytes(shards, mapped.tolist())

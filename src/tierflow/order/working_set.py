@@ -20,7 +20,10 @@ is named with numbers and the `lanes=`/`window_shards=` that fit it (`fitting_wo
 from __future__ import annotations
 
 import heapq
+import threading
+import weakref
 from dataclasses import dataclass, replace
+from functools import partial
 from collections.abc import Sequence
 
 import numpy as np
@@ -92,19 +95,65 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
     return sum(heapq.nlargest(shards + 1, shard_bytes))
 
 
-def _largest_sum(values: np.ndarray, count: int, chunk: int = 1024) -> int:
-    """The sum of the `count` largest of `values`, without copying a million shards' column: the
-    count-th largest of the chunks' maxima is at most the count-th largest value (`count` values are
-    at least it), so the values at least it hold the `count` largest, ties of equal value included."""
+def _largest_sum(values: np.ndarray, count: int) -> int:
+    """The sum of the `count` largest of `values`. A read-only column (a mapped one: the working set,
+    the staging area and the decoded bound each ask of the same column at a start) keeps its largest
+    values sorted the first time, so the next asks cost nothing per shard."""
     count = min(count, values.size)
     if count <= 0:
         return 0
+    if not _immutable(values):
+        return int(_top(values, count).sum())
+    key = id(values)
+    with _LARGEST_LOCK:
+        found = _LARGEST.get(key)
+    if found is None or found[0]() is not values or found[1].size < count:
+        top = np.sort(_top(values, count))[::-1]
+        found = (weakref.ref(values, partial(_forget, key)), top)
+        with _LARGEST_LOCK:
+            _LARGEST[key] = found
+    return int(found[1][:count].sum())
+
+
+_LARGEST: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+_LARGEST_LOCK = threading.Lock()
+
+
+def _forget(key: int, _: object) -> None:
+    _LARGEST.pop(key, None)
+
+
+def _immutable(values: np.ndarray) -> bool:
+    """Whether nothing can change `values`: read-only views down to a read-only buffer (a mapped
+    column's), not an array that could be made writeable again."""
+    base: object = values
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable or base.base is None:
+            return False
+        base = base.base
+    try:
+        return memoryview(base).readonly  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
+def _top(values: np.ndarray, count: int, chunk: int = 1024) -> np.ndarray:
+    """The `count` largest of `values` (0 < count <= size), without copying a million shards' column.
+    `least`, the count-th largest of the chunks' maxima, is at most the count-th largest value (the
+    `count` chunks whose maximum is at least it hold `count` values at least it). A value above it
+    lies in the tail or in one of the fewer than `count` chunks whose maximum is above it: when there
+    are fewer than `count` such values, the rest of the largest are `least` itself (ties of a column of
+    equal sizes cost one pass, not a copy)."""
     whole = values.size // chunk
     if whole > count:
-        maxima = values[: whole * chunk].reshape(whole, chunk).max(axis=1)
+        body = values[: whole * chunk].reshape(whole, chunk)
+        maxima = body.max(axis=1)
         least = maxima[np.argpartition(maxima, whole - count)[whole - count]]
-        values = values[values >= least]
-    return int(np.partition(values, values.size - count)[values.size - count :].sum())
+        above, tail = body[np.flatnonzero(maxima > least)].ravel(), values[whole * chunk :]
+        values = np.concatenate([above[above > least], tail[tail > least]])
+        if values.size < count:
+            return np.concatenate([values, np.full(count - values.size, least, dtype=values.dtype)])
+    return np.partition(values, values.size - count)[values.size - count :]
 
 
 def _total(shard_bytes: Sequence[int]) -> int:
