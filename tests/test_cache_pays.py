@@ -348,6 +348,10 @@ def test_the_stager_counts_its_fetches_in_the_epoch_they_serve(few_tokens, tmp_p
     stager = Stager(ds, stack)
     loader = Loader(ds, stager=stager)
     source = stack.registry.counter(STACK_SOURCE_BYTES, {"tier": "source"})
+    loader.start_prefetch()  # the stager's first fetch before the loop: on a loaded machine the loop
+    waited = time.monotonic() + 60  # could otherwise read the whole epoch before the stager's thread ran
+    while not stager.source_bytes_by_epoch and time.monotonic() < waited:
+        time.sleep(0.01)
     windows, staged, mark = [], [], (0, 0)
     for _ in range(2):
         for _batch in loader:

@@ -8,6 +8,7 @@ was written is read as itself; `upgrade` is atomic (a crash leaves the old datas
 from __future__ import annotations
 
 import json
+import os
 import re
 import pickle
 import shutil
@@ -451,3 +452,34 @@ def test_counts_whose_int64_sum_wraps_round_to_the_header_total_are_refused() ->
     assert 0 < wrapped < MAX_COUNT * 70_000  # the wrap this guards against
     tables = SimpleNamespace(num_shards=counts.size, totals={"samples": wrapped})
     assert "absurd" in md.MetadataTables._check(tables, "samples", counts)
+
+
+def test_a_dataset_dropped_by_its_reader_holds_no_table_open(packed: Path, tmp_path: Path) -> None:
+    """Dropping a dataset releases its tables at once, not at Python's next cycle collection: a
+    process that read a dataset and then packs over it (its gc) must find the old tables unused."""
+    import gc
+
+    out = copy(packed, tmp_path)
+
+    def open_tables() -> list[str]:
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(out)) and md.TABLE_PREFIX in target:
+                names.append(target)
+        return names
+
+    gc.disable()
+    try:
+        manifest = Manifest.load(out)
+        assert manifest.shards[0].samples > 0
+        dataset = tierflow.open_dataset(out)
+        assert len(dataset[0]) > 0
+        assert open_tables()
+        del manifest, dataset
+        assert open_tables() == []
+    finally:
+        gc.enable()

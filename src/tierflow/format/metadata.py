@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -328,7 +329,10 @@ class MetadataTables:
         entry = header.get("layout")
         self.layout = None if entry is None else _Table(directory, entry, LAYOUT_SCHEMA, where)
         self._stored: StoredLayout | None = None
-        self.manifest: Any = None
+        self.manifest: Callable[[], Any] = lambda: None
+        """The MappedManifest these tables belong to, weakly: a strong reference would make a cycle that
+        keeps the tables mapped, and their shared locks held against gc, until Python's cycle collector
+        runs (a process that dropped a dataset and packs over it found its old tables in use)."""
         self.num_shards = self.shards.rows
         self._lock = threading.Lock()
         self._block_lists: dict[int, BlockList] = {}
@@ -400,7 +404,7 @@ class MetadataTables:
             self._stored = StoredLayout(
                 self.layout, self.header["layout"], self.column("samples"), self.where, self._sample_starts
             )
-            self._stored.manifest = self.manifest
+            self._stored.manifest = self.manifest()
         return self._stored
 
     def _sample_starts(self) -> np.ndarray:
@@ -574,7 +578,7 @@ def load_metadata(directory: str | Path, where: str | None = None) -> MappedMani
         checksummed=True,
     )
     manifest.tables, manifest.directory, manifest.where = tables, directory, where
-    tables.manifest = manifest  # a stored layout pickles as its manifest (its directory)
+    tables.manifest = weakref.ref(manifest)  # a stored layout pickles as its manifest (its directory)
     return manifest
 
 
