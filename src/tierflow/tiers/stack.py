@@ -51,6 +51,7 @@ from tierflow.format.table import BlockCache, LazyShardTable, ShardTable
 from tierflow.telemetry import Counter, MetricsRegistry
 from tierflow.telemetry.ledger import thread_ledger
 from tierflow.policies.auto import Lifecycle
+from tierflow.tiers._lock import Pin
 from tierflow.tiers._staging import Membership, NodeProgress, area_path, staging_root, sweep_unused
 from tierflow.errors import FetchError
 from tierflow.tiers.capacity import memory_headroom
@@ -313,18 +314,22 @@ class TierStack(StagingWait):
             self._fill(info, staging.form, None, tmp)
 
         decoded = staging.form is Form.DECODED
-        pin = staging.ensure(
-            info.key,
-            size,
-            checksum,
-            produce,
-            dataset=self.dataset_id,
-            prefetch=prefetch,
-            verify_hit=False,
-            block_list=scan_blocks if decoded else None,
-        )
+
+        def attempt() -> Pin | None:
+            return staging.ensure(
+                info.key,
+                size,
+                checksum,
+                produce,
+                dataset=self.dataset_id,
+                prefetch=prefetch,
+                verify_hit=False,
+                block_list=scan_blocks if decoded else None,
+            )
+
+        pin = attempt()
         if pin is None and not prefetch and self.progress is not None and size <= staging.capacity:
-            pin = self._wait_for_room(staging, info, size, checksum, produce)
+            pin = self._wait_for_room(info, attempt)
         if pin is None:
             return None
         self.m_served[STAGING_NAME].inc()

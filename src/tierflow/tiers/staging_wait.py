@@ -5,14 +5,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from tierflow.format.shard import Form, ShardInfo
-from tierflow.format.shard_writer import scan_blocks
+from tierflow.format.shard import ShardInfo
 from tierflow.telemetry import Counter
 from tierflow.tiers._lock import Pin
 from tierflow.tiers._staging import NodeProgress
-from tierflow.tiers.tier import Tier
 
 log = logging.getLogger("tierflow.tiers")
 
@@ -21,20 +18,17 @@ class StagingWait:
     """`TierStack`'s wait for room in the node's staging area (a rank of the node behind this one)."""
 
     progress: NodeProgress | None
-    dataset_id: str | None
     staging_wait_s: float
     m_staging_waits: Counter
     m_staging_wait_s: Counter
 
-    def _wait_for_room(
-        self, staging: Tier, info: ShardInfo, size: int, checksum: str, produce: Callable[[Path], None]
-    ) -> Pin | None:
+    def _wait_for_room(self, info: ShardInfo, attempt: Callable[[], Pin | None]) -> Pin | None:
         """Every entry of the node's staging area is in use, read by the node's readers or held
         for a slower rank of the node: while a rank of the node is behind this one and moving, wait
         (it frees what it holds as it passes it, or brings this very shard in meanwhile) rather than
         read the shard into this process's memory, which fetches it once more. That keeps a rank
         within the staging area of the slowest. None when no rank is behind, or after
-        `staging_wait_s` without the slowest moving."""
+        `staging_wait_s` without the slowest moving. `attempt` tries the staging area again."""
         assert self.progress is not None
         started = last = time.monotonic()
         mine, slowest = self.progress.lag()
@@ -46,15 +40,7 @@ class StagingWait:
             while True:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-                pin = staging.ensure(
-                    info.key,
-                    size,
-                    checksum,
-                    produce,
-                    dataset=self.dataset_id,
-                    verify_hit=False,
-                    block_list=scan_blocks if staging.form is Form.DECODED else None,
-                )
+                pin = attempt()  # the staging area's `ensure`, as the stack first tried it
                 if pin is not None:
                     return pin
                 now_mine, now_slowest = self.progress.lag()
