@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from _harness import spread, summary  # benchmarks/ is on the path (run.py puts it there)
 
@@ -229,6 +229,15 @@ def build_rows(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _vs_least_peer(values: dict[str, list[float]], peers: Sequence[str]) -> tuple[float | None, str | None]:
+    """tierflow's median over the least peer's (CPU seconds, PSS), and that peer; None where either is missing."""
+    medians = {s: _median(v) for s, v in values.items()}
+    least = {p: medians[p] for p in peers if medians.get(p)}
+    peer = min(least, key=least.__getitem__) if least else None
+    ours = medians.get("tierflow")
+    return (ours / least[peer] if ours is not None and peer else None), peer
+
+
 def _median(values: list[float]) -> float | None:
     found = summary(values)
     return found[0] if found else None
@@ -291,20 +300,14 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
             + f" | {f'{vs_bound:.2f}' if vs_bound is not None else '-'} | {'; '.join(checks)} |"
         )
         seconds = {s: [x.get("cpu_all_s", x["cpu_s"]) for x in cell.get(s, [])] for s in systems}
-        smed = {s: _median(v) for s, v in seconds.items()}
-        least = {p: smed[p] for p in peers if smed.get(p)}
-        cheapest = min(least, key=least.get) if least else None
-        cpu_ratio = smed["tierflow"] / least[cheapest] if smed.get("tierflow") is not None and cheapest else None
+        cpu_ratio, cheapest = _vs_least_peer(seconds, peers)
         cpu.append(
             f"| {kind} | {mode} | "
             + " | ".join(spread(seconds[s], ".2f") for s in systems)
             + f" | {f'{cpu_ratio:.2f} (vs {cheapest})' if cpu_ratio is not None else '-'} |"
         )
         mem = {s: [x["peak_pss"] / MB for x in cell.get(s, []) if x.get("peak_pss")] for s in systems}
-        mmed = {s: _median(v) for s, v in mem.items()}
-        low = {p: mmed[p] for p in peers if mmed.get(p)}
-        lowest = min(low, key=low.get) if low else None
-        ratio = mmed["tierflow"] / low[lowest] if mmed.get("tierflow") is not None and lowest else None
+        ratio, lowest = _vs_least_peer(mem, peers)
         pss.append(
             f"| {kind} | {mode} | "
             + " | ".join(spread(mem[s], ".0f") for s in systems)
