@@ -48,10 +48,17 @@ def collate_samples(
     samples: Sequence[Mapping[str, Any]], columns: Sequence[str], pad: bool = False, pad_value: int | float = 0
 ) -> tuple[dict[str, Any], int]:
     """(batch as dict of columns, bytes copied into batch buffers)."""
+    return collate_columns({name: [s.get(name) for s in samples] for name in columns}, pad, pad_value)
+
+
+def collate_columns(
+    columns: Mapping[str, Sequence[Any]], pad: bool = False, pad_value: int | float = 0
+) -> tuple[dict[str, Any], int]:
+    """`collate_samples` of values already gathered column by column (a run's rows, no dict per sample)."""
     batch: dict[str, Any] = {}
     copied = 0
-    for name in columns:
-        column, lengths, nbytes = collate_column([s.get(name) for s in samples], pad, pad_value)
+    for name, values in columns.items():
+        column, lengths, nbytes = collate_column(values, pad, pad_value)
         batch[name] = column
         if lengths is not None:
             batch[f"{name}_lengths"] = lengths

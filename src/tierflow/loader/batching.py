@@ -22,7 +22,7 @@ from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.format.reads import TokenReader
-from tierflow.loader._collate import collate_column, collate_samples
+from tierflow.loader._collate import collate_columns, collate_samples
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
 from tierflow.loader.tokens import (
@@ -289,13 +289,8 @@ class Samples(ByPosition):
         out, start = [], 0
         for selection in selections:
             end = start + selection.sample_ids.size
-            batch: dict[str, Any] = {}
-            copied = 0
-            for name, column in values.items():
-                batch[name], lengths, nbytes = collate_column(column[start:end], self.pad, self.pad_value)
-                if lengths is not None:
-                    batch[f"{name}_lengths"] = lengths
-                copied += nbytes
+            rows = {name: column[start:end] for name, column in values.items()}
+            batch, copied = collate_columns(rows, self.pad, self.pad_value)
             batch["mask"] = selection.mask.copy()
             stats = {"copied_bytes": copied, "filtered": 0, "samples": end - start}
             out.append(Built(batch, ids[start:end], selection.epochs.astype(np.int64), stats))
@@ -345,31 +340,8 @@ class TokenWindows(ByPosition):
         buffer = np.empty((ids.size, length + 1), dtype=dtype)
         pieces_before = reader.pieces
         reader.copy_windows(buffer, window_starts(ids))
-        inputs = buffer[:, :-1]
-        if eos is None:
-            cu_seqlens, _, position_ids = row_segments(ids.size, length)
-            max_seqlen = length
-        else:
-            cu_seqlens, max_seqlen, position_ids = window_segments(buffer, eos)
-        data = {
-            "input_ids": inputs,
-            "labels": buffer[:, 1:],
-            "position_ids": position_ids,
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": max_seqlen,
-            "mask": selection.mask.copy(),
-        }
-        return Built(
-            data,
-            ids,
-            selection.epochs.astype(np.int64),
-            {
-                "copied_bytes": buffer.nbytes,
-                "pieces": reader.pieces - pieces_before,
-                "filtered": 0,
-                "samples": int(ids.size),
-            },
-        )
+        segments = _plain_segments(ids.size, length) if eos is None else window_segments(buffer, eos)
+        return _window_batch(selection, ids, buffer, segments, reader.pieces - pieces_before)
 
     def build_run(self, ctx: SampleContext, selections: Sequence[Selection]) -> list[Built]:
         """`build` of each of a run of planned batches, the run read as one: its window starts
@@ -392,28 +364,36 @@ class TokenWindows(ByPosition):
         row = 0
         for selection, size in zip(selections, sizes):
             buffer = np.frombuffer(memory[row * width : (row + size) * width], dtype=dtype).reshape(size, width)
-            if inner is None:
-                cu_seqlens, _, position_ids = row_segments(size, length)
-                max_seqlen = length
-            else:
-                cu_seqlens, max_seqlen, position_ids = rows_segments(inner, row, size, length)
-            data = {
-                "input_ids": buffer[:, :-1],
-                "labels": buffer[:, 1:],
-                "position_ids": position_ids,
-                "cu_seqlens": cu_seqlens,
-                "max_seqlen": max_seqlen,
-                "mask": selection.mask.copy(),
-            }
-            stats = {
-                "copied_bytes": buffer.nbytes,
-                "pieces": int(pieces[row : row + size].sum()),
-                "filtered": 0,
-                "samples": size,
-            }
-            out.append(Built(data, ids[row : row + size], selection.epochs.astype(np.int64), stats))
+            segments = _plain_segments(size, length) if inner is None else rows_segments(inner, row, size, length)
+            out.append(
+                _window_batch(selection, ids[row : row + size], buffer, segments, int(pieces[row : row + size].sum()))
+            )
             row += size
         return out
+
+
+def _plain_segments(rows: int, length: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """The segments of windows that hold no document end: one per row, max_seqlen the window's length."""
+    cu_seqlens, _, position_ids = row_segments(rows, length)
+    return cu_seqlens, length, position_ids
+
+
+def _window_batch(
+    selection: Selection, ids: np.ndarray, buffer: np.ndarray, segments: tuple[np.ndarray, int, np.ndarray], pieces: int
+) -> Built:
+    """A token-window batch from its (rows, L + 1) window buffer and its segments (cu_seqlens,
+    max_seqlen, position_ids); `pieces`: the slices its rows were copied in."""
+    cu_seqlens, max_seqlen, position_ids = segments
+    data = {
+        "input_ids": buffer[:, :-1],
+        "labels": buffer[:, 1:],
+        "position_ids": position_ids,
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max_seqlen,
+        "mask": selection.mask.copy(),
+    }
+    stats = {"copied_bytes": buffer.nbytes, "pieces": pieces, "filtered": 0, "samples": int(ids.size)}
+    return Built(data, ids, selection.epochs.astype(np.int64), stats)
 
 
 def bucket_shapes(max_length: int, pad_to_multiple_of: int, max_shapes: int) -> np.ndarray:
