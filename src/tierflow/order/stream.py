@@ -443,16 +443,18 @@ class RankStream:
             yield self.batch(index)
             index += num_workers
 
+    def _counted_ranks(self, agree: bool) -> list[tuple[int, int]]:
+        """(node, rank) of every rank of every node with `agree`, else this rank's alone."""
+        if agree:
+            return [(n, r) for n in range(self.num_nodes) for r in range(self.ranks_per_node)]
+        return [(self.node, self.rank)]
+
     def epoch_batches(self, after: int | None = None, agree: bool = False) -> tuple[int, int]:
         """(epoch, batches): the epoch a run of this rank's batches from the cursor finishes (its
         first batch's, and past `after`, the last one finished) and how many of its batches belong
         to it or an older one. With `agree`, what every rank of every node stops at together: the
         smallest first epoch, and the fewest batches (what `Loader`'s epoch_end="agree" does)."""
-        ranks = (
-            [(n, r) for n in range(self.num_nodes) for r in range(self.ranks_per_node)]
-            if agree
-            else [(self.node, self.rank)]
-        )
+        ranks = self._counted_ranks(agree)
         epoch = min(self.nodes[n].epoch_of_pick(r) for n, r in ranks)
         if after is not None:
             epoch = max(epoch, after + 1)
@@ -468,11 +470,7 @@ class RankStream:
         first sample, and the run starts at part `skip` of batch 0. The epoch-major edge's last
         batch of an epoch then gives its older parts to that epoch and the rest to the next
         (`NodeStream.epoch_counts`); with `parts` 1 this is `epoch_batches`, less `skip`."""
-        ranks = (
-            [(n, r) for n in range(self.num_nodes) for r in range(self.ranks_per_node)]
-            if agree
-            else [(self.node, self.rank)]
-        )
+        ranks = self._counted_ranks(agree)
         size = self.batch_size // parts
         epoch = min(_part_epoch(self.nodes[n].epoch_counts(r), skip * size) for n, r in ranks)
         if after is not None:
