@@ -121,7 +121,7 @@ def test_window_token_starts_are_the_same_with_the_tables_made_once():
 def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
     length = 64
     ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=length), OrderSpec(partitions=PARTITIONS))
-    total = int(window_counts(ds._token_starts, length).sum())
+    total = int(window_counts(tierflow.open_dataset(packed).token_starts, length).sum())
     assert ds.num_order_samples == total
     seen: dict[int, np.ndarray] = {}
     for batch in ds:
@@ -138,7 +138,7 @@ def test_token_windows_cover_the_stream_exactly_once_per_epoch(packed):
             break
     reader = tierflow.open_dataset(packed)
     stream = reader.tokens(0, reader.manifest.num_tokens)
-    starts = window_token_starts(ds._token_starts, length, np.arange(total))
+    starts = window_token_starts(tierflow.open_dataset(packed).token_starts, length, np.arange(total))
     for window, begin in enumerate(starts.tolist()):
         assert np.array_equal(seen[window], stream[begin : begin + length + 1])
 
@@ -164,7 +164,9 @@ def test_cu_seqlens_match_document_boundaries(packed):
         batch = carried.data
         cu = batch["cu_seqlens"].tolist()
         assert batch["max_seqlen"] == max(np.diff(cu))
-        begins = window_token_starts(ds._token_starts, length, carried.meta.sample_ids).tolist()
+        begins = window_token_starts(
+            tierflow.open_dataset(packed).token_starts, length, carried.meta.sample_ids
+        ).tolist()
         for row, begin in enumerate(begins):
             inside = doc_ends[(doc_ends > begin) & (doc_ends < begin + length)] - begin
             expected = [row * length] + [row * length + int(e) for e in inside]
@@ -181,7 +183,7 @@ def test_cu_seqlens_match_document_boundaries(packed):
 def test_future_shard_uses_list_every_shard_holding_windows_once_per_epoch(packed):
     ds = TieredDataset(packed, BatchSpec(batch_size=8, seq_len=64), OrderSpec(partitions=PARTITIONS))
     uses = ds.future_shard_uses(horizon_batches=2000)
-    holding = set(np.flatnonzero(window_counts(ds._token_starts, 64)).tolist())
+    holding = set(np.flatnonzero(window_counts(tierflow.open_dataset(packed).token_starts, 64)).tolist())
     epoch_zero = [u.shard for u in uses if u.epoch == 0]
     assert sorted(epoch_zero) == sorted(holding)
     owner = ds.order.layout.shard_partition

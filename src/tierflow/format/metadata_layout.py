@@ -40,8 +40,7 @@ LAYOUT_SCHEMA = pa.schema([("partition", pa.uint16()), ("by_partition", pa.int64
 TABLE_PREFIX = "metadata-"
 TABLE_SUFFIX = ".arrow"
 MOST_PARTITIONS = 64
-"""The default order's partition count: 64, or the largest power of two the non-empty shards allow
-(loader/spec.py `default_partitions`, the same rule)."""
+"""The most partitions the default order has (`default_partitions`)."""
 
 
 def is_count(v: Any) -> bool:

@@ -169,10 +169,6 @@ class TieredDataset(IterableDataset):
         self._context: SampleContext | None = None
         self._context_pid = -1
 
-    @property
-    def _token_starts(self) -> np.ndarray:  # made when asked for: a rows order never needs them
-        return (self._given or Dataset(self.manifest, _NoShards(self.location), location=self.location)).token_starts
-
     def order_with(self, working_set: WorkingSet) -> SampleOrder:
         """This dataset's order read through another working set (what `plan` compares)."""
         return SampleOrder(
