@@ -176,3 +176,32 @@ def test_a_script_that_closed_its_loader_exits_without_a_traceback(tokens, tmp_p
     )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+READ_TOKENS_AND_TEXT = """
+import sys
+import tierflow
+for batch in tierflow.open_loader(sys.argv[1], batch_size=4, seq_len=32, max_batches=20):
+    pass
+for batch in tierflow.open_loader(sys.argv[2], batch_size=4, max_batches=20):
+    assert isinstance(batch["text"][0], str)
+print(sorted(m for m in ("pandas", "pyarrow.compute") if m in sys.modules))
+"""
+
+
+@pytest.mark.slow
+def test_reading_tokens_and_text_loads_no_pandas(tokens, tmp_path):
+    """pyarrow's `Array.to_numpy` imports pandas: ~0.2 s before the first batch and ~57 MB in every
+    reading process. The read path takes numpy views of Arrow buffers instead."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(500)))
+    text = str(tmp_path / "text")
+    tierflow.pack([str(src)], text, workers=1)
+    script = tmp_path / "read.py"
+    script.write_text(READ_TOKENS_AND_TEXT)
+    done = subprocess.run([sys.executable, str(script), tokens, text], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
