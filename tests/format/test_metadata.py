@@ -483,3 +483,32 @@ def test_a_dataset_dropped_by_its_reader_holds_no_table_open(packed: Path, tmp_p
         assert open_tables() == []
     finally:
         gc.enable()
+
+
+def test_verify_computes_each_shards_block_digest_and_the_dataset_id_as_defined() -> None:
+    """verify's vectorised digests and id agree with `block_digest` and `compute_dataset_id`, for
+    uneven block counts (empty shards too) and for more shards than one chunk of names."""
+    from tierflow.format.manifest import compute_dataset_id
+
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 9, size=300)
+    total = int(counts.sum())
+    blocks = {
+        "length": rng.integers(1, 2**32, size=total, dtype=np.uint32),
+        "rows": rng.integers(0, 2**32, size=total, dtype=np.uint32),
+        "checksum": rng.integers(0, 2**64, size=total, dtype=np.uint64),
+        "tokens": rng.integers(0, 2**32, size=total, dtype=np.uint32),
+    }
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    got = metadata_verify._shard_digests(blocks, starts, counts)
+    want = [
+        md.block_digest(*(blocks[k][a : a + n] for k in ("length", "rows", "checksum", "tokens")))
+        for a, n in zip(starts, counts)
+    ]
+    assert got.tolist() == want
+    checksums = rng.integers(0, 256, size=(300, 16), dtype=np.uint8).view("V16").reshape(300)
+    schema = {"fields": [{"name": "x", "type": "int64"}]}
+    names = [c.tobytes().hex() for c in checksums]
+    assert metadata_verify.streamed_dataset_id(schema, None, checksums, chunk=64) == compute_dataset_id(
+        schema, None, names
+    )

@@ -53,8 +53,8 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
 
 def streamed_dataset_id(schema_json: dict, tokenizer: dict | None, checksums: np.ndarray, chunk: int = 1 << 16) -> str:
     """`compute_dataset_id` of a checksum column, its canonical JSON hashed as it is made, a chunk of
-    names at a time (the same bytes: sorted keys, no spaces; hex names need no escaping), so a million
-    shards cost ~35 MB of strings a chunk at a time, not the whole document at once."""
+    names at a time (the same bytes: sorted keys, no spaces; hex names need no escaping), written by
+    numpy, so a million shards cost milliseconds and a chunk's memory, not the whole document at once."""
     h = xxhash.xxh3_128()
     h.update(
         b'{"schema":'
@@ -62,17 +62,23 @@ def streamed_dataset_id(schema_json: dict, tokenizer: dict | None, checksums: np
         + b',"shards":['
     )
     for start in range(0, len(checksums), chunk):
-        hexed = np.ascontiguousarray(checksums[start : start + chunk]).tobytes().hex()
-        names = ",".join(f'"{hexed[i : i + 32]}"' for i in range(0, len(hexed), 32))
-        h.update((("," if start else "") + names).encode())
+        raw = np.ascontiguousarray(checksums[start : start + chunk]).view(np.uint8).reshape(-1, 16)
+        names = np.empty((raw.shape[0], 35), dtype=np.uint8)  # "<32 hex digits>", a row a shard
+        names[:, 0] = names[:, 33] = ord('"')
+        names[:, 34] = ord(",")
+        names[:, 1:33:2], names[:, 2:33:2] = _HEX[raw >> 4], _HEX[raw & 15]
+        h.update((b"," if start else b"") + names.tobytes()[:-1])
     h.update(b'],"tokenizer":' + json.dumps(tokenizer, sort_keys=True, separators=(",", ":")).encode() + b"}")
     return h.hexdigest()
+
+
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
 def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
     """The shards whose block rows fail what `block_list` checks (their digest, rows and tokens adding
     up, every block inside the file, largest_rows), found a chunk of shards at a time: the checks
-    vectorised over the chunk's blocks, the digests hashed from views (no copy), so memory stays a
+    vectorised over the chunk's blocks, the digests one hash a shard (`_shard_digests`), so memory stays a
     chunk's and a million shards take seconds, not the ~100 us a shard of building each list."""
     col = tables.column
     first, count, digest = col("first_block"), col("blocks"), col("block_digest")
@@ -97,15 +103,26 @@ def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
         bad |= _per_shard(length, np.add, starts, full) > size[lo:hi]
         bad |= _per_shard(rows, np.maximum, starts, full) != largest[lo:hi]
         bad |= _per_shard((length <= 0).astype(np.int64), np.add, starts, full) > 0
-        for i in range(lo, hi):
-            if bad[i - lo]:
-                continue
-            a, z = int(first[i]) - b0, int(first[i] + count[i]) - b0
-            h = xxhash.xxh3_64()
-            for name in ("length", "rows", "checksum", "tokens"):
-                h.update(blocks[name][a:z].data.cast("B"))
-            bad[i - lo] = h.intdigest() != int(digest[i])
+        bad |= _shard_digests(blocks, first[lo:hi] - b0, n) != digest[lo:hi].astype(np.uint64)
         yield from (lo + np.flatnonzero(bad)).tolist()
+
+
+def _shard_digests(blocks: dict[str, np.ndarray], starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each shard's `block_digest` of a chunk's block rows. The shards of one block count are gathered
+    together into a matrix, a row a shard laid out as the digest hashes it (lengths, rows, checksums,
+    tokens, little-endian), so the loop over shards only hashes a row."""
+    columns = [np.ascontiguousarray(blocks[name], dtype=kind) for name, kind in _DIGESTED]
+    digests = np.empty(counts.size, dtype=np.uint64)
+    for n in np.unique(counts).tolist():
+        which = np.flatnonzero(counts == n)
+        at = starts[which][:, None] + np.arange(n)
+        record = np.concatenate([c[at].view("<u4").reshape(which.size, -1) for c in columns], axis=1)
+        digests[which] = [xxhash.xxh3_64_intdigest(row) for row in record]
+    return digests
+
+
+_DIGESTED = (("length", "<u4"), ("rows", "<u4"), ("checksum", "<u8"), ("tokens", "<u4"))
+"""The block columns a shard's block_digest covers, in its order, as it hashes them."""
 
 
 def _per_shard(values: np.ndarray, reduce: np.ufunc, starts: np.ndarray, full: np.ndarray) -> np.ndarray:
