@@ -5,7 +5,10 @@ stays a chunk's whatever the dataset's size (opening checks only what a process 
 from __future__ import annotations
 
 import json
+from typing import Any
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import xxhash
 
@@ -27,17 +30,17 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
         except ManifestError as e:
             problems.append(str(e))
     problems += verify_layout(tables)
-    for name in BLOCK_SCHEMA.names:  # read, not mapped: memory stays a chunk's, whatever the table's size
-        h = xxhash.xxh3_128()
-        step = 1 << 20
-        for start in range(0, tables.blocks.rows, step):
-            h.update(tables.blocks.read(name, start, min(start + step, tables.blocks.rows)).data.cast("B"))
+    if problems:
+        return problems
+    hashes = {name: xxhash.xxh3_128() for name in BLOCK_SCHEMA.names}
+    suspects = list(_suspect_shards(tables, hashes))  # the block table read once, hashed as it goes
+    for name, h in hashes.items():
         if h.hexdigest() != tables.blocks.hashes[name]:
             problems.append(f"{tables.blocks.where}: column {name} does not match its hash in the header")
     if problems:
         return problems
     checksums = tables.column("checksum")
-    for i in _suspect_shards(tables):  # each one's own check names what is wrong
+    for i in suspects:  # each one's own check names what is wrong
         try:
             tables.block_list(i, keep=False)
         except ManifestError as e:
@@ -75,7 +78,7 @@ def streamed_dataset_id(schema_json: dict, tokenizer: dict | None, checksums: np
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
-def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
+def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], chunk: int = 8192) -> Iterator[int]:
     """The shards whose block rows fail what `block_list` checks (their digest, rows and tokens adding
     up, every block inside the file, largest_rows), found a chunk of shards at a time: the checks
     vectorised over the chunk's blocks, the digests one hash a shard (`_shard_digests`), so memory stays a
@@ -89,22 +92,31 @@ def _suspect_shards(tables: MetadataTables, chunk: int = 8192) -> Iterator[int]:
         col("largest_rows"),
         col("tokens_known"),
     )
-    for lo in range(0, tables.num_shards, chunk):
+
+    def rows_of(lo: int) -> tuple[int, int, int, dict[str, np.ndarray]]:
         hi = min(lo + chunk, tables.num_shards)
         b0, b1 = int(first[lo]), int(first[hi - 1] + count[hi - 1])
-        n = count[lo:hi]
-        blocks = {name: tables.blocks.read(name, b0, b1) for name in BLOCK_SCHEMA.names}  # this chunk's rows
-        length, rows, toks = (blocks[k].astype(np.int64) for k in ("length", "rows", "tokens"))
-        starts = (first[lo:hi] - b0)[n > 0]
-        bad = np.zeros(hi - lo, dtype=bool)
-        full = n > 0
-        bad |= _per_shard(rows, np.add, starts, full) != samples[lo:hi]
-        bad |= (known[lo:hi] == 1) & (_per_shard(toks, np.add, starts, full) != tokens[lo:hi])
-        bad |= _per_shard(length, np.add, starts, full) > size[lo:hi]
-        bad |= _per_shard(rows, np.maximum, starts, full) != largest[lo:hi]
-        bad |= _per_shard((length <= 0).astype(np.int64), np.add, starts, full) > 0
-        bad |= _shard_digests(blocks, first[lo:hi] - b0, n) != digest[lo:hi].astype(np.uint64)
-        yield from (lo + np.flatnonzero(bad)).tolist()
+        return hi, b0, b1, {name: tables.blocks.read(name, b0, b1) for name in BLOCK_SCHEMA.names}
+
+    with ThreadPoolExecutor(1) as reader:  # the next chunk's rows read (pread, no GIL) while this one is checked
+        ahead = reader.submit(rows_of, 0) if tables.num_shards else None
+        for lo in range(0, tables.num_shards, chunk):
+            assert ahead is not None
+            hi, b0, b1, blocks = ahead.result()
+            for name, h in hashes.items():  # the chunks follow each other: together, the whole table
+                h.update(blocks[name].data.cast("B"))
+            ahead = reader.submit(rows_of, hi) if hi < tables.num_shards else None
+            n = count[lo:hi]
+            full = n > 0
+            starts = (first[lo:hi] - b0)[full]
+            length, rows = blocks["length"], blocks["rows"]
+            bad = _per_shard(rows, np.add, starts, full) != samples[lo:hi]
+            bad |= (known[lo:hi] == 1) & (_per_shard(blocks["tokens"], np.add, starts, full) != tokens[lo:hi])
+            bad |= _per_shard(length, np.add, starts, full) > size[lo:hi]
+            bad |= _per_shard(rows, np.maximum, starts, full) != largest[lo:hi]
+            bad |= full & (_per_shard(length, np.minimum, starts, full) == 0)
+            bad |= _shard_digests(blocks, first[lo:hi] - b0, n) != digest[lo:hi].astype(np.uint64)
+            yield from (lo + np.flatnonzero(bad)).tolist()
 
 
 def _shard_digests(blocks: dict[str, np.ndarray], starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -129,6 +141,6 @@ def _per_shard(values: np.ndarray, reduce: np.ufunc, starts: np.ndarray, full: n
     """`reduce` over each shard's block rows of a chunk: `full` marks the shards with blocks, `starts`
     where theirs begin in `values`; 0 for a shard of none."""
     out = np.zeros(full.size, dtype=np.int64)
-    if starts.size:
-        out[full] = reduce.reduceat(values, starts)
+    if starts.size:  # summed as int64: a shard's uint32 rows could wrap
+        out[full] = reduce.reduceat(values, starts, dtype=np.int64 if reduce is np.add else None)
     return out
