@@ -18,13 +18,15 @@ demo: $(BIN)/.installed
 # tierflow side by side with MosaicML Streaming and LitData (benchmarks/peers/README.md). The peers
 # live in their own venv, never in .venv/CI: `.[bench]` pulls them, and with them PyPI's CUDA
 # torchvision, which cannot load next to the CPU torch, so it is removed (benchmarks/peers/compat.py).
+# Not `.[dev]`: its frameworks hold transformers at 5.3, and mosaicml-streaming needs transformers<5.
 PEERS_VENV ?= .venv-peers
 PEERS_BIN = $(PEERS_VENV)/bin
 
 $(PEERS_BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_BIN)/python -m pip install -q -U pip
-	$(PEERS_BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	$(PEERS_BIN)/python -m pip install -q -c constraints.txt -e '.[torch,s3,fsspec,tokenizers,images,bench]' \
+		pytest pytest-timeout pytest-xdist
 	$(PEERS_BIN)/python -m pip uninstall -q -y torchvision
 	touch $@
 
