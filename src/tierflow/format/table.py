@@ -229,7 +229,9 @@ class LazyShardTable(ShardTable):
                 if slot is not None:
                     self._check_tokens(b, slot[0])
 
-    def _check_tokens(self, b: int, decoded: pa.RecordBatch) -> None:
+    def _check_tokens(self, b: int, decoded: pa.RecordBatch, views: _Views | None = None) -> None:
+        """`expect_tokens`' checks of block b; `views` (the block's, still empty) is given the token
+        column's (offsets, values) views the checks read, which `list_values` would make again."""
         column, dtype, counts, eos = self._tokens  # type: ignore[misc]
         idx = decoded.schema.get_field_index(column)
         block = self._source.blocks[b]
@@ -242,25 +244,30 @@ class LazyShardTable(ShardTable):
         arr = decoded.column(idx)
         if dtype is not None and str(getattr(arr.type, "value_type", arr.type)) != dtype:
             raise block_error(self.name, b, block, f"holds {arr.type} tokens, the manifest's token_dtype is {dtype}")
+        if counts[b] is None and (eos is None or not len(arr)):
+            return
+        offsets = _list_offsets(arr)
         if counts[b] is not None:
-            offsets = arr.offsets
-            got = int(offsets[-1].as_py() - offsets[0].as_py()) if len(offsets) else 0
+            got = int(offsets[-1]) - int(offsets[0]) if len(offsets) else 0
             if got != counts[b]:
                 raise block_error(self.name, b, block, f"holds {got} tokens, the manifest says {counts[b]}")
-        if eos is not None and len(arr):
-            if arr.values.null_count:
-                raise block_error(self.name, b, block, "holds null tokens")
-            offsets = _list_offsets(arr)
-            ends = offsets[1:][offsets[1:] > offsets[:-1]]  # of the documents with tokens
-            last = numpy_view(arr.values)[ends - 1] if len(ends) else ends
-            wrong = np.flatnonzero(last != eos)
-            if len(wrong):
-                raise ManifestError(
-                    f"shard {self.name}: block {b}: its documents end with token "
-                    f"{int(last[wrong[0]])}, not the manifest's eos_id {eos} ({len(wrong)} of "
-                    f"{len(ends)}): the manifest's eos_id is wrong (edited, or resealed); re-pack, "
-                    f"or restore the manifest"
-                )
+        if eos is None or not len(arr):
+            return
+        if arr.values.null_count:
+            raise block_error(self.name, b, block, "holds null tokens")
+        values = numpy_view(arr.values)
+        ends = offsets[1:][offsets[1:] > offsets[:-1]]  # of the documents with tokens
+        last = values[ends - 1] if len(ends) else ends
+        wrong = np.flatnonzero(last != eos)
+        if len(wrong):
+            raise ManifestError(
+                f"shard {self.name}: block {b}: its documents end with token "
+                f"{int(last[wrong[0]])}, not the manifest's eos_id {eos} ({len(wrong)} of "
+                f"{len(ends)}): the manifest's eos_id is wrong (edited, or resealed); re-pack, "
+                f"or restore the manifest"
+            )
+        if views is not None:
+            views.parts[column] = (offsets, values, values[int(offsets[0]) :])
 
     @property
     def blocks(self) -> _LazyBlocks:  # type: ignore[override]
@@ -272,6 +279,16 @@ class LazyShardTable(ShardTable):
             return self._load(block)
         self._referenced[block] = 1
         return slot
+
+    def list_values(self, block: int, name: str) -> np.ndarray:
+        """`ShardTable.list_values`, marking the block read for the cache's second chance also when this
+        read loaded it (its token views made with the block's checks)."""
+        slot = self._slots[block]
+        if slot is None:
+            slot = self._load(block)
+        self._referenced[block] = 1
+        parts = slot[1].parts.get(name)
+        return (parts if parts is not None else self._parts(block, name))[2]
 
     def _evict(self, block: int) -> None:
         self._slots[block] = None  # views handed out keep their buffers alive
@@ -285,9 +302,9 @@ class LazyShardTable(ShardTable):
             source, data = self._verified(b)
             # decode_block refuses a batch of other than the block's rows (its claims are checked first)
             decoded = decode_block(data, schema, self.name, b, source.blocks[b], source.max_decoded)
-            if self._tokens is not None:
-                self._check_tokens(b, decoded)
             slot = (decoded, _Views())
+            if self._tokens is not None:
+                self._check_tokens(b, decoded, slot[1])
             self._slots[b] = slot
             self.blocks_loaded += 1
         if self._cache is not None and source.compressed:
