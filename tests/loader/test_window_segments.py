@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierflow.loader.tokens import document_segments, window_segments
+from tierflow.loader.tokens import document_segments, run_document_starts, run_segments, window_segments
 
 EOS = 7
 
@@ -32,3 +32,18 @@ def test_window_segments_are_document_segments_of_the_inputs():
     edges[1, -2] = EOS  # ends its row
     edges[2, 0] = EOS
     check(edges)
+
+
+def test_a_runs_segments_are_each_batchs_window_segments():
+    rng = np.random.default_rng(1)
+    for batches, rows, length in ((16, 8, 32), (3, 2, 1), (4, 1, 64), (2, 8, 0), (5, 4, 100)):
+        for rate in (0.0, 0.01, 0.1, 0.6):  # 0.6: more starts in a batch than the few patched one by one
+            run = rng.integers(0, 9, (batches * rows, length + 1)).astype(np.uint16)
+            run[rng.random(run.shape) < rate] = EOS
+            got = run_segments(run_document_starts(run, EOS), batches, rows, length)
+            assert len(got) == batches
+            for k, (cu, longest, positions) in enumerate(got):
+                expected = window_segments(run[k * rows : (k + 1) * rows], EOS)
+                assert longest == expected[1]
+                for a, b in ((cu, expected[0]), (positions, expected[2])):
+                    assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)

@@ -28,8 +28,8 @@ from tierflow.loader.plan import Built, OrderStream, Selection, plan_groups
 from tierflow.loader.tokens import (
     WindowStarts,
     row_segments,
-    rows_segments,
     run_document_starts,
+    run_segments,
     window_counts,
     window_segments,
 )
@@ -358,15 +358,20 @@ class TokenWindows(ByPosition):
         pieces = np.ones(ids.size, dtype=np.int64)
         # each batch's shards held open while its rows are read, as when it is read alone
         reader.copy_windows(run.reshape(ids.size, width), window_starts(ids), pieces, sizes[0])
-        inner = None if eos is None else run_document_starts(run.reshape(ids.size, width), eos)
+        if eos is None:
+            segments = [_plain_segments(sizes[0], length) for _ in selections]
+        else:
+            inner = run_document_starts(run.reshape(ids.size, width), eos)
+            segments = run_segments(inner, len(selections), sizes[0], length)
         memory = run.data
         out = []
         row = 0
-        for selection, size in zip(selections, sizes):
+        for selection, size, batch_segments in zip(selections, sizes, segments):
             buffer = np.frombuffer(memory[row * width : (row + size) * width], dtype=dtype).reshape(size, width)
-            segments = _plain_segments(size, length) if inner is None else rows_segments(inner, row, size, length)
             out.append(
-                _window_batch(selection, ids[row : row + size], buffer, segments, int(pieces[row : row + size].sum()))
+                _window_batch(
+                    selection, ids[row : row + size], buffer, batch_segments, int(pieces[row : row + size].sum())
+                )
             )
             row += size
         return out

@@ -130,17 +130,19 @@ def _segments(rows: int, length: int, inner: np.ndarray) -> tuple[np.ndarray, in
     if not inner.size:
         return row_segments(rows, length)
     row_cu, row_positions, flat = _row_tables(rows, length)
+    if inner.size <= _LOOP_STARTS:  # a few starts: Python lists cost less than numpy calls on tiny arrays
+        starts = inner.tolist()
+        cuts = sorted([*range(0, rows * length + 1, length), *starts])
+        position_ids = row_positions.copy()
+        out = position_ids.reshape(-1)
+        for start in starts:  # ascending: a later start in the row overwrites the rest
+            end = start - start % length + length
+            out[start:end] = flat[: end - start]
+        return np.array(cuts, dtype=np.int32), max(b - a for a, b in zip(cuts, cuts[1:])), position_ids
     cu_seqlens = np.concatenate((row_cu, inner.astype(np.int32)))
     cu_seqlens.sort()
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if inner.size <= _LOOP_STARTS:
-        position_ids = row_positions.copy()
-        out = position_ids.reshape(-1)
-        for start in inner.tolist():  # ascending: a later start in the row overwrites the rest
-            end = start - start % length + length
-            out[start:end] = flat[: end - start]
-    else:
-        position_ids = (flat - np.repeat(cu_seqlens[:-1], lengths)).reshape(rows, length)
+    position_ids = (flat - np.repeat(cu_seqlens[:-1], lengths)).reshape(rows, length)
     return cu_seqlens, int(lengths.max()), position_ids
 
 
@@ -156,12 +158,14 @@ def run_document_starts(windows: np.ndarray, eos_id: int) -> np.ndarray:
     return row[inside] * length + column[inside] + 1
 
 
-def rows_segments(inner: np.ndarray, first: int, rows: int, length: int) -> tuple[np.ndarray, int, np.ndarray]:
-    """`window_segments` of the batch of `rows` rows from row `first` of a run whose segment starts
-    inside rows are `inner` (`run_document_starts`)."""
+def run_segments(inner: np.ndarray, batches: int, rows: int, length: int) -> list[tuple[np.ndarray, int, np.ndarray]]:
+    """`window_segments` of each of a run's `batches` batches of `rows` rows, from the run's segment
+    starts inside rows (`run_document_starts`), split between the batches by one search."""
     if rows * length == 0:
-        return row_segments(rows, length)
-    low, high = inner.searchsorted((first * length, (first + rows) * length))
-    if low == high:
-        return row_segments(rows, length)
-    return _segments(rows, length, inner[low:high] - first * length)
+        return [row_segments(rows, length) for _ in range(batches)]
+    size = rows * length
+    bounds = inner.searchsorted(np.arange(batches + 1, dtype=np.int64) * size).tolist()
+    return [
+        _segments(rows, length, inner[low:high] - k * size) if high > low else row_segments(rows, length)
+        for k, (low, high) in enumerate(zip(bounds, bounds[1:]))
+    ]
