@@ -218,6 +218,31 @@ def test_the_cache_hands_the_heap_back_after_each_trim_every_bytes_it_evicted(tm
     assert cache.trims >= 2 if sys.platform.startswith("linux") else cache.trims == 0
 
 
+def test_a_token_block_read_once_keeps_its_second_chance_in_the_cache(tmp_path):
+    """The cache drops first the oldest block not read since it was loaded; reading a token block's
+    values counts as such a read also when the read loaded the block (its checks made the views)."""
+    from tierflow.format.dataset import Dataset
+    from tierflow.format.reader import DirectoryBlocks, ShardReader
+
+    out = pack_small(tmp_path, n=6000, tokenizer="bytes")
+    manifest = tierflow.Manifest.load(out)
+    source = ShardReader(DirectoryBlocks(out), schema=manifest.schema)
+    ds = Dataset(manifest, source, location=str(out))
+    column = ds.token_column
+    eager = tierflow.open_dataset(out).shard(0)
+    sizes = [eager.block(b).get_total_buffer_size() for b in range(3)]
+    table = ds.shard(0)
+    table.list_values(0, column)  # loads block 0 and reads it
+    table.list_parts(1, column)  # loads block 1, its values not read
+    source.cache.max_bytes = sum(sizes) - 1  # block 2 makes one of them go
+    table.list_values(2, column)
+    loaded = table.blocks_loaded
+    table.list_values(0, column)
+    assert table.blocks_loaded == loaded  # kept: read since it was loaded
+    table.list_parts(1, column)
+    assert table.blocks_loaded == loaded + 1  # dropped, and loaded again
+
+
 def test_token_blocks_record_their_counts_so_tokens_read_only_their_block(tmp_path):
     out = pack_small(tmp_path, n=6000, tokenizer="bytes")
     ds = tierflow.open_dataset(out)
