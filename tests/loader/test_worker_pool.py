@@ -120,6 +120,29 @@ def test_a_loop_that_keeps_every_batch_gets_them_all(docs):
     assert all(a["input_ids"].equal(b) for a, b in zip(kept, reference, strict=True))
 
 
+def test_a_loop_that_steps_gets_runs_of_batches_in_one_message(docs, monkeypatch):
+    """Workers that run ahead send a run of batches per message, not one message per batch."""
+    from tierflow.loader.workers import PoolIterator
+
+    messages = []
+    receive = PoolIterator._receive
+
+    def counted(self, worker):
+        message = receive(self, worker)
+        messages.append(message[0])
+        return message
+
+    monkeypatch.setattr(PoolIterator, "_receive", counted)
+    reference = [b["input_ids"] for b in islice(Loader(_windows(docs), device="cpu", endless=True), 200)]
+    with Loader(_windows(docs), device="cpu", num_workers=2, background=False, endless=True) as loader:
+        got = []
+        for batch in islice(loader, 200):
+            got.append(batch["input_ids"].clone())
+            time.sleep(0.002)
+    assert all(a.equal(b) for a, b in zip(got, reference, strict=True))
+    assert len([m for m in messages if m != "arena"]) <= 200 / 4, messages
+
+
 def test_a_killed_worker_is_named_in_the_error(docs):
     loader = Loader(_windows(docs), device="cpu", num_workers=2, endless=True)
     with pytest.raises(WorkerLostError, match=r"tierflow worker 1 of 2 \(pid \d+\) was killed by signal SIGKILL"):
