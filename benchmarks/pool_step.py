@@ -1,0 +1,104 @@
+"""The Loader's worker pool behind a training step: samples/s of a loop that sleeps `--step-ms` per
+batch, fed by `open_loader(..., num_workers=W)`, against the dry run (DESIGN.md): the same step
+driven by the same batches preloaded in a list. Tokens and text (the peers' packed datasets by
+default), alternating rounds, median (min-max) of the ratio; the loader's CPU per batch beside it
+(the trainer alone and the trainer with its workers), which on a 2-core machine competes with the
+step's own process.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/pool_step.py [--tokens DIR] [--text DIR] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from typing import Any
+
+import psutil
+
+import tierflow
+from _harness import round_order, spread
+
+BATCH = 8
+SEQ_LEN = 2048
+
+
+def _loader(path: str, kind: str, workers: int) -> Any:
+    shape = {"seq_len": SEQ_LEN} if kind == "tokens" else {}
+    return tierflow.open_loader(path, batch_size=BATCH, num_workers=workers, seed=17, endless=True, **shape)
+
+
+def _tree_cpu_s() -> float:
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _stepped(batches: Any, steps: int, step_s: float) -> tuple[float, float, float]:
+    """(samples/s, trainer CPU s, trainer + workers CPU s) of `steps` steps after the first batch."""
+    iterator = iter(batches)
+    next(iterator)
+    start, cpu, cpu_all = time.perf_counter(), time.process_time(), _tree_cpu_s()
+    samples = 0
+    for batch in itertools.islice(iterator, steps):
+        time.sleep(step_s)
+        samples += len(batch["mask"])
+    return (
+        samples / (time.perf_counter() - start),
+        time.process_time() - cpu,
+        _tree_cpu_s() - cpu_all,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="/tmp/tierflow-peers/full/data/tierflow-tokens")
+    parser.add_argument("--text", default="/tmp/tierflow-peers/full/data/tierflow-docs")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    step_s = args.step_ms / 1e3
+    rows = []
+    for kind, path in (("tokens", args.tokens), ("text", args.text)):
+        with _loader(path, kind, 0) as loader:  # the dry run's batches: the same ones, in memory
+            preloaded = [dict(b) for b in itertools.islice(loader, args.steps + 1)]
+        ratios, ours, dry, cpu, cpu_all = [], [], [], [], []
+        for r in range(args.rounds):
+            got: dict[str, float] = {}
+            for who in round_order(r, ["tierflow", "dry"]):
+                if who == "dry":
+                    got[who] = _stepped(preloaded, args.steps, step_s)[0]
+                    continue
+                with _loader(path, kind, args.workers) as loader:
+                    got[who], trainer, tree = _stepped(loader, args.steps, step_s)
+                cpu.append(trainer / args.steps * 1e6)
+                cpu_all.append(tree / args.steps * 1e6)
+            ours.append(got["tierflow"])
+            dry.append(got["dry"])
+            ratios.append(got["tierflow"] / got["dry"])
+            print(f"round {r + 1} {kind:6} ratio {ratios[-1]:.3f}", flush=True)
+        rows.append((kind, ours, dry, ratios, cpu, cpu_all))
+    print(
+        f"\n{args.rounds} alternating rounds, {args.steps} steps of {args.step_ms:g} ms, {args.workers} workers, "
+        f"batch {BATCH}: median (min-max)\n"
+    )
+    print("| data | samples/s | dry run samples/s | ratio | trainer CPU us/batch | with workers CPU us/batch |")
+    print("|---|---|---|---|---|---|")
+    for kind, ours, dry, ratios, cpu, cpu_all in rows:
+        print(
+            f"| {kind} | {spread(ours, '.0f')} | {spread(dry, '.0f')} | {spread(ratios, '.3f')} "
+            f"| {spread(cpu, '.0f')} | {spread(cpu_all, '.0f')} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
