@@ -143,6 +143,31 @@ def test_a_loop_that_steps_gets_runs_of_batches_in_one_message(docs, monkeypatch
     assert len([m for m in messages if m != "arena"]) <= 200 / 4, messages
 
 
+def _slow(sample, rng):
+    time.sleep(0.002)
+    return sample
+
+
+def test_batches_slow_to_build_each_go_out_as_soon_as_built(docs, monkeypatch):
+    """A worker does not hold a built batch back for a run while it builds the next slow one."""
+    from tierflow.loader.workers import PoolIterator
+
+    sizes = []
+    receive = PoolIterator._receive
+
+    def counted(self, worker):
+        message = receive(self, worker)
+        if message[0] == "batches":
+            sizes.append(len(message[1]))
+        return message
+
+    monkeypatch.setattr(PoolIterator, "_receive", counted)
+    ds = TieredDataset(str(docs), BatchSpec(batch_size=8, batcher=Samples(), transform=_slow))
+    with Loader(ds, device="cpu", num_workers=1, background=False, endless=True) as loader:
+        assert len(list(islice(loader, 12))) == 12
+    assert set(sizes) == {1}, sizes
+
+
 def test_a_killed_worker_is_named_in_the_error(docs):
     loader = Loader(_windows(docs), device="cpu", num_workers=2, endless=True)
     with pytest.raises(WorkerLostError, match=r"tierflow worker 1 of 2 \(pid \d+\) was killed by signal SIGKILL"):

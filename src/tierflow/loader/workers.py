@@ -54,6 +54,9 @@ MAX_SLOTS = 64
 RUN_BATCHES = 8
 """The most batches one message carries (a worker's run); fewer where its ring has fewer free slots
 than that beyond the `hold` the loop may keep."""
+RUN_SECONDS = 0.005
+"""A run goes out once its first batch has waited this long, and a batch that took this long to
+build goes out at once: where batches are slow to build the loop gets each as soon as it is built."""
 STOP_SECONDS = 2.0
 """How long `close()` waits for the workers to stop before killing them."""
 QUIT_SECONDS = 0.25
@@ -352,9 +355,13 @@ class _Ring:
         self._free: collections.deque[int] = collections.deque()
         self._unread = b""
         self._written: list[tuple[Any, ...]] = []
+        self._first = 0.0  # when the oldest batch not sent yet was written
+        self._done = time.monotonic()  # when the last `put` returned: the next batch's build began
 
     def put(self, batch: CarriedBatch) -> None:
-        """Write `batch` into a free slot; a run's worth of them goes out as one message."""
+        """Write `batch` into a free slot; a run's worth of them goes out as one message (sooner
+        where they are slow to build: RUN_SECONDS)."""
+        built = time.monotonic()
         placed, layout, rest, size = lay_out(batch.data)
         arena = self.arena
         if arena is None or size > arena.slot_bytes:
@@ -362,9 +369,13 @@ class _Ring:
             arena = self._grow(size)
         slot = self._take()
         arena.write(slot, placed)
+        now = time.monotonic()
+        if not self._written:
+            self._first = now
         self._written.append((arena.generation, slot, layout, rest, tuple(batch.data), batch.meta))
-        if len(self._written) >= self.run:
+        if len(self._written) >= self.run or now - self._first >= RUN_SECONDS or built - self._done >= RUN_SECONDS:
             self.flush()
+        self._done = time.monotonic()
 
     def flush(self) -> None:
         """Send the batches written since the last message, if any."""
