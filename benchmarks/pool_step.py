@@ -3,7 +3,7 @@ batch, fed by `open_loader(..., num_workers=W)`, against the dry run (DESIGN.md)
 driven by the same batches preloaded in a list. Tokens and text (the peers' packed datasets by
 default), alternating rounds, median (min-max) of the ratio; the loader's CPU per batch beside it
 (the trainer alone and the trainer with its workers), which on a 2-core machine competes with the
-step's own process.
+step's own process, and the loop's wait in next() per batch.
 
     PYTHONPATH=src .venv/bin/python benchmarks/pool_step.py [--tokens DIR] [--text DIR] [--rounds 3]
 """
@@ -41,20 +41,21 @@ def _tree_cpu_s() -> float:
     return total
 
 
-def _stepped(batches: Any, steps: int, step_s: float) -> tuple[float, float, float]:
-    """(samples/s, trainer CPU s, trainer + workers CPU s) of `steps` steps after the first batch."""
+def _stepped(batches: Any, steps: int, step_s: float) -> tuple[float, float, float, float]:
+    """(samples/s, trainer CPU s, trainer + workers CPU s, seconds waited in next()) of `steps` steps
+    after the first batch."""
     iterator = iter(batches)
     next(iterator)
-    start, cpu, cpu_all = time.perf_counter(), time.process_time(), _tree_cpu_s()
-    samples = 0
-    for batch in itertools.islice(iterator, steps):
+    clock = time.perf_counter
+    start, cpu, cpu_all = clock(), time.process_time(), _tree_cpu_s()
+    samples, waited = 0, 0.0
+    for _ in range(steps):
+        asked = clock()
+        batch = next(iterator)
+        waited += clock() - asked
         time.sleep(step_s)
         samples += len(batch["mask"])
-    return (
-        samples / (time.perf_counter() - start),
-        time.process_time() - cpu,
-        _tree_cpu_s() - cpu_all,
-    )
+    return samples / (clock() - start), time.process_time() - cpu, _tree_cpu_s() - cpu_all, waited
 
 
 def main() -> None:
@@ -71,7 +72,7 @@ def main() -> None:
     for kind, path in (("tokens", args.tokens), ("text", args.text)):
         with _loader(path, kind, 0) as loader:  # the dry run's batches: the same ones, in memory
             preloaded = [dict(b) for b in itertools.islice(loader, args.steps + 1)]
-        ratios, ours, dry, cpu, cpu_all = [], [], [], [], []
+        ratios, ours, dry, cpu, cpu_all, waits = [], [], [], [], [], []
         for r in range(args.rounds):
             got: dict[str, float] = {}
             for who in round_order(r, ["tierflow", "dry"]):
@@ -79,25 +80,31 @@ def main() -> None:
                     got[who] = _stepped(preloaded, args.steps, step_s)[0]
                     continue
                 with _loader(path, kind, args.workers) as loader:
-                    got[who], trainer, tree = _stepped(loader, args.steps, step_s)
+                    got[who], trainer, tree, waited = _stepped(loader, args.steps, step_s)
+                waits.append(waited / args.steps * 1e6)
                 cpu.append(trainer / args.steps * 1e6)
                 cpu_all.append(tree / args.steps * 1e6)
             ours.append(got["tierflow"])
             dry.append(got["dry"])
             ratios.append(got["tierflow"] / got["dry"])
             print(f"round {r + 1} {kind:6} ratio {ratios[-1]:.3f}", flush=True)
-        rows.append((kind, ours, dry, ratios, cpu, cpu_all))
+        rows.append((kind, ours, dry, ratios, waits, cpu, cpu_all))
     print(
         f"\n{args.rounds} alternating rounds, {args.steps} steps of {args.step_ms:g} ms, {args.workers} workers, "
         f"batch {BATCH}: median (min-max)\n"
     )
-    print("| data | samples/s | dry run samples/s | ratio | trainer CPU us/batch | with workers CPU us/batch |")
-    print("|---|---|---|---|---|---|")
-    for kind, ours, dry, ratios, cpu, cpu_all in rows:
+    print(
+        "| data | samples/s | dry run samples/s | ratio | in next() us/batch | trainer CPU us/batch "
+        "| with workers CPU us/batch |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for kind, ours, dry, ratios, waits, cpu, cpu_all in rows:
         print(
             f"| {kind} | {spread(ours, '.0f')} | {spread(dry, '.0f')} | {spread(ratios, '.3f')} "
-            f"| {spread(cpu, '.0f')} | {spread(cpu_all, '.0f')} |"
+            f"| {spread(waits, '.0f')} | {spread(cpu, '.0f')} | {spread(cpu_all, '.0f')} |"
         )
+    print("\nin next(): the loop's wait for each batch, what the loader adds to the step (the rest of a ratio")
+    print("below 1 is the step's own overrun: a sleep that wakes late on a loaded machine, in both loops).")
 
 
 if __name__ == "__main__":
