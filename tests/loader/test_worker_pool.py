@@ -120,33 +120,31 @@ def test_a_loop_that_keeps_every_batch_gets_them_all(docs):
     assert all(a["input_ids"].equal(b) for a, b in zip(kept, reference, strict=True))
 
 
-def _brief(sample, rng):
-    time.sleep(0.0001)
-    return sample
+def test_a_worker_sends_a_run_of_batches_per_message():
+    """Batches built quickly go out a run per message (1, 2, 4, then up to RUN_BATCHES), not one each."""
+    import multiprocessing.connection
+    import socket
+    from multiprocessing.reduction import recv_handle
 
+    from tierflow.loader._collate import CarriedBatch
+    from tierflow.loader.workers import _Ring
 
-def test_workers_behind_the_loop_send_runs_of_batches_in_one_message(docs, monkeypatch):
-    """Workers slower than the loop send a run of batches per message, not one message per batch."""
-    from tierflow.loader.workers import PoolIterator
-
-    messages = []
-    receive = PoolIterator._receive
-
-    def counted(self, worker):
-        message = receive(self, worker)
-        messages.append(message[0])
-        return message
-
-    monkeypatch.setattr(PoolIterator, "_receive", counted)
-
-    def dataset():
-        return TieredDataset(str(docs), BatchSpec(batch_size=8, batcher=Samples(), transform=_brief))
-
-    reference = [b["id"] for b in islice(Loader(dataset(), device="cpu", endless=True), 200)]
-    with Loader(dataset(), device="cpu", num_workers=2, background=False, endless=True) as loader:
-        got = [batch["id"].clone() for batch in islice(loader, 200)]
-    assert all(a.equal(b) for a, b in zip(got, reference, strict=True))
-    assert len([m for m in messages if m != "arena"]) < 200 / 2, messages
+    ours, theirs = socket.socketpair()
+    trainer = multiprocessing.connection.Connection(ours.detach())
+    ring = _Ring(multiprocessing.connection.Connection(theirs.detach()), slots=40, hold=4)
+    for n in range(30):
+        ring.put(CarriedBatch({"x": np.full(8, n)}, None))
+    ring.flush()
+    sizes = []
+    while trainer.poll(0.5) and sum(sizes) < 30:
+        message = trainer.recv()
+        if message[0] == "arena":
+            os.close(recv_handle(trainer))
+        else:
+            sizes.append(len(message[1]))
+    assert sum(sizes) == 30 and sizes[0] == 1 and len(sizes) < 30 / 2, sizes
+    ring.connection.close()
+    trainer.close()
 
 
 def _slow(sample, rng):

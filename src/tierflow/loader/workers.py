@@ -54,9 +54,11 @@ waited for slots ~0.9 s of a 2.6 s epoch, with 16 about half that."""
 MAX_SLOTS = 64
 RUN_BATCHES = 8
 """The most batches one message carries (a worker's run)."""
-RUN_SECONDS = 0.005
+RUN_SECONDS = 0.001
 """A run goes out once its first batch has waited this long, and a batch that took this long to
-build goes out at once: where batches are slow to build the loop gets each as soon as it is built."""
+build goes out at once: where batches are slow to build the loop gets each as soon as it is built,
+and a worker's batches held back for a run do not leave the loop waiting while the other worker's
+ring fills (text, 2 workers, with 5 ms: ~0.8x the samples/s)."""
 STOP_SECONDS = 2.0
 """How long `close()` waits for the workers to stop before killing them."""
 QUIT_SECONDS = 0.25
