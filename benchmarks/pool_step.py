@@ -5,7 +5,7 @@ default), alternating rounds, median (min-max) of the ratio; the loader's CPU pe
 (the trainer alone and the trainer with its workers), which on a 2-core machine competes with the
 step's own process, and the loop's wait in next() per batch.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/pool_step.py [--tokens DIR] [--text DIR] [--rounds 3]
+    PYTHONPATH=src .venv/bin/python benchmarks/pool_step.py [--work DIR | --tokens DIR --text DIR] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -60,13 +61,17 @@ def _stepped(batches: Any, steps: int, step_s: float) -> tuple[float, float, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="/tmp/tierflow-peers/full/data/tierflow-tokens")
-    parser.add_argument("--text", default="/tmp/tierflow-peers/full/data/tierflow-docs")
+    parser.add_argument("--work", default="/tmp/tierflow-peers/full", help="peers/run.py's --work/full (its data/)")
+    parser.add_argument("--tokens", help="a packed token dataset (default: the peers' under --work)")
+    parser.add_argument("--text", help="a packed text dataset (default: the peers' under --work)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    data = Path(args.work) / "data"
+    args.tokens = args.tokens or str(data / "tierflow-tokens")
+    args.text = args.text or str(data / "tierflow-docs")
     step_s = args.step_ms / 1e3
     rows = []
     for kind, path in (("tokens", args.tokens), ("text", args.text)):
