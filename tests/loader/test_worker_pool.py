@@ -120,6 +120,58 @@ def test_a_loop_that_keeps_every_batch_gets_them_all(docs):
     assert all(a["input_ids"].equal(b) for a, b in zip(kept, reference, strict=True))
 
 
+def test_a_worker_sends_a_run_of_batches_per_message():
+    """Batches built quickly go out a run per message (1, 2, 4, then up to RUN_BATCHES), not one each."""
+    import multiprocessing.connection
+    import socket
+    from multiprocessing.reduction import recv_handle
+
+    from tierflow.loader._collate import CarriedBatch
+    from tierflow.loader.workers import _Ring
+
+    ours, theirs = socket.socketpair()
+    trainer = multiprocessing.connection.Connection(ours.detach())
+    ring = _Ring(multiprocessing.connection.Connection(theirs.detach()), slots=40, hold=4)
+    for n in range(30):
+        ring.put(CarriedBatch({"x": np.full(8, n)}, None))
+    ring.flush()
+    sizes = []
+    while trainer.poll(0.5) and sum(sizes) < 30:
+        message = trainer.recv()
+        if message[0] == "arena":
+            os.close(recv_handle(trainer))
+        else:
+            sizes.append(len(message[1]))
+    assert sum(sizes) == 30 and sizes[0] == 1 and len(sizes) < 30 / 2, sizes
+    ring.connection.close()
+    trainer.close()
+
+
+def _slow(sample, rng):
+    time.sleep(0.002)
+    return sample
+
+
+def test_batches_slow_to_build_each_go_out_as_soon_as_built(docs, monkeypatch):
+    """A worker does not hold a built batch back for a run while it builds the next slow one."""
+    from tierflow.loader.workers import PoolIterator
+
+    sizes = []
+    receive = PoolIterator._receive
+
+    def counted(self, worker):
+        message = receive(self, worker)
+        if message[0] == "batches":
+            sizes.append(len(message[1]))
+        return message
+
+    monkeypatch.setattr(PoolIterator, "_receive", counted)
+    ds = TieredDataset(str(docs), BatchSpec(batch_size=8, batcher=Samples(), transform=_slow))
+    with Loader(ds, device="cpu", num_workers=1, background=False, endless=True) as loader:
+        assert len(list(islice(loader, 12))) == 12
+    assert set(sizes) == {1}, sizes
+
+
 def test_a_killed_worker_is_named_in_the_error(docs):
     loader = Loader(_windows(docs), device="cpu", num_workers=2, endless=True)
     with pytest.raises(WorkerLostError, match=r"tierflow worker 1 of 2 \(pid \d+\) was killed by signal SIGKILL"):
