@@ -652,6 +652,38 @@ def test_a_narrowed_first_epoch_holds_fewer_decoded_blocks_and_widens_with_the_n
     assert first.meta.epoch == 1 and resumed._open().dataset.source.cache.max_bytes == wide
 
 
+def test_epoch_0s_bound_counts_mean_shards_and_the_two_largest_not_the_largest_shards(tmp_path):
+    """A few shards far larger than the rest (long documents) no longer count as if each of epoch 0's
+    lanes read one like them: the bound is that many mean shards plus room for the two largest, and
+    epoch 0 still decodes each block about once (with room for the largest alone it read 3x the blocks)."""
+    from tierflow.loader.dataset import shard_column
+    from tierflow.order.working_set import working_set_bytes
+
+    rng = np.random.default_rng(5)
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(4000):
+            n = 1_500_000 if i % 1000 == 500 else int(rng.integers(1500, 3500))
+            f.write(json.dumps({"id": i, "text": "ab" * (n // 2)}) + "\n")
+    tierflow.pack(
+        [tmp_path / "docs.jsonl"], tmp_path / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10
+    )
+    ds = TieredDataset(tmp_path / "ds", BatchSpec(batch_size=8, seq_len=2048), OrderSpec(seed=3))
+    assert ds.order.first_epoch is not None
+    sizes = shard_column(ds.manifest, "decoded_bytes")
+    shards = min(ds.working_set.lanes, 2 * ds.order.first_epoch[0]) * ds.order.first_epoch[1]
+    assert np.max(sizes) > 5 * np.mean(sizes)
+    assert (
+        ds.decoded_bound(0) <= shards * np.mean(sizes) + working_set_bytes(1, sizes) < working_set_bytes(shards, sizes)
+    )
+    source = ds._open().dataset.source
+    for batch in ds:
+        if batch.meta.epoch > 0:
+            break
+        assert source.cache.bytes <= ds.decoded_bound(0)
+        read_in_epoch_0 = source.blocks_read
+    assert read_in_epoch_0 <= 1.1 * sum(len(s.blocks) for s in ds.manifest.shards)
+
+
 # -- token budget ----------------------------------------------------------------------------
 
 

@@ -303,9 +303,15 @@ class TieredDataset(IterableDataset):
         sizes: Any = shard_column(self.manifest, "decoded_bytes")
         order = self.order
         lanes, window = self.working_set.lanes, self.working_set.window_shards
+        windows = working_set_bytes(lanes * window, sizes)
         if epoch == 0 and order.first_epoch is not None:
             lanes, window = min(lanes, 2 * order.first_epoch[0]), order.first_epoch[1]
-        windows = working_set_bytes(lanes * window, sizes)
+            # two groups of lanes count only at a hand-over, and their shards are dealt at random: mean
+            # shards, with room for the two largest at once (the largest shards, as wider epochs count,
+            # held ~1.5x what epoch 0 of the peers' token corpus reads at once, its largest shard 9x its
+            # mean; the largest one alone as the headroom re-decoded blocks where a few shards dwarf the rest)
+            shards = lanes * window
+            windows = min(working_set_bytes(shards, sizes), int(shards * np.mean(sizes)) + working_set_bytes(1, sizes))
         if not (order.shuffle and order.group_bytes) or order.block_bytes is None or not len(order.block_bytes):
             return windows
         # a group is never cut smaller than its shard's largest block, nor its floor of samples; the
