@@ -334,3 +334,38 @@ def test_start_prefetch_starts_the_forkserver_with_torch_already_imported(docs: 
     finally:
         child.kill()
         child.wait()
+
+
+FORK_AFTER_A_DROPPED_RING = """
+import gc, os
+from tierflow.loader.ring import Arena, anonymous_memory
+
+gc.disable()
+class Cycle:
+    pass
+dropped = Cycle()
+dropped.me, dropped.arena = dropped, Arena(anonymous_memory(16 << 16), 16, 1 << 16, 0)
+dropped.view = dropped.arena.slot(0)
+del dropped  # the training process's ring of an ended pool, left for the cycle collector
+pid = os.fork()
+if pid == 0:
+    ring = Arena(anonymous_memory(16 << 16), 16, 1 << 16, 0)  # a new worker's ring
+    ring.slot(1)[:] = 1
+    gc.collect()
+    ring.slot(1)[:] = 2
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_worker_collecting_an_inherited_ring_keeps_its_own():
+    """A ring mapped MADV_DONTFORK is not in a forked worker, but its Python object is: when the
+    worker's cycle collector freed it, munmap removed the worker's own ring mapped since at that
+    address, and the worker died of SIGSEGV (an intermittent WorkerLostError under load)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_AFTER_A_DROPPED_RING], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0", f"the forked worker ended by signal/status {done.stdout.strip()}"

@@ -52,13 +52,14 @@ def anonymous_memory(nbytes: int) -> int:
 class Arena:
     """`slots` slots of `slot_bytes` each in one shared mapping of `fd` (the caller keeps `fd`)."""
 
-    def __init__(self, fd: int, slots: int, slot_bytes: int, generation: int, *, reader: bool) -> None:
+    def __init__(self, fd: int, slots: int, slot_bytes: int, generation: int) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.generation = generation
+        # Not MADV_DONTFORK, though a worker forked later then keeps these pages until it ends: a
+        # forked child still inherits this object, and when its cycle collector frees it, munmap
+        # would remove whatever the child had mapped since at the same address (its own ring).
         self.map = mmap.mmap(fd, slots * slot_bytes)
-        if reader and hasattr(mmap, "MADV_DONTFORK"):
-            self.map.madvise(mmap.MADV_DONTFORK)  # a worker forked later must not keep these pages alive
         self._whole = np.frombuffer(self.map, dtype=np.uint8)
 
     @staticmethod

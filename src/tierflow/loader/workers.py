@@ -249,7 +249,7 @@ class PoolIterator:
                 _, generation, slots, slot_bytes = message
                 fd = recv_handle(channel.connection)
                 try:
-                    self._arenas[worker] = Arena(fd, slots, slot_bytes, generation, reader=True)
+                    self._arenas[worker] = Arena(fd, slots, slot_bytes, generation)
                 finally:
                     os.close(fd)
                 continue
@@ -393,7 +393,7 @@ class _Ring:
         slots = max(self.least_slots, min(MAX_SLOTS, RING_BYTES // slot_bytes))
         fd = anonymous_memory(slots * slot_bytes)
         try:
-            self.arena = Arena(fd, slots, slot_bytes, generation, reader=False)
+            self.arena = Arena(fd, slots, slot_bytes, generation)
             self.connection.send(("arena", generation, slots, slot_bytes))
             send_handle(self.connection, fd, os.getppid())
         finally:
