@@ -369,3 +369,37 @@ def test_a_forked_worker_collecting_an_inherited_ring_keeps_its_own():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0", f"the forked worker ended by signal/status {done.stdout.strip()}"
+
+
+def test_views_of_one_window_buffer_come_out_of_the_ring_as_views_of_one_array():
+    """`input_ids` and `labels` of a worker's window buffer widen once in the device feed, as they do
+    without workers, and the slot stays the loop's while either view lives."""
+    import gc
+    import weakref
+
+    from tierflow.loader.device_feed_tensors import widen_numpy
+    from tierflow.loader.ring import Arena, anonymous_memory, lay_out, view_batch
+
+    windows = np.arange(4 * 9, dtype=np.uint16).reshape(4, 9)
+    data = {"input_ids": windows[:, :-1], "labels": windows[:, 1:], "text": ["a", "bé"], "n": 3}
+    placed, layout, rest, _ = lay_out(data)
+    arena = Arena(anonymous_memory(2 << 16), 2, 1 << 16, 0)
+    arena.write(0, placed)
+    slot = arena.slot(0)
+    returned: list[int] = []
+    weakref.finalize(slot, returned.append, 0)
+    batch = view_batch(slot, layout, rest, list(data))
+    del slot
+    assert batch["text"] == ["a", "bé"] and batch["n"] == 3
+    owners: dict = {}
+    ids, made = widen_numpy(batch["input_ids"], np.dtype(np.int64), owners)
+    labels, again = widen_numpy(batch["labels"], np.dtype(np.int64), owners)
+    assert (ids == windows[:, :-1]).all() and (labels == windows[:, 1:]).all()
+    assert made == windows.size * 8 and again == 0
+    kept = batch["labels"]
+    del batch, ids, labels, owners
+    gc.collect()
+    assert returned == [] and (kept == windows[:, 1:]).all()
+    del kept
+    gc.collect()
+    assert returned == [0]

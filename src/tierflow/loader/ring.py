@@ -31,9 +31,10 @@ SLOT_HEADROOM = 1.25
 """A new arena's slots hold its first batch this many times over, so a slightly larger later batch
 (a longer padded shape) still fits; a batch that does not fit makes a new arena."""
 
-Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int], ...]
-"""Per array: (key, dtype, shape, strides, start in the slot); a text column's dtype is "str" or
-"bytes", its shape (rows,), and it starts at its offsets (int64, rows + 1) followed by its bytes."""
+Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int, int, int], ...]
+"""Per array: (key, dtype, shape, strides, start in the slot, and the start and bytes of the buffer
+it views); a text column's dtype is "str" or "bytes", its shape (rows,), and it starts at its
+offsets (int64, rows + 1) followed by its bytes."""
 _TEXT: dict[type, str] = {str: "str", bytes: "bytes"}
 
 
@@ -86,7 +87,7 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
     """(buffers and their starts, layout, other values, bytes): every numeric array of `data` placed
     in one slot, each owning buffer once however many views of it there are."""
     placed: dict[int, tuple[np.ndarray, int]] = {}
-    layout: list[tuple[str, str, tuple[int, ...], tuple[int, ...], int]] = []
+    layout: list[tuple[str, str, tuple[int, ...], tuple[int, ...], int, int, int]] = []
     rest: dict[str, Any] = {}
     size = 0
     for name, value in data.items():
@@ -100,7 +101,7 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
             size = -(-size // _ALIGN) * _ALIGN
             placed[id(offsets)] = (offsets, size)
             placed[id(blob)] = (blob, size + offsets.nbytes)
-            layout.append((name, kind, (len(value),), (), size))
+            layout.append((name, kind, (len(value),), (), size, size, 0))
             size += offsets.nbytes + blob.nbytes
             continue
         array, base = placeable(array)
@@ -110,20 +111,30 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
             found = placed[id(base)] = (base, size)
             size += base.nbytes
         start = found[1] + _address(array) - _address(base)
-        layout.append((name, array.dtype.str, array.shape, array.strides, start))
+        layout.append((name, array.dtype.str, array.shape, array.strides, start, found[1], base.nbytes))
     return list(placed.values()), tuple(layout), rest, size
 
 
 def view_batch(
     slot: np.ndarray, layout: Layout, rest: Mapping[str, Any], keys: Sequence[str], copy: bool = False
 ) -> dict[str, Any]:
-    """The batch `write`/`lay_out` put in `slot`: numpy views of it (copies with `copy`), in key order."""
+    """The batch `write`/`lay_out` put in `slot`: numpy views of it (copies with `copy`), in key order.
+    Views of one buffer in the worker (`input_ids` and `labels` of a window buffer) are views of one
+    array of their dtype here too, which owns no other memory, so the device feed widens it once."""
     values: dict[str, Any] = dict(rest)
-    for name, dtype_str, shape, strides, start in layout:
+    roots: dict[tuple[int, str], np.ndarray] = {}
+    for name, dtype_str, shape, strides, start, base_start, base_bytes in layout:
         if dtype_str in ("str", "bytes"):
             values[name] = _read_text(slot, dtype_str, shape[0], start)
             continue
-        array = np.ndarray(shape, dtype=_dtype(dtype_str), buffer=slot, offset=start, strides=strides)
+        dtype = _dtype(dtype_str)
+        root = roots.get((base_start, dtype_str))
+        if root is None and base_bytes % dtype.itemsize == 0:  # of a memoryview: it keeps the slot alive
+            root = roots[base_start, dtype_str] = np.frombuffer(slot.data[base_start : base_start + base_bytes], dtype)
+        if root is None:
+            array = np.ndarray(shape, dtype=dtype, buffer=slot, offset=start, strides=strides)
+        else:
+            array = np.ndarray(shape, dtype=dtype, buffer=root, offset=start - base_start, strides=strides)
         values[name] = array.copy() if copy else array
     return {key: values[key] for key in keys}
 
