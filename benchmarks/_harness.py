@@ -39,6 +39,22 @@ def spread(values: Iterable[float | None], fmt: str = ".1f", scale: float = 1.0)
     return mid if found[1] == found[2] else f"{mid} ({low}-{high})"
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every process under it, now (a loader's
+    workers included while they run: their CPU is gone once they exit)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def round_order(round_number: int, items: Sequence[T]) -> Sequence[T]:
     """`items` in the order round `round_number` measures them: reversed every other round, so a
     drift in the machine's load (or a cache warmed by the one before) favours none of them."""

@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 
 import tierflow
-from _harness import round_order, spread
+from _harness import round_order, spread, tree_cpu_s
 
 BATCH = 8
 SEQ_LEN = 2048
@@ -30,25 +29,13 @@ def _loader(path: str, kind: str, workers: int) -> Any:
     return tierflow.open_loader(path, batch_size=BATCH, num_workers=workers, seed=17, endless=True, **shape)
 
 
-def _tree_cpu_s() -> float:
-    me = psutil.Process()
-    total = 0.0
-    for process in [me, *me.children(recursive=True)]:
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
 def _stepped(batches: Any, steps: int, step_s: float) -> tuple[float, float, float, float]:
     """(samples/s, trainer CPU s, trainer + workers CPU s, seconds waited in next()) of `steps` steps
     after the first batch."""
     iterator = iter(batches)
     next(iterator)
     clock = time.perf_counter
-    start, cpu, cpu_all = clock(), time.process_time(), _tree_cpu_s()
+    start, cpu, cpu_all = clock(), time.process_time(), tree_cpu_s()
     samples, waited = 0, 0.0
     for _ in range(steps):
         asked = clock()
@@ -56,7 +43,7 @@ def _stepped(batches: Any, steps: int, step_s: float) -> tuple[float, float, flo
         waited += clock() - asked
         time.sleep(step_s)
         samples += len(batch["mask"])
-    return samples / (clock() - start), time.process_time() - cpu, _tree_cpu_s() - cpu_all, waited
+    return samples / (clock() - start), time.process_time() - cpu, tree_cpu_s() - cpu_all, waited
 
 
 def main() -> None:

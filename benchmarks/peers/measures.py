@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _harness import tree_cpu_s
 from systems import SYSTEMS
 
 
@@ -193,13 +194,13 @@ def raw(system: str, kind: str, data: str, workers: int, seed: int, hold_s: floa
     first = time.perf_counter() - began
     first_samples = impl.raw_count(first_batch)
     samples = batches = 0
-    start, cpu, cpu_all = time.perf_counter(), time.process_time(), _tree_cpu_s()
+    start, cpu, cpu_all = time.perf_counter(), time.process_time(), tree_cpu_s()
     for batch in iterator:
         samples += impl.raw_count(batch)
         batches += 1
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu  # this process's threads only (the whole reader in the main-process rows)
-    cpu_all = _tree_cpu_s() - cpu_all  # with its workers, still running (their CPU is gone once they exit)
+    cpu_all = tree_cpu_s() - cpu_all  # with its workers, still running (their CPU is gone once they exit)
     time.sleep(hold_s)
     return {
         "samples_per_s": samples / seconds if seconds > 0 else 0.0,
@@ -212,21 +213,6 @@ def raw(system: str, kind: str, data: str, workers: int, seed: int, hold_s: floa
         "open_s": opened,
         "batch_type": type(first_batch).__name__,
     }
-
-
-def _tree_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and every process under it, now."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for process in [me, *me.children(recursive=True)]:
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def state(system: str, data: str, cache: str, fraction: float, out: str) -> dict[str, Any]:
