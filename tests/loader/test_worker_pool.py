@@ -403,3 +403,28 @@ def test_views_of_one_window_buffer_come_out_of_the_ring_as_views_of_one_array()
     del kept
     gc.collect()
     assert returned == [0]
+
+
+@pytest.mark.slow
+def test_text_goes_through_the_ring_as_utf8_and_arrives_as_the_main_process_reads_it(tmp_path):
+    """A worker hands a string column to its ring as views of the block's UTF-8 bytes (no decode and
+    encode between), and the loop gets the same strings, nulls and order as without workers."""
+    source = tmp_path / "docs.jsonl"
+    with open(source, "w") as f:
+        for i in range(4000):
+            text = None if i >= 3600 and i % 97 == 5 else "é" * (i % 7) + f"document {i} " + "x" * (i % 300)
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
+    data = tmp_path / "docs"
+    tierflow.pack([str(source)], str(data), workers=1, target_shard_bytes=256 << 10)
+
+    def batches(workers: int) -> list[tuple[list, list]]:
+        with tierflow.open_loader(str(data), batch_size=8, num_workers=workers, seed=3) as loader:
+            return [(list(b["text"]), [int(x) for x in b["id"]]) for b in loader]
+
+    alone, pooled = batches(0), batches(2)
+    assert pooled == alone and len(alone) == 500
+    assert any(None in texts for texts, _ in alone)
+    assert all(type(t) is str for texts, _ in pooled for t in texts if t is not None)
+    ds = TieredDataset(str(data), BatchSpec(batch_size=8, batcher=Samples()))
+    sent = [t for b in islice(ds.worker_batches(0, 2, text_views=True), 50) for t in b.data["text"]]
+    assert any(type(t) is memoryview for t in sent)  # from the blocks without nulls

@@ -35,7 +35,7 @@ class _Views:
     __slots__ = ("getters", "parts")
 
     def __init__(self) -> None:
-        self.getters: dict[str, Callable[[int], Any]] = {}
+        self.getters: dict[str | tuple[str, bool], Callable[[int], Any]] = {}
         self.parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # offsets, values, values[offsets[0]:]
 
 
@@ -69,14 +69,27 @@ class ShardTable:
     def block_rows(self, block: int) -> int:
         return int(self.row_starts[block + 1] - self.row_starts[block])
 
-    def getter(self, block: int, name: str) -> Callable[[int], Any]:
-        """Row -> value of column `name` in one block (None for a column the shard lacks)."""
+    def getter(self, block: int, name: str, text_views: bool = False) -> Callable[[int], Any]:
+        """Row -> value of column `name` in one block (None for a column the shard lacks). With
+        `text_views`, a string column without nulls gives each value as a memoryview of its UTF-8
+        bytes in the block, not decoded: what a worker writes into its ring as it is."""
         decoded, views = self._slot(block)
-        g = views.getters.get(name)
+        key = (name, True) if text_views else name
+        g = views.getters.get(key)
         if g is None:
             idx = decoded.schema.get_field_index(name)
-            g = _null_getter if idx < 0 else _column_getter(decoded.column(idx))
-            views.getters[name] = g
+            column = decoded.column(idx) if idx >= 0 else None
+            if column is None:
+                g = _null_getter
+            elif (
+                text_views
+                and (pat.is_string(column.type) or pat.is_large_string(column.type))
+                and not column.null_count
+            ):
+                g = _utf8_getter(column)
+            else:
+                g = self.getter(block, name) if text_views else _column_getter(column)
+            views.getters[key] = g
         return g
 
     def _parts(self, block: int, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -414,6 +427,15 @@ def _validity(arr: pa.Array) -> np.ndarray:
     bitmap = arr.buffers()[0]
     bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
     return bits[arr.offset : arr.offset + len(arr)].view(np.bool_)
+
+
+def _utf8_getter(arr: pa.Array) -> Callable[[int], memoryview]:
+    """Row -> its value's UTF-8 bytes in the block (a string array without nulls), not decoded."""
+    off_type = np.int64 if pat.is_large_string(arr.type) else np.int32
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset : arr.offset + len(arr) + 1]
+    data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+    return lambda r: data[offsets[r] : offsets[r + 1]]
 
 
 def _column_getter(arr: pa.Array) -> Callable[[int], Any]:

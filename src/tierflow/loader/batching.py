@@ -58,6 +58,10 @@ class SampleContext:
     registry: MetricsRegistry = field(default_factory=MetricsRegistry)
     narrow: bool = False
     """Whether the decoded-block cache is bounded by epoch 0's narrower reading (TieredDataset widens it)."""
+    text_views: bool = False
+    """Whether `Samples` gives string columns as memoryviews of their UTF-8 bytes (a worker of the
+    Loader's pool, with no filter, transform or collate: its ring carries the bytes as they are and
+    the training process makes the strings, so they are not decoded and encoded again in between)."""
 
 
 def reading_registry(dataset: Dataset) -> MetricsRegistry:
@@ -159,7 +163,7 @@ class SortedGroups(ByPosition):
         return order[selection.part * size : (selection.part + 1) * size]
 
 
-def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
+def _rows(ctx: SampleContext, ids: np.ndarray, text_views: bool = False) -> list[dict[str, Any]]:
     """`ctx.dataset[i]` of each id, located with one index lookup for the batch; each shard opened
     and each block's getters taken once per batch, not per sample."""
     dataset = ctx.dataset
@@ -167,11 +171,11 @@ def _rows(ctx: SampleContext, ids: np.ndarray) -> list[dict[str, Any]]:
     if not ids.size or int(ids.min()) < 0 or int(ids.max()) >= len(dataset):
         return [dataset[int(i)] for i in ids]  # what a single read says of an id outside the dataset
     shards, blocks, rows = dataset.index.locate_samples(ids)
-    return [{name: get(row) for name, get in found} for found, row in _getters(ctx, shards, blocks, rows)]
+    return [{name: get(row) for name, get in found} for found, row in _getters(ctx, shards, blocks, rows, text_views)]
 
 
 def _getters(
-    ctx: SampleContext, shards: np.ndarray, blocks: np.ndarray, rows: np.ndarray
+    ctx: SampleContext, shards: np.ndarray, blocks: np.ndarray, rows: np.ndarray, text_views: bool = False
 ) -> list[tuple[list[tuple[str, Callable[[int], Any]]], int]]:
     """(the column getters of its block, its row) of each located sample; each shard opened and each
     block's getters taken once per call."""
@@ -186,7 +190,7 @@ def _getters(
             table = tables.get(shard)
             if table is None:
                 table = tables[shard] = dataset.shard(shard)
-            found = getters[(shard, block)] = [(name, table.getter(block, name)) for name in columns]
+            found = getters[(shard, block)] = [(name, table.getter(block, name, text_views)) for name in columns]
         out.append((found, row))
     return out
 
@@ -247,7 +251,8 @@ class Samples(ByPosition):
         kept: list[int] = []
         samples = []
         filtered = 0
-        for k, (sample_id, epoch, sample) in enumerate(zip(ids.tolist(), epochs.tolist(), _rows(ctx, ids))):
+        views = ctx.text_views and ctx.filter is None and ctx.transform is None and ctx.collate is None
+        for k, (sample_id, epoch, sample) in enumerate(zip(ids.tolist(), epochs.tolist(), _rows(ctx, ids, views))):
             if ctx.filter is not None and not ctx.filter(sample):
                 filtered += 1
                 continue

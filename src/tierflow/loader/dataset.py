@@ -365,10 +365,14 @@ class TieredDataset(IterableDataset):
         plan = self.batcher.plan(ctx, self.stream(), self._resume)
         return main_process_batches(self, ctx, plan)  # runs of batches read as one where they can be (runs.py)
 
-    def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
+    def worker_batches(
+        self, worker: int, workers: int, *, compact: bool = False, text_views: bool = False
+    ) -> Iterator[CarriedBatch]:
         """The batches worker `worker` of `workers` builds (output batches n = worker mod workers), its
-        metrics riding in their meta (`_from_worker`); `compact`: their cursors travel unresolved."""
+        metrics riding in their meta (`_from_worker`); `compact`: their cursors travel unresolved;
+        `text_views`: string columns as UTF-8 views (`SampleContext.text_views`)."""
         ctx = self._open()
+        ctx.text_views = text_views
         stream = self.stream(worker, workers)
         stream.compact = compact
         plan = self.batcher.plan(ctx, stream, self._resume)

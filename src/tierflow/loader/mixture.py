@@ -256,8 +256,12 @@ class MixedDataset(IterableDataset):
         plan = self.batcher.plan(contexts[0], self.stream(), self._resume)
         return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
 
-    def worker_batches(self, worker: int, workers: int, *, compact: bool = False) -> Iterator[CarriedBatch]:
+    def worker_batches(
+        self, worker: int, workers: int, *, compact: bool = False, text_views: bool = False
+    ) -> Iterator[CarriedBatch]:
         contexts = self._contexts()
+        for ctx in contexts:
+            ctx.text_views = text_views
         stream = self.stream(worker, workers)
         stream.compact = compact
         plan = self.batcher.plan(contexts[0], stream, self._resume)

@@ -140,13 +140,21 @@ def view_batch(
 
 
 def _text_column(value: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
-    """("str" or "bytes", offsets, bytes) of a list of strings or of bytes, else None."""
+    """("str" or "bytes", offsets, bytes) of a list of strings or of bytes (or of memoryviews of UTF-8
+    bytes: `SampleContext.text_views`), else None."""
     if type(value) is not list or not value:
         return None
-    kind = _TEXT.get(type(value[0]))
-    if kind is None or any(type(v) is not type(value[0]) for v in value):
-        return None
-    encoded = [v.encode() for v in value] if kind == "str" else value
+    kind: str | None
+    if any(type(v) is memoryview for v in value):
+        if not all(type(v) is memoryview for v in value):  # beside a block's nulls: decoded, then as any column
+            value[:] = [str(v, "utf-8") if type(v) is memoryview else v for v in value]
+            return _text_column(value)
+        kind, encoded = "str", value
+    else:
+        kind = _TEXT.get(type(value[0]))
+        if kind is None or any(type(v) is not type(value[0]) for v in value):
+            return None
+        encoded = [v.encode() for v in value] if kind == "str" else value
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
     return kind, offsets, np.frombuffer(b"".join(encoded), dtype=np.uint8)

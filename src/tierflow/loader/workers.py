@@ -440,7 +440,7 @@ def _work(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training loop's to handle
     ring = _Ring(connection, slots, hold)
     try:
-        batches: Iterator[CarriedBatch] = dataset.worker_batches(worker, workers, compact=True)
+        batches: Iterator[CarriedBatch] = dataset.worker_batches(worker, workers, compact=True, text_views=True)
         if timed:
             batches = time_batches(dataset, batches)
         for batch in batches:
