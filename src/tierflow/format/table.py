@@ -429,12 +429,17 @@ def _validity(arr: pa.Array) -> np.ndarray:
     return bits[arr.offset : arr.offset + len(arr)].view(np.bool_)
 
 
+def _binary_parts(arr: pa.Array) -> tuple[np.ndarray, memoryview]:
+    """(offsets of its rows, its bytes) of a string or binary array, as views of its buffers."""
+    large = pat.is_large_string(arr.type) or pat.is_large_binary(arr.type)
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int64 if large else np.int32)[arr.offset : arr.offset + len(arr) + 1]
+    return offsets, memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+
+
 def _utf8_getter(arr: pa.Array) -> Callable[[int], memoryview]:
     """Row -> its value's UTF-8 bytes in the block (a string array without nulls), not decoded."""
-    off_type = np.int64 if pat.is_large_string(arr.type) else np.int32
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset : arr.offset + len(arr) + 1]
-    data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+    offsets, data = _binary_parts(arr)
     return lambda r: data[offsets[r] : offsets[r + 1]]
 
 
@@ -461,10 +466,7 @@ def _column_getter(arr: pa.Array) -> Callable[[int], Any]:
         values = numpy_view(arr.values)
         return guarded(lambda r: values[offsets[r] : offsets[r + 1]])
     if pat.is_string(t) or pat.is_binary(t) or pat.is_large_string(t) or pat.is_large_binary(t):
-        off_type = np.int64 if (pat.is_large_string(t) or pat.is_large_binary(t)) else np.int32
-        bufs = arr.buffers()
-        offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset : arr.offset + len(arr) + 1]
-        data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+        offsets, data = _binary_parts(arr)
         if pat.is_string(t) or pat.is_large_string(t):
             return guarded(lambda r: str(data[offsets[r] : offsets[r + 1]], "utf-8"))  # one pass, no bytes copy
         return guarded(lambda r: bytes(data[offsets[r] : offsets[r + 1]]))
