@@ -97,7 +97,7 @@ def reference(
     return out
 
 
-def run(script: str, config: dict[str, Any], *, torchrun: int | None = None, timeout: float = 240) -> None:
+def run(script: str, config: dict[str, Any], *, torchrun: int | None = None, timeout: float = 120) -> None:
     """Run tests/integrations/`script` with `config` (JSON) as its argument, in a new process (or
     `torchrun --nproc-per-node N`); fails with its output when it fails."""
     env = {
@@ -135,18 +135,68 @@ def run(script: str, config: dict[str, Any], *, torchrun: int | None = None, tim
         ]
     else:
         command = [sys.executable, str(HERE / script), json.dumps(config)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=config.get("cwd"))
-    if done.returncode != 0:
+    env["PYTHONFAULTHANDLER"] = "1"  # a run killed for its time prints every thread's stack
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=config.get("cwd"),
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _dump_and_kill(proc)
         raise AssertionError(
-            f"{script} {config} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-        )
+            f"{script} {config} still ran after {timeout} s; its threads' stacks:\n{out[-4000:]}\n{err[-24000:]}"
+        ) from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} {config} exited {proc.returncode}:\n{out[-4000:]}\n{err[-8000:]}")
+
+
+def _dump_and_kill(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGABRT to the run and every process under it (faulthandler prints each one's threads;
+    torchrun starts its workers in sessions of their own), then SIGKILL to what is left: a hung
+    run says where it hung and leaves no process behind."""
+    import signal
+
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for p in reversed(tree):  # the workers first: torchrun, aborted, would not wait on them
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=5)
+    return proc.communicate()
 
 
 def leave_process_group() -> None:
-    """End a torchrun child cleanly: a gloo group left to the interpreter's exit can abort it
-    ("terminate called without an active exception"), which reads as the framework failing."""
+    """End a torchrun child cleanly, called once the training objects are out of scope: a gloo
+    group left to the interpreter's exit can abort it ("terminate called without an active
+    exception"), which reads as the framework failing.
+
+    The DDP model is collected first, while the group is still registered. Its Reducer, freed
+    after `destroy_process_group`, would hold the group's last reference, and the group's
+    destructor then joins gloo's threads with the GIL held, which a thread still freeing a
+    finished collective's tensors waits for: a hang at exit, 1 run in ~30 on 2 busy cores
+    (torch issue 56297)."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
+    from torch.nn.parallel import DistributedDataParallel
+
+    alive = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+    assert not alive, f"a DDP model outlives the run ({len(alive)}): its Reducer would end the group"
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

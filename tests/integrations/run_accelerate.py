@@ -60,8 +60,8 @@ def main():
         progress.epoch += 1
     record.dump(f"{cfg['out']}.{accelerator.process_index}.json")
     loader.close()
-    leave_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave_process_group()  # main's trainer and DDP model freed first (harness.leave_process_group)

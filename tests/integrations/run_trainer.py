@@ -83,8 +83,8 @@ def main():
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     record.record.dump(f"{cfg['out']}.{rank}.json", global_step=trainer.state.global_step)
-    leave_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave_process_group()  # main's trainer and DDP model freed first (harness.leave_process_group)

@@ -29,14 +29,13 @@ def test_two_processes(corpus, tmp_path):
     """torchrun with 2 processes: each rank its own batches, every (sample, epoch) once; a resume
     from save_state in the second epoch gives each rank its own Loader state back."""
     base = {"data": corpus, "epochs": 2, "ckpt_dir": str(tmp_path)}
-    run("run_accelerate.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, torchrun=2, timeout=300)
+    run("run_accelerate.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, torchrun=2)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full)
     run(
         "run_accelerate.py",
         {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-70")},
         torchrun=2,
-        timeout=300,
     )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 70)

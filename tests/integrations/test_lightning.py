@@ -51,13 +51,12 @@ def test_ddp_two_gloo_processes(corpus, tmp_path):
     """strategy="ddp", 2 processes on CPU (gloo): 2 epochs, none empty, each (sample, epoch) once,
     and a resume from the .ckpt saved in the second epoch trains the rest exactly on both ranks."""
     base = {"data": corpus, "epochs": 2, "devices": 2, "ckpt_dir": str(tmp_path)}
-    run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, timeout=300)
+    run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]})
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full)
     run(
         "run_lightning.py",
         {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-70.ckpt")},
-        timeout=300,
     )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 70)
@@ -68,12 +67,11 @@ def test_ddp_token_budget_resumes_each_rank_from_its_own_state(corpus, tmp_path)
     """A token budget under strategy="ddp": each rank reads its own stream, whose state only it
     has; the .ckpt (written by rank 0) carries every rank's through LoaderStateCallback."""
     base = {"data": corpus, "max_steps": 90, "devices": 2, "ckpt_dir": str(tmp_path), "max_tokens": 16 * 128}
-    run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [40]}, timeout=300)
+    run("run_lightning.py", {**base, "out": str(tmp_path / "full"), "save_at": [40]})
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     run(
         "run_lightning.py",
         {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "step-40.ckpt")},
-        timeout=300,
     )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 40)

@@ -39,7 +39,6 @@ def test_fabric_ddp_two_processes(corpus, tmp_path):
     run(
         "run_litgpt.py",
         {"data": corpus, "iters": 100, "devices": 2, "out": str(tmp_path / "full"), "ckpt_dir": str(tmp_path)},
-        timeout=300,
     )
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full, epochs=None)

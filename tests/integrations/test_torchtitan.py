@@ -22,11 +22,11 @@ def test_dcp_checkpoint_two_dp_ranks(corpus, tmp_path, workers):
     if workers:  # the workers' run: the point in the second epoch (CI's time)
         at = at[-1:]
     base = {"data": corpus, "steps": 130, "workers": workers, "ckpt_dir": str(tmp_path)}
-    run("run_torchtitan.py", {**base, "out": str(tmp_path / "full"), "save_at": at}, torchrun=2, timeout=300)
+    run("run_torchtitan.py", {**base, "out": str(tmp_path / "full"), "save_at": at}, torchrun=2)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full, epochs=None, nodes=True)  # dp ranks: a node each (ranks_per_node=1)
     for step in at:
-        run("run_torchtitan.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": step}, torchrun=2, timeout=300)
+        run("run_torchtitan.py", {**base, "out": str(tmp_path / f"r{step}"), "resume": step}, torchrun=2)
         for rank in range(2):
             check_resumed(full[rank], load(tmp_path / f"r{step}.{rank}.json"), step)
 

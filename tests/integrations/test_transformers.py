@@ -118,14 +118,13 @@ def test_torchrun_two_processes(corpus, tmp_path):
     """The Trainer under torchrun with 2 processes: 2 epochs, none empty, each (sample, epoch)
     once across the ranks; resumed from checkpoint-N of the second epoch, the rest exactly."""
     base = {"data": corpus, "epochs": 2, "output_dir": str(tmp_path / "out")}
-    run("run_trainer.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, torchrun=2, timeout=300)
+    run("run_trainer.py", {**base, "out": str(tmp_path / "full"), "save_at": [70]}, torchrun=2)
     full = [load(tmp_path / f"full.{r}.json") for r in range(2)]
     check_uninterrupted(corpus, full)
     run(
         "run_trainer.py",
         {**base, "out": str(tmp_path / "resumed"), "resume": str(tmp_path / "out" / "checkpoint-70")},
         torchrun=2,
-        timeout=300,
     )
     for rank in range(2):
         check_resumed(full[rank], load(tmp_path / f"resumed.{rank}.json"), 70)
