@@ -7,6 +7,7 @@ is byte-identical whatever its number of workers.
 from __future__ import annotations
 
 import queue
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +34,9 @@ class _ShardInFlight:
     compress on another thread: the parent is no longer capped at one core of compression.
     The queue carries batches, then the shard's token count (close) or None (abort); it is
     bounded, so a writer slower than the workers holds them back instead of letting their
-    scratch files pile up.
+    scratch files pile up. A writer also ends, dropping its shard, once `stopped` is set: a Ctrl-C
+    can land between the thread's start and the assembler's note of it, and a writer waiting on a
+    queue no one holds would keep the interpreter from exiting.
     """
 
     def __init__(
@@ -43,9 +46,11 @@ class _ShardInFlight:
         schema: pa.Schema,
         compression: str,
         level: int | None,
-        token_column: str | None = None,
+        token_column: str | None,
+        stopped: threading.Event,
     ) -> None:
         self.batches: queue.Queue = queue.Queue(QUEUED_BATCHES)
+        self.stopped = stopped
         self.mark: Any = None
         """What `on_cut` said when this shard was cut, handed to `on_sealed` once it is written."""
         self.future = pool.submit(self._write, out, schema, compression, level, token_column)
@@ -67,7 +72,12 @@ class _ShardInFlight:
         writer = ShardWriter(out, schema, compression, level, token_column=token_column)
         try:
             while True:
-                item = self.batches.get()
+                try:
+                    item = self.batches.get(timeout=0.1)
+                except queue.Empty:
+                    if not self.stopped.is_set():
+                        continue
+                    item = None
                 if isinstance(item, pa.RecordBatch):
                     writer.write(item)
                 elif item is None:
@@ -122,6 +132,7 @@ class ShardAssembler:
         self._pool: ThreadPoolExecutor | None = None
         self._open: _ShardInFlight | None = None
         self._closing: deque[_ShardInFlight] = deque()
+        self._stopped = threading.Event()
 
     def add(self, batch: pa.RecordBatch) -> None:
         batch = self._conform(batch)
@@ -147,7 +158,7 @@ class ShardAssembler:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="tierflow-shard")
             self._open = _ShardInFlight(
-                self._pool, self.out, self.schema, self.compression, self.level, self.token_column
+                self._pool, self.out, self.schema, self.compression, self.level, self.token_column, self._stopped
             )
         self._open.put(batch)
         self.rows_appended += batch.num_rows
@@ -217,6 +228,7 @@ class ShardAssembler:
 
     def abort(self) -> None:
         """Drop the shard being assembled; shards that finished meanwhile join `shards` for the caller."""
+        self._stopped.set()
         if self._open is not None:
             try:
                 self._open.put(None)

@@ -11,6 +11,9 @@ workers: tierflow._lifetime.
 from __future__ import annotations
 
 import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tierflow import _lifetime
 from tierflow._lifetime import request_parent_death_signal as _request_parent_death_signal  # noqa: F401
@@ -26,4 +29,26 @@ def die_with_parent(parent: int) -> None:
     _lifetime.die_with_parent(parent)
 
 
-__all__ = ["die_with_parent"]
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C while the pool forks its workers, and raise it after.
+
+    Python runs the at-fork callbacks (logging's lock release among them) in the parent; a
+    KeyboardInterrupt raised inside one is printed as "Exception ignored" and lost, and the pack
+    then ran to its end and exited 0 (1 in ~30 runs of a Ctrl-C at the pack's start). Caught
+    here, it is only recorded, and sent again once the fork is done. Off the main thread (no handler
+    can be set there) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)  # to the handler it was meant for
+
+
+__all__ = ["die_with_parent", "interrupts_held"]

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierflow.pack._media import has_images
-from tierflow.pack._workers import die_with_parent
+from tierflow.pack._workers import die_with_parent, interrupts_held
 from tierflow.pack.sources import length_histogram, read_unit, rows_to_batch
 from tierflow.pack.tokenize import PackInputError, make_tokenizer, token_dtype
 from tierflow.pack.units import SourceOptions, Unit, UnitStats
@@ -206,6 +206,11 @@ def run_units(units: Iterable[Unit], config: PackConfig, workers: int, consume: 
     ) as pool:  # no orphans if this process is killed
         window: deque[Future] = deque()
         try:
+            units = iter(units)
+            with interrupts_held():  # the first submit forks the workers
+                first = next(units, None)
+                if first is not None:
+                    window.append(pool.submit(_pack_unit_in_worker, first, config))
             for unit in units:
                 window.append(pool.submit(_pack_unit_in_worker, unit, config))
                 if len(window) >= 2 * workers:
