@@ -219,6 +219,25 @@ def test_a_dataset_read_through_its_stored_layout_pickles_for_a_worker(packed: P
     assert again.future_shard_uses(horizon_batches=100) == dataset.future_shard_uses(horizon_batches=100)
 
 
+@pytest.mark.parametrize("spec", [BatchSpec(batch_size=16), BatchSpec(batch_size=4, seq_len=64)])
+def test_a_pickled_dataset_carries_no_per_shard_array_of_its_order(packed: Path, spec: BatchSpec) -> None:
+    """A worker maps the order's per-shard arrays (samples or windows per shard, decoded bytes) from
+    the metadata again: they are not in the pickle (16 MB a worker at a million shards, a private copy
+    of pages a node's processes share), and the order there is the same."""
+    import pickle
+
+    dataset = TieredDataset(packed, spec)
+    sent = pickle.dumps(dataset, protocol=5)
+    for name in ("shard_sample_counts", "decoded_bytes"):
+        assert dataset._order_args[name].tobytes() not in sent, name
+    again = pickle.loads(sent)
+    assert not again._order_args["decoded_bytes"].flags.writeable  # the mapped column, not a copy
+    assert again.order.config_hash == dataset.order.config_hash
+    assert again.future_shard_uses(horizon_batches=100) == dataset.future_shard_uses(horizon_batches=100)
+    first = [b.meta.sample_ids.tolist() for _, b in zip(range(3), again)]
+    assert first == [b.meta.sample_ids.tolist() for _, b in zip(range(3), dataset)]
+
+
 def test_the_largest_blocks_of_a_mapped_dataset_are_made_for_the_shards_asked_for(packed: Path) -> None:
     """The group order's per-shard floor (`block_bytes`) of a mapped dataset is not a column made whole
     in every process: values for the shards asked for, the same as the whole column's, pickled as the

@@ -30,6 +30,16 @@ class ShardSupply(Protocol):
     def open_shard(self, index: int, info: ShardInfo) -> ShardTable: ...
 
 
+class NoShards:
+    """The shard supply of an index-only Dataset (a planning process's): opening a shard is a bug."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+
+    def open_shard(self, index: int, info: ShardInfo) -> ShardTable:
+        raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
+
+
 class Dataset:
     """A packed dataset opened for reading; thread-safe for concurrent readers.
 

@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow.errors import CursorError, CursorMismatchError
-from tierflow.format.dataset import Dataset, ShardSupply
+from tierflow.format.dataset import Dataset, NoShards, ShardSupply
 from tierflow.format.metadata import MappedManifest, shard_column
 from tierflow.format.metadata_layout import LargestBlocks
 from tierflow.format.shard import Form
@@ -128,10 +128,7 @@ class TieredDataset(IterableDataset):
             manifest = load_manifest(data, endpoint_url)
         self.manifest = manifest
         self._columns = batcher.columns(manifest)
-        index = (
-            data if isinstance(data, Dataset) else Dataset(manifest, _NoShards(self.location), location=self.location)
-        )
-        counts = batcher.order_counts(index)
+        counts = batcher.order_counts(self._planning_index())
         self.num_order_samples = int(counts.sum())
         if self.num_order_samples == 0:
             raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
@@ -330,10 +327,27 @@ class TieredDataset(IterableDataset):
             cache.max_bytes = min(cache.max_bytes, bound) if epoch == 0 else min(cache.cap, max(cache.max_bytes, bound))
 
     def __getstate__(self) -> dict[str, Any]:
-        """For spawn/forkserver workers: the reading context is per process, made again there."""
+        """For spawn/forkserver workers: the reading context, and over mapped metadata the order's
+        per-shard arrays (16 MB at 10^6 shards, pages a node's processes share), are made there."""
         state = self.__dict__.copy()
         state.update(_context=None, _context_pid=-1, _resolver=None)
+        if isinstance(self.manifest, MappedManifest):
+            args = {**self._order_args, "shard_sample_counts": None, "decoded_bytes": None}
+            state.update(_order_args=args, order=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.order is None:
+            counts = np.asarray(self.batcher.order_counts(self._planning_index()), dtype=np.int64)
+            decoded = shard_column(self.manifest, "decoded_bytes")
+            self._order_args.update(shard_sample_counts=counts, decoded_bytes=decoded)
+            self.order = self.order_with(self.working_set)
+
+    def _planning_index(self) -> Dataset:
+        """The dataset the order counts its samples in: a given Dataset, else one that opens no shard."""
+        given = self._given
+        return given if given is not None else Dataset(self.manifest, NoShards(self.location), location=self.location)
 
     # -- cursors of planned batches ------------------------------------------------------
     compact_cursors: bool = False
@@ -573,16 +587,6 @@ def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:
     stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
     use = stored is not None and stored.counts is counts
     return {"stored_layout": stored, "decoded_digest": stored.decoded} if use and stored is not None else {}
-
-
-class _NoShards:
-    """A shard supply for the main process's index-only Dataset: opening a shard there is a bug."""
-
-    def __init__(self, location: str) -> None:
-        self.location = location
-
-    def open_shard(self, index: int, info: Any) -> Any:
-        raise RuntimeError(f"{self.location}: shard {index} opened in the planning process")
 
 
 __all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset"]
