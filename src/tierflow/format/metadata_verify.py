@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
+from numpy.lib.stride_tricks import sliding_window_view
 
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import schema_fields
@@ -120,16 +121,25 @@ def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], chunk: int =
 
 
 def _shard_digests(blocks: dict[str, np.ndarray], starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Each shard's `block_digest` of a chunk's block rows. The shards of one block count are gathered
+    """Each shard's `block_digest` of a chunk's block rows. The shards of one block count are copied
     together into a matrix, a row a shard laid out as the digest hashes it (lengths, rows, checksums,
-    tokens, little-endian), so the loop over shards only hashes a row."""
-    columns = [np.ascontiguousarray(blocks[name], dtype=kind) for name, kind in _DIGESTED]
+    tokens, little-endian): each column's run of a shard is a row of a sliding window over it, so the
+    copy moves runs, not single values, and the loop over shards only hashes a row."""
+    columns = [np.ascontiguousarray(blocks[name], dtype=kind).view("<u4") for name, kind in _DIGESTED]
+    widths = [np.dtype(kind).itemsize // 4 for _, kind in _DIGESTED]  # 4-byte words a block
     digests = np.empty(counts.size, dtype=np.uint64)
     for n in np.unique(counts).tolist():
         which = np.flatnonzero(counts == n)
-        at = starts[which][:, None] + np.arange(n)
-        record = np.concatenate([c[at].view("<u4").reshape(which.size, -1) for c in columns], axis=1)
-        digests[which] = [xxhash.xxh3_64_intdigest(row) for row in record]
+        if n == 0:  # shards of no blocks: the digest of nothing
+            digests[which] = xxhash.xxh3_64_intdigest(b"")
+            continue
+        record = np.empty((which.size, n * sum(widths)), dtype="<u4")
+        at = 0
+        for column, width in zip(columns, widths):
+            record[:, at : at + n * width] = sliding_window_view(column, n * width)[::width][starts[which]]
+            at += n * width
+        flat, step = record.data.cast("B"), record.shape[1] * 4
+        digests[which] = [xxhash.xxh3_64_intdigest(flat[i : i + step]) for i in range(0, flat.nbytes, step)]
     return digests
 
 
