@@ -140,6 +140,34 @@ def test_upgrade_stores_the_layout_of_a_dataset_written_before_it(packed: Path, 
     assert header(v2)["layout"] == header(packed)["layout"]
 
 
+def test_upgrade_stores_the_layout_of_an_s3_dataset_with_no_manifest(
+    packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch
+) -> None:
+    """A dataset at a URL whose version-3 metadata predates layouts, with no manifest.json (pack writes
+    none above 10,000 shards): upgrade uploads the layout table, then the header; the order is the same."""
+    from tierflow.commands.cli import main as cli
+    from tierflow.storage.remote import upload_dataset
+
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
+    old = copy(packed, tmp_path)
+    (old / MANIFEST_NAME).unlink(missing_ok=True)
+    d = header(old)
+    d["manifest"] = None
+    write_header(old, d)
+    without_layout(old)
+    url, endpoint = f"s3://{s3_bucket}/old", s3_server.endpoint_url
+    upload_dataset(old, url, endpoint_url=endpoint)
+    before = TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint)
+    assert before.order.layout._stored is None
+    assert cli(["upgrade", url, "--endpoint-url", endpoint]) == 0
+    after = TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint)
+    assert after.manifest.header["layout"] == header(packed)["layout"]
+    assert after.order.layout._stored is not None and after.order.config_hash == before.order.config_hash
+    assert cli(["verify", url, "--endpoint-url", endpoint]) == 0
+    assert cli(["upgrade", url, "--endpoint-url", endpoint]) == 0  # up to date: nothing written
+    assert TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint).manifest.header == after.manifest.header
+
+
 def _rotate(columns: dict, entry: dict) -> None:
     columns["partition"] = ((columns["partition"].astype(np.int64) + 1) % entry["partitions"]).astype(np.uint16)
 

@@ -342,8 +342,19 @@ def _upgrade(args: argparse.Namespace) -> int:
 
     root = local_path(args.dataset)
     if root is None:
+        from tierflow.errors import SourceNotFound
+        from tierflow.format.manifest import MANIFEST_NAME
+        from tierflow.storage.datasets import add_layout_source
+
+        source = open_store(args.dataset, endpoint_url=args.endpoint_url)
         with tempfile.TemporaryDirectory(prefix="tierflow-upgrade-") as work:
-            where = upgrade_source(open_store(args.dataset, endpoint_url=args.endpoint_url), work)
+            try:
+                source.size(MANIFEST_NAME)
+            except SourceNotFound:  # version 3 already (or nothing): store the order's layout if it lacks one
+                stored = add_layout_source(source, work)
+                print(f"{args.dataset}: " + ("the order's layout stored" if stored else "up to date, nothing to write"))
+                return 0
+            where = upgrade_source(source, work)
     else:
         from tierflow.format.manifest import MANIFEST_NAME
         from tierflow.format.metadata import has_metadata

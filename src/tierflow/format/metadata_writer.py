@@ -24,6 +24,7 @@ from tierflow.format.metadata import (
     HEADER_CHECKSUM_KEY,
     LEGACY_MANIFEST_SHARDS,
     METADATA_NAME,
+    MappedManifest,
     METADATA_VERSION,
     SHARD_SCHEMA,
     TABLE_PREFIX,
@@ -33,6 +34,7 @@ from tierflow.format.metadata import (
     column_dtype,
     has_metadata,
     header_checksum,
+    load_metadata,
 )
 from tierflow.format.metadata_layout import LAYOUT_SCHEMA, layout_columns
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
@@ -232,12 +234,17 @@ def upgrade(directory: str | Path) -> Path:
 def add_layout(directory: str | Path) -> Path | None:
     """Store the order's layout (metadata_layout.py) with a version-3 dataset written before it, in
     place: the layout table first, then the same header with its `layout` entry, atomically (a crash
-    leaves the dataset as it was, at worst with a table gc removes). The samples column is checked as
-    any reader checks it. None: the header already has one, or the dataset no non-empty shard."""
-    from tierflow.format.metadata import load_metadata
-
+    leaves the dataset as it was, at worst with a table gc removes). None: the header already has one,
+    or the dataset no non-empty shard."""
     directory = Path(directory)
-    manifest = load_metadata(directory)
+    header = header_with_layout(load_metadata(directory), directory)
+    return None if header is None else _publish(directory, METADATA_NAME, json.dumps(header, indent=1).encode())
+
+
+def header_with_layout(manifest: MappedManifest, directory: Path) -> dict | None:
+    """The header of `manifest` with its order's layout, the layout table written
+    to `directory` (where a remote dataset's upgrade uploads it from, before the header). The samples
+    column is checked as any reader checks it. None: it has a layout, or no non-empty shard."""
     if manifest.header.get("layout") is not None:
         return None
     tables = manifest.tables
@@ -247,7 +254,7 @@ def add_layout(directory: str | Path) -> Path | None:
     header = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
     header["layout"] = {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
-    return _publish(directory, METADATA_NAME, json.dumps(header, indent=1).encode())
+    return header
 
 
 def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_shards: int | None = None) -> Path:

@@ -8,6 +8,7 @@ deletes the shard objects no manifest references, under the same rules as on a d
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -24,8 +25,8 @@ from tierflow.format.dataset import Dataset, open_directory
 from tierflow.format.reader import ShardReader
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
-from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, TABLE_PREFIX, TABLE_SUFFIX
-from tierflow.format.metadata_writer import header_tables, referenced_tables, write_metadata
+from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, TABLE_PREFIX, TABLE_SUFFIX, MappedManifest
+from tierflow.format.metadata_writer import header_tables, header_with_layout, referenced_tables, write_metadata
 from tierflow.format.metadata_index import ShardNames
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.format.verify import ShardVerifier
@@ -341,6 +342,25 @@ def _header_tables(source: RetryingStore) -> set[str]:
         return header_tables(source.read_bytes(METADATA_NAME))
     except SourceNotFound:
         return set()
+
+
+def add_layout_source(source: Any, workdir: str | Path) -> bool:
+    """`add_layout` for a version-3 dataset at a URL written before layouts (with no manifest.json to
+    upgrade from: above LEGACY_MANIFEST_SHARDS pack writes none): its tables mapped from the node's
+    copy, the layout table written in `workdir` and uploaded, then the header (the commit point).
+    False: it has one already, or no non-empty shard."""
+    workdir = Path(workdir)
+    manifest = read_metadata(source)
+    if not isinstance(manifest, MappedManifest):
+        raise ManifestError(f"{source.url}: neither a manifest.json nor version-3 metadata to upgrade")
+    header = header_with_layout(manifest, workdir)
+    if header is None:
+        return False
+    name = header["layout"]["file"]
+    source.upload(workdir / name, name)
+    (workdir / METADATA_NAME).write_text(json.dumps(header, indent=1))
+    source.upload(workdir / METADATA_NAME, METADATA_NAME)
+    return True
 
 
 def upgrade_source(source: Any, workdir: str | Path) -> str:
