@@ -327,11 +327,12 @@ class TieredDataset(IterableDataset):
             cache.max_bytes = min(cache.max_bytes, bound) if epoch == 0 else min(cache.cap, max(cache.max_bytes, bound))
 
     def __getstate__(self) -> dict[str, Any]:
-        """For spawn/forkserver workers: the reading context, and over mapped metadata the order's
-        per-shard arrays (16 MB at 10^6 shards, pages a node's processes share), are made there."""
+        """For spawn/forkserver workers: the reading context is made there, and so is an order over
+        its stored layout, from the mapped columns (16 MB at 10^6 shards, pages a node shares); a
+        layout computed here (token windows) travels, not computed again in each worker."""
         state = self.__dict__.copy()
         state.update(_context=None, _context_pid=-1, _resolver=None)
-        if isinstance(self.manifest, MappedManifest):
+        if isinstance(self.manifest, MappedManifest) and self.order.layout._stored is not None:
             args = {**self._order_args, "shard_sample_counts": None, "decoded_bytes": None}
             state.update(_order_args=args, order=None)
         return state
