@@ -91,6 +91,27 @@ def test_a_step_is_visible_only_once_committed(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_store_dropped_without_close_ends_its_uploader_after_the_upload_in_hand(tmp_path: Path) -> None:
+    """The thread reading the uploader's answers held the store's queue, which held the uploader's
+    stdin open: a store dropped without close() left its uploader process and that thread alive until
+    the training process exited. Now the uploader finishes the step it was given and exits."""
+    import gc
+
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children()}
+    store = CheckpointStore(tmp_path / "dest", tmp_path / "local")
+    _files(store.begin(1), size=1 << 20)
+    store.commit(1)  # the upload is queued, not waited for
+    uploaders = [p for p in psutil.Process().children() if p.pid not in before]
+    assert len(uploaders) == 1
+    del store
+    gc.collect()
+    _, alive = psutil.wait_procs(uploaders, timeout=60)
+    assert not alive
+    assert CheckpointStore(tmp_path / "dest", tmp_path / "fresh").remote_steps() == {1: True}
+
+
 def test_leftovers_of_a_crash_are_never_a_checkpoint(tmp_path: Path) -> None:
     """A step directory without a marker, a half-moved step and temporaries are skipped."""
     store = CheckpointStore(None, tmp_path / "local")

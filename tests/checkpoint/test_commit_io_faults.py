@@ -82,11 +82,16 @@ class InProcessUploader:
 
 def in_process(store: CheckpointStore) -> CheckpointStore:
     import threading
+    import weakref
+
+    from tierflow.checkpoint.upload_queue import _read_answers
 
     def uploader() -> Any:
         if store.uploads._proc is None:
             store.uploads._proc = InProcessUploader()  # type: ignore[assignment]
-            threading.Thread(target=store.uploads._read_answers, args=(store.uploads._proc,), daemon=True).start()
+            reader = threading.Thread(target=_read_answers, args=(weakref.ref(store.uploads), store.uploads._proc))
+            reader.daemon = True
+            reader.start()
         return store.uploads._proc
 
     store.uploads._uploader = uploader  # type: ignore[method-assign]

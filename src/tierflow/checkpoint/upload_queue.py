@@ -1,7 +1,8 @@
 """The checkpoint store's side of its uploader process (`checkpoint.uploader`): jobs written to
 its stdin, one JSON line each, and its answers read back on a thread, so the training process
 never copies a byte itself. An uploader that dies fails every job it had not answered, and the
-next job starts another."""
+next job starts another. A queue dropped without `close` (its store collected) closes its
+uploader's stdin: the uploader ends after the jobs in hand, and so does the thread reading it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -96,38 +98,56 @@ class UploadQueue:
             text=True,
             env=env,
         )
+        assert self._proc.stdin is not None
+        weakref.finalize(self, self._proc.stdin.close)
         threading.Thread(
-            target=self._read_answers, args=(self._proc,), daemon=True, name="tierflow-ckpt-answers"
+            target=_read_answers, args=(weakref.ref(self), self._proc), daemon=True, name="tierflow-ckpt-answers"
         ).start()
         return self._proc
 
-    def _read_answers(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                continue
-            with self._lock:
-                self._results[int(answer["step"])] = answer
-                event = self._pending.pop(int(answer["step"]), None)
-                if not answer.get("ok"):
-                    self._failed.append(answer)
-            self.last_answer = answer
-            if answer.get("ok") and answer.get("bytes") and answer.get("seconds"):
-                self.rate = float(answer["bytes"]) / float(answer["seconds"])
-            self.end_ride(int(answer["step"]))
-            if event is not None:
-                event.set()
-        with self._lock:  # the uploader died: nothing pending will ever be answered
+    def _answered(self, answer: dict[str, Any]) -> None:
+        step = int(answer["step"])
+        with self._lock:
+            self._results[step] = answer
+            event = self._pending.pop(step, None)
+            if not answer.get("ok"):
+                self._failed.append(answer)
+        self.last_answer = answer
+        if answer.get("ok") and answer.get("bytes") and answer.get("seconds"):
+            self.rate = float(answer["bytes"]) / float(answer["seconds"])
+        self.end_ride(step)
+        if event is not None:
+            event.set()
+
+    def _uploader_ended(self, code: int) -> None:
+        with self._lock:  # nothing pending will ever be answered
             for step, event in self._pending.items():
-                self._results[step] = {"step": step, "ok": False, "error": f"uploader exited ({proc.wait()})"}
+                self._results[step] = {"step": step, "ok": False, "error": f"uploader exited ({code})"}
                 self._failed.append(self._results[step])
                 event.set()
             self._pending.clear()
             rides, self._rides = list(self._rides.values()), {}
         for ride in rides:
             ride.end()
+
+
+def _read_answers(queue: weakref.ref[UploadQueue], proc: subprocess.Popen[str]) -> None:
+    """The uploader's answers to its queue, while the queue lives (a strong reference here would keep
+    it, its uploader and this thread alive for ever once its store is dropped); reaped at its end."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        alive = queue()
+        if alive is not None:
+            alive._answered(answer)
+        del alive
+    code = proc.wait()
+    alive = queue()
+    if alive is not None:
+        alive._uploader_ended(code)
 
 
 def stop_uploader(proc: subprocess.Popen[str], kill: bool) -> None:
