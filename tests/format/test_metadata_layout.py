@@ -118,15 +118,21 @@ def test_a_stored_layout_is_the_computed_one_over_many_uneven_shards(tmp_path: P
     assert fields["sizes"] == computed.partition_sizes.tolist()
 
 
-def test_upgrade_stores_the_layout_of_a_dataset_written_before_it(packed: Path, tmp_path: Path) -> None:
-    from tierflow.commands.cli import main as cli
-
+def written_before_layouts(packed: Path, tmp_path: Path) -> Path:
+    """A copy of `packed` as a version-3 dataset written before layouts, with no manifest.json."""
     old = copy(packed, tmp_path)
     (old / MANIFEST_NAME).unlink(missing_ok=True)
     d = header(old)
     d["manifest"] = None
     write_header(old, d)
     without_layout(old)
+    return old
+
+
+def test_upgrade_stores_the_layout_of_a_dataset_written_before_it(packed: Path, tmp_path: Path) -> None:
+    from tierflow.commands.cli import main as cli
+
+    old = written_before_layouts(packed, tmp_path)
     before = TieredDataset(old, BatchSpec(batch_size=16)).order.config_hash
     assert cli(["upgrade", str(old)]) == 0
     assert header(old)["layout"] == header(packed)["layout"]
@@ -149,12 +155,7 @@ def test_upgrade_stores_the_layout_of_an_s3_dataset_with_no_manifest(
     from tierflow.storage.remote import upload_dataset
 
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
-    old = copy(packed, tmp_path)
-    (old / MANIFEST_NAME).unlink(missing_ok=True)
-    d = header(old)
-    d["manifest"] = None
-    write_header(old, d)
-    without_layout(old)
+    old = written_before_layouts(packed, tmp_path)
     url, endpoint = f"s3://{s3_bucket}/old", s3_server.endpoint_url
     upload_dataset(old, url, endpoint_url=endpoint)
     before = TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint)
