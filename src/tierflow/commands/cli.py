@@ -334,6 +334,7 @@ def _upgrade(args: argparse.Namespace) -> int:
     (temp file, fsync, rename); a crash before that leaves the dataset as it was."""
     import tempfile
 
+    from tierflow.format.manifest import MANIFEST_NAME
     from tierflow.format.metadata_writer import upgrade
     from tierflow.storage.datasets import upgrade_source
     from tierflow.pack.dataset_dir import DatasetLock
@@ -343,7 +344,6 @@ def _upgrade(args: argparse.Namespace) -> int:
     root = local_path(args.dataset)
     if root is None:
         from tierflow.errors import SourceNotFound
-        from tierflow.format.manifest import MANIFEST_NAME
         from tierflow.storage.datasets import add_layout_source
 
         source = open_store(args.dataset, endpoint_url=args.endpoint_url)
@@ -356,7 +356,6 @@ def _upgrade(args: argparse.Namespace) -> int:
                 return 0
             where = upgrade_source(source, work)
     else:
-        from tierflow.format.manifest import MANIFEST_NAME
         from tierflow.format.metadata import has_metadata
         from tierflow.format.metadata_writer import add_layout
 

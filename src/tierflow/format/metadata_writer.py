@@ -210,7 +210,12 @@ def write_metadata(
         else {"size": len(manifest_bytes), "xxh3": xxhash.xxh3_128_hexdigest(manifest_bytes)},
     }
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
-    return _publish(directory, METADATA_NAME, json.dumps(header, indent=1).encode())
+    return _publish(directory, METADATA_NAME, header_bytes(header))
+
+
+def header_bytes(header: dict) -> bytes:
+    """A header as its file holds it (its checksum covers the canonical JSON, not these bytes)."""
+    return json.dumps(header, indent=1).encode()
 
 
 def _publish(directory: Path, name: str, data: bytes) -> Path:
@@ -238,7 +243,7 @@ def add_layout(directory: str | Path) -> Path | None:
     or the dataset no non-empty shard."""
     directory = Path(directory)
     header = header_with_layout(load_metadata(directory), directory)
-    return None if header is None else _publish(directory, METADATA_NAME, json.dumps(header, indent=1).encode())
+    return None if header is None else _publish(directory, METADATA_NAME, header_bytes(header))
 
 
 def header_with_layout(manifest: MappedManifest, directory: Path) -> dict | None:

@@ -136,7 +136,7 @@ class TieredDataset(IterableDataset):
         saved = self._parsed(resume)
         self.settled = settle_order(order, saved, int((counts > 0).sum()))
         self._order_args = {
-            "shard_sample_counts": np.asarray(counts, dtype=np.int64),
+            **self._per_shard_args(counts),
             "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
             "seed": order.seed,
             "partitions": self.settled.partitions,
@@ -144,7 +144,6 @@ class TieredDataset(IterableDataset):
             "shuffle": order.shuffle,
             "group_bytes": self.settled.group_bytes,
             "group_samples": self.settled.group_samples,
-            "decoded_bytes": shard_column(manifest, "decoded_bytes"),
             "block_bytes": _largest_blocks(manifest),
             **_stored_layout(manifest, counts),
         }
@@ -340,10 +339,15 @@ class TieredDataset(IterableDataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if self.order is None:
-            counts = np.asarray(self.batcher.order_counts(self._planning_index()), dtype=np.int64)
-            decoded = shard_column(self.manifest, "decoded_bytes")
-            self._order_args.update(shard_sample_counts=counts, decoded_bytes=decoded)
+            self._order_args.update(self._per_shard_args(self.batcher.order_counts(self._planning_index())))
             self.order = self.order_with(self.working_set)
+
+    def _per_shard_args(self, counts: np.ndarray) -> dict[str, np.ndarray]:
+        """The order's per-shard arguments: its samples (or windows) and decoded bytes per shard."""
+        return {
+            "shard_sample_counts": np.asarray(counts, dtype=np.int64),
+            "decoded_bytes": shard_column(self.manifest, "decoded_bytes"),
+        }
 
     def _planning_index(self) -> Dataset:
         """The dataset the order counts its samples in: a given Dataset, else one that opens no shard."""

@@ -8,7 +8,6 @@ deletes the shard objects no manifest references, under the same rules as on a d
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -26,7 +25,13 @@ from tierflow.format.reader import ShardReader
 from tierflow.format._audit import StreamedAudit
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, check_manifest_size
 from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, TABLE_PREFIX, TABLE_SUFFIX, MappedManifest
-from tierflow.format.metadata_writer import header_tables, header_with_layout, referenced_tables, write_metadata
+from tierflow.format.metadata_writer import (
+    header_bytes,
+    header_tables,
+    header_with_layout,
+    referenced_tables,
+    write_metadata,
+)
 from tierflow.format.metadata_index import ShardNames
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.format.verify import ShardVerifier
@@ -358,7 +363,7 @@ def add_layout_source(source: Any, workdir: str | Path) -> bool:
         return False
     name = header["layout"]["file"]
     source.upload(workdir / name, name)
-    (workdir / METADATA_NAME).write_text(json.dumps(header, indent=1))
+    (workdir / METADATA_NAME).write_bytes(header_bytes(header))
     source.upload(workdir / METADATA_NAME, METADATA_NAME)
     return True
 
