@@ -40,8 +40,10 @@ def spread(values: Iterable[float | None], fmt: str = ".1f", scale: float = 1.0)
 
 
 def tree_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and every process under it, now (a loader's
-    workers included while they run: their CPU is gone once they exit)."""
+    """CPU seconds (user + system) of this process and every process under it, now, the ones that
+    have ended and been reaped included: a DataLoader joins its workers at the end of an epoch, and
+    their CPU then moves into their parent's `children_*` times (counting only the living ones lost
+    every peer's worker CPU, while the Loader's pool, still alive, was counted whole)."""
     import psutil
 
     me = psutil.Process()
@@ -51,7 +53,7 @@ def tree_cpu_s() -> float:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        total += times.user + times.system
+        total += times.user + times.system + times.children_user + times.children_system
     return total
 
 

@@ -200,7 +200,7 @@ def raw(system: str, kind: str, data: str, workers: int, seed: int, hold_s: floa
         batches += 1
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu  # this process's threads only (the whole reader in the main-process rows)
-    cpu_all = tree_cpu_s() - cpu_all  # with its workers, still running (their CPU is gone once they exit)
+    cpu_all = tree_cpu_s() - cpu_all  # with its workers, living or joined
     time.sleep(hold_s)
     return {
         "samples_per_s": samples / seconds if seconds > 0 else 0.0,

@@ -428,3 +428,23 @@ def test_text_goes_through_the_ring_as_utf8_and_arrives_as_the_main_process_read
     ds = TieredDataset(str(data), BatchSpec(batch_size=8, batcher=Samples()))
     sent = [t for b in islice(ds.worker_batches(0, 2, text_views=True), 50) for t in b.data["text"]]
     assert any(type(t) is memoryview for t in sent)  # from the blocks without nulls
+
+
+def test_text_columns_are_written_into_their_slot_value_after_value():
+    """A text column's values (strings, bytes, or UTF-8 views of a block) land in the slot one after
+    another behind their offsets, in a slot past the first, and come out as they went in."""
+    from tierflow.loader.ring import Arena, anonymous_memory, lay_out, view_batch
+
+    block = memoryview("añb€cd".encode())
+    data = {
+        "views": [block[0:3], block[3:7], block[7:9]],
+        "blobs": [b"\x00\x01", b"", b"xyz"],
+        "names": ["é", "f"],
+    }
+    placed, layout, rest, size = lay_out(data)
+    assert size >= 9 + 4 * 8 and not rest
+    arena = Arena(anonymous_memory(4 << 12), 4, 1 << 12, 0)
+    arena.write(2, placed)
+    batch = view_batch(arena.slot(2), layout, rest, list(data))
+    assert batch == {"views": ["añ", "b€", "cd"], "blobs": [b"\x00\x01", b"", b"xyz"], "names": ["é", "f"]}
+    assert not arena.slot(1).any() and not arena.slot(3).any()

@@ -36,6 +36,8 @@ Layout = tuple[tuple[str, str, tuple[int, ...], tuple[int, ...], int, int, int],
 it views); a text column's dtype is "str" or "bytes", its shape (rows,), and it starts at its
 offsets (int64, rows + 1) followed by its bytes."""
 _TEXT: dict[type, str] = {str: "str", bytes: "bytes"}
+Placed = np.ndarray | list[Any]
+"""What `Arena.write` copies into a slot: an array's owning buffer, or a text column's values' bytes."""
 
 
 def anonymous_memory(nbytes: int) -> int:
@@ -74,19 +76,26 @@ class Arena:
         start = index * self.slot_bytes
         return np.frombuffer(self.map, dtype=np.uint8, count=self.slot_bytes, offset=start)
 
-    def write(self, index: int, placed: Sequence[tuple[np.ndarray, int]]) -> None:
-        """Copy each placed buffer to its start in slot `index`."""
+    def write(self, index: int, placed: Sequence[tuple[Placed, int]]) -> None:
+        """Copy each placed buffer to its start in slot `index` (a text column's values one after
+        another, straight from their blocks: no joined copy of the column first)."""
         offset = index * self.slot_bytes
-        whole = self._whole
+        whole, mapped = self._whole, self.map
         for base, start in placed:
             at = offset + start
-            whole[at : at + base.nbytes] = base.reshape(-1).view(np.uint8)
+            if isinstance(base, list):
+                for piece in base:
+                    end = at + len(piece)
+                    mapped[at:end] = piece
+                    at = end
+            else:
+                whole[at : at + base.nbytes] = base.reshape(-1).view(np.uint8)
 
 
-def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layout, dict[str, Any], int]:
+def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[Placed, int]], Layout, dict[str, Any], int]:
     """(buffers and their starts, layout, other values, bytes): every numeric array of `data` placed
     in one slot, each owning buffer once however many views of it there are."""
-    placed: dict[int, tuple[np.ndarray, int]] = {}
+    placed: dict[int, tuple[Placed, int]] = {}
     layout: list[tuple[str, str, tuple[int, ...], tuple[int, ...], int, int, int]] = []
     rest: dict[str, Any] = {}
     size = 0
@@ -97,12 +106,12 @@ def lay_out(data: Mapping[str, Any]) -> tuple[list[tuple[np.ndarray, int]], Layo
             if text is None:
                 rest[name] = value
                 continue
-            kind, offsets, blob = text
+            kind, offsets, pieces = text
             size = -(-size // _ALIGN) * _ALIGN
             placed[id(offsets)] = (offsets, size)
-            placed[id(blob)] = (blob, size + offsets.nbytes)
+            placed[id(pieces)] = (pieces, size + offsets.nbytes)
             layout.append((name, kind, (len(value),), (), size, size, 0))
-            size += offsets.nbytes + blob.nbytes
+            size += offsets.nbytes + int(offsets[-1])
             continue
         array, base = placeable(array)
         found = placed.get(id(base))
@@ -139,9 +148,9 @@ def view_batch(
     return {key: values[key] for key in keys}
 
 
-def _text_column(value: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
-    """("str" or "bytes", offsets, bytes) of a list of strings or of bytes (or of memoryviews of UTF-8
-    bytes: `SampleContext.text_views`), else None."""
+def _text_column(value: Any) -> tuple[str, np.ndarray, list[Any]] | None:
+    """("str" or "bytes", offsets, each value's bytes) of a list of strings or of bytes (or of
+    memoryviews of UTF-8 bytes: `SampleContext.text_views`), else None."""
     if type(value) is not list or not value:
         return None
     kind: str | None
@@ -157,7 +166,7 @@ def _text_column(value: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
         encoded = [v.encode() for v in value] if kind == "str" else value
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    return kind, offsets, np.frombuffer(b"".join(encoded), dtype=np.uint8)
+    return kind, offsets, list(encoded)
 
 
 def _read_text(slot: np.ndarray, kind: str, rows: int, start: int) -> list[Any]:
