@@ -53,7 +53,7 @@ from collections.abc import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import alternating, round_order, spread
+from _harness import alternating, round_order, spread, tree_cpu_s
 
 BATCH = 64
 
@@ -254,22 +254,6 @@ def litdata_epoch(chunks: Path, workers: int, limit: int) -> tuple[float, float]
     ds = StreamingDataset(str(chunks), shuffle=True, seed=1, transform=_PeerTransform("image", "caption"))
     loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
     return _drain(iter(loader), limit, lambda: None)
-
-
-def tree_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and its living descendants (the DataLoader workers,
-    a forkserver): the work per image, which a loaded machine does not change as it does images/s."""
-    import psutil
-
-    total = 0.0
-    me = psutil.Process()
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def _drain(batches, limit: int, close) -> tuple[float, float]:

@@ -18,6 +18,20 @@ def pack_lorem(tmp: Path, docs: int) -> Path:
     return tmp / "ds"
 
 
+def write_letters(path: Path, docs: int, shortest: int, longest: int, seed: int) -> Path:
+    """`docs` JSONL documents {"id": i, "text": random lowercase letters, shortest..longest-1 of them}."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(docs):
+            n = int(rng.integers(shortest, longest))
+            f.write(
+                json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()}) + "\n"
+            )
+    return path
+
+
 def jpeg(w: int, h: int, seed: int) -> bytes:
     """A w x h JPEG of smooth random colour (a coarse field, upsampled)."""
     import io

@@ -1,7 +1,9 @@
 """Which batches each DataLoader worker should build: blocks decoded against batches waiting out of order.
 
-Today worker w of W builds the batches n with n mod W = w, so batches leave the workers in order, but the batches of one lane's block group go to every worker and each decodes its
-blocks (decodes.py counts ~1.85 x the blocks with 2 workers). This plans one raw epoch (no data read:
+Dealt in turn (DataLoader's rule: worker w of W builds the batches n with n mod W = w) batches
+leave the workers in order, but the batches of one lane's block group go to every worker and each
+decodes its blocks (decodes.py counted ~1.8 x the blocks with 2 workers). The Loader's pool deals by
+lane (`loader/ownership.py`, the row "pool: by lane, lag 8"). This plans one raw epoch (no data read:
 the order's batches and the index's block of each sample) and computes, for other rules of who
 builds which batch:
 
@@ -11,7 +13,8 @@ builds which batch:
   order, one per tick, and the loop takes batch n as soon as batches 0..n exist (what a Loader that
   restores the order would hold).
 
-Rules: "n mod W" (today's); "lane": a batch goes to the worker of its lane (lane mod W); "sticky, lag L":
+Rules: "n mod W" (DataLoader's); "pool: by lane, lag 8" (the pool's `LaneSticky`, asked of the
+dataset); "lane": a batch goes to the worker of its lane (lane mod W); "sticky, lag L":
 a lane stays on its worker while its batches share a block with its previous one, and otherwise, or
 once that worker has L more batches than the least loaded one, moves to the least loaded worker.
 Reads run.py's packed datasets (make bench-peers ARGS="--only raw" builds them).
@@ -30,6 +33,7 @@ import numpy as np
 
 from tierflow.loader import BatchSpec, OrderSpec, TieredDataset
 from tierflow.loader.tokens import WindowStarts
+from tierflow.loader.workers import LAG
 from tierflow.order.lanes import node_lanes
 
 SEQ_LEN = 2048
@@ -67,9 +71,15 @@ def epoch_batches(data: Path, kind: str) -> tuple[TieredDataset, Batches]:
 
 
 def by_streams(ds: TieredDataset, batches: Batches, workers: int) -> list[int]:
-    """Today's rule, asked of the workers' own streams (`OrderStream.owns`)."""
+    """DataLoader's rule, asked of the workers' own streams (`OrderStream.owns`)."""
     streams = [ds.stream(w, workers) for w in range(workers)]
     return [next(w for w, stream in enumerate(streams) if stream.owns(n)) for n in range(len(batches))]
+
+
+def by_pool(ds: TieredDataset, batches: Batches, workers: int) -> list[int]:
+    """The Loader's pool's rule (`TieredDataset.ownership` with the pool's greatest lag)."""
+    dealt = ds.ownership(workers, LAG)
+    return [dealt.owner(n) for n in range(len(batches))]
 
 
 def by_lane(batches: Batches, workers: int) -> list[int]:
@@ -122,7 +132,8 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for workers in args.workers:
             rules: dict[str, Callable[[], list[int]]] = {
-                "n mod W (today)": partial(by_streams, ds, batches, workers),
+                "n mod W (DataLoader's)": partial(by_streams, ds, batches, workers),
+                f"pool: by lane, lag {LAG}": partial(by_pool, ds, batches, workers),
                 "lane": partial(by_lane, batches, workers),
                 "sticky": partial(sticky, batches, workers, None),
                 "sticky, lag 8": partial(sticky, batches, workers, 8),

@@ -11,7 +11,6 @@ ends), and no L2 entry may stay pinned: a fresh process evicts every entry.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 from itertools import islice
@@ -22,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 
@@ -31,6 +29,8 @@ from tierflow.errors import TierflowError, WorkerLostError
 from tierflow.loader._lifetime import WorkerLifetime
 from tierflow.loader import Loader, TieredDataset, BatchSpec
 from tierflow.storage.remote import upload_dataset
+
+from corpora import write_letters
 from tierflow.tiers import TierConfig
 from tierflow.tiers._lock import is_pinned
 from torch.utils.data import DataLoader
@@ -66,13 +66,7 @@ if __name__ == "__main__":
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A few small shards, so the L2 holds several entries a reader pins."""
     root = tmp_path_factory.mktemp("lifetime")
-    rng = np.random.default_rng(3)
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(5000):
-            n = int(rng.integers(20, 300))
-            f.write(
-                json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()}) + "\n"
-            )
+    write_letters(root / "docs.jsonl", 5000, 20, 300, seed=3)
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     (root / "trainer.py").write_text(TRAINER)
     return root

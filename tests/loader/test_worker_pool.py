@@ -26,7 +26,10 @@ import tierflow
 from tierflow.errors import WorkerLostError
 from tierflow.loader import BatchSpec, Loader, OrderSpec, TieredDataset
 from tierflow.loader.batching import Samples
+from tierflow.loader.workers import MAX_SLOTS
 from tierflow.testing import assert_resumes_exactly
+
+from corpora import write_letters
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -34,13 +37,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:torch
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pool")
-    rng = np.random.default_rng(5)
-    with open(root / "docs.jsonl", "w") as f:
-        for i in range(3000):
-            n = int(rng.integers(20, 300))
-            f.write(
-                json.dumps({"id": i, "text": (rng.integers(0, 26, n) + 97).astype(np.uint8).tobytes().decode()}) + "\n"
-            )
+    write_letters(root / "docs.jsonl", 3000, 20, 300, seed=5)
     tierflow.pack([root / "docs.jsonl"], root / "ds", tokenizer="bytes", workers=1, target_shard_bytes=256 << 10)
     return root / "ds"
 
@@ -243,7 +240,8 @@ def test_workers_run_ahead_only_as_far_as_their_slots(docs, tmp_path, monkeypatc
         first = built.stat().st_size
         time.sleep(1.0)
         assert built.stat().st_size == first, "the workers kept building with the loop standing still"
-        slots = [arena.slots for arena in loader._source._arenas]
+        # a worker dealt none of the batches taken yet has not been heard from: its ring is at most MAX_SLOTS
+        slots = [arena.slots if arena is not None else MAX_SLOTS for arena in loader._source._arenas]
         assert all(s >= 2 + depth + 2 for s in slots)  # at least prefetch_factor + hold
         received = 3 + 1  # what the loop took, and the feed's one read ahead
         assert first <= 8 * (received + sum(s + 1 for s in slots))  # + one built while waiting for a slot
@@ -448,3 +446,47 @@ def test_text_columns_are_written_into_their_slot_value_after_value():
     batch = view_batch(arena.slot(2), layout, rest, list(data))
     assert batch == {"views": ["añ", "b€", "cd"], "blobs": [b"\x00\x01", b"", b"xyz"], "names": ["é", "f"]}
     assert not arena.slot(1).any() and not arena.slot(3).any()
+
+
+@pytest.fixture(scope="module")
+def many_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Text in 16 shards of 4 blocks: lanes enough for batches of one lane to go to either worker."""
+    root = tmp_path_factory.mktemp("blocks")
+    write_letters(root / "docs.jsonl", 4000, 1000, 3000, seed=11)
+    tierflow.pack([root / "docs.jsonl"], root / "ds", workers=1, target_shard_bytes=1 << 20, block_bytes=256 << 10)
+    return root / "ds"
+
+
+@pytest.mark.slow
+def test_the_pool_deals_a_lanes_batches_to_one_worker_so_its_blocks_are_decoded_about_once(
+    many_blocks, tmp_path, monkeypatch
+):
+    """Dealt in turn, both workers read most blocks and each decodes them; dealt by lane, a block is
+    decoded by the worker that holds its lane (counted in every process: the instrumented load is
+    inherited by the forked workers). The batches are the main process's either way."""
+    from tierflow.format import table
+
+    load = table.LazyShardTable._load
+    log = tmp_path / "loads"
+
+    def counted(self, block):
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()} {self.name} {block}\n")
+        return load(self, block)
+
+    monkeypatch.setattr(table.LazyShardTable, "_load", counted)
+
+    def epoch(workers):
+        log.unlink(missing_ok=True)
+        ds = TieredDataset(str(many_blocks), BatchSpec(batch_size=8, batcher=Samples()), OrderSpec(seed=3))
+        with Loader(ds, device="cpu", num_workers=workers, return_meta=True) as loader:
+            ids = [meta.sample_ids.tolist() for _, meta in loader]
+        rows = [line.split() for line in log.read_text().splitlines()]
+        return ids, len(rows), len({(name, block) for _, name, block in rows}), len({pid for pid, _, _ in rows})
+
+    ids, loads, blocks, processes = epoch(0)
+    assert loads == blocks >= 32 and processes == 1
+    pooled, loads, blocks_read, processes = epoch(2)
+    assert pooled == ids and blocks_read == blocks and processes == 2
+    # by lane 61 decodes of 38 blocks (a lane moves when one worker is dealt `lag` more), in turn 88
+    assert loads <= 2 * blocks, f"{loads} decodes of {blocks} blocks by 2 workers"

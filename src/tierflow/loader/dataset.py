@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,7 +30,8 @@ from tierflow.format.table import BlockCache
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.batching import ByPosition, SampleContext, reading_registry
 from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches, mismatch_advice
-from tierflow.loader.meta import BatchMeta, WorkerSnapshot
+from tierflow.loader.meta import BatchMeta, with_worker_metrics
+from tierflow.loader.ownership import LaneSticky, Ownership, RoundRobin
 from tierflow.loader.plan import Built, EvalStream, OrderStream, PlannedCursor, Selection, TrainStream, parsed_cursor
 from tierflow.loader.runs import main_process_batches
 from tierflow.loader.spec import (
@@ -52,7 +51,6 @@ from tierflow.order.working_set import WorkingSet, narrowing_advice, working_set
 from tierflow.policies.auto import Lifecycle
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.telemetry.metrics import MetricsRegistry
-from tierflow.telemetry.snapshots import merge_snapshots
 from tierflow.tiers.stack import TierStack
 
 log = logging.getLogger("tierflow.loader")
@@ -63,13 +61,6 @@ Resume = LoaderCursor | Mapping[str, Any] | None
 
 DEFAULT_ORDER = OrderSpec()
 """The order of a dataset whose spec sets nothing: seed 0, the defaults, or a resumed cursor's."""
-
-METRICS_EVERY = 16
-METRICS_EVERY_S = 0.1
-"""A DataLoader worker ships its metrics with a batch at least every METRICS_EVERY batches or
-METRICS_EVERY_S seconds (a snapshot costs ~0.1 ms: nothing beside an image batch, much beside a
-small token batch)."""
-_RESET_IN: set[int] = set()
 
 
 class TieredDataset(IterableDataset):
@@ -385,17 +376,18 @@ class TieredDataset(IterableDataset):
         return main_process_batches(self, ctx, plan)  # runs of batches read as one where they can be (runs.py)
 
     def worker_batches(
-        self, worker: int, workers: int, *, compact: bool = False, text_views: bool = False
+        self, worker: int, workers: int, *, compact: bool = False, text_views: bool = False, lag: int | None = None
     ) -> Iterator[CarriedBatch]:
-        """The batches worker `worker` of `workers` builds (output batches n = worker mod workers), its
-        metrics riding in their meta (`_from_worker`); `compact`: their cursors travel unresolved;
+        """The batches worker `worker` of `workers` builds (`ownership(workers, lag)`), its metrics
+        riding in their meta (`with_worker_metrics`); `compact`: their cursors travel unresolved;
         `text_views`: string columns as UTF-8 views (`SampleContext.text_views`)."""
         ctx = self._open()
         ctx.text_views = text_views
         stream = self.stream(worker, workers)
         stream.compact = compact
+        stream.ownership = self.ownership(workers, lag)
         plan = self.batcher.plan(ctx, stream, self._resume)
-        return self._from_worker(plan, lambda selection: self._built(ctx, selection), worker, [ctx.registry])
+        return with_worker_metrics(plan, lambda selection: self._built(ctx, selection), worker, [ctx.registry])
 
     def reading_registries(self) -> list[MetricsRegistry]:
         """What this process's readers and transforms count into (opening its reading context):
@@ -417,46 +409,6 @@ class TieredDataset(IterableDataset):
         )
         return CarriedBatch(built.data, meta)
 
-    @staticmethod
-    def _from_worker(
-        plan: Iterator[Selection],
-        build: Callable[[Selection], CarriedBatch],
-        worker: int,
-        registries: list[MetricsRegistry],
-    ) -> Iterator[CarriedBatch]:
-        """The worker's batches; its metrics (its readers' tier and cache counters live in this
-        process), cumulative, ride in a batch's meta for the Loader to include in its telemetry:
-        every METRICS_EVERY batches or METRICS_EVERY_S seconds, and on the worker's last batch of
-        each epoch (the plan is looked at one selection ahead), so at an epoch's end the Loader
-        holds exactly what built that epoch's batches."""
-        unique = list({id(r): r for r in registries}.values())
-        pid = os.getpid()
-        if pid not in _RESET_IN:
-            for registry in unique:
-                registry.reset()  # a forked worker's copy of the parent's totals must not be counted twice
-            _RESET_IN.add(pid)
-        shipped, n = -math.inf, 0
-        selections = iter(plan)
-        selection = next(selections, None)
-        while selection is not None:
-            batch = build(selection)
-            following = next(selections, None)
-            now = time.monotonic()
-            if (
-                following is None
-                or following.epoch != selection.epoch
-                or n % METRICS_EVERY == 0
-                or now - shipped >= METRICS_EVERY_S
-            ):
-                snapshots = [r.snapshot() for r in unique]
-                batch.meta.metrics = WorkerSnapshot(
-                    worker, pid, snapshots[0] if len(snapshots) == 1 else merge_snapshots(snapshots)
-                )
-                shipped = now
-            n += 1
-            yield batch
-            selection = following
-
     def stream(self, worker: int = 0, workers: int = 1) -> OrderStream:
         """This rank's order from the resume cursor, as DataLoader worker `worker` of `workers` plans it."""
         arrangement, rank = self.arrangement(), self.world.rank
@@ -474,6 +426,16 @@ class TieredDataset(IterableDataset):
             workers=workers,
             limit=self.max_batches,
         )
+
+    def ownership(self, workers: int, lag: int | None = None) -> Ownership:
+        """How this rank's batches are dealt to `workers` workers: in turn (DataLoader's), or with a
+        `lag` by the lane each reads (`LaneSticky`, over a stream of its own) where a batch's position
+        alone places it (`ByPosition`: not a token budget's, not eval's)."""
+        if lag is None or self.eval or not isinstance(self.batcher, ByPosition):
+            return RoundRobin(workers)
+        lanes, per_group = self._rank_stream(self._resume), self.batcher.batches_per_group
+        skip = self._resume.skip if self._resume is not None else 0
+        return LaneSticky(lambda n: lanes.lane_of((skip + n) // per_group), workers, lag)
 
     def _rank_stream(self, cursor: LoaderCursor | None) -> RankStream:
         """This rank's train order batches (batch_size x group samples) from `cursor`."""

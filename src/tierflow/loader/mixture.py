@@ -27,6 +27,8 @@ from tierflow.loader._collate import CarriedBatch
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.cursor import Arrangement, LoaderCursor, check_arrangement, cursor_after_batches
 from tierflow.loader.dataset import DEFAULT_ORDER, Resume, TieredDataset
+from tierflow.loader.meta import with_worker_metrics
+from tierflow.loader.ownership import RoundRobin
 from tierflow.loader.plan import Built, OrderBatch, PlannedCursor, Selection, TrainStream, parsed_cursor
 from tierflow.loader.spec import BatchSpec, OrderSpec
 from tierflow.loader.topology import WorldPosition
@@ -257,7 +259,7 @@ class MixedDataset(IterableDataset):
         return (self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)) for s in plan)
 
     def worker_batches(
-        self, worker: int, workers: int, *, compact: bool = False, text_views: bool = False
+        self, worker: int, workers: int, *, compact: bool = False, text_views: bool = False, lag: int | None = None
     ) -> Iterator[CarriedBatch]:
         contexts = self._contexts()
         for ctx in contexts:
@@ -265,12 +267,16 @@ class MixedDataset(IterableDataset):
         stream = self.stream(worker, workers)
         stream.compact = compact
         plan = self.batcher.plan(contexts[0], stream, self._resume)
-        return TieredDataset._from_worker(
+        return with_worker_metrics(
             plan,
             lambda s: self._mixed_carry(s, self.batcher.build(contexts[s.dataset], s)),
             worker,
             [ctx.registry for ctx in contexts],
         )
+
+    def ownership(self, workers: int, lag: int | None = None) -> RoundRobin:
+        """In turn: a mixture's batches are dealt as DataLoader takes them, whatever the `lag`."""
+        return RoundRobin(workers)
 
     def _contexts(self) -> list[SampleContext]:
         contexts = [child._open() for child in self.children]

@@ -1,9 +1,9 @@
 """Planning batches: which samples each output batch holds, and the cursor once it is consumed.
 
 A batcher has two halves. `plan(ctx, stream, state)` walks the rank's order stream from a cursor
-and yields one `Selection` per output batch this worker builds (worker w of W builds the batches
-n = w (mod W): `worker_of`, the order in which the Loader's pool, and DataLoader's in-order round
-robin, take them); planning
+and yields one `Selection` per output batch this worker builds (the stream's `ownership`: under
+DataLoader worker w of W builds the batches n = w (mod W), the order its in-order round robin takes
+them in; the Loader's pool deals them by lane, ownership.py); planning
 reads no sample data, at most lengths, so a plan that must see every batch (a token budget) can
 run whole in every worker. `build(ctx, selection)` reads and assembles one of them. The stream
 is train (`TrainStream` over `RankStream`) or eval (`EvalStream` over `EvalOrder`); a batcher
@@ -14,7 +14,6 @@ cursor is planned, not computed (`PlannedCursor`): only the last consumed batch'
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import threading
 from typing import Any, NamedTuple, Protocol
@@ -24,6 +23,7 @@ import numpy as np
 
 from tierflow.errors import CursorError
 from tierflow.loader.cursor import Arrangement, LoaderCursor, Pending
+from tierflow.loader.ownership import Ownership, RoundRobin
 from tierflow.order import EvalOrder, MixedCursor, MixedRankStream, OrderCursor, RankStream, Remainder
 
 
@@ -213,6 +213,8 @@ class OrderStream(Protocol):
     """Output batches from the cursor (None: endless)."""
     compact: bool
     """Whether its `PlannedCursor`s travel unresolved between processes."""
+    ownership: Ownership
+    """How the output batches are dealt to the workers (in turn unless the pool sets another)."""
 
     def owns(self, n: int) -> bool:
         """Whether this worker builds output batch `n`."""
@@ -238,23 +240,24 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
 
 
 def worker_of(n: int, workers: int) -> int:
-    """The worker of `workers` that builds output batch `n`."""
+    """The DataLoader worker of `workers` that builds output batch `n` (`RoundRobin`)."""
     return n % workers
 
 
 class _WorkerView:
-    """Who plans: the rank (global), the worker of how many, under which arrangement. `compact`:
+    """Who plans: the rank (global), the worker of how many, under which arrangement, and how the
+    batches are dealt to the workers (`ownership`: in turn unless the pool sets another). `compact`:
     its planned cursors travel unresolved between processes (`PlannedCursor`)."""
 
     compact: bool = False
 
     def owns(self, n: int) -> bool:
         """Whether this worker builds output batch `n`."""
-        return worker_of(n, self.workers) == self.worker
+        return self.ownership.owner(n) == self.worker
 
     def own_batches(self) -> Iterator[int]:
         """The output batches this worker builds, in order (endless: the caller stops at its limit)."""
-        return itertools.count(self.worker, self.workers)
+        return self.ownership.owned(self.worker)
 
     def __init__(self, arrangement: Arrangement, rank: int, worker: int, workers: int, limit: int | None) -> None:
         self.arrangement = arrangement
@@ -262,6 +265,7 @@ class _WorkerView:
         self.worker = worker
         self.workers = workers
         self.limit = limit
+        self.ownership: Ownership = RoundRobin(workers)
 
 
 class TrainStream(_WorkerView):

@@ -1,13 +1,15 @@
 """The Loader's own worker processes: each builds whole batches of the plan into its shared-memory ring.
 
-Worker w of W builds output batches n = w (mod W) (`TieredDataset.worker_batches`), writes each
-into a free slot of its `Arena` (ring.py) and sends small messages (where the arrays lie, the
+Each worker builds the output batches the pool deals it (`TieredDataset.ownership`: a lane's
+batches stay with one worker, which then decodes that lane's blocks alone, while no worker is dealt
+more than `LAG` batches beyond another), writes each into a free slot of its `Arena` (ring.py) and sends small messages (where the arrays lie, the
 batches' meta) over its socket, one per run of batches where the loop is ahead of it (runs grow
 from one batch, so the first comes at once; RUN_BATCHES, RUN_SECONDS). A worker ahead of the loop
 (its ring full) sends what it built and refills each slot as it comes back: waiting for a run's
 worth of free slots made both workers build in bursts, which on 2 cores delayed a stepping loop
-(10 ms step, text: 0.91 -> 0.82 of the dry run). The training process takes batch n from worker
-n mod W, so the order and the cursors are exactly those of building in process. A slot comes back
+(10 ms step, text: 0.91 -> 0.82 of the dry run). The training process deals the same batches alike
+and takes batch n from the worker that built it, so the order and the cursors are exactly those of
+building in process. A slot comes back
 to its worker once nothing in the training process views it any more (the numpy views' base is collected): a
 worker has `prefetch_factor + hold` slots, so it runs at most that far ahead (backpressure from
 the consumer's position), and when the loop keeps more than `hold` of one worker's batches alive
@@ -40,7 +42,7 @@ from collections.abc import Iterator
 from tierflow._lifetime import Owner, die_with
 from tierflow.loader._collate import CarriedBatch
 from tierflow.loader._lifetime import lost_worker
-from tierflow.loader.plan import PlannedCursor, worker_of
+from tierflow.loader.plan import PlannedCursor
 from tierflow.loader.ring import Arena, anonymous_memory, lay_out, view_batch
 from tierflow.telemetry.attribution import time_batches
 
@@ -52,6 +54,10 @@ where batches are small), so a worker that stalls a moment (decoding a block, de
 node) does not stall the other: with 6 token batches of slack each, the workers of a 2-core run
 waited for slots ~0.9 s of a 2.6 s epoch, with 16 about half that."""
 MAX_SLOTS = 64
+LAG = 8
+"""The most batches one worker is dealt beyond another (`LaneSticky`), within the slots of its ring:
+by lane with a lag of 8 the peers' corpus decodes 1.21 (tokens) and 1.24 (documents) times its
+blocks with 2 workers, against 1.79 and 1.58 dealt in turn (`benchmarks/peers/ownership.py`)."""
 RUN_BATCHES = 8
 """The most batches one message carries (a worker's run)."""
 RUN_SECONDS = 0.001
@@ -195,6 +201,7 @@ class PoolIterator:
         self.processes: list[Any] = []
         self._channels: list[_Channel] = []
         slots = pool.prefetch_factor + pool.hold
+        lag = min(LAG, slots)
         for worker in range(workers):
             ours, theirs = socket.socketpair()
             process = context.Process(
@@ -206,6 +213,7 @@ class PoolIterator:
                     worker,
                     workers,
                     slots,
+                    lag,
                     pool.hold,
                     pool.timed,
                     owner,
@@ -218,6 +226,7 @@ class PoolIterator:
             self.processes.append(process)
             self._channels.append(_Channel(ours))
         self._stream = dataset.stream()  # where the workers' compact cursors are resolved (the same start)
+        self._ownership = dataset.ownership(workers, lag)  # the workers deal their batches alike
         self._arenas: list[Arena | None] = [None] * workers
         self._held = [0] * workers
         self._received: list[collections.deque[tuple[Any, ...]]] = [collections.deque() for _ in range(workers)]
@@ -236,7 +245,7 @@ class PoolIterator:
                 raise error
         if self._ended:
             raise StopIteration
-        worker = worker_of(self._next, self.pool.workers)
+        worker = self._ownership.owner(self._next)
         channel = self._channels[worker]
         received = self._received[worker]
         while not received:
@@ -429,6 +438,7 @@ def _work(
     worker: int,
     workers: int,
     slots: int,
+    lag: int,
     hold: int,
     timed: bool,
     owner: Owner,
@@ -440,7 +450,9 @@ def _work(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training loop's to handle
     ring = _Ring(connection, slots, hold)
     try:
-        batches: Iterator[CarriedBatch] = dataset.worker_batches(worker, workers, compact=True, text_views=True)
+        batches: Iterator[CarriedBatch] = dataset.worker_batches(
+            worker, workers, compact=True, text_views=True, lag=lag
+        )
         if timed:
             batches = time_batches(dataset, batches)
         for batch in batches:

@@ -270,6 +270,14 @@ class NodeStream:
         """(lane, the lane's batch number) of node batch `pick`, counted from the cursor."""
         return self._picks.pick(pick)
 
+    def lane_of(self, pick: int) -> int:
+        """The lane node batch `pick` reads first (0 where batches span lane epochs), read from the
+        schedule alone: no sample ids. Asked ahead of the reading, it moves this stream's walkers, so a
+        stream that deals batches to workers is not the one that reads them."""
+        if self.edges is not None:
+            return self.edges.pieces(pick)[1][0].lane
+        return 0 if self._by_spans else self._picks.pick(pick)[0]
+
     def _walk(self, lane: int, epoch: int) -> _LaneWalk:
         """The lane's walk from the cursor (epoch -1), or from the fresh start of lane epoch `epoch`."""
         walks = self._walks[lane]
@@ -427,6 +435,10 @@ class RankStream:
         """`node_batch` as (partition, sample ids, epochs, mask, epoch), arrays read-only
         (`NodeStream.read_parts`)."""
         return self.own.read_parts(pick)
+
+    def lane_of(self, index: int) -> int:
+        """The lane this rank's batch `index` reads first (`NodeStream.lane_of`)."""
+        return self.own.lane_of(index * self.ranks_per_node + self.rank)
 
     def batch(self, index: int) -> Batch:
         micro = self.node_batch(index * self.ranks_per_node + self.rank)
