@@ -220,12 +220,20 @@ def scraped(registry) -> dict:
 
 @pytest.mark.parametrize("tiers", [False, True], ids=["local", "tiers"])
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_the_caches_counts_reach_the_loaders_telemetry_prometheus_and_top(packed, tmp_path, workers, tiers):
-    """On a plain local dataset or through tiers, built here or in 2 DataLoader workers, one cold
-    epoch's cache counts (a miss and a made block per block, the bytes it wrote) are in the loader's
-    telemetry at the epoch's end, exactly: in its figures, a Prometheus scrape and the event log
-    `tierflow top` reads."""
+def test_the_caches_counts_reach_the_loaders_telemetry_prometheus_and_top(
+    packed, tmp_path, workers, tiers, monkeypatch
+):
+    """On a plain local dataset or through tiers, built here or in 2 workers, one cold epoch's cache
+    counts (a miss and a made block per block, the bytes it wrote) are in the loader's telemetry at
+    the epoch's end, exactly: in its figures, a Prometheus scrape and the event log `tierflow top`
+    reads. The workers are dealt batches in turn (lag 1): dealt by lane, this epoch's 6 batches all
+    go to one worker, and the other, building the next epoch's meanwhile, may make a block the first
+    then finds in the shared cache (a hit here; its miss ships with its own batch, next epoch)."""
     from rich.console import Console
+
+    from tierflow.loader import workers as pool
+
+    monkeypatch.setattr(pool, "LAG", 1)
 
     from tierflow.commands.top import RunState, render
     from tierflow.telemetry import MetricsRegistry

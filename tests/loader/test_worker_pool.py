@@ -490,3 +490,20 @@ def test_the_pool_deals_a_lanes_batches_to_one_worker_so_its_blocks_are_decoded_
     assert pooled == ids and blocks_read == blocks and processes == 2
     # by lane 61 decodes of 38 blocks (a lane moves when one worker is dealt `lag` more), in turn 88
     assert loads <= 2 * blocks, f"{loads} decodes of {blocks} blocks by 2 workers"
+
+
+def test_a_worker_dealt_lanes_bounds_its_decoded_blocks_by_its_share_of_the_lanes(many_blocks):
+    """Dealt by lane among 2 workers, a worker reads about half the lanes at once (and one moving to
+    it): its decoded-block cache is bounded by those, where a DataLoader worker's (in turn) is not."""
+
+    def bound(lag):
+        order = OrderSpec(seed=3, lanes=8, window_shards=1)
+        ds = TieredDataset(str(many_blocks), BatchSpec(batch_size=8, batcher=Samples()), order)
+        next(ds.worker_batches(0, 2, lag=lag))
+        return ds, ds._open().dataset.source.cache.max_bytes
+
+    ds, in_turn = bound(None)
+    lanes = ds.working_set.lanes
+    assert lanes >= 4 and in_turn == ds.decoded_bound(0)
+    _, by_lane = bound(8)
+    assert by_lane == ds.decoded_bound(0, share=2) < in_turn

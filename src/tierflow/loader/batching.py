@@ -58,6 +58,9 @@ class SampleContext:
     registry: MetricsRegistry = field(default_factory=MetricsRegistry)
     narrow: bool = False
     """Whether the decoded-block cache is bounded by epoch 0's narrower reading (TieredDataset widens it)."""
+    lane_share: int = 1
+    """Among how many workers this process's lanes are dealt (`LaneSticky`): it decodes about that
+    share of the lanes read at once, and bounds its decoded blocks by them."""
     text_views: bool = False
     """Whether `Samples` gives string columns as memoryviews of their UTF-8 bytes (a worker of the
     Loader's pool, with no filter, transform or collate: its ring carries the bytes as they are and

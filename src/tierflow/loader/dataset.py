@@ -280,19 +280,23 @@ class TieredDataset(IterableDataset):
         self._context_pid = os.getpid()
         return self._context
 
-    def decoded_bound(self, epoch: int | None = None) -> int:
+    def decoded_bound(self, epoch: int | None = None, share: int = 1) -> int:
         """Decoded bytes of compressed blocks one reading process needs at once: the shards its order
         reads at once (one window per lane), decoded; with block groups, one group per lane and the
         blocks at its edges. Every process holds its own, so a budget of the whole dataset (the
         sources' 1 GiB default) held every block in every DataLoader worker. Epoch 0 of a narrowed
         first epoch (`order.first_epoch`) reads its lanes a group at a time, two groups at a hand-over;
-        None: the widest epoch."""
+        None: the widest epoch. A worker dealt lanes among `share` workers reads a `share`-th of them,
+        and one more (a lane moving to it)."""
         sizes: Any = shard_column(self.manifest, "decoded_bytes")
         order = self.order
-        lanes, window = self.working_set.lanes, self.working_set.window_shards
+        lanes, window = _lane_share(self.working_set.lanes, share), self.working_set.window_shards
         windows = working_set_bytes(lanes * window, sizes)
         if epoch == 0 and order.first_epoch is not None:
-            lanes, window = min(lanes, 2 * order.first_epoch[0]), order.first_epoch[1]
+            lanes, window = (
+                _lane_share(min(self.working_set.lanes, 2 * order.first_epoch[0]), share),
+                order.first_epoch[1],
+            )
             # two groups of lanes count only at a hand-over, and their shards are dealt at random: mean
             # shards, with room for the two largest at once (the largest shards, as wider epochs count,
             # held ~1.5x what epoch 0 of the peers' token corpus reads at once, its largest shard 9x its
@@ -313,7 +317,7 @@ class TieredDataset(IterableDataset):
         cache = getattr(ctx.dataset.source, "cache", None)
         ctx.narrow = epoch == 0 and self.order.first_epoch is not None
         if isinstance(cache, BlockCache):
-            bound = self.decoded_bound(epoch)
+            bound = self.decoded_bound(epoch, ctx.lane_share)
             cache.max_bytes = min(cache.max_bytes, bound) if epoch == 0 else min(cache.cap, max(cache.max_bytes, bound))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -386,6 +390,9 @@ class TieredDataset(IterableDataset):
         stream = self.stream(worker, workers)
         stream.compact = compact
         stream.ownership = self.ownership(workers, lag)
+        if isinstance(stream.ownership, LaneSticky):
+            ctx.lane_share = workers
+            self._bound_decoded(ctx, 0)  # opened at epoch 0's bound, widened as before
         plan = self.batcher.plan(ctx, stream, self._resume)
         return with_worker_metrics(plan, lambda selection: self._built(ctx, selection), worker, [ctx.registry])
 
@@ -554,6 +561,11 @@ def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:
     stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
     use = stored is not None and stored.counts is counts
     return {"stored_layout": stored, "decoded_digest": stored.decoded} if use and stored is not None else {}
+
+
+def _lane_share(lanes: int, share: int) -> int:
+    """The lanes one of `share` workers dealt lanes reads at once: its part, and one moving to it."""
+    return lanes if share <= 1 else min(lanes, -(-lanes // share) + 1)
 
 
 __all__ = ["DEFAULT_ORDER", "Resume", "TieredDataset"]
