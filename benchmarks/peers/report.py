@@ -339,7 +339,8 @@ def raw_tables(r: dict[str, Any]) -> list[str]:
     lines += rate + ["", "Peak PSS summed over the child and its workers (MB), same runs:", ""] + pss
     lines += [
         "",
-        "CPU seconds of the epoch after its first batch, the child and its workers together, same runs:",
+        "CPU seconds of the epoch after its first batch, the child and its workers together (living, or joined at the"
+        " epoch's end: their CPU is then their parent's children's), same runs:",
         "",
     ] + cpu
     lines += [
