@@ -2,14 +2,14 @@
 
 Each worker builds the output batches the pool deals it (`TieredDataset.ownership`: a lane's
 batches stay with one worker, which then decodes that lane's blocks alone, while no worker is dealt
-more than `LAG` batches beyond another), writes each into a free slot of its `Arena` (ring.py) and sends small messages (where the arrays lie, the
-batches' meta) over its socket, one per run of batches where the loop is ahead of it (runs grow
-from one batch, so the first comes at once; RUN_BATCHES, RUN_SECONDS). A worker ahead of the loop
-(its ring full) sends what it built and refills each slot as it comes back: waiting for a run's
-worth of free slots made both workers build in bursts, which on 2 cores delayed a stepping loop
-(10 ms step, text: 0.91 -> 0.82 of the dry run). The training process deals the same batches alike
-and takes batch n from the worker that built it, so the order and the cursors are exactly those of
-building in process. A slot comes back
+more than `LAG` batches beyond another), writes each into a free slot of its `Arena` (ring.py) and
+sends small messages (where the arrays lie, the batches' meta) over its socket, one per run of
+batches where the loop is ahead of it (runs grow from one batch, so the first comes at once;
+RUN_BATCHES, RUN_SECONDS). A worker ahead of the loop (its ring full) sends what it built and
+refills each slot as it comes back: waiting for a run's worth of free slots made both workers build
+in bursts, which on 2 cores delayed a stepping loop (10 ms step, text: 0.91 -> 0.82 of the dry
+run). The training process deals the same batches alike and takes batch n from the worker that
+built it, so the order and the cursors are exactly those of building in process. A slot comes back
 to its worker once nothing in the training process views it any more (the numpy views' base is collected): a
 worker has `prefetch_factor + hold` slots, so it runs at most that far ahead (backpressure from
 the consumer's position), and when the loop keeps more than `hold` of one worker's batches alive
