@@ -462,14 +462,14 @@ def test_batches_from_workers_equal_batches_built_in_process(packed):
 
 
 def test_workers_cover_every_batch_once_in_order():
-    from tierflow.loader.plan import _WorkerView, worker_of
+    from tierflow.loader.plan import _WorkerView
 
     for workers in (1, 2, 3):
         owned = []
         for w in range(workers):
             view = _WorkerView(None, 0, w, workers, None)  # type: ignore[arg-type]
             mine = list(itertools.takewhile(lambda n: n < 40, view.own_batches()))
-            assert all(view.owns(n) and worker_of(n, workers) == w for n in mine) and mine == sorted(mine)
+            assert all(view.owns(n) and n % workers == w for n in mine) and mine == sorted(mine)
             assert [n for n in range(40) if view.owns(n)] == mine
             owned += mine
         assert sorted(owned) == list(range(40)), workers

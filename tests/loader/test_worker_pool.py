@@ -450,7 +450,8 @@ def test_text_columns_are_written_into_their_slot_value_after_value():
 
 @pytest.fixture(scope="module")
 def many_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Text in 16 shards of 4 blocks: lanes enough for batches of one lane to go to either worker."""
+    """~8 MB of text in shards of 1 MB and blocks of 256 KB (38 blocks): blocks enough that dealing
+    a lane's batches to one worker shows in the decodes."""
     root = tmp_path_factory.mktemp("blocks")
     write_letters(root / "docs.jsonl", 4000, 1000, 3000, seed=11)
     tierflow.pack([root / "docs.jsonl"], root / "ds", workers=1, target_shard_bytes=1 << 20, block_bytes=256 << 10)

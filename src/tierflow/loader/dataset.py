@@ -438,7 +438,7 @@ class TieredDataset(IterableDataset):
         """How this rank's batches are dealt to `workers` workers: in turn (DataLoader's), or with a
         `lag` by the lane each reads (`LaneSticky`, over a stream of its own) where a batch's position
         alone places it (`ByPosition`: not a token budget's, not eval's)."""
-        if lag is None or self.eval or not isinstance(self.batcher, ByPosition):
+        if lag is None or workers < 2 or self.eval or not isinstance(self.batcher, ByPosition):
             return RoundRobin(workers)
         lanes, per_group = self._rank_stream(self._resume), self.batcher.batches_per_group
         skip = self._resume.skip if self._resume is not None else 0

@@ -239,11 +239,6 @@ def batch_epoch(epochs: np.ndarray, mask: np.ndarray) -> int:
     return int(real.min()) if real.size else 0
 
 
-def worker_of(n: int, workers: int) -> int:
-    """The DataLoader worker of `workers` that builds output batch `n` (`RoundRobin`)."""
-    return n % workers
-
-
 class _WorkerView:
     """Who plans: the rank (global), the worker of how many, under which arrangement, and how the
     batches are dealt to the workers (`ownership`: in turn unless the pool sets another). `compact`:
