@@ -27,7 +27,7 @@ from tierflow.format import metadata_index, metadata_verify, metadata_writer
 from tierflow.format.dataset import Dataset
 from tierflow.format.reader import DirectoryBlocks, ShardReader
 from tierflow.format.index import DatasetIndex
-from tierflow.format.manifest import MANIFEST_NAME, Manifest, schema_to_json
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.testing.faults import write_corpus
 
 
@@ -324,15 +324,7 @@ def _forge(out: Path, edit) -> None:
     m = legacy(out)
     shards, blocks = metadata_writer.columns_from_shards(m.shards)
     edit(shards, blocks)
-    fields = {
-        "dataset_id": m.dataset_id,
-        "schema": schema_to_json(m.schema),
-        "tokenizer": m.tokenizer,
-        "token_column": m.token_column,
-        "token_dtype": m.token_dtype,
-        "eos_id": m.eos_id,
-        "stats": {},
-    }
+    fields = {**metadata_writer.dataset_fields(m), "stats": {}}
     (out / MANIFEST_NAME).unlink()
     metadata_writer.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields)
 
@@ -360,19 +352,29 @@ def test_hostile_tables_with_every_hash_recomputed_are_refused(packed: Path, tmp
 
 
 def test_hostile_shard_columns_with_every_hash_recomputed_are_refused(packed: Path, tmp_path: Path) -> None:
-    for edit, match in [
-        (lambda s, b: s["samples"].__setitem__(1, -5), "negative or absurd"),
-        (lambda s, b: s["checksum"].__setitem__(3, s["checksum"][1]), "listed twice"),
-        (lambda s, b: s["compression"].__setitem__(0, 9), "unknown compression"),
-        (lambda s, b: s["sample_start"].__setitem__(2, 0), "running sum"),
-        (lambda s, b: s["first_block"].__setitem__(1, 0), "running sum"),
+    first = lambda out: tierflow.open_dataset(out)[0]
+    for edit, match, use in [
+        (lambda s, b: s["samples"].__setitem__(1, -5), "negative or absurd", first),
+        (
+            lambda s, b: s["checksum"].__setitem__(3, s["checksum"][1]),
+            "listed twice",
+            lambda out: Manifest.load(out).shards[3],
+        ),
+        (
+            lambda s, b: s["checksum"].__setitem__(3, s["checksum"][1]),
+            "listed twice",
+            lambda out: Manifest.load(out).shards[1],
+        ),
+        (lambda s, b: s["compression"].__setitem__(0, 9), "unknown compression", first),
+        (lambda s, b: s["sample_start"].__setitem__(2, 0), "running sum", first),
+        (lambda s, b: s["first_block"].__setitem__(1, 0), "running sum", first),
     ]:
         out = tmp_path / "ds"
         shutil.rmtree(out, ignore_errors=True)
         out = copy(packed, tmp_path)
         _forge(out, edit)
         with pytest.raises(ManifestError, match=match):
-            tierflow.open_dataset(out)[0]
+            use(out)
 
 
 def test_checksums_sharing_their_high_half_are_told_apart_by_their_low_half(packed: Path, tmp_path: Path) -> None:
@@ -451,7 +453,7 @@ def test_counts_whose_int64_sum_wraps_round_to_the_header_total_are_refused() ->
     wrapped = int(counts.sum(dtype=np.int64))
     assert 0 < wrapped < MAX_COUNT * 70_000  # the wrap this guards against
     tables = SimpleNamespace(num_shards=counts.size, totals={"samples": wrapped})
-    assert "absurd" in md.MetadataTables._check(tables, "samples", counts)
+    assert "absurd" in md.MetadataTables._check(tables, "samples", 0, 0, counts)
 
 
 def test_a_dataset_dropped_by_its_reader_holds_no_table_open(packed: Path, tmp_path: Path) -> None:

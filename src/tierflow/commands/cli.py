@@ -328,6 +328,9 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+UPDATED = "metadata brought up to date (the order's layout, chunk hashes, the summary: what it lacked)"
+
+
 @command("upgrade")
 def _upgrade(args: argparse.Namespace) -> int:
     """Version-3 metadata for a dataset, in place: tables under content-named files, the header last
@@ -344,28 +347,28 @@ def _upgrade(args: argparse.Namespace) -> int:
     root = local_path(args.dataset)
     if root is None:
         from tierflow.errors import SourceNotFound
-        from tierflow.storage.datasets import add_layout_source
+        from tierflow.storage.datasets import update_header_source
 
         source = open_store(args.dataset, endpoint_url=args.endpoint_url)
         with tempfile.TemporaryDirectory(prefix="tierflow-upgrade-") as work:
             try:
                 source.size(MANIFEST_NAME)
-            except SourceNotFound:  # version 3 already (or nothing): store the order's layout if it lacks one
-                stored = add_layout_source(source, work)
-                print(f"{args.dataset}: " + ("the order's layout stored" if stored else "up to date, nothing to write"))
+            except SourceNotFound:  # version 3 already (or nothing): add what an older tierflow left out
+                updated = update_header_source(source, work)
+                print(f"{args.dataset}: " + (UPDATED if updated else "up to date, nothing to write"))
                 return 0
             where = upgrade_source(source, work)
     else:
         from tierflow.format.metadata import has_metadata
-        from tierflow.format.metadata_writer import add_layout
+        from tierflow.format.metadata_writer import update_header
 
         if not (root / MANIFEST_NAME).is_file():
             if not has_metadata(root):
                 print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
                 return 1
-            with DatasetLock(root):  # version 3 already: store the order's layout if it lacks one
-                added = add_layout(root)
-            print(f"{args.dataset}: " + ("the order's layout stored" if added else "up to date, nothing to write"))
+            with DatasetLock(root):  # version 3 already: add what an older tierflow left out
+                written = update_header(root)
+            print(f"{args.dataset}: " + (UPDATED if written is not None else "up to date, nothing to write"))
             return 0
         with DatasetLock(root):
             where = str(upgrade(root))

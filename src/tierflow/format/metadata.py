@@ -24,20 +24,29 @@ the same files, so they share the pages through the page cache.
 
 Integrity, as strong as the manifest's checksum, paid as it is used:
 - the header is checksummed (xxh3-128 of its canonical JSON) and names each table file's size, row
-  count and, per column, the xxh3-128 of the column's bytes;
-- a shard-table column is hashed whole and checked (ranges, running sums, totals against the header)
-  the first time a process uses it, once: ~8 MB at a million shards, a few ms at memory speed, and
-  only for the columns that process reads (a rank's order needs `samples`; names need `checksum`);
+  count and, per column, the xxh3-128 of the column's bytes, whole and (`chunks`) of each chunk of
+  CHUNK_ROWS rows, with the running sums at each chunk's first row (`chunks.starts`);
+- a chunk of a shard-table column is hashed and checked (ranges; its counts adding up to the step
+  between two of the header's running sums, its running sums rising by its counts from the header's)
+  the first time a row of it is used, once (metadata_table.py): a process pays for the chunks of the
+  shards it reads, and every chunk checked is the whole column checked. A header written before
+  chunks is one chunk of every row (`tierflow upgrade` adds them);
+- a shard's name is checked to be no other shard's by a binary search along `checksum_order` (the
+  checksum must sort where the order lists that shard, and the next one differ: of two shards that
+  share a checksum at most one passes); the whole order is checked by `verify` and by what reads
+  every name (gc, the entry keys);
 - a shard's block rows are checked against its `block_digest` (and bounds-checked as a manifest's
   are) the first time that shard is used, so a rank touches only the block rows of the shards it
   reads: the block table (~1.3 GB at a million shards of 64 blocks) is never read whole at open;
+- the header's `summary` (metadata_summary.py: the largest shards, the largest blocks' sum) sizes
+  the working set and the decoded bound without a whole column;
 - `verify_metadata` (`tierflow verify`) hashes every column of both tables, streaming, and checks
-  the dataset id against the shards, in bounded memory.
-A damaged row in a shard-table column is refused when the column is first used, a damaged block row
-when its shard is first used, never served; a process pays for the columns and shards it uses, not
-for the dataset (~1.4 GB at a million shards). The dataset id against the checksums is `verify`'s
-(the header's checksum covers the recorded id). Anything wrong is a ManifestError naming the
-dataset, the file and what is wrong.
+  the summary, the layout and the dataset id against the shards, in bounded memory.
+A damaged row in a shard-table column is refused when its chunk is first used, a damaged block row
+when its shard is first used, never served; a process pays for the rows it uses, not for the
+dataset (~1.4 GB at a million shards). The dataset id against the checksums is `verify`'s (the
+header's checksum covers the recorded id). Anything wrong is a ManifestError naming the dataset,
+the file and what is wrong.
 
 This module is the layout and the reading side; writing and publishing is `metadata_writer`, the
 whole-dataset check `metadata_verify`, the lookups over the mapped tables `metadata_index`.
@@ -46,7 +55,6 @@ whole-dataset check `metadata_verify`, the lookups over the mapped tables `metad
 from __future__ import annotations
 
 import json
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -58,18 +66,28 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.errors import ManifestError
-from tierflow.format._regular import fd_path, read_regular
+from tierflow.format._regular import read_regular
 from tierflow.format.metadata_layout import (
     LAYOUT_SCHEMA,
     TABLE_PREFIX as TABLE_PREFIX,
     TABLE_SUFFIX as TABLE_SUFFIX,
     StoredLayout,
+    check_chunk_starts,
     check_layout_entry,
     check_table_entry as _check_table_entry,
     is_count as _is_count,
 )
 from tierflow.format.manifest import Manifest, _check_fields, schema_from_json
-from tierflow.format.table_locks import TableGone, open_table
+from tierflow.format.metadata_summary import check_summary
+from tierflow.format.metadata_table import (
+    ChunkCheck,
+    MappedTable,
+    ShardRows,
+    column_digest as column_digest,
+    column_dtype as column_dtype,
+    distinct,
+)
+from tierflow.format.table_locks import TableGone
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
 METADATA_NAME = "metadata.json"
@@ -103,10 +121,12 @@ BLOCK_SCHEMA = pa.schema(
     [("length", pa.uint32()), ("rows", pa.uint32()), ("checksum", pa.uint64()), ("tokens", pa.uint32())]
 )
 _COUNT_COLUMNS = ("samples", "bytes", "decoded_bytes", "tokens", "blocks", "largest_rows")
-
-
-def column_dtype(kind: pa.DataType) -> Any:
-    return np.dtype("V16") if pa.types.is_fixed_size_binary(kind) else np.dtype(kind.to_pandas_dtype())
+_RUNNING = {"samples": "sample_start", "tokens": "token_start", "blocks": "first_block"}
+"""Each count column and the column of its running sums (the header holds the sums at each chunk's start)."""
+_COUNTED = {running: count for count, running in _RUNNING.items()}
+RUNNING_COLUMNS = tuple(_RUNNING.values())
+CHUNK_ROWS = 1 << 16
+"""Rows a table's chunk holds: the unit a reader hashes and checks (512 KB of an int64 column)."""
 
 
 def has_metadata(directory: str | Path) -> bool:
@@ -129,13 +149,6 @@ def block_digest(length: np.ndarray, rows: np.ndarray, checksum: np.ndarray, tok
 
 CHECKSUM_HALVES = np.dtype([("hi", ">u8"), ("lo", ">u8")])
 """A 16-byte checksum as two big-endian halves: numpy orders these as the bytes (the hex) order."""
-
-
-def column_digest(values: np.ndarray | memoryview | pa.Buffer) -> str:
-    if isinstance(values, pa.Buffer):
-        return xxhash.xxh3_128_hexdigest(values)
-    view = values.data if isinstance(values, np.ndarray) else values
-    return xxhash.xxh3_128_hexdigest(view.cast("B"))
 
 
 def parse_header(raw: bytes, where: str) -> dict:
@@ -174,6 +187,7 @@ def parse_header(raw: bytes, where: str) -> dict:
         raise fail("dataset_id is missing")
     for table, schema in (("shards", SHARD_SCHEMA), ("blocks", BLOCK_SCHEMA)):
         _check_table_entry(d.get(table), table, schema, fail)
+    check_chunk_starts(d["shards"], RUNNING_COLUMNS, fail)
     beside = d.get("manifest")
     if beside is not None and not (
         isinstance(beside, dict) and _is_count(beside.get("size")) and isinstance(beside.get("xxh3"), str)
@@ -190,112 +204,19 @@ def parse_header(raw: bytes, where: str) -> dict:
         stats = d.get("stats") or {}
         if type(stats.get(key)) is int and stats[key] != total:
             raise fail(f"stats.{key} = {stats[key]}, but the shards' {key} sum to {total}")
+    check_summary(d.get("summary"), d["shards"]["rows"], fail)
     if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
         _check_table_entry(d["layout"], "layout", LAYOUT_SCHEMA, fail)
         check_layout_entry(d["layout"], d["shards"]["rows"], totals["samples"], fail)
     return d
 
 
-class _Table:
-    """One mapped IPC table: columns as numpy views into the mapping, each hashed against the
-    header the first time it is handed out (unless `verify` is False: a caller checking ranges)."""
-
-    def __init__(self, directory: Path, entry: dict, schema: pa.Schema, where: str) -> None:
-        self.path = directory / entry["file"]
-        self.where = f"{where}: {entry['file']}"
-        self.rows = entry["rows"]
-        self.hashes = entry["columns"]
-        self.schema = schema
-        fd = open_table(self.path, self.where)
-        size = os.fstat(fd).st_size
-        try:
-            if size != entry["size"]:
-                raise ManifestError(
-                    f"{self.where}: {size} bytes, the header says {entry['size']} (damaged or replaced)"
-                )
-            self._map = pa.memory_map(fd_path(fd, self.path), "r")
-            reader = pa.ipc.open_file(self._map)
-            if reader.num_record_batches != 1:
-                raise ValueError(f"{reader.num_record_batches} record batches, not 1")
-            batch = reader.get_batch(0)
-            if not batch.schema.equals(schema):
-                raise ValueError(f"its schema is not the {len(schema)} columns of this format")
-            if batch.num_rows != self.rows:
-                raise ValueError(f"{batch.num_rows} rows, the header says {self.rows}")
-            batch.validate()
-        except ManifestError:
-            os.close(fd)
-            raise
-        except Exception as e:
-            os.close(fd)
-            raise ManifestError(f"{self.where}: not a readable metadata table ({type(e).__name__}: {e})") from None
-        self._file = fd  # its shared lock keeps gc from removing the table while this process reads it
-        self._batch = batch
-        self._checked: dict[str, np.ndarray] = {}
-        self._lock = threading.RLock()  # a column's check may use another column of the table
-
-    def raw(self, name: str) -> np.ndarray:
-        """The column as a read-only numpy view of the mapping, not yet hashed."""
-        arr = self._batch.column(name)
-        if arr.null_count:
-            raise ManifestError(f"{self.where}: column {name} has nulls")
-        kind = column_dtype(arr.type)
-        buf = arr.buffers()[1]
-        if buf is None or not self.rows:
-            return np.zeros(0, dtype=kind)
-        view = np.frombuffer(buf, dtype=kind, count=len(arr) + arr.offset)[arr.offset :]
-        return view
-
-    def read(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of a column read from the file (pread), not through the mapping: a pass
-        over a whole table (verify) keeps its memory to a chunk instead of mapping every page."""
-        arr = self._batch.column(name)
-        kind = column_dtype(arr.type)
-        buf = arr.buffers()[1]
-        if buf is None or stop <= start:
-            return np.zeros(0, dtype=kind)
-        base = self._map_base()
-        offset = buf.address - base + (arr.offset + start) * kind.itemsize
-        size = (stop - start) * kind.itemsize
-        if not 0 <= offset <= offset + size <= os.fstat(self._fd()).st_size:
-            raise ManifestError(f"{self.where}: column {name} lies outside the file")
-        data = os.pread(self._fd(), size, offset)
-        if len(data) != size:
-            raise ManifestError(f"{self.where}: column {name} is cut short")
-        return np.frombuffer(data, dtype=kind)
-
-    def _map_base(self) -> int:
-        if not hasattr(self, "_base"):
-            self._base = _mapping_address(self._map)
-        return self._base
-
-    def _fd(self) -> int:
-        return self._file
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_file", None)
-        if fd is not None:
-            os.close(fd)
-
-    def column(self, name: str, check: Callable[[np.ndarray], str | None] | None = None) -> np.ndarray:
-        found = self._checked.get(name)
-        if found is not None:
-            return found
-        with self._lock:
-            found = self._checked.get(name)
-            if found is not None:
-                return found
-            values = self.raw(name)
-            if column_digest(values) != self.hashes[name]:
-                raise ManifestError(
-                    f"{self.where}: column {name} does not match its hash in the header "
-                    f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
-                )
-            problem = check(values) if check is not None else None
-            if problem is not None:
-                raise ManifestError(f"{self.where}: {problem}")
-            self._checked[name] = values
-            return values
+def chunk_starts(entry: dict) -> dict[str, list[int]]:
+    """The shard table's running sums at each chunk's first row (the header's), per running column."""
+    chunks = entry.get("chunks")
+    if chunks is None:
+        return {name: [0] if entry["rows"] else [] for name in RUNNING_COLUMNS}
+    return chunks["starts"]
 
 
 def _running_sum(starts: np.ndarray, counts: np.ndarray, chunk: int = 1 << 16) -> bool:
@@ -310,12 +231,6 @@ def _running_sum(starts: np.ndarray, counts: np.ndarray, chunk: int = 1 << 16) -
     return True
 
 
-def _mapping_address(mapped: pa.MemoryMappedFile) -> int:
-    """The address where a memory-mapped file's byte 0 lies (its buffers' offsets in the file follow)."""
-    mapped.seek(0)
-    return mapped.read_buffer(1).address
-
-
 class MetadataTables:
     """A dataset's mapped shard and block tables, each column verified once, on first use."""
 
@@ -324,79 +239,132 @@ class MetadataTables:
         self.where = where
         self.header = header
         self.totals = header["totals"]
-        self.shards = _Table(directory, header["shards"], SHARD_SCHEMA, where)
-        self.blocks = _Table(directory, header["blocks"], BLOCK_SCHEMA, where)
+        self.shards = MappedTable(directory, header["shards"], SHARD_SCHEMA, where)
+        self.blocks = MappedTable(directory, header["blocks"], BLOCK_SCHEMA, where)
         entry = header.get("layout")
-        self.layout = None if entry is None else _Table(directory, entry, LAYOUT_SCHEMA, where)
+        self.layout = None if entry is None else MappedTable(directory, entry, LAYOUT_SCHEMA, where)
         self._stored: StoredLayout | None = None
         self.manifest: Callable[[], Any] = lambda: None
         """The MappedManifest these tables belong to, weakly: a strong reference would make a cycle that
         keeps the tables mapped, and their shared locks held against gc, until Python's cycle collector
         runs (a process that dropped a dataset and packs over it found its old tables in use)."""
         self.num_shards = self.shards.rows
+        self.starts = chunk_starts(header["shards"])
+        self._sorted = False
         self._lock = threading.Lock()
         self._block_lists: dict[int, BlockList] = {}
 
     def column(self, name: str) -> np.ndarray:
-        """A shard-table column (int64 counts, 16-byte checksums), hashed and range-checked once."""
-        return self.shards.column(name, lambda v: self._check(name, v))
+        """A shard-table column (int64 counts, 16-byte checksums), every chunk hashed and checked once."""
+        return self.shards.column(name, self._check_chunk(name))
 
-    def _check(self, name: str, v: np.ndarray) -> str | None:
-        n = self.num_shards
+    def value(self, name: str, shard: int) -> Any:
+        """Shard `shard`'s value of a column, its chunk hashed and checked once."""
+        return self.shards.value(name, shard, self._check_chunk(name))
+
+    def at(self, name: str, shards: np.ndarray) -> np.ndarray:
+        """The column's values at `shards`, their chunks hashed and checked once."""
+        return self.shards.at(name, shards, self._check_chunk(name))
+
+    def shards_at(self, running: str, positions: np.ndarray) -> np.ndarray:
+        """The shard each of `positions` (sample ids or token numbers, in range) lies in, by the running
+        sums `running`: a binary search over the mapped column, then the rows it lands on (and the
+        next) checked and the landing confirmed, so a lookup hashes the chunks it lands in, not the
+        column. Damage the search passed through is found by checking the whole column."""
+        raw, n = self.shards.raw(running), self.num_shards
+        shard = raw.searchsorted(positions, side="right") - 1
+        if positions.size and n and int(shard.min()) >= 0:
+            landed = distinct(shard)
+            start = self.at(running, landed)
+            nxt = landed + 1
+            end = np.append(
+                self.at(running, nxt[nxt < n]),
+                [self._boundary(running, len(self.starts[running]))] * int((nxt >= n).sum()),
+            )
+            at = np.searchsorted(landed, shard)
+            if bool(np.all((start[at] <= positions) & (positions < end[at]))):
+                return shard
+        return self.column(running).searchsorted(positions, side="right") - 1
+
+    def rows(self, name: str) -> ShardRows:
+        """The column indexed by shard, each chunk checked when a shard of it is first read."""
+        return ShardRows(self.at, name, self.num_shards, self.manifest())
+
+    def _check_chunk(self, name: str) -> ChunkCheck:
+        return lambda c, lo, v: self._check(name, c, lo, v)
+
+    def _boundary(self, running: str, c: int) -> int:
+        """The running sum `running` at chunk c's first row (the header's), or its total past the last."""
+        found = self.starts[running]
+        if c < len(found):
+            return int(found[c])
+        return self.blocks.rows if running == "first_block" else int(self.totals[running.split("_")[0] + "s"])
+
+    def _check(self, name: str, c: int, lo: int, v: np.ndarray) -> str | None:
+        """Chunk c of a column (rows lo...) against its ranges and the header's running sums: every chunk
+        checked is the whole column checked (each chunk's sum is the step between two boundaries the
+        header holds, so the chunks' sums add up to the totals)."""
         # one pass: a negative int64 read as uint64 is at least 2**63, past MAX_COUNT
         largest = int(v.view(np.uint64).max()) if name in _COUNT_COLUMNS and v.size else 0
         if largest >= MAX_COUNT:
             i = int(np.flatnonzero((v < 0) | (v >= MAX_COUNT))[0])
-            return f"shard #{i}: {name} = {int(v[i])} is negative or absurd"
+            return f"shard #{lo + i}: {name} = {int(v[i])} is negative or absurd"
         if name == "compression" and v.size and int(v.max()) >= len(COMPRESSIONS):
             i = int(np.argmax(v >= len(COMPRESSIONS)))
-            return f"shard #{i}: unknown compression code {int(v[i])}"
+            return f"shard #{lo + i}: unknown compression code {int(v[i])}"
         if name == "tokens_known" and v.size and int(v.max()) > 1:
             return "tokens_known is not 0 or 1"
-        if name in ("samples", "tokens"):
+        running = _RUNNING.get(name)
+        if running is not None:
             # an int64 sum would wrap round to anything: refused past 2**62 (summed as floats only when
             # the counts, each below MAX_COUNT, could reach 2**61)
             if largest * v.size >= 2**61 and float(v.sum(dtype=np.float64)) >= 2.0**62:
                 return f"the shards' {name} sum past 2**62: absurd"
             total = int(v.sum(dtype=np.int64)) if v.size else 0
-            if total != self.totals[name]:
-                return f"the shards' {name} sum to {total}, the header says {self.totals[name]}"
-        if name in ("sample_start", "token_start"):
-            counts = self.column(name.split("_")[0] + "s")
-            if not _running_sum(v, counts):
-                return f"{name} is not the running sum of {name.split('_')[0]}s"
-        if name == "first_block":
-            counts = self.column("blocks")
-            if not _running_sum(v, counts):
-                return "first_block is not the running sum of blocks"
-            if (int(v[-1] + counts[-1]) if v.size else 0) != self.blocks.rows:
-                return f"the shards' blocks do not add up to the block table's {self.blocks.rows} rows"
-        if name == "checksum_order" and n:
-            # a permutation of the shards along which the checksums strictly increase: no shard is
-            # listed twice (O(shards) compares, no sort). n indices in range along which the checksums
-            # strictly rise are n distinct shards, a permutation: it is checked apart only when they
-            # do not rise, so the error is the same as when it was checked first
-            if int(v.min()) < 0 or int(v.max()) >= n:
-                return "checksum_order is not a permutation of the shards"
-            checksums = self.column("checksum")
-            halves = checksums.view(CHECKSUM_HALVES)
-            # the leading 4 bytes, native once, then gathered: a quarter of the bytes moved at random
-            top = checksums.view(">u4")[::4].astype(np.uint32)[v]
-            rising = top[1:] > top[:-1]
-            tie = np.flatnonzero(top[1:] == top[:-1])  # equal leading bytes (~n²/2³² pairs): the halves decide
-            if tie.size:
-                a, b = halves[v[tie]], halves[v[tie + 1]]
-                rising[tie] = (b["hi"] > a["hi"]) | ((b["hi"] == a["hi"]) & (b["lo"] > a["lo"]))
-            if not rising.all():
-                seen = np.zeros(n, dtype=bool)
-                seen[v] = True
-                if not seen.all():
-                    return "checksum_order is not a permutation of the shards"
-                i = int(np.argmin(rising))
-                if halves[v[i]] == halves[v[i + 1]]:
-                    return f"a shard is listed twice (shards #{int(v[i])} and #{int(v[i + 1])})"
-                return "checksum_order does not sort the checksums"
+            step = self._boundary(running, c + 1) - self._boundary(running, c)
+            if total != step:
+                if self.shards.chunk_rows >= self.num_shards:
+                    return f"the shards' {name} sum to {total}, the header says {step}"
+                return f"shards #{lo}-#{lo + v.size - 1}: their {name} sum to {total}, the header says {step}"
+        if name in _RUNNING.values():
+            counts = self.shards.span(_COUNTED[name], lo, lo + v.size, self._check_chunk(_COUNTED[name]))
+            if (int(v[0]) if v.size else self._boundary(name, c)) != self._boundary(name, c) or not _running_sum(
+                v - self._boundary(name, c), counts
+            ):
+                return f"{name} is not the running sum of {_COUNTED[name]}"
+        if name == "checksum_order" and v.size and (int(v.min()) < 0 or int(v.max()) >= self.num_shards):
+            return "checksum_order is not a permutation of the shards"
         return None
+
+    def _check_sorted(self) -> None:
+        """checksum_order, whole: a permutation of the shards along which the checksums strictly
+        increase, so no shard is listed twice (O(shards) compares, no sort). n indices in range along
+        which the checksums strictly rise are n distinct shards, a permutation: it is checked apart
+        only when they do not rise, so the error is the same as when it was checked first."""
+        n, v = self.num_shards, self.column("checksum_order")
+        if not n or self._sorted:
+            return
+        checksums = self.column("checksum")
+        halves = checksums.view(CHECKSUM_HALVES)
+        # the leading 4 bytes, native once, then gathered: a quarter of the bytes moved at random
+        top = checksums.view(">u4")[::4].astype(np.uint32)[v]
+        rising = top[1:] > top[:-1]
+        tie = np.flatnonzero(top[1:] == top[:-1])  # equal leading bytes (~n²/2³² pairs): the halves decide
+        if tie.size:
+            a, b = halves[v[tie]], halves[v[tie + 1]]
+            rising[tie] = (b["hi"] > a["hi"]) | ((b["hi"] == a["hi"]) & (b["lo"] > a["lo"]))
+        if not rising.all():
+            seen = np.zeros(n, dtype=bool)
+            seen[v] = True
+            if not seen.all():
+                raise ManifestError(f"{self.shards.where}: checksum_order is not a permutation of the shards")
+            i = int(np.argmin(rising))
+            if halves[v[i]] == halves[v[i + 1]]:
+                raise ManifestError(
+                    f"{self.shards.where}: a shard is listed twice (shards #{int(v[i])} and #{int(v[i + 1])})"
+                )
+            raise ManifestError(f"{self.shards.where}: checksum_order does not sort the checksums")
+        self._sorted = True
 
     def stored_layout(self) -> StoredLayout | None:
         """The order's layout stored with the metadata (metadata_layout.py); None: compute it."""
@@ -407,16 +375,52 @@ class MetadataTables:
             self._stored.manifest = self.manifest()
         return self._stored
 
-    def _sample_starts(self) -> np.ndarray:
-        return self.column("sample_start")
+    def _sample_starts(self, shards: np.ndarray) -> np.ndarray:
+        return self.at("sample_start", shards)
 
     def checksums(self) -> np.ndarray:
-        """The checksum column, checked to hold no shard twice (with `checksum_order`)."""
-        self.column("checksum_order")
+        """The checksum column, whole, checked to hold no shard twice (with `checksum_order`)."""
+        self._check_sorted()
         return self.column("checksum")
 
+    def checksum(self, i: int) -> bytes:
+        """Shard i's checksum, checked to be no other shard's: where it sorts among the checksums
+        (a binary search along `checksum_order`, ~log2(shards) rows read), `checksum_order` must list
+        shard i, and the next one another checksum. For a given checksum the search lands on one
+        place, so of two shards that share it at most one passes, wherever the order lists them; the
+        whole order is `verify`'s (and `checksums`')."""
+        key = self.value("checksum", i).tobytes()
+        if self._sorted:
+            return key
+        order, checksums, n = self.shards.raw("checksum_order"), self.shards.raw("checksum"), self.num_shards
+
+        def along(p: int) -> tuple[int, bytes]:
+            j = int(order[p])
+            if not 0 <= j < n:
+                raise ManifestError(f"{self.shards.where}: checksum_order is not a permutation of the shards")
+            return j, checksums[j].tobytes()
+
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if along(mid)[1] < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        found = along(lo) if lo < n else (-1, b"")
+        after = along(lo + 1) if lo + 1 < n else (-1, b"")
+        for other, value in (found, after):
+            if other != i and value == key:
+                raise ManifestError(f"{self.shards.where}: a shard is listed twice (shards #{i} and #{other})")
+        if found[0] != i:
+            raise ManifestError(
+                f"{self.shards.where}: checksum_order does not list shard #{i} where its checksum sorts "
+                f"(damaged; `tierflow verify` names what)"
+            )
+        return key
+
     def name(self, i: int) -> str:
-        return shard_name(self.checksums()[i].tobytes().hex())
+        return shard_name(self.checksum(i).hex())
 
     def block_list(self, i: int, keep: bool = True) -> BlockList:
         """Shard i's blocks, their rows checked against its block_digest and bounds (once, when
@@ -424,12 +428,13 @@ class MetadataTables:
         found = self._block_lists.get(i)
         if found is not None:
             return found
-        first, count = int(self.column("first_block")[i]), int(self.column("blocks")[i])
+        value = self.value
+        first, count = int(value("first_block", i)), int(value("blocks", i))
         stop = first + count
         cols = {name: self.blocks.raw(name)[first:stop] for name in BLOCK_SCHEMA.names}
         name = self.name(i)
         if block_digest(cols["length"], cols["rows"], cols["checksum"], cols["tokens"]) != int(
-            self.column("block_digest")[i]
+            value("block_digest", i)
         ):
             raise ManifestError(
                 f"{self.where}: shard {name}: its rows of {self.blocks.path.name} do not match "
@@ -439,12 +444,10 @@ class MetadataTables:
         offsets = np.zeros(count, dtype=np.int64)
         np.cumsum(lengths[:-1], out=offsets[1:])
         rows = cols["rows"].astype(np.int64)
-        tokens = cols["tokens"].astype(np.int64) if int(self.column("tokens_known")[i]) else None
+        tokens = cols["tokens"].astype(np.int64) if int(value("tokens_known", i)) else None
         blocks = BlockList(offsets, lengths, rows, cols["checksum"], tokens)
-        problem = blocks.check(
-            name, int(self.column("bytes")[i]), int(self.column("samples")[i]), int(self.column("tokens")[i])
-        )
-        if problem is None and count and int(rows.max()) != int(self.column("largest_rows")[i]):
+        problem = blocks.check(name, int(value("bytes", i)), int(value("samples", i)), int(value("tokens", i)))
+        if problem is None and count and int(rows.max()) != int(value("largest_rows", i)):
             problem = f"shard {name}: largest_rows is not its largest block's rows"
         if problem is not None:
             raise ManifestError(f"{self.where}: {problem}")
@@ -454,16 +457,16 @@ class MetadataTables:
         return blocks
 
     def shard(self, i: int, keep: bool = True) -> ShardInfo:
-        col = self.column
+        value = self.value
         return ShardInfo(
             name=self.name(i),
-            samples=int(col("samples")[i]),
-            bytes=int(col("bytes")[i]),
-            decoded_bytes=int(col("decoded_bytes")[i]),
-            checksum=self.checksums()[i].tobytes().hex(),
-            decoded_checksum=col("decoded_checksum")[i].tobytes().hex(),
-            compression=COMPRESSIONS[int(col("compression")[i])],
-            tokens=int(col("tokens")[i]),
+            samples=int(value("samples", i)),
+            bytes=int(value("bytes", i)),
+            decoded_bytes=int(value("decoded_bytes", i)),
+            checksum=self.checksum(i).hex(),
+            decoded_checksum=value("decoded_checksum", i).tobytes().hex(),
+            compression=COMPRESSIONS[int(value("compression", i))],
+            tokens=int(value("tokens", i)),
             blocks=self.block_list(i, keep),
         )
 

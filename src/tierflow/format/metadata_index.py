@@ -83,7 +83,7 @@ class MappedIndex:
         if found is not None:
             return found
         blocks = self.tables.block_list(s)
-        expected = int(self.tables.column("tokens")[s])
+        expected = int(self.tables.value("tokens", s))
         counts = blocks.tokens
         if counts is None:
             if self._read_block_tokens is None:
@@ -107,14 +107,15 @@ class MappedIndex:
         from tierflow.format.index import SamplePlaces
 
         ids = np.asarray(ids, dtype=np.int64)
-        starts = self.tables.column("sample_start")
-        shard = starts.searchsorted(ids, side="right") - 1
         if ids.size and int(ids.min()) >= 0 and int(ids.max()) < self.num_samples:
+            shard = self.tables.shards_at("sample_start", ids)
             # one searchsorted over the blocks of the shards hit (contiguous id ranges, in order)
             parts = [self._sample_rows(s) for s in sorted(set(shard.tolist()))]
             rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
             at = rows[:, 3].searchsorted(ids, side="right")
             return SamplePlaces(rows[at, 0], rows[at, 1], ids - rows[at, 2])
+        starts = self.tables.column("sample_start")
+        shard = starts.searchsorted(ids, side="right") - 1
         block = np.empty_like(ids)
         row = np.empty_like(ids)
         for s in np.unique(shard).tolist():
@@ -131,7 +132,7 @@ class MappedIndex:
         found = self._sample_block_rows.get(s)
         if found is None:
             cum = self._block_rows(s)
-            first = int(self.tables.column("sample_start")[s])
+            first = int(self.tables.value("sample_start", s))
             found = np.empty((len(cum) - 1, 4), dtype=np.int64)
             found[:, 0], found[:, 1] = s, np.arange(len(cum) - 1)
             found[:, 2], found[:, 3] = first + cum[:-1], first + cum[1:]
@@ -149,7 +150,7 @@ class MappedIndex:
         found = self._token_rows.get(s)
         if found is None:
             cum = self._block_tokens(s)
-            first = int(self.tables.column("token_start")[s])
+            first = int(self.tables.value("token_start", s))
             found = np.empty((max(len(cum) - 1, 1), 4), dtype=np.int64)
             found[:, 0] = s
             if len(cum) > 1:
@@ -166,11 +167,13 @@ class MappedIndex:
         position past either end clamps to the first or last block. One searchsorted over the
         shards, then one over the blocks of the shards hit (their rows made once per shard)."""
         positions = np.asarray(positions, dtype=np.int64)
-        starts = self.tables.column("token_start")
-        n = len(starts)
-        if n == 0 or positions.size == 0:
+        if self.tables.num_shards == 0 or positions.size == 0:
             return np.empty((positions.size, 4), dtype=np.int64)
-        shards = sorted(set((starts.searchsorted(positions, side="right") - 1).tolist()))
+        if int(positions.min()) >= 0 and int(positions.max()) < self.num_tokens:
+            found = self.tables.shards_at("token_start", positions)
+        else:  # past either end: the first or last block, as the whole column sorts them
+            found = self.tables.column("token_start").searchsorted(positions, side="right") - 1
+        shards = sorted(set(found.tolist()))
         if shards[0] < 0:
             shards = sorted({0, *shards[1:]})
         parts = [self._block_rows_of_tokens(s) for s in shards]
@@ -259,7 +262,7 @@ def shard_file_name(manifest: Manifest, index: int) -> str:
 def shard_key(manifest: Manifest, index: int) -> str:
     """Shard `index`'s entry key (its at-rest checksum); from the mapped column when there is one."""
     if isinstance(manifest, MappedManifest):
-        return manifest.tables.checksums()[index].tobytes().hex()
+        return manifest.tables.checksum(index).hex()
     return manifest.shards[index].key
 
 

@@ -14,8 +14,8 @@ write it as a third table beside the header's entry:
   `partitions`, `starts` (P + 1 row numbers), `sizes` (each partition's samples), `digest` (the
   layout's, `PartitionLayout.digest`) and `decoded` (the group order's digest of the decoded sizes).
 
-Reading it is paid as the other tables are: each column hashed once when first used, `partition`
-range-checked; a partition's rows are checked (in range, ascending, that partition's, adding up to
+Reading it is paid as the other tables are: each chunk of a column hashed once when a row of it is
+first used, `partition` range-checked; a partition's rows are checked (in range, ascending, that partition's, adding up to
 its size) the first time the order reads that partition, so a rank touches the partitions it reads.
 `sizes` must add up to the dataset's samples (at open). A dataset without the entry (written before
 it, or with no non-empty shard) computes its layout as before; an order of other counts (token
@@ -71,6 +71,43 @@ def check_table_entry(entry: Any, table: str, schema: pa.Schema, fail: Callable[
         or not all(isinstance(v, str) for v in hashes.values())
     ):
         raise fail(f"{table}.columns does not list a hash for each of {schema.names}")
+    chunks = entry.get("chunks")
+    if chunks is None:  # written before chunks: one hash a column
+        return
+    step = chunks.get("rows") if isinstance(chunks, dict) else None
+    if type(step) is not int or not 0 < step < MAX_COUNT:
+        raise fail(f"{table}.chunks.rows is not a positive count")
+    count = -(-entry["rows"] // step)
+    hashes = chunks.get("columns")
+    if (
+        not isinstance(hashes, dict)
+        or set(hashes) != set(schema.names)
+        or not all(
+            isinstance(v, list) and len(v) == count and all(isinstance(h, str) for h in v) for v in hashes.values()
+        )
+    ):
+        raise fail(f"{table}.chunks.columns does not list {count} chunk hashes for each of {schema.names}")
+
+
+def check_chunk_starts(entry: dict, names: Sequence[str], fail: Callable[[str], Exception]) -> None:
+    """The shard table's running sums at each chunk's first row: from 0, never falling (a chunk's
+    rows are checked against them when it is first used)."""
+    chunks = entry.get("chunks")
+    if chunks is None:
+        return
+    starts = chunks.get("starts")
+    count = len(chunks["columns"][names[0]]) if names else 0
+    if not isinstance(starts, dict) or set(starts) != set(names):
+        raise fail(f"shards.chunks.starts does not list the running sums {list(names)}")
+    for name, values in starts.items():
+        if (
+            not isinstance(values, list)
+            or len(values) != count
+            or not all(is_count(v) for v in values)
+            or (values and values[0] != 0)
+            or any(b < a for a, b in zip(values, values[1:]))
+        ):
+            raise fail(f"shards.chunks.starts.{name} is not {count} running sums rising from 0")
 
 
 def default_partitions(nonempty_shards: int) -> int:
@@ -96,14 +133,21 @@ class LargestBlocks:
     def __init__(self, decoded: np.ndarray, largest_rows: np.ndarray, samples: np.ndarray) -> None:
         self.decoded, self.rows, self.samples = decoded, largest_rows, samples
         self.manifest: Any = None
+        self.total: int | None = None
 
     @classmethod
     def of_mapped(cls, manifest: Any) -> LargestBlocks:
-        """Of a MappedManifest's columns; it pickles as the manifest (its directory), not the columns."""
-        col = manifest.tables.column
-        values = cls(col("decoded_bytes"), col("largest_rows"), col("samples"))
+        """Of a MappedManifest's columns, their chunks checked as shards are asked for; the mean from
+        the header's summary when it has one. It pickles as the manifest (its directory)."""
+        rows = manifest.tables.rows
+        values = cls(*(rows(name) for name in ("decoded_bytes", "largest_rows", "samples")))
         values.manifest = manifest
+        summary = manifest.header.get("summary")
+        values.total = None if summary is None else summary["largest_blocks"]
+        values.count = manifest.tables.num_shards
         return values
+
+    count: int | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.manifest is not None:
@@ -111,18 +155,20 @@ class LargestBlocks:
         return (LargestBlocks, (self.decoded, self.rows, self.samples))
 
     def __len__(self) -> int:
-        return int(self.decoded.size)
+        return self.count if self.count is not None else int(self.decoded.size)
 
     def __getitem__(self, shards: Any) -> np.ndarray:
         return largest_blocks(self.decoded[shards], self.rows[shards], self.samples[shards])
 
     def whole(self) -> np.ndarray:
-        return largest_blocks(self.decoded, self.rows, self.samples)
+        return self[:]
 
     def mean(self, chunk: int = 1 << 16) -> float:
-        """The mean, a chunk at a time (exact integer sum; no column-sized array made)."""
+        """The mean: the header's sum, else a chunk at a time (exact integer sum; no column-sized array)."""
         n = len(self)
-        total = sum(int(self[lo : lo + chunk].sum()) for lo in range(0, n, chunk))
+        total = self.total
+        if total is None:
+            total = sum(int(self[lo : lo + chunk].sum()) for lo in range(0, n, chunk))
         return total / n if n else 0.0
 
 
@@ -192,7 +238,7 @@ class StoredLayout:
     `counts` is the samples column it was made for (the order uses it only for those very counts)."""
 
     def __init__(
-        self, table: Any, entry: dict, counts: np.ndarray, where: str, sample_starts: Callable[[], np.ndarray]
+        self, table: Any, entry: dict, counts: np.ndarray, where: str, sample_starts: Callable[[np.ndarray], np.ndarray]
     ) -> None:
         self.table = table
         self.where = where
@@ -216,28 +262,32 @@ class StoredLayout:
 
     @property
     def shard_partition(self) -> np.ndarray:
-        p = self.partitions
-        return self.table.column(
-            "partition", lambda v: None if not v.size or int(v.max()) < p else f"a shard's partition is not below {p}"
+        return self.table.column("partition", self._check_partition)
+
+    def _check_partition(self, _chunk: int, _first: int, v: np.ndarray) -> str | None:
+        return (
+            None
+            if not v.size or int(v.max()) < self.partitions
+            else f"a shard's partition is not below {self.partitions}"
         )
 
     def members_view(self) -> PartitionMembers:
         return PartitionMembers(self)
 
     def starts_of(self, shards: np.ndarray) -> np.ndarray:
-        """The first global sample id of each of `shards` (the checked `sample_start` column)."""
-        return self._sample_starts()[shards]
+        """The first global sample id of each of `shards` (the `sample_start` column, its chunks checked)."""
+        return self._sample_starts(shards)
 
     def members(self, partition: int) -> np.ndarray:
         """Partition `partition`'s shards, ascending; checked the first time they are asked for."""
         found = self._members.get(partition)
         if found is not None:
             return found
-        rows = self.table.column("by_partition")[self.starts[partition] : self.starts[partition + 1]]
+        rows = self.table.span("by_partition", int(self.starts[partition]), int(self.starts[partition + 1]))
         n = self.counts.size
         if rows.size and (int(rows[0]) < 0 or int(rows[-1]) >= n or not bool(np.all(rows[1:] > rows[:-1]))):
             raise ManifestError(f"{self.where}: the layout's partition {partition} does not list shards ascending")
-        if not bool(np.all(self.shard_partition[rows] == partition)):
+        if not bool(np.all(self.table.at("partition", rows, self._check_partition) == partition)):
             raise ManifestError(f"{self.where}: the layout's partition {partition} lists another partition's shard")
         if int(self.counts[rows].sum()) != int(self.sizes[partition]):
             raise ManifestError(f"{self.where}: the layout's partition {partition} does not hold its size's samples")

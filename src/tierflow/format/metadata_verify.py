@@ -16,6 +16,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import schema_fields
 from tierflow.format.metadata_layout import verify_layout
+from tierflow.format.metadata_summary import verify_summary
 from tierflow.format.metadata import BLOCK_SCHEMA, METADATA_NAME, SHARD_SCHEMA, MappedManifest, MetadataTables
 
 
@@ -30,7 +31,14 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
             tables.column(name)
         except ManifestError as e:
             problems.append(str(e))
+    if not problems:
+        try:
+            tables.checksums()  # no shard listed twice: the whole checksum_order
+        except ManifestError as e:
+            problems.append(str(e))
     problems += verify_layout(tables)
+    if not problems:
+        problems += verify_summary(tables)
     if problems:
         return problems
     hashes = {name: xxhash.xxh3_128() for name in BLOCK_SCHEMA.names}

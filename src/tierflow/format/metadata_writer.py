@@ -21,11 +21,13 @@ from tierflow.format.manifest import MANIFEST_NAME, Manifest, max_manifest_bytes
 from tierflow.format.metadata import (
     BLOCK_SCHEMA,
     CHECKSUM_HALVES,
+    CHUNK_ROWS,
     HEADER_CHECKSUM_KEY,
     LEGACY_MANIFEST_SHARDS,
     METADATA_NAME,
     MappedManifest,
     METADATA_VERSION,
+    RUNNING_COLUMNS,
     SHARD_SCHEMA,
     TABLE_PREFIX,
     TABLE_SUFFIX,
@@ -37,6 +39,7 @@ from tierflow.format.metadata import (
     load_metadata,
 )
 from tierflow.format.metadata_layout import LAYOUT_SCHEMA, layout_columns
+from tierflow.format.metadata_summary import summary_fields
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
 
 
@@ -122,9 +125,12 @@ def _arrow_column(values: np.ndarray, kind: pa.DataType) -> pa.Array:
     return pa.array(np.ascontiguousarray(values, dtype=column_dtype(kind)), type=kind)
 
 
-def _write_table(directory: Path, kind: str, schema: pa.Schema, columns: dict[str, np.ndarray]) -> dict:
+def _write_table(
+    directory: Path, kind: str, schema: pa.Schema, columns: dict[str, np.ndarray], chunk_rows: int | None = CHUNK_ROWS
+) -> dict:
     """One table as an uncompressed Arrow IPC file named by its content hash (temp file, fsync,
-    rename); its entry for the header."""
+    rename); its entry for the header: each column's hash, whole and (unless `chunk_rows` is None: the
+    block table, whose rows a shard's block_digest covers) a chunk of `chunk_rows` at a time."""
     rows = len(next(iter(columns.values()))) if columns else 0
     arrays = [_arrow_column(columns[name], schema.field(name).type) for name in schema.names]
     batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
@@ -143,8 +149,32 @@ def _write_table(directory: Path, kind: str, schema: pa.Schema, columns: dict[st
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    hashes = {name: column_digest(_column_bytes(arr)) for name, arr in zip(schema.names, arrays)}
-    return {"file": name, "rows": rows, "size": (directory / name).stat().st_size, "columns": hashes}
+    raw = {name: _column_bytes(arr) for name, arr in zip(schema.names, arrays)}
+    entry = {
+        "file": name,
+        "rows": rows,
+        "size": (directory / name).stat().st_size,
+        "columns": {name: column_digest(data) for name, data in raw.items()},
+    }
+    return entry if chunk_rows is None else {**entry, "chunks": chunk_hashes(raw, schema, chunk_rows)}
+
+
+def chunk_hashes(columns: dict[str, memoryview], schema: pa.Schema, chunk_rows: int = CHUNK_ROWS) -> dict:
+    """A table entry's `chunks`: each column's xxh3-128 a chunk of `chunk_rows` rows at a time, so a
+    reader hashes the chunks of the rows it uses (format/metadata.py)."""
+    hashes = {}
+    for name, data in columns.items():
+        width = schema.field(name).type.byte_width * chunk_rows
+        hashes[name] = [column_digest(data[at : at + width]) for at in range(0, len(data), width)]
+    return {"rows": chunk_rows, "columns": hashes}
+
+
+def with_starts(entry: dict, shard_columns: dict[str, np.ndarray]) -> dict:
+    """The shard table's entry with the running sums at each chunk's first row (what a reader checks a
+    chunk's running sums and counts against)."""
+    step = entry["chunks"]["rows"]
+    starts = {name: [int(v) for v in np.asarray(shard_columns[name])[::step]] for name in RUNNING_COLUMNS}
+    return {**entry, "chunks": {**entry["chunks"], "starts": starts}}
 
 
 def _column_bytes(arr: pa.Array) -> memoryview:
@@ -163,6 +193,7 @@ def write_metadata(
     block_columns: dict[str, np.ndarray] | None = None,
     fields: dict | None = None,
     manifest_bytes: bytes | None = None,
+    chunk_rows: int = CHUNK_ROWS,
 ) -> Path:
     """Write the version-3 metadata of a dataset directory: both tables, then the header last
     (atomically), so a reader sees the old metadata or the new, whole. From a `manifest` (pack,
@@ -174,25 +205,21 @@ def write_metadata(
     directory = Path(directory)
     if manifest is not None:
         shard_columns, block_columns = columns_from_shards(manifest.shards)
-        fields = {
-            "dataset_id": manifest.dataset_id,
-            "schema": schema_to_json(manifest.schema),
-            "tokenizer": manifest.tokenizer,
-            "token_column": manifest.token_column,
-            "token_dtype": manifest.token_dtype,
-            "eos_id": manifest.eos_id,
-            "stats": manifest.stats,
-        }
+        fields = dataset_fields(manifest)
     assert shard_columns is not None and block_columns is not None and fields is not None
     shard_columns = dict(shard_columns)
     shard_columns["checksum_order"] = checksum_order(np.asarray(shard_columns["checksum"]))
     for name in ("sample_start", "token_start"):
         if name not in shard_columns:
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
-    shards = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
-    blocks = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
+    shards = with_starts(_write_table(directory, "shards", SHARD_SCHEMA, shard_columns, chunk_rows), shard_columns)
+    blocks = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns, None)
     stored = layout_columns(shard_columns)  # the default order's layout, so a rank's start is not O(shards)
-    layout = None if stored is None else {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
+    layout = (
+        None
+        if stored is None
+        else {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0], chunk_rows), **stored[1]}
+    )
     totals = {
         key: int(np.asarray(shard_columns[key], dtype=np.int64).sum())
         for key in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")
@@ -204,6 +231,7 @@ def write_metadata(
         "shards": shards,
         "blocks": blocks,
         "totals": totals,
+        "summary": summary_fields(shard_columns),
         **({} if layout is None else {"layout": layout}),
         "manifest": None
         if manifest_bytes is None
@@ -211,6 +239,19 @@ def write_metadata(
     }
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
     return _publish(directory, METADATA_NAME, header_bytes(header))
+
+
+def dataset_fields(manifest: Manifest) -> dict:
+    """The header's dataset-wide fields of a manifest (what `write_metadata` takes as `fields`)."""
+    return {
+        "dataset_id": manifest.dataset_id,
+        "schema": schema_to_json(manifest.schema),
+        "tokenizer": manifest.tokenizer,
+        "token_column": manifest.token_column,
+        "token_dtype": manifest.token_dtype,
+        "eos_id": manifest.eos_id,
+        "stats": manifest.stats,
+    }
 
 
 def header_bytes(header: dict) -> bytes:
@@ -236,30 +277,46 @@ def upgrade(directory: str | Path) -> Path:
     return write_metadata(directory, manifest, manifest_bytes=raw)
 
 
-def add_layout(directory: str | Path) -> Path | None:
-    """Store the order's layout (metadata_layout.py) with a version-3 dataset written before it, in
-    place: the layout table first, then the same header with its `layout` entry, atomically (a crash
-    leaves the dataset as it was, at worst with a table gc removes). None: the header already has one,
-    or the dataset no non-empty shard."""
+def update_header(directory: str | Path) -> Path | None:
+    """Bring the header of a version-3 dataset written by an older tierflow up to this one's, in place
+    (`updated_header`): a table it lacks first, then the header, atomically (a crash leaves the dataset
+    as it was, at worst with a table gc removes). None: nothing to add."""
     directory = Path(directory)
-    header = header_with_layout(load_metadata(directory), directory)
+    header = updated_header(load_metadata(directory), directory)
     return None if header is None else _publish(directory, METADATA_NAME, header_bytes(header))
 
 
-def header_with_layout(manifest: MappedManifest, directory: Path) -> dict | None:
-    """The header of `manifest` with its order's layout, the layout table written
-    to `directory` (where a remote dataset's upgrade uploads it from, before the header). The samples
-    column is checked as any reader checks it. None: it has a layout, or no non-empty shard."""
-    if manifest.header.get("layout") is not None:
-        return None
+def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
+    """The header of `manifest` with what an older writer left out: the order's layout (its table
+    written to `directory`, where a remote dataset's upgrade uploads it from, before the header), each
+    table's chunk hashes and the shards' running sums at each chunk, and the summary. Every column is
+    checked as any reader checks it before its hashes are rewritten. None: nothing to add."""
     tables = manifest.tables
-    stored = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
-    if stored is None:
-        return None
     header = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
-    header["layout"] = {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
+    if header.get("layout") is None:
+        stored = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
+        if stored is not None:
+            header["layout"] = {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
+    if "chunks" not in header["shards"]:
+        tables.checksums()  # no shard listed twice
+        columns = {name: tables.column(name) for name in SHARD_SCHEMA.names}
+        entry = {**header["shards"], "chunks": chunk_hashes(_bytes_of(columns), SHARD_SCHEMA)}
+        header["shards"] = with_starts(entry, columns)
+    if tables.layout is not None and "chunks" not in header["layout"]:
+        columns = {name: tables.layout.column(name) for name in LAYOUT_SCHEMA.names}
+        header["layout"] = {**header["layout"], "chunks": chunk_hashes(_bytes_of(columns), LAYOUT_SCHEMA)}
+    if header.get("summary") is None:
+        header["summary"] = summary_fields(
+            {name: tables.column(name) for name in ("bytes", "decoded_bytes", "largest_rows", "samples")}
+        )
+    if header == {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}:
+        return None
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
     return header
+
+
+def _bytes_of(columns: dict[str, np.ndarray]) -> dict[str, memoryview]:
+    return {name: np.ascontiguousarray(v).view(np.uint8).data for name, v in columns.items()}
 
 
 def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_shards: int | None = None) -> Path:

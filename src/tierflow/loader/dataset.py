@@ -41,13 +41,14 @@ from tierflow.loader.spec import (
     flat_keywords_error,
     saved_first_epoch,
     saved_group,
+    shard_sizes,
     settle_order,
     working_set_for,
 )
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
-from tierflow.order.working_set import WorkingSet, narrowing_advice, working_set_bytes
+from tierflow.order.working_set import WorkingSet, largest_bytes, narrowing_advice, total_bytes, working_set_bytes
 from tierflow.policies.auto import Lifecycle
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.telemetry.metrics import MetricsRegistry
@@ -170,9 +171,9 @@ class TieredDataset(IterableDataset):
         stores; a tier too small for it to pay is told so (`narrowing_advice`), never narrowed."""
         per_node = max(1, self.settled.partitions // max(1, self.world.num_nodes))
         top = stack.tiers[0] if stack is not None and stack.tiers else None
-        at_rest: Any = shard_column(self.manifest, "bytes")
+        at_rest: Any = shard_sizes(self.manifest, "bytes")
         form = top.form if top is not None else Form.AT_REST
-        sizes: Any = shard_column(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
+        sizes: Any = shard_sizes(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
         node_shards = int((counts > 0).sum()) // max(1, self.world.num_nodes)
         chosen = working_set_for(self.settled, at_rest, sizes, per_node, node_shards)
         if top is not None and not self.eval:
@@ -288,7 +289,7 @@ class TieredDataset(IterableDataset):
         first epoch (`order.first_epoch`) reads its lanes a group at a time, two groups at a hand-over;
         None: the widest epoch. A worker dealt lanes among `share` workers reads a `share`-th of them,
         and one more (a lane moving to it)."""
-        sizes: Any = shard_column(self.manifest, "decoded_bytes")
+        sizes: Any = shard_sizes(self.manifest, "decoded_bytes")
         order = self.order
         lanes, window = _lane_share(self.working_set.lanes, share), self.working_set.window_shards
         windows = working_set_bytes(lanes * window, sizes)
@@ -302,14 +303,15 @@ class TieredDataset(IterableDataset):
             # held ~1.5x what epoch 0 of the peers' token corpus reads at once, its largest shard 9x its
             # mean; the largest one alone as the headroom re-decoded blocks where a few shards dwarf the rest)
             shards = lanes * window
-            windows = min(working_set_bytes(shards, sizes), int(shards * np.mean(sizes)) + working_set_bytes(1, sizes))
+            mean = total_bytes(sizes) / max(len(sizes), 1)
+            windows = min(working_set_bytes(shards, sizes), int(shards * mean) + working_set_bytes(1, sizes))
         if not (order.shuffle and order.group_bytes) or order.block_bytes is None or not len(order.block_bytes):
             return windows
         # a group is never cut smaller than its shard's largest block, nor its floor of samples; the
         # largest shard is the headroom
         block = int(order.block_bytes.mean())
-        floor = floor_bytes(order.group_samples, int(np.sum(sizes)), order.layout.num_samples)
-        return min(windows, lanes * (max(order.group_bytes, floor, block) + 2 * block) + int(np.max(sizes)))
+        floor = floor_bytes(order.group_samples, total_bytes(sizes), order.layout.num_samples)
+        return min(windows, lanes * (max(order.group_bytes, floor, block) + 2 * block) + largest_bytes(sizes))
 
     def _bound_decoded(self, ctx: SampleContext, epoch: int | None) -> None:
         """Bound the process's decoded blocks by what `epoch` reads at once: a reading context opens
@@ -337,11 +339,13 @@ class TieredDataset(IterableDataset):
             self._order_args.update(self._per_shard_args(self.batcher.order_counts(self._planning_index())))
             self.order = self.order_with(self.working_set)
 
-    def _per_shard_args(self, counts: np.ndarray) -> dict[str, np.ndarray]:
+    def _per_shard_args(self, counts: np.ndarray) -> dict[str, Any]:
         """The order's per-shard arguments: its samples (or windows) and decoded bytes per shard."""
         return {
             "shard_sample_counts": np.asarray(counts, dtype=np.int64),
-            "decoded_bytes": shard_column(self.manifest, "decoded_bytes"),
+            "decoded_bytes": self.manifest.tables.rows("decoded_bytes")
+            if isinstance(self.manifest, MappedManifest)
+            else shard_column(self.manifest, "decoded_bytes"),
         }
 
     def _planning_index(self) -> Dataset:

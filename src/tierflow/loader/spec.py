@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 from collections.abc import Sequence
 
+from tierflow.format.metadata import MappedManifest, shard_column
 from tierflow.format.metadata_layout import default_partitions
 from tierflow.loader.batching import Batcher, Collate, Filter, Samples, TokenWindows, Transform
 from tierflow.loader.budget import TokenBudget
 from tierflow.loader.cursor import LoaderCursor
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES
 from tierflow.order.working_set import (
+    ShardSizes,
     WorkingSet,
     choose_working_set,
     with_first_epoch,
@@ -138,6 +140,16 @@ def settle_order(spec: OrderSpec, saved: LoaderCursor | None, nonempty_shards: i
         groups_given=spec.group_bytes is not None,
         breadth_chosen=breadth_chosen,
     )
+
+
+def shard_sizes(manifest: Any, name: str) -> Any:
+    """A size column ("bytes", "decoded_bytes") as the working set reads it: a version-3 header's
+    summary (no column read, format/metadata_summary.py), else the column."""
+    summary = manifest.header.get("summary") if isinstance(manifest, MappedManifest) else None
+    if summary is None:
+        return shard_column(manifest, name)
+    count = manifest.tables.num_shards
+    return ShardSizes(count, int(manifest.tables.totals[name]), summary[name], lambda: shard_column(manifest, name))
 
 
 def working_set_for(settled: SettledOrder, at_rest: Any, sizes: Any, per_node: int, node_shards: int) -> WorkingSet:

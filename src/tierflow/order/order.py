@@ -98,7 +98,7 @@ class SampleOrder:
         self.first_epoch = (
             None if first_epoch is None or not self.shuffle else (int(first_epoch[0]), int(first_epoch[1]))
         )
-        self.decoded_bytes: np.ndarray | None = None
+        self.decoded_bytes: Any = None  # int64 per shard, or values read for the shards asked for (per_shard)
         self.block_bytes: Any = None  # int64 per shard, or values made for the shards asked for (per_shard)
         if self.group_bytes:
             shards = self.layout.num_shards
@@ -106,7 +106,11 @@ class SampleOrder:
                 raise ValueError(f"block groups need decoded_bytes for each of the {shards} shards")
             if block_bytes is not None and len(block_bytes) != shards:
                 raise ValueError(f"block_bytes has {len(block_bytes)} entries for {shards} shards")
-            self.decoded_bytes = np.asarray(decoded_bytes, dtype=np.int64)
+            self.decoded_bytes = (
+                decoded_bytes
+                if getattr(decoded_bytes, "per_shard", False)
+                else np.asarray(decoded_bytes, dtype=np.int64)
+            )
             self.block_bytes = (  # per_shard: values made for the shards asked for (a mapped dataset's)
                 block_bytes
                 if getattr(block_bytes, "per_shard", False) or block_bytes is None
@@ -132,10 +136,11 @@ class SampleOrder:
             if self.group_samples:  # only then, so a cursor saved before the floor keeps its hash
                 self.config["group_samples"] = self.group_samples
             if decoded_digest is None:
+                decoded = np.asarray(self.decoded_bytes[:], dtype=np.int64)
                 sizes = (
-                    self.decoded_bytes
+                    decoded
                     if self.block_bytes is None
-                    else np.concatenate([self.decoded_bytes, np.asarray(self.block_bytes[:], dtype=np.int64)])
+                    else np.concatenate([decoded, np.asarray(self.block_bytes[:], dtype=np.int64)])
                 )
                 decoded_digest = hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:16]
             self.config["decoded"] = decoded_digest

@@ -24,7 +24,7 @@ import threading
 import weakref
 from dataclasses import dataclass, replace
 from functools import partial
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -79,6 +79,22 @@ class WorkingSet:
         return self.lanes * self.window_shards
 
 
+class ShardSizes:
+    """A per-shard size column as a start reads it: its length, total and largest few values (a
+    version-3 header's summary), the column itself read only when more of the largest are asked for."""
+
+    def __init__(self, count: int, total: int, top: Sequence[int], column: Callable[[], np.ndarray]) -> None:
+        self.count, self.total, self.top, self.column = count, total, list(top), column
+
+    def __len__(self) -> int:
+        return self.count
+
+    def largest_sum(self, count: int) -> int:
+        if count <= len(self.top) or len(self.top) == self.count:
+            return sum(self.top[: max(count, 0)])
+        return _largest_sum(self.column(), count)
+
+
 def working_set_shards(lanes: int, window_shards: int) -> int:
     return lanes * 2 * window_shards
 
@@ -90,6 +106,8 @@ def working_set_bytes(shards: int, shard_bytes: Sequence[int]) -> int:
     left the room a fraction of a shard short of three 16 MB shards, so a reader found every entry
     pinned, read its shard from below, and the stager fetched it again (benchmarks/images.py, a
     30% L2: 0.77 of the dataset per warm epoch against the plan's 0.72)."""
+    if isinstance(shard_bytes, ShardSizes):
+        return shard_bytes.largest_sum(shards + 1)
     if isinstance(shard_bytes, np.ndarray):  # a mapped column: numpy, not a pass in Python
         return _largest_sum(shard_bytes, shards + 1)
     return sum(heapq.nlargest(shards + 1, shard_bytes))
@@ -156,15 +174,19 @@ def _top(values: np.ndarray, count: int, chunk: int = 1024) -> np.ndarray:
     return np.partition(values, values.size - count)[values.size - count :]
 
 
-def _total(shard_bytes: Sequence[int]) -> int:
+def total_bytes(shard_bytes: Sequence[int]) -> int:
     """The bytes of all shards: a mapped column summed by numpy, not element by element in Python
     (a million shards: ~50 ms as Python integers, ~1 ms as int64; counts below 2**48 a shard)."""
+    if isinstance(shard_bytes, ShardSizes):
+        return shard_bytes.total
     if isinstance(shard_bytes, np.ndarray):
         return int(shard_bytes.sum(dtype=np.int64)) if shard_bytes.size else 0
     return sum(shard_bytes)
 
 
-def _largest(shard_bytes: Sequence[int]) -> int:
+def largest_bytes(shard_bytes: Sequence[int]) -> int:
+    if isinstance(shard_bytes, ShardSizes):
+        return shard_bytes.top[0] if shard_bytes.top else 0
     if isinstance(shard_bytes, np.ndarray):
         return int(shard_bytes.max()) if shard_bytes.size else 0
     return max(shard_bytes, default=0)
@@ -179,8 +201,8 @@ def choose_working_set(
     A function of its arguments only: never of a tier, the free disk or the free memory."""
     node_shards = len(shard_bytes) if node_shards is None else node_shards
     by_share = max(1, node_shards // READING_SHARE)
-    mean = _total(shard_bytes) / max(len(shard_bytes), 1)
-    by_bytes = max(0, int((WORKING_SET_BYTES - _largest(shard_bytes)) // max(mean, 1))) // 2
+    mean = total_bytes(shard_bytes) / max(len(shard_bytes), 1)
+    by_bytes = max(0, int((WORKING_SET_BYTES - largest_bytes(shard_bytes)) // max(mean, 1))) // 2
     reading = max(1, min(by_share, by_bytes))
     lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), reading)
     shards = working_set_shards(lanes, k)
@@ -215,8 +237,8 @@ def fitting_working_set(shard_bytes: Sequence[int], partitions_per_node: int, ro
     """The widest (lanes, window_shards) whose working set (in `shard_bytes`' form) fits `room_bytes`:
     what `narrowing_advice` tells a user whose tier is too small for the default order; never chosen
     for them."""
-    mean = _total(shard_bytes) / max(len(shard_bytes), 1)
-    budget = max(0, int((room_bytes - _largest(shard_bytes)) // max(mean, 1)))
+    mean = total_bytes(shard_bytes) / max(len(shard_bytes), 1)
+    budget = max(0, int((room_bytes - largest_bytes(shard_bytes)) // max(mean, 1)))
     lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), budget // 2)
     shards = working_set_shards(lanes, k)
     return WorkingSet(
@@ -232,7 +254,7 @@ def narrowing_advice(
     epoch still fetches each shard at most once), and the `lanes=`/`window_shards=` whose working set
     takes at most TIER_SHARE of the tier. None where the tier holds the dataset beside the working set,
     or the working set takes at most TIER_SHARE of it. The order is never narrowed for the user."""
-    if capacity <= 0 or capacity >= _total(shard_bytes) + chosen.bytes or chosen.bytes <= TIER_SHARE * capacity:
+    if capacity <= 0 or capacity >= total_bytes(shard_bytes) + chosen.bytes or chosen.bytes <= TIER_SHARE * capacity:
         return None
     fit = fitting_working_set(shard_bytes, partitions_per_node, TIER_SHARE * capacity)
     narrower = (fit.lanes * fit.window_shards, fit.lanes) < (chosen.reading, chosen.lanes)

@@ -28,7 +28,7 @@ from tierflow.format.metadata import MAX_HEADER_BYTES, METADATA_NAME, TABLE_PREF
 from tierflow.format.metadata_writer import (
     header_bytes,
     header_tables,
-    header_with_layout,
+    updated_header,
     referenced_tables,
     write_metadata,
 )
@@ -349,20 +349,20 @@ def _header_tables(source: RetryingStore) -> set[str]:
         return set()
 
 
-def add_layout_source(source: Any, workdir: str | Path) -> bool:
-    """`add_layout` for a version-3 dataset at a URL written before layouts (with no manifest.json to
-    upgrade from: above LEGACY_MANIFEST_SHARDS pack writes none): its tables mapped from the node's
-    copy, the layout table written in `workdir` and uploaded, then the header (the commit point).
-    False: it has one already, or no non-empty shard."""
+def update_header_source(source: Any, workdir: str | Path) -> bool:
+    """`update_header` for a version-3 dataset at a URL written by an older tierflow (with no
+    manifest.json to upgrade from: above LEGACY_MANIFEST_SHARDS pack writes none): its tables mapped
+    from the node's copy, a table it lacks written in `workdir` and uploaded, then the header (the
+    commit point). False: nothing to add."""
     workdir = Path(workdir)
     manifest = read_metadata(source)
     if not isinstance(manifest, MappedManifest):
         raise ManifestError(f"{source.url}: neither a manifest.json nor version-3 metadata to upgrade")
-    header = header_with_layout(manifest, workdir)
+    header = updated_header(manifest, workdir)
     if header is None:
         return False
-    name = header["layout"]["file"]
-    source.upload(workdir / name, name)
+    for name in sorted(header_tables(header_bytes(header)) - header_tables(header_bytes(manifest.header))):
+        source.upload(workdir / name, name)
     (workdir / METADATA_NAME).write_bytes(header_bytes(header))
     source.upload(workdir / METADATA_NAME, METADATA_NAME)
     return True

@@ -1,0 +1,233 @@
+"""One mapped metadata table (format/metadata.py): an uncompressed Arrow IPC file whose columns are
+read-only numpy views of the mapping, hashed and checked a chunk of rows at a time, the first time a
+row of the chunk is handed out, so a process pays for the rows it uses, not for the table."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from tierflow.errors import ManifestError
+from tierflow.format._regular import fd_path
+from tierflow.format.table_locks import open_table
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values (np.unique imports numpy.ma the first time, ~13 ms of a start)."""
+    values = np.sort(values)
+    return values[np.concatenate(([True], values[1:] != values[:-1]))] if values.size else values
+
+
+def column_dtype(kind: pa.DataType) -> Any:
+    return np.dtype("V16") if pa.types.is_fixed_size_binary(kind) else np.dtype(kind.to_pandas_dtype())
+
+
+def column_digest(values: np.ndarray | memoryview | pa.Buffer) -> str:
+    if isinstance(values, pa.Buffer):
+        return xxhash.xxh3_128_hexdigest(values)
+    view = values.data if isinstance(values, np.ndarray) else values
+    return xxhash.xxh3_128_hexdigest(view.cast("B"))
+
+
+class MappedTable:
+    """One mapped IPC table: columns as numpy views into the mapping, each chunk of CHUNK_ROWS rows
+    hashed against the header the first time a row of it is handed out, and checked by `check`
+    (chunk number, first row, the chunk's values) -> a problem or None."""
+
+    def __init__(self, directory: Path, entry: dict, schema: pa.Schema, where: str) -> None:
+        self.path = directory / entry["file"]
+        self.where = f"{where}: {entry['file']}"
+        self.rows = entry["rows"]
+        self.hashes = entry["columns"]
+        self.chunk_rows, self.chunk_hashes = chunk_plan(entry)
+        self.schema = schema
+        fd = open_table(self.path, self.where)
+        size = os.fstat(fd).st_size
+        try:
+            if size != entry["size"]:
+                raise ManifestError(
+                    f"{self.where}: {size} bytes, the header says {entry['size']} (damaged or replaced)"
+                )
+            self._map = pa.memory_map(fd_path(fd, self.path), "r")
+            reader = pa.ipc.open_file(self._map)
+            if reader.num_record_batches != 1:
+                raise ValueError(f"{reader.num_record_batches} record batches, not 1")
+            batch = reader.get_batch(0)
+            if not batch.schema.equals(schema):
+                raise ValueError(f"its schema is not the {len(schema)} columns of this format")
+            if batch.num_rows != self.rows:
+                raise ValueError(f"{batch.num_rows} rows, the header says {self.rows}")
+            batch.validate()
+        except ManifestError:
+            os.close(fd)
+            raise
+        except Exception as e:
+            os.close(fd)
+            raise ManifestError(f"{self.where}: not a readable metadata table ({type(e).__name__}: {e})") from None
+        self._file = fd  # its shared lock keeps gc from removing the table while this process reads it
+        self._batch = batch
+        self._raw: dict[str, np.ndarray] = {}
+        self._verified: dict[str, np.ndarray] = {}  # per column, a flag per chunk
+        self._whole: dict[str, np.ndarray] = {}
+        self._lock = threading.RLock()  # a chunk's check may use another column of the table
+
+    def raw(self, name: str) -> np.ndarray:
+        """The column as a read-only numpy view of the mapping, not yet hashed."""
+        found = self._raw.get(name)
+        if found is not None:
+            return found
+        arr = self._batch.column(name)
+        if arr.null_count:
+            raise ManifestError(f"{self.where}: column {name} has nulls")
+        kind = column_dtype(arr.type)
+        buf = arr.buffers()[1]
+        if buf is None or not self.rows:
+            view = np.zeros(0, dtype=kind)
+        else:
+            view = np.frombuffer(buf, dtype=kind, count=len(arr) + arr.offset)[arr.offset :]
+        self._raw[name] = view
+        return view
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a column read from the file (pread), not through the mapping: a pass
+        over a whole table (verify) keeps its memory to a chunk instead of mapping every page."""
+        arr = self._batch.column(name)
+        kind = column_dtype(arr.type)
+        buf = arr.buffers()[1]
+        if buf is None or stop <= start:
+            return np.zeros(0, dtype=kind)
+        base = self._map_base()
+        offset = buf.address - base + (arr.offset + start) * kind.itemsize
+        size = (stop - start) * kind.itemsize
+        if not 0 <= offset <= offset + size <= os.fstat(self._fd()).st_size:
+            raise ManifestError(f"{self.where}: column {name} lies outside the file")
+        data = os.pread(self._fd(), size, offset)
+        if len(data) != size:
+            raise ManifestError(f"{self.where}: column {name} is cut short")
+        return np.frombuffer(data, dtype=kind)
+
+    def _map_base(self) -> int:
+        if not hasattr(self, "_base"):
+            self._base = _mapping_address(self._map)
+        return self._base
+
+    def _fd(self) -> int:
+        return self._file
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_file", None)
+        if fd is not None:
+            os.close(fd)
+
+    def column(self, name: str, check: ChunkCheck | None = None) -> np.ndarray:
+        """The whole column, every chunk verified."""
+        found = self._whole.get(name)
+        if found is not None:
+            return found
+        values = self.span(name, 0, self.rows, check)
+        self._whole[name] = values
+        return values
+
+    def span(self, name: str, start: int, stop: int, check: ChunkCheck | None = None) -> np.ndarray:
+        """Rows [start, stop) of a column, the chunks they lie in verified."""
+        if stop > start:
+            self._verify(name, range(start // self.chunk_rows, (stop - 1) // self.chunk_rows + 1), check)
+        return self.raw(name)[start:stop]
+
+    def at(self, name: str, rows: np.ndarray, check: ChunkCheck | None = None) -> np.ndarray:
+        """The column's values at `rows` (in range), the chunks they lie in verified."""
+        rows = np.asarray(rows, dtype=np.int64)
+        flags = self._verified.get(name)
+        if rows.size and (flags is None or not flags.all()):
+            chunks = len(self.chunk_hashes[name])
+            self._verify(name, range(chunks) if chunks == 1 else distinct(rows // self.chunk_rows).tolist(), check)
+        return self.raw(name)[rows]
+
+    def value(self, name: str, row: int, check: ChunkCheck | None = None) -> Any:
+        flags = self._verified.get(name)
+        c = row // self.chunk_rows
+        if flags is None or not flags[c]:
+            self._verify(name, (c,), check)
+        return self.raw(name)[row]
+
+    def _verify(self, name: str, chunks: Iterable[int], check: ChunkCheck | None) -> None:
+        flags = self._verified.get(name)
+        if flags is not None and all(flags[c] for c in chunks):
+            return
+        with self._lock:
+            flags = self._verified.get(name)
+            if flags is None:
+                flags = self._verified[name] = np.zeros(len(self.chunk_hashes[name]), dtype=bool)
+            values, step = self.raw(name), self.chunk_rows
+            for c in chunks:
+                if flags[c]:
+                    continue
+                part = values[c * step : (c + 1) * step]
+                if column_digest(part) != self.chunk_hashes[name][c]:
+                    what = (
+                        f"column {name}"
+                        if len(flags) == 1
+                        else f"column {name}, rows {c * step}-{c * step + part.size - 1},"
+                    )
+                    raise ManifestError(
+                        f"{self.where}: {what} does not match its hash in the header "
+                        f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
+                    )
+                problem = check(c, c * step, part) if check is not None else None
+                if problem is not None:
+                    raise ManifestError(f"{self.where}: {problem}")
+                flags[c] = True
+
+
+ChunkCheck = Callable[[int, int, np.ndarray], "str | None"]
+"""A table's check of one chunk of a column: (chunk number, its first row, its values) -> a problem."""
+
+
+def chunk_plan(entry: dict) -> tuple[int, dict[str, list[str]]]:
+    """(rows a chunk, per column the hash of each chunk) of a table's header entry; an entry written
+    before chunks (one hash a column) is one chunk of every row."""
+    chunks = entry.get("chunks")
+    if chunks is None:
+        return max(entry["rows"], 1), {name: [h] if entry["rows"] else [] for name, h in entry["columns"].items()}
+    return chunks["rows"], chunks["columns"]
+
+
+def _mapping_address(mapped: pa.MemoryMappedFile) -> int:
+    """The address where a memory-mapped file's byte 0 lies (its buffers' offsets in the file follow)."""
+    mapped.seek(0)
+    return mapped.read_buffer(1).address
+
+
+class ShardRows:
+    """A shard-table column indexed by shard (an int, a slice, an array of them), its chunks checked as
+    they are read: what the order takes for a per-shard column it reads a few partitions of
+    (`per_shard`), instead of the whole column checked at a start."""
+
+    per_shard = True
+
+    def __init__(self, at: Callable[[str, np.ndarray], np.ndarray], name: str, count: int, manifest: Any) -> None:
+        self.at, self.name, self.count, self.manifest = at, name, count, manifest
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rows_of, (self.manifest, self.name))  # the manifest pickles as its directory
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, shards: Any) -> Any:
+        if isinstance(shards, slice):
+            return self.at(self.name, np.arange(*shards.indices(self.count)))
+        if isinstance(shards, (int, np.integer)):
+            return self.at(self.name, np.array([shards], dtype=np.int64))[0]
+        return self.at(self.name, np.asarray(shards, dtype=np.int64))
+
+
+def _rows_of(manifest: Any, name: str) -> ShardRows:
+    return manifest.tables.rows(name)

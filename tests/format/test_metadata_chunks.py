@@ -1,0 +1,219 @@
+"""Version-3 metadata verified a chunk of rows at a time (format/metadata_table.py, issue 38).
+
+A process hashes and checks the chunks of the shard table holding the shards it uses, not the
+table; damage in a chunk is refused when a shard of it is used, and by `verify` at once; a hostile
+writer that recomputes every hash is still caught by each chunk's checks against the header's
+running sums; a shard listed twice is refused whichever of the two is named; the header's summary
+sizes the working set as the columns would; `upgrade` brings a header written before chunks and
+summaries up to date, and the dataset reads the same."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.errors import ManifestError
+from tierflow.format import metadata as md
+from tierflow.format import metadata_verify, metadata_writer
+from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.loader import BatchSpec, TieredDataset
+from tierflow.testing.faults import write_corpus
+
+CHUNK = 4
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """14 shards, written with chunks of 4 rows (4 chunks: 4, 4, 4 and 2 shards)."""
+    root = tmp_path_factory.mktemp("chunks")
+    src = write_corpus(root / "a.jsonl", docs=3000, seed=3)
+    tierflow.pack([src], root / "out", workers=1, tokenizer="bytes", target_shard_bytes=256 << 10, block_bytes=16 << 10)
+    forge(root / "out", lambda s: None, root / "out")
+    return root / "out"
+
+
+def forge(out: Path, edit, source: Path) -> None:
+    """Rewrite the dataset's tables through the writer, chunks of CHUNK rows, with `edit(shard columns)`
+    applied: every hash and the header's running sums recomputed from what the edit left."""
+    m = parsed(source)
+    shards, blocks = metadata_writer.columns_from_shards(m.shards)
+    edit(shards)
+    fields = {**metadata_writer.dataset_fields(m), "stats": {}}
+    metadata_writer.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields, chunk_rows=CHUNK)
+
+
+def parsed(packed: Path) -> Manifest:
+    return Manifest.from_bytes((packed / MANIFEST_NAME).read_bytes(), str(packed))
+
+
+def copy(packed: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "ds"
+    shutil.copytree(packed, out)
+    (out / MANIFEST_NAME).unlink()
+    return out
+
+
+def verified(tables: md.MetadataTables, name: str) -> list[bool]:
+    return [bool(f) for f in tables.shards._verified.get(name, np.zeros(4, dtype=bool))]
+
+
+def test_a_process_checks_the_chunks_of_the_shards_it_uses(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    tables = md.load_metadata(out).tables
+    assert tables.shards.chunk_rows == CHUNK and len(tables.shards.chunk_hashes["bytes"]) == 4
+    shard = tables.shard(9)
+    assert shard.samples == parsed(packed).shards[9].samples
+    for name in ("bytes", "first_block", "block_digest", "decoded_checksum", "compression"):
+        assert verified(tables, name) == [False, False, True, False], name
+    dataset = tierflow.open_dataset(out)
+    first = dataset[len(dataset) - 1]  # the last sample: the last chunk's shards
+    assert first is not None
+    assert verified(dataset.manifest.tables, "first_block")[:3] == [False, False, False]
+
+
+def test_damage_in_a_chunk_is_refused_when_its_shards_are_used_and_by_verify(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    tables = md.load_metadata(out).tables
+    path, column = tables.shards.path, tables.shards.raw("bytes")
+    at = column.ctypes.data - tables.shards._map_base() + 5 * 8  # shard 5's bytes: chunk 1
+    del tables
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    manifest = md.load_metadata(out)
+    manifest.tables.shard(0)
+    manifest.tables.shard(13)  # other chunks: served
+    with pytest.raises(ManifestError, match=r"column bytes, rows 4-7, does not match its hash"):
+        manifest.tables.shard(5)
+    with pytest.raises(ManifestError, match="column bytes"):
+        manifest.tables.shard(4)  # its chunk's neighbour too, never served
+    problems = metadata_verify.verify_metadata(md.load_metadata(out))
+    assert len(problems) == 1 and "column bytes, rows 4-7" in problems[0]
+
+
+def test_running_sums_shifted_at_a_chunk_edge_are_refused_with_every_hash_recomputed(
+    packed: Path, tmp_path: Path
+) -> None:
+    """sample_start raised by one from shard 8 on: within each chunk still the running sum of the
+    samples, and the header's starts recomputed from it, but chunk 1's samples no longer add up to the
+    step between the header's starts of chunks 1 and 2 (nor the last chunk's to the total)."""
+    out = copy(packed, tmp_path)
+
+    def shift(s) -> None:
+        s["sample_start"][8:] += 1
+
+    forge(out, shift, packed)
+    manifest = md.load_metadata(out)
+    manifest.tables.shard(0)
+    with pytest.raises(ManifestError, match=r"shards #4-#7: their samples sum to \d+, the header says \d+"):
+        manifest.tables.shard(5)
+    assert metadata_verify.verify_metadata(md.load_metadata(out))
+
+
+def test_a_shard_listed_twice_is_refused_whichever_is_named(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    forge(out, lambda s: s["checksum"].__setitem__(10, s["checksum"][2]), packed)
+    for twice in (2, 10):
+        with pytest.raises(ManifestError, match="listed twice"):
+            md.load_metadata(out).tables.shard(twice)
+    assert md.load_metadata(out).tables.shard(6).samples > 0  # another shard's name is its own
+    with pytest.raises(ManifestError, match="listed twice"):
+        md.load_metadata(out).tables.checksums()
+    problems = metadata_verify.verify_metadata(md.load_metadata(out))
+    assert any("listed twice" in p for p in problems)
+
+
+def test_a_damaged_checksum_order_is_refused_when_a_name_is_looked_up(
+    packed: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """checksum_order that lists shard 3 where shard 4 sorts and 4 where 3 does (its hashes
+    recomputed): naming either is refused, not answered from the wrong place; other names are served."""
+    out = copy(packed, tmp_path)
+    real = metadata_writer.checksum_order
+    monkeypatch.setattr(metadata_writer, "checksum_order", lambda c: _swapped(real(c)))
+    forge(out, lambda s: None, packed)
+    for shard in (3, 4):
+        with pytest.raises(ManifestError, match=f"checksum_order does not list shard #{shard}"):
+            md.load_metadata(out).tables.name(shard)
+    assert md.load_metadata(out).tables.name(5)
+
+
+def _swapped(order: np.ndarray) -> np.ndarray:
+    order = order.copy()
+    i, j = int(np.flatnonzero(order == 3)[0]), int(np.flatnonzero(order == 4)[0])
+    order[i], order[j] = 4, 3
+    return order
+
+
+def test_lookups_across_chunks_answer_as_the_parsed_manifest(packed: Path, tmp_path: Path) -> None:
+    mapped, parsed = tierflow.open_dataset(copy(packed, tmp_path)), tierflow.open_dataset(packed)
+    ids = np.arange(len(parsed))
+    a, b = mapped.index.locate_samples(ids), parsed.index.locate_samples(ids)
+    assert a.shard.tolist() == b.shard.tolist() and a.row.tolist() == b.row.tolist()
+    positions = np.arange(0, mapped.manifest.num_tokens, 997)
+    assert mapped.index.token_blocks(positions).tolist() == parsed.index.token_blocks(positions).tolist()
+
+
+def test_the_summary_sizes_the_working_set_as_the_columns_do(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    with_summary = TieredDataset(out, BatchSpec(batch_size=16))
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    top = d["summary"]["bytes"]
+    assert len(top) == 14 and top == sorted(md.shard_column(with_summary.manifest, "bytes").tolist(), reverse=True)
+    del d["summary"]
+    _write_header(out, d)
+    without = TieredDataset(out, BatchSpec(batch_size=16))
+    assert without.working_set == with_summary.working_set
+    assert without.decoded_bound() == with_summary.decoded_bound()
+    assert without.order.config_hash == with_summary.order.config_hash
+
+
+def test_a_forged_summary_is_named_by_verify(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    d["summary"]["decoded_bytes"][0] += 1
+    _write_header(out, d)
+    problems = metadata_verify.verify_metadata(md.load_metadata(out))
+    assert problems == [f"{out}: summary.decoded_bytes is not what the shard table's columns give"]
+    d["summary"]["bytes"] = d["summary"]["bytes"][::-1]
+    _write_header(out, d)
+    with pytest.raises(ManifestError, match="summary.bytes is not the 14 largest sizes, falling"):
+        md.load_metadata(out)
+
+
+def test_upgrade_adds_chunks_and_a_summary_to_an_older_header(packed: Path, tmp_path: Path) -> None:
+    """A header as tierflow wrote it before chunks and summaries (one hash a column) reads as before,
+    each column checked whole; `upgrade` writes its chunk hashes, running sums and summary (the tables
+    untouched) and the dataset reads the same."""
+    from tierflow.commands.cli import main as cli
+
+    out = copy(packed, tmp_path)
+    metadata_writer.write_metadata(out, parsed(packed))
+    current = json.loads((out / md.METADATA_NAME).read_bytes())
+    old = json.loads(json.dumps(current))
+    del old["summary"]
+    for table in ("shards", "layout"):
+        del old[table]["chunks"]
+    _write_header(out, old)
+    before = TieredDataset(out, BatchSpec(batch_size=16))
+    assert before.manifest.tables.shards.chunk_rows == 14  # one chunk of every row
+    batches = [b.meta.sample_ids.tolist() for _, b in zip(range(4), before)]
+    assert cli(["upgrade", str(out)]) == 0
+    upgraded = json.loads((out / md.METADATA_NAME).read_bytes())
+    assert upgraded == current  # the writer's own header: nothing else changed
+    after = TieredDataset(out, BatchSpec(batch_size=16))
+    assert after.order.config_hash == before.order.config_hash
+    assert [b.meta.sample_ids.tolist() for _, b in zip(range(4), after)] == batches
+    assert metadata_verify.verify_metadata(md.load_metadata(out)) == []
+    assert cli(["upgrade", str(out)]) == 0 and json.loads((out / md.METADATA_NAME).read_bytes()) == current
+
+
+def _write_header(out: Path, d: dict) -> None:
+    d.pop(md.HEADER_CHECKSUM_KEY, None)
+    d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
+    (out / md.METADATA_NAME).write_bytes(metadata_writer.header_bytes(d))
