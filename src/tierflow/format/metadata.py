@@ -57,6 +57,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from functools import partial
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -291,7 +292,7 @@ class MetadataTables:
         return ShardRows(self.at, name, self.num_shards, self.manifest())
 
     def _check_chunk(self, name: str) -> ChunkCheck:
-        return lambda c, lo, v: self._check(name, c, lo, v)
+        return partial(self._check, name)
 
     def _boundary(self, running: str, c: int) -> int:
         """The running sum `running` at chunk c's first row (the header's), or its total past the last."""
@@ -502,6 +503,7 @@ class MappedShards(Sequence[ShardInfo]):
         return found
 
     def __iter__(self) -> Iterator[ShardInfo]:
+        self.tables.checksums()  # every name: the whole order checked once, not a search a shard
         for i in range(len(self)):
             yield self._made.get(i) or self.tables.shard(i, keep=False)  # a pass over every shard stays bounded
 
