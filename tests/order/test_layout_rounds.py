@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from tierflow.order.layout import _assign_longest_first, _assign_longest_first_heap
-from tierflow.order.working_set import working_set_bytes
+from tierflow.order.working_set import (
+    ShardSizes,
+    choose_working_set,
+    largest_bytes,
+    total_bytes,
+    working_set_bytes,
+)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -60,3 +66,23 @@ def test_working_set_bytes_of_a_read_only_column_asked_again_is_the_same() -> No
     for shards in (127, 15, 0, 1000, 3, 70_000, 80_000):
         assert working_set_bytes(shards, mapped) == working_set_bytes(shards, mapped.tolist())
         assert working_set_bytes(shards, mapped.copy()) == working_set_bytes(shards, mapped.tolist())
+
+
+def test_sizes_summarised_by_their_largest_answer_as_the_column() -> None:
+    """ShardSizes (a header's summary) answers from its largest values, and past them from the column,
+    asked for only then: the same bytes, totals and largest as the column itself."""
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 10**9, size=5000).astype(np.int64)
+    asked: list[int] = []
+
+    def column() -> np.ndarray:
+        asked.append(1)
+        return sizes
+
+    summary = ShardSizes(sizes.size, int(sizes.sum()), np.sort(sizes)[::-1][:256].tolist(), column)
+    for shards in (0, 1, 128, 255):
+        assert working_set_bytes(shards, summary) == working_set_bytes(shards, sizes)
+    assert not asked
+    assert working_set_bytes(1000, summary) == working_set_bytes(1000, sizes) and asked
+    assert total_bytes(summary) == total_bytes(sizes) and largest_bytes(summary) == largest_bytes(sizes)
+    assert choose_working_set(summary, 64) == choose_working_set(sizes, 64)

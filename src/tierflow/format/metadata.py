@@ -274,7 +274,9 @@ class MetadataTables:
         column. Damage the search passed through is found by checking the whole column."""
         raw, n = self.shards.raw(running), self.num_shards
         shard = raw.searchsorted(positions, side="right") - 1
-        if positions.size and n and int(shard.min()) >= 0:
+        if not positions.size:
+            return shard
+        if n and int(shard.min()) >= 0:
             landed = distinct(shard)
             start = self.at(running, landed)
             nxt = landed + 1
