@@ -291,7 +291,7 @@ class MetadataTables:
 
     def rows(self, name: str) -> ShardRows:
         """The column indexed by shard, each chunk checked when a shard of it is first read."""
-        return ShardRows(self.at, name, self.num_shards, self.manifest())
+        return ShardRows(self.shards, name, self._check_chunk(name), self.manifest())
 
     def _check_chunk(self, name: str) -> ChunkCheck:
         return partial(self._check, name)

@@ -212,8 +212,9 @@ class ShardRows:
 
     per_shard = True
 
-    def __init__(self, at: Callable[[str, np.ndarray], np.ndarray], name: str, count: int, manifest: Any) -> None:
-        self.at, self.name, self.count, self.manifest = at, name, count, manifest
+    def __init__(self, table: MappedTable, name: str, check: ChunkCheck, manifest: Any) -> None:
+        self.table, self.name, self.check, self.manifest = table, name, check, manifest
+        self.count = table.rows
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rows_of, (self.manifest, self.name))  # the manifest pickles as its directory
@@ -223,10 +224,13 @@ class ShardRows:
 
     def __getitem__(self, shards: Any) -> Any:
         if isinstance(shards, slice):
-            return self.at(self.name, np.arange(*shards.indices(self.count)))
+            start, stop, step = shards.indices(self.count)
+            if step == 1:
+                return self.table.span(self.name, start, max(start, stop), self.check)
+            shards = np.arange(start, stop, step)
         if isinstance(shards, (int, np.integer)):
-            return self.at(self.name, np.array([shards], dtype=np.int64))[0]
-        return self.at(self.name, np.asarray(shards, dtype=np.int64))
+            return self.table.value(self.name, int(shards), self.check)
+        return self.table.at(self.name, np.asarray(shards, dtype=np.int64), self.check)
 
 
 def _rows_of(manifest: Any, name: str) -> ShardRows:
