@@ -48,13 +48,13 @@ dataset (~1.4 GB at a million shards). The dataset id against the checksums is `
 header's checksum covers the recorded id). Anything wrong is a ManifestError naming the dataset,
 the file and what is wrong.
 
-This module is the layout and the reading side; writing and publishing is `metadata_writer`, the
-whole-dataset check `metadata_verify`, the lookups over the mapped tables `metadata_index`.
+This module is the reading side; the header, its schemas and checks are `metadata_header`, a mapped
+table checked by chunk `metadata_table`, writing and publishing `metadata_writer`, the whole-dataset
+check `metadata_verify`, the lookups over the mapped tables `metadata_index`.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import weakref
 from functools import partial
@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
-import pyarrow as pa
 import xxhash
 
 from tierflow.errors import ManifestError
@@ -73,13 +72,8 @@ from tierflow.format.metadata_layout import (
     TABLE_PREFIX as TABLE_PREFIX,
     TABLE_SUFFIX as TABLE_SUFFIX,
     StoredLayout,
-    check_chunk_starts,
-    check_layout_entry,
-    check_table_entry as _check_table_entry,
-    is_count as _is_count,
 )
-from tierflow.format.manifest import Manifest, _check_fields, schema_from_json
-from tierflow.format.metadata_summary import check_summary
+from tierflow.format.manifest import Manifest, schema_from_json
 from tierflow.format.metadata_table import (
     ChunkCheck,
     MappedTable,
@@ -88,44 +82,24 @@ from tierflow.format.metadata_table import (
     column_dtype as column_dtype,
     distinct,
 )
+from tierflow.format.metadata_header import (
+    BLOCK_SCHEMA as BLOCK_SCHEMA,
+    HEADER_CHECKSUM_KEY as HEADER_CHECKSUM_KEY,
+    LEGACY_MANIFEST_SHARDS as LEGACY_MANIFEST_SHARDS,
+    MAX_HEADER_BYTES,
+    METADATA_NAME,
+    METADATA_VERSION,
+    RUNNING,
+    RUNNING_COLUMNS,
+    SHARD_SCHEMA,
+    header_checksum as header_checksum,
+    parse_header,
+)
 from tierflow.format.table_locks import TableGone
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
-METADATA_NAME = "metadata.json"
-METADATA_VERSION = 3
-HEADER_CHECKSUM_KEY = "header_checksum"
-MAX_HEADER_BYTES = 16 << 20
-"""A header is a few KB (schema, tokenizer, stats); larger is refused unread."""
-LEGACY_MANIFEST_SHARDS = 10_000
-"""Up to this many shards pack writes manifest.json beside the version-3 metadata."""
-
-SHARD_SCHEMA = pa.schema(
-    [
-        ("checksum", pa.binary(16)),
-        ("decoded_checksum", pa.binary(16)),
-        ("compression", pa.uint8()),
-        ("samples", pa.int64()),
-        ("bytes", pa.int64()),
-        ("decoded_bytes", pa.int64()),
-        ("tokens", pa.int64()),
-        ("sample_start", pa.int64()),
-        ("token_start", pa.int64()),
-        ("first_block", pa.int64()),
-        ("blocks", pa.int64()),
-        ("largest_rows", pa.int64()),
-        ("tokens_known", pa.uint8()),
-        ("block_digest", pa.uint64()),
-        ("checksum_order", pa.int64()),
-    ]
-)
-BLOCK_SCHEMA = pa.schema(
-    [("length", pa.uint32()), ("rows", pa.uint32()), ("checksum", pa.uint64()), ("tokens", pa.uint32())]
-)
 _COUNT_COLUMNS = ("samples", "bytes", "decoded_bytes", "tokens", "blocks", "largest_rows")
-_RUNNING = {"samples": "sample_start", "tokens": "token_start", "blocks": "first_block"}
-"""Each count column and the column of its running sums (the header holds the sums at each chunk's start)."""
-_COUNTED = {running: count for count, running in _RUNNING.items()}
-RUNNING_COLUMNS = tuple(_RUNNING.values())
+_COUNTED = {running: count for count, running in RUNNING.items()}
 CHUNK_ROWS = 1 << 16
 """Rows a table's chunk holds: the unit a reader hashes and checks (512 KB of an int64 column)."""
 
@@ -133,11 +107,6 @@ CHUNK_ROWS = 1 << 16
 def has_metadata(directory: str | Path) -> bool:
     """Whether a directory holds a version-3 header (the reader prefers it to manifest.json)."""
     return (Path(directory) / METADATA_NAME).is_file()
-
-
-def header_checksum(d: dict) -> str:
-    body = {k: v for k, v in d.items() if k != HEADER_CHECKSUM_KEY}
-    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 def block_digest(length: np.ndarray, rows: np.ndarray, checksum: np.ndarray, tokens: np.ndarray) -> int:
@@ -150,66 +119,6 @@ def block_digest(length: np.ndarray, rows: np.ndarray, checksum: np.ndarray, tok
 
 CHECKSUM_HALVES = np.dtype([("hi", ">u8"), ("lo", ">u8")])
 """A 16-byte checksum as two big-endian halves: numpy orders these as the bytes (the hex) order."""
-
-
-def parse_header(raw: bytes, where: str) -> dict:
-    """The header's fields, checked: JSON, format and version, its checksum, the types of every
-    field a reader uses. ManifestError naming `where` otherwise."""
-
-    def fail(msg: str) -> ManifestError:
-        return ManifestError(f"{where}: {msg}")
-
-    if len(raw) > MAX_HEADER_BYTES:
-        raise fail(f"{len(raw)} bytes, more than the {MAX_HEADER_BYTES} a metadata header may have; refused")
-    try:
-        d = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise fail(f"not valid JSON ({e})") from None
-    except RecursionError:
-        raise fail("JSON nested too deeply to be a metadata header") from None
-    if not isinstance(d, dict) or d.get("format") != "tierflow":
-        raise fail('not a tierflow metadata header (missing "format": "tierflow")')
-    if d.get("format_version") != METADATA_VERSION or type(d.get("format_version")) is not int:
-        raise fail(
-            f"unknown format_version {d.get('format_version')!r:.40}; this header reader reads "
-            f"version {METADATA_VERSION}"
-        )
-    try:
-        recorded = d.get(HEADER_CHECKSUM_KEY)
-        if not isinstance(recorded, str) or recorded != header_checksum(d):
-            raise fail(
-                f"{HEADER_CHECKSUM_KEY} {recorded!r:.40} does not match the header's contents "
-                f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
-            )
-    except (ValueError, TypeError, OverflowError, RecursionError) as e:
-        raise fail(f"the header does not serialise ({type(e).__name__}: {e})") from None
-    _check_fields(d, fail)
-    if not isinstance(d.get("dataset_id"), str):
-        raise fail("dataset_id is missing")
-    for table, schema in (("shards", SHARD_SCHEMA), ("blocks", BLOCK_SCHEMA)):
-        _check_table_entry(d.get(table), table, schema, fail)
-    check_chunk_starts(d["shards"], RUNNING_COLUMNS, fail)
-    beside = d.get("manifest")
-    if beside is not None and not (
-        isinstance(beside, dict) and _is_count(beside.get("size")) and isinstance(beside.get("xxh3"), str)
-    ):
-        raise fail('"manifest" is not null or the size and hash of the manifest.json beside it')
-    totals = d.get("totals")
-    if not isinstance(totals, dict) or not all(
-        _is_count(totals.get(k)) for k in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")
-    ):
-        raise fail("totals are not counts of samples, tokens, bytes, decoded_bytes and blocks")
-    if totals["blocks"] != d["blocks"]["rows"]:
-        raise fail(f"totals.blocks = {totals['blocks']}, but the block table has {d['blocks']['rows']} rows")
-    for key, total in (("samples", totals["samples"]), ("tokens", totals["tokens"])):
-        stats = d.get("stats") or {}
-        if type(stats.get(key)) is int and stats[key] != total:
-            raise fail(f"stats.{key} = {stats[key]}, but the shards' {key} sum to {total}")
-    check_summary(d.get("summary"), d["shards"]["rows"], fail)
-    if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
-        _check_table_entry(d["layout"], "layout", LAYOUT_SCHEMA, fail)
-        check_layout_entry(d["layout"], d["shards"]["rows"], totals["samples"], fail)
-    return d
 
 
 def chunk_starts(entry: dict) -> dict[str, list[int]]:
@@ -317,7 +226,7 @@ class MetadataTables:
             return f"shard #{lo + i}: unknown compression code {int(v[i])}"
         if name == "tokens_known" and v.size and int(v.max()) > 1:
             return "tokens_known is not 0 or 1"
-        running = _RUNNING.get(name)
+        running = RUNNING.get(name)
         if running is not None:
             # an int64 sum would wrap round to anything: refused past 2**62 (summed as floats only when
             # the counts, each below MAX_COUNT, could reach 2**61)
@@ -329,7 +238,7 @@ class MetadataTables:
                 if self.shards.chunk_rows >= self.num_shards:
                     return f"the shards' {name} sum to {total}, the header says {step}"
                 return f"shards #{lo}-#{lo + v.size - 1}: their {name} sum to {total}, the header says {step}"
-        if name in _RUNNING.values():
+        if name in RUNNING.values():
             counts = self.shards.span(_COUNTED[name], lo, lo + v.size, self._check_chunk(_COUNTED[name]))
             if (int(v[0]) if v.size else self._boundary(name, c)) != self._boundary(name, c) or not _running_sum(
                 v - self._boundary(name, c), counts
