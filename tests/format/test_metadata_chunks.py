@@ -217,3 +217,54 @@ def _write_header(out: Path, d: dict) -> None:
     d.pop(md.HEADER_CHECKSUM_KEY, None)
     d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
     (out / md.METADATA_NAME).write_bytes(metadata_writer.header_bytes(d))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: d["shards"]["chunks"].__setitem__("rows", 0), "shards.chunks.rows is not a positive count"),
+        (lambda d: d["shards"]["chunks"]["columns"]["samples"].pop(), "shards.chunks.columns does not list 4"),
+        (lambda d: d["layout"]["chunks"]["columns"].pop("partition"), "layout.chunks.columns does not list"),
+        (lambda d: d["shards"]["chunks"].pop("starts"), "shards.chunks.starts does not list the running sums"),
+        (lambda d: d["shards"]["chunks"]["starts"]["sample_start"].reverse(), "sample_start is not 4 running sums"),
+        (lambda d: d["shards"]["chunks"]["starts"]["first_block"].__setitem__(0, 3), "first_block is not 4 running"),
+    ],
+)
+def test_a_header_whose_chunks_do_not_describe_its_tables_is_refused_at_open(
+    packed: Path, tmp_path: Path, edit, match
+) -> None:
+    """The header's chunk entries, checksum recomputed (a forger's): refused on open, naming the field."""
+    out = copy(packed, tmp_path)
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    edit(d)
+    _write_header(out, d)
+    with pytest.raises(ManifestError, match=match):
+        md.load_metadata(out)
+
+
+def test_a_lookup_decided_by_a_damaged_row_is_refused(packed: Path, tmp_path: Path) -> None:
+    """sample_start of shard 7 (chunk 1) raised past the dataset: a search for a sample of shard 12
+    turns back there and lands on shard 6, a row of the damaged chunk, which is checked and refused;
+    a lookup in chunk 0 is served."""
+    out = copy(packed, tmp_path)
+    tables = md.load_metadata(out).tables
+    path, column = tables.shards.path, tables.shards.raw("sample_start")
+    at = column.ctypes.data - tables.shards._map_base() + 7 * 8
+    target, first = int(column[12]) + 1, int(column[1])
+    del tables
+    data = bytearray(path.read_bytes())
+    data[at : at + 8] = (10**9).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    index = tierflow.open_dataset(out).index
+    assert index.locate_samples(np.array([first])).shard.tolist() == [1]
+    with pytest.raises(ManifestError, match=r"column sample_start, rows 4-7, does not match its hash"):
+        index.locate_samples(np.array([target]))
+
+
+def test_shard_rows_read_slices_steps_and_single_shards_as_the_column(packed: Path, tmp_path: Path) -> None:
+    tables = md.load_metadata(copy(packed, tmp_path)).tables
+    rows, whole = tables.rows("decoded_bytes"), md.load_metadata(packed).tables.column("decoded_bytes")
+    assert len(rows) == 14 and rows[5] == whole[5]
+    assert rows[2:11].tolist() == whole[2:11].tolist() and rows[::3].tolist() == whole[::3].tolist()
+    assert rows[[13, 0, 7]].tolist() == whole[[13, 0, 7]].tolist()
+    assert verified(tables, "decoded_bytes") == [True, True, True, True]

@@ -178,25 +178,14 @@ class MetadataTables:
 
     def shards_at(self, running: str, positions: np.ndarray) -> np.ndarray:
         """The shard each of `positions` (sample ids or token numbers, in range) lies in, by the running
-        sums `running`: a binary search over the mapped column, then the rows it lands on (and the
-        next) checked and the landing confirmed, so a lookup hashes the chunks it lands in, not the
-        column. Damage the search passed through is found by checking the whole column."""
-        raw, n = self.shards.raw(running), self.num_shards
-        shard = raw.searchsorted(positions, side="right") - 1
-        if not positions.size:
-            return shard
-        if n and int(shard.min()) >= 0:
-            landed = distinct(shard)
-            start = self.at(running, landed)
-            nxt = landed + 1
-            end = np.append(
-                self.at(running, nxt[nxt < n]),
-                [self._boundary(running, len(self.starts[running]))] * int((nxt >= n).sum()),
-            )
-            at = np.searchsorted(landed, shard)
-            if bool(np.all((start[at] <= positions) & (positions < end[at]))):
-                return shard
-        return self.column(running).searchsorted(positions, side="right") - 1
+        sums `running`: a binary search over the mapped column, whose answer is decided by the row it
+        lands on and the next; those are checked, so a lookup hashes the chunks it lands in, not the
+        column, and a damaged row that decided a landing is refused."""
+        shard = self.shards.raw(running).searchsorted(positions, side="right") - 1
+        if positions.size:
+            decided = distinct(np.concatenate([shard, shard + 1]))
+            self.at(running, decided[(decided >= 0) & (decided < self.num_shards)])
+        return shard
 
     def rows(self, name: str) -> ShardRows:
         """The column indexed by shard, each chunk checked when a shard of it is first read."""
