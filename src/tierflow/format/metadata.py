@@ -199,7 +199,7 @@ class MetadataTables:
         found = self.starts[running]
         if c < len(found):
             return int(found[c])
-        return self.blocks.rows if running == "first_block" else int(self.totals[running.split("_")[0] + "s"])
+        return self.blocks.rows if running == "first_block" else int(self.totals[_COUNTED[running]])
 
     def _check(self, name: str, c: int, lo: int, v: np.ndarray) -> str | None:
         """Chunk c of a column (rows lo...) against its ranges and the header's running sums: every chunk
@@ -227,11 +227,9 @@ class MetadataTables:
                 if self.shards.chunk_rows >= self.num_shards:
                     return f"the shards' {name} sum to {total}, the header says {step}"
                 return f"shards #{lo}-#{lo + v.size - 1}: their {name} sum to {total}, the header says {step}"
-        if name in RUNNING.values():
+        if name in _COUNTED:
             counts = self.shards.span(_COUNTED[name], lo, lo + v.size, self._check_chunk(_COUNTED[name]))
-            if (int(v[0]) if v.size else self._boundary(name, c)) != self._boundary(name, c) or not _running_sum(
-                v - self._boundary(name, c), counts
-            ):
+            if not _running_sum(v - self._boundary(name, c), counts):  # from the header's value, rising by the counts
                 return f"{name} is not the running sum of {_COUNTED[name]}"
         if name == "checksum_order" and v.size and (int(v.min()) < 0 or int(v.max()) >= self.num_shards):
             return "checksum_order is not a permutation of the shards"
@@ -242,9 +240,10 @@ class MetadataTables:
         increase, so no shard is listed twice (O(shards) compares, no sort). n indices in range along
         which the checksums strictly rise are n distinct shards, a permutation: it is checked apart
         only when they do not rise, so the error is the same as when it was checked first."""
-        n, v = self.num_shards, self.column("checksum_order")
+        n = self.num_shards
         if not n or self._sorted:
             return
+        v = self.column("checksum_order")
         checksums = self.column("checksum")
         halves = checksums.view(CHECKSUM_HALVES)
         # the leading 4 bytes, native once, then gathered: a quarter of the bytes moved at random

@@ -144,10 +144,7 @@ class LargestBlocks:
         values.manifest = manifest
         summary = manifest.header.get("summary")
         values.total = None if summary is None else summary["largest_blocks"]
-        values.count = manifest.tables.num_shards
         return values
-
-    count: int | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.manifest is not None:
@@ -155,7 +152,7 @@ class LargestBlocks:
         return (LargestBlocks, (self.decoded, self.rows, self.samples))
 
     def __len__(self) -> int:
-        return self.count if self.count is not None else int(self.decoded.size)
+        return len(self.decoded)
 
     def __getitem__(self, shards: Any) -> np.ndarray:
         return largest_blocks(self.decoded[shards], self.rows[shards], self.samples[shards])

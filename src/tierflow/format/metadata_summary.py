@@ -18,6 +18,8 @@ from tierflow.format.metadata_layout import is_count, largest_blocks
 TOP_SHARDS = 256
 """Largest shards the summary lists per size column: above the widest working set's 129."""
 SIZE_COLUMNS = ("bytes", "decoded_bytes")
+SUMMARY_COLUMNS = (*SIZE_COLUMNS, "largest_rows", "samples")
+"""The shard-table columns the summary is made from."""
 
 
 def summary_fields(shard_columns: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def verify_summary(tables: Any) -> list[str]:
     recorded = tables.header.get("summary")
     if recorded is None:
         return []
-    wanted = summary_fields({name: tables.column(name) for name in (*SIZE_COLUMNS, "largest_rows", "samples")})
+    wanted = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
     return [
         f"{tables.where}: summary.{key} is not what the shard table's columns give"
         for key in wanted

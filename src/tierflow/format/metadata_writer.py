@@ -39,7 +39,7 @@ from tierflow.format.metadata import (
     load_metadata,
 )
 from tierflow.format.metadata_layout import LAYOUT_SCHEMA, layout_columns
-from tierflow.format.metadata_summary import summary_fields
+from tierflow.format.metadata_summary import SUMMARY_COLUMNS, summary_fields
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
 
 
@@ -292,7 +292,8 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
     table's chunk hashes and the shards' running sums at each chunk, and the summary. Every column is
     checked as any reader checks it before its hashes are rewritten. None: nothing to add."""
     tables = manifest.tables
-    header = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
+    before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
+    header = dict(before)
     if header.get("layout") is None:
         stored = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
         if stored is not None:
@@ -306,10 +307,8 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
         columns = {name: tables.layout.column(name) for name in LAYOUT_SCHEMA.names}
         header["layout"] = {**header["layout"], "chunks": chunk_hashes(_bytes_of(columns), LAYOUT_SCHEMA)}
     if header.get("summary") is None:
-        header["summary"] = summary_fields(
-            {name: tables.column(name) for name in ("bytes", "decoded_bytes", "largest_rows", "samples")}
-        )
-    if header == {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}:
+        header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
+    if header == before:
         return None
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
     return header

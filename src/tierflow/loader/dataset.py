@@ -48,7 +48,14 @@ from tierflow.loader.spec import (
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
-from tierflow.order.working_set import WorkingSet, largest_bytes, narrowing_advice, total_bytes, working_set_bytes
+from tierflow.order.working_set import (
+    WorkingSet,
+    largest_bytes,
+    mean_bytes,
+    narrowing_advice,
+    total_bytes,
+    working_set_bytes,
+)
 from tierflow.policies.auto import Lifecycle
 from tierflow.storage.datasets import load_manifest, open_dataset
 from tierflow.telemetry.metrics import MetricsRegistry
@@ -303,8 +310,9 @@ class TieredDataset(IterableDataset):
             # held ~1.5x what epoch 0 of the peers' token corpus reads at once, its largest shard 9x its
             # mean; the largest one alone as the headroom re-decoded blocks where a few shards dwarf the rest)
             shards = lanes * window
-            mean = total_bytes(sizes) / max(len(sizes), 1)
-            windows = min(working_set_bytes(shards, sizes), int(shards * mean) + working_set_bytes(1, sizes))
+            windows = min(
+                working_set_bytes(shards, sizes), int(shards * mean_bytes(sizes)) + working_set_bytes(1, sizes)
+            )
         if not (order.shuffle and order.group_bytes) or order.block_bytes is None or not len(order.block_bytes):
             return windows
         # a group is never cut smaller than its shard's largest block, nor its floor of samples; the

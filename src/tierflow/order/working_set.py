@@ -184,6 +184,10 @@ def total_bytes(shard_bytes: Sequence[int]) -> int:
     return sum(shard_bytes)
 
 
+def mean_bytes(shard_bytes: Sequence[int]) -> float:
+    return total_bytes(shard_bytes) / max(len(shard_bytes), 1)
+
+
 def largest_bytes(shard_bytes: Sequence[int]) -> int:
     if isinstance(shard_bytes, ShardSizes):
         return shard_bytes.top[0] if shard_bytes.top else 0
@@ -201,8 +205,7 @@ def choose_working_set(
     A function of its arguments only: never of a tier, the free disk or the free memory."""
     node_shards = len(shard_bytes) if node_shards is None else node_shards
     by_share = max(1, node_shards // READING_SHARE)
-    mean = total_bytes(shard_bytes) / max(len(shard_bytes), 1)
-    by_bytes = max(0, int((WORKING_SET_BYTES - largest_bytes(shard_bytes)) // max(mean, 1))) // 2
+    by_bytes = max(0, int((WORKING_SET_BYTES - largest_bytes(shard_bytes)) // max(mean_bytes(shard_bytes), 1))) // 2
     reading = max(1, min(by_share, by_bytes))
     lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), reading)
     shards = working_set_shards(lanes, k)
@@ -237,8 +240,7 @@ def fitting_working_set(shard_bytes: Sequence[int], partitions_per_node: int, ro
     """The widest (lanes, window_shards) whose working set (in `shard_bytes`' form) fits `room_bytes`:
     what `narrowing_advice` tells a user whose tier is too small for the default order; never chosen
     for them."""
-    mean = total_bytes(shard_bytes) / max(len(shard_bytes), 1)
-    budget = max(0, int((room_bytes - largest_bytes(shard_bytes)) // max(mean, 1)))
+    budget = max(0, int((room_bytes - largest_bytes(shard_bytes)) // max(mean_bytes(shard_bytes), 1)))
     lanes, k = _widest(min(partitions_per_node, WIDEST_LANES), budget // 2)
     shards = working_set_shards(lanes, k)
     return WorkingSet(

@@ -361,9 +361,10 @@ def update_header_source(source: Any, workdir: str | Path) -> bool:
     header = updated_header(manifest, workdir)
     if header is None:
         return False
-    for name in sorted(header_tables(header_bytes(header)) - header_tables(header_bytes(manifest.header))):
+    data = header_bytes(header)
+    for name in sorted(header_tables(data) - header_tables(header_bytes(manifest.header))):
         source.upload(workdir / name, name)
-    (workdir / METADATA_NAME).write_bytes(header_bytes(header))
+    (workdir / METADATA_NAME).write_bytes(data)
     source.upload(workdir / METADATA_NAME, METADATA_NAME)
     return True
 
