@@ -20,7 +20,12 @@ from tierflow.errors import ManifestError
 from tierflow.format import metadata as md
 from tierflow.format import metadata_verify, metadata_writer
 from tierflow.format.manifest import MANIFEST_NAME
-from tierflow.format.metadata_layout import LAYOUT_SCHEMA, default_partitions, layout_columns
+from tierflow.format.metadata_layout import (
+    LAYOUT_SCHEMA,
+    LAYOUT_SCHEMA_BEFORE_MEMBERS,
+    default_partitions,
+    layout_columns,
+)
 from tierflow.format.metadata_table import ShardRows
 from tierflow.loader import BatchSpec, TieredDataset
 from tierflow.order.layout import PartitionLayout
@@ -184,6 +189,18 @@ def _shuffle_sizes(fields: dict) -> None:
         sizes[i], sizes[i + 1] = sizes[i] + 1, sizes[i + 1] - 1
 
 
+def _swap_counts(columns: dict, entry: dict) -> None:
+    """Two counts of one partition swapped: its size still adds up; each shard's count is another's."""
+    counts = columns["member_samples"]
+    for a, z in zip(entry["starts"], entry["starts"][1:]):
+        differ = np.flatnonzero(counts[a:z] != counts[a])
+        if differ.size:
+            i = a + int(differ[0])
+            counts[a], counts[i] = counts[i], counts[a]
+            return
+    raise AssertionError("no partition holds two shards of different counts")
+
+
 def _unsorted(columns: dict, entry: dict) -> None:
     rows = columns["by_partition"]
     for p in range(entry["partitions"]):
@@ -216,6 +233,49 @@ def test_a_forged_layout_is_refused_naming_the_dataset(
     assert str(out) in str(raised.value)
 
 
+def test_a_layout_written_before_member_samples_reads_the_same_and_upgrade_rewrites_it(
+    packed: Path, tmp_path: Path
+) -> None:
+    """A layout table of two columns and no `nonempty` (as tierflow wrote it before a partition's
+    counts were stored beside its shards) gives the same order, its counts gathered from the shard
+    table; `verify` passes it; `upgrade` writes the current table and header, then nothing more."""
+    from tierflow.commands.cli import main as cli
+
+    out = copy(packed, tmp_path)
+    d = header(out)
+    entry = d["layout"]
+    table = md.load_metadata(out).tables.layout
+    assert table is not None
+    columns = {name: np.array(table.raw(name)) for name in LAYOUT_SCHEMA_BEFORE_MEMBERS.names}
+    fields = {k: entry[k] for k in ("partitions", "starts", "sizes", "digest", "decoded")}
+    d["layout"] = {**metadata_writer._write_table(out, "layout", LAYOUT_SCHEMA_BEFORE_MEMBERS, columns), **fields}
+    write_header(out, d)
+    current = TieredDataset(packed, BatchSpec(batch_size=16))
+    older = TieredDataset(out, BatchSpec(batch_size=16))
+    assert older.order.layout._stored is not None and older.order.config_hash == current.order.config_hash
+    assert older.future_shard_uses(horizon_batches=100) == current.future_shard_uses(horizon_batches=100)
+    first = [b.meta.sample_ids.tolist() for _, b in zip(range(6), older)]
+    assert first == [b.meta.sample_ids.tolist() for _, b in zip(range(6), current)]
+    assert metadata_verify.verify_metadata(md.load_metadata(out)) == []
+    assert cli(["upgrade", str(out)]) == 0
+    assert header(out)["layout"] == header(packed)["layout"]
+    upgraded = header(out)
+    assert cli(["upgrade", str(out)]) == 0 and header(out) == upgraded
+
+
+def test_a_count_that_is_not_its_shards_is_refused_when_its_window_is_read(packed: Path, tmp_path: Path) -> None:
+    """Two counts of one partition swapped, every hash recomputed: the partition still adds up, so the
+    start opens; the epoch stops at the window holding them, before a sample of it is served."""
+    out = copy(packed, tmp_path)
+    forge_layout(out, _swap_counts)
+    dataset = TieredDataset(out, BatchSpec(batch_size=16))
+    with pytest.raises(ManifestError, match="gives a shard samples that are not its own") as raised:
+        for _batch in dataset:
+            pass
+    assert str(out) in str(raised.value)
+    assert metadata_verify.verify_metadata(md.load_metadata(out))
+
+
 def test_verify_reports_a_consistent_layout_that_is_not_the_default_orders(packed: Path, tmp_path: Path) -> None:
     out = copy(packed, tmp_path)
     forge_layout(out, edit_fields=lambda f: f.update(digest="0" * 64))
@@ -228,12 +288,13 @@ def test_an_order_of_other_counts_or_partitions_computes_its_own(packed: Path) -
     manifest = md.load_metadata(packed)
     stored = manifest.tables.stored_layout()
     assert stored is not None
-    samples = manifest.tables.column("samples")
-    other = SampleOrder(samples.copy(), dataset_id="x", partitions=stored.partitions, stored_layout=stored)
+    samples = stored.counts  # the column it was made for, read as shards are asked for
+    assert isinstance(samples, ShardRows)
+    other = SampleOrder(samples[:].copy(), dataset_id="x", partitions=stored.partitions, stored_layout=stored)
     fewer = SampleOrder(samples, dataset_id="x", partitions=stored.partitions // 2, stored_layout=stored)
     same = SampleOrder(samples, dataset_id="x", partitions=stored.partitions, stored_layout=stored)
     assert other.layout._stored is None and fewer.layout._stored is None and same.layout._stored is stored
-    assert other.config_hash == same.config_hash
+    assert other.config_hash == same.config_hash and fewer.layout.partitions == stored.partitions // 2
 
 
 def test_a_dataset_read_through_its_stored_layout_pickles_for_a_worker(packed: Path) -> None:
@@ -261,7 +322,9 @@ def test_a_pickled_dataset_carries_no_per_shard_array_of_a_stored_layout(packed:
     sent = pickle.dumps(dataset, protocol=5)
     stored = dataset.order.layout._stored is not None
     assert stored == (spec.seq_len is None)
-    assert (dataset._order_args["shard_sample_counts"].tobytes() in sent) != stored
+    counts = dataset._order_args["shard_sample_counts"]
+    assert isinstance(counts, ShardRows) == stored  # over a stored layout: the mapped column, not an array
+    assert (np.asarray(counts[:]).tobytes() in sent) != stored
     assert dataset.manifest.tables.column("decoded_bytes").tobytes() not in sent  # read as shards are asked for
     again = pickle.loads(sent)
     decoded = again._order_args["decoded_bytes"]

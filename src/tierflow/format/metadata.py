@@ -68,7 +68,7 @@ import xxhash
 from tierflow.errors import ManifestError
 from tierflow.format._regular import read_regular
 from tierflow.format.metadata_layout import (
-    LAYOUT_SCHEMA,
+    layout_schema,
     TABLE_PREFIX as TABLE_PREFIX,
     TABLE_SUFFIX as TABLE_SUFFIX,
     StoredLayout,
@@ -152,7 +152,7 @@ class MetadataTables:
         self.shards = MappedTable(directory, header["shards"], SHARD_SCHEMA, where)
         self.blocks = MappedTable(directory, header["blocks"], BLOCK_SCHEMA, where)
         entry = header.get("layout")
-        self.layout = None if entry is None else MappedTable(directory, entry, LAYOUT_SCHEMA, where)
+        self.layout = None if entry is None else MappedTable(directory, entry, layout_schema(entry), where)
         self._stored: StoredLayout | None = None
         self.manifest: Callable[[], Any] = lambda: None
         """The MappedManifest these tables belong to, weakly: a strong reference would make a cycle that
@@ -270,7 +270,7 @@ class MetadataTables:
         """The order's layout stored with the metadata (metadata_layout.py); None: compute it."""
         if self._stored is None and self.layout is not None:
             self._stored = StoredLayout(
-                self.layout, self.header["layout"], self.column("samples"), self.where, self._sample_starts
+                self.layout, self.header["layout"], self.rows("samples"), self.where, self._sample_starts
             )
             self._stored.manifest = self.manifest()
         return self._stored

@@ -11,7 +11,7 @@ import xxhash
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import _check_fields
 from tierflow.format.metadata_layout import (
-    LAYOUT_SCHEMA,
+    layout_schema,
     check_chunk_starts,
     check_layout_entry,
     check_table_entry,
@@ -114,6 +114,6 @@ def parse_header(raw: bytes, where: str) -> dict:
             raise fail(f"stats.{key} = {stats[key]}, but the shards' {key} sum to {total}")
     check_summary(d.get("summary"), d["shards"]["rows"], fail)
     if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
-        check_table_entry(d["layout"], "layout", LAYOUT_SCHEMA, fail)
+        check_table_entry(d["layout"], "layout", layout_schema(d["layout"]), fail)
         check_layout_entry(d["layout"], d["shards"]["rows"], totals["samples"], fail)
     return d

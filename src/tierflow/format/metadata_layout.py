@@ -7,17 +7,22 @@ of the per-shard columns for the cursor's config. Pack and `tierflow upgrade` co
 the order a dataset gets when nothing is chosen (rows as samples, the default partition count), and
 write it as a third table beside the header's entry:
 
-- `metadata-layout-<xxh3-128>.arrow`, one row a shard: `partition` (the shard's partition) and
+- `metadata-layout-<xxh3-128>.arrow`, one row a shard: `partition` (the shard's partition),
   `by_partition` (the shards sorted by partition, ascending within one: partition p's shards are
-  rows starts[p]:starts[p+1]);
+  rows starts[p]:starts[p+1]) and `member_samples` (the samples of the shard `by_partition` lists in
+  that row: a partition's counts lie together, as its shards do);
 - the header's `layout` entry: the table's file, size, rows and column hashes (as the other two),
-  `partitions`, `starts` (P + 1 row numbers), `sizes` (each partition's samples), `digest` (the
-  layout's, `PartitionLayout.digest`) and `decoded` (the group order's digest of the decoded sizes).
+  `partitions`, `starts` (P + 1 row numbers), `sizes` (each partition's samples), `nonempty` (the
+  shards holding a sample), `digest` (the layout's, `PartitionLayout.digest`) and `decoded` (the group
+  order's digest of the decoded sizes).
 
 Reading it is paid as the other tables are: each chunk of a column hashed once when a row of it is
-first used, `partition` range-checked; a partition's rows are checked (in range, ascending, that partition's, adding up to
-its size) the first time the order reads that partition, so a rank touches the partitions it reads.
-`sizes` must add up to the dataset's samples (at open). A dataset without the entry (written before
+first used, `partition` range-checked. A partition's rows are checked (in range, ascending, adding
+up to its size) the first time the order reads that partition, and a window's shards (theirs: each
+shard's partition, its count against the shard table's) the first time the order reads that window,
+so a rank touches the rows of the partitions and windows it reads, never a whole column. `sizes`
+must add up to the dataset's samples (at open). A table written before `member_samples` (two
+columns, no `nonempty`) reads as before, its counts gathered from the shard table. A dataset without the entry (written before
 it, or with no non-empty shard) computes its layout as before; an order of other counts (token
 windows) or another partition count computes its own. `tierflow verify` recomputes the layout and
 compares every part of it.
@@ -36,7 +41,9 @@ import pyarrow as pa
 from tierflow.errors import ManifestError
 from tierflow.format.shard import MAX_COUNT
 
-LAYOUT_SCHEMA = pa.schema([("partition", pa.uint16()), ("by_partition", pa.int64())])
+LAYOUT_SCHEMA = pa.schema([("partition", pa.uint16()), ("by_partition", pa.int64()), ("member_samples", pa.int64())])
+LAYOUT_SCHEMA_BEFORE_MEMBERS = pa.schema([LAYOUT_SCHEMA.field(0), LAYOUT_SCHEMA.field(1)])
+"""The layout table as written before `member_samples`."""
 TABLE_PREFIX = "metadata-"
 TABLE_SUFFIX = ".arrow"
 MOST_PARTITIONS = 64
@@ -108,6 +115,13 @@ def check_chunk_starts(entry: dict, names: Sequence[str], fail: Callable[[str], 
             or any(b < a for a, b in zip(values, values[1:]))
         ):
             raise fail(f"shards.chunks.starts.{name} is not {count} running sums rising from 0")
+
+
+def layout_schema(entry: Any) -> pa.Schema:
+    """The schema of the layout table a header's entry describes: its column hashes name its columns."""
+    hashes = entry.get("columns") if isinstance(entry, dict) else None
+    before = isinstance(hashes, dict) and set(hashes) == set(LAYOUT_SCHEMA_BEFORE_MEMBERS.names)
+    return LAYOUT_SCHEMA_BEFORE_MEMBERS if before else LAYOUT_SCHEMA
 
 
 def default_partitions(nonempty_shards: int) -> int:
@@ -193,12 +207,14 @@ def layout_columns(shard_columns: dict[str, np.ndarray]) -> tuple[dict[str, np.n
         "partitions": layout.partitions,
         "starts": [int(s) for s in starts],
         "sizes": [int(s) for s in layout.partition_sizes],
+        "nonempty": nonempty,
         "digest": layout.digest(),
         "decoded": decoded_digest(decoded, largest_blocks(decoded, rows, samples)),
     }
     columns: dict[str, np.ndarray] = {
         "partition": layout.shard_partition.astype(np.uint16),
         "by_partition": by_partition,
+        "member_samples": samples[by_partition],
     }
     return columns, fields
 
@@ -225,6 +241,9 @@ def check_layout_entry(entry: Any, shards: int, samples: int, fail: Callable[[st
         raise fail(f"layout.sizes are not positive sizes adding up to the dataset's {samples} samples")
     if entry.get("rows") != shards:
         raise fail(f"layout.rows is {entry.get('rows')!r:.20}, not the {shards} shards")
+    nonempty = entry.get("nonempty", p)  # absent before member_samples
+    if type(nonempty) is not int or not p <= nonempty <= shards:
+        raise fail(f"layout.nonempty {nonempty!r:.20} is not a count of non-empty shards, {p} to {shards}")
     for key in ("digest", "decoded"):
         if not isinstance(entry.get(key), str):
             raise fail(f"layout.{key} is not a string")
@@ -232,10 +251,11 @@ def check_layout_entry(entry: Any, shards: int, samples: int, fail: Callable[[st
 
 class StoredLayout:
     """A dataset's stored layout as the order reads it (order/layout.py `PartitionLayout(stored=)`):
-    `counts` is the samples column it was made for (the order uses it only for those very counts)."""
+    `counts` is the per-shard samples it was made for (the order uses it only for those very counts),
+    read as shards are asked for."""
 
     def __init__(
-        self, table: Any, entry: dict, counts: np.ndarray, where: str, sample_starts: Callable[[np.ndarray], np.ndarray]
+        self, table: Any, entry: dict, counts: Any, where: str, sample_starts: Callable[[np.ndarray], np.ndarray]
     ) -> None:
         self.table = table
         self.where = where
@@ -244,9 +264,10 @@ class StoredLayout:
         self.partitions: int = entry["partitions"]
         self.starts = np.asarray(entry["starts"], dtype=np.int64)
         self.sizes = np.asarray(entry["sizes"], dtype=np.int64)
+        self.nonempty: int | None = entry.get("nonempty")
         self.digest: str = entry["digest"]
         self.decoded: str = entry["decoded"]
-        self._members: dict[int, np.ndarray] = {}
+        self._members: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     manifest: Any = None
@@ -277,20 +298,47 @@ class StoredLayout:
 
     def members(self, partition: int) -> np.ndarray:
         """Partition `partition`'s shards, ascending; checked the first time they are asked for."""
+        return self._member_rows(partition)[0]
+
+    def member_counts(self, partition: int) -> np.ndarray:
+        """The samples of partition `partition`'s shards, as `members` lists them: rows of the layout
+        table beside them (one written before `member_samples`: the shard table's, gathered)."""
+        return self._member_rows(partition)[1]
+
+    def _member_rows(self, partition: int) -> tuple[np.ndarray, np.ndarray]:
         found = self._members.get(partition)
         if found is not None:
             return found
-        rows = self.table.span("by_partition", int(self.starts[partition]), int(self.starts[partition + 1]))
-        n = self.counts.size
+        lo, hi = int(self.starts[partition]), int(self.starts[partition + 1])
+        rows = self.table.span("by_partition", lo, hi)
+        n = len(self.counts)
         if rows.size and (int(rows[0]) < 0 or int(rows[-1]) >= n or not bool(np.all(rows[1:] > rows[:-1]))):
             raise ManifestError(f"{self.where}: the layout's partition {partition} does not list shards ascending")
-        if not bool(np.all(self.table.at("partition", rows, self._check_partition) == partition)):
-            raise ManifestError(f"{self.where}: the layout's partition {partition} lists another partition's shard")
-        if int(self.counts[rows].sum()) != int(self.sizes[partition]):
+        if "member_samples" in self.table.hashes:
+            counts = self.table.span("member_samples", lo, hi, _check_member_samples)
+        else:
+            counts = np.asarray(self.counts[rows], dtype=np.int64)
+        if int(counts.sum()) != int(self.sizes[partition]):
             raise ManifestError(f"{self.where}: the layout's partition {partition} does not hold its size's samples")
         with self._lock:
-            self._members[partition] = rows
-        return rows
+            self._members[partition] = (rows, counts)
+        return rows, counts
+
+    def check_window(self, partition: int, shards: np.ndarray, counts: np.ndarray) -> None:
+        """`shards`, read together by the order in `partition`, are that partition's and hold `counts`
+        samples each, as the shard table says: checked the first time the order reads them, so a shard
+        two partitions list, or a count that is not its shard's, is refused before a sample of it is
+        served, and a rank touches the rows of the windows it reads."""
+        if not bool(np.all(self.table.at("partition", shards, self._check_partition) == partition)):
+            raise ManifestError(f"{self.where}: the layout's partition {partition} lists another partition's shard")
+        if "member_samples" in self.table.hashes and not np.array_equal(self.counts[shards], counts):
+            raise ManifestError(
+                f"{self.where}: the layout's partition {partition} gives a shard samples that are not its own"
+            )
+
+
+def _check_member_samples(_chunk: int, _first: int, v: np.ndarray) -> str | None:
+    return None if not v.size or int(v.min()) >= 0 else "a member's samples are negative"
 
 
 def _stored_layout_of(manifest: Any) -> StoredLayout:
@@ -327,25 +375,22 @@ def verify_layout(tables: Any) -> list[str]:
     where = f"{tables.where}: {entry['file']}"
     try:
         stored = tables.stored_layout()
-        partition, by_partition = stored.shard_partition, tables.layout.column("by_partition")
-        samples = tables.column("samples")
-        wanted = layout_columns(
-            {
-                "samples": samples,
-                "decoded_bytes": tables.column("decoded_bytes"),
-                "largest_rows": tables.column("largest_rows"),
-            }
-        )
+        names = layout_schema(entry).names
+        stored_columns = {
+            name: stored.shard_partition if name == "partition" else tables.layout.column(name) for name in names
+        }
+        wanted = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
     except ManifestError as e:
         return [str(e)]
     if wanted is None:
         return [f"{where}: the dataset has no non-empty shard, yet a layout"]
     columns, fields = wanted
+    keys = ("partitions", "starts", "sizes", "digest", "decoded", *(("nonempty",) if "nonempty" in entry else ()))
     problems = [
         f"{where}: layout.{key} is not the default order's (recomputed from the samples column)"
-        for key in ("partitions", "starts", "sizes", "digest", "decoded")
+        for key in keys
         if entry.get(key) != fields[key]
     ]
-    if not np.array_equal(partition, columns["partition"]) or not np.array_equal(by_partition, columns["by_partition"]):
-        problems.append(f"{where}: the shards' partitions are not the default order's (recomputed)")
+    if not all(np.array_equal(stored_columns[name], columns[name]) for name in names):
+        problems.append(f"{where}: the shards' partitions or counts are not the default order's (recomputed)")
     return problems

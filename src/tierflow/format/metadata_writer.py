@@ -38,7 +38,7 @@ from tierflow.format.metadata import (
     header_checksum,
     load_metadata,
 )
-from tierflow.format.metadata_layout import LAYOUT_SCHEMA, layout_columns
+from tierflow.format.metadata_layout import LAYOUT_SCHEMA, layout_columns, layout_schema
 from tierflow.format.metadata_summary import SUMMARY_COLUMNS, summary_fields
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
 
@@ -287,14 +287,15 @@ def update_header(directory: str | Path) -> Path | None:
 
 
 def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
-    """The header of `manifest` with what an older writer left out: the order's layout (its table
-    written to `directory`, where a remote dataset's upgrade uploads it from, before the header), each
+    """The header of `manifest` with what an older writer left out: the order's layout, or one that
+    lists no member_samples (its table written to `directory`, where a remote dataset's upgrade
+    uploads it from, before the header), each
     table's chunk hashes and the shards' running sums at each chunk, and the summary. Every column is
     checked as any reader checks it before its hashes are rewritten. None: nothing to add."""
     tables = manifest.tables
     before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
     header = dict(before)
-    if header.get("layout") is None:
+    if header.get("layout") is None or layout_schema(header["layout"]) != LAYOUT_SCHEMA:  # none, or no member_samples
         stored = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
         if stored is not None:
             header["layout"] = {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}

@@ -21,6 +21,7 @@ import numpy as np
 from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
+from tierflow.format.metadata_table import ShardRows
 from tierflow.format.reads import TokenReader
 from tierflow.loader._collate import collate_columns, collate_samples
 from tierflow.loader.cursor import LoaderCursor
@@ -87,7 +88,7 @@ class Batcher(Protocol):
     def columns(self, manifest: Manifest) -> list[str] | None:
         """Columns the batcher reads (projection), None for all."""
 
-    def order_counts(self, dataset: Dataset) -> np.ndarray:
+    def order_counts(self, dataset: Dataset) -> OrderCounts:
         """Per shard, the number of order samples (rows or windows) it starts."""
 
     def check_resume(self, cursor: LoaderCursor) -> None:
@@ -100,11 +101,20 @@ class Batcher(Protocol):
         """Read and assemble one planned batch."""
 
 
-def shard_samples(dataset: Dataset) -> np.ndarray:
-    """Order samples per shard for batchers whose sample is a dataset row."""
-    from tierflow.format.metadata import shard_column
+OrderCounts = np.ndarray | ShardRows
+"""Order samples per shard: an int64 array, or a mapped column read as shards are asked for."""
 
-    return np.asarray(shard_column(dataset.manifest, "samples"), dtype=np.int64)  # mapped, read-only: no copy
+
+def shard_samples(dataset: Dataset) -> OrderCounts:
+    """Order samples per shard for batchers whose sample is a dataset row: over a stored layout the
+    column it was made for, read as shards are asked for (ShardRows), so a start reads no whole column."""
+    from tierflow.format.metadata import MappedManifest, shard_column
+
+    manifest = dataset.manifest
+    stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
+    if stored is not None:
+        return stored.counts
+    return np.asarray(shard_column(manifest, "samples"), dtype=np.int64)  # mapped, read-only: no copy
 
 
 class ByPosition:
@@ -148,7 +158,7 @@ class SortedGroups(ByPosition):
     def tag(self) -> str:
         return "samples"
 
-    def order_counts(self, dataset: Dataset) -> np.ndarray:
+    def order_counts(self, dataset: Dataset) -> OrderCounts:
         return shard_samples(dataset)
 
     @staticmethod
@@ -246,7 +256,7 @@ class Samples(ByPosition):
     def columns(self, manifest: Manifest) -> list[str] | None:
         return list(self.select) if self.select is not None else None
 
-    def order_counts(self, dataset: Dataset) -> np.ndarray:
+    def order_counts(self, dataset: Dataset) -> OrderCounts:
         return shard_samples(dataset)
 
     def build(self, ctx: SampleContext, selection: Selection) -> Built:

@@ -21,7 +21,7 @@ from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.format.reads import SampleLengths
-from tierflow.loader.batching import SampleContext, list_column, shard_samples
+from tierflow.loader.batching import OrderCounts, SampleContext, list_column, shard_samples
 from tierflow.loader.cursor import LoaderCursor, Pending
 from tierflow.loader.plan import Built, OrderBatch, OrderStream, Selection, TrainStream, batch_epoch
 
@@ -64,7 +64,7 @@ class TokenBudget:
     def columns(self, manifest: Manifest) -> list[str]:
         return [list_column("TokenBudget", self.column, manifest)]
 
-    def order_counts(self, dataset: Dataset) -> np.ndarray:
+    def order_counts(self, dataset: Dataset) -> OrderCounts:
         return shard_samples(dataset)
 
     def check_resume(self, cursor: LoaderCursor) -> None:

@@ -128,12 +128,12 @@ class TieredDataset(IterableDataset):
         self.manifest = manifest
         self._columns = batcher.columns(manifest)
         counts = batcher.order_counts(self._planning_index())
-        self.num_order_samples = int(counts.sum())
+        self.num_order_samples, nonempty = _order_totals(counts, manifest)
         if self.num_order_samples == 0:
             raise ValueError(f"{self.location}: no {batcher.tag()} samples to read")
         self.seed = order.seed
         saved = self._parsed(resume)
-        self.settled = settle_order(order, saved, int((counts > 0).sum()))
+        self.settled = settle_order(order, saved, nonempty)
         self._order_args = {
             **self._per_shard_args(counts),
             "dataset_id": f"{manifest.dataset_id}/{batcher.tag()}",
@@ -147,7 +147,7 @@ class TieredDataset(IterableDataset):
             **_stored_layout(manifest, counts),
         }
         stack = data.source if isinstance(data, Dataset) and isinstance(data.source, TierStack) else None
-        self.working_set = self._choose_working_set(stack, np.asarray(counts))
+        self.working_set = self._choose_working_set(stack, nonempty)
         self.order = self.order_with(self.working_set)
         if stack is not None:
             sizes = shard_column(manifest, "decoded_bytes")
@@ -173,7 +173,7 @@ class TieredDataset(IterableDataset):
             first_epoch=working_set.first_epoch,
         )
 
-    def _choose_working_set(self, stack: TierStack | None, counts: np.ndarray) -> WorkingSet:
+    def _choose_working_set(self, stack: TierStack | None, nonempty: int) -> WorkingSet:
         """The settled breadth (spec.working_set_for), its bytes counted in the form the top tier
         stores; a tier too small for it to pay is told so (`narrowing_advice`), never narrowed."""
         per_node = max(1, self.settled.partitions // max(1, self.world.num_nodes))
@@ -181,7 +181,7 @@ class TieredDataset(IterableDataset):
         at_rest: Any = shard_sizes(self.manifest, "bytes")
         form = top.form if top is not None else Form.AT_REST
         sizes: Any = shard_sizes(self.manifest, "decoded_bytes") if form == Form.DECODED else at_rest
-        node_shards = int((counts > 0).sum()) // max(1, self.world.num_nodes)
+        node_shards = nonempty // max(1, self.world.num_nodes)
         chosen = working_set_for(self.settled, at_rest, sizes, per_node, node_shards)
         if top is not None and not self.eval:
             advice = narrowing_advice(chosen, sizes, per_node, top.capacity, f"tier {top.name}")
@@ -347,10 +347,12 @@ class TieredDataset(IterableDataset):
             self._order_args.update(self._per_shard_args(self.batcher.order_counts(self._planning_index())))
             self.order = self.order_with(self.working_set)
 
-    def _per_shard_args(self, counts: np.ndarray) -> dict[str, Any]:
+    def _per_shard_args(self, counts: Any) -> dict[str, Any]:
         """The order's per-shard arguments: its samples (or windows) and decoded bytes per shard."""
         return {
-            "shard_sample_counts": np.asarray(counts, dtype=np.int64),
+            "shard_sample_counts": counts
+            if getattr(counts, "per_shard", False)
+            else np.asarray(counts, dtype=np.int64),
             "decoded_bytes": self.manifest.tables.rows("decoded_bytes")
             if isinstance(self.manifest, MappedManifest)
             else shard_column(self.manifest, "decoded_bytes"),
@@ -566,6 +568,16 @@ def _largest_blocks(manifest: Any) -> Any:
         return LargestBlocks.of_mapped(manifest)
     decoded, rows = shard_column(manifest, "decoded_bytes"), shard_column(manifest, "largest_rows")
     return LargestBlocks(decoded, rows, shard_column(manifest, "samples")).whole()
+
+
+def _order_totals(counts: Any, manifest: Any) -> tuple[int, int]:
+    """(order samples, shards holding one): a stored layout's, for the counts it was made for (no
+    column read), else summed from the counts."""
+    stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
+    if stored is not None and stored.counts is counts and stored.nonempty is not None:
+        return int(stored.sizes.sum()), stored.nonempty
+    whole = np.asarray(counts[:] if getattr(counts, "per_shard", False) else counts)
+    return int(whole.sum()), int((whole > 0).sum())
 
 
 def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:

@@ -45,7 +45,6 @@ def future_shard_uses(
     picks = -(-horizon // batch_size)
     edges = stream.edges  # epoch-major: picks from each sample's lane clock, no lane batch counts
     counts = stream.schedule.counts_after(picks) if edges is None else [picks] * len(stream.lanes)
-    shard_counts = order.layout.shard_sample_counts
     uses: list[ShardUse] = []
     for lane_index, (lane, batches) in enumerate(zip(stream.lanes, stream.batches)):
         if counts[lane_index] == 0:
@@ -81,8 +80,8 @@ def future_shard_uses(
                     if first >= picks:
                         done = True
                         break
-                    for shard in windows.window_shards(window).tolist():
-                        if shard_counts[shard]:
+                    for shard, count in zip(windows.window_shards(window).tolist(), windows.window_counts(window)):
+                        if count:
                             uses.append(
                                 ShardUse(
                                     shard,
@@ -109,8 +108,8 @@ def future_shard_uses(
                 if first >= 0:
                     first_use = stream.schedule.pick_of(lane_index, first) * batch_size
                     last_use = stream.schedule.pick_of(lane_index, last) * batch_size + batch_size - 1
-                    for shard in windows.window_shards(window).tolist():
-                        if shard_counts[shard]:
+                    for shard, count in zip(windows.window_shards(window).tolist(), windows.window_counts(window)):
+                        if count:
                             uses.append(ShardUse(shard, first_use, last_use, span.epoch, span.partition))
                 window += 1
             read += span.stop - span.start

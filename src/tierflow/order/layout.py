@@ -31,16 +31,16 @@ class PartitionLayout:
         contiguous: bool = False,
         stored: Any = None,
     ) -> None:
-        counts = np.asarray(shard_sample_counts, dtype=np.int64)
         if (
             stored is not None
-            and stored.counts is counts
+            and stored.counts is shard_sample_counts
             and stored.partitions == partitions
             and shard_bytes is None
             and not contiguous
         ):
-            self._from_stored(counts, stored)
+            self._from_stored(shard_sample_counts, stored)
             return
+        counts = np.asarray(_whole(shard_sample_counts), dtype=np.int64)
         if counts.ndim != 1 or counts.size == 0:
             raise ValueError("shard_sample_counts must be a non-empty list of per-shard sample counts")
         if (counts < 0).any():
@@ -70,9 +70,10 @@ class PartitionLayout:
         self.partition_shards: Sequence[np.ndarray] = [order[bounds[p] : bounds[p + 1]] for p in range(partitions)]
         self.partition_sizes = np.bincount(self._partition, weights=counts, minlength=partitions).astype(np.int64)
 
-    def _from_stored(self, counts: np.ndarray, stored: Any) -> None:
-        """The layout pack stored for these very counts (format/metadata_layout.py): nothing per
-        shard is computed; a partition's shards are read (and checked) when first asked for."""
+    def _from_stored(self, counts: Any, stored: Any) -> None:
+        """The layout pack stored for these very counts (format/metadata_layout.py; `counts` read as
+        shards are asked for): nothing per shard is computed; a partition's shards and their counts
+        are read (and checked) when first asked for, a window's shards when the order first reads it."""
         self.partitions = stored.partitions
         self.shard_sample_counts = counts
         self.shard_bytes = None
@@ -88,13 +89,24 @@ class PartitionLayout:
     def shard_offsets(self) -> np.ndarray:
         """[0, running sum of the counts...]: shard s's first global sample id (made when first used)."""
         if self._offsets is None:
-            self._offsets = np.concatenate(([0], np.cumsum(self.shard_sample_counts))).astype(np.int64)
+            self._offsets = np.concatenate(([0], np.cumsum(_whole(self.shard_sample_counts)))).astype(np.int64)
         return self._offsets
 
     def shard_starts(self, shards: np.ndarray) -> np.ndarray:
         """The first global sample id of each of `shards` (a stored layout's own running sums)."""
         starts = getattr(self._stored, "starts_of", None)
         return starts(shards) if starts is not None else self.shard_offsets[shards]
+
+    def partition_counts(self, partition: int) -> np.ndarray:
+        """The samples of each of partition `partition`'s shards, as `partition_shards` lists them."""
+        if self._stored is not None:
+            return np.asarray(self._stored.member_counts(partition))
+        return np.asarray(self.shard_sample_counts[self.partition_shards[partition]])
+
+    def check_window(self, partition: int, shards: np.ndarray, counts: np.ndarray) -> None:
+        """A stored layout's check of shards the order reads together (StoredLayout.check_window)."""
+        if self._stored is not None:
+            self._stored.check_window(partition, shards, counts)
 
     @property
     def shard_partition(self) -> np.ndarray:
@@ -104,7 +116,7 @@ class PartitionLayout:
 
     @property
     def num_shards(self) -> int:
-        return int(self.shard_sample_counts.size)
+        return len(self.shard_sample_counts)
 
     def valid_node_counts(self) -> list[int]:
         return [n for n in range(1, self.partitions + 1) if self.partitions % n == 0]
@@ -211,3 +223,8 @@ def _assign_longest_first_heap(counts: np.ndarray, shard_bytes: np.ndarray | Non
         assignment[shard] = p
         heapq.heappush(loads, (load + float(weight[shard]), p))
     return assignment
+
+
+def _whole(counts: Any) -> Any:
+    """Per-shard counts as an array: a column read as shards are asked for (`per_shard`), read whole."""
+    return counts[:] if getattr(counts, "per_shard", False) else counts

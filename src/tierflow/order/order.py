@@ -147,7 +147,7 @@ class SampleOrder:
         canonical = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
         self.config_hash = hashlib.sha256(canonical.encode()).hexdigest()[:32]
         self._windows: OrderedDict[tuple[int, int], EpochWindows] = OrderedDict()
-        per_partition = -(-len(self.layout.shard_sample_counts) // max(1, self.layout.partitions))
+        per_partition = -(-self.layout.num_shards // max(1, self.layout.partitions))
         self._windows_capacity = max(2 * self.layout.partitions + 8, WINDOWS_CACHED_SHARDS // max(1, per_partition))
 
     @property

@@ -58,12 +58,14 @@ class EpochWindows:
         self._layout = layout
         self.shuffle = shuffle
         owned = layout.partition_shards[partition]
+        counts = layout.partition_counts(partition)
         if shuffle:
-            owned = owned[
-                FeistelPermutation(owned.size, derive_key("shards", seed, epoch, partition))(np.arange(owned.size))
-            ]
+            shuffled = FeistelPermutation(owned.size, derive_key("shards", seed, epoch, partition))(
+                np.arange(owned.size)
+            )
+            owned, counts = owned[shuffled], counts[shuffled]
         self.shard_order = owned
-        counts = layout.shard_sample_counts[self.shard_order]
+        self._counts = counts
         self.shard_starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         self.size = int(self.shard_starts[-1])
         window_edges = np.append(np.arange(0, owned.size, window_shards), owned.size)
@@ -77,6 +79,7 @@ class EpochWindows:
         self._block_bytes = block_bytes
         self._window_permutations: OrderedDict[int, FeistelPermutation | WindowGroups] = OrderedDict()
         self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._checked: set[int] = set()
 
     @property
     def num_windows(self) -> int:
@@ -87,10 +90,18 @@ class EpochWindows:
         edges = self.window_shard_edges
         return self.shard_order[edges[window] : edges[window + 1]]
 
+    def window_counts(self, window: int) -> np.ndarray:
+        """The samples of each of `window_shards(window)`."""
+        edges = self.window_shard_edges
+        return self._counts[edges[window] : edges[window + 1]]
+
     def window_of(self, offset: int) -> int:
         return int(np.searchsorted(self.window_starts, offset, side="right") - 1)
 
     def _permutation(self, window: int) -> FeistelPermutation | WindowGroups | _Identity:
+        if window not in self._checked:  # before a sample of it is served
+            self._layout.check_window(self.partition, self.window_shards(window), self.window_counts(window))
+            self._checked.add(window)
         if not self.shuffle:
             return _IDENTITY
         permutation = self._window_permutations.get(window)
@@ -101,7 +112,7 @@ class EpochWindows:
             shards = self.window_shards(window)
             blocks = self._block_bytes[shards] if self._block_bytes is not None else None
             permutation = WindowGroups(
-                self._layout.shard_sample_counts[shards],
+                self.window_counts(window),
                 self._decoded_bytes[shards],
                 blocks,
                 self.group_bytes,
