@@ -71,9 +71,9 @@ def future_shard_uses(
                 continue
             windows = order.windows(span.partition, span.epoch)
             window = windows.window_of(span.start)
-            while window < windows.num_windows and windows.window_starts[window] < span.stop:
-                start = max(int(windows.window_starts[window]), span.start)
-                stop = min(int(windows.window_starts[window + 1]), span.stop)
+            while window < windows.num_windows and windows.window_start(window) < span.stop:
+                start = max(windows.window_start(window), span.start)
+                stop = min(windows.window_start(window + 1), span.stop)
                 if edges is not None:  # the node batches reading the window's first and last samples
                     first = edges.pick_of(lane_index, *edges.clock_of(lane_index, read + start - span.start))
                     last = edges.pick_of(lane_index, *edges.clock_of(lane_index, read + stop - 1 - span.start))

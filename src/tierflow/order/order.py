@@ -217,7 +217,7 @@ class SampleOrder:
         )
 
     def windows(self, partition: int, epoch: int) -> EpochWindows:
-        """The (cached) shuffle of one partition's epoch; O(shards of the partition) to build."""
+        """The (cached) shuffle of one partition's epoch; O(1) to build, its order computed as read."""
         key = (partition, epoch)
         found = self._windows.get(key)
         if found is not None:
