@@ -69,6 +69,19 @@ def test_a_start_computes_its_first_windows_not_the_partition(layout: PartitionL
     assert lazy._order.size == layout.partition_shards[1].size
 
 
+def test_an_order_part_computed_pickles_and_goes_on_the_same(layout: PartitionLayout) -> None:
+    """A spawn or forkserver worker gets the order pickled with the windows it has computed so far."""
+    import pickle
+
+    whole = windows(layout)
+    part = windows(layout)
+    part.range_ids(0, 16)
+    again = pickle.loads(pickle.dumps(part))
+    assert (
+        again.range_ids(whole.size - 50, whole.size).tolist() == whole.range_ids(whole.size - 50, whole.size).tolist()
+    )
+
+
 def test_threads_extending_one_order_agree(layout: PartitionLayout) -> None:
     """The stager's forecast and the batches read one order from two threads: each extension is
     whole, so every reader sees a consistent prefix."""

@@ -86,6 +86,15 @@ class EpochWindows:
         self._checked: set[int] = set()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]  # a worker gets the order pickled, its windows with it
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _extend(self, positions: int) -> None:
         """Computes the shuffled order up to at least `positions` (whole steps, doubling, at most all)."""
         if positions <= self._order.size:
