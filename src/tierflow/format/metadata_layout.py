@@ -22,9 +22,9 @@ up to its size) the first time the order reads that partition, and a window's sh
 shard's partition, its count against the shard table's) the first time the order reads that window,
 so a rank touches the rows of the partitions and windows it reads, never a whole column. `sizes`
 must add up to the dataset's samples (at open). A table written before `member_samples` (two
-columns, no `nonempty`) reads as before, its counts gathered from the shard table. A dataset without the entry (written before
-it, or with no non-empty shard) computes its layout as before; an order of other counts (token
-windows) or another partition count computes its own. `tierflow verify` recomputes the layout and
+columns, no `nonempty`) reads as before, its counts gathered from the shard table. A dataset
+without the entry (written before it, or with no non-empty shard) computes its layout as before; an
+order of other counts (token windows) or another partition count computes its own. `tierflow verify` recomputes the layout and
 compares every part of it.
 """
 
@@ -44,6 +44,8 @@ from tierflow.format.shard import MAX_COUNT
 LAYOUT_SCHEMA = pa.schema([("partition", pa.uint16()), ("by_partition", pa.int64()), ("member_samples", pa.int64())])
 LAYOUT_SCHEMA_BEFORE_MEMBERS = pa.schema([LAYOUT_SCHEMA.field(0), LAYOUT_SCHEMA.field(1)])
 """The layout table as written before `member_samples`."""
+LAYOUT_COLUMNS = ("samples", "decoded_bytes", "largest_rows")
+"""The shard-table columns the layout is made from (`layout_columns`)."""
 TABLE_PREFIX = "metadata-"
 TABLE_SUFFIX = ".arrow"
 MOST_PARTITIONS = 64
@@ -268,6 +270,7 @@ class StoredLayout:
         self.digest: str = entry["digest"]
         self.decoded: str = entry["decoded"]
         self._members: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._stores_counts = "member_samples" in table.hashes  # not in a table written before it
         self._lock = threading.Lock()
 
     manifest: Any = None
@@ -314,7 +317,7 @@ class StoredLayout:
         n = len(self.counts)
         if rows.size and (int(rows[0]) < 0 or int(rows[-1]) >= n or not bool(np.all(rows[1:] > rows[:-1]))):
             raise ManifestError(f"{self.where}: the layout's partition {partition} does not list shards ascending")
-        if "member_samples" in self.table.hashes:
+        if self._stores_counts:
             counts = self.table.span("member_samples", lo, hi, _check_member_samples)
         else:
             counts = np.asarray(self.counts[rows], dtype=np.int64)
@@ -331,7 +334,7 @@ class StoredLayout:
         served, and a rank touches the rows of the windows it reads."""
         if not bool(np.all(self.table.at("partition", shards, self._check_partition) == partition)):
             raise ManifestError(f"{self.where}: the layout's partition {partition} lists another partition's shard")
-        if "member_samples" in self.table.hashes and not np.array_equal(self.counts[shards], counts):
+        if self._stores_counts and not np.array_equal(self.counts[shards], counts):
             raise ManifestError(
                 f"{self.where}: the layout's partition {partition} gives a shard samples that are not its own"
             )
@@ -379,7 +382,7 @@ def verify_layout(tables: Any) -> list[str]:
         stored_columns = {
             name: stored.shard_partition if name == "partition" else tables.layout.column(name) for name in names
         }
-        wanted = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
+        wanted = layout_columns({name: tables.column(name) for name in LAYOUT_COLUMNS})
     except ManifestError as e:
         return [str(e)]
     if wanted is None:

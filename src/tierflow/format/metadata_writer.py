@@ -38,7 +38,7 @@ from tierflow.format.metadata import (
     header_checksum,
     load_metadata,
 )
-from tierflow.format.metadata_layout import LAYOUT_SCHEMA, layout_columns, layout_schema
+from tierflow.format.metadata_layout import LAYOUT_COLUMNS, LAYOUT_SCHEMA, layout_columns, layout_schema
 from tierflow.format.metadata_summary import SUMMARY_COLUMNS, summary_fields
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
 
@@ -289,14 +289,14 @@ def update_header(directory: str | Path) -> Path | None:
 def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
     """The header of `manifest` with what an older writer left out: the order's layout, or one that
     lists no member_samples (its table written to `directory`, where a remote dataset's upgrade
-    uploads it from, before the header), each
-    table's chunk hashes and the shards' running sums at each chunk, and the summary. Every column is
-    checked as any reader checks it before its hashes are rewritten. None: nothing to add."""
+    uploads it from, before the header), each table's chunk hashes and the shards' running sums at
+    each chunk, and the summary. Every column is checked as any reader checks it before its hashes
+    are rewritten. None: nothing to add."""
     tables = manifest.tables
     before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
     header = dict(before)
     if header.get("layout") is None or layout_schema(header["layout"]) != LAYOUT_SCHEMA:  # none, or no member_samples
-        stored = layout_columns({name: tables.column(name) for name in ("samples", "decoded_bytes", "largest_rows")})
+        stored = layout_columns({name: tables.column(name) for name in LAYOUT_COLUMNS})
         if stored is not None:
             header["layout"] = {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
     if "chunks" not in header["shards"]:
@@ -305,8 +305,9 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
         entry = {**header["shards"], "chunks": chunk_hashes(_bytes_of(columns), SHARD_SCHEMA)}
         header["shards"] = with_starts(entry, columns)
     if tables.layout is not None and "chunks" not in header["layout"]:
-        columns = {name: tables.layout.column(name) for name in LAYOUT_SCHEMA.names}
-        header["layout"] = {**header["layout"], "chunks": chunk_hashes(_bytes_of(columns), LAYOUT_SCHEMA)}
+        schema = layout_schema(header["layout"])
+        columns = {name: tables.layout.column(name) for name in schema.names}
+        header["layout"] = {**header["layout"], "chunks": chunk_hashes(_bytes_of(columns), schema)}
     if header.get("summary") is None:
         header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
     if header == before:

@@ -48,6 +48,7 @@ from tierflow.loader.spec import (
 from tierflow.loader.topology import WorldPosition, job_identity
 from tierflow.order import EvalOrder, OrderCursor, RankStream, SampleOrder, ShardUse, future_shard_uses
 from tierflow.order.groups import GROUP_BYTES, GROUP_SAMPLES, floor_bytes
+from tierflow.order.layout import whole_counts
 from tierflow.order.working_set import (
     WorkingSet,
     largest_bytes,
@@ -576,7 +577,7 @@ def _order_totals(counts: Any, manifest: Any) -> tuple[int, int]:
     stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
     if stored is not None and stored.counts is counts and stored.nonempty is not None:
         return int(stored.sizes.sum()), stored.nonempty
-    whole = np.asarray(counts[:] if getattr(counts, "per_shard", False) else counts)
+    whole = np.asarray(whole_counts(counts))
     return int(whole.sum()), int((whole > 0).sum())
 
 

@@ -40,7 +40,7 @@ class PartitionLayout:
         ):
             self._from_stored(shard_sample_counts, stored)
             return
-        counts = np.asarray(_whole(shard_sample_counts), dtype=np.int64)
+        counts = np.asarray(whole_counts(shard_sample_counts), dtype=np.int64)
         if counts.ndim != 1 or counts.size == 0:
             raise ValueError("shard_sample_counts must be a non-empty list of per-shard sample counts")
         if (counts < 0).any():
@@ -89,7 +89,7 @@ class PartitionLayout:
     def shard_offsets(self) -> np.ndarray:
         """[0, running sum of the counts...]: shard s's first global sample id (made when first used)."""
         if self._offsets is None:
-            self._offsets = np.concatenate(([0], np.cumsum(_whole(self.shard_sample_counts)))).astype(np.int64)
+            self._offsets = np.concatenate(([0], np.cumsum(whole_counts(self.shard_sample_counts)))).astype(np.int64)
         return self._offsets
 
     def shard_starts(self, shards: np.ndarray) -> np.ndarray:
@@ -225,6 +225,6 @@ def _assign_longest_first_heap(counts: np.ndarray, shard_bytes: np.ndarray | Non
     return assignment
 
 
-def _whole(counts: Any) -> Any:
+def whole_counts(counts: Any) -> Any:
     """Per-shard counts as an array: a column read as shards are asked for (`per_shard`), read whole."""
     return counts[:] if getattr(counts, "per_shard", False) else counts

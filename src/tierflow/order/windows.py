@@ -148,15 +148,19 @@ class EpochWindows:
 
     def window_shards(self, window: int) -> np.ndarray:
         """Global shard indices read by `window`."""
-        lo, hi = window * self._width, min((window + 1) * self._width, self._owned.size)
-        self._extend(hi)
-        return self._order[lo:hi]
+        positions = self._positions(window)  # first: it may replace the array
+        return self._order[positions]
 
     def window_counts(self, window: int) -> np.ndarray:
         """The samples of each of `window_shards(window)`."""
+        positions = self._positions(window)
+        return self._counts[positions]
+
+    def _positions(self, window: int) -> slice:
+        """The shuffled positions of `window`'s shards, computed."""
         lo, hi = window * self._width, min((window + 1) * self._width, self._owned.size)
         self._extend(hi)
-        return self._counts[lo:hi]
+        return slice(lo, hi)
 
     def window_of(self, offset: int) -> int:
         self._cover(offset)
