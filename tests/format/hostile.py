@@ -97,3 +97,69 @@ def _vouch(path: Path, m: dict) -> None:
     m["dataset_id"] = compute_dataset_id(m["schema"], m["tokenizer"], [s["checksum"] for s in m["shards"]])
     m["manifest_checksum"] = manifest_checksum(m)
     path.write_text(json.dumps(m))
+
+
+def _raw_columns(path: Path, d: dict, table: str) -> dict[str, memoryview] | None:
+    import pyarrow as pa
+
+    from tierflow.format import metadata_writer
+
+    if d.get(table) is None:
+        return None
+    batch = pa.ipc.open_file(pa.memory_map(str(path / d[table]["file"]))).get_batch(0)
+    return {name: metadata_writer._column_bytes(batch.column(name)) for name in batch.schema.names}
+
+
+def _running_starts(shards: dict[str, memoryview]) -> dict:
+    import numpy as np
+
+    return {name: np.frombuffer(shards[name], dtype="<i8") for name in ("sample_start", "token_start", "first_block")}
+
+
+def _without_chunks(d: dict) -> dict:
+    d = {k: v for k, v in d.items() if k != "chunks"}
+    for table in ("shards", "layout"):
+        if d.get(table) is not None:
+            d[table] = {k: v for k, v in d[table].items() if k != "chunks"}
+    return d
+
+
+def rechunk(path: Path, d: dict) -> dict:
+    """The header `d` of the version-3 dataset at `path` with its chunk table rewritten over the shard
+    and layout tables it now names (unverified, as they lie): what a forger who rewrote a table writes
+    next, so only the checks on the values are left to catch it. A header of one chunk has none."""
+    from tierflow.format import metadata_writer
+    from tierflow.format.metadata_layout import layout_schema
+
+    if d.get("chunks") is None:  # one chunk: the header's hash of each column is its chunk's
+        return d
+    shards = _raw_columns(path, d, "shards")
+    assert shards is not None
+    schema = None if d.get("layout") is None else layout_schema(d["layout"])
+    rows = d["chunks"]["rows_per_chunk"]
+    chunks = metadata_writer._write_chunk_table(
+        path, shards, _raw_columns(path, d, "layout"), schema, _running_starts(shards), rows
+    )
+    return {**_without_chunks(d), "chunks": chunks}
+
+
+def inline_chunks(path: Path, d: dict, rows: int = 1 << 16) -> dict:
+    """The header `d` as tierflow wrote it before the chunk table: each chunk's hash in the shard and
+    layout entries (hex lists), the running sums at each chunk's first row in the shards' entry."""
+    import xxhash
+
+    d = _without_chunks(d)
+    for table in ("shards", "layout"):
+        raw = _raw_columns(path, d, table)
+        if raw is None:
+            continue
+        hashes = {}
+        for name, data in raw.items():
+            width = max(data.nbytes // max(d[table]["rows"], 1), 1) * rows
+            hashes[name] = [xxhash.xxh3_128_hexdigest(data[at : at + width]) for at in range(0, len(data), width)]
+        d[table] = {**d[table], "chunks": {"rows": rows, "columns": hashes}}
+    shards = _raw_columns(path, d, "shards")
+    assert shards is not None
+    starts = {name: [int(v) for v in values[::rows]] for name, values in _running_starts(shards).items()}
+    d["shards"]["chunks"]["starts"] = starts
+    return d

@@ -238,14 +238,25 @@ def test_gc_keeps_the_tables_the_header_names_and_drops_others(packed: Path, tmp
     assert isinstance(Manifest.load(out), md.MappedManifest)
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 4])
 def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(
-    packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch
+    packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch, chunk_rows: int | None
 ) -> None:
+    """Its tables (and, of more shards than a chunk holds, the chunk table) downloaded once per node,
+    read as the local dataset reads, kept by gc."""
+    from tierflow.format.metadata_writer import write_metadata
+    from tierflow.pack.dataset_dir import remove_unreferenced
     from tierflow.storage.remote import upload_dataset
 
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
-    url = f"s3://{s3_bucket}/ds"
-    upload_dataset(packed, url, endpoint_url=s3_server.endpoint_url)
+    url = f"s3://{s3_bucket}/ds-{chunk_rows}"
+    source = packed
+    if chunk_rows is not None:
+        source = copy(packed, tmp_path)
+        raw = (source / MANIFEST_NAME).read_bytes()
+        write_metadata(source, legacy(source), manifest_bytes=raw, chunk_rows=chunk_rows)
+        remove_unreferenced(source, Manifest.load(source))
+    upload_dataset(source, url, endpoint_url=s3_server.endpoint_url)
     remote = tierflow.open_dataset(url, endpoint_url=s3_server.endpoint_url)
     assert isinstance(remote.manifest, md.MappedManifest)
     local = tierflow.open_dataset(packed)
@@ -254,8 +265,9 @@ def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(
         assert {k: np.asarray(v).tolist() for k, v in remote[i].items()} == {
             k: np.asarray(v).tolist() for k, v in local[i].items()
         }
-    cached = list((tmp_path / "cache").glob("*/metadata-*.arrow"))
-    assert len(cached) == 3  # shards, blocks and the stored layout
+    cached = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").glob("*/metadata-*.arrow"))
+    assert cached == sorted(["blocks", "layout", "shards"] + ([] if chunk_rows is None else ["chunks"]))
+    assert (remote.manifest.tables.chunks is None) == (chunk_rows is None)
     again = pickle.loads(pickle.dumps(remote.manifest))  # a worker maps the node's copy
     assert again.dataset_id == local.manifest.dataset_id
     from tierflow.storage.datasets import collect_garbage

@@ -10,6 +10,7 @@ summaries up to date, and the dataset reads the same."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from tierflow.format import metadata_verify, metadata_writer
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.loader import BatchSpec, TieredDataset
 from tierflow.testing.faults import write_corpus
+
+from hostile import inline_chunks
 
 CHUNK = 4
 
@@ -65,7 +68,7 @@ def verified(tables: md.MetadataTables, name: str) -> list[bool]:
 def test_a_process_checks_the_chunks_of_the_shards_it_uses(packed: Path, tmp_path: Path) -> None:
     out = copy(packed, tmp_path)
     tables = md.load_metadata(out).tables
-    assert tables.shards.chunk_rows == CHUNK and len(tables.shards.chunk_hashes["bytes"]) == 4
+    assert tables.shards.chunk_rows == CHUNK and tables.shards.chunk_count == 4
     shard = tables.shard(9)
     assert shard.samples == parsed(packed).shards[9].samples
     for name in ("bytes", "first_block", "block_digest", "decoded_checksum", "compression"):
@@ -110,7 +113,7 @@ def test_running_sums_shifted_at_a_chunk_edge_are_refused_with_every_hash_recomp
     forge(out, shift, packed)
     manifest = md.load_metadata(out)
     manifest.tables.shard(0)
-    with pytest.raises(ManifestError, match=r"shards #4-#7: their samples sum to \d+, the header says \d+"):
+    with pytest.raises(ManifestError, match=r"shards #4-#7: their samples sum to \d+, the chunk table says \d+"):
         manifest.tables.shard(5)
     assert metadata_verify.verify_metadata(md.load_metadata(out))
 
@@ -188,14 +191,14 @@ def test_a_forged_summary_is_named_by_verify(packed: Path, tmp_path: Path) -> No
 
 def test_upgrade_adds_chunks_and_a_summary_to_an_older_header(packed: Path, tmp_path: Path) -> None:
     """A header as tierflow wrote it before chunks and summaries (one hash a column) reads as before,
-    each column checked whole; `upgrade` writes its chunk hashes, running sums and summary (the tables
+    each column checked whole; `upgrade` writes its chunk table and summary (the other tables
     untouched) and the dataset reads the same."""
     from tierflow.commands.cli import main as cli
 
     out = copy(packed, tmp_path)
     metadata_writer.write_metadata(out, parsed(packed))
     current = json.loads((out / md.METADATA_NAME).read_bytes())
-    old = json.loads(json.dumps(current))
+    old = inline_chunks(out, current)
     del old["summary"]
     for table in ("shards", "layout"):
         del old[table]["chunks"]
@@ -213,10 +216,111 @@ def test_upgrade_adds_chunks_and_a_summary_to_an_older_header(packed: Path, tmp_
     assert cli(["upgrade", str(out)]) == 0 and json.loads((out / md.METADATA_NAME).read_bytes()) == current
 
 
+def test_a_header_holding_its_chunk_hashes_reads_the_same_and_upgrade_moves_them_to_the_chunk_table(
+    packed: Path, tmp_path: Path
+) -> None:
+    """Chunk hashes as tierflow wrote them into the header before the chunk table (hex lists, the
+    running sums beside them): checked a chunk at a time as before, the same batches; `upgrade`
+    writes the chunk table and the header the writer writes; damage in such a chunk is refused."""
+    from tierflow.commands.cli import main as cli
+
+    out = copy(packed, tmp_path)
+    metadata_writer.write_metadata(out, parsed(packed))
+    current = json.loads((out / md.METADATA_NAME).read_bytes())
+    _write_header(out, inline_chunks(out, current, rows=CHUNK))
+    before = TieredDataset(out, BatchSpec(batch_size=16))
+    tables = before.manifest.tables
+    assert tables.chunks is None and tables.shards.chunk_rows == CHUNK and tables.shards.chunk_count == 4
+    batches = [b.meta.sample_ids.tolist() for _, b in zip(range(4), before)]
+    assert 0 < sum(map(sum, (verified(tables, n) for n in ("samples", "bytes")))) < 8
+    assert metadata_verify.verify_metadata(md.load_metadata(out)) == []
+    assert cli(["upgrade", str(out)]) == 0
+    assert json.loads((out / md.METADATA_NAME).read_bytes()) == current
+    after = TieredDataset(out, BatchSpec(batch_size=16))
+    assert [b.meta.sample_ids.tolist() for _, b in zip(range(4), after)] == batches
+
+
+def test_a_damaged_chunk_table_is_refused_when_a_chunk_it_vouches_for_is_first_used(
+    packed: Path, tmp_path: Path
+) -> None:
+    """A flipped byte in the chunk table (its hashes in the header unchanged): the first chunk check
+    of that column refuses it, naming the chunk table; `verify` names it too."""
+    out = copy(packed, tmp_path)
+    tables = md.load_metadata(out).tables
+    assert tables.chunks is not None
+    path, column = tables.chunks.path, tables.chunks.raw("shards.bytes")
+    at = column.ctypes.data - tables.chunks._map_base() + 16 + 3  # chunk 1's hash
+    del tables
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    manifest = md.load_metadata(out)
+    assert manifest.tables.value("samples", 5) > 0  # other columns: served
+    with pytest.raises(ManifestError, match=r"metadata-chunks-[0-9a-f]+\.arrow: column shards\.bytes does not match"):
+        manifest.tables.value("bytes", 0)
+    problems = metadata_verify.verify_metadata(md.load_metadata(out))
+    assert len(problems) == 1 and "column shards.bytes does not match" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "column, edit, match",
+    [
+        ("first_block", lambda v: v.__setitem__(0, 3), "first_block is not 4 running sums rising from 0"),
+        ("sample_start", lambda v: v.__setitem__(slice(None), v[::-1].copy()), "sample_start is not 4 running sums"),
+        (
+            "sample_start",
+            lambda v: v.__setitem__(2, v[2] + 1),
+            r"shards #4-#7: their samples sum to \d+, the chunk table says",
+        ),
+    ],
+)
+def test_forged_running_sums_in_the_chunk_table_are_refused_when_first_used(
+    packed: Path, tmp_path: Path, column: str, edit, match
+) -> None:
+    """The chunk table's running sums edited, its hash in the header recomputed (a forger's): refused
+    the first time a chunk is checked against them, naming what is wrong."""
+    out = copy(packed, tmp_path)
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    table = md.load_metadata(out).tables.chunks
+    assert table is not None
+    columns = {name: np.array(table.raw(name)) for name in table.schema.names}
+    edit(columns[column])
+    entry, _ = metadata_writer._write_table(out, "chunks", table.schema, columns)
+    d["chunks"] = {**entry, "rows_per_chunk": CHUNK}
+    _write_header(out, d)
+    with pytest.raises(ManifestError, match=match):
+        md.load_metadata(out).tables.shard(5)
+    problems = metadata_verify.verify_metadata(md.load_metadata(out))
+    assert problems and any(re.search(match, p) for p in problems)
+
+
 def _write_header(out: Path, d: dict) -> None:
     d.pop(md.HEADER_CHECKSUM_KEY, None)
     d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
     (out / md.METADATA_NAME).write_bytes(metadata_writer.header_bytes(d))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: d["chunks"].__setitem__("rows_per_chunk", 0), "chunks.rows_per_chunk is not a positive count"),
+        (lambda d: d["chunks"].__setitem__("rows_per_chunk", 5), "the chunk table has 4 rows, not one a chunk of 5"),
+        (lambda d: d["chunks"]["columns"].pop("shards.samples"), "chunks.columns does not list a hash for each"),
+        (lambda d: d["chunks"]["columns"].pop("layout.partition"), "chunks.columns does not list a hash for each"),
+        (lambda d: d["chunks"].__setitem__("file", "../x.arrow"), "chunks.file '../x.arrow' is not a metadata table"),
+        (lambda d: d["shards"].__setitem__("chunks", {"rows": 4}), "shards.chunks is listed beside the chunk table"),
+    ],
+)
+def test_a_header_whose_chunk_table_does_not_describe_its_tables_is_refused_at_open(
+    packed: Path, tmp_path: Path, edit, match
+) -> None:
+    """The header's chunk-table entry, checksum recomputed (a forger's): refused on open, naming the field."""
+    out = copy(packed, tmp_path)
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    edit(d)
+    _write_header(out, d)
+    with pytest.raises(ManifestError, match=match):
+        md.load_metadata(out)
 
 
 @pytest.mark.parametrize(
@@ -230,12 +334,12 @@ def _write_header(out: Path, d: dict) -> None:
         (lambda d: d["shards"]["chunks"]["starts"]["first_block"].__setitem__(0, 3), "first_block is not 4 running"),
     ],
 )
-def test_a_header_whose_chunks_do_not_describe_its_tables_is_refused_at_open(
+def test_a_header_whose_inline_chunks_do_not_describe_its_tables_is_refused_at_open(
     packed: Path, tmp_path: Path, edit, match
 ) -> None:
-    """The header's chunk entries, checksum recomputed (a forger's): refused on open, naming the field."""
+    """The same of a header that holds its chunk hashes (as written before the chunk table)."""
     out = copy(packed, tmp_path)
-    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    d = inline_chunks(out, json.loads((out / md.METADATA_NAME).read_bytes()), rows=CHUNK)
     edit(d)
     _write_header(out, d)
     with pytest.raises(ManifestError, match=match):

@@ -32,6 +32,8 @@ from tierflow.order.layout import PartitionLayout
 from tierflow.order.order import SampleOrder
 from tierflow.testing.faults import write_corpus
 
+from hostile import inline_chunks, rechunk
+
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -61,7 +63,7 @@ def without_layout(path: Path) -> None:
     """The dataset as a version-3 pack of before the stored layout wrote it."""
     d = header(path)
     (path / d.pop("layout")["file"]).unlink()
-    write_header(path, d)
+    write_header(path, inline_chunks(path, d))
 
 
 def forge_layout(path: Path, edit_columns=None, edit_fields=None) -> None:
@@ -76,8 +78,8 @@ def forge_layout(path: Path, edit_columns=None, edit_fields=None) -> None:
     fields = {k: entry[k] for k in ("partitions", "starts", "sizes", "digest", "decoded")}
     if edit_fields is not None:
         edit_fields(fields)
-    d["layout"] = {**metadata_writer._write_table(path, "layout", LAYOUT_SCHEMA, columns), **fields}
-    write_header(path, d)
+    d["layout"] = {**metadata_writer._write_table(path, "layout", LAYOUT_SCHEMA, columns)[0], **fields}
+    write_header(path, rechunk(path, d))
 
 
 def test_pack_stores_the_default_layout_and_the_order_through_it_is_the_computed_one(
@@ -155,12 +157,14 @@ def test_upgrade_stores_the_layout_of_a_dataset_written_before_it(packed: Path, 
 def test_upgrade_stores_the_layout_of_an_s3_dataset_with_no_manifest(
     packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch
 ) -> None:
-    """A dataset at a URL whose version-3 metadata predates layouts, with no manifest.json (pack writes
-    none above 10,000 shards): upgrade uploads the layout table, then the header; the order is the same."""
+    """A dataset at a URL whose version-3 metadata predates layouts and the chunk table, with no
+    manifest.json (pack writes none above 10,000 shards): upgrade uploads the layout table and the
+    chunk table (here of 4 shards a chunk), then the header; the order is the same."""
     from tierflow.commands.cli import main as cli
     from tierflow.storage.remote import upload_dataset
 
     monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(metadata_writer, "CHUNK_ROWS", 4)
     old = written_before_layouts(packed, tmp_path)
     url, endpoint = f"s3://{s3_bucket}/old", s3_server.endpoint_url
     upload_dataset(old, url, endpoint_url=endpoint)
@@ -169,7 +173,11 @@ def test_upgrade_stores_the_layout_of_an_s3_dataset_with_no_manifest(
     assert cli(["upgrade", url, "--endpoint-url", endpoint]) == 0
     after = TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint)
     assert after.manifest.header["layout"] == header(packed)["layout"]
+    assert after.manifest.header["chunks"]["rows_per_chunk"] == 4 and after.manifest.tables.chunks is not None
     assert after.order.layout._stored is not None and after.order.config_hash == before.order.config_hash
+    assert [b.meta.sample_ids.tolist() for _, b in zip(range(4), after)] == [
+        b.meta.sample_ids.tolist() for _, b in zip(range(4), before)
+    ]
     assert cli(["verify", url, "--endpoint-url", endpoint]) == 0
     assert cli(["upgrade", url, "--endpoint-url", endpoint]) == 0  # up to date: nothing written
     assert TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint).manifest.header == after.manifest.header
@@ -248,8 +256,8 @@ def test_a_layout_written_before_member_samples_reads_the_same_and_upgrade_rewri
     assert table is not None
     columns = {name: np.array(table.raw(name)) for name in LAYOUT_SCHEMA_BEFORE_MEMBERS.names}
     fields = {k: entry[k] for k in ("partitions", "starts", "sizes", "digest", "decoded")}
-    d["layout"] = {**metadata_writer._write_table(out, "layout", LAYOUT_SCHEMA_BEFORE_MEMBERS, columns), **fields}
-    write_header(out, d)
+    d["layout"] = {**metadata_writer._write_table(out, "layout", LAYOUT_SCHEMA_BEFORE_MEMBERS, columns)[0], **fields}
+    write_header(out, inline_chunks(out, d))
     current = TieredDataset(packed, BatchSpec(batch_size=16))
     older = TieredDataset(out, BatchSpec(batch_size=16))
     assert older.order.layout._stored is not None and older.order.config_hash == current.order.config_hash

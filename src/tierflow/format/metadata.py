@@ -24,13 +24,17 @@ the same files, so they share the pages through the page cache.
 
 Integrity, as strong as the manifest's checksum, paid as it is used:
 - the header is checksummed (xxh3-128 of its canonical JSON) and names each table file's size, row
-  count and, per column, the xxh3-128 of the column's bytes, whole and (`chunks`) of each chunk of
-  CHUNK_ROWS rows, with the running sums at each chunk's first row (`chunks.starts`);
+  count and, per column, the xxh3-128 of the column's bytes;
+- above CHUNK_ROWS shards, the chunk table (`metadata-chunks-<xxh3-128>.arrow`, the header's
+  `chunks`) holds, a row per chunk of CHUNK_ROWS shards, the xxh3-128 of that chunk of each column
+  of the shard and layout tables and the running sums at its first row: the header stays a few KB
+  at any shard count, and each of its columns (4 KB at a million shards) is hashed whole when first
+  read. A header written before it held the same in its table entries (`chunks`, 65,536 rows a
+  chunk), or nothing (one chunk of every row); both read, and `tierflow upgrade` writes the table;
 - a chunk of a shard-table column is hashed and checked (ranges; its counts adding up to the step
-  between two of the header's running sums, its running sums rising by its counts from the header's)
-  the first time a row of it is used, once (metadata_table.py): a process pays for the chunks of the
-  shards it reads, and every chunk checked is the whole column checked. A header written before
-  chunks is one chunk of every row (`tierflow upgrade` adds them);
+  between two running sums of the chunk table, its running sums rising by its counts from the chunk
+  table's) the first time a row of it is used, once (metadata_table.py): a process pays for the
+  chunks of the shards it reads, and every chunk checked is the whole column checked;
 - a shard's name is checked to be no other shard's by a binary search along `checksum_order` (the
   checksum must sort where the order lists that shard, and the next one differ: of two shards that
   share a checksum at most one passes); the whole order is checked by `verify` and by what reads
@@ -76,6 +80,7 @@ from tierflow.format.metadata_layout import (
 from tierflow.format.manifest import Manifest, schema_from_json
 from tierflow.format.metadata_table import (
     ChunkCheck,
+    ChunkPlan,
     MappedTable,
     ShardRows,
     column_digest as column_digest,
@@ -92,16 +97,20 @@ from tierflow.format.metadata_header import (
     RUNNING,
     RUNNING_COLUMNS,
     SHARD_SCHEMA,
+    chunk_schema,
     header_checksum as header_checksum,
+    header_layout_schema,
     parse_header,
+    table_keys as table_keys,
 )
 from tierflow.format.table_locks import TableGone
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
 _COUNT_COLUMNS = ("samples", "bytes", "decoded_bytes", "tokens", "blocks", "largest_rows")
 _COUNTED = {running: count for count, running in RUNNING.items()}
-CHUNK_ROWS = 1 << 16
-"""Rows a table's chunk holds: the unit a reader hashes and checks (512 KB of an int64 column)."""
+CHUNK_ROWS = 1 << 12
+"""Rows a table's chunk holds: the unit a reader hashes and checks (32 KB of an int64 column). At
+65,536 a rank's first batch at a million shards hashed ~11 MB of chunks it mostly did not use."""
 
 
 def has_metadata(directory: str | Path) -> bool:
@@ -121,8 +130,9 @@ CHECKSUM_HALVES = np.dtype([("hi", ">u8"), ("lo", ">u8")])
 """A 16-byte checksum as two big-endian halves: numpy orders these as the bytes (the hex) order."""
 
 
-def chunk_starts(entry: dict) -> dict[str, list[int]]:
-    """The shard table's running sums at each chunk's first row (the header's), per running column."""
+def inline_starts(entry: dict) -> dict[str, list[int]]:
+    """The shard table's running sums at each chunk's first row as a header written before the chunk
+    table holds them, per running column."""
     chunks = entry.get("chunks")
     if chunks is None:
         return {name: [0] if entry["rows"] else [] for name in RUNNING_COLUMNS}
@@ -149,17 +159,23 @@ class MetadataTables:
         self.where = where
         self.header = header
         self.totals = header["totals"]
-        self.shards = MappedTable(directory, header["shards"], SHARD_SCHEMA, where)
+        entry = header.get("chunks")
+        self.chunks = (
+            None if entry is None else MappedTable(directory, entry, chunk_schema(header_layout_schema(header)), where)
+        )
+        self.shards = MappedTable(directory, header["shards"], SHARD_SCHEMA, where, self._plan("shards"))
         self.blocks = MappedTable(directory, header["blocks"], BLOCK_SCHEMA, where)
         entry = header.get("layout")
-        self.layout = None if entry is None else MappedTable(directory, entry, layout_schema(entry), where)
+        self.layout = (
+            None if entry is None else MappedTable(directory, entry, layout_schema(entry), where, self._plan("layout"))
+        )
         self._stored: StoredLayout | None = None
         self.manifest: Callable[[], Any] = lambda: None
         """The MappedManifest these tables belong to, weakly: a strong reference would make a cycle that
         keeps the tables mapped, and their shared locks held against gc, until Python's cycle collector
         runs (a process that dropped a dataset and packs over it found its old tables in use)."""
         self.num_shards = self.shards.rows
-        self.starts = chunk_starts(header["shards"])
+        self._starts = None if self.chunks is not None else inline_starts(header["shards"])
         self._sorted = False
         self._lock = threading.Lock()
         self._block_lists: dict[int, BlockList] = {}
@@ -194,9 +210,42 @@ class MetadataTables:
     def _check_chunk(self, name: str) -> ChunkCheck:
         return partial(self._check, name)
 
+    def _plan(self, table: str) -> ChunkPlan | None:
+        """Where `table`'s chunk hashes are: the chunk table's columns, each hashed whole when first
+        read (a few KB a column at a million shards); None: in the table's header entry."""
+        if self.chunks is None:
+            return None
+        chunks = self.chunks
+        return ChunkPlan(self.header["chunks"]["rows_per_chunk"], lambda name: chunks.column(f"{table}.{name}"))
+
+    def starts(self, running: str) -> Sequence[int] | np.ndarray:
+        """The shards' running sums `running` at each chunk's first row (the chunk table's, or the header's)."""
+        if self._starts is not None:
+            return self._starts[running]
+        assert self.chunks is not None
+        return self.chunks.column(running, partial(self._check_starts, running))
+
+    def check_chunk_table(self) -> None:
+        """Every column of the chunk table against its hash, the running sums checked (`verify`)."""
+        if self.chunks is None:
+            return
+        for name in self.chunks.schema.names:
+            if name in RUNNING_COLUMNS:
+                self.starts(name)
+            else:
+                self.chunks.column(name)
+
+    @staticmethod
+    def _check_starts(running: str, c: int, lo: int, v: np.ndarray) -> str | None:
+        """A running-sum column of the chunk table: from 0, never falling, counts (what each chunk of
+        the shard table is checked against)."""
+        if v.size and (int(v[0]) != 0 or bool((np.diff(v) < 0).any()) or int(v.max()) >= MAX_COUNT):
+            return f"{running} is not {v.size} running sums rising from 0"
+        return None
+
     def _boundary(self, running: str, c: int) -> int:
-        """The running sum `running` at chunk c's first row (the header's), or its total past the last."""
-        found = self.starts[running]
+        """The running sum `running` at chunk c's first row (the chunk table's), or its total past the last."""
+        found = self.starts(running)
         if c < len(found):
             return int(found[c])
         return self.blocks.rows if running == "first_block" else int(self.totals[_COUNTED[running]])
@@ -226,7 +275,8 @@ class MetadataTables:
             if total != step:
                 if self.shards.chunk_rows >= self.num_shards:
                     return f"the shards' {name} sum to {total}, the header says {step}"
-                return f"shards #{lo}-#{lo + v.size - 1}: their {name} sum to {total}, the header says {step}"
+                says = "the header" if self.chunks is None else "the chunk table"
+                return f"shards #{lo}-#{lo + v.size - 1}: their {name} sum to {total}, {says} says {step}"
         if name in _COUNTED:
             counts = self.shards.span(_COUNTED[name], lo, lo + v.size, self._check_chunk(_COUNTED[name]))
             if not _running_sum(v - self._boundary(name, c), counts):  # from the header's value, rising by the counts

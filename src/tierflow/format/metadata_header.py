@@ -4,6 +4,7 @@ the tables it names, its checksum and the checks every reader makes of it before
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pyarrow as pa
 import xxhash
@@ -18,6 +19,7 @@ from tierflow.format.metadata_layout import (
     is_count,
 )
 from tierflow.format.metadata_summary import check_summary
+from tierflow.format.shard import MAX_COUNT
 
 METADATA_NAME = "metadata.json"
 METADATA_VERSION = 3
@@ -52,6 +54,25 @@ BLOCK_SCHEMA = pa.schema(
 RUNNING = {"samples": "sample_start", "tokens": "token_start", "blocks": "first_block"}
 """Each count column and the column of its running sums (the header holds the sums at each chunk's start)."""
 RUNNING_COLUMNS = tuple(RUNNING.values())
+
+
+def chunk_schema(layout: pa.Schema | None) -> pa.Schema:
+    """The chunk table's columns: per chunk of the shard table (and of the layout's, the same rows),
+    the xxh3-128 of each column's chunk (`shards.<column>`, `layout.<column>`) and the shards' running
+    sums at its first row, what a chunk's counts are checked against."""
+    hashes = [(f"shards.{name}", pa.binary(16)) for name in SHARD_SCHEMA.names]
+    running = [(name, pa.int64()) for name in RUNNING_COLUMNS]
+    layout_hashes = [] if layout is None else [(f"layout.{name}", pa.binary(16)) for name in layout.names]
+    return pa.schema(hashes + running + layout_hashes)
+
+
+def header_layout_schema(d: dict) -> pa.Schema | None:
+    return None if d.get("layout") is None else layout_schema(d["layout"])
+
+
+def table_keys(d: dict) -> tuple[str, ...]:
+    """The header's entries that name a table file (gc keeps them, a node downloads them)."""
+    return tuple(key for key in ("shards", "blocks", "layout", "chunks") if isinstance(d.get(key), dict))
 
 
 def header_checksum(d: dict) -> str:
@@ -93,9 +114,16 @@ def parse_header(raw: bytes, where: str) -> dict:
     _check_fields(d, fail)
     if not isinstance(d.get("dataset_id"), str):
         raise fail("dataset_id is missing")
+    for table in table_keys(d) if isinstance(d.get("chunks"), dict) else ():
+        if table != "chunks" and "chunks" in d[table]:
+            raise fail(f"{table}.chunks is listed beside the chunk table")
     for table, schema in (("shards", SHARD_SCHEMA), ("blocks", BLOCK_SCHEMA)):
         check_table_entry(d.get(table), table, schema, fail)
     check_chunk_starts(d["shards"], RUNNING_COLUMNS, fail)
+    if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
+        check_table_entry(d["layout"], "layout", layout_schema(d["layout"]), fail)
+    if d.get("chunks") is not None:
+        _check_chunk_table(d, fail)
     beside = d.get("manifest")
     if beside is not None and not (
         isinstance(beside, dict) and is_count(beside.get("size")) and isinstance(beside.get("xxh3"), str)
@@ -113,7 +141,22 @@ def parse_header(raw: bytes, where: str) -> dict:
         if type(stats.get(key)) is int and stats[key] != total:
             raise fail(f"stats.{key} = {stats[key]}, but the shards' {key} sum to {total}")
     check_summary(d.get("summary"), d["shards"]["rows"], fail)
-    if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
-        check_table_entry(d["layout"], "layout", layout_schema(d["layout"]), fail)
+    if d.get("layout") is not None:
         check_layout_entry(d["layout"], d["shards"]["rows"], totals["samples"], fail)
     return d
+
+
+def _check_chunk_table(d: dict, fail: Callable[[str], Exception]) -> None:
+    """The chunk table's entry (written since chunk hashes left the header): its columns those of the
+    tables it covers, a row a chunk of `rows_per_chunk` shards."""
+    entry = d["chunks"]
+    check_table_entry(entry, "chunks", chunk_schema(header_layout_schema(d)), fail)
+    if "chunks" in entry:
+        raise fail("chunks lists chunks of its own")
+    step = entry.get("rows_per_chunk")
+    if type(step) is not int or not 0 < step < MAX_COUNT:
+        raise fail("chunks.rows_per_chunk is not a positive count")
+    if entry["rows"] != -(-d["shards"]["rows"] // step):
+        raise fail(
+            f"the chunk table has {entry['rows']} rows, not one a chunk of {step} of the {d['shards']['rows']} shards"
+        )

@@ -26,6 +26,10 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
     Bounded memory: the shard table's columns (~100 bytes a shard) and one shard's blocks at a time."""
     problems: list[str] = []
     tables = manifest.tables
+    try:
+        tables.check_chunk_table()
+    except ManifestError as e:
+        return [str(e)]
     for name in SHARD_SCHEMA.names:
         try:
             tables.column(name)

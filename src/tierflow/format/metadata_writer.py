@@ -32,11 +32,13 @@ from tierflow.format.metadata import (
     TABLE_PREFIX,
     TABLE_SUFFIX,
     block_digest,
+    chunk_schema,
     column_digest,
     column_dtype,
     has_metadata,
     header_checksum,
     load_metadata,
+    table_keys,
 )
 from tierflow.format.metadata_layout import LAYOUT_COLUMNS, LAYOUT_SCHEMA, layout_columns, layout_schema
 from tierflow.format.metadata_summary import SUMMARY_COLUMNS, summary_fields
@@ -126,11 +128,11 @@ def _arrow_column(values: np.ndarray, kind: pa.DataType) -> pa.Array:
 
 
 def _write_table(
-    directory: Path, kind: str, schema: pa.Schema, columns: dict[str, np.ndarray], chunk_rows: int | None = CHUNK_ROWS
-) -> dict:
+    directory: Path, kind: str, schema: pa.Schema, columns: dict[str, np.ndarray]
+) -> tuple[dict, dict[str, memoryview]]:
     """One table as an uncompressed Arrow IPC file named by its content hash (temp file, fsync,
-    rename); its entry for the header: each column's hash, whole and (unless `chunk_rows` is None: the
-    block table, whose rows a shard's block_digest covers) a chunk of `chunk_rows` at a time."""
+    rename): its entry for the header (file, rows, size, each column's hash) and its columns' bytes as
+    written (what the chunk table hashes)."""
     rows = len(next(iter(columns.values()))) if columns else 0
     arrays = [_arrow_column(columns[name], schema.field(name).type) for name in schema.names]
     batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
@@ -156,25 +158,31 @@ def _write_table(
         "size": (directory / name).stat().st_size,
         "columns": {name: column_digest(data) for name, data in raw.items()},
     }
-    return entry if chunk_rows is None else {**entry, "chunks": chunk_hashes(raw, schema, chunk_rows)}
+    return entry, raw
 
 
-def chunk_hashes(columns: dict[str, memoryview], schema: pa.Schema, chunk_rows: int = CHUNK_ROWS) -> dict:
-    """A table entry's `chunks`: each column's xxh3-128 a chunk of `chunk_rows` rows at a time, so a
-    reader hashes the chunks of the rows it uses (format/metadata.py)."""
-    hashes = {}
-    for name, data in columns.items():
-        width = schema.field(name).type.byte_width * chunk_rows
-        hashes[name] = [column_digest(data[at : at + width]) for at in range(0, len(data), width)]
-    return {"rows": chunk_rows, "columns": hashes}
-
-
-def with_starts(entry: dict, shard_columns: dict[str, np.ndarray]) -> dict:
-    """The shard table's entry with the running sums at each chunk's first row (what a reader checks a
-    chunk's running sums and counts against)."""
-    step = entry["chunks"]["rows"]
-    starts = {name: [int(v) for v in np.asarray(shard_columns[name])[::step]] for name in RUNNING_COLUMNS}
-    return {**entry, "chunks": {**entry["chunks"], "starts": starts}}
+def _write_chunk_table(
+    directory: Path,
+    shards: dict[str, memoryview],
+    layout: dict[str, memoryview] | None,
+    layout_kind: pa.Schema | None,
+    starts: dict[str, np.ndarray],
+    chunk_rows: int,
+) -> dict:
+    """The chunk table (format/metadata.py) of the shard table's and the layout's columns as written,
+    and its header entry: a reader hashes the chunks of the rows it uses against it."""
+    columns: dict[str, np.ndarray] = {}
+    for table, raw, schema in (("shards", shards, SHARD_SCHEMA), ("layout", layout, layout_kind)):
+        if raw is None or schema is None:
+            continue
+        for name, data in raw.items():
+            width = schema.field(name).type.byte_width * chunk_rows
+            digests = b"".join(xxhash.xxh3_128_digest(data[at : at + width]) for at in range(0, len(data), width))
+            columns[f"{table}.{name}"] = np.frombuffer(digests, dtype="V16")
+    for name in RUNNING_COLUMNS:
+        columns[name] = np.asarray(starts[name], dtype=np.int64)[::chunk_rows]
+    entry, _ = _write_table(directory, "chunks", chunk_schema(layout_kind), columns)
+    return {**entry, "rows_per_chunk": chunk_rows}
 
 
 def _column_bytes(arr: pa.Array) -> memoryview:
@@ -212,13 +220,20 @@ def write_metadata(
     for name in ("sample_start", "token_start"):
         if name not in shard_columns:
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
-    shards = with_starts(_write_table(directory, "shards", SHARD_SCHEMA, shard_columns, chunk_rows), shard_columns)
-    blocks = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns, None)
+    shards, shard_raw = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
+    blocks, _ = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
     stored = layout_columns(shard_columns)  # the default order's layout, so a rank's start is not O(shards)
-    layout = (
+    layout: dict | None = None
+    layout_raw: dict[str, memoryview] | None = None
+    if stored is not None:
+        entry, layout_raw = _write_table(directory, "layout", LAYOUT_SCHEMA, stored[0])
+        layout = {**entry, **stored[1]}
+    chunks = (  # one chunk needs none: the header's hash of each column is its chunk's
         None
-        if stored is None
-        else {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0], chunk_rows), **stored[1]}
+        if shards["rows"] <= chunk_rows
+        else _write_chunk_table(
+            directory, shard_raw, layout_raw, None if stored is None else LAYOUT_SCHEMA, shard_columns, chunk_rows
+        )
     )
     totals = {
         key: int(np.asarray(shard_columns[key], dtype=np.int64).sum())
@@ -233,6 +248,7 @@ def write_metadata(
         "totals": totals,
         "summary": summary_fields(shard_columns),
         **({} if layout is None else {"layout": layout}),
+        **({} if chunks is None else {"chunks": chunks}),
         "manifest": None
         if manifest_bytes is None
         else {"size": len(manifest_bytes), "xxh3": xxhash.xxh3_128_hexdigest(manifest_bytes)},
@@ -295,19 +311,28 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
     tables = manifest.tables
     before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
     header = dict(before)
+    layout_raw = None
     if header.get("layout") is None or layout_schema(header["layout"]) != LAYOUT_SCHEMA:  # none, or no member_samples
         stored = layout_columns({name: tables.column(name) for name in LAYOUT_COLUMNS})
         if stored is not None:
-            header["layout"] = {**_write_table(directory, "layout", LAYOUT_SCHEMA, stored[0]), **stored[1]}
-    if "chunks" not in header["shards"]:
-        tables.checksums()  # no shard listed twice
-        columns = {name: tables.column(name) for name in SHARD_SCHEMA.names}
-        entry = {**header["shards"], "chunks": chunk_hashes(_bytes_of(columns), SHARD_SCHEMA)}
-        header["shards"] = with_starts(entry, columns)
-    if tables.layout is not None and "chunks" not in header["layout"]:
-        schema = layout_schema(header["layout"])
-        columns = {name: tables.layout.column(name) for name in schema.names}
-        header["layout"] = {**header["layout"], "chunks": chunk_hashes(_bytes_of(columns), schema)}
+            entry, layout_raw = _write_table(directory, "layout", LAYOUT_SCHEMA, stored[0])
+            header["layout"] = {**entry, **stored[1]}
+    inline = any(header.get(table) is not None and "chunks" in header[table] for table in ("shards", "layout"))
+    stale = "chunks" in header and layout_raw is not None  # it hashes the layout table just replaced
+    if inline or stale or ("chunks" not in header and tables.num_shards > CHUNK_ROWS):
+        header.pop("chunks", None)
+        for table in ("shards", "layout"):
+            if header.get(table) is not None:
+                header[table] = {k: v for k, v in header[table].items() if k != "chunks"}
+        if tables.num_shards > CHUNK_ROWS:
+            tables.checksums()  # no shard listed twice
+            columns = {name: tables.column(name) for name in SHARD_SCHEMA.names}
+            schema = None if header.get("layout") is None else layout_schema(header["layout"])
+            if layout_raw is None and tables.layout is not None:
+                layout_raw = _bytes_of({name: tables.layout.column(name) for name in tables.layout.schema.names})
+            header["chunks"] = _write_chunk_table(
+                directory, _bytes_of(columns), layout_raw, schema, columns, CHUNK_ROWS
+            )
     if header.get("summary") is None:
         header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
     if header == before:
@@ -366,8 +391,7 @@ def header_tables(raw: bytes) -> set[str]:
     """The table files a header's bytes name, read leniently (a damaged header names none)."""
     try:
         d = json.loads(raw)
-        tables = ("shards", "blocks", "layout") if isinstance(d.get("layout"), dict) else ("shards", "blocks")
-        return {d[t]["file"] for t in tables if isinstance(d[t]["file"], str)}
+        return {d[t]["file"] for t in table_keys(d) if isinstance(d[t]["file"], str)}
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return set()
 

@@ -30,6 +30,7 @@ from tierflow.format.metadata import (
     TABLE_SUFFIX,
     load_metadata,
     parse_header,
+    table_keys,
 )
 from tierflow.format.metadata_index import current_metadata
 from tierflow.format.table_locks import TableGone, remove_if_unused
@@ -106,8 +107,7 @@ def _map_from_node(source: RetryingStore, raw: bytes, cache: Path) -> Manifest:
     header = parse_header(raw, where)
     local = cache / xxhash.xxh3_64_hexdigest(source.url.encode())
     local.mkdir(parents=True, exist_ok=True)
-    tables = ("shards", "blocks", "layout") if header.get("layout") is not None else ("shards", "blocks")
-    names = {header[table]["file"]: header[table]["size"] for table in tables}
+    names = {header[table]["file"]: header[table]["size"] for table in table_keys(header)}
     with node_lock(local / DOWNLOAD_LOCK):
         for name, expected in names.items():
             path = local / name
