@@ -91,7 +91,7 @@ def test_damage_in_a_chunk_is_refused_when_its_shards_are_used_and_by_verify(pac
     manifest = md.load_metadata(out)
     manifest.tables.shard(0)
     manifest.tables.shard(13)  # other chunks: served
-    with pytest.raises(ManifestError, match=r"column bytes, rows 4-7, does not match its hash"):
+    with pytest.raises(ManifestError, match=r"column bytes, rows 4-7, does not match its hash in the chunk table"):
         manifest.tables.shard(5)
     with pytest.raises(ManifestError, match="column bytes"):
         manifest.tables.shard(4)  # its chunk's neighbour too, never served

@@ -216,7 +216,9 @@ class MetadataTables:
         if self.chunks is None:
             return None
         chunks = self.chunks
-        return ChunkPlan(self.header["chunks"]["rows_per_chunk"], lambda name: chunks.column(f"{table}.{name}"))
+        return ChunkPlan(
+            self.header["chunks"]["rows_per_chunk"], lambda name: chunks.column(f"{table}.{name}"), "the chunk table"
+        )
 
     def starts(self, running: str) -> Sequence[int] | np.ndarray:
         """The shards' running sums `running` at each chunk's first row (the chunk table's, or the header's)."""
@@ -251,9 +253,9 @@ class MetadataTables:
         return self.blocks.rows if running == "first_block" else int(self.totals[_COUNTED[running]])
 
     def _check(self, name: str, c: int, lo: int, v: np.ndarray) -> str | None:
-        """Chunk c of a column (rows lo...) against its ranges and the header's running sums: every chunk
-        checked is the whole column checked (each chunk's sum is the step between two boundaries the
-        header holds, so the chunks' sums add up to the totals)."""
+        """Chunk c of a column (rows lo...) against its ranges and the running sums at the chunks' edges
+        (`starts`): every chunk checked is the whole column checked (each chunk's sum is the step between
+        two of them, the last edge the header's total, so the chunks' sums add up to the totals)."""
         # one pass: a negative int64 read as uint64 is at least 2**63, past MAX_COUNT
         largest = int(v.view(np.uint64).max()) if name in _COUNT_COLUMNS and v.size else 0
         if largest >= MAX_COUNT:

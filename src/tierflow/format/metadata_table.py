@@ -43,6 +43,7 @@ class ChunkPlan(NamedTuple):
 
     rows: int
     hashes: Callable[[str], np.ndarray]
+    kept_in: str = "the header"
 
 
 def inline_plan(entry: dict) -> ChunkPlan:
@@ -210,7 +211,7 @@ class MappedTable:
                         else f"column {name}, rows {c * step}-{c * step + part.size - 1},"
                     )
                     raise ManifestError(
-                        f"{self.where}: {what} does not match its hash in the header "
+                        f"{self.where}: {what} does not match its hash in {self.plan.kept_in} "
                         f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
                     )
                 problem = check(c, c * step, part) if check is not None else None
