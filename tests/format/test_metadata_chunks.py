@@ -372,3 +372,40 @@ def test_shard_rows_read_slices_steps_and_single_shards_as_the_column(packed: Pa
     assert rows[2:11].tolist() == whole[2:11].tolist() and rows[::3].tolist() == whole[::3].tolist()
     assert rows[[13, 0, 7]].tolist() == whole[[13, 0, 7]].tolist()
     assert verified(tables, "decoded_bytes") == [True, True, True, True]
+
+
+def test_a_chunk_table_removed_by_an_older_gc_reads_whole_and_upgrade_writes_it_again(
+    packed: Path, tmp_path: Path, caplog
+) -> None:
+    """A tierflow older than the chunk table reads the header but not its `chunks`, and its gc removes
+    the table: the dataset still opens (every column checked whole against the header, a warning
+    naming the table), reads the same batches, passes verify; `upgrade` writes the table again."""
+    from tierflow.commands.cli import main as cli
+
+    out = copy(packed, tmp_path)
+    before = [b.meta.sample_ids.tolist() for _, b in zip(range(4), TieredDataset(out, BatchSpec(batch_size=16)))]
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    (out / d["chunks"]["file"]).unlink()
+    with caplog.at_level("WARNING", logger="tierflow.format"):
+        dataset = TieredDataset(out, BatchSpec(batch_size=16))
+    assert f"its chunk table {d['chunks']['file']} is missing" in caplog.text
+    tables = dataset.manifest.tables
+    assert tables.chunks is None and tables.shards.chunk_rows == 14  # one chunk of every row
+    assert [b.meta.sample_ids.tolist() for _, b in zip(range(4), dataset)] == before
+    assert metadata_verify.verify_metadata(md.load_metadata(out)) == []
+    assert cli(["upgrade", str(out)]) == 0
+    assert (out / d["chunks"]["file"]).is_file()
+    assert json.loads((out / md.METADATA_NAME).read_bytes()) == d
+    assert md.load_metadata(out).tables.chunks is not None
+
+
+def test_a_missing_shard_table_is_still_refused_with_the_chunk_table_gone(packed: Path, tmp_path: Path) -> None:
+    """Both gone (a header superseded, or a damaged dataset): TableGone, so a reader reads the header again."""
+    from tierflow.format.table_locks import TableGone
+
+    out = copy(packed, tmp_path)
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    (out / d["chunks"]["file"]).unlink()
+    (out / d["shards"]["file"]).unlink()
+    with pytest.raises(TableGone, match="metadata-chunks-"):
+        md.load_metadata(out)

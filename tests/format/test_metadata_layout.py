@@ -181,6 +181,21 @@ def test_upgrade_stores_the_layout_of_an_s3_dataset_with_no_manifest(
     assert cli(["verify", url, "--endpoint-url", endpoint]) == 0
     assert cli(["upgrade", url, "--endpoint-url", endpoint]) == 0  # up to date: nothing written
     assert TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint).manifest.header == after.manifest.header
+    from tierflow.storage.remote import open_store
+
+    store = open_store(url, endpoint_url=endpoint)
+    chunk_table = after.manifest.header["chunks"]["file"]
+    store.delete(chunk_table)  # an older tierflow's gc does not know it
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache2"))
+    without = TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint)
+    assert without.manifest.tables.chunks is None
+    assert [b.meta.sample_ids.tolist() for _, b in zip(range(4), without)] == [
+        b.meta.sample_ids.tolist() for _, b in zip(range(4), before)
+    ]
+    assert cli(["upgrade", url, "--endpoint-url", endpoint]) == 0  # uploads it again
+    assert store.size(chunk_table) > 0
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache3"))
+    assert TieredDataset(url, BatchSpec(batch_size=16), endpoint_url=endpoint).manifest.tables.chunks is not None
 
 
 def _rotate(columns: dict, entry: dict) -> None:

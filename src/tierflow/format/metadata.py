@@ -59,6 +59,7 @@ check `metadata_verify`, the lookups over the mapped tables `metadata_index`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from functools import partial
@@ -106,6 +107,7 @@ from tierflow.format.metadata_header import (
 from tierflow.format.table_locks import TableGone
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
+log = logging.getLogger("tierflow.format")
 _COUNT_COLUMNS = ("samples", "bytes", "decoded_bytes", "tokens", "blocks", "largest_rows")
 _COUNTED = {running: count for count, running in RUNNING.items()}
 CHUNK_ROWS = 1 << 12
@@ -159,10 +161,7 @@ class MetadataTables:
         self.where = where
         self.header = header
         self.totals = header["totals"]
-        entry = header.get("chunks")
-        self.chunks = (
-            None if entry is None else MappedTable(directory, entry, chunk_schema(header_layout_schema(header)), where)
-        )
+        self.chunks = self._chunk_table(directory, header, where)
         self.shards = MappedTable(directory, header["shards"], SHARD_SCHEMA, where, self._plan("shards"))
         self.blocks = MappedTable(directory, header["blocks"], BLOCK_SCHEMA, where)
         entry = header.get("layout")
@@ -209,6 +208,27 @@ class MetadataTables:
 
     def _check_chunk(self, name: str) -> ChunkCheck:
         return partial(self._check, name)
+
+    @staticmethod
+    def _chunk_table(directory: Path, header: dict, where: str) -> MappedTable | None:
+        """The chunk table the header names. One that is missing (a tierflow older than the chunk table
+        does not know it and its gc removes it) leaves every column checked whole against the header:
+        the same integrity, a slower start, until `tierflow upgrade` writes it again."""
+        entry = header.get("chunks")
+        if entry is None:
+            return None
+        try:
+            return MappedTable(directory, entry, chunk_schema(header_layout_schema(header)), where)
+        except TableGone:
+            if (directory / entry["file"]).exists() or not (directory / header["shards"]["file"]).exists():
+                raise  # not missing alone: the header was superseded (read it again) or the dataset damaged
+            log.warning(
+                "%s: its chunk table %s is missing (an older tierflow's gc removes it); every column is "
+                "checked whole against the header; `tierflow upgrade` writes it again",
+                where,
+                entry["file"],
+            )
+            return None
 
     def _plan(self, table: str) -> ChunkPlan | None:
         """Where `table`'s chunk hashes are: the chunk table's columns, each hashed whole when first

@@ -318,24 +318,25 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
             entry, layout_raw = _write_table(directory, "layout", LAYOUT_SCHEMA, stored[0])
             header["layout"] = {**entry, **stored[1]}
     inline = any(header.get(table) is not None and "chunks" in header[table] for table in ("shards", "layout"))
-    stale = "chunks" in header and layout_raw is not None  # it hashes the layout table just replaced
-    if inline or stale or ("chunks" not in header and tables.num_shards > CHUNK_ROWS):
+    # it hashes the layout table just replaced, or an older tierflow's gc removed it
+    stale = "chunks" in header and (layout_raw is not None or tables.chunks is None)
+    step = header["chunks"]["rows_per_chunk"] if "chunks" in header else CHUNK_ROWS
+    if inline or stale or ("chunks" not in header and tables.num_shards > step):
         header.pop("chunks", None)
         for table in ("shards", "layout"):
             if header.get(table) is not None:
                 header[table] = {k: v for k, v in header[table].items() if k != "chunks"}
-        if tables.num_shards > CHUNK_ROWS:
+        if tables.num_shards > step:
             tables.checksums()  # no shard listed twice
             columns = {name: tables.column(name) for name in SHARD_SCHEMA.names}
             schema = None if header.get("layout") is None else layout_schema(header["layout"])
             if layout_raw is None and tables.layout is not None:
                 layout_raw = _bytes_of({name: tables.layout.column(name) for name in tables.layout.schema.names})
-            header["chunks"] = _write_chunk_table(
-                directory, _bytes_of(columns), layout_raw, schema, columns, CHUNK_ROWS
-            )
+            header["chunks"] = _write_chunk_table(directory, _bytes_of(columns), layout_raw, schema, columns, step)
     if header.get("summary") is None:
         header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
-    if header == before:
+    restored = "chunks" in before and tables.chunks is None  # the same table written again
+    if header == before and not restored:
         return None
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
     return header

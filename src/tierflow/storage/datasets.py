@@ -362,8 +362,9 @@ def update_header_source(source: Any, workdir: str | Path) -> bool:
     if header is None:
         return False
     data = header_bytes(header)
-    for name in sorted(header_tables(data) - header_tables(header_bytes(manifest.header))):
-        source.upload(workdir / name, name)
+    for name in sorted(header_tables(data)):
+        if (workdir / name).exists():  # written by updated_header: new, or one the source lost
+            source.upload(workdir / name, name)
     (workdir / METADATA_NAME).write_bytes(data)
     source.upload(workdir / METADATA_NAME, METADATA_NAME)
     return True
