@@ -305,9 +305,10 @@ def update_header(directory: str | Path) -> Path | None:
 def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
     """The header of `manifest` with what an older writer left out: the order's layout, or one that
     lists no member_samples (its table written to `directory`, where a remote dataset's upgrade
-    uploads it from, before the header), each table's chunk hashes and the shards' running sums at
-    each chunk, and the summary. Every column is checked as any reader checks it before its hashes
-    are rewritten. None: nothing to add."""
+    uploads it from, before the header), the chunk table (above one chunk of shards; in place of
+    chunk hashes held in the header, or again where an older tierflow's gc removed it), and the
+    summary. Every column is checked as any reader checks it before its hashes are rewritten. None:
+    nothing to add."""
     tables = manifest.tables
     before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
     header = dict(before)
