@@ -129,13 +129,13 @@ def rechunk(path: Path, d: dict) -> dict:
     and layout tables it now names (unverified, as they lie): what a forger who rewrote a table writes
     next, so only the checks on the values are left to catch it. A header of one chunk has none."""
     from tierflow.format import metadata_writer
-    from tierflow.format.metadata_layout import layout_schema
+    from tierflow.format.metadata_header import header_layout_schema
 
     if d.get("chunks") is None:  # one chunk: the header's hash of each column is its chunk's
         return d
     shards = _raw_columns(path, d, "shards")
     assert shards is not None
-    schema = None if d.get("layout") is None else layout_schema(d["layout"])
+    schema = header_layout_schema(d)
     rows = d["chunks"]["rows_per_chunk"]
     chunks = metadata_writer._write_chunk_table(
         path, shards, _raw_columns(path, d, "layout"), schema, _running_starts(shards), rows

@@ -40,6 +40,7 @@ from tierflow.format.metadata import (
     load_metadata,
     table_keys,
 )
+from tierflow.format.metadata_header import header_layout_schema
 from tierflow.format.metadata_layout import LAYOUT_COLUMNS, LAYOUT_SCHEMA, layout_columns, layout_schema
 from tierflow.format.metadata_summary import SUMMARY_COLUMNS, summary_fields
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
@@ -330,10 +331,11 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
         if tables.num_shards > step:
             tables.checksums()  # no shard listed twice
             columns = {name: tables.column(name) for name in SHARD_SCHEMA.names}
-            schema = None if header.get("layout") is None else layout_schema(header["layout"])
             if layout_raw is None and tables.layout is not None:
                 layout_raw = _bytes_of({name: tables.layout.column(name) for name in tables.layout.schema.names})
-            header["chunks"] = _write_chunk_table(directory, _bytes_of(columns), layout_raw, schema, columns, step)
+            header["chunks"] = _write_chunk_table(
+                directory, _bytes_of(columns), layout_raw, header_layout_schema(header), columns, step
+            )
     if header.get("summary") is None:
         header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
     restored = "chunks" in before and tables.chunks is None  # the same table written again
