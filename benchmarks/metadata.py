@@ -18,6 +18,7 @@ same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x o
 
     PYTHONPATH=src .venv/bin/python benchmarks/metadata.py [--shards 1000,100000,1000000] [--runs 3]
         [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--pss-old-max 10000] [--paths]
+        [--verify-rounds 6]
 
 `--paths` times each per-shard path on the version-3 datasets in a fresh interpreter: `order` (the
 TieredDataset: layout, working set, index), `inspect`, `verify-metadata` (both tables hashed whole,
@@ -26,6 +27,11 @@ every shard's block rows, the dataset id; the shard files themselves are not the
 `every-shard-object` (a ShardInfo per shard: what a tool that walks `manifest.shards` pays), `plan`
 (`tierflow plan` with an L2 of 30% at rest, 3 epochs, both forms) and `stager-plan` (a Stager made over
 an opened dataset and its first plan, the dataset's own cost left out).
+
+`--verify-rounds N` (on the largest dataset): `verify-metadata` against reading the same table files
+whole (8 MB reads, what `cat` does), each in a fresh interpreter, alternating for N rounds, the
+tables' pages dropped from the page cache before each (posix_fadvise DONTNEED: a cold read), and
+warm (read just before) beside it: is verify at disk speed.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import spread
+from _harness import alternating, spread
 
 BATCH = 256
 BASE_SHARDS = 4
@@ -262,6 +268,49 @@ def path_child(name: str, path: str) -> None:
     print(json.dumps({"s": took, "peak_above_import": peak - rss_import}), flush=True)
 
 
+def read_child(path: str) -> None:
+    """Read every metadata table of the dataset whole, 8 MB at a time (the disk's speed for them)."""
+    start = time.perf_counter()
+    for p in sorted(Path(path).glob("metadata-*.arrow")):
+        with open(p, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+    print(json.dumps({"s": time.perf_counter() - start}), flush=True)
+
+
+def drop_cached(path: Path) -> None:
+    """Drop the dataset's table pages from the page cache, so the next read comes from the disk."""
+    for p in path.glob("metadata-*.arrow"):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def verify_rounds(path: Path, rounds: int, env: dict) -> None:
+    """verify-metadata against a plain read of the same tables, cold and warm, alternating."""
+    times: dict[tuple[str, str], list[float]] = {}
+    commands = {
+        "read the tables": [sys.executable, __file__, "--read-child", str(path)],
+        "verify-metadata": [sys.executable, __file__, "--path-child", "verify-metadata", str(path)],
+    }
+    for _, (name, cache) in alternating(rounds, [(n, c) for n in commands for c in ("cold", "warm")]):
+        if cache == "cold":
+            drop_cached(path)
+        else:
+            subprocess.run([sys.executable, __file__, "--read-child", str(path)], check=True, capture_output=True)
+        out = subprocess.run(commands[name], capture_output=True, text=True, env=env, check=True, timeout=1800)
+        times.setdefault((name, cache), []).append(json.loads(out.stdout.strip().splitlines()[-1])["s"])
+    size = sum(p.stat().st_size for p in path.glob("metadata-*.arrow"))
+    print(f"\n{path.name}: {size / 1e6:.0f} MB of tables, {rounds} alternating rounds\n")
+    print("| | cold | warm |\n|---|---|---|")
+    for name in commands:
+        print(f"| {name} | {spread(times[(name, 'cold')], '.2f')} s | {spread(times[(name, 'warm')], '.2f')} s |")
+    ratio = [v / r for v, r in zip(times[("verify-metadata", "cold")], times[("read the tables", "cold")])]
+    print(f"| verify / read, cold, round by round | {spread(ratio, '.2f')} | |")
+
+
 def prepare(path: str, base: str) -> None:
     """Link the shard files the first batch reads (each a real shard of the base under its fresh name)."""
     import tierflow
@@ -391,7 +440,11 @@ def main() -> None:
     ap.add_argument("--prepare", nargs=2)
     ap.add_argument("--paths", action="store_true", help="also time each per-shard path on the v3 datasets")
     ap.add_argument("--path-child", nargs=2)
+    ap.add_argument("--verify-rounds", type=int, default=0, help="verify against a plain read, cold, N rounds")
+    ap.add_argument("--read-child")
     args = ap.parse_args()
+    if args.read_child:
+        return read_child(args.read_child)
     if args.child:
         return child(args.child, args.wait)
     if args.prepare:
@@ -451,6 +504,8 @@ def main() -> None:
     if paths:
         print("\n| shards | path (v3) | time | peak RSS above import |\n|---|---|---|---|")
         print("\n".join(paths))
+    if args.verify_rounds:
+        verify_rounds(new_dir, args.verify_rounds, env)
     if not args.keep:
         shutil.rmtree(args.root, ignore_errors=True)
 

@@ -145,10 +145,11 @@ def rechunk(path: Path, d: dict) -> dict:
 
 def inline_chunks(path: Path, d: dict, rows: int = 1 << 16) -> dict:
     """The header `d` as tierflow wrote it before the chunk table: each chunk's hash in the shard and
-    layout entries (hex lists), the running sums at each chunk's first row in the shards' entry."""
+    layout entries (hex lists), the running sums at each chunk's first row in the shards' entry, and
+    no block chunk table."""
     import xxhash
 
-    d = _without_chunks(d)
+    d = {k: v for k, v in _without_chunks(d).items() if k != "block_chunks"}
     for table in ("shards", "layout"):
         raw = _raw_columns(path, d, table)
         if raw is None:

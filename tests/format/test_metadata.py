@@ -171,6 +171,9 @@ def test_a_damaged_shard_table_column_is_refused_naming_the_dataset(packed: Path
     manifest = Manifest.load(out)  # O(1): nothing per shard is read at open
     with pytest.raises(ManifestError, match=rf"{out}.*column {column} does not match its hash"):
         manifest.tables.column(column)
+    assert re.search(rf"column {column} does not match", metadata_verify.verify_metadata(Manifest.load(out))[0])
+    if column == "block_digest":
+        return  # checked by readers written before the block chunk table, which reads no digest
     with pytest.raises(ManifestError, match=str(out)):
         ds = tierflow.open_dataset(out)
         [ds[i] for i in range(0, len(ds), 97)]
@@ -182,7 +185,9 @@ def test_a_damaged_block_row_is_refused_when_its_shard_is_used(packed: Path, tmp
     _flip(table, _column_offset(table, "rows", 0))
     ds = tierflow.open_dataset(out)
     assert len(ds) == legacy(out).num_samples
-    with pytest.raises(ManifestError, match="shard-.*block_digest"):
+    with pytest.raises(
+        ManifestError, match=rf"{out}: metadata-blocks-.*column rows does not match its hash in the block chunk table"
+    ):
         ds[0]
     problems = metadata_verify.verify_metadata(Manifest.load(out))
     assert problems and "column rows does not match" in problems[0]
@@ -266,7 +271,7 @@ def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(
             k: np.asarray(v).tolist() for k, v in local[i].items()
         }
     cached = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").glob("*/metadata-*.arrow"))
-    assert cached == sorted(["blocks", "layout", "shards"] + ([] if chunk_rows is None else ["chunks"]))
+    assert cached == sorted(["blocks", "block_chunks", "layout", "shards"] + ([] if chunk_rows is None else ["chunks"]))
     assert (remote.manifest.tables.chunks is None) == (chunk_rows is None)
     again = pickle.loads(pickle.dumps(remote.manifest))  # a worker maps the node's copy
     assert again.dataset_id == local.manifest.dataset_id
@@ -345,13 +350,12 @@ def _forge(out: Path, edit) -> None:
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda s, b: s["block_digest"].__setitem__(2, s["block_digest"][2] ^ 1), "block_digest"),
         (
             lambda s, b: b["rows"].__setitem__(int(s["first_block"][2]), b["rows"][int(s["first_block"][2])] + 1),
-            "block rows sum to|block_digest",
+            "block rows sum to",
         ),
-        (lambda s, b: b["length"].__setitem__(int(s["first_block"][2]), 1 << 31), "block_digest|outside the file"),
-        (lambda s, b: s["largest_rows"].__setitem__(2, 1), "largest_rows|block_digest"),
+        (lambda s, b: b["length"].__setitem__(int(s["first_block"][2]), 1 << 31), "outside the file"),
+        (lambda s, b: s["largest_rows"].__setitem__(2, 1), "largest_rows"),
     ],
 )
 def test_hostile_tables_with_every_hash_recomputed_are_refused(packed: Path, tmp_path: Path, edit, match) -> None:

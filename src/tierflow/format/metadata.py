@@ -39,9 +39,14 @@ Integrity, as strong as the manifest's checksum, paid as it is used:
   checksum must sort where the order lists that shard, and the next one differ: of two shards that
   share a checksum at most one passes); the whole order is checked by `verify` and by what reads
   every name (gc, the entry keys);
-- a shard's block rows are checked against its `block_digest` (and bounds-checked as a manifest's
-  are) the first time that shard is used, so a rank touches only the block rows of the shards it
-  reads: the block table (~1.3 GB at a million shards of 64 blocks) is never read whole at open;
+- a shard's block rows are checked the first time that shard is used: the chunks of BLOCK_CHUNK_ROWS
+  rows of the block table they lie in against the block chunk table (`metadata-block_chunks-<xxh3-128>.arrow`,
+  the header's `block_chunks`, a row a chunk, the xxh3-128 of each column's chunk), and bounds-checked
+  as a manifest's are; so a rank touches only the block chunks of the shards it reads (the block
+  table, ~1.3 GB at a million shards of 64 blocks, is never read whole at open), and `verify` hashes
+  the table as it reads it, with no hash a shard. A header written before the block chunk table (or
+  whose table an older tierflow's gc removed) has each shard's rows checked against its
+  `block_digest`, as before; the writer still writes the digest, for readers older than the table;
 - the header's `summary` (metadata_summary.py: the largest shards, the largest blocks' sum) sizes
   the working set and the decoded bound without a whole column;
 - `verify_metadata` (`tierflow verify`) hashes every column of both tables, streaming, and checks
@@ -89,6 +94,7 @@ from tierflow.format.metadata_table import (
     distinct,
 )
 from tierflow.format.metadata_header import (
+    BLOCK_CHUNK_SCHEMA as BLOCK_CHUNK_SCHEMA,
     BLOCK_SCHEMA as BLOCK_SCHEMA,
     HEADER_CHECKSUM_KEY as HEADER_CHECKSUM_KEY,
     LEGACY_MANIFEST_SHARDS as LEGACY_MANIFEST_SHARDS,
@@ -113,6 +119,16 @@ _COUNTED = {running: count for count, running in RUNNING.items()}
 CHUNK_ROWS = 1 << 12
 """Rows a table's chunk holds: the unit a reader hashes and checks (32 KB of an int64 column). At
 65,536 a rank's first batch at a million shards hashed ~11 MB of chunks it mostly did not use."""
+BLOCK_CHUNK_ROWS = 1 << 16
+"""Block rows a chunk of the block table holds (1.3 MB of its four columns): what a shard's first use
+hashes, the same at a thousand shards as at a million."""
+
+
+_CHUNK_TABLES = {
+    "chunks": ("chunk table", "every column is checked whole"),
+    "block_chunks": ("block chunk table", "each shard's block rows are checked by its block_digest"),
+}
+"""Each chunk table's header key: what it is called, and what checks in its place while it is missing."""
 
 
 def has_metadata(directory: str | Path) -> bool:
@@ -161,9 +177,10 @@ class MetadataTables:
         self.where = where
         self.header = header
         self.totals = header["totals"]
-        self.chunks = self._chunk_table(directory, header, where)
+        self.chunks = self._chunk_table(directory, header, where, "chunks")
+        self.block_chunks = self._chunk_table(directory, header, where, "block_chunks")
         self.shards = MappedTable(directory, header["shards"], SHARD_SCHEMA, where, self._plan("shards"))
-        self.blocks = MappedTable(directory, header["blocks"], BLOCK_SCHEMA, where)
+        self.blocks = MappedTable(directory, header["blocks"], BLOCK_SCHEMA, where, self._plan("blocks"))
         entry = header.get("layout")
         self.layout = (
             None if entry is None else MappedTable(directory, entry, layout_schema(entry), where, self._plan("layout"))
@@ -210,34 +227,40 @@ class MetadataTables:
         return partial(self._check, name)
 
     @staticmethod
-    def _chunk_table(directory: Path, header: dict, where: str) -> MappedTable | None:
-        """The chunk table the header names. One that is missing (a tierflow older than the chunk table
-        does not know it and its gc removes it) leaves every column checked whole against the header:
-        the same integrity, a slower start, until `tierflow upgrade` writes it again."""
-        entry = header.get("chunks")
+    def _chunk_table(directory: Path, header: dict, where: str, key: str) -> MappedTable | None:
+        """The chunk table the header names under `key`. One that is missing (a tierflow older than it
+        does not know it and its gc removes it) leaves the checks it serves made as before it:
+        the same integrity, a slower start or check, until `tierflow upgrade` writes it again."""
+        entry = header.get(key)
         if entry is None:
             return None
+        schema = BLOCK_CHUNK_SCHEMA if key == "block_chunks" else chunk_schema(header_layout_schema(header))
         try:
-            return MappedTable(directory, entry, chunk_schema(header_layout_schema(header)), where)
+            return MappedTable(directory, entry, schema, where)
         except TableGone:
             if (directory / entry["file"]).exists() or not (directory / header["shards"]["file"]).exists():
                 raise  # not missing alone: the header was superseded (read it again) or the dataset damaged
+            what, instead = _CHUNK_TABLES[key]
             log.warning(
-                "%s: its chunk table %s is missing (an older tierflow's gc removes it); every column is "
-                "checked whole against the header; `tierflow upgrade` writes it again",
+                "%s: its %s %s is missing (an older tierflow's gc removes it); %s; `tierflow upgrade` writes it again",
                 where,
+                what,
                 entry["file"],
+                instead,
             )
             return None
 
     def _plan(self, table: str) -> ChunkPlan | None:
-        """Where `table`'s chunk hashes are: the chunk table's columns, each hashed whole when first
-        read (a few KB a column at a million shards); None: in the table's header entry."""
-        if self.chunks is None:
+        """Where `table`'s chunk hashes are: a chunk table's columns, each hashed whole when first read
+        (a few KB a column at a million shards); None: in the table's header entry."""
+        key = "block_chunks" if table == "blocks" else "chunks"
+        chunks = self.block_chunks if table == "blocks" else self.chunks
+        if chunks is None:
             return None
-        chunks = self.chunks
         return ChunkPlan(
-            self.header["chunks"]["rows_per_chunk"], lambda name: chunks.column(f"{table}.{name}"), "the chunk table"
+            self.header[key]["rows_per_chunk"],
+            lambda name: chunks.column(f"{table}.{name}"),
+            f"the {_CHUNK_TABLES[key][0]}",
         )
 
     def starts(self, running: str) -> Sequence[int] | np.ndarray:
@@ -247,15 +270,14 @@ class MetadataTables:
         assert self.chunks is not None
         return self.chunks.column(running, partial(self._check_starts, running))
 
-    def check_chunk_table(self) -> None:
-        """Every column of the chunk table against its hash, the running sums checked (`verify`)."""
-        if self.chunks is None:
-            return
-        for name in self.chunks.schema.names:
-            if name in RUNNING_COLUMNS:
-                self.starts(name)
-            else:
-                self.chunks.column(name)
+    def check_chunk_tables(self) -> None:
+        """Every column of the chunk tables against its hash, the running sums checked (`verify`)."""
+        for table in (t for t in (self.chunks, self.block_chunks) if t is not None):
+            for name in table.schema.names:
+                if name in RUNNING_COLUMNS:
+                    self.starts(name)
+                else:
+                    table.column(name)
 
     @staticmethod
     def _check_starts(running: str, c: int, lo: int, v: np.ndarray) -> str | None:
@@ -395,23 +417,27 @@ class MetadataTables:
         return shard_name(self.checksum(i).hex())
 
     def block_list(self, i: int, keep: bool = True) -> BlockList:
-        """Shard i's blocks, their rows checked against its block_digest and bounds (once, when
-        `keep`: a pass over every shard keeps none, so its memory stays one shard's)."""
+        """Shard i's blocks, their rows checked (the chunks of the block table they lie in against the
+        block chunk table, or, a dataset written before it, against the shard's block_digest) and their
+        bounds (once, when `keep`: a pass over every shard keeps none, so its memory stays one shard's)."""
         found = self._block_lists.get(i)
         if found is not None:
             return found
         value = self.value
         first, count = int(value("first_block", i)), int(value("blocks", i))
         stop = first + count
-        cols = {name: self.blocks.raw(name)[first:stop] for name in BLOCK_SCHEMA.names}
         name = self.name(i)
-        if block_digest(cols["length"], cols["rows"], cols["checksum"], cols["tokens"]) != int(
-            value("block_digest", i)
-        ):
-            raise ManifestError(
-                f"{self.where}: shard {name}: its rows of {self.blocks.path.name} do not match "
-                f"its block_digest (damaged or edited)"
-            )
+        if self.block_chunks is not None:
+            cols = {column: self.blocks.span(column, first, stop) for column in BLOCK_SCHEMA.names}
+        else:
+            cols = {column: self.blocks.raw(column)[first:stop] for column in BLOCK_SCHEMA.names}
+            if block_digest(cols["length"], cols["rows"], cols["checksum"], cols["tokens"]) != int(
+                value("block_digest", i)
+            ):
+                raise ManifestError(
+                    f"{self.where}: shard {name}: its rows of {self.blocks.path.name} do not match "
+                    f"its block_digest (damaged or edited)"
+                )
         lengths = cols["length"].astype(np.int64)
         offsets = np.zeros(count, dtype=np.int64)
         np.cumsum(lengths[:-1], out=offsets[1:])

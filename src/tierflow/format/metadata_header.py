@@ -66,13 +66,20 @@ def chunk_schema(layout: pa.Schema | None) -> pa.Schema:
     return pa.schema(hashes + running + layout_hashes)
 
 
+BLOCK_CHUNK_SCHEMA = pa.schema([(f"blocks.{name}", pa.binary(16)) for name in BLOCK_SCHEMA.names])
+"""The block chunk table's columns: per chunk of the block table's rows, the xxh3-128 of each
+column's chunk, what a shard's block rows are checked against when it is first used."""
+
+
 def header_layout_schema(d: dict) -> pa.Schema | None:
     return None if d.get("layout") is None else layout_schema(d["layout"])
 
 
 def table_keys(d: dict) -> tuple[str, ...]:
     """The header's entries that name a table file (gc keeps them, a node downloads them)."""
-    return tuple(key for key in ("shards", "blocks", "layout", "chunks") if isinstance(d.get(key), dict))
+    return tuple(
+        key for key in ("shards", "blocks", "layout", "chunks", "block_chunks") if isinstance(d.get(key), dict)
+    )
 
 
 def header_checksum(d: dict) -> str:
@@ -123,7 +130,9 @@ def parse_header(raw: bytes, where: str) -> dict:
     if d.get("layout") is not None:  # the order's stored layout (metadata_layout.py); absent before it
         check_table_entry(d["layout"], "layout", layout_schema(d["layout"]), fail)
     if d.get("chunks") is not None:
-        _check_chunk_table(d, fail)
+        _check_chunk_table(d, "chunks", chunk_schema(header_layout_schema(d)), "shards", fail)
+    if d.get("block_chunks") is not None:
+        _check_chunk_table(d, "block_chunks", BLOCK_CHUNK_SCHEMA, "blocks", fail)
     beside = d.get("manifest")
     if beside is not None and not (
         isinstance(beside, dict) and is_count(beside.get("size")) and isinstance(beside.get("xxh3"), str)
@@ -146,17 +155,18 @@ def parse_header(raw: bytes, where: str) -> dict:
     return d
 
 
-def _check_chunk_table(d: dict, fail: Callable[[str], Exception]) -> None:
-    """The chunk table's entry (written since chunk hashes left the header): its columns those of the
-    tables it covers, a row a chunk of `rows_per_chunk` shards."""
-    entry = d["chunks"]
-    check_table_entry(entry, "chunks", chunk_schema(header_layout_schema(d)), fail)
+def _check_chunk_table(d: dict, key: str, schema: pa.Schema, table: str, fail: Callable[[str], Exception]) -> None:
+    """A chunk table's entry (`chunks`: of the shard and layout tables, written since chunk hashes left
+    the header; `block_chunks`: of the block table): its columns those of the tables it covers, a row
+    a chunk of `rows_per_chunk` rows of `table`."""
+    entry = d[key]
+    check_table_entry(entry, key, schema, fail)
     if "chunks" in entry:
-        raise fail("chunks lists chunks of its own")
+        raise fail(f"{key} lists chunks of its own")
     step = entry.get("rows_per_chunk")
     if type(step) is not int or not 0 < step < MAX_COUNT:
-        raise fail("chunks.rows_per_chunk is not a positive count")
-    if entry["rows"] != -(-d["shards"]["rows"] // step):
+        raise fail(f"{key}.rows_per_chunk is not a positive count")
+    if entry["rows"] != -(-d[table]["rows"] // step):
         raise fail(
-            f"the chunk table has {entry['rows']} rows, not one a chunk of {step} of the {d['shards']['rows']} shards"
+            f"{key} has {entry['rows']} rows, not one a chunk of {step} of the {d[table]['rows']} rows of {table}"
         )

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -17,17 +18,26 @@ from tierflow.errors import ManifestError
 from tierflow.format.manifest import schema_fields
 from tierflow.format.metadata_layout import verify_layout
 from tierflow.format.metadata_summary import verify_summary
-from tierflow.format.metadata import BLOCK_SCHEMA, METADATA_NAME, SHARD_SCHEMA, MappedManifest, MetadataTables
+from tierflow.format.metadata import (
+    BLOCK_SCHEMA,
+    METADATA_NAME,
+    SHARD_SCHEMA,
+    MappedManifest,
+    MetadataTables,
+    column_dtype,
+)
 
 
 def verify_metadata(manifest: MappedManifest) -> list[str]:
     """Every problem with a version-3 dataset's tables, read whole, streaming: each column of both
     tables against its hash, every shard's checks and block rows, the dataset id against the shards.
-    Bounded memory: the shard table's columns (~100 bytes a shard) and one shard's blocks at a time."""
+    Bounded memory: the shard table's columns (~100 bytes a shard) and a window of block rows at a time.
+    The block table's pass runs beside the shard table's checks (numpy and xxhash release the GIL), so
+    a dataset is checked in about the time its tables take to read."""
     problems: list[str] = []
     tables = manifest.tables
     try:
-        tables.check_chunk_table()
+        tables.check_chunk_tables()
     except ManifestError as e:
         return [str(e)]
     for name in SHARD_SCHEMA.names:
@@ -35,36 +45,50 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
             tables.column(name)
         except ManifestError as e:
             problems.append(str(e))
-    if not problems:
-        try:
-            tables.checksums()  # no shard listed twice: the whole checksum_order
-        except ManifestError as e:
-            problems.append(str(e))
-    problems += verify_layout(tables)
-    if not problems:
-        problems += verify_summary(tables)
+    with ThreadPoolExecutor(1) as pool:
+        blocks = None if problems else pool.submit(_block_problems, tables)
+        if not problems:
+            try:
+                tables.checksums()  # no shard listed twice: the whole checksum_order
+            except ManifestError as e:
+                problems.append(str(e))
+        problems += verify_layout(tables)
+        if not problems:
+            problems += verify_summary(tables)
+        if problems:
+            return problems
+        checksums = tables.column("checksum")
+        recomputed = streamed_dataset_id({"fields": schema_fields(manifest.schema)}, manifest.tokenizer, checksums)
+        assert blocks is not None
+        problems, suspects = blocks.result()
     if problems:
         return problems
-    hashes = {name: xxhash.xxh3_128() for name in BLOCK_SCHEMA.names}
-    suspects = list(_suspect_shards(tables, hashes))  # the block table read once, hashed as it goes
-    for name, h in hashes.items():
-        if h.hexdigest() != tables.blocks.hashes[name]:
-            problems.append(f"{tables.blocks.where}: column {name} does not match its hash in the header")
-    if problems:
-        return problems
-    checksums = tables.column("checksum")
     for i in suspects:  # each one's own check names what is wrong
         try:
             tables.block_list(i, keep=False)
         except ManifestError as e:
             problems.append(str(e))
-    recomputed = streamed_dataset_id({"fields": schema_fields(manifest.schema)}, manifest.tokenizer, checksums)
     if recomputed != manifest.dataset_id:
         problems.append(
             f"{manifest.where}/{METADATA_NAME}: dataset_id {manifest.dataset_id} does not match its "
             f"schema, tokenizer and shards ({recomputed})"
         )
     return problems
+
+
+def _block_problems(tables: MetadataTables) -> tuple[list[str], list[int]]:
+    """The block table read once: each column against its hash (and its chunks' hashes), and the
+    shards whose block rows are suspect (`_suspect_shards`)."""
+    hashes = {name: xxhash.xxh3_128() for name in BLOCK_SCHEMA.names}
+    mismatched: dict[str, str] = {}
+    suspects = list(_suspect_shards(tables, hashes, mismatched))
+    problems = []
+    for name, h in hashes.items():
+        if name in mismatched:
+            problems.append(mismatched[name])
+        elif h.hexdigest() != tables.blocks.hashes[name]:
+            problems.append(f"{tables.blocks.where}: column {name} does not match its hash in the header")
+    return problems, suspects
 
 
 def streamed_dataset_id(schema_json: dict, tokenizer: dict | None, checksums: np.ndarray, chunk: int = 1 << 16) -> str:
@@ -91,11 +115,14 @@ def streamed_dataset_id(schema_json: dict, tokenizer: dict | None, checksums: np
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
-def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], chunk: int = 8192) -> Iterator[int]:
-    """The shards whose block rows fail what `block_list` checks (their digest, rows and tokens adding
-    up, every block inside the file, largest_rows), found a chunk of shards at a time: the checks
-    vectorised over the chunk's blocks, the digests one hash a shard (`_shard_digests`), so memory stays a
-    chunk's and a million shards take seconds, not the ~100 us a shard of building each list."""
+def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], mismatched: dict[str, str]) -> Iterator[int]:
+    """The shards whose block rows fail what `block_list` checks (their rows and tokens adding up,
+    every block inside the file, largest_rows; the digest, for a dataset written before the block
+    chunk table), found a window of block rows at a time, the checks vectorised over the shards whose
+    rows the window ends, so memory stays a window's and a million shards take a pass at disk speed,
+    not the ~100 us a shard of building each list. Each window's rows are hashed into `hashes` (together,
+    the whole table) and, by chunk, against the block chunk table: the first chunk of a column that does
+    not match goes into `mismatched`."""
     col = tables.column
     first, count, digest = col("first_block"), col("blocks"), col("block_digest")
     samples, tokens, size, largest, known = (
@@ -105,31 +132,106 @@ def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], chunk: int =
         col("largest_rows"),
         col("tokens_known"),
     )
+    ends = first + count  # contiguous from 0 (each chunk of first_block is checked to be their running sum)
+    blocks, chunked = tables.blocks, tables.block_chunks is not None
+    step = blocks.chunk_rows if chunked else WINDOW_ROWS
+    window = max(WINDOW_ROWS // step, 1) * step  # whole chunks
+    n = tables.num_shards
 
-    def rows_of(lo: int) -> tuple[int, int, int, dict[str, np.ndarray]]:
-        hi = min(lo + chunk, tables.num_shards)
-        b0, b1 = int(first[lo]), int(first[hi - 1] + count[hi - 1])
-        return hi, b0, b1, {name: tables.blocks.read(name, b0, b1) for name in BLOCK_SCHEMA.names}
+    def rows_of(b0: int) -> dict[str, Future[np.ndarray]]:
+        return {
+            name: reader.submit(blocks.read, name, b0, min(b0 + window, blocks.rows)) for name in BLOCK_SCHEMA.names
+        }
 
-    with ThreadPoolExecutor(1) as reader:  # the next chunk's rows read (pread, no GIL) while this one is checked
-        ahead = reader.submit(rows_of, 0) if tables.num_shards else None
-        for lo in range(0, tables.num_shards, chunk):
-            assert ahead is not None
-            hi, b0, b1, blocks = ahead.result()
-            for name, h in hashes.items():  # the chunks follow each other: together, the whole table
-                h.update(blocks[name].data.cast("B"))
-            ahead = reader.submit(rows_of, hi) if hi < tables.num_shards else None
-            n = count[lo:hi]
-            full = n > 0
-            starts = (first[lo:hi] - b0)[full]
-            length, rows = blocks["length"], blocks["rows"]
-            bad = _per_shard(rows, np.add, starts, full) != samples[lo:hi]
-            bad |= (known[lo:hi] == 1) & (_per_shard(blocks["tokens"], np.add, starts, full) != tokens[lo:hi])
-            bad |= _per_shard(length, np.add, starts, full) > size[lo:hi]
-            bad |= _per_shard(rows, np.maximum, starts, full) != largest[lo:hi]
-            bad |= full & (_per_shard(length, np.minimum, starts, full) == 0)
-            bad |= _shard_digests(blocks, first[lo:hi] - b0, n) != digest[lo:hi].astype(np.uint64)
-            yield from (lo + np.flatnonzero(bad)).tolist()
+    lo = 0
+    carry = {name: np.zeros(0, dtype=column_dtype(blocks.schema.field(name).type)) for name in BLOCK_SCHEMA.names}
+    starts = range(0, max(blocks.rows, 1), window)
+    # each column's next windows read (pread, no GIL) while this one is checked: a read in flight a
+    # column, as a disk's queue wants, not one after another
+    with ThreadPoolExecutor(len(BLOCK_SCHEMA)) as reader:
+        ahead = deque(rows_of(b0) for b0 in starts[:_READ_AHEAD])
+        for k, b0 in enumerate(starts):
+            read = {name: f.result() for name, f in ahead.popleft().items()}
+            b1 = b0 + len(read["length"])
+            if k + _READ_AHEAD < len(starts):
+                ahead.append(rows_of(starts[k + _READ_AHEAD]))
+            for name, h in hashes.items():
+                h.update(read[name].data.cast("B"))
+                if chunked and name not in mismatched:
+                    mismatched.update(_chunk_mismatch(tables, name, read[name], b0))
+            hi = n if b1 >= blocks.rows else int(np.searchsorted(ends, b1, side="right"))
+            rows = {
+                name: np.concatenate([carry[name], read[name]]) if carry[name].size else read[name] for name in read
+            }
+            base = b1 - len(rows["length"])  # the block row the carried and read rows start at
+            upto = int(ends[hi - 1]) - base if hi > lo else 0
+            carry = {name: v[upto:] for name, v in rows.items()}
+            if hi > lo:
+                yield from _check_shards(
+                    {name: v[:upto] for name, v in rows.items()},
+                    first[lo:hi] - base,
+                    count[lo:hi],
+                    samples[lo:hi],
+                    tokens[lo:hi],
+                    size[lo:hi],
+                    largest[lo:hi],
+                    known[lo:hi],
+                    None if chunked else digest[lo:hi],
+                    lo,
+                )
+            lo = hi
+
+
+WINDOW_ROWS = 1 << 19
+"""Block rows verify reads and checks at a time (~10 MB of the four columns), whole chunks of them."""
+_READ_AHEAD = 2
+"""Windows of the block table read ahead of the one verify checks."""
+
+
+def _chunk_mismatch(tables: MetadataTables, name: str, values: np.ndarray, b0: int) -> dict[str, str]:
+    """The first chunk of a window of a block column (from row b0, whole chunks) whose hash is not the
+    block chunk table's, as the problem verify reports; empty if all match."""
+    step, hashes = tables.blocks.chunk_rows, tables.blocks.plan.hashes(name)
+    data = values.data.cast("B")
+    width = values.itemsize * step
+    for c, at in enumerate(range(0, data.nbytes, width), start=b0 // step):
+        if xxhash.xxh3_128_digest(data[at : at + width]) != hashes[c].tobytes():
+            rows = (
+                ""
+                if tables.blocks.chunk_count == 1
+                else f", rows {c * step}-{min((c + 1) * step, tables.blocks.rows) - 1},"
+            )
+            return {
+                name: f"{tables.blocks.where}: column {name}{rows} does not match its hash in the block chunk table"
+            }
+    return {}
+
+
+def _check_shards(
+    blocks: dict[str, np.ndarray],
+    first: np.ndarray,
+    count: np.ndarray,
+    samples: np.ndarray,
+    tokens: np.ndarray,
+    size: np.ndarray,
+    largest: np.ndarray,
+    known: np.ndarray,
+    digest: np.ndarray | None,
+    lo: int,
+) -> list[int]:
+    """The shards (numbered from `lo`) of a run whose block rows are `blocks` (each one's from `first`)
+    that fail block_list's checks, vectorised over the run."""
+    full = count > 0
+    starts = first[full]
+    length, rows = blocks["length"], blocks["rows"]
+    bad = _per_shard(rows, np.add, starts, full) != samples
+    bad |= (known == 1) & (_per_shard(blocks["tokens"], np.add, starts, full) != tokens)
+    bad |= _per_shard(length, np.add, starts, full) > size
+    bad |= _per_shard(rows, np.maximum, starts, full) != largest
+    bad |= full & (_per_shard(length, np.minimum, starts, full) == 0)
+    if digest is not None:
+        bad |= _shard_digests(blocks, first, count) != digest.astype(np.uint64)
+    return (lo + np.flatnonzero(bad)).tolist()
 
 
 def _shard_digests(blocks: dict[str, np.ndarray], starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -19,6 +19,8 @@ from tierflow.format._atomic import write_atomically
 from tierflow.format._regular import read_regular
 from tierflow.format.manifest import MANIFEST_NAME, Manifest, max_manifest_bytes, schema_to_json
 from tierflow.format.metadata import (
+    BLOCK_CHUNK_ROWS,
+    BLOCK_CHUNK_SCHEMA,
     BLOCK_SCHEMA,
     CHECKSUM_HALVES,
     CHUNK_ROWS,
@@ -174,16 +176,31 @@ def _write_chunk_table(
     and its header entry: a reader hashes the chunks of the rows it uses against it."""
     columns: dict[str, np.ndarray] = {}
     for table, raw, schema in (("shards", shards, SHARD_SCHEMA), ("layout", layout, layout_kind)):
-        if raw is None or schema is None:
-            continue
-        for name, data in raw.items():
-            width = schema.field(name).type.byte_width * chunk_rows
-            digests = b"".join(xxhash.xxh3_128_digest(data[at : at + width]) for at in range(0, len(data), width))
-            columns[f"{table}.{name}"] = np.frombuffer(digests, dtype="V16")
+        if raw is not None and schema is not None:
+            columns.update(_chunk_hashes(table, raw, schema, chunk_rows))
     for name in RUNNING_COLUMNS:
         columns[name] = np.asarray(starts[name], dtype=np.int64)[::chunk_rows]
     entry, _ = _write_table(directory, "chunks", chunk_schema(layout_kind), columns)
     return {**entry, "rows_per_chunk": chunk_rows}
+
+
+def _write_block_chunk_table(directory: Path, blocks: dict[str, memoryview], chunk_rows: int) -> dict:
+    """The block chunk table (format/metadata.py) of the block table's columns as written, and its
+    header entry: a shard's first use hashes the chunks its block rows lie in against it."""
+    entry, _ = _write_table(
+        directory, "block_chunks", BLOCK_CHUNK_SCHEMA, _chunk_hashes("blocks", blocks, BLOCK_SCHEMA, chunk_rows)
+    )
+    return {**entry, "rows_per_chunk": chunk_rows}
+
+
+def _chunk_hashes(table: str, raw: dict[str, memoryview], schema: pa.Schema, chunk_rows: int) -> dict[str, np.ndarray]:
+    """Each column's xxh3-128 a chunk of `chunk_rows` rows, as the chunk tables hold them."""
+    columns = {}
+    for name, data in raw.items():
+        width = schema.field(name).type.byte_width * chunk_rows
+        digests = b"".join(xxhash.xxh3_128_digest(data[at : at + width]) for at in range(0, len(data), width))
+        columns[f"{table}.{name}"] = np.frombuffer(digests, dtype="V16")
+    return columns
 
 
 def _column_bytes(arr: pa.Array) -> memoryview:
@@ -203,6 +220,7 @@ def write_metadata(
     fields: dict | None = None,
     manifest_bytes: bytes | None = None,
     chunk_rows: int = CHUNK_ROWS,
+    block_chunk_rows: int = BLOCK_CHUNK_ROWS,
 ) -> Path:
     """Write the version-3 metadata of a dataset directory: both tables, then the header last
     (atomically), so a reader sees the old metadata or the new, whole. From a `manifest` (pack,
@@ -222,7 +240,8 @@ def write_metadata(
         if name not in shard_columns:
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
     shards, shard_raw = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
-    blocks, _ = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
+    blocks, block_raw = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
+    block_chunks = _write_block_chunk_table(directory, block_raw, block_chunk_rows)
     stored = layout_columns(shard_columns)  # the default order's layout, so a rank's start is not O(shards)
     layout: dict | None = None
     layout_raw: dict[str, memoryview] | None = None
@@ -250,6 +269,7 @@ def write_metadata(
         "summary": summary_fields(shard_columns),
         **({} if layout is None else {"layout": layout}),
         **({} if chunks is None else {"chunks": chunks}),
+        "block_chunks": block_chunks,
         "manifest": None
         if manifest_bytes is None
         else {"size": len(manifest_bytes), "xxh3": xxhash.xxh3_128_hexdigest(manifest_bytes)},
@@ -307,8 +327,8 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
     """The header of `manifest` with what an older writer left out: the order's layout, or one that
     lists no member_samples (its table written to `directory`, where a remote dataset's upgrade
     uploads it from, before the header), the chunk table (above one chunk of shards; in place of
-    chunk hashes held in the header, or again where an older tierflow's gc removed it), and the
-    summary. Every column is checked as any reader checks it before its hashes are rewritten. None:
+    chunk hashes held in the header, or again where an older tierflow's gc removed it), the block
+    chunk table (likewise), and the summary. Every column is checked as any reader checks it before its hashes are rewritten. None:
     nothing to add."""
     tables = manifest.tables
     before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
@@ -336,9 +356,18 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
             header["chunks"] = _write_chunk_table(
                 directory, _bytes_of(columns), layout_raw, header_layout_schema(header), columns, step
             )
+    if "block_chunks" not in header or tables.block_chunks is None:
+        # every column hashed whole against the header first, as a reader without the table checks it
+        header["block_chunks"] = _write_block_chunk_table(
+            directory,
+            _bytes_of({name: tables.blocks.column(name) for name in BLOCK_SCHEMA.names}),
+            header["block_chunks"]["rows_per_chunk"] if "block_chunks" in header else BLOCK_CHUNK_ROWS,
+        )
     if header.get("summary") is None:
         header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
-    restored = "chunks" in before and tables.chunks is None  # the same table written again
+    restored = ("chunks" in before and tables.chunks is None) or (
+        "block_chunks" in before and tables.block_chunks is None
+    )  # the same table written again
     if header == before and not restored:
         return None
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)

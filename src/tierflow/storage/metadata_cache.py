@@ -108,7 +108,7 @@ def _map_from_node(source: RetryingStore, raw: bytes, cache: Path) -> Manifest:
     local = cache / xxhash.xxh3_64_hexdigest(source.url.encode())
     local.mkdir(parents=True, exist_ok=True)
     names = {header[table]["file"]: header[table]["size"] for table in table_keys(header)}
-    chunk_table = header["chunks"]["file"] if header.get("chunks") is not None else None
+    chunk_tables = {header[key]["file"] for key in ("chunks", "block_chunks") if header.get(key) is not None}
     with node_lock(local / DOWNLOAD_LOCK):
         for name, expected in names.items():
             path = local / name
@@ -119,8 +119,8 @@ def _map_from_node(source: RetryingStore, raw: bytes, cache: Path) -> Manifest:
                 source.download(name, tmp, expected_size=expected)
                 os.replace(tmp, path)
             except SourceNotFound:
-                if name == chunk_table:
-                    continue  # an older tierflow's gc removes it: read without it (MetadataTables)
+                if name in chunk_tables:
+                    continue  # an older tierflow's gc removes them: read without them (MetadataTables)
                 raise TableGone(f"{where}: names {name}, which {source.url} does not hold") from None
             finally:
                 tmp.unlink(missing_ok=True)
