@@ -141,8 +141,8 @@ def test_a_pack_to_s3_that_fails_mid_way_publishes_no_manifest_and_its_shards_ar
     done = objects(s3_server, s3_bucket, "ds")
     assert {s.name for s in m.shards} | {"manifest.json"} == {k for k in done if not k.startswith("metadata")}
     assert (
-        "metadata.json" in done and sum(k.startswith("metadata-") for k in done) == 3
-    )  # version 3's tables (shards, blocks, layout)
+        "metadata.json" in done and sum(k.startswith("metadata-") for k in done) == 4
+    )  # version 3's tables (shards, blocks, layout, block chunks)
     assert set(left) <= set(done)
     assert s3_proxy.traffic().requests("PUT") - puts_before == len(done) - len(left)  # left shards not resent
 
