@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "upgrade",
         help="write a dataset's version-3 metadata (mapped shard, block and order-layout tables "
-        "beside a small header) in place, from its manifest.json (or, with none, add the layout "
-        "table to version-3 metadata written before it); atomic",
+        "beside a small header) in place, from its manifest.json (or, with none, add what version-3 "
+        "metadata an older tierflow wrote lacks: the order's layout, the chunk tables, the summary); atomic",
     )
     p.add_argument("dataset", help="dataset directory or URL (the manifest.json stays for older readers)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
@@ -328,7 +328,7 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
-UPDATED = "metadata brought up to date (the order's layout, chunk hashes, the summary: what it lacked)"
+UPDATED = "metadata brought up to date (the order's layout, the chunk tables, the summary: what it lacked)"
 
 
 @command("upgrade")
