@@ -183,25 +183,22 @@ def _assign_longest_first(counts: np.ndarray, shard_bytes: np.ndarray | None, pa
     ordered = np.negative(weight[heaviest_first])  # exact: negation only flips the sign
     del weight
     loads = np.zeros(partitions, dtype=np.float64)
-    index = np.arange(partitions)
     dealt = np.empty(counts.size, dtype=np.int64)  # partition of the i-th heaviest shard
     pos, n = 0, counts.size
     while pos < n:
         k = min(partitions, n - pos)
-        by_load = np.lexsort((index, loads))[:k]
+        by_load = np.argsort(loads, kind="stable")[:k]  # by (load, index): a stable sort keeps ties in index order
         before = loads[by_load]
         after = before + ordered[pos : pos + k]
         # step j is the heap's when the partition it deals to is strictly lighter than every one
-        # dealt to before it in this round (their loads now `after`)
-        lightest_dealt = np.minimum.accumulate(after)
-        ok = np.ones(k, dtype=bool)
-        ok[1:] = before[1:] < lightest_dealt[:-1]
-        take = k if ok.all() else int(np.argmin(ok))
+        # dealt to before it in this round (their loads now `after`); step 0 always is
+        late = before[1:] >= np.minimum.accumulate(after)[:-1]
+        take = int(late.argmax()) + 1 if late.any() else k
         dealt[pos : pos + take] = by_load[:take]
         loads[by_load[:take]] = after[:take]
         pos += take
-        if take < k:  # one shard by the heap's rule: the lightest (load, index) now
-            p = int(np.lexsort((index, loads))[0])
+        if take < k:  # one shard by the heap's rule: the lightest (load, index) now, argmin's first
+            p = int(loads.argmin())
             dealt[pos] = p
             loads[p] = loads[p] + ordered[pos]
             pos += 1
