@@ -164,3 +164,28 @@ def inline_chunks(path: Path, d: dict, rows: int = 1 << 16) -> dict:
     starts = {name: [int(v) for v in values[::rows]] for name, values in _running_starts(shards).items()}
     d["shards"]["chunks"]["starts"] = starts
     return d
+
+
+def rewrite_tables(out: Path, source: Path, edit: Callable[[dict, dict], None], **rows: int) -> None:
+    """Rewrite the tables of the dataset at `out` through the writer, from the manifest.json at
+    `source`, with `edit(shard columns, block columns)` applied and every hash (and running sum)
+    recomputed from what the edit left; `rows`: the writer's chunk sizes (`chunk_rows`,
+    `block_chunk_rows`)."""
+    from tierflow.format import metadata_writer
+    from tierflow.format.manifest import Manifest
+
+    m = Manifest.from_bytes((source / MANIFEST_NAME).read_bytes(), str(source))
+    shards, blocks = metadata_writer.columns_from_shards(m.shards)
+    edit(shards, blocks)
+    fields = {**metadata_writer.dataset_fields(m), "stats": {}}
+    metadata_writer.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields, **rows)
+
+
+def write_header(out: Path, d: dict) -> None:
+    """Write header `d` into the dataset at `out` with the checksum its contents would have."""
+    from tierflow.format import metadata as md
+    from tierflow.format import metadata_writer
+
+    d.pop(md.HEADER_CHECKSUM_KEY, None)
+    d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
+    (out / md.METADATA_NAME).write_bytes(metadata_writer.header_bytes(d))

@@ -24,6 +24,8 @@ from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.loader import BatchSpec, TieredDataset
 from tierflow.testing.faults import write_corpus
 
+from hostile import rewrite_tables, write_header
+
 ROWS = 8
 
 
@@ -40,13 +42,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def forge(out: Path, edit, source: Path) -> None:
     """Rewrite the tables through the writer, the block table's chunks of ROWS rows, with
     `edit(shard columns, block columns)` applied and every hash recomputed."""
-    m = Manifest.from_bytes((source / MANIFEST_NAME).read_bytes(), str(source))
-    shards, blocks = metadata_writer.columns_from_shards(m.shards)
-    edit(shards, blocks)
-    fields = {**metadata_writer.dataset_fields(m), "stats": {}}
-    metadata_writer.write_metadata(
-        out, shard_columns=shards, block_columns=blocks, fields=fields, block_chunk_rows=ROWS
-    )
+    rewrite_tables(out, source, edit, block_chunk_rows=ROWS)
 
 
 def copy(packed: Path, tmp_path: Path) -> Path:
@@ -58,12 +54,6 @@ def copy(packed: Path, tmp_path: Path) -> Path:
 
 def header(out: Path) -> dict:
     return json.loads((out / md.METADATA_NAME).read_bytes())
-
-
-def write_header(out: Path, d: dict) -> None:
-    d.pop(md.HEADER_CHECKSUM_KEY, None)
-    d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
-    (out / md.METADATA_NAME).write_bytes(metadata_writer.header_bytes(d))
 
 
 def before_block_chunks(out: Path) -> dict:

@@ -25,7 +25,7 @@ from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.loader import BatchSpec, TieredDataset
 from tierflow.testing.faults import write_corpus
 
-from hostile import inline_chunks
+from hostile import inline_chunks, rewrite_tables, write_header
 
 CHUNK = 4
 
@@ -43,11 +43,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def forge(out: Path, edit, source: Path) -> None:
     """Rewrite the dataset's tables through the writer, chunks of CHUNK rows, with `edit(shard columns)`
     applied: every hash and the header's running sums recomputed from what the edit left."""
-    m = parsed(source)
-    shards, blocks = metadata_writer.columns_from_shards(m.shards)
-    edit(shards)
-    fields = {**metadata_writer.dataset_fields(m), "stats": {}}
-    metadata_writer.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields, chunk_rows=CHUNK)
+    rewrite_tables(out, source, lambda shards, blocks: edit(shards), chunk_rows=CHUNK)
 
 
 def parsed(packed: Path) -> Manifest:
@@ -169,7 +165,7 @@ def test_the_summary_sizes_the_working_set_as_the_columns_do(packed: Path, tmp_p
     top = d["summary"]["bytes"]
     assert len(top) == 14 and top == sorted(md.shard_column(with_summary.manifest, "bytes").tolist(), reverse=True)
     del d["summary"]
-    _write_header(out, d)
+    write_header(out, d)
     without = TieredDataset(out, BatchSpec(batch_size=16))
     assert without.working_set == with_summary.working_set
     assert without.decoded_bound() == with_summary.decoded_bound()
@@ -180,11 +176,11 @@ def test_a_forged_summary_is_named_by_verify(packed: Path, tmp_path: Path) -> No
     out = copy(packed, tmp_path)
     d = json.loads((out / md.METADATA_NAME).read_bytes())
     d["summary"]["decoded_bytes"][0] += 1
-    _write_header(out, d)
+    write_header(out, d)
     problems = metadata_verify.verify_metadata(md.load_metadata(out))
     assert problems == [f"{out}: summary.decoded_bytes is not what the shard table's columns give"]
     d["summary"]["bytes"] = d["summary"]["bytes"][::-1]
-    _write_header(out, d)
+    write_header(out, d)
     with pytest.raises(ManifestError, match="summary.bytes is not the 14 largest sizes, falling"):
         md.load_metadata(out)
 
@@ -202,7 +198,7 @@ def test_upgrade_adds_chunks_and_a_summary_to_an_older_header(packed: Path, tmp_
     del old["summary"]
     for table in ("shards", "layout"):
         del old[table]["chunks"]
-    _write_header(out, old)
+    write_header(out, old)
     before = TieredDataset(out, BatchSpec(batch_size=16))
     assert before.manifest.tables.shards.chunk_rows == 14  # one chunk of every row
     batches = [b.meta.sample_ids.tolist() for _, b in zip(range(4), before)]
@@ -227,7 +223,7 @@ def test_a_header_holding_its_chunk_hashes_reads_the_same_and_upgrade_moves_them
     out = copy(packed, tmp_path)
     metadata_writer.write_metadata(out, parsed(packed))
     current = json.loads((out / md.METADATA_NAME).read_bytes())
-    _write_header(out, inline_chunks(out, current, rows=CHUNK))
+    write_header(out, inline_chunks(out, current, rows=CHUNK))
     before = TieredDataset(out, BatchSpec(batch_size=16))
     tables = before.manifest.tables
     assert tables.chunks is None and tables.shards.chunk_rows == CHUNK and tables.shards.chunk_count == 4
@@ -287,17 +283,11 @@ def test_forged_running_sums_in_the_chunk_table_are_refused_when_first_used(
     edit(columns[column])
     entry, _ = metadata_writer._write_table(out, "chunks", table.schema, columns)
     d["chunks"] = {**entry, "rows_per_chunk": CHUNK}
-    _write_header(out, d)
+    write_header(out, d)
     with pytest.raises(ManifestError, match=match):
         md.load_metadata(out).tables.shard(5)
     problems = metadata_verify.verify_metadata(md.load_metadata(out))
     assert problems and any(re.search(match, p) for p in problems)
-
-
-def _write_header(out: Path, d: dict) -> None:
-    d.pop(md.HEADER_CHECKSUM_KEY, None)
-    d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
-    (out / md.METADATA_NAME).write_bytes(metadata_writer.header_bytes(d))
 
 
 @pytest.mark.parametrize(
@@ -321,7 +311,7 @@ def test_a_header_whose_chunk_table_does_not_describe_its_tables_is_refused_at_o
     out = copy(packed, tmp_path)
     d = json.loads((out / md.METADATA_NAME).read_bytes())
     edit(d)
-    _write_header(out, d)
+    write_header(out, d)
     with pytest.raises(ManifestError, match=match):
         md.load_metadata(out)
 
@@ -344,7 +334,7 @@ def test_a_header_whose_inline_chunks_do_not_describe_its_tables_is_refused_at_o
     out = copy(packed, tmp_path)
     d = inline_chunks(out, json.loads((out / md.METADATA_NAME).read_bytes()), rows=CHUNK)
     edit(d)
-    _write_header(out, d)
+    write_header(out, d)
     with pytest.raises(ManifestError, match=match):
         md.load_metadata(out)
 

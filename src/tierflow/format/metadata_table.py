@@ -199,25 +199,34 @@ class MappedTable:
             flags = self._verified.get(name)
             if flags is None:
                 flags = self._verified[name] = np.zeros(self.chunk_count, dtype=bool)
-            values, step, hashes = self.raw(name), self.chunk_rows, self.plan.hashes(name)
+            values, step = self.raw(name), self.chunk_rows
             for c in chunks:
                 if flags[c]:
                     continue
                 part = values[c * step : (c + 1) * step]
-                if xxhash.xxh3_128_digest(part.data.cast("B")) != hashes[c].tobytes():
-                    what = (
-                        f"column {name}"
-                        if len(flags) == 1
-                        else f"column {name}, rows {c * step}-{c * step + part.size - 1},"
-                    )
-                    raise ManifestError(
-                        f"{self.where}: {what} does not match its hash in {self.plan.kept_in} "
-                        f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
-                    )
+                mismatch = self.hash_mismatch(name, c, part.data.cast("B"))
+                if mismatch is not None:
+                    raise ManifestError(mismatch)
                 problem = check(c, c * step, part) if check is not None else None
                 if problem is not None:
                     raise ManifestError(f"{self.where}: {problem}")
                 flags[c] = True
+
+    def hash_mismatch(self, name: str, c: int, data: memoryview) -> str | None:
+        """Chunk c of a column, its bytes `data` (from the mapping, or read by a pass over the table),
+        against its hash where the plan keeps it: the problem naming the file and rows, or None."""
+        if xxhash.xxh3_128_digest(data) == self.plan.hashes(name)[c].tobytes():
+            return None
+        step = self.chunk_rows
+        what = (
+            f"column {name}"
+            if self.chunk_count == 1
+            else f"column {name}, rows {c * step}-{min((c + 1) * step, self.rows) - 1},"
+        )
+        return (
+            f"{self.where}: {what} does not match its hash in {self.plan.kept_in} "
+            f"(damaged or edited; run `tierflow upgrade` again, or restore it)"
+        )
 
 
 ChunkCheck = Callable[[int, int, np.ndarray], "str | None"]

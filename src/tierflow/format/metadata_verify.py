@@ -199,19 +199,13 @@ _READ_AHEAD = 2
 def _chunk_mismatch(tables: MetadataTables, name: str, values: np.ndarray, b0: int) -> dict[str, str]:
     """The first chunk of a window of a block column (from row b0, whole chunks) whose hash is not the
     block chunk table's, as the problem verify reports; empty if all match."""
-    step, hashes = tables.blocks.chunk_rows, tables.blocks.plan.hashes(name)
+    step = tables.blocks.chunk_rows
     data = values.data.cast("B")
     width = values.itemsize * step
     for c, at in enumerate(range(0, data.nbytes, width), start=b0 // step):
-        if xxhash.xxh3_128_digest(data[at : at + width]) != hashes[c].tobytes():
-            rows = (
-                ""
-                if tables.blocks.chunk_count == 1
-                else f", rows {c * step}-{min((c + 1) * step, tables.blocks.rows) - 1},"
-            )
-            return {
-                name: f"{tables.blocks.where}: column {name}{rows} does not match its hash in the block chunk table"
-            }
+        mismatch = tables.blocks.hash_mismatch(name, c, data[at : at + width])
+        if mismatch is not None:
+            return {name: mismatch}
     return {}
 
 

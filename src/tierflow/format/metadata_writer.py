@@ -328,8 +328,8 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
     lists no member_samples (its table written to `directory`, where a remote dataset's upgrade
     uploads it from, before the header), the chunk table (above one chunk of shards; in place of
     chunk hashes held in the header, or again where an older tierflow's gc removed it), the block
-    chunk table (likewise), and the summary. Every column is checked as any reader checks it before its hashes are rewritten. None:
-    nothing to add."""
+    chunk table (likewise), and the summary. Every column is checked as any reader checks it before
+    its hashes are rewritten. None: nothing to add."""
     tables = manifest.tables
     before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
     header = dict(before)
