@@ -31,6 +31,8 @@ from tierflow.format.index import DatasetIndex
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
 from tierflow.testing.faults import write_corpus
 
+from hostile import rewrite_tables
+
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -339,12 +341,8 @@ def test_the_cli_upgrades_an_s3_dataset(packed: Path, tmp_path: Path, s3_server,
 def _forge(out: Path, edit) -> None:
     """Rewrite the dataset's tables through the writer with `edit(shards, blocks)` applied: every hash
     recomputed, so only the reader's own checks stand between it and the lie (issue 18's attacker)."""
-    m = legacy(out)
-    shards, blocks = metadata_writer.columns_from_shards(m.shards)
-    edit(shards, blocks)
-    fields = {**metadata_writer.dataset_fields(m), "stats": {}}
-    (out / MANIFEST_NAME).unlink()
-    metadata_writer.write_metadata(out, shard_columns=shards, block_columns=blocks, fields=fields)
+    rewrite_tables(out, out, edit)
+    (out / MANIFEST_NAME).unlink()  # the header alone: what a reader reads
 
 
 @pytest.mark.parametrize(
