@@ -18,7 +18,7 @@ same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x o
 
     PYTHONPATH=src .venv/bin/python benchmarks/metadata.py [--shards 1000,100000,1000000] [--runs 3]
         [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--pss-old-max 10000] [--paths]
-        [--verify-rounds 6]
+        [--verify-rounds 6] [--seq-len 2048]
 
 `--paths` times each per-shard path on the version-3 datasets in a fresh interpreter: `order` (the
 TieredDataset: layout, working set, index), `inspect`, `verify-metadata` (both tables hashed whole,
@@ -27,6 +27,10 @@ every shard's block rows, the dataset id; the shard files themselves are not the
 `every-shard-object` (a ShardInfo per shard: what a tool that walks `manifest.shards` pays), `plan`
 (`tierflow plan` with an L2 of 30% at rest, 3 epochs, both forms) and `stager-plan` (a Stager made over
 an opened dataset and its first plan, the dataset's own cost left out).
+
+`--seq-len L`: the shards hold byte-token documents (a `tokenizer="bytes"` pack) and the first batch
+(and `--paths`' order and stager plan) reads token windows of L: the order a language model trains on,
+whose per-shard counts are each shard's windows of L, known only when the loader starts.
 
 `--verify-rounds N` (on the largest dataset): `verify-metadata` against reading the same table files
 whole (8 MB reads, what `cat` does), each in a fresh interpreter, alternating for N rounds, the
@@ -50,6 +54,7 @@ from pathlib import Path
 from _harness import alternating, spread
 
 BATCH = 256
+BATCH_WINDOWS = 8
 BASE_SHARDS = 4
 ROWS_PER_BLOCK = 512
 
@@ -62,7 +67,8 @@ def parse_count(text: str) -> int:
 
 # -- building -----------------------------------------------------------------------------------
 def build_base(root: Path, blocks: int) -> Path:
-    """A real pack of BASE_SHARDS shards of `blocks` blocks each (int64 `x`, uncompressed)."""
+    """A real pack of BASE_SHARDS shards of `blocks` blocks each, uncompressed: int64 `x`, or with
+    `--seq-len` byte-token documents (~ROWS_PER_BLOCK x 8 bytes a block)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -72,21 +78,42 @@ def build_base(root: Path, blocks: int) -> Path:
     base = root / "base"
     if (base / "manifest.json").exists():
         return base
-    rows = BASE_SHARDS * blocks * ROWS_PER_BLOCK
-    parquet = root / "x.parquet"
-    pq.write_table(pa.table({"x": np.arange(rows, dtype=np.int64)}), parquet, row_group_size=1 << 20)
-    shard_bytes = max(256 << 10, blocks * ROWS_PER_BLOCK * 8)
-    tierflow.pack(
-        [parquet],
-        base,
-        workers=1,
-        target_shard_bytes=shard_bytes,
-        compression="none",
-        block_bytes=ROWS_PER_BLOCK * 8,
-        overwrite=True,
-    )
-    parquet.unlink()
+    block_bytes = ROWS_PER_BLOCK * 8
+    options: dict = {"block_bytes": block_bytes, "target_shard_bytes": max(256 << 10, blocks * block_bytes)}
+    if seq_len() is None:
+        source = root / "x.parquet"
+        rows = BASE_SHARDS * blocks * ROWS_PER_BLOCK
+        pq.write_table(pa.table({"x": np.arange(rows, dtype=np.int64)}), source, row_group_size=1 << 20)
+    else:
+        source = root / "docs.jsonl"
+        rng = np.random.default_rng(0)
+        letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", dtype=np.uint8)
+        total = BASE_SHARDS * options["target_shard_bytes"] // 2  # two bytes a uint16 token
+        with source.open("w") as out:
+            while total > 0:
+                text = letters[rng.integers(0, len(letters), size=int(rng.integers(200, 2000)))].tobytes().decode()
+                out.write(json.dumps({"text": text}) + "\n")
+                total -= len(text) + 1
+        options["tokenizer"] = "bytes"
+    tierflow.pack([source], base, workers=1, compression="none", overwrite=True, **options)
+    source.unlink()
     return base
+
+
+SEQ_LEN_ENV = "METADATA_BENCH_SEQ_LEN"
+"""`--seq-len`, as the measured children see it."""
+
+
+def seq_len() -> int | None:
+    value = os.environ.get(SEQ_LEN_ENV)
+    return int(value) if value else None
+
+
+def batch_spec():
+    """The loader's batching: rows, or with `--seq-len` token windows (the order counts each shard's)."""
+    from tierflow.loader import BatchSpec
+
+    return BatchSpec(batch_size=BATCH) if seq_len() is None else BatchSpec(batch_size=BATCH_WINDOWS, seq_len=seq_len())
 
 
 def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]:
@@ -182,7 +209,7 @@ def child(path: str, wait: bool) -> None:
     import psutil
 
     import tierflow
-    from tierflow.loader import Loader, TieredDataset, BatchSpec
+    from tierflow.loader import Loader, TieredDataset
 
     imported = time.perf_counter()
     rss_import = psutil.Process().memory_info().rss
@@ -192,12 +219,13 @@ def child(path: str, wait: bool) -> None:
     opened = time.perf_counter()
     del ds
     start2 = time.perf_counter()
-    dataset = TieredDataset(path, BatchSpec(batch_size=BATCH))
+    dataset = TieredDataset(path, batch_spec())
     loader = Loader(dataset)
     first = next(iter(loader))
     arrived = time.perf_counter()
-    if len(first["x"]) != BATCH:
-        raise RuntimeError(f"first batch has {len(first['x'])} samples")
+    got, want = (len(first["x"]), BATCH) if seq_len() is None else (len(first["input_ids"]), BATCH_WINDOWS)
+    if got != want:
+        raise RuntimeError(f"first batch has {got} samples")
     peak = vm_hwm()
     print(
         json.dumps(
@@ -230,12 +258,12 @@ def path_child(name: str, path: str) -> None:
     from tierflow.commands.cli import main as cli
     from tierflow.format import metadata_index, metadata_verify
     from tierflow.format.manifest import Manifest
-    from tierflow.loader import TieredDataset, BatchSpec
+    from tierflow.loader import TieredDataset
 
     rss_import = psutil.Process().memory_info().rss
     start = time.perf_counter()
     if name == "order":
-        TieredDataset(path, BatchSpec(batch_size=BATCH))
+        TieredDataset(path, batch_spec())
     elif name == "inspect":
         with contextlib.redirect_stdout(io.StringIO()):
             cli(["inspect", path, "-n", "1"])
@@ -258,7 +286,7 @@ def path_child(name: str, path: str) -> None:
         from tierflow.tiers.stager import Stager
 
         stack = build_stack(path, [TierConfig.parse(f"L2={path}-plan-l2:30%")])
-        dataset = TieredDataset(stack.dataset(), BatchSpec(batch_size=BATCH))
+        dataset = TieredDataset(stack.dataset(), batch_spec())
         start = time.perf_counter()  # the dataset's part is `order`'s: this is the stager's own
         stager = Stager(dataset, stack)
         stager._plan_and_fetch()  # one plan from the start, as a rank's first: threads not started
@@ -315,12 +343,12 @@ def prepare(path: str, base: str) -> None:
     """Link the shard files the first batch reads (each a real shard of the base under its fresh name)."""
     import tierflow
     from tierflow.format.manifest import Manifest
-    from tierflow.loader import Loader, TieredDataset, BatchSpec
+    from tierflow.loader import Loader, TieredDataset
 
     sources = {s.decoded_checksum: s.name for s in Manifest.load(base).shards}
     for _ in range(1000):
         try:
-            loader = Loader(TieredDataset(path, BatchSpec(batch_size=BATCH)))
+            loader = Loader(TieredDataset(path, batch_spec()))
             next(iter(loader))
             loader.close()
             ds = tierflow.open_dataset(path)
@@ -435,6 +463,11 @@ def main() -> None:
         help="8 processes of a parsed manifest only up to this many shards (each holds its own copy)",
     )
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        help="byte-token documents, the first batch (and --paths' order) token windows of this length",
+    )
     ap.add_argument("--child")
     ap.add_argument("--wait", action="store_true")
     ap.add_argument("--prepare", nargs=2)
@@ -451,9 +484,11 @@ def main() -> None:
         return prepare(*args.prepare)
     if args.path_child:
         return path_child(*args.path_child)
-    root = Path(args.root) / f"b{args.blocks}"
+    root = Path(args.root) / (f"b{args.blocks}" if args.seq_len is None else f"b{args.blocks}-tokens")
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TIERFLOW_MAX_MANIFEST_BYTES": str(1 << 40)}
+    if args.seq_len is not None:
+        os.environ[SEQ_LEN_ENV] = env[SEQ_LEN_ENV] = str(args.seq_len)
     base = build_base(root, args.blocks)
     counts = [parse_count(c) for c in args.shards.split(",")]
     bare = None if args.no_pss else bare_pss(env)
