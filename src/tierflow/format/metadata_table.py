@@ -131,9 +131,11 @@ class MappedTable:
         self._raw[name] = view
         return view
 
-    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+    def read(self, name: str, start: int, stop: int, into: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of a column read from the file (pread), not through the mapping: a pass
-        over a whole table (verify) keeps its memory to a chunk instead of mapping every page."""
+        over a whole table (verify) keeps its memory to a chunk instead of mapping every page. `into`
+        (of the column's dtype, at least that many rows): read into it, its first rows returned, so a
+        pass reuses its buffers instead of faulting in fresh pages for every read."""
         arr = self._batch.column(name)
         kind = column_dtype(arr.type)
         buf = arr.buffers()[1]
@@ -144,10 +146,16 @@ class MappedTable:
         size = (stop - start) * kind.itemsize
         if not 0 <= offset <= offset + size <= os.fstat(self._fd()).st_size:
             raise ManifestError(f"{self.where}: column {name} lies outside the file")
-        data = os.pread(self._fd(), size, offset)
-        if len(data) != size:
+        if into is None:
+            data = os.pread(self._fd(), size, offset)
+            got = len(data)
+        else:
+            assert into.dtype == kind and into.nbytes >= size
+            data = into[: stop - start]
+            got = os.preadv(self._fd(), [data.data.cast("B")], offset)
+        if got != size:
             raise ManifestError(f"{self.where}: column {name} is cut short")
-        return np.frombuffer(data, dtype=kind)
+        return data if into is not None else np.frombuffer(data, dtype=kind)
 
     def _map_base(self) -> int:
         return self._map.address

@@ -138,10 +138,17 @@ def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], mismatched: 
     window = max(WINDOW_ROWS // step, 1) * step  # whole chunks
     n = tables.num_shards
 
-    def rows_of(b0: int) -> dict[str, Future[np.ndarray]]:
-        return {
-            name: reader.submit(blocks.read, name, b0, min(b0 + window, blocks.rows)) for name in BLOCK_SCHEMA.names
-        }
+    # each window is read into one of a ring of buffers (fresh ones would fault in their pages every
+    # window): _READ_AHEAD in flight, the one checked, and the one before it, whose rows it may carry
+    buffers = [
+        {name: np.empty(window, dtype=column_dtype(blocks.schema.field(name).type)) for name in BLOCK_SCHEMA.names}
+        for _ in range(min(_READ_AHEAD + 2, -(-max(blocks.rows, 1) // window)))
+    ]
+
+    def rows_of(w: int) -> dict[str, Future[np.ndarray]]:
+        b0, into = starts[w], buffers[w % len(buffers)]
+        stop = min(b0 + window, blocks.rows)
+        return {name: reader.submit(blocks.read, name, b0, stop, into[name]) for name in BLOCK_SCHEMA.names}
 
     def check(a: int, b: int, rows: dict[str, np.ndarray]) -> list[int]:
         """Shards a...b-1, whose block rows are `rows` (from the first one's)."""
@@ -164,12 +171,12 @@ def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], mismatched: 
     # each column's next windows read (pread, no GIL) while this one is checked: a read in flight a
     # column, as a disk's queue wants, not one after another
     with ThreadPoolExecutor(len(BLOCK_SCHEMA)) as reader:
-        ahead = deque(rows_of(b0) for b0 in starts[:_READ_AHEAD])
+        ahead = deque(rows_of(w) for w in range(min(_READ_AHEAD, len(starts))))
         for w, b0 in enumerate(starts):
             read = {name: f.result() for name, f in ahead.popleft().items()}
             b1 = b0 + len(read["length"])
             if w + _READ_AHEAD < len(starts):
-                ahead.append(rows_of(starts[w + _READ_AHEAD]))
+                ahead.append(rows_of(w + _READ_AHEAD))
             for name, h in hashes.items():
                 h.update(read[name].data.cast("B"))
                 if chunked and name not in mismatched:
