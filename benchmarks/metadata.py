@@ -13,8 +13,9 @@ Each measurement is a fresh interpreter (imports not counted, shown apart): `ope
 `open_dataset` to `len()`; `open+batch`: to the first batch as the loader gives it
 (`Loader(TieredDataset(path, batch_size=256))`, its order, working set and index included);
 `peak RSS`: the peak resident set (VmHWM) less the RSS after `import tierflow`; the tables are
-dropped from the page cache first (`drop_cached`). `PSS x8`: 8 processes open the same dataset and take a batch; with all 8 alive, the sum of their PSS less 8 x one bare interpreter's
-(imports), and the PSS of the mapped metadata files alone (version 3).
+dropped from the page cache first (`drop_cached`). `PSS x8`: 8 processes open the same dataset
+and take a batch; with all 8 alive, the sum of their PSS less 8 x one bare interpreter's (imports),
+and the PSS of the mapped metadata files alone (version 3).
 
     PYTHONPATH=src .venv/bin/python benchmarks/metadata.py [--shards 1000,100000,1000000] [--runs 3]
         [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--pss-old-max 10000] [--paths]
