@@ -147,15 +147,12 @@ class MappedTable:
         if not 0 <= offset <= offset + size <= os.fstat(self._fd()).st_size:
             raise ManifestError(f"{self.where}: column {name} lies outside the file")
         if into is None:
-            data = os.pread(self._fd(), size, offset)
-            got = len(data)
-        else:
-            assert into.dtype == kind and into.nbytes >= size
-            data = into[: stop - start]
-            got = os.preadv(self._fd(), [data.data.cast("B")], offset)
-        if got != size:
+            into = np.empty(stop - start, dtype=kind)
+        assert into.dtype == kind and into.nbytes >= size
+        values = into[: stop - start]
+        if os.preadv(self._fd(), [values.data.cast("B")], offset) != size:
             raise ManifestError(f"{self.where}: column {name} is cut short")
-        return data if into is not None else np.frombuffer(data, dtype=kind)
+        return values
 
     def _map_base(self) -> int:
         return self._map.address
