@@ -4,7 +4,8 @@ One epoch of the peers' packed tokens and documents through `tierflow.open_loade
 defaults (no workers, no step), each stage's calls wrapped with this thread's CPU clock
 (`time.thread_time`, so other processes on a busy machine do not count): the order's plan, block
 decode (read, verify, decompress, validate), the copy of token windows, the document segments,
-the rows of a text batch, the device feed's host conversion; "the rest" is the loop's CPU time
+the rows of a text batch (the columns of a run of them, on the main process's path: str made from
+the blocks' UTF-8), the device feed's host conversion; "the rest" is the loop's CPU time
 less the stages (Loader, TimedBatches, telemetry, carrying the meta). A fresh loader per round,
 rounds alternating tokens and text; medians (min-max) of the rounds in us a batch. The wrappers
 cost ~1 us a wrapped call, counted in the stage they wrap. Reads run.py's packed datasets
@@ -62,6 +63,7 @@ def instrument() -> list[str]:
     timed(TokenReader, "copy_windows", "copy token windows")
     timed(batching, "window_segments", "segments (cu_seqlens, position_ids)")
     timed(batching, "_rows", "rows of a text batch (str, dicts)")
+    timed(batching, "_run_columns", "columns of a text run (str, lists)")
     timed(batching, "collate_samples", "collate")
     timed(device_feed.DeviceFeed, "_convert", "device feed host conversion")
     return list(
@@ -72,6 +74,7 @@ def instrument() -> list[str]:
                 "copy token windows",
                 "segments (cu_seqlens, position_ids)",
                 "rows of a text batch (str, dicts)",
+                "columns of a text run (str, lists)",
                 "collate",
                 "device feed host conversion",
             ]
