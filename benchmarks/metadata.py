@@ -487,9 +487,9 @@ def main() -> None:
         return path_child(*args.path_child)
     root = Path(args.root) / (f"b{args.blocks}" if args.seq_len is None else f"b{args.blocks}-tokens")
     root.mkdir(parents=True, exist_ok=True)
+    if args.seq_len is not None:  # this process's build_base reads it too
+        os.environ[SEQ_LEN_ENV] = str(args.seq_len)
     env = {**os.environ, "TIERFLOW_MAX_MANIFEST_BYTES": str(1 << 40)}
-    if args.seq_len is not None:
-        os.environ[SEQ_LEN_ENV] = env[SEQ_LEN_ENV] = str(args.seq_len)
     base = build_base(root, args.blocks)
     counts = [parse_count(c) for c in args.shards.split(",")]
     bare = None if args.no_pss else bare_pss(env)

@@ -35,11 +35,15 @@ from _harness import spread
 
 SPENT: collections.Counter[str] = collections.Counter()
 _ACTIVE: list[str] = []
+STAGES: list[str] = []
+"""The stages `timed` wraps, in the order they were named (the table's rows)."""
 
 
 def timed(owner: Any, name: str, stage: str) -> None:
     """Wrap `owner.name` so its CPU time counts to `stage`, less what nested stages took."""
     inner: Callable[..., Any] = getattr(owner, name)
+    if stage not in STAGES:
+        STAGES.append(stage)
 
     @functools.wraps(inner)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -66,20 +70,7 @@ def instrument() -> list[str]:
     timed(batching, "_run_columns", "columns of a text run (str, lists)")
     timed(batching, "collate_samples", "collate")
     timed(device_feed.DeviceFeed, "_convert", "device feed host conversion")
-    return list(
-        dict.fromkeys(
-            [
-                "plan (order ids of the batch)",
-                "decode blocks (read, xxh3, zstd, validate)",
-                "copy token windows",
-                "segments (cu_seqlens, position_ids)",
-                "rows of a text batch (str, dicts)",
-                "columns of a text run (str, lists)",
-                "collate",
-                "device feed host conversion",
-            ]
-        )
-    )
+    return STAGES
 
 
 def epoch(data: Path, kind: str) -> tuple[dict[str, float], float, int]:

@@ -137,12 +137,14 @@ def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], mismatched: 
     step = blocks.chunk_rows if chunked else WINDOW_ROWS
     window = max(WINDOW_ROWS // step, 1) * step  # whole chunks
     n = tables.num_shards
+    starts = range(0, max(blocks.rows, 1), window)
+    kinds = {name: column_dtype(blocks.schema.field(name).type) for name in BLOCK_SCHEMA.names}
 
     # each window is read into one of a ring of buffers (fresh ones would fault in their pages every
     # window): _READ_AHEAD in flight, the one checked, and the one before it, whose rows it may carry
     buffers = [
-        {name: np.empty(window, dtype=column_dtype(blocks.schema.field(name).type)) for name in BLOCK_SCHEMA.names}
-        for _ in range(min(_READ_AHEAD + 2, -(-max(blocks.rows, 1) // window)))
+        {name: np.empty(window, dtype=kind) for name, kind in kinds.items()}
+        for _ in range(min(_READ_AHEAD + 2, len(starts)))
     ]
 
     def rows_of(w: int) -> dict[str, Future[np.ndarray]]:
@@ -166,8 +168,7 @@ def _suspect_shards(tables: MetadataTables, hashes: dict[str, Any], mismatched: 
         )
 
     lo = 0
-    carry = {name: np.zeros(0, dtype=column_dtype(blocks.schema.field(name).type)) for name in BLOCK_SCHEMA.names}
-    starts = range(0, max(blocks.rows, 1), window)
+    carry = {name: np.zeros(0, dtype=kind) for name, kind in kinds.items()}
     # each column's next windows read (pread, no GIL) while this one is checked: a read in flight a
     # column, as a disk's queue wants, not one after another
     with ThreadPoolExecutor(len(BLOCK_SCHEMA)) as reader:
