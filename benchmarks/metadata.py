@@ -194,6 +194,24 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
     return new_dir, old_dir
 
 
+def with_windows(new_dir: Path) -> Path:
+    """A copy of a token dataset (its files linked) whose header also stores the layout of windows of
+    --seq-len, as `tierflow pack --seq-len` or `tierflow upgrade --seq-len` writes it."""
+    from tierflow.format import metadata as md
+    from tierflow.format.metadata_writer import update_header
+
+    stored = new_dir.with_name(new_dir.name.replace("new-", "windows-"))
+    if (stored / md.METADATA_NAME).exists():
+        return stored
+    shutil.rmtree(stored, ignore_errors=True)
+    stored.mkdir()
+    for f in new_dir.iterdir():
+        if f.name.startswith(md.TABLE_PREFIX) or f.name == md.METADATA_NAME:
+            os.link(f, stored / f.name)
+    update_header(stored, [seq_len()])
+    return stored
+
+
 # -- the measured child ---------------------------------------------------------------------------
 def vm_hwm() -> int:
     """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: that survives exec, so a
@@ -502,8 +520,11 @@ def main() -> None:
     for n in counts:
         began = time.perf_counter()
         new_dir, old_dir = build(root, base, n, old=n <= args.old_max)
+        forms = [("v2 manifest", old_dir), ("v3 mapped", new_dir)]
+        if args.seq_len is not None:
+            forms.append((f"v3 + layout of windows of {args.seq_len}", with_windows(new_dir)))
         built = time.perf_counter() - began
-        for form, path in (("v2 manifest", old_dir), ("v3 mapped", new_dir)):
+        for form, path in forms:
             if path is None:
                 print(f"| {n:,} | {form} | - | not measured (> --old-max) | | | | |", flush=True)
                 continue
@@ -516,7 +537,7 @@ def main() -> None:
             drop_cached(path)
             rounds = [run_child(path, env) for _ in range(args.runs)]
             node = ("-", "-")
-            if bare is not None and (form == "v3 mapped" or n <= args.pss_old_max):  # 8 parsed copies: GBs
+            if bare is not None and (form != "v2 manifest" or n <= args.pss_old_max):  # 8 parsed copies: GBs
                 total, files = node_pss(path, env)
                 node = (f"{(total - bare) / 1e6:.0f} MB", f"{files / 1e6:.1f} MB" if files else "-")
             print(

@@ -189,3 +189,17 @@ def write_header(out: Path, d: dict) -> None:
     d.pop(md.HEADER_CHECKSUM_KEY, None)
     d[md.HEADER_CHECKSUM_KEY] = md.header_checksum(d)
     (out / md.METADATA_NAME).write_bytes(metadata_writer.header_bytes(d))
+
+
+def read_header(out: Path) -> dict:
+    from tierflow.format import metadata as md
+
+    return json.loads((out / md.METADATA_NAME).read_bytes())
+
+
+def copy_dataset(source: Path, tmp_path: Path, name: str = "ds") -> Path:
+    import shutil
+
+    out = tmp_path / name
+    shutil.copytree(source, out)
+    return out

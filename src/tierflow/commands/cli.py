@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="the record field holding the text to tokenize (text)")
     p.add_argument("--tokenizer", help="'bytes' or PATH/tokenizer.json")
     p.add_argument("--eos-token", help="end-of-document token of a tokenizer.json")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        action="append",
+        default=[],
+        help="with --tokenizer: store the order's layout for token windows of this length, so a loader "
+        "with this seq_len starts without a pass over every shard (repeatable)",
+    )
     p.add_argument("--keep-text", action="store_true", help="keep the text column next to the tokens")
     p.add_argument(
         "--shard-size",
@@ -147,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dataset", help="dataset directory or URL (the manifest.json stays for older readers)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// URLs")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        action="append",
+        default=[],
+        help="also store the token-window order's layout for windows of this length, so a loader with "
+        "this seq_len starts without a pass over every shard (repeatable; a token dataset's)",
+    )
 
     p = sub.add_parser("bench", help="the loader driving a step vs the dry run (same batches preloaded)")
     p.add_argument("dataset", help="dataset directory or URL")
@@ -227,6 +243,7 @@ def _pack(args: argparse.Namespace) -> int:
         endpoint_url=args.endpoint_url,
         engine=args.engine,
         address=args.address,
+        seq_len=args.seq_len,
     )
     return 0
 
@@ -328,7 +345,7 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
-UPDATED = "metadata brought up to date (the order's layout, the chunk tables, the summary: what it lacked)"
+UPDATED = "metadata brought up to date (the order's layouts, the chunk tables, the summary: what it lacked)"
 
 
 @command("upgrade")
@@ -354,10 +371,10 @@ def _upgrade(args: argparse.Namespace) -> int:
             try:
                 source.size(MANIFEST_NAME)
             except SourceNotFound:  # version 3 already (or nothing): add what an older tierflow left out
-                updated = update_header_source(source, work)
+                updated = update_header_source(source, work, args.seq_len)
                 print(f"{args.dataset}: " + (UPDATED if updated else "up to date, nothing to write"))
                 return 0
-            where = upgrade_source(source, work)
+            where = upgrade_source(source, work, args.seq_len)
     else:
         from tierflow.format.metadata import has_metadata
         from tierflow.format.metadata_writer import update_header
@@ -367,11 +384,11 @@ def _upgrade(args: argparse.Namespace) -> int:
                 print(f"{root}: no manifest.json to upgrade from", file=sys.stderr)
                 return 1
             with DatasetLock(root):  # version 3 already: add what an older tierflow left out
-                written = update_header(root)
+                written = update_header(root, args.seq_len)
             print(f"{args.dataset}: " + (UPDATED if written is not None else "up to date, nothing to write"))
             return 0
         with DatasetLock(root):
-            where = str(upgrade(root))
+            where = str(upgrade(root, args.seq_len))
     print(f"{args.dataset}: version-3 metadata written ({where})")
     return 0
 

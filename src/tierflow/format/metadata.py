@@ -68,9 +68,9 @@ import logging
 import threading
 import weakref
 from functools import partial
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -84,6 +84,8 @@ from tierflow.format.metadata_layout import (
     StoredLayout,
 )
 from tierflow.format.manifest import Manifest, schema_from_json
+from tierflow.format.metadata_shards import MappedShards
+from tierflow.format.metadata_windows import window_layout
 from tierflow.format.metadata_table import (
     ChunkCheck,
     ChunkPlan,
@@ -108,6 +110,7 @@ from tierflow.format.metadata_header import (
     header_checksum as header_checksum,
     header_layout_schema,
     parse_header,
+    table_entries as table_entries,
     table_keys as table_keys,
 )
 from tierflow.format.table_locks import TableGone
@@ -185,7 +188,7 @@ class MetadataTables:
         self.layout = (
             None if entry is None else MappedTable(directory, entry, layout_schema(entry), where, self._plan("layout"))
         )
-        self._stored: StoredLayout | None = None
+        self._stored: dict[int | None, StoredLayout] = {}
         self.manifest: Callable[[], Any] = lambda: None
         """The MappedManifest these tables belong to, weakly: a strong reference would make a cycle that
         keeps the tables mapped, and their shared locks held against gc, until Python's cycle collector
@@ -360,14 +363,27 @@ class MetadataTables:
             raise ManifestError(f"{self.shards.where}: checksum_order does not sort the checksums")
         self._sorted = True
 
-    def stored_layout(self) -> StoredLayout | None:
-        """The order's layout stored with the metadata (metadata_layout.py); None: compute it."""
-        if self._stored is None and self.layout is not None:
-            self._stored = StoredLayout(
-                self.layout, self.header["layout"], self.rows("samples"), self.where, self._sample_starts
-            )
-            self._stored.manifest = self.manifest()
-        return self._stored
+    def stored_layout(self, seq_len: int | None = None) -> StoredLayout | None:
+        """The order's layout stored with the metadata: the rows order's (metadata_layout.py), or that
+        of windows of `seq_len` tokens (metadata_windows.py); None: compute it."""
+        with self._lock:
+            if seq_len not in self._stored:
+                if seq_len is not None:
+                    stored = window_layout(self, seq_len)
+                elif self.layout is not None:
+                    entry, samples = self.header["layout"], self.rows("samples")
+                    stored = StoredLayout(self.layout, entry, samples, self.where, self._sample_starts)
+                else:
+                    return None
+                if stored is None:
+                    return None
+                stored.manifest = self.manifest()
+                self._stored[seq_len] = stored
+            return self._stored[seq_len]
+
+    def layout_of(self, counts: Any) -> StoredLayout | None:
+        """The stored layout made for these very per-shard counts (the rows', or a window length's)."""
+        return next((stored for stored in self._stored.values() if stored.counts is counts), None)
 
     def _sample_starts(self, shards: np.ndarray) -> np.ndarray:
         return self.at("sample_start", shards)
@@ -467,45 +483,6 @@ class MetadataTables:
             tokens=int(value("tokens", i)),
             blocks=self.block_list(i, keep),
         )
-
-
-class MappedShards(Sequence[ShardInfo]):
-    """The shards of a mapped dataset as a sequence of ShardInfo, each made when asked for (and
-    kept); len() is the header's. Iterating makes one per shard: O(shards), for tools, not starts."""
-
-    def __init__(self, tables: MetadataTables) -> None:
-        self.tables = tables
-        self._made: dict[int, ShardInfo] = {}
-
-    def __len__(self) -> int:
-        return self.tables.num_shards
-
-    @overload
-    def __getitem__(self, index: int) -> ShardInfo: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[ShardInfo]: ...
-
-    def __getitem__(self, index: int | slice) -> ShardInfo | list[ShardInfo]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        index = int(index)
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"shard {index} out of range [0, {len(self)})")
-        found = self._made.get(index)
-        if found is None:
-            found = self._made[index] = self.tables.shard(index)
-        return found
-
-    def __iter__(self) -> Iterator[ShardInfo]:
-        self.tables.checksums()  # every name: the whole order checked once, not a search a shard
-        for i in range(len(self)):
-            yield self._made.get(i) or self.tables.shard(i, keep=False)  # a pass over every shard stays bounded
-
-    def __repr__(self) -> str:
-        return f"MappedShards({len(self)} shards, {len(self._made)} made)"
 
 
 class MappedManifest(Manifest):

@@ -11,6 +11,7 @@ import xxhash
 
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import _check_fields
+from tierflow.format.metadata_windows import check_windows_entry, window_entries
 from tierflow.format.metadata_layout import (
     layout_schema,
     check_chunk_starts,
@@ -80,6 +81,11 @@ def table_keys(d: dict) -> tuple[str, ...]:
     return tuple(
         key for key in ("shards", "blocks", "layout", "chunks", "block_chunks") if isinstance(d.get(key), dict)
     )
+
+
+def table_entries(d: dict) -> list[dict]:
+    """Every entry of the header that names a table file: those of `table_keys` and the window tables'."""
+    return [d[key] for key in table_keys(d)] + window_entries(d)
 
 
 def header_checksum(d: dict) -> str:
@@ -152,6 +158,8 @@ def parse_header(raw: bytes, where: str) -> dict:
     check_summary(d.get("summary"), d["shards"]["rows"], fail)
     if d.get("layout") is not None:
         check_layout_entry(d["layout"], d["shards"]["rows"], totals["samples"], fail)
+    if d.get("windows") is not None:  # token-window layouts (metadata_windows.py); absent before them
+        check_windows_entry(d["windows"], d["shards"]["rows"], fail)
     return d
 
 

@@ -194,29 +194,38 @@ def decoded_digest(decoded: np.ndarray, block_bytes: np.ndarray | None) -> str:
 def layout_columns(shard_columns: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
     """The layout table's columns and the header entry's fields for a dataset's shard columns (pack,
     upgrade); None for a dataset with no non-empty shard (or sample counts out of range)."""
-    from tierflow.order.layout import PartitionLayout
-
     samples = np.asarray(shard_columns["samples"], dtype=np.int64)
-    nonempty = int((samples > 0).sum())
-    if nonempty == 0 or int(samples.min()) < 0 or int(samples.max()) >= MAX_COUNT:
+    if samples.size == 0 or int(samples.min()) < 0 or int(samples.max()) >= MAX_COUNT:
         return None  # columns a reader refuses (a forged dataset's) have no order to store
-    layout = PartitionLayout(cast(Sequence[int], samples), default_partitions(nonempty))
-    by_partition = np.argsort(layout.shard_partition, kind="stable").astype(np.int64)
-    starts = np.searchsorted(layout.shard_partition[by_partition], np.arange(layout.partitions + 1))
     decoded = np.asarray(shard_columns["decoded_bytes"], dtype=np.int64)
     rows = np.asarray(shard_columns["largest_rows"], dtype=np.int64)
+    return layout_parts(samples, decoded_digest(decoded, largest_blocks(decoded, rows, samples)))
+
+
+def layout_parts(counts: np.ndarray, decoded: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """The default order's layout over per-shard `counts` (samples, or windows of one length) as a
+    layout table's columns and its entry's fields; `decoded`: the order's decoded digest. None: no
+    shard holds one."""
+    from tierflow.order.layout import PartitionLayout
+
+    nonempty = int((counts > 0).sum())
+    if nonempty == 0:
+        return None
+    layout = PartitionLayout(cast(Sequence[int], counts), default_partitions(nonempty))
+    by_partition = np.argsort(layout.shard_partition, kind="stable").astype(np.int64)
+    starts = np.searchsorted(layout.shard_partition[by_partition], np.arange(layout.partitions + 1))
     fields: dict[str, Any] = {
         "partitions": layout.partitions,
         "starts": [int(s) for s in starts],
         "sizes": [int(s) for s in layout.partition_sizes],
         "nonempty": nonempty,
         "digest": layout.digest(),
-        "decoded": decoded_digest(decoded, largest_blocks(decoded, rows, samples)),
+        "decoded": decoded,
     }
     columns: dict[str, np.ndarray] = {
         "partition": layout.shard_partition.astype(np.uint16),
         "by_partition": by_partition,
-        "member_samples": samples[by_partition],
+        "member_samples": counts[by_partition],
     }
     return columns, fields
 
@@ -275,11 +284,15 @@ class StoredLayout:
 
     manifest: Any = None
     """The MappedManifest it was read from: it pickles as that (a DataLoader worker maps it again)."""
+    seq_len: int | None = None
+    """The window length of a token-window layout (metadata_windows.py); None: the rows order's."""
+    window_starts: Any = None
+    """A token-window layout's StoredWindowStarts: where its windows start in the token stream."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.manifest is None:
             raise TypeError(f"{self.where}: a stored layout read without its manifest cannot be pickled")
-        return (_stored_layout_of, (self.manifest,))
+        return (_stored_layout_of, (self.manifest, self.seq_len))
 
     @property
     def shard_partition(self) -> np.ndarray:
@@ -344,8 +357,8 @@ def _check_member_samples(_chunk: int, _first: int, v: np.ndarray) -> str | None
     return None if not v.size or int(v.min()) >= 0 else "a member's samples are negative"
 
 
-def _stored_layout_of(manifest: Any) -> StoredLayout:
-    stored = manifest.tables.stored_layout()
+def _stored_layout_of(manifest: Any, seq_len: int | None = None) -> StoredLayout:
+    stored = manifest.tables.stored_layout(seq_len)
     if stored is None:
         raise ValueError(f"{manifest.where}: its metadata no longer stores the order's layout")
     return stored

@@ -17,6 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import schema_fields
 from tierflow.format.metadata_layout import verify_layout
+from tierflow.format.metadata_windows import verify_windows
 from tierflow.format.metadata_summary import verify_summary
 from tierflow.format.metadata import (
     BLOCK_SCHEMA,
@@ -53,6 +54,7 @@ def verify_metadata(manifest: MappedManifest) -> list[str]:
             except ManifestError as e:
                 problems.append(str(e))
         problems += verify_layout(tables)
+        problems += verify_windows(tables)
         if not problems:
             problems += verify_summary(tables)
         if problems:

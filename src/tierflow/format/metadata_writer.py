@@ -40,10 +40,17 @@ from tierflow.format.metadata import (
     has_metadata,
     header_checksum,
     load_metadata,
-    table_keys,
+    table_entries,
 )
 from tierflow.format.metadata_header import header_layout_schema
 from tierflow.format.metadata_layout import LAYOUT_COLUMNS, LAYOUT_SCHEMA, layout_columns, layout_schema
+from tierflow.format.metadata_windows import (
+    MOST_LENGTHS,
+    WINDOWS_SCHEMA,
+    chunk_fields,
+    table_kind,
+    window_columns,
+)
 from tierflow.format.metadata_summary import SUMMARY_COLUMNS, summary_fields
 from tierflow.format.shard import COMPRESSIONS, BlockList, ShardInfo
 
@@ -221,6 +228,7 @@ def write_metadata(
     manifest_bytes: bytes | None = None,
     chunk_rows: int = CHUNK_ROWS,
     block_chunk_rows: int = BLOCK_CHUNK_ROWS,
+    seq_lens: Sequence[int] = (),
 ) -> Path:
     """Write the version-3 metadata of a dataset directory: both tables, then the header last
     (atomically), so a reader sees the old metadata or the new, whole. From a `manifest` (pack,
@@ -228,7 +236,8 @@ def write_metadata(
     them, `fields` the header's dataset-wide fields: what a synthetic or converted dataset writes).
     `manifest_bytes`: the manifest.json published beside it (pack, upgrade), recorded by size and
     hash: a reader takes the header only while the manifest beside it is that one, so an edited or
-    replaced manifest.json is read (and judged) as itself, never shadowed by an older header."""
+    replaced manifest.json is read (and judged) as itself, never shadowed by an older header.
+    `seq_lens`: the window lengths whose token-window layouts to store (metadata_windows.py)."""
     directory = Path(directory)
     if manifest is not None:
         shard_columns, block_columns = columns_from_shards(manifest.shards)
@@ -239,6 +248,8 @@ def write_metadata(
     for name in ("sample_start", "token_start"):
         if name not in shard_columns:
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
+    if seq_lens and fields.get("token_column") is None:
+        raise ValueError(f"{directory}: window layouts (seq_len) need a token dataset (packed with a tokenizer)")
     shards, shard_raw = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
     blocks, block_raw = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
     block_chunks = _write_block_chunk_table(directory, block_raw, block_chunk_rows)
@@ -269,6 +280,7 @@ def write_metadata(
         "summary": summary_fields(shard_columns),
         **({} if layout is None else {"layout": layout}),
         **({} if chunks is None else {"chunks": chunks}),
+        **_windows(directory, shard_columns["tokens"], seq_lens, layout),
         "block_chunks": block_chunks,
         "manifest": None
         if manifest_bytes is None
@@ -276,6 +288,25 @@ def write_metadata(
     }
     header[HEADER_CHECKSUM_KEY] = header_checksum(header)
     return _publish(directory, METADATA_NAME, header_bytes(header))
+
+
+def _windows(directory: Path, tokens: np.ndarray, seq_lens: Iterable[int], layout: dict | None) -> dict:
+    """The header's `windows` entry for the window lengths asked for, their tables written (empty: none
+    asked for, or no shard holds a window)."""
+    entries = {}
+    if len(set(seq_lens)) > MOST_LENGTHS:
+        raise ValueError(f"{len(set(seq_lens))} window lengths; a dataset stores layouts for at most {MOST_LENGTHS}")
+    for seq_len in sorted(set(seq_lens)):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        made = (
+            None if layout is None else window_columns(np.asarray(tokens, dtype=np.int64), seq_len, layout["decoded"])
+        )
+        if made is not None:
+            columns, fields = made
+            entry, raw = _write_table(directory, table_kind(seq_len), WINDOWS_SCHEMA, columns)
+            entries[str(seq_len)] = {**entry, "chunks": chunk_fields(columns, raw), **fields}
+    return {"windows": entries} if entries else {}
 
 
 def dataset_fields(manifest: Manifest) -> dict:
@@ -300,7 +331,7 @@ def _publish(directory: Path, name: str, data: bytes) -> Path:
     return write_atomically(directory / name, data)
 
 
-def upgrade(directory: str | Path) -> Path:
+def upgrade(directory: str | Path, seq_lens: Sequence[int] = ()) -> Path:
     """Write the version-3 metadata of the dataset in `directory` from its manifest.json, in place:
     tables under new names, the header last, atomically; manifest.json is kept (older readers). A crash
     leaves the old dataset as it was (at worst, unreferenced table files that gc removes)."""
@@ -311,25 +342,38 @@ def upgrade(directory: str | Path) -> Path:
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
     manifest = Manifest.from_bytes(raw, str(path))  # checked as any reader checks it
-    return write_metadata(directory, manifest, manifest_bytes=raw)
+    return write_metadata(directory, manifest, manifest_bytes=raw, seq_lens=[*seq_lens, *_stored_lengths(directory)])
 
 
-def update_header(directory: str | Path) -> Path | None:
+def _stored_lengths(directory: Path) -> list[int]:
+    """The window lengths the directory's header stores layouts for (kept by an upgrade that rewrites it)."""
+    try:
+        return (
+            [int(key) for key in (load_metadata(directory).header.get("windows") or {})]
+            if has_metadata(directory)
+            else []
+        )
+    except ManifestError:
+        return []
+
+
+def update_header(directory: str | Path, seq_lens: Sequence[int] = ()) -> Path | None:
     """Bring the header of a version-3 dataset written by an older tierflow up to this one's, in place
     (`updated_header`): a table it lacks first, then the header, atomically (a crash leaves the dataset
     as it was, at worst with a table gc removes). None: nothing to add."""
     directory = Path(directory)
-    header = updated_header(load_metadata(directory), directory)
+    header = updated_header(load_metadata(directory), directory, seq_lens)
     return None if header is None else _publish(directory, METADATA_NAME, header_bytes(header))
 
 
-def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
+def updated_header(manifest: MappedManifest, directory: Path, seq_lens: Sequence[int] = ()) -> dict | None:
     """The header of `manifest` with what an older writer left out: the order's layout, or one that
     lists no member_samples (its table written to `directory`, where a remote dataset's upgrade
     uploads it from, before the header), the chunk table (above one chunk of shards; in place of
     chunk hashes held in the header, or again where an older tierflow's gc removed it), the block
     chunk table (likewise), and the summary. Every column is checked as any reader checks it before
-    its hashes are rewritten. None: nothing to add."""
+    its hashes are rewritten; and the token-window layouts of `seq_lens` it does not store yet.
+    None: nothing to add."""
     tables = manifest.tables
     before = {k: v for k, v in manifest.header.items() if k != HEADER_CHECKSUM_KEY}
     header = dict(before)
@@ -365,6 +409,18 @@ def updated_header(manifest: MappedManifest, directory: Path) -> dict | None:
         )
     if header.get("summary") is None:
         header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
+    windows = header.get("windows") or {}
+    wanted = {seq_len for seq_len in seq_lens if str(seq_len) not in windows}
+    if wanted:
+        if header.get("token_column") is None:
+            raise ValueError(
+                f"{manifest.where}: window layouts (seq_len) need a token dataset (packed with a tokenizer)"
+            )
+        if len(windows) + len(wanted) > MOST_LENGTHS:
+            raise ValueError(f"{manifest.where}: a dataset stores layouts for at most {MOST_LENGTHS} window lengths")
+        added = _windows(directory, tables.column("tokens"), wanted, header.get("layout"))
+        if added:
+            header["windows"] = {**windows, **added["windows"]}
     restored = ("chunks" in before and tables.chunks is None) or (
         "block_chunks" in before and tables.block_chunks is None
     )  # the same table written again
@@ -378,7 +434,9 @@ def _bytes_of(columns: dict[str, np.ndarray]) -> dict[str, memoryview]:
     return {name: np.ascontiguousarray(v).view(np.uint8).data for name, v in columns.items()}
 
 
-def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_shards: int | None = None) -> Path:
+def write_with_manifest(
+    directory: str | Path, manifest: Manifest, legacy_max_shards: int | None = None, seq_lens: Sequence[int] = ()
+) -> Path:
     """What pack publishes: the version-3 tables and header, then manifest.json last (version-2
     readers and tools) while the dataset has at most `legacy_max_shards` shards
     (LEGACY_MANIFEST_SHARDS); above that the header alone (a manifest of 10,000 shards is ~30 MB that
@@ -388,11 +446,11 @@ def write_with_manifest(directory: str | Path, manifest: Manifest, legacy_max_sh
     if len(manifest.shards) > limit:
         # the header first: while an older pack's manifest.json is beside it, readers read that one (a
         # header recording none is current only alone), so a crash before the unlink leaves the old dataset
-        path = write_metadata(directory, manifest)
+        path = write_metadata(directory, manifest, seq_lens=seq_lens)
         (directory / MANIFEST_NAME).unlink(missing_ok=True)
         return path
     raw = json.dumps(manifest.to_json(), indent=1).encode()  # the bytes `save` writes
-    write_metadata(directory, manifest, manifest_bytes=raw)
+    write_metadata(directory, manifest, manifest_bytes=raw, seq_lens=seq_lens)
     return manifest.save(directory)
 
 
@@ -424,7 +482,7 @@ def header_tables(raw: bytes) -> set[str]:
     """The table files a header's bytes name, read leniently (a damaged header names none)."""
     try:
         d = json.loads(raw)
-        return {d[t]["file"] for t in table_keys(d) if isinstance(d[t]["file"], str)}
+        return {e["file"] for e in table_entries(d) if isinstance(e.get("file"), str)}
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return set()
 

@@ -22,6 +22,7 @@ from tierflow.errors import CursorError
 from tierflow.format.dataset import Dataset
 from tierflow.format.manifest import Manifest
 from tierflow.format.metadata_table import ShardRows
+from tierflow.format.metadata_windows import WindowCounts
 from tierflow.format.reads import TokenReader
 from tierflow.loader._collate import collate_columns, collate_samples
 from tierflow.loader.cursor import LoaderCursor
@@ -101,8 +102,8 @@ class Batcher(Protocol):
         """Read and assemble one planned batch."""
 
 
-OrderCounts = np.ndarray | ShardRows
-"""Order samples per shard: an int64 array, or a mapped column read as shards are asked for."""
+OrderCounts = np.ndarray | ShardRows | WindowCounts
+"""Order samples per shard: an int64 array, or per-shard values of a mapped column read as shards are asked for."""
 
 
 def shard_samples(dataset: Dataset) -> OrderCounts:
@@ -333,10 +334,14 @@ class TokenWindows(ByPosition):
             raise TypeError("TokenWindows needs a token dataset (packed with a tokenizer)")
         return [manifest.token_column]
 
-    def order_counts(self, dataset: Dataset) -> np.ndarray:
-        return window_counts(dataset.token_starts, self.seq_len)
+    def order_counts(self, dataset: Dataset) -> OrderCounts:
+        """Windows per shard: over a layout stored for this length, computed as shards are asked for."""
+        stored = _window_layout(dataset, self.seq_len)
+        return stored.counts if stored is not None else window_counts(dataset.token_starts, self.seq_len)
 
-    def _reading(self, ctx: SampleContext) -> tuple[int, TokenReader, WindowStarts, np.dtype, int | None]:
+    def _reading(
+        self, ctx: SampleContext
+    ) -> tuple[int, TokenReader, Callable[[np.ndarray], np.ndarray], np.dtype, int | None]:
         """(seq_len, reader, window starts, token dtype, eos id) of this context, made once."""
         reading = ctx.cache.get("tokens")
         if reading is None or reading[0] != self.seq_len:
@@ -344,7 +349,7 @@ class TokenWindows(ByPosition):
             reading = ctx.cache["tokens"] = (
                 self.seq_len,
                 TokenReader(ctx.dataset),
-                WindowStarts(ctx.dataset.token_starts, self.seq_len),
+                _window_starts(ctx.dataset, self.seq_len),
                 np.dtype(manifest.token_dtype or np.uint16),
                 manifest.eos_id,
             )
@@ -393,6 +398,20 @@ class TokenWindows(ByPosition):
             )
             row += size
         return out
+
+
+def _window_layout(dataset: Dataset, seq_len: int) -> Any:
+    """The layout stored for windows of `seq_len` with a dataset's mapped metadata (format/metadata_windows.py)."""
+    from tierflow.format.metadata import MappedManifest
+
+    manifest = dataset.manifest
+    return manifest.tables.stored_layout(seq_len) if isinstance(manifest, MappedManifest) else None
+
+
+def _window_starts(dataset: Dataset, seq_len: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Where windows of `seq_len` start: from a stored layout's column, else from every shard's token counts."""
+    stored = _window_layout(dataset, seq_len)
+    return stored.window_starts if stored is not None else WindowStarts(dataset.token_starts, seq_len)
 
 
 def _plain_segments(rows: int, length: int) -> tuple[np.ndarray, int, np.ndarray]:

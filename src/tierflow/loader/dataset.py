@@ -574,18 +574,18 @@ def _largest_blocks(manifest: Any) -> Any:
 def _order_totals(counts: Any, manifest: Any) -> tuple[int, int]:
     """(order samples, shards holding one): a stored layout's, for the counts it was made for (no
     column read), else summed from the counts."""
-    stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
-    if stored is not None and stored.counts is counts and stored.nonempty is not None:
+    stored = manifest.tables.layout_of(counts) if isinstance(manifest, MappedManifest) else None
+    if stored is not None and stored.nonempty is not None:
         return int(stored.sizes.sum()), stored.nonempty
     whole = np.asarray(whole_counts(counts))
     return int(whole.sum()), int((whole > 0).sum())
 
 
 def _stored_layout(manifest: Any, counts: Any) -> dict[str, Any]:
-    """The layout and decoded digest stored with the metadata, for an order over the rows (metadata_layout.py)."""
-    stored = manifest.tables.stored_layout() if isinstance(manifest, MappedManifest) else None
-    use = stored is not None and stored.counts is counts
-    return {"stored_layout": stored, "decoded_digest": stored.decoded} if use and stored is not None else {}
+    """The layout and decoded digest stored with the metadata for an order over these counts: the rows
+    (metadata_layout.py), or windows of a stored length (metadata_windows.py)."""
+    stored = manifest.tables.layout_of(counts) if isinstance(manifest, MappedManifest) else None
+    return {} if stored is None else {"stored_layout": stored, "decoded_digest": stored.decoded}
 
 
 def _lane_share(lanes: int, share: int) -> int:

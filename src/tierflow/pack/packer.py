@@ -82,6 +82,7 @@ def pack(
     engine: str = "local",
     address: str | None = None,
     shard_size: int | str | None = None,
+    seq_len: int | Sequence[int] = (),
 ) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
 
@@ -102,8 +103,16 @@ def pack(
     the same shards, byte for byte; `workers` then caps the tasks at once (default: its CPUs).
     A pack into a directory that was killed (either engine) resumes when rerun with the same
     inputs and options: the shards it had sealed are kept and their units not packed again.
+    `seq_len` (a tokenized pack's; one length or several): store the token-window order's layout for
+    windows of each, so a loader with that `seq_len` starts without a pass over every shard
+    (format/metadata_windows.py; `tierflow upgrade --seq-len` adds one later).
     """
     refuse_while_bootstrapping("tierflow.pack")
+    seq_lens = (seq_len,) if isinstance(seq_len, int) else tuple(seq_len)
+    if seq_lens and tokenizer is None:
+        raise ValueError(f"seq_len={seq_len!r} stores token-window layouts: it needs a tokenizer")
+    if any(type(n) is not int or n < 1 for n in seq_lens):
+        raise ValueError(f"seq_len must be positive window lengths, got {seq_len!r}")
     if shard_size is not None:
         if target_shard_bytes is not None:
             raise ValueError("give shard_size= or target_shard_bytes=, not both (they are the same setting)")
@@ -127,6 +136,7 @@ def pack(
         chunk_bytes=chunk_bytes,
         block_bytes=block_bytes,
         engine_run=_engine(engine, address, workers),
+        seq_lens=seq_lens,
     )
     target = str(out)
     if "://" not in target or target.startswith("file://"):
@@ -180,6 +190,7 @@ def _pack_local(
     chunk_bytes: int,
     block_bytes: int | None,
     engine_run: Callable | None = None,
+    seq_lens: Sequence[int] = (),
     on_shard: Callable[[Path, ShardInfo], None] | None = None,
 ) -> PackSummary:
     sources = _as_sources(sources)
@@ -262,7 +273,7 @@ def _pack_local(
             where = ", ".join(str(s) for s in sources if isinstance(s, (str, os.PathLike))) or "the iterable"
             raise PackInputError(f"no samples found in {where}" + skipped_note(run.totals))
         manifest = run.manifest(tok)
-        write_with_manifest(out, manifest)  # the version-3 tables and header, manifest.json last
+        write_with_manifest(out, manifest, seq_lens=seq_lens)  # the version-3 tables and header, manifest.json last
         remove_unreferenced(out, manifest)
     return PackSummary(
         manifest, time.perf_counter() - run.started, run.input_bytes, run.units_packed, point.unit if point else 0

@@ -349,7 +349,7 @@ def _header_tables(source: RetryingStore) -> set[str]:
         return set()
 
 
-def update_header_source(source: Any, workdir: str | Path) -> bool:
+def update_header_source(source: Any, workdir: str | Path, seq_lens: Sequence[int] = ()) -> bool:
     """`update_header` for a version-3 dataset at a URL written by an older tierflow (with no
     manifest.json to upgrade from: above LEGACY_MANIFEST_SHARDS pack writes none): its tables mapped
     from the node's copy, a table it lacks written in `workdir` and uploaded, then the header (the
@@ -358,7 +358,7 @@ def update_header_source(source: Any, workdir: str | Path) -> bool:
     manifest = read_metadata(source)
     if not isinstance(manifest, MappedManifest):
         raise ManifestError(f"{source.url}: neither a manifest.json nor version-3 metadata to upgrade")
-    header = updated_header(manifest, workdir)
+    header = updated_header(manifest, workdir, seq_lens)
     if header is None:
         return False
     data = header_bytes(header)
@@ -370,13 +370,13 @@ def update_header_source(source: Any, workdir: str | Path) -> bool:
     return True
 
 
-def upgrade_source(source: Any, workdir: str | Path) -> str:
+def upgrade_source(source: Any, workdir: str | Path, seq_lens: Sequence[int] = ()) -> str:
     """`upgrade` for a dataset at a URL: its manifest.json read and checked, the tables and header
     written in `workdir`, uploaded tables first and the header last (the commit point); the manifest
     stays for version-2 readers. Returns the header's URL."""
     workdir = Path(workdir)
     raw, manifest = read_manifest_json(source)
-    write_metadata(workdir, manifest, manifest_bytes=raw)
+    write_metadata(workdir, manifest, manifest_bytes=raw, seq_lens=seq_lens)
     for name in sorted(referenced_tables(workdir)):
         source.upload(workdir / name, name)
     source.upload(workdir / METADATA_NAME, METADATA_NAME)

@@ -30,7 +30,7 @@ from tierflow.format.metadata import (
     TABLE_SUFFIX,
     load_metadata,
     parse_header,
-    table_keys,
+    table_entries,
 )
 from tierflow.format.metadata_index import current_metadata
 from tierflow.format.table_locks import TableGone, remove_if_unused
@@ -107,7 +107,7 @@ def _map_from_node(source: RetryingStore, raw: bytes, cache: Path) -> Manifest:
     header = parse_header(raw, where)
     local = cache / xxhash.xxh3_64_hexdigest(source.url.encode())
     local.mkdir(parents=True, exist_ok=True)
-    names = {header[table]["file"]: header[table]["size"] for table in table_keys(header)}
+    names = {entry["file"]: entry["size"] for entry in table_entries(header)}
     chunk_tables = {header[key]["file"] for key in ("chunks", "block_chunks") if header.get(key) is not None}
     with node_lock(local / DOWNLOAD_LOCK):
         for name, expected in names.items():

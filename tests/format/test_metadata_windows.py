@@ -1,0 +1,255 @@
+"""Token-window layouts stored with version-3 metadata (format/metadata_windows.py, issue 38).
+
+`pack --seq-len L` and `upgrade --seq-len L` store the layout of the order over windows of L tokens,
+so a language model's loader starts without a pass over every shard; the order read through it is
+the very order computed without it (same batches, same cursor config); a forged or damaged window
+table (every hash recomputed) is refused naming the dataset, and one that is consistent but not the
+order's is reported by `verify`; gc keeps it and a node downloads it with the other tables."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow
+from tierflow.commands.cli import main as cli
+from tierflow.errors import ManifestError
+from tierflow.format import metadata as md
+from tierflow.format import metadata_verify, metadata_writer
+from tierflow.format.metadata_windows import WINDOWS_SCHEMA, WindowCounts, chunk_fields, table_kind
+from tierflow.loader import BatchSpec, Loader, TieredDataset
+from tierflow.testing.faults import write_corpus
+
+from hostile import copy_dataset as copy, read_header as header, write_header
+
+LENGTHS = (64, 128)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("windows") / "a.jsonl", docs=3000, seed=5)
+
+
+def _pack(corpus: Path, out: Path, **options) -> Path:
+    tierflow.pack(
+        [corpus], out, workers=1, tokenizer="bytes", target_shard_bytes=256 << 10, block_bytes=32 << 10, **options
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _pack(corpus, tmp_path_factory.mktemp("stored") / "out", seq_len=list(LENGTHS))
+
+
+@pytest.fixture(scope="module")
+def plain(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _pack(corpus, tmp_path_factory.mktemp("plain") / "out")
+
+
+def forge_windows(path: Path, seq_len: int, edit_columns=None, edit_fields=None) -> None:
+    """The window table and entry rewritten with an edit, every hash recomputed (issue 18's attacker)."""
+    d = header(path)
+    entry = d["windows"][str(seq_len)]
+    stored = md.load_metadata(path).tables.stored_layout(seq_len)
+    assert stored is not None
+    columns = {name: np.array(stored.table.raw(name)) for name in WINDOWS_SCHEMA.names}
+    if edit_columns is not None:
+        edit_columns(columns)
+    fields = {k: v for k, v in entry.items() if k not in ("file", "rows", "size", "columns", "chunks")}
+    if edit_fields is not None:
+        edit_fields(fields)
+    written, raw = metadata_writer._write_table(path, table_kind(seq_len), WINDOWS_SCHEMA, columns)
+    d["windows"][str(seq_len)] = {**written, "chunks": chunk_fields(columns, raw), **fields}
+    write_header(path, d)
+
+
+def first_batches(dataset: TieredDataset, count: int = 30) -> list[tuple[list[int], bytes]]:
+    return [
+        (b.meta.sample_ids.tolist(), np.asarray(b.data["input_ids"]).tobytes()) for _, b in zip(range(count), dataset)
+    ]
+
+
+@pytest.mark.parametrize("seq_len", LENGTHS)
+def test_the_order_through_a_stored_window_layout_is_the_computed_one(packed: Path, plain: Path, seq_len: int) -> None:
+    d = header(packed)
+    assert sorted(d["windows"]) == sorted(str(n) for n in LENGTHS) and "windows" not in header(plain)
+    assert d["dataset_id"] == header(plain)["dataset_id"]
+    stored = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=seq_len))
+    computed = TieredDataset(plain, BatchSpec(batch_size=4, seq_len=seq_len))
+    assert stored.order.layout._stored is not None and computed.order.layout._stored is None
+    assert isinstance(stored._order_args["shard_sample_counts"], WindowCounts)
+    assert stored.order.config == computed.order.config and stored.order.config_hash == computed.order.config_hash
+    a, b = stored.order.layout, computed.order.layout
+    assert a.partition_sizes.tolist() == b.partition_sizes.tolist()
+    for p in range(a.partitions):
+        assert a.partition_shards[p].tolist() == b.partition_shards[p].tolist()
+    assert stored.future_shard_uses(horizon_batches=200) == computed.future_shard_uses(horizon_batches=200)
+    assert first_batches(stored) == first_batches(computed)
+    spec = BatchSpec(batch_size=4, seq_len=seq_len)
+    run = Loader(TieredDataset(plain, spec))
+    seen = [b["input_ids"].numpy().tobytes() for _, b in zip(range(7), run)]
+    cursor = json.loads(json.dumps(run.state_dict()))[
+        "cursor"
+    ]  # a computed layout's cursor, resumed over the stored one
+    resumed = first_batches(TieredDataset(packed, spec, resume=cursor), 3)
+    assert resumed == first_batches(TieredDataset(plain, spec, resume=cursor), 3) and resumed[0][1] not in seen
+
+
+def test_an_unstored_length_and_the_rows_order_are_as_before(packed: Path) -> None:
+    other = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=96))
+    rows = TieredDataset(packed, BatchSpec(batch_size=16))
+    assert other.order.layout._stored is None
+    assert rows.order.layout._stored is not None and rows.order.layout._stored.seq_len is None
+
+
+def test_a_dataset_over_a_stored_window_layout_pickles_for_a_worker(packed: Path) -> None:
+    """The counts and the layout travel as the manifest (its directory, mapped again there), not as
+    per-shard arrays; the order there is the same."""
+    dataset = TieredDataset(packed, BatchSpec(batch_size=4, seq_len=64))
+    sent = pickle.dumps(dataset, protocol=5)
+    tokens = dataset.manifest.tables.column("tokens")
+    assert np.maximum(0, (tokens - 1) // 64).tobytes() not in sent
+    again = pickle.loads(sent)
+    assert again.order.layout._stored is not None and again.order.layout._stored.seq_len == 64
+    assert again.order.config_hash == dataset.order.config_hash
+    assert first_batches(again, 3) == first_batches(dataset, 3)
+    assert tierflow.open_loader(packed, batch_size=4, seq_len=64, num_workers=2) is not None
+
+
+def test_upgrade_adds_window_layouts_and_keeps_them(packed: Path, plain: Path, tmp_path: Path) -> None:
+    out = copy(plain, tmp_path)
+    assert cli(["upgrade", str(out), "--seq-len", "64"]) == 0  # a manifest.json beside: rewritten from it
+    assert header(out)["windows"]["64"] == header(packed)["windows"]["64"]
+    assert cli(["upgrade", str(out), "--seq-len", "128"]) == 0
+    assert header(out)["windows"] == header(packed)["windows"]
+    assert cli(["upgrade", str(out)]) == 0 and header(out)["windows"] == header(packed)["windows"]  # kept
+    assert metadata_verify.verify_metadata(md.load_metadata(out)) == []
+    v3 = copy(plain, tmp_path, "v3")  # no manifest.json: the header brought up to date in place
+    (v3 / "manifest.json").unlink()
+    d = header(v3)
+    d.pop("manifest")
+    write_header(v3, d)
+    assert cli(["upgrade", str(v3), "--seq-len", "64"]) == 0
+    assert header(v3)["windows"]["64"] == header(packed)["windows"]["64"]
+    before = header(v3)
+    assert cli(["upgrade", str(v3), "--seq-len", "64"]) == 0 and header(v3) == before  # up to date
+    assert cli(["gc", str(v3)]) == 0
+    assert (v3 / before["windows"]["64"]["file"]).exists()
+    dataset = TieredDataset(v3, BatchSpec(batch_size=4, seq_len=64))
+    assert dataset.order.layout._stored is not None
+    assert first_batches(dataset, 3) == first_batches(TieredDataset(plain, BatchSpec(batch_size=4, seq_len=64)), 3)
+
+
+def test_window_layouts_need_a_token_dataset(corpus: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        tierflow.pack([corpus], tmp_path / "rows", workers=1, seq_len=64)
+    tierflow.pack([corpus], tmp_path / "rows", workers=1, target_shard_bytes=256 << 10)
+    assert cli(["upgrade", str(tmp_path / "rows"), "--seq-len", "64"]) == 2
+    with pytest.raises(ValueError, match="need a token dataset"):
+        metadata_writer.update_header(tmp_path / "rows", [64])
+
+
+def _rotate(columns: dict) -> None:
+    columns["partition"] = np.roll(columns["partition"], 1)
+
+
+def _window_start(columns: dict) -> None:
+    columns["window_start"][len(columns["window_start"]) // 2] += 1
+
+
+def _swap_counts(columns: dict) -> None:
+    counts = columns["member_samples"]
+    i = int(np.flatnonzero(counts[1:] != counts[:-1])[0])
+    counts[i], counts[i + 1] = counts[i + 1], counts[i]
+
+
+@pytest.mark.parametrize(
+    "edit_columns, edit_fields, match",
+    [
+        (_rotate, None, "lists another partition's shard"),
+        (_window_start, None, "is not the running sum of the shards' windows of 64"),
+        (_swap_counts, None, "gives a shard samples that are not its own|does not hold its size's samples"),
+        (None, lambda f: f.update(sizes=[s + 1 for s in f["sizes"]]), "is not the running sum|does not hold its size"),
+        (None, lambda f: f.update(seq_len=128), "seq_len is not 64"),
+        (None, lambda f: f.update(partitions=65), "not a partition count"),
+    ],
+)
+def test_a_forged_window_layout_is_refused_naming_the_dataset(
+    packed: Path, tmp_path: Path, edit_columns, edit_fields, match: str
+) -> None:
+    out = copy(packed, tmp_path)
+    forge_windows(out, 64, edit_columns, edit_fields)
+    with pytest.raises(ManifestError, match=match) as raised:
+        for _batch in TieredDataset(out, BatchSpec(batch_size=4, seq_len=64)):
+            pass
+    assert str(out) in str(raised.value)
+    assert TieredDataset(packed, BatchSpec(batch_size=4, seq_len=128)).order.layout._stored is not None
+
+
+def test_verify_reports_a_consistent_window_layout_that_is_not_the_orders(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    forge_windows(out, 128, edit_fields=lambda f: f.update(digest="0" * 64))
+    problems = metadata_verify.verify_metadata(md.load_metadata(out))
+    assert len(problems) == 1 and "128.digest is not the order's" in problems[0]
+    assert cli(["verify", str(out)]) != 0
+
+
+def test_damaged_window_table_bytes_are_refused_when_read(packed: Path, tmp_path: Path) -> None:
+    out = copy(packed, tmp_path)
+    path = out / header(out)["windows"]["64"]["file"]
+    data = bytearray(path.read_bytes())
+    stored = md.load_metadata(packed).tables.stored_layout(64)
+    assert stored is not None
+    at = stored.table.raw("window_start").ctypes.data - stored.table._map.address + 8  # the second shard's
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="window_start.* does not match its hash") as raised:
+        for _batch in TieredDataset(out, BatchSpec(batch_size=4, seq_len=64)):
+            pass
+    assert str(out) in str(raised.value)
+    assert metadata_verify.verify_metadata(md.load_metadata(out))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda w: w.clear() or w.update(x=1), "not a window length"),
+        (lambda w: w.update({"064": w["64"]}), "not a window length"),
+        (lambda w: w["64"].update(file="../metadata-windows-64-x.arrow"), "is not a metadata table inside"),
+        (lambda w: w["64"]["chunks"]["starts"].update(window_start=[5]), "window starts, rising from 0"),
+        (lambda w: w["64"].pop("chunks"), "window starts, rising from 0"),
+        (lambda w: w.update({str(n): w["64"] for n in range(1, 9)}), "at most 8 window lengths"),
+    ],
+)
+def test_a_hostile_windows_entry_is_refused_at_open(packed: Path, tmp_path: Path, edit, match: str) -> None:
+    out = copy(packed, tmp_path)
+    d = header(out)
+    edit(d["windows"])
+    write_header(out, d)
+    with pytest.raises(ManifestError, match=match) as raised:
+        md.load_metadata(out)
+    assert str(out) in str(raised.value)
+
+
+def test_a_window_layout_of_an_s3_dataset_is_downloaded_and_added(
+    packed: Path, plain: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch
+) -> None:
+    from tierflow.storage.remote import upload_dataset
+
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
+    url, endpoint = f"s3://{s3_bucket}/windows", s3_server.endpoint_url
+    upload_dataset(plain, url, endpoint_url=endpoint)
+    spec = BatchSpec(batch_size=4, seq_len=64)
+    before = TieredDataset(url, spec, endpoint_url=endpoint)
+    assert before.order.layout._stored is None
+    assert cli(["upgrade", url, "--endpoint-url", endpoint, "--seq-len", "64"]) == 0
+    after = TieredDataset(url, spec, endpoint_url=endpoint)
+    assert after.order.layout._stored is not None and after.order.config_hash == before.order.config_hash
+    assert after.manifest.header["windows"]["64"] == header(packed)["windows"]["64"]
+    assert first_batches(after, 3) == first_batches(before, 3)
+    assert cli(["verify", url, "--endpoint-url", endpoint]) == 0
