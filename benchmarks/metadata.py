@@ -27,7 +27,8 @@ every shard's block rows, the dataset id; the shard files themselves are not the
 `gc-names` (the referenced-name set gc tests files against), `stager-keys` (entry key -> shards),
 `every-shard-object` (a ShardInfo per shard: what a tool that walks `manifest.shards` pays), `plan`
 (`tierflow plan` with an L2 of 30% at rest, 3 epochs, both forms) and `stager-plan` (a Stager made over
-an opened dataset and its first plan, the dataset's own cost left out).
+an opened dataset and its first plan, the dataset's own cost left out). With `--seq-len`, the paths a stored
+window layout changes (`STORED_PATHS`) are timed on that form too.
 
 `--seq-len L`: the shards hold byte-token documents (a `tokenizer="bytes"` pack) and the first batch
 (and `--paths`' order and stager plan) reads token windows of L: the order a language model trains on,
@@ -264,6 +265,8 @@ def child(path: str, wait: bool) -> None:
 
 
 PATHS = ("order", "inspect", "verify-metadata", "gc-names", "stager-keys", "every-shard-object", "plan", "stager-plan")
+STORED_PATHS = ("order", "verify-metadata", "plan", "stager-plan")
+"""The paths a stored window layout changes (timed on that form too, with --seq-len)."""
 
 
 def path_child(name: str, path: str) -> None:
@@ -547,22 +550,22 @@ def main() -> None:
                 flush=True,
             )
         print(f"<!-- {n:,} shards built in {built:.1f} s -->", file=sys.stderr, flush=True)
-        if args.paths:
-            for name in PATHS:
+        for form, path in forms[1:] if args.paths else ():
+            for name in PATHS if form == "v3 mapped" else STORED_PATHS:
                 out = subprocess.run(
-                    [sys.executable, __file__, "--path-child", name, str(new_dir)],
+                    [sys.executable, __file__, "--path-child", name, str(path)],
                     capture_output=True,
                     text=True,
                     env=env,
                     timeout=1800,
                 )
                 if out.returncode:
-                    paths.append(f"| {n:,} | {name} | failed: {out.stderr.strip().splitlines()[-1][:100]} | |")
+                    paths.append(f"| {n:,} | {form} | {name} | failed: {out.stderr.strip().splitlines()[-1][:100]} | |")
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
-                paths.append(f"| {n:,} | {name} | {r['s']:.3f} s | {r['peak_above_import'] / 1e6:.0f} MB |")
+                paths.append(f"| {n:,} | {form} | {name} | {r['s']:.3f} s | {r['peak_above_import'] / 1e6:.0f} MB |")
     if paths:
-        print("\n| shards | path (v3) | time | peak RSS above import |\n|---|---|---|---|")
+        print("\n| shards | form | path | time | peak RSS above import |\n|---|---|---|---|---|")
         print("\n".join(paths))
     if args.verify_rounds:
         verify_rounds(new_dir, args.verify_rounds, env)

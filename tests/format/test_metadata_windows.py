@@ -121,6 +121,13 @@ def test_a_dataset_over_a_stored_window_layout_pickles_for_a_worker(packed: Path
     assert tierflow.open_loader(packed, batch_size=4, seq_len=64, num_workers=2) is not None
 
 
+def test_inspect_names_the_stored_lengths(packed: Path, plain: Path, capsys) -> None:
+    assert cli(["inspect", str(packed)]) == 0
+    assert "token-window layouts stored for seq_len 64, 128" in capsys.readouterr().out
+    assert cli(["inspect", str(plain)]) == 0
+    assert "token-window layouts" not in capsys.readouterr().out
+
+
 def test_upgrade_adds_window_layouts_and_keeps_them(packed: Path, plain: Path, tmp_path: Path) -> None:
     out = copy(plain, tmp_path)
     assert cli(["upgrade", str(out), "--seq-len", "64"]) == 0  # a manifest.json beside: rewritten from it
@@ -253,3 +260,19 @@ def test_a_window_layout_of_an_s3_dataset_is_downloaded_and_added(
     assert after.manifest.header["windows"]["64"] == header(packed)["windows"]["64"]
     assert first_batches(after, 3) == first_batches(before, 3)
     assert cli(["verify", url, "--endpoint-url", endpoint]) == 0
+
+
+def test_a_large_dataset_without_the_length_stored_says_how_to_store_it(
+    packed: Path, plain: Path, monkeypatch, caplog
+) -> None:
+    from tierflow.loader import batching
+
+    monkeypatch.setattr(batching, "HINT_SHARDS", 2)
+    monkeypatch.setattr(batching, "_HINTED", set())
+    with caplog.at_level("WARNING", logger="tierflow.loader"):
+        TieredDataset(packed, BatchSpec(batch_size=4, seq_len=64))
+        assert not caplog.records
+        TieredDataset(plain, BatchSpec(batch_size=4, seq_len=64))
+        TieredDataset(plain, BatchSpec(batch_size=4, seq_len=64))
+    hints = [r.getMessage() for r in caplog.records]
+    assert len(hints) == 1 and f"tierflow upgrade {plain} --seq-len 64" in hints[0]

@@ -277,6 +277,9 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     if m.token_column:
         console.print(f"{m.num_tokens:,} tokens ({m.token_dtype}), tokenizer {m.tokenizer}")
+        stored = sorted(int(n) for n in (getattr(m, "header", None) or {}).get("windows") or {})
+        if stored:
+            console.print("token-window layouts stored for seq_len " + ", ".join(str(n) for n in stored))
     console.print("columns: " + ", ".join(f"{f.name}: {f.type}" for f in m.schema))
     table = folding_table("#", *ds.columns)
     for i in range(min(args.n, len(ds))):
