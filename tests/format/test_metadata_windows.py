@@ -68,6 +68,16 @@ def forge_windows(path: Path, seq_len: int, edit_columns=None, edit_fields=None)
     write_header(path, d)
 
 
+def without_manifest(path: Path, tmp_path: Path) -> Path:
+    """A copy of `path` as pack leaves a dataset above 10,000 shards: its header and no manifest.json."""
+    out = copy(path, tmp_path, "v3")
+    (out / "manifest.json").unlink()
+    d = header(out)
+    d.pop("manifest")
+    write_header(out, d)
+    return out
+
+
 def first_batches(dataset: TieredDataset, count: int = 30) -> list[tuple[list[int], bytes]]:
     return [
         (b.meta.sample_ids.tolist(), np.asarray(b.data["input_ids"]).tobytes()) for _, b in zip(range(count), dataset)
@@ -136,11 +146,7 @@ def test_upgrade_adds_window_layouts_and_keeps_them(packed: Path, plain: Path, t
     assert header(out)["windows"] == header(packed)["windows"]
     assert cli(["upgrade", str(out)]) == 0 and header(out)["windows"] == header(packed)["windows"]  # kept
     assert metadata_verify.verify_metadata(md.load_metadata(out)) == []
-    v3 = copy(plain, tmp_path, "v3")  # no manifest.json: the header brought up to date in place
-    (v3 / "manifest.json").unlink()
-    d = header(v3)
-    d.pop("manifest")
-    write_header(v3, d)
+    v3 = without_manifest(plain, tmp_path)  # no manifest.json: the header brought up to date in place
     assert cli(["upgrade", str(v3), "--seq-len", "64"]) == 0
     assert header(v3)["windows"]["64"] == header(packed)["windows"]["64"]
     before = header(v3)
@@ -260,6 +266,12 @@ def test_a_window_layout_of_an_s3_dataset_is_downloaded_and_added(
     assert after.manifest.header["windows"]["64"] == header(packed)["windows"]["64"]
     assert first_batches(after, 3) == first_batches(before, 3)
     assert cli(["verify", url, "--endpoint-url", endpoint]) == 0
+    v3, url3 = without_manifest(plain, tmp_path), f"s3://{s3_bucket}/v3"  # as pack leaves one above 10,000 shards
+    upload_dataset(v3, url3, endpoint_url=endpoint)
+    assert cli(["upgrade", url3, "--endpoint-url", endpoint, "--seq-len", "128"]) == 0  # the header brought up to date
+    more = TieredDataset(url3, BatchSpec(batch_size=4, seq_len=128), endpoint_url=endpoint)
+    assert more.manifest.header["windows"] == {"128": header(packed)["windows"]["128"]}
+    assert more.order.layout._stored is not None
 
 
 def test_a_large_dataset_without_the_length_stored_says_how_to_store_it(
