@@ -21,7 +21,19 @@ from tierflow.tiers import build_stack
 
 
 def pack(corpus: str, out: str, overwrite: bool = False, workers: int = 1) -> None:
-    tierflow.pack([corpus], out, tokenizer="bytes", target_shard_bytes=256 << 10, workers=workers, overwrite=overwrite)
+    tierflow.pack(
+        [corpus],
+        out,
+        tokenizer="bytes",
+        target_shard_bytes=256 << 10,
+        workers=workers,
+        overwrite=overwrite,
+        seq_len=WINDOW,
+    )
+
+
+WINDOW = 64
+"""The window length whose order's layout each pack stores (format/metadata_windows.py)."""
 
 
 def tier_specs(root: str | Path) -> list[str]:

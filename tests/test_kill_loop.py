@@ -40,7 +40,8 @@ from tierflow.checkpoint.remote import open_dest, remote_steps
 from tierflow.commands.cli import main as cli_main
 from tierflow.errors import ManifestError
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
-from tierflow.format.metadata import METADATA_NAME
+from tierflow.format.metadata import METADATA_NAME, MappedManifest
+from tierflow.format.metadata_verify import verify_metadata
 from tierflow.format.metadata_writer import referenced_tables
 from tierflow.testing.faults import sample_digests, tier_problems, verified_golden as golden, write_corpus
 from tierflow.testing.killer import ForkServer, RunResult
@@ -68,10 +69,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def visible(out: Path) -> tuple[str, list[str]] | None:
+    """The dataset a reader sees at `out` (its id and samples' hashes), its metadata verified whole
+    (the tables, the layouts stored with them: the window layout each pack stores among them)."""
     try:
-        Manifest.load(out)
+        manifest = Manifest.load(out)
     except ManifestError:
         return None
+    if isinstance(manifest, MappedManifest):
+        assert verify_metadata(manifest) == [], f"{out}: its metadata does not verify"
+        assert manifest.tables.stored_layout(kill_ops.WINDOW) is not None, f"{out}: no window layout"
     return golden(out)
 
 

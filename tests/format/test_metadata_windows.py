@@ -288,3 +288,26 @@ def test_a_large_dataset_without_the_length_stored_says_how_to_store_it(
         TieredDataset(plain, BatchSpec(batch_size=4, seq_len=64))
     hints = [r.getMessage() for r in caplog.records]
     assert len(hints) == 1 and f"tierflow upgrade {plain} --seq-len 64" in hints[0]
+
+
+@pytest.mark.parametrize("spec", [BatchSpec(batch_size=16), BatchSpec(batch_size=4, seq_len=64)])
+def test_a_dropped_dataset_unmaps_its_tables_at_once(packed: Path, spec: BatchSpec) -> None:
+    """No reference cycle through a stored layout: a dataset dropped frees its manifest and tables
+    (their shared locks with them) then, not when the cycle collector next runs, so a pack or gc
+    that follows in the same process can remove the tables it replaced."""
+    import gc
+    import weakref
+
+    dataset = TieredDataset(packed, spec)
+    assert dataset.order.layout._stored is not None
+    for _, _batch in zip(range(2), dataset):
+        pass
+    manifest = weakref.ref(dataset.manifest)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del dataset, _batch
+        assert manifest() is None
+    finally:
+        if enabled:
+            gc.enable()

@@ -188,7 +188,6 @@ class MetadataTables:
         self.layout = (
             None if entry is None else MappedTable(directory, entry, layout_schema(entry), where, self._plan("layout"))
         )
-        self._stored: dict[int | None, StoredLayout] = {}
         self.manifest: Callable[[], Any] = lambda: None
         """The MappedManifest these tables belong to, weakly: a strong reference would make a cycle that
         keeps the tables mapped, and their shared locks held against gc, until Python's cycle collector
@@ -365,9 +364,12 @@ class MetadataTables:
 
     def stored_layout(self, seq_len: int | None = None) -> StoredLayout | None:
         """The order's layout stored with the metadata: the rows order's (metadata_layout.py), or that
-        of windows of `seq_len` tokens (metadata_windows.py); None: compute it."""
+        of windows of `seq_len` tokens (metadata_windows.py); None: compute it. Made once and kept by
+        the manifest, not by these tables (a layout refers to them: a cycle would keep them mapped)."""
+        manifest = self.manifest()
+        made: dict[int | None, StoredLayout] = {} if manifest is None else manifest.layouts
         with self._lock:
-            if seq_len not in self._stored:
+            if seq_len not in made:
                 if seq_len is not None:
                     stored = window_layout(self, seq_len)
                 elif self.layout is not None:
@@ -377,13 +379,15 @@ class MetadataTables:
                     return None
                 if stored is None:
                     return None
-                stored.manifest = self.manifest()
-                self._stored[seq_len] = stored
-            return self._stored[seq_len]
+                stored.manifest = manifest
+                made[seq_len] = stored
+            return made[seq_len]
 
     def layout_of(self, counts: Any) -> StoredLayout | None:
         """The stored layout made for these very per-shard counts (the rows', or a window length's)."""
-        return next((stored for stored in self._stored.values() if stored.counts is counts), None)
+        manifest = self.manifest()
+        made = {} if manifest is None else manifest.layouts
+        return next((stored for stored in made.values() if stored.counts is counts), None)
 
     def _sample_starts(self, shards: np.ndarray) -> np.ndarray:
         return self.at("sample_start", shards)
@@ -492,6 +496,8 @@ class MappedManifest(Manifest):
     tables: MetadataTables
     directory: Path
     where: str
+    layouts: dict[int | None, StoredLayout]
+    """The stored layouts made so far (MetadataTables.stored_layout), by window length (None: rows)."""
 
     @property
     def dataset_id(self) -> str:
@@ -556,7 +562,7 @@ def load_metadata(directory: str | Path, where: str | None = None) -> MappedMani
         format_version=METADATA_VERSION,
         checksummed=True,
     )
-    manifest.tables, manifest.directory, manifest.where = tables, directory, where
+    manifest.tables, manifest.directory, manifest.where, manifest.layouts = tables, directory, where, {}
     tables.manifest = weakref.ref(manifest)  # a stored layout pickles as its manifest (its directory)
     return manifest
 

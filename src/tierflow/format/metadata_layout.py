@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -282,8 +283,18 @@ class StoredLayout:
         self._stores_counts = "member_samples" in table.hashes  # not in a table written before it
         self._lock = threading.Lock()
 
-    manifest: Any = None
-    """The MappedManifest it was read from: it pickles as that (a DataLoader worker maps it again)."""
+    _manifest: Any = None
+
+    @property
+    def manifest(self) -> Any:
+        """The MappedManifest it was read from: it pickles as that (a DataLoader worker maps it again).
+        Held weakly: the manifest keeps its stored layouts."""
+        return None if self._manifest is None else self._manifest()
+
+    @manifest.setter
+    def manifest(self, manifest: Any) -> None:
+        self._manifest = None if manifest is None else weakref.ref(manifest)
+
     seq_len: int | None = None
     """The window length of a token-window layout (metadata_windows.py); None: the rows order's."""
     window_starts: Any = None

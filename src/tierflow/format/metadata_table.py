@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -246,8 +247,14 @@ class ShardRows:
     per_shard = True
 
     def __init__(self, table: MappedTable, name: str, check: ChunkCheck, manifest: Any) -> None:
-        self.table, self.name, self.check, self.manifest = table, name, check, manifest
+        self.table, self.name, self.check = table, name, check
+        self._manifest = None if manifest is None else weakref.ref(manifest)
         self.count = table.rows
+
+    @property
+    def manifest(self) -> Any:
+        """The MappedManifest it reads (weakly: a manifest keeps its stored layouts, which hold these)."""
+        return None if self._manifest is None else self._manifest()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rows_of, (self.manifest, self.name))  # the manifest pickles as its directory
