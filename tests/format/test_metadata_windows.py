@@ -128,7 +128,20 @@ def test_a_dataset_over_a_stored_window_layout_pickles_for_a_worker(packed: Path
     assert again.order.layout._stored is not None and again.order.layout._stored.seq_len == 64
     assert again.order.config_hash == dataset.order.config_hash
     assert first_batches(again, 3) == first_batches(dataset, 3)
-    assert tierflow.open_loader(packed, batch_size=4, seq_len=64, num_workers=2) is not None
+
+
+@pytest.mark.slow
+def test_workers_read_a_stored_window_layout_as_the_main_process_does(packed: Path) -> None:
+    """Two worker processes (each maps the layout again from the pickled dataset) give the main process's batches."""
+
+    def ids(workers: int) -> list[bytes]:
+        loader = tierflow.open_loader(packed, batch_size=4, seq_len=64, num_workers=workers, seed=3)
+        try:
+            return [b["input_ids"].numpy().tobytes() for _, b in zip(range(12), loader)]
+        finally:
+            loader.close()
+
+    assert ids(2) == ids(0)
 
 
 def test_inspect_names_the_stored_lengths(packed: Path, plain: Path, capsys) -> None:
