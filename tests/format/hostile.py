@@ -11,6 +11,7 @@ import json
 import struct
 from pathlib import Path
 from collections.abc import Callable
+from typing import Any
 
 import xxhash
 
@@ -203,3 +204,15 @@ def copy_dataset(source: Path, tmp_path: Path, name: str = "ds") -> Path:
     out = tmp_path / name
     shutil.copytree(source, out)
     return out
+
+
+def assert_same_order(stored: Any, computed: Any) -> None:
+    """Two TieredDatasets of one dataset, one read through its stored layout and one computing it, read
+    the same order: the same config and cursor hash, partitions and the shards' future uses."""
+    assert stored.order.layout._stored is not None and computed.order.layout._stored is None
+    assert stored.order.config == computed.order.config and stored.order.config_hash == computed.order.config_hash
+    a, b = stored.order.layout, computed.order.layout
+    assert a.partition_sizes.tolist() == b.partition_sizes.tolist()
+    for p in range(a.partitions):
+        assert a.partition_shards[p].tolist() == b.partition_shards[p].tolist()
+    assert stored.future_shard_uses(horizon_batches=200) == computed.future_shard_uses(horizon_batches=200)

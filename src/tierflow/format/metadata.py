@@ -93,7 +93,6 @@ from tierflow.format.metadata_table import (
     ShardRows,
     column_digest as column_digest,
     column_dtype as column_dtype,
-    distinct,
 )
 from tierflow.format.metadata_header import (
     BLOCK_CHUNK_SCHEMA as BLOCK_CHUNK_SCHEMA,
@@ -214,12 +213,8 @@ class MetadataTables:
         """The shard each of `positions` (sample ids or token numbers, in range) lies in, by the running
         sums `running`: a binary search over the mapped column, whose answer is decided by the row it
         lands on and the next; those are checked, so a lookup hashes the chunks it lands in, not the
-        column, and a damaged row that decided a landing is refused."""
-        shard = self.shards.raw(running).searchsorted(positions, side="right") - 1
-        if positions.size:
-            decided = distinct(np.concatenate([shard, shard + 1]))
-            self.at(running, decided[(decided >= 0) & (decided < self.num_shards)])
-        return shard
+        column, and a damaged row that decided a landing is refused (MappedTable.search)."""
+        return self.shards.search(running, positions, self._check_chunk(running))
 
     def rows(self, name: str) -> ShardRows:
         """The column indexed by shard, each chunk checked when a shard of it is first read."""

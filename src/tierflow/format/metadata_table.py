@@ -190,6 +190,17 @@ class MappedTable:
             self._verify(name, range(chunks) if chunks == 1 else distinct(rows // self.chunk_rows).tolist(), check)
         return self.raw(name)[rows]
 
+    def search(self, name: str, positions: np.ndarray, check: ChunkCheck | None = None) -> np.ndarray:
+        """The row each of `positions` (in range) lies in by the column's running sums (the last row
+        whose value is <= it): a binary search over the mapped column, whose answer is decided by the
+        row it lands on and the next; those are verified, so a lookup hashes the chunks it lands in,
+        not the column, and a damaged row that decided a landing is refused."""
+        row = self.raw(name).searchsorted(positions, side="right") - 1
+        if positions.size:
+            decided = distinct(np.concatenate([row, row + 1]))
+            self.at(name, decided[(decided >= 0) & (decided < self.rows)], check)
+        return row
+
     def value(self, name: str, row: int, check: ChunkCheck | None = None) -> Any:
         flags = self._verified.get(name)
         c = row // self.chunk_rows

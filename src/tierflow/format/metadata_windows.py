@@ -37,7 +37,7 @@ from tierflow.format.metadata_layout import (
     is_count,
     layout_parts,
 )
-from tierflow.format.metadata_table import MappedTable, ShardRows, distinct
+from tierflow.format.metadata_table import MappedTable, ShardRows
 
 WINDOWS_SCHEMA = pa.schema([*LAYOUT_SCHEMA, pa.field("window_start", pa.int64())])
 CHUNK_ROWS = 1 << 12
@@ -47,7 +47,8 @@ MOST_LENGTHS = 8
 
 
 def windows_of(tokens: Any, seq_len: int) -> Any:
-    """Windows of `seq_len` in shards of `tokens` tokens: each needs L + 1 tokens, consecutive ones share one."""
+    """Windows of `seq_len` in shards of `tokens` tokens: each needs L + 1 tokens, consecutive ones share
+    one (loader/tokens.py counts with it too)."""
     return np.maximum(0, (np.asarray(tokens, dtype=np.int64) - 1) // seq_len)
 
 
@@ -66,19 +67,6 @@ def window_columns(
     columns, fields = parts
     columns["window_start"] = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(np.int64)
     return columns, {**fields, "seq_len": seq_len}
-
-
-def chunk_fields(columns: dict[str, np.ndarray], raw: dict[str, memoryview]) -> dict[str, Any]:
-    """The entry's `chunks`: each column's xxh3-128 a chunk of CHUNK_ROWS rows (hex), and window_start at
-    each chunk's first row."""
-    import xxhash
-
-    hashes = {}
-    for name, data in raw.items():
-        width = WINDOWS_SCHEMA.field(name).type.byte_width * CHUNK_ROWS
-        hashes[name] = [xxhash.xxh3_128_hexdigest(data[at : at + width]) for at in range(0, len(data), width)]
-    starts = [int(v) for v in columns["window_start"][::CHUNK_ROWS]]
-    return {"rows": CHUNK_ROWS, "columns": hashes, "starts": {"window_start": starts}}
 
 
 def check_windows_entry(windows: Any, shards: int, fail: Callable[[str], Exception]) -> None:
@@ -173,15 +161,9 @@ class StoredWindowStarts:
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         """Token starts of int64 window ids (each inside [0, windows))."""
-        column = self.table.raw("window_start")
-        shard = column.searchsorted(ids, side="right") - 1
-        if ids.size:
-            decided = distinct(np.concatenate([shard, shard + 1]))
-            self.starts_of(decided[(decided >= 0) & (decided < self.table.rows)])
-            if int(shard.min()) < 0:
-                raise ManifestError(f"{self.table.where}: window_start does not start at 0")
+        shard = self.table.search("window_start", ids, self.check)
         starts = self.tables.at("token_start", shard)
-        starts += (ids - column[shard]) * self.seq_len
+        starts += (ids - self.table.raw("window_start")[shard]) * self.seq_len
         return starts
 
 

@@ -45,9 +45,9 @@ from tierflow.format.metadata import (
 from tierflow.format.metadata_header import header_layout_schema
 from tierflow.format.metadata_layout import LAYOUT_COLUMNS, LAYOUT_SCHEMA, layout_columns, layout_schema
 from tierflow.format.metadata_windows import (
+    CHUNK_ROWS as WINDOW_CHUNK_ROWS,
     MOST_LENGTHS,
     WINDOWS_SCHEMA,
-    chunk_fields,
     table_kind,
     window_columns,
 )
@@ -248,8 +248,7 @@ def write_metadata(
     for name in ("sample_start", "token_start"):
         if name not in shard_columns:
             shard_columns[name] = _starts(np.asarray(shard_columns[name.split("_")[0] + "s"], dtype=np.int64))
-    if seq_lens and fields.get("token_column") is None:
-        raise ValueError(f"{directory}: window layouts (seq_len) need a token dataset (packed with a tokenizer)")
+    _check_lengths(directory, fields.get("token_column"), (), set(seq_lens))
     shards, shard_raw = _write_table(directory, "shards", SHARD_SCHEMA, shard_columns)
     blocks, block_raw = _write_table(directory, "blocks", BLOCK_SCHEMA, block_columns)
     block_chunks = _write_block_chunk_table(directory, block_raw, block_chunk_rows)
@@ -266,6 +265,7 @@ def write_metadata(
             directory, shard_raw, layout_raw, None if stored is None else LAYOUT_SCHEMA, shard_columns, chunk_rows
         )
     )
+    windows = _windows(directory, shard_columns["tokens"], seq_lens, layout)
     totals = {
         key: int(np.asarray(shard_columns[key], dtype=np.int64).sum())
         for key in ("samples", "tokens", "bytes", "decoded_bytes", "blocks")
@@ -280,7 +280,7 @@ def write_metadata(
         "summary": summary_fields(shard_columns),
         **({} if layout is None else {"layout": layout}),
         **({} if chunks is None else {"chunks": chunks}),
-        **_windows(directory, shard_columns["tokens"], seq_lens, layout),
+        **({"windows": windows} if windows else {}),
         "block_chunks": block_chunks,
         "manifest": None
         if manifest_bytes is None
@@ -290,23 +290,43 @@ def write_metadata(
     return _publish(directory, METADATA_NAME, header_bytes(header))
 
 
+def _check_lengths(where: object, token_column: str | None, stored: Iterable[str], wanted: set[int]) -> None:
+    """Window lengths a header may store layouts for: of a token dataset, positive, at most MOST_LENGTHS
+    together with those it stores (checked before a table is written)."""
+    if not wanted:
+        return
+    if token_column is None:
+        raise ValueError(f"{where}: window layouts (seq_len) need a token dataset (packed with a tokenizer)")
+    if min(wanted) < 1:
+        raise ValueError(f"seq_len must be >= 1, got {min(wanted)}")
+    if len(set(stored)) + len(wanted) > MOST_LENGTHS:
+        raise ValueError(f"{where}: a dataset stores layouts for at most {MOST_LENGTHS} window lengths")
+
+
 def _windows(directory: Path, tokens: np.ndarray, seq_lens: Iterable[int], layout: dict | None) -> dict:
-    """The header's `windows` entry for the window lengths asked for, their tables written (empty: none
-    asked for, or no shard holds a window)."""
+    """The `windows` entries of the lengths asked for (checked by `_check_lengths`), their tables written
+    (none where no shard holds a window, or there is no layout)."""
     entries = {}
-    if len(set(seq_lens)) > MOST_LENGTHS:
-        raise ValueError(f"{len(set(seq_lens))} window lengths; a dataset stores layouts for at most {MOST_LENGTHS}")
     for seq_len in sorted(set(seq_lens)):
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         made = (
             None if layout is None else window_columns(np.asarray(tokens, dtype=np.int64), seq_len, layout["decoded"])
         )
         if made is not None:
             columns, fields = made
             entry, raw = _write_table(directory, table_kind(seq_len), WINDOWS_SCHEMA, columns)
-            entries[str(seq_len)] = {**entry, "chunks": chunk_fields(columns, raw), **fields}
-    return {"windows": entries} if entries else {}
+            entries[str(seq_len)] = {**entry, "chunks": window_chunks(columns, raw), **fields}
+    return entries
+
+
+def window_chunks(columns: dict[str, np.ndarray], raw: dict[str, memoryview]) -> dict:
+    """A window table entry's `chunks` (format/metadata_windows.py): each column's xxh3-128 a chunk (hex)
+    and window_start at each chunk's first row."""
+    hashes = _chunk_hashes("windows", raw, WINDOWS_SCHEMA, WINDOW_CHUNK_ROWS)
+    return {
+        "rows": WINDOW_CHUNK_ROWS,
+        "columns": {name: [h.tobytes().hex() for h in hashes[f"windows.{name}"]] for name in raw},
+        "starts": {"window_start": [int(v) for v in columns["window_start"][::WINDOW_CHUNK_ROWS]]},
+    }
 
 
 def dataset_fields(manifest: Manifest) -> dict:
@@ -411,16 +431,10 @@ def updated_header(manifest: MappedManifest, directory: Path, seq_lens: Sequence
         header["summary"] = summary_fields({name: tables.column(name) for name in SUMMARY_COLUMNS})
     windows = header.get("windows") or {}
     wanted = {seq_len for seq_len in seq_lens if str(seq_len) not in windows}
-    if wanted:
-        if header.get("token_column") is None:
-            raise ValueError(
-                f"{manifest.where}: window layouts (seq_len) need a token dataset (packed with a tokenizer)"
-            )
-        if len(windows) + len(wanted) > MOST_LENGTHS:
-            raise ValueError(f"{manifest.where}: a dataset stores layouts for at most {MOST_LENGTHS} window lengths")
-        added = _windows(directory, tables.column("tokens"), wanted, header.get("layout"))
-        if added:
-            header["windows"] = {**windows, **added["windows"]}
+    _check_lengths(manifest.where, header.get("token_column"), windows, wanted)
+    added = _windows(directory, tables.column("tokens"), wanted, header.get("layout")) if wanted else {}
+    if added:
+        header["windows"] = {**windows, **added}
     restored = ("chunks" in before and tables.chunks is None) or (
         "block_chunks" in before and tables.block_chunks is None
     )  # the same table written again

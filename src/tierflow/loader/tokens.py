@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierflow.format.metadata_windows import windows_of
+
 
 def num_windows(num_tokens: int, seq_len: int) -> int:
     """Windows that fit in one shard: each needs L + 1 tokens, consecutive ones share one."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    return max(0, (num_tokens - 1) // seq_len)
+    return int(windows_of(num_tokens, seq_len))
 
 
 def window_counts(token_starts: np.ndarray, seq_len: int) -> np.ndarray:
     """Per shard, how many windows it holds (token_starts: cumulative, length shards + 1)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    return np.maximum(0, (np.diff(np.asarray(token_starts, dtype=np.int64)) - 1) // seq_len)
+    return windows_of(np.diff(np.asarray(token_starts, dtype=np.int64)), seq_len)
 
 
 def tokens_outside_windows(token_starts: np.ndarray, seq_len: int) -> int:
