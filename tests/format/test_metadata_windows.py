@@ -318,3 +318,20 @@ def test_a_dropped_dataset_unmaps_its_tables_at_once(packed: Path, spec: BatchSp
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.slow
+def test_a_loader_left_in_a_scripts_globals_exits_quietly(packed: Path) -> None:
+    """Its tables are freed while the interpreter tears its modules down: nothing is reported ignored."""
+    import subprocess
+    import sys
+
+    script = (
+        "import tierflow\n"
+        "from tierflow.format import metadata_table\n"  # a module the script names: torn down before the loader
+        f"loader = tierflow.open_loader({str(packed)!r}, batch_size=4, seq_len=64)\n"
+        "batch = next(iter(loader))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr

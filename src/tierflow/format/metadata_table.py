@@ -161,10 +161,12 @@ class MappedTable:
     def _fd(self) -> int:
         return self._file
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # os.close bound at definition: a table freed while the interpreter tears its modules down
+        # (a loader left in a script's globals) finds the `os` global gone
         fd = getattr(self, "_file", None)
         if fd is not None:
-            os.close(fd)
+            _close(fd)
 
     def column(self, name: str, check: ChunkCheck | None = None) -> np.ndarray:
         """The whole column, every chunk verified."""
