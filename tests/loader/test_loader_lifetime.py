@@ -159,8 +159,11 @@ def _run_and_kill(tiny: Path, tmp_path: Path, url: str, workers: int, how: str, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for p in psutil.Process().children(recursive=True):  # nothing may leak into the next test
-            if p.pid != proc.pid and str(tiny) in " ".join(p.cmdline()):
-                p.kill()
+            try:
+                if p.pid != proc.pid and str(tiny) in " ".join(p.cmdline()):
+                    p.kill()
+            except psutil.NoSuchProcess:  # gone, or a zombie (ZombieProcess): nothing left to kill
+                pass
         proc.stdout.close()
         proc.stderr.close()
     entries = sorted((l2 / "entries").glob("*.arrow"))
