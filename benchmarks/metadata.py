@@ -2,24 +2,28 @@
 for a version-2 manifest (parsed) beside version-3 metadata (a header and mapped Arrow tables).
 
 The datasets are synthetic, made through the project's own writers: a real pack of a few shards of
-the default geometry's block count (`--blocks` a shard, 8 bytes a sample), then N shard entries that
-repeat those shards' entries under fresh names (random checksums; the shard file a run reads is a hard
-link to the real one, made the first time a run asks for it: only those exist). The new form is
+pack's default geometry (`--shard-bytes`, 256 MB decoded, in `--blocks` 64 blocks; 8 bytes a sample, or
+byte-token documents: a shard holds a user's shard's samples and token windows, so a first batch
+draws from as many shards as a user's does), then N shard entries that repeat those shards' entries
+under fresh names (random checksums; the shard file a run reads is a hard link to the real one, made
+the first time a run asks for it: only those exist). The new form is
 written by `format.metadata.write_metadata` from columns; the old by `Manifest.save` (old at up to
 `--old-max` shards: above 10^5 a manifest is gigabytes). Both carry the same dataset id, so both
 read the same order and the same shards.
 
 Each measurement is a fresh interpreter (imports not counted, shown apart): `open`: seconds from
 `open_dataset` to `len()`; `open+batch`: to the first batch as the loader gives it
-(`Loader(TieredDataset(path, batch_size=256))`, its order, working set and index included);
+(`Loader(TieredDataset(path, batch_size=256))`, its order, working set and index included), once
+in its own process for each of `--seeds` order seeds (whether a first batch reads one block or two is
+the seed's luck, not the metadata's cost: the median is over seeds and runs);
 `peak RSS`: the peak resident set (VmHWM) less the RSS after `import tierflow`; the tables are
 dropped from the page cache first (`drop_cached`). `PSS x8`: 8 processes open the same dataset
 and take a batch; with all 8 alive, the sum of their PSS less 8 x one bare interpreter's (imports),
 and the PSS of the mapped metadata files alone (version 3).
 
     PYTHONPATH=src .venv/bin/python benchmarks/metadata.py [--shards 1000,100000,1000000] [--runs 3]
-        [--blocks 64] [--old-max 100000] [--root /tmp/tierflow-metadata-bench] [--keep] [--no-pss] [--pss-old-max 10000] [--paths]
-        [--verify-rounds 6] [--seq-len 2048]
+        [--seeds 4] [--blocks 64] [--shard-bytes 256M] [--old-max 100000] [--root /tmp/tierflow-metadata-bench]
+        [--keep] [--no-pss] [--pss-old-max 10000] [--paths] [--ratio-rounds 5] [--verify-rounds 6] [--seq-len 2048]
 
 `--paths` times each per-shard path on the version-3 datasets in a fresh interpreter: `order` (the
 TieredDataset: layout, working set, index), `inspect`, `verify-metadata` (both tables hashed whole,
@@ -33,6 +37,10 @@ window layout changes (`STORED_PATHS`) are timed on that form too.
 `--seq-len L`: the shards hold byte-token documents (a `tokenizer="bytes"` pack) and the first batch
 (and `--paths`' order and stager plan) reads token windows of L: the order a language model trains on,
 whose per-shard counts are each shard's windows of L, known only when the loader starts.
+
+`--ratio-rounds N` (default 5): open + first batch at the largest shard count against the smallest,
+each version-3 form, their children alternating round by round (the target is a ratio: measured side
+by side, not from the table's rows, which run one size after the other).
 
 `--verify-rounds N` (on the largest dataset): `verify-metadata` against reading the same table files
 whole (8 MB reads, what `cat` does), each in a fresh interpreter, alternating for N rounds, the
@@ -48,6 +56,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +67,6 @@ from _harness import alternating, spread
 BATCH = 256
 BATCH_WINDOWS = 8
 BASE_SHARDS = 4
-ROWS_PER_BLOCK = 512
 
 
 def parse_count(text: str) -> int:
@@ -68,9 +76,9 @@ def parse_count(text: str) -> int:
 
 
 # -- building -----------------------------------------------------------------------------------
-def build_base(root: Path, blocks: int) -> Path:
-    """A real pack of BASE_SHARDS shards of `blocks` blocks each, uncompressed: int64 `x`, or with
-    `--seq-len` byte-token documents (~ROWS_PER_BLOCK x 8 bytes a block)."""
+def build_base(root: Path, blocks: int, shard_bytes: int) -> Path:
+    """A real pack of BASE_SHARDS shards of `blocks` blocks each, `shard_bytes` decoded a shard,
+    uncompressed: int64 `x`, or with `--seq-len` byte-token documents."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -80,11 +88,10 @@ def build_base(root: Path, blocks: int) -> Path:
     base = root / "base"
     if (base / "manifest.json").exists():
         return base
-    block_bytes = ROWS_PER_BLOCK * 8
-    options: dict = {"block_bytes": block_bytes, "target_shard_bytes": max(256 << 10, blocks * block_bytes)}
+    options: dict = {"block_bytes": shard_bytes // blocks, "target_shard_bytes": shard_bytes}
     if seq_len() is None:
         source = root / "x.parquet"
-        rows = BASE_SHARDS * blocks * ROWS_PER_BLOCK
+        rows = BASE_SHARDS * shard_bytes // 8
         pq.write_table(pa.table({"x": np.arange(rows, dtype=np.int64)}), source, row_group_size=1 << 20)
     else:
         source = root / "docs.jsonl"
@@ -224,12 +231,12 @@ def vm_hwm() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child(path: str, wait: bool) -> None:
+def child(path: str, wait: bool, seed: int) -> None:
     began = time.perf_counter()
     import psutil
 
     import tierflow
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, OrderSpec, TieredDataset
 
     imported = time.perf_counter()
     rss_import = psutil.Process().memory_info().rss
@@ -239,7 +246,7 @@ def child(path: str, wait: bool) -> None:
     opened = time.perf_counter()
     del ds
     start2 = time.perf_counter()
-    dataset = TieredDataset(path, batch_spec())
+    dataset = TieredDataset(path, batch_spec(), OrderSpec(seed=seed))
     loader = Loader(dataset)
     first = next(iter(loader))
     arrived = time.perf_counter()
@@ -361,30 +368,53 @@ def verify_rounds(path: Path, rounds: int, env: dict) -> None:
     print(f"| verify / read, cold, round by round | {spread(ratio, '.2f')} | |")
 
 
-def prepare(path: str, base: str) -> None:
-    """Link the shard files the first batch reads (each a real shard of the base under its fresh name)."""
+def ratio_rounds(small: list, large: list, rounds: int, seeds: int, env: dict) -> None:
+    """Open + first batch at the largest shard count against the smallest, per version-3 form, their
+    children alternating (each seed at each size, in turn) so drift and noise fall on both alike."""
+    print("\n| form | open + first batch, smallest | largest | largest / smallest, round by round |")
+    print("|---|---|---|---|")
+    for (form, a), (_, b) in zip(small[1:], large[1:]):
+        times: dict[tuple[Path, int], list[float]] = {}
+        for _, (path, seed) in alternating(rounds, [(p, s) for s in range(seeds) for p in (a, b)]):
+            times.setdefault((path, seed), []).append(run_child(path, env, seed)["batch_s"])
+        per_round = [
+            statistics.median(times[(b, s)][r] for s in range(seeds))
+            / statistics.median(times[(a, s)][r] for s in range(seeds))
+            for r in range(rounds)
+        ]
+        every = [[t for (p, _), ts in times.items() if p == path for t in ts] for path in (a, b)]
+        print(
+            f"| {form} | {spread(every[0], '.4f')} s | {spread(every[1], '.4f')} s | {spread(per_round, '.2f')} |",
+            flush=True,
+        )
+
+
+def prepare(path: str, base: str, seeds: int) -> None:
+    """Link the shard files the first batch of each seed reads (each a real shard of the base under its fresh name)."""
     import tierflow
     from tierflow.format.manifest import Manifest
-    from tierflow.loader import Loader, TieredDataset
+    from tierflow.loader import Loader, OrderSpec, TieredDataset
 
     sources = {s.decoded_checksum: s.name for s in Manifest.load(base).shards}
-    for _ in range(1000):
-        try:
-            loader = Loader(TieredDataset(path, batch_spec()))
-            next(iter(loader))
-            loader.close()
-            ds = tierflow.open_dataset(path)
-            len(ds)
-            return
-        except Exception as e:
-            found = re.search(r"shard-([0-9a-f]{32})\.arrow", str(e))
-            if not found:
-                raise
-            name = found.group(0)
-            manifest = Manifest.load(path)
-            info = next(s for s in (manifest.shards[i] for i in _shard_of(manifest, name)))
-            os.link(Path(base) / sources[info.decoded_checksum], Path(path) / name)
-    raise RuntimeError("too many shards to link")
+    for seed in range(seeds):
+        for _ in range(1000):
+            try:
+                loader = Loader(TieredDataset(path, batch_spec(), OrderSpec(seed=seed)))
+                next(iter(loader))
+                loader.close()
+                ds = tierflow.open_dataset(path)
+                len(ds)
+                break
+            except Exception as e:
+                found = re.search(r"shard-([0-9a-f]{32})\.arrow", str(e))
+                if not found:
+                    raise
+                name = found.group(0)
+                manifest = Manifest.load(path)
+                info = next(s for s in (manifest.shards[i] for i in _shard_of(manifest, name)))
+                os.link(Path(base) / sources[info.decoded_checksum], Path(path) / name)
+        else:
+            raise RuntimeError("too many shards to link")
 
 
 def _shard_of(manifest, name: str) -> list[int]:
@@ -399,9 +429,13 @@ def _shard_of(manifest, name: str) -> list[int]:
     return [i for i, s in enumerate(manifest.shards) if s.name == name]
 
 
-def run_child(path: Path, env: dict) -> dict:
+def run_child(path: Path, env: dict, seed: int = 0) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(path)], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, __file__, "--child", str(path), "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     if out.returncode:
         raise RuntimeError(f"child failed on {path}:\n{out.stderr[-3000:]}")
@@ -471,10 +505,27 @@ def bare_pss(env: dict, processes: int = 8) -> int:
 
 
 def main() -> None:
+    from tierflow._sizes import parse_size
+    from tierflow.pack.packer import DEFAULT_SHARD_BYTES
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--shards", default="1000,100000,1000000")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=4,
+        help="order seeds a run's first batch is timed with, each in its own process: which blocks a first "
+        "batch reads (one or two) is the seed's luck, not the metadata's cost",
+    )
     ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument(
+        "--shard-bytes",
+        type=parse_size,
+        default=DEFAULT_SHARD_BYTES,
+        help="decoded bytes a base shard (pack's default, 256 MB: a shard holds as many samples and "
+        "token windows as a user's; 256K is the small geometry of the runs before it)",
+    )
     ap.add_argument("--old-max", type=parse_count, default=100_000)
     ap.add_argument("--root", default="/tmp/tierflow-metadata-bench")
     ap.add_argument("--no-pss", action="store_true")
@@ -491,27 +542,35 @@ def main() -> None:
         help="byte-token documents, the first batch (and --paths' order) token windows of this length",
     )
     ap.add_argument("--child")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait", action="store_true")
     ap.add_argument("--prepare", nargs=2)
     ap.add_argument("--paths", action="store_true", help="also time each per-shard path on the v3 datasets")
     ap.add_argument("--path-child", nargs=2)
+    ap.add_argument(
+        "--ratio-rounds",
+        type=int,
+        default=5,
+        help="alternating rounds of open + first batch at the largest shard count against the smallest",
+    )
     ap.add_argument("--verify-rounds", type=int, default=0, help="verify against a plain read, cold, N rounds")
     ap.add_argument("--read-child")
     args = ap.parse_args()
     if args.read_child:
         return read_child(args.read_child)
     if args.child:
-        return child(args.child, args.wait)
+        return child(args.child, args.wait, args.seed)
     if args.prepare:
-        return prepare(*args.prepare)
+        return prepare(*args.prepare, args.seeds)
     if args.path_child:
         return path_child(*args.path_child)
-    root = Path(args.root) / (f"b{args.blocks}" if args.seq_len is None else f"b{args.blocks}-tokens")
+    geometry = f"b{args.blocks}-{args.shard_bytes >> 10}k"
+    root = Path(args.root) / (geometry if args.seq_len is None else f"{geometry}-tokens")
     root.mkdir(parents=True, exist_ok=True)
     if args.seq_len is not None:  # this process's build_base reads it too
         os.environ[SEQ_LEN_ENV] = str(args.seq_len)
     env = {**os.environ, "TIERFLOW_MAX_MANIFEST_BYTES": str(1 << 40)}
-    base = build_base(root, args.blocks)
+    base = build_base(root, args.blocks, args.shard_bytes)
     counts = [parse_count(c) for c in args.shards.split(",")]
     bare = None if args.no_pss else bare_pss(env)
     print(
@@ -520,6 +579,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     paths: list[str] = []
+    built_forms: dict[int, list[tuple[str, Path | None]]] = {}
     for n in counts:
         began = time.perf_counter()
         new_dir, old_dir = build(root, base, n, old=n <= args.old_max)
@@ -527,18 +587,22 @@ def main() -> None:
         if args.seq_len is not None:
             forms.append((f"v3 + layout of windows of {args.seq_len}", with_windows(new_dir)))
         built = time.perf_counter() - began
+        built_forms[n] = forms
         for form, path in forms:
             if path is None:
                 print(f"| {n:,} | {form} | - | not measured (> --old-max) | | | | |", flush=True)
                 continue
             subprocess.run(
-                [sys.executable, __file__, "--prepare", str(path), str(base)], check=True, env=env, timeout=1800
+                [sys.executable, __file__, "--prepare", str(path), str(base), "--seeds", str(args.seeds)],
+                check=True,
+                env=env,
+                timeout=1800,
             )
             size = sum(p.stat().st_size for p in path.iterdir() if not p.name.startswith("shard-"))
             # pages cached by whole-file reads or writes (the build, verify) sit in large folios, which a
             # mapping then maps whole: evicted first, a run's RSS and PSS are the pages it touches
             drop_cached(path)
-            rounds = [run_child(path, env) for _ in range(args.runs)]
+            rounds = [run_child(path, env, seed) for _ in range(args.runs) for seed in range(args.seeds)]
             node = ("-", "-")
             if bare is not None and (form != "v2 manifest" or n <= args.pss_old_max):  # 8 parsed copies: GBs
                 total, files = node_pss(path, env)
@@ -567,6 +631,8 @@ def main() -> None:
     if paths:
         print("\n| shards | form | path | time | peak RSS above import |\n|---|---|---|---|---|")
         print("\n".join(paths))
+    if args.ratio_rounds and len(counts) > 1:
+        ratio_rounds(built_forms[min(counts)], built_forms[max(counts)], args.ratio_rounds, args.seeds, env)
     if args.verify_rounds:
         verify_rounds(new_dir, args.verify_rounds, env)
     if not args.keep:
