@@ -185,6 +185,29 @@ def test_a_forged_summary_is_named_by_verify(packed: Path, tmp_path: Path) -> No
         md.load_metadata(out)
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda top: top.reverse(),
+        lambda top: top.__setitem__(-1, -1),
+        lambda top: top.__setitem__(0, float(top[0])),
+        lambda top: top.__setitem__(-1, False),
+        lambda top: top.__setitem__(0, 1 << 60),
+        lambda top: top.__setitem__(3, str(top[3])),
+    ],
+    ids=["rising", "negative", "a float", "a bool", "absurd", "a string"],
+)
+def test_a_hostile_summary_is_refused_at_open(packed: Path, tmp_path: Path, edit) -> None:
+    out = copy(packed, tmp_path)
+    d = json.loads((out / md.METADATA_NAME).read_bytes())
+    edit(d["summary"]["bytes"])
+    write_header(out, d)
+    with pytest.raises(
+        ManifestError, match=rf"{re.escape(str(out))}.*summary.bytes is not the 14 largest sizes, falling"
+    ):
+        md.load_metadata(out)
+
+
 def test_upgrade_adds_chunks_and_a_summary_to_an_older_header(packed: Path, tmp_path: Path) -> None:
     """A header as tierflow wrote it before chunks and summaries (one hash a column) reads as before,
     each column checked whole; `upgrade` writes its chunk table and summary (the other tables

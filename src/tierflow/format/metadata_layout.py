@@ -92,9 +92,7 @@ def check_table_entry(entry: Any, table: str, schema: pa.Schema, fail: Callable[
     if (
         not isinstance(hashes, dict)
         or set(hashes) != set(schema.names)
-        or not all(
-            isinstance(v, list) and len(v) == count and all(isinstance(h, str) for h in v) for v in hashes.values()
-        )
+        or not all(isinstance(v, list) and len(v) == count and set(map(type, v)) <= {str} for v in hashes.values())
     ):
         raise fail(f"{table}.chunks.columns does not list {count} chunk hashes for each of {schema.names}")
 
@@ -244,7 +242,7 @@ def check_layout_entry(entry: Any, shards: int, samples: int, fail: Callable[[st
         or not isinstance(sizes, list)
         or len(starts) != p + 1
         or len(sizes) != p
-        or not all(type(v) is int for v in starts + sizes)
+        or not set(map(type, starts + sizes)) <= {int}
     ):
         raise fail("layout.starts and layout.sizes are not P + 1 and P integers")
     if starts[0] != 0 or starts[-1] != shards or any(b <= a for a, b in zip(starts, starts[1:])):

@@ -51,8 +51,9 @@ def check_summary(summary: Any, shards: int, fail: Callable[[str], Exception]) -
         if (
             not isinstance(top, list)
             or len(top) != min(TOP_SHARDS, shards)
-            or not all(is_count(v) for v in top)
-            or any(b > a for a, b in zip(top, top[1:]))
+            or not set(map(type, top)) <= {int}
+            or top != sorted(top, reverse=True)  # falling from a count to 0 or more: all counts
+            or (top and (top[-1] < 0 or not is_count(top[0])))
         ):
             raise fail(f"summary.{name} is not the {min(TOP_SHARDS, shards)} largest sizes, falling")
     if type(summary["largest_blocks"]) is not int or summary["largest_blocks"] < 0:
