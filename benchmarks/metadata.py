@@ -2,9 +2,10 @@
 for a version-2 manifest (parsed) beside version-3 metadata (a header and mapped Arrow tables).
 
 The datasets are synthetic, made through the project's own writers: a real pack of a few shards of
-pack's default geometry (`--shard-bytes`, 256 MB decoded, in `--blocks` 64 blocks; 8 bytes a sample, or
-byte-token documents: a shard holds a user's shard's samples and token windows, so a first batch
-draws from as many shards as a user's does), then N shard entries that repeat those shards' entries
+pack's default geometry (`--shard-bytes`, 256 MB decoded, in blocks of a `--blocks` 64th of it): int64
+samples (which pack cuts at its sources' 65,536-row batches: 512 KB blocks, 512 a shard), or byte-token
+documents (64 blocks a shard); a shard holds a user's shard's samples and token windows, so a first
+batch draws from as many shards as a user's does), then N shard entries that repeat those shards' entries
 under fresh names (random checksums; the shard file a run reads is a hard link to the real one, made
 the first time a run asks for it: only those exist). The new form is
 written by `format.metadata.write_metadata` from columns; the old by `Manifest.save` (old at up to
