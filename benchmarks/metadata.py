@@ -78,8 +78,8 @@ def parse_count(text: str) -> int:
 
 # -- building -----------------------------------------------------------------------------------
 def build_base(root: Path, blocks: int, shard_bytes: int) -> Path:
-    """A real pack of BASE_SHARDS shards of `blocks` blocks each, `shard_bytes` decoded a shard,
-    uncompressed: int64 `x`, or with `--seq-len` byte-token documents."""
+    """A real pack of BASE_SHARDS shards of `shard_bytes` decoded, in blocks of at most a `blocks`-th of
+    that, uncompressed: int64 `x`, or with `--seq-len` byte-token documents."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq

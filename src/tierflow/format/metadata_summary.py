@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.format.metadata_layout import is_count, largest_blocks
+from tierflow.format.metadata_layout import largest_blocks, ordered_counts
 
 TOP_SHARDS = 256
 """Largest shards the summary lists per size column: above the widest working set's 129."""
@@ -48,13 +48,7 @@ def check_summary(summary: Any, shards: int, fail: Callable[[str], Exception]) -
         raise fail(f'"summary" is not the largest {SIZE_COLUMNS} and the largest blocks\' sum')
     for name in SIZE_COLUMNS:
         top = summary[name]
-        if (
-            not isinstance(top, list)
-            or len(top) != min(TOP_SHARDS, shards)
-            or not set(map(type, top)) <= {int}
-            or top != sorted(top, reverse=True)  # falling from a count to 0 or more: all counts
-            or (top and (top[-1] < 0 or not is_count(top[0])))
-        ):
+        if not isinstance(top, list) or len(top) != min(TOP_SHARDS, shards) or not ordered_counts(top, falling=True):
             raise fail(f"summary.{name} is not the {min(TOP_SHARDS, shards)} largest sizes, falling")
     if type(summary["largest_blocks"]) is not int or summary["largest_blocks"] < 0:
         raise fail("summary.largest_blocks is not a count")

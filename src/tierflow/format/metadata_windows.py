@@ -34,8 +34,8 @@ from tierflow.format.metadata_layout import (
     StoredLayout,
     check_layout_entry,
     check_table_entry,
-    is_count,
     layout_parts,
+    ordered_counts,
 )
 from tierflow.format.metadata_table import MappedTable, ShardRows
 
@@ -92,9 +92,8 @@ def check_windows_entry(windows: Any, shards: int, fail: Callable[[str], Excepti
             or chunks.get("rows") != CHUNK_ROWS
             or not isinstance(values, list)
             or len(values) != count
-            or not set(map(type, values)) <= {int}
-            or values != sorted(values)  # rising from 0 to a count: all counts
-            or (values and (values[0] != 0 or values[-1] > total or not is_count(values[-1])))
+            or not ordered_counts(values)
+            or (values and (values[0] != 0 or values[-1] > total))
         ):
             raise fail(f"{kind}.chunks does not list the {count} chunks' window starts, rising from 0")
 
