@@ -37,7 +37,9 @@ window layout changes (`STORED_PATHS`) are timed on that form too.
 
 `--seq-len L`: the shards hold byte-token documents (a `tokenizer="bytes"` pack) and the first batch
 (and `--paths`' order and stager plan) reads token windows of L: the order a language model trains on,
-whose per-shard counts are each shard's windows of L, known only when the loader starts.
+whose per-shard counts are each shard's windows of L. Two forms: the layout computed at start (a length
+the dataset does not store), and the dataset as `tierflow pack` writes it, which stores the layouts of
+2048, 4096 and 8192 (DEFAULT_LENGTHS) and of L; `--verify-rounds` verifies that form.
 
 `--ratio-rounds N` (default 5): open + first batch at the largest shard count against the smallest,
 each version-3 form, their children alternating round by round (the target is a ratio: measured side
@@ -204,12 +206,14 @@ def build(root: Path, base: Path, n: int, old: bool) -> tuple[Path, Path | None]
 
 
 def with_windows(new_dir: Path) -> Path:
-    """A copy of a token dataset (its files linked) whose header also stores the layout of windows of
-    --seq-len, as `tierflow pack --seq-len` or `tierflow upgrade --seq-len` writes it."""
+    """A copy of a token dataset (its files linked) whose header also stores the window layouts
+    `tierflow pack` writes by default (DEFAULT_LENGTHS) and that of --seq-len, as `tierflow pack` (or
+    `tierflow upgrade --seq-len`) writes them."""
     from tierflow.format import metadata as md
+    from tierflow.format.metadata_windows import DEFAULT_LENGTHS
     from tierflow.format.metadata_writer import update_header
 
-    stored = new_dir.with_name(new_dir.name.replace("new-", "windows-"))
+    stored = new_dir.with_name(new_dir.name.replace("new-", "packed-"))
     if (stored / md.METADATA_NAME).exists():
         return stored
     shutil.rmtree(stored, ignore_errors=True)
@@ -217,7 +221,7 @@ def with_windows(new_dir: Path) -> Path:
     for f in new_dir.iterdir():
         if f.name.startswith(md.TABLE_PREFIX) or f.name == md.METADATA_NAME:
             os.link(f, stored / f.name)
-    update_header(stored, [seq_len()])
+    update_header(stored, sorted({seq_len(), *DEFAULT_LENGTHS}))
     return stored
 
 
@@ -586,7 +590,9 @@ def main() -> None:
         new_dir, old_dir = build(root, base, n, old=n <= args.old_max)
         forms = [("v2 manifest", old_dir), ("v3 mapped", new_dir)]
         if args.seq_len is not None:
-            forms.append((f"v3 + layout of windows of {args.seq_len}", with_windows(new_dir)))
+            forms.append(
+                (f"v3 + window layouts as pack stores them (of {args.seq_len} among them)", with_windows(new_dir))
+            )
         built = time.perf_counter() - began
         built_forms[n] = forms
         for form, path in forms:
@@ -635,7 +641,9 @@ def main() -> None:
     if args.ratio_rounds and len(counts) > 1:
         ratio_rounds(built_forms[min(counts)], built_forms[max(counts)], args.ratio_rounds, args.seeds, env)
     if args.verify_rounds:
-        verify_rounds(new_dir, args.verify_rounds, env)
+        verified = built_forms[max(counts)][-1][1]  # the form pack writes
+        assert verified is not None
+        verify_rounds(verified, args.verify_rounds, env)
     if not args.keep:
         shutil.rmtree(args.root, ignore_errors=True)
 

@@ -251,6 +251,7 @@ def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(
 ) -> None:
     """Its tables (and, of more shards than a chunk holds, the chunk table) downloaded once per node,
     read as the local dataset reads, kept by gc."""
+    from tierflow.format.metadata_windows import DEFAULT_LENGTHS
     from tierflow.format.metadata_writer import write_metadata
     from tierflow.pack.dataset_dir import remove_unreferenced
     from tierflow.storage.remote import upload_dataset
@@ -273,7 +274,9 @@ def test_an_s3_dataset_maps_its_tables_from_a_node_local_copy(
             k: np.asarray(v).tolist() for k, v in local[i].items()
         }
     cached = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").glob("*/metadata-*.arrow"))
-    assert cached == sorted(["blocks", "block_chunks", "layout", "shards"] + ([] if chunk_rows is None else ["chunks"]))
+    rewritten = ["chunks"]  # from manifest.json, with no window lengths asked
+    tables = ["blocks", "block_chunks", "layout", "shards"]
+    assert cached == sorted(tables + (["windows"] * len(DEFAULT_LENGTHS) if chunk_rows is None else rewritten))
     assert (remote.manifest.tables.chunks is None) == (chunk_rows is None)
     again = pickle.loads(pickle.dumps(remote.manifest))  # a worker maps the node's copy
     assert again.dataset_id == local.manifest.dataset_id

@@ -20,7 +20,7 @@ from tierflow.commands.cli import main as cli
 from tierflow.errors import ManifestError
 from tierflow.format import metadata as md
 from tierflow.format import metadata_verify, metadata_writer
-from tierflow.format.metadata_windows import WINDOWS_SCHEMA, WindowCounts, table_kind
+from tierflow.format.metadata_windows import DEFAULT_LENGTHS, WINDOWS_SCHEMA, WindowCounts, table_kind
 from tierflow.loader import BatchSpec, Loader, TieredDataset
 from tierflow.testing.faults import write_corpus
 
@@ -48,7 +48,7 @@ def packed(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _pack(corpus, tmp_path_factory.mktemp("plain") / "out")
+    return _pack(corpus, tmp_path_factory.mktemp("plain") / "out", seq_len=())
 
 
 def forge_windows(path: Path, seq_len: int, edit_columns=None, edit_fields=None) -> None:
@@ -102,6 +102,20 @@ def test_the_order_through_a_stored_window_layout_is_the_computed_one(packed: Pa
     ]  # a computed layout's cursor, resumed over the stored one
     resumed = first_batches(TieredDataset(packed, spec, resume=cursor), 3)
     assert resumed == first_batches(TieredDataset(plain, spec, resume=cursor), 3) and resumed[0][1] not in seen
+
+
+def test_a_tokenized_pack_stores_the_common_lengths_unless_told(corpus: Path, plain: Path, tmp_path: Path) -> None:
+    """No `seq_len`: the layouts of DEFAULT_LENGTHS, read by a loader of 2048 as a stored layout giving
+    the computed order; a pack of rows (no tokenizer) stores none, and asking one of it is refused."""
+    default = _pack(corpus, tmp_path / "default")
+    assert sorted(header(default)["windows"]) == sorted(str(n) for n in DEFAULT_LENGTHS)
+    stored = TieredDataset(default, BatchSpec(batch_size=4, seq_len=2048))
+    assert isinstance(stored._order_args["shard_sample_counts"], WindowCounts)
+    assert first_batches(stored, 5) == first_batches(TieredDataset(plain, BatchSpec(batch_size=4, seq_len=2048)), 5)
+    rows = tierflow.pack([corpus], tmp_path / "rows", workers=1, target_shard_bytes=256 << 10)
+    assert "windows" not in header(tmp_path / "rows") and rows.manifest.num_samples == 3000
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        tierflow.pack([corpus], tmp_path / "no", workers=1, seq_len=2048)
 
 
 def test_an_unstored_length_and_the_rows_order_are_as_before(packed: Path) -> None:

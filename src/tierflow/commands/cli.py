@@ -50,9 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=int,
         action="append",
-        default=[],
         help="with --tokenizer: store the order's layout for token windows of this length, so a loader "
-        "with this seq_len starts without a pass over every shard (repeatable)",
+        "with this seq_len starts without a pass over every shard (repeatable; default: 2048, 4096 and 8192)",
     )
     p.add_argument("--keep-text", action="store_true", help="keep the text column next to the tokens")
     p.add_argument(

@@ -3,8 +3,9 @@ model's order starts in O(1) at a million shards, as the rows order does.
 
 A token-window order (loader/tokens.py) deals the shards by their windows of L tokens, counts that
 depend on L: its layout, the counts and the running sums that locate a window are O(shards) to make
-(~0.25 s at a million shards, in every rank and worker). `tierflow pack --seq-len L` and
-`tierflow upgrade --seq-len L` make them once for each L a user trains with and write:
+(~0.25 s at a million shards, in every rank and worker). `tierflow pack` makes them once for each
+L of `DEFAULT_LENGTHS` (or those `--seq-len L` names instead), `tierflow upgrade --seq-len L` adds
+one later; each writes:
 
 - `metadata-windows-<L>-<xxh3-128>.arrow`, one row a shard: the layout table's columns
   (metadata_layout.py; `member_samples` holds the windows of the shard `by_partition` lists) and
@@ -44,6 +45,10 @@ CHUNK_ROWS = 1 << 12
 """Rows a chunk of a window table holds: 64 chunk hashes a column at a million shards (~11 KB of header a length)."""
 MOST_LENGTHS = 8
 """The most window lengths a header stores layouts for."""
+DEFAULT_LENGTHS = (2048, 4096, 8192)
+"""What a tokenized pack stores when not told (`pack(seq_len=None)`): the context lengths most
+pretraining runs use, so their loaders start in O(1) without the user knowing to ask. Each costs ~26
+bytes a shard (~26 MB at a million shards) and `verify` one more layout recomputed."""
 
 
 def windows_of(tokens: Any, seq_len: int) -> Any:
@@ -171,7 +176,7 @@ def window_layout(tables: Any, seq_len: int) -> StoredLayout | None:
     entry = windows.get(str(seq_len))
     if entry is None:
         return None
-    table = MappedTable(tables.directory, entry, WINDOWS_SCHEMA, tables.where)
+    table = tables.windows[str(seq_len)]
     starts = StoredWindowStarts(table, entry, tables)
     stored = StoredLayout(table, entry, WindowCounts(tables.rows("tokens"), seq_len), tables.where, starts.starts_of)
     stored.seq_len = seq_len

@@ -31,6 +31,7 @@ import pyarrow as pa
 from tierflow._bootstrap import refuse_while_bootstrapping
 from tierflow._sizes import parse_size
 from tierflow.format.manifest import MANIFEST_NAME, Manifest
+from tierflow.format.metadata_windows import DEFAULT_LENGTHS
 from tierflow.format.metadata_writer import is_published, write_with_manifest
 from tierflow.format.shard import ShardInfo
 from tierflow.pack._assemble import ShardAssembler
@@ -82,7 +83,7 @@ def pack(
     engine: str = "local",
     address: str | None = None,
     shard_size: int | str | None = None,
-    seq_len: int | Sequence[int] = (),
+    seq_len: int | Sequence[int] | None = None,
 ) -> PackSummary:
     """Pack files, directories or an iterable of records into a tierflow dataset at `out`.
 
@@ -105,10 +106,14 @@ def pack(
     inputs and options: the shards it had sealed are kept and their units not packed again.
     `seq_len` (a tokenized pack's; one length or several): store the token-window order's layout for
     windows of each, so a loader with that `seq_len` starts without a pass over every shard
-    (format/metadata_windows.py; `tierflow upgrade --seq-len` adds one later).
+    (format/metadata_windows.py; `tierflow upgrade --seq-len` adds one later). Default: a tokenized
+    pack stores those of 2048, 4096 and 8192 (`DEFAULT_LENGTHS`); `seq_len=()` stores none.
     """
     refuse_while_bootstrapping("tierflow.pack")
-    seq_lens = (seq_len,) if isinstance(seq_len, int) else tuple(seq_len)
+    if seq_len is None:
+        seq_lens: tuple[int, ...] = DEFAULT_LENGTHS if tokenizer is not None else ()
+    else:
+        seq_lens = (seq_len,) if isinstance(seq_len, int) else tuple(seq_len)
     if seq_lens and tokenizer is None:
         raise ValueError(f"seq_len={seq_len!r} stores token-window layouts: it needs a tokenizer")
     if any(type(n) is not int or n < 1 for n in seq_lens):
