@@ -85,7 +85,7 @@ from tierflow.format.metadata_layout import (
 )
 from tierflow.format.manifest import Manifest, schema_from_json
 from tierflow.format.metadata_shards import MappedShards
-from tierflow.format.metadata_windows import WINDOWS_SCHEMA, window_layout
+from tierflow.format.metadata_windows import window_layout
 from tierflow.format.metadata_table import (
     ChunkCheck,
     ChunkPlan,
@@ -112,7 +112,7 @@ from tierflow.format.metadata_header import (
     table_entries as table_entries,
     table_keys as table_keys,
 )
-from tierflow.format.table_locks import TableGone
+from tierflow.format.table_locks import HeldTable, TableGone
 from tierflow.format.shard import COMPRESSIONS, MAX_COUNT, BlockList, ShardInfo, block_rows, shard_name
 
 log = logging.getLogger("tierflow.format")
@@ -187,12 +187,12 @@ class MetadataTables:
         self.layout = (
             None if entry is None else MappedTable(directory, entry, layout_schema(entry), where, self._plan("layout"))
         )
-        self.windows = {
-            length: MappedTable(directory, window, WINDOWS_SCHEMA, where)
-            for length, window in (header.get("windows") or {}).items()
-        }
-        """The stored window layouts' tables by length, mapped now (not when a loader of that length asks)
-        so this reader holds every table its header names against gc, as it holds the others."""
+        self._held = [
+            HeldTable(directory / window["file"], f"{where}: {window['file']}")
+            for window in (header.get("windows") or {}).values()
+        ]
+        """The stored window layouts' tables, locked now though mapped only when a loader of their
+        length asks: this reader holds every table its header names against gc, as it holds the others."""
         self.manifest: Callable[[], Any] = lambda: None
         """The MappedManifest these tables belong to, weakly: a strong reference would make a cycle that
         keeps the tables mapped, and their shared locks held against gc, until Python's cycle collector

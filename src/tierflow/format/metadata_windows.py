@@ -176,7 +176,7 @@ def window_layout(tables: Any, seq_len: int) -> StoredLayout | None:
     entry = windows.get(str(seq_len))
     if entry is None:
         return None
-    table = tables.windows[str(seq_len)]
+    table = MappedTable(tables.directory, entry, WINDOWS_SCHEMA, tables.where)
     starts = StoredWindowStarts(table, entry, tables)
     stored = StoredLayout(table, entry, WindowCounts(tables.rows("tokens"), seq_len), tables.where, starts.starts_of)
     stored.seq_len = seq_len

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from tierflow.errors import ManifestError
@@ -54,3 +55,17 @@ def remove_if_unused(path: Path) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+class HeldTable:
+    """A table this process does not map yet but must find when it does (a window length no loader
+    has asked for): its shared lock held, no byte of it read, released when this is collected."""
+
+    def __init__(self, path: Path, where: str) -> None:
+        self._file = open_table(path, where)
+
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # os.close bound at definition, as MappedTable's: modules may be gone at interpreter exit
+        fd = getattr(self, "_file", None)
+        if fd is not None:
+            _close(fd)
