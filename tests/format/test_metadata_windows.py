@@ -179,6 +179,39 @@ def test_upgrade_adds_window_layouts_and_keeps_them(packed: Path, plain: Path, t
     assert first_batches(dataset, 3) == first_batches(TieredDataset(plain, BatchSpec(batch_size=4, seq_len=64)), 3)
 
 
+def version_2(path: Path, tmp_path: Path) -> Path:
+    """A copy of `path` as an older tierflow left it: manifest.json and shards, no version-3 metadata."""
+    out = copy(path, tmp_path, "v2")
+    for table in [out / md.METADATA_NAME, *out.glob(f"{md.TABLE_PREFIX}*")]:
+        table.unlink()
+    return out
+
+
+def test_upgrade_gives_a_version_2_token_dataset_the_lengths_pack_stores(
+    plain: Path, packed: Path, tmp_path: Path, s3_server, s3_bucket, monkeypatch
+) -> None:
+    """Asked for none: a version-2 token dataset gets DEFAULT_LENGTHS, as pack would store them; a
+    version-3 one keeps what it stores (none where its pack was told none), here and on S3."""
+    from tierflow.storage.remote import upload_dataset
+
+    monkeypatch.setenv("TIERFLOW_METADATA_CACHE", str(tmp_path / "cache"))
+    endpoint = s3_server.endpoint_url
+    old = version_2(plain, tmp_path)
+    url, url_packed = f"s3://{s3_bucket}/v2", f"s3://{s3_bucket}/packed"
+    upload_dataset(old, url, endpoint_url=endpoint)
+    upload_dataset(packed, url_packed, endpoint_url=endpoint)
+    assert cli(["upgrade", str(old)]) == 0 and cli(["upgrade", url, "--endpoint-url", endpoint]) == 0
+    assert cli(["upgrade", url_packed, "--endpoint-url", endpoint]) == 0
+    remote = tierflow.open_dataset(url, endpoint_url=endpoint).manifest.header
+    assert sorted(header(old)["windows"]) == sorted(remote["windows"]) == sorted(str(n) for n in DEFAULT_LENGTHS)
+    assert (
+        tierflow.open_dataset(url_packed, endpoint_url=endpoint).manifest.header["windows"] == header(packed)["windows"]
+    )
+    assert metadata_verify.verify_metadata(md.load_metadata(old)) == []
+    kept = copy(plain, tmp_path, "kept")
+    assert cli(["upgrade", str(kept)]) == 0 and "windows" not in header(kept)
+
+
 def test_window_layouts_need_a_token_dataset(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a tokenizer"):
         tierflow.pack([corpus], tmp_path / "rows", workers=1, seq_len=64)

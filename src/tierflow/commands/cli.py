@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="also store the token-window order's layout for windows of this length, so a loader with "
-        "this seq_len starts without a pass over every shard (repeatable; a token dataset's)",
+        "this seq_len starts without a pass over every shard (repeatable; a token dataset's; a version-2 one "
+        "given none gets 2048, 4096 and 8192, as pack stores them)",
     )
 
     p = sub.add_parser("bench", help="the loader driving a step vs the dry run (same batches preloaded)")

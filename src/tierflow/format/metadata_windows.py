@@ -24,7 +24,7 @@ computes its layout as before. `tierflow verify` recomputes every stored L and c
 from __future__ import annotations
 
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +49,14 @@ DEFAULT_LENGTHS = (2048, 4096, 8192)
 """What a tokenized pack stores when not told (`pack(seq_len=None)`): the context lengths most
 pretraining runs use, so their loaders start in O(1) without the user knowing to ask. Each costs ~26
 bytes a shard (~26 MB at a million shards) and `verify` one more layout recomputed."""
+
+
+def lengths_to_store(asked: Iterable[int], stored: Iterable[int] | None, token_column: str | None) -> list[int]:
+    """The window lengths an upgrade writes: those asked and those its version-3 header stores; a token
+    dataset with no such header yet (`stored` None: version 2) asked for none gets DEFAULT_LENGTHS, as
+    `tierflow pack` stores them (a version-3 one keeps what its pack chose)."""
+    lengths = [*asked, *(stored or ())]
+    return list(DEFAULT_LENGTHS) if not lengths and stored is None and token_column is not None else lengths
 
 
 def windows_of(tokens: Any, seq_len: int) -> Any:

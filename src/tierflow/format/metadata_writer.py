@@ -48,6 +48,7 @@ from tierflow.format.metadata_windows import (
     CHUNK_ROWS as WINDOW_CHUNK_ROWS,
     MOST_LENGTHS,
     WINDOWS_SCHEMA,
+    lengths_to_store,
     table_kind,
     window_columns,
 )
@@ -354,7 +355,9 @@ def _publish(directory: Path, name: str, data: bytes) -> Path:
 def upgrade(directory: str | Path, seq_lens: Sequence[int] = ()) -> Path:
     """Write the version-3 metadata of the dataset in `directory` from its manifest.json, in place:
     tables under new names, the header last, atomically; manifest.json is kept (older readers). A crash
-    leaves the old dataset as it was (at worst, unreferenced table files that gc removes)."""
+    leaves the old dataset as it was (at worst, unreferenced table files that gc removes). It keeps the
+    window lengths stored and adds `seq_lens` (a version-2 token dataset asked for none gets those pack
+    stores: `lengths_to_store`)."""
     directory = Path(directory)
     path = directory / MANIFEST_NAME
     try:
@@ -362,17 +365,17 @@ def upgrade(directory: str | Path, seq_lens: Sequence[int] = ()) -> Path:
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest; {directory} holds no finished tierflow dataset") from None
     manifest = Manifest.from_bytes(raw, str(path))  # checked as any reader checks it
-    return write_metadata(directory, manifest, manifest_bytes=raw, seq_lens=[*seq_lens, *_stored_lengths(directory)])
+    lengths = lengths_to_store(seq_lens, _stored_lengths(directory), manifest.token_column)
+    return write_metadata(directory, manifest, manifest_bytes=raw, seq_lens=lengths)
 
 
-def _stored_lengths(directory: Path) -> list[int]:
-    """The window lengths the directory's header stores layouts for (kept by an upgrade that rewrites it)."""
+def _stored_lengths(directory: Path) -> list[int] | None:
+    """The window lengths the directory's header stores layouts for (kept by an upgrade that rewrites
+    it); None: it has no version-3 header yet."""
+    if not has_metadata(directory):
+        return None
     try:
-        return (
-            [int(key) for key in (load_metadata(directory).header.get("windows") or {})]
-            if has_metadata(directory)
-            else []
-        )
+        return [int(key) for key in (load_metadata(directory).header.get("windows") or {})]
     except ManifestError:
         return []
 

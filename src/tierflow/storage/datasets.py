@@ -32,7 +32,9 @@ from tierflow.format.metadata_writer import (
     referenced_tables,
     write_metadata,
 )
+from tierflow.format.metadata_header import parse_header
 from tierflow.format.metadata_index import ShardNames
+from tierflow.format.metadata_windows import lengths_to_store
 from tierflow.format.shard import SHARD_PREFIX, SHARD_SUFFIX, ShardInfo
 from tierflow.format.verify import ShardVerifier
 from tierflow.storage.metadata_cache import read_metadata
@@ -338,6 +340,20 @@ def collect_garbage(source: RetryingStore) -> list[str]:
     return victims
 
 
+def _stored_lengths(source: RetryingStore) -> list[int] | None:
+    """The window lengths the source's header stores layouts for (kept by an upgrade that rewrites it);
+    None: it has no version-3 header yet; none where its header is one no reader takes."""
+    try:
+        if source.size(METADATA_NAME) > MAX_HEADER_BYTES:
+            return []
+        header = parse_header(source.read_bytes(METADATA_NAME), f"{source.url}/{METADATA_NAME}")
+    except SourceNotFound:
+        return None
+    except ManifestError:
+        return []
+    return [int(key) for key in header.get("windows") or {}]
+
+
 def _header_tables(source: RetryingStore) -> set[str]:
     """The tables the source's header names (kept whether or not the header is current), read after
     the listing as the manifest is."""
@@ -376,7 +392,8 @@ def upgrade_source(source: Any, workdir: str | Path, seq_lens: Sequence[int] = (
     stays for version-2 readers. Returns the header's URL."""
     workdir = Path(workdir)
     raw, manifest = read_manifest_json(source)
-    write_metadata(workdir, manifest, manifest_bytes=raw, seq_lens=seq_lens)
+    lengths = lengths_to_store(seq_lens, _stored_lengths(source), manifest.token_column)
+    write_metadata(workdir, manifest, manifest_bytes=raw, seq_lens=lengths)
     for name in sorted(referenced_tables(workdir)):
         source.upload(workdir / name, name)
     source.upload(workdir / METADATA_NAME, METADATA_NAME)
