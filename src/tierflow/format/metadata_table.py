@@ -17,7 +17,7 @@ import pyarrow as pa
 import xxhash
 
 from tierflow.errors import ManifestError
-from tierflow.format.table_locks import open_table
+from tierflow.format.table_locks import HeldTable
 
 
 def distinct(values: np.ndarray) -> np.ndarray:
@@ -83,7 +83,8 @@ class MappedTable:
         self.chunk_rows = self.plan.rows
         self.chunk_count = -(-self.rows // self.chunk_rows)
         self.schema = schema
-        fd = open_table(self.path, self.where)
+        held = HeldTable(self.path, self.where)
+        fd = held.fd
         size = os.fstat(fd).st_size
         try:
             if size != entry["size"]:
@@ -103,12 +104,12 @@ class MappedTable:
                 raise ValueError(f"{batch.num_rows} rows, the header says {self.rows}")
             batch.validate()
         except ManifestError:
-            os.close(fd)
+            held.close()
             raise
         except Exception as e:
-            os.close(fd)
+            held.close()
             raise ManifestError(f"{self.where}: not a readable metadata table ({type(e).__name__}: {e})") from None
-        self._file = fd  # its shared lock keeps gc from removing the table while this process reads it
+        self._held = held  # its shared lock keeps gc from removing the table while this process reads it
         self._batch = batch
         self._raw: dict[str, np.ndarray] = {}
         self._verified: dict[str, np.ndarray] = {}  # per column, a flag per chunk
@@ -159,14 +160,7 @@ class MappedTable:
         return self._map.address
 
     def _fd(self) -> int:
-        return self._file
-
-    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
-        # os.close bound at definition: a table freed while the interpreter tears its modules down
-        # (a loader left in a script's globals) finds the `os` global gone
-        fd = getattr(self, "_file", None)
-        if fd is not None:
-            _close(fd)
+        return self._held.fd
 
     def column(self, name: str, check: ChunkCheck | None = None) -> np.ndarray:
         """The whole column, every chunk verified."""

@@ -58,14 +58,20 @@ def remove_if_unused(path: Path) -> bool:
 
 
 class HeldTable:
-    """A table this process does not map yet but must find when it does (a window length no loader
-    has asked for): its shared lock held, no byte of it read, released when this is collected."""
+    """A table file open under `open_table`'s shared lock, closed (the lock released) by `close` or when
+    this is collected: what a mapped table keeps, and all a reader keeps of a table it does not map yet
+    (a window length no loader has asked for), so gc leaves it."""
 
     def __init__(self, path: Path, where: str) -> None:
-        self._file = open_table(path, where)
+        self.fd = open_table(path, where)
 
-    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
-        # os.close bound at definition, as MappedTable's: modules may be gone at interpreter exit
-        fd = getattr(self, "_file", None)
-        if fd is not None:
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
+        # os.close bound at definition: a table freed while the interpreter tears its modules down
+        # (a loader left in a script's globals) finds the `os` global gone
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
             _close(fd)
+
+    def __del__(self) -> None:
+        if hasattr(self, "fd"):
+            self.close()
